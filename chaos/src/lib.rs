@@ -1,0 +1,1 @@
+//! cohort-chaos: fault injection.

@@ -1,0 +1,3 @@
+//! cohort-coordinator: the control plane.
+
+pub mod store;

@@ -1,0 +1,1 @@
+//! cohort-proto: generated code for coordinator.proto.

@@ -1,0 +1,1 @@
+//! Shared helpers for the multi-process integration tests (spawning binaries, free ports, temp dirs).

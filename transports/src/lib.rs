@@ -1,0 +1,127 @@
+//! cohort-transports: the data plane's byte movers.
+//!
+//! A [`Transport`] connects the members of one generation of a job and moves tagged byte
+//! ranges between ranks, with deadlines and local abort. Collectives (in the `cohort` crate)
+//! are written against this trait only, so they run unchanged over TCP ([`tcp`]), RDMA
+//! (`rdma`, cargo feature `rdma`) or the in-memory simulated network ([`sim`]) that tests use.
+//!
+//! # Contract every implementation keeps
+//! - Messages are matched by `(peer, tag.seq, tag.step)`. Between one pair of ranks, messages
+//!   with the same tag are never in flight twice.
+//! - `recv` fills exactly `buf.len()` bytes; a message of another length, or with another
+//!   `signature`, fails with [`TransportError::Mismatch`] (the ranks disagree about the call).
+//! - A frame from another generation, with a bad magic/version/kind, an oversize length, or a
+//!   stale tag (a `seq` older than the oldest one still expected on that link) closes that link
+//!   with [`TransportError::Protocol`]. Nothing from the wire can panic or allocate unboundedly.
+//! - Every wait is bounded by the no-progress deadline of [`Deadlines`]: if a link moves no
+//!   bytes for that long while an operation waits on it, the operation fails with
+//!   [`TransportError::Timeout`].
+//! - [`Transport::abort`] is local and immediate: every in-flight and future operation returns
+//!   [`TransportError::Aborted`] at once; it never waits on a peer.
+
+pub mod error;
+pub mod sim;
+pub mod tcp;
+
+pub use error::TransportError;
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// A rank within one generation: `0..world_size`.
+pub type Rank = u32;
+
+/// Identifies one message between a pair of ranks.
+///
+/// `seq` is the communicator's operation sequence number (one per collective call, increasing);
+/// `step` numbers the messages within that operation; `signature` is a hash of what the
+/// collective was called with (kind, dtype, op, count, root) so that ranks that disagree are
+/// told so instead of reducing garbage.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Tag {
+    /// Operation sequence number on the communicator.
+    pub seq: u32,
+    /// Message number within the operation.
+    pub step: u32,
+    /// Hash of the collective's arguments; must match on both sides.
+    pub signature: u32,
+}
+
+impl Tag {
+    /// A tag for message `step` of operation `seq` with the given call signature.
+    pub fn new(seq: u32, step: u32, signature: u32) -> Self {
+        Self { seq, step, signature }
+    }
+}
+
+/// Deadlines applied by a transport to every wait.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Deadlines {
+    /// A link that moves no bytes for this long while an operation waits on it fails the
+    /// operation with [`TransportError::Timeout`].
+    pub no_progress: Duration,
+    /// Bound on connection set-up (connect, accept and handshake of the whole mesh).
+    pub connect: Duration,
+}
+
+impl Default for Deadlines {
+    fn default() -> Self {
+        Self { no_progress: Duration::from_secs(10), connect: Duration::from_secs(30) }
+    }
+}
+
+/// Why a transport was aborted; carried by every [`TransportError::Aborted`] it returns.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AbortReason(pub Arc<str>);
+
+impl AbortReason {
+    /// Wraps a human-readable reason.
+    pub fn new(reason: impl Into<Arc<str>>) -> Self {
+        Self(reason.into())
+    }
+}
+
+impl std::fmt::Display for AbortReason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// Moves tagged byte ranges between the ranks of one generation.
+///
+/// Implementations are cheap to share (`&self` methods, internally synchronised): a collective
+/// runs a send to one peer and a receive from another concurrently.
+pub trait Transport: Send + Sync + 'static {
+    /// This process's rank in the generation.
+    fn rank(&self) -> Rank;
+
+    /// Number of ranks in the generation.
+    fn world_size(&self) -> u32;
+
+    /// The generation this transport was built for.
+    fn generation(&self) -> u64;
+
+    /// Sends `data` to `peer` under `tag`, straight from the caller's buffer.
+    ///
+    /// Returns once the bytes are handed to the network (not when the peer has them).
+    ///
+    /// # Cancel safety
+    /// Not cancel safe: dropping the future part-way through a message leaves the link
+    /// mid-frame, so the transport marks that link broken and later operations on it fail.
+    /// Use [`Transport::abort`] to stop work on purpose.
+    fn send(&self, peer: Rank, tag: Tag, data: &[u8]) -> impl Future<Output = Result<(), TransportError>> + Send;
+
+    /// Receives the message `tag` from `peer` into `buf`, which it fills exactly.
+    ///
+    /// # Cancel safety
+    /// Not cancel safe, for the same reason as [`Transport::send`].
+    fn recv(&self, peer: Rank, tag: Tag, buf: &mut [u8]) -> impl Future<Output = Result<(), TransportError>> + Send;
+
+    /// Aborts every in-flight and future operation at once with
+    /// [`TransportError::Aborted`]; closes the links. Local, idempotent, never blocks.
+    fn abort(&self, reason: AbortReason);
+
+    /// Whether [`Transport::abort`] has been called (or a link broke for good).
+    fn is_aborted(&self) -> bool;
+}

@@ -1,0 +1,1 @@
+//! cohort: elastic, fault-tolerant collectives.
