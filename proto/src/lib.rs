@@ -1,1 +1,20 @@
-//! cohort-proto: generated code for coordinator.proto.
+//! cohort-proto: the coordinator protocol (`proto/coordinator.proto`, package `cohort.v1`)
+//! and its generated tonic client and server.
+//!
+//! The protocol is versioned by package name (`cohort.v1`) and by
+//! [`PROTOCOL_VERSION`], which clients send in `JoinRequest.protocol_version`.
+
+/// Generated messages, client (`coordinator_client`) and server (`coordinator_server`).
+#[allow(missing_docs, clippy::all)]
+pub mod v1 {
+    tonic::include_proto!("cohort.v1");
+}
+
+/// Protocol version this crate speaks; the coordinator refuses joins from other versions.
+pub const PROTOCOL_VERSION: u32 = 1;
+
+/// The metadata key carrying the job token (`Bearer <token>`).
+pub const AUTHORIZATION_HEADER: &str = "authorization";
+
+pub use v1::coordinator_client::CoordinatorClient;
+pub use v1::coordinator_server::{Coordinator, CoordinatorServer};

@@ -1,1 +1,3 @@
-//! cohort: elastic, fault-tolerant collectives.
+//! cohort: elastic, fault-tolerant collectives for data-parallel training.
+
+pub mod control;

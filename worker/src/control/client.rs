@@ -1,0 +1,282 @@
+//! The retrying, failing-over coordinator client.
+
+use super::ControlError;
+use cohort_proto::v1::coordinator_client::CoordinatorClient;
+use cohort_proto::v1::*;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+use tonic::metadata::MetadataValue;
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint};
+use tonic::{Code, Request, Status};
+
+/// How to reach the coordinator.
+#[derive(Clone, Debug)]
+pub struct ControlConfig {
+    /// Coordinator endpoints (`http://HOST:PORT`, `https://...`, or bare `HOST:PORT`); any
+    /// replica serves any request.
+    pub endpoints: Vec<String>,
+    /// The job token, sent as `authorization: Bearer <token>`.
+    pub token: Option<String>,
+    /// PEM file of the CA that signed the coordinators' certificates (for `https://`).
+    pub tls_ca: Option<std::path::PathBuf>,
+    /// Bound on establishing a connection to one endpoint.
+    pub connect_timeout: Duration,
+    /// Bound on one unary request (long polls add their own wait to it).
+    pub request_timeout: Duration,
+    /// How long to keep retrying unreachable coordinators before giving up.
+    pub retry_budget: Duration,
+}
+
+impl ControlConfig {
+    /// A configuration with the given endpoints and default timeouts: connect 2 s,
+    /// request 5 s, retry budget 30 s.
+    pub fn new(endpoints: Vec<String>) -> Self {
+        Self {
+            endpoints,
+            token: None,
+            tls_ca: None,
+            connect_timeout: Duration::from_secs(2),
+            request_timeout: Duration::from_secs(5),
+            retry_budget: Duration::from_secs(30),
+        }
+    }
+}
+
+/// A coordinator client that fails over between endpoints and retries with backoff.
+///
+/// Cheap to clone (the channels are shared); safe to use from several tasks at once.
+#[derive(Clone)]
+pub struct ControlClient {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    config: ControlConfig,
+    channels: Vec<Channel>,
+    auth: Option<MetadataValue<tonic::metadata::Ascii>>,
+    /// Index of the endpoint that answered last; requests start there.
+    preferred: AtomicUsize,
+}
+
+fn normalise(endpoint: &str) -> String {
+    if endpoint.contains("://") {
+        endpoint.to_string()
+    } else {
+        format!("http://{endpoint}")
+    }
+}
+
+/// Whether a status means "this endpoint is not serving now": retry elsewhere.
+fn is_transient(status: &Status) -> bool {
+    match status.code() {
+        Code::Unavailable | Code::DeadlineExceeded | Code::Cancelled | Code::Aborted => true,
+        // Connection-level failures surface as Unknown with a transport error message.
+        Code::Unknown => {
+            let m = status.message();
+            m.contains("transport error") || m.contains("connection") || m.contains("h2 protocol")
+        }
+        _ => false,
+    }
+}
+
+impl ControlClient {
+    /// Prepares channels to every endpoint (connections are made lazily, on first use).
+    ///
+    /// Fails only on a malformed configuration; unreachable coordinators are found out (and
+    /// retried) per request.
+    pub fn new(config: ControlConfig) -> Result<Self, ControlError> {
+        if config.endpoints.is_empty() {
+            return Err(ControlError::Config("no coordinator endpoint given".into()));
+        }
+        let tls = match &config.tls_ca {
+            Some(path) => {
+                let pem = std::fs::read(path)
+                    .map_err(|e| ControlError::Config(format!("reading CA {}: {e}", path.display())))?;
+                Some(ClientTlsConfig::new().ca_certificate(Certificate::from_pem(pem)))
+            }
+            None => None,
+        };
+        let mut channels = Vec::with_capacity(config.endpoints.len());
+        for raw in &config.endpoints {
+            let url = normalise(raw);
+            let mut endpoint = Endpoint::from_shared(url.clone())
+                .map_err(|e| ControlError::Config(format!("bad coordinator endpoint {raw:?}: {e}")))?
+                .connect_timeout(config.connect_timeout)
+                .tcp_nodelay(true)
+                .http2_keep_alive_interval(Duration::from_secs(5))
+                .keep_alive_timeout(Duration::from_secs(5));
+            if url.starts_with("https://") {
+                let tls = tls.clone().ok_or_else(|| {
+                    ControlError::Config(format!("{raw:?} is https: give the CA certificate (--tls-ca)"))
+                })?;
+                endpoint = endpoint
+                    .tls_config(tls)
+                    .map_err(|e| ControlError::Config(format!("TLS for {raw:?}: {e}")))?;
+            }
+            channels.push(endpoint.connect_lazy());
+        }
+        let auth = match &config.token {
+            Some(token) => Some(
+                MetadataValue::try_from(format!("Bearer {token}"))
+                    .map_err(|_| ControlError::Config("the job token is not valid ASCII metadata".into()))?,
+            ),
+            None => None,
+        };
+        Ok(Self { inner: Arc::new(Inner { config, channels, auth, preferred: AtomicUsize::new(0) }) })
+    }
+
+    /// The configuration this client was built with.
+    pub fn config(&self) -> &ControlConfig {
+        &self.inner.config
+    }
+
+    fn request<T>(&self, message: T, timeout: Duration) -> Request<T> {
+        let mut request = Request::new(message);
+        request.set_timeout(timeout);
+        if let Some(auth) = &self.inner.auth {
+            request.metadata_mut().insert(cohort_proto::AUTHORIZATION_HEADER, auth.clone());
+        }
+        request
+    }
+
+    /// Runs one unary call with failover and backoff. `extra` is added to the per-request
+    /// timeout (for long polls).
+    async fn call<Req, Resp, F, Fut>(
+        &self,
+        rpc: &'static str,
+        message: Req,
+        extra: Duration,
+        f: F,
+    ) -> Result<Resp, ControlError>
+    where
+        Req: Clone,
+        F: Fn(CoordinatorClient<Channel>, Request<Req>) -> Fut,
+        Fut: std::future::Future<Output = Result<tonic::Response<Resp>, Status>>,
+    {
+        let n = self.inner.channels.len();
+        let mut backoff = backoff::ExponentialBackoffBuilder::new()
+            .with_initial_interval(Duration::from_millis(50))
+            .with_max_interval(Duration::from_secs(1))
+            .with_multiplier(2.0)
+            .with_randomization_factor(0.5)
+            .with_max_elapsed_time(Some(self.inner.config.retry_budget))
+            .build();
+        let mut attempts = 0u32;
+        loop {
+            let index = self.inner.preferred.load(Ordering::Relaxed) % n;
+            let client = CoordinatorClient::new(self.inner.channels[index].clone());
+            let request = self.request(message.clone(), self.inner.config.request_timeout + extra);
+            attempts += 1;
+            match f(client, request).await {
+                Ok(response) => return Ok(response.into_inner()),
+                Err(status) if is_transient(&status) => {
+                    tracing::debug!(rpc, endpoint = %self.inner.config.endpoints[index], %status, "coordinator unreachable, failing over");
+                    // Try the next endpoint next time.
+                    let _ = self.inner.preferred.compare_exchange(index, (index + 1) % n, Ordering::Relaxed, Ordering::Relaxed);
+                    match backoff::backoff::Backoff::next_backoff(&mut backoff) {
+                        Some(wait) => tokio::time::sleep(wait).await,
+                        None => {
+                            return Err(ControlError::Unreachable {
+                                endpoints: self.inner.config.endpoints.join(","),
+                                attempts,
+                                last: status.to_string(),
+                            })
+                        }
+                    }
+                }
+                Err(status) => {
+                    return Err(ControlError::Rejected { rpc, code: status.code(), message: status.message().to_string() })
+                }
+            }
+        }
+    }
+
+    /// Joins the job (one new incarnation of this worker).
+    ///
+    /// # Cancel safety
+    /// Cancel safe in that dropping it leaves at most an unused incarnation behind, which
+    /// the coordinator expires with its lease.
+    pub async fn join(&self, request: JoinRequest) -> Result<JoinResponse, ControlError> {
+        self.call("Join", request, Duration::ZERO, |mut c, r| async move { c.join(r).await }).await
+    }
+
+    /// Sends one heartbeat.
+    ///
+    /// # Cancel safety
+    /// Cancel safe (a heartbeat is idempotent).
+    pub async fn heartbeat(&self, request: HeartbeatRequest) -> Result<HeartbeatResponse, ControlError> {
+        self.call("Heartbeat", request, Duration::ZERO, |mut c, r| async move { c.heartbeat(r).await }).await
+    }
+
+    /// Waits (long poll of `request.wait_ms`) for the next generation.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: calling again resumes the wait.
+    pub async fn rendezvous(&self, request: RendezvousRequest) -> Result<RendezvousResponse, ControlError> {
+        let extra = Duration::from_millis(request.wait_ms);
+        self.call("Rendezvous", request, extra, |mut c, r| async move { c.rendezvous(r).await }).await
+    }
+
+    /// Reports a failure of a generation.
+    ///
+    /// # Cancel safety
+    /// Cancel safe (reports are idempotent).
+    pub async fn report_failure(&self, request: FailureReport) -> Result<FailureReportResponse, ControlError> {
+        self.call("ReportFailure", request, Duration::ZERO, |mut c, r| async move { c.report_failure(r).await })
+            .await
+    }
+
+    /// Leaves the job.
+    ///
+    /// # Cancel safety
+    /// Cancel safe (leaving twice is harmless).
+    pub async fn leave(&self, request: LeaveRequest) -> Result<LeaveResponse, ControlError> {
+        self.call("Leave", request, Duration::ZERO, |mut c, r| async move { c.leave(r).await }).await
+    }
+
+    /// Reports a commit point; answers whether a re-formation is pending.
+    ///
+    /// # Cancel safety
+    /// Cancel safe (a commit report is idempotent).
+    pub async fn commit(&self, request: CommitRequest) -> Result<CommitResponse, ControlError> {
+        self.call("Commit", request, Duration::ZERO, |mut c, r| async move { c.commit(r).await }).await
+    }
+
+    /// Reads the job's status.
+    ///
+    /// # Cancel safety
+    /// Cancel safe (read only).
+    pub async fn status(&self, request: StatusRequest) -> Result<StatusResponse, ControlError> {
+        self.call("Status", request, Duration::ZERO, |mut c, r| async move { c.status(r).await }).await
+    }
+
+    /// Opens the job's event stream on the first endpoint that answers.
+    ///
+    /// The stream has no overall deadline (it lives as long as the membership); the caller
+    /// reopens it when it ends or errs.
+    ///
+    /// # Cancel safety
+    /// Cancel safe.
+    pub async fn watch(&self, request: WatchRequest) -> Result<tonic::Streaming<JobEvent>, ControlError> {
+        let n = self.inner.channels.len();
+        let mut last = String::new();
+        for attempt in 0..n {
+            let index = (self.inner.preferred.load(Ordering::Relaxed) + attempt) % n;
+            let mut client = CoordinatorClient::new(self.inner.channels[index].clone());
+            let mut req = Request::new(request.clone());
+            if let Some(auth) = &self.inner.auth {
+                req.metadata_mut().insert(cohort_proto::AUTHORIZATION_HEADER, auth.clone());
+            }
+            match tokio::time::timeout(self.inner.config.request_timeout, client.watch(req)).await {
+                Ok(Ok(stream)) => return Ok(stream.into_inner()),
+                Ok(Err(status)) if !is_transient(&status) => {
+                    return Err(ControlError::Rejected { rpc: "Watch", code: status.code(), message: status.message().to_string() })
+                }
+                Ok(Err(status)) => last = status.to_string(),
+                Err(_) => last = format!("no answer within {:?}", self.inner.config.request_timeout),
+            }
+        }
+        Err(ControlError::Unreachable { endpoints: self.inner.config.endpoints.join(","), attempts: n as u32, last })
+    }
+}

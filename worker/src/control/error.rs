@@ -1,0 +1,39 @@
+//! Errors of the control-plane client.
+
+/// What can go wrong talking to the coordinator.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum ControlError {
+    /// No coordinator endpoint answered within the retry budget.
+    #[error("no coordinator reachable at {endpoints} after {attempts} attempts: {last}")]
+    Unreachable {
+        /// The endpoints tried, comma separated.
+        endpoints: String,
+        /// How many attempts were made.
+        attempts: u32,
+        /// The last error seen.
+        last: String,
+    },
+    /// The coordinator answered with an error status (not retried).
+    #[error("coordinator refused {rpc}: {code:?}: {message}")]
+    Rejected {
+        /// The RPC that was refused.
+        rpc: &'static str,
+        /// The gRPC status code.
+        code: tonic::Code,
+        /// The coordinator's message.
+        message: String,
+    },
+    /// The client configuration is unusable (bad endpoint URL, unreadable CA file, ...).
+    #[error("invalid control-plane configuration: {0}")]
+    Config(String),
+}
+
+impl ControlError {
+    /// The gRPC code of a [`ControlError::Rejected`], if that is what this is.
+    pub fn code(&self) -> Option<tonic::Code> {
+        match self {
+            Self::Rejected { code, .. } => Some(*code),
+            _ => None,
+        }
+    }
+}

@@ -1,0 +1,14 @@
+//! Control-plane client: how a worker talks to the cohort coordinator.
+//!
+//! [`ControlClient`] wraps the generated gRPC client with what a worker on a flaky cluster
+//! needs: a list of coordinator endpoints (any replica serves any RPC), a per-request
+//! deadline, the job token in the `authorization` metadata, optional TLS, and retries with
+//! exponential backoff and jitter (the `backoff` crate) that move to the next endpoint when
+//! one is unreachable. Application errors (bad request, unknown member, excluded worker) are
+//! returned at once, never retried.
+
+mod client;
+mod error;
+
+pub use client::{ControlClient, ControlConfig};
+pub use error::ControlError;
