@@ -1,1 +1,359 @@
-fn main() {}
+//! `cohort-coordinator`: run a coordinator replica (`serve`, the default) or print a job's
+//! status (`status`).
+
+use clap::{Args, Parser, Subcommand};
+use cohort_coordinator::config::{parse_duration, Overrides, Settings};
+use cohort_coordinator::server::{ServeConfig, TlsFiles};
+use cohort_coordinator::store::{etcd::EtcdStore, memory::MemoryStore, Store};
+use cohort_proto::v1 as pb;
+use std::io::Write as _;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+#[derive(Parser)]
+#[command(name = "cohort-coordinator", version, about = "cohort control plane: membership, rendezvous and revocation for elastic jobs")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run a coordinator replica (the default when the first argument is a flag).
+    Serve(ServeArgs),
+    /// Print a job's members, generation and progress.
+    Status(StatusArgs),
+}
+
+fn duration(text: &str) -> Result<Duration, String> {
+    parse_duration(text)
+}
+
+#[derive(Args)]
+struct ServeArgs {
+    /// gRPC listen address (port 0 picks a free port; the bound address is printed).
+    #[arg(long, default_value = "127.0.0.1:7470")]
+    listen: String,
+    /// `memory` (embedded, one replica) or `etcd://HOST:PORT[,HOST:PORT...]`.
+    #[arg(long, default_value = "memory")]
+    store: String,
+    /// TOML settings file (`[defaults]`, `[jobs.<id>]`).
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Fewest workers per generation.
+    #[arg(long)]
+    min_workers: Option<u32>,
+    /// Most workers per generation.
+    #[arg(long)]
+    max_workers: Option<u32>,
+    /// Join window after the last arrival (e.g. 500ms, 2s).
+    #[arg(long, value_parser = duration)]
+    join_window: Option<Duration>,
+    /// Heartbeat interval the members use.
+    #[arg(long, value_parser = duration)]
+    heartbeat_interval: Option<Duration>,
+    /// Time without heartbeat after which a member is dead.
+    #[arg(long, value_parser = duration)]
+    lease_ttl: Option<Duration>,
+    /// How long a job below min_workers waits before it fails.
+    #[arg(long, value_parser = duration)]
+    elastic_timeout: Option<Duration>,
+    /// Leader lease TTL (replicas on etcd).
+    #[arg(long, value_parser = duration, default_value = "3s")]
+    leader_ttl: Duration,
+    /// Serve Prometheus metrics on this address (`GET /metrics`).
+    #[arg(long)]
+    metrics: Option<String>,
+    /// File holding the job token (also accepted: env COHORT_TOKEN).
+    #[arg(long)]
+    token_file: Option<PathBuf>,
+    /// Server certificate (PEM) for TLS.
+    #[arg(long, requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+    /// Server private key (PEM) for TLS.
+    #[arg(long, requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
+    /// This replica's name in the leader key (default host/pid/address).
+    #[arg(long)]
+    name: Option<String>,
+}
+
+#[derive(Args)]
+struct StatusArgs {
+    /// The job id.
+    #[arg(long)]
+    job: String,
+    /// Coordinator endpoints (`http://HOST:PORT`, comma separated; any replica answers).
+    #[arg(long, value_delimiter = ',', default_value = "http://127.0.0.1:7470")]
+    endpoints: Vec<String>,
+    /// File holding the job token (also accepted: env COHORT_TOKEN).
+    #[arg(long)]
+    token_file: Option<PathBuf>,
+    /// How long to wait for an answer.
+    #[arg(long, value_parser = duration, default_value = "5s")]
+    timeout: Duration,
+}
+
+#[derive(Debug, thiserror::Error)]
+enum CliError {
+    #[error("{0}")]
+    Config(#[from] cohort_coordinator::config::ConfigError),
+    #[error("reading {path}: {source}")]
+    Read { path: String, source: std::io::Error },
+    #[error("bad --store {0:?}: use memory or etcd://HOST:PORT[,HOST:PORT...]")]
+    StoreSpec(String),
+    #[error("store: {0}")]
+    Store(#[from] cohort_coordinator::store::StoreError),
+    #[error("{0}")]
+    Serve(#[from] cohort_coordinator::ServeError),
+    #[error("binding {addr}: {source}")]
+    Bind { addr: String, source: std::io::Error },
+    #[error("no coordinator answered ({0})")]
+    Unreachable(String),
+    #[error("the coordinator refused: {0}")]
+    Refused(String),
+}
+
+fn read_token(file: Option<&PathBuf>) -> Result<Option<String>, CliError> {
+    if let Some(path) = file {
+        let text = std::fs::read_to_string(path).map_err(|source| CliError::Read { path: path.display().to_string(), source })?;
+        return Ok(Some(text.trim().to_string()).filter(|t| !t.is_empty()));
+    }
+    Ok(std::env::var("COHORT_TOKEN").ok().map(|t| t.trim().to_string()).filter(|t| !t.is_empty()))
+}
+
+fn read(path: &PathBuf) -> Result<Vec<u8>, CliError> {
+    std::fs::read(path).map_err(|source| CliError::Read { path: path.display().to_string(), source })
+}
+
+async fn open_store(spec: &str) -> Result<Arc<dyn Store>, CliError> {
+    if spec == "memory" {
+        return Ok(Arc::new(MemoryStore::new()));
+    }
+    let Some(list) = spec.strip_prefix("etcd://") else { return Err(CliError::StoreSpec(spec.into())) };
+    let endpoints: Vec<String> = list.split(',').filter(|s| !s.is_empty()).map(|s| format!("http://{s}")).collect();
+    if endpoints.is_empty() {
+        return Err(CliError::StoreSpec(spec.into()));
+    }
+    Ok(Arc::new(EtcdStore::connect(&endpoints).await?))
+}
+
+async fn bind(addr: &str) -> Result<tokio::net::TcpListener, CliError> {
+    tokio::net::TcpListener::bind(addr).await.map_err(|source| CliError::Bind { addr: addr.into(), source })
+}
+
+async fn shutdown_signal() {
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot listen for SIGTERM");
+                std::future::pending::<()>().await;
+            }
+        }
+    };
+    tokio::select! {
+        _ = term => tracing::info!("SIGTERM: shutting down"),
+        r = tokio::signal::ctrl_c() => match r {
+            Ok(()) => tracing::info!("SIGINT: shutting down"),
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot listen for SIGINT");
+                std::future::pending::<()>().await;
+            }
+        },
+    }
+}
+
+async fn serve(args: ServeArgs) -> Result<(), CliError> {
+    let cli = Overrides {
+        min_workers: args.min_workers,
+        max_workers: args.max_workers,
+        join_window_ms: args.join_window.map(|d| d.as_millis() as u64),
+        heartbeat_interval_ms: args.heartbeat_interval.map(|d| d.as_millis() as u64),
+        lease_ttl_ms: args.lease_ttl.map(|d| d.as_millis() as u64),
+        elastic_timeout_ms: args.elastic_timeout.map(|d| d.as_millis() as u64),
+    };
+    let settings = Settings::from_file(args.config.as_deref(), &cli)?;
+    let token = read_token(args.token_file.as_ref())?;
+    let tls = match (&args.tls_cert, &args.tls_key) {
+        (Some(c), Some(k)) => Some(TlsFiles { cert_pem: read(c)?, key_pem: read(k)? }),
+        _ => None,
+    };
+    let store = open_store(&args.store).await?;
+    let listener = bind(&args.listen).await?;
+    let metrics = match &args.metrics {
+        Some(a) => Some(bind(a).await?),
+        None => None,
+    };
+    let mut config = ServeConfig::new(store, settings);
+    config.token = token;
+    config.tls = tls;
+    config.metrics = metrics;
+    config.replica_name = args.name.clone();
+    config.leader_ttl = args.leader_ttl;
+    let handle = cohort_coordinator::start(config, listener).await?;
+    if let Some(m) = handle.metrics_addr() {
+        tracing::info!(address = %m, "metrics at /metrics");
+    }
+    println!("cohort-coordinator listening on {}", handle.local_addr());
+    let _ = std::io::stdout().flush();
+    shutdown_signal().await;
+    handle.shutdown().await?;
+    Ok(())
+}
+
+fn ago(now_ms: u64, then_ms: u64) -> String {
+    if then_ms == 0 {
+        return "-".into();
+    }
+    let d = now_ms.saturating_sub(then_ms);
+    if d < 10_000 {
+        format!("{:.1}s", d as f64 / 1000.0)
+    } else {
+        format!("{}s", d / 1000)
+    }
+}
+
+fn print_status(s: &pb::StatusResponse) {
+    let now = cohort_coordinator::records::now_ms();
+    println!("job: {}", s.job);
+    if let Some(set) = &s.settings {
+        println!(
+            "settings: min {} max {} join window {} ms heartbeat {} ms lease {} ms elastic timeout {} ms",
+            set.min_workers, set.max_workers, set.join_window_ms, set.heartbeat_interval_ms, set.lease_ttl_ms, set.elastic_timeout_ms
+        );
+    }
+    match &s.current {
+        Some(g) => println!(
+            "generation: {} ({} members, formed {} ago){}",
+            g.number,
+            g.members.len(),
+            ago(now, g.formed_at_ms),
+            if s.current_revoked { ", REVOKED" } else { "" }
+        ),
+        None => println!("generation: none yet"),
+    }
+    if let Some(c) = &s.revocation_cause {
+        println!(
+            "revoked by: rank {} worker {} host {} reason {:?} (reported by {})",
+            c.rank.map_or_else(|| "?".to_string(), |r| r.to_string()),
+            if c.worker_id.is_empty() { "?" } else { &c.worker_id },
+            if c.host.is_empty() { "?" } else { &c.host },
+            c.reason,
+            c.reported_by
+        );
+    }
+    if let Some(e) = &s.ended {
+        let outcome = pb::job_ended::Outcome::try_from(e.outcome).map(|o| o.as_str_name()).unwrap_or("UNKNOWN");
+        println!("ended: {outcome}: {}", e.reason);
+    }
+    println!("leader: {}", if s.leader.is_empty() { "(none)" } else { &s.leader });
+    println!();
+    println!(
+        "{:>5}  {:<24} {:<20} {:>10} {:>6} {:>10} {:<16} {:>11} {:>7}",
+        "RANK", "WORKER", "HOST", "HEARTBEAT", "GEN", "STEP", "ACTIVITY", "LAST COMMIT", "WAITING"
+    );
+    let mut members = s.members.clone();
+    members.sort_by_key(|m| (m.rank.unwrap_or(u32::MAX), m.worker_id.clone()));
+    for m in &members {
+        println!(
+            "{:>5}  {:<24} {:<20} {:>10} {:>6} {:>10} {:<16} {:>11} {:>7}",
+            m.rank.map_or_else(|| "-".to_string(), |r| r.to_string()),
+            m.worker_id,
+            m.host,
+            ago(now, m.last_heartbeat_ms),
+            m.generation,
+            m.step,
+            m.activity,
+            m.last_commit_step,
+            if m.waiting { "yes" } else { "no" }
+        );
+    }
+}
+
+enum Attempt {
+    /// This endpoint could not be reached: try the next.
+    Unreachable(String),
+    /// The coordinator answered with an error: stop.
+    Refused(String),
+}
+
+async fn status_once(url: String, args: &StatusArgs, token: Option<&str>) -> Result<pb::StatusResponse, Attempt> {
+    let endpoint = tonic::transport::Endpoint::from_shared(url)
+        .map_err(|e| Attempt::Unreachable(e.to_string()))?
+        .connect_timeout(args.timeout)
+        .timeout(args.timeout);
+    let channel = endpoint.connect().await.map_err(|e| Attempt::Unreachable(e.to_string()))?;
+    let mut client = pb::coordinator_client::CoordinatorClient::new(channel);
+    let mut request = tonic::Request::new(pb::StatusRequest { job: args.job.clone() });
+    if let Some(t) = token {
+        let value = format!("Bearer {t}").parse().map_err(|_| Attempt::Refused("the token is not valid metadata".into()))?;
+        request.metadata_mut().insert(cohort_proto::AUTHORIZATION_HEADER, value);
+    }
+    match client.status(request).await {
+        Ok(r) => Ok(r.into_inner()),
+        Err(s) if matches!(s.code(), tonic::Code::Unavailable | tonic::Code::Unknown | tonic::Code::DeadlineExceeded | tonic::Code::Cancelled) => {
+            Err(Attempt::Unreachable(format!("{:?}: {}", s.code(), s.message())))
+        }
+        Err(s) => Err(Attempt::Refused(format!("{:?}: {}", s.code(), s.message()))),
+    }
+}
+
+async fn status(args: StatusArgs) -> Result<(), CliError> {
+    let token = read_token(args.token_file.as_ref())?;
+    let mut errors = Vec::new();
+    for raw in &args.endpoints {
+        let url = if raw.contains("://") { raw.clone() } else { format!("http://{raw}") };
+        match tokio::time::timeout(args.timeout, status_once(url, &args, token.as_deref())).await {
+            Ok(Ok(s)) => {
+                print_status(&s);
+                return Ok(());
+            }
+            Ok(Err(Attempt::Refused(e))) => return Err(CliError::Refused(format!("{raw}: {e}"))),
+            Ok(Err(Attempt::Unreachable(e))) => errors.push(format!("{raw}: {e}")),
+            Err(_) => errors.push(format!("{raw}: no answer within {:?}", args.timeout)),
+        }
+    }
+    Err(CliError::Unreachable(errors.join("; ")))
+}
+
+fn main() -> ExitCode {
+    let mut args: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    if let Some(first) = args.get(1).and_then(|a| a.to_str()) {
+        if first.starts_with('-') && !matches!(first, "-h" | "--help" | "-V" | "--version") {
+            args.insert(1, "serve".into());
+        }
+    }
+    let cli = Cli::parse_from(args);
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .init();
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("cohort-coordinator: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let result = runtime.block_on(async {
+        match cli.command {
+            Command::Serve(a) => serve(a).await,
+            Command::Status(a) => status(a).await,
+        }
+    });
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("cohort-coordinator: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,1 +1,45 @@
-//! Shared helpers for the multi-process integration tests (spawning binaries, free ports, temp dirs).
+//! Shared helpers of the multi-process integration tests (`tests/tests/*.rs`).
+//!
+//! The tests start real `cohort-coordinator` and `cohort-worker` processes through the
+//! chaos crate's launcher (`cohort_chaos::cluster::Cluster`), on the memory store and on a
+//! real etcd that the launcher starts on a free loopback port.
+
+use cohort_chaos::cluster::{ClusterConfig, JobSettings, StoreKind, WorkerSpec};
+use cohort_chaos::events::WorkerEvent;
+use std::time::Duration;
+
+/// A cluster configuration with short timers for tests.
+pub fn test_cluster(job: &str, store: StoreKind, min_workers: u32) -> ClusterConfig {
+    ClusterConfig {
+        job: job.into(),
+        store,
+        coordinators: 1,
+        settings: JobSettings {
+            min_workers,
+            max_workers: 8,
+            join_window: Duration::from_millis(300),
+            heartbeat_interval: Duration::from_millis(200),
+            lease_ttl: Duration::from_secs(2),
+            elastic_timeout: Duration::from_secs(4),
+        },
+        log_dir: None,
+    }
+}
+
+/// A worker spec for tests: `steps` steps of `size` with a short pause.
+pub fn test_worker(steps: u64, size: &str) -> WorkerSpec {
+    WorkerSpec { steps, size: size.into(), step_interval: Duration::from_millis(20), no_progress: Duration::from_secs(3) }
+}
+
+/// The events of `worker` of kind `kind`.
+pub fn of<'a>(events: &'a [WorkerEvent], worker: &'a str, kind: &'a str) -> impl Iterator<Item = &'a WorkerEvent> + 'a {
+    events.iter().filter(move |e| e.worker == worker && e.kind == kind)
+}
+
+/// Panics with the worker logs' tails when `ok` is false.
+pub fn check(ok: bool, what: &str, events: &[WorkerEvent]) {
+    if !ok {
+        let tail: Vec<String> = events.iter().rev().take(40).rev().map(|e| format!("{} {} {:?}", e.worker, e.kind, e.fields)).collect();
+        panic!("{what}\nlast events:\n{}", tail.join("\n"));
+    }
+}

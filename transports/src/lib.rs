@@ -20,6 +20,8 @@
 //!   [`TransportError::Aborted`] at once; it never waits on a peer.
 
 pub mod error;
+#[cfg(feature = "rdma")]
+pub mod rdma;
 pub mod sim;
 pub mod tcp;
 

@@ -1,3 +1,28 @@
 //! cohort: elastic, fault-tolerant collectives for data-parallel training.
+//!
+//! The [`Communicator`] runs collectives (allreduce with ring, BCube and recursive-doubling
+//! schedules, reduce-scatter, allgather(v), broadcast, reduce, gather, scatter, alltoall(v),
+//! barrier, send/recv) over any [`cohort_transports::Transport`], for the element types of
+//! [`DType`] and the operators of [`ReduceOp`]. Results are bit-exact across ranks. Every
+//! operation either completes or fails with a typed [`CommError`] on every live rank; a
+//! [`Revoker`] aborts in-flight operations at once with the generation's [`RootCause`].
 
+pub mod algo;
+pub mod bench;
+pub mod collectives;
+pub mod comm;
 pub mod control;
+pub mod dtype;
+pub mod elastic;
+pub mod error;
+pub mod exact;
+pub mod metrics;
+pub mod reduce;
+pub mod train;
+
+pub use algo::Algorithm;
+pub use collectives::counts_for;
+pub use comm::{CommConfig, Communicator, Revoker};
+pub use dtype::{as_bytes, as_bytes_mut, DType, Element};
+pub use error::{CommError, RootCause};
+pub use reduce::ReduceOp;

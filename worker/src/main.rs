@@ -1,1 +1,361 @@
-fn main() {}
+//! `cohort-worker`: the elastic training worker (`train`) and the allreduce benchmark
+//! (`bench`, which spawns one `bench-rank` process per rank).
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use cohort::bench::{self, BenchConfig};
+use cohort::control::ControlConfig;
+use cohort::elastic::ElasticConfig;
+use cohort::train::{self, TrainConfig, TrainError, TrainSummary};
+use cohort::Algorithm;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+#[derive(Parser)]
+#[command(name = "cohort-worker", version, about = "cohort worker: elastic training loop and allreduce benchmark")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run a synthetic data-parallel training loop on the elastic runtime: every step's
+    /// allreduce is verified; survives failures and joins by re-forming.
+    Train(TrainArgs),
+    /// Benchmark allreduce across N local rank processes (every result verified).
+    Bench(BenchArgs),
+    /// One rank of `bench` (spawned by it; talks to the parent over stdin/stdout).
+    #[command(hide = true)]
+    BenchRank(BenchRankArgs),
+}
+
+/// Data-plane transport.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum TransportKind {
+    /// TCP (tokio + socket2).
+    Tcp,
+    /// RDMA over libibverbs (cargo feature `rdma`).
+    Rdma,
+}
+
+/// Element type of the gradient / benchmark buffer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum DTypeArg {
+    F32,
+    F64,
+    F16,
+    Bf16,
+    I32,
+    I64,
+    U8,
+}
+
+impl DTypeArg {
+    fn name(self) -> &'static str {
+        match self {
+            DTypeArg::F32 => "f32",
+            DTypeArg::F64 => "f64",
+            DTypeArg::F16 => "f16",
+            DTypeArg::Bf16 => "bf16",
+            DTypeArg::I32 => "i32",
+            DTypeArg::I64 => "i64",
+            DTypeArg::U8 => "u8",
+        }
+    }
+}
+
+fn duration(text: &str) -> Result<Duration, String> {
+    let t = text.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (number, unit) = t.split_at(split);
+    let n: u64 = number.parse().map_err(|_| format!("{text:?} is not a duration (like 500ms, 2s, 1m)"))?;
+    match unit {
+        "" | "ms" => Ok(Duration::from_millis(n)),
+        "s" => Ok(Duration::from_secs(n)),
+        "m" | "min" => Ok(Duration::from_secs(n.saturating_mul(60))),
+        _ => Err(format!("{text:?}: unknown unit {unit:?} (use ms, s or m)")),
+    }
+}
+
+fn byte_size(text: &str) -> Result<usize, String> {
+    match bench::parse_sizes(text)?.as_slice() {
+        [one] => Ok(*one),
+        _ => Err(format!("{text:?} is not one size (like 4096, 64K, 16M)")),
+    }
+}
+
+fn algorithm(text: &str) -> Result<Algorithm, String> {
+    text.parse::<Algorithm>().map_err(|e| e.to_string())
+}
+
+#[derive(Args)]
+struct TrainArgs {
+    /// Coordinator endpoints, comma separated (any replica serves).
+    #[arg(long, value_delimiter = ',', required = true)]
+    coordinator: Vec<String>,
+    /// Job id.
+    #[arg(long)]
+    job: String,
+    /// Total steps of the job.
+    #[arg(long)]
+    steps: u64,
+    /// Gradient size per step in bytes (K, M, G suffixes).
+    #[arg(long, value_parser = byte_size)]
+    size: usize,
+    /// Element type of the gradient.
+    #[arg(long, value_enum, default_value = "f32")]
+    dtype: DTypeArg,
+    /// Data-plane transport.
+    #[arg(long, value_enum, default_value = "tcp")]
+    transport: TransportKind,
+    /// This worker's stable id (default: HOSTNAME-PID).
+    #[arg(long)]
+    worker_id: Option<String>,
+    /// Data-plane listen address (port 0: any free port).
+    #[arg(long, default_value = "0.0.0.0:0")]
+    listen: SocketAddr,
+    /// Host or IP that peers use to reach this worker (the bound port is added).
+    #[arg(long, default_value = "127.0.0.1")]
+    advertise: String,
+    /// File holding the job token (also accepted: env COHORT_TOKEN).
+    #[arg(long)]
+    token_file: Option<PathBuf>,
+    /// PEM of the CA that signed the coordinators' certificates (for https:// endpoints).
+    #[arg(long)]
+    tls_ca: Option<PathBuf>,
+    /// No-progress deadline per data-plane link (e.g. 5s).
+    #[arg(long, value_parser = duration, default_value = "10s")]
+    no_progress_timeout: Duration,
+    /// Bound on connecting one generation's mesh.
+    #[arg(long, value_parser = duration, default_value = "30s")]
+    connect_timeout: Duration,
+    /// Allreduce algorithm.
+    #[arg(long, value_parser = algorithm, default_value = "auto")]
+    algo: Algorithm,
+    /// Pause between steps (0 = none).
+    #[arg(long, value_parser = duration, default_value = "0ms")]
+    step_interval: Duration,
+    /// Serve Prometheus metrics on this address (`GET /metrics`).
+    #[arg(long)]
+    metrics: Option<SocketAddr>,
+}
+
+#[derive(Args)]
+struct BenchArgs {
+    /// Number of rank processes.
+    #[arg(long, default_value_t = 2)]
+    ranks: u32,
+    /// Message sizes (K, M, G suffixes), comma separated.
+    #[arg(long, default_value = "4K,64K,1M,16M,64M")]
+    sizes: String,
+    /// Timed iterations per size.
+    #[arg(long, default_value_t = 20)]
+    iters: u32,
+    /// Untimed warm-up iterations per size.
+    #[arg(long, default_value_t = 3)]
+    warmup: u32,
+    /// Allreduce algorithm.
+    #[arg(long, value_parser = algorithm, default_value = "auto")]
+    algo: Algorithm,
+    /// Element type.
+    #[arg(long, value_enum, default_value = "f32")]
+    dtype: DTypeArg,
+    /// Data-plane transport.
+    #[arg(long, value_enum, default_value = "tcp")]
+    transport: TransportKind,
+}
+
+#[derive(Args)]
+struct BenchRankArgs {
+    #[arg(long)]
+    rank: u32,
+    #[arg(long)]
+    ranks: u32,
+    #[arg(long)]
+    sizes: String,
+    #[arg(long)]
+    iters: u32,
+    #[arg(long)]
+    warmup: u32,
+    #[arg(long, value_parser = algorithm)]
+    algo: Algorithm,
+    #[arg(long)]
+    dtype: String,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    init_tracing();
+    match cli.command {
+        Command::Train(args) => run_train(args),
+        Command::Bench(args) => run_bench(args),
+        Command::BenchRank(args) => run_bench_rank(args),
+    }
+}
+
+fn init_tracing() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    // Logs go to stderr: stdout carries the event lines and the bench protocol.
+    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(false).try_init();
+}
+
+fn runtime() -> Result<tokio::runtime::Runtime, String> {
+    tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().map_err(|e| format!("starting the runtime: {e}"))
+}
+
+/// Fails at once, with a clear message, when the RDMA transport cannot be used here.
+fn check_transport(kind: TransportKind) -> Result<(), String> {
+    match kind {
+        TransportKind::Tcp => Ok(()),
+        #[cfg(not(feature = "rdma"))]
+        TransportKind::Rdma => Err("--transport rdma: this cohort-worker was built without the `rdma` feature \
+             (cargo build --release -p cohort --features rdma)"
+            .into()),
+        #[cfg(feature = "rdma")]
+        TransportKind::Rdma => {
+            let devices = cohort_transports::rdma::device_names().map_err(|e| format!("--transport rdma: {e}"))?;
+            if devices.is_empty() {
+                return Err("--transport rdma: no RDMA device found (ibv_get_device_list returned none; \
+                     is an InfiniBand/RoCE NIC present and its driver loaded?)"
+                    .into());
+            }
+            Err(format!(
+                "--transport rdma: RDMA devices {devices:?} are present, but the elastic runtime and bench \
+                 exchange data-plane addresses for TCP only so far; see docs/rdma.md"
+            ))
+        }
+    }
+}
+
+fn read_token(file: Option<&PathBuf>) -> Result<Option<String>, String> {
+    let text = match file {
+        Some(path) => std::fs::read_to_string(path).map_err(|e| format!("reading the token file {}: {e}", path.display()))?,
+        None => std::env::var("COHORT_TOKEN").unwrap_or_default(),
+    };
+    Ok(Some(text.trim().to_string()).filter(|t| !t.is_empty()))
+}
+
+fn run_train(args: TrainArgs) -> ExitCode {
+    match train_main(args) {
+        Ok(summary) => {
+            let lost: Vec<String> = summary.failures.iter().map(|d| d.as_millis().to_string()).collect();
+            println!(
+                "event=summary verified_steps={} final_step={} failures={} lost_ms={} cooperative_reforms={} left={} t_ms={}",
+                summary.verified_steps,
+                summary.final_step,
+                summary.failures.len(),
+                if lost.is_empty() { "-".into() } else { lost.join(",") },
+                summary.cooperative_reforms,
+                summary.left,
+                train::now_ms()
+            );
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            println!("event=fatal error={} t_ms={}", train::q(&e), train::now_ms());
+            eprintln!("cohort-worker train: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn train_main(args: TrainArgs) -> Result<TrainSummary, String> {
+    check_transport(args.transport)?;
+    let token = read_token(args.token_file.as_ref())?;
+    let mut control = ControlConfig::new(args.coordinator.clone());
+    control.token = token.clone();
+    control.tls_ca = args.tls_ca.clone();
+    let worker_id = args.worker_id.clone().unwrap_or_else(|| format!("{}-{}", cohort::elastic::local_hostname(), std::process::id()));
+    let mut config = ElasticConfig::new(args.job.clone(), worker_id, control);
+    config.token = token.unwrap_or_default().into_bytes();
+    config.listen = args.listen;
+    config.advertise = args.advertise.clone();
+    config.deadlines.no_progress = args.no_progress_timeout;
+    config.deadlines.connect = args.connect_timeout;
+    config.comm.algorithm = args.algo;
+    let train_config = TrainConfig { steps: args.steps, size_bytes: args.size, step_interval: args.step_interval };
+
+    let rt = runtime()?;
+    rt.block_on(async move {
+        if let Some(addr) = args.metrics {
+            let bound = cohort::metrics::serve(addr).await.map_err(|e| format!("metrics endpoint {addr}: {e}"))?;
+            tracing::info!(%bound, "serving metrics");
+        }
+        // SIGTERM: finish the current step, leave gracefully, let the others re-form.
+        let leaving = Arc::new(AtomicBool::new(false));
+        {
+            let leaving = leaving.clone();
+            let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+                .map_err(|e| format!("installing the SIGTERM handler: {e}"))?;
+            tokio::spawn(async move {
+                if term.recv().await.is_some() {
+                    println!("event=sigterm t_ms={}", train::now_ms());
+                    leaving.store(true, Ordering::SeqCst);
+                }
+            });
+        }
+        let result = match args.dtype {
+            DTypeArg::F32 => train::run::<f32>(config, train_config, leaving).await,
+            DTypeArg::F64 => train::run::<f64>(config, train_config, leaving).await,
+            DTypeArg::F16 => train::run::<half::f16>(config, train_config, leaving).await,
+            DTypeArg::Bf16 => train::run::<half::bf16>(config, train_config, leaving).await,
+            DTypeArg::I32 => train::run::<i32>(config, train_config, leaving).await,
+            DTypeArg::I64 => train::run::<i64>(config, train_config, leaving).await,
+            DTypeArg::U8 => train::run::<u8>(config, train_config, leaving).await,
+        };
+        result.map_err(|e: TrainError| e.to_string())
+    })
+}
+
+fn run_bench(args: BenchArgs) -> ExitCode {
+    let result = (|| {
+        check_transport(args.transport)?;
+        if args.ranks == 0 {
+            return Err("--ranks must be at least 1".to_string());
+        }
+        let config = BenchConfig {
+            ranks: args.ranks,
+            sizes: bench::parse_sizes(&args.sizes)?,
+            iters: args.iters.max(1),
+            warmup: args.warmup,
+            algo: args.algo,
+            dtype: args.dtype.name().to_string(),
+        };
+        let rows = bench::run_parent(&config)?;
+        bench::print_rows(&config, &rows);
+        Ok(())
+    })();
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("cohort-worker bench: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run_bench_rank(args: BenchRankArgs) -> ExitCode {
+    let result = (|| {
+        let config = BenchConfig {
+            ranks: args.ranks,
+            sizes: bench::parse_sizes(&args.sizes)?,
+            iters: args.iters,
+            warmup: args.warmup,
+            algo: args.algo,
+            dtype: args.dtype.clone(),
+        };
+        runtime()?.block_on(bench::run_rank(args.rank, config))
+    })();
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            println!("error {e}");
+            eprintln!("cohort-worker bench-rank {}: {e}", args.rank);
+            ExitCode::FAILURE
+        }
+    }
+}

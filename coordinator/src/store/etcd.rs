@@ -1,0 +1,366 @@
+//! The etcd v3 [`Store`] backend, over the `etcd-client` crate.
+//!
+//! Every request runs under a deadline ([`DEFAULT_REQUEST_TIMEOUT`] unless configured), so a
+//! dead or hung etcd gives [`StoreError::Unavailable`] instead of a hang. Watch streams are
+//! long-lived and have no overall deadline; a dead connection under them is detected by
+//! HTTP/2 keep-alive pings (every [`KEEPALIVE_INTERVAL`], failing after
+//! [`KEEPALIVE_TIMEOUT`]), which ends the stream with an error.
+
+use std::collections::VecDeque;
+use std::future::Future;
+use std::time::Duration;
+
+use etcd_client::{Client, ConnectOptions, DeleteOptions, GetOptions, PutOptions, WatchOptions};
+use futures::StreamExt;
+
+use super::{check_key, ttl_seconds, Compare, KeyValue, LeaseId, Store, StoreError, Txn, TxnOp, TxnResult, WatchEvent, WatchStream};
+
+/// Deadline for establishing the connection (and for the probe `connect` makes).
+pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Deadline for one request when none is configured.
+pub const DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// HTTP/2 ping interval on the connection (etcd refuses pings more often than every 5 s).
+pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(10);
+
+/// How long an unanswered HTTP/2 ping may take before the connection counts as dead.
+pub const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// A [`Store`] on an etcd v3 cluster. Clones share one connection.
+#[derive(Clone)]
+pub struct EtcdStore {
+    client: Client,
+    request_timeout: Duration,
+}
+
+impl std::fmt::Debug for EtcdStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EtcdStore").field("request_timeout", &self.request_timeout).finish_non_exhaustive()
+    }
+}
+
+/// Maps an etcd client error to a [`StoreError`]; `lease` is the lease the request used, if
+/// any, so that etcd's "requested lease not found" becomes [`StoreError::LeaseNotFound`].
+fn map_error(e: etcd_client::Error, lease: Option<LeaseId>) -> StoreError {
+    use etcd_client::Error as E;
+    use tonic::Code;
+    match e {
+        E::GRpcStatus(status) => {
+            let msg = status.message();
+            if let (Some(id), true) = (lease, msg.contains("lease not found")) {
+                return StoreError::LeaseNotFound(id);
+            }
+            match status.code() {
+                Code::InvalidArgument
+                | Code::FailedPrecondition
+                | Code::OutOfRange
+                | Code::AlreadyExists
+                | Code::NotFound
+                | Code::PermissionDenied
+                | Code::Unauthenticated
+                | Code::Unimplemented => StoreError::Invalid(format!("etcd: {msg}")),
+                code => StoreError::Unavailable(format!("etcd: {code:?}: {msg}")),
+            }
+        }
+        E::LeaseKeepAliveError(msg) if msg.contains("lease not found") => match lease {
+            Some(id) => StoreError::LeaseNotFound(id),
+            None => StoreError::Invalid(format!("etcd: {msg}")),
+        },
+        e @ (E::InvalidArgs(_) | E::InvalidUri(_) | E::InvalidMetadataValue(_) | E::Utf8Error(_)) => {
+            StoreError::Invalid(e.to_string())
+        }
+        e => StoreError::Unavailable(e.to_string()),
+    }
+}
+
+/// Converts an etcd key-value; keys that are not UTF-8 (never written by cohort) are
+/// converted lossily rather than failing a whole listing.
+fn convert_kv(kv: &etcd_client::KeyValue) -> KeyValue {
+    KeyValue {
+        key: String::from_utf8_lossy(kv.key()).into_owned(),
+        value: kv.value().to_vec(),
+        create_revision: kv.create_revision(),
+        mod_revision: kv.mod_revision(),
+        lease: (kv.lease() != 0).then_some(kv.lease()),
+    }
+}
+
+/// The store revision a response was served at.
+fn header_revision(header: Option<&etcd_client::ResponseHeader>) -> Result<i64, StoreError> {
+    header
+        .map(|h| h.revision())
+        .ok_or_else(|| StoreError::Unavailable("etcd response without a header".into()))
+}
+
+/// Converts one watch event. The kind is read from the key's version (a deletion resets it
+/// to 0) rather than from `Event::event_type`, which panics on unknown values.
+fn convert_event(ev: &etcd_client::Event) -> Option<WatchEvent> {
+    let kv = ev.kv()?;
+    if kv.version() == 0 {
+        Some(WatchEvent::Delete { key: String::from_utf8_lossy(kv.key()).into_owned(), revision: kv.mod_revision() })
+    } else {
+        Some(WatchEvent::Put(convert_kv(kv)))
+    }
+}
+
+fn compare_to_etcd(c: Compare) -> etcd_client::Compare {
+    use etcd_client::{Compare as C, CompareOp};
+    match c {
+        Compare::Absent(k) => C::version(k, CompareOp::Equal, 0),
+        Compare::Exists(k) => C::version(k, CompareOp::Greater, 0),
+        Compare::ModRevision(k, rev) => C::mod_revision(k, CompareOp::Equal, rev),
+        Compare::ValueEquals(k, v) => C::value(k, CompareOp::Equal, v),
+    }
+}
+
+fn op_to_etcd(op: TxnOp) -> etcd_client::TxnOp {
+    use etcd_client::TxnOp as O;
+    match op {
+        TxnOp::Put { key, value, lease } => O::put(key, value, lease.map(|id| PutOptions::new().with_lease(id))),
+        TxnOp::Delete(key) => O::delete(key, None),
+        TxnOp::DeletePrefix(prefix) => O::delete(prefix, Some(DeleteOptions::new().with_prefix())),
+    }
+}
+
+/// State of an etcd watch as seen through [`WatchStream`].
+struct EtcdWatch {
+    inner: etcd_client::WatchStream,
+    pending: VecDeque<WatchEvent>,
+    done: bool,
+}
+
+impl EtcdWatch {
+    /// The next event, reading more responses from etcd as needed; `None` once finished.
+    async fn next_event(&mut self) -> Option<Result<WatchEvent, StoreError>> {
+        loop {
+            if let Some(ev) = self.pending.pop_front() {
+                return Some(Ok(ev));
+            }
+            if self.done {
+                return None;
+            }
+            match self.inner.message().await {
+                Ok(Some(resp)) => {
+                    if resp.compact_revision() != 0 {
+                        self.done = true;
+                        return Some(Err(StoreError::Compacted(resp.compact_revision())));
+                    }
+                    if resp.canceled() {
+                        self.done = true;
+                        return Some(Err(StoreError::Unavailable(format!(
+                            "etcd canceled the watch: {}",
+                            resp.cancel_reason()
+                        ))));
+                    }
+                    for ev in resp.events() {
+                        match convert_event(ev) {
+                            Some(ev) => self.pending.push_back(ev),
+                            None => tracing::warn!("etcd watch event without a key-value; skipped"),
+                        }
+                    }
+                }
+                Ok(None) => {
+                    self.done = true;
+                    return Some(Err(StoreError::Unavailable("etcd closed the watch stream".into())));
+                }
+                Err(e) => {
+                    self.done = true;
+                    return Some(Err(map_error(e, None)));
+                }
+            }
+        }
+    }
+}
+
+impl EtcdStore {
+    /// Connects to an etcd cluster (`http://host:port` or `host:port` endpoints) with
+    /// [`DEFAULT_REQUEST_TIMEOUT`], and checks that it answers.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: dropping the future drops the half-made connection.
+    pub async fn connect(endpoints: &[String]) -> Result<EtcdStore, StoreError> {
+        EtcdStore::connect_with_timeout(endpoints, DEFAULT_REQUEST_TIMEOUT).await
+    }
+
+    /// Like [`EtcdStore::connect`], with a per-request deadline of `request_timeout`.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: dropping the future drops the half-made connection.
+    pub async fn connect_with_timeout(endpoints: &[String], request_timeout: Duration) -> Result<EtcdStore, StoreError> {
+        if endpoints.is_empty() {
+            return Err(StoreError::Invalid("no etcd endpoints given".into()));
+        }
+        let options = ConnectOptions::new()
+            .with_connect_timeout(DEFAULT_CONNECT_TIMEOUT)
+            .with_timeout(request_timeout)
+            .with_keep_alive(KEEPALIVE_INTERVAL, KEEPALIVE_TIMEOUT)
+            .with_keep_alive_while_idle(true)
+            .with_require_leader(true);
+        let client = tokio::time::timeout(DEFAULT_CONNECT_TIMEOUT, Client::connect(endpoints, Some(options)))
+            .await
+            .map_err(|_| StoreError::Unavailable(format!("connecting to etcd at {endpoints:?} timed out")))?
+            .map_err(|e| map_error(e, None))?;
+        let store = EtcdStore { client, request_timeout };
+        // The client connects lazily; one status call proves the cluster is there.
+        let mut maintenance = store.client.maintenance_client();
+        let status = store.call(None, maintenance.status()).await?;
+        tracing::debug!(endpoints = ?endpoints, version = status.version(), "connected to etcd");
+        Ok(store)
+    }
+
+    /// Runs one request under the request deadline and maps its error.
+    async fn call<T>(
+        &self,
+        lease: Option<LeaseId>,
+        request: impl Future<Output = Result<T, etcd_client::Error>>,
+    ) -> Result<T, StoreError> {
+        match tokio::time::timeout(self.request_timeout, request).await {
+            Ok(result) => result.map_err(|e| map_error(e, lease)),
+            Err(_) => Err(StoreError::Unavailable(format!("etcd request timed out after {:?}", self.request_timeout))),
+        }
+    }
+}
+
+#[async_trait::async_trait]
+impl Store for EtcdStore {
+    async fn get(&self, key: &str) -> Result<Option<KeyValue>, StoreError> {
+        check_key(key)?;
+        let mut kv = self.client.kv_client();
+        let resp = self.call(None, kv.get(key, None)).await?;
+        Ok(resp.kvs().first().map(convert_kv))
+    }
+
+    async fn get_prefix(&self, prefix: &str) -> Result<(Vec<KeyValue>, i64), StoreError> {
+        let mut kv = self.client.kv_client();
+        let resp = self.call(None, kv.get(prefix, Some(GetOptions::new().with_prefix()))).await?;
+        let revision = header_revision(resp.header())?;
+        Ok((resp.kvs().iter().map(convert_kv).collect(), revision))
+    }
+
+    async fn put(&self, key: &str, value: Vec<u8>, lease: Option<LeaseId>) -> Result<i64, StoreError> {
+        check_key(key)?;
+        let options = lease.map(|id| PutOptions::new().with_lease(id));
+        let mut kv = self.client.kv_client();
+        let resp = self.call(lease, kv.put(key, value, options)).await?;
+        header_revision(resp.header())
+    }
+
+    async fn delete(&self, key: &str) -> Result<bool, StoreError> {
+        check_key(key)?;
+        let mut kv = self.client.kv_client();
+        let resp = self.call(None, kv.delete(key, None)).await?;
+        Ok(resp.deleted() > 0)
+    }
+
+    async fn delete_prefix(&self, prefix: &str) -> Result<u64, StoreError> {
+        let mut kv = self.client.kv_client();
+        let resp = self.call(None, kv.delete(prefix, Some(DeleteOptions::new().with_prefix()))).await?;
+        Ok(u64::try_from(resp.deleted()).unwrap_or(0))
+    }
+
+    async fn txn(&self, txn: Txn) -> Result<TxnResult, StoreError> {
+        // The lease named in an error is the first one the transaction attaches keys to.
+        let lease = txn.success.iter().chain(&txn.failure).find_map(|op| match op {
+            TxnOp::Put { lease, .. } => *lease,
+            _ => None,
+        });
+        let request = etcd_client::Txn::new()
+            .when(txn.compares.into_iter().map(compare_to_etcd).collect::<Vec<_>>())
+            .and_then(txn.success.into_iter().map(op_to_etcd).collect::<Vec<_>>())
+            .or_else(txn.failure.into_iter().map(op_to_etcd).collect::<Vec<_>>());
+        let mut kv = self.client.kv_client();
+        let resp = self.call(lease, kv.txn(request)).await?;
+        Ok(TxnResult { succeeded: resp.succeeded(), revision: header_revision(resp.header())? })
+    }
+
+    async fn grant_lease(&self, ttl: Duration) -> Result<LeaseId, StoreError> {
+        let secs = i64::try_from(ttl_seconds(ttl)?).map_err(|_| StoreError::Invalid("lease TTL out of range".into()))?;
+        let mut leases = self.client.lease_client();
+        let resp = self.call(None, leases.grant(secs, None)).await?;
+        if !resp.error().is_empty() {
+            return Err(StoreError::Invalid(format!("etcd refused the lease: {}", resp.error())));
+        }
+        tracing::debug!(lease = resp.id(), ttl_s = resp.ttl(), "etcd lease granted");
+        Ok(resp.id())
+    }
+
+    async fn keep_alive(&self, lease: LeaseId) -> Result<(), StoreError> {
+        // One request-response on a fresh keep-alive stream: the client sends the request and
+        // waits for the answer before returning (a TTL of 0 there means the lease is gone).
+        // A fresh stream per call keeps this cancel safe: no answer is left behind for a later
+        // call to misread.
+        let mut leases = self.client.lease_client();
+        self.call(Some(lease), leases.keep_alive(lease)).await.map(drop)
+    }
+
+    async fn revoke_lease(&self, lease: LeaseId) -> Result<(), StoreError> {
+        let mut leases = self.client.lease_client();
+        match self.call(Some(lease), leases.revoke(lease)).await {
+            Ok(_) | Err(StoreError::LeaseNotFound(_)) => Ok(()),
+            Err(e) => Err(e),
+        }
+    }
+
+    async fn lease_time_to_live(&self, lease: LeaseId) -> Result<Option<Duration>, StoreError> {
+        let mut leases = self.client.lease_client();
+        match self.call(Some(lease), leases.time_to_live(lease, None)).await {
+            // etcd answers TTL -1 for an unknown lease.
+            Ok(resp) => Ok(u64::try_from(resp.ttl()).ok().map(Duration::from_secs)),
+            Err(StoreError::LeaseNotFound(_)) => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    async fn watch_prefix(&self, prefix: &str, from_revision: i64) -> Result<WatchStream, StoreError> {
+        let mut options = WatchOptions::new().with_prefix();
+        if from_revision > 0 {
+            options = options.with_start_revision(from_revision);
+        }
+        let mut watches = self.client.watch_client();
+        let mut inner = self.call(None, watches.watch(prefix, Some(options))).await?;
+        // Wait for etcd to confirm the watch, so that it covers every change made after this
+        // call returns.
+        let first = self.call(None, inner.message()).await?;
+        let mut watch = EtcdWatch { inner, pending: VecDeque::new(), done: false };
+        match first {
+            None => return Err(StoreError::Unavailable("etcd closed the watch stream at creation".into())),
+            Some(resp) if resp.compact_revision() != 0 => return Err(StoreError::Compacted(resp.compact_revision())),
+            Some(resp) if resp.canceled() => {
+                return Err(StoreError::Unavailable(format!("etcd refused the watch: {}", resp.cancel_reason())));
+            }
+            Some(resp) => {
+                watch.pending.extend(resp.events().iter().filter_map(convert_event));
+            }
+        }
+        tracing::debug!(prefix, from_revision, "etcd watch created");
+        let stream = futures::stream::unfold(watch, |mut watch| async move {
+            watch.next_event().await.map(|item| (item, watch))
+        });
+        Ok(stream.boxed())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn errors_map_to_store_errors() {
+        let status = |code, msg: &str| etcd_client::Error::GRpcStatus(tonic::Status::new(code, msg));
+        let lease_gone = || status(tonic::Code::NotFound, "etcdserver: requested lease not found");
+        assert!(matches!(map_error(lease_gone(), Some(7)), StoreError::LeaseNotFound(7)));
+        assert!(matches!(map_error(lease_gone(), None), StoreError::Invalid(_)));
+        assert!(matches!(
+            map_error(etcd_client::Error::LeaseKeepAliveError("lease not found".into()), Some(9)),
+            StoreError::LeaseNotFound(9)
+        ));
+        assert!(matches!(
+            map_error(status(tonic::Code::InvalidArgument, "etcdserver: duplicate key given in txn request"), None),
+            StoreError::Invalid(_)
+        ));
+        assert!(matches!(map_error(status(tonic::Code::Unavailable, "etcdserver: no leader"), None), StoreError::Unavailable(_)));
+        assert!(matches!(map_error(status(tonic::Code::DeadlineExceeded, "timeout"), Some(3)), StoreError::Unavailable(_)));
+        assert!(matches!(map_error(etcd_client::Error::WatchError("closed".into()), None), StoreError::Unavailable(_)));
+    }
+}

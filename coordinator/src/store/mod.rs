@@ -112,8 +112,9 @@ pub enum StoreError {
     /// The lease does not exist (expired or revoked).
     #[error("lease {0} not found (expired or revoked)")]
     LeaseNotFound(LeaseId),
-    /// A watch asked for history that has been compacted away.
-    #[error("revision {0} has been compacted")]
+    /// A watch asked for history that has been compacted away. Carries the oldest revision
+    /// still available: a new watch may start there (after re-reading the current state).
+    #[error("requested revision has been compacted; the oldest available is {0}")]
     Compacted(i64),
     /// A request the backend rejects (empty key, TTL out of range, ...).
     #[error("invalid store request: {0}")]
@@ -122,9 +123,14 @@ pub enum StoreError {
 
 /// Keys with revisions, CAS transactions, leases with TTL, and watches.
 ///
-/// Every method is a single round trip to the backend. All of them are cancel safe in the
-/// sense that dropping the future either applies the whole request or none of it (etcd
-/// requests are atomic on the server; the memory store applies under one lock).
+/// Every method is a single round trip to the backend, bounded in time by the backend
+/// (etcd: a per-request deadline that turns a dead server into [`StoreError::Unavailable`]).
+///
+/// # Cancel safety
+/// Every method is cancel safe in the sense that dropping the future either applies the
+/// whole request or none of it (etcd requests are atomic on the server; the memory store
+/// applies under one lock). After a cancelled or timed-out write the caller cannot know which
+/// happened, so it re-reads (or relies on a CAS) before retrying.
 #[async_trait::async_trait]
 pub trait Store: Send + Sync + 'static {
     /// Reads one key.
@@ -154,7 +160,41 @@ pub trait Store: Send + Sync + 'static {
     /// Revokes a lease now, deleting the keys attached to it. No error if already gone.
     async fn revoke_lease(&self, lease: LeaseId) -> Result<(), StoreError>;
 
+    /// The time a lease has left before it expires (without further keep-alives), or `None`
+    /// if it no longer exists. Backends may round to whole seconds (etcd does).
+    async fn lease_time_to_live(&self, lease: LeaseId) -> Result<Option<Duration>, StoreError>;
+
     /// Watches every key with `prefix`, delivering all changes with revision >= `from_revision`
     /// in revision order (use the revision of a `get_prefix` plus one to continue from a read).
+    /// `from_revision <= 0` means "changes after now". The watch is registered when this
+    /// returns, so a change made afterwards is always delivered. Changes made by one
+    /// transaction share a revision and are delivered in the order the transaction made them.
+    /// [`StoreError::Compacted`] (returned here, or yielded by the stream) means the requested
+    /// history is gone; any other error ends the stream, and the caller resumes with a new
+    /// watch from the revision after the last event it saw.
     async fn watch_prefix(&self, prefix: &str, from_revision: i64) -> Result<WatchStream, StoreError>;
+}
+
+/// The largest lease TTL accepted, in seconds (etcd's limit).
+pub const MAX_LEASE_TTL_SECS: u64 = 9_000_000_000;
+
+/// Rejects an empty key, which etcd does not accept for single-key operations.
+pub(crate) fn check_key(key: &str) -> Result<(), StoreError> {
+    if key.is_empty() {
+        Err(StoreError::Invalid("empty key".into()))
+    } else {
+        Ok(())
+    }
+}
+
+/// Converts a requested lease TTL to whole seconds (rounded up), within `1..=MAX_LEASE_TTL_SECS`.
+pub(crate) fn ttl_seconds(ttl: Duration) -> Result<u64, StoreError> {
+    if ttl.is_zero() {
+        return Err(StoreError::Invalid("lease TTL must be at least 1 s".into()));
+    }
+    let secs = ttl.as_secs() + u64::from(ttl.subsec_nanos() > 0);
+    if secs > MAX_LEASE_TTL_SECS {
+        return Err(StoreError::Invalid(format!("lease TTL {secs} s exceeds {MAX_LEASE_TTL_SECS} s")));
+    }
+    Ok(secs)
 }

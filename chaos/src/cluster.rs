@@ -1,0 +1,356 @@
+//! A local cluster of real processes: optional etcd, coordinator replicas, workers.
+
+use crate::binaries::Binaries;
+use crate::events::WorkerEvent;
+use crate::process::{now_ms, ManagedProcess, OutputLine};
+use cohort_coordinator::etcd_process::EtcdProcess;
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::time::Duration;
+use tokio::process::Command;
+use tokio::sync::mpsc;
+
+/// Which store the coordinators use.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StoreKind {
+    /// One coordinator with the embedded store.
+    Memory,
+    /// A real etcd started by the harness; any number of coordinator replicas.
+    Etcd,
+}
+
+/// Job settings passed to the coordinators.
+#[derive(Clone, Debug)]
+pub struct JobSettings {
+    /// Smallest world.
+    pub min_workers: u32,
+    /// Largest world.
+    pub max_workers: u32,
+    /// Join window.
+    pub join_window: Duration,
+    /// Heartbeat interval.
+    pub heartbeat_interval: Duration,
+    /// Lease TTL.
+    pub lease_ttl: Duration,
+    /// Elastic timeout (below min).
+    pub elastic_timeout: Duration,
+}
+
+impl Default for JobSettings {
+    fn default() -> Self {
+        Self {
+            min_workers: 2,
+            max_workers: 8,
+            join_window: Duration::from_millis(500),
+            heartbeat_interval: Duration::from_millis(200),
+            lease_ttl: Duration::from_secs(2),
+            elastic_timeout: Duration::from_secs(20),
+        }
+    }
+}
+
+/// What every worker of the cluster runs.
+#[derive(Clone, Debug)]
+pub struct WorkerSpec {
+    /// Total steps of the job.
+    pub steps: u64,
+    /// Gradient bytes per step.
+    pub size: String,
+    /// Pause between steps.
+    pub step_interval: Duration,
+    /// Data-plane no-progress deadline.
+    pub no_progress: Duration,
+}
+
+/// How to set a cluster up.
+#[derive(Clone, Debug)]
+pub struct ClusterConfig {
+    /// Job id.
+    pub job: String,
+    /// Store of the coordinators.
+    pub store: StoreKind,
+    /// Number of coordinator replicas (1 for memory).
+    pub coordinators: usize,
+    /// Job settings.
+    pub settings: JobSettings,
+    /// Where logs go (a fresh temp dir if `None`).
+    pub log_dir: Option<PathBuf>,
+}
+
+struct Coordinator {
+    process: Option<ManagedProcess>,
+    address: String,
+}
+
+/// A running local cluster. Dropping it kills every process it started.
+pub struct Cluster {
+    bins: Binaries,
+    config: ClusterConfig,
+    log_dir: PathBuf,
+    _tempdir: Option<tempfile::TempDir>,
+    token_file: PathBuf,
+    etcd: Option<EtcdProcess>,
+    coordinators: Vec<Coordinator>,
+    workers: BTreeMap<String, ManagedProcess>,
+    lines_tx: mpsc::UnboundedSender<OutputLine>,
+    lines_rx: mpsc::UnboundedReceiver<OutputLine>,
+    /// Every worker event seen so far, in arrival order.
+    pub events: Vec<WorkerEvent>,
+}
+
+/// Errors of the launcher.
+#[derive(Debug, thiserror::Error)]
+pub enum ClusterError {
+    /// Setting up failed.
+    #[error("{0}")]
+    Setup(String),
+    /// Waiting for something took longer than its deadline.
+    #[error("timed out after {after:?} waiting for {what}")]
+    Timeout {
+        /// What was awaited.
+        what: String,
+        /// The deadline.
+        after: Duration,
+    },
+}
+
+fn ms(d: Duration) -> String {
+    format!("{}ms", d.as_millis())
+}
+
+impl Cluster {
+    /// Starts etcd (if asked) and the coordinators; no workers yet.
+    pub async fn start(config: ClusterConfig) -> Result<Self, ClusterError> {
+        let bins = Binaries::locate().map_err(ClusterError::Setup)?;
+        let (tempdir, log_dir) = match &config.log_dir {
+            Some(d) => {
+                std::fs::create_dir_all(d).map_err(|e| ClusterError::Setup(format!("{}: {e}", d.display())))?;
+                (None, d.clone())
+            }
+            None => {
+                let t = tempfile::Builder::new().prefix("cohort-chaos-").tempdir().map_err(|e| ClusterError::Setup(e.to_string()))?;
+                let p = t.path().to_path_buf();
+                (Some(t), p)
+            }
+        };
+        let token_file = log_dir.join("token");
+        let token: String = (0..32).map(|_| format!("{:x}", rand::random::<u8>() % 16)).collect();
+        std::fs::write(&token_file, &token).map_err(|e| ClusterError::Setup(e.to_string()))?;
+        let etcd = match config.store {
+            StoreKind::Etcd => Some(EtcdProcess::start().map_err(|e| ClusterError::Setup(format!("etcd: {e}")))?),
+            StoreKind::Memory => None,
+        };
+        let (lines_tx, lines_rx) = mpsc::unbounded_channel();
+        let mut cluster = Self {
+            bins,
+            config,
+            log_dir,
+            _tempdir: tempdir,
+            token_file,
+            etcd,
+            coordinators: Vec::new(),
+            workers: BTreeMap::new(),
+            lines_tx,
+            lines_rx,
+            events: Vec::new(),
+        };
+        let n = if cluster.config.store == StoreKind::Memory { 1 } else { cluster.config.coordinators.max(1) };
+        for i in 0..n {
+            let (process, address) = cluster.spawn_coordinator(i, "127.0.0.1:0").await?;
+            cluster.coordinators.push(Coordinator { process: Some(process), address });
+        }
+        Ok(cluster)
+    }
+
+    /// The directory holding every process's log.
+    pub fn log_dir(&self) -> &std::path::Path {
+        &self.log_dir
+    }
+
+    fn store_arg(&self) -> String {
+        match &self.etcd {
+            Some(e) => format!("etcd://{}", e.endpoint().trim_start_matches("http://")),
+            None => "memory".into(),
+        }
+    }
+
+    async fn spawn_coordinator(&mut self, index: usize, listen: &str) -> Result<(ManagedProcess, String), ClusterError> {
+        let s = &self.config.settings;
+        let mut cmd = Command::new(&self.bins.coordinator);
+        cmd.args(["serve", "--listen", listen, "--store", &self.store_arg()])
+            .args(["--min-workers", &s.min_workers.to_string(), "--max-workers", &s.max_workers.to_string()])
+            .args(["--join-window", &ms(s.join_window), "--heartbeat-interval", &ms(s.heartbeat_interval)])
+            .args(["--lease-ttl", &ms(s.lease_ttl), "--elastic-timeout", &ms(s.elastic_timeout)])
+            .arg("--token-file")
+            .arg(&self.token_file)
+            .env("RUST_LOG", std::env::var("COHORT_CHAOS_COORDINATOR_LOG").unwrap_or_else(|_| "info".into()));
+        let name = format!("coord{index}");
+        let process = ManagedProcess::spawn(&name, cmd, &self.log_dir, self.lines_tx.clone())
+            .map_err(|e| ClusterError::Setup(e.to_string()))?;
+        // The coordinator prints `cohort-coordinator listening on ADDR` once serving.
+        let deadline = Duration::from_secs(20);
+        let found = tokio::time::timeout(deadline, async {
+            loop {
+                let line = self.lines_rx.recv().await?;
+                if line.name == name {
+                    if let Some(addr) = line.line.strip_prefix("cohort-coordinator listening on ") {
+                        return Some(addr.trim().to_string());
+                    }
+                } else if let Some(e) = WorkerEvent::parse(&line.name, &line.line, line.read_ms) {
+                    self.events.push(e);
+                }
+            }
+        })
+        .await
+        .ok()
+        .flatten();
+        match found {
+            Some(address) => Ok((process, address)),
+            None => Err(ClusterError::Timeout { what: format!("{name} to listen (see {})", process.log().display()), after: deadline }),
+        }
+    }
+
+    /// Every coordinator endpoint, comma separated (as workers take them).
+    pub fn endpoints(&self) -> String {
+        self.coordinators.iter().map(|c| format!("http://{}", c.address)).collect::<Vec<_>>().join(",")
+    }
+
+    /// Number of coordinator replicas (running or not).
+    pub fn coordinator_count(&self) -> usize {
+        self.coordinators.len()
+    }
+
+    /// Kills coordinator `index` with SIGKILL (it can be restarted on the same address).
+    pub async fn kill_coordinator(&mut self, index: usize) {
+        if let Some(c) = self.coordinators.get_mut(index) {
+            if let Some(mut p) = c.process.take() {
+                p.signal(libc::SIGKILL);
+                p.wait(Duration::from_secs(5)).await;
+            }
+        }
+    }
+
+    /// Restarts coordinator `index` on its old address.
+    pub async fn restart_coordinator(&mut self, index: usize) -> Result<(), ClusterError> {
+        let listen = self.coordinators.get(index).map(|c| c.address.clone()).ok_or_else(|| ClusterError::Setup(format!("no coordinator {index}")))?;
+        self.kill_coordinator(index).await;
+        let (process, address) = self.spawn_coordinator(index, &listen).await?;
+        self.coordinators[index] = Coordinator { process: Some(process), address };
+        Ok(())
+    }
+
+    /// The etcd process, when the cluster runs on etcd.
+    pub fn etcd(&mut self) -> Option<&mut EtcdProcess> {
+        self.etcd.as_mut()
+    }
+
+    /// Starts a worker named `name` running `cohort-worker train`.
+    pub fn spawn_worker(&mut self, name: &str, spec: &WorkerSpec) -> Result<(), ClusterError> {
+        let mut cmd = Command::new(&self.bins.worker);
+        cmd.args(["train", "--coordinator", &self.endpoints(), "--job", &self.config.job])
+            .args(["--steps", &spec.steps.to_string(), "--size", &spec.size])
+            .args(["--listen", "127.0.0.1:0", "--advertise", "127.0.0.1", "--worker-id", name])
+            .args(["--no-progress-timeout", &ms(spec.no_progress), "--step-interval", &ms(spec.step_interval)])
+            .arg("--token-file")
+            .arg(&self.token_file)
+            .env("RUST_LOG", std::env::var("COHORT_CHAOS_WORKER_LOG").unwrap_or_else(|_| "info".into()));
+        let process = ManagedProcess::spawn(name, cmd, &self.log_dir, self.lines_tx.clone())
+            .map_err(|e| ClusterError::Setup(e.to_string()))?;
+        self.workers.insert(name.to_string(), process);
+        Ok(())
+    }
+
+    /// Sends `signal` to worker `name`; returns when (ms since the epoch) it was sent.
+    pub fn signal_worker(&self, name: &str, signal: i32) -> Option<u64> {
+        let w = self.workers.get(name)?;
+        w.signal(signal);
+        Some(now_ms())
+    }
+
+    /// Names of the workers started so far.
+    pub fn worker_names(&self) -> Vec<String> {
+        self.workers.keys().cloned().collect()
+    }
+
+    /// Log file of worker `name`.
+    pub fn worker_log(&self, name: &str) -> Option<PathBuf> {
+        self.workers.get(name).map(|w| w.log().to_path_buf())
+    }
+
+    /// Waits for the next worker event (recording it in `events`), up to `timeout`.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: an event is only taken from the channel when it is returned.
+    pub async fn next_event(&mut self, timeout: Duration) -> Option<WorkerEvent> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let line = tokio::time::timeout_at(deadline, self.lines_rx.recv()).await.ok()??;
+            if let Some(e) = WorkerEvent::parse(&line.name, &line.line, line.read_ms) {
+                self.events.push(e.clone());
+                return Some(e);
+            }
+        }
+    }
+
+    /// Waits for an event matching `pred`, up to `timeout` (other events are recorded).
+    ///
+    /// # Cancel safety
+    /// Cancel safe, as [`Cluster::next_event`].
+    pub async fn wait_for(
+        &mut self,
+        what: &str,
+        timeout: Duration,
+        mut pred: impl FnMut(&WorkerEvent) -> bool,
+    ) -> Result<WorkerEvent, ClusterError> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            match self.next_event(left).await {
+                Some(e) if pred(&e) => return Ok(e),
+                Some(_) => continue,
+                None => return Err(ClusterError::Timeout { what: what.to_string(), after: timeout }),
+            }
+        }
+    }
+
+    /// Waits for every worker to exit (bounded; stragglers are killed) and returns their
+    /// exit codes (`None`: killed by a signal). Events printed meanwhile are recorded.
+    pub async fn wait_workers(&mut self, timeout: Duration) -> BTreeMap<String, Option<i32>> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        let mut codes = BTreeMap::new();
+        loop {
+            for (name, w) in self.workers.iter_mut() {
+                if !codes.contains_key(name) {
+                    if let Some(code) = w.try_exit() {
+                        codes.insert(name.clone(), code);
+                    }
+                }
+            }
+            if codes.len() == self.workers.len() {
+                break;
+            }
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            if left.is_zero() {
+                for (name, w) in self.workers.iter_mut() {
+                    if !codes.contains_key(name) {
+                        let code = w.wait(Duration::from_millis(100)).await;
+                        codes.insert(name.clone(), code);
+                    }
+                }
+                break;
+            }
+            // Drain output while waiting; an exit shows up within this poll period.
+            let _ = self.next_event(left.min(Duration::from_millis(50))).await;
+        }
+        // Collect whatever the workers printed last.
+        for w in self.workers.values_mut() {
+            w.drained(Duration::from_secs(2)).await;
+        }
+        while let Ok(line) = self.lines_rx.try_recv() {
+            if let Some(e) = WorkerEvent::parse(&line.name, &line.line, line.read_ms) {
+                self.events.push(e);
+            }
+        }
+        codes
+    }
+}

@@ -1,0 +1,158 @@
+//! Child processes the harness owns: spawned with their own log, signalled, always reaped.
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::process::{Child, Command};
+use tokio::sync::mpsc;
+
+/// A line a child printed on stdout, with when the harness read it.
+#[derive(Clone, Debug)]
+pub struct OutputLine {
+    /// Name of the process (e.g. `w2`, `coord0`).
+    pub name: String,
+    /// The line, without its newline.
+    pub line: String,
+    /// Wall clock when read, ms since the Unix epoch.
+    pub read_ms: u64,
+}
+
+/// Milliseconds since the Unix epoch.
+pub fn now_ms() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
+}
+
+/// A child process with its stdout forwarded (line by line) to the harness and copied,
+/// with its stderr, to `<log_dir>/<name>.log`. Killed with SIGKILL when dropped.
+pub struct ManagedProcess {
+    name: String,
+    child: Child,
+    pid: u32,
+    log: PathBuf,
+    reader: Option<tokio::task::JoinHandle<()>>,
+}
+
+/// Errors starting or signalling a child.
+#[derive(Debug, thiserror::Error)]
+pub enum ProcessError {
+    /// The program could not be started.
+    #[error("starting {name} ({program}): {source}")]
+    Spawn {
+        /// Process name.
+        name: String,
+        /// Program path.
+        program: String,
+        /// The OS error.
+        source: std::io::Error,
+    },
+    /// Creating the log file failed.
+    #[error("log file {0}: {1}")]
+    Log(PathBuf, std::io::Error),
+}
+
+impl ManagedProcess {
+    /// Spawns `command`, forwarding stdout lines to `lines`.
+    pub fn spawn(
+        name: &str,
+        mut command: Command,
+        log_dir: &Path,
+        lines: mpsc::UnboundedSender<OutputLine>,
+    ) -> Result<Self, ProcessError> {
+        let log = log_dir.join(format!("{name}.log"));
+        let stderr_file = std::fs::File::create(&log).map_err(|e| ProcessError::Log(log.clone(), e))?;
+        let program = format!("{:?}", command.as_std().get_program());
+        command.stdout(Stdio::piped()).stderr(Stdio::from(stderr_file)).stdin(Stdio::null()).kill_on_drop(true);
+        let mut child = command
+            .spawn()
+            .map_err(|source| ProcessError::Spawn { name: name.to_string(), program, source })?;
+        let pid = child.id().unwrap_or(0);
+        let mut reader_task = None;
+        if let Some(stdout) = child.stdout.take() {
+            let name = name.to_string();
+            let log = log.clone();
+            reader_task = Some(tokio::spawn(async move {
+                let mut reader = BufReader::new(stdout).lines();
+                let mut file = tokio::fs::OpenOptions::new().append(true).open(&log).await.ok();
+                while let Ok(Some(line)) = reader.next_line().await {
+                    if let Some(f) = file.as_mut() {
+                        let _ = f.write_all(format!("{line}\n").as_bytes()).await;
+                    }
+                    if lines.send(OutputLine { name: name.clone(), line, read_ms: now_ms() }).is_err() {
+                        break;
+                    }
+                }
+            }));
+        }
+        Ok(Self { name: name.to_string(), child, pid, log, reader: reader_task })
+    }
+
+    /// The process name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The OS process id.
+    pub fn pid(&self) -> u32 {
+        self.pid
+    }
+
+    /// The log file (stderr and a copy of stdout).
+    pub fn log(&self) -> &Path {
+        &self.log
+    }
+
+    /// Sends a signal (SIGKILL, SIGSTOP, SIGCONT, SIGTERM, ...). No error if it already exited.
+    pub fn signal(&self, signal: i32) {
+        if self.pid != 0 {
+            // SAFETY: kill(2) with a pid we spawned and have not reaped yet (reaping happens in
+            // `wait`/drop, after which the pid is not signalled again).
+            unsafe {
+                libc::kill(self.pid as libc::pid_t, signal);
+            }
+        }
+    }
+
+    /// Whether it has exited (and its exit code, if it exited by itself).
+    pub fn try_exit(&mut self) -> Option<Option<i32>> {
+        match self.child.try_wait() {
+            Ok(Some(status)) => Some(status.code()),
+            _ => None,
+        }
+    }
+
+    /// Waits (bounded) until everything the process printed has been forwarded.
+    ///
+    /// # Cancel safety
+    /// Cancel safe.
+    pub async fn drained(&mut self, timeout: std::time::Duration) {
+        if let Some(reader) = self.reader.as_mut() {
+            if tokio::time::timeout(timeout, reader).await.is_ok() {
+                self.reader = None;
+            }
+        }
+    }
+
+    /// Waits for the exit, bounded by `timeout`; SIGKILLs it if the bound passes.
+    /// Returns the exit code (`None`: killed by a signal).
+    ///
+    /// # Cancel safety
+    /// Cancel safe; the process is killed when the handle is dropped anyway.
+    pub async fn wait(&mut self, timeout: std::time::Duration) -> Option<i32> {
+        match tokio::time::timeout(timeout, self.child.wait()).await {
+            Ok(Ok(status)) => status.code(),
+            _ => {
+                self.signal(libc::SIGCONT);
+                let _ = self.child.start_kill();
+                self.child.wait().await.ok().and_then(|s| s.code())
+            }
+        }
+    }
+}
+
+impl Drop for ManagedProcess {
+    fn drop(&mut self) {
+        // A stopped process must be continued for SIGKILL to reap it promptly.
+        self.signal(libc::SIGCONT);
+        let _ = self.child.start_kill();
+    }
+}

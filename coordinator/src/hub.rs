@@ -1,0 +1,426 @@
+//! Following the store: [`PrefixFollower`] keeps a consistent view of a key prefix (one
+//! read, then a watch resumed across errors), and [`Hub`] is one job's live view on this
+//! replica, shared by the RPCs that wait on it (Rendezvous long polls, Watch streams) and
+//! the ones that read it (Heartbeat, Commit), so that a thousand waiters cost one store
+//! watch.
+
+use crate::config::JobSettings;
+use crate::keys;
+use crate::records::{self, EndedRecord, GenerationRecord, JobState};
+use crate::rendezvous;
+use crate::store::{KeyValue, Store, StoreError, WatchEvent, WatchStream};
+use cohort_proto::v1 as pb;
+use futures::{FutureExt, StreamExt};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokio::sync::{broadcast, watch};
+
+/// What a [`PrefixFollower`] saw next.
+#[derive(Debug)]
+pub enum Batch {
+    /// Changes, in revision order; a batch never splits one revision's events.
+    Events(Vec<WatchEvent>),
+    /// The history was lost (compaction): here is the whole prefix again, at this revision.
+    Reset(Vec<KeyValue>, i64),
+}
+
+/// A consistent, resumable view of every key under a prefix.
+pub struct PrefixFollower {
+    store: Arc<dyn Store>,
+    prefix: String,
+    stream: Option<WatchStream>,
+    /// The revision up to which changes have been delivered.
+    revision: i64,
+    /// An event read ahead of a batch boundary.
+    pending: Option<WatchEvent>,
+}
+
+fn event_revision(e: &WatchEvent) -> i64 {
+    match e {
+        WatchEvent::Put(kv) => kv.mod_revision,
+        WatchEvent::Delete { revision, .. } => *revision,
+    }
+}
+
+impl PrefixFollower {
+    /// Reads the prefix and starts watching it from the read's revision + 1.
+    ///
+    /// # Cancel safety
+    /// Cancel safe (nothing is left behind but a dropped watch).
+    pub async fn start(store: Arc<dyn Store>, prefix: &str) -> Result<(Self, Vec<KeyValue>, i64), StoreError> {
+        let (kvs, revision) = store.get_prefix(prefix).await?;
+        let stream = store.watch_prefix(prefix, revision + 1).await?;
+        Ok((Self { store, prefix: prefix.to_string(), stream: Some(stream), revision, pending: None }, kvs, revision))
+    }
+
+    /// The revision this follower has delivered up to.
+    pub fn revision(&self) -> i64 {
+        self.revision
+    }
+
+    /// Waits for the next changes. Store errors are retried here (with backoff, bounded at
+    /// 1 s between tries), so this only returns with changes.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: no event is lost if the future is dropped between events (a read-ahead
+    /// event is kept in `self`); dropping it while resuming simply resumes again next time.
+    pub async fn next(&mut self) -> Batch {
+        let mut retry = Duration::from_millis(20);
+        loop {
+            let Some(stream) = self.stream.as_mut() else {
+                match self.store.watch_prefix(&self.prefix, self.revision + 1).await {
+                    Ok(s) => {
+                        self.stream = Some(s);
+                        retry = Duration::from_millis(20);
+                        continue;
+                    }
+                    Err(StoreError::Compacted(_)) => match self.store.get_prefix(&self.prefix).await {
+                        Ok((kvs, revision)) => {
+                            self.revision = revision;
+                            self.pending = None;
+                            return Batch::Reset(kvs, revision);
+                        }
+                        Err(e) => {
+                            tracing::warn!(prefix = %self.prefix, error = %e, "store read failed while resyncing; retrying");
+                        }
+                    },
+                    Err(e) => {
+                        tracing::warn!(prefix = %self.prefix, error = %e, "store watch failed; retrying");
+                    }
+                }
+                tokio::time::sleep(retry).await;
+                retry = (retry * 2).min(Duration::from_secs(1));
+                continue;
+            };
+            let first = match self.pending.take() {
+                Some(e) => e,
+                None => match stream.next().await {
+                    Some(Ok(e)) => e,
+                    Some(Err(StoreError::Compacted(_))) | None | Some(Err(_)) => {
+                        tracing::debug!(prefix = %self.prefix, revision = self.revision, "store watch ended; resuming");
+                        self.stream = None;
+                        continue;
+                    }
+                },
+            };
+            let mut batch = vec![first];
+            // Drain what is ready now; always finish the last event's revision.
+            loop {
+                let last = batch.last().map(event_revision).unwrap_or(0);
+                let next = match stream.next().now_or_never() {
+                    Some(Some(Ok(e))) => e,
+                    Some(_) => {
+                        self.stream = None;
+                        break;
+                    }
+                    None => {
+                        // Nothing ready. Events of one revision arrive together; if the
+                        // backend split them, wait briefly for the rest of this revision.
+                        match tokio::time::timeout(Duration::from_millis(2), stream.next()).await {
+                            Ok(Some(Ok(e))) if event_revision(&e) == last => e,
+                            Ok(Some(Ok(e))) => {
+                                self.pending = Some(e);
+                                break;
+                            }
+                            Ok(_) => {
+                                self.stream = None;
+                                break;
+                            }
+                            Err(_) => break,
+                        }
+                    }
+                };
+                if batch.len() >= 4096 && event_revision(&next) != last {
+                    self.pending = Some(next);
+                    break;
+                }
+                batch.push(next);
+            }
+            if let Some(last) = batch.last() {
+                self.revision = self.revision.max(event_revision(last));
+            }
+            return Batch::Events(batch);
+        }
+    }
+}
+
+/// One job's live view on this replica.
+pub struct Hub {
+    /// The job.
+    pub job: String,
+    state: watch::Receiver<Arc<JobState>>,
+    events: broadcast::Sender<pb::JobEvent>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for Hub {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl Hub {
+    /// The job's state now (as of the last change this replica has seen).
+    pub fn state(&self) -> Arc<JobState> {
+        self.state.borrow().clone()
+    }
+
+    /// A receiver of state changes (for long polls).
+    pub fn subscribe_state(&self) -> watch::Receiver<Arc<JobState>> {
+        self.state.clone()
+    }
+
+    /// A receiver of the job's events (generation formed/revoked, re-formation pending,
+    /// ended), in order.
+    pub fn subscribe_events(&self) -> broadcast::Receiver<pb::JobEvent> {
+        self.events.subscribe()
+    }
+}
+
+/// What of a job's state its events describe: the generation record and the end record.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Headline {
+    /// The newest generation.
+    pub generation: Option<GenerationRecord>,
+    /// The end record.
+    pub ended: Option<EndedRecord>,
+}
+
+impl Headline {
+    /// The headline of a job state.
+    pub fn of(state: &JobState) -> Self {
+        Self { generation: state.current().cloned(), ended: state.ended.clone() }
+    }
+}
+
+/// The events a change from `old` to `new` means, in order (a revocation of the old
+/// generation not seen yet, the new generation, its revocation, the end).
+pub fn events_between(old: &Headline, new: &Headline) -> Vec<pb::JobEvent> {
+    use pb::job_event::Event;
+    let mut out = Vec::new();
+    let (og, ng) = (old.generation.as_ref(), new.generation.as_ref());
+    if let Some(n) = ng {
+        let is_new = og.is_none_or(|o| o.number != n.number);
+        if is_new {
+            if let Some(o) = og {
+                if o.revoked.is_none() {
+                    if let Some(cause) = n.cause_of(o.number) {
+                        out.push(pb::JobEvent {
+                            event: Some(Event::GenerationRevoked(pb::GenerationRevoked {
+                                generation: o.number,
+                                cause: Some(cause.to_proto()),
+                            })),
+                        });
+                    }
+                }
+            }
+            out.push(pb::JobEvent { event: Some(Event::GenerationFormed(n.to_proto())) });
+        }
+        if let Some(cause) = &n.revoked {
+            let was = og.filter(|o| o.number == n.number).and_then(|o| o.revoked.as_ref());
+            if was.is_none() {
+                out.push(pb::JobEvent {
+                    event: Some(Event::GenerationRevoked(pb::GenerationRevoked { generation: n.number, cause: Some(cause.to_proto()) })),
+                });
+            }
+        }
+    }
+    if let (None, Some(ended)) = (&old.ended, &new.ended) {
+        out.push(pb::JobEvent { event: Some(Event::JobEnded(ended.to_proto())) });
+    }
+    out
+}
+
+/// The event announcing a pending re-formation of generation `generation`.
+pub fn pending_event(generation: u64, joiners: u32) -> pb::JobEvent {
+    pb::JobEvent {
+        event: Some(pb::job_event::Event::ReformationPending(pb::ReformationPending { generation, joiners })),
+    }
+}
+
+/// `Some(joiners)` when the active generation should re-form at its next commit point.
+pub fn pending(settings: &JobSettings, state: &JobState) -> Option<u32> {
+    let e = rendezvous::evaluate(settings, state, records::now_ms());
+    e.reformation_pending.then_some(e.pending_joiners)
+}
+
+async fn run_hub(
+    mut follower: PrefixFollower,
+    mut state: JobState,
+    settings: JobSettings,
+    tx: watch::Sender<Arc<JobState>>,
+    events: broadcast::Sender<pb::JobEvent>,
+) {
+    let mut was_pending = pending(&settings, &state);
+    let mut headline = Headline::of(&state);
+    loop {
+        let batch = follower.next().await;
+        // Events are published after the new state, so that a client reacting to an event
+        // reads a state at least as new.
+        let mut out = Vec::new();
+        let mut relevant = false;
+        match batch {
+            Batch::Events(list) => {
+                // Apply revision by revision so that no intermediate generation is missed.
+                let mut i = 0;
+                while i < list.len() {
+                    let rev = event_revision(&list[i]);
+                    let mut touched = false;
+                    while i < list.len() && event_revision(&list[i]) == rev {
+                        touched |= !is_progress(&list[i]);
+                        state.apply(&list[i]);
+                        i += 1;
+                    }
+                    relevant |= touched;
+                    if touched {
+                        let now = Headline::of(&state);
+                        if now != headline {
+                            out.extend(events_between(&headline, &now));
+                            headline = now;
+                        }
+                    }
+                }
+            }
+            Batch::Reset(kvs, revision) => {
+                state = JobState::from_kvs(&state.job, &kvs, revision);
+                let now = Headline::of(&state);
+                out.extend(events_between(&headline, &now));
+                headline = now;
+                relevant = true;
+            }
+        }
+        if relevant {
+            let now_pending = pending(&settings, &state);
+            if let (Some(joiners), Some(g)) = (now_pending, state.current()) {
+                if now_pending != was_pending {
+                    out.push(pending_event(g.number, joiners));
+                }
+            }
+            was_pending = now_pending;
+        }
+        tx.send_replace(Arc::new(state.clone()));
+        for e in out {
+            let _ = events.send(e);
+        }
+    }
+}
+
+/// Progress writes (heartbeats, commits) change nothing that events or decisions use.
+pub fn is_progress(event: &WatchEvent) -> bool {
+    let key = match event {
+        WatchEvent::Put(kv) => kv.key.as_str(),
+        WatchEvent::Delete { key, .. } => key.as_str(),
+    };
+    matches!(keys::parse(key), Some(keys::Parsed::Worker { kind: keys::Kind::Progress, .. }))
+}
+
+struct Entry {
+    hub: Arc<Hub>,
+    last_used: Instant,
+}
+
+/// The hubs of this replica, one per job, created on first use and dropped after a minute
+/// unused.
+pub struct Hubs {
+    store: Arc<dyn Store>,
+    hubs: tokio::sync::Mutex<HashMap<String, Entry>>,
+    /// Jobs with a hub, for the sweep (a sync lock: never held across an await).
+    count: Mutex<usize>,
+}
+
+/// How long an unused hub is kept.
+const HUB_IDLE: Duration = Duration::from_secs(60);
+
+impl Hubs {
+    /// No hubs yet.
+    pub fn new(store: Arc<dyn Store>) -> Self {
+        Self { store, hubs: tokio::sync::Mutex::new(HashMap::new()), count: Mutex::new(0) }
+    }
+
+    /// The hub of `job`, started (one read and a watch) if there is none.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: a hub half started is dropped with the future.
+    pub async fn get(&self, job: &str, settings: &JobSettings) -> Result<Arc<Hub>, StoreError> {
+        let mut hubs = self.hubs.lock().await;
+        let now = Instant::now();
+        if let Some(entry) = hubs.get_mut(job) {
+            if !entry.hub.task.is_finished() {
+                entry.last_used = now;
+                return Ok(entry.hub.clone());
+            }
+        }
+        // Sweep hubs nobody used for a while (and nobody holds).
+        hubs.retain(|_, e| Arc::strong_count(&e.hub) > 1 || now.duration_since(e.last_used) < HUB_IDLE);
+        let (follower, kvs, revision) = PrefixFollower::start(self.store.clone(), &keys::job_prefix(job)).await?;
+        let state = JobState::from_kvs(job, &kvs, revision);
+        let (tx, rx) = watch::channel(Arc::new(state.clone()));
+        let (events, _) = broadcast::channel(256);
+        let task = tokio::spawn(run_hub(follower, state, *settings, tx, events.clone()));
+        let hub = Arc::new(Hub { job: job.to_string(), state: rx, events, task });
+        hubs.insert(job.to_string(), Entry { hub: hub.clone(), last_used: now });
+        *self.count.lock().unwrap_or_else(|e| e.into_inner()) = hubs.len();
+        Ok(hub)
+    }
+
+    /// How many hubs are running.
+    pub fn len(&self) -> usize {
+        *self.count.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Whether no hub is running.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::records::{Cause, Outcome, Placed};
+    use crate::rendezvous::next_generation;
+    use pb::job_event::Event;
+
+    fn cause() -> Cause {
+        Cause { rank: Some(1), worker_id: "b".into(), host: "h".into(), reason: "died".into(), reported_by: "a".into() }
+    }
+
+    fn kinds(events: &[pb::JobEvent]) -> Vec<String> {
+        events
+            .iter()
+            .map(|e| match &e.event {
+                Some(Event::GenerationFormed(g)) => format!("formed {}", g.number),
+                Some(Event::GenerationRevoked(r)) => format!("revoked {}", r.generation),
+                Some(Event::ReformationPending(p)) => format!("pending {}", p.generation),
+                Some(Event::JobEnded(_)) => "ended".into(),
+                None => "none".into(),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn events_follow_the_generation_record() {
+        let members = vec![Placed { worker_id: "a".into(), incarnation: 1, host: String::new(), addresses: vec![] }];
+        let g1 = next_generation(None, members.clone(), 1);
+        let empty = Headline::default();
+        let h1 = Headline { generation: Some(g1.clone()), ended: None };
+        assert_eq!(kinds(&events_between(&empty, &h1)), ["formed 1"]);
+        let g1r = crate::revocation::revoked(&g1, cause(), 2);
+        let h1r = Headline { generation: Some(g1r.clone()), ended: None };
+        assert_eq!(kinds(&events_between(&h1, &h1r)), ["revoked 1"]);
+        assert!(events_between(&h1r, &h1r).is_empty());
+        let g2 = next_generation(Some(&g1r), members, 3);
+        let h2 = Headline { generation: Some(g2), ended: None };
+        assert_eq!(kinds(&events_between(&h1r, &h2)), ["formed 2"]);
+        // A watcher that missed the revocation of 1 still hears it, before generation 2.
+        assert_eq!(kinds(&events_between(&h1, &h2)), ["revoked 1", "formed 2"]);
+        let ended = Headline {
+            generation: None,
+            ended: Some(EndedRecord { outcome: Outcome::Failed, reason: "r".into(), ended_at_ms: 4 }),
+        };
+        assert_eq!(kinds(&events_between(&h2, &ended)), ["ended"]);
+        // A new watcher of a revoked generation hears both.
+        assert_eq!(kinds(&events_between(&empty, &h1r)), ["formed 1", "revoked 1"]);
+    }
+}

@@ -1,0 +1,144 @@
+//! The store key layout. Every key of a job lives under `/cohort/v1/jobs/<job>/`:
+//!
+//! | key | lease | value ([`crate::records`], JSON) |
+//! | --- | --- | --- |
+//! | `members/<worker>` | the member's | host, addresses, incarnation, joined_at |
+//! | `waiting/<worker>` | the member's | the generation it waits after, arrival time |
+//! | `progress/<worker>` | the member's | last heartbeat, step, activity, last commit |
+//! | `generation` | none | the current generation: number, ordered members, revocation |
+//! | `failures/<worker>` | none | failure history for exclusion |
+//! | `ended` | a 10 min lease | outcome and reason (kept so late callers are told) |
+//!
+//! and `/cohort/v1/leader` holds the name of the leading replica, on that replica's lease.
+//! Ids are validated (`[A-Za-z0-9._-]`), so they can never contain `/` and a job's prefix
+//! never matches another job's keys.
+
+/// Root of everything the coordinator stores.
+pub const ROOT: &str = "/cohort/v1/";
+/// Prefix of every job's keys.
+pub const JOBS: &str = "/cohort/v1/jobs/";
+/// The leader election key.
+pub const LEADER: &str = "/cohort/v1/leader";
+
+/// The kinds of per-worker keys.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Kind {
+    /// `members/<worker>`
+    Member,
+    /// `waiting/<worker>`
+    Waiting,
+    /// `progress/<worker>`
+    Progress,
+    /// `failures/<worker>`
+    Failures,
+}
+
+impl Kind {
+    fn dir(self) -> &'static str {
+        match self {
+            Kind::Member => "members/",
+            Kind::Waiting => "waiting/",
+            Kind::Progress => "progress/",
+            Kind::Failures => "failures/",
+        }
+    }
+
+    /// Every per-worker kind.
+    pub const ALL: [Kind; 4] = [Kind::Member, Kind::Waiting, Kind::Progress, Kind::Failures];
+}
+
+/// `/cohort/v1/jobs/<job>/`
+pub fn job_prefix(job: &str) -> String {
+    format!("{JOBS}{job}/")
+}
+
+/// A per-worker key of a job.
+pub fn worker_key(job: &str, kind: Kind, worker: &str) -> String {
+    format!("{JOBS}{job}/{}{worker}", kind.dir())
+}
+
+/// The prefix of one kind of per-worker key of a job.
+pub fn kind_prefix(job: &str, kind: Kind) -> String {
+    format!("{JOBS}{job}/{}", kind.dir())
+}
+
+/// The job's current generation record.
+pub fn generation(job: &str) -> String {
+    format!("{JOBS}{job}/generation")
+}
+
+/// The job's end record.
+pub fn ended(job: &str) -> String {
+    format!("{JOBS}{job}/ended")
+}
+
+/// What a key under [`JOBS`] is.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Parsed<'a> {
+    /// A per-worker key.
+    Worker {
+        /// The job.
+        job: &'a str,
+        /// Which kind.
+        kind: Kind,
+        /// The worker id.
+        worker: &'a str,
+    },
+    /// The generation record.
+    Generation {
+        /// The job.
+        job: &'a str,
+    },
+    /// The end record.
+    Ended {
+        /// The job.
+        job: &'a str,
+    },
+}
+
+/// Parses a key under [`JOBS`]; `None` for anything else.
+pub fn parse(key: &str) -> Option<Parsed<'_>> {
+    let rest = key.strip_prefix(JOBS)?;
+    let (job, rest) = rest.split_once('/')?;
+    if job.is_empty() {
+        return None;
+    }
+    match rest {
+        "generation" => return Some(Parsed::Generation { job }),
+        "ended" => return Some(Parsed::Ended { job }),
+        _ => {}
+    }
+    for kind in Kind::ALL {
+        if let Some(worker) = rest.strip_prefix(kind.dir()) {
+            if !worker.is_empty() && !worker.contains('/') {
+                return Some(Parsed::Worker { job, kind, worker });
+            }
+        }
+    }
+    None
+}
+
+/// The job a key under [`JOBS`] belongs to.
+pub fn job_of(key: &str) -> Option<&str> {
+    let rest = key.strip_prefix(JOBS)?;
+    rest.split_once('/').map(|(job, _)| job).filter(|j| !j.is_empty())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_trip() {
+        let k = worker_key("j-1", Kind::Waiting, "w.2");
+        assert_eq!(k, "/cohort/v1/jobs/j-1/waiting/w.2");
+        assert_eq!(parse(&k), Some(Parsed::Worker { job: "j-1", kind: Kind::Waiting, worker: "w.2" }));
+        assert_eq!(parse(&generation("j")), Some(Parsed::Generation { job: "j" }));
+        assert_eq!(parse(&ended("j")), Some(Parsed::Ended { job: "j" }));
+        assert_eq!(parse("/cohort/v1/jobs/j/other"), None);
+        assert_eq!(parse(LEADER), None);
+        assert_eq!(job_of(&k), Some("j-1"));
+        assert!(k.starts_with(&job_prefix("j-1")));
+        assert!(!k.starts_with(&job_prefix("j")));
+    }
+}

@@ -1,0 +1,302 @@
+//! Leader election between replicas on one store, and the leader's work.
+//!
+//! Election: put-if-absent of [`keys::LEADER`] on a lease of this replica (kept alive
+//! every TTL/3). A replica that cannot renew its lease stops leading at once; the others
+//! watch the key and campaign when it is deleted (resignation, or lease expiry of a
+//! crashed leader, so takeover happens within one TTL).
+//!
+//! The leader follows every job's keys and evaluates a job on every change and at its next
+//! deadline (join window, elastic timeout, end of an exclusion): it detects lapsed members
+//! of the active generation (revoking it with cause "lease expired"), forms generations,
+//! tracks and enforces the elastic timeout, and ends finished jobs. Every mutation is a CAS
+//! on the job's generation key ([`crate::ops`]), so a stale leader (one that has not yet
+//! noticed it lost its lease) cannot publish a conflicting outcome.
+
+use crate::hub::{Batch, PrefixFollower};
+use crate::keys;
+use crate::ops::{self, Context};
+use crate::records::{self, JobState};
+use crate::rendezvous::{self, Action};
+use crate::revocation;
+use crate::store::{Compare, StoreError, Txn, TxnOp, WatchEvent};
+use futures::StreamExt;
+use std::collections::{BTreeSet, HashMap};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tracing::Instrument;
+
+/// How soon a job is looked at again after a mutation that may not have landed.
+const RETRY: Duration = Duration::from_millis(200);
+
+/// Runs elections (and, while leading, the leader's work) until the replica shuts down;
+/// then resigns if leading.
+///
+/// # Cancel safety
+/// Not meant to be cancelled: dropping it while leading leaves the leader key until its
+/// lease expires (which is how a crash looks to the other replicas, and is safe).
+pub async fn run(ctx: Arc<Context>, ttl: Duration, leading: Arc<AtomicBool>) {
+    let mut shutdown = ctx.shutdown.clone();
+    let span = tracing::info_span!("leader", replica = %ctx.replica);
+    async move {
+        loop {
+            if *shutdown.borrow() {
+                return;
+            }
+            let lease = match ctx.store.grant_lease(ttl).await {
+                Ok(lease) => lease,
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot get a lease to campaign; retrying");
+                    pause(&mut shutdown, Duration::from_millis(500)).await;
+                    continue;
+                }
+            };
+            let txn = Txn {
+                compares: vec![Compare::Absent(keys::LEADER.to_string())],
+                success: vec![TxnOp::Put { key: keys::LEADER.to_string(), value: ctx.replica.clone().into_bytes(), lease: Some(lease) }],
+                failure: vec![],
+            };
+            match ctx.store.txn(txn).await {
+                Ok(r) if r.succeeded => {
+                    lead(&ctx, lease, ttl, &leading, &mut shutdown).await;
+                    if *shutdown.borrow() {
+                        // Resign: the next replica takes over at once instead of after a TTL.
+                        if let Err(e) = ctx.store.revoke_lease(lease).await {
+                            tracing::warn!(error = %e, "could not resign; leadership passes when the lease expires");
+                        } else {
+                            tracing::info!("resigned leadership");
+                        }
+                        return;
+                    }
+                }
+                Ok(_) => {
+                    let _ = ctx.store.revoke_lease(lease).await;
+                    follow(&ctx, ttl, &mut shutdown).await;
+                }
+                Err(e) => {
+                    let _ = ctx.store.revoke_lease(lease).await;
+                    tracing::warn!(error = %e, "campaign failed; retrying");
+                    pause(&mut shutdown, Duration::from_millis(500)).await;
+                }
+            }
+        }
+    }
+    .instrument(span)
+    .await
+}
+
+async fn pause(shutdown: &mut tokio::sync::watch::Receiver<bool>, d: Duration) {
+    tokio::select! {
+        _ = tokio::time::sleep(d) => {}
+        _ = crate::ops::stopped(shutdown) => {}
+    }
+}
+
+/// Waits until the leader key is deleted, a TTL passes, or shutdown.
+async fn follow(ctx: &Context, ttl: Duration, shutdown: &mut tokio::sync::watch::Receiver<bool>) {
+    let wait = async {
+        let (kvs, revision) = ctx.store.get_prefix(keys::LEADER).await?;
+        if !kvs.iter().any(|kv| kv.key == keys::LEADER) {
+            return Ok::<(), StoreError>(());
+        }
+        let mut stream = ctx.store.watch_prefix(keys::LEADER, revision + 1).await?;
+        while let Some(event) = stream.next().await {
+            if let WatchEvent::Delete { key, .. } = event? {
+                if key == keys::LEADER {
+                    return Ok(());
+                }
+            }
+        }
+        Ok(())
+    };
+    let failed = tokio::select! {
+        r = tokio::time::timeout(ttl, wait) => match r {
+            Ok(Err(e)) => Some(e),
+            _ => None,
+        },
+        _ = crate::ops::stopped(shutdown) => None,
+    };
+    if let Some(e) = failed {
+        tracing::debug!(error = %e, "watching the leader key failed");
+        pause(shutdown, Duration::from_millis(200)).await;
+    }
+}
+
+async fn lead(ctx: &Arc<Context>, lease: i64, ttl: Duration, leading: &AtomicBool, shutdown: &mut tokio::sync::watch::Receiver<bool>) {
+    leading.store(true, Ordering::SeqCst);
+    ctx.metrics.set_leader(true);
+    tracing::info!(lease, "leading");
+    let keep = async {
+        let mut last_ok = Instant::now();
+        loop {
+            tokio::time::sleep(ttl / 3).await;
+            match ctx.store.keep_alive(lease).await {
+                Ok(()) => last_ok = Instant::now(),
+                Err(StoreError::LeaseNotFound(_)) => return "the leader lease expired",
+                Err(e) => {
+                    tracing::warn!(error = %e, "leader lease keep-alive failed");
+                    if last_ok.elapsed() >= ttl / 2 {
+                        return "the leader lease could not be renewed";
+                    }
+                }
+            }
+        }
+    };
+    tokio::select! {
+        why = keep => tracing::warn!(why, "lost leadership"),
+        _ = work(ctx.clone()) => {}
+        _ = crate::ops::stopped(shutdown) => {}
+    }
+    leading.store(false, Ordering::SeqCst);
+    ctx.metrics.set_leader(false);
+}
+
+/// The leader's loop: follow every job and evaluate the ones that changed or are due.
+async fn work(ctx: Arc<Context>) {
+    let (mut follower, kvs, revision) = loop {
+        match PrefixFollower::start(ctx.store.clone(), keys::JOBS).await {
+            Ok(x) => break x,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot read the jobs; retrying");
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+        }
+    };
+    let mut states = group(&kvs, revision);
+    let mut dirty: BTreeSet<String> = states.keys().cloned().collect();
+    let mut deadlines: HashMap<String, u64> = HashMap::new();
+    loop {
+        let now = records::now_ms();
+        deadlines.retain(|job, due| {
+            if *due <= now {
+                dirty.insert(job.clone());
+                false
+            } else {
+                true
+            }
+        });
+        for job in std::mem::take(&mut dirty) {
+            let Some(state) = states.get(&job) else { continue };
+            let span = tracing::info_span!("evaluate", %job, generation = state.current_number());
+            let next = match evaluate_job(&ctx, state).instrument(span).await {
+                Ok(next) => next,
+                Err(e) => {
+                    tracing::warn!(%job, error = %e, "evaluating the job failed; retrying");
+                    Some(records::now_ms() + RETRY.as_millis() as u64)
+                }
+            };
+            match next {
+                Some(due) => {
+                    deadlines.insert(job, due);
+                }
+                None => {
+                    deadlines.remove(&job);
+                }
+            }
+        }
+        let sleep_for = deadlines
+            .values()
+            .min()
+            .map(|due| Duration::from_millis(due.saturating_sub(records::now_ms())))
+            .unwrap_or(Duration::from_secs(3600));
+        tokio::select! {
+            batch = follower.next() => match batch {
+                Batch::Events(events) => {
+                    for event in &events {
+                        let key = match event {
+                            WatchEvent::Put(kv) => kv.key.as_str(),
+                            WatchEvent::Delete { key, .. } => key.as_str(),
+                        };
+                        let Some(job) = keys::job_of(key) else { continue };
+                        let state = states.entry(job.to_string()).or_insert_with(|| JobState { job: job.to_string(), ..Default::default() });
+                        state.apply(event);
+                        // Progress writes (about one per member per second) decide nothing.
+                        if !crate::hub::is_progress(event) {
+                            dirty.insert(job.to_string());
+                        }
+                    }
+                    states.retain(|job, s| {
+                        let keep = !s.is_empty();
+                        if !keep {
+                            ctx.metrics.set_job(job, None);
+                        }
+                        keep
+                    });
+                }
+                Batch::Reset(kvs, revision) => {
+                    states = group(&kvs, revision);
+                    dirty = states.keys().cloned().collect();
+                }
+            },
+            _ = tokio::time::sleep(sleep_for) => {}
+        }
+    }
+}
+
+fn group(kvs: &[crate::store::KeyValue], revision: i64) -> HashMap<String, JobState> {
+    let mut by_job: HashMap<String, Vec<crate::store::KeyValue>> = HashMap::new();
+    for kv in kvs {
+        if let Some(job) = keys::job_of(&kv.key) {
+            by_job.entry(job.to_string()).or_default().push(kv.clone());
+        }
+    }
+    by_job.into_iter().map(|(job, kvs)| (job.clone(), JobState::from_kvs(&job, &kvs, revision))).collect()
+}
+
+/// Evaluates one job and acts; returns when to look at it again (ms since the epoch).
+async fn evaluate_job(ctx: &Context, state: &JobState) -> Result<Option<u64>, StoreError> {
+    let job = state.job.as_str();
+    let retry = Some(records::now_ms() + RETRY.as_millis() as u64);
+    if state.ended.is_some() {
+        ctx.metrics.set_job(job, None);
+        return Ok(None);
+    }
+    ctx.metrics.set_job(job, Some((state.members.len() as u64, state.current_number())));
+    let settings = ctx.settings.for_job(job);
+    if let Some(cause) = revocation::lapsed(state, settings.lease_ttl.as_millis() as u64) {
+        let Some(g) = state.current() else { return Ok(retry) };
+        let suspect = cause.rank.and_then(|r| g.members.get(r as usize)).map(|m| (m.worker_id.clone(), m.incarnation));
+        let outcome = ops::revoke_generation(ctx, job, g.number, cause, suspect, true).await?;
+        tracing::debug!(accepted = outcome.accepted, "lease-lapse check");
+        return Ok(retry);
+    }
+    let now = records::now_ms();
+    let eval = rendezvous::evaluate(&settings, state, now);
+    let rev = state.generation.as_ref().map(|(_, rev)| *rev);
+    match eval.action {
+        Action::Form(members) => {
+            let first_arrival = members
+                .iter()
+                .filter_map(|m| state.waiting.get(&m.worker_id).map(|w| w.since_ms))
+                .min()
+                .unwrap_or(now);
+            let size = members.len();
+            if let Some(record) = ops::form_generation(ctx, job, state.current(), rev, members).await? {
+                let latency = Duration::from_millis(now.saturating_sub(first_arrival));
+                ctx.metrics.formed(latency);
+                tracing::info!(generation = record.number, size, latency_ms = latency.as_millis() as u64, "generation formed");
+            }
+            Ok(retry)
+        }
+        Action::End(outcome, reason) => {
+            let incarnations: Vec<u64> = state.members.values().map(|m| m.incarnation).collect();
+            ops::end_job(ctx, job, outcome, &reason, rev, &incarnations).await?;
+            Ok(retry)
+        }
+        Action::Nothing => {
+            if let Some((g, rev)) = &state.generation {
+                if g.below_min_since_ms != eval.below_min_since_ms {
+                    let mut updated = g.clone();
+                    updated.below_min_since_ms = eval.below_min_since_ms;
+                    ops::update_generation(ctx, job, &updated, *rev).await?;
+                    if let Some(since) = eval.below_min_since_ms {
+                        tracing::warn!(live = state.members.len(), min = settings.min_workers, since_ms = since,
+                                       "job below min_workers; it fails if this lasts the elastic timeout");
+                    }
+                    return Ok(retry);
+                }
+            }
+            Ok(eval.next_deadline_ms)
+        }
+    }
+}

@@ -1,0 +1,240 @@
+//! Prometheus metrics in the text exposition format, served by a minimal HTTP/1.1
+//! responder (`GET /metrics`) on a tokio listener.
+//!
+//! Job gauges (`cohort_members`, `cohort_generation`) are kept by the leading replica,
+//! which evaluates every job; counters count what this replica did.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpListener;
+
+/// Upper bounds (seconds) of the formation latency histogram buckets.
+const BUCKETS: [f64; 12] = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0];
+
+#[derive(Default)]
+struct Histogram {
+    counts: [u64; BUCKETS.len()],
+    sum: f64,
+    count: u64,
+}
+
+/// The coordinator's metrics.
+#[derive(Default)]
+pub struct Metrics {
+    generations_formed: AtomicU64,
+    revocations: AtomicU64,
+    is_leader: AtomicBool,
+    jobs: Mutex<BTreeMap<String, (u64, u64)>>,
+    rpcs: Mutex<BTreeMap<(&'static str, &'static str), u64>>,
+    formation: Mutex<Histogram>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The canonical name of a gRPC code (as in the gRPC spec).
+pub fn code_name(code: tonic::Code) -> &'static str {
+    use tonic::Code::*;
+    match code {
+        Ok => "OK",
+        Cancelled => "CANCELLED",
+        Unknown => "UNKNOWN",
+        InvalidArgument => "INVALID_ARGUMENT",
+        DeadlineExceeded => "DEADLINE_EXCEEDED",
+        NotFound => "NOT_FOUND",
+        AlreadyExists => "ALREADY_EXISTS",
+        PermissionDenied => "PERMISSION_DENIED",
+        ResourceExhausted => "RESOURCE_EXHAUSTED",
+        FailedPrecondition => "FAILED_PRECONDITION",
+        Aborted => "ABORTED",
+        OutOfRange => "OUT_OF_RANGE",
+        Unimplemented => "UNIMPLEMENTED",
+        Internal => "INTERNAL",
+        Unavailable => "UNAVAILABLE",
+        DataLoss => "DATA_LOSS",
+        Unauthenticated => "UNAUTHENTICATED",
+    }
+}
+
+impl Metrics {
+    /// Counts one RPC by method and result code.
+    pub fn rpc(&self, method: &'static str, code: tonic::Code) {
+        *lock(&self.rpcs).entry((method, code_name(code))).or_default() += 1;
+    }
+
+    /// Counts a formed generation and its latency (first arrival to formation).
+    pub fn formed(&self, latency: Duration) {
+        self.generations_formed.fetch_add(1, Ordering::Relaxed);
+        let s = latency.as_secs_f64();
+        let mut h = lock(&self.formation);
+        for (i, bound) in BUCKETS.iter().enumerate() {
+            if s <= *bound {
+                h.counts[i] += 1;
+            }
+        }
+        h.sum += s;
+        h.count += 1;
+    }
+
+    /// Counts a revocation.
+    pub fn revoked(&self) {
+        self.revocations.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Records whether this replica leads.
+    pub fn set_leader(&self, leading: bool) {
+        self.is_leader.store(leading, Ordering::Relaxed);
+    }
+
+    /// Records a job's member count and generation; `None` forgets the job.
+    pub fn set_job(&self, job: &str, value: Option<(u64, u64)>) {
+        let mut jobs = lock(&self.jobs);
+        match value {
+            Some(v) => {
+                jobs.insert(job.to_string(), v);
+            }
+            None => {
+                jobs.remove(job);
+            }
+        }
+    }
+
+    /// The generations formed so far by this replica.
+    pub fn generations_formed(&self) -> u64 {
+        self.generations_formed.load(Ordering::Relaxed)
+    }
+
+    /// Renders every metric in the Prometheus text format.
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        let jobs = lock(&self.jobs).clone();
+        let _ = writeln!(out, "# HELP cohort_members Live members of the job.\n# TYPE cohort_members gauge");
+        for (job, (members, _)) in &jobs {
+            let _ = writeln!(out, "cohort_members{{job=\"{job}\"}} {members}");
+        }
+        let _ = writeln!(out, "# HELP cohort_generation The job's newest generation number.\n# TYPE cohort_generation gauge");
+        for (job, (_, generation)) in &jobs {
+            let _ = writeln!(out, "cohort_generation{{job=\"{job}\"}} {generation}");
+        }
+        let _ = writeln!(
+            out,
+            "# HELP cohort_generations_formed_total Generations formed by this replica.\n# TYPE cohort_generations_formed_total counter\ncohort_generations_formed_total {}",
+            self.generations_formed.load(Ordering::Relaxed)
+        );
+        let _ = writeln!(
+            out,
+            "# HELP cohort_revocations_total Generations revoked by this replica.\n# TYPE cohort_revocations_total counter\ncohort_revocations_total {}",
+            self.revocations.load(Ordering::Relaxed)
+        );
+        let _ = writeln!(
+            out,
+            "# HELP cohort_is_leader 1 if this replica runs the formation timers.\n# TYPE cohort_is_leader gauge\ncohort_is_leader {}",
+            u8::from(self.is_leader.load(Ordering::Relaxed))
+        );
+        {
+            let h = lock(&self.formation);
+            let _ = writeln!(
+                out,
+                "# HELP cohort_formation_latency_seconds From the first waiting arrival to formation.\n# TYPE cohort_formation_latency_seconds histogram"
+            );
+            for (i, bound) in BUCKETS.iter().enumerate() {
+                let _ = writeln!(out, "cohort_formation_latency_seconds_bucket{{le=\"{bound}\"}} {}", h.counts[i]);
+            }
+            let _ = writeln!(out, "cohort_formation_latency_seconds_bucket{{le=\"+Inf\"}} {}", h.count);
+            let _ = writeln!(out, "cohort_formation_latency_seconds_sum {}", h.sum);
+            let _ = writeln!(out, "cohort_formation_latency_seconds_count {}", h.count);
+        }
+        let _ = writeln!(out, "# HELP cohort_rpcs_total RPCs answered, by method and code.\n# TYPE cohort_rpcs_total counter");
+        for ((method, code), n) in lock(&self.rpcs).iter() {
+            let _ = writeln!(out, "cohort_rpcs_total{{method=\"{method}\",code=\"{code}\"}} {n}");
+        }
+        out
+    }
+}
+
+/// Serves `GET /metrics` on `listener` until `shutdown` resolves.
+///
+/// # Cancel safety
+/// Cancel safe: dropping it stops accepting; connections in progress are dropped.
+pub async fn serve_metrics(listener: TcpListener, metrics: Arc<Metrics>, shutdown: impl std::future::Future<Output = ()>) {
+    tokio::pin!(shutdown);
+    loop {
+        let accepted = tokio::select! {
+            _ = &mut shutdown => return,
+            a = listener.accept() => a,
+        };
+        match accepted {
+            Ok((stream, peer)) => {
+                let metrics = metrics.clone();
+                tokio::spawn(async move {
+                    if let Err(e) = tokio::time::timeout(Duration::from_secs(5), answer(stream, &metrics)).await {
+                        tracing::debug!(%peer, error = %e, "metrics request timed out");
+                    }
+                });
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "metrics listener accept failed");
+                // Back off briefly (e.g. out of file descriptors) instead of spinning.
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
+}
+
+async fn answer(mut stream: tokio::net::TcpStream, metrics: &Metrics) {
+    let mut buf = Vec::with_capacity(1024);
+    let mut chunk = [0u8; 1024];
+    while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
+        match stream.read(&mut chunk).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+        }
+        if buf.len() > 8192 {
+            let _ = stream.write_all(b"HTTP/1.1 431 Request Header Fields Too Large\r\nContent-Length: 0\r\nConnection: close\r\n\r\n").await;
+            return;
+        }
+    }
+    let line = buf.split(|&b| b == b'\r').next().unwrap_or_default();
+    let line = String::from_utf8_lossy(line);
+    let mut parts = line.split(' ');
+    let (method, path) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
+    let response = if method == "GET" && (path == "/metrics" || path.starts_with("/metrics?")) {
+        let body = metrics.render();
+        format!(
+            "HTTP/1.1 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        )
+    } else {
+        "HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n".to_string()
+    };
+    let _ = stream.write_all(response.as_bytes()).await;
+    let _ = stream.shutdown().await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renders_counters_and_histogram() {
+        let m = Metrics::default();
+        m.rpc("Join", tonic::Code::Ok);
+        m.rpc("Join", tonic::Code::Ok);
+        m.rpc("Join", tonic::Code::InvalidArgument);
+        m.formed(Duration::from_millis(30));
+        m.set_job("j", Some((4, 2)));
+        let text = m.render();
+        assert!(text.contains("cohort_rpcs_total{method=\"Join\",code=\"OK\"} 2"), "{text}");
+        assert!(text.contains("cohort_rpcs_total{method=\"Join\",code=\"INVALID_ARGUMENT\"} 1"));
+        assert!(text.contains("cohort_formation_latency_seconds_bucket{le=\"0.05\"} 1"));
+        assert!(text.contains("cohort_formation_latency_seconds_bucket{le=\"0.025\"} 0"));
+        assert!(text.contains("cohort_members{job=\"j\"} 4"));
+        assert!(text.contains("cohort_generation{job=\"j\"} 2"));
+        assert!(text.contains("cohort_generations_formed_total 1"));
+    }
+}

@@ -1,0 +1,265 @@
+//! The store mutations shared by the RPC handlers and the leader: revoke a generation, form
+//! the next one, end a job. Each is one compare-and-swap transaction on the job's
+//! `generation` key (its `mod_revision`), so concurrent replicas (even two that both
+//! believe they lead) can never publish two different outcomes for one generation.
+
+use crate::config::Settings;
+use crate::exclusion::{ExclusionPolicy, FailureHistory};
+use crate::hub::Hubs;
+use crate::keys::{self, Kind};
+use crate::metrics::Metrics;
+use crate::records::{self, decode, encode, Cause, EndedRecord, GenerationRecord, MemberRecord, Outcome, Placed};
+use crate::revocation;
+use crate::store::{Compare, KeyValue, Store, StoreError, Txn, TxnOp};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::watch;
+
+/// How long the `ended` record of a finished or failed job is kept (for late callers).
+pub const ENDED_TTL: Duration = Duration::from_secs(600);
+
+/// How many times a CAS loop retries under contention before giving up.
+const CAS_ATTEMPTS: usize = 16;
+
+/// What every part of a replica shares.
+pub struct Context {
+    /// The store.
+    pub store: Arc<dyn Store>,
+    /// Job settings.
+    pub settings: Settings,
+    /// Exclusion policy.
+    pub exclusion: ExclusionPolicy,
+    /// Metrics.
+    pub metrics: Arc<Metrics>,
+    /// Per-job live views.
+    pub hubs: Hubs,
+    /// This replica's name (in the leader key).
+    pub replica: String,
+    /// Becomes `true` when the replica shuts down.
+    pub shutdown: watch::Receiver<bool>,
+}
+
+/// The outcome of a revocation attempt.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Revoked {
+    /// Whether this attempt revoked the generation.
+    pub accepted: bool,
+    /// The generation's root cause (this one's or the earlier one's), if known.
+    pub cause: Option<Cause>,
+}
+
+fn compare_for(key: &str, kv: Option<&KeyValue>) -> Compare {
+    match kv {
+        Some(kv) => Compare::ModRevision(key.to_string(), kv.mod_revision),
+        None => Compare::Absent(key.to_string()),
+    }
+}
+
+/// Reads and decodes the generation record.
+///
+/// # Cancel safety
+/// Cancel safe (read only).
+pub async fn read_generation(store: &dyn Store, job: &str) -> Result<Option<(GenerationRecord, KeyValue)>, StoreError> {
+    let key = keys::generation(job);
+    let Some(kv) = store.get(&key).await? else { return Ok(None) };
+    match decode::<GenerationRecord>(&key, &kv.value) {
+        Some(g) => Ok(Some((g, kv))),
+        None => Err(StoreError::Invalid(format!("{key} holds a record this coordinator cannot read"))),
+    }
+}
+
+/// Reads and decodes a member record.
+///
+/// # Cancel safety
+/// Cancel safe (read only).
+pub async fn read_member(store: &dyn Store, job: &str, worker: &str) -> Result<Option<(MemberRecord, KeyValue)>, StoreError> {
+    let key = keys::worker_key(job, Kind::Member, worker);
+    let Some(kv) = store.get(&key).await? else { return Ok(None) };
+    Ok(decode::<MemberRecord>(&key, &kv.value).map(|m| (m, kv)))
+}
+
+/// Revokes generation `number` of `job` with `cause`, unless it is no longer the current one
+/// or already revoked. `suspect` (worker, incarnation) gets a failure on its exclusion
+/// record and is evicted (its lease revoked). With `only_if_gone`, the revocation happens
+/// only if the suspect's member key is still gone (lease-lapse detection double-checks a
+/// possibly stale view).
+///
+/// # Cancel safety
+/// Cancel safe: the revocation is one transaction (applied wholly or not at all); if
+/// dropped after it, the suspect is not evicted here but its lease lapses or the next
+/// report evicts it.
+pub async fn revoke_generation(
+    ctx: &Context,
+    job: &str,
+    number: u64,
+    cause: Cause,
+    suspect: Option<(String, u64)>,
+    only_if_gone: bool,
+) -> Result<Revoked, StoreError> {
+    let gen_key = keys::generation(job);
+    for _ in 0..CAS_ATTEMPTS {
+        let Some((g, gkv)) = read_generation(ctx.store.as_ref(), job).await? else {
+            return Ok(Revoked { accepted: false, cause: None });
+        };
+        if g.number != number {
+            return Ok(Revoked { accepted: false, cause: g.cause_of(number).cloned() });
+        }
+        if let Some(c) = &g.revoked {
+            return Ok(Revoked { accepted: false, cause: Some(c.clone()) });
+        }
+        if only_if_gone {
+            if let Some((w, inc)) = &suspect {
+                let live = read_member(ctx.store.as_ref(), job, w).await?.is_some_and(|(m, _)| m.incarnation == *inc);
+                if live || g.departed(w, *inc).is_some() {
+                    return Ok(Revoked { accepted: false, cause: None });
+                }
+            }
+        }
+        let now = records::now_ms();
+        let new = revocation::revoked(&g, cause.clone(), now);
+        let mut txn = Txn {
+            compares: vec![Compare::ModRevision(gen_key.clone(), gkv.mod_revision)],
+            success: vec![TxnOp::Put { key: gen_key.clone(), value: encode(&new), lease: None }],
+            failure: vec![],
+        };
+        let mut excluded_until = None;
+        if let Some((w, _)) = &suspect {
+            let fkey = keys::worker_key(job, Kind::Failures, w);
+            let fkv = ctx.store.get(&fkey).await?;
+            let mut history: FailureHistory = fkv.as_ref().and_then(|kv| decode(&fkey, &kv.value)).unwrap_or_default();
+            excluded_until = history.record_failure(&ctx.exclusion, now);
+            txn.compares.push(compare_for(&fkey, fkv.as_ref()));
+            txn.success.push(TxnOp::Put { key: fkey, value: encode(&history), lease: None });
+        }
+        if !ctx.store.txn(txn).await?.succeeded {
+            continue;
+        }
+        ctx.metrics.revoked();
+        tracing::info!(%job, generation = number, rank = ?cause.rank, suspect = %cause.worker_id,
+                       reason = %cause.reason, reported_by = %cause.reported_by, "generation revoked");
+        if let Some(until) = excluded_until {
+            tracing::warn!(%job, worker = %cause.worker_id, excluded_until_ms = until, "worker excluded after repeated failures");
+        }
+        if let Some((w, inc)) = &suspect {
+            evict(ctx, job, w, *inc).await;
+        }
+        return Ok(Revoked { accepted: true, cause: Some(cause) });
+    }
+    Err(StoreError::Unavailable(format!("revoking generation {number} of {job}: too much contention")))
+}
+
+/// Evicts one incarnation: revokes its lease (its keys go with it) if it is still the
+/// worker's member. Errors are logged: the lease expires by itself anyway.
+///
+/// # Cancel safety
+/// Cancel safe (one lease revocation).
+pub async fn evict(ctx: &Context, job: &str, worker: &str, incarnation: u64) {
+    match read_member(ctx.store.as_ref(), job, worker).await {
+        Ok(Some((m, _))) if m.incarnation == incarnation => {
+            if let Err(e) = ctx.store.revoke_lease(incarnation as i64).await {
+                tracing::warn!(%job, %worker, incarnation, error = %e, "could not evict; the lease will expire by itself");
+            } else {
+                tracing::info!(%job, %worker, incarnation, "member evicted");
+            }
+        }
+        Ok(_) => {}
+        Err(e) => tracing::warn!(%job, %worker, error = %e, "could not check the member to evict"),
+    }
+}
+
+/// Publishes the next generation if the generation key still has revision `expected`
+/// (`None`: absent). Returns the record, or `None` if another change came first.
+///
+/// # Cancel safety
+/// Cancel safe: one transaction.
+pub async fn form_generation(
+    ctx: &Context,
+    job: &str,
+    previous: Option<&GenerationRecord>,
+    expected: Option<i64>,
+    members: Vec<Placed>,
+) -> Result<Option<GenerationRecord>, StoreError> {
+    let key = keys::generation(job);
+    let record = crate::rendezvous::next_generation(previous, members, records::now_ms());
+    let compare = match expected {
+        Some(rev) => Compare::ModRevision(key.clone(), rev),
+        None => Compare::Absent(key.clone()),
+    };
+    let txn = Txn {
+        compares: vec![compare, Compare::Absent(keys::ended(job))],
+        success: vec![TxnOp::Put { key, value: encode(&record), lease: None }],
+        failure: vec![],
+    };
+    Ok(ctx.store.txn(txn).await?.succeeded.then_some(record))
+}
+
+/// Replaces the generation record (same generation, e.g. a new `below_min_since_ms`) if its
+/// key still has revision `expected`.
+///
+/// # Cancel safety
+/// Cancel safe: one transaction.
+pub async fn update_generation(ctx: &Context, job: &str, record: &GenerationRecord, expected: i64) -> Result<bool, StoreError> {
+    let key = keys::generation(job);
+    let txn = Txn {
+        compares: vec![Compare::ModRevision(key.clone(), expected)],
+        success: vec![TxnOp::Put { key, value: encode(record), lease: None }],
+        failure: vec![],
+    };
+    Ok(ctx.store.txn(txn).await?.succeeded)
+}
+
+/// Ends a job if its generation key still has revision `expected` (`None`: absent): writes
+/// the `ended` record (on a lease of [`ENDED_TTL`]) and deletes every other key of the job,
+/// then revokes the leases of `members`. Returns whether this call ended it.
+///
+/// # Cancel safety
+/// Cancel safe: the end is one transaction; a lease granted for a transaction that never
+/// ran expires by itself, and members' leases expire without heartbeats.
+pub async fn end_job(
+    ctx: &Context,
+    job: &str,
+    outcome: Outcome,
+    reason: &str,
+    expected: Option<i64>,
+    members: &[u64],
+) -> Result<bool, StoreError> {
+    let lease = ctx.store.grant_lease(ENDED_TTL).await?;
+    let gen_key = keys::generation(job);
+    let record = EndedRecord { outcome, reason: reason.to_string(), ended_at_ms: records::now_ms() };
+    let mut success = vec![TxnOp::Put { key: keys::ended(job), value: encode(&record), lease: Some(lease) }];
+    for kind in keys::Kind::ALL {
+        success.push(TxnOp::DeletePrefix(keys::kind_prefix(job, kind)));
+    }
+    success.push(TxnOp::Delete(gen_key.clone()));
+    let compare = match expected {
+        Some(rev) => Compare::ModRevision(gen_key, rev),
+        None => Compare::Absent(gen_key),
+    };
+    let txn = Txn { compares: vec![compare, Compare::Absent(keys::ended(job))], success, failure: vec![] };
+    let result = ctx.store.txn(txn).await;
+    match result {
+        Ok(r) if r.succeeded => {}
+        other => {
+            if let Err(e) = ctx.store.revoke_lease(lease).await {
+                tracing::debug!(%job, error = %e, "could not revoke an unused lease");
+            }
+            return other.map(|_| false);
+        }
+    }
+    tracing::info!(%job, ?outcome, %reason, "job ended");
+    for inc in members {
+        if let Err(e) = ctx.store.revoke_lease(*inc as i64).await {
+            tracing::debug!(%job, incarnation = inc, error = %e, "could not revoke a member lease of an ended job");
+        }
+    }
+    ctx.metrics.set_job(job, None);
+    Ok(true)
+}
+
+/// Resolves once the replica shuts down (or its shutdown signal is gone).
+///
+/// # Cancel safety
+/// Cancel safe.
+pub async fn stopped(rx: &mut watch::Receiver<bool>) {
+    let _ = rx.wait_for(|s| *s).await;
+}

@@ -1,0 +1,451 @@
+//! The values stored under the keys of [`crate::keys`] (JSON), and [`JobState`], a job's
+//! whole state decoded from one prefix read and kept current by applying watch events.
+
+use crate::exclusion::FailureHistory;
+use crate::keys::{self, Kind, Parsed};
+use crate::store::{KeyValue, WatchEvent};
+use cohort_proto::v1 as pb;
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+/// Milliseconds since the Unix epoch, now.
+pub fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+/// Encodes a record.
+pub fn encode<T: Serialize>(value: &T) -> Vec<u8> {
+    // Serialising these plain structs to JSON cannot fail (no maps with non-string keys,
+    // no custom serialisers); an empty value would be refused on decode.
+    serde_json::to_vec(value).unwrap_or_default()
+}
+
+/// Decodes a record; `None` (and a warning) for a value this version cannot read.
+pub fn decode<T: for<'de> Deserialize<'de>>(key: &str, value: &[u8]) -> Option<T> {
+    match serde_json::from_slice(value) {
+        Ok(v) => Some(v),
+        Err(e) => {
+            tracing::warn!(%key, error = %e, "ignoring an undecodable store value");
+            None
+        }
+    }
+}
+
+/// One data-plane address.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Address {
+    /// `tcp` or `rdma`.
+    pub transport: String,
+    /// The transport's address.
+    pub address: String,
+}
+
+impl From<&pb::TransportAddress> for Address {
+    fn from(a: &pb::TransportAddress) -> Self {
+        Self { transport: a.transport.clone(), address: a.address.clone() }
+    }
+}
+
+impl From<&Address> for pb::TransportAddress {
+    fn from(a: &Address) -> Self {
+        Self { transport: a.transport.clone(), address: a.address.clone() }
+    }
+}
+
+/// `members/<worker>`: one live incarnation of a worker (on its lease; the lease id is the
+/// incarnation).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MemberRecord {
+    /// The worker id.
+    pub worker_id: String,
+    /// The incarnation (also the store lease id).
+    pub incarnation: u64,
+    /// Host name for humans.
+    pub host: String,
+    /// Data-plane addresses.
+    pub addresses: Vec<Address>,
+    /// Capabilities.
+    pub capabilities: Vec<String>,
+    /// Join time, ms since the epoch.
+    pub joined_at_ms: u64,
+}
+
+/// `waiting/<worker>`: the member waits for a generation newer than `after_generation`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WaitingRecord {
+    /// The incarnation that waits.
+    pub incarnation: u64,
+    /// It wants a generation newer than this.
+    pub after_generation: u64,
+    /// Arrival time, ms since the epoch (kept across re-polls: it orders joiners).
+    pub since_ms: u64,
+}
+
+/// `progress/<worker>`: what the member last said it was doing.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProgressRecord {
+    /// The incarnation this describes.
+    pub incarnation: u64,
+    /// Last heartbeat, ms since the epoch.
+    pub last_heartbeat_ms: u64,
+    /// The generation the member is in.
+    pub generation: u64,
+    /// Its step.
+    pub step: u64,
+    /// Its activity (e.g. `allreduce`, `rendezvous`).
+    pub activity: String,
+    /// Step of its last commit.
+    pub last_commit_step: u64,
+    /// Generation of its last commit.
+    pub last_commit_generation: u64,
+    /// Hex digest of its last commit.
+    pub last_commit_digest: String,
+    /// Time of its last commit, ms since the epoch (0: none).
+    pub last_commit_ms: u64,
+}
+
+/// One member of a generation.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Placed {
+    /// The worker id.
+    pub worker_id: String,
+    /// Its incarnation.
+    pub incarnation: u64,
+    /// Host name.
+    pub host: String,
+    /// Data-plane addresses.
+    pub addresses: Vec<Address>,
+}
+
+/// The root cause of a revocation.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Cause {
+    /// Rank of the failed member in the revoked generation, if known.
+    pub rank: Option<u32>,
+    /// Its worker id (empty if unknown).
+    pub worker_id: String,
+    /// Its host (empty if unknown).
+    pub host: String,
+    /// What happened.
+    pub reason: String,
+    /// Who reported it (`coordinator` for lease expiry).
+    pub reported_by: String,
+}
+
+impl Cause {
+    /// As the protocol carries it.
+    pub fn to_proto(&self) -> pb::RootCause {
+        pb::RootCause {
+            rank: self.rank,
+            worker_id: self.worker_id.clone(),
+            host: self.host.clone(),
+            reason: self.reason.clone(),
+            reported_by: self.reported_by.clone(),
+        }
+    }
+}
+
+/// A member of the current generation that left it without failing.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Departure {
+    /// The worker id.
+    pub worker_id: String,
+    /// Its incarnation.
+    pub incarnation: u64,
+    /// `true`: it finished the work; `false`: a graceful leave.
+    pub finished: bool,
+}
+
+/// How many revocations of older generations the record remembers (for late reports).
+pub const HISTORY: usize = 8;
+
+/// `generation`: the job's newest generation.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GenerationRecord {
+    /// Generation number (1, 2, ...).
+    pub number: u64,
+    /// Members in rank order.
+    pub members: Vec<Placed>,
+    /// Formation time, ms since the epoch.
+    pub formed_at_ms: u64,
+    /// The root cause, once revoked.
+    pub revoked: Option<Cause>,
+    /// Revocation time, ms since the epoch.
+    pub revoked_at_ms: Option<u64>,
+    /// Members that left gracefully or finished.
+    pub departed: Vec<Departure>,
+    /// Since when the job has had fewer live workers than `min_workers` (elastic timeout).
+    pub below_min_since_ms: Option<u64>,
+    /// Root causes of the most recent older revoked generations, newest last.
+    pub history: Vec<(u64, Cause)>,
+}
+
+impl GenerationRecord {
+    /// The rank of `(worker, incarnation)`, if a member.
+    pub fn rank_of(&self, worker: &str, incarnation: u64) -> Option<u32> {
+        self.members.iter().position(|m| m.worker_id == worker && m.incarnation == incarnation).map(|r| r as u32)
+    }
+
+    /// Whether `(worker, incarnation)` left this generation without failing.
+    pub fn departed(&self, worker: &str, incarnation: u64) -> Option<&Departure> {
+        self.departed.iter().find(|d| d.worker_id == worker && d.incarnation == incarnation)
+    }
+
+    /// The root cause of revoked generation `number`, if remembered.
+    pub fn cause_of(&self, number: u64) -> Option<&Cause> {
+        if number == self.number {
+            return self.revoked.as_ref();
+        }
+        self.history.iter().rev().find(|(n, _)| *n == number).map(|(_, c)| c)
+    }
+
+    /// As the protocol carries it.
+    pub fn to_proto(&self) -> pb::Generation {
+        pb::Generation {
+            number: self.number,
+            members: self
+                .members
+                .iter()
+                .enumerate()
+                .map(|(rank, m)| pb::Member {
+                    rank: rank as u32,
+                    worker_id: m.worker_id.clone(),
+                    incarnation: m.incarnation,
+                    host: m.host.clone(),
+                    addresses: m.addresses.iter().map(Into::into).collect(),
+                })
+                .collect(),
+            formed_at_ms: self.formed_at_ms,
+        }
+    }
+}
+
+/// How a job ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Outcome {
+    /// Every member finished.
+    Finished,
+    /// The job failed (below `min_workers` for longer than the elastic timeout).
+    Failed,
+}
+
+/// `ended`: the job is over.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EndedRecord {
+    /// How.
+    pub outcome: Outcome,
+    /// Why, for humans.
+    pub reason: String,
+    /// When, ms since the epoch.
+    pub ended_at_ms: u64,
+}
+
+impl EndedRecord {
+    /// As the protocol carries it.
+    pub fn to_proto(&self) -> pb::JobEnded {
+        let outcome = match self.outcome {
+            Outcome::Finished => pb::job_ended::Outcome::Finished,
+            Outcome::Failed => pb::job_ended::Outcome::Failed,
+        };
+        pb::JobEnded { outcome: outcome as i32, reason: self.reason.clone() }
+    }
+}
+
+/// Everything stored about one job, decoded.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct JobState {
+    /// The job id.
+    pub job: String,
+    /// The store revision this state reflects.
+    pub revision: i64,
+    /// Live members by worker id.
+    pub members: BTreeMap<String, MemberRecord>,
+    /// Waiting members by worker id.
+    pub waiting: BTreeMap<String, WaitingRecord>,
+    /// Progress by worker id.
+    pub progress: BTreeMap<String, ProgressRecord>,
+    /// Failure histories by worker id.
+    pub failures: BTreeMap<String, FailureHistory>,
+    /// The newest generation and its key's `mod_revision` (for CAS).
+    pub generation: Option<(GenerationRecord, i64)>,
+    /// The end record, once the job ended.
+    pub ended: Option<EndedRecord>,
+}
+
+impl JobState {
+    /// Decodes a job's keys (from a prefix read at `revision`).
+    pub fn from_kvs(job: &str, kvs: &[KeyValue], revision: i64) -> Self {
+        let mut state = JobState { job: job.to_string(), revision, ..Default::default() };
+        for kv in kvs {
+            state.put(kv);
+        }
+        state.revision = revision;
+        state
+    }
+
+    /// Applies one watch event.
+    pub fn apply(&mut self, event: &WatchEvent) {
+        match event {
+            WatchEvent::Put(kv) => {
+                self.put(kv);
+                self.revision = self.revision.max(kv.mod_revision);
+            }
+            WatchEvent::Delete { key, revision } => {
+                self.delete(key);
+                self.revision = self.revision.max(*revision);
+            }
+        }
+    }
+
+    fn put(&mut self, kv: &KeyValue) {
+        match keys::parse(&kv.key) {
+            Some(Parsed::Worker { job, kind, worker }) if job == self.job => {
+                let w = worker.to_string();
+                match kind {
+                    Kind::Member => match decode(&kv.key, &kv.value) {
+                        Some(v) => {
+                            self.members.insert(w, v);
+                        }
+                        None => {
+                            self.members.remove(&w);
+                        }
+                    },
+                    Kind::Waiting => match decode(&kv.key, &kv.value) {
+                        Some(v) => {
+                            self.waiting.insert(w, v);
+                        }
+                        None => {
+                            self.waiting.remove(&w);
+                        }
+                    },
+                    Kind::Progress => match decode(&kv.key, &kv.value) {
+                        Some(v) => {
+                            self.progress.insert(w, v);
+                        }
+                        None => {
+                            self.progress.remove(&w);
+                        }
+                    },
+                    Kind::Failures => match decode(&kv.key, &kv.value) {
+                        Some(v) => {
+                            self.failures.insert(w, v);
+                        }
+                        None => {
+                            self.failures.remove(&w);
+                        }
+                    },
+                }
+            }
+            Some(Parsed::Generation { job }) if job == self.job => {
+                // An undecodable generation keeps its revision so that a CAS can replace it.
+                self.generation = decode::<GenerationRecord>(&kv.key, &kv.value).map(|g| (g, kv.mod_revision));
+            }
+            Some(Parsed::Ended { job }) if job == self.job => {
+                self.ended = decode(&kv.key, &kv.value);
+            }
+            _ => {}
+        }
+    }
+
+    fn delete(&mut self, key: &str) {
+        match keys::parse(key) {
+            Some(Parsed::Worker { job, kind, worker }) if job == self.job => {
+                match kind {
+                    Kind::Member => self.members.remove(worker).map(|_| ()),
+                    Kind::Waiting => self.waiting.remove(worker).map(|_| ()),
+                    Kind::Progress => self.progress.remove(worker).map(|_| ()),
+                    Kind::Failures => self.failures.remove(worker).map(|_| ()),
+                };
+            }
+            Some(Parsed::Generation { job }) if job == self.job => self.generation = None,
+            Some(Parsed::Ended { job }) if job == self.job => self.ended = None,
+            _ => {}
+        }
+    }
+
+    /// The generation record, without its revision.
+    pub fn current(&self) -> Option<&GenerationRecord> {
+        self.generation.as_ref().map(|(g, _)| g)
+    }
+
+    /// The newest generation number (0 if none).
+    pub fn current_number(&self) -> u64 {
+        self.current().map(|g| g.number).unwrap_or(0)
+    }
+
+    /// Whether `(worker, incarnation)` is a live member.
+    pub fn is_live(&self, worker: &str, incarnation: u64) -> bool {
+        self.members.get(worker).is_some_and(|m| m.incarnation == incarnation)
+    }
+
+    /// Whether the job holds no state worth keeping (no keys at all).
+    pub fn is_empty(&self) -> bool {
+        self.members.is_empty()
+            && self.waiting.is_empty()
+            && self.progress.is_empty()
+            && self.failures.is_empty()
+            && self.generation.is_none()
+            && self.ended.is_none()
+    }
+}
+
+/// Lower-case hex of bytes (commit digests).
+pub fn hex(bytes: &[u8]) -> String {
+    let mut s = String::with_capacity(bytes.len() * 2);
+    for b in bytes {
+        s.push_str(&format!("{b:02x}"));
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn kv(key: String, value: Vec<u8>, rev: i64) -> KeyValue {
+        KeyValue { key, value, create_revision: rev, mod_revision: rev, lease: None }
+    }
+
+    #[test]
+    fn state_follows_events() {
+        let m = MemberRecord {
+            worker_id: "w".into(),
+            incarnation: 7,
+            host: "h".into(),
+            addresses: vec![],
+            capabilities: vec![],
+            joined_at_ms: 1,
+        };
+        let mk = keys::worker_key("j", Kind::Member, "w");
+        let mut s = JobState::from_kvs("j", &[kv(mk.clone(), encode(&m), 3)], 3);
+        assert!(s.is_live("w", 7));
+        assert!(!s.is_live("w", 8));
+        let g = GenerationRecord {
+            number: 1,
+            members: vec![],
+            formed_at_ms: 0,
+            revoked: None,
+            revoked_at_ms: None,
+            departed: vec![],
+            below_min_since_ms: None,
+            history: vec![],
+        };
+        s.apply(&WatchEvent::Put(kv(keys::generation("j"), encode(&g), 4)));
+        assert_eq!(s.generation.as_ref().map(|(g, r)| (g.number, *r)), Some((1, 4)));
+        s.apply(&WatchEvent::Delete { key: mk, revision: 5 });
+        assert!(s.members.is_empty());
+        assert_eq!(s.revision, 5);
+        // Another job's keys and garbage are ignored.
+        s.apply(&WatchEvent::Put(kv(keys::worker_key("k", Kind::Member, "x"), encode(&m), 6)));
+        s.apply(&WatchEvent::Put(kv(keys::worker_key("j", Kind::Member, "y"), b"not json".to_vec(), 7)));
+        assert!(s.members.is_empty());
+    }
+
+    #[test]
+    fn hex_digest() {
+        assert_eq!(hex(&[0, 0xab, 0x10]), "00ab10");
+    }
+}

@@ -1,0 +1,477 @@
+//! The rendezvous decision, as pure logic (no store, no clock): given a job's state and
+//! "now", decide whether to form the next generation, end the job, or wait until a time.
+//!
+//! Rules:
+//! - A waiting member is *ready* for the next generation when it is live (its member key
+//!   holds the same incarnation), not excluded, and either not a member of the current
+//!   generation, or done with it (it waits after the current number: a wait from before
+//!   the current generation was formed is stale, also once that generation is revoked).
+//! - The *expected* members are the current generation's members that are still live, not
+//!   excluded and have not departed (left or finished).
+//! - While the current generation is active (not revoked) and has expected members, the next
+//!   one forms only when every expected member is ready (cooperative re-formation: a commit
+//!   point, a scale-up, a peer that left). Joiners wait meanwhile and are reported as a
+//!   pending re-formation.
+//! - Otherwise (no generation yet, revoked, or nobody left of it) it forms once at least
+//!   `min_workers` are ready and either `max_workers` are ready, or every expected member is
+//!   ready (survivors re-form at once after a failure), or the join window has passed since
+//!   the last arrival.
+//! - Ranks: ready survivors keep their relative order, joiners follow in arrival order;
+//!   never more than `max_workers` (extra joiners keep waiting); excluded workers are never
+//!   placed.
+//! - Once a generation has existed, a job with fewer live (non-excluded) workers than
+//!   `min_workers` for longer than the elastic timeout ends FAILED. Before the first
+//!   generation, a job waits for its workers without limit.
+//! - A job ends FINISHED when every member of its current generation has departed and at
+//!   least one of them finished.
+
+use crate::config::JobSettings;
+use crate::records::{GenerationRecord, JobState, Outcome, Placed};
+use std::collections::BTreeSet;
+
+/// What to do now.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Action {
+    /// Nothing to do now.
+    Nothing,
+    /// Form the next generation with these members, in rank order.
+    Form(Vec<Placed>),
+    /// End the job.
+    End(Outcome, String),
+}
+
+/// The outcome of evaluating a job.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Evaluation {
+    /// What to do now.
+    pub action: Action,
+    /// The value the generation record's `below_min_since_ms` should have.
+    pub below_min_since_ms: Option<u64>,
+    /// When to evaluate again if nothing changes (ms since the epoch).
+    pub next_deadline_ms: Option<u64>,
+    /// Joiners that could be placed while the current generation is active.
+    pub pending_joiners: u32,
+    /// Whether the active generation should re-form at its next commit point (joiners can
+    /// be placed, or a member left gracefully).
+    pub reformation_pending: bool,
+    /// Members ready for the next generation.
+    pub ready: u32,
+}
+
+/// Workers excluded at `now_ms`.
+pub fn excluded(state: &JobState, now_ms: u64) -> BTreeSet<String> {
+    state
+        .failures
+        .iter()
+        .filter(|(_, h)| h.excluded_until(now_ms).is_some())
+        .map(|(w, _)| w.clone())
+        .collect()
+}
+
+fn is_ready(state: &JobState, current: Option<&GenerationRecord>, excluded: &BTreeSet<String>, worker: &str) -> bool {
+    let Some(w) = state.waiting.get(worker) else { return false };
+    if !state.is_live(worker, w.incarnation) || excluded.contains(worker) {
+        return false;
+    }
+    match current {
+        None => true,
+        // A member of the current generation is ready only once it asks for a newer one:
+        // its wait from before (which this generation answered) does not count, even after
+        // a revocation, until it comes back to rendezvous.
+        Some(g) => g.rank_of(worker, w.incarnation).is_none() || w.after_generation >= g.number,
+    }
+}
+
+/// Evaluates a job. Pure: the same inputs always give the same decision.
+pub fn evaluate(settings: &JobSettings, state: &JobState, now_ms: u64) -> Evaluation {
+    let mut eval = Evaluation {
+        action: Action::Nothing,
+        below_min_since_ms: None,
+        next_deadline_ms: None,
+        pending_joiners: 0,
+        reformation_pending: false,
+        ready: 0,
+    };
+    if state.ended.is_some() {
+        return eval;
+    }
+    let excluded = excluded(state, now_ms);
+    let current = state.current();
+    if let Some(g) = current {
+        eval.below_min_since_ms = g.below_min_since_ms;
+        if !g.members.is_empty()
+            && g.members.iter().all(|m| g.departed(&m.worker_id, m.incarnation).is_some())
+            && g.departed.iter().any(|d| d.finished)
+        {
+            eval.action = Action::End(
+                Outcome::Finished,
+                format!("every member of generation {} left the job, {} of them finished", g.number, g.departed.iter().filter(|d| d.finished).count()),
+            );
+            return eval;
+        }
+    }
+    // Exclusions end on their own: evaluate again then.
+    for h in state.failures.values() {
+        if let Some(until) = h.excluded_until(now_ms) {
+            eval.next_deadline_ms = min_opt(eval.next_deadline_ms, until);
+        }
+    }
+
+    let eligible = state.members.keys().filter(|w| !excluded.contains(*w)).count();
+    let min = settings.min_workers as usize;
+    let max = settings.max_workers as usize;
+    eval.below_min_since_ms = match current {
+        Some(g) if eligible < min => Some(g.below_min_since_ms.unwrap_or(now_ms)),
+        _ => None,
+    };
+    if let Some(since) = eval.below_min_since_ms {
+        let deadline = since.saturating_add(settings.elastic_timeout.as_millis() as u64);
+        if now_ms >= deadline {
+            eval.action = Action::End(
+                Outcome::Failed,
+                format!(
+                    "the job had {eligible} live worker(s), fewer than min_workers = {min}, for longer than the elastic timeout ({} ms)",
+                    settings.elastic_timeout.as_millis()
+                ),
+            );
+            return eval;
+        }
+        eval.next_deadline_ms = min_opt(eval.next_deadline_ms, deadline);
+    }
+
+    let active = current.filter(|g| g.revoked.is_none());
+    let expected: Vec<&Placed> = current
+        .map(|g| {
+            g.members
+                .iter()
+                .filter(|m| {
+                    state.is_live(&m.worker_id, m.incarnation)
+                        && !excluded.contains(&m.worker_id)
+                        && g.departed(&m.worker_id, m.incarnation).is_none()
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    let ready = |w: &str| is_ready(state, current, &excluded, w);
+    let ready_survivors: Vec<&str> =
+        expected.iter().filter(|m| ready(&m.worker_id)).map(|m| m.worker_id.as_str()).collect();
+    let mut joiners: Vec<(&str, u64)> = state
+        .waiting
+        .iter()
+        .filter(|(w, _)| ready(w) && !ready_survivors.contains(&w.as_str()))
+        .map(|(w, r)| (w.as_str(), r.since_ms))
+        .collect();
+    joiners.sort_by(|a, b| a.1.cmp(&b.1).then(a.0.cmp(b.0)));
+    let last_arrival = state
+        .waiting
+        .iter()
+        .filter(|(w, _)| ready(w))
+        .map(|(_, r)| r.since_ms)
+        .max();
+    let mut candidates: Vec<&str> = ready_survivors.clone();
+    candidates.extend(joiners.iter().map(|(w, _)| *w));
+    eval.ready = candidates.len() as u32;
+    candidates.truncate(max);
+    let n = candidates.len();
+    let all_expected_ready = !expected.is_empty() && ready_survivors.len() == expected.len();
+    let cooperative = active.is_some() && !expected.is_empty();
+
+    if cooperative {
+        let room = max.saturating_sub(expected.len());
+        eval.pending_joiners = joiners.len().min(room) as u32;
+        let left_gracefully = active.is_some_and(|g| g.departed.iter().any(|d| !d.finished));
+        eval.reformation_pending = eval.pending_joiners > 0 || left_gracefully;
+    }
+
+    let form = if n < min || n == 0 {
+        false
+    } else if cooperative {
+        all_expected_ready
+    } else {
+        let window_passed = last_arrival
+            .map(|t| now_ms >= t.saturating_add(settings.join_window.as_millis() as u64))
+            .unwrap_or(false);
+        n >= max || all_expected_ready || window_passed
+    };
+    if form {
+        let placed = candidates
+            .iter()
+            .filter_map(|w| {
+                let m = state.members.get(*w)?;
+                Some(Placed {
+                    worker_id: m.worker_id.clone(),
+                    incarnation: m.incarnation,
+                    host: m.host.clone(),
+                    addresses: m.addresses.clone(),
+                })
+            })
+            .collect();
+        eval.action = Action::Form(placed);
+    } else if n >= min && n > 0 && !cooperative {
+        if let Some(t) = last_arrival {
+            eval.next_deadline_ms = min_opt(eval.next_deadline_ms, t.saturating_add(settings.join_window.as_millis() as u64));
+        }
+    }
+    eval
+}
+
+fn min_opt(a: Option<u64>, b: u64) -> Option<u64> {
+    Some(a.map_or(b, |a| a.min(b)))
+}
+
+/// The record of generation `number` formed from `members`, carrying the previous record's
+/// revocation history forward.
+pub fn next_generation(previous: Option<&GenerationRecord>, members: Vec<Placed>, now_ms: u64) -> GenerationRecord {
+    let mut history = previous.map(|g| g.history.clone()).unwrap_or_default();
+    if let Some(g) = previous {
+        if let Some(cause) = &g.revoked {
+            history.push((g.number, cause.clone()));
+        }
+    }
+    if history.len() > crate::records::HISTORY {
+        let drop = history.len() - crate::records::HISTORY;
+        history.drain(..drop);
+    }
+    GenerationRecord {
+        number: previous.map_or(1, |g| g.number + 1),
+        members,
+        formed_at_ms: now_ms,
+        revoked: None,
+        revoked_at_ms: None,
+        departed: Vec::new(),
+        below_min_since_ms: None,
+        history,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::exclusion::FailureHistory;
+    use crate::records::{Cause, Departure, MemberRecord, WaitingRecord};
+    use std::time::Duration;
+
+    fn settings(min: u32, max: u32) -> JobSettings {
+        JobSettings {
+            min_workers: min,
+            max_workers: max,
+            join_window: Duration::from_millis(200),
+            heartbeat_interval: Duration::from_millis(100),
+            lease_ttl: Duration::from_secs(1),
+            elastic_timeout: Duration::from_secs(5),
+        }
+    }
+
+    fn placed(w: &str, inc: u64) -> Placed {
+        Placed { worker_id: w.into(), incarnation: inc, host: "h".into(), addresses: vec![] }
+    }
+
+    struct Job(JobState);
+
+    impl Job {
+        fn new() -> Self {
+            Job(JobState { job: "j".into(), ..Default::default() })
+        }
+        fn member(mut self, w: &str, inc: u64) -> Self {
+            self.0.members.insert(
+                w.into(),
+                MemberRecord { worker_id: w.into(), incarnation: inc, host: "h".into(), addresses: vec![], capabilities: vec![], joined_at_ms: 0 },
+            );
+            self
+        }
+        fn waits(mut self, w: &str, after: u64, since: u64) -> Self {
+            let inc = self.0.members.get(w).map(|m| m.incarnation).unwrap_or(1);
+            self.0.waiting.insert(w.into(), WaitingRecord { incarnation: inc, after_generation: after, since_ms: since });
+            self
+        }
+        fn generation(mut self, number: u64, members: &[&str], revoked: bool) -> Self {
+            let members = members.iter().map(|w| placed(w, 1)).collect();
+            let mut g = next_generation(None, members, 0);
+            g.number = number;
+            if revoked {
+                g.revoked = Some(Cause { rank: Some(0), worker_id: "x".into(), host: String::new(), reason: "r".into(), reported_by: "t".into() });
+                g.revoked_at_ms = Some(0);
+            }
+            self.0.generation = Some((g, 1));
+            self
+        }
+        fn gen_mut(&mut self) -> &mut GenerationRecord {
+            &mut self.0.generation.as_mut().expect("generation").0
+        }
+    }
+
+    fn formed(e: &Evaluation) -> Vec<String> {
+        match &e.action {
+            Action::Form(p) => p.iter().map(|p| p.worker_id.clone()).collect(),
+            other => panic!("expected a formation, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn first_generation_waits_for_the_join_window() {
+        let job = Job::new().member("a", 1).member("b", 1).waits("a", 0, 100).waits("b", 0, 150);
+        let e = evaluate(&settings(1, 8), &job.0, 200);
+        assert_eq!(e.action, Action::Nothing);
+        assert_eq!(e.next_deadline_ms, Some(350));
+        let e = evaluate(&settings(1, 8), &job.0, 350);
+        assert_eq!(formed(&e), ["a", "b"]);
+    }
+
+    #[test]
+    fn joiners_are_ranked_by_arrival() {
+        let job = Job::new().member("a", 1).member("b", 1).member("c", 1).waits("c", 0, 10).waits("a", 0, 30).waits("b", 0, 20);
+        assert_eq!(formed(&evaluate(&settings(1, 8), &job.0, 1000)), ["c", "b", "a"]);
+    }
+
+    #[test]
+    fn max_forms_at_once_and_extra_joiners_wait() {
+        let job = Job::new()
+            .member("a", 1)
+            .member("b", 1)
+            .member("c", 1)
+            .waits("a", 0, 1)
+            .waits("b", 0, 2)
+            .waits("c", 0, 3);
+        let e = evaluate(&settings(1, 2), &job.0, 3);
+        assert_eq!(formed(&e), ["a", "b"]);
+    }
+
+    #[test]
+    fn below_min_does_not_form() {
+        let job = Job::new().member("a", 1).waits("a", 0, 0);
+        let e = evaluate(&settings(2, 4), &job.0, 10_000);
+        assert_eq!(e.action, Action::Nothing);
+        assert_eq!(e.next_deadline_ms, None, "no generation yet: no elastic timeout");
+    }
+
+    #[test]
+    fn survivors_keep_order_and_reform_at_once_after_a_failure() {
+        // Generation 1 = [a, b, c, d]; b failed (evicted); d, c, a wait; e joins.
+        let job = Job::new()
+            .member("a", 1)
+            .member("c", 1)
+            .member("d", 1)
+            .member("e", 1)
+            .generation(1, &["a", "b", "c", "d"], true)
+            .waits("d", 1, 100)
+            .waits("c", 1, 101)
+            .waits("a", 1, 102)
+            .waits("e", 0, 50);
+        let e = evaluate(&settings(1, 8), &job.0, 102);
+        assert_eq!(formed(&e), ["a", "c", "d", "e"], "no join window wait, survivors first");
+    }
+
+    #[test]
+    fn revoked_without_all_survivors_waits_for_the_window() {
+        let job = Job::new()
+            .member("a", 1)
+            .member("c", 1)
+            .generation(1, &["a", "b", "c"], true)
+            .waits("a", 1, 100);
+        let e = evaluate(&settings(1, 8), &job.0, 150);
+        assert_eq!(e.action, Action::Nothing);
+        assert_eq!(e.next_deadline_ms, Some(300));
+        assert_eq!(formed(&evaluate(&settings(1, 8), &job.0, 300)), ["a"]);
+    }
+
+    #[test]
+    fn active_generation_reforms_only_when_every_member_is_ready() {
+        let job = Job::new()
+            .member("a", 1)
+            .member("b", 1)
+            .member("j", 1)
+            .generation(3, &["a", "b"], false)
+            .waits("j", 0, 10)
+            .waits("a", 3, 20);
+        let e = evaluate(&settings(1, 8), &job.0, 100_000);
+        assert_eq!(e.action, Action::Nothing, "b is still working in generation 3");
+        assert_eq!(e.pending_joiners, 1);
+        assert!(e.reformation_pending);
+        let job = job.waits("b", 3, 30);
+        assert_eq!(formed(&evaluate(&settings(1, 8), &job.0, 31)), ["a", "b", "j"]);
+    }
+
+    #[test]
+    fn a_stale_waiter_of_the_active_generation_is_not_ready() {
+        // a waits after 2 but generation 3 includes it: the service hands it generation 3.
+        let job = Job::new().member("a", 1).generation(3, &["a"], false).waits("a", 2, 0);
+        let e = evaluate(&settings(1, 8), &job.0, 100_000);
+        assert_eq!(e.action, Action::Nothing);
+        assert_eq!(e.ready, 0);
+    }
+
+    #[test]
+    fn a_wait_answered_by_a_revoked_generation_is_stale() {
+        // a and b waited after 0 and got generation 1, which is revoked before they return.
+        let job = Job::new().member("a", 1).member("b", 1).generation(1, &["a", "b"], true).waits("a", 0, 0).waits("b", 0, 0);
+        let e = evaluate(&settings(1, 8), &job.0, 100_000);
+        assert_eq!(e.action, Action::Nothing);
+        assert_eq!(e.ready, 0);
+        let job = job.waits("a", 1, 100_001);
+        assert_eq!(evaluate(&settings(1, 8), &job.0, 100_001).ready, 1);
+    }
+
+    #[test]
+    fn no_room_means_no_pending_reformation() {
+        let job = Job::new().member("a", 1).member("b", 1).member("j", 1).generation(1, &["a", "b"], false).waits("j", 0, 0);
+        let e = evaluate(&settings(1, 2), &job.0, 10);
+        assert_eq!(e.pending_joiners, 0);
+        assert!(!e.reformation_pending);
+    }
+
+    #[test]
+    fn graceful_leave_makes_the_rest_reform() {
+        let mut job = Job::new().member("a", 1).member("c", 1).generation(1, &["a", "b", "c"], false);
+        job.gen_mut().departed.push(Departure { worker_id: "b".into(), incarnation: 1, finished: false });
+        let e = evaluate(&settings(1, 8), &job.0, 10);
+        assert!(e.reformation_pending);
+        let job = job.waits("a", 1, 5).waits("c", 1, 6);
+        assert_eq!(formed(&evaluate(&settings(1, 8), &job.0, 7)), ["a", "c"]);
+    }
+
+    #[test]
+    fn below_min_after_a_failure_ends_after_the_elastic_timeout() {
+        let job = Job::new().member("a", 1).generation(1, &["a", "b"], true).waits("a", 1, 0);
+        let s = settings(2, 4);
+        let e = evaluate(&s, &job.0, 1000);
+        assert_eq!(e.action, Action::Nothing);
+        assert_eq!(e.below_min_since_ms, Some(1000));
+        assert_eq!(e.next_deadline_ms, Some(6000));
+        let mut job = job;
+        job.gen_mut().below_min_since_ms = Some(1000);
+        assert!(matches!(evaluate(&s, &job.0, 5999).action, Action::Nothing));
+        assert!(matches!(evaluate(&s, &job.0, 6000).action, Action::End(Outcome::Failed, _)));
+        // Back above min: the clock stops.
+        let job = job.member("z", 1);
+        assert_eq!(evaluate(&s, &job.0, 7000).below_min_since_ms, None);
+    }
+
+    #[test]
+    fn excluded_workers_are_never_placed() {
+        let mut job = Job::new().member("a", 1).member("b", 1).waits("a", 0, 0).waits("b", 0, 0);
+        job.0.failures.insert("b".into(), FailureHistory { failures_ms: vec![], exclusions: 1, excluded_until_ms: Some(50_000) });
+        let e = evaluate(&settings(1, 8), &job.0, 1000);
+        assert_eq!(formed(&e), ["a"]);
+        assert_eq!(formed(&evaluate(&settings(1, 8), &job.0, 50_000)), ["a", "b"], "the exclusion is over");
+    }
+
+    #[test]
+    fn all_finished_ends_the_job() {
+        let mut job = Job::new().generation(2, &["a", "b"], false);
+        job.gen_mut().departed.push(Departure { worker_id: "a".into(), incarnation: 1, finished: true });
+        assert_eq!(evaluate(&settings(1, 8), &job.0, 0).action, Action::Nothing);
+        job.gen_mut().departed.push(Departure { worker_id: "b".into(), incarnation: 1, finished: true });
+        assert!(matches!(evaluate(&settings(1, 8), &job.0, 0).action, Action::End(Outcome::Finished, _)));
+    }
+
+    #[test]
+    fn next_generation_keeps_history() {
+        let mut g = next_generation(None, vec![placed("a", 1)], 5);
+        assert_eq!(g.number, 1);
+        g.revoked = Some(Cause { rank: None, worker_id: String::new(), host: String::new(), reason: "x".into(), reported_by: "a".into() });
+        let g2 = next_generation(Some(&g), vec![placed("a", 1)], 6);
+        assert_eq!(g2.number, 2);
+        assert_eq!(g2.cause_of(1).map(|c| c.reason.as_str()), Some("x"));
+        assert!(g2.revoked.is_none());
+    }
+}

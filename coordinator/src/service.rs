@@ -1,0 +1,686 @@
+//! The `cohort.v1.Coordinator` gRPC service over the store.
+//!
+//! Every replica serves every RPC: all state is in the store, and a replica keeps only
+//! caches (per-job [`Hub`]s, throttled progress). Every request is validated first
+//! ([`crate::validate`]); a bad one changes nothing.
+//!
+//! Membership: a member is one incarnation of a worker; the incarnation is the id of the
+//! store lease that carries its keys. An evicted member (a failure report named it, or its
+//! lease lapsed) gets NOT_FOUND on its next Heartbeat, Rendezvous or Commit, and must Join
+//! again; it then enters the next generation as a joiner.
+//!
+//! Watch needs no membership (an operator's tool may follow a job); it validates the ids
+//! and the token like every RPC. A Rendezvous answers with the newest generation that
+//! includes the caller even when it is already revoked: the member learns the revocation
+//! (watch, failed connection) and rendezvous again after it.
+
+use crate::hub::{self, Hub};
+use crate::keys::{self, Kind};
+use crate::ops::{self, Context};
+use crate::records::{self, decode, encode, hex, Departure, JobState, MemberRecord, Outcome, ProgressRecord, WaitingRecord};
+use crate::revocation::{self, ReportDecision};
+use crate::store::{Compare, StoreError, Txn, TxnOp};
+use crate::validate;
+use cohort_proto::v1 as pb;
+use cohort_proto::v1::job_event::Event;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status};
+use tracing::Instrument;
+
+/// Longest a Rendezvous long poll is held, whatever the client asks.
+pub const MAX_RENDEZVOUS_WAIT: Duration = Duration::from_secs(30);
+/// Progress is written to the store at most this often per member.
+pub const PROGRESS_PERIOD: Duration = Duration::from_secs(1);
+
+struct CachedProgress {
+    record: ProgressRecord,
+    written: Option<Instant>,
+    touched: Instant,
+}
+
+/// The coordinator service.
+#[derive(Clone)]
+pub struct CoordinatorService {
+    ctx: Arc<Context>,
+    progress: Arc<Mutex<HashMap<(String, String), CachedProgress>>>,
+}
+
+fn store_status(e: StoreError) -> Status {
+    match e {
+        StoreError::LeaseNotFound(_) => Status::not_found(format!("{e}")),
+        other => Status::unavailable(format!("coordinator store: {other}")),
+    }
+}
+
+fn not_member(job: &str, worker: &str, incarnation: u64) -> Status {
+    Status::not_found(format!(
+        "member {worker} (incarnation {incarnation}) is not in job {job} (lease expired or evicted); join again"
+    ))
+}
+
+impl CoordinatorService {
+    /// A service over a replica's shared context.
+    pub fn new(ctx: Arc<Context>) -> Self {
+        Self { ctx, progress: Arc::new(Mutex::new(HashMap::new())) }
+    }
+
+    async fn hub(&self, job: &str) -> Result<Arc<Hub>, Status> {
+        self.ctx.hubs.get(job, &self.ctx.settings.for_job(job)).await.map_err(store_status)
+    }
+
+    async fn read_job(&self, job: &str) -> Result<JobState, Status> {
+        let (kvs, revision) = self.ctx.store.get_prefix(&keys::job_prefix(job)).await.map_err(store_status)?;
+        Ok(JobState::from_kvs(job, &kvs, revision))
+    }
+
+    /// Confirms that `(worker, incarnation)` is a live member: the hub's view first, the
+    /// store when the view disagrees (it may lag a change by milliseconds).
+    async fn require_member(&self, hub: &Hub, job: &str, worker: &str, incarnation: u64) -> Result<MemberRecord, Status> {
+        let state = hub.state();
+        if let Some(m) = state.members.get(worker).filter(|m| m.incarnation == incarnation) {
+            return Ok(m.clone());
+        }
+        if let Some(ended) = &state.ended {
+            return Err(Status::not_found(format!(
+                "job {job} has ended ({:?}: {}); member {worker} is no longer in it",
+                ended.outcome, ended.reason
+            )));
+        }
+        match ops::read_member(self.ctx.store.as_ref(), job, worker).await.map_err(store_status)? {
+            Some((m, _)) if m.incarnation == incarnation => Ok(m),
+            _ => Err(not_member(job, worker, incarnation)),
+        }
+    }
+
+    /// The newest generation number, from the view or (if the client names a newer one)
+    /// the store.
+    async fn current_number(&self, hub: &Hub, job: &str, claimed: u64) -> Result<u64, Status> {
+        let seen = hub.state().current_number();
+        if claimed <= seen {
+            return Ok(seen);
+        }
+        Ok(ops::read_generation(self.ctx.store.as_ref(), job).await.map_err(store_status)?.map_or(0, |(g, _)| g.number))
+    }
+
+    /// Updates the cached progress of a member; writes it to the store (on the member's
+    /// lease) when the last write is older than [`PROGRESS_PERIOD`].
+    async fn record_progress(&self, job: &str, worker: &str, incarnation: u64, update: impl FnOnce(&mut ProgressRecord)) -> Result<(), Status> {
+        let now = Instant::now();
+        let to_write = {
+            let mut cache = self.progress.lock().unwrap_or_else(|e| e.into_inner());
+            if cache.len() > 4096 {
+                cache.retain(|_, c| now.duration_since(c.touched) < Duration::from_secs(600));
+            }
+            let entry = cache.entry((job.to_string(), worker.to_string())).or_insert_with(|| CachedProgress {
+                record: ProgressRecord { incarnation, ..Default::default() },
+                written: None,
+                touched: now,
+            });
+            if entry.record.incarnation != incarnation {
+                entry.record = ProgressRecord { incarnation, ..Default::default() };
+                entry.written = None;
+            }
+            update(&mut entry.record);
+            entry.touched = now;
+            let due = entry.written.is_none_or(|t| now.duration_since(t) >= PROGRESS_PERIOD);
+            if due {
+                entry.written = Some(now);
+                Some(entry.record.clone())
+            } else {
+                None
+            }
+        };
+        if let Some(record) = to_write {
+            let key = keys::worker_key(job, Kind::Progress, worker);
+            self.ctx.store.put(&key, encode(&record), Some(incarnation as i64)).await.map_err(|e| match e {
+                StoreError::LeaseNotFound(_) => not_member(job, worker, incarnation),
+                other => store_status(other),
+            })?;
+        }
+        Ok(())
+    }
+
+    fn forget_progress(&self, job: &str, worker: &str) {
+        self.progress.lock().unwrap_or_else(|e| e.into_inner()).remove(&(job.to_string(), worker.to_string()));
+    }
+
+    fn shutting_down(&self) -> bool {
+        *self.ctx.shutdown.borrow()
+    }
+
+    async fn do_join(&self, r: pb::JoinRequest) -> Result<pb::JoinResponse, Status> {
+        validate::protocol_version(r.protocol_version)?;
+        validate::id("job", &r.job)?;
+        validate::id("worker_id", &r.worker_id)?;
+        validate::text("host", &r.host, validate::MAX_HOST_LEN)?;
+        validate::addresses(&r.addresses)?;
+        validate::capabilities(&r.capabilities)?;
+        let settings = self.ctx.settings.for_job(&r.job);
+        let (job, worker) = (r.job.as_str(), r.worker_id.as_str());
+        let state = self.read_job(job).await?;
+        if let Some(ended) = &state.ended {
+            return Err(Status::failed_precondition(format!(
+                "job {job} has ended ({:?}: {}); start a new job id",
+                ended.outcome, ended.reason
+            )));
+        }
+        let now = records::now_ms();
+        if let Some(until) = state.failures.get(worker).and_then(|h| h.excluded_until(now)) {
+            return Err(Status::failed_precondition(crate::exclusion::refusal(worker, until, now, &self.ctx.exclusion)));
+        }
+        let lease = self.ctx.store.grant_lease(settings.lease_ttl_for_store()).await.map_err(store_status)?;
+        let incarnation = lease as u64;
+        // Replacing an older incarnation that is in the active generation revokes it.
+        let old = state.members.get(worker).cloned();
+        if let (Some(old), Some(g)) = (&old, state.current()) {
+            if g.revoked.is_none() && g.departed(worker, old.incarnation).is_none() {
+                if let Some(rank) = g.rank_of(worker, old.incarnation) {
+                    let cause = records::Cause {
+                        rank: Some(rank),
+                        worker_id: worker.to_string(),
+                        host: old.host.clone(),
+                        reason: format!("worker restarted (incarnation {} replaced by {incarnation})", old.incarnation),
+                        reported_by: "coordinator".into(),
+                    };
+                    let revoked = ops::revoke_generation(&self.ctx, job, g.number, cause, Some((worker.to_string(), old.incarnation)), false).await;
+                    if let Err(e) = revoked {
+                        let _ = self.ctx.store.revoke_lease(lease).await;
+                        return Err(store_status(e));
+                    }
+                }
+            }
+        }
+        let member = MemberRecord {
+            worker_id: worker.to_string(),
+            incarnation,
+            host: r.host.clone(),
+            addresses: r.addresses.iter().map(Into::into).collect(),
+            capabilities: r.capabilities.clone(),
+            joined_at_ms: now,
+        };
+        let progress = ProgressRecord { incarnation, last_heartbeat_ms: now, activity: "joined".into(), ..Default::default() };
+        let txn = Txn {
+            compares: vec![Compare::Absent(keys::ended(job))],
+            success: vec![
+                TxnOp::Put { key: keys::worker_key(job, Kind::Member, worker), value: encode(&member), lease: Some(lease) },
+                TxnOp::Put { key: keys::worker_key(job, Kind::Progress, worker), value: encode(&progress), lease: Some(lease) },
+            ],
+            failure: vec![],
+        };
+        let result = self.ctx.store.txn(txn).await;
+        match result {
+            Ok(r) if r.succeeded => {}
+            other => {
+                let _ = self.ctx.store.revoke_lease(lease).await;
+                return match other {
+                    Ok(_) => Err(Status::failed_precondition(format!("job {job} has ended; start a new job id"))),
+                    Err(e) => Err(store_status(e)),
+                };
+            }
+        }
+        if let Some(old) = old {
+            if let Err(e) = self.ctx.store.revoke_lease(old.incarnation as i64).await {
+                tracing::debug!(error = %e, "could not revoke the replaced incarnation's lease");
+            }
+        }
+        self.forget_progress(job, worker);
+        tracing::info!(incarnation, host = %r.host, "member joined");
+        Ok(pb::JoinResponse {
+            incarnation,
+            heartbeat_interval_ms: settings.heartbeat_interval.as_millis() as u64,
+            lease_ttl_ms: settings.lease_ttl.as_millis() as u64,
+            current_generation: state.current_number(),
+            settings: Some(settings.to_proto()),
+        })
+    }
+
+    async fn do_heartbeat(&self, r: pb::HeartbeatRequest) -> Result<pb::HeartbeatResponse, Status> {
+        validate::id("job", &r.job)?;
+        validate::id("worker_id", &r.worker_id)?;
+        validate::incarnation(r.incarnation)?;
+        validate::text("activity", &r.activity, validate::MAX_ACTIVITY_LEN)?;
+        let hub = self.hub(&r.job).await?;
+        let current = self.current_number(&hub, &r.job, r.generation).await?;
+        validate::generation("generation", r.generation, current)?;
+        self.require_member(&hub, &r.job, &r.worker_id, r.incarnation).await?;
+        self.ctx.store.keep_alive(r.incarnation as i64).await.map_err(|e| match e {
+            StoreError::LeaseNotFound(_) => not_member(&r.job, &r.worker_id, r.incarnation),
+            other => store_status(other),
+        })?;
+        let now = records::now_ms();
+        self.record_progress(&r.job, &r.worker_id, r.incarnation, |p| {
+            p.last_heartbeat_ms = now;
+            p.generation = r.generation;
+            p.step = r.step;
+            p.activity = r.activity.clone();
+        })
+        .await?;
+        let state = hub.state();
+        let settings = self.ctx.settings.for_job(&r.job);
+        Ok(pb::HeartbeatResponse {
+            current_generation: state.current_number(),
+            current_revoked: state.current().is_some_and(|g| g.revoked.is_some()),
+            reformation_pending: hub::pending(&settings, &state).is_some(),
+        })
+    }
+
+    async fn do_rendezvous(&self, r: pb::RendezvousRequest) -> Result<pb::RendezvousResponse, Status> {
+        use pb::rendezvous_response::Outcome as O;
+        validate::id("job", &r.job)?;
+        validate::id("worker_id", &r.worker_id)?;
+        validate::incarnation(r.incarnation)?;
+        let (job, worker, incarnation) = (r.job.as_str(), r.worker_id.as_str(), r.incarnation);
+        let settings = self.ctx.settings.for_job(job);
+        let hub = self.hub(job).await?;
+        let current = self.current_number(&hub, job, r.after_generation).await?;
+        validate::generation("after_generation", r.after_generation, current)?;
+        let wait = Duration::from_millis(r.wait_ms).min(MAX_RENDEZVOUS_WAIT);
+        let deadline = tokio::time::Instant::now() + wait;
+        let mut rx = hub.subscribe_state();
+        let answer = |state: &JobState| -> Option<O> {
+            if let Some(ended) = &state.ended {
+                return Some(O::Ended(ended.to_proto()));
+            }
+            // A generation revoked before this member saw it is still its answer: the member
+            // learns of the revocation (watch, failed connection) and rendezvous again after
+            // it. Withholding it would leave the member waiting after an older generation,
+            // which never counts as ready for the next one.
+            let g = state.current()?;
+            (g.number > r.after_generation && g.rank_of(worker, incarnation).is_some()).then(|| O::Formed(g.to_proto()))
+        };
+        let state = rx.borrow_and_update().clone();
+        if let Some(o) = answer(&state) {
+            return Ok(pb::RendezvousResponse { outcome: Some(o) });
+        }
+        self.require_member(&hub, job, worker, incarnation).await?;
+        // Declare the wait (on the member's lease), keeping the first arrival time.
+        let wkey = keys::worker_key(job, Kind::Waiting, worker);
+        let existing = self.ctx.store.get(&wkey).await.map_err(store_status)?;
+        let existing: Option<WaitingRecord> = existing.and_then(|kv| decode(&wkey, &kv.value));
+        let mut written_at = 0;
+        let keep = existing.as_ref().is_some_and(|w| w.incarnation == incarnation && w.after_generation == r.after_generation);
+        if !keep {
+            let record = WaitingRecord { incarnation, after_generation: r.after_generation, since_ms: records::now_ms() };
+            written_at = self.ctx.store.put(&wkey, encode(&record), Some(incarnation as i64)).await.map_err(|e| match e {
+                StoreError::LeaseNotFound(_) => not_member(job, worker, incarnation),
+                other => store_status(other),
+            })?;
+            tracing::debug!(after = r.after_generation, "member waiting");
+        }
+        let _ = self
+            .record_progress(job, worker, incarnation, |p| {
+                p.activity = "rendezvous".into();
+                p.last_heartbeat_ms = records::now_ms();
+            })
+            .await;
+        let mut shutdown = self.ctx.shutdown.clone();
+        loop {
+            let state = rx.borrow_and_update().clone();
+            if let Some(o) = answer(&state) {
+                return Ok(pb::RendezvousResponse { outcome: Some(o) });
+            }
+            if state.revision >= written_at && !state.is_live(worker, incarnation) {
+                // The view includes our wait, and we are gone: evicted or expired.
+                self.require_member(&hub, job, worker, incarnation).await?;
+            }
+            tokio::select! {
+                changed = rx.changed() => {
+                    if changed.is_err() {
+                        return Err(Status::unavailable("coordinator view of the job stopped; call again"));
+                    }
+                }
+                _ = tokio::time::sleep_until(deadline) => {
+                    let state = rx.borrow().clone();
+                    return Ok(pb::RendezvousResponse {
+                        outcome: Some(O::Waiting(pb::Waiting {
+                            waiting_members: state.waiting.len() as u32,
+                            min_workers: settings.min_workers,
+                        })),
+                    });
+                }
+                _ = crate::ops::stopped(&mut shutdown) => {
+                    return Err(Status::unavailable("coordinator replica shutting down; call another"));
+                }
+            }
+        }
+    }
+
+    async fn do_report(&self, r: pb::FailureReport) -> Result<pb::FailureReportResponse, Status> {
+        validate::id("job", &r.job)?;
+        validate::id("worker_id", &r.worker_id)?;
+        validate::incarnation(r.incarnation)?;
+        validate::text("reason", &r.reason, validate::MAX_REASON_LEN)?;
+        let job = r.job.as_str();
+        let current = ops::read_generation(self.ctx.store.as_ref(), job).await.map_err(store_status)?;
+        let report = revocation::Report {
+            worker_id: &r.worker_id,
+            incarnation: r.incarnation,
+            generation: r.generation,
+            failed_rank: r.failed_rank,
+            reason: &r.reason,
+        };
+        let g = current.as_ref().map(|(g, _)| g);
+        match revocation::decide(g, &report)? {
+            ReportDecision::Ignore(cause) => {
+                tracing::debug!(generation = r.generation, "failure report ignored (older or already revoked)");
+                Ok(pb::FailureReportResponse { accepted: false, cause: cause.map(|c| c.to_proto()) })
+            }
+            ReportDecision::Revoke(cause) => {
+                let suspect = r
+                    .failed_rank
+                    .and_then(|rank| g.and_then(|g| g.members.get(rank as usize)))
+                    .map(|m| (m.worker_id.clone(), m.incarnation));
+                let outcome = ops::revoke_generation(&self.ctx, job, r.generation, cause, suspect, false)
+                    .await
+                    .map_err(store_status)?;
+                Ok(pb::FailureReportResponse { accepted: outcome.accepted, cause: outcome.cause.map(|c| c.to_proto()) })
+            }
+        }
+    }
+
+    async fn do_leave(&self, r: pb::LeaveRequest) -> Result<pb::LeaveResponse, Status> {
+        use pb::leave_request::Mode;
+        validate::id("job", &r.job)?;
+        validate::id("worker_id", &r.worker_id)?;
+        validate::incarnation(r.incarnation)?;
+        let finished = match Mode::try_from(r.mode) {
+            Ok(Mode::Graceful) => false,
+            Ok(Mode::Finished) => true,
+            _ => return Err(Status::invalid_argument(format!("mode {} is not GRACEFUL (1) or FINISHED (2)", r.mode))),
+        };
+        let (job, worker, incarnation) = (r.job.as_str(), r.worker_id.as_str(), r.incarnation);
+        let store = self.ctx.store.as_ref();
+        for _ in 0..16 {
+            let Some((member, mkv)) = ops::read_member(store, job, worker).await.map_err(store_status)? else {
+                return Ok(pb::LeaveResponse {}); // already gone: leaving twice is harmless
+            };
+            if member.incarnation != incarnation {
+                return Ok(pb::LeaveResponse {});
+            }
+            let generation = ops::read_generation(store, job).await.map_err(store_status)?;
+            let gen_key = keys::generation(job);
+            let mut txn = Txn {
+                compares: vec![Compare::ModRevision(mkv.key.clone(), mkv.mod_revision)],
+                success: vec![
+                    TxnOp::Delete(mkv.key.clone()),
+                    TxnOp::Delete(keys::worker_key(job, Kind::Waiting, worker)),
+                    TxnOp::Delete(keys::worker_key(job, Kind::Progress, worker)),
+                ],
+                failure: vec![],
+            };
+            let mut updated = None;
+            match &generation {
+                Some((g, gkv)) => {
+                    txn.compares.push(Compare::ModRevision(gen_key.clone(), gkv.mod_revision));
+                    if g.rank_of(worker, incarnation).is_some() && g.departed(worker, incarnation).is_none() {
+                        let mut g = g.clone();
+                        g.departed.push(Departure { worker_id: worker.to_string(), incarnation, finished });
+                        txn.success.push(TxnOp::Put { key: gen_key.clone(), value: encode(&g), lease: None });
+                        updated = Some(g);
+                    }
+                }
+                None => txn.compares.push(Compare::Absent(gen_key.clone())),
+            }
+            let result = store.txn(txn).await.map_err(store_status)?;
+            if !result.succeeded {
+                continue;
+            }
+            if let Err(e) = store.revoke_lease(incarnation as i64).await {
+                tracing::debug!(error = %e, "could not revoke the leaver's lease");
+            }
+            self.forget_progress(job, worker);
+            tracing::info!(finished, "member left");
+            if let Some(g) = updated {
+                let everyone_gone = g.members.iter().all(|m| g.departed(&m.worker_id, m.incarnation).is_some());
+                if finished && everyone_gone {
+                    let reason = format!("all {} members of generation {} finished", g.members.len(), g.number);
+                    ops::end_job(&self.ctx, job, Outcome::Finished, &reason, Some(result.revision), &[])
+                        .await
+                        .map_err(store_status)?;
+                }
+            }
+            return Ok(pb::LeaveResponse {});
+        }
+        Err(Status::unavailable("leave: too much contention on the job's records; retry"))
+    }
+
+    async fn do_commit(&self, r: pb::CommitRequest) -> Result<pb::CommitResponse, Status> {
+        validate::id("job", &r.job)?;
+        validate::id("worker_id", &r.worker_id)?;
+        validate::incarnation(r.incarnation)?;
+        if r.digest.len() > validate::MAX_DIGEST_LEN {
+            return Err(Status::invalid_argument(format!(
+                "digest is {} bytes (at most {})",
+                r.digest.len(),
+                validate::MAX_DIGEST_LEN
+            )));
+        }
+        let hub = self.hub(&r.job).await?;
+        let current = self.current_number(&hub, &r.job, r.generation).await?;
+        validate::generation("generation", r.generation, current)?;
+        self.require_member(&hub, &r.job, &r.worker_id, r.incarnation).await?;
+        let now = records::now_ms();
+        self.record_progress(&r.job, &r.worker_id, r.incarnation, |p| {
+            p.last_commit_step = r.step;
+            p.last_commit_generation = r.generation;
+            p.last_commit_digest = hex(&r.digest);
+            p.last_commit_ms = now;
+            p.step = r.step;
+        })
+        .await?;
+        let state = hub.state();
+        let settings = self.ctx.settings.for_job(&r.job);
+        Ok(pb::CommitResponse { reformation_pending: hub::pending(&settings, &state).is_some() })
+    }
+
+    async fn do_status(&self, r: pb::StatusRequest) -> Result<pb::StatusResponse, Status> {
+        validate::id("job", &r.job)?;
+        let state = self.read_job(&r.job).await?;
+        let leader = self.ctx.store.get(keys::LEADER).await.map_err(store_status)?;
+        let settings = self.ctx.settings.for_job(&r.job);
+        let g = state.current();
+        let now = records::now_ms();
+        let excluded = crate::rendezvous::excluded(&state, now);
+        let members = state
+            .members
+            .values()
+            .map(|m| {
+                let p = state.progress.get(&m.worker_id).filter(|p| p.incarnation == m.incarnation);
+                let waiting = state.waiting.get(&m.worker_id).is_some_and(|w| {
+                    w.incarnation == m.incarnation
+                        && !excluded.contains(&m.worker_id)
+                        && g.is_none_or(|g| g.rank_of(&m.worker_id, m.incarnation).is_none() || w.after_generation >= g.number)
+                });
+                pb::MemberStatus {
+                    worker_id: m.worker_id.clone(),
+                    incarnation: m.incarnation,
+                    host: m.host.clone(),
+                    rank: g.and_then(|g| g.rank_of(&m.worker_id, m.incarnation)),
+                    last_heartbeat_ms: p.map_or(m.joined_at_ms, |p| p.last_heartbeat_ms),
+                    generation: p.map_or(0, |p| p.generation),
+                    step: p.map_or(0, |p| p.step),
+                    activity: p.map_or_else(String::new, |p| p.activity.clone()),
+                    last_commit_step: p.map_or(0, |p| p.last_commit_step),
+                    waiting,
+                }
+            })
+            .collect();
+        Ok(pb::StatusResponse {
+            job: r.job.clone(),
+            settings: Some(settings.to_proto()),
+            current: g.map(|g| g.to_proto()),
+            current_revoked: g.is_some_and(|g| g.revoked.is_some()),
+            revocation_cause: g.and_then(|g| g.revoked.as_ref()).map(|c| c.to_proto()),
+            members,
+            ended: state.ended.as_ref().map(|e| e.to_proto()),
+            leader: leader.map(|kv| String::from_utf8_lossy(&kv.value).into_owned()).unwrap_or_default(),
+        })
+    }
+
+    async fn do_watch(&self, r: pb::WatchRequest) -> Result<ReceiverStream<Result<pb::JobEvent, Status>>, Status> {
+        validate::id("job", &r.job)?;
+        validate::id("worker_id", &r.worker_id)?;
+        let hub = self.hub(&r.job).await?;
+        let settings = self.ctx.settings.for_job(&r.job);
+        let (tx, rx) = tokio::sync::mpsc::channel(64);
+        let mut shutdown = self.ctx.shutdown.clone();
+        let span = tracing::debug_span!("watch", job = %r.job, worker = %r.worker_id, incarnation = r.incarnation);
+        tokio::spawn(
+            async move {
+                let mut events = hub.subscribe_events();
+                let mut sent = Sent::default();
+                let initial = initial_events(&hub.state(), hub::pending(&settings, &hub.state()));
+                for e in initial {
+                    if !sent.admit(&e) {
+                        continue;
+                    }
+                    let end = matches!(e.event, Some(Event::JobEnded(_)));
+                    if tx.send(Ok(e)).await.is_err() || end {
+                        return;
+                    }
+                }
+                loop {
+                    let next = tokio::select! {
+                        e = events.recv() => e,
+                        _ = tx.closed() => return,
+                        _ = crate::ops::stopped(&mut shutdown) => {
+                            let _ = tx.send(Err(Status::unavailable("coordinator replica shutting down; watch another"))).await;
+                            return;
+                        }
+                    };
+                    let batch = match next {
+                        Ok(e) => vec![e],
+                        Err(tokio::sync::broadcast::error::RecvError::Lagged(n)) => {
+                            tracing::debug!(skipped = n, "watch fell behind; resending the current state");
+                            initial_events(&hub.state(), hub::pending(&settings, &hub.state()))
+                        }
+                        Err(tokio::sync::broadcast::error::RecvError::Closed) => {
+                            let _ = tx.send(Err(Status::unavailable("coordinator view of the job stopped; watch again"))).await;
+                            return;
+                        }
+                    };
+                    for e in batch {
+                        if !sent.admit(&e) {
+                            continue;
+                        }
+                        let end = matches!(e.event, Some(Event::JobEnded(_)));
+                        if tx.send(Ok(e)).await.is_err() || end {
+                            return;
+                        }
+                    }
+                }
+            }
+            .instrument(span),
+        );
+        Ok(ReceiverStream::new(rx))
+    }
+}
+
+/// The events describing a job's current state, for a new watcher.
+fn initial_events(state: &JobState, pending: Option<u32>) -> Vec<pb::JobEvent> {
+    let mut out = hub::events_between(&hub::Headline::default(), &hub::Headline::of(state));
+    if let (Some(joiners), Some(g)) = (pending, state.current()) {
+        out.push(hub::pending_event(g.number, joiners));
+    }
+    out
+}
+
+/// What a watch stream has sent, to drop repeats.
+#[derive(Default)]
+struct Sent {
+    formed: u64,
+    revoked: u64,
+    pending: Option<(u64, u32)>,
+    ended: bool,
+}
+
+impl Sent {
+    fn admit(&mut self, e: &pb::JobEvent) -> bool {
+        match &e.event {
+            Some(Event::GenerationFormed(g)) if g.number > self.formed => {
+                self.formed = g.number;
+                self.pending = None;
+                true
+            }
+            Some(Event::GenerationRevoked(r)) if r.generation > self.revoked => {
+                self.revoked = r.generation;
+                true
+            }
+            Some(Event::ReformationPending(p)) if self.pending != Some((p.generation, p.joiners)) => {
+                self.pending = Some((p.generation, p.joiners));
+                true
+            }
+            Some(Event::JobEnded(_)) if !self.ended => {
+                self.ended = true;
+                true
+            }
+            _ => false,
+        }
+    }
+}
+
+macro_rules! rpc {
+    ($self:ident, $name:literal, $req:ident, $f:ident, $span:expr) => {{
+        let request = $req.into_inner();
+        let span = $span(&request);
+        let result = if $self.shutting_down() {
+            Err(Status::unavailable("coordinator replica shutting down; call another"))
+        } else {
+            $self.$f(request).instrument(span).await
+        };
+        $self.ctx.metrics.rpc($name, result.as_ref().map_or_else(|s| s.code(), |_| tonic::Code::Ok));
+        if let Err(status) = &result {
+            tracing::debug!(rpc = $name, code = ?status.code(), message = %status.message(), "request refused");
+        }
+        result.map(Response::new)
+    }};
+}
+
+fn span3(name: &'static str, job: &str, worker: &str, incarnation: u64) -> tracing::Span {
+    tracing::info_span!("rpc", method = name, job = %job, worker = %worker, incarnation)
+}
+
+#[tonic::async_trait]
+impl pb::coordinator_server::Coordinator for CoordinatorService {
+    /// Registers one incarnation of a worker.
+    async fn join(&self, request: Request<pb::JoinRequest>) -> Result<Response<pb::JoinResponse>, Status> {
+        rpc!(self, "Join", request, do_join, |r: &pb::JoinRequest| span3("Join", &r.job, &r.worker_id, 0))
+    }
+
+    async fn heartbeat(&self, request: Request<pb::HeartbeatRequest>) -> Result<Response<pb::HeartbeatResponse>, Status> {
+        rpc!(self, "Heartbeat", request, do_heartbeat, |r: &pb::HeartbeatRequest| tracing::debug_span!(
+            "rpc", method = "Heartbeat", job = %r.job, worker = %r.worker_id, incarnation = r.incarnation, generation = r.generation))
+    }
+
+    async fn rendezvous(&self, request: Request<pb::RendezvousRequest>) -> Result<Response<pb::RendezvousResponse>, Status> {
+        rpc!(self, "Rendezvous", request, do_rendezvous, |r: &pb::RendezvousRequest| tracing::info_span!(
+            "rpc", method = "Rendezvous", job = %r.job, worker = %r.worker_id, incarnation = r.incarnation, after = r.after_generation))
+    }
+
+    type WatchStream = ReceiverStream<Result<pb::JobEvent, Status>>;
+
+    async fn watch(&self, request: Request<pb::WatchRequest>) -> Result<Response<Self::WatchStream>, Status> {
+        rpc!(self, "Watch", request, do_watch, |r: &pb::WatchRequest| span3("Watch", &r.job, &r.worker_id, r.incarnation))
+    }
+
+    async fn report_failure(&self, request: Request<pb::FailureReport>) -> Result<Response<pb::FailureReportResponse>, Status> {
+        rpc!(self, "ReportFailure", request, do_report, |r: &pb::FailureReport| tracing::info_span!(
+            "rpc", method = "ReportFailure", job = %r.job, worker = %r.worker_id, incarnation = r.incarnation, generation = r.generation))
+    }
+
+    async fn leave(&self, request: Request<pb::LeaveRequest>) -> Result<Response<pb::LeaveResponse>, Status> {
+        rpc!(self, "Leave", request, do_leave, |r: &pb::LeaveRequest| span3("Leave", &r.job, &r.worker_id, r.incarnation))
+    }
+
+    async fn commit(&self, request: Request<pb::CommitRequest>) -> Result<Response<pb::CommitResponse>, Status> {
+        rpc!(self, "Commit", request, do_commit, |r: &pb::CommitRequest| tracing::debug_span!(
+            "rpc", method = "Commit", job = %r.job, worker = %r.worker_id, incarnation = r.incarnation, generation = r.generation))
+    }
+
+    async fn status(&self, request: Request<pb::StatusRequest>) -> Result<Response<pb::StatusResponse>, Status> {
+        rpc!(self, "Status", request, do_status, |r: &pb::StatusRequest| tracing::debug_span!("rpc", method = "Status", job = %r.job))
+    }
+}

@@ -1,0 +1,126 @@
+//! The `cohort-coordinator` binary: serve on a free port (the bound address is printed),
+//! answer `status`, and stop cleanly on SIGTERM.
+
+mod common;
+
+use common::*;
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+const BIN: &str = env!("CARGO_BIN_EXE_cohort-coordinator");
+
+struct Running(Child);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Starts `cohort-coordinator` with `args` and returns it with the address it printed.
+fn spawn(args: &[&str]) -> (Running, std::net::SocketAddr) {
+    let mut child = Command::new(BIN)
+        .args(args)
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn cohort-coordinator");
+    let stdout = child.stdout.take().expect("stdout");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if tx.send(line).is_err() {
+                return;
+            }
+        }
+    });
+    let running = Running(child);
+    let line = rx.recv_timeout(Duration::from_secs(20)).expect("no 'listening' line within 20 s");
+    let addr = line
+        .strip_prefix("cohort-coordinator listening on ")
+        .unwrap_or_else(|| panic!("unexpected first line {line:?}"))
+        .parse()
+        .expect("an address");
+    (running, addr)
+}
+
+fn wait_exit(child: &mut Child, bound: Duration) -> std::process::ExitStatus {
+    let deadline = Instant::now() + bound;
+    loop {
+        if let Some(status) = child.try_wait().expect("try_wait") {
+            return status;
+        }
+        assert!(Instant::now() < deadline, "no exit within {bound:?}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_status_and_sigterm() {
+    bounded(async {
+        // `serve` is the default when the first argument is a flag.
+        let (mut running, addr) = spawn(&["--listen", "127.0.0.1:0", "--store", "memory", "--join-window", "200ms", "--lease-ttl", "5s"]);
+        let w = Worker::join(addr, "binjob", "w0", Duration::from_millis(200)).await;
+        let g = form_all(std::slice::from_ref(&w), 0).await.remove(0);
+        assert_eq!(g.number, 1);
+        let endpoint = format!("http://{addr}");
+        let out = tokio::task::spawn_blocking(move || Command::new(BIN).args(["status", "--job", "binjob", "--endpoints", &endpoint]).output())
+            .await
+            .expect("status task")
+            .expect("run status");
+        assert!(out.status.success(), "status failed: {}", String::from_utf8_lossy(&out.stderr));
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(text.contains("generation: 1 (1 members"), "{text}");
+        assert!(text.contains("w0") && text.contains("host-w0"), "{text}");
+        assert!(text.contains("leader: "), "{text}");
+        drop(w);
+        let pid = running.0.id().to_string();
+        let killed = Command::new("kill").args(["-TERM", &pid]).status().expect("kill -TERM");
+        assert!(killed.success());
+        let status = tokio::task::spawn_blocking(move || {
+            let s = wait_exit(&mut running.0, Duration::from_secs(15));
+            (s, running)
+        })
+        .await
+        .expect("wait task")
+        .0;
+        assert!(status.success(), "exit status after SIGTERM: {status}");
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_of_an_unreachable_coordinator_fails() {
+    bounded(async {
+        // A port nothing listens on: bind one, note it, close it.
+        let port = std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port();
+        let endpoint = format!("http://127.0.0.1:{port}");
+        let out = tokio::task::spawn_blocking(move || {
+            Command::new(BIN).args(["status", "--job", "j", "--endpoints", &endpoint, "--timeout", "2s"]).output()
+        })
+        .await
+        .expect("task")
+        .expect("run status");
+        assert!(!out.status.success());
+        assert!(String::from_utf8_lossy(&out.stderr).contains("no coordinator answered"));
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_settings_are_refused_at_start() {
+    bounded(async {
+        let out = tokio::task::spawn_blocking(|| {
+            Command::new(BIN).args(["serve", "--listen", "127.0.0.1:0", "--min-workers", "4", "--max-workers", "2"]).output()
+        })
+        .await
+        .expect("task")
+        .expect("run");
+        assert!(!out.status.success());
+        assert!(String::from_utf8_lossy(&out.stderr).contains("max_workers"), "{}", String::from_utf8_lossy(&out.stderr));
+    })
+    .await;
+}

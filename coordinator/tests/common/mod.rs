@@ -1,0 +1,274 @@
+//! Shared harness for the coordinator's service tests: in-process replicas on free loopback
+//! ports over a memory store or a private etcd, and a minimal worker (tonic client).
+#![allow(dead_code)]
+
+use cohort_coordinator::config::{JobSettings, Settings};
+use cohort_coordinator::etcd_process::EtcdProcess;
+use cohort_coordinator::exclusion::ExclusionPolicy;
+use cohort_coordinator::server::{ServeConfig, ServerHandle};
+use cohort_coordinator::store::{etcd::EtcdStore, memory::MemoryStore, Store};
+use cohort_proto::v1 as pb;
+use cohort_proto::v1::coordinator_client::CoordinatorClient;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+use tonic::transport::Channel;
+
+/// Every test body runs under this bound.
+pub const BOUND: Duration = Duration::from_secs(90);
+
+/// Runs a test body under [`BOUND`].
+pub async fn bounded<F: std::future::Future<Output = ()>>(test: F) {
+    tokio::time::timeout(BOUND, test).await.expect("test exceeded its time bound");
+}
+
+/// Which store a test runs on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Backend {
+    /// The embedded store.
+    Memory,
+    /// A private etcd started for the test.
+    Etcd,
+}
+
+/// Short settings for tests. etcd rounds leases up to about 2 s, so its TTL is longer.
+pub fn test_settings(backend: Backend) -> JobSettings {
+    JobSettings {
+        min_workers: 1,
+        max_workers: 64,
+        join_window: Duration::from_millis(200),
+        heartbeat_interval: Duration::from_millis(100),
+        lease_ttl: match backend {
+            Backend::Memory => Duration::from_secs(1),
+            Backend::Etcd => Duration::from_secs(2),
+        },
+        elastic_timeout: Duration::from_secs(2),
+    }
+}
+
+/// A store (and the etcd behind it, kept alive).
+pub struct Backing {
+    pub store: Arc<dyn Store>,
+    pub etcd: Option<EtcdProcess>,
+}
+
+impl Backing {
+    pub async fn new(backend: Backend) -> Self {
+        match backend {
+            Backend::Memory => Backing { store: Arc::new(MemoryStore::new()), etcd: None },
+            Backend::Etcd => {
+                let etcd = tokio::task::spawn_blocking(EtcdProcess::start)
+                    .await
+                    .expect("etcd start task")
+                    .unwrap_or_else(|e| panic!("cannot start etcd: {e}"));
+                let store = EtcdStore::connect(&[etcd.endpoint()]).await.expect("connect to etcd");
+                Backing { store: Arc::new(store), etcd: Some(etcd) }
+            }
+        }
+    }
+}
+
+/// Options of a test replica.
+#[derive(Clone)]
+pub struct Options {
+    pub settings: JobSettings,
+    pub token: Option<String>,
+    pub exclusion: ExclusionPolicy,
+    pub leader_ttl: Duration,
+    pub name: Option<String>,
+}
+
+impl Options {
+    pub fn new(settings: JobSettings) -> Self {
+        Self { settings, token: None, exclusion: ExclusionPolicy::default(), leader_ttl: Duration::from_secs(2), name: None }
+    }
+}
+
+/// Starts a replica on a free loopback port.
+pub async fn replica(store: Arc<dyn Store>, options: &Options) -> ServerHandle {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let mut config = ServeConfig::new(store, Settings::uniform(options.settings).expect("valid settings"));
+    config.token = options.token.clone();
+    config.exclusion = options.exclusion;
+    config.leader_ttl = options.leader_ttl;
+    config.replica_name = options.name.clone();
+    config.metrics = Some(tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind metrics"));
+    cohort_coordinator::start(config, listener).await.expect("start replica")
+}
+
+/// A gRPC client of one replica.
+pub async fn client(addr: SocketAddr) -> CoordinatorClient<Channel> {
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+        .expect("endpoint")
+        .connect_timeout(Duration::from_secs(5))
+        .connect()
+        .await
+        .expect("connect");
+    CoordinatorClient::new(channel)
+}
+
+/// A join request with a plausible address.
+pub fn join_request(job: &str, worker: &str) -> pb::JoinRequest {
+    pb::JoinRequest {
+        job: job.into(),
+        worker_id: worker.into(),
+        host: format!("host-{worker}"),
+        addresses: vec![pb::TransportAddress { transport: "tcp".into(), address: "127.0.0.1:40000".into() }],
+        capabilities: vec!["transport:tcp".into()],
+        protocol_version: cohort_proto::PROTOCOL_VERSION,
+    }
+}
+
+/// A test worker: one incarnation, heartbeating in the background until dropped or stopped.
+pub struct Worker {
+    pub client: CoordinatorClient<Channel>,
+    pub job: String,
+    pub id: String,
+    pub incarnation: u64,
+    heartbeat: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        self.stop_heartbeats();
+    }
+}
+
+impl Worker {
+    /// Joins and starts heartbeating every `interval`.
+    pub async fn join(addr: SocketAddr, job: &str, id: &str, interval: Duration) -> Worker {
+        let mut client = client(addr).await;
+        let response = client.join(join_request(job, id)).await.unwrap_or_else(|s| panic!("join {id}: {s}")).into_inner();
+        let mut w = Worker { client, job: job.into(), id: id.into(), incarnation: response.incarnation, heartbeat: None };
+        w.start_heartbeats(interval);
+        w
+    }
+
+    pub fn start_heartbeats(&mut self, interval: Duration) {
+        let mut c = self.client.clone();
+        let request = pb::HeartbeatRequest {
+            job: self.job.clone(),
+            worker_id: self.id.clone(),
+            incarnation: self.incarnation,
+            generation: 0,
+            step: 0,
+            activity: "test".into(),
+        };
+        self.heartbeat = Some(tokio::spawn(async move {
+            let mut tick = tokio::time::interval(interval);
+            loop {
+                tick.tick().await;
+                if let Err(s) = c.heartbeat(request.clone()).await {
+                    if s.code() == tonic::Code::NotFound {
+                        return;
+                    }
+                }
+            }
+        }));
+    }
+
+    pub fn stop_heartbeats(&mut self) {
+        if let Some(h) = self.heartbeat.take() {
+            h.abort();
+        }
+    }
+
+    /// One rendezvous long poll.
+    pub async fn rendezvous(&self, after: u64, wait: Duration) -> Result<pb::RendezvousResponse, tonic::Status> {
+        let mut c = self.client.clone();
+        c.rendezvous(pb::RendezvousRequest {
+            job: self.job.clone(),
+            worker_id: self.id.clone(),
+            incarnation: self.incarnation,
+            after_generation: after,
+            wait_ms: wait.as_millis() as u64,
+        })
+        .await
+        .map(|r| r.into_inner())
+    }
+
+    /// Long polls until a generation is formed (panics on an end or an error).
+    pub async fn next_generation(&self, after: u64) -> pb::Generation {
+        loop {
+            match self.rendezvous(after, Duration::from_secs(5)).await.unwrap_or_else(|s| panic!("rendezvous {}: {s}", self.id)).outcome {
+                Some(pb::rendezvous_response::Outcome::Formed(g)) => return g,
+                Some(pb::rendezvous_response::Outcome::Waiting(_)) => continue,
+                other => panic!("{}: unexpected rendezvous outcome {other:?}", self.id),
+            }
+        }
+    }
+
+    pub async fn report(&self, generation: u64, failed_rank: Option<u32>, reason: &str) -> Result<pb::FailureReportResponse, tonic::Status> {
+        let mut c = self.client.clone();
+        c.report_failure(pb::FailureReport {
+            job: self.job.clone(),
+            worker_id: self.id.clone(),
+            incarnation: self.incarnation,
+            generation,
+            failed_rank,
+            reason: reason.into(),
+        })
+        .await
+        .map(|r| r.into_inner())
+    }
+
+    pub async fn watch(&self) -> tonic::Streaming<pb::JobEvent> {
+        let mut c = self.client.clone();
+        c.watch(pb::WatchRequest { job: self.job.clone(), worker_id: self.id.clone(), incarnation: self.incarnation })
+            .await
+            .expect("watch")
+            .into_inner()
+    }
+
+    pub async fn leave(&self, finished: bool) -> Result<(), tonic::Status> {
+        let mode = if finished { pb::leave_request::Mode::Finished } else { pb::leave_request::Mode::Graceful };
+        let mut c = self.client.clone();
+        c.leave(pb::LeaveRequest { job: self.job.clone(), worker_id: self.id.clone(), incarnation: self.incarnation, mode: mode as i32 })
+            .await
+            .map(|_| ())
+    }
+
+    pub async fn commit(&self, generation: u64, step: u64) -> Result<pb::CommitResponse, tonic::Status> {
+        let mut c = self.client.clone();
+        c.commit(pb::CommitRequest {
+            job: self.job.clone(),
+            worker_id: self.id.clone(),
+            incarnation: self.incarnation,
+            generation,
+            step,
+            digest: vec![0xab; 32],
+        })
+        .await
+        .map(|r| r.into_inner())
+    }
+}
+
+/// Forms the first generation of `workers` (all rendezvous concurrently).
+pub async fn form_all(workers: &[Worker], after: u64) -> Vec<pb::Generation> {
+    let polls = workers.iter().map(|w| w.next_generation(after));
+    futures::future::join_all(polls).await
+}
+
+/// The next event of a watch stream, bounded.
+pub async fn next_event(stream: &mut tonic::Streaming<pb::JobEvent>) -> pb::job_event::Event {
+    let message = tokio::time::timeout(Duration::from_secs(20), stream.message())
+        .await
+        .expect("no watch event within 20 s")
+        .expect("watch stream error")
+        .expect("watch stream ended");
+    message.event.expect("event without payload")
+}
+
+/// Reads events until one matches `pick`, bounded.
+pub async fn wait_event<T>(stream: &mut tonic::Streaming<pb::JobEvent>, mut pick: impl FnMut(&pb::job_event::Event) -> Option<T>) -> T {
+    loop {
+        let e = next_event(stream).await;
+        if let Some(t) = pick(&e) {
+            return t;
+        }
+    }
+}
+
+pub async fn status(addr: SocketAddr, job: &str) -> pb::StatusResponse {
+    client(addr).await.status(pb::StatusRequest { job: job.into() }).await.expect("status").into_inner()
+}

@@ -1,0 +1,354 @@
+//! The coordinator service end to end over real loopback gRPC, once on the memory store and
+//! once on a private etcd per test (`suite!` instantiates each scenario for both).
+
+mod common;
+
+use cohort_coordinator::exclusion::ExclusionPolicy;
+use cohort_proto::v1 as pb;
+use common::*;
+use pb::job_event::Event;
+use pb::rendezvous_response::Outcome;
+use std::time::{Duration, Instant};
+
+const HB: Duration = Duration::from_millis(100);
+
+/// Four workers rendezvous concurrently: one generation, the same for all, ranks 0..3.
+async fn four_workers_form_one_generation(backend: Backend) {
+    let backing = Backing::new(backend).await;
+    let server = replica(backing.store.clone(), &Options::new(test_settings(backend))).await;
+    let addr = server.local_addr();
+    let mut workers = Vec::new();
+    for i in 0..4 {
+        workers.push(Worker::join(addr, "job-a", &format!("w{i}"), HB).await);
+    }
+    let generations = form_all(&workers, 0).await;
+    let first = &generations[0];
+    assert_eq!(first.number, 1);
+    assert_eq!(first.members.len(), 4);
+    for (rank, m) in first.members.iter().enumerate() {
+        assert_eq!(m.rank as usize, rank);
+    }
+    for g in &generations {
+        assert_eq!(g, first, "every worker sees the identical generation");
+    }
+    let ids: Vec<_> = first.members.iter().map(|m| m.worker_id.clone()).collect();
+    for w in &workers {
+        assert!(ids.contains(&w.id));
+    }
+    let s = status(addr, "job-a").await;
+    assert_eq!(s.current.as_ref().map(|g| g.number), Some(1));
+    assert_eq!(s.members.len(), 4);
+    assert!(s.members.iter().all(|m| m.rank.is_some()));
+    assert!(!s.leader.is_empty());
+    server.shutdown().await.expect("shutdown");
+}
+
+/// The first report is the root cause every watcher gets; a second one and one about an
+/// older generation are ignored; survivors re-form at once, keeping their order.
+async fn failure_report_revokes_and_survivors_reform_at_once(backend: Backend) {
+    let backing = Backing::new(backend).await;
+    let mut settings = test_settings(backend);
+    settings.join_window = Duration::from_secs(5); // "at once" must not mean "after the window"
+    settings.max_workers = 4;
+    settings.elastic_timeout = Duration::from_secs(30);
+    let server = replica(backing.store.clone(), &Options::new(settings)).await;
+    let addr = server.local_addr();
+    let mut workers = Vec::new();
+    for i in 0..4 {
+        workers.push(Worker::join(addr, "job-b", &format!("w{i}"), HB).await);
+    }
+    let g1 = form_all(&workers, 0).await.remove(0); // max reached: forms at once
+    let order: Vec<String> = g1.members.iter().map(|m| m.worker_id.clone()).collect();
+    let mut watches = Vec::new();
+    for w in &workers {
+        let mut s = w.watch().await;
+        match next_event(&mut s).await {
+            Event::GenerationFormed(g) => assert_eq!(g.number, 1),
+            other => panic!("first watch message should describe generation 1, got {other:?}"),
+        }
+        watches.push(s);
+    }
+    let reporter = workers.iter().find(|w| w.id == order[0]).expect("rank 0");
+    let first = reporter.report(1, Some(2), "peer closed the connection").await.expect("report");
+    assert!(first.accepted);
+    let cause = first.cause.expect("cause");
+    assert_eq!((cause.rank, cause.worker_id.as_str()), (Some(2), order[2].as_str()));
+    assert_eq!(cause.reported_by, order[0]);
+    let second_reporter = workers.iter().find(|w| w.id == order[1]).expect("rank 1");
+    let second = second_reporter.report(1, Some(0), "timeout").await.expect("second report");
+    assert!(!second.accepted, "the second report is not the root cause");
+    assert_eq!(second.cause.as_ref(), Some(&cause));
+    for s in &mut watches {
+        let revoked = wait_event(s, |e| match e {
+            Event::GenerationRevoked(r) => Some(r.clone()),
+            _ => None,
+        })
+        .await;
+        assert_eq!(revoked.generation, 1);
+        assert_eq!(revoked.cause.as_ref(), Some(&cause));
+    }
+    // The suspect was evicted.
+    let suspect = workers.iter().find(|w| w.id == order[2]).expect("rank 2");
+    let err = suspect.rendezvous(1, Duration::from_millis(10)).await.expect_err("evicted");
+    assert_eq!(err.code(), tonic::Code::NotFound);
+    // Survivors re-form at once, in their old relative order.
+    let survivors: Vec<&Worker> = order.iter().filter(|id| **id != order[2]).map(|id| workers.iter().find(|w| &w.id == id).expect("w")).collect();
+    let started = Instant::now();
+    let g2s = futures::future::join_all(survivors.iter().map(|w| w.next_generation(1))).await;
+    assert!(started.elapsed() < Duration::from_secs(3), "re-formation took {:?}", started.elapsed());
+    let g2 = &g2s[0];
+    assert!(g2s.iter().all(|g| g == g2));
+    assert_eq!(g2.number, 2);
+    let ids: Vec<_> = g2.members.iter().map(|m| m.worker_id.clone()).collect();
+    assert_eq!(ids, vec![order[0].clone(), order[1].clone(), order[3].clone()]);
+    // A late report about generation 1 changes nothing and gets the old cause.
+    let late = survivors[0].report(1, Some(1), "late").await.expect("late report");
+    assert!(!late.accepted);
+    assert_eq!(late.cause.as_ref(), Some(&cause));
+    let s = status(addr, "job-b").await;
+    assert_eq!(s.current.as_ref().map(|g| g.number), Some(2));
+    assert!(!s.current_revoked);
+    server.shutdown().await.expect("shutdown");
+}
+
+/// A member that stops heartbeating revokes the generation with cause "lease expired".
+async fn lease_lapse_revokes(backend: Backend) {
+    let backing = Backing::new(backend).await;
+    let server = replica(backing.store.clone(), &Options::new(test_settings(backend))).await;
+    let addr = server.local_addr();
+    let mut workers = Vec::new();
+    for i in 0..3 {
+        workers.push(Worker::join(addr, "job-c", &format!("w{i}"), HB).await);
+    }
+    let g1 = form_all(&workers, 0).await.remove(0);
+    let mut watch = workers[0].watch().await;
+    let victim_rank = g1.members.iter().position(|m| m.worker_id == "w1").expect("w1 placed") as u32;
+    let started = Instant::now();
+    workers[1].stop_heartbeats();
+    let revoked = wait_event(&mut watch, |e| match e {
+        Event::GenerationRevoked(r) => Some(r.clone()),
+        _ => None,
+    })
+    .await;
+    let cause = revoked.cause.expect("cause");
+    assert_eq!(revoked.generation, 1);
+    assert_eq!(cause.rank, Some(victim_rank));
+    assert_eq!(cause.worker_id, "w1");
+    assert_eq!(cause.reported_by, "coordinator");
+    assert!(cause.reason.contains("lease expired"), "{}", cause.reason);
+    let ttl = test_settings(backend).lease_ttl;
+    assert!(started.elapsed() >= ttl / 2, "revoked before the lease could lapse ({:?})", started.elapsed());
+    server.shutdown().await.expect("shutdown");
+}
+
+/// A joiner while a generation is active: ReformationPending on the watch, Commit says
+/// pending, and the members re-form with the joiner appended.
+async fn joiner_makes_reformation_pending(backend: Backend) {
+    let backing = Backing::new(backend).await;
+    let server = replica(backing.store.clone(), &Options::new(test_settings(backend))).await;
+    let addr = server.local_addr();
+    let workers = vec![Worker::join(addr, "job-d", "w0", HB).await, Worker::join(addr, "job-d", "w1", HB).await];
+    let g1 = form_all(&workers, 0).await.remove(0);
+    assert_eq!(g1.members.len(), 2);
+    let mut watch = workers[0].watch().await;
+    let commit = workers[0].commit(1, 10).await.expect("commit");
+    assert!(!commit.reformation_pending, "nobody waits yet");
+    let joiner = Worker::join(addr, "job-d", "j", HB).await;
+    let joiner_poll = tokio::spawn(async move {
+        let g = joiner.next_generation(0).await;
+        (joiner, g)
+    });
+    let pending = wait_event(&mut watch, |e| match e {
+        Event::ReformationPending(p) => Some(*p),
+        _ => None,
+    })
+    .await;
+    assert_eq!((pending.generation, pending.joiners), (1, 1));
+    assert!(workers[0].commit(1, 20).await.expect("commit").reformation_pending);
+    // The generation is still active: the joiner waits until the members come.
+    let s = status(addr, "job-d").await;
+    assert_eq!(s.current.as_ref().map(|g| g.number), Some(1));
+    let g2s = form_all(&workers, 1).await;
+    let (_joiner, jg) = joiner_poll.await.expect("joiner task");
+    assert_eq!(g2s[0], jg);
+    let ids: Vec<_> = jg.members.iter().map(|m| m.worker_id.clone()).collect();
+    let mut expected: Vec<String> = g1.members.iter().map(|m| m.worker_id.clone()).collect();
+    expected.push("j".into());
+    assert_eq!(ids, expected, "survivors keep their order, the joiner is appended");
+    server.shutdown().await.expect("shutdown");
+}
+
+/// Below min_workers after a failure: the waiting member's Rendezvous gets JobEnded FAILED
+/// after the elastic timeout.
+async fn below_min_ends_after_elastic_timeout(backend: Backend) {
+    let backing = Backing::new(backend).await;
+    let mut settings = test_settings(backend);
+    settings.min_workers = 2;
+    let server = replica(backing.store.clone(), &Options::new(settings)).await;
+    let addr = server.local_addr();
+    let workers = vec![Worker::join(addr, "job-e", "w0", HB).await, Worker::join(addr, "job-e", "w1", HB).await];
+    let g1 = form_all(&workers, 0).await.remove(0);
+    let w1_rank = g1.members.iter().position(|m| m.worker_id == "w1").expect("w1") as u32;
+    let mut watch = workers[0].watch().await;
+    assert!(workers[0].report(1, Some(w1_rank), "w1 died").await.expect("report").accepted);
+    let started = Instant::now();
+    let ended = loop {
+        match workers[0].rendezvous(1, Duration::from_secs(5)).await.expect("rendezvous").outcome {
+            Some(Outcome::Ended(e)) => break e,
+            Some(Outcome::Waiting(w)) => assert_eq!(w.min_workers, 2),
+            other => panic!("unexpected {other:?}"),
+        }
+    };
+    assert_eq!(ended.outcome, pb::job_ended::Outcome::Failed as i32);
+    assert!(ended.reason.contains("min_workers"), "{}", ended.reason);
+    let elapsed = started.elapsed();
+    assert!(elapsed >= settings.elastic_timeout - Duration::from_millis(200), "ended too early: {elapsed:?}");
+    let on_watch = wait_event(&mut watch, |e| match e {
+        Event::JobEnded(e) => Some(e.clone()),
+        _ => None,
+    })
+    .await;
+    assert_eq!(on_watch, ended);
+    // Late callers are told.
+    let mut c = client(addr).await;
+    let err = c.join(join_request("job-e", "w9")).await.expect_err("ended job");
+    assert_eq!(err.code(), tonic::Code::FailedPrecondition);
+    assert_eq!(status(addr, "job-e").await.ended, Some(ended));
+    server.shutdown().await.expect("shutdown");
+}
+
+/// A worker blamed for three failures is excluded: its Join is refused, naming why.
+async fn repeated_failures_exclude(backend: Backend) {
+    let backing = Backing::new(backend).await;
+    let mut settings = test_settings(backend);
+    settings.min_workers = 2;
+    settings.elastic_timeout = Duration::from_secs(60);
+    let mut options = Options::new(settings);
+    options.exclusion = ExclusionPolicy { threshold: 3, window: Duration::from_secs(600), base_cooldown: Duration::from_secs(30), max_cooldown: Duration::from_secs(1800) };
+    let server = replica(backing.store.clone(), &options).await;
+    let addr = server.local_addr();
+    let good = Worker::join(addr, "job-f", "good", HB).await;
+    let mut after = 0;
+    for round in 0..3 {
+        // min_workers = 2: `good` cannot re-form alone, so each round's generation has both.
+        let flaky = Worker::join(addr, "job-f", "flaky", HB).await;
+        let gs = futures::future::join_all([good.next_generation(after), flaky.next_generation(0)]).await;
+        assert_eq!(gs[0], gs[1], "round {round}");
+        let g = gs[0].clone();
+        let rank = g.members.iter().position(|m| m.worker_id == "flaky").expect("flaky placed") as u32;
+        assert!(good.report(g.number, Some(rank), "flaky broke").await.expect("report").accepted);
+        after = g.number;
+    }
+    let mut c = client(addr).await;
+    let err = c.join(join_request("job-f", "flaky")).await.expect_err("excluded");
+    assert_eq!(err.code(), tonic::Code::FailedPrecondition);
+    assert!(err.message().contains("excluded") && err.message().contains("3 failures"), "{}", err.message());
+    // A graceful leave never counts: the good worker can leave and come back.
+    good.leave(false).await.expect("leave");
+    let back = Worker::join(addr, "job-f", "good", HB).await;
+    assert!(back.incarnation != good.incarnation);
+    server.shutdown().await.expect("shutdown");
+}
+
+/// Graceful leave re-forms the rest without revocation; when every member finishes, the job
+/// ends FINISHED and its keys are gone.
+async fn leave_and_finish(backend: Backend) {
+    let backing = Backing::new(backend).await;
+    let server = replica(backing.store.clone(), &Options::new(test_settings(backend))).await;
+    let addr = server.local_addr();
+    let mut workers = Vec::new();
+    for i in 0..3 {
+        workers.push(Worker::join(addr, "job-g", &format!("w{i}"), HB).await);
+    }
+    let g1 = form_all(&workers, 0).await.remove(0);
+    let mut watch = workers[0].watch().await;
+    workers[2].leave(false).await.expect("graceful leave");
+    workers[2].leave(false).await.expect("leaving twice is harmless");
+    let pending = wait_event(&mut watch, |e| match e {
+        Event::ReformationPending(p) => Some(*p),
+        _ => None,
+    })
+    .await;
+    assert_eq!((pending.generation, pending.joiners), (1, 0));
+    assert!(workers[0].commit(1, 5).await.expect("commit").reformation_pending, "the rest should re-form");
+    let s = status(addr, "job-g").await;
+    assert!(!s.current_revoked, "a graceful leave does not revoke");
+    let g2s = form_all(&workers[..2], 1).await;
+    assert_eq!(g2s[0].number, 2);
+    let expected: Vec<String> = g1.members.iter().map(|m| m.worker_id.clone()).filter(|w| w != "w2").collect();
+    assert_eq!(g2s[0].members.iter().map(|m| m.worker_id.clone()).collect::<Vec<_>>(), expected);
+    for w in &workers[..2] {
+        w.leave(true).await.expect("finished");
+    }
+    let ended = wait_event(&mut watch, |e| match e {
+        Event::JobEnded(e) => Some(e.clone()),
+        _ => None,
+    })
+    .await;
+    assert_eq!(ended.outcome, pb::job_ended::Outcome::Finished as i32);
+    let (kvs, _) = backing.store.get_prefix("/cohort/v1/jobs/job-g/").await.expect("read");
+    let keys: Vec<_> = kvs.iter().map(|kv| kv.key.clone()).collect();
+    assert_eq!(keys, vec!["/cohort/v1/jobs/job-g/ended".to_string()], "only the end record is left");
+    server.shutdown().await.expect("shutdown");
+}
+
+/// A restarted worker (same id, new join) revokes the generation it was in.
+async fn restart_revokes(backend: Backend) {
+    let backing = Backing::new(backend).await;
+    let mut settings = test_settings(backend);
+    settings.min_workers = 2;
+    settings.elastic_timeout = Duration::from_secs(60);
+    let server = replica(backing.store.clone(), &Options::new(settings)).await;
+    let addr = server.local_addr();
+    let workers = vec![Worker::join(addr, "job-h", "w0", HB).await, Worker::join(addr, "job-h", "w1", HB).await];
+    form_all(&workers, 0).await;
+    let mut watch = workers[0].watch().await;
+    let again = Worker::join(addr, "job-h", "w1", HB).await;
+    assert_ne!(again.incarnation, workers[1].incarnation);
+    let revoked = wait_event(&mut watch, |e| match e {
+        Event::GenerationRevoked(r) => Some(r.clone()),
+        _ => None,
+    })
+    .await;
+    let cause = revoked.cause.expect("cause");
+    assert!(cause.reason.contains("restarted"), "{}", cause.reason);
+    assert_eq!(cause.worker_id, "w1");
+    let err = workers[1].rendezvous(1, Duration::from_millis(10)).await.expect_err("old incarnation");
+    assert_eq!(err.code(), tonic::Code::NotFound);
+    let gs = futures::future::join_all([workers[0].next_generation(1), again.next_generation(0)]).await;
+    assert_eq!(gs[0], gs[1]);
+    assert_eq!(gs[0].number, 2);
+    server.shutdown().await.expect("shutdown");
+}
+
+macro_rules! suite {
+    ($($name:ident),* $(,)?) => {
+        mod memory {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::common::bounded(super::$name(super::Backend::Memory)).await;
+                }
+            )*
+        }
+        mod etcd {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::common::bounded(super::$name(super::Backend::Etcd)).await;
+                }
+            )*
+        }
+    };
+}
+
+suite!(
+    four_workers_form_one_generation,
+    failure_report_revokes_and_survivors_reform_at_once,
+    lease_lapse_revokes,
+    joiner_makes_reformation_pending,
+    below_min_ends_after_elastic_timeout,
+    repeated_failures_exclude,
+    leave_and_finish,
+    restart_revokes,
+);

@@ -1,0 +1,507 @@
+//! One behavioural suite for every `Store` backend.
+//!
+//! Each scenario is a generic async fn over `S: Store`; the `suite!` macro instantiates it
+//! once on a fresh `MemoryStore` (with Tokio's clock paused, so lease TTLs pass instantly)
+//! and once on the real etcd that this test binary starts (one shared server, a distinct key
+//! prefix per test, real time). etcd-only tests (compaction, outage, restart) start their
+//! own server so they cannot disturb the shared one.
+
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use cohort_coordinator::etcd_process::EtcdProcess;
+use cohort_coordinator::store::etcd::EtcdStore;
+use cohort_coordinator::store::memory::MemoryStore;
+use cohort_coordinator::store::{Compare, KeyValue, Store, StoreError, Txn, TxnOp, WatchEvent, WatchStream};
+use futures::StreamExt;
+use tokio::time::{timeout, Instant};
+
+/// Bound on a whole test.
+const BOUND: Duration = Duration::from_secs(60);
+/// Bound on waiting for one watch event.
+const EVENT_DEADLINE: Duration = Duration::from_secs(15);
+
+static SHARED_ETCD: OnceLock<Result<EtcdProcess, String>> = OnceLock::new();
+
+/// The endpoint of the etcd shared by this test binary (started on first use).
+async fn shared_etcd_endpoint() -> String {
+    let started = tokio::task::spawn_blocking(|| match SHARED_ETCD.get_or_init(|| EtcdProcess::start().map_err(|e| e.to_string())) {
+        Ok(etcd) => Ok(etcd.endpoint()),
+        Err(e) => Err(e.clone()),
+    })
+    .await
+    .expect("etcd start task");
+    started.unwrap_or_else(|e| panic!("cannot start etcd: {e}"))
+}
+
+async fn shared_etcd_store() -> EtcdStore {
+    EtcdStore::connect(&[shared_etcd_endpoint().await]).await.expect("connect to the shared etcd")
+}
+
+/// The next watch event, which must arrive within [`EVENT_DEADLINE`] and not be an error.
+async fn next_event(watch: &mut WatchStream) -> WatchEvent {
+    match timeout(EVENT_DEADLINE, watch.next()).await {
+        Ok(Some(Ok(ev))) => ev,
+        Ok(Some(Err(e))) => panic!("watch error: {e}"),
+        Ok(None) => panic!("watch ended"),
+        Err(_) => panic!("no watch event within {EVENT_DEADLINE:?}"),
+    }
+}
+
+fn put_of(ev: &WatchEvent) -> &KeyValue {
+    match ev {
+        WatchEvent::Put(kv) => kv,
+        other => panic!("expected a put, got {other:?}"),
+    }
+}
+
+fn delete_of(ev: &WatchEvent) -> (&str, i64) {
+    match ev {
+        WatchEvent::Delete { key, revision } => (key, *revision),
+        other => panic!("expected a delete, got {other:?}"),
+    }
+}
+
+fn revision_of(ev: &WatchEvent) -> i64 {
+    match ev {
+        WatchEvent::Put(kv) => kv.mod_revision,
+        WatchEvent::Delete { revision, .. } => *revision,
+    }
+}
+
+/// Writes a sentinel key and checks that it is the very next event (nothing unexpected
+/// came before it).
+async fn expect_only_sentinel_next<S: Store>(store: &S, watch: &mut WatchStream, prefix: &str) {
+    let key = format!("{prefix}~sentinel");
+    let rev = store.put(&key, b"s".to_vec(), None).await.expect("put sentinel");
+    let ev = next_event(watch).await;
+    assert_eq!(put_of(&ev).key, key, "unexpected event before the sentinel");
+    assert_eq!(put_of(&ev).mod_revision, rev);
+}
+
+// ---------------------------------------------------------------------------------------
+// Scenarios
+// ---------------------------------------------------------------------------------------
+
+async fn put_get_revisions<S: Store>(s: S, p: String) {
+    let a = format!("{p}a");
+    let b = format!("{p}b");
+    assert_eq!(s.get(&a).await.expect("get"), None);
+    let r1 = s.put(&a, b"1".to_vec(), None).await.expect("put");
+    let r2 = s.put(&b, b"2".to_vec(), None).await.expect("put");
+    assert!(r2 > r1, "revisions increase: {r1} then {r2}");
+    let kv = s.get(&a).await.expect("get").expect("present");
+    assert_eq!((kv.key.as_str(), kv.value.as_slice()), (a.as_str(), &b"1"[..]));
+    assert_eq!((kv.create_revision, kv.mod_revision, kv.lease), (r1, r1, None));
+    let r3 = s.put(&a, b"3".to_vec(), None).await.expect("overwrite");
+    assert!(r3 > r2);
+    let kv = s.get(&a).await.expect("get").expect("present");
+    assert_eq!((kv.value.as_slice(), kv.create_revision, kv.mod_revision), (&b"3"[..], r1, r3));
+    let (_, read_rev) = s.get_prefix(&p).await.expect("get_prefix");
+    assert!(read_rev >= r3, "a read's revision covers earlier writes");
+    assert!(matches!(s.get("").await, Err(StoreError::Invalid(_))));
+    assert!(matches!(s.put("", vec![], None).await, Err(StoreError::Invalid(_))));
+}
+
+async fn get_prefix_in_key_order<S: Store>(s: S, p: String) {
+    for k in ["c", "a", "sub/2", "b", "sub/1", "suba"] {
+        s.put(&format!("{p}{k}"), k.as_bytes().to_vec(), None).await.expect("put");
+    }
+    let (kvs, _) = s.get_prefix(&p).await.expect("get_prefix");
+    let keys: Vec<&str> = kvs.iter().map(|kv| kv.key.strip_prefix(p.as_str()).expect("prefix")).collect();
+    assert_eq!(keys, ["a", "b", "c", "sub/1", "sub/2", "suba"]);
+    let (kvs, _) = s.get_prefix(&format!("{p}sub/")).await.expect("get_prefix");
+    let values: Vec<&[u8]> = kvs.iter().map(|kv| kv.value.as_slice()).collect();
+    assert_eq!(values, [&b"sub/1"[..], &b"sub/2"[..]]);
+    let (kvs, _) = s.get_prefix(&format!("{p}none/")).await.expect("get_prefix");
+    assert!(kvs.is_empty());
+}
+
+async fn delete_and_delete_prefix<S: Store>(s: S, p: String) {
+    for k in ["x", "d/1", "d/2", "d/3", "e"] {
+        s.put(&format!("{p}{k}"), vec![], None).await.expect("put");
+    }
+    assert!(s.delete(&format!("{p}x")).await.expect("delete"));
+    assert!(!s.delete(&format!("{p}x")).await.expect("delete again"));
+    assert_eq!(s.get(&format!("{p}x")).await.expect("get"), None);
+    assert_eq!(s.delete_prefix(&format!("{p}d/")).await.expect("delete_prefix"), 3);
+    assert_eq!(s.delete_prefix(&format!("{p}d/")).await.expect("delete_prefix again"), 0);
+    let (kvs, _) = s.get_prefix(&p).await.expect("get_prefix");
+    let keys: Vec<String> = kvs.into_iter().map(|kv| kv.key).collect();
+    assert_eq!(keys, [format!("{p}e")]);
+}
+
+async fn txn_compare_and_swap<S: Store>(s: S, p: String) {
+    let k = format!("{p}k");
+    let flag = format!("{p}failed");
+    let r1 = s.put(&k, b"v1".to_vec(), None).await.expect("put");
+    let cas = |rev: i64, value: &[u8]| Txn {
+        compares: vec![Compare::ModRevision(k.clone(), rev)],
+        success: vec![TxnOp::Put { key: k.clone(), value: value.to_vec(), lease: None }],
+        failure: vec![TxnOp::Put { key: flag.clone(), value: b"yes".to_vec(), lease: None }],
+    };
+    let res = s.txn(cas(r1, b"v2")).await.expect("txn");
+    assert!(res.succeeded);
+    let kv = s.get(&k).await.expect("get").expect("present");
+    assert_eq!((kv.value.as_slice(), kv.mod_revision), (&b"v2"[..], res.revision));
+    assert_eq!(s.get(&flag).await.expect("get"), None, "failure branch not applied");
+
+    // A stale mod_revision: the failure branch runs, the success branch does not.
+    let res = s.txn(cas(r1, b"v3")).await.expect("txn");
+    assert!(!res.succeeded);
+    assert_eq!(s.get(&k).await.expect("get").expect("present").value, b"v2");
+    let flagged = s.get(&flag).await.expect("get").expect("failure branch applied");
+    assert_eq!(flagged.mod_revision, res.revision);
+}
+
+async fn txn_conditions<S: Store>(s: S, p: String) {
+    let k = format!("{p}k");
+    let missing = format!("{p}missing");
+    let put = |key: &str, v: &[u8]| TxnOp::Put { key: key.to_owned(), value: v.to_vec(), lease: None };
+    let when = |c: Vec<Compare>| Txn { compares: c, success: vec![], failure: vec![] };
+
+    // Absent: put-if-absent succeeds once.
+    let create = Txn { compares: vec![Compare::Absent(k.clone())], success: vec![put(&k, b"v")], failure: vec![] };
+    assert!(s.txn(create.clone()).await.expect("txn").succeeded);
+    assert!(!s.txn(create).await.expect("txn").succeeded);
+
+    let cases = [
+        (vec![Compare::Exists(k.clone())], true),
+        (vec![Compare::Exists(missing.clone())], false),
+        (vec![Compare::Absent(missing.clone())], true),
+        (vec![Compare::ValueEquals(k.clone(), b"v".to_vec())], true),
+        (vec![Compare::ValueEquals(k.clone(), b"other".to_vec())], false),
+        // As in etcd, a value comparison on a missing key fails even against empty bytes.
+        (vec![Compare::ValueEquals(missing.clone(), Vec::new())], false),
+        // A missing key has mod_revision 0.
+        (vec![Compare::ModRevision(missing.clone(), 0)], true),
+        // All compares must hold.
+        (vec![Compare::Exists(k.clone()), Compare::Absent(k.clone())], false),
+        (vec![Compare::Exists(k.clone()), Compare::Absent(missing.clone())], true),
+        (vec![], true),
+    ];
+    for (compares, expected) in cases {
+        let res = s.txn(when(compares.clone())).await.expect("txn");
+        assert_eq!(res.succeeded, expected, "compares {compares:?}");
+    }
+
+    // Several writes in one transaction share one revision; deletes run in the same step.
+    let a = format!("{p}multi/a");
+    let b = format!("{p}multi/b");
+    let res = s
+        .txn(Txn { compares: vec![], success: vec![put(&a, b"a"), put(&b, b"b"), TxnOp::Delete(k.clone())], failure: vec![] })
+        .await
+        .expect("txn");
+    assert!(res.succeeded);
+    assert_eq!(s.get(&a).await.expect("get").expect("a").mod_revision, res.revision);
+    assert_eq!(s.get(&b).await.expect("get").expect("b").mod_revision, res.revision);
+    assert_eq!(s.get(&k).await.expect("get"), None);
+    let res = s
+        .txn(Txn { compares: vec![], success: vec![TxnOp::DeletePrefix(format!("{p}multi/"))], failure: vec![] })
+        .await
+        .expect("txn");
+    assert!(res.succeeded);
+    assert!(s.get_prefix(&format!("{p}multi/")).await.expect("get_prefix").0.is_empty());
+
+    // Writing one key twice in a branch is rejected, as etcd does.
+    let dup = Txn { compares: vec![], success: vec![put(&a, b"1"), put(&a, b"2")], failure: vec![] };
+    assert!(matches!(s.txn(dup).await, Err(StoreError::Invalid(_))));
+    assert_eq!(s.get(&a).await.expect("get"), None, "a rejected transaction applies nothing");
+}
+
+async fn lease_expiry_deletes_keys<S: Store>(s: S, p: String) {
+    let lease = s.grant_lease(Duration::from_secs(1)).await.expect("grant");
+    let ttl = s.lease_time_to_live(lease).await.expect("ttl").expect("lease alive");
+    assert!(ttl <= Duration::from_secs(1), "granted TTL {ttl:?}");
+    let key = format!("{p}member");
+    let rev = s.put(&key, b"alive".to_vec(), Some(lease)).await.expect("put on lease");
+    assert_eq!(s.get(&key).await.expect("get").expect("present").lease, Some(lease));
+    let mut watch = s.watch_prefix(&p, rev + 1).await.expect("watch");
+    let started = Instant::now();
+    let ev = next_event(&mut watch).await;
+    let (deleted, del_rev) = delete_of(&ev);
+    assert_eq!(deleted, key);
+    assert!(del_rev > rev);
+    assert!(started.elapsed() >= Duration::from_millis(500), "expired after {:?}, before its TTL", started.elapsed());
+    assert_eq!(s.get(&key).await.expect("get"), None);
+    assert!(matches!(s.keep_alive(lease).await, Err(StoreError::LeaseNotFound(id)) if id == lease));
+    assert_eq!(s.lease_time_to_live(lease).await.expect("ttl"), None);
+    assert!(matches!(s.put(&key, vec![], Some(lease)).await, Err(StoreError::LeaseNotFound(id)) if id == lease));
+}
+
+async fn keep_alive_extends_lease<S: Store>(s: S, p: String) {
+    let lease = s.grant_lease(Duration::from_secs(2)).await.expect("grant");
+    let key = format!("{p}member");
+    let rev = s.put(&key, vec![], Some(lease)).await.expect("put on lease");
+    let mut watch = s.watch_prefix(&p, rev + 1).await.expect("watch");
+    // Keep the lease alive for twice its TTL.
+    let started = Instant::now();
+    let mut ticks = tokio::time::interval(Duration::from_millis(500));
+    while started.elapsed() < Duration::from_secs(4) {
+        ticks.tick().await;
+        s.keep_alive(lease).await.expect("keep_alive");
+    }
+    assert!(s.get(&key).await.expect("get").is_some(), "key survives while the lease is kept alive");
+    assert!(s.lease_time_to_live(lease).await.expect("ttl").is_some());
+    // Then stop: it lapses and the key goes.
+    let stopped = Instant::now();
+    let ev = next_event(&mut watch).await;
+    assert_eq!(delete_of(&ev).0, key);
+    assert!(stopped.elapsed() >= Duration::from_millis(500), "lapsed {:?} after the last keep-alive", stopped.elapsed());
+}
+
+async fn revoke_deletes_keys_at_once<S: Store>(s: S, p: String) {
+    let lease = s.grant_lease(Duration::from_secs(60)).await.expect("grant");
+    let a = format!("{p}a");
+    let b = format!("{p}b");
+    let free = format!("{p}free");
+    s.put(&a, vec![], Some(lease)).await.expect("put");
+    s.put(&b, vec![], Some(lease)).await.expect("put");
+    let rev = s.put(&free, vec![], None).await.expect("put");
+    let mut watch = s.watch_prefix(&p, rev + 1).await.expect("watch");
+    s.revoke_lease(lease).await.expect("revoke");
+    let mut deleted = vec![delete_of(&next_event(&mut watch).await).0.to_owned()];
+    deleted.push(delete_of(&next_event(&mut watch).await).0.to_owned());
+    deleted.sort();
+    assert_eq!(deleted, [a.clone(), b.clone()]);
+    assert_eq!(s.get(&a).await.expect("get"), None);
+    assert!(s.get(&free).await.expect("get").is_some(), "keys without the lease stay");
+    s.revoke_lease(lease).await.expect("revoking again is not an error");
+    assert!(matches!(s.keep_alive(lease).await, Err(StoreError::LeaseNotFound(_))));
+    assert!(matches!(s.put(&a, vec![], Some(lease)).await, Err(StoreError::LeaseNotFound(_))));
+    // A lease that never existed.
+    assert!(matches!(s.keep_alive(0x5eed_0000_0001).await, Err(StoreError::LeaseNotFound(_))));
+    expect_only_sentinel_next(&s, &mut watch, &p).await;
+}
+
+async fn watch_history_then_live<S: Store>(s: S, p: String) {
+    let a = format!("{p}a");
+    let b = format!("{p}b");
+    let r1 = s.put(&a, b"1".to_vec(), None).await.expect("put");
+    let r2 = s.put(&b, b"2".to_vec(), None).await.expect("put");
+    s.put(&format!("{p}-outside"), vec![], None).await.expect("put outside the watched prefix");
+    let mut watch = s.watch_prefix(&p, r1).await.expect("watch");
+    let mut inner = s.watch_prefix(&format!("{p}a"), r1).await.expect("watch a");
+    // History first.
+    let ev = next_event(&mut watch).await;
+    assert_eq!((put_of(&ev).key.as_str(), put_of(&ev).mod_revision), (a.as_str(), r1));
+    let ev = next_event(&mut watch).await;
+    assert_eq!((put_of(&ev).key.as_str(), put_of(&ev).mod_revision), (b.as_str(), r2));
+    let ev = next_event(&mut watch).await;
+    assert_eq!(put_of(&ev).key, format!("{p}-outside"));
+    // Then live changes, in order.
+    let r4 = s.put(&a, b"4".to_vec(), None).await.expect("put");
+    let del = s.txn(Txn { compares: vec![], success: vec![TxnOp::Delete(b.clone())], failure: vec![] }).await.expect("txn");
+    let ev = next_event(&mut watch).await;
+    assert_eq!((put_of(&ev).value.as_slice(), put_of(&ev).mod_revision, put_of(&ev).create_revision), (&b"4"[..], r4, r1));
+    let ev = next_event(&mut watch).await;
+    assert_eq!(delete_of(&ev), (b.as_str(), del.revision));
+    // The narrower watch saw only its own key.
+    assert_eq!(put_of(&next_event(&mut inner).await).mod_revision, r1);
+    assert_eq!(put_of(&next_event(&mut inner).await).mod_revision, r4);
+    expect_only_sentinel_next(&s, &mut watch, &p).await;
+}
+
+async fn watch_from_now_sees_only_new_changes<S: Store>(s: S, p: String) {
+    s.put(&format!("{p}old"), vec![], None).await.expect("put");
+    let mut watch = s.watch_prefix(&p, 0).await.expect("watch");
+    // Registered on return: a change made right away is delivered.
+    let rev = s.put(&format!("{p}new"), vec![], None).await.expect("put");
+    let ev = next_event(&mut watch).await;
+    assert_eq!((put_of(&ev).key.clone(), put_of(&ev).mod_revision), (format!("{p}new"), rev));
+}
+
+async fn watch_resume_sees_exactly_missed_events<S: Store>(s: S, p: String) {
+    let mut watch = s.watch_prefix(&p, 0).await.expect("watch");
+    s.put(&format!("{p}1"), vec![], None).await.expect("put");
+    s.put(&format!("{p}2"), vec![], None).await.expect("put");
+    next_event(&mut watch).await;
+    let last = next_event(&mut watch).await;
+    let last_rev = revision_of(&last);
+    drop(watch); // the "disconnect"
+
+    let r3 = s.put(&format!("{p}3"), vec![], None).await.expect("put");
+    let d1 = s.delete(&format!("{p}1")).await.expect("delete");
+    assert!(d1);
+    let r4 = s.put(&format!("{p}2"), b"again".to_vec(), None).await.expect("put");
+
+    let mut resumed = s.watch_prefix(&p, last_rev + 1).await.expect("resume");
+    let ev = next_event(&mut resumed).await;
+    assert_eq!((put_of(&ev).key.clone(), put_of(&ev).mod_revision), (format!("{p}3"), r3));
+    let ev = next_event(&mut resumed).await;
+    let (key, rev) = delete_of(&ev);
+    assert_eq!(key, format!("{p}1"));
+    assert!(rev > r3 && rev < r4);
+    let ev = next_event(&mut resumed).await;
+    assert_eq!((put_of(&ev).value.as_slice(), put_of(&ev).mod_revision), (&b"again"[..], r4));
+    expect_only_sentinel_next(&s, &mut resumed, &p).await;
+}
+
+async fn bounded<F: std::future::Future<Output = ()>>(test: F) {
+    timeout(BOUND, test).await.expect("test exceeded its time bound");
+}
+
+macro_rules! suite {
+    ($($name:ident),* $(,)?) => {
+        mod memory {
+            $(
+                #[tokio::test(start_paused = true)]
+                async fn $name() {
+                    super::bounded(super::$name(super::MemoryStore::new(), concat!("/", stringify!($name), "/").to_owned())).await;
+                }
+            )*
+        }
+        mod etcd {
+            $(
+                #[tokio::test]
+                async fn $name() {
+                    super::bounded(async {
+                        let store = super::shared_etcd_store().await;
+                        super::$name(store, concat!("/suite/", stringify!($name), "/").to_owned()).await;
+                    })
+                    .await;
+                }
+            )*
+        }
+    };
+}
+
+suite!(
+    put_get_revisions,
+    get_prefix_in_key_order,
+    delete_and_delete_prefix,
+    txn_compare_and_swap,
+    txn_conditions,
+    lease_expiry_deletes_keys,
+    keep_alive_extends_lease,
+    revoke_deletes_keys_at_once,
+    watch_history_then_live,
+    watch_from_now_sees_only_new_changes,
+    watch_resume_sees_exactly_missed_events,
+);
+
+// ---------------------------------------------------------------------------------------
+// Backend-specific behaviour
+// ---------------------------------------------------------------------------------------
+
+#[tokio::test]
+async fn memory_watch_beyond_history_is_compacted() {
+    bounded(async {
+        let s = MemoryStore::with_history_limit(8);
+        let mut last = 0;
+        for i in 0..20 {
+            last = s.put(&format!("/h/{i:02}"), vec![], None).await.expect("put");
+        }
+        let oldest = match s.watch_prefix("/h/", 1).await {
+            Err(StoreError::Compacted(oldest)) => oldest,
+            Err(e) => panic!("expected Compacted, got {e}"),
+            Ok(_) => panic!("expected Compacted, got a watch"),
+        };
+        assert_eq!(oldest, last - 7, "the last 8 revisions are kept");
+        let mut watch = s.watch_prefix("/h/", oldest).await.expect("watch from the oldest kept revision");
+        assert_eq!(revision_of(&next_event(&mut watch).await), oldest);
+    })
+    .await;
+}
+
+/// Connects to a private etcd with a short request deadline.
+async fn private_store(etcd: &EtcdProcess) -> EtcdStore {
+    EtcdStore::connect_with_timeout(&[etcd.endpoint()], Duration::from_secs(2)).await.expect("connect")
+}
+
+async fn start_private_etcd() -> EtcdProcess {
+    tokio::task::spawn_blocking(EtcdProcess::start).await.expect("start task").expect("start etcd")
+}
+
+#[tokio::test]
+async fn etcd_watch_beyond_compaction_is_compacted() {
+    bounded(async {
+        let etcd = start_private_etcd().await;
+        let s = private_store(&etcd).await;
+        let first = s.put("/c/a", vec![], None).await.expect("put");
+        let last = s.put("/c/b", vec![], None).await.expect("put");
+        let mut raw = etcd_client::Client::connect([etcd.endpoint()], None).await.expect("raw client");
+        raw.compact(last, None).await.expect("compact");
+        match s.watch_prefix("/c/", first).await {
+            Err(StoreError::Compacted(rev)) => assert_eq!(rev, last),
+            Err(e) => panic!("expected Compacted, got {e}"),
+            Ok(mut w) => match timeout(EVENT_DEADLINE, w.next()).await {
+                Ok(Some(Err(StoreError::Compacted(rev)))) => assert_eq!(rev, last),
+                other => panic!("expected Compacted, got {other:?}"),
+            },
+        }
+        let mut watch = s.watch_prefix("/c/", last).await.expect("watch from the compaction revision");
+        assert_eq!(put_of(&next_event(&mut watch).await).key, "/c/b");
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn etcd_connect_to_nothing_is_unavailable() {
+    bounded(async {
+        let port = std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port();
+        let started = Instant::now();
+        match EtcdStore::connect_with_timeout(&[format!("http://127.0.0.1:{port}")], Duration::from_secs(2)).await {
+            Err(StoreError::Unavailable(_)) => {}
+            Err(e) => panic!("expected Unavailable, got {e}"),
+            Ok(_) => panic!("connected to a closed port"),
+        }
+        assert!(started.elapsed() < Duration::from_secs(15), "gave up after {:?}", started.elapsed());
+    })
+    .await;
+}
+
+/// Retries `op` while etcd is unavailable (a restarted server takes a moment to be reached
+/// again), within [`EVENT_DEADLINE`].
+async fn until_available<T, F, Fut>(mut op: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, StoreError>>,
+{
+    let deadline = Instant::now() + EVENT_DEADLINE;
+    loop {
+        match op().await {
+            Ok(v) => return v,
+            Err(StoreError::Unavailable(e)) if Instant::now() < deadline => {
+                tracing::debug!(error = %e, "etcd not reachable yet");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(e) => panic!("etcd did not come back: {e}"),
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_process_restart_keeps_data_and_clients_recover() {
+    bounded(async {
+        let mut etcd = start_private_etcd().await;
+        let s = private_store(&etcd).await;
+        let rev = s.put("/r/kept", b"v".to_vec(), None).await.expect("put");
+        let mut watch = s.watch_prefix("/r/", rev + 1).await.expect("watch");
+
+        // A crash: requests fail fast with Unavailable, the watch ends with an error.
+        etcd.kill();
+        assert!(!etcd.is_running());
+        match s.get("/r/kept").await {
+            Err(StoreError::Unavailable(_)) => {}
+            other => panic!("expected Unavailable from a dead etcd, got {other:?}"),
+        }
+        match timeout(EVENT_DEADLINE, watch.next()).await {
+            Ok(Some(Err(StoreError::Unavailable(_))) | None) => {}
+            other => panic!("expected the watch to fail, got {other:?}"),
+        }
+
+        // Back on the same port and data: committed data survived SIGKILL, and the same
+        // client reconnects.
+        tokio::task::block_in_place(|| etcd.restart()).expect("restart after kill");
+        let kv = until_available(|| s.get("/r/kept")).await.expect("data persisted");
+        assert_eq!((kv.value.as_slice(), kv.mod_revision), (&b"v"[..], rev));
+
+        // A graceful stop and restart keeps it too.
+        let rev2 = s.put("/r/second", b"w".to_vec(), None).await.expect("put");
+        tokio::task::block_in_place(|| etcd.restart()).expect("graceful restart");
+        let (kvs, _) = until_available(|| s.get_prefix("/r/")).await;
+        assert_eq!(kvs.iter().map(|kv| kv.mod_revision).collect::<Vec<_>>(), [rev, rev2]);
+    })
+    .await;
+}

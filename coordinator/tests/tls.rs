@@ -1,0 +1,73 @@
+//! The coordinator over TLS: a CA and a server certificate made with the `openssl` tool in a
+//! temporary directory (the test says it is skipped, and why, where the tool is missing).
+
+mod common;
+
+use cohort_coordinator::config::Settings;
+use cohort_coordinator::server::{ServeConfig, TlsFiles};
+use cohort_proto::v1 as pb;
+use common::*;
+use std::path::Path;
+use std::process::Command;
+
+fn openssl(dir: &Path, args: &[&str]) -> bool {
+    match Command::new("openssl").args(args).current_dir(dir).output() {
+        Ok(out) if out.status.success() => true,
+        Ok(out) => panic!("openssl {args:?} failed: {}", String::from_utf8_lossy(&out.stderr)),
+        Err(_) => false,
+    }
+}
+
+/// Makes `ca.pem`, `server.pem` and `server.key` (for localhost and 127.0.0.1) in `dir`;
+/// `false` when openssl is not installed.
+fn make_certificates(dir: &Path) -> bool {
+    let ext = dir.join("ext.cnf");
+    std::fs::write(&ext, "subjectAltName=DNS:localhost,IP:127.0.0.1\nbasicConstraints=critical,CA:FALSE\n").expect("write ext");
+    openssl(dir, &["req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "1", "-subj", "/CN=cohort test CA"])
+        && openssl(dir, &["req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-keyout", "server.key", "-out", "server.csr", "-subj", "/CN=localhost"])
+        && openssl(dir, &["x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial", "-out", "server.pem", "-days", "1", "-extfile", "ext.cnf"])
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serves_over_tls() {
+    bounded(async {
+        let dir = tempfile::tempdir().expect("tempdir");
+        if !make_certificates(dir.path()) {
+            eprintln!("SKIPPED serves_over_tls: the openssl tool is not installed, so no test certificate can be made");
+            return;
+        }
+        let read = |name: &str| std::fs::read(dir.path().join(name)).expect("read pem");
+        let backing = Backing::new(Backend::Memory).await;
+        let mut config = ServeConfig::new(backing.store.clone(), Settings::uniform(test_settings(Backend::Memory)).expect("settings"));
+        config.tls = Some(TlsFiles { cert_pem: read("server.pem"), key_pem: read("server.key") });
+        config.token = Some("tok".into());
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let server = cohort_coordinator::start(config, listener).await.expect("start");
+        let tls = tonic::transport::ClientTlsConfig::new()
+            .ca_certificate(tonic::transport::Certificate::from_pem(read("ca.pem")))
+            .domain_name("localhost");
+        let channel = tonic::transport::Endpoint::from_shared(format!("https://{}", server.local_addr()))
+            .expect("endpoint")
+            .tls_config(tls)
+            .expect("tls config")
+            .connect()
+            .await
+            .expect("TLS connect");
+        let mut client = pb::coordinator_client::CoordinatorClient::new(channel);
+        let mut request = tonic::Request::new(join_request("tls-job", "w0"));
+        request.metadata_mut().insert("authorization", "Bearer tok".parse().expect("ascii"));
+        let joined = client.join(request).await.expect("join over TLS").into_inner();
+        assert!(joined.incarnation > 0);
+        // Plain text to a TLS port does not get an answer.
+        let plain = tonic::transport::Endpoint::from_shared(format!("http://{}", server.local_addr()))
+            .expect("endpoint")
+            .connect_timeout(std::time::Duration::from_secs(2))
+            .timeout(std::time::Duration::from_secs(2));
+        if let Ok(channel) = plain.connect().await {
+            let mut c = pb::coordinator_client::CoordinatorClient::new(channel);
+            assert!(c.status(pb::StatusRequest { job: "tls-job".into() }).await.is_err());
+        }
+        server.shutdown().await.expect("shutdown");
+    })
+    .await;
+}

@@ -1,0 +1,231 @@
+//! Data frame header: encoding and validation (pure, no I/O).
+//!
+//! Layout (40 bytes, little-endian):
+//!
+//! | offset | size | field                                   |
+//! |--------|------|-----------------------------------------|
+//! | 0      | 4    | magic `0x4654_4843` (`"CHTF"` on the wire) |
+//! | 4      | 1    | protocol version ([`VERSION`])          |
+//! | 5      | 1    | kind (1 = data)                         |
+//! | 6      | 2    | flags (must be 0)                       |
+//! | 8      | 8    | generation                              |
+//! | 16     | 4    | tag seq                                 |
+//! | 20     | 4    | tag step                                |
+//! | 24     | 4    | tag signature                           |
+//! | 28     | 4    | reserved (must be 0)                    |
+//! | 32     | 8    | payload length                          |
+
+use crate::Tag;
+
+/// Size of an encoded [`FrameHeader`].
+pub const HEADER_LEN: usize = 40;
+/// Magic number opening every data frame.
+pub const FRAME_MAGIC: u32 = u32::from_le_bytes(*b"CHTF");
+/// Wire protocol version (shared with the handshake).
+pub const VERSION: u8 = 1;
+/// Frame kind: a tagged data message.
+pub const KIND_DATA: u8 = 1;
+
+/// A decoded, validated data frame header.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FrameHeader {
+    /// Generation the sender's transport belongs to.
+    pub generation: u64,
+    /// The message's tag.
+    pub tag: Tag,
+    /// Payload length in bytes.
+    pub len: u64,
+}
+
+/// Why a header was rejected; each one closes the link with a protocol error.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum FrameError {
+    /// The first four bytes are not [`FRAME_MAGIC`].
+    #[error("bad frame magic {0:#010x}")]
+    BadMagic(u32),
+    /// Another protocol version.
+    #[error("unsupported frame version {0} (ours {VERSION})")]
+    BadVersion(u8),
+    /// Unknown frame kind.
+    #[error("unknown frame kind {0}")]
+    BadKind(u8),
+    /// Flags or reserved bits set.
+    #[error("reserved header bits set (flags {flags:#06x}, reserved {reserved:#010x})")]
+    Reserved {
+        /// The flags field.
+        flags: u16,
+        /// The reserved field.
+        reserved: u32,
+    },
+    /// A frame from another generation.
+    #[error("frame from generation {theirs} on a generation {ours} link")]
+    Generation {
+        /// Our generation.
+        ours: u64,
+        /// The frame's generation.
+        theirs: u64,
+    },
+    /// Payload length over the configured maximum.
+    #[error("frame length {len} exceeds the maximum of {max} bytes")]
+    TooLong {
+        /// Announced length.
+        len: u64,
+        /// Configured maximum.
+        max: u64,
+    },
+}
+
+impl FrameHeader {
+    /// Encodes the header.
+    pub fn encode(&self) -> [u8; HEADER_LEN] {
+        let mut b = [0u8; HEADER_LEN];
+        b[0..4].copy_from_slice(&FRAME_MAGIC.to_le_bytes());
+        b[4] = VERSION;
+        b[5] = KIND_DATA;
+        // flags (6..8) and reserved (28..32) stay zero.
+        b[8..16].copy_from_slice(&self.generation.to_le_bytes());
+        b[16..20].copy_from_slice(&self.tag.seq.to_le_bytes());
+        b[20..24].copy_from_slice(&self.tag.step.to_le_bytes());
+        b[24..28].copy_from_slice(&self.tag.signature.to_le_bytes());
+        b[32..40].copy_from_slice(&self.len.to_le_bytes());
+        b
+    }
+
+    /// Decodes and validates a header against the link's generation and maximum length.
+    pub fn decode(
+        b: &[u8; HEADER_LEN],
+        generation: u64,
+        max_frame: u64,
+    ) -> Result<Self, FrameError> {
+        let magic = u32_at(b, 0);
+        if magic != FRAME_MAGIC {
+            return Err(FrameError::BadMagic(magic));
+        }
+        if b[4] != VERSION {
+            return Err(FrameError::BadVersion(b[4]));
+        }
+        if b[5] != KIND_DATA {
+            return Err(FrameError::BadKind(b[5]));
+        }
+        let flags = u16::from_le_bytes([b[6], b[7]]);
+        let reserved = u32_at(b, 28);
+        if flags != 0 || reserved != 0 {
+            return Err(FrameError::Reserved { flags, reserved });
+        }
+        let theirs = u64_at(b, 8);
+        if theirs != generation {
+            return Err(FrameError::Generation {
+                ours: generation,
+                theirs,
+            });
+        }
+        let len = u64_at(b, 32);
+        if len > max_frame {
+            return Err(FrameError::TooLong {
+                len,
+                max: max_frame,
+            });
+        }
+        let tag = Tag {
+            seq: u32_at(b, 16),
+            step: u32_at(b, 20),
+            signature: u32_at(b, 24),
+        };
+        Ok(Self {
+            generation: theirs,
+            tag,
+            len,
+        })
+    }
+}
+
+fn u32_at(b: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
+}
+
+fn u64_at(b: &[u8], at: usize) -> u64 {
+    let mut x = [0u8; 8];
+    x.copy_from_slice(&b[at..at + 8]);
+    u64::from_le_bytes(x)
+}
+
+/// `a` is older than `b` in wrapping sequence-number order.
+pub fn seq_older(a: u32, b: u32) -> bool {
+    (a.wrapping_sub(b) as i32) < 0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hdr() -> FrameHeader {
+        FrameHeader {
+            generation: 7,
+            tag: Tag::new(3, 9, 0xdead_beef),
+            len: 4093,
+        }
+    }
+
+    #[test]
+    fn round_trip() {
+        let b = hdr().encode();
+        assert_eq!(&b[0..4], b"CHTF");
+        assert_eq!(FrameHeader::decode(&b, 7, 1 << 20), Ok(hdr()));
+    }
+
+    #[test]
+    fn rejects_bad_fields() {
+        let good = hdr().encode();
+        let mut b = good;
+        b[0] ^= 1;
+        assert!(matches!(
+            FrameHeader::decode(&b, 7, 1 << 20),
+            Err(FrameError::BadMagic(_))
+        ));
+        let mut b = good;
+        b[4] = 2;
+        assert_eq!(
+            FrameHeader::decode(&b, 7, 1 << 20),
+            Err(FrameError::BadVersion(2))
+        );
+        let mut b = good;
+        b[5] = 9;
+        assert_eq!(
+            FrameHeader::decode(&b, 7, 1 << 20),
+            Err(FrameError::BadKind(9))
+        );
+        let mut b = good;
+        b[7] = 1;
+        assert!(matches!(
+            FrameHeader::decode(&b, 7, 1 << 20),
+            Err(FrameError::Reserved { .. })
+        ));
+        let mut b = good;
+        b[30] = 1;
+        assert!(matches!(
+            FrameHeader::decode(&b, 7, 1 << 20),
+            Err(FrameError::Reserved { .. })
+        ));
+        assert_eq!(
+            FrameHeader::decode(&good, 8, 1 << 20),
+            Err(FrameError::Generation { ours: 8, theirs: 7 })
+        );
+        assert_eq!(
+            FrameHeader::decode(&good, 7, 4092),
+            Err(FrameError::TooLong {
+                len: 4093,
+                max: 4092
+            })
+        );
+        assert!(FrameHeader::decode(&good, 7, 4093).is_ok());
+    }
+
+    #[test]
+    fn seq_order_wraps() {
+        assert!(seq_older(1, 2));
+        assert!(!seq_older(2, 2));
+        assert!(!seq_older(3, 2));
+        assert!(seq_older(u32::MAX, 0));
+        assert!(!seq_older(0, u32::MAX));
+    }
+}

@@ -1,0 +1,618 @@
+//! Connection handshake: message encoding (pure) and the two sides' procedures.
+//!
+//! Every handshake message starts with an 8-byte prefix: magic `"CHTH"` (u32 LE), version
+//! u8, kind u8, body length u16 LE. Bodies (little-endian):
+//!
+//! - `HELLO` (kind 1): generation u64, sender rank u32, intended receiver rank u32, world size
+//!   u32, nonce `[u8; 32]`, then the job id (UTF-8, 1..=[`MAX_JOB_LEN`] bytes; its length is
+//!   the body length minus 52).
+//! - `PROOF` (kind 2): verdict u8, 3 zero bytes, `HMAC-SHA256(token, label ‖ hello_dialer ‖
+//!   hello_acceptor)` (32 bytes), where the hellos are the exact encoded messages and the
+//!   label names the sender's role (`cohort/tcp/v1/dialer` or `.../acceptor`).
+//! - `VERDICT` (kind 3): verdict u8, 3 zero bytes.
+//! - `REFUSE` (kind 4): code u8, retriable u8, 2 zero bytes, ours u64, theirs u64, then a
+//!   UTF-8 explanation of at most [`MAX_REFUSE_TEXT`] bytes.
+//!
+//! Exchange (D = dialer, the higher rank; A = acceptor):
+//! 1. D → A `HELLO`.
+//! 2. A's endpoint routes the connection by (job, generation) to the `connect_mesh` waiting
+//!    for it, or answers `REFUSE` (bad hello, stale generation, nobody waiting in time, busy).
+//!    The waiter answers `HELLO` + `PROOF` (its verdict is always OK here; its MAC proves
+//!    the token).
+//! 3. D verifies A's MAC in constant time, checks A's hello (job, generation, ranks, world
+//!    size) and sends `PROOF` with its verdict and its own MAC.
+//! 4. A verifies D's MAC and checks D's hello, then sends `VERDICT`.
+//!
+//! The link is up when both verdicts are OK. Both sides hold both hellos, so each describes
+//! a refusal from its own point of view ("generation mismatch (ours 4, theirs 3)"). The
+//! token never crosses the wire; fresh nonces on both sides make every proof single-use.
+//! Every read is bounded in size (no message body exceeds [`MAX_BODY`]) and in time.
+
+use crate::Rank;
+use hmac::{Hmac, Mac};
+use sha2::Sha256;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::time::Instant;
+
+use super::frame::VERSION;
+
+type HmacSha256 = Hmac<Sha256>;
+
+/// Magic number opening every handshake message (`"CHTH"` on the wire).
+pub const HS_MAGIC: u32 = u32::from_le_bytes(*b"CHTH");
+/// Longest job id accepted in a hello, in bytes.
+pub const MAX_JOB_LEN: usize = 256;
+/// Longest explanation carried by a refusal, in bytes.
+pub const MAX_REFUSE_TEXT: usize = 512;
+/// Length of the fixed message prefix.
+pub const PREFIX_LEN: usize = 8;
+const HELLO_FIXED: usize = 52;
+const PROOF_BODY: usize = 36;
+const VERDICT_BODY: usize = 4;
+const REFUSE_FIXED: usize = 20;
+/// Largest body of any handshake message.
+pub const MAX_BODY: usize = REFUSE_FIXED + MAX_REFUSE_TEXT;
+
+const KIND_HELLO: u8 = 1;
+const KIND_PROOF: u8 = 2;
+const KIND_VERDICT: u8 = 3;
+const KIND_REFUSE: u8 = 4;
+
+const LABEL_DIALER: &[u8] = b"cohort/tcp/v1/dialer";
+const LABEL_ACCEPTOR: &[u8] = b"cohort/tcp/v1/acceptor";
+
+/// A side's verdict on the other's hello, or a refusal code.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Verdict {
+    /// Everything matches.
+    Ok,
+    /// The MAC did not verify: the two sides hold different job tokens.
+    AuthFailed,
+    /// Different job ids.
+    JobMismatch,
+    /// Different generations.
+    GenerationMismatch,
+    /// Different world sizes.
+    WorldMismatch,
+    /// The ranks in the hello are not the ones expected on this connection.
+    RankUnexpected,
+    /// The hello was malformed (bad magic, version, kind or length).
+    Malformed,
+    /// Nobody on the endpoint waits for this (job, generation) yet; retry.
+    NotReady,
+    /// The endpoint holds too many unclaimed connections; retry.
+    Busy,
+    /// The hello's generation is older than the one the endpoint is forming.
+    StaleGeneration,
+}
+
+impl Verdict {
+    fn code(self) -> u8 {
+        match self {
+            Self::Ok => 0,
+            Self::AuthFailed => 1,
+            Self::JobMismatch => 2,
+            Self::GenerationMismatch => 3,
+            Self::WorldMismatch => 4,
+            Self::RankUnexpected => 5,
+            Self::Malformed => 6,
+            Self::NotReady => 7,
+            Self::Busy => 8,
+            Self::StaleGeneration => 9,
+        }
+    }
+
+    fn from_code(c: u8) -> Option<Self> {
+        Some(match c {
+            0 => Self::Ok,
+            1 => Self::AuthFailed,
+            2 => Self::JobMismatch,
+            3 => Self::GenerationMismatch,
+            4 => Self::WorldMismatch,
+            5 => Self::RankUnexpected,
+            6 => Self::Malformed,
+            7 => Self::NotReady,
+            8 => Self::Busy,
+            9 => Self::StaleGeneration,
+            _ => return None,
+        })
+    }
+
+    /// Describes this verdict from the point of view of the side holding `ours`.
+    pub fn describe(self, ours: &Hello, theirs: &Hello) -> String {
+        match self {
+            Self::Ok => "ok".to_owned(),
+            Self::AuthFailed => "authentication failed: wrong job token".to_owned(),
+            Self::JobMismatch => format!("job mismatch (ours {:?}, theirs {:?})", ours.job, theirs.job),
+            Self::GenerationMismatch | Self::StaleGeneration => {
+                format!("generation mismatch (ours {}, theirs {})", ours.generation, theirs.generation)
+            }
+            Self::WorldMismatch => format!("world size mismatch (ours {}, theirs {})", ours.world, theirs.world),
+            Self::RankUnexpected => format!(
+                "unexpected ranks (expected a connection from rank {} to rank {}, got one from rank {} to rank {})",
+                ours.receiver, ours.sender, theirs.sender, theirs.receiver
+            ),
+            Self::Malformed => "malformed hello".to_owned(),
+            Self::NotReady => "no connection set-up for this job and generation is waiting".to_owned(),
+            Self::Busy => "endpoint busy".to_owned(),
+        }
+    }
+}
+
+/// The hello each side sends first.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Hello {
+    /// Job id.
+    pub job: String,
+    /// Generation being formed.
+    pub generation: u64,
+    /// Rank of the side sending this hello.
+    pub sender: Rank,
+    /// Rank the sender means to reach.
+    pub receiver: Rank,
+    /// World size of the generation.
+    pub world: u32,
+    /// Fresh random nonce.
+    pub nonce: [u8; 32],
+}
+
+impl Hello {
+    /// A hello with a fresh random nonce.
+    pub fn new(
+        job: &str,
+        generation: u64,
+        sender: Rank,
+        receiver: Rank,
+        world: u32,
+    ) -> Result<Self, String> {
+        let mut nonce = [0u8; 32];
+        getrandom::fill(&mut nonce)
+            .map_err(|e| format!("no randomness for the handshake nonce: {e}"))?;
+        Ok(Self {
+            job: job.to_owned(),
+            generation,
+            sender,
+            receiver,
+            world,
+            nonce,
+        })
+    }
+
+    /// Encodes the full message (prefix and body). The job id must already be valid
+    /// (1..=[`MAX_JOB_LEN`] bytes).
+    pub fn encode(&self) -> Vec<u8> {
+        let body = HELLO_FIXED + self.job.len();
+        let mut b = Vec::with_capacity(PREFIX_LEN + body);
+        b.extend_from_slice(&prefix(KIND_HELLO, body));
+        b.extend_from_slice(&self.generation.to_le_bytes());
+        b.extend_from_slice(&self.sender.to_le_bytes());
+        b.extend_from_slice(&self.receiver.to_le_bytes());
+        b.extend_from_slice(&self.world.to_le_bytes());
+        b.extend_from_slice(&self.nonce);
+        b.extend_from_slice(self.job.as_bytes());
+        b
+    }
+
+    fn decode_body(body: &[u8]) -> Result<Self, String> {
+        if body.len() <= HELLO_FIXED || body.len() > HELLO_FIXED + MAX_JOB_LEN {
+            return Err(format!(
+                "hello body of {} bytes (job id must be 1..={MAX_JOB_LEN} bytes)",
+                body.len()
+            ));
+        }
+        let job = std::str::from_utf8(&body[HELLO_FIXED..])
+            .map_err(|_| "job id is not UTF-8".to_owned())?;
+        let mut nonce = [0u8; 32];
+        nonce.copy_from_slice(&body[20..52]);
+        Ok(Self {
+            job: job.to_owned(),
+            generation: u64::from_le_bytes(arr(&body[0..8])),
+            sender: u32::from_le_bytes(arr(&body[8..12])),
+            receiver: u32::from_le_bytes(arr(&body[12..16])),
+            world: u32::from_le_bytes(arr(&body[16..20])),
+            nonce,
+        })
+    }
+}
+
+/// Checks that a job id can be carried in a hello.
+pub fn validate_job(job: &str) -> Result<(), String> {
+    if job.is_empty() || job.len() > MAX_JOB_LEN {
+        return Err(format!(
+            "job id must be 1..={MAX_JOB_LEN} bytes, got {}",
+            job.len()
+        ));
+    }
+    Ok(())
+}
+
+/// A refusal sent instead of the acceptor's hello.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Refusal {
+    /// Why.
+    pub code: Verdict,
+    /// Whether the dialer should try again (the acceptor may not be ready yet).
+    pub retriable: bool,
+    /// The refuser's value of the field that differs (generation), or 0.
+    pub ours: u64,
+    /// The dialer's value of that field as received, or 0.
+    pub theirs: u64,
+    /// Explanation from the refuser's point of view.
+    pub text: String,
+}
+
+impl Refusal {
+    /// Encodes the full message; the text is cut to [`MAX_REFUSE_TEXT`] bytes.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut end = self.text.len().min(MAX_REFUSE_TEXT);
+        while !self.text.is_char_boundary(end) {
+            end -= 1;
+        }
+        let text = &self.text.as_bytes()[..end];
+        let mut b = Vec::with_capacity(PREFIX_LEN + REFUSE_FIXED + text.len());
+        b.extend_from_slice(&prefix(KIND_REFUSE, REFUSE_FIXED + text.len()));
+        b.extend_from_slice(&[self.code.code(), u8::from(self.retriable), 0, 0]);
+        b.extend_from_slice(&self.ours.to_le_bytes());
+        b.extend_from_slice(&self.theirs.to_le_bytes());
+        b.extend_from_slice(text);
+        b
+    }
+
+    /// Describes the refusal from the dialer's point of view.
+    pub fn describe_for_dialer(&self) -> String {
+        match self.code {
+            Verdict::GenerationMismatch | Verdict::StaleGeneration => format!(
+                "peer refused: generation mismatch (ours {}, theirs {}): {}",
+                self.theirs, self.ours, self.text
+            ),
+            _ => format!("peer refused: {}", self.text),
+        }
+    }
+}
+
+/// A decoded handshake message.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Message {
+    /// A hello.
+    Hello(Hello),
+    /// A MAC proof with the sender's verdict.
+    Proof {
+        /// The sender's verdict on our hello.
+        verdict: Verdict,
+        /// The sender's MAC over the transcript.
+        mac: [u8; 32],
+    },
+    /// A final verdict.
+    Verdict(Verdict),
+    /// A refusal.
+    Refuse(Refusal),
+}
+
+/// Encodes a `PROOF` message.
+pub fn encode_proof(verdict: Verdict, mac: &[u8; 32]) -> [u8; PREFIX_LEN + PROOF_BODY] {
+    let mut b = [0u8; PREFIX_LEN + PROOF_BODY];
+    b[..PREFIX_LEN].copy_from_slice(&prefix(KIND_PROOF, PROOF_BODY));
+    b[PREFIX_LEN] = verdict.code();
+    b[PREFIX_LEN + 4..].copy_from_slice(mac);
+    b
+}
+
+/// Encodes a `VERDICT` message.
+pub fn encode_verdict(verdict: Verdict) -> [u8; PREFIX_LEN + VERDICT_BODY] {
+    let mut b = [0u8; PREFIX_LEN + VERDICT_BODY];
+    b[..PREFIX_LEN].copy_from_slice(&prefix(KIND_VERDICT, VERDICT_BODY));
+    b[PREFIX_LEN] = verdict.code();
+    b
+}
+
+fn prefix(kind: u8, body: usize) -> [u8; PREFIX_LEN] {
+    let mut p = [0u8; PREFIX_LEN];
+    p[0..4].copy_from_slice(&HS_MAGIC.to_le_bytes());
+    p[4] = VERSION;
+    p[5] = kind;
+    // Bodies are bounded by MAX_BODY < u16::MAX.
+    p[6..8].copy_from_slice(&(body as u16).to_le_bytes());
+    p
+}
+
+fn arr<const N: usize>(s: &[u8]) -> [u8; N] {
+    let mut a = [0u8; N];
+    a.copy_from_slice(s);
+    a
+}
+
+/// Validates a message prefix; returns (kind, body length).
+pub fn decode_prefix(p: &[u8; PREFIX_LEN]) -> Result<(u8, usize), String> {
+    let magic = u32::from_le_bytes(arr(&p[0..4]));
+    if magic != HS_MAGIC {
+        return Err(format!(
+            "bad handshake magic {magic:#010x} (not a cohort peer?)"
+        ));
+    }
+    if p[4] != VERSION {
+        return Err(format!(
+            "unsupported protocol version {} (ours {VERSION})",
+            p[4]
+        ));
+    }
+    let kind = p[5];
+    let len = usize::from(u16::from_le_bytes([p[6], p[7]]));
+    let (min, max) = match kind {
+        KIND_HELLO => (HELLO_FIXED + 1, HELLO_FIXED + MAX_JOB_LEN),
+        KIND_PROOF => (PROOF_BODY, PROOF_BODY),
+        KIND_VERDICT => (VERDICT_BODY, VERDICT_BODY),
+        KIND_REFUSE => (REFUSE_FIXED, REFUSE_FIXED + MAX_REFUSE_TEXT),
+        k => return Err(format!("unknown handshake message kind {k}")),
+    };
+    if len < min || len > max {
+        return Err(format!(
+            "handshake message kind {kind} of {len} bytes (allowed {min}..={max})"
+        ));
+    }
+    Ok((kind, len))
+}
+
+/// Decodes a message body of a validated kind.
+pub fn decode_body(kind: u8, body: &[u8]) -> Result<Message, String> {
+    let bad_verdict = |c: u8| format!("unknown verdict code {c}");
+    match kind {
+        KIND_HELLO => Hello::decode_body(body).map(Message::Hello),
+        KIND_PROOF => {
+            let verdict = Verdict::from_code(body[0]).ok_or_else(|| bad_verdict(body[0]))?;
+            Ok(Message::Proof {
+                verdict,
+                mac: arr(&body[4..36]),
+            })
+        }
+        KIND_VERDICT => Verdict::from_code(body[0])
+            .map(Message::Verdict)
+            .ok_or_else(|| bad_verdict(body[0])),
+        KIND_REFUSE => {
+            let code = Verdict::from_code(body[0]).ok_or_else(|| bad_verdict(body[0]))?;
+            let text = String::from_utf8_lossy(&body[REFUSE_FIXED..]).into_owned();
+            Ok(Message::Refuse(Refusal {
+                code,
+                retriable: body[1] != 0,
+                ours: u64::from_le_bytes(arr(&body[4..12])),
+                theirs: u64::from_le_bytes(arr(&body[12..20])),
+                text,
+            }))
+        }
+        k => Err(format!("unknown handshake message kind {k}")),
+    }
+}
+
+/// Why reading or writing a handshake message failed.
+#[derive(Debug, thiserror::Error)]
+pub enum HsIoError {
+    /// The deadline passed.
+    #[error("handshake timed out")]
+    Timeout,
+    /// The socket failed or closed.
+    #[error("{}", describe_io(.0))]
+    Io(std::io::Error),
+    /// The bytes received are not a valid message.
+    #[error("{0}")]
+    Malformed(String),
+}
+
+fn describe_io(e: &std::io::Error) -> String {
+    if e.kind() == std::io::ErrorKind::UnexpectedEof {
+        "connection closed during the handshake".to_owned()
+    } else {
+        format!("i/o error during the handshake: {e}")
+    }
+}
+
+/// Reads one message, bounded in size by [`MAX_BODY`] and in time by `deadline`.
+///
+/// # Cancel safety
+/// Not cancel safe: a message partly read is lost; drop the connection instead.
+pub async fn read_message<S: AsyncRead + Unpin>(
+    s: &mut S,
+    deadline: Instant,
+) -> Result<Message, HsIoError> {
+    let fut = async {
+        let mut p = [0u8; PREFIX_LEN];
+        s.read_exact(&mut p).await.map_err(HsIoError::Io)?;
+        let (kind, len) = decode_prefix(&p).map_err(HsIoError::Malformed)?;
+        let mut body = [0u8; MAX_BODY];
+        s.read_exact(&mut body[..len])
+            .await
+            .map_err(HsIoError::Io)?;
+        decode_body(kind, &body[..len]).map_err(HsIoError::Malformed)
+    };
+    tokio::time::timeout_at(deadline, fut)
+        .await
+        .map_err(|_| HsIoError::Timeout)?
+}
+
+/// Writes bytes, bounded in time by `deadline`.
+///
+/// # Cancel safety
+/// Not cancel safe: part of the bytes may have been written; drop the connection instead.
+pub async fn write_all<S: AsyncWrite + Unpin>(
+    s: &mut S,
+    bytes: &[u8],
+    deadline: Instant,
+) -> Result<(), HsIoError> {
+    let fut = async {
+        s.write_all(bytes).await?;
+        s.flush().await
+    };
+    match tokio::time::timeout_at(deadline, fut).await {
+        Ok(r) => r.map_err(HsIoError::Io),
+        Err(_) => Err(HsIoError::Timeout),
+    }
+}
+
+/// The MAC a side sends over the transcript of the two encoded hellos (`dialer_side`
+/// selects the role label). `None` only if HMAC rejected the key, which it never does for
+/// SHA-256 (any key length is accepted).
+pub fn proof(
+    token: &[u8],
+    dialer_side: bool,
+    hello_dialer: &[u8],
+    hello_acceptor: &[u8],
+) -> Option<[u8; 32]> {
+    mac_for(token, dialer_side, hello_dialer, hello_acceptor)
+        .map(|m| m.finalize().into_bytes().into())
+}
+
+/// Verifies the other side's MAC in constant time.
+pub fn verify(
+    token: &[u8],
+    dialer_side: bool,
+    hello_dialer: &[u8],
+    hello_acceptor: &[u8],
+    mac: &[u8; 32],
+) -> bool {
+    mac_for(token, dialer_side, hello_dialer, hello_acceptor)
+        .is_some_and(|m| m.verify_slice(mac).is_ok())
+}
+
+fn mac_for(
+    token: &[u8],
+    dialer_side: bool,
+    hello_dialer: &[u8],
+    hello_acceptor: &[u8],
+) -> Option<HmacSha256> {
+    let mut m = <HmacSha256 as Mac>::new_from_slice(token).ok()?;
+    m.update(if dialer_side {
+        LABEL_DIALER
+    } else {
+        LABEL_ACCEPTOR
+    });
+    m.update(&(hello_dialer.len() as u64).to_le_bytes());
+    m.update(hello_dialer);
+    m.update(&(hello_acceptor.len() as u64).to_le_bytes());
+    m.update(hello_acceptor);
+    Some(m)
+}
+
+/// Compares the other side's hello with ours: same job, generation and world size, and the
+/// ranks mirror each other (their sender is our receiver and vice versa).
+pub fn check_fields(ours: &Hello, theirs: &Hello) -> Verdict {
+    if ours.job != theirs.job {
+        Verdict::JobMismatch
+    } else if ours.generation != theirs.generation {
+        Verdict::GenerationMismatch
+    } else if ours.world != theirs.world {
+        Verdict::WorldMismatch
+    } else if theirs.sender != ours.receiver || theirs.receiver != ours.sender {
+        Verdict::RankUnexpected
+    } else {
+        Verdict::Ok
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hello() -> Hello {
+        Hello::new("job-1", 4, 2, 0, 3).unwrap()
+    }
+
+    fn round_trip(bytes: &[u8]) -> Message {
+        let p: [u8; PREFIX_LEN] = arr(&bytes[..PREFIX_LEN]);
+        let (kind, len) = decode_prefix(&p).unwrap();
+        assert_eq!(len, bytes.len() - PREFIX_LEN);
+        decode_body(kind, &bytes[PREFIX_LEN..]).unwrap()
+    }
+
+    #[test]
+    fn messages_round_trip() {
+        let h = hello();
+        assert_eq!(round_trip(&h.encode()), Message::Hello(h.clone()));
+        let mac = [7u8; 32];
+        assert_eq!(
+            round_trip(&encode_proof(Verdict::WorldMismatch, &mac)),
+            Message::Proof {
+                verdict: Verdict::WorldMismatch,
+                mac
+            }
+        );
+        assert_eq!(
+            round_trip(&encode_verdict(Verdict::Ok)),
+            Message::Verdict(Verdict::Ok)
+        );
+        let r = Refusal {
+            code: Verdict::StaleGeneration,
+            retriable: false,
+            ours: 4,
+            theirs: 3,
+            text: "x".into(),
+        };
+        assert_eq!(round_trip(&r.encode()), Message::Refuse(r.clone()));
+        assert_eq!(
+            r.describe_for_dialer(),
+            "peer refused: generation mismatch (ours 3, theirs 4): x"
+        );
+    }
+
+    #[test]
+    fn prefix_rejects_garbage_and_oversize() {
+        assert!(decode_prefix(b"GET / HT")
+            .unwrap_err()
+            .contains("bad handshake magic"));
+        let mut p: [u8; PREFIX_LEN] = arr(&hello().encode()[..PREFIX_LEN]);
+        p[6..8].copy_from_slice(&60000u16.to_le_bytes());
+        assert!(decode_prefix(&p).unwrap_err().contains("60000 bytes"));
+        p[4] = 9;
+        assert!(decode_prefix(&p).unwrap_err().contains("version 9"));
+    }
+
+    #[test]
+    fn refusal_text_is_bounded_on_char_boundary() {
+        let r = Refusal {
+            code: Verdict::Busy,
+            retriable: true,
+            ours: 0,
+            theirs: 0,
+            text: "é".repeat(400),
+        };
+        let b = r.encode();
+        assert!(b.len() <= PREFIX_LEN + MAX_BODY);
+        match round_trip(&b) {
+            Message::Refuse(got) => {
+                assert!(got.text.len() <= MAX_REFUSE_TEXT && got.text.chars().all(|c| c == 'é'))
+            }
+            m => panic!("unexpected {m:?}"),
+        }
+    }
+
+    #[test]
+    fn proofs_bind_token_role_and_transcript() {
+        let d = hello().encode();
+        let a = Hello::new("job-1", 4, 0, 2, 3).unwrap().encode();
+        let mac = proof(b"secret", true, &d, &a).unwrap();
+        assert!(verify(b"secret", true, &d, &a, &mac));
+        assert!(!verify(b"other", true, &d, &a, &mac));
+        assert!(!verify(b"secret", false, &d, &a, &mac));
+        assert!(!verify(b"secret", true, &a, &d, &mac));
+    }
+
+    #[test]
+    fn field_checks_name_the_difference() {
+        let ours = Hello::new("job-1", 4, 0, 2, 3).unwrap();
+        let theirs = hello();
+        assert_eq!(check_fields(&ours, &theirs), Verdict::Ok);
+        let mut t = theirs.clone();
+        t.generation = 3;
+        assert_eq!(check_fields(&ours, &t), Verdict::GenerationMismatch);
+        assert_eq!(
+            Verdict::GenerationMismatch.describe(&ours, &t),
+            "generation mismatch (ours 4, theirs 3)"
+        );
+        let mut t = theirs.clone();
+        t.world = 5;
+        assert_eq!(check_fields(&ours, &t), Verdict::WorldMismatch);
+        let mut t = theirs.clone();
+        t.job = "job-2".into();
+        assert_eq!(check_fields(&ours, &t), Verdict::JobMismatch);
+        let mut t = theirs;
+        t.receiver = 1;
+        assert_eq!(check_fields(&ours, &t), Verdict::RankUnexpected);
+    }
+}

@@ -1,0 +1,514 @@
+//! One established connection to a peer: framed, deadline-bounded, full-duplex I/O.
+//!
+//! The writer half and the reader half sit behind separate async mutexes, so a send and a
+//! receive on the same link (and operations on different links) run concurrently.
+//!
+//! Receiving: a receiver reads the 40-byte header, then the payload straight into the
+//! caller's buffer. Headers are read through a small read-ahead buffer ([`READ_AHEAD`]
+//! bytes) so that a small frame costs one system call; whatever payload bytes were read ahead
+//! are copied out of it, everything beyond goes from the socket directly into the caller's
+//! buffer. A frame for another tag than the one being waited for is
+//! - a protocol error if its `seq` is older than the oldest `seq` any receiver is waiting for
+//!   on this link (a stale tag: nothing will ever consume it);
+//! - otherwise stashed (copied) for the receiver that will ask for it, within a budget of
+//!   [`STASH_BUDGET`] bytes and [`STASH_MAX_FRAMES`] frames per link; beyond it the link fails
+//!   with a protocol error. Receivers look in the stash without taking the reader lock, so a
+//!   receiver whose frame was stashed never waits behind one still reading.
+//!
+//! A frame whose tag matches but whose signature or length differs fails the receive with
+//! `Mismatch` and closes the link: its payload is not drained, since the two ranks disagree
+//! about the call and the generation must be re-formed anyway.
+//!
+//! Every read and write is bounded by the no-progress deadline: the timer restarts whenever
+//! bytes move, so a large transfer over a slow link is fine as long as it keeps moving.
+//! Any failure marks the link broken (first error wins), shuts the socket down so the peer
+//! notices at once, and makes every later operation on the link fail fast with that error.
+//! (The descriptor itself closes when the transport is dropped; until then a peer that only
+//! writes to a broken link sees its writes stall and fails on its own no-progress deadline,
+//! while a peer that reads sees end-of-stream at once.)
+
+use super::frame::{seq_older, FrameHeader, HEADER_LEN};
+use crate::{AbortReason, Rank, Tag, TransportError};
+use std::future::Future;
+use std::io::{self, IoSlice};
+use std::net::Shutdown;
+use std::pin::Pin;
+use std::sync::{Mutex, OnceLock};
+use std::time::Duration;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::net::TcpStream;
+use tokio::sync::Notify;
+use tokio::time::{Instant, Sleep};
+
+/// Size of the per-link read-ahead buffer used for headers and small payloads.
+pub const READ_AHEAD: usize = 16 * 1024;
+/// Most bytes of out-of-order frames a link holds for receivers that have not asked yet.
+pub const STASH_BUDGET: usize = 64 << 20;
+/// Most out-of-order frames a link holds.
+pub const STASH_MAX_FRAMES: usize = 1024;
+
+/// Why a socket operation stopped.
+enum IoFail {
+    /// No bytes moved for the no-progress deadline.
+    Stalled,
+    /// The peer closed the connection (`what` says where in the frame).
+    Eof(&'static str),
+    /// The socket reported an error.
+    Io(io::Error),
+}
+
+/// Restarts its deadline whenever bytes move. The timer is re-armed lazily: progress only
+/// records the time, and when the timer fires early it is pushed to `last + window`.
+struct Watchdog<'a> {
+    window: Duration,
+    last: Instant,
+    sleep: Pin<&'a mut Sleep>,
+}
+
+impl Watchdog<'_> {
+    /// Awaits one socket call under the no-progress deadline.
+    async fn step<T>(&mut self, fut: impl Future<Output = io::Result<T>>) -> Result<T, IoFail> {
+        tokio::pin!(fut);
+        loop {
+            tokio::select! {
+                biased;
+                r = &mut fut => {
+                    self.last = Instant::now();
+                    return r.map_err(IoFail::Io);
+                }
+                () = self.sleep.as_mut() => {
+                    let due = self.last + self.window;
+                    if Instant::now() >= due {
+                        return Err(IoFail::Stalled);
+                    }
+                    self.sleep.as_mut().reset(due);
+                }
+            }
+        }
+    }
+}
+
+/// A frame received ahead of the receiver that wants it.
+struct Stashed {
+    tag: Tag,
+    data: Vec<u8>,
+}
+
+#[derive(Default)]
+struct Stash {
+    frames: Vec<Stashed>,
+    bytes: usize,
+}
+
+/// The reading side of a link.
+struct ReadState {
+    half: OwnedReadHalf,
+    buf: Box<[u8]>,
+    start: usize,
+    end: usize,
+}
+
+impl ReadState {
+    async fn read_header(&mut self, wd: &mut Watchdog<'_>) -> Result<[u8; HEADER_LEN], IoFail> {
+        while self.end - self.start < HEADER_LEN {
+            if self.buf.len() - self.start < HEADER_LEN {
+                self.buf.copy_within(self.start..self.end, 0);
+                self.end -= self.start;
+                self.start = 0;
+            }
+            let Self { half, buf, end, .. } = self;
+            let n = wd.step(half.read(&mut buf[*end..])).await?;
+            if n == 0 {
+                return Err(IoFail::Eof(if self.end == self.start {
+                    "between frames"
+                } else {
+                    "inside a frame header"
+                }));
+            }
+            self.end += n;
+        }
+        let mut h = [0u8; HEADER_LEN];
+        h.copy_from_slice(&self.buf[self.start..self.start + HEADER_LEN]);
+        self.consume(HEADER_LEN);
+        Ok(h)
+    }
+
+    async fn read_payload(&mut self, dst: &mut [u8], wd: &mut Watchdog<'_>) -> Result<(), IoFail> {
+        let buffered = (self.end - self.start).min(dst.len());
+        dst[..buffered].copy_from_slice(&self.buf[self.start..self.start + buffered]);
+        self.consume(buffered);
+        let mut done = buffered;
+        while done < dst.len() {
+            let n = wd.step(self.half.read(&mut dst[done..])).await?;
+            if n == 0 {
+                return Err(IoFail::Eof("inside a frame payload"));
+            }
+            done += n;
+        }
+        Ok(())
+    }
+
+    fn consume(&mut self, n: usize) {
+        self.start += n;
+        if self.start == self.end {
+            self.start = 0;
+            self.end = 0;
+        }
+    }
+}
+
+/// An established, authenticated connection to one peer.
+pub(crate) struct Link {
+    peer: Rank,
+    generation: u64,
+    max_frame: u64,
+    no_progress: Duration,
+    reader: tokio::sync::Mutex<ReadState>,
+    writer: tokio::sync::Mutex<OwnedWriteHalf>,
+    stash: Mutex<Stash>,
+    /// Woken when a frame is stashed or the link breaks.
+    stash_changed: Notify,
+    /// `seq` of every receive currently waiting on this link (stale-tag detection).
+    waiting: Mutex<Vec<u32>>,
+    broken: OnceLock<TransportError>,
+    /// A duplicate of the socket, used to shut it down without touching the halves.
+    sock: socket2::Socket,
+    /// The owning transport's span (job, generation, rank).
+    span: tracing::Span,
+}
+
+/// Marks the link broken if an operation is dropped part-way through a frame.
+struct Poison<'a> {
+    link: &'a Link,
+    armed: bool,
+}
+
+impl Drop for Poison<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            self.link.fail(TransportError::Aborted(AbortReason::new(
+                "an operation on this link was cancelled part-way through a frame",
+            )));
+        }
+    }
+}
+
+/// Removes a receive's `seq` from the link's waiting list when it ends.
+struct Waiting<'a> {
+    link: &'a Link,
+    seq: u32,
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        let mut w = lock(&self.link.waiting);
+        if let Some(i) = w.iter().position(|&s| s == self.seq) {
+            w.swap_remove(i);
+        }
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    // The protected data stays consistent even if a holder panicked (plain pushes/removes).
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+impl Link {
+    /// Wraps an authenticated stream (socket options already applied).
+    pub(crate) fn new(
+        peer: Rank,
+        generation: u64,
+        max_frame: u64,
+        no_progress: Duration,
+        stream: TcpStream,
+        span: tracing::Span,
+    ) -> Result<Self, TransportError> {
+        let sock = socket2::SockRef::from(&stream).try_clone().map_err(|e| {
+            TransportError::Io(format!("duplicating the socket to rank {peer}: {e}"))
+        })?;
+        let (r, w) = stream.into_split();
+        Ok(Self {
+            peer,
+            generation,
+            max_frame,
+            no_progress,
+            reader: tokio::sync::Mutex::new(ReadState {
+                half: r,
+                buf: vec![0u8; READ_AHEAD].into_boxed_slice(),
+                start: 0,
+                end: 0,
+            }),
+            writer: tokio::sync::Mutex::new(w),
+            stash: Mutex::new(Stash::default()),
+            stash_changed: Notify::new(),
+            waiting: Mutex::new(Vec::new()),
+            broken: OnceLock::new(),
+            sock,
+            span,
+        })
+    }
+
+    /// The error that broke this link, if it is broken.
+    pub(crate) fn broken(&self) -> Option<&TransportError> {
+        self.broken.get()
+    }
+
+    fn check(&self) -> Result<(), TransportError> {
+        match self.broken.get() {
+            Some(e) => Err(e.clone()),
+            None => Ok(()),
+        }
+    }
+
+    /// Marks the link broken with `err` (unless it already is), shuts the socket down and
+    /// wakes receivers waiting on the stash. Returns `err` for the failing operation.
+    pub(crate) fn fail(&self, err: TransportError) -> TransportError {
+        if self.broken.set(err.clone()).is_ok() {
+            self.span
+                .in_scope(|| tracing::debug!(peer = self.peer, error = %err, "tcp link down"));
+            self.shutdown();
+            self.stash_changed.notify_waiters();
+        }
+        err
+    }
+
+    /// Shuts the socket down in both directions without waiting for the peer.
+    pub(crate) fn shutdown(&self) {
+        // Errors (e.g. already disconnected) leave nothing to do.
+        let _ = self.sock.shutdown(Shutdown::Both);
+        self.stash_changed.notify_waiters();
+    }
+
+    fn io_error(&self, e: IoFail) -> TransportError {
+        match e {
+            IoFail::Stalled => TransportError::Timeout {
+                peer: self.peer,
+                after: self.no_progress,
+            },
+            IoFail::Eof(at) => TransportError::PeerClosed {
+                peer: self.peer,
+                detail: format!("connection closed by peer {at}"),
+            },
+            IoFail::Io(e) => TransportError::PeerClosed {
+                peer: self.peer,
+                detail: e.to_string(),
+            },
+        }
+    }
+
+    fn protocol(&self, detail: String) -> TransportError {
+        TransportError::Protocol {
+            peer: self.peer,
+            detail,
+        }
+    }
+
+    /// Sends one frame: header and payload, straight from `data`.
+    pub(crate) async fn send(&self, tag: Tag, data: &[u8]) -> Result<(), TransportError> {
+        self.check()?;
+        let mut w = self.writer.lock().await;
+        self.check()?;
+        let header = FrameHeader {
+            generation: self.generation,
+            tag,
+            len: data.len() as u64,
+        }
+        .encode();
+        let mut poison = Poison {
+            link: self,
+            armed: true,
+        };
+        let sleep = tokio::time::sleep(self.no_progress);
+        tokio::pin!(sleep);
+        let mut wd = Watchdog {
+            window: self.no_progress,
+            last: Instant::now(),
+            sleep,
+        };
+        let total = HEADER_LEN + data.len();
+        let mut done = 0;
+        let mut result = Ok(());
+        while done < total {
+            let n = if done < HEADER_LEN {
+                let bufs = [IoSlice::new(&header[done..]), IoSlice::new(data)];
+                wd.step(w.write_vectored(&bufs)).await
+            } else {
+                wd.step(w.write(&data[done - HEADER_LEN..])).await
+            };
+            match n {
+                Ok(0) => {
+                    result = Err(IoFail::Io(io::ErrorKind::WriteZero.into()));
+                    break;
+                }
+                Ok(n) => done += n,
+                Err(e) => {
+                    result = Err(e);
+                    break;
+                }
+            }
+        }
+        poison.armed = false;
+        result.map_err(|e| self.fail(self.io_error(e)))
+    }
+
+    fn take_stashed(&self, tag: Tag) -> Option<Stashed> {
+        let mut s = lock(&self.stash);
+        let i = s
+            .frames
+            .iter()
+            .position(|f| f.tag.seq == tag.seq && f.tag.step == tag.step)?;
+        let f = s.frames.swap_remove(i);
+        s.bytes -= f.data.len();
+        Some(f)
+    }
+
+    fn check_match(
+        &self,
+        want: Tag,
+        len: usize,
+        got: Tag,
+        got_len: u64,
+    ) -> Result<(), TransportError> {
+        if got.signature != want.signature {
+            return Err(self.fail(TransportError::Mismatch {
+                peer: self.peer,
+                detail: format!(
+                    "message seq {} step {}: signature {:#010x} received, {:#010x} expected",
+                    want.seq, want.step, got.signature, want.signature
+                ),
+            }));
+        }
+        if got_len != len as u64 {
+            return Err(self.fail(TransportError::Mismatch {
+                peer: self.peer,
+                detail: format!(
+                    "message seq {} step {}: {got_len} bytes received, {len} expected",
+                    want.seq, want.step
+                ),
+            }));
+        }
+        Ok(())
+    }
+
+    /// The oldest `seq` any receiver waits for on this link.
+    fn oldest_waiting(&self) -> Option<u32> {
+        lock(&self.waiting)
+            .iter()
+            .copied()
+            .reduce(|a, b| if seq_older(b, a) { b } else { a })
+    }
+
+    /// Receives the frame tagged `tag` into `buf`.
+    pub(crate) async fn recv(&self, tag: Tag, buf: &mut [u8]) -> Result<(), TransportError> {
+        lock(&self.waiting).push(tag.seq);
+        let _waiting = Waiting {
+            link: self,
+            seq: tag.seq,
+        };
+        // Wait for the reader lock, unless the frame shows up in the stash meanwhile.
+        let mut reader = loop {
+            self.check()?;
+            let changed = self.stash_changed.notified();
+            tokio::pin!(changed);
+            changed.as_mut().enable();
+            if let Some(f) = self.take_stashed(tag) {
+                return self.deliver_stashed(tag, f, buf);
+            }
+            self.check()?;
+            tokio::select! {
+                g = self.reader.lock() => break g,
+                () = changed => {}
+            }
+        };
+        self.check()?;
+        if let Some(f) = self.take_stashed(tag) {
+            return self.deliver_stashed(tag, f, buf);
+        }
+        let mut poison = Poison {
+            link: self,
+            armed: true,
+        };
+        let sleep = tokio::time::sleep(self.no_progress);
+        tokio::pin!(sleep);
+        let mut wd = Watchdog {
+            window: self.no_progress,
+            last: Instant::now(),
+            sleep,
+        };
+        let result = self.read_until(&mut reader, &mut wd, tag, buf).await;
+        poison.armed = false;
+        result
+    }
+
+    fn deliver_stashed(&self, tag: Tag, f: Stashed, buf: &mut [u8]) -> Result<(), TransportError> {
+        self.check_match(tag, buf.len(), f.tag, f.data.len() as u64)?;
+        buf.copy_from_slice(&f.data);
+        Ok(())
+    }
+
+    async fn read_until(
+        &self,
+        r: &mut ReadState,
+        wd: &mut Watchdog<'_>,
+        tag: Tag,
+        buf: &mut [u8],
+    ) -> Result<(), TransportError> {
+        loop {
+            let raw = r
+                .read_header(wd)
+                .await
+                .map_err(|e| self.fail(self.io_error(e)))?;
+            let h = FrameHeader::decode(&raw, self.generation, self.max_frame)
+                .map_err(|e| self.fail(self.protocol(e.to_string())))?;
+            if h.tag.seq == tag.seq && h.tag.step == tag.step {
+                self.check_match(tag, buf.len(), h.tag, h.len)?;
+                return r
+                    .read_payload(buf, wd)
+                    .await
+                    .map_err(|e| self.fail(self.io_error(e)));
+            }
+            if let Some(oldest) = self.oldest_waiting() {
+                if seq_older(h.tag.seq, oldest) {
+                    return Err(self.fail(self.protocol(format!(
+                        "stale frame seq {} step {} (the oldest message still expected is seq {oldest})",
+                        h.tag.seq, h.tag.step
+                    ))));
+                }
+            }
+            // Reserve stash room before reading, so the allocation is bounded by the budget.
+            let len = {
+                let s = lock(&self.stash);
+                if s.frames
+                    .iter()
+                    .any(|f| f.tag.seq == h.tag.seq && f.tag.step == h.tag.step)
+                {
+                    return Err(self.fail(self.protocol(format!(
+                        "duplicate frame seq {} step {}",
+                        h.tag.seq, h.tag.step
+                    ))));
+                }
+                // h.len <= max_frame was checked; it may still exceed usize on 32-bit targets.
+                let len = usize::try_from(h.len).unwrap_or(usize::MAX);
+                if s.frames.len() >= STASH_MAX_FRAMES || len > STASH_BUDGET - s.bytes {
+                    return Err(self.fail(self.protocol(format!(
+                        "out-of-order frames exceed the stash budget ({} frames, {} bytes held; {len} more arrived)",
+                        s.frames.len(),
+                        s.bytes
+                    ))));
+                }
+                len
+            };
+            let mut data = vec![0u8; len];
+            r.read_payload(&mut data, wd)
+                .await
+                .map_err(|e| self.fail(self.io_error(e)))?;
+            {
+                let mut s = lock(&self.stash);
+                s.bytes += data.len();
+                s.frames.push(Stashed { tag: h.tag, data });
+            }
+            self.stash_changed.notify_waiters();
+        }
+    }
+}

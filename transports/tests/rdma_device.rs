@@ -1,0 +1,218 @@
+//! RDMA transport tests that need a device.
+//!
+//! The device is `COHORT_RDMA_DEVICE` (e.g. `mlx5_0`) or the first one with an active port.
+//! Without a device every test prints `SKIPPED: no RDMA device: <why>` and returns;
+//! `rdma_device_tests_skipped_without_device` checks that the reason is the clear error the
+//! transport promises. Run on a machine with a NIC:
+//! `COHORT_RDMA_DEVICE=mlx5_0 cargo test -p cohort-transports --features rdma --test rdma_device`.
+#![cfg(feature = "rdma")]
+
+use cohort_transports::rdma::{device_names, DeviceConfig, RdmaEndpoint, RdmaMeshSpec, RdmaOptions, RdmaTransport};
+use cohort_transports::{AbortReason, Deadlines, Tag, Transport, TransportError};
+use std::sync::Arc;
+use std::time::Duration;
+
+const TEST_LIMIT: Duration = Duration::from_secs(60);
+
+/// The device to use, or why there is none.
+fn device() -> Result<DeviceConfig, String> {
+    let names = device_names().map_err(|e| e.to_string())?;
+    match std::env::var("COHORT_RDMA_DEVICE") {
+        Ok(want) if !want.is_empty() => {
+            if names.contains(&want) {
+                Ok(DeviceConfig { name: Some(want), ..Default::default() })
+            } else {
+                Err(format!("COHORT_RDMA_DEVICE={want} not among the devices present ({})", names.join(", ")))
+            }
+        }
+        _ => Ok(DeviceConfig::default()),
+    }
+}
+
+macro_rules! device_or_skip {
+    () => {
+        match device() {
+            Ok(d) => d,
+            Err(why) => {
+                eprintln!("SKIPPED: no RDMA device: {why}");
+                return;
+            }
+        }
+    };
+}
+
+fn options(device: &DeviceConfig) -> RdmaOptions {
+    // Small slots so that multi-segment messages and credit returns are exercised.
+    RdmaOptions { device: device.clone(), slot_bytes: 4096, slots: 4, ..Default::default() }
+}
+
+async fn mesh(device: &DeviceConfig, world: u32, deadlines: Deadlines) -> Vec<Arc<RdmaTransport>> {
+    let mut eps = Vec::new();
+    for _ in 0..world {
+        eps.push(RdmaEndpoint::open(options(device)).await.expect("open endpoint"));
+    }
+    let peers: Vec<_> = eps.iter().map(|e| e.address().clone()).collect();
+    let mut tasks = Vec::new();
+    let eps: Vec<Arc<RdmaEndpoint>> = eps.into_iter().map(Arc::new).collect();
+    for (rank, ep) in eps.iter().enumerate() {
+        let ep = ep.clone();
+        let spec = RdmaMeshSpec {
+            job: "rdma-test".into(),
+            generation: 1,
+            rank: rank as u32,
+            peers: peers.clone(),
+            token: b"secret".to_vec(),
+            deadlines,
+        };
+        tasks.push(tokio::spawn(async move { ep.connect_mesh(spec).await }));
+    }
+    let mut out = Vec::new();
+    for t in tasks {
+        out.push(Arc::new(t.await.expect("join").expect("connect_mesh")));
+    }
+    out
+}
+
+fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)).collect()
+}
+
+#[test]
+fn rdma_device_tests_skipped_without_device() {
+    match device_names() {
+        Err(e) => {
+            let msg = e.to_string();
+            assert!(matches!(e, TransportError::Io(_)), "{e:?}");
+            assert!(msg.contains("no RDMA device found"), "the skip reason must say what is missing: {msg}");
+            eprintln!("SKIPPED: no RDMA device: {msg}");
+            // Opening an endpoint fails with the same clear error instead of crashing.
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+            let err = rt.block_on(RdmaEndpoint::open(RdmaOptions::default())).expect_err("no device");
+            assert!(err.to_string().contains("no RDMA device"), "{err}");
+        }
+        Ok(names) => {
+            assert!(!names.is_empty());
+            eprintln!("RDMA devices present: {}", names.join(", "));
+        }
+    }
+}
+
+async fn exchange(ts: &[Arc<RdmaTransport>], sizes: &[usize]) {
+    let world = ts.len() as u32;
+    let mut tasks = Vec::new();
+    for t in ts {
+        let t = t.clone();
+        let sizes = sizes.to_vec();
+        tasks.push(tokio::spawn(async move {
+            let me = t.rank();
+            for (seq, &len) in sizes.iter().enumerate() {
+                let seq = seq as u32;
+                let sends = (0..world).filter(|&p| p != me).map(|p| {
+                    let t = t.clone();
+                    async move {
+                        let data = pattern(len, (me * 16 + p) as u8);
+                        t.send(p, Tag::new(seq, me, 7), &data).await
+                    }
+                });
+                let recvs = (0..world).filter(|&p| p != me).map(|p| {
+                    let t = t.clone();
+                    async move {
+                        let mut buf = vec![0u8; len];
+                        t.recv(p, Tag::new(seq, p, 7), &mut buf).await?;
+                        assert_eq!(buf, pattern(len, (p * 16 + me) as u8), "rank {me} from {p}, {len} bytes");
+                        Ok::<(), TransportError>(())
+                    }
+                });
+                let mut handles = Vec::new();
+                for s in sends {
+                    handles.push(tokio::spawn(s));
+                }
+                for r in recvs {
+                    handles.push(tokio::spawn(r));
+                }
+                for h in handles {
+                    h.await.expect("join").expect("transfer");
+                }
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.expect("rank task");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_rank_mesh_exchanges_messages_of_several_sizes() {
+    let dev = device_or_skip!();
+    tokio::time::timeout(TEST_LIMIT, async {
+        let ts = mesh(&dev, 2, Deadlines::default()).await;
+        exchange(&ts, &[0, 1, 47, 4047, 4048, 4049, 3 * 4048 + 5, 1 << 20]).await;
+        assert!(!ts[0].is_aborted() && !ts[1].is_aborted());
+    })
+    .await
+    .expect("test bounded in time");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_rank_mesh_exchanges_messages_of_several_sizes() {
+    let dev = device_or_skip!();
+    tokio::time::timeout(TEST_LIMIT, async {
+        let ts = mesh(&dev, 3, Deadlines::default()).await;
+        exchange(&ts, &[0, 8, 5000, 65536 + 3]).await;
+    })
+    .await
+    .expect("test bounded in time");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn receive_times_out_when_peer_sends_nothing() {
+    let dev = device_or_skip!();
+    tokio::time::timeout(TEST_LIMIT, async {
+        let deadlines = Deadlines { no_progress: Duration::from_millis(300), connect: Duration::from_secs(30) };
+        let ts = mesh(&dev, 2, deadlines).await;
+        let mut buf = [0u8; 16];
+        let err = ts[0].recv(1, Tag::new(1, 0, 0), &mut buf).await.expect_err("nothing was sent");
+        assert!(matches!(err, TransportError::Timeout { peer: 1, .. }), "{err:?}");
+    })
+    .await
+    .expect("test bounded in time");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn abort_wakes_waiters_at_once() {
+    let dev = device_or_skip!();
+    tokio::time::timeout(TEST_LIMIT, async {
+        let deadlines = Deadlines { no_progress: Duration::from_secs(30), connect: Duration::from_secs(30) };
+        let ts = mesh(&dev, 2, deadlines).await;
+        let t0 = ts[0].clone();
+        let waiter = tokio::spawn(async move {
+            let mut buf = [0u8; 16];
+            t0.recv(1, Tag::new(1, 0, 0), &mut buf).await
+        });
+        tokio::task::yield_now().await;
+        let start = std::time::Instant::now();
+        ts[0].abort(AbortReason::new("test abort"));
+        let err = waiter.await.expect("join").expect_err("aborted");
+        assert!(matches!(&err, TransportError::Aborted(r) if r.to_string() == "test abort"), "{err:?}");
+        assert!(start.elapsed() < Duration::from_secs(1), "abort must not wait on the peer");
+        assert!(ts[0].is_aborted());
+        let err = ts[0].send(1, Tag::new(2, 0, 0), b"x").await.expect_err("aborted");
+        assert!(matches!(err, TransportError::Aborted(_)), "{err:?}");
+    })
+    .await
+    .expect("test bounded in time");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn length_mismatch_is_reported() {
+    let dev = device_or_skip!();
+    tokio::time::timeout(TEST_LIMIT, async {
+        let ts = mesh(&dev, 2, Deadlines::default()).await;
+        ts[1].send(0, Tag::new(1, 0, 9), &[1, 2, 3]).await.expect("send");
+        let mut buf = [0u8; 4];
+        let err = ts[0].recv(1, Tag::new(1, 0, 9), &mut buf).await.expect_err("length differs");
+        assert!(matches!(err, TransportError::Mismatch { peer: 1, .. }), "{err:?}");
+    })
+    .await
+    .expect("test bounded in time");
+}

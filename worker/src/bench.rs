@@ -1,0 +1,287 @@
+//! `cohort-worker bench`: allreduce bandwidth and latency across local rank processes.
+//!
+//! The parent spawns N copies of itself (`cohort-worker bench-rank`), one per rank. Each
+//! binds a data-plane listener on 127.0.0.1:0 and prints its address; the parent hands the
+//! full address list back on every child's stdin; the ranks connect their mesh and, for each
+//! size, run warm-up iterations and then the timed ones, verifying every result. Each rank
+//! reports its median; the figure for a size is the slowest rank's median, as nccl-tests
+//! does. busbw = algbw x 2(n-1)/n.
+
+use crate::exact::{ExactElement, Pattern};
+use crate::{Algorithm, CommConfig, Communicator, ReduceOp};
+use cohort_transports::tcp::{MeshSpec, TcpEndpoint, TcpOptions};
+use cohort_transports::Deadlines;
+use std::io::{BufRead, BufReader, Write};
+use std::net::SocketAddr;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Parses sizes like `4K,64K,1M,16M,64M` or `4096` (K, M, G are powers of 1024).
+pub fn parse_sizes(s: &str) -> Result<Vec<usize>, String> {
+    s.split(',')
+        .filter(|p| !p.trim().is_empty())
+        .map(|p| {
+            let p = p.trim();
+            let (num, mult) = match p.chars().last().map(|c| c.to_ascii_uppercase()) {
+                Some('K') => (&p[..p.len() - 1], 1usize << 10),
+                Some('M') => (&p[..p.len() - 1], 1 << 20),
+                Some('G') => (&p[..p.len() - 1], 1 << 30),
+                _ => (p, 1),
+            };
+            num.parse::<usize>().map(|n| n * mult).map_err(|_| format!("bad size {p:?} (e.g. 4K, 1M, 4096)"))
+        })
+        .collect()
+}
+
+/// What one bench run measures.
+#[derive(Clone, Debug)]
+pub struct BenchConfig {
+    /// Number of rank processes.
+    pub ranks: u32,
+    /// Message sizes in bytes.
+    pub sizes: Vec<usize>,
+    /// Timed iterations per size.
+    pub iters: u32,
+    /// Untimed warm-up iterations per size.
+    pub warmup: u32,
+    /// Allreduce algorithm.
+    pub algo: Algorithm,
+    /// Element type name (f32, f64, f16, bf16, i32, i64, u8).
+    pub dtype: String,
+}
+
+/// One size's result (slowest rank's median).
+#[derive(Clone, Debug)]
+pub struct BenchRow {
+    /// Bytes per rank.
+    pub bytes: usize,
+    /// Slowest rank's median, in microseconds.
+    pub median_us: f64,
+}
+
+impl BenchRow {
+    /// Algorithm bandwidth, GB/s (bytes / time).
+    pub fn algbw(&self) -> f64 {
+        if self.median_us <= 0.0 {
+            return 0.0;
+        }
+        self.bytes as f64 / (self.median_us * 1e-6) / 1e9
+    }
+    /// Bus bandwidth, GB/s (algbw x 2(n-1)/n).
+    pub fn busbw(&self, ranks: u32) -> f64 {
+        self.algbw() * 2.0 * (ranks as f64 - 1.0) / ranks as f64
+    }
+}
+
+fn algo_name(a: Algorithm) -> &'static str {
+    match a {
+        Algorithm::Ring => "ring",
+        Algorithm::Bcube => "bcube",
+        Algorithm::RecursiveDoubling => "rd",
+        Algorithm::Auto => "auto",
+    }
+}
+
+/// Kills the children still running when the parent leaves (error or panic).
+struct Children(Vec<Child>);
+
+impl Drop for Children {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// Runs the benchmark: spawns the ranks, collects, returns one row per size.
+pub fn run_parent(config: &BenchConfig) -> Result<Vec<BenchRow>, String> {
+    let exe = std::env::current_exe().map_err(|e| format!("locating cohort-worker: {e}"))?;
+    let sizes = config.sizes.iter().map(|s| s.to_string()).collect::<Vec<_>>().join(",");
+    let token: [u8; 16] = rand::random();
+    let token_hex: String = token.iter().map(|b| format!("{b:02x}")).collect();
+    let mut children = Children(Vec::new());
+    for rank in 0..config.ranks {
+        let child = Command::new(&exe)
+            .args(["bench-rank", "--rank", &rank.to_string(), "--ranks", &config.ranks.to_string()])
+            .args(["--sizes", &sizes, "--iters", &config.iters.to_string(), "--warmup", &config.warmup.to_string()])
+            .args(["--algo", algo_name(config.algo), "--dtype", &config.dtype])
+            .env("COHORT_BENCH_TOKEN", &token_hex)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .map_err(|e| format!("spawning rank {rank}: {e}"))?;
+        children.0.push(child);
+    }
+    let mut readers = Vec::new();
+    let mut addresses = Vec::new();
+    for (rank, child) in children.0.iter_mut().enumerate() {
+        let stdout = child.stdout.take().ok_or("child without stdout")?;
+        let mut reader = BufReader::new(stdout);
+        let mut line = String::new();
+        reader.read_line(&mut line).map_err(|e| format!("rank {rank}: {e}"))?;
+        let addr = line.trim().strip_prefix("addr=").ok_or_else(|| format!("rank {rank} said {line:?} instead of its address"))?;
+        addresses.push(addr.to_string());
+        readers.push(reader);
+    }
+    let list = addresses.join(",") + "\n";
+    for child in &mut children.0 {
+        let stdin = child.stdin.as_mut().ok_or("child without stdin")?;
+        stdin.write_all(list.as_bytes()).map_err(|e| format!("sending addresses: {e}"))?;
+    }
+    // Each rank prints `result bytes=B median_us=T` per size, then `done`.
+    let mut medians = vec![vec![0f64; config.ranks as usize]; config.sizes.len()];
+    for (rank, reader) in readers.iter_mut().enumerate() {
+        let mut seen = 0;
+        for line in std::io::Read::by_ref(reader).lines() {
+            let line = line.map_err(|e| format!("rank {rank}: {e}"))?;
+            if line == "done" {
+                break;
+            }
+            if let Some(rest) = line.strip_prefix("error ") {
+                return Err(format!("rank {rank}: {rest}"));
+            }
+            let mut bytes = None;
+            let mut median = None;
+            for kv in line.split_whitespace() {
+                if let Some(v) = kv.strip_prefix("bytes=") {
+                    bytes = v.parse::<usize>().ok();
+                }
+                if let Some(v) = kv.strip_prefix("median_us=") {
+                    median = v.parse::<f64>().ok();
+                }
+            }
+            if let (Some(b), Some(m)) = (bytes, median) {
+                let i = config.sizes.iter().position(|&s| s == b).ok_or_else(|| format!("rank {rank} reported unknown size {b}"))?;
+                medians[i][rank] = m;
+                seen += 1;
+            }
+        }
+        if seen != config.sizes.len() {
+            return Err(format!("rank {rank} exited after {seen} of {} sizes", config.sizes.len()));
+        }
+    }
+    for (rank, child) in children.0.iter_mut().enumerate() {
+        let status = child.wait().map_err(|e| format!("rank {rank}: {e}"))?;
+        if !status.success() {
+            return Err(format!("rank {rank} exited with {status}"));
+        }
+    }
+    Ok(config
+        .sizes
+        .iter()
+        .zip(medians)
+        .map(|(&bytes, per_rank)| BenchRow { bytes, median_us: per_rank.into_iter().fold(0.0, f64::max) })
+        .collect())
+}
+
+/// Prints the nccl-tests-style table and the parseable lines.
+pub fn print_rows(config: &BenchConfig, rows: &[BenchRow]) {
+    println!(
+        "# cohort allreduce: ranks={} dtype={} algo={} iters={} warmup={}",
+        config.ranks, config.dtype, algo_name(config.algo), config.iters, config.warmup
+    );
+    println!("#{:>14} {:>12} {:>12} {:>12}", "size(B)", "time(us)", "algbw(GB/s)", "busbw(GB/s)");
+    for r in rows {
+        println!("{:>15} {:>12.1} {:>12.3} {:>12.3}", r.bytes, r.median_us, r.algbw(), r.busbw(config.ranks));
+    }
+    for r in rows {
+        println!(
+            "peer=cohort ranks={} bytes={} median_us={:.1} algbw_GBps={:.3} busbw_GBps={:.3}",
+            config.ranks, r.bytes, r.median_us, r.algbw(), r.busbw(config.ranks)
+        );
+    }
+}
+
+/// One rank of the benchmark (the `bench-rank` subcommand). Talks to the parent over
+/// stdin/stdout as described in the module docs.
+pub async fn run_rank(rank: u32, config: BenchConfig) -> Result<(), String> {
+    match config.dtype.as_str() {
+        "f32" => rank_typed::<f32>(rank, config).await,
+        "f64" => rank_typed::<f64>(rank, config).await,
+        "f16" => rank_typed::<half::f16>(rank, config).await,
+        "bf16" => rank_typed::<half::bf16>(rank, config).await,
+        "i32" => rank_typed::<i32>(rank, config).await,
+        "i64" => rank_typed::<i64>(rank, config).await,
+        "u8" => rank_typed::<u8>(rank, config).await,
+        other => Err(format!("unknown dtype {other:?} (f32, f64, f16, bf16, i32, i64, u8)")),
+    }
+}
+
+async fn rank_typed<E: ExactElement>(rank: u32, config: BenchConfig) -> Result<(), String> {
+    if Pattern::new(0, config.ranks).max_sum() > E::EXACT_LIMIT {
+        return Err(format!("{} cannot hold exact sums over {} ranks", E::NAME, config.ranks));
+    }
+    let endpoint = TcpEndpoint::bind(SocketAddr::from(([127, 0, 0, 1], 0)), TcpOptions::default())
+        .await
+        .map_err(|e| e.to_string())?;
+    println!("addr={}", endpoint.local_addr());
+    let mut line = String::new();
+    std::io::stdin().read_line(&mut line).map_err(|e| format!("reading addresses: {e}"))?;
+    let peers = line
+        .trim()
+        .split(',')
+        .map(|a| a.parse::<SocketAddr>().map_err(|e| format!("bad address {a:?}: {e}")))
+        .collect::<Result<Vec<_>, _>>()?;
+    let token = std::env::var("COHORT_BENCH_TOKEN").unwrap_or_default().into_bytes();
+    let spec = MeshSpec {
+        job: "bench".into(),
+        generation: 1,
+        rank,
+        peers,
+        token,
+        deadlines: Deadlines { no_progress: Duration::from_secs(30), connect: Duration::from_secs(30) },
+    };
+    let transport = endpoint.connect_mesh(spec).await.map_err(|e| e.to_string())?;
+    let comm_config = CommConfig { algorithm: config.algo, ..CommConfig::default() };
+    let mut comm = Communicator::new(Arc::new(transport), comm_config);
+    let world = comm.size();
+    for &bytes in &config.sizes {
+        let count = bytes / std::mem::size_of::<E>();
+        let mut buf = vec![E::from_small(0); count];
+        let mut times = Vec::with_capacity(config.iters as usize);
+        for iter in 0..(config.warmup + config.iters) {
+            let pattern = Pattern::new(iter as u64, world);
+            pattern.fill(rank, &mut buf);
+            // Line the ranks up so each timed iteration measures the collective alone.
+            comm.barrier().await.map_err(|e| e.to_string())?;
+            let started = Instant::now();
+            comm.allreduce(&mut buf, ReduceOp::Sum).await.map_err(|e| e.to_string())?;
+            let took = started.elapsed();
+            if let Some(j) = pattern.first_mismatch(&buf) {
+                let msg = format!("WRONG RESULT at {bytes} bytes, iteration {iter}, element {j}");
+                println!("error {msg}");
+                return Err(msg);
+            }
+            if iter >= config.warmup {
+                times.push(took.as_secs_f64() * 1e6);
+            }
+        }
+        times.sort_by(|a, b| a.total_cmp(b));
+        let median = if times.is_empty() { 0.0 } else { times[times.len() / 2] };
+        println!("result bytes={bytes} median_us={median:.2}");
+    }
+    println!("done");
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse_with_suffixes() {
+        assert_eq!(parse_sizes("4K,64K,1M,16M,64M").unwrap(), vec![4096, 65536, 1 << 20, 16 << 20, 64 << 20]);
+        assert_eq!(parse_sizes("4096,1").unwrap(), vec![4096, 1]);
+        assert!(parse_sizes("4X").is_err());
+    }
+
+    #[test]
+    fn busbw_follows_nccl_tests() {
+        let row = BenchRow { bytes: 1_000_000, median_us: 1000.0 };
+        assert!((row.algbw() - 1.0).abs() < 1e-9);
+        assert!((row.busbw(4) - 1.5).abs() < 1e-9);
+    }
+}

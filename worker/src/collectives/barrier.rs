@@ -1,0 +1,23 @@
+//! Dissemination barrier: `ceil(log2 n)` rounds of empty messages.
+//!
+//! In round `j` rank `r` signals `r + 2^j` and waits for `r - 2^j`. After the last round every
+//! rank has (transitively) heard from every other, so nobody leaves before everybody entered.
+
+use super::Ctx;
+use cohort_transports::{Transport, TransportError};
+
+/// Runs the barrier.
+pub(crate) async fn barrier<T: Transport>(ctx: &Ctx<'_, T>) -> Result<(), TransportError> {
+    let (n, rank) = (ctx.size, ctx.rank);
+    let mut dist = 1usize;
+    let mut round = 0u64;
+    while dist < n {
+        let to = (rank + dist) % n;
+        let from = (rank + n - dist) % n;
+        let tag = ctx.tag(round)?;
+        tokio::try_join!(ctx.t.send(to as u32, tag, &[]), ctx.t.recv(from as u32, tag, &mut []))?;
+        dist <<= 1;
+        round += 1;
+    }
+    Ok(())
+}

@@ -1,0 +1,72 @@
+//! Configuration of an elastic worker.
+
+use crate::control::ControlConfig;
+use crate::CommConfig;
+use cohort_transports::tcp::TcpOptions;
+use cohort_transports::Deadlines;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+/// Everything an [`super::ElasticGroup`] needs to join a job.
+#[derive(Clone, Debug)]
+pub struct ElasticConfig {
+    /// The job id (namespaces everything at the coordinator).
+    pub job: String,
+    /// This worker's stable id (pod name, host:slot, ...). Rejoining with the same id
+    /// replaces the older incarnation.
+    pub worker_id: String,
+    /// Host name shown in status and root causes.
+    pub host: String,
+    /// How to reach the coordinator.
+    pub control: ControlConfig,
+    /// The job token: authenticates RPCs and proves membership in data-plane handshakes.
+    pub token: Vec<u8>,
+    /// Where the data-plane listener binds (e.g. `0.0.0.0:7100`, or port 0 for any).
+    pub listen: SocketAddr,
+    /// The host (IP or DNS name) peers use to reach this worker; the bound port is added.
+    pub advertise: String,
+    /// Data-plane deadlines (no-progress per link, mesh connect bound).
+    pub deadlines: Deadlines,
+    /// Socket options of the data plane.
+    pub tcp: TcpOptions,
+    /// Collective algorithm settings.
+    pub comm: CommConfig,
+    /// Longest single rendezvous long poll; the wait itself is unbounded only as long as the
+    /// coordinator keeps answering "waiting" (the job's elastic timeout ends it).
+    pub rendezvous_poll: Duration,
+    /// How long to wait for the coordinator's revocation record after a local failure before
+    /// falling back to the local error as the cause.
+    pub root_cause_wait: Duration,
+}
+
+impl ElasticConfig {
+    /// A configuration with default deadlines and options.
+    pub fn new(job: impl Into<String>, worker_id: impl Into<String>, control: ControlConfig) -> Self {
+        Self {
+            job: job.into(),
+            worker_id: worker_id.into(),
+            host: local_hostname(),
+            control,
+            token: Vec::new(),
+            listen: SocketAddr::from(([0, 0, 0, 0], 0)),
+            advertise: "127.0.0.1".into(),
+            deadlines: Deadlines::default(),
+            tcp: TcpOptions::default(),
+            comm: CommConfig::default(),
+            rendezvous_poll: Duration::from_secs(10),
+            root_cause_wait: Duration::from_millis(500),
+        }
+    }
+}
+
+/// This machine's host name, or "unknown".
+pub fn local_hostname() -> String {
+    let mut buf = [0u8; 256];
+    // SAFETY: gethostname writes at most buf.len() bytes into buf.
+    let rc = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
+    if rc != 0 {
+        return "unknown".into();
+    }
+    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+    String::from_utf8_lossy(&buf[..end]).into_owned()
+}

@@ -1,0 +1,34 @@
+//! Errors of the elastic runtime.
+
+use crate::control::ControlError;
+use crate::CommError;
+use cohort_transports::TransportError;
+
+/// What ends an elastic worker's participation (as opposed to a failed generation, which
+/// the runtime survives by re-forming).
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum ElasticError {
+    /// The coordinator could not be reached, or refused a request.
+    #[error(transparent)]
+    Control(#[from] ControlError),
+    /// The data-plane listener could not be set up.
+    #[error("data plane: {0}")]
+    DataPlane(#[from] TransportError),
+    /// The job ended (finished, or failed with the coordinator's reason).
+    #[error("job ended ({outcome}): {reason}")]
+    JobEnded {
+        /// "finished" or "failed".
+        outcome: &'static str,
+        /// The coordinator's reason.
+        reason: String,
+    },
+    /// After a restore, ranks hold different state (their digests differ).
+    #[error("state diverged after restore: {0}")]
+    StateDiverged(String),
+    /// A collective failed in a way that is not a peer failure (a bug or misuse).
+    #[error(transparent)]
+    Comm(#[from] CommError),
+    /// The coordinator sent something that violates the protocol.
+    #[error("coordinator protocol violation: {0}")]
+    Protocol(String),
+}

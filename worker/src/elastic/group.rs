@@ -1,0 +1,594 @@
+//! [`ElasticGroup`]: membership, re-formation and failure handling for one worker.
+
+use super::{ElasticConfig, ElasticError};
+use crate::control::ControlClient;
+use crate::{CommError, Communicator, Revoker, RootCause};
+use cohort_proto::v1::{self as pb, job_event, job_ended, rendezvous_response};
+use cohort_transports::tcp::{MeshSpec, TcpEndpoint, TcpTransport};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokio::sync::Notify;
+use tokio::task::JoinHandle;
+use tracing::{debug, info, info_span, warn, Instrument};
+
+/// One member of a generation, as the coordinator formed it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MemberInfo {
+    /// Rank in the generation.
+    pub rank: u32,
+    /// The worker's id.
+    pub worker_id: String,
+    /// The worker's host name.
+    pub host: String,
+    /// Its data-plane TCP address.
+    pub tcp: SocketAddr,
+}
+
+/// A formed generation and the communicator connected for it.
+pub struct Generation {
+    /// Generation number (strictly increasing over the job's life).
+    pub number: u64,
+    /// Members ordered by rank.
+    pub members: Vec<MemberInfo>,
+    /// The communicator over this generation's mesh.
+    pub comm: Communicator<TcpTransport>,
+    /// When the coordinator formed it (ms since the Unix epoch).
+    pub formed_at_ms: u64,
+}
+
+/// Why the members leave a healthy generation at a commit point.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReformReason {
+    /// Joiners are waiting (scale-up).
+    ScaleUp,
+    /// A member is leaving gracefully (SIGTERM, scale-down).
+    Leave,
+}
+
+/// State shared with the background tasks.
+struct Shared {
+    incarnation: AtomicU64,
+    /// The current generation's number and its communicator's revoker.
+    current: Mutex<Option<(u64, Revoker)>>,
+    /// Root causes of revoked generations heard so far (only the newest few are kept).
+    revoked: Mutex<Vec<(u64, RootCause)>>,
+    revoked_changed: Notify,
+    reformation_pending: AtomicBool,
+    /// The coordinator no longer knows this incarnation (lease lapsed or evicted).
+    evicted: AtomicBool,
+    ended: Mutex<Option<(&'static str, String)>>,
+    progress: Mutex<(u64, u64, String)>,
+}
+
+impl Shared {
+    fn cause_of(&self, generation: u64) -> Option<RootCause> {
+        let revoked = self.revoked.lock().unwrap_or_else(|e| e.into_inner());
+        revoked.iter().find(|(g, _)| *g == generation).map(|(_, c)| c.clone())
+    }
+
+    /// Records a revocation and aborts the current communicator if it is the revoked one.
+    fn revoke(&self, generation: u64, cause: RootCause) {
+        {
+            let mut revoked = self.revoked.lock().unwrap_or_else(|e| e.into_inner());
+            if revoked.iter().any(|(g, _)| *g == generation) {
+                return;
+            }
+            revoked.push((generation, cause.clone()));
+            let excess = revoked.len().saturating_sub(16);
+            revoked.drain(..excess);
+        }
+        let current = self.current.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        if let Some((g, revoker)) = current {
+            if g == generation {
+                revoker.revoke(cause);
+            }
+        }
+        self.revoked_changed.notify_waiters();
+    }
+}
+
+fn cause_from_pb(cause: Option<pb::RootCause>) -> RootCause {
+    let cause = cause.unwrap_or_default();
+    let mut reason = cause.reason;
+    if !cause.reported_by.is_empty() {
+        reason = format!("{reason} (reported by {})", cause.reported_by);
+    }
+    RootCause { rank: cause.rank, worker_id: cause.worker_id, host: cause.host, reason }
+}
+
+fn ended_from_pb(ended: pb::JobEnded) -> (&'static str, String) {
+    let outcome = match job_ended::Outcome::try_from(ended.outcome) {
+        Ok(job_ended::Outcome::Finished) => "finished",
+        _ => "failed",
+    };
+    (outcome, ended.reason)
+}
+
+/// A worker's membership in an elastic job.
+///
+/// Dropping it stops the heartbeat and watch tasks (the coordinator then expires the
+/// membership with its lease); call [`ElasticGroup::leave`] to leave promptly.
+pub struct ElasticGroup {
+    config: ElasticConfig,
+    client: ControlClient,
+    endpoint: TcpEndpoint,
+    advertised: String,
+    shared: Arc<Shared>,
+    tasks: Vec<JoinHandle<()>>,
+    heartbeat_interval: Duration,
+    last_generation: u64,
+}
+
+impl Drop for ElasticGroup {
+    fn drop(&mut self) {
+        for task in &self.tasks {
+            task.abort();
+        }
+    }
+}
+
+impl ElasticGroup {
+    /// Binds the data-plane listener, joins the job and starts the heartbeat and watch tasks.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: a join left half done expires with its lease.
+    pub async fn join(config: ElasticConfig) -> Result<Self, ElasticError> {
+        let client = ControlClient::new(config.control.clone())?;
+        let endpoint = TcpEndpoint::bind(config.listen, config.tcp.clone()).await?;
+        let port = endpoint.local_addr().port();
+        let advertised = advertised_address(&config.advertise, port);
+        let shared = Arc::new(Shared {
+            incarnation: AtomicU64::new(0),
+            current: Mutex::new(None),
+            revoked: Mutex::new(Vec::new()),
+            revoked_changed: Notify::new(),
+            reformation_pending: AtomicBool::new(false),
+            evicted: AtomicBool::new(false),
+            ended: Mutex::new(None),
+            progress: Mutex::new((0, 0, "joining".into())),
+        });
+        let mut group = Self {
+            config,
+            client,
+            endpoint,
+            advertised,
+            shared,
+            tasks: Vec::new(),
+            heartbeat_interval: Duration::from_millis(500),
+            last_generation: 0,
+        };
+        group.register().await?;
+        group.tasks.push(tokio::spawn(watch_task(
+            group.client.clone(),
+            group.shared.clone(),
+            group.config.job.clone(),
+            group.config.worker_id.clone(),
+        )));
+        Ok(group)
+    }
+
+    /// One Join RPC: a new incarnation; (re)starts the heartbeat task for it.
+    async fn register(&mut self) -> Result<(), ElasticError> {
+        let response = self
+            .client
+            .join(pb::JoinRequest {
+                job: self.config.job.clone(),
+                worker_id: self.config.worker_id.clone(),
+                host: self.config.host.clone(),
+                addresses: vec![pb::TransportAddress { transport: "tcp".into(), address: self.advertised.clone() }],
+                capabilities: vec!["transport:tcp".into()],
+                protocol_version: cohort_proto::PROTOCOL_VERSION,
+            })
+            .await?;
+        self.shared.incarnation.store(response.incarnation, Ordering::SeqCst);
+        self.shared.evicted.store(false, Ordering::SeqCst);
+        self.heartbeat_interval = Duration::from_millis(response.heartbeat_interval_ms.clamp(10, 60_000));
+        info!(job = %self.config.job, worker = %self.config.worker_id, incarnation = response.incarnation,
+              address = %self.advertised, "joined");
+        // An older incarnation's heartbeat task stops by itself (it sees the new incarnation).
+        let heartbeat = tokio::spawn(heartbeat_task(
+            self.client.clone(),
+            self.shared.clone(),
+            self.config.job.clone(),
+            self.config.worker_id.clone(),
+            response.incarnation,
+            self.heartbeat_interval,
+        ));
+        self.tasks.push(heartbeat);
+        Ok(())
+    }
+
+    /// The job id.
+    pub fn job(&self) -> &str {
+        &self.config.job
+    }
+
+    /// This worker's data-plane address as peers see it.
+    pub fn advertised_address(&self) -> &str {
+        &self.advertised
+    }
+
+    /// The current incarnation (changes when the worker had to join again).
+    pub fn incarnation(&self) -> u64 {
+        self.shared.incarnation.load(Ordering::SeqCst)
+    }
+
+    /// The coordinator client (for status queries).
+    pub fn client(&self) -> &ControlClient {
+        &self.client
+    }
+
+    /// Records what this worker is doing; sent with the next heartbeat (for `status`).
+    pub fn set_progress(&self, generation: u64, step: u64, activity: &str) {
+        let mut progress = self.shared.progress.lock().unwrap_or_else(|e| e.into_inner());
+        *progress = (generation, step, activity.to_string());
+    }
+
+    /// Waits for the next generation that includes this worker and connects its mesh.
+    ///
+    /// This is re-formation in one call: after a failure (or at a commit point where a
+    /// re-formation was agreed) it returns the next generation's communicator. Errors only
+    /// when the job ends or the coordinator is unreachable for the whole retry budget.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: calling it again resumes the rendezvous.
+    pub async fn next_generation(&mut self) -> Result<Generation, ElasticError> {
+        loop {
+            if let Some((outcome, reason)) = self.shared.ended.lock().unwrap_or_else(|e| e.into_inner()).clone() {
+                return Err(ElasticError::JobEnded { outcome, reason });
+            }
+            if self.shared.evicted.load(Ordering::SeqCst) {
+                warn!(worker = %self.config.worker_id, "this incarnation is no longer a member; joining again");
+                self.register().await?;
+            }
+            self.set_progress(self.last_generation, 0, "rendezvous");
+            let response = self
+                .client
+                .rendezvous(pb::RendezvousRequest {
+                    job: self.config.job.clone(),
+                    worker_id: self.config.worker_id.clone(),
+                    incarnation: self.incarnation(),
+                    after_generation: self.last_generation,
+                    wait_ms: self.config.rendezvous_poll.as_millis() as u64,
+                })
+                .await;
+            let response = match response {
+                Ok(r) => r,
+                Err(e) if e.code() == Some(tonic::Code::NotFound) => {
+                    self.shared.evicted.store(true, Ordering::SeqCst);
+                    continue;
+                }
+                Err(e) => return Err(e.into()),
+            };
+            match response.outcome {
+                Some(rendezvous_response::Outcome::Waiting(_)) => continue,
+                Some(rendezvous_response::Outcome::Ended(ended)) => {
+                    let (outcome, reason) = ended_from_pb(ended);
+                    *self.shared.ended.lock().unwrap_or_else(|e| e.into_inner()) = Some((outcome, reason.clone()));
+                    return Err(ElasticError::JobEnded { outcome, reason });
+                }
+                None => return Err(ElasticError::Protocol("rendezvous answer without an outcome".into())),
+                Some(rendezvous_response::Outcome::Formed(generation)) => {
+                    if generation.number <= self.last_generation {
+                        return Err(ElasticError::Protocol(format!(
+                            "rendezvous returned generation {} after {}",
+                            generation.number, self.last_generation
+                        )));
+                    }
+                    self.last_generation = generation.number;
+                    match self.connect(generation).await? {
+                        Some(formed) => return Ok(formed),
+                        None => continue,
+                    }
+                }
+            }
+        }
+    }
+
+    /// Connects the mesh of a formed generation. `None` when the mesh could not be built (a
+    /// member died meanwhile): the failure is reported and the caller re-forms.
+    async fn connect(&mut self, generation: pb::Generation) -> Result<Option<Generation>, ElasticError> {
+        let number = generation.number;
+        let span = info_span!("generation", job = %self.config.job, generation = number);
+        let members = parse_members(&generation)?;
+        let incarnation = self.incarnation();
+        let rank = generation
+            .members
+            .iter()
+            .find(|m| m.worker_id == self.config.worker_id && m.incarnation == incarnation)
+            .map(|m| m.rank)
+            .ok_or_else(|| ElasticError::Protocol(format!("generation {number} does not include this worker")))?;
+        let mut peers = Vec::with_capacity(members.len());
+        for m in &members {
+            peers.push(m.tcp);
+        }
+        let spec = MeshSpec {
+            job: self.config.job.clone(),
+            generation: number,
+            rank,
+            peers,
+            token: self.config.token.clone(),
+            deadlines: self.config.deadlines,
+        };
+        self.set_progress(number, 0, "connecting");
+        let started = Instant::now();
+        let transport = match self.endpoint.connect_mesh(spec).instrument(span.clone()).await {
+            Ok(t) => t,
+            Err(e) => {
+                warn!(parent: &span, error = %e, "mesh connection failed; reporting and re-forming");
+                let report = pb::FailureReport {
+                    job: self.config.job.clone(),
+                    worker_id: self.config.worker_id.clone(),
+                    incarnation,
+                    generation: number,
+                    failed_rank: e.peer(),
+                    reason: format!("mesh connection failed: {e}"),
+                };
+                self.client.report_failure(report).await?;
+                return Ok(None);
+            }
+        };
+        debug!(parent: &span, rank, elapsed_ms = started.elapsed().as_millis() as u64, "mesh connected");
+        let comm = Communicator::new(Arc::new(transport), self.config.comm.clone());
+        {
+            let mut current = self.shared.current.lock().unwrap_or_else(|e| e.into_inner());
+            *current = Some((number, comm.revoker()));
+        }
+        // A revocation heard while connecting applies now.
+        if let Some(cause) = self.shared.cause_of(number) {
+            comm.revoker().revoke(cause);
+        }
+        self.shared.reformation_pending.store(false, Ordering::SeqCst);
+        info!(parent: &span, rank, world = members.len(), "generation formed");
+        Ok(Some(Generation { number, members, comm, formed_at_ms: generation.formed_at_ms }))
+    }
+
+    /// Turns a failed collective of `generation` into the generation's root cause.
+    ///
+    /// A revoked communicator already carries the cause. For a local detection (peer closed,
+    /// timeout, protocol error) this reports the failure to the coordinator, which keeps the
+    /// first report of the generation: the answer is the root cause every rank shares.
+    ///
+    /// # Cancel safety
+    /// Cancel safe (reports are idempotent).
+    pub async fn on_failure(&self, generation: u64, error: &CommError) -> RootCause {
+        if let CommError::Revoked { cause, .. } = error {
+            return cause.clone();
+        }
+        if let Some(cause) = self.shared.cause_of(generation) {
+            return cause;
+        }
+        let failed_rank = match error {
+            CommError::PeerFailed { rank, .. } => Some(*rank),
+            CommError::Timeout { rank, .. } => *rank,
+            _ => None,
+        };
+        let report = pb::FailureReport {
+            job: self.config.job.clone(),
+            worker_id: self.config.worker_id.clone(),
+            incarnation: self.incarnation(),
+            generation,
+            failed_rank,
+            reason: error.to_string(),
+        };
+        match tokio::time::timeout(self.config.root_cause_wait.max(Duration::from_secs(2)), self.client.report_failure(report)).await {
+            Ok(Ok(response)) => {
+                let cause = cause_from_pb(response.cause);
+                self.shared.revoke(generation, cause.clone());
+                cause
+            }
+            Ok(Err(e)) => {
+                warn!(error = %e, "could not report the failure; using the local error as the cause");
+                RootCause { rank: failed_rank, worker_id: String::new(), host: String::new(), reason: error.to_string() }
+            }
+            Err(_) => RootCause { rank: failed_rank, worker_id: String::new(), host: String::new(), reason: error.to_string() },
+        }
+    }
+
+    /// Reports a commit point (step and state digest) to the coordinator; answers whether a
+    /// re-formation is pending (joiners waiting).
+    ///
+    /// # Cancel safety
+    /// Cancel safe (commit reports are idempotent).
+    pub async fn commit(&self, generation: u64, step: u64, digest: &[u8]) -> Result<bool, ElasticError> {
+        let response = self
+            .client
+            .commit(pb::CommitRequest {
+                job: self.config.job.clone(),
+                worker_id: self.config.worker_id.clone(),
+                incarnation: self.incarnation(),
+                generation,
+                step,
+                digest: digest.to_vec(),
+            })
+            .await;
+        match response {
+            Ok(r) => Ok(r.reformation_pending || self.shared.reformation_pending.load(Ordering::SeqCst)),
+            Err(e) if e.code() == Some(tonic::Code::NotFound) => {
+                self.shared.evicted.store(true, Ordering::SeqCst);
+                Ok(false)
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Whether the watch has announced joiners waiting for a re-formation.
+    pub fn reformation_pending(&self) -> bool {
+        self.shared.reformation_pending.load(Ordering::SeqCst)
+    }
+
+    /// The root cause of a revoked generation, if this worker has heard it.
+    pub fn revocation_cause(&self, generation: u64) -> Option<RootCause> {
+        self.shared.cause_of(generation)
+    }
+
+    /// Leaves the job: `finished` = the work is done; otherwise a graceful leave (no failure
+    /// recorded). Stops the background tasks.
+    ///
+    /// # Cancel safety
+    /// Cancel safe (leaving twice is harmless; an unfinished leave expires with the lease).
+    pub async fn leave(mut self, finished: bool) -> Result<(), ElasticError> {
+        let mode = if finished { pb::leave_request::Mode::Finished } else { pb::leave_request::Mode::Graceful };
+        let result = self
+            .client
+            .leave(pb::LeaveRequest {
+                job: self.config.job.clone(),
+                worker_id: self.config.worker_id.clone(),
+                incarnation: self.incarnation(),
+                mode: mode as i32,
+            })
+            .await;
+        for task in self.tasks.drain(..) {
+            task.abort();
+        }
+        result.map(|_| ()).map_err(Into::into)
+    }
+}
+
+/// The address peers dial: `advertise` as is when it carries a port (`HOST:PORT`,
+/// `[V6]:PORT`; e.g. a proxy in front of this worker), else `advertise` with the bound port.
+fn advertised_address(advertise: &str, port: u16) -> String {
+    if advertise.parse::<SocketAddr>().is_ok() {
+        return advertise.to_string();
+    }
+    if let Some((host, p)) = advertise.rsplit_once(':') {
+        if !host.contains(':') && p.parse::<u16>().is_ok() {
+            return advertise.to_string();
+        }
+    }
+    if advertise.contains(':') {
+        format!("[{advertise}]:{port}")
+    } else {
+        format!("{advertise}:{port}")
+    }
+}
+
+fn parse_members(generation: &pb::Generation) -> Result<Vec<MemberInfo>, ElasticError> {
+    let mut members = Vec::with_capacity(generation.members.len());
+    for (i, m) in generation.members.iter().enumerate() {
+        if m.rank as usize != i {
+            return Err(ElasticError::Protocol(format!("member {} listed at position {i} has rank {}", m.worker_id, m.rank)));
+        }
+        let address = m
+            .addresses
+            .iter()
+            .find(|a| a.transport == "tcp")
+            .ok_or_else(|| ElasticError::Protocol(format!("member {} has no tcp address", m.worker_id)))?;
+        let tcp = resolve(&address.address)
+            .ok_or_else(|| ElasticError::Protocol(format!("member {} has an unusable address {:?}", m.worker_id, address.address)))?;
+        members.push(MemberInfo { rank: m.rank, worker_id: m.worker_id.clone(), host: m.host.clone(), tcp });
+    }
+    Ok(members)
+}
+
+/// Resolves `HOST:PORT` (an IP literal, or a name through the system resolver).
+fn resolve(address: &str) -> Option<SocketAddr> {
+    if let Ok(a) = address.parse() {
+        return Some(a);
+    }
+    use std::net::ToSocketAddrs;
+    address.to_socket_addrs().ok()?.next()
+}
+
+/// Keeps the membership's lease alive and reports progress; marks the group evicted when
+/// the coordinator no longer knows this incarnation.
+async fn heartbeat_task(
+    client: ControlClient,
+    shared: Arc<Shared>,
+    job: String,
+    worker_id: String,
+    incarnation: u64,
+    interval: Duration,
+) {
+    let mut ticker = tokio::time::interval(interval);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        ticker.tick().await;
+        if shared.incarnation.load(Ordering::SeqCst) != incarnation {
+            return; // a newer incarnation has its own task
+        }
+        let (generation, step, activity) = shared.progress.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let request = pb::HeartbeatRequest { job: job.clone(), worker_id: worker_id.clone(), incarnation, generation, step, activity };
+        match client.heartbeat(request).await {
+            Ok(response) => {
+                if response.reformation_pending {
+                    shared.reformation_pending.store(true, Ordering::SeqCst);
+                }
+            }
+            Err(e) if e.code() == Some(tonic::Code::NotFound) => {
+                warn!(%worker_id, incarnation, error = %e, "membership lost");
+                shared.evicted.store(true, Ordering::SeqCst);
+                return;
+            }
+            Err(e) => warn!(%worker_id, error = %e, "heartbeat failed"),
+        }
+    }
+}
+
+/// Follows the job's event stream (reopening it when it breaks) and applies revocations.
+async fn watch_task(client: ControlClient, shared: Arc<Shared>, job: String, worker_id: String) {
+    let mut retry = Duration::from_millis(50);
+    loop {
+        let request = pb::WatchRequest { job: job.clone(), worker_id: worker_id.clone(), incarnation: shared.incarnation.load(Ordering::SeqCst) };
+        match client.watch(request).await {
+            Ok(mut stream) => {
+                retry = Duration::from_millis(50);
+                loop {
+                    match stream.message().await {
+                        Ok(Some(event)) => apply_event(&shared, event),
+                        Ok(None) => break,
+                        Err(status) => {
+                            debug!(%status, "watch stream broke; reopening");
+                            break;
+                        }
+                    }
+                }
+            }
+            Err(e) => debug!(error = %e, "watch failed; retrying"),
+        }
+        if shared.ended.lock().unwrap_or_else(|e| e.into_inner()).is_some() {
+            return;
+        }
+        // Jittered backoff between reopen attempts (bounded at 1 s).
+        let jitter = Duration::from_millis(rand::random::<u64>() % (retry.as_millis() as u64 + 1));
+        tokio::time::sleep(retry / 2 + jitter / 2).await;
+        retry = (retry * 2).min(Duration::from_secs(1));
+    }
+}
+
+fn apply_event(shared: &Shared, event: pb::JobEvent) {
+    match event.event {
+        Some(job_event::Event::GenerationRevoked(revoked)) => {
+            let cause = cause_from_pb(revoked.cause);
+            info!(generation = revoked.generation, %cause, "generation revoked");
+            shared.revoke(revoked.generation, cause);
+        }
+        Some(job_event::Event::ReformationPending(_)) => shared.reformation_pending.store(true, Ordering::SeqCst),
+        Some(job_event::Event::JobEnded(ended)) => {
+            *shared.ended.lock().unwrap_or_else(|e| e.into_inner()) = Some(ended_from_pb(ended));
+            // Wake a rank blocked in a collective of a job that is over.
+            let current = shared.current.lock().unwrap_or_else(|e| e.into_inner()).clone();
+            if let Some((_, revoker)) = current {
+                revoker.revoke(RootCause { rank: None, worker_id: String::new(), host: String::new(), reason: "job ended".into() });
+            }
+        }
+        Some(job_event::Event::GenerationFormed(_)) | None => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::advertised_address;
+
+    #[test]
+    fn advertise_takes_the_bound_port_unless_given_one() {
+        assert_eq!(advertised_address("10.0.0.5", 7100), "10.0.0.5:7100");
+        assert_eq!(advertised_address("10.0.0.5:9000", 7100), "10.0.0.5:9000");
+        assert_eq!(advertised_address("pod-a.svc", 7100), "pod-a.svc:7100");
+        assert_eq!(advertised_address("pod-a.svc:81", 7100), "pod-a.svc:81");
+        assert_eq!(advertised_address("::1", 7100), "[::1]:7100");
+        assert_eq!(advertised_address("[::1]:81", 7100), "[::1]:81");
+    }
+}

@@ -1,0 +1,33 @@
+//! The elastic runtime: join a job, get a communicator per generation, survive failures.
+//!
+//! ```text
+//!   ElasticGroup::join ──► next_generation() ──► Generation { comm, members }
+//!          ▲                                          │ collectives, commit()
+//!          │                        error ◄───────────┤
+//!          └── on_failure(err) → root cause ──────────┘  (restore last commit, re-form)
+//! ```
+//!
+//! - [`ElasticGroup`] owns the worker's membership: its coordinator client, the heartbeat
+//!   task that keeps its lease, the watch task that hears revocations, and the data-plane
+//!   listener it keeps across generations.
+//! - [`ElasticGroup::next_generation`] is re-formation in one call: it waits at the
+//!   coordinator's rendezvous for the next generation, connects the data-plane mesh for it
+//!   (handshake with the job token) and returns its [`Generation`].
+//! - When a collective fails, [`ElasticGroup::on_failure`] reports it (first report wins) and
+//!   answers the generation's root cause, so every rank's error names the rank that failed
+//!   first, never a secondary "connection reset".
+//! - When the watch hears that the current generation is revoked, the in-flight collective is
+//!   aborted at once through the communicator's [`crate::Revoker`].
+//! - [`Checkpoint`] is the commit/restore/sync API: commit at step boundaries, restore after a
+//!   failure, and after re-formation broadcast the newest commit from the member holding it,
+//!   then check the state digest on every rank.
+
+mod config;
+mod error;
+mod group;
+mod state;
+
+pub use config::{local_hostname, ElasticConfig};
+pub use error::ElasticError;
+pub use group::{ElasticGroup, Generation, MemberInfo, ReformReason};
+pub use state::{Checkpoint, ElasticState, SyncError, SyncOutcome};

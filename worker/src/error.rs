@@ -1,0 +1,115 @@
+//! Typed errors of the communicator and the root cause of a revocation.
+
+use cohort_transports::TransportError;
+use std::fmt;
+use std::time::Duration;
+
+/// Who or what made a generation fail: the first failed rank and why, as the coordinator's
+/// revocation record names it. Every rank's [`CommError::Revoked`] carries it, so the error a
+/// user sees on any rank points at the real culprit, not at "connection reset by peer".
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RootCause {
+    /// The rank that failed first, if the failure is tied to one.
+    pub rank: Option<u32>,
+    /// Worker id of that rank (empty if unknown).
+    pub worker_id: String,
+    /// Host of that worker (empty if unknown).
+    pub host: String,
+    /// What happened (e.g. "SIGKILL", "lease expired", "graceful leave").
+    pub reason: String,
+}
+
+impl RootCause {
+    /// A cause with only a reason (no rank, worker or host known).
+    pub fn reason(reason: impl Into<String>) -> Self {
+        Self { rank: None, worker_id: String::new(), host: String::new(), reason: reason.into() }
+    }
+}
+
+impl fmt::Display for RootCause {
+    /// `rank 2 (worker w2 on host-a): SIGKILL`; parts that are unknown are left out.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut wrote = false;
+        if let Some(rank) = self.rank {
+            write!(f, "rank {rank}")?;
+            wrote = true;
+        }
+        match (self.worker_id.is_empty(), self.host.is_empty()) {
+            (false, false) => write!(f, "{}(worker {} on {})", if wrote { " " } else { "" }, self.worker_id, self.host)?,
+            (false, true) => write!(f, "{}(worker {})", if wrote { " " } else { "" }, self.worker_id)?,
+            (true, false) => write!(f, "{}(on {})", if wrote { " " } else { "" }, self.host)?,
+            (true, true) => {}
+        }
+        if wrote || !self.worker_id.is_empty() || !self.host.is_empty() {
+            f.write_str(": ")?;
+        }
+        f.write_str(&self.reason)
+    }
+}
+
+/// Why a collective failed. Every live rank gets one of these instead of a hang or a partial
+/// result; after any of them the communicator is poisoned (see [`crate::Communicator`]).
+///
+/// Mapping from [`TransportError`]: `PeerClosed` and `Protocol` become [`CommError::PeerFailed`];
+/// `Timeout` becomes [`CommError::Timeout`]; `Aborted` becomes [`CommError::Revoked`] (with the
+/// cause the [`crate::Revoker`] recorded); `Mismatch` (the ranks disagree about the call:
+/// length or signature) and `InvalidArgument` become [`CommError::InvalidArgument`]; anything
+/// else stays [`CommError::Transport`]. Once the communicator has been revoked, every failure
+/// is reported as `Revoked`, whatever the transport saw.
+#[derive(Clone, Debug, thiserror::Error)]
+pub enum CommError {
+    /// A peer closed, reset or broke the protocol on its link.
+    #[error("peer rank {rank} failed: {detail}")]
+    PeerFailed {
+        /// The rank at the other end.
+        rank: u32,
+        /// What was observed.
+        detail: String,
+    },
+    /// A deadline passed: the no-progress deadline on the link to `rank`, or the whole-op bound
+    /// (`rank` is `None` then).
+    #[error("timed out after {after:?}{}", rank.map(|r| format!(" waiting on rank {r}")).unwrap_or_default())]
+    Timeout {
+        /// The peer that stopped moving bytes, if known.
+        rank: Option<u32>,
+        /// The deadline that passed.
+        after: Duration,
+    },
+    /// The generation was revoked (or the transport aborted); no collective will run on it again.
+    #[error("generation {generation} revoked: {cause}")]
+    Revoked {
+        /// The revoked generation.
+        generation: u64,
+        /// The root cause, as recorded by the revoker.
+        cause: RootCause,
+    },
+    /// Any other transport failure (handshake, local I/O).
+    #[error("transport error: {0}")]
+    Transport(TransportError),
+    /// The call was malformed (lengths, root, counts, dtype) or the ranks disagree about it.
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+}
+
+impl CommError {
+    /// Whether two errors are of the same kind (variant), ignoring details.
+    pub fn same_class(&self, other: &CommError) -> bool {
+        std::mem::discriminant(self) == std::mem::discriminant(other)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn root_cause_display() {
+        let c = RootCause { rank: Some(2), worker_id: "w2".into(), host: "host-a".into(), reason: "SIGKILL".into() };
+        assert_eq!(c.to_string(), "rank 2 (worker w2 on host-a): SIGKILL");
+        assert_eq!(RootCause::reason("shutdown").to_string(), "shutdown");
+        let c = RootCause { rank: None, worker_id: "w1".into(), host: String::new(), reason: "left".into() };
+        assert_eq!(c.to_string(), "(worker w1): left");
+        let e = CommError::Timeout { rank: Some(3), after: Duration::from_secs(1) };
+        assert_eq!(e.to_string(), "timed out after 1s waiting on rank 3");
+    }
+}

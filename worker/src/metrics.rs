@@ -1,0 +1,66 @@
+//! Worker metrics in the Prometheus text format, served over a minimal HTTP endpoint.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+/// Current generation of this worker.
+pub static GENERATION: AtomicU64 = AtomicU64::new(0);
+/// World size of the current generation.
+pub static WORLD_SIZE: AtomicU64 = AtomicU64::new(0);
+/// Verified steps run by this worker.
+pub static STEPS_VERIFIED: AtomicU64 = AtomicU64::new(0);
+/// Failed generations this worker went through.
+pub static FAILURES: AtomicU64 = AtomicU64::new(0);
+/// Cooperative re-formations (scale-up, leaves).
+pub static REFORMATIONS: AtomicU64 = AtomicU64::new(0);
+/// Time lost to failures, total milliseconds.
+pub static LOST_MS: AtomicU64 = AtomicU64::new(0);
+
+/// Renders every metric.
+pub fn render() -> String {
+    let rows: [(&str, &str, &str, &AtomicU64); 6] = [
+        ("cohort_worker_generation", "gauge", "Current generation", &GENERATION),
+        ("cohort_worker_world_size", "gauge", "World size of the current generation", &WORLD_SIZE),
+        ("cohort_worker_steps_verified_total", "counter", "Verified training steps", &STEPS_VERIFIED),
+        ("cohort_worker_failures_total", "counter", "Failed generations", &FAILURES),
+        ("cohort_worker_reformations_total", "counter", "Cooperative re-formations", &REFORMATIONS),
+        ("cohort_worker_lost_milliseconds_total", "counter", "Time from failures to the next verified step", &LOST_MS),
+    ];
+    let mut out = String::new();
+    for (name, kind, help, value) in rows {
+        out.push_str(&format!("# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {}\n", value.load(Ordering::Relaxed)));
+    }
+    out
+}
+
+/// Binds `addr` and serves `GET /metrics` in a background task.
+///
+/// # Cancel safety
+/// Cancel safe: it returns once the listener is bound; the server runs until the process ends.
+pub async fn serve(addr: SocketAddr) -> std::io::Result<SocketAddr> {
+    let listener = tokio::net::TcpListener::bind(addr).await?;
+    let local = listener.local_addr()?;
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut socket, _)) = listener.accept().await else { continue };
+            tokio::spawn(async move {
+                let mut buf = [0u8; 1024];
+                let read = tokio::time::timeout(std::time::Duration::from_secs(2), socket.read(&mut buf)).await;
+                let Ok(Ok(n)) = read else { return };
+                let request = String::from_utf8_lossy(&buf[..n]);
+                let (status, body) = if request.starts_with("GET /metrics") {
+                    ("200 OK", render())
+                } else {
+                    ("404 Not Found", "not found: try /metrics\n".to_string())
+                };
+                let response = format!(
+                    "HTTP/1.1 {status}\r\ncontent-type: text/plain; version=0.0.4\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                    body.len()
+                );
+                let _ = socket.write_all(response.as_bytes()).await;
+            });
+        }
+    });
+    Ok(local)
+}

@@ -1,0 +1,244 @@
+//! Reduction operators and their element-wise kernels.
+//!
+//! Kernels are plain chunked loops over slices so that LLVM vectorises them (fixed-width inner
+//! loops over `chunks_exact`, a scalar tail). f16 and bf16 are widened to f32 in blocks of 64,
+//! combined there, and rounded back once per combination.
+//!
+//! # Semantics per op
+//! - `Sum`, `Prod`: IEEE arithmetic for floats; wrapping arithmetic for integers.
+//! - `Min`, `Max`: for floats, IEEE 754 minNum/maxNum (Rust's `f32::min`): a NaN operand is
+//!   ignored unless both are NaN, so the result is NaN only if every rank contributed NaN at that
+//!   position. Which zero `min(+0.0, -0.0)` returns is unspecified, but every rank gets the
+//!   same bytes (see below).
+//! - `Avg`: reduced as `Sum`, then divided by the world size exactly once, after the last
+//!   combination, the same way on every rank. Integer averages truncate toward zero (after a
+//!   wrapping sum).
+//!
+//! Bit-exactness: the collectives combine every element in an order fixed by the schedule, and
+//! either compute each final value on one rank and copy its bytes, or have both partners of an
+//! exchange compute `lower-rank operand op higher-rank operand`; so all ranks end with
+//! identical bytes even for non-associative float sums.
+
+use crate::dtype::Element;
+use half::slice::HalfFloatSliceExt;
+use std::fmt;
+use std::str::FromStr;
+
+/// How contributions are combined.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ReduceOp {
+    /// Sum (wrapping for integers).
+    Sum,
+    /// Product (wrapping for integers).
+    Prod,
+    /// Minimum (IEEE minNum for floats: NaN is ignored unless all are NaN).
+    Min,
+    /// Maximum (IEEE maxNum for floats).
+    Max,
+    /// Sum divided once by the world size (truncating for integers).
+    Avg,
+}
+
+impl ReduceOp {
+    /// Every operator.
+    pub const ALL: [ReduceOp; 5] = [ReduceOp::Sum, ReduceOp::Prod, ReduceOp::Min, ReduceOp::Max, ReduceOp::Avg];
+
+    /// Lower-case name (`sum`, `prod`, `min`, `max`, `avg`).
+    pub fn name(self) -> &'static str {
+        match self {
+            ReduceOp::Sum => "sum",
+            ReduceOp::Prod => "prod",
+            ReduceOp::Min => "min",
+            ReduceOp::Max => "max",
+            ReduceOp::Avg => "avg",
+        }
+    }
+
+    /// Stable numeric code used in call signatures.
+    pub(crate) fn code(self) -> u8 {
+        match self {
+            ReduceOp::Sum => 1,
+            ReduceOp::Prod => 2,
+            ReduceOp::Min => 3,
+            ReduceOp::Max => 4,
+            ReduceOp::Avg => 5,
+        }
+    }
+}
+
+impl fmt::Display for ReduceOp {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Error of [`ReduceOp::from_str`].
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("unknown reduce op {0:?} (expected one of sum, prod, min, max, avg)")]
+pub struct ParseReduceOpError(pub String);
+
+impl FromStr for ReduceOp {
+    type Err = ParseReduceOpError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        ReduceOp::ALL.into_iter().find(|o| o.name().eq_ignore_ascii_case(s)).ok_or_else(|| ParseReduceOpError(s.to_owned()))
+    }
+}
+
+/// `acc[i] = acc[i] op other[i]` for every `i` (`Avg` combines as `Sum`; divide with
+/// [`finish_avg`]).
+///
+/// # Panics
+/// If the slices differ in length.
+pub fn reduce<E: Element>(op: ReduceOp, acc: &mut [E], other: &[E]) {
+    assert_eq!(acc.len(), other.len(), "reduce: operand lengths differ");
+    E::combine(op, acc, other, false);
+}
+
+/// `acc[i] = other[i] op acc[i]` for every `i`: like [`reduce`] with the operands swapped,
+/// for schedules that must put a fixed rank's operand first.
+///
+/// # Panics
+/// If the slices differ in length.
+pub fn reduce_rev<E: Element>(op: ReduceOp, acc: &mut [E], other: &[E]) {
+    assert_eq!(acc.len(), other.len(), "reduce_rev: operand lengths differ");
+    E::combine(op, acc, other, true);
+}
+
+/// The final step of [`ReduceOp::Avg`] over `world_size` contributions: divides every element.
+/// Does nothing for other ops.
+pub fn finish_avg<E: Element>(op: ReduceOp, data: &mut [E], world_size: u32) {
+    if op == ReduceOp::Avg && world_size > 1 {
+        E::divide(data, world_size);
+    }
+}
+
+/// Elements per inner loop: wide enough for AVX-512 on 4-byte types and a few iterations of
+/// unrolling on narrower units.
+const LANES: usize = 32;
+
+/// Applies `f` element-wise: `acc[i] = f(acc[i], other[i])` (or `f(other[i], acc[i])` when
+/// `other_first`), in fixed-width chunks that vectorise.
+#[inline(always)]
+pub(crate) fn apply<E: Copy, F: Fn(E, E) -> E>(acc: &mut [E], other: &[E], other_first: bool, f: F) {
+    if other_first {
+        zip_chunks(acc, other, |a, b| f(b, a));
+    } else {
+        zip_chunks(acc, other, f);
+    }
+}
+
+#[inline(always)]
+fn zip_chunks<E: Copy, F: Fn(E, E) -> E>(acc: &mut [E], other: &[E], f: F) {
+    let n = acc.len().min(other.len());
+    let (acc, other) = (&mut acc[..n], &other[..n]);
+    let mut a = acc.chunks_exact_mut(LANES);
+    let mut b = other.chunks_exact(LANES);
+    for (ca, cb) in (&mut a).zip(&mut b) {
+        for i in 0..LANES {
+            ca[i] = f(ca[i], cb[i]);
+        }
+    }
+    for (x, y) in a.into_remainder().iter_mut().zip(b.remainder()) {
+        *x = f(*x, *y);
+    }
+}
+
+/// Widens `acc` (and `other`, if not empty) to f32 in blocks of 64, runs `f` on the blocks and
+/// narrows the result back into `acc` (round to nearest even).
+#[inline]
+pub(crate) fn through_f32<H, F>(acc: &mut [H], other: &[H], f: F)
+where
+    [H]: HalfFloatSliceExt,
+    F: Fn(&mut [f32], &[f32]),
+{
+    const BLOCK: usize = 64;
+    let mut wa = [0f32; BLOCK];
+    let mut wb = [0f32; BLOCK];
+    for (i, ca) in acc.chunks_mut(BLOCK).enumerate() {
+        let n = ca.len();
+        ca.convert_to_f32_slice(&mut wa[..n]);
+        let wb = if other.is_empty() {
+            &wb[..0]
+        } else {
+            other[i * BLOCK..i * BLOCK + n].convert_to_f32_slice(&mut wb[..n]);
+            &wb[..n]
+        };
+        f(&mut wa[..n], wb);
+        ca.convert_from_f32_slice(&wa[..n]);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use half::{bf16, f16};
+
+    #[test]
+    fn float_ops() {
+        let mut a: Vec<f32> = (0..100).map(|i| i as f32).collect();
+        let b: Vec<f32> = (0..100).map(|i| (100 - i) as f32).collect();
+        let mut s = a.clone();
+        reduce(ReduceOp::Sum, &mut s, &b);
+        assert!(s.iter().all(|&x| x == 100.0));
+        let mut m = a.clone();
+        reduce(ReduceOp::Min, &mut m, &b);
+        assert_eq!(m[10], 10.0);
+        assert_eq!(m[90], 10.0);
+        reduce(ReduceOp::Max, &mut a, &b);
+        assert_eq!(a[10], 90.0);
+        let mut p = vec![2.0f64; 3];
+        reduce(ReduceOp::Prod, &mut p, &[3.0, 0.5, -1.0]);
+        assert_eq!(p, [6.0, 1.0, -2.0]);
+        let mut avg = vec![6.0f32, 9.0];
+        reduce(ReduceOp::Avg, &mut avg, &[0.0, 0.0]);
+        finish_avg(ReduceOp::Avg, &mut avg, 3);
+        assert_eq!(avg, [2.0, 3.0]);
+    }
+
+    #[test]
+    fn nan_is_ignored_by_min_and_max() {
+        let mut a = [f32::NAN, 1.0, f32::NAN];
+        reduce(ReduceOp::Min, &mut a, &[2.0, f32::NAN, f32::NAN]);
+        assert_eq!(a[0], 2.0);
+        assert_eq!(a[1], 1.0);
+        assert!(a[2].is_nan());
+    }
+
+    #[test]
+    fn integer_ops_wrap_and_truncate() {
+        let mut a = [250u8, 3, 7];
+        reduce(ReduceOp::Sum, &mut a, &[10, 4, 0]);
+        assert_eq!(a, [4, 7, 7]);
+        let mut b = [i32::MAX, -7];
+        reduce(ReduceOp::Prod, &mut b, &[2, 1]);
+        assert_eq!(b, [-2, -7]);
+        finish_avg(ReduceOp::Avg, &mut b, 2);
+        assert_eq!(b, [-1, -3]);
+        let mut c = [5i64, -5];
+        reduce_rev(ReduceOp::Min, &mut c, &[1, 1]);
+        assert_eq!(c, [1, -5]);
+    }
+
+    #[test]
+    fn half_types_reduce_through_f32() {
+        let mut a: Vec<f16> = (0..130).map(|i| f16::from_f32(i as f32)).collect();
+        let b: Vec<f16> = (0..130).map(|_| f16::from_f32(0.5)).collect();
+        reduce(ReduceOp::Sum, &mut a, &b);
+        assert!(a.iter().enumerate().all(|(i, x)| x.to_f32() == i as f32 + 0.5));
+        let mut c = vec![bf16::from_f32(3.0); 70];
+        reduce(ReduceOp::Max, &mut c, &[bf16::from_f32(4.0); 70]);
+        assert!(c.iter().all(|x| x.to_f32() == 4.0));
+        finish_avg(ReduceOp::Avg, &mut c, 8);
+        assert!(c.iter().all(|x| x.to_f32() == 0.5));
+    }
+
+    #[test]
+    fn op_order_matters_only_when_asked() {
+        // minNum of +0 and -0 may depend on operand order; reduce_rev swaps it.
+        let mut a = [1.0f32];
+        reduce_rev(ReduceOp::Sum, &mut a, &[2.0]);
+        assert_eq!(a, [3.0]);
+        assert_eq!("AVG".parse::<ReduceOp>().unwrap(), ReduceOp::Avg);
+    }
+}

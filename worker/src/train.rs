@@ -1,0 +1,251 @@
+//! `cohort-worker train`: a synthetic data-parallel training loop on the elastic runtime.
+//!
+//! Each step allreduces a deterministic, integer-valued gradient (so sums are exact),
+//! checks every element against the expected sum for the generation's members, adds it to
+//! the parameters, commits, and agrees with the other ranks (one tiny allreduce) whether to
+//! re-form at this commit point (joiners waiting, or a member leaving on SIGTERM).
+//!
+//! Output: one `key=value` line per event on stdout (the chaos harness parses them):
+//! `event=joined|generation|allreduce|step|error|restored|reform|leave|summary|wrong_result`,
+//! each with `t_ms` (wall clock, ms since the Unix epoch).
+
+use crate::elastic::{Checkpoint, ElasticConfig, ElasticError, ElasticGroup, Generation, SyncError};
+use crate::exact::{ExactElement, Pattern};
+use crate::{CommError, ReduceOp};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use tracing::{info_span, Instrument};
+
+/// Settings of the synthetic loop.
+#[derive(Clone, Debug)]
+pub struct TrainConfig {
+    /// Steps to run in all (the job's total, shared by every member).
+    pub steps: u64,
+    /// Gradient size in bytes.
+    pub size_bytes: usize,
+    /// Pause between steps (0 = none), to make long demos readable.
+    pub step_interval: Duration,
+}
+
+/// What the loop did, printed at the end.
+#[derive(Clone, Debug, Default)]
+pub struct TrainSummary {
+    /// Steps this worker ran and verified.
+    pub verified_steps: u64,
+    /// The last committed step.
+    pub final_step: u64,
+    /// Re-formations after failures, with the time lost to each (error to next verified step).
+    pub failures: Vec<Duration>,
+    /// Cooperative re-formations (scale-up, leaves).
+    pub cooperative_reforms: u64,
+    /// Whether this worker left early (SIGTERM).
+    pub left: bool,
+}
+
+/// Milliseconds since the Unix epoch.
+pub fn now_ms() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
+}
+
+fn kind_of(e: &CommError) -> &'static str {
+    match e {
+        CommError::PeerFailed { .. } => "PeerFailed",
+        CommError::Timeout { .. } => "Timeout",
+        CommError::Revoked { .. } => "Revoked",
+        CommError::Transport(_) => "Transport",
+        CommError::InvalidArgument(_) => "InvalidArgument",
+    }
+}
+
+/// Quotes a value for a `key=value` line (inner double quotes become single quotes).
+pub fn q(s: &str) -> String {
+    format!("\"{}\"", s.replace('\\', "\\\\").replace('"', "'"))
+}
+
+/// The parameters as an [`crate::elastic::ElasticState`].
+struct Params<E>(Vec<E>);
+
+impl<E: ExactElement> crate::elastic::ElasticState for Params<E> {
+    fn save(&self, out: &mut Vec<u8>) {
+        out.extend_from_slice(crate::dtype::as_bytes(&self.0));
+    }
+    fn load(&mut self, snapshot: &[u8]) -> Result<(), String> {
+        let width = std::mem::size_of::<E>();
+        if snapshot.len() != self.0.len() * width {
+            return Err(format!("snapshot of {} bytes for {} elements of {} bytes", snapshot.len(), self.0.len(), width));
+        }
+        crate::dtype::as_bytes_mut(&mut self.0).copy_from_slice(snapshot);
+        Ok(())
+    }
+}
+
+/// Runs the loop until the job's steps are done, the job ends, or SIGTERM makes this worker
+/// leave. `Err` on a wrong result or an unrecoverable error.
+///
+/// # Cancel safety
+/// Not cancel safe: dropping it abandons the membership (the lease expires).
+pub async fn run<E: ExactElement>(
+    config: ElasticConfig,
+    train: TrainConfig,
+    leaving: Arc<AtomicBool>,
+) -> Result<TrainSummary, TrainError> {
+    let width = std::mem::size_of::<E>();
+    let count = train.size_bytes / width;
+    let worker = config.worker_id.clone();
+    let mut group = ElasticGroup::join(config).await?;
+    println!("event=joined worker={worker} incarnation={} addr={} t_ms={}", group.incarnation(), group.advertised_address(), now_ms());
+
+    let mut params = Params(vec![E::from_small(0); count]);
+    let mut grad = vec![E::from_small(0); count];
+    let mut checkpoint = Checkpoint::new();
+    let mut summary = TrainSummary::default();
+    let mut failed_at: Option<Instant> = None;
+
+    'generations: loop {
+        let mut generation: Generation = match group.next_generation().await {
+            Ok(g) => g,
+            Err(ElasticError::JobEnded { outcome: "finished", reason }) => {
+                println!("event=job_ended outcome=finished reason={} t_ms={}", q(&reason), now_ms());
+                break 'generations;
+            }
+            Err(e) => return Err(e.into()),
+        };
+        let g = generation.number;
+        let world = generation.comm.size();
+        let rank = generation.comm.rank();
+        let span = info_span!("train", job = %group.job(), generation = g, rank);
+        if E::EXACT_LIMIT < Pattern::new(0, world).max_sum() + 15 * world as u64 * train.steps {
+            return Err(TrainError::Setup(format!(
+                "{} cannot hold {} steps of exact sums over {world} ranks; use f32/f64/i32/i64 or fewer steps",
+                E::NAME, train.steps
+            )));
+        }
+        println!("event=generation gen={g} world={world} rank={rank} t_ms={}", now_ms());
+        crate::metrics::GENERATION.store(g, Ordering::Relaxed);
+        crate::metrics::WORLD_SIZE.store(world as u64, Ordering::Relaxed);
+
+        // Every member (joiners included) takes the newest commit.
+        group.set_progress(g, checkpoint.step().unwrap_or(0), "sync");
+        match checkpoint.sync(&mut generation.comm, &mut params).instrument(span.clone()).await {
+            Ok(outcome) => println!(
+                "event=restored gen={g} rank={rank} step={} source={} changed={} t_ms={}",
+                outcome.step.map_or(-1, |s| s as i64), outcome.source, outcome.changed, now_ms()
+            ),
+            Err(SyncError::Comm(e)) => {
+                let cause = group.on_failure(g, &e).await;
+                println!("event=error gen={g} rank={rank} phase=sync kind={} cause={} t_ms={}", kind_of(&e), q(&cause.to_string()), now_ms());
+                failed_at.get_or_insert_with(Instant::now);
+                continue 'generations;
+            }
+            Err(SyncError::Diverged(detail)) => return Err(TrainError::Diverged(detail)),
+        }
+        let mut step = checkpoint.step().unwrap_or(0);
+
+        loop {
+            if step >= train.steps {
+                println!("event=finished gen={g} rank={rank} step={step} t_ms={}", now_ms());
+                summary.final_step = step;
+                group.leave(true).await?;
+                return Ok(summary);
+            }
+            let pattern = Pattern::new(step, world);
+            pattern.fill(rank, &mut grad);
+            group.set_progress(g, step, "allreduce");
+            let started = Instant::now();
+            println!("event=allreduce gen={g} rank={rank} step={step} t_ms={}", now_ms());
+            let result = generation.comm.allreduce(&mut grad, ReduceOp::Sum).instrument(span.clone()).await;
+            if let Err(e) = result {
+                let errored_ms = now_ms();
+                let cause = group.on_failure(g, &e).await;
+                println!(
+                    "event=error gen={g} rank={rank} step={step} kind={} detail={} cause={} t_ms={errored_ms} cause_t_ms={}",
+                    kind_of(&e), q(&e.to_string()), q(&cause.to_string()), now_ms()
+                );
+                checkpoint.restore(&mut params)?;
+                failed_at.get_or_insert_with(Instant::now);
+                continue 'generations;
+            }
+            if let Some(j) = pattern.first_mismatch(&grad) {
+                println!(
+                    "event=wrong_result gen={g} rank={rank} step={step} index={j} got={:?} expected={:?} t_ms={}",
+                    grad[j], pattern.expected::<E>(j), now_ms()
+                );
+                return Err(TrainError::WrongResult { generation: g, step, index: j });
+            }
+            for (p, d) in params.0.iter_mut().zip(&grad) {
+                *p = p.add(*d);
+            }
+            step += 1;
+            checkpoint.commit(&params, step);
+            summary.verified_steps += 1;
+            crate::metrics::STEPS_VERIFIED.fetch_add(1, Ordering::Relaxed);
+            let elapsed = started.elapsed();
+            if let Some(t) = failed_at.take() {
+                summary.failures.push(t.elapsed());
+                crate::metrics::FAILURES.fetch_add(1, Ordering::Relaxed);
+                crate::metrics::LOST_MS.fetch_add(t.elapsed().as_millis() as u64, Ordering::Relaxed);
+                println!("event=recovered gen={g} rank={rank} step={step} lost_ms={} t_ms={}", t.elapsed().as_millis(), now_ms());
+            }
+            println!(
+                "event=step gen={g} world={world} rank={rank} step={step} ms={:.3} t_ms={}",
+                elapsed.as_secs_f64() * 1e3, now_ms()
+            );
+
+            // Commit point: report, then agree with every rank on whether to re-form here.
+            group.set_progress(g, step, "commit");
+            let pending = group.commit(g, step, &checkpoint.digest()).await?;
+            let mut flags = [u8::from(pending), u8::from(leaving.load(Ordering::SeqCst))];
+            if let Err(e) = generation.comm.allreduce(&mut flags, ReduceOp::Max).await {
+                let cause = group.on_failure(g, &e).await;
+                println!("event=error gen={g} rank={rank} step={step} phase=commit kind={} cause={} t_ms={}", kind_of(&e), q(&cause.to_string()), now_ms());
+                failed_at.get_or_insert_with(Instant::now);
+                continue 'generations;
+            }
+            if flags[1] != 0 && leaving.load(Ordering::SeqCst) {
+                println!("event=leave gen={g} rank={rank} step={step} t_ms={}", now_ms());
+                summary.final_step = step;
+                summary.left = true;
+                drop(generation);
+                group.leave(false).await?;
+                return Ok(summary);
+            }
+            if flags[0] != 0 || flags[1] != 0 {
+                let why = if flags[1] != 0 { "leave" } else { "scale_up" };
+                println!("event=reform gen={g} rank={rank} step={step} reason={why} t_ms={}", now_ms());
+                summary.cooperative_reforms += 1;
+                crate::metrics::REFORMATIONS.fetch_add(1, Ordering::Relaxed);
+                continue 'generations;
+            }
+            if !train.step_interval.is_zero() {
+                tokio::time::sleep(train.step_interval).await;
+            }
+        }
+    }
+    summary.final_step = checkpoint.step().unwrap_or(0);
+    Ok(summary)
+}
+
+/// Why `train` stopped with a failure.
+#[derive(Debug, thiserror::Error)]
+pub enum TrainError {
+    /// An allreduce result differed from the expected sum: the one thing that must never happen.
+    #[error("WRONG RESULT in generation {generation}, step {step}, element {index}")]
+    WrongResult {
+        /// Generation of the step.
+        generation: u64,
+        /// The step.
+        step: u64,
+        /// First wrong element.
+        index: usize,
+    },
+    /// Ranks disagree about the restored state.
+    #[error("state diverged after restore: {0}")]
+    Diverged(String),
+    /// The elastic runtime gave up (job failed, coordinator unreachable, ...).
+    #[error(transparent)]
+    Elastic(#[from] ElasticError),
+    /// The settings cannot work.
+    #[error("{0}")]
+    Setup(String),
+}

@@ -1,0 +1,93 @@
+//! `Checkpoint`: commit, restore and the post-re-formation sync, over the simulated network.
+
+use cohort::elastic::{Checkpoint, SyncError};
+use cohort::{CommConfig, Communicator};
+use cohort_transports::sim::{SimNetwork, SimTransport};
+use cohort_transports::Deadlines;
+use std::sync::Arc;
+use std::time::Duration;
+
+const LIMIT: Duration = Duration::from_secs(30);
+
+fn world(n: u32) -> Vec<Communicator<SimTransport>> {
+    let deadlines = Deadlines { no_progress: Duration::from_secs(5), connect: Duration::from_secs(5) };
+    let (_net, ts) = SimNetwork::new(n, 11, deadlines);
+    ts.into_iter().map(|t| Communicator::new(Arc::new(t), CommConfig::default())).collect()
+}
+
+/// Runs `sync` on every rank with the given checkpoints and states; returns what each got.
+async fn sync_all(checkpoints: Vec<Checkpoint>, states: Vec<Vec<u8>>) -> Vec<(Result<cohort::elastic::SyncOutcome, String>, Checkpoint, Vec<u8>)> {
+    let comms = world(checkpoints.len() as u32);
+    let tasks: Vec<_> = comms
+        .into_iter()
+        .zip(checkpoints.into_iter().zip(states))
+        .map(|(mut comm, (mut cp, mut state))| {
+            tokio::spawn(async move {
+                let r = cp.sync(&mut comm, &mut state).await.map_err(|e: SyncError| e.to_string());
+                (r, cp, state)
+            })
+        })
+        .collect();
+    let mut out = Vec::new();
+    for t in tasks {
+        out.push(tokio::time::timeout(LIMIT, t).await.expect("sync bounded").expect("rank task"));
+    }
+    out
+}
+
+#[tokio::test]
+async fn first_sync_without_commits_broadcasts_the_initial_state_of_rank_0() {
+    let states = vec![b"init-from-rank-0".to_vec(), b"other".to_vec(), Vec::new()];
+    let results = sync_all(vec![Checkpoint::new(), Checkpoint::new(), Checkpoint::new()], states).await;
+    for (rank, (r, cp, state)) in results.iter().enumerate() {
+        let outcome = r.as_ref().unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+        assert_eq!(outcome.step, None);
+        assert_eq!(outcome.source, 0);
+        assert_eq!(state, b"init-from-rank-0", "rank {rank} did not take rank 0's initial state");
+        assert_eq!(cp.step(), None);
+    }
+    let digests: Vec<_> = results.iter().map(|(_, cp, _)| cp.digest()).collect();
+    assert!(digests.windows(2).all(|w| w[0] == w[1]));
+    // A failed first step restores the initial state.
+    let (_, cp, _) = &results[2];
+    let mut state = b"garbage".to_vec();
+    cp.restore(&mut state).expect("restore");
+    assert_eq!(state, b"init-from-rank-0");
+}
+
+#[tokio::test]
+async fn joiner_receives_the_newest_commit_from_the_lowest_rank_holding_it() {
+    let mut old = Checkpoint::new();
+    old.commit(&b"step-4".to_vec(), 4);
+    let mut newest_a = Checkpoint::new();
+    newest_a.commit(&b"step-7".to_vec(), 7);
+    let newest_b = newest_a.clone();
+    let joiner = Checkpoint::new();
+    let results = sync_all(vec![old, newest_a, newest_b, joiner], vec![b"step-4".to_vec(), b"step-7".to_vec(), b"step-7".to_vec(), Vec::new()]).await;
+    for (rank, (r, cp, state)) in results.iter().enumerate() {
+        let outcome = r.as_ref().unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+        assert_eq!(outcome.step, Some(7));
+        assert_eq!(outcome.source, 1, "the lowest rank with the newest commit is the source");
+        assert_eq!(outcome.changed, rank == 0 || rank == 3, "rank {rank}");
+        assert_eq!(state, b"step-7");
+        assert_eq!(cp.step(), Some(7));
+    }
+}
+
+#[tokio::test]
+async fn members_with_the_same_step_but_different_bytes_converge_on_the_source() {
+    // Two members claim the same committed step with different bytes (a silent divergence
+    // before the failure): the sync makes both hold the source's (rank 0's) bytes and digest.
+    let mut a = Checkpoint::new();
+    a.commit(&b"aaaa".to_vec(), 3);
+    let mut b = Checkpoint::new();
+    b.commit(&b"bbbb".to_vec(), 3);
+    let digest_a = a.digest();
+    let results = sync_all(vec![a, b], vec![b"aaaa".to_vec(), b"bbbb".to_vec()]).await;
+    for (rank, (r, cp, state)) in results.iter().enumerate() {
+        let outcome = r.as_ref().unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+        assert_eq!(outcome.source, 0);
+        assert_eq!(state, b"aaaa", "rank {rank}");
+        assert_eq!(cp.digest(), digest_a, "rank {rank}");
+    }
+}
