@@ -49,6 +49,8 @@ pub struct BenchConfig {
     pub algo: Algorithm,
     /// Element type name (f32, f64, f16, bf16, i32, i64, u8).
     pub dtype: String,
+    /// Receive busy-poll window of the TCP links ([`TcpOptions::busy_poll`]).
+    pub busy_poll: Duration,
 }
 
 /// One size's result (slowest rank's median).
@@ -107,6 +109,7 @@ pub fn run_parent(config: &BenchConfig) -> Result<Vec<BenchRow>, String> {
             .args(["bench-rank", "--rank", &rank.to_string(), "--ranks", &config.ranks.to_string()])
             .args(["--sizes", &sizes, "--iters", &config.iters.to_string(), "--warmup", &config.warmup.to_string()])
             .args(["--algo", algo_name(config.algo), "--dtype", &config.dtype])
+            .args(["--busy-poll", &format!("{}us", config.busy_poll.as_micros())])
             .env("COHORT_BENCH_TOKEN", &token_hex)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
@@ -180,8 +183,8 @@ pub fn run_parent(config: &BenchConfig) -> Result<Vec<BenchRow>, String> {
 /// Prints the nccl-tests-style table and the parseable lines.
 pub fn print_rows(config: &BenchConfig, rows: &[BenchRow]) {
     println!(
-        "# cohort allreduce: ranks={} dtype={} algo={} iters={} warmup={}",
-        config.ranks, config.dtype, algo_name(config.algo), config.iters, config.warmup
+        "# cohort allreduce: ranks={} dtype={} algo={} iters={} warmup={} busy_poll={:?}",
+        config.ranks, config.dtype, algo_name(config.algo), config.iters, config.warmup, config.busy_poll
     );
     println!("#{:>14} {:>12} {:>12} {:>12}", "size(B)", "time(us)", "algbw(GB/s)", "busbw(GB/s)");
     for r in rows {
@@ -214,7 +217,8 @@ async fn rank_typed<E: ExactElement>(rank: u32, config: BenchConfig) -> Result<(
     if Pattern::new(0, config.ranks).max_sum() > E::EXACT_LIMIT {
         return Err(format!("{} cannot hold exact sums over {} ranks", E::NAME, config.ranks));
     }
-    let endpoint = TcpEndpoint::bind(SocketAddr::from(([127, 0, 0, 1], 0)), TcpOptions::default())
+    let options = TcpOptions { busy_poll: config.busy_poll, ..TcpOptions::default() };
+    let endpoint = TcpEndpoint::bind(SocketAddr::from(([127, 0, 0, 1], 0)), options)
         .await
         .map_err(|e| e.to_string())?;
     println!("addr={}", endpoint.local_addr());

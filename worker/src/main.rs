@@ -74,10 +74,11 @@ fn duration(text: &str) -> Result<Duration, String> {
     let (number, unit) = t.split_at(split);
     let n: u64 = number.parse().map_err(|_| format!("{text:?} is not a duration (like 500ms, 2s, 1m)"))?;
     match unit {
+        "us" => Ok(Duration::from_micros(n)),
         "" | "ms" => Ok(Duration::from_millis(n)),
         "s" => Ok(Duration::from_secs(n)),
         "m" | "min" => Ok(Duration::from_secs(n.saturating_mul(60))),
-        _ => Err(format!("{text:?}: unknown unit {unit:?} (use ms, s or m)")),
+        _ => Err(format!("{text:?}: unknown unit {unit:?} (use us, ms, s or m)")),
     }
 }
 
@@ -142,6 +143,9 @@ struct TrainArgs {
     /// Serve Prometheus metrics on this address (`GET /metrics`).
     #[arg(long)]
     metrics: Option<SocketAddr>,
+    /// Receive busy-poll window: spin this long for the next frame before parking (0 = off).
+    #[arg(long, value_parser = duration, default_value = "50us")]
+    busy_poll: Duration,
 }
 
 #[derive(Args)]
@@ -167,6 +171,9 @@ struct BenchArgs {
     /// Data-plane transport.
     #[arg(long, value_enum, default_value = "tcp")]
     transport: TransportKind,
+    /// Receive busy-poll window: spin this long for the next frame before parking (0 = off).
+    #[arg(long, value_parser = duration, default_value = "50us")]
+    busy_poll: Duration,
 }
 
 #[derive(Args)]
@@ -185,6 +192,8 @@ struct BenchRankArgs {
     algo: Algorithm,
     #[arg(long)]
     dtype: String,
+    #[arg(long, value_parser = duration)]
+    busy_poll: Duration,
 }
 
 fn main() -> ExitCode {
@@ -203,8 +212,21 @@ fn init_tracing() {
     let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(false).try_init();
 }
 
+/// One rank per process, one thread per rank: a current-thread runtime. Measured on 2 cores
+/// with 2 ranks (docs/benchmarks.md), it cuts 4 KiB allreduce latency from ~55 us to ~23 us
+/// against a 2-worker multi-thread runtime, because every message wake-up stays on the thread
+/// that polls the socket instead of hopping between workers. Heartbeats, the watch stream
+/// and revocation run as tasks on the same thread and make progress whenever a collective
+/// awaits its sockets. `COHORT_RUNTIME=multi` selects a 2-worker multi-thread runtime.
 fn runtime() -> Result<tokio::runtime::Runtime, String> {
-    tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().map_err(|e| format!("starting the runtime: {e}"))
+    let mut builder = if std::env::var("COHORT_RUNTIME").as_deref() == Ok("multi") {
+        let mut b = tokio::runtime::Builder::new_multi_thread();
+        b.worker_threads(2);
+        b
+    } else {
+        tokio::runtime::Builder::new_current_thread()
+    };
+    builder.enable_all().build().map_err(|e| format!("starting the runtime: {e}"))
 }
 
 /// Fails at once, with a clear message, when the RDMA transport cannot be used here.
@@ -277,6 +299,7 @@ fn train_main(args: TrainArgs) -> Result<TrainSummary, String> {
     config.deadlines.no_progress = args.no_progress_timeout;
     config.deadlines.connect = args.connect_timeout;
     config.comm.algorithm = args.algo;
+    config.tcp.busy_poll = args.busy_poll;
     let train_config = TrainConfig { steps: args.steps, size_bytes: args.size, step_interval: args.step_interval };
 
     let rt = runtime()?;
@@ -324,6 +347,7 @@ fn run_bench(args: BenchArgs) -> ExitCode {
             warmup: args.warmup,
             algo: args.algo,
             dtype: args.dtype.name().to_string(),
+            busy_poll: args.busy_poll,
         };
         let rows = bench::run_parent(&config)?;
         bench::print_rows(&config, &rows);
@@ -347,6 +371,7 @@ fn run_bench_rank(args: BenchRankArgs) -> ExitCode {
             warmup: args.warmup,
             algo: args.algo,
             dtype: args.dtype.clone(),
+            busy_poll: args.busy_poll,
         };
         runtime()?.block_on(bench::run_rank(args.rank, config))
     })();

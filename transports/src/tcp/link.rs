@@ -101,24 +101,71 @@ struct Stash {
     bytes: usize,
 }
 
+/// Spinning before parking: see [`super::TcpOptions::busy_poll`].
+struct BusyPoll {
+    /// A duplicate of the socket (same open file, so non-blocking like tokio's), read with
+    /// plain `recv` calls: tokio's own `try_read` only consults readiness that its I/O
+    /// driver records, and the driver does not run while this thread spins.
+    sock: socket2::Socket,
+    window: Duration,
+}
+
+impl BusyPoll {
+    /// Non-blocking reads into `dst` for up to the window: `Some` once bytes (or EOF, or an
+    /// error) came, `None` if the window passed with nothing to read.
+    fn read(&self, dst: &mut [u8]) -> Option<io::Result<usize>> {
+        let until = std::time::Instant::now() + self.window;
+        loop {
+            match io::Read::read(&mut &self.sock, dst) {
+                Ok(n) => return Some(Ok(n)),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Some(Err(e)),
+            }
+            if std::time::Instant::now() >= until {
+                return None;
+            }
+            // Hand the core over if anything else wants it (the peer rank may share it).
+            std::thread::yield_now();
+        }
+    }
+}
+
 /// The reading side of a link.
 struct ReadState {
     half: OwnedReadHalf,
     buf: Box<[u8]>,
     start: usize,
     end: usize,
+    busy_poll: Option<BusyPoll>,
 }
 
 impl ReadState {
     async fn read_header(&mut self, wd: &mut Watchdog<'_>) -> Result<[u8; HEADER_LEN], IoFail> {
+        // Spin (once per frame) before the first park: a frame that arrives within the
+        // window costs no sleep and wake-up of this thread.
+        let mut spun = false;
         while self.end - self.start < HEADER_LEN {
             if self.buf.len() - self.start < HEADER_LEN {
                 self.buf.copy_within(self.start..self.end, 0);
                 self.end -= self.start;
                 self.start = 0;
             }
-            let Self { half, buf, end, .. } = self;
-            let n = wd.step(half.read(&mut buf[*end..])).await?;
+            let Self { half, buf, end, busy_poll, .. } = self;
+            let spin = match busy_poll {
+                Some(bp) if !spun => {
+                    spun = true;
+                    bp.read(&mut buf[*end..])
+                }
+                _ => None,
+            };
+            let n = match spin {
+                Some(r) => {
+                    wd.last = Instant::now();
+                    r.map_err(IoFail::Io)?
+                }
+                None => wd.step(half.read(&mut buf[*end..])).await?,
+            };
             if n == 0 {
                 return Err(IoFail::Eof(if self.end == self.start {
                     "between frames"
@@ -221,12 +268,21 @@ impl Link {
         generation: u64,
         max_frame: u64,
         no_progress: Duration,
+        busy_poll: Duration,
         stream: TcpStream,
         span: tracing::Span,
     ) -> Result<Self, TransportError> {
-        let sock = socket2::SockRef::from(&stream).try_clone().map_err(|e| {
-            TransportError::Io(format!("duplicating the socket to rank {peer}: {e}"))
-        })?;
+        let dup = || {
+            socket2::SockRef::from(&stream).try_clone().map_err(|e| {
+                TransportError::Io(format!("duplicating the socket to rank {peer}: {e}"))
+            })
+        };
+        let sock = dup()?;
+        let busy_poll = if busy_poll.is_zero() {
+            None
+        } else {
+            Some(BusyPoll { sock: dup()?, window: busy_poll })
+        };
         let (r, w) = stream.into_split();
         Ok(Self {
             peer,
@@ -238,6 +294,7 @@ impl Link {
                 buf: vec![0u8; READ_AHEAD].into_boxed_slice(),
                 start: 0,
                 end: 0,
+                busy_poll,
             }),
             writer: tokio::sync::Mutex::new(w),
             stash: Mutex::new(Stash::default()),

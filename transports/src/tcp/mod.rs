@@ -47,7 +47,7 @@ mod mesh;
 mod options;
 
 pub use endpoint::{HELLO_TIMEOUT, MAX_HANDSHAKING, MAX_PENDING, PENDING_HOLD};
-pub use options::{TcpOptions, KEEPALIVE_INTERVAL, KEEPALIVE_RETRIES};
+pub use options::{TcpOptions, DEFAULT_BUSY_POLL, KEEPALIVE_INTERVAL, KEEPALIVE_RETRIES};
 
 use crate::{AbortReason, Deadlines, Rank, Tag, Transport, TransportError};
 use endpoint::{Notes, Router};
@@ -222,6 +222,7 @@ impl TcpEndpoint {
                     spec.generation,
                     self.options.max_frame,
                     spec.deadlines.no_progress,
+                    self.options.busy_poll,
                     s,
                     span.clone(),
                 )?),

@@ -27,7 +27,16 @@ pub struct TcpOptions {
     pub user_timeout: Option<Duration>,
     /// Largest payload length accepted from the wire, in bytes. Default 1 GiB.
     pub max_frame: u64,
+    /// How long a receive spins on non-blocking reads for the next frame header before it
+    /// parks the thread on the socket (as MPI and NCCL spin before they sleep). A frame that
+    /// arrives within the window costs no sleep and wake-up, which on loopback is most of a
+    /// small message's latency. Zero disables it. Default [`DEFAULT_BUSY_POLL`]; lower it
+    /// (or set 0) when ranks share fewer cores than they have threads.
+    pub busy_poll: Duration,
 }
+
+/// Default of [`TcpOptions::busy_poll`].
+pub const DEFAULT_BUSY_POLL: Duration = Duration::from_micros(50);
 
 impl Default for TcpOptions {
     fn default() -> Self {
@@ -38,6 +47,7 @@ impl Default for TcpOptions {
             keepalive: Some(Duration::from_secs(5)),
             user_timeout: Some(Duration::from_secs(10)),
             max_frame: 1 << 30,
+            busy_poll: DEFAULT_BUSY_POLL,
         }
     }
 }

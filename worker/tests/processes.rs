@@ -1,0 +1,145 @@
+//! Collectives with every rank in its own OS process, over real TCP on loopback, through the
+//! `cohort-worker` binary: verified allreduce across processes for each algorithm, and a rank
+//! killed with SIGKILL in the middle of a large allreduce.
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+const WORKER: &str = env!("CARGO_BIN_EXE_cohort-worker");
+
+/// Kills every child still running when dropped, so a failed test leaves nothing behind.
+struct Ranks(Vec<Child>);
+
+impl Drop for Ranks {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+fn bench(ranks: u32, algo: &str, sizes: &str) -> String {
+    let mut child = Command::new(WORKER)
+        .args(["bench", "--ranks", &ranks.to_string(), "--sizes", sizes, "--iters", "3", "--warmup", "1", "--algo", algo])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn cohort-worker bench");
+    let (tx, rx) = mpsc::channel();
+    let mut stdout = child.stdout.take().expect("stdout");
+    let mut stderr = child.stderr.take().expect("stderr");
+    std::thread::spawn(move || {
+        let mut out = String::new();
+        let mut err = String::new();
+        let _ = std::io::Read::read_to_string(&mut stdout, &mut out);
+        let _ = std::io::Read::read_to_string(&mut stderr, &mut err);
+        let _ = tx.send((out, err));
+    });
+    let (out, err) = match rx.recv_timeout(Duration::from_secs(120)) {
+        Ok(r) => r,
+        Err(_) => {
+            let _ = child.kill();
+            panic!("bench --ranks {ranks} --algo {algo} did not finish within 120 s");
+        }
+    };
+    let status = child.wait().expect("wait");
+    assert!(status.success(), "bench --ranks {ranks} --algo {algo} failed ({status}):\n{out}\n{err}");
+    out
+}
+
+#[test]
+fn allreduce_across_processes_is_verified_for_every_algorithm() {
+    // Sizes: one element, a count not divisible by any world here (1025 f32), and 1 MiB.
+    for (ranks, algo) in [(3, "ring"), (4, "bcube"), (5, "auto"), (2, "rd")] {
+        let out = bench(ranks, algo, "4,4100,1M");
+        let lines: Vec<&str> = out.lines().filter(|l| l.starts_with("peer=cohort ")).collect();
+        assert_eq!(lines.len(), 3, "one parseable line per size:\n{out}");
+        for (line, bytes) in lines.iter().zip([4, 4100, 1 << 20]) {
+            assert!(line.contains(&format!(" ranks={ranks} ")), "{line}");
+            assert!(line.contains(&format!(" bytes={bytes} ")), "{line}");
+            assert!(line.contains(" busbw_GBps="), "{line}");
+        }
+    }
+}
+
+#[test]
+fn sigkill_mid_allreduce_fails_every_survivor_promptly_with_a_peer_error() {
+    const N: usize = 4;
+    const VICTIM: usize = 1;
+    // The bench ranks' no-progress deadline is 30 s: errors well before it come from the
+    // kernel closing the dead rank's sockets (EOF/reset), not from a timer.
+    const PROMPT: Duration = Duration::from_secs(5);
+    let mut ranks = Ranks(Vec::new());
+    for rank in 0..N {
+        let child = Command::new(WORKER)
+            .args(["bench-rank", "--rank", &rank.to_string(), "--ranks", &N.to_string()])
+            .args(["--sizes", "4K,64M", "--iters", "1000", "--warmup", "0", "--algo", "ring", "--dtype", "f32", "--busy-poll", "0us"])
+            .env("COHORT_BENCH_TOKEN", "processes-test")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn bench-rank");
+        ranks.0.push(child);
+    }
+    // Each rank prints its address; every rank then gets the full list on stdin.
+    let (tx, rx) = mpsc::channel::<(usize, String, Instant)>();
+    let mut addresses = vec![String::new(); N];
+    for (rank, child) in ranks.0.iter_mut().enumerate() {
+        let mut reader = BufReader::new(child.stdout.take().expect("stdout"));
+        let mut line = String::new();
+        reader.read_line(&mut line).expect("address line");
+        addresses[rank] = line.trim().strip_prefix("addr=").expect("addr= line").to_string();
+        let tx = tx.clone();
+        std::thread::spawn(move || {
+            for line in reader.lines().map_while(Result::ok) {
+                let _ = tx.send((rank, line, Instant::now()));
+            }
+        });
+    }
+    let list = addresses.join(",") + "\n";
+    for child in &mut ranks.0 {
+        child.stdin.as_mut().expect("stdin").write_all(list.as_bytes()).expect("send addresses");
+    }
+    // Every rank finishing the 4 KiB size means all are now in the 64 MiB allreduce loop.
+    let mut past_small = 0;
+    while past_small < N {
+        let (rank, line, _) = rx.recv_timeout(Duration::from_secs(60)).expect("ranks reach the 64 MiB allreduce");
+        assert!(!line.starts_with("error"), "rank {rank} failed early: {line}");
+        if line.starts_with("result bytes=4096") {
+            past_small += 1;
+        }
+    }
+    ranks.0[VICTIM].kill().expect("SIGKILL the victim");
+    let killed_at = Instant::now();
+    let mut errors = std::collections::BTreeMap::new();
+    while errors.len() < N - 1 {
+        let (rank, line, at) = rx.recv_timeout(PROMPT * 2).unwrap_or_else(|_| panic!("survivors' errors so far: {errors:?}; the others hang"));
+        if let Some(e) = line.strip_prefix("error ") {
+            errors.insert(rank, (e.to_string(), at.duration_since(killed_at)));
+        }
+    }
+    for (rank, (error, after)) in &errors {
+        assert_ne!(*rank, VICTIM);
+        assert!(error.contains("peer rank ") && error.contains(" failed"), "rank {rank}'s error is not PeerFailed: {error}");
+        assert!(*after < PROMPT, "rank {rank} took {after:?} to fail: {error}");
+    }
+    // Survivors exit non-zero; nothing is left running.
+    for (rank, child) in ranks.0.iter_mut().enumerate() {
+        if rank == VICTIM {
+            continue;
+        }
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            if let Some(status) = child.try_wait().expect("try_wait") {
+                assert!(!status.success(), "rank {rank} exited 0 after a peer died");
+                break;
+            }
+            assert!(Instant::now() < deadline, "rank {rank} did not exit after its error");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
