@@ -15,7 +15,8 @@ command -v protoc >/dev/null 2>&1 || need+=(protobuf-compiler)
 command -v etcd >/dev/null 2>&1 || need+=(etcd-server)
 [ -e /usr/include/infiniband/verbs.h ] || need+=(libibverbs-dev)
 [ -e /usr/include/rdma/rdma_cma.h ] || need+=(librdmacm-dev)
-ls /usr/lib/llvm-*/lib/libclang*.so* >/dev/null 2>&1 || need+=(libclang-dev clang)
+# libclang itself (bindgen loads libclang.so); libclang-cpp, which the image may carry, is not it.
+ls /usr/lib/llvm-*/lib/libclang.so >/dev/null 2>&1 || need+=(libclang-dev clang)
 
 if [ ${#need[@]} -gt 0 ]; then
   echo "ensure-deps: installing ${need[*]}"

@@ -15,3 +15,14 @@ cargo build --workspace --all-targets --locked
 
 echo "== tests"
 cargo test --workspace --locked -- --test-threads="${COHORT_TEST_THREADS:-2}"
+
+# The RDMA transport (feature `rdma`): its device-free tests run everywhere; the device
+# tests run when a device is present and otherwise say, visibly, that they were skipped.
+echo "== rdma feature"
+cargo build -p cohort --features rdma --bins --locked
+rdma_log=$(mktemp)
+if ! cargo test -p cohort-transports --features rdma --locked -- --nocapture --test-threads=2 >"$rdma_log" 2>&1; then
+  cat "$rdma_log"; exit 1
+fi
+grep -E '^test result|SKIPPED|RDMA devices present' "$rdma_log"
+rm -f "$rdma_log"

@@ -1,7 +1,8 @@
 //! `cohort-worker bench`: allreduce bandwidth and latency across local rank processes.
 //!
 //! The parent spawns N copies of itself (`cohort-worker bench-rank`), one per rank. Each
-//! binds a data-plane listener on 127.0.0.1:0 and prints its address; the parent hands the
+//! binds a data-plane listener on 127.0.0.1:0 (TCP) or opens its RDMA device and bootstrap
+//! listener (`--transport rdma`) and prints its address; the parent hands the
 //! full address list back on every child's stdin; the ranks connect their mesh and, for each
 //! size, run warm-up iterations and then the timed ones, verifying every result. Each rank
 //! reports its median; the figure for a size is the slowest rank's median, as nccl-tests
@@ -10,7 +11,7 @@
 use crate::exact::{ExactElement, Pattern};
 use crate::{Algorithm, CommConfig, Communicator, ReduceOp};
 use cohort_transports::tcp::{MeshSpec, TcpEndpoint, TcpOptions};
-use cohort_transports::Deadlines;
+use cohort_transports::{Deadlines, Transport};
 use std::io::{BufRead, BufReader, Write};
 use std::net::SocketAddr;
 use std::process::{Child, Command, Stdio};
@@ -51,6 +52,28 @@ pub struct BenchConfig {
     pub dtype: String,
     /// Receive busy-poll window of the TCP links ([`TcpOptions::busy_poll`]).
     pub busy_poll: Duration,
+    /// The data-plane transport.
+    pub transport: BenchTransport,
+}
+
+/// The data-plane transport a benchmark runs over.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum BenchTransport {
+    /// TCP on loopback.
+    #[default]
+    Tcp,
+    /// RDMA (cargo feature `rdma`): the first active device, or `COHORT_RDMA_DEVICE`.
+    Rdma,
+}
+
+impl BenchTransport {
+    /// `tcp` or `rdma`.
+    pub fn name(self) -> &'static str {
+        match self {
+            BenchTransport::Tcp => "tcp",
+            BenchTransport::Rdma => "rdma",
+        }
+    }
 }
 
 /// One size's result (slowest rank's median).
@@ -110,6 +133,7 @@ pub fn run_parent(config: &BenchConfig) -> Result<Vec<BenchRow>, String> {
             .args(["--sizes", &sizes, "--iters", &config.iters.to_string(), "--warmup", &config.warmup.to_string()])
             .args(["--algo", algo_name(config.algo), "--dtype", &config.dtype])
             .args(["--busy-poll", &format!("{}us", config.busy_poll.as_micros())])
+            .args(["--transport", config.transport.name()])
             .env("COHORT_BENCH_TOKEN", &token_hex)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
@@ -183,8 +207,8 @@ pub fn run_parent(config: &BenchConfig) -> Result<Vec<BenchRow>, String> {
 /// Prints the nccl-tests-style table and the parseable lines.
 pub fn print_rows(config: &BenchConfig, rows: &[BenchRow]) {
     println!(
-        "# cohort allreduce: ranks={} dtype={} algo={} iters={} warmup={} busy_poll={:?}",
-        config.ranks, config.dtype, algo_name(config.algo), config.iters, config.warmup, config.busy_poll
+        "# cohort allreduce: ranks={} dtype={} algo={} transport={} iters={} warmup={} busy_poll={:?}",
+        config.ranks, config.dtype, algo_name(config.algo), config.transport.name(), config.iters, config.warmup, config.busy_poll
     );
     println!("#{:>14} {:>12} {:>12} {:>12}", "size(B)", "time(us)", "algbw(GB/s)", "busbw(GB/s)");
     for r in rows {
@@ -213,34 +237,59 @@ pub async fn run_rank(rank: u32, config: BenchConfig) -> Result<(), String> {
     }
 }
 
+/// Reads the parent's comma-separated address list from stdin.
+fn read_peer_list() -> Result<Vec<String>, String> {
+    let mut line = String::new();
+    std::io::stdin().read_line(&mut line).map_err(|e| format!("reading addresses: {e}"))?;
+    Ok(line.trim().split(',').map(str::to_string).collect())
+}
+
+fn bench_token() -> Vec<u8> {
+    std::env::var("COHORT_BENCH_TOKEN").unwrap_or_default().into_bytes()
+}
+
+const BENCH_DEADLINES: Deadlines = Deadlines { no_progress: Duration::from_secs(30), connect: Duration::from_secs(30) };
+
 async fn rank_typed<E: ExactElement>(rank: u32, config: BenchConfig) -> Result<(), String> {
     if Pattern::new(0, config.ranks).max_sum() > E::EXACT_LIMIT {
         return Err(format!("{} cannot hold exact sums over {} ranks", E::NAME, config.ranks));
     }
-    let options = TcpOptions { busy_poll: config.busy_poll, ..TcpOptions::default() };
-    let endpoint = TcpEndpoint::bind(SocketAddr::from(([127, 0, 0, 1], 0)), options)
-        .await
-        .map_err(|e| e.to_string())?;
-    println!("addr={}", endpoint.local_addr());
-    let mut line = String::new();
-    std::io::stdin().read_line(&mut line).map_err(|e| format!("reading addresses: {e}"))?;
-    let peers = line
-        .trim()
-        .split(',')
-        .map(|a| a.parse::<SocketAddr>().map_err(|e| format!("bad address {a:?}: {e}")))
-        .collect::<Result<Vec<_>, _>>()?;
-    let token = std::env::var("COHORT_BENCH_TOKEN").unwrap_or_default().into_bytes();
-    let spec = MeshSpec {
-        job: "bench".into(),
-        generation: 1,
-        rank,
-        peers,
-        token,
-        deadlines: Deadlines { no_progress: Duration::from_secs(30), connect: Duration::from_secs(30) },
-    };
-    let transport = endpoint.connect_mesh(spec).await.map_err(|e| e.to_string())?;
     let comm_config = CommConfig { algorithm: config.algo, ..CommConfig::default() };
-    let mut comm = Communicator::new(Arc::new(transport), comm_config);
+    match config.transport {
+        BenchTransport::Tcp => {
+            let options = TcpOptions { busy_poll: config.busy_poll, ..TcpOptions::default() };
+            let endpoint = TcpEndpoint::bind(SocketAddr::from(([127, 0, 0, 1], 0)), options).await.map_err(|e| e.to_string())?;
+            println!("addr={}", endpoint.local_addr());
+            let peers = read_peer_list()?
+                .iter()
+                .map(|a| a.parse::<SocketAddr>().map_err(|e| format!("bad address {a:?}: {e}")))
+                .collect::<Result<Vec<_>, _>>()?;
+            let spec = MeshSpec { job: "bench".into(), generation: 1, rank, peers, token: bench_token(), deadlines: BENCH_DEADLINES };
+            let transport = endpoint.connect_mesh(spec).await.map_err(|e| e.to_string())?;
+            measure::<E, _>(rank, &config, Communicator::new(Arc::new(transport), comm_config)).await
+        }
+        #[cfg(feature = "rdma")]
+        BenchTransport::Rdma => {
+            use cohort_transports::rdma::{DeviceConfig, EndpointAddress, RdmaEndpoint, RdmaMeshSpec, RdmaOptions};
+            let device = DeviceConfig { name: std::env::var("COHORT_RDMA_DEVICE").ok().filter(|d| !d.is_empty()), ..DeviceConfig::default() };
+            let options = RdmaOptions { device, busy_poll: !config.busy_poll.is_zero(), ..RdmaOptions::default() };
+            let endpoint = RdmaEndpoint::open(options).await.map_err(|e| e.to_string())?;
+            println!("addr={}", endpoint.address().encode());
+            let peers = read_peer_list()?
+                .iter()
+                .map(|a| EndpointAddress::decode(a).map_err(|e| format!("bad rdma address {a:?}: {e}")))
+                .collect::<Result<Vec<_>, _>>()?;
+            let spec = RdmaMeshSpec { job: "bench".into(), generation: 1, rank, peers, token: bench_token(), deadlines: BENCH_DEADLINES };
+            let transport = endpoint.connect_mesh(spec).await.map_err(|e| e.to_string())?;
+            measure::<E, _>(rank, &config, Communicator::new(Arc::new(transport), comm_config)).await
+        }
+        #[cfg(not(feature = "rdma"))]
+        BenchTransport::Rdma => Err("this cohort-worker was built without the `rdma` feature".into()),
+    }
+}
+
+/// Warm-up and timed iterations of every size, each result verified; prints the medians.
+async fn measure<E: ExactElement, T: Transport>(rank: u32, config: &BenchConfig, mut comm: Communicator<T>) -> Result<(), String> {
     let world = comm.size();
     for &bytes in &config.sizes {
         let count = bytes / std::mem::size_of::<E>();

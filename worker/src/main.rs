@@ -194,6 +194,15 @@ struct BenchRankArgs {
     dtype: String,
     #[arg(long, value_parser = duration)]
     busy_poll: Duration,
+    #[arg(long, value_enum, default_value = "tcp")]
+    transport: TransportKind,
+}
+
+fn bench_transport(kind: TransportKind) -> bench::BenchTransport {
+    match kind {
+        TransportKind::Tcp => bench::BenchTransport::Tcp,
+        TransportKind::Rdma => bench::BenchTransport::Rdma,
+    }
 }
 
 fn main() -> ExitCode {
@@ -229,26 +238,37 @@ fn runtime() -> Result<tokio::runtime::Runtime, String> {
     builder.enable_all().build().map_err(|e| format!("starting the runtime: {e}"))
 }
 
-/// Fails at once, with a clear message, when the RDMA transport cannot be used here.
-fn check_transport(kind: TransportKind) -> Result<(), String> {
+/// Where a transport is being asked for.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Use {
+    Bench,
+    Train,
+}
+
+/// Fails at once, with a clear message, when the chosen transport cannot be used here.
+fn check_transport(kind: TransportKind, used_by: Use) -> Result<(), String> {
     match kind {
         TransportKind::Tcp => Ok(()),
         #[cfg(not(feature = "rdma"))]
-        TransportKind::Rdma => Err("--transport rdma: this cohort-worker was built without the `rdma` feature \
-             (cargo build --release -p cohort --features rdma)"
-            .into()),
+        TransportKind::Rdma => {
+            let _ = used_by;
+            Err("--transport rdma: this cohort-worker was built without the `rdma` feature \
+                 (cargo build --release -p cohort --features rdma)"
+                .into())
+        }
         #[cfg(feature = "rdma")]
         TransportKind::Rdma => {
             let devices = cohort_transports::rdma::device_names().map_err(|e| format!("--transport rdma: {e}"))?;
             if devices.is_empty() {
-                return Err("--transport rdma: no RDMA device found (ibv_get_device_list returned none; \
-                     is an InfiniBand/RoCE NIC present and its driver loaded?)"
-                    .into());
+                return Err("--transport rdma: no RDMA device found (is an InfiniBand/RoCE NIC present and its driver loaded?)".into());
             }
-            Err(format!(
-                "--transport rdma: RDMA devices {devices:?} are present, but the elastic runtime and bench \
-                 exchange data-plane addresses for TCP only so far; see docs/rdma.md"
-            ))
+            if used_by == Use::Train {
+                return Err(format!(
+                    "--transport rdma: RDMA devices {devices:?} are present, but the elastic runtime publishes \
+                     TCP data-plane addresses only so far (`bench --transport rdma` works); see docs/rdma.md"
+                ));
+            }
+            Ok(())
         }
     }
 }
@@ -286,7 +306,7 @@ fn run_train(args: TrainArgs) -> ExitCode {
 }
 
 fn train_main(args: TrainArgs) -> Result<TrainSummary, String> {
-    check_transport(args.transport)?;
+    check_transport(args.transport, Use::Train)?;
     let token = read_token(args.token_file.as_ref())?;
     let mut control = ControlConfig::new(args.coordinator.clone());
     control.token = token.clone();
@@ -336,7 +356,7 @@ fn train_main(args: TrainArgs) -> Result<TrainSummary, String> {
 
 fn run_bench(args: BenchArgs) -> ExitCode {
     let result = (|| {
-        check_transport(args.transport)?;
+        check_transport(args.transport, Use::Bench)?;
         if args.ranks == 0 {
             return Err("--ranks must be at least 1".to_string());
         }
@@ -348,6 +368,7 @@ fn run_bench(args: BenchArgs) -> ExitCode {
             algo: args.algo,
             dtype: args.dtype.name().to_string(),
             busy_poll: args.busy_poll,
+            transport: bench_transport(args.transport),
         };
         let rows = bench::run_parent(&config)?;
         bench::print_rows(&config, &rows);
@@ -372,6 +393,7 @@ fn run_bench_rank(args: BenchRankArgs) -> ExitCode {
             algo: args.algo,
             dtype: args.dtype.clone(),
             busy_poll: args.busy_poll,
+            transport: bench_transport(args.transport),
         };
         runtime()?.block_on(bench::run_rank(args.rank, config))
     })();
