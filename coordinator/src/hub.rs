@@ -63,8 +63,9 @@ impl PrefixFollower {
     /// 1 s between tries), so this only returns with changes.
     ///
     /// # Cancel safety
-    /// Cancel safe: no event is lost if the future is dropped between events (a read-ahead
-    /// event is kept in `self`); dropping it while resuming simply resumes again next time.
+    /// Cancel safe: it awaits only before it has taken an event from the store (a read-ahead
+    /// event is kept in `self`), never while holding a batch, so no event is lost if the
+    /// future is dropped; dropping it while resuming simply resumes again next time.
     pub async fn next(&mut self) -> Batch {
         let mut retry = Duration::from_millis(20);
         loop {
@@ -105,31 +106,20 @@ impl PrefixFollower {
                 },
             };
             let mut batch = vec![first];
-            // Drain what is ready now; always finish the last event's revision.
+            // Drain what is ready now, without waiting: a backend makes all events of one
+            // revision ready together (see `Store::watch_prefix`), so the batch ends on a
+            // revision boundary. Polled outside the cooperative budget so that an exhausted
+            // budget cannot end a batch in the middle of a revision; and with no await
+            // between taking events and returning them, a dropped future loses none.
             loop {
                 let last = batch.last().map(event_revision).unwrap_or(0);
-                let next = match stream.next().now_or_never() {
+                let next = match tokio::task::unconstrained(stream.next()).now_or_never() {
                     Some(Some(Ok(e))) => e,
                     Some(_) => {
                         self.stream = None;
                         break;
                     }
-                    None => {
-                        // Nothing ready. Events of one revision arrive together; if the
-                        // backend split them, wait briefly for the rest of this revision.
-                        match tokio::time::timeout(Duration::from_millis(2), stream.next()).await {
-                            Ok(Some(Ok(e))) if event_revision(&e) == last => e,
-                            Ok(Some(Ok(e))) => {
-                                self.pending = Some(e);
-                                break;
-                            }
-                            Ok(_) => {
-                                self.stream = None;
-                                break;
-                            }
-                            Err(_) => break,
-                        }
-                    }
+                    None => break,
                 };
                 if batch.len() >= 4096 && event_revision(&next) != last {
                     self.pending = Some(next);

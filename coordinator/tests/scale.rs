@@ -1,10 +1,11 @@
-//! Rendezvous of 256 workers into one generation (the design target is under 2 s on a
-//! 2-core machine; the assertion leaves room for a loaded test machine and prints the time).
+//! Rendezvous of 256 workers into one generation: every worker gets the same generation of
+//! all 256 members. How long it takes is measured by the control-plane benchmark
+//! (`cargo bench -p cohort-coordinator --bench control_plane`), not asserted here.
 
 mod common;
 
 use common::*;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rendezvous_of_256_workers() {
@@ -24,14 +25,10 @@ async fn rendezvous_of_256_workers() {
             w.stop_heartbeats();
             workers.push(w);
         }
-        let started = Instant::now();
         let generations = form_all(&workers, 0).await;
-        let elapsed = started.elapsed();
-        eprintln!("rendezvous of {N} workers: {elapsed:?}");
         let g = &generations[0];
         assert_eq!(g.members.len(), N);
         assert!(generations.iter().all(|x| x == g));
-        assert!(elapsed < Duration::from_secs(8), "rendezvous of {N} took {elapsed:?}");
         server.shutdown().await.expect("shutdown");
     })
     .await;

@@ -13,7 +13,7 @@ use cohort_coordinator::etcd_process::EtcdProcess;
 use cohort_coordinator::store::etcd::EtcdStore;
 use cohort_coordinator::store::memory::MemoryStore;
 use cohort_coordinator::store::{Compare, KeyValue, Store, StoreError, Txn, TxnOp, WatchEvent, WatchStream};
-use futures::StreamExt;
+use futures::{FutureExt, StreamExt};
 use tokio::time::{timeout, Instant};
 
 /// Bound on a whole test.
@@ -337,6 +337,34 @@ async fn watch_resume_sees_exactly_missed_events<S: Store>(s: S, p: String) {
     expect_only_sentinel_next(&s, &mut resumed, &p).await;
 }
 
+/// The rest of the revision of `first`, which must all be ready now (no waiting): the
+/// contract that lets a consumer end a batch when nothing is ready without splitting one.
+fn rest_of_revision_now(watch: &mut WatchStream, first: &WatchEvent, count: usize) -> Vec<WatchEvent> {
+    let mut out = Vec::with_capacity(count);
+    for i in 0..count {
+        match tokio::task::unconstrained(watch.next()).now_or_never() {
+            Some(Some(Ok(ev))) => {
+                assert_eq!(revision_of(&ev), revision_of(first), "event {i} of the revision");
+                out.push(ev);
+            }
+            other => panic!("event {} of {} of revision {} was not ready at once: {other:?}", i + 1, count, revision_of(first)),
+        }
+    }
+    out
+}
+
+async fn watch_delivers_a_revision_at_once<S: Store>(s: S, p: String) {
+    const KEYS: usize = 100; // within etcd's default limit of 128 operations per transaction
+    let mut watch = s.watch_prefix(&p, 0).await.expect("watch");
+    let success = (0..KEYS).map(|i| TxnOp::Put { key: format!("{p}{i:03}"), value: vec![1], lease: None }).collect();
+    let r = s.txn(Txn { compares: vec![], success, failure: vec![] }).await.expect("txn");
+    let first = next_event(&mut watch).await;
+    assert_eq!(revision_of(&first), r.revision);
+    let rest = rest_of_revision_now(&mut watch, &first, KEYS - 1);
+    assert_eq!(put_of(&rest[KEYS - 2]).key, format!("{p}{:03}", KEYS - 1), "in the transaction's order");
+    expect_only_sentinel_next(&s, &mut watch, &p).await;
+}
+
 async fn bounded<F: std::future::Future<Output = ()>>(test: F) {
     timeout(BOUND, test).await.expect("test exceeded its time bound");
 }
@@ -378,6 +406,7 @@ suite!(
     watch_history_then_live,
     watch_from_now_sees_only_new_changes,
     watch_resume_sees_exactly_missed_events,
+    watch_delivers_a_revision_at_once,
 );
 
 // ---------------------------------------------------------------------------------------
@@ -400,6 +429,25 @@ async fn memory_watch_beyond_history_is_compacted() {
         assert_eq!(oldest, last - 7, "the last 8 revisions are kept");
         let mut watch = s.watch_prefix("/h/", oldest).await.expect("watch from the oldest kept revision");
         assert_eq!(revision_of(&next_event(&mut watch).await), oldest);
+    })
+    .await;
+}
+
+/// A revision larger than a watcher's channel detaches the watcher mid-revision; the rest
+/// still comes at once (replayed from the history), not split from what came before.
+#[tokio::test]
+async fn memory_revision_larger_than_the_watch_channel_is_ready_at_once() {
+    bounded(async {
+        use cohort_coordinator::store::memory::WATCH_CHANNEL_CAPACITY;
+        let keys = WATCH_CHANNEL_CAPACITY + WATCH_CHANNEL_CAPACITY / 2;
+        let s = MemoryStore::new();
+        let mut watch = s.watch_prefix("/big/", 0).await.expect("watch");
+        let success = (0..keys).map(|i| TxnOp::Put { key: format!("/big/{i:05}"), value: vec![], lease: None }).collect();
+        s.txn(Txn { compares: vec![], success, failure: vec![] }).await.expect("txn");
+        let first = next_event(&mut watch).await;
+        let rest = rest_of_revision_now(&mut watch, &first, keys - 1);
+        assert_eq!(put_of(&rest[keys - 2]).key, format!("/big/{:05}", keys - 1));
+        expect_only_sentinel_next(&s, &mut watch, "/big/").await;
     })
     .await;
 }

@@ -168,7 +168,11 @@ pub trait Store: Send + Sync + 'static {
     /// in revision order (use the revision of a `get_prefix` plus one to continue from a read).
     /// `from_revision <= 0` means "changes after now". The watch is registered when this
     /// returns, so a change made afterwards is always delivered. Changes made by one
-    /// transaction share a revision and are delivered in the order the transaction made them.
+    /// transaction share a revision and are delivered in the order the transaction made them,
+    /// all ready together: once the first event of a revision has been yielded, the rest of
+    /// that revision can be polled without waiting (etcd sends a revision in one watch
+    /// response; the memory store queues it under one lock), so a consumer can end a batch
+    /// as soon as nothing is ready without splitting a revision.
     /// [`StoreError::Compacted`] (returned here, or yielded by the stream) means the requested
     /// history is gone; any other error ends the stream, and the caller resumes with a new
     /// watch from the revision after the last event it saw.

@@ -1,0 +1,281 @@
+//! Control-plane benchmark of the coordinator: rendezvous of 256 workers into one
+//! generation, and propagation of a revocation to 64 watchers, on the memory store and on a
+//! real etcd (a private `etcd` started on free loopback ports).
+//!
+//! Everything runs in this process over loopback gRPC: one coordinator replica per store and
+//! one tonic client (its own connection) per worker, all on one multi-threaded runtime, so
+//! clients and coordinator share the machine's cores. Every figure is printed as one line of
+//! `key=value` pairs, for example
+//!
+//! ```text
+//! bench=rendezvous store=memory workers=256 runs=5 median_ms=.. min_ms=.. max_ms=..
+//! bench=revocation store=memory watchers=64 runs=30 last_p50_ms=.. last_p99_ms=.. last_max_ms=.. all_p99_ms=..
+//! ```
+//!
+//! Run it with `cargo bench -p cohort-coordinator --bench control_plane`. Without `--bench`
+//! on its command line (`cargo test --benches`) it runs a one-iteration smoke version on the
+//! memory store only. Targets are reported in docs/benchmarks.md, never asserted here. Every
+//! wait has a deadline, so a stuck coordinator fails the bench instead of hanging it.
+
+#[path = "../tests/common/mod.rs"]
+mod common;
+
+use cohort_coordinator::config::JobSettings;
+use cohort_coordinator::etcd_process::EtcdProcess;
+use cohort_coordinator::keys;
+use cohort_coordinator::store::{etcd::EtcdStore, memory::MemoryStore, Store};
+use cohort_proto::v1::job_event::Event;
+use common::{form_all, replica, wait_event, Backend, Options, Worker};
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Workers in the rendezvous benchmark.
+const RENDEZVOUS_WORKERS: usize = 256;
+/// Watchers (members of one generation) in the revocation benchmark.
+const REVOCATION_WATCHERS: usize = 64;
+/// Bound on one measured rendezvous (all workers formed).
+const RENDEZVOUS_BOUND: Duration = Duration::from_secs(60);
+/// Bound on one revocation reaching every watcher.
+const REVOCATION_BOUND: Duration = Duration::from_secs(20);
+/// Bound on the untimed setup of one run (joins, formation, opening watches) and cleanup.
+const SETUP_BOUND: Duration = Duration::from_secs(120);
+/// Bound on starting a store (an etcd process) and a replica.
+const START_BOUND: Duration = Duration::from_secs(60);
+
+/// How many iterations each benchmark runs.
+#[derive(Clone, Copy)]
+struct Plan {
+    rendezvous_runs: usize,
+    revocation_runs: usize,
+    stores: &'static [Backend],
+}
+
+const FULL: Plan = Plan { rendezvous_runs: 5, revocation_runs: 30, stores: &[Backend::Memory, Backend::Etcd] };
+const SMOKE: Plan = Plan { rendezvous_runs: 1, revocation_runs: 2, stores: &[Backend::Memory] };
+
+fn store_name(backend: Backend) -> &'static str {
+    match backend {
+        Backend::Memory => "memory",
+        Backend::Etcd => "etcd",
+    }
+}
+
+/// Awaits `f` for at most `bound`, panicking with `what` when it takes longer.
+async fn within<T>(bound: Duration, what: &str, f: impl Future<Output = T>) -> T {
+    match tokio::time::timeout(bound, f).await {
+        Ok(t) => t,
+        Err(_) => panic!("{what}: no result within {bound:?}"),
+    }
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+/// Nearest-rank percentile (`p` in 0..=100) of sorted samples.
+fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    assert!(!sorted.is_empty(), "percentile of no samples");
+    let rank = ((p / 100.0) * sorted.len() as f64).ceil() as usize;
+    sorted[rank.clamp(1, sorted.len()) - 1]
+}
+
+/// A store for one benchmark, with the etcd behind it kept alive.
+struct Bed {
+    store: Arc<dyn Store>,
+    _etcd: Option<EtcdProcess>,
+}
+
+async fn bed(backend: Backend) -> Result<Bed, String> {
+    match backend {
+        Backend::Memory => Ok(Bed { store: Arc::new(MemoryStore::new()), _etcd: None }),
+        Backend::Etcd => {
+            let etcd = tokio::task::spawn_blocking(EtcdProcess::start)
+                .await
+                .map_err(|e| format!("etcd start task: {e}"))?
+                .map_err(|e| e.to_string())?;
+            let store = EtcdStore::connect(&[etcd.endpoint()]).await.map_err(|e| e.to_string())?;
+            Ok(Bed { store: Arc::new(store), _etcd: Some(etcd) })
+        }
+    }
+}
+
+/// Settings for a job of exactly `n` workers that forms as soon as all `n` wait (the join
+/// window and lease TTL are long: nothing may form or lapse by timer during a run).
+fn settings(n: usize) -> JobSettings {
+    JobSettings {
+        min_workers: 1,
+        max_workers: n as u32,
+        join_window: Duration::from_secs(30),
+        heartbeat_interval: Duration::from_secs(10),
+        lease_ttl: Duration::from_secs(120),
+        elastic_timeout: Duration::from_secs(120),
+    }
+}
+
+/// Joins `n` workers to `job` (one connection each) and stops their heartbeats.
+async fn join_workers(addr: SocketAddr, job: &str, n: usize) -> Vec<Worker> {
+    let mut workers = Vec::with_capacity(n);
+    for i in 0..n {
+        let mut w = Worker::join(addr, job, &format!("w{i:03}"), Duration::from_secs(3600)).await;
+        w.stop_heartbeats();
+        workers.push(w);
+    }
+    workers
+}
+
+/// Removes a job from the store (its keys, then its members' leases), so that it costs the
+/// coordinator nothing during the next run.
+async fn remove_job(store: &Arc<dyn Store>, job: &str, workers: Vec<Worker>) {
+    store.delete_prefix(&keys::job_prefix(job)).await.expect("delete the job's keys");
+    let revokes = workers.iter().map(|w| store.revoke_lease(w.incarnation as i64));
+    for r in futures::future::join_all(revokes).await {
+        r.expect("revoke a member's lease");
+    }
+}
+
+/// One rendezvous of `n` freshly joined workers; returns the time from the moment all of
+/// them start waiting until every one has the (same) generation.
+async fn rendezvous_once(store: &Arc<dyn Store>, addr: SocketAddr, job: &str, n: usize) -> Duration {
+    let workers = within(SETUP_BOUND, "joining the workers", join_workers(addr, job, n)).await;
+    let started = Instant::now();
+    let generations = within(RENDEZVOUS_BOUND, "rendezvous", form_all(&workers, 0)).await;
+    let elapsed = started.elapsed();
+    let g = &generations[0];
+    assert_eq!(g.members.len(), n, "every worker is placed");
+    assert!(generations.iter().all(|x| x == g), "every worker has the same generation");
+    within(SETUP_BOUND, "removing the job", remove_job(store, job, workers)).await;
+    elapsed
+}
+
+async fn bench_rendezvous(backend: Backend, runs: usize) {
+    let name = store_name(backend);
+    let bed = match within(START_BOUND, "starting the store", bed(backend)).await {
+        Ok(b) => b,
+        Err(e) => {
+            println!("bench=rendezvous store={name} skipped=\"{}\"", e.replace(['"', '\n'], " "));
+            return;
+        }
+    };
+    let n = RENDEZVOUS_WORKERS;
+    let server = within(START_BOUND, "starting a replica", replica(bed.store.clone(), &Options::new(settings(n)))).await;
+    let addr = server.local_addr();
+    // Warm-up (untimed): the replica leads and forms generations, connections are cheap.
+    rendezvous_once(&bed.store, addr, &format!("rdv-{name}-warmup"), n).await;
+    let mut times = Vec::with_capacity(runs);
+    for run in 0..runs {
+        let t = rendezvous_once(&bed.store, addr, &format!("rdv-{name}-{run}"), n).await;
+        eprintln!("rendezvous store={name} run={run}: {:.1} ms", ms(t));
+        times.push(t);
+    }
+    times.sort();
+    println!(
+        "bench=rendezvous store={name} workers={n} runs={runs} median_ms={:.1} min_ms={:.1} max_ms={:.1}",
+        ms(percentile(&times, 50.0)),
+        ms(times[0]),
+        ms(times[runs - 1]),
+    );
+    within(START_BOUND, "stopping the replica", server.shutdown()).await.expect("shutdown");
+}
+
+/// One revocation: `n` members of a fresh generation watch; rank 0 reports rank n-1 failed.
+/// Returns each watcher's latency from just before the report was sent to its
+/// GenerationRevoked event.
+async fn revocation_once(store: &Arc<dyn Store>, addr: SocketAddr, job: &str, n: usize) -> Vec<Duration> {
+    let (workers, streams) = within(SETUP_BOUND, "forming a generation and opening watches", async {
+        let workers = join_workers(addr, job, n).await;
+        let g = form_all(&workers, 0).await.remove(0);
+        assert_eq!((g.number, g.members.len()), (1, n));
+        let mut streams = Vec::with_capacity(n);
+        for w in &workers {
+            let mut s = w.watch().await;
+            // A new watcher first hears the current state: generation 1, formed.
+            wait_event(&mut s, |e| matches!(e, Event::GenerationFormed(g) if g.number == 1).then_some(())).await;
+            streams.push(s);
+        }
+        // Rank 0 reports; rank n-1 is the failed peer.
+        let order: Vec<String> = g.members.iter().map(|m| m.worker_id.clone()).collect();
+        let mut workers = workers;
+        workers.sort_by_key(|w| order.iter().position(|id| *id == w.id));
+        (workers, streams)
+    })
+    .await;
+    let watchers: Vec<_> = streams
+        .into_iter()
+        .map(|mut s| {
+            tokio::spawn(async move {
+                wait_event(&mut s, |e| match e {
+                    Event::GenerationRevoked(r) if r.generation == 1 => Some(()),
+                    _ => None,
+                })
+                .await;
+                Instant::now()
+            })
+        })
+        .collect();
+    // Let the watcher tasks start waiting before the clock starts.
+    tokio::task::yield_now().await;
+    let sent = Instant::now();
+    let report = within(REVOCATION_BOUND, "failure report", workers[0].report(1, Some(n as u32 - 1), "bench: peer failed")).await;
+    assert!(report.expect("report").accepted, "the report revokes generation 1");
+    let mut latencies = Vec::with_capacity(n);
+    for received in within(REVOCATION_BOUND, "revocation reaching every watcher", futures::future::join_all(watchers)).await {
+        latencies.push(received.expect("watcher task").duration_since(sent));
+    }
+    within(SETUP_BOUND, "removing the job", remove_job(store, job, workers)).await;
+    latencies
+}
+
+async fn bench_revocation(backend: Backend, runs: usize) {
+    let name = store_name(backend);
+    let bed = match within(START_BOUND, "starting the store", bed(backend)).await {
+        Ok(b) => b,
+        Err(e) => {
+            println!("bench=revocation store={name} skipped=\"{}\"", e.replace(['"', '\n'], " "));
+            return;
+        }
+    };
+    let n = REVOCATION_WATCHERS;
+    let server = within(START_BOUND, "starting a replica", replica(bed.store.clone(), &Options::new(settings(n)))).await;
+    let addr = server.local_addr();
+    revocation_once(&bed.store, addr, &format!("rev-{name}-warmup"), n).await;
+    let mut last = Vec::with_capacity(runs);
+    let mut all = Vec::with_capacity(runs * n);
+    for run in 0..runs {
+        let mut l = revocation_once(&bed.store, addr, &format!("rev-{name}-{run}"), n).await;
+        l.sort();
+        eprintln!("revocation store={name} run={run}: first {:.2} ms, last {:.2} ms", ms(l[0]), ms(l[n - 1]));
+        last.push(l[n - 1]);
+        all.extend(l);
+    }
+    last.sort();
+    all.sort();
+    println!(
+        "bench=revocation store={name} watchers={n} runs={runs} last_p50_ms={:.2} last_p99_ms={:.2} last_max_ms={:.2} all_p99_ms={:.2} all_p50_ms={:.2}",
+        ms(percentile(&last, 50.0)),
+        ms(percentile(&last, 99.0)),
+        ms(last[runs - 1]),
+        ms(percentile(&all, 99.0)),
+        ms(percentile(&all, 50.0)),
+    );
+    within(START_BOUND, "stopping the replica", server.shutdown()).await.expect("shutdown");
+}
+
+fn main() {
+    let plan = if std::env::args().any(|a| a == "--bench") { FULL } else { SMOKE };
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("tokio runtime");
+    runtime.block_on(async {
+        eprintln!(
+            "control-plane bench: {} worker threads, {} CPUs",
+            tokio::runtime::Handle::current().metrics().num_workers(),
+            std::thread::available_parallelism().map_or(0, |n| n.get())
+        );
+        for &backend in plan.stores {
+            bench_rendezvous(backend, plan.rendezvous_runs).await;
+        }
+        for &backend in plan.stores {
+            bench_revocation(backend, plan.revocation_runs).await;
+        }
+    });
+}
