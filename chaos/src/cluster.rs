@@ -3,6 +3,7 @@
 use crate::binaries::Binaries;
 use crate::events::WorkerEvent;
 use crate::process::{now_ms, ManagedProcess, OutputLine};
+use crate::proxy::Proxy;
 use cohort_coordinator::etcd_process::EtcdProcess;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -94,6 +95,8 @@ pub struct Cluster {
     workers: BTreeMap<String, ManagedProcess>,
     lines_tx: mpsc::UnboundedSender<OutputLine>,
     lines_rx: mpsc::UnboundedReceiver<OutputLine>,
+    proxy: Option<Proxy>,
+    connect_timeout: Option<Duration>,
     /// Every worker event seen so far, in arrival order.
     pub events: Vec<WorkerEvent>,
 }
@@ -152,6 +155,8 @@ impl Cluster {
             workers: BTreeMap::new(),
             lines_tx,
             lines_rx,
+            proxy: None,
+            connect_timeout: None,
             events: Vec::new(),
         };
         let n = if cluster.config.store == StoreKind::Memory { 1 } else { cluster.config.coordinators.max(1) };
@@ -177,7 +182,7 @@ impl Cluster {
     async fn spawn_coordinator(&mut self, index: usize, listen: &str) -> Result<(ManagedProcess, String), ClusterError> {
         let s = &self.config.settings;
         let mut cmd = Command::new(&self.bins.coordinator);
-        cmd.args(["serve", "--listen", listen, "--store", &self.store_arg()])
+        cmd.args(["serve", "--listen", listen, "--store", &self.store_arg(), "--name", &format!("coord{index}")])
             .args(["--min-workers", &s.min_workers.to_string(), "--max-workers", &s.max_workers.to_string()])
             .args(["--join-window", &ms(s.join_window), "--heartbeat-interval", &ms(s.heartbeat_interval)])
             .args(["--lease-ttl", &ms(s.lease_ttl), "--elastic-timeout", &ms(s.elastic_timeout)])
@@ -244,16 +249,104 @@ impl Cluster {
         self.etcd.as_mut()
     }
 
+    /// Whether coordinator `index` is running.
+    pub fn coordinator_running(&mut self, index: usize) -> bool {
+        match self.coordinators.get_mut(index).and_then(|c| c.process.as_mut()) {
+            Some(p) => p.try_exit().is_none(),
+            None => false,
+        }
+    }
+
+    /// Indices of the coordinators that were started and not killed since, and exited by
+    /// themselves (a crash).
+    pub fn crashed_coordinators(&mut self) -> Vec<usize> {
+        (0..self.coordinators.len())
+            .filter(|&i| self.coordinators[i].process.as_mut().is_some_and(|p| p.try_exit().is_some()))
+            .collect()
+    }
+
+    /// Index of the coordinator replica holding the leader key, asked through
+    /// `cohort-coordinator status` (bounded by `timeout`). `None` if nobody answered or no
+    /// replica leads.
+    ///
+    /// # Cancel safety
+    /// Cancel safe (the status process is killed when dropped).
+    pub async fn leader_index(&self, timeout: Duration) -> Option<usize> {
+        let mut cmd = Command::new(&self.bins.coordinator);
+        cmd.args(["status", "--job", &self.config.job, "--endpoints", &self.endpoints(), "--timeout", &ms(timeout)])
+            .arg("--token-file")
+            .arg(&self.token_file)
+            .stdin(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .kill_on_drop(true);
+        let out = tokio::time::timeout(timeout + Duration::from_secs(2), cmd.output()).await.ok()?.ok()?;
+        let text = String::from_utf8_lossy(&out.stdout);
+        let leader = text.lines().find_map(|l| l.strip_prefix("leader:"))?.trim().to_string();
+        (0..self.coordinators.len()).find(|i| leader == format!("coord{i}") || leader.starts_with(&format!("coord{i}/")))
+    }
+
+    /// Bound on connecting one generation's mesh for workers started from now on
+    /// (`--connect-timeout`; `None`: the worker's default).
+    pub fn set_connect_timeout(&mut self, timeout: Option<Duration>) {
+        self.connect_timeout = timeout;
+    }
+
+    /// Routes the data plane of workers started by [`Cluster::spawn_worker_proxied`] through
+    /// a fault-injecting proxy (created on the first call); returns it.
+    pub fn enable_proxy(&mut self) -> Proxy {
+        self.proxy.get_or_insert_with(Proxy::new).clone()
+    }
+
+    /// The proxy, if enabled.
+    pub fn proxy(&self) -> Option<&Proxy> {
+        self.proxy.as_ref()
+    }
+
+    /// Starts a worker whose data plane goes through the proxy: it listens on a
+    /// harness-chosen port and advertises the proxy's listener for it. Without a proxy it
+    /// is [`Cluster::spawn_worker`].
+    ///
+    /// # Cancel safety
+    /// Cancel safe up to the spawn (binding the proxy listener is the only await).
+    pub async fn spawn_worker_proxied(&mut self, name: &str, spec: &WorkerSpec) -> Result<(), ClusterError> {
+        let Some(proxy) = self.proxy.clone() else { return self.spawn_worker(name, spec) };
+        let port = free_port().map_err(|e| ClusterError::Setup(format!("choosing a port for {name}: {e}")))?;
+        let upstream: std::net::SocketAddr = ([127, 0, 0, 1], port).into();
+        let advertised = proxy.listen_for(name, upstream).await.map_err(|e| ClusterError::Setup(e.to_string()))?;
+        self.spawn_worker_at(name, spec, &upstream.to_string(), &advertised.to_string())?;
+        if let Some(pid) = self.worker_pid(name) {
+            proxy.register_pid(pid, name);
+        }
+        Ok(())
+    }
+
+    /// OS process id of worker `name`.
+    pub fn worker_pid(&self, name: &str) -> Option<u32> {
+        self.workers.get(name).map(|w| w.pid())
+    }
+
+    /// Whether worker `name` has exited (and its exit code; `None` inside: killed by a signal).
+    pub fn worker_exit(&mut self, name: &str) -> Option<Option<i32>> {
+        self.workers.get_mut(name)?.try_exit()
+    }
+
     /// Starts a worker named `name` running `cohort-worker train`.
     pub fn spawn_worker(&mut self, name: &str, spec: &WorkerSpec) -> Result<(), ClusterError> {
+        self.spawn_worker_at(name, spec, "127.0.0.1:0", "127.0.0.1")
+    }
+
+    fn spawn_worker_at(&mut self, name: &str, spec: &WorkerSpec, listen: &str, advertise: &str) -> Result<(), ClusterError> {
         let mut cmd = Command::new(&self.bins.worker);
         cmd.args(["train", "--coordinator", &self.endpoints(), "--job", &self.config.job])
             .args(["--steps", &spec.steps.to_string(), "--size", &spec.size])
-            .args(["--listen", "127.0.0.1:0", "--advertise", "127.0.0.1", "--worker-id", name])
+            .args(["--listen", listen, "--advertise", advertise, "--worker-id", name])
             .args(["--no-progress-timeout", &ms(spec.no_progress), "--step-interval", &ms(spec.step_interval)])
             .arg("--token-file")
-            .arg(&self.token_file)
-            .env("RUST_LOG", std::env::var("COHORT_CHAOS_WORKER_LOG").unwrap_or_else(|_| "info".into()));
+            .arg(&self.token_file);
+        if let Some(t) = self.connect_timeout {
+            cmd.args(["--connect-timeout", &ms(t)]);
+        }
+        cmd.env("RUST_LOG", std::env::var("COHORT_CHAOS_WORKER_LOG").unwrap_or_else(|_| "info".into()));
         let process = ManagedProcess::spawn(name, cmd, &self.log_dir, self.lines_tx.clone())
             .map_err(|e| ClusterError::Setup(e.to_string()))?;
         self.workers.insert(name.to_string(), process);
@@ -353,4 +446,10 @@ impl Cluster {
         }
         codes
     }
+}
+
+/// A free loopback port (bound and released; a race with another process is possible and
+/// shows as the worker failing to bind, reported in its log).
+pub fn free_port() -> std::io::Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }

@@ -32,7 +32,7 @@ impl Default for DemoConfig {
 }
 
 /// One check of the verdict.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, serde::Serialize)]
 pub struct Check {
     /// What was checked.
     pub what: String,

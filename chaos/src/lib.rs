@@ -6,6 +6,11 @@
 //! - [`invariants`]: what must hold on every run (no wrong result, generations increase,
 //!   committed steps never lost, ...).
 //! - [`demo`]: the README's main command.
+//! - [`scenario`]: scenarios as data (TOML files in `chaos/scenarios/`, seeded).
+//! - [`proxy`]: the fault-injecting TCP proxy the data plane is routed through.
+//! - [`runner`]: plays a scenario against a cluster and checks every invariant.
+//! - [`report`]: per-fault measurements, statistics, the table and the JSON report.
+//! - [`suite`]: `suite` (every scenario, or the quick ones) and `soak`.
 
 pub mod binaries;
 pub mod cluster;
@@ -13,3 +18,8 @@ pub mod demo;
 pub mod events;
 pub mod invariants;
 pub mod process;
+pub mod proxy;
+pub mod report;
+pub mod runner;
+pub mod scenario;
+pub mod suite;

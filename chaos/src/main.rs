@@ -1,6 +1,9 @@
 //! `cohort-chaos`: local elastic clusters with faults injected, and the demo.
 
 use clap::{Parser, Subcommand};
+use cohort_chaos::runner::RunOptions;
+use cohort_chaos::suite;
+use std::path::PathBuf;
 use std::process::ExitCode;
 
 #[derive(Parser)]
@@ -28,6 +31,106 @@ enum Cmd {
         #[arg(long)]
         log_dir: Option<std::path::PathBuf>,
     },
+    /// Play one scenario (a TOML file, or a name in chaos/scenarios/) and check every invariant.
+    Run {
+        /// Scenario file or name.
+        scenario: String,
+        /// Seed of every random choice (default: the scenario's).
+        #[arg(long)]
+        seed: Option<u64>,
+        #[command(flatten)]
+        common: Common,
+    },
+    /// Play every scenario (or, with --quick, the quick ones) and report.
+    Suite {
+        /// Only the scenarios marked `quick = true` (a few minutes; what CI runs).
+        #[arg(long)]
+        quick: bool,
+        /// Override every scenario's seed.
+        #[arg(long)]
+        seed: Option<u64>,
+        #[command(flatten)]
+        common: Common,
+    },
+    /// Replay a scenario (default `soak`: SIGKILLs of random ranks mid-allreduce) with fresh
+    /// seeds for a while; report the figures against the targets.
+    Soak {
+        /// How long to keep starting runs (e.g. 10m, 600s).
+        #[arg(long, value_parser = cohort_chaos::scenario::parse_duration, default_value = "10m")]
+        duration: std::time::Duration,
+        /// Scenario file or name.
+        #[arg(long, default_value = "soak")]
+        scenario: String,
+        /// Seed of the first run (then +1 per run).
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        /// At most this many runs.
+        #[arg(long, default_value_t = 10_000)]
+        max_runs: usize,
+        #[command(flatten)]
+        common: Common,
+    },
+}
+
+#[derive(clap::Args, Clone)]
+struct Common {
+    /// Directory of the scenarios.
+    #[arg(long)]
+    scenarios: Option<PathBuf>,
+    /// Keep every run's logs here (default: a temp dir per run, removed when it passes).
+    #[arg(long)]
+    log_dir: Option<PathBuf>,
+    /// Keep the logs of passing runs too.
+    #[arg(long)]
+    keep_logs: bool,
+    /// Write the JSON report here.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// Print each run's progress.
+    #[arg(long, short)]
+    verbose: bool,
+}
+
+impl Common {
+    fn options(&self, seed: Option<u64>) -> RunOptions {
+        RunOptions { seed, log_dir: self.log_dir.clone(), keep_logs: self.keep_logs, verbose: self.verbose }
+    }
+    fn dir(&self) -> PathBuf {
+        self.scenarios.clone().unwrap_or_else(suite::default_dir)
+    }
+}
+
+/// Runs `fut` unless SIGINT or SIGTERM comes first; then it is dropped, which kills every
+/// process it started, and the exit code is 130.
+async fn interruptible(fut: impl std::future::Future<Output = ExitCode>) -> ExitCode {
+    let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("cohort-chaos: installing the SIGTERM handler: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    tokio::select! {
+        code = fut => code,
+        _ = tokio::signal::ctrl_c() => {
+            eprintln!("cohort-chaos: interrupted; every process of the run is killed");
+            ExitCode::from(130)
+        }
+        _ = term.recv() => {
+            eprintln!("cohort-chaos: terminated; every process of the run is killed");
+            ExitCode::from(143)
+        }
+    }
+}
+
+fn verdict(runs: &[cohort_chaos::report::RunReport], targets: &[cohort_chaos::demo::Check]) -> ExitCode {
+    if !runs.is_empty() && runs.iter().all(|r| r.passed) && targets.iter().all(|c| c.ok) {
+        println!("PASS");
+        ExitCode::SUCCESS
+    } else {
+        println!("FAIL");
+        ExitCode::FAILURE
+    }
 }
 
 fn main() -> ExitCode {
@@ -55,6 +158,60 @@ fn main() -> ExitCode {
                     ExitCode::FAILURE
                 }
             }
+        }
+        Cmd::Run { scenario, seed, common } => {
+            let sc = match suite::resolve(&scenario, &common.dir()) {
+                Ok(s) => s,
+                Err(e) => {
+                    eprintln!("cohort-chaos run: {e}");
+                    return ExitCode::from(2);
+                }
+            };
+            let opts = common.options(seed);
+            runtime.block_on(interruptible(async {
+                let mut opts = opts;
+                opts.verbose = true;
+                let runs = suite::run_all(std::slice::from_ref(&sc), &opts).await;
+                suite::publish("run", &runs, &[], common.json.as_deref());
+                verdict(&runs, &[])
+            }))
+        }
+        Cmd::Suite { quick, seed, common } => {
+            let scenarios = match suite::load_dir(&common.dir(), quick) {
+                Ok(s) if !s.is_empty() => s,
+                Ok(_) => {
+                    eprintln!("cohort-chaos suite: no scenarios in {}", common.dir().display());
+                    return ExitCode::from(2);
+                }
+                Err(e) => {
+                    eprintln!("cohort-chaos suite: {e}");
+                    return ExitCode::from(2);
+                }
+            };
+            let opts = common.options(seed);
+            runtime.block_on(interruptible(async {
+                let t = std::time::Instant::now();
+                let runs = suite::run_all(&scenarios, &opts).await;
+                suite::publish(if quick { "suite --quick" } else { "suite" }, &runs, &[], common.json.as_deref());
+                println!("suite took {:.1} s", t.elapsed().as_secs_f64());
+                verdict(&runs, &[])
+            }))
+        }
+        Cmd::Soak { duration, scenario, seed, max_runs, common } => {
+            let sc = match suite::resolve(&scenario, &common.dir()) {
+                Ok(s) => s,
+                Err(e) => {
+                    eprintln!("cohort-chaos soak: {e}");
+                    return ExitCode::from(2);
+                }
+            };
+            let opts = common.options(None);
+            runtime.block_on(interruptible(async {
+                let runs = suite::soak(&sc, seed, duration, max_runs.max(1), &opts).await;
+                let targets = cohort_chaos::report::soak_targets(&runs);
+                suite::publish(&format!("soak --duration {}s --seed {seed}", duration.as_secs()), &runs, &targets, common.json.as_deref());
+                verdict(&runs, &targets)
+            }))
         }
     }
 }

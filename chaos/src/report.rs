@@ -1,0 +1,343 @@
+//! Reports: per-fault measurements, their statistics, a table for people and JSON.
+
+use crate::demo::Check;
+use serde::Serialize;
+
+/// One survivor's error as measured.
+#[derive(Clone, Debug, Serialize)]
+pub struct ErrorSeen {
+    /// The worker.
+    pub worker: String,
+    /// Typed kind (PeerFailed, Timeout, Revoked, Transport, ...).
+    pub kind: String,
+    /// The root cause it named.
+    pub cause: String,
+    /// Milliseconds after the fault.
+    pub after_ms: i64,
+}
+
+/// What one fault did and how fast the job reacted.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct FaultRecord {
+    /// Position in the run (1-based).
+    pub index: usize,
+    /// Fault kind name.
+    pub kind: String,
+    /// Target workers (with their ranks at the fault).
+    pub targets: Vec<String>,
+    /// Link faults: the other side.
+    pub peers: Vec<String>,
+    /// Generation current at the fault.
+    pub generation: i64,
+    /// Its world size.
+    pub world: i64,
+    /// Highest verified step at the fault.
+    pub step: i64,
+    /// When it struck (ms since the epoch).
+    pub at_ms: u64,
+    /// The first target had announced an allreduce and not finished it when struck.
+    pub mid_allreduce: bool,
+    /// Survivors of the fault (members expected to go on).
+    pub survivors: Vec<String>,
+    /// The first error of each survivor in the fault's generation.
+    pub errors: Vec<ErrorSeen>,
+    /// Fault to the first survivor's error.
+    pub first_error_ms: Option<i64>,
+    /// Fault to the last survivor's error (every survivor has its error).
+    pub survivors_errors_ms: Option<i64>,
+    /// First survivor's error to the last one's (revocation propagation).
+    pub revocation_ms: Option<i64>,
+    /// Fault to the next generation's first verified step.
+    pub next_step_ms: Option<i64>,
+    /// The next generation's number.
+    pub next_generation: Option<i64>,
+    /// Anything worth knowing.
+    pub note: String,
+}
+
+/// Statistics of one measurement.
+#[derive(Clone, Debug, Default, Serialize, PartialEq)]
+pub struct Stats {
+    /// Samples.
+    pub n: usize,
+    /// Median (nearest rank).
+    pub p50: Option<i64>,
+    /// 99th percentile (nearest rank).
+    pub p99: Option<i64>,
+    /// Largest.
+    pub max: Option<i64>,
+}
+
+impl Stats {
+    /// Statistics of `samples` (any order).
+    pub fn of(samples: impl IntoIterator<Item = i64>) -> Self {
+        let mut v: Vec<i64> = samples.into_iter().collect();
+        v.sort_unstable();
+        Self { n: v.len(), p50: percentile(&v, 50.0), p99: percentile(&v, 99.0), max: v.last().copied() }
+    }
+}
+
+/// Nearest-rank percentile of sorted samples.
+pub fn percentile(sorted: &[i64], p: f64) -> Option<i64> {
+    if sorted.is_empty() {
+        return None;
+    }
+    let rank = ((p / 100.0) * sorted.len() as f64).ceil().max(1.0) as usize;
+    sorted.get(rank.min(sorted.len()) - 1).copied()
+}
+
+/// The result of one scenario run.
+#[derive(Clone, Debug, Serialize)]
+pub struct RunReport {
+    /// Scenario name.
+    pub scenario: String,
+    /// Seed used.
+    pub seed: u64,
+    /// Every check held and the run completed.
+    pub passed: bool,
+    /// Why the run could not complete (setup failure, a bounded wait ran out).
+    pub error: Option<String>,
+    /// Invariants and expectations.
+    pub checks: Vec<Check>,
+    /// The faults.
+    pub faults: Vec<FaultRecord>,
+    /// Wall time.
+    pub wall_ms: u64,
+    /// Logs (kept for failed runs).
+    pub log_dir: Option<String>,
+    /// Proxy counters, when the data plane went through it.
+    pub proxy: Option<crate::proxy::ProxyStats>,
+}
+
+/// Statistics per fault kind and measurement.
+#[derive(Clone, Debug, Serialize)]
+pub struct KindStats {
+    /// Fault kind.
+    pub kind: String,
+    /// Faults of this kind.
+    pub count: usize,
+    /// Of which struck mid-allreduce.
+    pub mid_allreduce: usize,
+    /// Fault → first survivor error.
+    pub first_error_ms: Stats,
+    /// Fault → every survivor's error.
+    pub survivors_errors_ms: Stats,
+    /// Revocation propagation.
+    pub revocation_ms: Stats,
+    /// Fault → next generation's first verified step.
+    pub next_step_ms: Stats,
+}
+
+/// Per-kind statistics over `runs`.
+pub fn kind_stats(runs: &[RunReport]) -> Vec<KindStats> {
+    let mut kinds: Vec<String> = runs.iter().flat_map(|r| r.faults.iter().map(|f| f.kind.clone())).collect();
+    kinds.sort();
+    kinds.dedup();
+    kinds
+        .into_iter()
+        .map(|kind| {
+            let fs: Vec<&FaultRecord> = runs.iter().flat_map(|r| r.faults.iter()).filter(|f| f.kind == kind).collect();
+            KindStats {
+                count: fs.len(),
+                mid_allreduce: fs.iter().filter(|f| f.mid_allreduce).count(),
+                first_error_ms: Stats::of(fs.iter().filter_map(|f| f.first_error_ms)),
+                survivors_errors_ms: Stats::of(fs.iter().filter_map(|f| f.survivors_errors_ms)),
+                revocation_ms: Stats::of(fs.iter().filter_map(|f| f.revocation_ms)),
+                next_step_ms: Stats::of(fs.iter().filter_map(|f| f.next_step_ms)),
+                kind,
+            }
+        })
+        .collect()
+}
+
+fn o(v: Option<i64>) -> String {
+    v.map_or_else(|| "-".into(), |x| x.to_string())
+}
+
+/// The table for people: one line per run, one per fault, statistics, failed checks.
+pub fn render(runs: &[RunReport], targets: &[Check]) -> String {
+    let mut out = String::new();
+    out.push_str(&format!("{:<28} {:>6} {:>6} {:>7} {:>7}  {}\n", "SCENARIO", "SEED", "FAULTS", "SECONDS", "RESULT", "LOGS"));
+    for r in runs {
+        out.push_str(&format!(
+            "{:<28} {:>6} {:>6} {:>7.1} {:>7}  {}\n",
+            r.scenario,
+            r.seed,
+            r.faults.len(),
+            r.wall_ms as f64 / 1e3,
+            if r.passed { "pass" } else { "FAIL" },
+            r.log_dir.as_deref().unwrap_or("-")
+        ));
+    }
+    out.push('\n');
+    if runs.iter().map(|r| r.faults.len()).sum::<usize>() <= 60 {
+        out.push_str(&format!(
+            "{:<22} {:>3} {:<24} {:>4} {:>5} {:>4} {:>9} {:>9} {:>9} {:>9}\n",
+            "RUN/FAULT", "#", "TARGETS", "GEN", "WORLD", "MID", "ERR1 ms", "ERRS ms", "REVOKE ms", "NEXT ms"
+        ));
+        for r in runs {
+            for f in &r.faults {
+                out.push_str(&format!(
+                    "{:<22} {:>3} {:<24} {:>4} {:>5} {:>4} {:>9} {:>9} {:>9} {:>9}\n",
+                    format!("{}/{}", truncate(&r.scenario, 10), f.kind),
+                    f.index,
+                    truncate(&f.targets.join(",").to_string(), 24),
+                    f.generation,
+                    f.world,
+                    if f.mid_allreduce { "yes" } else { "-" },
+                    o(f.first_error_ms),
+                    o(f.survivors_errors_ms),
+                    o(f.revocation_ms),
+                    o(f.next_step_ms)
+                ));
+            }
+        }
+        out.push('\n');
+    }
+    out.push_str(&format!(
+        "{:<24} {:>5} {:>4} | {:>17} | {:>17} | {:>17} | {:>17}\n",
+        "KIND", "N", "MID", "err1 p50/p99/max", "errs p50/p99/max", "revoke p50/p99/max", "next p50/p99/max"
+    ));
+    let s3 = |s: &Stats| format!("{}/{}/{}", o(s.p50), o(s.p99), o(s.max));
+    for k in kind_stats(runs) {
+        out.push_str(&format!(
+            "{:<24} {:>5} {:>4} | {:>17} | {:>17} | {:>17} | {:>17}\n",
+            k.kind,
+            k.count,
+            k.mid_allreduce,
+            s3(&k.first_error_ms),
+            s3(&k.survivors_errors_ms),
+            s3(&k.revocation_ms),
+            s3(&k.next_step_ms)
+        ));
+    }
+    let failed: Vec<(&str, &Check)> = runs.iter().flat_map(|r| r.checks.iter().filter(|c| !c.ok).map(move |c| (r.scenario.as_str(), c))).collect();
+    let errors: Vec<&RunReport> = runs.iter().filter(|r| r.error.is_some()).collect();
+    out.push('\n');
+    for r in errors {
+        out.push_str(&format!("RUN ERROR {} (seed {}): {}\n", r.scenario, r.seed, r.error.as_deref().unwrap_or("")));
+    }
+    for (s, c) in &failed {
+        out.push_str(&format!("FAILED {s}: {} ({})\n", c.what, c.detail));
+    }
+    if !targets.is_empty() {
+        out.push_str("targets:\n");
+        for c in targets {
+            out.push_str(&format!("  [{}] {} ({})\n", if c.ok { " ok " } else { "MISS" }, c.what, c.detail));
+        }
+    }
+    let checks: usize = runs.iter().map(|r| r.checks.len()).sum();
+    out.push_str(&format!(
+        "{} runs, {} faults, {} checks, {} failed checks, {} run errors\n",
+        runs.len(),
+        runs.iter().map(|r| r.faults.len()).sum::<usize>(),
+        checks,
+        failed.len(),
+        runs.iter().filter(|r| r.error.is_some()).count()
+    ));
+    out
+}
+
+fn truncate(s: &str, n: usize) -> String {
+    if s.chars().count() <= n {
+        s.to_string()
+    } else {
+        s.chars().take(n.saturating_sub(1)).chain(std::iter::once('~')).collect()
+    }
+}
+
+/// The JSON document of a report.
+pub fn to_json(command: &str, runs: &[RunReport], targets: &[Check]) -> serde_json::Value {
+    serde_json::json!({
+        "command": command,
+        "runs": runs,
+        "stats": kind_stats(runs),
+        "targets": targets,
+        "passed": runs.iter().all(|r| r.passed),
+    })
+}
+
+/// The soak's targets over every SIGKILL of `runs` (kills struck mid-allreduce or not).
+pub fn soak_targets(runs: &[RunReport]) -> Vec<Check> {
+    let kills: Vec<&FaultRecord> = runs.iter().flat_map(|r| r.faults.iter()).filter(|f| f.kind == "kill").collect();
+    let mid = kills.iter().filter(|f| f.mid_allreduce).count();
+    let errs = Stats::of(kills.iter().filter_map(|f| f.survivors_errors_ms));
+    let next = Stats::of(kills.iter().filter_map(|f| f.next_step_ms));
+    let violated = |what: &str| runs.iter().flat_map(|r| r.checks.iter()).filter(|c| !c.ok && c.what.starts_with(what)).count();
+    vec![
+        Check { what: "at least 50 SIGKILLs mid-allreduce".into(), ok: mid >= 50, detail: format!("{mid} of {} kills", kills.len()) },
+        Check { what: "zero wrong results".into(), ok: violated("no wrong result") == 0, detail: format!("{} runs with one", violated("no wrong result")) },
+        Check { what: "zero hangs".into(), ok: violated("no hang") == 0 && runs.iter().all(|r| r.error.is_none()), detail: format!("{} runs with one; {} run errors", violated("no hang"), runs.iter().filter(|r| r.error.is_some()).count()) },
+        Check {
+            what: "survivors' errors p99 < 100 ms".into(),
+            ok: errs.n == kills.len() && errs.p99.is_some_and(|p| p < 100),
+            detail: format!("n {} p50 {} p99 {} max {}", errs.n, o(errs.p50), o(errs.p99), o(errs.max)),
+        },
+        Check {
+            what: "next generation's first verified step p50 < 1 s and p99 < 2 s".into(),
+            ok: next.n == kills.len() && next.p50.is_some_and(|p| p < 1000) && next.p99.is_some_and(|p| p < 2000),
+            detail: format!("n {} p50 {} p99 {} max {}", next.n, o(next.p50), o(next.p99), o(next.max)),
+        },
+    ]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn percentiles_use_nearest_rank() {
+        assert_eq!(percentile(&[], 50.0), None);
+        assert_eq!(percentile(&[5], 99.0), Some(5));
+        let v: Vec<i64> = (1..=100).collect();
+        assert_eq!(percentile(&v, 50.0), Some(50));
+        assert_eq!(percentile(&v, 99.0), Some(99));
+        assert_eq!(percentile(&v, 100.0), Some(100));
+        let s = Stats::of([30, 10, 20]);
+        assert_eq!((s.n, s.p50, s.p99, s.max), (3, Some(20), Some(30), Some(30)));
+    }
+
+    fn run_with(kills: &[(i64, i64)]) -> RunReport {
+        RunReport {
+            scenario: "s".into(),
+            seed: 1,
+            passed: true,
+            error: None,
+            checks: vec![Check { what: "no wrong result was ever accepted".into(), ok: true, detail: "ok".into() }],
+            faults: kills
+                .iter()
+                .enumerate()
+                .map(|(i, &(e, n))| FaultRecord {
+                    index: i + 1,
+                    kind: "kill".into(),
+                    mid_allreduce: true,
+                    survivors_errors_ms: Some(e),
+                    first_error_ms: Some(e / 2),
+                    next_step_ms: Some(n),
+                    ..Default::default()
+                })
+                .collect(),
+            wall_ms: 1000,
+            log_dir: None,
+            proxy: None,
+        }
+    }
+
+    #[test]
+    fn soak_targets_judge_the_figures() {
+        let good = run_with(&vec![(20, 600); 50]);
+        let t = soak_targets(std::slice::from_ref(&good));
+        assert!(t.iter().all(|c| c.ok), "{t:?}");
+        let mut slow = vec![(20, 600); 50];
+        slow[0] = (500, 600);
+        slow[1] = (20, 5000);
+        let t = soak_targets(&[run_with(&slow)]);
+        assert!(!t[3].ok && !t[4].ok);
+        let few = soak_targets(&[run_with(&[(20, 600); 3])]);
+        assert!(!few[0].ok);
+        let text = render(std::slice::from_ref(&good), &t);
+        assert!(text.contains("kill") && text.contains("MISS"), "{text}");
+        let json = to_json("soak", &[good], &t);
+        assert_eq!(json["stats"][0]["count"], 50);
+    }
+}

@@ -1,0 +1,766 @@
+//! Running a scenario: start the cluster, strike each fault at its moment, wait (bounded)
+//! for the job to react, then check the invariants and measure.
+//!
+//! Every wait is on worker events with a deadline ([`Run::pump`]); the only timed waits are
+//! the faults' own durations (a SIGSTOP lasting 3 s, a blackhole lasting at most 5 s),
+//! which are the schedule of the scenario, not synchronisation. Due timers (SIGCONT,
+//! healing a link, restarting coordinators or etcd, the slow rank's duty cycle) fire while
+//! events are awaited.
+
+use crate::cluster::{Cluster, ClusterConfig, ClusterError, JobSettings, StoreKind, WorkerSpec};
+use crate::demo::Check;
+use crate::events::WorkerEvent;
+use crate::invariants;
+use crate::process::now_ms;
+use crate::proxy::LinkRule;
+use crate::report::{ErrorSeen, FaultRecord, RunReport};
+use crate::scenario::{parse_bytes, Expect, FaultKind, FaultSpec, Scenario, StoreChoice};
+use rand::rngs::StdRng;
+use rand::seq::SliceRandom;
+use rand::{Rng, SeedableRng};
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::PathBuf;
+use std::time::Duration;
+use tokio::time::Instant;
+
+/// How to run.
+#[derive(Clone, Debug, Default)]
+pub struct RunOptions {
+    /// Seed (overrides the scenario's).
+    pub seed: Option<u64>,
+    /// Where this run's logs go (a fresh temp dir if `None`).
+    pub log_dir: Option<PathBuf>,
+    /// Keep the logs of a passing run too.
+    pub keep_logs: bool,
+    /// Print the run's progress.
+    pub verbose: bool,
+}
+
+/// Why a run could not complete.
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    /// Launcher failure or a bounded wait that ran out.
+    #[error(transparent)]
+    Cluster(#[from] ClusterError),
+    /// The scenario cannot be played on this cluster (e.g. a rank beyond the world).
+    #[error("{0}")]
+    Scenario(String),
+}
+
+#[derive(Clone, Debug)]
+enum Action {
+    Signal(String, i32),
+    Heal(Vec<(String, String)>),
+    RestartCoordinators(Vec<usize>),
+    RestartEtcd,
+    SlowStop { worker: String, until: Instant, stop_for: Duration, run_for: Duration },
+    SlowCont { worker: String, until: Instant, stop_for: Duration, run_for: Duration },
+}
+
+/// What the harness knows about the job, from the events.
+#[derive(Default)]
+struct View {
+    members: BTreeMap<i64, BTreeMap<i64, String>>,
+    worlds: BTreeMap<i64, i64>,
+    max_step: i64,
+    last: BTreeMap<String, String>,
+}
+
+impl View {
+    fn see(&mut self, e: &WorkerEvent) {
+        match e.kind.as_str() {
+            "generation" => {
+                let g = e.int("gen").unwrap_or(0);
+                if let (Some(r), Some(w)) = (e.int("rank"), e.int("world")) {
+                    self.members.entry(g).or_default().insert(r, e.worker.clone());
+                    self.worlds.insert(g, w);
+                }
+            }
+            "step" => self.max_step = self.max_step.max(e.int("step").unwrap_or(0)),
+            _ => {}
+        }
+        self.last.insert(e.worker.clone(), e.kind.clone());
+    }
+
+    fn current(&self) -> i64 {
+        self.members.keys().next_back().copied().unwrap_or(0)
+    }
+
+    fn complete(&self, g: i64) -> bool {
+        self.members.get(&g).map(|m| m.len() as i64) == self.worlds.get(&g).copied()
+    }
+}
+
+/// One harness action on a worker, for the no-hang check.
+#[derive(Clone, Debug)]
+struct Signalled {
+    worker: String,
+    signal: i32,
+    at_ms: u64,
+}
+
+struct Run<'a> {
+    sc: &'a Scenario,
+    cluster: Cluster,
+    rng: StdRng,
+    spec: WorkerSpec,
+    timers: Vec<(Instant, Action)>,
+    view: View,
+    signals: Vec<Signalled>,
+    next_worker: u32,
+    run_deadline: Instant,
+    records: Vec<FaultRecord>,
+    killed: BTreeSet<String>,
+    leaving: BTreeSet<String>,
+    stopped: BTreeSet<String>,
+    quiet: Vec<(u64, u64, usize)>,
+    verbose: bool,
+    start_ms: u64,
+}
+
+/// Runs `scenario` once; never panics, always returns a report (with `error` set when the
+/// run could not complete). Every process is gone when it returns.
+///
+/// # Cancel safety
+/// Cancel safe: dropping it kills every process of the run (logs stay in the log dir).
+pub async fn run(scenario: &Scenario, opts: &RunOptions) -> RunReport {
+    let seed = opts.seed.unwrap_or(scenario.seed);
+    let started = std::time::Instant::now();
+    let (log_dir, own_dir) = match &opts.log_dir {
+        Some(d) => (d.clone(), false),
+        None => (std::env::temp_dir().join(format!("cohort-chaos-{}-{}-{}", scenario.name, seed, now_ms())), true),
+    };
+    let mut report = RunReport {
+        scenario: scenario.name.clone(),
+        seed,
+        passed: false,
+        error: None,
+        checks: Vec::new(),
+        faults: Vec::new(),
+        wall_ms: 0,
+        log_dir: Some(log_dir.display().to_string()),
+        proxy: None,
+    };
+    let bound = scenario.timeout.0;
+    match tokio::time::timeout(bound + Duration::from_secs(30), run_inner(scenario, seed, &log_dir, opts.verbose)).await {
+        Ok((records, checks, proxy, error)) => {
+            report.faults = records;
+            report.checks = checks;
+            report.proxy = proxy;
+            report.error = error;
+        }
+        Err(_) => report.error = Some(format!("the run exceeded its bound ({} s) — a hang", bound.as_secs() + 30)),
+    }
+    report.passed = report.error.is_none() && report.checks.iter().all(|c| c.ok);
+    report.wall_ms = started.elapsed().as_millis() as u64;
+    if report.passed && !opts.keep_logs && own_dir {
+        let _ = std::fs::remove_dir_all(&log_dir);
+        report.log_dir = None;
+    }
+    report
+}
+
+type Outcome = (Vec<FaultRecord>, Vec<Check>, Option<crate::proxy::ProxyStats>, Option<String>);
+
+async fn run_inner(sc: &Scenario, seed: u64, log_dir: &std::path::Path, verbose: bool) -> Outcome {
+    let config = ClusterConfig {
+        job: format!("chaos-{}-{seed}", sc.name).replace('_', "-"),
+        store: if sc.store == StoreChoice::Etcd { StoreKind::Etcd } else { StoreKind::Memory },
+        coordinators: sc.coordinators as usize,
+        settings: JobSettings {
+            min_workers: sc.min_workers,
+            max_workers: sc.max_workers,
+            join_window: sc.join_window.0,
+            heartbeat_interval: sc.heartbeat_interval.0,
+            lease_ttl: sc.lease_ttl.0,
+            elastic_timeout: sc.elastic_timeout.0,
+        },
+        log_dir: Some(log_dir.to_path_buf()),
+    };
+    let cluster = match Cluster::start(config).await {
+        Ok(c) => c,
+        Err(e) => return (Vec::new(), Vec::new(), None, Some(format!("starting the cluster: {e}"))),
+    };
+    let spec = WorkerSpec { steps: sc.steps, size: sc.size.clone(), step_interval: sc.step_interval.0, no_progress: sc.no_progress.0 };
+    let mut run = Run {
+        sc,
+        cluster,
+        rng: StdRng::seed_from_u64(seed),
+        spec,
+        timers: Vec::new(),
+        view: View::default(),
+        signals: Vec::new(),
+        next_worker: 0,
+        run_deadline: Instant::now() + sc.timeout.0,
+        records: Vec::new(),
+        killed: BTreeSet::new(),
+        leaving: BTreeSet::new(),
+        stopped: BTreeSet::new(),
+        quiet: Vec::new(),
+        verbose,
+        start_ms: now_ms(),
+    };
+    if sc.needs_proxy() {
+        run.cluster.enable_proxy();
+    }
+    // A generation that includes a member which died before it formed can only fail its
+    // mesh connection; bound that by the job's deadlines rather than the 30 s default.
+    run.cluster.set_connect_timeout(Some((sc.no_progress.0 * 2).max(Duration::from_secs(4))));
+    let error = run.play().await.err().map(|e| e.to_string());
+    // Whatever happened: continue stopped workers, heal links, restart what is down.
+    run.fire_all_timers().await;
+    if let Some(p) = run.cluster.proxy() {
+        p.heal_all();
+    }
+    let left = run.run_deadline.saturating_duration_since(Instant::now()).max(Duration::from_secs(5));
+    let codes = run.cluster.wait_workers(if error.is_some() { Duration::from_secs(3) } else { left }).await;
+    let end_ms = now_ms();
+    let mut checks = run.checks(&codes, end_ms);
+    let crashed = run.cluster.crashed_coordinators();
+    checks.push(Check { what: "no coordinator crashed".into(), ok: crashed.is_empty(), detail: format!("{crashed:?}") });
+    let records = run.measure();
+    let proxy = run.cluster.proxy().map(|p| p.stats());
+    if let Some(p) = run.cluster.proxy() {
+        p.shutdown();
+    }
+    (records, checks, proxy, error)
+}
+
+fn kill_like(kind: FaultKind) -> bool {
+    matches!(kind, FaultKind::Kill | FaultKind::Stop | FaultKind::Term)
+}
+
+impl Run<'_> {
+    fn say(&self, text: impl AsRef<str>) {
+        if self.verbose {
+            println!("[{:>7.3}s] {}: {}", (now_ms() - self.start_ms) as f64 / 1e3, self.sc.name, text.as_ref());
+        }
+    }
+
+    fn new_name(&mut self) -> String {
+        let n = format!("w{}", self.next_worker);
+        self.next_worker += 1;
+        n
+    }
+
+    async fn spawn(&mut self, n: u32) -> Result<Vec<String>, RunError> {
+        let mut names = Vec::new();
+        for _ in 0..n {
+            let name = self.new_name();
+            self.cluster.spawn_worker_proxied(&name, &self.spec).await?;
+            names.push(name);
+        }
+        Ok(names)
+    }
+
+    fn signal(&mut self, worker: &str, signal: i32) {
+        if let Some(at_ms) = self.cluster.signal_worker(worker, signal) {
+            self.signals.push(Signalled { worker: worker.to_string(), signal, at_ms });
+        }
+    }
+
+    async fn fire(&mut self, action: Action) {
+        match action {
+            Action::Signal(w, s) => {
+                self.say(format!("signal {s} to {w}"));
+                self.signal(&w, s);
+                if s == libc::SIGCONT {
+                    self.stopped.remove(&w);
+                }
+            }
+            Action::Heal(pairs) => {
+                if let Some(p) = self.cluster.proxy() {
+                    for (a, b) in &pairs {
+                        p.set_rule(a, b, LinkRule::default());
+                    }
+                }
+                self.say("links healed");
+            }
+            Action::RestartCoordinators(idx) => {
+                for i in idx {
+                    self.say(format!("restarting coordinator {i}"));
+                    if let Err(e) = self.cluster.restart_coordinator(i).await {
+                        tracing::warn!(error = %e, "restarting a coordinator");
+                    }
+                }
+            }
+            Action::RestartEtcd => {
+                self.say("restarting etcd");
+                if let Some(etcd) = self.cluster.etcd() {
+                    if let Err(e) = tokio::task::block_in_place(|| etcd.restart()) {
+                        tracing::warn!(error = %e, "restarting etcd");
+                    }
+                }
+            }
+            Action::SlowStop { worker, until, stop_for, run_for } => {
+                if Instant::now() < until {
+                    self.signal(&worker, libc::SIGSTOP);
+                    self.timers.push((Instant::now() + stop_for, Action::SlowCont { worker, until, stop_for, run_for }));
+                }
+            }
+            Action::SlowCont { worker, until, stop_for, run_for } => {
+                self.signal(&worker, libc::SIGCONT);
+                if Instant::now() + run_for < until {
+                    self.timers.push((Instant::now() + run_for, Action::SlowStop { worker, until, stop_for, run_for }));
+                }
+            }
+        }
+    }
+
+    async fn fire_due(&mut self) {
+        loop {
+            let now = Instant::now();
+            let Some(i) = self.timers.iter().position(|(t, _)| *t <= now) else { return };
+            let (_, a) = self.timers.remove(i);
+            self.fire(a).await;
+        }
+    }
+
+    async fn fire_all_timers(&mut self) {
+        // Duty cycles end at once; everything else fires now (SIGCONT, heal, restarts).
+        let mut guard = 0;
+        while !self.timers.is_empty() && guard < 1000 {
+            guard += 1;
+            let (_, a) = self.timers.remove(0);
+            let a = match a {
+                Action::SlowStop { worker, .. } | Action::SlowCont { worker, .. } => Action::Signal(worker, libc::SIGCONT),
+                other => other,
+            };
+            self.fire(a).await;
+        }
+    }
+
+    /// Waits for an event matching `pred`, up to `bound` (and the run's deadline), firing
+    /// due timers meanwhile.
+    async fn pump(&mut self, what: &str, bound: Duration, mut pred: impl FnMut(&WorkerEvent, &View) -> bool) -> Result<WorkerEvent, RunError> {
+        let deadline = (Instant::now() + bound).min(self.run_deadline);
+        loop {
+            self.fire_due().await;
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(ClusterError::Timeout { what: what.to_string(), after: bound }.into());
+            }
+            let next_timer = self.timers.iter().map(|(t, _)| *t).min().unwrap_or(deadline).min(deadline);
+            let wait = next_timer.saturating_duration_since(now).max(Duration::from_millis(1));
+            if let Some(e) = self.cluster.next_event(wait).await {
+                self.view.see(&e);
+                if pred(&e, &self.view) {
+                    return Ok(e);
+                }
+            }
+        }
+    }
+
+    /// Lets the schedule run until `until` (events recorded, timers fired).
+    async fn pass_time(&mut self, until: Instant) {
+        let _ = self.pump("", until.saturating_duration_since(Instant::now()), |_, _| false).await;
+    }
+
+    async fn play(&mut self) -> Result<(), RunError> {
+        let sc = self.sc;
+        self.spawn(sc.workers).await?;
+        self.say(format!("started {} workers", sc.workers));
+        let n = sc.workers as i64;
+        self.pump("the first generation with every worker", Duration::from_secs(60), |e, _| e.kind == "generation" && e.int("world") == Some(n)).await?;
+        let mut index = 0;
+        for _ in 0..sc.repeat {
+            for f in &sc.faults {
+                index += 1;
+                self.fault(index, f).await?;
+            }
+        }
+        self.say("faults done; running to the end");
+        Ok(())
+    }
+
+    fn ranks_of(&mut self, f: &FaultSpec, g: i64) -> Result<Vec<(i64, String)>, RunError> {
+        let members = self.view.members.get(&g).cloned().unwrap_or_default();
+        let mut chosen: Vec<(i64, String)> = Vec::new();
+        for &r in &f.ranks {
+            match members.get(&(r as i64)) {
+                Some(w) => chosen.push((r as i64, w.clone())),
+                None => return Err(RunError::Scenario(format!("rank {r} is not in generation {g} (world {})", members.len()))),
+            }
+        }
+        let mut rest: Vec<(i64, String)> = members.iter().filter(|(r, _)| !chosen.iter().any(|(c, _)| c == *r)).map(|(r, w)| (*r, w.clone())).collect();
+        rest.shuffle(&mut self.rng);
+        if (f.random_ranks as usize) > rest.len() {
+            return Err(RunError::Scenario(format!("{} random ranks wanted, {} left in generation {g}", f.random_ranks, rest.len())));
+        }
+        chosen.extend(rest.into_iter().take(f.random_ranks as usize));
+        Ok(chosen)
+    }
+
+    async fn fault(&mut self, index: usize, f: &FaultSpec) -> Result<(), RunError> {
+        let sc = self.sc;
+        let settle = f.settle.0;
+        // Arm: the number of steps after the previous fault settled.
+        let steps = match f.after_steps_max {
+            Some(max) => self.rng.random_range(f.after_steps..=max),
+            None => f.after_steps,
+        } as i64;
+        let target_step = self.view.max_step + steps;
+        if steps > 0 {
+            self.pump(&format!("step {target_step} before fault {index}"), settle, |e, _| e.kind == "step" && e.int("step").unwrap_or(0) >= target_step).await?;
+        }
+        let mut g = self.view.current();
+        if !self.view.complete(g) {
+            self.pump("every member's generation event", Duration::from_secs(10), |_, v| v.complete(v.current())).await?;
+            g = self.view.current();
+        }
+        let targets = self.ranks_of(f, g)?;
+        let target_names: Vec<String> = targets.iter().map(|(_, w)| w.clone()).collect();
+        let members: Vec<String> = self.view.members.get(&g).map(|m| m.values().cloned().collect()).unwrap_or_default();
+        let peers: Vec<String> = if f.kind.link() {
+            if f.peers.is_empty() {
+                members.iter().filter(|w| !target_names.contains(w)).cloned().collect()
+            } else {
+                let m = self.view.members.get(&g).cloned().unwrap_or_default();
+                f.peers.iter().filter_map(|r| m.get(&(*r as i64)).cloned()).filter(|w| !target_names.contains(w)).collect()
+            }
+        } else {
+            Vec::new()
+        };
+        if f.kind.link() && peers.is_empty() {
+            return Err(RunError::Scenario(format!("fault {index} ({}): no peers", f.kind.name())));
+        }
+        // Strike mid-allreduce: wait for the first target to announce one.
+        let mut mid = false;
+        if f.mid_allreduce && !targets.is_empty() {
+            let t0 = target_names[0].clone();
+            let gen = g;
+            self.pump(&format!("an allreduce of {t0}"), Duration::from_secs(20), |e, _| e.kind == "allreduce" && e.worker == t0 && e.int("gen") == Some(gen)).await?;
+            mid = true;
+        }
+        let at_ms = now_ms();
+        let world = self.view.worlds.get(&g).copied().unwrap_or(0);
+        let dur = f.duration.map(|d| d.0).unwrap_or(Duration::ZERO);
+        let ranks_text: Vec<String> = targets.iter().map(|(r, w)| format!("{w}(rank {r})")).collect();
+        let mut note = String::new();
+        match f.kind {
+            FaultKind::Kill => {
+                for w in &target_names {
+                    self.signal(w, libc::SIGKILL);
+                    self.killed.insert(w.clone());
+                }
+            }
+            FaultKind::Stop => {
+                for w in &target_names {
+                    self.signal(w, libc::SIGSTOP);
+                    self.stopped.insert(w.clone());
+                    self.timers.push((Instant::now() + dur, Action::Signal(w.clone(), libc::SIGCONT)));
+                }
+            }
+            FaultKind::Term => {
+                for w in &target_names {
+                    self.signal(w, libc::SIGTERM);
+                    self.leaving.insert(w.clone());
+                }
+            }
+            FaultKind::Slow => {
+                let until = Instant::now() + dur;
+                let (stop_for, run_for) = (f.stop_for.map(|d| d.0).unwrap_or_default(), f.run_for.map(|d| d.0).unwrap_or_default());
+                for w in &target_names {
+                    self.fire(Action::SlowStop { worker: w.clone(), until, stop_for, run_for }).await;
+                }
+            }
+            FaultKind::JoinStorm => {
+                let names = self.spawn(f.count).await?;
+                note = format!("joined: {}", names.join(","));
+            }
+            FaultKind::CoordinatorLeaderKill => {
+                let leader = self.cluster.leader_index(Duration::from_secs(3)).await;
+                let i = leader.unwrap_or(0);
+                note = format!("leader coord{i}{}", if leader.is_none() { " (unknown; killed coord0)" } else { "" });
+                self.cluster.kill_coordinator(i).await;
+                self.timers.push((Instant::now() + dur, Action::RestartCoordinators(vec![i])));
+            }
+            FaultKind::CoordinatorsDown => {
+                let all: Vec<usize> = (0..self.cluster.coordinator_count()).collect();
+                for &i in &all {
+                    self.cluster.kill_coordinator(i).await;
+                }
+                self.timers.push((Instant::now() + dur, Action::RestartCoordinators(all)));
+            }
+            FaultKind::EtcdRestart => {
+                if let Some(e) = self.cluster.etcd() {
+                    e.kill();
+                }
+                self.timers.push((Instant::now() + dur, Action::RestartEtcd));
+            }
+            FaultKind::Blackhole | FaultKind::Partition | FaultKind::Latency | FaultKind::Bandwidth | FaultKind::Reset => {
+                let proxy = self.cluster.enable_proxy();
+                let rule = match f.kind {
+                    FaultKind::Latency => LinkRule { latency: f.latency.map(|d| d.0).unwrap_or_default(), ..Default::default() },
+                    FaultKind::Bandwidth => LinkRule { bandwidth: f.bandwidth.as_deref().and_then(|b| parse_bytes(b).ok()), ..Default::default() },
+                    _ => LinkRule { blackhole: true, ..Default::default() },
+                };
+                let mut pairs = Vec::new();
+                for t in &target_names {
+                    for p in &peers {
+                        pairs.push((t.clone(), p.clone()));
+                        if f.kind != FaultKind::Partition {
+                            pairs.push((p.clone(), t.clone()));
+                        }
+                    }
+                }
+                if f.kind == FaultKind::Reset {
+                    let n: usize = target_names.iter().flat_map(|t| peers.iter().map(move |p| (t, p))).map(|(t, p)| proxy.reset_pair(t, p)).sum();
+                    note = format!("{n} connections reset");
+                } else {
+                    for (a, b) in &pairs {
+                        proxy.set_rule(a, b, rule);
+                    }
+                    let heal_at = Instant::now() + if dur.is_zero() { sc.no_progress.0 * 3 } else { dur };
+                    self.timers.push((heal_at, Action::Heal(pairs)));
+                }
+            }
+        }
+        self.say(format!(
+            "fault {index}: {} {} peers [{}] in generation {g} (world {world}) at step {}{} {note}",
+            f.kind.name(),
+            ranks_text.join(","),
+            peers.join(","),
+            self.view.max_step,
+            if mid { ", mid-allreduce" } else { "" }
+        ));
+        self.records.push(FaultRecord {
+            index,
+            kind: f.kind.name().into(),
+            targets: ranks_text,
+            peers: peers.clone(),
+            generation: g,
+            world,
+            step: self.view.max_step,
+            at_ms,
+            mid_allreduce: mid,
+            survivors: if kill_like(f.kind) { members.iter().filter(|w| !target_names.contains(w)).cloned().collect() } else { members.clone() },
+            note,
+            ..Default::default()
+        });
+
+        // Settle.
+        let gen = g;
+        match f.kind {
+            FaultKind::Kill | FaultKind::Stop | FaultKind::Reset | FaultKind::Blackhole | FaultKind::Partition | FaultKind::Term => {
+                if matches!(f.kind, FaultKind::Blackhole | FaultKind::Partition) {
+                    // Heal as soon as a member reports it (the fault was seen); at the
+                    // latest at its duration (the timer set above).
+                    let seen = self.pump("an error after the link fault", sc.no_progress.0 * 3 + Duration::from_secs(5), |e, _| e.kind == "error" && e.int("gen") == Some(gen)).await;
+                    if let Some(pos) = self.timers.iter().position(|(_, a)| matches!(a, Action::Heal(_))) {
+                        let (_, a) = self.timers.remove(pos);
+                        self.fire(a).await;
+                    }
+                    seen?;
+                }
+                if sc.expect == Expect::Fail && f.kind == FaultKind::Kill {
+                    return Ok(());
+                }
+                let cont_at = self.timers.iter().filter(|(_, a)| matches!(a, Action::Signal(_, s) if *s == libc::SIGCONT)).map(|(t, _)| *t).max();
+                self.pump(&format!("the first verified step after fault {index}"), settle, |e, _| e.kind == "step" && e.int("gen").unwrap_or(0) > gen).await?;
+                if let Some(t) = cont_at {
+                    // The hung rank comes back: let its continuation happen, then see it react.
+                    self.pass_time(t).await;
+                    let back: Vec<String> = target_names.clone();
+                    let _ = self
+                        .pump("the continued rank to react", Duration::from_secs(10) + sc.no_progress.0, |e, _| back.contains(&e.worker) && e.kind != "allreduce")
+                        .await;
+                }
+                if f.kind == FaultKind::Kill && f.respawn {
+                    let names = self.spawn(target_names.len() as u32).await?;
+                    let last = names.last().cloned().unwrap_or_default();
+                    self.pump(&format!("replacement {last} to join"), settle, |e, _| e.kind == "step" && e.worker == last).await?;
+                }
+            }
+            FaultKind::JoinStorm => {
+                let want = (world + f.count as i64).min(sc.max_workers as i64);
+                self.pump(&format!("a generation of {want} after the join storm"), settle, |e, _| e.kind == "step" && e.int("world") == Some(want)).await?;
+            }
+            FaultKind::Slow | FaultKind::Latency | FaultKind::Bandwidth | FaultKind::CoordinatorLeaderKill | FaultKind::CoordinatorsDown | FaultKind::EtcdRestart => {
+                let end = Instant::now() + dur;
+                self.pass_time(end).await;
+                self.fire_due().await;
+                let target = self.view.max_step + 3;
+                self.pump(&format!("3 steps after fault {index}"), settle, |e, _| e.kind == "step" && e.int("step").unwrap_or(0) >= target).await?;
+                if matches!(f.kind, FaultKind::Latency | FaultKind::Bandwidth | FaultKind::CoordinatorLeaderKill) {
+                    self.quiet.push((at_ms, now_ms(), index));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Fills the records' measurements from the events.
+    fn measure(&self) -> Vec<FaultRecord> {
+        let events = &self.cluster.events;
+        let mut out = self.records.clone();
+        for r in out.iter_mut() {
+            let at = r.at_ms as i64;
+            let mut errors: Vec<ErrorSeen> = Vec::new();
+            for w in &r.survivors {
+                if let Some(e) = events.iter().find(|e| e.kind == "error" && e.worker == *w && e.int("gen") == Some(r.generation) && e.t_ms() as i64 >= at - 5) {
+                    errors.push(ErrorSeen {
+                        worker: w.clone(),
+                        kind: e.text("kind").unwrap_or("?").into(),
+                        cause: e.text("cause").unwrap_or("").into(),
+                        after_ms: e.t_ms() as i64 - at,
+                    });
+                }
+            }
+            if !errors.is_empty() {
+                let first = errors.iter().map(|e| e.after_ms).min();
+                let last = errors.iter().map(|e| e.after_ms).max();
+                r.first_error_ms = first;
+                if errors.len() == r.survivors.len() {
+                    r.survivors_errors_ms = last;
+                }
+                r.revocation_ms = first.zip(last).map(|(a, b)| b - a);
+            }
+            r.errors = errors;
+            if let Some(e) = events.iter().find(|e| e.kind == "step" && e.int("gen").unwrap_or(0) > r.generation && e.t_ms() as i64 >= at) {
+                r.next_step_ms = Some(e.t_ms() as i64 - at);
+                r.next_generation = e.int("gen");
+            }
+        }
+        out
+    }
+
+    fn checks(&mut self, codes: &BTreeMap<String, Option<i32>>, end_ms: u64) -> Vec<Check> {
+        let sc = self.sc;
+        let events = self.cluster.events.clone();
+        let records = self.measure();
+        let mut checks = vec![invariants::no_wrong_results(&events), invariants::generations_increase(&events), invariants::commits_never_lost(&events)];
+        let bound_ms = (sc.no_progress.0 + Duration::from_secs(3)).as_millis() as u64;
+        checks.push(invariants::no_hang(&events, &self.signal_windows(), bound_ms, end_ms));
+        checks.push(invariants::errors_typed(&events));
+        // Per fault: disruptive ones reach every survivor with the root cause; quiet ones
+        // fail no collective.
+        for r in &records {
+            let kind = r.kind.as_str();
+            let culprits: Vec<String> = r.targets.iter().map(|t| t.split('(').next().unwrap_or("").to_string()).chain(r.peers.iter().cloned()).collect();
+            match kind {
+                "kill" | "stop" => {
+                    if sc.expect == Expect::Fail {
+                        continue;
+                    }
+                    let named = r.errors.iter().filter(|e| culprits.iter().any(|c| e.cause.contains(&format!("worker {c} ")) || e.cause.contains(&format!("worker {c})")) || e.cause.contains(c.as_str()))).count();
+                    checks.push(Check {
+                        what: format!("fault {} ({kind}): every survivor got an error naming the root cause", r.index),
+                        ok: named == r.survivors.len() && !r.survivors.is_empty(),
+                        detail: format!("{named} of {} survivors; causes: {}", r.survivors.len(), causes(r)),
+                    });
+                    checks.push(Check {
+                        what: format!("fault {} ({kind}): the next generation verified a step", r.index),
+                        ok: r.next_step_ms.is_some(),
+                        detail: format!("{} ms", o(r.next_step_ms)),
+                    });
+                }
+                "blackhole" | "partition" | "reset" => {
+                    let named = r.errors.iter().filter(|e| culprits.iter().any(|c| e.cause.contains(c.as_str()))).count();
+                    checks.push(Check {
+                        what: format!("fault {} ({kind}): every member got an error naming an end of the link", r.index),
+                        ok: named == r.survivors.len() && !r.survivors.is_empty(),
+                        detail: format!("{named} of {}; causes: {}", r.survivors.len(), causes(r)),
+                    });
+                    if kind != "reset" {
+                        let limit = (sc.no_progress.0 + sc.step_interval.0 + Duration::from_millis(1000)).as_millis() as i64;
+                        checks.push(Check {
+                            what: format!("fault {} ({kind}): detected within the no-progress deadline ({} ms) + 1 s", r.index, sc.no_progress.0.as_millis()),
+                            ok: r.first_error_ms.is_some_and(|t| t <= limit),
+                            detail: format!("first error after {} ms", o(r.first_error_ms)),
+                        });
+                    }
+                    checks.push(Check {
+                        what: format!("fault {} ({kind}): the next generation verified a step", r.index),
+                        ok: r.next_step_ms.is_some(),
+                        detail: format!("{} ms", o(r.next_step_ms)),
+                    });
+                }
+                _ => {}
+            }
+        }
+        for &(from, to, index) in &self.quiet {
+            let errs: Vec<String> = events
+                .iter()
+                .filter(|e| e.kind == "error" && e.t_ms() >= from && e.t_ms() <= to)
+                .map(|e| format!("{}: {}", e.worker, e.text("cause").unwrap_or("?")))
+                .collect();
+            let kind = records.iter().find(|r| r.index == index).map(|r| r.kind.clone()).unwrap_or_default();
+            checks.push(Check { what: format!("fault {index} ({kind}): no collective failed because of it"), ok: errs.is_empty(), detail: if errs.is_empty() { "none failed".into() } else { errs.join("; ") } });
+        }
+        // How the job ended.
+        match sc.expect {
+            Expect::Finish => {
+                let mut bad = Vec::new();
+                for (w, code) in codes {
+                    if self.killed.contains(w) {
+                        continue;
+                    }
+                    let summary = events.iter().rev().find(|e| e.worker == *w && e.kind == "summary");
+                    let fatal = events.iter().rev().find(|e| e.worker == *w && e.kind == "fatal");
+                    if self.leaving.contains(w) {
+                        if *code != Some(0) || summary.and_then(|s| s.text("left")) != Some("true") {
+                            bad.push(format!("{w} (SIGTERM) exit {code:?} without a graceful leave"));
+                        }
+                    } else if self.signals.iter().any(|s| s.worker == *w && s.signal == libc::SIGSTOP) && *code != Some(0) {
+                        // A hung rank that came back after its exclusion may be refused;
+                        // then it must say why.
+                        if fatal.and_then(|f| f.text("error")).is_none_or(str::is_empty) {
+                            bad.push(format!("{w} (was stopped) exit {code:?} without a reason"));
+                        }
+                    } else if *code != Some(0) || summary.and_then(|s| s.int("final_step")) != Some(sc.steps as i64) {
+                        bad.push(format!(
+                            "{w} exit {code:?} final step {:?}{}",
+                            summary.and_then(|s| s.int("final_step")),
+                            fatal.and_then(|f| f.text("error")).map(|e| format!(": {e}")).unwrap_or_default()
+                        ));
+                    }
+                }
+                checks.push(Check {
+                    what: format!("the job finished: every remaining worker ran all {} steps and exited 0", sc.steps),
+                    ok: bad.is_empty(),
+                    detail: if bad.is_empty() { format!("{} workers", codes.len()) } else { bad.join("; ") },
+                });
+            }
+            Expect::Fail => {
+                let mut bad = Vec::new();
+                for (w, code) in codes {
+                    if self.killed.contains(w) {
+                        continue;
+                    }
+                    let fatal = events.iter().rev().find(|e| e.worker == *w && e.kind == "fatal").and_then(|f| f.text("error")).unwrap_or("");
+                    if *code == Some(0) || !fatal.contains("min_workers") {
+                        bad.push(format!("{w}: exit {code:?}, error {fatal:?}"));
+                    }
+                }
+                checks.push(Check {
+                    what: "the job failed below min_workers, every remaining worker saying why".into(),
+                    ok: bad.is_empty(),
+                    detail: if bad.is_empty() { "every remaining worker failed naming min_workers".into() } else { bad.join("; ") },
+                });
+            }
+        }
+        checks
+    }
+
+    /// Per worker: times it was SIGKILLed or SIGSTOPped by the harness.
+    fn signal_windows(&self) -> BTreeMap<String, Vec<u64>> {
+        let mut m: BTreeMap<String, Vec<u64>> = BTreeMap::new();
+        for s in &self.signals {
+            if s.signal == libc::SIGKILL || s.signal == libc::SIGSTOP {
+                m.entry(s.worker.clone()).or_default().push(s.at_ms);
+            }
+        }
+        m
+    }
+}
+
+fn o(v: Option<i64>) -> String {
+    v.map_or_else(|| "-".into(), |x| x.to_string())
+}
+
+fn causes(r: &FaultRecord) -> String {
+    let mut c: Vec<String> = r.errors.iter().map(|e| format!("{} {}: {}", e.worker, e.kind, e.cause)).collect();
+    c.truncate(4);
+    c.join(" | ")
+}

@@ -1,0 +1,129 @@
+//! `suite` (every scenario, or the quick ones) and `soak` (one scenario, fresh seeds, for a
+//! while), with their reports.
+
+use crate::report::{self, RunReport};
+use crate::runner::{self, RunOptions};
+use crate::scenario::{Scenario, ScenarioError};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+/// The shipped scenarios' directory (`chaos/scenarios`).
+pub fn default_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("scenarios")
+}
+
+/// Finds a scenario: a path to a TOML file, else a name in `dir` (`kills` → `dir/kills.toml`).
+pub fn resolve(name_or_path: &str, dir: &Path) -> Result<Scenario, ScenarioError> {
+    let p = Path::new(name_or_path);
+    if p.is_file() {
+        return Scenario::load(p);
+    }
+    let file = dir.join(format!("{}.toml", name_or_path.trim_end_matches(".toml")));
+    Scenario::load(&file)
+}
+
+/// Every scenario in `dir` (sorted by file name); with `quick`, only those marked quick.
+/// Scenarios whose name starts with `soak` are left to `soak`.
+pub fn load_dir(dir: &Path, quick: bool) -> Result<Vec<Scenario>, ScenarioError> {
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+        .map_err(|source| ScenarioError::Read { path: dir.display().to_string(), source })?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "toml"))
+        .collect();
+    files.sort();
+    let mut out = Vec::new();
+    for f in files {
+        let s = Scenario::load(&f)?;
+        if s.name.starts_with("soak") || (quick && !s.quick) {
+            continue;
+        }
+        out.push(s);
+    }
+    Ok(out)
+}
+
+/// Runs `scenarios` one after the other, printing a line per run.
+///
+/// # Cancel safety
+/// Cancel safe: dropping it kills the current run's processes.
+pub async fn run_all(scenarios: &[Scenario], opts: &RunOptions) -> Vec<RunReport> {
+    let mut reports = Vec::new();
+    for s in scenarios {
+        let t = Instant::now();
+        println!("== {} (seed {}): {}", s.name, opts.seed.unwrap_or(s.seed), s.description);
+        let mut o = opts.clone();
+        o.log_dir = opts.log_dir.as_ref().map(|d| d.join(&s.name));
+        let r = runner::run(s, &o).await;
+        println!(
+            "   {} in {:.1} s{}",
+            if r.passed { "pass" } else { "FAIL" },
+            t.elapsed().as_secs_f64(),
+            r.log_dir.as_ref().map(|d| format!(" (logs: {d})")).unwrap_or_default()
+        );
+        if !r.passed {
+            for c in r.checks.iter().filter(|c| !c.ok) {
+                println!("   FAILED: {} ({})", c.what, c.detail);
+            }
+            if let Some(e) = &r.error {
+                println!("   ERROR: {e}");
+            }
+        }
+        reports.push(r);
+    }
+    reports
+}
+
+/// Runs `scenario` with seeds `seed`, `seed + 1`, ... until `duration` has passed (a run
+/// is never started after that) or `max_runs` runs.
+///
+/// # Cancel safety
+/// Cancel safe, as [`run_all`].
+pub async fn soak(scenario: &Scenario, seed: u64, duration: Duration, max_runs: usize, opts: &RunOptions) -> Vec<RunReport> {
+    let start = Instant::now();
+    let mut reports = Vec::new();
+    let mut kills = 0;
+    while start.elapsed() < duration && reports.len() < max_runs {
+        let mut o = opts.clone();
+        o.seed = Some(seed + reports.len() as u64);
+        o.log_dir = opts.log_dir.as_ref().map(|d| d.join(format!("{}-{}", scenario.name, seed + reports.len() as u64)));
+        let r = runner::run(scenario, &o).await;
+        kills += r.faults.iter().filter(|f| f.kind == "kill").count();
+        println!(
+            "soak run {} (seed {}): {} in {:.1} s, {} faults, {kills} kills so far, {:.0} s elapsed{}",
+            reports.len() + 1,
+            r.seed,
+            if r.passed { "pass" } else { "FAIL" },
+            r.wall_ms as f64 / 1e3,
+            r.faults.len(),
+            start.elapsed().as_secs_f64(),
+            r.log_dir.as_ref().map(|d| format!(" (logs: {d})")).unwrap_or_default()
+        );
+        if !r.passed {
+            for c in r.checks.iter().filter(|c| !c.ok) {
+                println!("   FAILED: {} ({})", c.what, c.detail);
+            }
+            if let Some(e) = &r.error {
+                println!("   ERROR: {e}");
+            }
+        }
+        reports.push(r);
+    }
+    reports
+}
+
+/// Prints the table and writes the JSON report to `json` (if given); returns the table.
+pub fn publish(command: &str, runs: &[RunReport], targets: &[crate::demo::Check], json: Option<&Path>) -> String {
+    let table = report::render(runs, targets);
+    println!("\n{table}");
+    if let Some(path) = json {
+        let doc = report::to_json(command, runs, targets);
+        match serde_json::to_string_pretty(&doc) {
+            Ok(text) => match std::fs::write(path, text) {
+                Ok(()) => println!("JSON report: {}", path.display()),
+                Err(e) => eprintln!("cohort-chaos: writing {}: {e}", path.display()),
+            },
+            Err(e) => eprintln!("cohort-chaos: encoding the report: {e}"),
+        }
+    }
+    table
+}

@@ -1,0 +1,322 @@
+//! A local rehearsal of what deploy/ (the Kubernetes manifests) does, with real processes.
+//!
+//! - Three coordinator replicas on one real etcd (the launcher starts etcd on a free
+//!   loopback port), as the prod overlay runs them.
+//! - The workers are the pods of the `cohort-worker` StatefulSet: named by ordinal
+//!   (`cohort-worker-0`, ...; the manifests pass `--worker-id $(POD_NAME)`), started in
+//!   parallel on scale-up (`podManagementPolicy: Parallel`), and on scale-down the highest
+//!   ordinals get SIGTERM at once and SIGKILL if still alive after the grace period
+//!   (`terminationGracePeriodSeconds`).
+//! - `kubectl scale` 4 -> 6 -> 3 while the job runs, and in between the coordinator
+//!   "upgrade" (deploy/README.md, section 8): every replica restarted, one at a time, the
+//!   leader first, while the job keeps stepping.
+//!
+//! What must hold: every step's allreduce verified (no `event=wrong_result`), no failure at
+//! all (no `event=error`: scale-up is cooperative, scale-down is a graceful leave, and a
+//! coordinator restart is invisible to the job), the leavers leave gracefully and exit 0,
+//! the remaining three finish every step and exit 0, and `cohort-coordinator status` (the
+//! README's command) shows the members and a leader that changes when the leader goes.
+//! Every wait is bounded; nothing sleeps to synchronise.
+
+use cohort_chaos::binaries::Binaries;
+use cohort_chaos::cluster::{Cluster, ClusterConfig, JobSettings, StoreKind, WorkerSpec};
+use cohort_chaos::events::WorkerEvent;
+use cohort_chaos::invariants;
+use cohort_integration_tests::{check, of};
+use cohort_chaos::process::now_ms;
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
+
+/// The whole rehearsal (normally about 30 s on two cores).
+const BOUND: Duration = Duration::from_secs(170);
+/// A single phase (formation, a number of steps, a restart).
+const PHASE: Duration = Duration::from_secs(40);
+/// The pods' terminationGracePeriodSeconds, scaled down (the manifests say 60 s; a leave
+/// takes one step and a coordinator call).
+const GRACE: Duration = Duration::from_secs(30);
+/// Steps of the job. Enough for the scenario to happen mid-job on a fast machine (it is
+/// checked before the scale-down), few enough that the last three finish soon after.
+const STEPS: u64 = 500;
+const JOB: &str = "k8s-rehearsal";
+
+/// Pod name of StatefulSet ordinal `i`.
+fn pod(i: usize) -> String {
+    format!("cohort-worker-{i}")
+}
+
+/// The `cohort-worker` StatefulSet: `replicas` pods, ordinals 0..replicas.
+struct StatefulSet {
+    replicas: usize,
+    spec: WorkerSpec,
+}
+
+/// What one scale-down did to one pod.
+#[derive(Debug)]
+struct Termination {
+    pod: String,
+    /// It exited within the grace period (printed its summary or a fatal error).
+    in_grace: bool,
+}
+
+impl StatefulSet {
+    /// `kubectl scale --replicas=n` for n above the current size: the new ordinals start in
+    /// parallel.
+    fn scale_up(&mut self, cluster: &mut Cluster, n: usize) {
+        assert!(n > self.replicas);
+        for i in self.replicas..n {
+            cluster.spawn_worker(&pod(i), &self.spec).expect("start pod");
+        }
+        self.replicas = n;
+    }
+
+    /// `kubectl scale --replicas=n` for n below the current size: the highest ordinals get
+    /// SIGTERM at once; each still alive after `grace` gets SIGKILL, as the kubelet does.
+    async fn scale_down(&mut self, cluster: &mut Cluster, n: usize, grace: Duration) -> Vec<Termination> {
+        assert!(n < self.replicas);
+        let leaving: Vec<String> = (n..self.replicas).rev().map(pod).collect();
+        let seen_before = cluster.events.len();
+        for p in &leaving {
+            cluster.signal_worker(p, libc::SIGTERM).expect("SIGTERM a pod");
+        }
+        let exited = |e: &WorkerEvent| e.kind == "summary" || e.kind == "fatal";
+        let mut pending: BTreeSet<String> = leaving.iter().cloned().collect();
+        for e in &cluster.events[seen_before..] {
+            if exited(e) {
+                pending.remove(&e.worker);
+            }
+        }
+        let deadline = tokio::time::Instant::now() + grace;
+        while !pending.is_empty() {
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            match cluster.wait_for("the terminated pods to exit", left, |e| exited(e) && pending.contains(&e.worker)).await {
+                Ok(e) => {
+                    pending.remove(&e.worker);
+                }
+                Err(_) => break,
+            }
+        }
+        for p in &pending {
+            cluster.signal_worker(p, libc::SIGKILL);
+        }
+        self.replicas = n;
+        leaving.into_iter().map(|p| Termination { in_grace: !pending.contains(&p), pod: p }).collect()
+    }
+}
+
+/// `cohort-coordinator status` against the replicas, as deploy/README.md runs it.
+async fn status(bins: &Binaries, cluster: &Cluster) -> Result<String, String> {
+    let mut cmd = tokio::process::Command::new(&bins.coordinator);
+    cmd.args(["status", "--job", JOB, "--endpoints", &cluster.endpoints(), "--timeout", "2s"])
+        .arg("--token-file")
+        .arg(cluster.log_dir().join("token"))
+        .kill_on_drop(true);
+    let out = tokio::time::timeout(Duration::from_secs(10), cmd.output())
+        .await
+        .map_err(|_| "status took more than 10 s".to_string())?
+        .map_err(|e| format!("running status: {e}"))?;
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    if out.status.success() {
+        Ok(stdout)
+    } else {
+        Err(format!("status failed ({}): {}{}", out.status, stdout, String::from_utf8_lossy(&out.stderr)))
+    }
+}
+
+/// The leader that `status` names, if any.
+fn leader_of(status: &str) -> Option<String> {
+    let name = status.lines().find_map(|l| l.strip_prefix("leader: "))?.trim();
+    (name != "(none)").then(|| name.to_string())
+}
+
+/// Polls `status` (bounded) until it names a leader other than `not`; returns it.
+async fn wait_for_leader(bins: &Binaries, cluster: &Cluster, not: Option<&str>, within: Duration) -> String {
+    let mut last = String::new();
+    let result = tokio::time::timeout(within, async {
+        let mut tick = tokio::time::interval(Duration::from_millis(250));
+        loop {
+            tick.tick().await;
+            match status(bins, cluster).await {
+                Ok(s) => {
+                    if let Some(l) = leader_of(&s).filter(|l| Some(l.as_str()) != not) {
+                        return l;
+                    }
+                    last = s;
+                }
+                Err(e) => last = e,
+            }
+        }
+    })
+    .await;
+    result.unwrap_or_else(|_| panic!("no new leader within {within:?} (not {not:?}); last status:\n{last}"))
+}
+
+/// The index of the replica a leader name stands for: the launcher's `--name coord<i>`, or
+/// the default name `host/pid/address`.
+fn replica_index(cluster: &Cluster, leader: &str) -> usize {
+    let endpoints = cluster.endpoints();
+    endpoints
+        .split(',')
+        .enumerate()
+        .position(|(i, e)| {
+            let named = format!("coord{i}");
+            leader == named || leader.starts_with(&format!("{named}/")) || leader.ends_with(&format!("/{}", e.trim_start_matches("http://")))
+        })
+        .unwrap_or_else(|| panic!("leader {leader:?} is none of the replicas {endpoints}"))
+}
+
+/// Highest step any worker has reported so far.
+fn max_step(events: &[WorkerEvent]) -> i64 {
+    events.iter().filter(|e| e.kind == "step").filter_map(|e| e.int("step")).max().unwrap_or(0)
+}
+
+/// Waits until every worker in `pods` has reported `n` steps in a generation of `world`
+/// members, counting only steps taken at or after `since_ms` (ms since the epoch).
+async fn wait_steps(cluster: &mut Cluster, pods: &[String], world: i64, since_ms: u64, n: usize, what: &str) {
+    let counts = |e: &WorkerEvent| e.kind == "step" && e.int("world") == Some(world) && e.t_ms() >= since_ms;
+    let mut seen: BTreeMap<String, usize> = pods.iter().map(|p| (p.clone(), 0)).collect();
+    for e in &cluster.events {
+        if counts(e) {
+            if let Some(c) = seen.get_mut(&e.worker) {
+                *c += 1;
+            }
+        }
+    }
+    let deadline = tokio::time::Instant::now() + PHASE;
+    while seen.values().any(|&c| c < n) {
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        match cluster.wait_for(what, left, |e| counts(e) && seen.contains_key(&e.worker)).await {
+            Ok(e) => {
+                if let Some(c) = seen.get_mut(&e.worker) {
+                    *c += 1;
+                }
+            }
+            Err(err) => check(false, &format!("{err} (steps so far: {seen:?})"), &cluster.events),
+        }
+    }
+}
+
+async fn rehearsal() {
+    let config = ClusterConfig {
+        job: JOB.into(),
+        store: StoreKind::Etcd,
+        coordinators: 3,
+        // The dev overlay's job limits with test-sized timers; the lease TTL leaves a
+        // restarted replica's clients time to fail over to another replica.
+        settings: JobSettings {
+            min_workers: 2,
+            max_workers: 8,
+            join_window: Duration::from_millis(300),
+            heartbeat_interval: Duration::from_millis(200),
+            lease_ttl: Duration::from_secs(4),
+            elastic_timeout: Duration::from_secs(30),
+        },
+        // COHORT_TEST_LOG_DIR keeps the processes' logs (default: a temporary directory).
+        log_dir: std::env::var_os("COHORT_TEST_LOG_DIR").map(|d| std::path::PathBuf::from(d).join(JOB)),
+    };
+    let mut cluster = Cluster::start(config).await.expect("etcd and three coordinator replicas");
+    let bins = Binaries::locate().expect("binaries");
+    let mut sts = StatefulSet {
+        replicas: 0,
+        spec: WorkerSpec { steps: STEPS, size: "256K".into(), step_interval: Duration::from_millis(15), no_progress: Duration::from_secs(5) },
+    };
+    let all: Vec<String> = (0..6).map(pod).collect();
+    let started = std::time::Instant::now();
+    let phase = |what: &str, events: &[WorkerEvent]| eprintln!("[{:>5.1}s] step {:>3}: {what}", started.elapsed().as_secs_f64(), max_step(events));
+    eprintln!("logs: {}", cluster.log_dir().display());
+
+    // kubectl apply: 4 pods.
+    sts.scale_up(&mut cluster, 4);
+    wait_steps(&mut cluster, &all[..4], 4, 0, 5, "4 pods to form a generation and step").await;
+    phase("4 pods stepping", &cluster.events);
+
+    // kubectl scale --replicas=6: two joiners, taken in at the next commit point.
+    let before_join = max_step(&cluster.events);
+    sts.scale_up(&mut cluster, 6);
+    wait_steps(&mut cluster, &all, 6, 0, 5, "6 pods to step together").await;
+    for p in &all[4..] {
+        let restored = of(&cluster.events, p, "restored").next().map(|e| e.int("step").unwrap_or(-1)).unwrap_or(-1);
+        check(restored >= before_join, &format!("joiner {p} restored step {restored}, not the committed state"), &cluster.events);
+    }
+    let s = status(&bins, &cluster).await.expect("status");
+    for p in &all {
+        check(s.contains(p.as_str()), &format!("status does not list {p}:\n{s}"), &cluster.events);
+    }
+    check(s.contains("(6 members"), &format!("status does not show a generation of 6:\n{s}"), &cluster.events);
+    phase("6 pods stepping, status lists them", &cluster.events);
+
+    // The coordinator upgrade: every replica replaced, one at a time, the leader first.
+    // The leader is killed (SIGKILL, harsher than Kubernetes' preStop + SIGTERM) and stays
+    // down until another replica has taken over and the job has gone on without it; then
+    // it comes back on its address and the others are restarted (SIGKILL + start) in turn.
+    let first_leader = wait_for_leader(&bins, &cluster, None, PHASE).await;
+    let leader_index = replica_index(&cluster, &first_leader);
+    phase(&format!("killing the leader {first_leader}"), &cluster.events);
+    let killed_at = now_ms();
+    cluster.kill_coordinator(leader_index).await;
+    wait_steps(&mut cluster, &all, 6, killed_at, 5, "the job to go on after the leader was killed").await;
+    let new_leader = wait_for_leader(&bins, &cluster, Some(&first_leader), PHASE).await;
+    check(replica_index(&cluster, &new_leader) != leader_index, "the killed replica still leads", &cluster.events);
+    phase(&format!("{new_leader} took over; restarting the old leader's replica"), &cluster.events);
+    cluster.restart_coordinator(leader_index).await.expect("bring the old leader's replica back");
+    for i in (0..cluster.coordinator_count()).filter(|&i| i != leader_index) {
+        let restarted_at = now_ms();
+        cluster.restart_coordinator(i).await.expect("restart a coordinator replica");
+        wait_steps(&mut cluster, &all, 6, restarted_at, 5, "the job to go on while a coordinator restarts").await;
+        phase(&format!("replica {i} restarted"), &cluster.events);
+    }
+    let leader = wait_for_leader(&bins, &cluster, None, PHASE).await;
+    phase(&format!("upgrade done, leader {leader}"), &cluster.events);
+    let before_scale_down = max_step(&cluster.events);
+    check(
+        before_scale_down + 50 < STEPS as i64,
+        &format!("the job ran too fast (step {before_scale_down} of {STEPS} before the scale-down): raise STEPS"),
+        &cluster.events,
+    );
+
+    // kubectl scale --replicas=3: ordinals 5, 4, 3 get SIGTERM (SIGKILL after the grace).
+    let terminations = sts.scale_down(&mut cluster, 3, GRACE).await;
+    phase(&format!("scaled down: {terminations:?}"), &cluster.events);
+    for t in &terminations {
+        check(t.in_grace, &format!("{} was still running after the grace period and got SIGKILL", t.pod), &cluster.events);
+    }
+    wait_steps(&mut cluster, &all[..3], 3, 0, 5, "the remaining 3 pods to step").await;
+    let s = status(&bins, &cluster).await.expect("status");
+    check(s.contains("(3 members"), &format!("status does not show a generation of 3:\n{s}"), &cluster.events);
+    phase("3 pods stepping", &cluster.events);
+    let codes = cluster.wait_workers(Duration::from_secs(90)).await;
+    phase(&format!("all exited: {codes:?}"), &cluster.events);
+    let events = &cluster.events;
+    for t in &terminations {
+        check(of(events, &t.pod, "sigterm").next().is_some(), &format!("{} did not see its SIGTERM", t.pod), events);
+        let finished_first = of(events, &t.pod, "finished").next().is_some();
+        check(
+            of(events, &t.pod, "leave").next().is_some(),
+            &format!("{} did not leave gracefully{}", t.pod, if finished_first { " (the job had finished before the scale-down: raise STEPS)" } else { "" }),
+            events,
+        );
+        let summary = of(events, &t.pod, "summary").last();
+        check(summary.and_then(|s| s.text("left")) == Some("true"), &format!("{} has no summary with left=true", t.pod), events);
+    }
+    for p in &all[..3] {
+        let summary = of(events, p, "summary").last();
+        check(summary.and_then(|s| s.int("final_step")) == Some(STEPS as i64), &format!("{p} did not finish all {STEPS} steps"), events);
+        check(of(events, p, "generation").any(|e| e.int("world") == Some(3)), &format!("{p} never stepped in the generation of 3"), events);
+    }
+    for (w, code) in &codes {
+        check(*code == Some(0), &format!("{w} exited {code:?}"), events);
+    }
+    let errors: Vec<String> = events.iter().filter(|e| e.kind == "error" || e.kind == "fatal").map(|e| format!("{} {:?}", e.worker, e.fields)).collect();
+    check(errors.is_empty(), &format!("scaling and coordinator restarts must not cause failures: {errors:?}"), events);
+    for p in &all {
+        let failures = of(events, p, "summary").last().and_then(|s| s.int("failures"));
+        check(failures == Some(0), &format!("{p} recorded failures: {failures:?}"), events);
+    }
+    for c in [invariants::no_wrong_results(events), invariants::generations_increase(events), invariants::commits_never_lost(events)] {
+        check(c.ok, &format!("{}: {}", c.what, c.detail), events);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn statefulset_scaling_and_coordinator_upgrade_keep_the_job_verified() {
+    tokio::time::timeout(BOUND, rehearsal()).await.expect("rehearsal bound");
+}
