@@ -19,6 +19,13 @@ bash scripts/validate-deploy.sh --require-cli
 echo "== tests"
 cargo test --workspace --locked -- --test-threads="${COHORT_TEST_THREADS:-2}"
 
+# The chaos suite, quick: real coordinator and worker processes (release build), every fault
+# kind once (kills mid-allreduce, hangs, network faults through the proxy, coordinator and
+# etcd loss, joins and leaves, below min_workers), every invariant checked.
+echo "== chaos suite --quick"
+cargo build --release --locked -p cohort-chaos -p cohort -p cohort-coordinator
+target/release/cohort-chaos suite --quick --json target/chaos-quick.json
+
 # The RDMA transport (feature `rdma`): its device-free tests run everywhere; the device
 # tests run when a device is present and otherwise say, visibly, that they were skipped.
 echo "== rdma feature"

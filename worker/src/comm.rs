@@ -29,12 +29,19 @@ pub struct CommConfig {
     /// BCube group size; `None` uses the world size's prime factors (see
     /// [`crate::collectives::bcube::factorize`]).
     pub bcube_base: Option<u32>,
+    /// Whether a failed call aborts the transport at once, closing every link so that peers
+    /// waiting on this rank fail promptly too. The default (`true`) suits a communicator on
+    /// its own. The elastic runtime sets `false`: it reports the failure to the coordinator
+    /// first and closes the links after (through the [`Revoker`]), so that peers learn the
+    /// root cause from the revocation instead of blaming this rank for its closed links.
+    pub abort_transport_on_error: bool,
 }
 
 impl Default for CommConfig {
-    /// `Auto` algorithm, 1 MiB segments, no whole-op bound, prime-factor BCube groups.
+    /// `Auto` algorithm, 1 MiB segments, no whole-op bound, prime-factor BCube groups, abort
+    /// the transport on error.
     fn default() -> Self {
-        Self { algorithm: Algorithm::Auto, segment_bytes: 1 << 20, op_timeout: None, bcube_base: None }
+        Self { algorithm: Algorithm::Auto, segment_bytes: 1 << 20, op_timeout: None, bcube_base: None, abort_transport_on_error: true }
     }
 }
 
@@ -219,8 +226,9 @@ struct Started<T: Transport> {
 ///   of a broadcast, cannot be seen; peers still waiting fail by deadline or when this
 ///   communicator aborts.)
 /// - A call either succeeds on this rank with the complete result, or returns an error. After
-///   any error the communicator is poisoned: it aborts its transport (so peers stop waiting on
-///   it at once) and every later call returns the same error. A revoked communicator refuses
+///   any error the communicator is poisoned: every later call returns the same error, and
+///   (unless [`CommConfig::abort_transport_on_error`] is off) it aborts its transport so that
+///   peers stop waiting on it at once. A revoked communicator refuses
 ///   everything with [`CommError::Revoked`]; once revoked, every failure is reported as
 ///   `Revoked` with the revoker's root cause.
 /// - World size 1: every collective is a local copy or nothing. Zero elements: no messages.
@@ -339,11 +347,14 @@ impl<T: Transport> Communicator<T> {
         }
     }
 
-    /// Poisons the communicator with `err` and aborts the transport.
+    /// Poisons the communicator with `err` and, unless configured otherwise
+    /// ([`CommConfig::abort_transport_on_error`]), aborts the transport.
     fn poison(&mut self, err: CommError) -> CommError {
         tracing::debug!(generation = self.generation, rank = self.rank, error = %err, "communicator poisoned");
         self.poisoned = Some(err.clone());
-        self.transport.abort(AbortReason::new(format!("rank {} communicator failed: {err}", self.rank)));
+        if self.config.abort_transport_on_error {
+            self.transport.abort(AbortReason::new(format!("rank {} communicator failed: {err}", self.rank)));
+        }
         err
     }
 

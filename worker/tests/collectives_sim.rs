@@ -214,6 +214,47 @@ async fn crash_mid_allreduce_fails_every_survivor_promptly() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn report_first_mode_leaves_ranks_away_from_a_crash_waiting_for_the_revocation() {
+    // The elastic runtime's mode: a failed call does not close this rank's other links, so
+    // ranks that are not next to the crashed one never blame a healthy survivor; they wait
+    // (well within the no-progress deadline) until the revocation names the root cause.
+    let config = CommConfig { segment_bytes: 1024, abort_transport_on_error: false, ..CommConfig::default() };
+    let (net, comms) = world(6, &config, NO_PROGRESS.as_millis() as u64);
+    for p in [0, 1, 3, 4, 5] {
+        net.delay(2, p, Duration::from_millis(20));
+    }
+    let revokers: Vec<_> = comms.iter().map(|c| c.revoker()).collect();
+    let mut handles: Vec<_> = comms.into_iter().map(|c| Some(spawn_allreduce(c, 100_000))).collect();
+    tokio::time::sleep(Duration::from_millis(30)).await;
+    net.crash(2);
+    // The ring neighbours of rank 2 see it die and fail, naming it.
+    for rank in [1usize, 3] {
+        let (r, _c, elapsed) = timeout(LIMIT, handles[rank].take().unwrap()).await.unwrap().unwrap();
+        assert!(elapsed < NO_PROGRESS, "rank {rank}: {elapsed:?}");
+        match r {
+            Err(CommError::PeerFailed { rank: 2, .. }) => {}
+            other => panic!("rank {rank} must name rank 2: {other:?}"),
+        }
+    }
+    // Well before any deadline, the others are still waiting: nobody blamed rank 1 or 3.
+    tokio::time::sleep(NO_PROGRESS / 2).await;
+    for rank in [0usize, 4, 5] {
+        assert!(!handles[rank].as_ref().unwrap().is_finished(), "rank {rank} failed before the revocation");
+    }
+    let cause = RootCause { rank: Some(2), worker_id: "w2".into(), host: "h".into(), reason: "peer closed".into() };
+    for r in &revokers {
+        r.revoke(cause.clone());
+    }
+    for rank in [0usize, 4, 5] {
+        let (r, _c, _) = timeout(LIMIT, handles[rank].take().unwrap()).await.unwrap().unwrap();
+        match r {
+            Err(CommError::Revoked { cause: got, .. }) => assert_eq!(got, cause, "rank {rank}"),
+            other => panic!("rank {rank}: expected Revoked, got {other:?}"),
+        }
+    }
+}
+
+#[tokio::test(start_paused = true)]
 async fn stalled_link_times_out_at_the_deadline() {
     let (net, comms) = world(3, &CommConfig::default(), NO_PROGRESS.as_millis() as u64);
     net.stall(0, 1);

@@ -23,6 +23,10 @@
 //! bytes move, so a large transfer over a slow link is fine as long as it keeps moving.
 //! Any failure marks the link broken (first error wins), shuts the socket down so the peer
 //! notices at once, and makes every later operation on the link fail fast with that error.
+//! The exception is an operation dropped part-way through a frame (a collective abandoning a
+//! send because another link failed): that link is marked broken but left open, so the peer
+//! does not take this rank for the failed one; it closes when the transport is aborted or
+//! dropped.
 //! (The descriptor itself closes when the transport is dropped; until then a peer that only
 //! writes to a broken link sees its writes stall and fails on its own no-progress deadline,
 //! while a peer that reads sees end-of-stream at once.)
@@ -234,7 +238,12 @@ struct Poison<'a> {
 impl Drop for Poison<'_> {
     fn drop(&mut self) {
         if self.armed {
-            self.link.fail(TransportError::Aborted(AbortReason::new(
+            // The link is mid-frame and unusable, but the socket stays open: the peer did
+            // nothing wrong, and closing now would make it blame this rank for a failure
+            // elsewhere (this happens when a collective drops its send because its receive
+            // from another peer failed). The socket closes when the transport is aborted
+            // or dropped, which the caller does after it has reported the real failure.
+            self.link.break_quietly(TransportError::Aborted(AbortReason::new(
                 "an operation on this link was cancelled part-way through a frame",
             )));
         }
@@ -328,6 +337,16 @@ impl Link {
             self.stash_changed.notify_waiters();
         }
         err
+    }
+
+    /// Marks the link broken with `err` (unless it already is) without shutting the socket
+    /// down, and wakes receivers waiting on the stash.
+    fn break_quietly(&self, err: TransportError) {
+        if self.broken.set(err.clone()).is_ok() {
+            self.span
+                .in_scope(|| tracing::debug!(peer = self.peer, error = %err, "tcp link unusable (left open)"));
+            self.stash_changed.notify_waiters();
+        }
     }
 
     /// Shuts the socket down in both directions without waiting for the peer.

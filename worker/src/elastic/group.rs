@@ -2,7 +2,7 @@
 
 use super::{ElasticConfig, ElasticError};
 use crate::control::ControlClient;
-use crate::{CommError, Communicator, Revoker, RootCause};
+use crate::{CommConfig, CommError, Communicator, Revoker, RootCause};
 use cohort_proto::v1::{self as pb, job_event, job_ended, rendezvous_response};
 use cohort_transports::tcp::{MeshSpec, TcpEndpoint, TcpTransport};
 use std::net::SocketAddr;
@@ -314,7 +314,16 @@ impl ElasticGroup {
         };
         self.set_progress(number, 0, "connecting");
         let started = Instant::now();
-        let transport = match self.endpoint.connect_mesh(spec).instrument(span.clone()).await {
+        // The generation may be revoked while its mesh connects (a member died before it
+        // dialled): stop at once rather than wait out the connect deadline.
+        let connected = tokio::select! {
+            r = self.endpoint.connect_mesh(spec).instrument(span.clone()) => r,
+            cause = revoked_or_ended(&self.shared, number) => {
+                info!(parent: &span, %cause, "generation revoked while connecting; re-forming");
+                return Ok(None);
+            }
+        };
+        let transport = match connected {
             Ok(t) => t,
             Err(e) => {
                 warn!(parent: &span, error = %e, "mesh connection failed; reporting and re-forming");
@@ -331,7 +340,11 @@ impl ElasticGroup {
             }
         };
         debug!(parent: &span, rank, elapsed_ms = started.elapsed().as_millis() as u64, "mesh connected");
-        let comm = Communicator::new(Arc::new(transport), self.config.comm.clone());
+        // Report first, close after: a failed collective leaves the links open until the
+        // coordinator has the root cause (on_failure revokes, which aborts the transport), so
+        // no peer blames this rank for links it closed because another rank died.
+        let comm_config = CommConfig { abort_transport_on_error: false, ..self.config.comm.clone() };
+        let comm = Communicator::new(Arc::new(transport), comm_config);
         {
             let mut current = self.shared.current.lock().unwrap_or_else(|e| e.into_inner());
             *current = Some((number, comm.revoker()));
@@ -381,10 +394,22 @@ impl ElasticGroup {
             }
             Ok(Err(e)) => {
                 warn!(error = %e, "could not report the failure; using the local error as the cause");
-                RootCause { rank: failed_rank, worker_id: String::new(), host: String::new(), reason: error.to_string() }
+                self.revoke_locally(generation, failed_rank, error)
             }
-            Err(_) => RootCause { rank: failed_rank, worker_id: String::new(), host: String::new(), reason: error.to_string() },
+            Err(_) => {
+                warn!("no answer to the failure report in time; using the local error as the cause");
+                self.revoke_locally(generation, failed_rank, error)
+            }
         }
+    }
+
+    /// Without the coordinator's record, the local error is the cause; revoking with it
+    /// closes the generation's links (which stayed open for the report) so that peers stop
+    /// waiting on this rank.
+    fn revoke_locally(&self, generation: u64, failed_rank: Option<u32>, error: &CommError) -> RootCause {
+        let cause = RootCause { rank: failed_rank, worker_id: String::new(), host: String::new(), reason: error.to_string() };
+        self.shared.revoke(generation, cause.clone());
+        cause
     }
 
     /// Reports a commit point (step and state digest) to the coordinator; answers whether a
@@ -558,6 +583,26 @@ async fn watch_task(client: ControlClient, shared: Arc<Shared>, job: String, wor
     }
 }
 
+/// Resolves once `generation` is revoked (with its cause) or the job has ended.
+///
+/// # Cancel safety
+/// Cancel safe: it only waits.
+async fn revoked_or_ended(shared: &Shared, generation: u64) -> RootCause {
+    loop {
+        // Register for the wake-up before looking, so that a revocation in between is seen.
+        let notified = shared.revoked_changed.notified();
+        tokio::pin!(notified);
+        notified.as_mut().enable();
+        if let Some(cause) = shared.cause_of(generation) {
+            return cause;
+        }
+        if let Some((_, reason)) = shared.ended.lock().unwrap_or_else(|e| e.into_inner()).clone() {
+            return RootCause::reason(format!("job ended: {reason}"));
+        }
+        notified.await;
+    }
+}
+
 fn apply_event(shared: &Shared, event: pb::JobEvent) {
     match event.event {
         Some(job_event::Event::GenerationRevoked(revoked)) => {
@@ -568,6 +613,7 @@ fn apply_event(shared: &Shared, event: pb::JobEvent) {
         Some(job_event::Event::ReformationPending(_)) => shared.reformation_pending.store(true, Ordering::SeqCst),
         Some(job_event::Event::JobEnded(ended)) => {
             *shared.ended.lock().unwrap_or_else(|e| e.into_inner()) = Some(ended_from_pb(ended));
+            shared.revoked_changed.notify_waiters();
             // Wake a rank blocked in a collective of a job that is over.
             let current = shared.current.lock().unwrap_or_else(|e| e.into_inner()).clone();
             if let Some((_, revoker)) = current {
