@@ -194,7 +194,7 @@ pub async fn run<E: ExactElement>(
 
             // Commit point: report, then agree with every rank on whether to re-form here.
             group.set_progress(g, step, "commit");
-            let pending = group.commit(g, step, &checkpoint.digest()).await?;
+            let pending = group.commit(g, step, &checkpoint.digest());
             let mut flags = [u8::from(pending), u8::from(leaving.load(Ordering::SeqCst))];
             if let Err(e) = generation.comm.allreduce(&mut flags, ReduceOp::Max).await {
                 let cause = group.on_failure(g, &e).await;

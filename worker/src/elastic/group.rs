@@ -119,6 +119,8 @@ pub struct ElasticGroup {
     tasks: Vec<JoinHandle<()>>,
     heartbeat_interval: Duration,
     last_generation: u64,
+    /// The newest commit report, sent by the commit task (older unsent ones are superseded).
+    commits: tokio::sync::watch::Sender<Option<pb::CommitRequest>>,
 }
 
 impl Drop for ElasticGroup {
@@ -158,8 +160,10 @@ impl ElasticGroup {
             tasks: Vec::new(),
             heartbeat_interval: Duration::from_millis(500),
             last_generation: 0,
+            commits: tokio::sync::watch::channel(None).0,
         };
         group.register().await?;
+        group.tasks.push(tokio::spawn(commit_task(group.client.clone(), group.shared.clone(), group.commits.subscribe())));
         group.tasks.push(tokio::spawn(watch_task(
             group.client.clone(),
             group.shared.clone(),
@@ -412,31 +416,23 @@ impl ElasticGroup {
         cause
     }
 
-    /// Reports a commit point (step and state digest) to the coordinator; answers whether a
-    /// re-formation is pending (joiners waiting).
+    /// Records a commit point (step and state digest) for the coordinator and answers whether
+    /// a re-formation is pending (joiners waiting), as far as this worker has heard.
     ///
-    /// # Cancel safety
-    /// Cancel safe (commit reports are idempotent).
-    pub async fn commit(&self, generation: u64, step: u64, digest: &[u8]) -> Result<bool, ElasticError> {
-        let response = self
-            .client
-            .commit(pb::CommitRequest {
-                job: self.config.job.clone(),
-                worker_id: self.config.worker_id.clone(),
-                incarnation: self.incarnation(),
-                generation,
-                step,
-                digest: digest.to_vec(),
-            })
-            .await;
-        match response {
-            Ok(r) => Ok(r.reformation_pending || self.shared.reformation_pending.load(Ordering::SeqCst)),
-            Err(e) if e.code() == Some(tonic::Code::NotFound) => {
-                self.shared.evicted.store(true, Ordering::SeqCst);
-                Ok(false)
-            }
-            Err(e) => Err(e.into()),
-        }
+    /// The report goes out in the background (the newest supersedes any not yet sent), so a
+    /// step never waits on the control plane: training goes on while every coordinator is
+    /// down, and the job's status catches up when one is back. "Pending" comes from the watch
+    /// stream and from earlier commit answers; the ranks agree on it at the commit point.
+    pub fn commit(&self, generation: u64, step: u64, digest: &[u8]) -> bool {
+        self.commits.send_replace(Some(pb::CommitRequest {
+            job: self.config.job.clone(),
+            worker_id: self.config.worker_id.clone(),
+            incarnation: self.incarnation(),
+            generation,
+            step,
+            digest: digest.to_vec(),
+        }));
+        self.shared.reformation_pending.load(Ordering::SeqCst)
     }
 
     /// Whether the watch has announced joiners waiting for a re-formation.
@@ -456,6 +452,13 @@ impl ElasticGroup {
     /// Cancel safe (leaving twice is harmless; an unfinished leave expires with the lease).
     pub async fn leave(mut self, finished: bool) -> Result<(), ElasticError> {
         let mode = if finished { pb::leave_request::Mode::Finished } else { pb::leave_request::Mode::Graceful };
+        // The last commit report, so that the job's record has the final step (best effort).
+        let last_commit = self.commits.borrow().clone();
+        if let Some(request) = last_commit {
+            if let Err(e) = self.client.commit(request).await {
+                debug!(error = %e, "the last commit report failed");
+            }
+        }
         let result = self
             .client
             .leave(pb::LeaveRequest {
@@ -553,6 +556,28 @@ async fn heartbeat_task(
 }
 
 /// Follows the job's event stream (reopening it when it breaks) and applies revocations.
+/// Sends commit reports: whenever a newer one is recorded, sends the newest. An answer that
+/// says joiners are waiting counts only for the generation that is still current.
+///
+/// # Cancel safety
+/// Cancel safe: a report cut short is superseded by the next one.
+async fn commit_task(client: ControlClient, shared: Arc<Shared>, mut commits: tokio::sync::watch::Receiver<Option<pb::CommitRequest>>) {
+    while commits.changed().await.is_ok() {
+        let Some(request) = commits.borrow_and_update().clone() else { continue };
+        let generation = request.generation;
+        match client.commit(request).await {
+            Ok(answer) => {
+                let current = shared.current.lock().unwrap_or_else(|e| e.into_inner()).as_ref().map(|(g, _)| *g);
+                if answer.reformation_pending && current == Some(generation) {
+                    shared.reformation_pending.store(true, Ordering::SeqCst);
+                }
+            }
+            Err(e) if e.code() == Some(tonic::Code::NotFound) => shared.evicted.store(true, Ordering::SeqCst),
+            Err(e) => debug!(error = %e, "commit report failed; the next one supersedes it"),
+        }
+    }
+}
+
 async fn watch_task(client: ControlClient, shared: Arc<Shared>, job: String, worker_id: String) {
     let mut retry = Duration::from_millis(50);
     loop {
