@@ -206,6 +206,12 @@ async fn refuse(stream: &mut TcpStream, refusal: Refusal) {
     let _ = handshake::write_all(stream, &refusal.encode(), Instant::now() + REFUSE_TIMEOUT).await;
 }
 
+/// Refuses a connection whose first message is not a well-formed hello (final, not retriable).
+async fn refuse_malformed(stream: &mut TcpStream, addr: SocketAddr, text: String) {
+    tracing::debug!(%addr, "refusing connection: {text}");
+    refuse(stream, Refusal { code: Verdict::Malformed, retriable: false, ours: 0, theirs: 0, text }).await;
+}
+
 /// Reads an accepted connection's hello and hands it to the mesh set-up it names.
 async fn route(mut stream: TcpStream, addr: SocketAddr, router: Arc<Router>, options: TcpOptions) {
     if let Err(e) = options.apply(&socket2::SockRef::from(&stream)) {
@@ -215,34 +221,11 @@ async fn route(mut stream: TcpStream, addr: SocketAddr, router: Arc<Router>, opt
     let hello = match handshake::read_message(&mut stream, Instant::now() + HELLO_TIMEOUT).await {
         Ok(Message::Hello(h)) => h,
         Ok(other) => {
-            let text = format!("expected a hello, got {other:?}");
-            tracing::debug!(%addr, "{text}");
-            refuse(
-                &mut stream,
-                Refusal {
-                    code: Verdict::Malformed,
-                    retriable: false,
-                    ours: 0,
-                    theirs: 0,
-                    text,
-                },
-            )
-            .await;
+            refuse_malformed(&mut stream, addr, format!("expected a hello, got {other:?}")).await;
             return;
         }
         Err(HsIoError::Malformed(text)) => {
-            tracing::debug!(%addr, "refusing connection: {text}");
-            refuse(
-                &mut stream,
-                Refusal {
-                    code: Verdict::Malformed,
-                    retriable: false,
-                    ours: 0,
-                    theirs: 0,
-                    text,
-                },
-            )
-            .await;
+            refuse_malformed(&mut stream, addr, text).await;
             return;
         }
         Err(e) => {
