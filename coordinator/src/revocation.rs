@@ -8,9 +8,71 @@
 //! revoked, so its keys go): if it is in fact alive, its next heartbeat or rendezvous gets
 //! NOT_FOUND and it joins again as a new incarnation, entering the next generation as a
 //! joiner.
+//!
+//! Timeout reports are arbitrated ([`arbitrate`]): when a rank V hangs, its neighbour A
+//! times out naming V, but a rank B blocked behind A times out too and names A. If B's
+//! report comes first, taking it as reported would evict the healthy A and leave V in
+//! place. So a TIMEOUT report whose suspect is alive by the coordinator's own heartbeat
+//! observations, while another member of the generation has certainly been silent, blames
+//! the silent member instead.
 
 use crate::records::{Cause, GenerationRecord, JobState};
+use std::time::Duration;
 use tonic::Status;
+
+/// What the reporter observed (the protocol's `FailureReport.FailureKind`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum FailureKind {
+    /// Not said (older workers): taken as reported.
+    #[default]
+    Unspecified,
+    /// The peer closed or reset its link: taken as reported.
+    PeerClosed,
+    /// No progress from the peer before a deadline: arbitrated.
+    Timeout,
+    /// The peer broke the protocol: taken as reported.
+    Protocol,
+    /// Anything else: taken as reported.
+    Other,
+}
+
+impl FailureKind {
+    /// From the protocol's enum value (unknown values are `Unspecified`).
+    pub fn from_proto(value: i32) -> Self {
+        use cohort_proto::v1::failure_report::FailureKind as K;
+        match K::try_from(value) {
+            Ok(K::PeerClosed) => Self::PeerClosed,
+            Ok(K::Timeout) => Self::Timeout,
+            Ok(K::Protocol) => Self::Protocol,
+            Ok(K::Other) => Self::Other,
+            _ => Self::Unspecified,
+        }
+    }
+}
+
+/// How long a member has gone without a heartbeat, as the coordinator observed it: bounds,
+/// because the observations are coarse (a lease's time to live in whole seconds, a progress
+/// record written at most once a period). Both are measured on coordinator or store clocks,
+/// never a worker's.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Silence {
+    /// The member has certainly been silent at least this long.
+    pub at_least: Duration,
+    /// The member was certainly heard from within this long.
+    pub at_most: Duration,
+}
+
+impl Silence {
+    /// Known exactly.
+    pub fn exactly(d: Duration) -> Self {
+        Self { at_least: d, at_most: d }
+    }
+
+    /// The tighter of two observations of the same member.
+    pub fn and(self, other: Silence) -> Self {
+        Self { at_least: self.at_least.max(other.at_least), at_most: self.at_most.min(other.at_most) }
+    }
+}
 
 /// What a failure report does.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -34,6 +96,8 @@ pub struct Report<'a> {
     pub failed_rank: Option<u32>,
     /// Why.
     pub reason: &'a str,
+    /// What the reporter observed.
+    pub kind: FailureKind,
 }
 
 /// Decides a failure report against the current generation record.
@@ -83,6 +147,58 @@ pub fn decide(current: Option<&GenerationRecord>, report: &Report<'_>) -> Result
     }))
 }
 
+/// Observed silences by (worker id, incarnation).
+pub type Silences = std::collections::BTreeMap<(String, u64), Silence>;
+
+/// Arbitrates a TIMEOUT report that [`decide`] would revoke with: the cause to record
+/// instead, if the report's suspect is the wrong one.
+///
+/// `silence` is what the coordinator knows of members' heartbeats, by (worker id,
+/// incarnation) (absent: nothing; entries of non-members are never considered). The rule: the report is a timeout naming a rank S; S is fresh (heard from
+/// within `2 x heartbeat_interval`, by the upper bound); and some other member, neither
+/// the reporter nor S nor departed, is stale (silent longer than `2 x heartbeat_interval`,
+/// by the lower bound, so a coarse observation never makes a live member look stale). Then
+/// the stalest such member (by lower bound; the lowest rank on a tie) is blamed, and the
+/// reason says it was re-attributed. Otherwise (another kind, no suspect, S not known to be
+/// fresh, nobody stale: e.g. a real partition between two live workers) `None`: the report
+/// stands.
+pub fn arbitrate(g: &GenerationRecord, report: &Report<'_>, silence: &Silences, heartbeat_interval: Duration) -> Option<Cause> {
+    if report.kind != FailureKind::Timeout {
+        return None;
+    }
+    let suspect = report.failed_rank? as usize;
+    let limit = heartbeat_interval * 2;
+    let of = |m: &crate::records::Placed| silence.get(&(m.worker_id.clone(), m.incarnation)).copied();
+    let fresh = g.members.get(suspect).and_then(of).is_some_and(|s| s.at_most < limit);
+    if !fresh {
+        return None;
+    }
+    let reporter = g.rank_of(report.worker_id, report.incarnation).map(|r| r as usize);
+    let (rank, m, s) = g
+        .members
+        .iter()
+        .enumerate()
+        .filter(|(rank, m)| *rank != suspect && Some(*rank) != reporter && g.departed(&m.worker_id, m.incarnation).is_none())
+        .filter_map(|(rank, m)| of(m).map(|s| (rank, m, s)))
+        .filter(|(_, _, s)| s.at_least > limit)
+        .fold(None, |best: Option<(usize, &crate::records::Placed, Silence)>, c| match best {
+            Some(b) if b.2.at_least >= c.2.at_least => Some(b),
+            _ => Some(c),
+        })?;
+    let reporter_rank = reporter.map_or_else(|| "?".to_string(), |r| r.to_string());
+    Some(Cause {
+        rank: Some(rank as u32),
+        worker_id: m.worker_id.clone(),
+        host: m.host.clone(),
+        reason: format!(
+            "no heartbeat for {:.1} s (rank {reporter_rank} timed out waiting on rank {suspect}, which is alive; it reported: {})",
+            s.at_least.as_secs_f64(),
+            report.reason
+        ),
+        reported_by: report.worker_id.to_string(),
+    })
+}
+
 /// The generation record revoked with `cause` at `now_ms`.
 pub fn revoked(g: &GenerationRecord, cause: Cause, now_ms: u64) -> GenerationRecord {
     let mut g = g.clone();
@@ -116,6 +232,26 @@ pub fn lapsed(state: &JobState, lease_ttl_ms: u64) -> Option<Cause> {
     })
 }
 
+/// How long a timeout report is held before its generation is revoked, so that the other
+/// timeout reports of the same cascade are seen together (see [`cascade_root`]). A
+/// no-progress deadline is seconds; this adds little to it. Reports of a closed link (a dead
+/// process) are never held.
+pub const TIMEOUT_HOLD: std::time::Duration = std::time::Duration::from_millis(50);
+
+/// The root of a cascade of timeouts: given the timeout reports of one generation as
+/// `(reporter rank, suspect rank)` in arrival order, the suspect of the earliest report whose
+/// suspect did not itself report a timeout.
+///
+/// Why: when a rank hangs (SIGSTOP) or a link goes silent (blackhole), its neighbour times out
+/// first, and every rank waiting behind that neighbour times out a moment later, each naming
+/// the live rank it waited on. Every such live rank is itself a reporter; the rank at the end
+/// of the chain is not (it is stopped, or it is the far end of the silent link and still has
+/// data flowing to it). `None` when every suspect also reported (no chain end in sight): the
+/// earliest report stands.
+pub fn cascade_root(reports: &[(u32, u32)]) -> Option<u32> {
+    reports.iter().map(|&(_, suspect)| suspect).find(|s| !reports.iter().any(|&(reporter, _)| reporter == *s))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -133,7 +269,112 @@ mod tests {
     }
 
     fn report(generation: u64, failed_rank: Option<u32>) -> Report<'static> {
-        Report { worker_id: "a", incarnation: 1, generation, failed_rank, reason: "peer closed" }
+        Report { worker_id: "a", incarnation: 1, generation, failed_rank, reason: "peer closed", kind: FailureKind::PeerClosed }
+    }
+
+    const HB: Duration = Duration::from_millis(500);
+
+    fn timeout(reporter: &'static str, failed_rank: u32) -> Report<'static> {
+        Report {
+            worker_id: reporter,
+            incarnation: 1,
+            generation: 4,
+            failed_rank: Some(failed_rank),
+            reason: "timed out after 1.5s waiting on rank 1",
+            kind: FailureKind::Timeout,
+        }
+    }
+
+    fn ms(v: u64) -> Option<Silence> {
+        Some(Silence::exactly(Duration::from_millis(v)))
+    }
+
+    /// Silences of workers a, b, c, d, e, ... (incarnation 1), in that order.
+    fn obs<const N: usize>(v: [Option<Silence>; N]) -> Silences {
+        v.iter()
+            .zip(["a", "b", "c", "d", "e", "z"])
+            .filter_map(|(s, w)| s.map(|s| ((w.to_string(), 1), s)))
+            .collect()
+    }
+
+    fn four() -> GenerationRecord {
+        let members = ["a", "b", "c", "d"]
+            .iter()
+            .map(|w| Placed { worker_id: w.to_string(), incarnation: 1, host: format!("host-{w}"), addresses: vec![] })
+            .collect();
+        let mut g = next_generation(None, members, 0);
+        g.number = 4;
+        g
+    }
+
+    #[test]
+    fn timeout_naming_a_live_rank_blames_the_silent_one() {
+        let g = four();
+        // a (rank 0) names b (rank 1), which heartbeats; c and d are silent, d longer.
+        let cause = arbitrate(&g, &timeout("a", 1), &obs([ms(100), ms(200), ms(1200), ms(1600)]), HB).expect("re-attributed");
+        assert_eq!((cause.rank, cause.worker_id.as_str(), cause.host.as_str()), (Some(3), "d", "host-d"));
+        assert_eq!(cause.reported_by, "a");
+        assert!(cause.reason.starts_with("no heartbeat for 1.6 s (rank 0 timed out waiting on rank 1, which is alive"), "{}", cause.reason);
+        // A tie goes to the lowest rank.
+        let cause = arbitrate(&g, &timeout("a", 1), &obs([ms(100), ms(200), ms(1600), ms(1600)]), HB).expect("re-attributed");
+        assert_eq!(cause.rank, Some(2));
+    }
+
+    #[test]
+    fn nobody_stale_keeps_the_suspect() {
+        let g = four();
+        // Everyone heartbeats: a real partition between live a and b; the report stands.
+        assert_eq!(arbitrate(&g, &timeout("a", 1), &obs([ms(100), ms(200), ms(400), ms(999)]), HB), None);
+        // Stale means certainly stale: a coarse observation (lower bound under the limit) is not.
+        let coarse = Some(Silence { at_least: Duration::from_millis(900), at_most: Duration::from_millis(1900) });
+        assert_eq!(arbitrate(&g, &timeout("a", 1), &obs([ms(100), ms(200), coarse, ms(300)]), HB), None);
+        // Nothing known about the others: no arbitration.
+        assert_eq!(arbitrate(&g, &timeout("a", 1), &obs([ms(100), ms(200), None, None]), HB), None);
+    }
+
+    #[test]
+    fn suspect_not_known_fresh_keeps_the_suspect() {
+        let g = four();
+        assert_eq!(arbitrate(&g, &timeout("a", 1), &obs([ms(100), ms(1000), ms(1600), ms(100)]), HB), None);
+        assert_eq!(arbitrate(&g, &timeout("a", 1), &obs([ms(100), None, ms(1600), ms(100)]), HB), None);
+        let coarse = Some(Silence { at_least: Duration::ZERO, at_most: Duration::from_millis(1500) });
+        assert_eq!(arbitrate(&g, &timeout("a", 1), &obs([ms(100), coarse, ms(1600), ms(100)]), HB), None);
+    }
+
+    #[test]
+    fn only_timeouts_are_arbitrated() {
+        let g = four();
+        let silence = obs([ms(100), ms(200), ms(1600), ms(100)]);
+        for kind in [FailureKind::Unspecified, FailureKind::PeerClosed, FailureKind::Protocol, FailureKind::Other] {
+            assert_eq!(arbitrate(&g, &Report { kind, ..timeout("a", 1) }, &silence, HB), None, "{kind:?}");
+        }
+        assert_eq!(arbitrate(&g, &Report { failed_rank: None, ..timeout("a", 1) }, &silence, HB), None);
+        assert!(arbitrate(&g, &timeout("a", 1), &silence, HB).is_some());
+    }
+
+    #[test]
+    fn reporter_and_departed_are_never_blamed() {
+        let mut g = four();
+        // The reporter itself is the silent one (its heartbeats stalled): not blamed.
+        assert_eq!(arbitrate(&g, &timeout("c", 1), &obs([ms(100), ms(200), ms(1600), ms(100)]), HB), None);
+        // A member that left gracefully is not blamed.
+        g.departed.push(crate::records::Departure { worker_id: "d".into(), incarnation: 1, finished: false });
+        assert_eq!(arbitrate(&g, &timeout("a", 1), &obs([ms(100), ms(200), ms(100), ms(5000)]), HB), None);
+    }
+
+    #[test]
+    fn stale_member_outside_the_generation_is_ignored() {
+        let g = four();
+        // A silent worker outside the generation (a joiner waiting for the next one) is not
+        // blamed, nor an older incarnation of a member.
+        assert_eq!(arbitrate(&g, &timeout("a", 1), &obs([ms(100), ms(200), ms(100), ms(100), ms(9000)]), HB), None);
+        let mut silence = obs([ms(100), ms(200), ms(100), ms(100)]);
+        silence.insert(("d".into(), 7), Silence::exactly(Duration::from_secs(9)));
+        assert_eq!(arbitrate(&g, &timeout("a", 1), &silence, HB), None);
+        // A stranger's worker id as reporter has no rank; only members can be blamed.
+        let stranger = Report { worker_id: "z", ..timeout("z", 1) };
+        let cause = arbitrate(&g, &stranger, &obs([ms(100), ms(200), ms(100), ms(1600)]), HB).expect("re-attributed");
+        assert_eq!(cause.worker_id, "d");
     }
 
     #[test]
@@ -176,5 +417,19 @@ mod tests {
             g.departed.push(crate::records::Departure { worker_id: "b".into(), incarnation: 1, finished: false });
         }
         assert_eq!(lapsed(&state, 1000), None, "a graceful leave is not a lapse");
+    }
+
+    #[test]
+    fn cascade_root_follows_the_chain_to_the_rank_that_did_not_time_out() {
+        // Rank 2 hangs: 3 waits on 2, then 0 waits on 3, then 1 waits on 0 (a ring).
+        assert_eq!(cascade_root(&[(3, 2), (0, 3), (1, 0)]), Some(2));
+        // The same cascade with the reports arriving in another order.
+        assert_eq!(cascade_root(&[(0, 3), (1, 0), (3, 2)]), Some(2));
+        assert_eq!(cascade_root(&[(1, 0), (0, 3)]), Some(3));
+        // One report: its suspect.
+        assert_eq!(cascade_root(&[(1, 2)]), Some(2));
+        // Every suspect reported too (a full cycle): no chain end.
+        assert_eq!(cascade_root(&[(0, 1), (1, 0)]), None);
+        assert_eq!(cascade_root(&[]), None);
     }
 }

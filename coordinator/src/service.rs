@@ -46,6 +46,9 @@ struct CachedProgress {
 pub struct CoordinatorService {
     ctx: Arc<Context>,
     progress: Arc<Mutex<HashMap<(String, String), CachedProgress>>>,
+    /// Timeout reports this replica received per (job, generation), as (reporter rank,
+    /// suspect rank) in arrival order: the input of [`revocation::cascade_root`].
+    timeouts: Arc<Mutex<HashMap<(String, u64), Vec<(u32, u32)>>>>,
 }
 
 fn store_status(e: StoreError) -> Status {
@@ -64,7 +67,7 @@ fn not_member(job: &str, worker: &str, incarnation: u64) -> Status {
 impl CoordinatorService {
     /// A service over a replica's shared context.
     pub fn new(ctx: Arc<Context>) -> Self {
-        Self { ctx, progress: Arc::new(Mutex::new(HashMap::new())) }
+        Self { ctx, progress: Arc::new(Mutex::new(HashMap::new())), timeouts: Arc::new(Mutex::new(HashMap::new())) }
     }
 
     async fn hub(&self, job: &str) -> Result<Arc<Hub>, Status> {
@@ -141,6 +144,64 @@ impl CoordinatorService {
             })?;
         }
         Ok(())
+    }
+
+    /// How long each member of `g` has gone without a heartbeat, as bounds, for
+    /// [`revocation::arbitrate`]. Three observations, combined (the tightest bounds win):
+    ///
+    /// - the member's store lease (what every replica sees, measured on the store's clock;
+    ///   keep-alives are not throttled): its time to live says when the last keep-alive
+    ///   was, to within [`crate::store::Store::lease_ttl_resolution`] (1 s on etcd, exact in
+    ///   memory); a lease that is gone means the member is dead (silent a whole TTL);
+    /// - its `progress` record in the store (what every replica sees): `last_heartbeat_ms`
+    ///   is a heartbeat some replica served, stamped with that replica's clock; records are
+    ///   written at most once per [`PROGRESS_PERIOD`] per replica, so the last heartbeat is
+    ///   no older than the record and no more than a period newer. The approximation:
+    ///   coordinator replicas' wall clocks are assumed to agree to well under that period
+    ///   (NTP); workers' clocks are never used;
+    /// - this replica's own cache of the member's last heartbeat, commit or rendezvous
+    ///   (monotonic clock; only an upper bound, since the member may talk to another replica).
+    async fn silences(&self, job: &str, g: &records::GenerationRecord) -> Result<revocation::Silences, StoreError> {
+        use revocation::Silence;
+        let store = self.ctx.store.as_ref();
+        let granted = self.ctx.settings.for_job(job).lease_ttl_for_store();
+        let resolution = store.lease_ttl_resolution();
+        let (kvs, _) = store.get_prefix(&keys::kind_prefix(job, Kind::Progress)).await?;
+        let progress: HashMap<String, ProgressRecord> = kvs
+            .iter()
+            .filter_map(|kv| match keys::parse(&kv.key) {
+                Some(keys::Parsed::Worker { worker, .. }) => decode(&kv.key, &kv.value).map(|p| (worker.to_string(), p)),
+                _ => None,
+            })
+            .collect();
+        // One round trip per member, all at once (only timeout reports that find the
+        // generation not yet revoked get here: normally the first one or few).
+        let leases = futures::future::join_all(g.members.iter().map(|m| store.lease_time_to_live(m.incarnation as i64))).await;
+        let now_ms = records::now_ms();
+        let now = Instant::now();
+        let cache = self.progress.lock().unwrap_or_else(|e| e.into_inner());
+        let mut out = revocation::Silences::new();
+        for (m, lease) in g.members.iter().zip(leases) {
+            let mut seen: Option<Silence> = match lease? {
+                None => Some(Silence::exactly(granted)),
+                Some(left) => {
+                    let since = granted.saturating_sub(left);
+                    Some(Silence { at_least: since.saturating_sub(resolution), at_most: since })
+                }
+            };
+            let mut add = |s: Silence| seen = Some(seen.map_or(s, |o| o.and(s)));
+            if let Some(p) = progress.get(&m.worker_id).filter(|p| p.incarnation == m.incarnation) {
+                let age = Duration::from_millis(now_ms.saturating_sub(p.last_heartbeat_ms));
+                add(Silence { at_least: age.saturating_sub(PROGRESS_PERIOD), at_most: age });
+            }
+            if let Some(c) = cache.get(&(job.to_string(), m.worker_id.clone())).filter(|c| c.record.incarnation == m.incarnation) {
+                add(Silence { at_least: Duration::ZERO, at_most: now.duration_since(c.touched) });
+            }
+            if let Some(s) = seen {
+                out.insert((m.worker_id.clone(), m.incarnation), s);
+            }
+        }
+        Ok(out)
     }
 
     fn forget_progress(&self, job: &str, worker: &str) {
@@ -354,13 +415,39 @@ impl CoordinatorService {
         validate::incarnation(r.incarnation)?;
         validate::text("reason", &r.reason, validate::MAX_REASON_LEN)?;
         let job = r.job.as_str();
-        let current = ops::read_generation(self.ctx.store.as_ref(), job).await.map_err(store_status)?;
+        let kind = revocation::FailureKind::from_proto(r.kind);
+        let mut current = ops::read_generation(self.ctx.store.as_ref(), job).await.map_err(store_status)?;
+        // A timeout may be one link of a cascade: hold it briefly, then blame the chain's end.
+        let mut failed_rank = r.failed_rank;
+        let mut reason = r.reason.clone();
+        if let (revocation::FailureKind::Timeout, Some(suspect)) = (kind, r.failed_rank) {
+            let reporter = current
+                .as_ref()
+                .filter(|(g, _)| g.number == r.generation && g.revoked.is_none())
+                .and_then(|(g, _)| g.rank_of(&r.worker_id, r.incarnation));
+            if let Some(reporter) = reporter {
+                self.record_timeout(job, r.generation, reporter, suspect);
+                tokio::time::sleep(revocation::TIMEOUT_HOLD).await;
+                current = ops::read_generation(self.ctx.store.as_ref(), job).await.map_err(store_status)?;
+                let chain = self.timeouts_of(job, r.generation);
+                if let Some(root) = revocation::cascade_root(&chain).filter(|&root| root != suspect) {
+                    tracing::info!(named = suspect, blamed = root, ?chain, "timeout report re-attributed to the end of a cascade");
+                    reason = format!(
+                        "{} (re-attributed to rank {root}: ranks {:?} timed out waiting on one another, rank {root} did not)",
+                        r.reason,
+                        chain.iter().map(|&(reporter, _)| reporter).collect::<Vec<_>>()
+                    );
+                    failed_rank = Some(root);
+                }
+            }
+        }
         let report = revocation::Report {
             worker_id: &r.worker_id,
             incarnation: r.incarnation,
             generation: r.generation,
-            failed_rank: r.failed_rank,
-            reason: &r.reason,
+            failed_rank,
+            reason: &reason,
+            kind,
         };
         let g = current.as_ref().map(|(g, _)| g);
         match revocation::decide(g, &report)? {
@@ -368,9 +455,22 @@ impl CoordinatorService {
                 tracing::debug!(generation = r.generation, "failure report ignored (older or already revoked)");
                 Ok(pb::FailureReportResponse { accepted: false, cause: cause.map(|c| c.to_proto()) })
             }
-            ReportDecision::Revoke(cause) => {
-                let suspect = r
-                    .failed_rank
+            ReportDecision::Revoke(mut cause) => {
+                if let (Some(g), revocation::FailureKind::Timeout, Some(_)) = (g, report.kind, failed_rank) {
+                    let settings = self.ctx.settings.for_job(job);
+                    match self.silences(job, g).await {
+                        Ok(silences) => {
+                            if let Some(blamed) = revocation::arbitrate(g, &report, &silences, settings.heartbeat_interval) {
+                                tracing::info!(named = ?r.failed_rank, blamed = ?blamed.rank, worker = %blamed.worker_id,
+                                               "timeout report re-attributed to a silent member");
+                                cause = blamed;
+                            }
+                        }
+                        Err(e) => tracing::warn!(error = %e, "could not read heartbeat observations; taking the timeout report as is"),
+                    }
+                }
+                let suspect = cause
+                    .rank
                     .and_then(|rank| g.and_then(|g| g.members.get(rank as usize)))
                     .map(|m| (m.worker_id.clone(), m.incarnation));
                 let outcome = ops::revoke_generation(&self.ctx, job, r.generation, cause, suspect, false)
@@ -379,6 +479,22 @@ impl CoordinatorService {
                 Ok(pb::FailureReportResponse { accepted: outcome.accepted, cause: outcome.cause.map(|c| c.to_proto()) })
             }
         }
+    }
+
+    /// Records a timeout report of `generation` (dropping older generations' records).
+    fn record_timeout(&self, job: &str, generation: u64, reporter: u32, suspect: u32) {
+        let mut timeouts = self.timeouts.lock().unwrap_or_else(|e| e.into_inner());
+        timeouts.retain(|(j, g), _| j != job || *g >= generation);
+        let reports = timeouts.entry((job.to_string(), generation)).or_default();
+        if reports.len() < 4096 && !reports.contains(&(reporter, suspect)) {
+            reports.push((reporter, suspect));
+        }
+    }
+
+    /// The timeout reports of `generation` this replica has received, in arrival order.
+    fn timeouts_of(&self, job: &str, generation: u64) -> Vec<(u32, u32)> {
+        let timeouts = self.timeouts.lock().unwrap_or_else(|e| e.into_inner());
+        timeouts.get(&(job.to_string(), generation)).cloned().unwrap_or_default()
     }
 
     async fn do_leave(&self, r: pb::LeaveRequest) -> Result<pb::LeaveResponse, Status> {

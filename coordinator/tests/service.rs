@@ -141,6 +141,61 @@ async fn lease_lapse_revokes(backend: Backend) {
     server.shutdown().await.expect("shutdown");
 }
 
+/// A hung rank V blocks its neighbour, and a third rank times out waiting on that
+/// neighbour: its TIMEOUT report names a live member. The coordinator blames V (silent, by
+/// its own heartbeat observations) instead, and evicts V, not the live one.
+async fn timeout_report_blames_the_silent_member(backend: Backend) {
+    let backing = Backing::new(backend).await;
+    let mut settings = test_settings(backend);
+    // A long lease, so that lease-lapse detection cannot revoke first; a 1 s heartbeat
+    // interval (workers beat every 50 ms), so "fresh" (< 2 s) has a wide margin on a busy
+    // machine and etcd's whole-second lease TTLs are fine enough.
+    settings.heartbeat_interval = Duration::from_secs(1);
+    settings.lease_ttl = Duration::from_secs(20);
+    settings.max_workers = 3;
+    settings.elastic_timeout = Duration::from_secs(60);
+    let server = replica(backing.store.clone(), &Options::new(settings)).await;
+    let addr = server.local_addr();
+    let mut workers = Vec::new();
+    for i in 0..3 {
+        workers.push(Worker::join(addr, "job-t", &format!("w{i}"), Duration::from_millis(50)).await);
+    }
+    let g1 = form_all(&workers, 0).await.remove(0);
+    let rank = |id: &str| g1.members.iter().position(|m| m.worker_id == id).expect("placed") as u32;
+    workers[1].stop_heartbeats(); // w1 hangs (SIGSTOP)
+    // Let w1's silence grow past 2 x heartbeat_interval as the coordinator can certainly
+    // tell (the passage of time is the condition under test, not a synchronisation):
+    // exact on the memory store; etcd's lease TTL has whole-second resolution.
+    tokio::time::sleep(match backend {
+        Backend::Memory => Duration::from_millis(2400),
+        Backend::Etcd => Duration::from_millis(3400),
+    })
+    .await;
+    // w0 timed out waiting on w2, which is itself blocked behind w1.
+    let reason = format!("timed out after 1.5s waiting on rank {}", rank("w2"));
+    let response = workers[0]
+        .report_kind(1, Some(rank("w2")), &reason, pb::failure_report::FailureKind::Timeout)
+        .await
+        .expect("report");
+    assert!(response.accepted);
+    let cause = response.cause.expect("cause");
+    assert_eq!((cause.rank, cause.worker_id.as_str()), (Some(rank("w1")), "w1"), "{}", cause.reason);
+    assert_eq!(cause.reported_by, "w0");
+    assert!(cause.reason.starts_with("no heartbeat for "), "{}", cause.reason);
+    assert!(cause.reason.contains("which is alive"), "{}", cause.reason);
+    // The silent one is evicted; the live one named by the report is not.
+    let err = workers[1].rendezvous(1, Duration::from_millis(10)).await.expect_err("w1 evicted");
+    assert_eq!(err.code(), tonic::Code::NotFound);
+    workers[2].rendezvous(1, Duration::from_millis(10)).await.expect("w2 is still a member");
+    let s = status(addr, "job-t").await;
+    assert_eq!(s.revocation_cause.as_ref(), Some(&cause));
+    // A later report is answered with the same (first) cause.
+    let late = workers[2].report_kind(1, Some(rank("w0")), "timed out", pb::failure_report::FailureKind::Timeout).await.expect("late");
+    assert!(!late.accepted);
+    assert_eq!(late.cause.as_ref(), Some(&cause));
+    server.shutdown().await.expect("shutdown");
+}
+
 /// A joiner while a generation is active: ReformationPending on the watch, Commit says
 /// pending, and the members re-form with the joiner appended.
 async fn joiner_makes_reformation_pending(backend: Backend) {
@@ -321,6 +376,37 @@ async fn restart_revokes(backend: Backend) {
     server.shutdown().await.expect("shutdown");
 }
 
+/// A blackholed link: everyone is alive and heartbeating, the timeouts cascade. w0 times out
+/// waiting on w1, which itself times out waiting on w2 a moment later: the root cause is the
+/// end of the chain (w2), whichever report arrives first, and only w2 is evicted.
+async fn cascading_timeouts_blame_the_end_of_the_chain(backend: Backend) {
+    let backing = Backing::new(backend).await;
+    let mut settings = test_settings(backend);
+    settings.max_workers = 3;
+    settings.lease_ttl = Duration::from_secs(20);
+    let server = replica(backing.store.clone(), &Options::new(settings)).await;
+    let addr = server.local_addr();
+    let mut workers = Vec::new();
+    for i in 0..3 {
+        workers.push(Worker::join(addr, "job-c", &format!("w{i}"), Duration::from_millis(50)).await);
+    }
+    let g1 = form_all(&workers, 0).await.remove(0);
+    let rank = |id: &str| g1.members.iter().position(|m| m.worker_id == id).expect("placed") as u32;
+    let timeout = pb::failure_report::FailureKind::Timeout;
+    let first = workers[0].report_kind(1, Some(rank("w1")), "timed out after 1.5s waiting on w1", timeout);
+    let second = workers[1].report_kind(1, Some(rank("w2")), "timed out after 1.5s waiting on w2", timeout);
+    let (a, b) = tokio::join!(first, second);
+    for response in [a.expect("w0's report"), b.expect("w1's report")] {
+        let cause = response.cause.expect("cause");
+        assert_eq!((cause.rank, cause.worker_id.as_str()), (Some(rank("w2")), "w2"), "{}", cause.reason);
+    }
+    let err = workers[2].rendezvous(1, Duration::from_millis(10)).await.expect_err("w2 evicted");
+    assert_eq!(err.code(), tonic::Code::NotFound);
+    workers[1].rendezvous(1, Duration::from_millis(10)).await.expect("w1 is still a member");
+    workers[0].rendezvous(1, Duration::from_millis(10)).await.expect("w0 is still a member");
+    server.shutdown().await.expect("shutdown");
+}
+
 macro_rules! suite {
     ($($name:ident),* $(,)?) => {
         mod memory {
@@ -351,4 +437,6 @@ suite!(
     repeated_failures_exclude,
     leave_and_finish,
     restart_revokes,
+    timeout_report_blames_the_silent_member,
+    cascading_timeouts_blame_the_end_of_the_chain,
 );

@@ -549,6 +549,10 @@ impl Store for MemoryStore {
         Ok(())
     }
 
+    fn lease_ttl_resolution(&self) -> Duration {
+        Duration::ZERO
+    }
+
     async fn lease_time_to_live(&self, lease: LeaseId) -> Result<Option<Duration>, StoreError> {
         let mut st = self.shared.lock();
         let now = Instant::now();

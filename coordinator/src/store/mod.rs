@@ -164,6 +164,12 @@ pub trait Store: Send + Sync + 'static {
     /// if it no longer exists. Backends may round to whole seconds (etcd does).
     async fn lease_time_to_live(&self, lease: LeaseId) -> Result<Option<Duration>, StoreError>;
 
+    /// How coarse [`Store::lease_time_to_live`] is: its answer may fall short of the true
+    /// time left by up to this much (etcd truncates to whole seconds; the memory store is exact).
+    fn lease_ttl_resolution(&self) -> Duration {
+        Duration::from_secs(1)
+    }
+
     /// Watches every key with `prefix`, delivering all changes with revision >= `from_revision`
     /// in revision order (use the revision of a `get_prefix` plus one to continue from a read).
     /// `from_revision <= 0` means "changes after now". The watch is registered when this

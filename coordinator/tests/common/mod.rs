@@ -199,6 +199,16 @@ impl Worker {
     }
 
     pub async fn report(&self, generation: u64, failed_rank: Option<u32>, reason: &str) -> Result<pb::FailureReportResponse, tonic::Status> {
+        self.report_kind(generation, failed_rank, reason, pb::failure_report::FailureKind::Unspecified).await
+    }
+
+    pub async fn report_kind(
+        &self,
+        generation: u64,
+        failed_rank: Option<u32>,
+        reason: &str,
+        kind: pb::failure_report::FailureKind,
+    ) -> Result<pb::FailureReportResponse, tonic::Status> {
         let mut c = self.client.clone();
         c.report_failure(pb::FailureReport {
             job: self.job.clone(),
@@ -207,6 +217,7 @@ impl Worker {
             generation,
             failed_rank,
             reason: reason.into(),
+            kind: kind as i32,
         })
         .await
         .map(|r| r.into_inner())

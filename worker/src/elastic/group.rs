@@ -338,6 +338,7 @@ impl ElasticGroup {
                     generation: number,
                     failed_rank: e.peer(),
                     reason: format!("mesh connection failed: {e}"),
+                    kind: pb::failure_report::FailureKind::Unspecified as i32,
                 };
                 self.client.report_failure(report).await?;
                 return Ok(None);
@@ -389,6 +390,11 @@ impl ElasticGroup {
             generation,
             failed_rank,
             reason: error.to_string(),
+            kind: match error {
+                CommError::PeerFailed { .. } => pb::failure_report::FailureKind::PeerClosed,
+                CommError::Timeout { .. } => pb::failure_report::FailureKind::Timeout,
+                _ => pb::failure_report::FailureKind::Unspecified,
+            } as i32,
         };
         match tokio::time::timeout(self.config.root_cause_wait.max(Duration::from_secs(2)), self.client.report_failure(report)).await {
             Ok(Ok(response)) => {
