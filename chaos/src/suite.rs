@@ -60,17 +60,23 @@ pub async fn run_all(scenarios: &[Scenario], opts: &RunOptions) -> Vec<RunReport
             t.elapsed().as_secs_f64(),
             r.log_dir.as_ref().map(|d| format!(" (logs: {d})")).unwrap_or_default()
         );
-        if !r.passed {
-            for c in r.checks.iter().filter(|c| !c.ok) {
-                println!("   FAILED: {} ({})", c.what, c.detail);
-            }
-            if let Some(e) = &r.error {
-                println!("   ERROR: {e}");
-            }
-        }
+        print_failures(&r);
         reports.push(r);
     }
     reports
+}
+
+/// Prints a failed run's failed checks and error (nothing for a passing run).
+fn print_failures(r: &RunReport) {
+    if r.passed {
+        return;
+    }
+    for c in r.checks.iter().filter(|c| !c.ok) {
+        println!("   FAILED: {} ({})", c.what, c.detail);
+    }
+    if let Some(e) = &r.error {
+        println!("   ERROR: {e}");
+    }
 }
 
 /// Runs `scenario` with seeds `seed`, `seed + 1`, ... until `duration` has passed (a run
@@ -98,14 +104,7 @@ pub async fn soak(scenario: &Scenario, seed: u64, duration: Duration, max_runs: 
             start.elapsed().as_secs_f64(),
             r.log_dir.as_ref().map(|d| format!(" (logs: {d})")).unwrap_or_default()
         );
-        if !r.passed {
-            for c in r.checks.iter().filter(|c| !c.ok) {
-                println!("   FAILED: {} ({})", c.what, c.detail);
-            }
-            if let Some(e) = &r.error {
-                println!("   ERROR: {e}");
-            }
-        }
+        print_failures(&r);
         reports.push(r);
     }
     reports
