@@ -302,18 +302,30 @@ impl Cluster {
         self.proxy.as_ref()
     }
 
-    /// Starts a worker whose data plane goes through the proxy: it listens on a
-    /// harness-chosen port and advertises the proxy's listener for it. Without a proxy it
-    /// is [`Cluster::spawn_worker`].
+    /// Starts a worker whose data plane goes through the proxy: it binds a free port of its
+    /// own choosing and advertises the proxy's listener for it; the proxy learns the real
+    /// address from the worker's `event=joined ... listen=ADDR` line. Without a proxy it is
+    /// [`Cluster::spawn_worker`].
     ///
     /// # Cancel safety
     /// Cancel safe up to the spawn (binding the proxy listener is the only await).
     pub async fn spawn_worker_proxied(&mut self, name: &str, spec: &WorkerSpec) -> Result<(), ClusterError> {
         let Some(proxy) = self.proxy.clone() else { return self.spawn_worker(name, spec) };
-        let port = free_port().map_err(|e| ClusterError::Setup(format!("choosing a port for {name}: {e}")))?;
-        let upstream: std::net::SocketAddr = ([127, 0, 0, 1], port).into();
-        let advertised = proxy.listen_for(name, upstream).await.map_err(|e| ClusterError::Setup(e.to_string()))?;
-        self.spawn_worker_at(name, spec, &upstream.to_string(), &advertised.to_string())?;
+        let (advertised, upstream) = proxy.listen_for_later(name).await.map_err(|e| ClusterError::Setup(e.to_string()))?;
+        // The worker's lines pass through a task that hands its bound address to the proxy.
+        let (tx, mut rx) = mpsc::unbounded_channel::<OutputLine>();
+        let forward = self.lines_tx.clone();
+        tokio::spawn(async move {
+            while let Some(line) = rx.recv().await {
+                if let Some(addr) = bound_address(&line.line) {
+                    upstream.set(addr);
+                }
+                if forward.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        self.spawn_worker_with(name, spec, "127.0.0.1:0", &advertised.to_string(), tx)?;
         if let Some(pid) = self.worker_pid(name) {
             proxy.register_pid(pid, name);
         }
@@ -332,10 +344,17 @@ impl Cluster {
 
     /// Starts a worker named `name` running `cohort-worker train`.
     pub fn spawn_worker(&mut self, name: &str, spec: &WorkerSpec) -> Result<(), ClusterError> {
-        self.spawn_worker_at(name, spec, "127.0.0.1:0", "127.0.0.1")
+        self.spawn_worker_with(name, spec, "127.0.0.1:0", "127.0.0.1", self.lines_tx.clone())
     }
 
-    fn spawn_worker_at(&mut self, name: &str, spec: &WorkerSpec, listen: &str, advertise: &str) -> Result<(), ClusterError> {
+    fn spawn_worker_with(
+        &mut self,
+        name: &str,
+        spec: &WorkerSpec,
+        listen: &str,
+        advertise: &str,
+        lines: mpsc::UnboundedSender<OutputLine>,
+    ) -> Result<(), ClusterError> {
         let mut cmd = Command::new(&self.bins.worker);
         cmd.args(["train", "--coordinator", &self.endpoints(), "--job", &self.config.job])
             .args(["--steps", &spec.steps.to_string(), "--size", &spec.size])
@@ -347,8 +366,7 @@ impl Cluster {
             cmd.args(["--connect-timeout", &ms(t)]);
         }
         cmd.env("RUST_LOG", std::env::var("COHORT_CHAOS_WORKER_LOG").unwrap_or_else(|_| "info".into()));
-        let process = ManagedProcess::spawn(name, cmd, &self.log_dir, self.lines_tx.clone())
-            .map_err(|e| ClusterError::Setup(e.to_string()))?;
+        let process = ManagedProcess::spawn(name, cmd, &self.log_dir, lines).map_err(|e| ClusterError::Setup(e.to_string()))?;
         self.workers.insert(name.to_string(), process);
         Ok(())
     }
@@ -448,8 +466,24 @@ impl Cluster {
     }
 }
 
-/// A free loopback port (bound and released; a race with another process is possible and
-/// shows as the worker failing to bind, reported in its log).
-pub fn free_port() -> std::io::Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+/// The data-plane address a worker bound, from its `event=joined ... listen=ADDR` line.
+fn bound_address(line: &str) -> Option<std::net::SocketAddr> {
+    if !line.starts_with("event=joined ") {
+        return None;
+    }
+    line.split_whitespace().find_map(|kv| kv.strip_prefix("listen=")).and_then(|a| a.parse().ok())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::bound_address;
+
+    #[test]
+    fn the_bound_address_comes_from_the_joined_line_only() {
+        let line = "event=joined worker=w1 incarnation=3 addr=127.0.0.1:4000 listen=127.0.0.1:38073 t_ms=1";
+        assert_eq!(bound_address(line), Some("127.0.0.1:38073".parse().unwrap()));
+        assert_eq!(bound_address("event=joined worker=w1 addr=127.0.0.1:4000 t_ms=1"), None);
+        assert_eq!(bound_address("event=generation listen=127.0.0.1:1 t_ms=1"), None);
+        assert_eq!(bound_address("event=joined listen=nonsense"), None);
+    }
 }

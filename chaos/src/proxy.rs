@@ -129,6 +129,21 @@ impl Inner {
     }
 }
 
+/// How long a connection accepted for a worker whose real address is not known yet waits
+/// for it (see [`Proxy::listen_for_later`]).
+pub const UPSTREAM_WAIT: Duration = Duration::from_secs(10);
+
+/// Sets the real address behind a listener made by [`Proxy::listen_for_later`].
+#[derive(Debug)]
+pub struct UpstreamSetter(watch::Sender<Option<SocketAddr>>);
+
+impl UpstreamSetter {
+    /// Sets (or changes) the address new connections are forwarded to.
+    pub fn set(&self, upstream: SocketAddr) {
+        self.0.send_replace(Some(upstream));
+    }
+}
+
 /// The proxy: listeners per destination worker plus a table of rules per directed pair.
 /// Cheap to clone; tasks end when the runtime does (or when [`Proxy::shutdown`] is called).
 #[derive(Clone)]
@@ -157,8 +172,26 @@ impl Proxy {
     /// # Cancel safety
     /// Cancel safe (binding is the only await; a dropped call leaves no listener).
     pub async fn listen_for(&self, to: &str, upstream: SocketAddr) -> Result<SocketAddr, ProxyError> {
+        let (advertised, set_upstream) = self.listen_for_later(to).await?;
+        set_upstream.set(upstream);
+        Ok(advertised)
+    }
+
+    /// Binds a listener on 127.0.0.1 (free port) for worker `to` whose real data-plane
+    /// address is not known yet (the worker binds port 0 and prints what it got); returns
+    /// the address to advertise and the handle that sets the upstream once known.
+    /// Connections accepted before then wait for it (at most [`UPSTREAM_WAIT`], then they are
+    /// reset, as a dead host's would be).
+    ///
+    /// Why not pick the worker's port beforehand: a port found free and released can be
+    /// taken by any outgoing connection before the worker binds it.
+    ///
+    /// # Cancel safety
+    /// Cancel safe (binding is the only await; a dropped call leaves no listener).
+    pub async fn listen_for_later(&self, to: &str) -> Result<(SocketAddr, UpstreamSetter), ProxyError> {
         let listener = TcpListener::bind("127.0.0.1:0").await.map_err(ProxyError::Bind)?;
         let local = listener.local_addr().map_err(ProxyError::Bind)?;
+        let (set_tx, upstream) = watch::channel(None::<SocketAddr>);
         let inner = self.inner.clone();
         let to = to.to_string();
         let task = tokio::spawn(async move {
@@ -170,11 +203,11 @@ impl Proxy {
                     inner.unidentified.fetch_add(1, Ordering::Relaxed);
                 }
                 tracing::debug!(%from, to = %to, %peer, "proxy accepted a connection");
-                tokio::spawn(serve(inner.clone(), client, from, to.clone(), upstream));
+                tokio::spawn(serve(inner.clone(), client, from, to.clone(), upstream.clone()));
             }
         });
         lock(&self.tasks).push(task);
-        Ok(local)
+        Ok((local, UpstreamSetter(set_tx)))
     }
 
     /// Tells the proxy that process `pid` is worker `name` (for source identification).
@@ -319,10 +352,18 @@ fn set_linger_zero(fd: RawFd) {
     }
 }
 
-async fn serve(inner: Arc<Inner>, client: TcpStream, from: String, to: String, upstream: SocketAddr) {
-    let server = match tokio::time::timeout(Duration::from_secs(5), TcpStream::connect(upstream)).await {
-        Ok(Ok(s)) => s,
-        _ => {
+async fn serve(inner: Arc<Inner>, client: TcpStream, from: String, to: String, mut upstream: watch::Receiver<Option<SocketAddr>>) {
+    let known = match tokio::time::timeout(UPSTREAM_WAIT, upstream.wait_for(Option::is_some)).await {
+        Ok(Ok(addr)) => *addr,
+        _ => None,
+    };
+    let connected = match known {
+        Some(addr) => tokio::time::timeout(Duration::from_secs(5), TcpStream::connect(addr)).await.ok().and_then(Result::ok),
+        None => None,
+    };
+    let server = match connected {
+        Some(s) => s,
+        None => {
             // The destination is gone: refuse the way a dead host's kernel would.
             set_linger_zero(client.as_raw_fd());
             return;
@@ -463,6 +504,24 @@ mod tests {
             assert_eq!(st.accepted, 1);
             assert_eq!(st.unidentified, 0);
             assert!(st.bytes >= 200_000);
+        })
+        .await
+        .unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_connection_waits_for_an_upstream_set_later() {
+        tokio::time::timeout(BOUND, async {
+            let proxy = Proxy::new();
+            let (addr, upstream) = proxy.listen_for_later("b").await.unwrap();
+            // The client connects and writes before the proxy knows where "b" is.
+            let mut s = dial(&proxy, addr, "a").await;
+            s.write_all(b"early").await.unwrap();
+            upstream.set(echo().await);
+            let mut buf = [0u8; 5];
+            s.read_exact(&mut buf).await.unwrap();
+            assert_eq!(&buf, b"early");
+            roundtrip(&mut s, 10_000).await.unwrap();
         })
         .await
         .unwrap();

@@ -238,18 +238,73 @@ pub fn lapsed(state: &JobState, lease_ttl_ms: u64) -> Option<Cause> {
 /// process) are never held.
 pub const TIMEOUT_HOLD: std::time::Duration = std::time::Duration::from_millis(50);
 
-/// The root of a cascade of timeouts: given the timeout reports of one generation as
-/// `(reporter rank, suspect rank)` in arrival order, the suspect of the earliest report whose
-/// suspect did not itself report a timeout.
+/// One timeout report of a generation, as the coordinator keeps it for [`cascade_root`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TimeoutReport {
+    /// The rank that timed out.
+    pub reporter: u32,
+    /// The rank it was waiting on.
+    pub suspect: u32,
+    /// How far the reporter got in the failed operation, `(op seq, messages received)`, if
+    /// it said (see `FailureReport.progress`).
+    pub progress: Option<(u32, u64)>,
+}
+
+/// The rank [`cascade_root`] blames, and why.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CascadeRoot {
+    /// The end of a chain: a suspect that did not itself time out (it is stopped, or it is
+    /// the far end of a silent link and still hears from its own peers).
+    ChainEnd(u32),
+    /// Every suspect timed out too (a cycle): `starved`, the reporter that got least far in
+    /// the operation, waited on `rank`, so the link from `rank` to `starved` went silent first.
+    LeastProgress {
+        /// The blamed rank (the starved reporter's suspect).
+        rank: u32,
+        /// The reporter that got least far.
+        starved: u32,
+    },
+}
+
+impl CascadeRoot {
+    /// The blamed rank.
+    pub fn rank(self) -> u32 {
+        match self {
+            CascadeRoot::ChainEnd(rank) | CascadeRoot::LeastProgress { rank, .. } => rank,
+        }
+    }
+}
+
+/// The root of a cascade of timeouts, given the timeout reports of one generation in arrival
+/// order.
 ///
 /// Why: when a rank hangs (SIGSTOP) or a link goes silent (blackhole), its neighbour times out
 /// first, and every rank waiting behind that neighbour times out a moment later, each naming
-/// the live rank it waited on. Every such live rank is itself a reporter; the rank at the end
-/// of the chain is not (it is stopped, or it is the far end of the silent link and still has
-/// data flowing to it). `None` when every suspect also reported (no chain end in sight): the
-/// earliest report stands.
-pub fn cascade_root(reports: &[(u32, u32)]) -> Option<u32> {
-    reports.iter().map(|&(_, suspect)| suspect).find(|s| !reports.iter().any(|&(reporter, _)| reporter == *s))
+/// the live rank it waited on.
+/// - Every such live rank is itself a reporter; the rank at the end of the chain is not (it is
+///   stopped, or it is the far end of the silent link and still has data flowing to it): the
+///   suspect of the earliest report whose suspect did not report is blamed.
+/// - In a lock-step schedule (the ring) a silent link starves every rank, so every suspect
+///   reports too and the chain is a cycle. Then the reporter that got least far in the
+///   operation is the one behind the silent link: each rank downstream of it received at
+///   least one message more before starving. Its suspect is blamed, if every report carries
+///   its progress and the least is unique.
+///
+/// `None` when neither applies: the earliest report stands.
+pub fn cascade_root(reports: &[TimeoutReport]) -> Option<CascadeRoot> {
+    let chain_end = reports.iter().map(|r| r.suspect).find(|s| !reports.iter().any(|r| r.reporter == *s));
+    if let Some(rank) = chain_end {
+        return Some(CascadeRoot::ChainEnd(rank));
+    }
+    let progress: Option<Vec<(u32, u64)>> = reports.iter().map(|r| r.progress).collect();
+    let progress = progress?;
+    let least = *progress.iter().min()?;
+    let mut starved = reports.iter().zip(&progress).filter(|(_, p)| **p == least).map(|(r, _)| r);
+    let first = starved.next()?;
+    if starved.any(|r| r.reporter != first.reporter || r.suspect != first.suspect) {
+        return None;
+    }
+    Some(CascadeRoot::LeastProgress { rank: first.suspect, starved: first.reporter })
 }
 
 #[cfg(test)]
@@ -419,17 +474,43 @@ mod tests {
         assert_eq!(lapsed(&state, 1000), None, "a graceful leave is not a lapse");
     }
 
+    fn chain(reports: &[(u32, u32)]) -> Vec<TimeoutReport> {
+        reports.iter().map(|&(reporter, suspect)| TimeoutReport { reporter, suspect, progress: None }).collect()
+    }
+
+    fn root(reports: &[(u32, u32)]) -> Option<u32> {
+        cascade_root(&chain(reports)).map(CascadeRoot::rank)
+    }
+
     #[test]
     fn cascade_root_follows_the_chain_to_the_rank_that_did_not_time_out() {
         // Rank 2 hangs: 3 waits on 2, then 0 waits on 3, then 1 waits on 0 (a ring).
-        assert_eq!(cascade_root(&[(3, 2), (0, 3), (1, 0)]), Some(2));
+        assert_eq!(root(&[(3, 2), (0, 3), (1, 0)]), Some(2));
         // The same cascade with the reports arriving in another order.
-        assert_eq!(cascade_root(&[(0, 3), (1, 0), (3, 2)]), Some(2));
-        assert_eq!(cascade_root(&[(1, 0), (0, 3)]), Some(3));
+        assert_eq!(root(&[(0, 3), (1, 0), (3, 2)]), Some(2));
+        assert_eq!(root(&[(1, 0), (0, 3)]), Some(3));
         // One report: its suspect.
-        assert_eq!(cascade_root(&[(1, 2)]), Some(2));
-        // Every suspect reported too (a full cycle): no chain end.
-        assert_eq!(cascade_root(&[(0, 1), (1, 0)]), None);
-        assert_eq!(cascade_root(&[]), None);
+        assert_eq!(root(&[(1, 2)]), Some(2));
+        assert_eq!(cascade_root(&chain(&[(1, 2)])), Some(CascadeRoot::ChainEnd(2)));
+        // Every suspect reported too (a full cycle) and no progress known: no answer.
+        assert_eq!(root(&[(0, 1), (1, 0)]), None);
+        assert_eq!(root(&[]), None);
+    }
+
+    #[test]
+    fn in_a_cycle_the_rank_that_got_least_far_points_at_the_silent_link() {
+        // Ring of 4, link 1 -> 2 silent in op 7: rank 2 received 3 messages, each rank
+        // downstream one more; every rank times out, in an order the network chose.
+        let r = |reporter, suspect, received| TimeoutReport { reporter, suspect, progress: Some((7, received)) };
+        let reports = [r(0, 3, 5), r(1, 0, 6), r(3, 2, 4), r(2, 1, 3)];
+        assert_eq!(cascade_root(&reports), Some(CascadeRoot::LeastProgress { rank: 1, starved: 2 }));
+        // A rank that finished the operation and starves in the next is further along,
+        // whatever its message count.
+        let reports = [TimeoutReport { reporter: 3, suspect: 2, progress: Some((8, 0)) }, r(0, 3, 5), r(1, 0, 5), r(2, 1, 4)];
+        assert_eq!(cascade_root(&reports).map(CascadeRoot::rank), Some(1));
+        // A tie between different reporters proves nothing: the earliest report stands.
+        assert_eq!(cascade_root(&[r(0, 1, 2), r(1, 0, 2)]), None);
+        // One report without progress (an older worker): no guess.
+        assert_eq!(cascade_root(&[r(0, 1, 2), TimeoutReport { reporter: 1, suspect: 0, progress: None }]), None);
     }
 }

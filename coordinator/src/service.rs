@@ -46,10 +46,13 @@ struct CachedProgress {
 pub struct CoordinatorService {
     ctx: Arc<Context>,
     progress: Arc<Mutex<HashMap<(String, String), CachedProgress>>>,
-    /// Timeout reports this replica received per (job, generation), as (reporter rank,
-    /// suspect rank) in arrival order: the input of [`revocation::cascade_root`].
-    timeouts: Arc<Mutex<HashMap<(String, u64), Vec<(u32, u32)>>>>,
+    /// Timeout reports this replica received per (job, generation), in arrival order: the
+    /// input of [`revocation::cascade_root`].
+    timeouts: Arc<Mutex<TimeoutReports>>,
 }
+
+/// Timeout reports per (job, generation).
+type TimeoutReports = HashMap<(String, u64), Vec<revocation::TimeoutReport>>;
 
 fn store_status(e: StoreError) -> Status {
     match e {
@@ -426,18 +429,26 @@ impl CoordinatorService {
                 .filter(|(g, _)| g.number == r.generation && g.revoked.is_none())
                 .and_then(|(g, _)| g.rank_of(&r.worker_id, r.incarnation));
             if let Some(reporter) = reporter {
-                self.record_timeout(job, r.generation, reporter, suspect);
+                let progress = r.progress.map(|p| (p.seq, p.received));
+                self.record_timeout(job, r.generation, revocation::TimeoutReport { reporter, suspect, progress });
                 tokio::time::sleep(revocation::TIMEOUT_HOLD).await;
                 current = ops::read_generation(self.ctx.store.as_ref(), job).await.map_err(store_status)?;
                 let chain = self.timeouts_of(job, r.generation);
-                if let Some(root) = revocation::cascade_root(&chain).filter(|&root| root != suspect) {
-                    tracing::info!(named = suspect, blamed = root, ?chain, "timeout report re-attributed to the end of a cascade");
-                    reason = format!(
-                        "{} (re-attributed to rank {root}: ranks {:?} timed out waiting on one another, rank {root} did not)",
-                        r.reason,
-                        chain.iter().map(|&(reporter, _)| reporter).collect::<Vec<_>>()
-                    );
-                    failed_rank = Some(root);
+                if let Some(root) = revocation::cascade_root(&chain).filter(|root| root.rank() != suspect) {
+                    let reporters: Vec<u32> = chain.iter().map(|t| t.reporter).collect();
+                    tracing::info!(named = suspect, blamed = root.rank(), ?chain, "timeout report re-attributed within a cascade");
+                    reason = match root {
+                        revocation::CascadeRoot::ChainEnd(rank) => format!(
+                            "{} (re-attributed to rank {rank}: ranks {reporters:?} timed out waiting on one another, rank {rank} did not)",
+                            r.reason
+                        ),
+                        revocation::CascadeRoot::LeastProgress { rank, starved } => format!(
+                            "{} (re-attributed to rank {rank}: ranks {reporters:?} timed out waiting on one another in a cycle; \
+                             rank {starved} got least far, so its link from rank {rank} went silent first)",
+                            r.reason
+                        ),
+                    };
+                    failed_rank = Some(root.rank());
                 }
             }
         }
@@ -482,17 +493,17 @@ impl CoordinatorService {
     }
 
     /// Records a timeout report of `generation` (dropping older generations' records).
-    fn record_timeout(&self, job: &str, generation: u64, reporter: u32, suspect: u32) {
+    fn record_timeout(&self, job: &str, generation: u64, report: revocation::TimeoutReport) {
         let mut timeouts = self.timeouts.lock().unwrap_or_else(|e| e.into_inner());
         timeouts.retain(|(j, g), _| j != job || *g >= generation);
         let reports = timeouts.entry((job.to_string(), generation)).or_default();
-        if reports.len() < 4096 && !reports.contains(&(reporter, suspect)) {
-            reports.push((reporter, suspect));
+        if reports.len() < 4096 && !reports.iter().any(|t| t.reporter == report.reporter && t.suspect == report.suspect) {
+            reports.push(report);
         }
     }
 
     /// The timeout reports of `generation` this replica has received, in arrival order.
-    fn timeouts_of(&self, job: &str, generation: u64) -> Vec<(u32, u32)> {
+    fn timeouts_of(&self, job: &str, generation: u64) -> Vec<revocation::TimeoutReport> {
         let timeouts = self.timeouts.lock().unwrap_or_else(|e| e.into_inner());
         timeouts.get(&(job.to_string(), generation)).cloned().unwrap_or_default()
     }

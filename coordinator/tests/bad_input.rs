@@ -66,7 +66,7 @@ async fn malformed_requests_are_refused_without_state_change() {
             Box::pin(async move { c.rendezvous(r).await.map(|_| ()) }) as Call
         };
         let report = |f: &dyn Fn(&mut pb::FailureReport)| {
-            let mut r = pb::FailureReport { job: "jb".into(), worker_id: "w0".into(), incarnation: inc, generation: 1, failed_rank: Some(1), reason: "x".into(), kind: 0 };
+            let mut r = pb::FailureReport { job: "jb".into(), worker_id: "w0".into(), incarnation: inc, generation: 1, failed_rank: Some(1), reason: "x".into(), kind: 0, progress: None };
             f(&mut r);
             let mut c = c.clone();
             Box::pin(async move { c.report_failure(r).await.map(|_| ()) }) as Call

@@ -407,6 +407,48 @@ async fn cascading_timeouts_blame_the_end_of_the_chain(backend: Backend) {
     server.shutdown().await.expect("shutdown");
 }
 
+/// A ring of three in which the link from one rank to the next goes silent: every rank
+/// starves and times out naming the rank it waits on, so the reports form a cycle. The rank
+/// behind the silent link got least far in the operation; the rank it waits on is blamed,
+/// whichever report arrives first.
+async fn a_cycle_of_timeouts_blames_the_link_that_went_silent_first(backend: Backend) {
+    let backing = Backing::new(backend).await;
+    let mut settings = test_settings(backend);
+    settings.max_workers = 3;
+    settings.lease_ttl = Duration::from_secs(20);
+    let server = replica(backing.store.clone(), &Options::new(settings)).await;
+    let addr = server.local_addr();
+    let mut workers = Vec::new();
+    for i in 0..3 {
+        workers.push(Worker::join(addr, "job-y", &format!("w{i}"), Duration::from_millis(50)).await);
+    }
+    let g1 = form_all(&workers, 0).await.remove(0);
+    let by_rank: Vec<&Worker> =
+        g1.members.iter().map(|m| workers.iter().find(|w| w.id == m.worker_id).expect("member is a worker")).collect();
+    // Ring: rank r receives from rank r-1. The link 0 -> 1 is silent: rank 1 received 2
+    // messages of op 5, rank 2 one more, rank 0 one more again.
+    let timeout = pb::failure_report::FailureKind::Timeout;
+    let report = |rank: usize, received: u64| {
+        let suspect = ((rank + 2) % 3) as u32;
+        let reason = ["rank 0 timed out", "rank 1 timed out", "rank 2 timed out"][rank];
+        by_rank[rank].report_with(1, Some(suspect), reason, timeout, Some(pb::OpProgress { seq: 5, received }))
+    };
+    // Two of the three reports name a healthy rank; whichever the coordinator settles first,
+    // every rank gets the same answer: rank 0, either from rank 1's own report or
+    // re-attributed to it.
+    let (a, b, c) = tokio::join!(report(0, 4), report(2, 3), report(1, 2));
+    for response in [a.expect("rank 0's report"), b.expect("rank 2's report"), c.expect("rank 1's report")] {
+        let cause = response.cause.expect("cause");
+        assert_eq!(cause.rank, Some(0), "{}", cause.reason);
+        assert!(cause.reason.contains("got least far") || cause.reason == "rank 1 timed out", "{}", cause.reason);
+    }
+    let err = by_rank[0].rendezvous(1, Duration::from_millis(10)).await.expect_err("rank 0 evicted");
+    assert_eq!(err.code(), tonic::Code::NotFound);
+    by_rank[1].rendezvous(1, Duration::from_millis(10)).await.expect("rank 1 is still a member");
+    by_rank[2].rendezvous(1, Duration::from_millis(10)).await.expect("rank 2 is still a member");
+    server.shutdown().await.expect("shutdown");
+}
+
 macro_rules! suite {
     ($($name:ident),* $(,)?) => {
         mod memory {
@@ -439,4 +481,5 @@ suite!(
     restart_revokes,
     timeout_report_blames_the_silent_member,
     cascading_timeouts_blame_the_end_of_the_chain,
+    a_cycle_of_timeouts_blames_the_link_that_went_silent_first,
 );

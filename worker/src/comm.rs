@@ -4,12 +4,13 @@
 use crate::algo::Algorithm;
 use crate::collectives::{self, alltoall, barrier, bcube, recursive_doubling, ring, tree, Ctx};
 use crate::dtype::{as_bytes, as_bytes_mut, from_bytes_mut, DType, Element, Scratch};
-use crate::error::{CommError, RootCause};
+use crate::error::{CommError, OpProgress, RootCause};
 use crate::reduce::ReduceOp;
 use cohort_transports::{AbortReason, Transport, TransportError};
 use half::{bf16, f16};
 use std::fmt;
 use std::future::Future;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 use tracing::Instrument;
@@ -247,6 +248,8 @@ pub struct Communicator<T: Transport> {
     /// Per peer: next point-to-point step to send with / to receive with.
     p2p_send: Vec<u64>,
     p2p_recv: Vec<u64>,
+    /// Messages received in the operation in flight (reset when one starts).
+    op_received: AtomicU64,
 }
 
 impl<T: Transport> fmt::Debug for Communicator<T> {
@@ -281,6 +284,7 @@ impl<T: Transport> Communicator<T> {
             bcube_dims,
             p2p_send: vec![P2P_STEP_BASE; size as usize],
             p2p_recv: vec![P2P_STEP_BASE; size as usize],
+            op_received: AtomicU64::new(0),
         }
     }
 
@@ -324,17 +328,17 @@ impl<T: Transport> Communicator<T> {
         self.revoke.cause.get().map(|cause| CommError::Revoked { generation: self.generation, cause: cause.clone() })
     }
 
-    fn classify(&self, failure: Failure) -> CommError {
+    fn classify(&self, failure: Failure, progress: OpProgress) -> CommError {
         if let Some(e) = self.revoked_error() {
             return e;
         }
         match failure {
-            Failure::WholeOpDeadline(after) => CommError::Timeout { rank: None, after },
+            Failure::WholeOpDeadline(after) => CommError::Timeout { rank: None, after, progress: Some(progress) },
             Failure::Transport(e) => match e {
                 TransportError::PeerClosed { peer, detail } | TransportError::Protocol { peer, detail } => {
                     CommError::PeerFailed { rank: peer, detail }
                 }
-                TransportError::Timeout { peer, after } => CommError::Timeout { rank: Some(peer), after },
+                TransportError::Timeout { peer, after } => CommError::Timeout { rank: Some(peer), after, progress: Some(progress) },
                 TransportError::Aborted(reason) => {
                     CommError::Revoked { generation: self.generation, cause: RootCause::reason(reason.to_string()) }
                 }
@@ -394,6 +398,7 @@ impl<T: Transport> Communicator<T> {
             };
         }
         self.in_flight = true;
+        self.op_received.store(0, Ordering::Relaxed);
         let span = tracing::debug_span!(
             "collective",
             kind = call.kind.name(),
@@ -418,7 +423,8 @@ impl<T: Transport> Communicator<T> {
         match res {
             Ok(()) => Ok(()),
             Err(f) => {
-                let e = self.classify(f);
+                let progress = OpProgress { seq: started.seq, received: self.op_received.load(Ordering::Relaxed) };
+                let e = self.classify(f, progress);
                 Err(self.poison(e))
             }
         }
@@ -444,6 +450,7 @@ macro_rules! operation {
         let res = {
             let $ctx = Ctx {
                 t: &*$self.transport,
+                received: &$self.op_received,
                 rank: $self.rank as usize,
                 size: $self.size as usize,
                 seq: started.seq,

@@ -47,6 +47,22 @@ impl fmt::Display for RootCause {
     }
 }
 
+/// How far this rank got in the operation that failed: the operation's sequence number in
+/// the generation and the messages it had received in it. Ordered by `seq`, then `received`.
+///
+/// Timeout reports carry it. When a link goes silent in a lock-step schedule such as the
+/// ring, every rank soon starves and times out naming the rank it waits on, so the reports
+/// form a cycle with no end; the rank that got least far is the one behind the silent link
+/// (every rank downstream of it received at least one message more before starving), so
+/// the coordinator blames the link that rank waits on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct OpProgress {
+    /// Sequence number of the operation in its generation.
+    pub seq: u32,
+    /// Messages received in that operation before it failed.
+    pub received: u64,
+}
+
 /// Why a collective failed. Every live rank gets one of these instead of a hang or a partial
 /// result; after any of them the communicator is poisoned (see [`crate::Communicator`]).
 ///
@@ -74,6 +90,8 @@ pub enum CommError {
         rank: Option<u32>,
         /// The deadline that passed.
         after: Duration,
+        /// How far this rank got in the operation (see [`OpProgress`]).
+        progress: Option<OpProgress>,
     },
     /// The generation was revoked (or the transport aborted); no collective will run on it again.
     #[error("generation {generation} revoked: {cause}")]
@@ -109,7 +127,7 @@ mod tests {
         assert_eq!(RootCause::reason("shutdown").to_string(), "shutdown");
         let c = RootCause { rank: None, worker_id: "w1".into(), host: String::new(), reason: "left".into() };
         assert_eq!(c.to_string(), "(worker w1): left");
-        let e = CommError::Timeout { rank: Some(3), after: Duration::from_secs(1) };
+        let e = CommError::Timeout { rank: Some(3), after: Duration::from_secs(1), progress: None };
         assert_eq!(e.to_string(), "timed out after 1s waiting on rank 3");
     }
 }

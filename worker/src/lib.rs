@@ -24,5 +24,5 @@ pub use algo::Algorithm;
 pub use collectives::counts_for;
 pub use comm::{CommConfig, Communicator, Revoker};
 pub use dtype::{as_bytes, as_bytes_mut, DType, Element};
-pub use error::{CommError, RootCause};
+pub use error::{CommError, OpProgress, RootCause};
 pub use reduce::ReduceOp;

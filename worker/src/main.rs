@@ -25,7 +25,7 @@ struct Cli {
 enum Command {
     /// Run a synthetic data-parallel training loop on the elastic runtime: every step's
     /// allreduce is verified; survives failures and joins by re-forming.
-    Train(TrainArgs),
+    Train(Box<TrainArgs>),
     /// Benchmark allreduce across N local rank processes (every result verified).
     Bench(BenchArgs),
     /// One rank of `bench` (spawned by it; talks to the parent over stdin/stdout).
@@ -209,7 +209,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     init_tracing();
     match cli.command {
-        Command::Train(args) => run_train(args),
+        Command::Train(args) => run_train(*args),
         Command::Bench(args) => run_bench(args),
         Command::BenchRank(args) => run_bench_rank(args),
     }

@@ -94,7 +94,13 @@ pub async fn run<E: ExactElement>(
     let count = train.size_bytes / width;
     let worker = config.worker_id.clone();
     let mut group = ElasticGroup::join(config).await?;
-    println!("event=joined worker={worker} incarnation={} addr={} t_ms={}", group.incarnation(), group.advertised_address(), now_ms());
+    println!(
+        "event=joined worker={worker} incarnation={} addr={} listen={} t_ms={}",
+        group.incarnation(),
+        group.advertised_address(),
+        group.listen_address(),
+        now_ms()
+    );
 
     let mut params = Params(vec![E::from_small(0); count]);
     let mut grad = vec![E::from_small(0); count];

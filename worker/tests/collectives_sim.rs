@@ -277,6 +277,39 @@ async fn stalled_link_times_out_at_the_deadline() {
     assert!(timeouts >= 1);
 }
 
+/// A silent link in a lock-step ring starves every rank, and every rank times out naming the
+/// rank it waits on (a cycle). The rank behind the silent link got least far in the
+/// operation; the others each received more before starving. This is what lets the
+/// coordinator blame the right link (see `revocation::cascade_root`).
+#[tokio::test(start_paused = true)]
+async fn in_a_starved_ring_the_rank_behind_the_silent_link_got_least_far() {
+    let config = CommConfig { segment_bytes: 1024, abort_transport_on_error: false, ..CommConfig::default() };
+    let (net, comms) = world(4, &config, NO_PROGRESS.as_millis() as u64);
+    for (a, b) in [(0, 1), (1, 2), (2, 3), (3, 0)] {
+        net.delay(a, b, Duration::from_millis(5));
+    }
+    let handles: Vec<_> = comms.into_iter().map(|c| spawn_allreduce(c, 4096)).collect();
+    // Mid-operation (6 ring steps, 5 ms of latency each), the link 1 -> 2 goes silent.
+    tokio::time::sleep(Duration::from_millis(12)).await;
+    net.stall(1, 2);
+    let mut progress = Vec::new();
+    for (rank, h) in handles.into_iter().enumerate() {
+        let (r, _c, _elapsed) = timeout(LIMIT, h).await.unwrap().unwrap();
+        match r.expect_err("a silent link cannot complete") {
+            CommError::Timeout { rank: waited_on, progress: Some(p), .. } => {
+                assert_eq!(waited_on, Some(((rank + 3) % 4) as u32), "rank {rank} waits on its left neighbour");
+                assert_eq!(p.seq, 0);
+                progress.push(p);
+            }
+            e => panic!("rank {rank}: {e}"),
+        }
+    }
+    assert!(progress[2].received > 0, "the link went silent mid-operation: {progress:?}");
+    for rank in [0, 1, 3] {
+        assert!(progress[2] < progress[rank], "rank 2 got least far: {progress:?}");
+    }
+}
+
 #[tokio::test(start_paused = true)]
 async fn isolated_rank_times_out_its_neighbours() {
     let (net, comms) = world(4, &CommConfig::default(), NO_PROGRESS.as_millis() as u64);
@@ -410,7 +443,7 @@ async fn whole_op_bound_times_out_and_poisons() {
     let mut c = comms.remove(0); // rank 1 never shows up
     let start = Instant::now();
     let e = c.allreduce(&mut [1.0f32; 8], ReduceOp::Sum).await.unwrap_err();
-    assert!(matches!(e, CommError::Timeout { rank: None, after } if after == Duration::from_secs(1)), "{e}");
+    assert!(matches!(e, CommError::Timeout { rank: None, after, .. } if after == Duration::from_secs(1)), "{e}");
     assert_eq!(start.elapsed(), Duration::from_secs(1));
     assert!(matches!(c.barrier().await, Err(CommError::Timeout { .. })));
     assert!(c.transport().as_ref().is_aborted_for_test());

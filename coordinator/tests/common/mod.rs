@@ -209,6 +209,18 @@ impl Worker {
         reason: &str,
         kind: pb::failure_report::FailureKind,
     ) -> Result<pb::FailureReportResponse, tonic::Status> {
+        self.report_with(generation, failed_rank, reason, kind, None).await
+    }
+
+    /// Reports a failure of `kind` carrying the reporter's progress in the failed operation.
+    pub async fn report_with(
+        &self,
+        generation: u64,
+        failed_rank: Option<u32>,
+        reason: &str,
+        kind: pb::failure_report::FailureKind,
+        progress: Option<pb::OpProgress>,
+    ) -> Result<pb::FailureReportResponse, tonic::Status> {
         let mut c = self.client.clone();
         c.report_failure(pb::FailureReport {
             job: self.job.clone(),
@@ -218,6 +230,7 @@ impl Worker {
             failed_rank,
             reason: reason.into(),
             kind: kind as i32,
+            progress,
         })
         .await
         .map(|r| r.into_inner())

@@ -15,7 +15,7 @@ pub(crate) async fn barrier<T: Transport>(ctx: &Ctx<'_, T>) -> Result<(), Transp
         let to = (rank + dist) % n;
         let from = (rank + n - dist) % n;
         let tag = ctx.tag(round)?;
-        tokio::try_join!(ctx.t.send(to as u32, tag, &[]), ctx.t.recv(from as u32, tag, &mut []))?;
+        tokio::try_join!(ctx.t.send(to as u32, tag, &[]), ctx.recv(from as u32, tag, &mut []))?;
         dist <<= 1;
         round += 1;
     }

@@ -17,13 +17,20 @@ pub(crate) mod ring;
 pub(crate) mod tree;
 
 use crate::dtype::{as_bytes, as_bytes_mut, Element};
-use cohort_transports::{Tag, Transport, TransportError};
+use cohort_transports::{Rank, Tag, Transport, TransportError};
 use std::ops::Range;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 /// One operation's view of the transport.
+///
+/// Schedules receive through [`Ctx::recv`] (or [`Ctx::recv_segs`]), never `t.recv`
+/// directly: the count of received messages is how far this rank got in the operation,
+/// which a timeout report carries (see [`crate::OpProgress`]).
 pub(crate) struct Ctx<'a, T> {
-    /// The transport.
+    /// The transport (send through it; receive through [`Ctx::recv`]).
     pub t: &'a T,
+    /// Messages received so far in this operation.
+    pub received: &'a AtomicU64,
     /// This rank.
     pub rank: usize,
     /// World size.
@@ -60,10 +67,17 @@ impl<T: Transport> Ctx<'_, T> {
         Ok(())
     }
 
+    /// Receives message `tag` from `peer` into `buf` and counts it.
+    pub async fn recv(&self, peer: Rank, tag: Tag, buf: &mut [u8]) -> Result<(), TransportError> {
+        self.t.recv(peer, tag, buf).await?;
+        self.received.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+
     /// Receives into `buf` from `peer` the segments sent by [`Ctx::send_segs`] with `step0`.
     pub async fn recv_segs<E: Element>(&self, peer: usize, step0: u64, buf: &mut [E]) -> Result<(), TransportError> {
         for (k, chunk) in buf.chunks_mut(self.seg).enumerate() {
-            self.t.recv(peer as u32, self.tag(step0 + k as u64)?, as_bytes_mut(chunk)).await?;
+            self.recv(peer as u32, self.tag(step0 + k as u64)?, as_bytes_mut(chunk)).await?;
         }
         Ok(())
     }

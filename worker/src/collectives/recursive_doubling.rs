@@ -41,7 +41,7 @@ pub(crate) async fn allreduce<T: Transport, E: Element>(
         } else {
             for (k, seg) in data.chunks_mut(ctx.seg).enumerate() {
                 let incoming = &mut scratch[..seg.len()];
-                ctx.t.recv((rank - 1) as u32, ctx.tag(k as u64)?, as_bytes_mut(incoming)).await?;
+                ctx.recv((rank - 1) as u32, ctx.tag(k as u64)?, as_bytes_mut(incoming)).await?;
                 // The even (lower) rank's operand goes first.
                 E::combine(op, seg, incoming, true);
             }
@@ -60,7 +60,7 @@ pub(crate) async fn allreduce<T: Transport, E: Element>(
             for (k, seg) in data.chunks_mut(ctx.seg).enumerate() {
                 let incoming = &mut scratch[..seg.len()];
                 let tag = ctx.tag(step0 + k as u64)?;
-                tokio::try_join!(ctx.t.send(peer as u32, tag, as_bytes(seg)), ctx.t.recv(peer as u32, tag, as_bytes_mut(incoming)))?;
+                tokio::try_join!(ctx.t.send(peer as u32, tag, as_bytes(seg)), ctx.recv(peer as u32, tag, as_bytes_mut(incoming)))?;
                 E::combine(op, seg, incoming, v > pv);
             }
         }

@@ -41,7 +41,7 @@ pub(crate) async fn reduce_scatter_inplace<T: Transport, E: Element>(
         let receive_and_combine = async {
             for (k, seg) in recv.chunks_mut(ctx.seg).enumerate() {
                 let incoming = &mut scratch[..seg.len()];
-                ctx.t.recv(left as u32, ctx.tag(step0 + k as u64)?, as_bytes_mut(incoming)).await?;
+                ctx.recv(left as u32, ctx.tag(step0 + k as u64)?, as_bytes_mut(incoming)).await?;
                 E::combine(op, seg, incoming, false);
             }
             Ok(())

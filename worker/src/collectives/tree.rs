@@ -42,7 +42,7 @@ pub(crate) async fn broadcast<T: Transport, E: Element>(ctx: &Ctx<'_, T>, data: 
     for (k, seg) in data.chunks_mut(ctx.seg).enumerate() {
         let tag = ctx.tag(k as u64)?;
         if let Some(p) = parent(v) {
-            ctx.t.recv(real(p, root, n) as u32, tag, as_bytes_mut(seg)).await?;
+            ctx.recv(real(p, root, n) as u32, tag, as_bytes_mut(seg)).await?;
         }
         for c in children(v, n) {
             ctx.t.send(real(c, root, n) as u32, tag, as_bytes(seg)).await?;
@@ -82,7 +82,7 @@ pub(crate) async fn reduce<T: Transport, E: Element>(
             seg
         };
         for c in children(v, n).rev() {
-            ctx.t.recv(real(c, root, n) as u32, tag, as_bytes_mut(incoming)).await?;
+            ctx.recv(real(c, root, n) as u32, tag, as_bytes_mut(incoming)).await?;
             E::combine(op, acc, incoming, false);
         }
         match parent(v) {

@@ -214,6 +214,12 @@ impl ElasticGroup {
         &self.advertised
     }
 
+    /// The address the data-plane listener is bound to (differs from
+    /// [`ElasticGroup::advertised_address`] behind NAT, a proxy or a wildcard bind).
+    pub fn listen_address(&self) -> SocketAddr {
+        self.endpoint.local_addr()
+    }
+
     /// The current incarnation (changes when the worker had to join again).
     pub fn incarnation(&self) -> u64 {
         self.shared.incarnation.load(Ordering::SeqCst)
@@ -339,6 +345,7 @@ impl ElasticGroup {
                     failed_rank: e.peer(),
                     reason: format!("mesh connection failed: {e}"),
                     kind: pb::failure_report::FailureKind::Unspecified as i32,
+                    progress: None,
                 };
                 self.client.report_failure(report).await?;
                 return Ok(None);
@@ -395,6 +402,10 @@ impl ElasticGroup {
                 CommError::Timeout { .. } => pb::failure_report::FailureKind::Timeout,
                 _ => pb::failure_report::FailureKind::Unspecified,
             } as i32,
+            progress: match error {
+                CommError::Timeout { progress: Some(p), .. } => Some(pb::OpProgress { seq: p.seq, received: p.received }),
+                _ => None,
+            },
         };
         match tokio::time::timeout(self.config.root_cause_wait.max(Duration::from_secs(2)), self.client.report_failure(report)).await {
             Ok(Ok(response)) => {

@@ -59,9 +59,7 @@ fn digest_of(step: Option<u64>, snapshot: &[u8]) -> [u8; 32] {
 impl Checkpoint {
     /// An empty checkpoint (nothing committed yet: a fresh worker or a joiner).
     pub fn new() -> Self {
-        let mut c = Self::default();
-        c.digest = digest_of(None, &[]);
-        c
+        Self { digest: digest_of(None, &[]), ..Self::default() }
     }
 
     /// The committed step, if any.
