@@ -3,6 +3,7 @@
 use crate::binaries::Binaries;
 use crate::events::WorkerEvent;
 use crate::process::{now_ms, ManagedProcess, OutputLine};
+use crate::netns::NetLab;
 use crate::proxy::Proxy;
 use cohort_coordinator::etcd_process::EtcdProcess;
 use std::collections::BTreeMap;
@@ -78,6 +79,18 @@ pub struct ClusterConfig {
     pub log_dir: Option<PathBuf>,
 }
 
+/// Where the cluster's processes live on the network.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Network {
+    /// Everything on this machine's loopback.
+    #[default]
+    Loopback,
+    /// Every worker on a host of its own (a network namespace with its own address), the
+    /// coordinators on the hub namespace's bridge; see [`crate::netns`]. Memory store only
+    /// (etcd runs on the harness's loopback).
+    Namespaces,
+}
+
 struct Coordinator {
     process: Option<ManagedProcess>,
     address: String,
@@ -99,6 +112,8 @@ pub struct Cluster {
     connect_timeout: Option<Duration>,
     /// Every worker event seen so far, in arrival order.
     pub events: Vec<WorkerEvent>,
+    /// The namespaces, when `netns` is on (last: dropped after every process is killed).
+    netlab: Option<NetLab>,
 }
 
 /// Errors of the launcher.
@@ -122,8 +137,13 @@ fn ms(d: Duration) -> String {
 }
 
 impl Cluster {
-    /// Starts etcd (if asked) and the coordinators; no workers yet.
+    /// Starts etcd (if asked) and the coordinators on the loopback; no workers yet.
     pub async fn start(config: ClusterConfig) -> Result<Self, ClusterError> {
+        Self::start_on(config, Network::Loopback).await
+    }
+
+    /// Starts etcd (if asked) and the coordinators on `network`; no workers yet.
+    pub async fn start_on(config: ClusterConfig, network: Network) -> Result<Self, ClusterError> {
         let bins = Binaries::locate().map_err(ClusterError::Setup)?;
         let (tempdir, log_dir) = match &config.log_dir {
             Some(d) => {
@@ -139,6 +159,15 @@ impl Cluster {
         let token_file = log_dir.join("token");
         let token: String = (0..32).map(|_| format!("{:x}", rand::random::<u8>() % 16)).collect();
         std::fs::write(&token_file, &token).map_err(|e| ClusterError::Setup(e.to_string()))?;
+        let netlab = if network == Network::Namespaces {
+            if config.store == StoreKind::Etcd {
+                return Err(ClusterError::Setup("network namespaces work with the memory store only".into()));
+            }
+            NetLab::sweep_stale();
+            Some(NetLab::create().map_err(|e| ClusterError::Setup(format!("network namespaces: {e}")))?)
+        } else {
+            None
+        };
         let etcd = match config.store {
             StoreKind::Etcd => Some(EtcdProcess::start().map_err(|e| ClusterError::Setup(format!("etcd: {e}")))?),
             StoreKind::Memory => None,
@@ -158,10 +187,15 @@ impl Cluster {
             proxy: None,
             connect_timeout: None,
             events: Vec::new(),
+            netlab,
         };
         let n = if cluster.config.store == StoreKind::Memory { 1 } else { cluster.config.coordinators.max(1) };
+        let listen = match &cluster.netlab {
+            Some(lab) => format!("{}:0", lab.hub_address()),
+            None => "127.0.0.1:0".into(),
+        };
         for i in 0..n {
-            let (process, address) = cluster.spawn_coordinator(i, "127.0.0.1:0").await?;
+            let (process, address) = cluster.spawn_coordinator(i, &listen).await?;
             cluster.coordinators.push(Coordinator { process: Some(process), address });
         }
         Ok(cluster)
@@ -180,8 +214,8 @@ impl Cluster {
     }
 
     async fn spawn_coordinator(&mut self, index: usize, listen: &str) -> Result<(ManagedProcess, String), ClusterError> {
+        let mut cmd = self.command(None, &self.bins.coordinator)?;
         let s = &self.config.settings;
-        let mut cmd = Command::new(&self.bins.coordinator);
         cmd.args(["serve", "--listen", listen, "--store", &self.store_arg(), "--name", &format!("coord{index}")])
             .args(["--min-workers", &s.min_workers.to_string(), "--max-workers", &s.max_workers.to_string()])
             .args(["--join-window", &ms(s.join_window), "--heartbeat-interval", &ms(s.heartbeat_interval)])
@@ -249,6 +283,20 @@ impl Cluster {
         self.etcd.as_mut()
     }
 
+    /// The network namespaces, when the cluster runs on them.
+    pub fn netlab(&self) -> Option<&NetLab> {
+        self.netlab.as_ref()
+    }
+
+    /// A command running `program` on worker host `host` (`None`: where the coordinators
+    /// run): in its network namespace when the cluster has them, else right here.
+    fn command(&self, host: Option<&str>, program: &std::path::Path) -> Result<Command, ClusterError> {
+        match &self.netlab {
+            Some(lab) => lab.command(host, program).map_err(|e| ClusterError::Setup(e.to_string())),
+            None => Ok(Command::new(program)),
+        }
+    }
+
     /// Whether coordinator `index` is running.
     pub fn coordinator_running(&mut self, index: usize) -> bool {
         match self.coordinators.get_mut(index).and_then(|c| c.process.as_mut()) {
@@ -272,7 +320,7 @@ impl Cluster {
     /// # Cancel safety
     /// Cancel safe (the status process is killed when dropped).
     pub async fn leader_index(&self, timeout: Duration) -> Option<usize> {
-        let mut cmd = Command::new(&self.bins.coordinator);
+        let mut cmd = self.command(None, &self.bins.coordinator).ok()?;
         cmd.args(["status", "--job", &self.config.job, "--endpoints", &self.endpoints(), "--timeout", &ms(timeout)])
             .arg("--token-file")
             .arg(&self.token_file)
@@ -343,8 +391,13 @@ impl Cluster {
     }
 
     /// Starts a worker named `name` running `cohort-worker train`.
+    /// With network namespaces, the worker runs on a host of its own (see [`crate::netns`]).
     pub fn spawn_worker(&mut self, name: &str, spec: &WorkerSpec) -> Result<(), ClusterError> {
-        self.spawn_worker_with(name, spec, "127.0.0.1:0", "127.0.0.1", self.lines_tx.clone())
+        let host = match self.netlab.as_mut() {
+            Some(lab) => lab.add_host(name).map_err(|e| ClusterError::Setup(e.to_string()))?.to_string(),
+            None => "127.0.0.1".into(),
+        };
+        self.spawn_worker_with(name, spec, &format!("{host}:0"), &host, self.lines_tx.clone())
     }
 
     fn spawn_worker_with(
@@ -355,7 +408,8 @@ impl Cluster {
         advertise: &str,
         lines: mpsc::UnboundedSender<OutputLine>,
     ) -> Result<(), ClusterError> {
-        let mut cmd = Command::new(&self.bins.worker);
+        let host = self.netlab.as_ref().map(|_| name);
+        let mut cmd = self.command(host, &self.bins.worker)?;
         cmd.args(["train", "--coordinator", &self.endpoints(), "--job", &self.config.job])
             .args(["--steps", &spec.steps.to_string(), "--size", &spec.size])
             .args(["--listen", listen, "--advertise", advertise, "--worker-id", name])

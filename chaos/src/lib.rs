@@ -17,6 +17,7 @@ pub mod cluster;
 pub mod demo;
 pub mod events;
 pub mod invariants;
+pub mod netns;
 pub mod process;
 pub mod proxy;
 pub mod report;

@@ -7,14 +7,14 @@
 //! healing a link, restarting coordinators or etcd, the slow rank's duty cycle) fire while
 //! events are awaited.
 
-use crate::cluster::{Cluster, ClusterConfig, ClusterError, JobSettings, StoreKind, WorkerSpec};
+use crate::cluster::{Cluster, ClusterConfig, ClusterError, JobSettings, Network, StoreKind, WorkerSpec};
 use crate::demo::Check;
 use crate::events::WorkerEvent;
 use crate::invariants;
 use crate::process::now_ms;
 use crate::proxy::LinkRule;
 use crate::report::{ErrorSeen, FaultRecord, RunReport};
-use crate::scenario::{parse_bytes, Expect, FaultKind, FaultSpec, Scenario, StoreChoice};
+use crate::scenario::{parse_bytes, Expect, FaultKind, FaultSpec, NetworkChoice, Scenario, StoreChoice};
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
@@ -50,7 +50,10 @@ pub enum RunError {
 #[derive(Clone, Debug)]
 enum Action {
     Signal(String, i32),
+    /// Clear the link faults on these directed pairs.
     Heal(Vec<(String, String)>),
+    /// Plug these hosts back into the network (network namespaces).
+    Plug(Vec<String>),
     RestartCoordinators(Vec<usize>),
     RestartEtcd,
     SlowStop { worker: String, until: Instant, stop_for: Duration, run_for: Duration },
@@ -177,7 +180,8 @@ async fn run_inner(sc: &Scenario, seed: u64, log_dir: &std::path::Path, verbose:
         },
         log_dir: Some(log_dir.to_path_buf()),
     };
-    let cluster = match Cluster::start(config).await {
+    let network = if sc.network == NetworkChoice::Netns { Network::Namespaces } else { Network::Loopback };
+    let cluster = match Cluster::start_on(config, network).await {
         Ok(c) => c,
         Err(e) => return (Vec::new(), Vec::new(), None, Some(format!("starting the cluster: {e}"))),
     };
@@ -226,8 +230,9 @@ async fn run_inner(sc: &Scenario, seed: u64, log_dir: &std::path::Path, verbose:
     (records, checks, proxy, error)
 }
 
+/// Faults whose targets are not among the survivors of their generation.
 fn kill_like(kind: FaultKind) -> bool {
-    matches!(kind, FaultKind::Kill | FaultKind::Stop | FaultKind::Term)
+    matches!(kind, FaultKind::Kill | FaultKind::Stop | FaultKind::Term | FaultKind::Isolate)
 }
 
 impl Run<'_> {
@@ -269,12 +274,28 @@ impl Run<'_> {
                 }
             }
             Action::Heal(pairs) => {
-                if let Some(p) = self.cluster.proxy() {
+                if let Some(lab) = self.cluster.netlab() {
+                    for (a, b) in &pairs {
+                        if let Err(e) = lab.drop_route(a, b, false) {
+                            tracing::warn!(error = %e, "healing a route");
+                        }
+                    }
+                } else if let Some(p) = self.cluster.proxy() {
                     for (a, b) in &pairs {
                         p.set_rule(a, b, LinkRule::default());
                     }
                 }
                 self.say("links healed");
+            }
+            Action::Plug(hosts) => {
+                if let Some(lab) = self.cluster.netlab() {
+                    for h in &hosts {
+                        if let Err(e) = lab.isolate(h, false) {
+                            tracing::warn!(error = %e, "plugging a host back");
+                        }
+                    }
+                }
+                self.say(format!("hosts plugged back: {}", hosts.join(",")));
             }
             Action::RestartCoordinators(idx) => {
                 for i in idx {
@@ -488,6 +509,32 @@ impl Run<'_> {
                 }
                 self.timers.push((Instant::now() + dur, Action::RestartEtcd));
             }
+            FaultKind::Isolate => {
+                let lab = self.cluster.netlab().ok_or_else(|| RunError::Scenario("isolate needs network = \"netns\"".into()))?;
+                for w in &target_names {
+                    lab.isolate(w, true).map_err(|e| RunError::Scenario(e.to_string()))?;
+                }
+                let plug_at = Instant::now() + if dur.is_zero() { settle } else { dur };
+                self.timers.push((plug_at, Action::Plug(target_names.clone())));
+            }
+            FaultKind::Blackhole | FaultKind::Partition if self.cluster.netlab().is_some() => {
+                let mut pairs = Vec::new();
+                for t in &target_names {
+                    for p in &peers {
+                        pairs.push((t.clone(), p.clone()));
+                        if f.kind != FaultKind::Partition {
+                            pairs.push((p.clone(), t.clone()));
+                        }
+                    }
+                }
+                if let Some(lab) = self.cluster.netlab() {
+                    for (a, b) in &pairs {
+                        lab.drop_route(a, b, true).map_err(|e| RunError::Scenario(e.to_string()))?;
+                    }
+                }
+                let heal_at = Instant::now() + if dur.is_zero() { sc.no_progress.0 * 3 } else { dur };
+                self.timers.push((heal_at, Action::Heal(pairs)));
+            }
             FaultKind::Blackhole | FaultKind::Partition | FaultKind::Latency | FaultKind::Bandwidth | FaultKind::Reset => {
                 let proxy = self.cluster.enable_proxy();
                 let rule = match f.kind {
@@ -572,6 +619,20 @@ impl Run<'_> {
                     self.pump(&format!("replacement {last} to join"), settle, |e, _| e.kind == "step" && e.worker == last).await?;
                 }
             }
+            FaultKind::Isolate => {
+                // The survivors re-form without the cut-off hosts; then they are plugged back
+                // (at the latest at their duration) and must find their way back in.
+                let recovered = self.pump(&format!("the first verified step after fault {index}"), settle, |e, _| e.kind == "step" && e.int("gen").unwrap_or(0) > gen).await;
+                if let Some(pos) = self.timers.iter().position(|(_, a)| matches!(a, Action::Plug(_))) {
+                    let (_, a) = self.timers.remove(pos);
+                    self.fire(a).await;
+                }
+                recovered?;
+                for w in &target_names {
+                    let who = w.clone();
+                    self.pump(&format!("{w} to rejoin after it was plugged back"), settle, |e, _| e.kind == "step" && e.worker == who && e.int("gen").unwrap_or(0) > gen).await?;
+                }
+            }
             FaultKind::JoinStorm => {
                 let want = (world + f.count as i64).min(sc.max_workers as i64);
                 self.pump(&format!("a generation of {want} after the join storm"), settle, |e, _| e.kind == "step" && e.int("world") == Some(want)).await?;
@@ -653,6 +714,35 @@ impl Run<'_> {
                         what: format!("fault {} ({kind}): the next generation verified a step", r.index),
                         ok: r.next_step_ms.is_some(),
                         detail: format!("{} ms", o(r.next_step_ms)),
+                    });
+                }
+                "isolate" => {
+                    let named = r.errors.iter().filter(|e| culprits.iter().any(|c| e.cause.contains(&format!("worker {c} ")) || e.cause.contains(&format!("worker {c})")))).count();
+                    checks.push(Check {
+                        what: format!("fault {} ({kind}): every survivor got an error naming the cut-off host", r.index),
+                        ok: named == r.survivors.len() && !r.survivors.is_empty(),
+                        detail: format!("{named} of {} survivors; causes: {}", r.survivors.len(), causes(r)),
+                    });
+                    let limit = (sc.no_progress.0 + sc.step_interval.0 + Duration::from_millis(1000)).as_millis() as i64;
+                    checks.push(Check {
+                        what: format!("fault {} ({kind}): detected within the no-progress deadline ({} ms) + 1 s", r.index, sc.no_progress.0.as_millis()),
+                        ok: r.first_error_ms.is_some_and(|t| t <= limit),
+                        detail: format!("first error after {} ms", o(r.first_error_ms)),
+                    });
+                    checks.push(Check {
+                        what: format!("fault {} ({kind}): the next generation verified a step", r.index),
+                        ok: r.next_step_ms.is_some(),
+                        detail: format!("{} ms", o(r.next_step_ms)),
+                    });
+                    let back: Vec<String> = culprits
+                        .iter()
+                        .filter(|w| !events.iter().any(|e| e.kind == "step" && e.worker == **w && e.int("gen").unwrap_or(0) > r.generation))
+                        .cloned()
+                        .collect();
+                    checks.push(Check {
+                        what: format!("fault {} ({kind}): the cut-off host rejoined once plugged back", r.index),
+                        ok: back.is_empty(),
+                        detail: if back.is_empty() { "verified steps in a later generation".into() } else { format!("never back: {}", back.join(",")) },
                     });
                 }
                 "blackhole" | "partition" | "reset" => {

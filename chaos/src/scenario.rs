@@ -79,6 +79,19 @@ pub enum Expect {
     Fail,
 }
 
+/// Where the cluster's processes live on the network.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum NetworkChoice {
+    /// Everything on the loopback; link faults go through the fault-injecting proxy.
+    #[default]
+    Loopback,
+    /// Every worker on a host of its own (a network namespace with its own address);
+    /// blackhole and partition cut routes, isolate pulls a host's cable. Needs root; the
+    /// memory store; no proxy faults (reset, latency, bandwidth).
+    Netns,
+}
+
 /// The kinds of fault.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Hash, PartialOrd, Ord)]
 #[serde(rename_all = "snake_case")]
@@ -109,13 +122,17 @@ pub enum FaultKind {
     Bandwidth,
     /// Packets from the targets to `peers` vanish (one way only) until healed.
     Partition,
+    /// The targets' hosts are cut off the network: every packet to and from them vanishes,
+    /// heartbeats included, until the survivors have re-formed (or `duration`); then they
+    /// are plugged back and must rejoin. Needs `network = "netns"`.
+    Isolate,
 }
 
 impl FaultKind {
     /// Whether the fault is expected to revoke the generation (survivors get errors and the
     /// job re-forms).
     pub fn disruptive(self) -> bool {
-        matches!(self, Self::Kill | Self::Stop | Self::Blackhole | Self::Reset | Self::Partition)
+        matches!(self, Self::Kill | Self::Stop | Self::Blackhole | Self::Reset | Self::Partition | Self::Isolate)
     }
 
     /// Whether it acts on data-plane links (needs the proxy).
@@ -144,6 +161,7 @@ impl FaultKind {
             Self::Latency => "latency",
             Self::Bandwidth => "bandwidth",
             Self::Partition => "partition",
+            Self::Isolate => "isolate",
         }
     }
 }
@@ -300,9 +318,13 @@ pub struct Scenario {
     /// How long a job below min_workers waits before failing.
     #[serde(default = "default_elastic")]
     pub elastic_timeout: Dur,
-    /// Route every data-plane link through the fault-injecting proxy (implied by link faults).
+    /// Route every data-plane link through the fault-injecting proxy (implied by link faults
+    /// on the loopback).
     #[serde(default)]
     pub proxy: bool,
+    /// Loopback (default) or a network namespace per worker.
+    #[serde(default)]
+    pub network: NetworkChoice,
     /// How the job must end.
     #[serde(default)]
     pub expect: Expect,
@@ -390,7 +412,7 @@ impl Scenario {
 
     /// Whether the data plane must go through the proxy.
     pub fn needs_proxy(&self) -> bool {
-        self.proxy || self.faults.iter().any(|f| f.kind.link())
+        self.network == NetworkChoice::Loopback && (self.proxy || self.faults.iter().any(|f| f.kind.link()))
     }
 
     /// Gradient bytes per step.
@@ -434,6 +456,9 @@ impl Scenario {
         if self.coordinators == 0 || self.coordinators > 5 {
             return bad(format!("coordinators {} must be 1..=5", self.coordinators));
         }
+        if self.network == NetworkChoice::Netns && (self.store != StoreChoice::Memory || self.proxy) {
+            return bad("network = \"netns\" works with the memory store and without the proxy".into());
+        }
         for (i, f) in self.faults.iter().enumerate() {
             let at = format!("fault {} ({})", i + 1, f.kind.name());
             if f.kind.control_plane() && self.store != StoreChoice::Etcd {
@@ -442,8 +467,15 @@ impl Scenario {
             let needs_targets = matches!(
                 f.kind,
                 FaultKind::Kill | FaultKind::Stop | FaultKind::Term | FaultKind::Slow | FaultKind::Blackhole | FaultKind::Reset
-                    | FaultKind::Latency | FaultKind::Bandwidth | FaultKind::Partition
+                    | FaultKind::Latency | FaultKind::Bandwidth | FaultKind::Partition | FaultKind::Isolate
             );
+            let netns = self.network == NetworkChoice::Netns;
+            if f.kind == FaultKind::Isolate && !netns {
+                return bad(format!("{at}: needs network = \"netns\" (a host of its own to cut off)"));
+            }
+            if netns && matches!(f.kind, FaultKind::Reset | FaultKind::Latency | FaultKind::Bandwidth) {
+                return bad(format!("{at}: needs the proxy, which network = \"netns\" does not use"));
+            }
             let targets = f.ranks.len() as u32 + f.random_ranks;
             if needs_targets && targets == 0 {
                 return bad(format!("{at}: name its targets (ranks = [..] or random_ranks = N)"));
@@ -536,6 +568,14 @@ mod tests {
         assert!(etcd.contains("etcd"), "{etcd}");
         let bw = Scenario::parse("x", "[[fault]]\nkind = \"bandwidth\"\nranks=[0]\nduration=\"1s\"\nbandwidth=\"1\"").unwrap_err();
         assert!(bw.to_string().contains("at least 1K"), "{bw}");
+        let isolate = Scenario::parse("x", "[[fault]]\nkind = \"isolate\"\nranks = [1]").unwrap_err().to_string();
+        assert!(isolate.contains("netns"), "{isolate}");
+        let proxied = Scenario::parse("x", "network = \"netns\"\n[[fault]]\nkind = \"reset\"\nranks = [1]").unwrap_err().to_string();
+        assert!(proxied.contains("proxy"), "{proxied}");
+        let etcd = Scenario::parse("x", "network = \"netns\"\nstore = \"etcd\"").unwrap_err().to_string();
+        assert!(etcd.contains("memory store"), "{etcd}");
+        let ok = Scenario::parse("x", "network = \"netns\"\n[[fault]]\nkind = \"isolate\"\nranks = [1]\n[[fault]]\nkind = \"partition\"\nranks = [0]\npeers = [1]").unwrap();
+        assert!(!ok.needs_proxy(), "route faults need no proxy");
         assert!(Scenario::parse("x", "workers = 9").is_err());
         assert!(Scenario::parse("x", "min_workers = 0").is_err());
         assert!(Scenario::parse("x", "size = \"3\"").is_err());

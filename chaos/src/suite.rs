@@ -3,7 +3,8 @@
 
 use crate::report::{self, RunReport};
 use crate::runner::{self, RunOptions};
-use crate::scenario::{Scenario, ScenarioError};
+use crate::netns::NetLab;
+use crate::scenario::{NetworkChoice, Scenario, ScenarioError};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -42,7 +43,9 @@ pub fn load_dir(dir: &Path, quick: bool) -> Result<Vec<Scenario>, ScenarioError>
     Ok(out)
 }
 
-/// Runs `scenarios` one after the other, printing a line per run.
+/// Runs `scenarios` one after the other, printing a line per run. A scenario on network
+/// namespaces is skipped, with the reason printed, where they cannot be made (not root, no
+/// iproute2).
 ///
 /// # Cancel safety
 /// Cancel safe: dropping it kills the current run's processes.
@@ -51,6 +54,12 @@ pub async fn run_all(scenarios: &[Scenario], opts: &RunOptions) -> Vec<RunReport
     for s in scenarios {
         let t = Instant::now();
         println!("== {} (seed {}): {}", s.name, opts.seed.unwrap_or(s.seed), s.description);
+        if s.network == NetworkChoice::Netns {
+            if let Err(why) = NetLab::probe() {
+                println!("   SKIPPED: network namespaces are unavailable here: {why}");
+                continue;
+            }
+        }
         let mut o = opts.clone();
         o.log_dir = opts.log_dir.as_ref().map(|d| d.join(&s.name));
         let r = runner::run(s, &o).await;
