@@ -643,7 +643,7 @@ impl Run<'_> {
                 self.fire_due().await;
                 let target = self.view.max_step + 3;
                 self.pump(&format!("3 steps after fault {index}"), settle, |e, _| e.kind == "step" && e.int("step").unwrap_or(0) >= target).await?;
-                if matches!(f.kind, FaultKind::Latency | FaultKind::Bandwidth | FaultKind::CoordinatorLeaderKill) {
+                if matches!(f.kind, FaultKind::Latency | FaultKind::Bandwidth | FaultKind::CoordinatorLeaderKill | FaultKind::Slow) {
                     self.quiet.push((at_ms, now_ms(), index));
                 }
             }
@@ -653,37 +653,7 @@ impl Run<'_> {
 
     /// Fills the records' measurements from the events.
     fn measure(&self) -> Vec<FaultRecord> {
-        let events = &self.cluster.events;
-        let mut out = self.records.clone();
-        for r in out.iter_mut() {
-            let at = r.at_ms as i64;
-            let mut errors: Vec<ErrorSeen> = Vec::new();
-            for w in &r.survivors {
-                if let Some(e) = events.iter().find(|e| e.kind == "error" && e.worker == *w && e.int("gen") == Some(r.generation) && e.t_ms() as i64 >= at - 5) {
-                    errors.push(ErrorSeen {
-                        worker: w.clone(),
-                        kind: e.text("kind").unwrap_or("?").into(),
-                        cause: e.text("cause").unwrap_or("").into(),
-                        after_ms: e.t_ms() as i64 - at,
-                    });
-                }
-            }
-            if !errors.is_empty() {
-                let first = errors.iter().map(|e| e.after_ms).min();
-                let last = errors.iter().map(|e| e.after_ms).max();
-                r.first_error_ms = first;
-                if errors.len() == r.survivors.len() {
-                    r.survivors_errors_ms = last;
-                }
-                r.revocation_ms = first.zip(last).map(|(a, b)| b - a);
-            }
-            r.errors = errors;
-            if let Some(e) = events.iter().find(|e| e.kind == "step" && e.int("gen").unwrap_or(0) > r.generation && e.t_ms() as i64 >= at) {
-                r.next_step_ms = Some(e.t_ms() as i64 - at);
-                r.next_generation = e.int("gen");
-            }
-        }
-        out
+        measure(&self.records, &self.cluster.events)
     }
 
     fn checks(&mut self, codes: &BTreeMap<String, Option<i32>>, end_ms: u64) -> Vec<Check> {
@@ -743,6 +713,15 @@ impl Run<'_> {
                         what: format!("fault {} ({kind}): the cut-off host rejoined once plugged back", r.index),
                         ok: back.is_empty(),
                         detail: if back.is_empty() { "verified steps in a later generation".into() } else { format!("never back: {}", back.join(",")) },
+                    });
+                }
+                "join_storm" => {
+                    let joiners: Vec<&str> = r.note.strip_prefix("joined: ").map(|n| n.split(',').collect()).unwrap_or_default();
+                    let missing: Vec<&str> = joiners.iter().copied().filter(|w| !events.iter().any(|e| e.kind == "step" && e.worker == *w)).collect();
+                    checks.push(Check {
+                        what: format!("fault {} ({kind}): every joiner verified steps", r.index),
+                        ok: !joiners.is_empty() && missing.is_empty(),
+                        detail: if missing.is_empty() { format!("{} joiners", joiners.len()) } else { format!("never stepped: {}", missing.join(",")) },
                     });
                 }
                 "blackhole" | "partition" | "reset" => {
@@ -845,6 +824,44 @@ impl Run<'_> {
     }
 }
 
+/// Fills the records' measurements from the events. A fault's errors are its survivors'
+/// first errors in its generation from its moment on, and before the next fault of the same
+/// generation (whose errors they would be).
+fn measure(records: &[FaultRecord], events: &[WorkerEvent]) -> Vec<FaultRecord> {
+    let mut out = records.to_vec();
+    for (i, r) in out.iter_mut().enumerate() {
+        let at = r.at_ms as i64;
+        let until = records[i + 1..].iter().find(|n| n.generation == r.generation).map_or(i64::MAX, |n| n.at_ms as i64 - 5);
+        let mut errors: Vec<ErrorSeen> = Vec::new();
+        for w in &r.survivors {
+            let seen = events.iter().find(|e| e.kind == "error" && e.worker == *w && e.int("gen") == Some(r.generation) && e.t_ms() as i64 >= at - 5);
+            if let Some(e) = seen.filter(|e| (e.t_ms() as i64) < until) {
+                errors.push(ErrorSeen {
+                    worker: w.clone(),
+                    kind: e.text("kind").unwrap_or("?").into(),
+                    cause: e.text("cause").unwrap_or("").into(),
+                    after_ms: e.t_ms() as i64 - at,
+                });
+            }
+        }
+        if !errors.is_empty() {
+            let first = errors.iter().map(|e| e.after_ms).min();
+            let last = errors.iter().map(|e| e.after_ms).max();
+            r.first_error_ms = first;
+            if errors.len() == r.survivors.len() {
+                r.survivors_errors_ms = last;
+            }
+            r.revocation_ms = first.zip(last).map(|(a, b)| b - a);
+        }
+        r.errors = errors;
+        if let Some(e) = events.iter().find(|e| e.kind == "step" && e.int("gen").unwrap_or(0) > r.generation && e.t_ms() as i64 >= at) {
+            r.next_step_ms = Some(e.t_ms() as i64 - at);
+            r.next_generation = e.int("gen");
+        }
+    }
+    out
+}
+
 fn o(v: Option<i64>) -> String {
     v.map_or_else(|| "-".into(), |x| x.to_string())
 }
@@ -853,4 +870,42 @@ fn causes(r: &FaultRecord) -> String {
     let mut c: Vec<String> = r.errors.iter().map(|e| format!("{} {}: {}", e.worker, e.kind, e.cause)).collect();
     c.truncate(4);
     c.join(" | ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ev(worker: &str, line: &str) -> WorkerEvent {
+        WorkerEvent::parse(worker, line, 0).unwrap()
+    }
+
+    fn record(index: usize, kind: &str, generation: i64, at_ms: u64, survivors: &[&str]) -> FaultRecord {
+        FaultRecord {
+            index,
+            kind: kind.into(),
+            generation,
+            at_ms,
+            survivors: survivors.iter().map(|s| s.to_string()).collect(),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn a_later_fault_of_the_same_generation_keeps_its_own_errors() {
+        // A leader kill at t=1000 fails nothing; a SIGKILL of w2 at t=3000 in the same
+        // generation fails w0 and w1 at t=3004.
+        let records = [record(1, "coordinator_leader_kill", 4, 1000, &["w0", "w1", "w2"]), record(2, "kill", 4, 3000, &["w0", "w1"])];
+        let events = [
+            ev("w0", "event=error gen=4 rank=0 step=9 kind=PeerFailed cause=\"rank 2 (worker w2): SIGKILL\" t_ms=3004"),
+            ev("w1", "event=error gen=4 rank=1 step=9 kind=PeerFailed cause=\"rank 2 (worker w2): SIGKILL\" t_ms=3005"),
+            ev("w0", "event=step gen=5 rank=0 step=9 world=2 t_ms=3300"),
+        ];
+        let out = measure(&records, &events);
+        assert!(out[0].errors.is_empty(), "the leader kill failed nothing: {:?}", out[0].errors);
+        assert_eq!(out[1].errors.len(), 2);
+        assert_eq!(out[1].first_error_ms, Some(4));
+        assert_eq!(out[1].survivors_errors_ms, Some(5));
+        assert_eq!(out[1].next_step_ms, Some(300));
+    }
 }
