@@ -43,6 +43,28 @@ async fn four_workers_form_one_generation(backend: Backend) {
     server.shutdown().await.expect("shutdown");
 }
 
+/// Every address a worker published at join (tcp and rdma) reaches the generation record,
+/// so that every member can choose the mesh's transport from the record alone.
+async fn every_published_address_reaches_the_generation(backend: Backend) {
+    let backing = Backing::new(backend).await;
+    let server = replica(backing.store.clone(), &Options::new(test_settings(backend))).await;
+    let addr = server.local_addr();
+    let rdma = "rdma-ep1;lid=17;gid=fe80000000000000021a4bfffe001234;mtu=4096;boot=127.0.0.1:45001";
+    let mut both = join_request("job-addr", "w0");
+    both.addresses.push(pb::TransportAddress { transport: "rdma".into(), address: rdma.into() });
+    both.capabilities.push("transport:rdma".into());
+    let workers = vec![Worker::join_with(addr, both.clone(), HB).await, Worker::join(addr, "job-addr", "w1", HB).await];
+    let generations = form_all(&workers, 0).await;
+    for g in &generations {
+        assert_eq!(g.members.len(), 2);
+        let w0 = g.members.iter().find(|m| m.worker_id == "w0").expect("w0 is a member");
+        assert_eq!(w0.addresses, both.addresses, "w0's tcp and rdma addresses, in the order published");
+        let w1 = g.members.iter().find(|m| m.worker_id == "w1").expect("w1 is a member");
+        assert_eq!(w1.addresses, join_request("job-addr", "w1").addresses, "w1 published tcp only");
+    }
+    server.shutdown().await.expect("shutdown");
+}
+
 /// The first report is the root cause every watcher gets; a second one and one about an
 /// older generation are ignored; survivors re-form at once, keeping their order.
 async fn failure_report_revokes_and_survivors_reform_at_once(backend: Backend) {
@@ -472,6 +494,7 @@ macro_rules! suite {
 
 suite!(
     four_workers_form_one_generation,
+    every_published_address_reaches_the_generation,
     failure_report_revokes_and_survivors_reform_at_once,
     lease_lapse_revokes,
     joiner_makes_reformation_pending,

@@ -137,9 +137,15 @@ impl Drop for Worker {
 impl Worker {
     /// Joins and starts heartbeating every `interval`.
     pub async fn join(addr: SocketAddr, job: &str, id: &str, interval: Duration) -> Worker {
+        Worker::join_with(addr, join_request(job, id), interval).await
+    }
+
+    /// Joins with `request` (its job and worker id) and starts heartbeating every `interval`.
+    pub async fn join_with(addr: SocketAddr, request: pb::JoinRequest, interval: Duration) -> Worker {
         let mut client = client(addr).await;
-        let response = client.join(join_request(job, id)).await.unwrap_or_else(|s| panic!("join {id}: {s}")).into_inner();
-        let mut w = Worker { client, job: job.into(), id: id.into(), incarnation: response.incarnation, heartbeat: None };
+        let (job, id) = (request.job.clone(), request.worker_id.clone());
+        let response = client.join(request).await.unwrap_or_else(|s| panic!("join {id}: {s}")).into_inner();
+        let mut w = Worker { client, job, id, incarnation: response.incarnation, heartbeat: None };
         w.start_heartbeats(interval);
         w
     }

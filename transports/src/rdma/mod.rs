@@ -108,7 +108,7 @@ pub struct RdmaOptions {
     /// Where to bind the bootstrap listener (port 0 picks a free port).
     pub bootstrap_bind: SocketAddr,
     /// Bootstrap address to publish; defaults to the bound address (set it when binding a
-    /// wildcard address).
+    /// wildcard address). Port 0 here means the port the listener was bound to.
     pub advertise: Option<SocketAddr>,
     /// Bytes per receive slot (header included). Default 256 KiB.
     pub slot_bytes: u32,
@@ -192,6 +192,21 @@ fn check_options(o: &RdmaOptions) -> Result<(), TransportError> {
     Ok(())
 }
 
+/// The bootstrap address to publish: `advertise` (its port 0 replaced by the bound port), or
+/// the bound address `local`. A wildcard IP cannot be dialled, so it is refused.
+fn bootstrap_address(advertise: Option<SocketAddr>, local: SocketAddr) -> Result<SocketAddr, TransportError> {
+    let mut bootstrap = advertise.unwrap_or(local);
+    if bootstrap.port() == 0 {
+        bootstrap.set_port(local.port());
+    }
+    if bootstrap.ip().is_unspecified() {
+        return Err(TransportError::InvalidArgument(format!(
+            "bootstrap listener bound to {local}: set RdmaOptions::advertise to a reachable address"
+        )));
+    }
+    Ok(bootstrap)
+}
+
 impl RdmaEndpoint {
     /// Opens the device and binds the bootstrap listener. Fails with
     /// [`TransportError::Io`] naming what is missing when there is no usable device, and
@@ -206,12 +221,7 @@ impl RdmaEndpoint {
             .await
             .map_err(|e| TransportError::Io(format!("binding the rdma bootstrap listener on {}: {e}", options.bootstrap_bind)))?;
         let local = listener.local_addr().map_err(|e| TransportError::Io(format!("bootstrap listener address: {e}")))?;
-        let bootstrap = options.advertise.unwrap_or(local);
-        if bootstrap.ip().is_unspecified() {
-            return Err(TransportError::InvalidArgument(format!(
-                "bootstrap listener bound to {local}: set RdmaOptions::advertise to a reachable address"
-            )));
-        }
+        let bootstrap = bootstrap_address(options.advertise, local)?;
         let address = EndpointAddress { lid: device.lid(), gid: device.gid(), mtu: device.mtu(), bootstrap };
         let pool = BufferPool::new(device.clone(), options.max_cached_bytes);
         Ok(Self { listener: tokio::sync::Mutex::new(listener), pool, address, options, device })
@@ -1031,5 +1041,26 @@ impl Transport for RdmaTransport {
 
     fn is_aborted(&self) -> bool {
         self.inner.aborted.load(Ordering::Acquire) || self.inner.peers.iter().flatten().any(|p| p.lock().broken.is_some())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::bootstrap_address;
+    use std::net::SocketAddr;
+
+    fn a(s: &str) -> SocketAddr {
+        s.parse().expect("socket address")
+    }
+
+    #[test]
+    fn bootstrap_address_takes_the_bound_port_when_advertised_without_one() {
+        let local = a("0.0.0.0:45001");
+        assert_eq!(bootstrap_address(Some(a("10.0.0.5:0")), local).ok(), Some(a("10.0.0.5:45001")));
+        assert_eq!(bootstrap_address(Some(a("10.0.0.5:7000")), local).ok(), Some(a("10.0.0.5:7000")));
+        assert_eq!(bootstrap_address(Some(a("[fd00::5]:0")), a("[::]:45002")).ok(), Some(a("[fd00::5]:45002")));
+        assert_eq!(bootstrap_address(None, a("127.0.0.1:45003")).ok(), Some(a("127.0.0.1:45003")));
+        assert!(bootstrap_address(None, local).is_err());
+        assert!(bootstrap_address(Some(a("0.0.0.0:0")), local).is_err());
     }
 }
