@@ -32,6 +32,11 @@ async fn kill_one_of_four(store: StoreKind, job: &str) {
         check(summary.and_then(|s| s.int("final_step")) == Some(40), &format!("{w} did not finish all steps"), events);
     }
     check(events.iter().any(|e| e.kind == "generation" && e.int("world") == Some(3)), "no generation of 3 formed", events);
+    check(
+        events.iter().filter(|e| e.kind == "generation").all(|e| e.text("transport") == Some("tcp")),
+        "a generation does not say transport=tcp",
+        events,
+    );
     for c in [invariants::no_wrong_results(events), invariants::generations_increase(events), invariants::commits_never_lost(events)] {
         check(c.ok, &format!("{}: {}", c.what, c.detail), events);
     }

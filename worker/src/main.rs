@@ -110,7 +110,9 @@ struct TrainArgs {
     /// Element type of the gradient.
     #[arg(long, value_enum, default_value = "f32")]
     dtype: DTypeArg,
-    /// Data-plane transport.
+    /// Data-plane transport. rdma: also open an RDMA endpoint (COHORT_RDMA_DEVICE, else the
+    /// first active port) and publish it; a generation runs over RDMA when every member
+    /// published one, over TCP otherwise.
     #[arg(long, value_enum, default_value = "tcp")]
     transport: TransportKind,
     /// This worker's stable id (default: HOSTNAME-PID).
@@ -238,39 +240,32 @@ fn runtime() -> Result<tokio::runtime::Runtime, String> {
     builder.enable_all().build().map_err(|e| format!("starting the runtime: {e}"))
 }
 
-/// Where a transport is being asked for.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Use {
-    Bench,
-    Train,
-}
-
-/// Fails at once, with a clear message, when the chosen transport cannot be used here.
-fn check_transport(kind: TransportKind, used_by: Use) -> Result<(), String> {
+/// Fails at once, with a clear message, when the chosen transport cannot be used here: the
+/// `rdma` feature is missing, or no RDMA device is present (`train` and `bench` alike).
+fn check_transport(kind: TransportKind) -> Result<(), String> {
     match kind {
         TransportKind::Tcp => Ok(()),
         #[cfg(not(feature = "rdma"))]
-        TransportKind::Rdma => {
-            let _ = used_by;
-            Err("--transport rdma: this cohort-worker was built without the `rdma` feature \
+        TransportKind::Rdma => Err("--transport rdma: this cohort-worker was built without the `rdma` feature \
                  (cargo build --release -p cohort --features rdma)"
-                .into())
-        }
+            .into()),
         #[cfg(feature = "rdma")]
         TransportKind::Rdma => {
             let devices = cohort_transports::rdma::device_names().map_err(|e| format!("--transport rdma: {e}"))?;
             if devices.is_empty() {
                 return Err("--transport rdma: no RDMA device found (is an InfiniBand/RoCE NIC present and its driver loaded?)".into());
             }
-            if used_by == Use::Train {
-                return Err(format!(
-                    "--transport rdma: RDMA devices {devices:?} are present, but the elastic runtime publishes \
-                     TCP data-plane addresses only so far (`bench --transport rdma` works); see docs/rdma.md"
-                ));
-            }
             Ok(())
         }
     }
+}
+
+/// The RDMA device chosen by `COHORT_RDMA_DEVICE` (unset or empty: the first device with an
+/// active port), as `bench --transport rdma` picks it.
+#[cfg(feature = "rdma")]
+fn rdma_device() -> cohort_transports::rdma::DeviceConfig {
+    let name = std::env::var("COHORT_RDMA_DEVICE").ok().filter(|d| !d.is_empty());
+    cohort_transports::rdma::DeviceConfig { name, ..Default::default() }
 }
 
 fn read_token(file: Option<&PathBuf>) -> Result<Option<String>, String> {
@@ -306,7 +301,7 @@ fn run_train(args: TrainArgs) -> ExitCode {
 }
 
 fn train_main(args: TrainArgs) -> Result<TrainSummary, String> {
-    check_transport(args.transport, Use::Train)?;
+    check_transport(args.transport)?;
     let token = read_token(args.token_file.as_ref())?;
     let mut control = ControlConfig::new(args.coordinator.clone());
     control.token = token.clone();
@@ -320,6 +315,18 @@ fn train_main(args: TrainArgs) -> Result<TrainSummary, String> {
     config.deadlines.connect = args.connect_timeout;
     config.comm.algorithm = args.algo;
     config.tcp.busy_poll = args.busy_poll;
+    // With rdma, the worker publishes an RDMA endpoint beside its TCP address; a generation
+    // uses RDMA when every member did (docs/rdma.md). The bootstrap listener binds on the
+    // --listen IP, any port.
+    #[cfg(feature = "rdma")]
+    if args.transport == TransportKind::Rdma {
+        config.rdma = Some(cohort_transports::rdma::RdmaOptions {
+            device: rdma_device(),
+            bootstrap_bind: SocketAddr::new(args.listen.ip(), 0),
+            busy_poll: !args.busy_poll.is_zero(),
+            ..Default::default()
+        });
+    }
     let train_config = TrainConfig { steps: args.steps, size_bytes: args.size, step_interval: args.step_interval };
 
     let rt = runtime()?;
@@ -356,7 +363,7 @@ fn train_main(args: TrainArgs) -> Result<TrainSummary, String> {
 
 fn run_bench(args: BenchArgs) -> ExitCode {
     let result = (|| {
-        check_transport(args.transport, Use::Bench)?;
+        check_transport(args.transport)?;
         if args.ranks == 0 {
             return Err("--ranks must be at least 1".to_string());
         }

@@ -127,7 +127,7 @@ pub async fn run<E: ExactElement>(
                 E::NAME, train.steps
             )));
         }
-        println!("event=generation gen={g} world={world} rank={rank} t_ms={}", now_ms());
+        println!("event=generation gen={g} world={world} rank={rank} transport={} t_ms={}", generation.transport, now_ms());
         crate::metrics::GENERATION.store(g, Ordering::Relaxed);
         crate::metrics::WORLD_SIZE.store(world as u64, Ordering::Relaxed);
 

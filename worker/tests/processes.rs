@@ -1,6 +1,7 @@
 //! Collectives with every rank in its own OS process, over real TCP on loopback, through the
-//! `cohort-worker` binary: verified allreduce across processes for each algorithm, and a rank
-//! killed with SIGKILL in the middle of a large allreduce.
+//! `cohort-worker` binary: verified allreduce across processes for each algorithm, a rank
+//! killed with SIGKILL in the middle of a large allreduce, and `--transport rdma` refusing at
+//! once where it cannot work.
 
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, Command, Stdio};
@@ -163,4 +164,46 @@ fn bench_over_rdma_runs_or_fails_at_once_with_a_clear_message() {
     );
     assert!(started.elapsed() < Duration::from_secs(10), "took {:?} to fail", started.elapsed());
     eprintln!("SKIPPED: bench over rdma: {}", stderr.trim());
+}
+
+#[test]
+fn train_over_rdma_without_the_feature_or_a_device_fails_at_once_with_a_clear_message() {
+    #[cfg(feature = "rdma")]
+    if let Ok(devices) = cohort_transports::rdma::device_names() {
+        if !devices.is_empty() {
+            eprintln!("SKIPPED: RDMA devices {devices:?} present: train --transport rdma gets past the check (needs a job to run)");
+            return;
+        }
+    }
+    let started = Instant::now();
+    // Port 1 on loopback: nothing listens there, and nothing may be dialled before the check.
+    let mut child = Command::new(WORKER)
+        .args(["train", "--coordinator", "http://127.0.0.1:1", "--job", "rdma-check", "--steps", "1", "--size", "4K"])
+        .args(["--transport", "rdma"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn cohort-worker train");
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("try_wait") {
+            break status;
+        }
+        if started.elapsed() > Duration::from_secs(20) {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("train --transport rdma was still running after 20 s");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let out = child.wait_with_output().expect("output");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!status.success(), "train --transport rdma succeeded without a device:\n{stdout}\n{stderr}");
+    assert!(
+        stderr.contains("--transport rdma") && (stderr.contains("`rdma` feature") || stderr.contains("no RDMA device")),
+        "unclear error: {stderr}"
+    );
+    assert!(stdout.contains("event=fatal"), "no event=fatal line: {stdout}");
+    assert!(started.elapsed() < Duration::from_secs(10), "took {:?} to fail", started.elapsed());
+    eprintln!("train over rdma refused at once: {}", stderr.trim());
 }

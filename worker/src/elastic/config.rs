@@ -29,6 +29,13 @@ pub struct ElasticConfig {
     pub deadlines: Deadlines,
     /// Socket options of the data plane.
     pub tcp: TcpOptions,
+    /// RDMA endpoint options; `Some` opens an RDMA endpoint at join and publishes its address
+    /// beside the TCP one (a generation uses RDMA when every member published one). The
+    /// bootstrap listener binds on the IP of [`ElasticConfig::listen`] (the port of
+    /// `bootstrap_bind` is kept, 0 = any), and unless `advertise` is set it advertises the
+    /// host of the TCP advertised address with its bound port.
+    #[cfg(feature = "rdma")]
+    pub rdma: Option<cohort_transports::rdma::RdmaOptions>,
     /// Collective algorithm settings.
     pub comm: CommConfig,
     /// Longest single rendezvous long poll; the wait itself is unbounded only as long as the
@@ -52,6 +59,8 @@ impl ElasticConfig {
             advertise: "127.0.0.1".into(),
             deadlines: Deadlines::default(),
             tcp: TcpOptions::default(),
+            #[cfg(feature = "rdma")]
+            rdma: None,
             comm: CommConfig::default(),
             rendezvous_poll: Duration::from_secs(10),
             root_cause_wait: Duration::from_millis(500),

@@ -14,6 +14,16 @@ pub enum ElasticError {
     /// The data-plane listener could not be set up.
     #[error("data plane: {0}")]
     DataPlane(#[from] TransportError),
+    /// The RDMA endpoint could not be opened (no device, the named device missing, no
+    /// active port, ...): the worker does not join.
+    #[error("rdma endpoint on {device}: {source}")]
+    RdmaEndpoint {
+        /// The device asked for, or "the first device with an active port".
+        device: String,
+        /// Why it failed.
+        #[source]
+        source: TransportError,
+    },
     /// The job ended (finished, or failed with the coordinator's reason).
     #[error("job ended ({outcome}): {reason}")]
     JobEnded {

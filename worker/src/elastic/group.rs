@@ -1,10 +1,12 @@
 //! [`ElasticGroup`]: membership, re-formation and failure handling for one worker.
 
-use super::{ElasticConfig, ElasticError};
+use super::choice::{plan_mesh, MeshPlan};
+use super::{ElasticConfig, ElasticError, MeshKind, MeshTransport};
 use crate::control::ControlClient;
 use crate::{CommConfig, CommError, Communicator, Revoker, RootCause};
 use cohort_proto::v1::{self as pb, job_event, job_ended, rendezvous_response};
-use cohort_transports::tcp::{MeshSpec, TcpEndpoint, TcpTransport};
+use cohort_transports::tcp::{MeshSpec, TcpEndpoint};
+use cohort_transports::TransportError;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -24,6 +26,8 @@ pub struct MemberInfo {
     pub host: String,
     /// Its data-plane TCP address.
     pub tcp: SocketAddr,
+    /// The RDMA endpoint address it published (`EndpointAddress::encode`), if any.
+    pub rdma: Option<String>,
 }
 
 /// A formed generation and the communicator connected for it.
@@ -33,7 +37,9 @@ pub struct Generation {
     /// Members ordered by rank.
     pub members: Vec<MemberInfo>,
     /// The communicator over this generation's mesh.
-    pub comm: Communicator<TcpTransport>,
+    pub comm: Communicator<MeshTransport>,
+    /// The transport of this generation's mesh (the same on every member).
+    pub transport: MeshKind,
     /// When the coordinator formed it (ms since the Unix epoch).
     pub formed_at_ms: u64,
 }
@@ -115,6 +121,9 @@ pub struct ElasticGroup {
     client: ControlClient,
     endpoint: TcpEndpoint,
     advertised: String,
+    /// The RDMA endpoint (when configured), kept across generations like the TCP listener.
+    #[cfg(feature = "rdma")]
+    rdma: Option<cohort_transports::rdma::RdmaEndpoint>,
     shared: Arc<Shared>,
     tasks: Vec<JoinHandle<()>>,
     heartbeat_interval: Duration,
@@ -132,7 +141,9 @@ impl Drop for ElasticGroup {
 }
 
 impl ElasticGroup {
-    /// Binds the data-plane listener, joins the job and starts the heartbeat and watch tasks.
+    /// Binds the data-plane listener, opens the RDMA endpoint when configured (failing at
+    /// once, before joining, when its device cannot be opened), joins the job and starts the
+    /// heartbeat and watch tasks.
     ///
     /// # Cancel safety
     /// Cancel safe: a join left half done expires with its lease.
@@ -141,6 +152,11 @@ impl ElasticGroup {
         let endpoint = TcpEndpoint::bind(config.listen, config.tcp.clone()).await?;
         let port = endpoint.local_addr().port();
         let advertised = advertised_address(&config.advertise, port);
+        #[cfg(feature = "rdma")]
+        let rdma = match &config.rdma {
+            Some(options) => Some(open_rdma(options, config.listen, &advertised).await?),
+            None => None,
+        };
         let shared = Arc::new(Shared {
             incarnation: AtomicU64::new(0),
             current: Mutex::new(None),
@@ -156,6 +172,8 @@ impl ElasticGroup {
             client,
             endpoint,
             advertised,
+            #[cfg(feature = "rdma")]
+            rdma,
             shared,
             tasks: Vec::new(),
             heartbeat_interval: Duration::from_millis(500),
@@ -175,14 +193,20 @@ impl ElasticGroup {
 
     /// One Join RPC: a new incarnation; (re)starts the heartbeat task for it.
     async fn register(&mut self) -> Result<(), ElasticError> {
+        let mut addresses = vec![pb::TransportAddress { transport: MeshKind::Tcp.name().into(), address: self.advertised.clone() }];
+        let mut capabilities = vec![format!("transport:{}", MeshKind::Tcp)];
+        if let Some(rdma) = self.rdma_address() {
+            addresses.push(pb::TransportAddress { transport: MeshKind::Rdma.name().into(), address: rdma });
+            capabilities.push(format!("transport:{}", MeshKind::Rdma));
+        }
         let response = self
             .client
             .join(pb::JoinRequest {
                 job: self.config.job.clone(),
                 worker_id: self.config.worker_id.clone(),
                 host: self.config.host.clone(),
-                addresses: vec![pb::TransportAddress { transport: "tcp".into(), address: self.advertised.clone() }],
-                capabilities: vec!["transport:tcp".into()],
+                addresses,
+                capabilities,
                 protocol_version: cohort_proto::PROTOCOL_VERSION,
             })
             .await?;
@@ -212,6 +236,25 @@ impl ElasticGroup {
     /// This worker's data-plane address as peers see it.
     pub fn advertised_address(&self) -> &str {
         &self.advertised
+    }
+
+    /// This worker's encoded RDMA endpoint address, as published at join (`None` without an
+    /// RDMA endpoint).
+    pub fn rdma_address(&self) -> Option<String> {
+        #[cfg(feature = "rdma")]
+        if let Some(endpoint) = &self.rdma {
+            return Some(endpoint.address().encode());
+        }
+        None
+    }
+
+    /// Whether this worker has an RDMA endpoint.
+    fn has_rdma(&self) -> bool {
+        #[cfg(feature = "rdma")]
+        if self.rdma.is_some() {
+            return true;
+        }
+        false
     }
 
     /// The address the data-plane listener is bound to (differs from
@@ -310,24 +353,18 @@ impl ElasticGroup {
             .find(|m| m.worker_id == self.config.worker_id && m.incarnation == incarnation)
             .map(|m| m.rank)
             .ok_or_else(|| ElasticError::Protocol(format!("generation {number} does not include this worker")))?;
-        let mut peers = Vec::with_capacity(members.len());
-        for m in &members {
-            peers.push(m.tcp);
+        let plan = plan_mesh(number, &members, self.has_rdma())?;
+        let kind = plan.kind();
+        if kind == MeshKind::Tcp && self.has_rdma() {
+            warn!(parent: &span, without_rdma = %plan.without_rdma().join(", "),
+                  "not every member published an rdma address: this generation uses tcp");
         }
-        let spec = MeshSpec {
-            job: self.config.job.clone(),
-            generation: number,
-            rank,
-            peers,
-            token: self.config.token.clone(),
-            deadlines: self.config.deadlines,
-        };
         self.set_progress(number, 0, "connecting");
         let started = Instant::now();
         // The generation may be revoked while its mesh connects (a member died before it
         // dialled): stop at once rather than wait out the connect deadline.
         let connected = tokio::select! {
-            r = self.endpoint.connect_mesh(spec).instrument(span.clone()) => r,
+            r = self.connect_mesh(number, rank, plan).instrument(span.clone()) => r,
             cause = revoked_or_ended(&self.shared, number) => {
                 info!(parent: &span, %cause, "generation revoked while connecting; re-forming");
                 return Ok(None);
@@ -351,7 +388,7 @@ impl ElasticGroup {
                 return Ok(None);
             }
         };
-        debug!(parent: &span, rank, elapsed_ms = started.elapsed().as_millis() as u64, "mesh connected");
+        debug!(parent: &span, rank, transport = %kind, elapsed_ms = started.elapsed().as_millis() as u64, "mesh connected");
         // Report first, close after: a failed collective leaves the links open until the
         // coordinator has the root cause (on_failure revokes, which aborts the transport), so
         // no peer blames this rank for links it closed because another rank died.
@@ -366,8 +403,44 @@ impl ElasticGroup {
             comm.revoker().revoke(cause);
         }
         self.shared.reformation_pending.store(false, Ordering::SeqCst);
-        info!(parent: &span, rank, world = members.len(), "generation formed");
-        Ok(Some(Generation { number, members, comm, formed_at_ms: generation.formed_at_ms }))
+        info!(parent: &span, rank, world = members.len(), transport = %kind, "generation formed");
+        Ok(Some(Generation { number, members, comm, transport: kind, formed_at_ms: generation.formed_at_ms }))
+    }
+
+    /// Connects this rank's mesh of generation `number` over the planned transport.
+    ///
+    /// # Cancel safety
+    /// Cancel safe, like both transports' mesh set-up: dropping it abandons the set-up.
+    async fn connect_mesh(&self, number: u64, rank: u32, plan: MeshPlan) -> Result<MeshTransport, TransportError> {
+        match plan {
+            MeshPlan::Tcp { peers, .. } => {
+                let spec = MeshSpec {
+                    job: self.config.job.clone(),
+                    generation: number,
+                    rank,
+                    peers,
+                    token: self.config.token.clone(),
+                    deadlines: self.config.deadlines,
+                };
+                self.endpoint.connect_mesh(spec).await.map(MeshTransport::Tcp)
+            }
+            #[cfg(feature = "rdma")]
+            MeshPlan::Rdma { peers } => {
+                let Some(endpoint) = &self.rdma else {
+                    // plan_mesh chooses rdma only when this worker has an endpoint.
+                    return Err(TransportError::InvalidArgument("an rdma mesh was planned without an rdma endpoint".into()));
+                };
+                let spec = cohort_transports::rdma::RdmaMeshSpec {
+                    job: self.config.job.clone(),
+                    generation: number,
+                    rank,
+                    peers,
+                    token: self.config.token.clone(),
+                    deadlines: self.config.deadlines,
+                };
+                endpoint.connect_mesh(spec).await.map(MeshTransport::Rdma)
+            }
+        }
     }
 
     /// Turns a failed collective of `generation` into the generation's root cause.
@@ -510,6 +583,33 @@ fn advertised_address(advertise: &str, port: u16) -> String {
     }
 }
 
+/// Opens this worker's RDMA endpoint. The bootstrap listener binds on the TCP listener's IP
+/// (keeping the port of `options.bootstrap_bind`, 0 = any) and, unless `options.advertise`
+/// is set, advertises the host of the TCP advertised address with the bound port.
+#[cfg(feature = "rdma")]
+async fn open_rdma(
+    options: &cohort_transports::rdma::RdmaOptions,
+    listen: SocketAddr,
+    advertised: &str,
+) -> Result<cohort_transports::rdma::RdmaEndpoint, ElasticError> {
+    let mut options = options.clone();
+    options.bootstrap_bind = SocketAddr::new(listen.ip(), options.bootstrap_bind.port());
+    if options.advertise.is_none() {
+        let host = resolve(advertised).ok_or_else(|| {
+            ElasticError::DataPlane(TransportError::InvalidArgument(format!(
+                "the advertised address {advertised:?} does not resolve to an IP for the rdma bootstrap listener"
+            )))
+        })?;
+        options.advertise = Some(SocketAddr::new(host.ip(), 0));
+    }
+    let device = options.device.name.clone().unwrap_or_else(|| "the first device with an active port".into());
+    let endpoint = cohort_transports::rdma::RdmaEndpoint::open(options)
+        .await
+        .map_err(|source| ElasticError::RdmaEndpoint { device, source })?;
+    info!(device = endpoint.device_name(), address = %endpoint.address().encode(), "rdma endpoint open");
+    Ok(endpoint)
+}
+
 fn parse_members(generation: &pb::Generation) -> Result<Vec<MemberInfo>, ElasticError> {
     let mut members = Vec::with_capacity(generation.members.len());
     for (i, m) in generation.members.iter().enumerate() {
@@ -523,7 +623,8 @@ fn parse_members(generation: &pb::Generation) -> Result<Vec<MemberInfo>, Elastic
             .ok_or_else(|| ElasticError::Protocol(format!("member {} has no tcp address", m.worker_id)))?;
         let tcp = resolve(&address.address)
             .ok_or_else(|| ElasticError::Protocol(format!("member {} has an unusable address {:?}", m.worker_id, address.address)))?;
-        members.push(MemberInfo { rank: m.rank, worker_id: m.worker_id.clone(), host: m.host.clone(), tcp });
+        let rdma = m.addresses.iter().find(|a| a.transport == "rdma").map(|a| a.address.clone());
+        members.push(MemberInfo { rank: m.rank, worker_id: m.worker_id.clone(), host: m.host.clone(), tcp, rdma });
     }
     Ok(members)
 }
@@ -669,6 +770,30 @@ fn apply_event(shared: &Shared, event: pb::JobEvent) {
 #[cfg(test)]
 mod tests {
     use super::advertised_address;
+
+    /// Without a usable device (none on this machine, or none by that name), join fails
+    /// before contacting the coordinator, naming the device.
+    #[cfg(feature = "rdma")]
+    #[tokio::test]
+    async fn join_fails_at_once_when_the_rdma_device_cannot_be_opened() {
+        use super::{ElasticConfig, ElasticError, ElasticGroup};
+        use crate::control::ControlConfig;
+        use cohort_transports::rdma::{DeviceConfig, RdmaOptions};
+        // Nothing listens on port 1: a join that got as far as the coordinator would fail otherwise.
+        let mut config = ElasticConfig::new("job", "w0", ControlConfig::new(vec!["http://127.0.0.1:1".into()]));
+        config.listen = std::net::SocketAddr::from(([127, 0, 0, 1], 0));
+        let device = DeviceConfig { name: Some("cohort-no-such-device".into()), ..DeviceConfig::default() };
+        config.rdma = Some(RdmaOptions { device, ..RdmaOptions::default() });
+        let started = std::time::Instant::now();
+        let error = match ElasticGroup::join(config).await {
+            Ok(_) => panic!("joined with a device that does not exist"),
+            Err(e) => e,
+        };
+        assert!(started.elapsed() < std::time::Duration::from_secs(5), "took {:?}", started.elapsed());
+        assert!(matches!(&error, ElasticError::RdmaEndpoint { device, .. } if device == "cohort-no-such-device"), "{error}");
+        let message = error.to_string();
+        assert!(message.contains("cohort-no-such-device") && message.contains("RDMA device"), "{message}");
+    }
 
     #[test]
     fn advertise_takes_the_bound_port_unless_given_one() {

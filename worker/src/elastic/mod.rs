@@ -12,7 +12,9 @@
 //!   listener it keeps across generations.
 //! - [`ElasticGroup::next_generation`] is re-formation in one call: it waits at the
 //!   coordinator's rendezvous for the next generation, connects the data-plane mesh for it
-//!   (handshake with the job token) and returns its [`Generation`].
+//!   (handshake with the job token) and returns its [`Generation`]. The mesh is RDMA when
+//!   every member published an RDMA address at join (see [`ElasticConfig`]'s `rdma`, cargo
+//!   feature `rdma`), TCP otherwise; [`MeshTransport`] carries either.
 //! - When a collective fails, [`ElasticGroup::on_failure`] reports it (first report wins) and
 //!   answers the generation's root cause, so every rank's error names the rank that failed
 //!   first, never a secondary "connection reset".
@@ -22,12 +24,15 @@
 //!   failure, and after re-formation broadcast the newest commit from the member holding it,
 //!   then check the state digest on every rank.
 
+mod choice;
 mod config;
 mod error;
 mod group;
+mod mesh;
 mod state;
 
 pub use config::{local_hostname, ElasticConfig};
 pub use error::ElasticError;
 pub use group::{ElasticGroup, Generation, MemberInfo, ReformReason};
+pub use mesh::{MeshKind, MeshTransport};
 pub use state::{Checkpoint, ElasticState, SyncError, SyncOutcome};

@@ -1,0 +1,160 @@
+//! The transport of a generation's mesh, chosen from the generation's member records alone,
+//! so that every member makes the same choice: RDMA if and only if every member published an
+//! RDMA address, otherwise TCP.
+
+use super::{ElasticError, MemberInfo, MeshKind};
+use std::net::SocketAddr;
+
+#[cfg(feature = "rdma")]
+use cohort_transports::rdma::EndpointAddress;
+
+/// What a rank connects for one generation: the transport and every member's address on it,
+/// indexed by rank.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum MeshPlan {
+    /// A TCP mesh.
+    Tcp {
+        /// Every member's data-plane TCP address.
+        peers: Vec<SocketAddr>,
+        /// The members that published no RDMA address (`worker (rank r)`), for the log.
+        without_rdma: Vec<String>,
+    },
+    /// An RDMA mesh.
+    #[cfg(feature = "rdma")]
+    Rdma {
+        /// Every member's decoded RDMA endpoint address.
+        peers: Vec<EndpointAddress>,
+    },
+}
+
+impl MeshPlan {
+    /// The transport this plan connects.
+    pub(crate) fn kind(&self) -> MeshKind {
+        match self {
+            MeshPlan::Tcp { .. } => MeshKind::Tcp,
+            #[cfg(feature = "rdma")]
+            MeshPlan::Rdma { .. } => MeshKind::Rdma,
+        }
+    }
+
+    /// The members that published no RDMA address (`worker (rank r)`); empty for RDMA.
+    pub(crate) fn without_rdma(&self) -> &[String] {
+        match self {
+            MeshPlan::Tcp { without_rdma, .. } => without_rdma,
+            #[cfg(feature = "rdma")]
+            MeshPlan::Rdma { .. } => &[],
+        }
+    }
+}
+
+/// Chooses the transport of generation `number` from its `members` (ordered by rank).
+///
+/// RDMA when every member published an RDMA address, TCP otherwise. `local_rdma` says whether
+/// this worker has an RDMA endpoint; since its own record carries an RDMA address exactly when
+/// it has one, a record that claims one for a worker without it is a protocol violation, as is
+/// an RDMA address that does not decode (every member sees the same records, so every member
+/// fails the same way instead of half of them dialling RDMA and half TCP).
+pub(crate) fn plan_mesh(number: u64, members: &[MemberInfo], local_rdma: bool) -> Result<MeshPlan, ElasticError> {
+    let without_rdma: Vec<String> =
+        members.iter().filter(|m| m.rdma.is_none()).map(|m| format!("{} (rank {})", m.worker_id, m.rank)).collect();
+    if members.is_empty() || !without_rdma.is_empty() {
+        return Ok(MeshPlan::Tcp { peers: members.iter().map(|m| m.tcp).collect(), without_rdma });
+    }
+    if !local_rdma {
+        return Err(ElasticError::Protocol(format!(
+            "generation {number}: every member has an rdma address in the record, but this worker has no RDMA endpoint"
+        )));
+    }
+    rdma_plan(number, members)
+}
+
+#[cfg(feature = "rdma")]
+fn rdma_plan(number: u64, members: &[MemberInfo]) -> Result<MeshPlan, ElasticError> {
+    let mut peers = Vec::with_capacity(members.len());
+    for m in members {
+        let text = m.rdma.as_deref().unwrap_or_default();
+        let address = EndpointAddress::decode(text).map_err(|e| {
+            ElasticError::Protocol(format!(
+                "generation {number}: member {} (rank {}) published an unusable rdma address {text:?}: {e}",
+                m.worker_id, m.rank
+            ))
+        })?;
+        peers.push(address);
+    }
+    Ok(MeshPlan::Rdma { peers })
+}
+
+#[cfg(not(feature = "rdma"))]
+fn rdma_plan(number: u64, _members: &[MemberInfo]) -> Result<MeshPlan, ElasticError> {
+    Err(ElasticError::Protocol(format!(
+        "generation {number}: every member has an rdma address, but this worker was built without the `rdma` feature"
+    )))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const EP: &str = "rdma-ep1;lid=17;gid=fe80000000000000021a4bfffe001234;mtu=4096;boot=10.0.0.5:45001";
+
+    fn member(rank: u32, rdma: Option<&str>) -> MemberInfo {
+        MemberInfo {
+            rank,
+            worker_id: format!("w{rank}"),
+            host: format!("host-{rank}"),
+            tcp: SocketAddr::from(([10, 0, 0, rank as u8 + 1], 7100)),
+            rdma: rdma.map(str::to_string),
+        }
+    }
+
+    #[test]
+    fn one_member_without_rdma_means_tcp_and_names_it() {
+        let members = [member(0, Some(EP)), member(1, None), member(2, Some(EP))];
+        let plan = plan_mesh(4, &members, true).expect("a plan");
+        assert_eq!(plan.kind(), MeshKind::Tcp);
+        assert_eq!(plan.without_rdma(), ["w1 (rank 1)".to_string()]);
+        assert_eq!(plan, MeshPlan::Tcp { peers: members.iter().map(|m| m.tcp).collect(), without_rdma: vec!["w1 (rank 1)".into()] });
+    }
+
+    #[test]
+    fn no_member_with_rdma_means_tcp() {
+        let members = [member(0, None), member(1, None)];
+        let plan = plan_mesh(1, &members, false).expect("a plan");
+        assert_eq!(plan.kind(), MeshKind::Tcp);
+        // A malformed rdma address is never decoded when TCP is chosen anyway.
+        let members = [member(0, Some("garbage")), member(1, None)];
+        assert_eq!(plan_mesh(1, &members, true).expect("a plan").kind(), MeshKind::Tcp);
+    }
+
+    #[test]
+    fn every_member_with_rdma_but_no_local_endpoint_is_a_protocol_error() {
+        let members = [member(0, Some(EP)), member(1, Some(EP))];
+        let e = plan_mesh(3, &members, false).expect_err("no local endpoint");
+        assert!(matches!(&e, ElasticError::Protocol(m) if m.contains("generation 3") && m.contains("no RDMA endpoint")), "{e}");
+    }
+
+    #[cfg(feature = "rdma")]
+    #[test]
+    fn every_member_with_rdma_means_rdma_in_rank_order() {
+        let other = EP.replace("boot=10.0.0.5:45001", "boot=10.0.0.6:45002");
+        let members = [member(0, Some(EP)), member(1, Some(&other))];
+        let plan = plan_mesh(2, &members, true).expect("a plan");
+        assert_eq!(plan.kind(), MeshKind::Rdma);
+        let MeshPlan::Rdma { peers } = plan else { panic!("not an rdma plan: {plan:?}") };
+        assert_eq!(peers.len(), 2);
+        assert_eq!(peers[0].bootstrap, SocketAddr::from(([10, 0, 0, 5], 45001)));
+        assert_eq!(peers[1].bootstrap, SocketAddr::from(([10, 0, 0, 6], 45002)));
+        assert_eq!(peers[0].encode(), EP);
+    }
+
+    #[cfg(feature = "rdma")]
+    #[test]
+    fn a_malformed_rdma_address_is_a_clear_error() {
+        for bad in ["", "garbage", "rdma-ep1;lid=17", "rdma-ep1;lid=17;gid=zz;mtu=4096;boot=10.0.0.5:1", &EP.replace("4096", "4000")] {
+            let members = [member(0, Some(EP)), member(1, Some(bad))];
+            let e = plan_mesh(5, &members, true).expect_err(bad);
+            let ElasticError::Protocol(message) = &e else { panic!("not a protocol error: {e}") };
+            assert!(message.contains("member w1 (rank 1)") && message.contains("unusable rdma address"), "{message}");
+        }
+    }
+}
