@@ -317,13 +317,15 @@ fn train_main(args: TrainArgs) -> Result<TrainSummary, String> {
     config.tcp.busy_poll = args.busy_poll;
     // With rdma, the worker publishes an RDMA endpoint beside its TCP address; a generation
     // uses RDMA when every member did (docs/rdma.md). The bootstrap listener binds on the
-    // --listen IP, any port.
+    // --listen IP, any port. The progress task sleeps on the completion channel: a training
+    // process computes between collectives, and a CQ polled forever would spin a core it
+    // needs (bench polls, for latency).
     #[cfg(feature = "rdma")]
     if args.transport == TransportKind::Rdma {
         config.rdma = Some(cohort_transports::rdma::RdmaOptions {
             device: rdma_device(),
             bootstrap_bind: SocketAddr::new(args.listen.ip(), 0),
-            busy_poll: !args.busy_poll.is_zero(),
+            busy_poll: false,
             ..Default::default()
         });
     }
