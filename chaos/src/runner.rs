@@ -680,11 +680,7 @@ impl Run<'_> {
                         ok: named == r.survivors.len() && !r.survivors.is_empty(),
                         detail: format!("{named} of {} survivors; causes: {}", r.survivors.len(), causes(r)),
                     });
-                    checks.push(Check {
-                        what: format!("fault {} ({kind}): the next generation verified a step", r.index),
-                        ok: r.next_step_ms.is_some(),
-                        detail: format!("{} ms", o(r.next_step_ms)),
-                    });
+                    checks.push(next_step_check(r, kind));
                 }
                 "isolate" => {
                     let named = r.errors.iter().filter(|e| culprits.iter().any(|c| e.cause.contains(&format!("worker {c} ")) || e.cause.contains(&format!("worker {c})")))).count();
@@ -693,17 +689,8 @@ impl Run<'_> {
                         ok: named == r.survivors.len() && !r.survivors.is_empty(),
                         detail: format!("{named} of {} survivors; causes: {}", r.survivors.len(), causes(r)),
                     });
-                    let limit = (sc.no_progress.0 + sc.step_interval.0 + Duration::from_millis(1000)).as_millis() as i64;
-                    checks.push(Check {
-                        what: format!("fault {} ({kind}): detected within the no-progress deadline ({} ms) + 1 s", r.index, sc.no_progress.0.as_millis()),
-                        ok: r.first_error_ms.is_some_and(|t| t <= limit),
-                        detail: format!("first error after {} ms", o(r.first_error_ms)),
-                    });
-                    checks.push(Check {
-                        what: format!("fault {} ({kind}): the next generation verified a step", r.index),
-                        ok: r.next_step_ms.is_some(),
-                        detail: format!("{} ms", o(r.next_step_ms)),
-                    });
+                    checks.push(detection_check(r, kind, sc));
+                    checks.push(next_step_check(r, kind));
                     let back: Vec<String> = culprits
                         .iter()
                         .filter(|w| !events.iter().any(|e| e.kind == "step" && e.worker == **w && e.int("gen").unwrap_or(0) > r.generation))
@@ -732,18 +719,9 @@ impl Run<'_> {
                         detail: format!("{named} of {}; causes: {}", r.survivors.len(), causes(r)),
                     });
                     if kind != "reset" {
-                        let limit = (sc.no_progress.0 + sc.step_interval.0 + Duration::from_millis(1000)).as_millis() as i64;
-                        checks.push(Check {
-                            what: format!("fault {} ({kind}): detected within the no-progress deadline ({} ms) + 1 s", r.index, sc.no_progress.0.as_millis()),
-                            ok: r.first_error_ms.is_some_and(|t| t <= limit),
-                            detail: format!("first error after {} ms", o(r.first_error_ms)),
-                        });
+                        checks.push(detection_check(r, kind, sc));
                     }
-                    checks.push(Check {
-                        what: format!("fault {} ({kind}): the next generation verified a step", r.index),
-                        ok: r.next_step_ms.is_some(),
-                        detail: format!("{} ms", o(r.next_step_ms)),
-                    });
+                    checks.push(next_step_check(r, kind));
                 }
                 _ => {}
             }
@@ -860,6 +838,26 @@ fn measure(records: &[FaultRecord], events: &[WorkerEvent]) -> Vec<FaultRecord> 
         }
     }
     out
+}
+
+/// Check: a later generation verified a step after fault `r`.
+fn next_step_check(r: &FaultRecord, kind: &str) -> Check {
+    Check {
+        what: format!("fault {} ({kind}): the next generation verified a step", r.index),
+        ok: r.next_step_ms.is_some(),
+        detail: format!("{} ms", o(r.next_step_ms)),
+    }
+}
+
+/// Check: a silent fault (no FIN, no RST) was detected within the no-progress deadline, plus
+/// a step interval and 1 s of slack.
+fn detection_check(r: &FaultRecord, kind: &str, sc: &Scenario) -> Check {
+    let limit = (sc.no_progress.0 + sc.step_interval.0 + Duration::from_millis(1000)).as_millis() as i64;
+    Check {
+        what: format!("fault {} ({kind}): detected within the no-progress deadline ({} ms) + 1 s", r.index, sc.no_progress.0.as_millis()),
+        ok: r.first_error_ms.is_some_and(|t| t <= limit),
+        detail: format!("first error after {} ms", o(r.first_error_ms)),
+    }
 }
 
 fn o(v: Option<i64>) -> String {
