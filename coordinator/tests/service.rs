@@ -4,6 +4,7 @@
 mod common;
 
 use cohort_coordinator::exclusion::ExclusionPolicy;
+use cohort_coordinator::server::ServerHandle;
 use cohort_proto::v1 as pb;
 use common::*;
 use pb::job_event::Event;
@@ -398,21 +399,36 @@ async fn restart_revokes(backend: Backend) {
     server.shutdown().await.expect("shutdown");
 }
 
+/// Three heartbeating workers (long leases) in generation 1 of `job`.
+struct Trio {
+    _backing: Backing,
+    server: ServerHandle,
+    workers: Vec<Worker>,
+    g1: pb::Generation,
+}
+
+impl Trio {
+    async fn form(backend: Backend, job: &str) -> Self {
+        let backing = Backing::new(backend).await;
+        let mut settings = test_settings(backend);
+        settings.max_workers = 3;
+        settings.lease_ttl = Duration::from_secs(20);
+        let server = replica(backing.store.clone(), &Options::new(settings)).await;
+        let addr = server.local_addr();
+        let mut workers = Vec::new();
+        for i in 0..3 {
+            workers.push(Worker::join(addr, job, &format!("w{i}"), Duration::from_millis(50)).await);
+        }
+        let g1 = form_all(&workers, 0).await.remove(0);
+        Self { _backing: backing, server, workers, g1 }
+    }
+}
+
 /// A blackholed link: everyone is alive and heartbeating, the timeouts cascade. w0 times out
 /// waiting on w1, which itself times out waiting on w2 a moment later: the root cause is the
 /// end of the chain (w2), whichever report arrives first, and only w2 is evicted.
 async fn cascading_timeouts_blame_the_end_of_the_chain(backend: Backend) {
-    let backing = Backing::new(backend).await;
-    let mut settings = test_settings(backend);
-    settings.max_workers = 3;
-    settings.lease_ttl = Duration::from_secs(20);
-    let server = replica(backing.store.clone(), &Options::new(settings)).await;
-    let addr = server.local_addr();
-    let mut workers = Vec::new();
-    for i in 0..3 {
-        workers.push(Worker::join(addr, "job-c", &format!("w{i}"), Duration::from_millis(50)).await);
-    }
-    let g1 = form_all(&workers, 0).await.remove(0);
+    let Trio { _backing, server, workers, g1 } = Trio::form(backend, "job-c").await;
     let rank = |id: &str| g1.members.iter().position(|m| m.worker_id == id).expect("placed") as u32;
     let timeout = pb::failure_report::FailureKind::Timeout;
     let first = workers[0].report_kind(1, Some(rank("w1")), "timed out after 1.5s waiting on w1", timeout);
@@ -434,17 +450,7 @@ async fn cascading_timeouts_blame_the_end_of_the_chain(backend: Backend) {
 /// behind the silent link got least far in the operation; the rank it waits on is blamed,
 /// whichever report arrives first.
 async fn a_cycle_of_timeouts_blames_the_link_that_went_silent_first(backend: Backend) {
-    let backing = Backing::new(backend).await;
-    let mut settings = test_settings(backend);
-    settings.max_workers = 3;
-    settings.lease_ttl = Duration::from_secs(20);
-    let server = replica(backing.store.clone(), &Options::new(settings)).await;
-    let addr = server.local_addr();
-    let mut workers = Vec::new();
-    for i in 0..3 {
-        workers.push(Worker::join(addr, "job-y", &format!("w{i}"), Duration::from_millis(50)).await);
-    }
-    let g1 = form_all(&workers, 0).await.remove(0);
+    let Trio { _backing, server, workers, g1 } = Trio::form(backend, "job-y").await;
     let by_rank: Vec<&Worker> =
         g1.members.iter().map(|m| workers.iter().find(|w| w.id == m.worker_id).expect("member is a worker")).collect();
     // Ring: rank r receives from rank r-1. The link 0 -> 1 is silent: rank 1 received 2
