@@ -3,7 +3,12 @@
 //! Election: put-if-absent of [`keys::LEADER`] on a lease of this replica (kept alive
 //! every TTL/3). A replica that cannot renew its lease stops leading at once; the others
 //! watch the key and campaign when it is deleted (resignation, or lease expiry of a
-//! crashed leader, so takeover happens within one TTL).
+//! crashed leader, so takeover happens within one TTL). A replica restarted under the name
+//! of a crashed leader recognises the key, on its first campaign, as its own previous life
+//! and takes over at once instead of waiting out that TTL. Replica names must be unique, as
+//! pod names are; if two live replicas share one, the newer takes the key once and the
+//! older steps down (a leader steps down as soon as its key is deleted or replaced), and
+//! every mutation is a CAS anyway, so a moment with two leaders is harmless.
 //!
 //! The leader follows every job's keys and evaluates a job on every change and at its next
 //! deadline (join window, elastic timeout, end of an exclusion): it detects lapsed members
@@ -39,6 +44,10 @@ pub async fn run(ctx: Arc<Context>, ttl: Duration, leading: Arc<AtomicBool>) {
     let mut shutdown = ctx.shutdown.clone();
     let span = tracing::info_span!("leader", replica = %ctx.replica);
     async move {
+        // Only the first campaign of this process may take the key back from a previous
+        // process of this replica: later, a key naming this replica means another process
+        // under the same name took it (a misconfiguration), and fighting back would never end.
+        let mut first_campaign = true;
         loop {
             if *shutdown.borrow() {
                 return;
@@ -56,8 +65,15 @@ pub async fn run(ctx: Arc<Context>, ttl: Duration, leading: Arc<AtomicBool>) {
                 success: vec![TxnOp::Put { key: keys::LEADER.to_string(), value: ctx.replica.clone().into_bytes(), lease: Some(lease) }],
                 failure: vec![],
             };
-            match ctx.store.txn(txn).await {
-                Ok(r) if r.succeeded => {
+            let mut won = ctx.store.txn(txn).await.map(|r| r.succeeded);
+            if matches!(won, Ok(false)) && std::mem::take(&mut first_campaign) {
+                won = take_over_own_key(&ctx, lease).await;
+            }
+            if won.is_ok() {
+                first_campaign = false;
+            }
+            match won {
+                Ok(true) => {
                     lead(&ctx, lease, ttl, &leading, &mut shutdown).await;
                     if *shutdown.borrow() {
                         // Resign: the next replica takes over at once instead of after a TTL.
@@ -69,7 +85,7 @@ pub async fn run(ctx: Arc<Context>, ttl: Duration, leading: Arc<AtomicBool>) {
                         return;
                     }
                 }
-                Ok(_) => {
+                Ok(false) => {
                     let _ = ctx.store.revoke_lease(lease).await;
                     follow(&ctx, ttl, &mut shutdown).await;
                 }
@@ -89,6 +105,56 @@ async fn pause(shutdown: &mut tokio::sync::watch::Receiver<bool>, d: Duration) {
     tokio::select! {
         _ = tokio::time::sleep(d) => {}
         _ = crate::ops::stopped(shutdown) => {}
+    }
+}
+
+/// Takes the leader key over, on `lease`, if it names this replica: it was written by a
+/// previous process of this replica (crashed or killed, so it never resigned), which no
+/// longer leads. The replacement is one CAS on the key's revision, so nobody can slip in
+/// between. Answers whether this replica now holds the key.
+async fn take_over_own_key(ctx: &Context, lease: i64) -> Result<bool, StoreError> {
+    let Some(held) = ctx.store.get(keys::LEADER).await? else { return Ok(false) };
+    if held.value != ctx.replica.as_bytes() {
+        return Ok(false);
+    }
+    let txn = Txn {
+        compares: vec![Compare::ModRevision(keys::LEADER.to_string(), held.mod_revision)],
+        success: vec![TxnOp::Put { key: keys::LEADER.to_string(), value: ctx.replica.clone().into_bytes(), lease: Some(lease) }],
+        failure: vec![],
+    };
+    let took = ctx.store.txn(txn).await?.succeeded;
+    if took {
+        tracing::info!("the leader key named this replica (a previous process that did not resign); took it over");
+    }
+    Ok(took)
+}
+
+/// Resolves when the leader key no longer carries `lease` (deleted, or written by someone
+/// else): this replica no longer leads, whatever its lease says.
+async fn key_lost(ctx: &Context, lease: i64) -> &'static str {
+    loop {
+        let watched = async {
+            let (kvs, revision) = ctx.store.get_prefix(keys::LEADER).await?;
+            match kvs.iter().find(|kv| kv.key == keys::LEADER) {
+                Some(kv) if kv.lease == Some(lease) => {}
+                _ => return Ok::<bool, StoreError>(true),
+            }
+            let mut stream = ctx.store.watch_prefix(keys::LEADER, revision + 1).await?;
+            while let Some(event) = stream.next().await {
+                match event? {
+                    WatchEvent::Delete { key, .. } if key == keys::LEADER => return Ok(true),
+                    WatchEvent::Put(kv) if kv.key == keys::LEADER && kv.lease != Some(lease) => return Ok(true),
+                    _ => {}
+                }
+            }
+            Ok(false)
+        };
+        match watched.await {
+            Ok(true) => return "the leader key was deleted or taken over",
+            // The watch ended or failed (store restarting): look again shortly; the lease
+            // keep-alive decides meanwhile.
+            Ok(false) | Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
+        }
     }
 }
 
@@ -144,6 +210,7 @@ async fn lead(ctx: &Arc<Context>, lease: i64, ttl: Duration, leading: &AtomicBoo
     };
     tokio::select! {
         why = keep => tracing::warn!(why, "lost leadership"),
+        why = key_lost(ctx, lease) => tracing::warn!(why, "lost leadership"),
         _ = work(ctx.clone()) => {}
         _ = crate::ops::stopped(shutdown) => {}
     }

@@ -135,3 +135,36 @@ async fn two_leaders_cannot_publish_two_groups() {
     })
     .await;
 }
+
+/// A leader killed without resigning and restarted under its own name takes its key back at
+/// once instead of waiting out its old lease (20 s here). A second live replica under the
+/// same name (a misconfiguration) takes the key once, and the older one steps down: one
+/// leader, no tug of war.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_leader_takes_its_key_back_at_once() {
+    bounded(async {
+        let backing = Backing::new(Backend::Etcd).await;
+        let leader_ttl = Duration::from_secs(20);
+        let mut options = Options::new(test_settings(Backend::Etcd));
+        options.leader_ttl = leader_ttl;
+        options.name = Some("solo".into());
+        let first = replica(backing.store.clone(), &options).await;
+        until("the first process leads", Duration::from_secs(10), async || first.is_leader()).await;
+        first.kill();
+        let restarted_at = Instant::now();
+        let second = replica(backing.store.clone(), &options).await;
+        until("the restarted replica leads", Duration::from_secs(10), async || second.is_leader()).await;
+        assert!(restarted_at.elapsed() < leader_ttl / 4, "took {:?}: it waited for the old lease", restarted_at.elapsed());
+
+        let twin = replica(backing.store.clone(), &options).await;
+        until("the twin leads and the older one steps down", Duration::from_secs(10), async || twin.is_leader() && !second.is_leader()).await;
+        let settled = Instant::now() + Duration::from_secs(1);
+        while Instant::now() < settled {
+            assert!(twin.is_leader() && !second.is_leader(), "leadership went back and forth");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        twin.shutdown().await.expect("shutdown");
+        second.shutdown().await.expect("shutdown");
+    })
+    .await;
+}
