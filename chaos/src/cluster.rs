@@ -320,17 +320,29 @@ impl Cluster {
     /// # Cancel safety
     /// Cancel safe (the status process is killed when dropped).
     pub async fn leader_index(&self, timeout: Duration) -> Option<usize> {
+        let status = self.status_json(timeout).await?;
+        let leader = status.get("leader")?.as_str()?;
+        (0..self.coordinators.len()).find(|i| leader == format!("coord{i}") || leader.starts_with(&format!("coord{i}/")))
+    }
+
+    /// The job's status as `cohort-coordinator status --json` prints it (bounded by
+    /// `timeout`); `None` if nobody answered or the output did not parse.
+    ///
+    /// # Cancel safety
+    /// Cancel safe (the status process is killed when dropped).
+    pub async fn status_json(&self, timeout: Duration) -> Option<serde_json::Value> {
         let mut cmd = self.command(None, &self.bins.coordinator).ok()?;
-        cmd.args(["status", "--job", &self.config.job, "--endpoints", &self.endpoints(), "--timeout", &ms(timeout)])
+        cmd.args(["status", "--json", "--job", &self.config.job, "--endpoints", &self.endpoints(), "--timeout", &ms(timeout)])
             .arg("--token-file")
             .arg(&self.token_file)
             .stdin(std::process::Stdio::null())
             .stderr(std::process::Stdio::null())
             .kill_on_drop(true);
         let out = tokio::time::timeout(timeout + Duration::from_secs(2), cmd.output()).await.ok()?.ok()?;
-        let text = String::from_utf8_lossy(&out.stdout);
-        let leader = text.lines().find_map(|l| l.strip_prefix("leader:"))?.trim().to_string();
-        (0..self.coordinators.len()).find(|i| leader == format!("coord{i}") || leader.starts_with(&format!("coord{i}/")))
+        if !out.status.success() {
+            return None;
+        }
+        serde_json::from_slice(&out.stdout).ok()
     }
 
     /// Bound on connecting one generation's mesh for workers started from now on

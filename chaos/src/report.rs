@@ -16,6 +16,61 @@ pub struct ErrorSeen {
     pub after_ms: i64,
 }
 
+/// One member as `cohort-coordinator status` showed it.
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct MemberSeen {
+    /// The worker.
+    pub worker: String,
+    /// Its rank in the current generation, if placed.
+    pub rank: Option<u32>,
+    /// The generation it last reported.
+    pub generation: u64,
+    /// The step it last reported.
+    pub step: u64,
+    /// The activity it last reported.
+    pub activity: String,
+    /// Time since its last heartbeat, by the coordinator's clock.
+    pub heartbeat_age_ms: u64,
+    /// Its control stream: open, closed, unknown.
+    pub control_connected: Option<bool>,
+}
+
+/// The coordinator's `status` taken while a fault lasted.
+#[derive(Clone, Debug, Default, Serialize, PartialEq)]
+pub struct StatusSeen {
+    /// Milliseconds after the fault.
+    pub after_ms: i64,
+    /// Every member listed.
+    pub members: Vec<MemberSeen>,
+}
+
+impl StatusSeen {
+    /// Reads the members out of `cohort-coordinator status --json`.
+    pub fn from_json(after_ms: i64, status: &serde_json::Value) -> Option<Self> {
+        let members = status.get("members")?.as_array()?;
+        let members = members
+            .iter()
+            .map(|m| {
+                Some(MemberSeen {
+                    worker: m.get("worker_id")?.as_str()?.to_string(),
+                    rank: m.get("rank").and_then(serde_json::Value::as_u64).map(|r| r as u32),
+                    generation: m.get("generation")?.as_u64()?,
+                    step: m.get("step")?.as_u64()?,
+                    activity: m.get("activity")?.as_str()?.to_string(),
+                    heartbeat_age_ms: m.get("heartbeat_age_ms")?.as_u64()?,
+                    control_connected: m.get("control_connected").and_then(serde_json::Value::as_bool),
+                })
+            })
+            .collect::<Option<Vec<_>>>()?;
+        Some(Self { after_ms, members })
+    }
+
+    /// The member silent the longest (largest heartbeat age), if any.
+    pub fn stalest(&self) -> Option<&MemberSeen> {
+        self.members.iter().max_by_key(|m| m.heartbeat_age_ms)
+    }
+}
+
 /// What one fault did and how fast the job reacted.
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct FaultRecord {
@@ -35,6 +90,8 @@ pub struct FaultRecord {
     pub step: i64,
     /// When it struck (ms since the epoch).
     pub at_ms: u64,
+    /// How long it lasted, for faults with a duration (0 otherwise).
+    pub duration_ms: u64,
     /// The first target had announced an allreduce and not finished it when struck.
     pub mid_allreduce: bool,
     /// Survivors of the fault (members expected to go on).
@@ -51,8 +108,38 @@ pub struct FaultRecord {
     pub next_step_ms: Option<i64>,
     /// The next generation's number.
     pub next_generation: Option<i64>,
+    /// Faults that must not disrupt the job (slow rank, latency, bandwidth, coordinator
+    /// loss): the job's verified steps per second in a window as long as the fault just
+    /// before it ...
+    pub steps_per_s_before: Option<f64>,
+    /// ... and while it lasted.
+    pub steps_per_s_during: Option<f64>,
+    /// Join storm: fault to the first verified step of a generation holding every joiner.
+    pub absorbed_ms: Option<i64>,
+    /// Hung rank: the coordinator's `status` taken while it was stopped, before anybody
+    /// timed out (does it show which rank hung?).
+    pub status: Option<StatusSeen>,
     /// Anything worth knowing.
     pub note: String,
+}
+
+impl FaultRecord {
+    /// The fault-specific measurement, for the table's last column.
+    pub fn extra(&self) -> String {
+        if let (Some(before), Some(during)) = (self.steps_per_s_before, self.steps_per_s_during) {
+            let ratio = if before > 0.0 { format!(" (x{:.2})", during / before) } else { String::new() };
+            return format!("steps/s {before:.0} -> {during:.0}{ratio}");
+        }
+        if let Some(t) = self.absorbed_ms {
+            return format!("all joiners in {t} ms");
+        }
+        if let Some(s) = &self.status {
+            if let Some(m) = s.stalest() {
+                return format!("status +{} ms: stalest {} ({} ms, step {} {})", s.after_ms, m.worker, m.heartbeat_age_ms, m.step, m.activity);
+            }
+        }
+        String::new()
+    }
 }
 
 /// Statistics of one measurement.
@@ -172,13 +259,13 @@ pub fn render(runs: &[RunReport], targets: &[Check]) -> String {
     out.push('\n');
     if runs.iter().map(|r| r.faults.len()).sum::<usize>() <= 60 {
         out.push_str(&format!(
-            "{:<22} {:>3} {:<24} {:>4} {:>5} {:>4} {:>9} {:>9} {:>9} {:>9}\n",
-            "RUN/FAULT", "#", "TARGETS", "GEN", "WORLD", "MID", "ERR1 ms", "ERRS ms", "REVOKE ms", "NEXT ms"
+            "{:<22} {:>3} {:<24} {:>4} {:>5} {:>4} {:>9} {:>9} {:>9} {:>9}  {}\n",
+            "RUN/FAULT", "#", "TARGETS", "GEN", "WORLD", "MID", "ERR1 ms", "ERRS ms", "REVOKE ms", "NEXT ms", "MEASURED"
         ));
         for r in runs {
             for f in &r.faults {
-                out.push_str(&format!(
-                    "{:<22} {:>3} {:<24} {:>4} {:>5} {:>4} {:>9} {:>9} {:>9} {:>9}\n",
+                let line = format!(
+                    "{:<22} {:>3} {:<24} {:>4} {:>5} {:>4} {:>9} {:>9} {:>9} {:>9}  {}",
                     format!("{}/{}", truncate(&r.scenario, 10), f.kind),
                     f.index,
                     truncate(&f.targets.join(",").to_string(), 24),
@@ -188,8 +275,11 @@ pub fn render(runs: &[RunReport], targets: &[Check]) -> String {
                     o(f.first_error_ms),
                     o(f.survivors_errors_ms),
                     o(f.revocation_ms),
-                    o(f.next_step_ms)
-                ));
+                    o(f.next_step_ms),
+                    f.extra()
+                );
+                out.push_str(line.trim_end());
+                out.push('\n');
             }
         }
         out.push('\n');
@@ -321,6 +411,23 @@ mod tests {
             log_dir: None,
             proxy: None,
         }
+    }
+
+    #[test]
+    fn status_json_is_read_member_by_member() {
+        let json = serde_json::json!({
+            "job": "j",
+            "members": [
+                { "worker_id": "w0", "rank": 0, "generation": 3, "step": 7, "activity": "allreduce", "heartbeat_age_ms": 80, "control_connected": true },
+                { "worker_id": "w1", "rank": null, "generation": 3, "step": 6, "activity": "rendezvous", "heartbeat_age_ms": 900, "control_connected": null },
+            ]
+        });
+        let s = StatusSeen::from_json(600, &json).expect("parses");
+        assert_eq!(s.members.len(), 2);
+        assert_eq!(s.members[1].rank, None);
+        assert_eq!(s.members[1].control_connected, None);
+        assert_eq!(s.stalest().map(|m| m.worker.as_str()), Some("w1"));
+        assert!(StatusSeen::from_json(0, &serde_json::json!({ "members": [{ "worker_id": "w0" }] })).is_none(), "a member without its fields");
     }
 
     #[test]

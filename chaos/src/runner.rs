@@ -13,7 +13,7 @@ use crate::events::WorkerEvent;
 use crate::invariants;
 use crate::process::now_ms;
 use crate::proxy::LinkRule;
-use crate::report::{ErrorSeen, FaultRecord, RunReport};
+use crate::report::{ErrorSeen, FaultRecord, RunReport, StatusSeen};
 use crate::scenario::{parse_bytes, Expect, FaultKind, FaultSpec, NetworkChoice, Scenario, StoreChoice};
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
@@ -454,6 +454,7 @@ impl Run<'_> {
             mid = true;
         }
         let at_ms = now_ms();
+        let struck = Instant::now();
         let world = self.view.worlds.get(&g).copied().unwrap_or(0);
         let dur = f.duration.map(|d| d.0).unwrap_or(Duration::ZERO);
         let ranks_text: Vec<String> = targets.iter().map(|(r, w)| format!("{w}(rank {r})")).collect();
@@ -580,6 +581,7 @@ impl Run<'_> {
             world,
             step: self.view.max_step,
             at_ms,
+            duration_ms: dur.as_millis() as u64,
             mid_allreduce: mid,
             survivors: if kill_like(f.kind) { members.iter().filter(|w| !target_names.contains(w)).cloned().collect() } else { members.clone() },
             note,
@@ -602,6 +604,9 @@ impl Run<'_> {
                 }
                 if sc.expect == Expect::Fail && f.kind == FaultKind::Kill {
                     return Ok(());
+                }
+                if f.kind == FaultKind::Stop {
+                    self.status_while_hung(struck).await;
                 }
                 let cont_at = self.timers.iter().filter(|(_, a)| matches!(a, Action::Signal(_, s) if *s == libc::SIGCONT)).map(|(t, _)| *t).max();
                 self.pump(&format!("the first verified step after fault {index}"), settle, |e, _| e.kind == "step" && e.int("gen").unwrap_or(0) > gen).await?;
@@ -651,6 +656,28 @@ impl Run<'_> {
         Ok(())
     }
 
+    /// Takes the coordinator's `status` while a rank is stopped: three heartbeat intervals
+    /// after the SIGSTOP (its heartbeat age must stand out by then), and before the
+    /// no-progress deadline (before anybody times out and the rank is evicted). Kept in the
+    /// fault's record; checked in [`Run::checks`].
+    async fn status_while_hung(&mut self, struck: Instant) {
+        let sc = self.sc;
+        let after = sc.heartbeat_interval.0 * 3;
+        if after + Duration::from_millis(300) >= sc.no_progress.0 {
+            if let Some(r) = self.records.last_mut() {
+                r.note = format!("no status taken: 3 heartbeat intervals ({after:?}) do not fit before the no-progress deadline");
+            }
+            return;
+        }
+        self.pass_time(struck + after).await;
+        let at_ms = self.records.last().map_or(0, |r| r.at_ms);
+        let status = self.cluster.status_json(Duration::from_millis(500)).await;
+        let seen = status.and_then(|s| StatusSeen::from_json(now_ms() as i64 - at_ms as i64, &s));
+        if let Some(r) = self.records.last_mut() {
+            r.status = seen;
+        }
+    }
+
     /// Fills the records' measurements from the events.
     fn measure(&self) -> Vec<FaultRecord> {
         measure(&self.records, &self.cluster.events)
@@ -681,6 +708,24 @@ impl Run<'_> {
                         detail: format!("{named} of {} survivors; causes: {}", r.survivors.len(), causes(r)),
                     });
                     checks.push(next_step_check(r, kind));
+                    if kind == "stop" {
+                        checks.extend(hung_rank_status_check(r, &events, sc));
+                    }
+                    if kind == "kill" && r.targets.len() > 1 {
+                        // One report wins and evicts its suspect; the other dead ranks still
+                        // hold live leases. Their control streams closed with them, so the
+                        // survivors must not wait for them (the join window, or the leases).
+                        let window = sc.join_window.0.as_millis() as i64;
+                        checks.push(Check {
+                            what: format!(
+                                "fault {} (kill of {} ranks at once): the survivors re-formed without waiting for the other dead ranks (join window {window} ms)",
+                                r.index,
+                                r.targets.len()
+                            ),
+                            ok: r.next_step_ms.is_some_and(|t| t < window),
+                            detail: format!("next verified step after {} ms", o(r.next_step_ms)),
+                        });
+                    }
                 }
                 "isolate" => {
                     let named = r.errors.iter().filter(|e| culprits.iter().any(|c| e.cause.contains(&format!("worker {c} ")) || e.cause.contains(&format!("worker {c})")))).count();
@@ -832,12 +877,104 @@ fn measure(records: &[FaultRecord], events: &[WorkerEvent]) -> Vec<FaultRecord> 
             r.revocation_ms = first.zip(last).map(|(a, b)| b - a);
         }
         r.errors = errors;
-        if let Some(e) = events.iter().find(|e| e.kind == "step" && e.int("gen").unwrap_or(0) > r.generation && e.t_ms() as i64 >= at) {
-            r.next_step_ms = Some(e.t_ms() as i64 - at);
-            r.next_generation = e.int("gen");
+        let kind = FaultKind::from_name(&r.kind);
+        if kind.is_some_and(|k| !k.quiet()) {
+            if let Some(e) = events.iter().find(|e| e.kind == "step" && e.int("gen").unwrap_or(0) > r.generation && e.t_ms() as i64 >= at) {
+                r.next_step_ms = Some(e.t_ms() as i64 - at);
+                r.next_generation = e.int("gen");
+            }
+        }
+        if kind.is_some_and(FaultKind::quiet) && r.duration_ms > 0 {
+            let d = r.duration_ms as i64;
+            r.steps_per_s_before = step_rate(events, at - d, at);
+            r.steps_per_s_during = step_rate(events, at, at + d);
+        }
+        if kind == Some(FaultKind::JoinStorm) {
+            let joiners: Vec<&str> = r.note.strip_prefix("joined: ").map(|n| n.split(',').collect()).unwrap_or_default();
+            r.absorbed_ms = absorbed(events, r.generation, &joiners).map(|t| t as i64 - at);
         }
     }
     out
+}
+
+/// The job's verified steps per second between `from` and `to` (ms since the epoch): the
+/// highest verified step at `to` less the highest at `from`, over the time between. The
+/// window starts no earlier than the job's first verified step; `None` if nothing is left.
+fn step_rate(events: &[WorkerEvent], from: i64, to: i64) -> Option<f64> {
+    let steps = || events.iter().filter(|e| e.kind == "step");
+    let first = steps().map(|e| e.t_ms() as i64).min()?;
+    let from = from.max(first);
+    if to <= from {
+        return None;
+    }
+    let highest = |t: i64| steps().filter(|e| e.t_ms() as i64 <= t).filter_map(|e| e.int("step")).max().unwrap_or(0);
+    Some((highest(to) - highest(from)) as f64 * 1000.0 / (to - from) as f64)
+}
+
+/// When the first verified step of a generation newer than `after` holding every one of
+/// `joiners` came (ms since the epoch).
+fn absorbed(events: &[WorkerEvent], after: i64, joiners: &[&str]) -> Option<u64> {
+    if joiners.is_empty() {
+        return None;
+    }
+    let mut members: BTreeMap<i64, BTreeSet<&str>> = BTreeMap::new();
+    for e in events.iter().filter(|e| e.kind == "generation") {
+        members.entry(e.int("gen").unwrap_or(0)).or_default().insert(e.worker.as_str());
+    }
+    let full = members.iter().find(|(g, m)| **g > after && joiners.iter().all(|j| m.contains(j))).map(|(g, _)| *g)?;
+    events.iter().filter(|e| e.kind == "step" && e.int("gen") == Some(full)).map(WorkerEvent::t_ms).min()
+}
+
+/// Check: while the ranks of stop fault `r` were hung, the coordinator's `status` showed
+/// them as the members silent the longest (every other member's heartbeat was fresher), in
+/// the generation they hung in, at a step no later than the last one they printed. `None`
+/// when no status was taken (the scenario's timings leave no room; said in the note).
+fn hung_rank_status_check(r: &FaultRecord, events: &[WorkerEvent], sc: &Scenario) -> Option<Check> {
+    let what = format!("fault {} (stop): the coordinator's status showed the hung rank as the stalest member", r.index);
+    let Some(status) = &r.status else {
+        if r.note.starts_with("no status taken") {
+            return None;
+        }
+        return Some(Check { what, ok: false, detail: "status could not be read".into() });
+    };
+    let hung: Vec<&str> = r.targets.iter().map(|t| t.split('(').next().unwrap_or("")).collect();
+    let mut problems = Vec::new();
+    let freshest_hung = status.members.iter().filter(|m| hung.contains(&m.worker.as_str())).map(|m| m.heartbeat_age_ms).min();
+    let stalest_other = status.members.iter().filter(|m| !hung.contains(&m.worker.as_str())).map(|m| m.heartbeat_age_ms).max();
+    let mut shown = Vec::new();
+    for w in &hung {
+        let Some(m) = status.members.iter().find(|m| m.worker == *w) else {
+            problems.push(format!("{w} not listed"));
+            continue;
+        };
+        let printed = events
+            .iter()
+            .filter(|e| e.worker == *w && e.kind == "allreduce" && e.int("gen") == Some(r.generation) && e.t_ms() <= r.at_ms)
+            .filter_map(|e| e.int("step"))
+            .max();
+        shown.push(format!("{w}: heartbeat {} ms ago, gen {} step {} {} (printed step {})", m.heartbeat_age_ms, m.generation, m.step, m.activity, o(printed)));
+        let min_age = (sc.heartbeat_interval.0 * 2).as_millis() as u64;
+        if m.heartbeat_age_ms < min_age {
+            problems.push(format!("{w}'s heartbeat age {} ms < {min_age} ms", m.heartbeat_age_ms));
+        }
+        if m.generation as i64 != r.generation {
+            problems.push(format!("{w} shown in generation {}, hung in {}", m.generation, r.generation));
+        }
+        if printed.is_none_or(|p| m.step as i64 > p) {
+            problems.push(format!("{w} shown at step {}, beyond the last it printed ({})", m.step, o(printed)));
+        }
+    }
+    if let (Some(hung_age), Some(other_age)) = (freshest_hung, stalest_other) {
+        if other_age >= hung_age {
+            problems.push(format!("another member's heartbeat is as old ({other_age} ms)"));
+        }
+    }
+    shown.push(format!("others at most {} ms", stalest_other.map_or_else(|| "-".into(), |a| a.to_string())));
+    Some(Check {
+        what,
+        ok: problems.is_empty(),
+        detail: format!("+{} ms: {}{}", status.after_ms, shown.join("; "), if problems.is_empty() { String::new() } else { format!(" -- {}", problems.join("; ")) }),
+    })
 }
 
 /// Check: a later generation verified a step after fault `r`.
@@ -887,6 +1024,79 @@ mod tests {
             survivors: survivors.iter().map(|s| s.to_string()).collect(),
             ..Default::default()
         }
+    }
+
+    #[test]
+    fn quiet_faults_measure_the_step_rate_and_re_form_nothing() {
+        // Steps 1..=10 at t=1000..1900 (10 per second), then steps 11..=15 at t=2100..2900
+        // (5 per second while a 1 s latency fault struck at t=2000 lasts); a kill at t=3500
+        // re-forms into generation 2 at t=3600.
+        let mut events: Vec<WorkerEvent> = (1..=10).map(|s| ev("w0", &format!("event=step gen=1 step={s} t_ms={}", 900 + s * 100))).collect();
+        events.extend((11..=15).map(|s| ev("w0", &format!("event=step gen=1 step={s} t_ms={}", 2100 + (s - 11) * 200))));
+        events.push(ev("w0", "event=step gen=2 step=16 t_ms=3600"));
+        let mut latency = record(1, "latency", 1, 2000, &["w0"]);
+        latency.duration_ms = 1000;
+        let out = measure(&[latency, record(2, "kill", 1, 3500, &["w0"])], &events);
+        assert_eq!(out[0].next_step_ms, None, "a latency fault re-forms nothing; generation 2 is the kill's");
+        assert_eq!(out[0].steps_per_s_before, Some(9.0), "steps 1..10 between t=1000 and t=2000: 10 - 1 over 1 s");
+        assert_eq!(out[0].steps_per_s_during, Some(5.0));
+        assert!(out[0].extra().contains("x0.56"), "{}", out[0].extra());
+        assert_eq!(out[1].next_step_ms, Some(100));
+        assert_eq!(step_rate(&events, 0, 500), None, "before the first step");
+    }
+
+    #[test]
+    fn a_join_storm_is_absorbed_when_a_generation_holds_every_joiner() {
+        let events = [
+            ev("w0", "event=generation gen=2 world=3 rank=0 t_ms=100"),
+            ev("j1", "event=generation gen=2 world=3 rank=2 t_ms=100"),
+            ev("w0", "event=step gen=2 step=5 t_ms=120"),
+            ev("w0", "event=generation gen=3 world=4 rank=0 t_ms=200"),
+            ev("j1", "event=generation gen=3 world=4 rank=2 t_ms=200"),
+            ev("j2", "event=generation gen=3 world=4 rank=3 t_ms=201"),
+            ev("j2", "event=step gen=3 step=6 t_ms=230"),
+            ev("w0", "event=step gen=3 step=6 t_ms=231"),
+        ];
+        assert_eq!(absorbed(&events, 1, &["j1", "j2"]), Some(230));
+        assert_eq!(absorbed(&events, 1, &["j1"]), Some(120));
+        assert_eq!(absorbed(&events, 1, &["j1", "j9"]), None);
+        assert_eq!(absorbed(&events, 3, &["j1"]), None, "only generations after the storm's");
+    }
+
+    fn seen(worker: &str, age: u64, step: u64) -> crate::report::MemberSeen {
+        crate::report::MemberSeen {
+            worker: worker.into(),
+            rank: Some(0),
+            generation: 4,
+            step,
+            activity: "allreduce".into(),
+            heartbeat_age_ms: age,
+            control_connected: Some(true),
+        }
+    }
+
+    #[test]
+    fn the_status_check_wants_the_hung_rank_stalest_and_where_it_stopped() {
+        let sc: Scenario = toml::from_str("name = \"t\"\nheartbeat_interval = \"200ms\"").expect("scenario");
+        let events = [ev("w2", "event=allreduce gen=4 rank=2 step=12 t_ms=900")];
+        let mut r = record(1, "stop", 4, 1000, &["w0", "w1"]);
+        r.targets = vec!["w2(rank 2)".into()];
+        r.status = Some(StatusSeen { after_ms: 600, members: vec![seen("w0", 90, 12), seen("w1", 150, 12), seen("w2", 680, 11)] });
+        let c = hung_rank_status_check(&r, &events, &sc).expect("a check");
+        assert!(c.ok, "{}", c.detail);
+        // Another member as stale: status would not tell who hung.
+        r.status = Some(StatusSeen { after_ms: 600, members: vec![seen("w0", 700, 12), seen("w2", 680, 11)] });
+        assert!(!hung_rank_status_check(&r, &events, &sc).expect("check").ok);
+        // A step beyond the one it printed, or a fresh heartbeat, is wrong too.
+        r.status = Some(StatusSeen { after_ms: 600, members: vec![seen("w0", 90, 12), seen("w2", 680, 13)] });
+        assert!(!hung_rank_status_check(&r, &events, &sc).expect("check").ok);
+        r.status = Some(StatusSeen { after_ms: 600, members: vec![seen("w0", 90, 12), seen("w2", 300, 11)] });
+        assert!(!hung_rank_status_check(&r, &events, &sc).expect("check").ok);
+        // No status read is a failure; none taken by design is no check.
+        r.status = None;
+        assert!(!hung_rank_status_check(&r, &events, &sc).expect("check").ok);
+        r.note = "no status taken: ...".into();
+        assert!(hung_rank_status_check(&r, &events, &sc).is_none());
     }
 
     #[test]

@@ -135,6 +135,17 @@ impl FaultKind {
         matches!(self, Self::Kill | Self::Stop | Self::Blackhole | Self::Reset | Self::Partition | Self::Isolate)
     }
 
+    /// Whether the job must go on undisturbed through it (no collective fails): its
+    /// measurement is the job's step rate while it lasts.
+    pub fn quiet(self) -> bool {
+        matches!(self, Self::Slow | Self::Latency | Self::Bandwidth | Self::CoordinatorLeaderKill | Self::CoordinatorsDown | Self::EtcdRestart)
+    }
+
+    /// The kind named `name` (as in scenarios and reports).
+    pub fn from_name(name: &str) -> Option<Self> {
+        serde_json::from_value(serde_json::Value::String(name.to_string())).ok()
+    }
+
     /// Whether it acts on data-plane links (needs the proxy).
     pub fn link(self) -> bool {
         matches!(self, Self::Blackhole | Self::Reset | Self::Latency | Self::Bandwidth | Self::Partition)

@@ -5,6 +5,7 @@
 //! | `members/<worker>` | the member's | host, addresses, incarnation, joined_at |
 //! | `waiting/<worker>` | the member's | the generation it waits after, arrival time |
 //! | `progress/<worker>` | the member's | last heartbeat, step, activity, last commit |
+//! | `control/<worker>` | the member's | whether its control stream (Watch) is open |
 //! | `generation` | none | the current generation: number, ordered members, revocation |
 //! | `failures/<worker>` | none | failure history for exclusion |
 //! | `ended` | a 10 min lease | outcome and reason (kept so late callers are told) |
@@ -31,6 +32,8 @@ pub enum Kind {
     Progress,
     /// `failures/<worker>`
     Failures,
+    /// `control/<worker>`
+    Control,
 }
 
 impl Kind {
@@ -40,11 +43,12 @@ impl Kind {
             Kind::Waiting => "waiting/",
             Kind::Progress => "progress/",
             Kind::Failures => "failures/",
+            Kind::Control => "control/",
         }
     }
 
     /// Every per-worker kind.
-    pub const ALL: [Kind; 4] = [Kind::Member, Kind::Waiting, Kind::Progress, Kind::Failures];
+    pub const ALL: [Kind; 5] = [Kind::Member, Kind::Waiting, Kind::Progress, Kind::Failures, Kind::Control];
 }
 
 /// `/cohort/v1/jobs/<job>/`

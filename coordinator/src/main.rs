@@ -94,6 +94,9 @@ struct StatusArgs {
     /// How long to wait for an answer.
     #[arg(long, value_parser = duration, default_value = "5s")]
     timeout: Duration,
+    /// Print one JSON object (for scripts) instead of the table.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -254,14 +257,14 @@ fn print_status(s: &pb::StatusResponse) {
     println!("leader: {}", if s.leader.is_empty() { "(none)" } else { &s.leader });
     println!();
     println!(
-        "{:>5}  {:<24} {:<20} {:>10} {:>6} {:>10} {:<16} {:>11} {:>7}",
-        "RANK", "WORKER", "HOST", "HEARTBEAT", "GEN", "STEP", "ACTIVITY", "LAST COMMIT", "WAITING"
+        "{:>5}  {:<24} {:<20} {:>10} {:>6} {:>10} {:<16} {:>11} {:>7} {:>7}",
+        "RANK", "WORKER", "HOST", "HEARTBEAT", "GEN", "STEP", "ACTIVITY", "LAST COMMIT", "WAITING", "CONTROL"
     );
     let mut members = s.members.clone();
     members.sort_by_key(|m| (m.rank.unwrap_or(u32::MAX), m.worker_id.clone()));
     for m in &members {
         println!(
-            "{:>5}  {:<24} {:<20} {:>10} {:>6} {:>10} {:<16} {:>11} {:>7}",
+            "{:>5}  {:<24} {:<20} {:>10} {:>6} {:>10} {:<16} {:>11} {:>7} {:>7}",
             m.rank.map_or_else(|| "-".to_string(), |r| r.to_string()),
             m.worker_id,
             m.host,
@@ -270,9 +273,77 @@ fn print_status(s: &pb::StatusResponse) {
             m.step,
             m.activity,
             m.last_commit_step,
-            if m.waiting { "yes" } else { "no" }
+            if m.waiting { "yes" } else { "no" },
+            match m.control_connected {
+                Some(true) => "open",
+                Some(false) => "CLOSED",
+                None => "-",
+            }
         );
     }
+}
+
+/// The status as one JSON object: the table's facts, times as ms since the epoch plus the
+/// ages the table shows (`heartbeat_age_ms`), so that scripts need no clock of their own.
+fn status_json(s: &pb::StatusResponse) -> serde_json::Value {
+    use serde_json::json;
+    let now = cohort_coordinator::records::now_ms();
+    let cause = s.revocation_cause.as_ref().map(|c| {
+        json!({ "rank": c.rank, "worker_id": c.worker_id, "host": c.host, "reason": c.reason, "reported_by": c.reported_by })
+    });
+    let generation = s.current.as_ref().map(|g| {
+        json!({
+            "number": g.number,
+            "formed_at_ms": g.formed_at_ms,
+            "revoked": s.current_revoked,
+            "members": g.members.iter().map(|m| json!({ "rank": m.rank, "worker_id": m.worker_id, "host": m.host })).collect::<Vec<_>>(),
+        })
+    });
+    let mut members = s.members.clone();
+    members.sort_by_key(|m| (m.rank.unwrap_or(u32::MAX), m.worker_id.clone()));
+    let members: Vec<_> = members
+        .iter()
+        .map(|m| {
+            json!({
+                "worker_id": m.worker_id,
+                "incarnation": m.incarnation,
+                "host": m.host,
+                "rank": m.rank,
+                "last_heartbeat_ms": m.last_heartbeat_ms,
+                "heartbeat_age_ms": now.saturating_sub(m.last_heartbeat_ms),
+                "generation": m.generation,
+                "step": m.step,
+                "activity": m.activity,
+                "last_commit_step": m.last_commit_step,
+                "waiting": m.waiting,
+                "control_connected": m.control_connected,
+            })
+        })
+        .collect();
+    let ended = s.ended.as_ref().map(|e| {
+        let outcome = pb::job_ended::Outcome::try_from(e.outcome).map(|o| o.as_str_name()).unwrap_or("UNKNOWN");
+        json!({ "outcome": outcome, "reason": e.reason })
+    });
+    let settings = s.settings.as_ref().map(|set| {
+        json!({
+            "min_workers": set.min_workers,
+            "max_workers": set.max_workers,
+            "join_window_ms": set.join_window_ms,
+            "heartbeat_interval_ms": set.heartbeat_interval_ms,
+            "lease_ttl_ms": set.lease_ttl_ms,
+            "elastic_timeout_ms": set.elastic_timeout_ms,
+        })
+    });
+    json!({
+        "job": s.job,
+        "now_ms": now,
+        "settings": settings,
+        "generation": generation,
+        "revocation_cause": cause,
+        "ended": ended,
+        "leader": if s.leader.is_empty() { None } else { Some(&s.leader) },
+        "members": members,
+    })
 }
 
 enum Attempt {
@@ -310,7 +381,11 @@ async fn status(args: StatusArgs) -> Result<(), CliError> {
         let url = if raw.contains("://") { raw.clone() } else { format!("http://{raw}") };
         match tokio::time::timeout(args.timeout, status_once(url, &args, token.as_deref())).await {
             Ok(Ok(s)) => {
-                print_status(&s);
+                if args.json {
+                    println!("{}", status_json(&s));
+                } else {
+                    print_status(&s);
+                }
                 return Ok(());
             }
             Ok(Err(Attempt::Refused(e))) => return Err(CliError::Refused(format!("{raw}: {e}"))),

@@ -107,6 +107,25 @@ pub struct ProgressRecord {
     pub last_commit_ms: u64,
 }
 
+/// `control/<worker>`: the state of the member's control stream (its Watch), written by
+/// the replica that serves the stream. Written `connected` when the stream opens; replaced
+/// by `connected: false` when the client side goes away while the replica is not shutting
+/// down (a compare-and-swap on the revision the replica wrote, so a stream reopened
+/// meanwhile, on any replica, wins). A worker process that dies closes its connection at
+/// once (the kernel sends FIN or RST), long before its lease lapses, so this is the
+/// coordinator's fast, though not certain, sign of death: the rendezvous stops waiting for
+/// such a member (see [`crate::rendezvous`]). A live worker whose connection broke reopens
+/// its watch and is `connected` again.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ControlRecord {
+    /// The incarnation whose stream this describes.
+    pub incarnation: u64,
+    /// Whether the stream is open.
+    pub connected: bool,
+    /// When it opened or closed, ms since the epoch.
+    pub since_ms: u64,
+}
+
 /// One member of a generation.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Placed {
@@ -269,6 +288,8 @@ pub struct JobState {
     pub progress: BTreeMap<String, ProgressRecord>,
     /// Failure histories by worker id.
     pub failures: BTreeMap<String, FailureHistory>,
+    /// Control-stream states by worker id.
+    pub control: BTreeMap<String, ControlRecord>,
     /// The newest generation and its key's `mod_revision` (for CAS).
     pub generation: Option<(GenerationRecord, i64)>,
     /// The end record, once the job ended.
@@ -337,6 +358,14 @@ impl JobState {
                             self.failures.remove(&w);
                         }
                     },
+                    Kind::Control => match decode(&kv.key, &kv.value) {
+                        Some(v) => {
+                            self.control.insert(w, v);
+                        }
+                        None => {
+                            self.control.remove(&w);
+                        }
+                    },
                 }
             }
             Some(Parsed::Generation { job }) if job == self.job => {
@@ -358,6 +387,7 @@ impl JobState {
                     Kind::Waiting => self.waiting.remove(worker).map(|_| ()),
                     Kind::Progress => self.progress.remove(worker).map(|_| ()),
                     Kind::Failures => self.failures.remove(worker).map(|_| ()),
+                    Kind::Control => self.control.remove(worker).map(|_| ()),
                 };
             }
             Some(Parsed::Generation { job }) if job == self.job => self.generation = None,
@@ -381,12 +411,19 @@ impl JobState {
         self.members.get(worker).is_some_and(|m| m.incarnation == incarnation)
     }
 
+    /// Whether `(worker, incarnation)`'s control stream closed and was not reopened (see
+    /// [`ControlRecord`]). `false` when nothing is known (no stream opened yet).
+    pub fn is_disconnected(&self, worker: &str, incarnation: u64) -> bool {
+        self.control.get(worker).is_some_and(|c| c.incarnation == incarnation && !c.connected)
+    }
+
     /// Whether the job holds no state worth keeping (no keys at all).
     pub fn is_empty(&self) -> bool {
         self.members.is_empty()
             && self.waiting.is_empty()
             && self.progress.is_empty()
             && self.failures.is_empty()
+            && self.control.is_empty()
             && self.generation.is_none()
             && self.ended.is_none()
     }

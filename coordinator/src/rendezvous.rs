@@ -3,11 +3,16 @@
 //!
 //! Rules:
 //! - A waiting member is *ready* for the next generation when it is live (its member key
-//!   holds the same incarnation), not excluded, and either not a member of the current
-//!   generation, or done with it (it waits after the current number: a wait from before
-//!   the current generation was formed is stale, also once that generation is revoked).
-//! - The *expected* members are the current generation's members that are still live, not
-//!   excluded and have not departed (left or finished).
+//!   holds the same incarnation), connected (its control stream has not closed, see
+//!   [`crate::records::ControlRecord`]), not excluded, and either not a member of the
+//!   current generation, or done with it (it waits after the current number: a wait from
+//!   before the current generation was formed is stale, also once that generation is
+//!   revoked).
+//! - The *expected* members are the current generation's members that are still live,
+//!   connected, not excluded and have not departed (left or finished). A member whose
+//!   process died is disconnected at once, long before its lease lapses: when several ranks
+//!   die together (a node lost), the first report evicts one and the others are not waited
+//!   for.
 //! - While the current generation is active (not revoked) and has expected members, the next
 //!   one forms only when every expected member is ready (cooperative re-formation: a commit
 //!   point, a scale-up, a peer that left). Joiners wait meanwhile and are reported as a
@@ -70,7 +75,7 @@ pub fn excluded(state: &JobState, now_ms: u64) -> BTreeSet<String> {
 
 fn is_ready(state: &JobState, current: Option<&GenerationRecord>, excluded: &BTreeSet<String>, worker: &str) -> bool {
     let Some(w) = state.waiting.get(worker) else { return false };
-    if !state.is_live(worker, w.incarnation) || excluded.contains(worker) {
+    if !state.is_live(worker, w.incarnation) || state.is_disconnected(worker, w.incarnation) || excluded.contains(worker) {
         return false;
     }
     match current {
@@ -146,6 +151,7 @@ pub fn evaluate(settings: &JobSettings, state: &JobState, now_ms: u64) -> Evalua
                 .iter()
                 .filter(|m| {
                     state.is_live(&m.worker_id, m.incarnation)
+                        && !state.is_disconnected(&m.worker_id, m.incarnation)
                         && !excluded.contains(&m.worker_id)
                         && g.departed(&m.worker_id, m.incarnation).is_none()
                 })
@@ -248,7 +254,7 @@ pub fn next_generation(previous: Option<&GenerationRecord>, members: Vec<Placed>
 mod tests {
     use super::*;
     use crate::exclusion::FailureHistory;
-    use crate::records::{Cause, Departure, MemberRecord, WaitingRecord};
+    use crate::records::{Cause, ControlRecord, Departure, MemberRecord, WaitingRecord};
     use std::time::Duration;
 
     fn settings(min: u32, max: u32) -> JobSettings {
@@ -372,6 +378,39 @@ mod tests {
         assert_eq!(e.action, Action::Nothing);
         assert_eq!(e.next_deadline_ms, Some(300));
         assert_eq!(formed(&evaluate(&settings(1, 8), &job.0, 300)), ["a"]);
+    }
+
+    #[test]
+    fn a_second_dead_member_is_not_waited_for_once_its_control_stream_closed() {
+        // Generation 1 = [a, b, c, d]; b and d died together (one host). b's report evicted
+        // it; d's lease has not lapsed yet, but its control stream closed.
+        let job = Job::new()
+            .member("a", 1)
+            .member("c", 1)
+            .member("d", 1)
+            .generation(1, &["a", "b", "c", "d"], true)
+            .waits("a", 1, 100)
+            .waits("c", 1, 101);
+        assert_eq!(evaluate(&settings(1, 8), &job.0, 102).action, Action::Nothing, "d is expected while connected");
+        let mut job = job;
+        job.0.control.insert("d".into(), ControlRecord { incarnation: 1, connected: false, since_ms: 90 });
+        assert_eq!(formed(&evaluate(&settings(1, 8), &job.0, 102)), ["a", "c"], "no join window wait for d");
+        // A record of another incarnation says nothing about this one.
+        job.0.control.insert("d".into(), ControlRecord { incarnation: 7, connected: false, since_ms: 90 });
+        assert_eq!(evaluate(&settings(1, 8), &job.0, 102).action, Action::Nothing);
+        // Reconnected: expected again.
+        job.0.control.insert("d".into(), ControlRecord { incarnation: 1, connected: true, since_ms: 95 });
+        assert_eq!(evaluate(&settings(1, 8), &job.0, 102).action, Action::Nothing);
+    }
+
+    #[test]
+    fn a_disconnected_waiter_is_never_placed() {
+        // b waited, then its process died before the generation formed.
+        let mut job = Job::new().member("a", 1).member("b", 1).waits("a", 0, 0).waits("b", 0, 0);
+        job.0.control.insert("b".into(), ControlRecord { incarnation: 1, connected: false, since_ms: 5 });
+        let e = evaluate(&settings(1, 8), &job.0, 1000);
+        assert_eq!(e.ready, 1);
+        assert_eq!(formed(&e), ["a"]);
     }
 
     #[test]

@@ -611,11 +611,27 @@ impl CoordinatorService {
         let g = state.current();
         let now = records::now_ms();
         let excluded = crate::rendezvous::excluded(&state, now);
+        // Progress is written to the store at most once per PROGRESS_PERIOD; this replica's
+        // cache is newer for the members it serves.
+        let cached: HashMap<String, ProgressRecord> = {
+            let cache = self.progress.lock().unwrap_or_else(|e| e.into_inner());
+            state
+                .members
+                .values()
+                .filter_map(|m| {
+                    let c = cache.get(&(r.job.clone(), m.worker_id.clone()))?;
+                    let stored = state.progress.get(&m.worker_id).filter(|p| p.incarnation == m.incarnation);
+                    let newer = c.record.incarnation == m.incarnation
+                        && stored.is_none_or(|p| c.record.last_heartbeat_ms >= p.last_heartbeat_ms);
+                    newer.then(|| (m.worker_id.clone(), c.record.clone()))
+                })
+                .collect()
+        };
         let members = state
             .members
             .values()
             .map(|m| {
-                let p = state.progress.get(&m.worker_id).filter(|p| p.incarnation == m.incarnation);
+                let p = cached.get(&m.worker_id).or_else(|| state.progress.get(&m.worker_id).filter(|p| p.incarnation == m.incarnation));
                 let waiting = state.waiting.get(&m.worker_id).is_some_and(|w| {
                     w.incarnation == m.incarnation
                         && !excluded.contains(&m.worker_id)
@@ -632,6 +648,7 @@ impl CoordinatorService {
                     activity: p.map_or_else(String::new, |p| p.activity.clone()),
                     last_commit_step: p.map_or(0, |p| p.last_commit_step),
                     waiting,
+                    control_connected: state.control.get(&m.worker_id).filter(|c| c.incarnation == m.incarnation).map(|c| c.connected),
                 }
             })
             .collect();
@@ -653,56 +670,126 @@ impl CoordinatorService {
         let hub = self.hub(&r.job).await?;
         let settings = self.ctx.settings.for_job(&r.job);
         let (tx, rx) = tokio::sync::mpsc::channel(64);
-        let mut shutdown = self.ctx.shutdown.clone();
+        let shutdown = self.ctx.shutdown.clone();
         let span = tracing::debug_span!("watch", job = %r.job, worker = %r.worker_id, incarnation = r.incarnation);
+        let service = self.clone();
         tokio::spawn(
             async move {
-                let mut events = hub.subscribe_events();
-                let mut sent = Sent::default();
-                let initial = initial_events(&hub.state(), hub::pending(&settings, &hub.state()));
-                for e in initial {
-                    if !sent.admit(&e) {
-                        continue;
-                    }
-                    let end = matches!(e.event, Some(Event::JobEnded(_)));
-                    if tx.send(Ok(e)).await.is_err() || end {
-                        return;
-                    }
-                }
-                loop {
-                    let next = tokio::select! {
-                        e = events.recv() => e,
-                        _ = tx.closed() => return,
-                        _ = crate::ops::stopped(&mut shutdown) => {
-                            let _ = tx.send(Err(Status::unavailable("coordinator replica shutting down; watch another"))).await;
-                            return;
-                        }
-                    };
-                    let batch = match next {
-                        Ok(e) => vec![e],
-                        Err(tokio::sync::broadcast::error::RecvError::Lagged(n)) => {
-                            tracing::debug!(skipped = n, "watch fell behind; resending the current state");
-                            initial_events(&hub.state(), hub::pending(&settings, &hub.state()))
-                        }
-                        Err(tokio::sync::broadcast::error::RecvError::Closed) => {
-                            let _ = tx.send(Err(Status::unavailable("coordinator view of the job stopped; watch again"))).await;
-                            return;
-                        }
-                    };
-                    for e in batch {
-                        if !sent.admit(&e) {
-                            continue;
-                        }
-                        let end = matches!(e.event, Some(Event::JobEnded(_)));
-                        if tx.send(Ok(e)).await.is_err() || end {
-                            return;
-                        }
-                    }
+                let control = service.control_opened(&hub, &r.job, &r.worker_id, r.incarnation).await;
+                let end = stream_events(&hub, &settings, &tx, shutdown).await;
+                if let (WatchEnd::ClientGone, Some(revision)) = (end, control) {
+                    service.control_closed(&r.job, &r.worker_id, r.incarnation, revision).await;
                 }
             }
             .instrument(span),
         );
         Ok(ReceiverStream::new(rx))
+    }
+
+    /// Records that a member's control stream is open (see [`records::ControlRecord`]);
+    /// returns the revision written, or `None` when the caller is not a live member (an
+    /// operator's tool) or the store refused.
+    async fn control_opened(&self, hub: &Hub, job: &str, worker: &str, incarnation: u64) -> Option<i64> {
+        if incarnation == 0 {
+            return None;
+        }
+        if !hub.state().is_live(worker, incarnation) {
+            // The view may lag a join by milliseconds: ask the store.
+            match ops::read_member(self.ctx.store.as_ref(), job, worker).await {
+                Ok(Some((m, _))) if m.incarnation == incarnation => {}
+                _ => return None,
+            }
+        }
+        let record = records::ControlRecord { incarnation, connected: true, since_ms: records::now_ms() };
+        let key = keys::worker_key(job, Kind::Control, worker);
+        match self.ctx.store.put(&key, encode(&record), Some(incarnation as i64)).await {
+            Ok(revision) => Some(revision),
+            Err(e) => {
+                tracing::debug!(error = %e, "could not record the control stream as open");
+                None
+            }
+        }
+    }
+
+    /// Records that a member's control stream closed from its side, unless the replica is
+    /// shutting down (then the member reconnects elsewhere) or a newer stream was recorded
+    /// since `revision` (a compare-and-swap).
+    async fn control_closed(&self, job: &str, worker: &str, incarnation: u64, revision: i64) {
+        if self.shutting_down() {
+            return;
+        }
+        let key = keys::worker_key(job, Kind::Control, worker);
+        let record = records::ControlRecord { incarnation, connected: false, since_ms: records::now_ms() };
+        let txn = Txn {
+            compares: vec![Compare::ModRevision(key.clone(), revision)],
+            success: vec![TxnOp::Put { key, value: encode(&record), lease: Some(incarnation as i64) }],
+            failure: vec![],
+        };
+        match self.ctx.store.txn(txn).await {
+            Ok(r) if r.succeeded => tracing::info!("member's control stream closed; the rendezvous no longer waits for it"),
+            Ok(_) => tracing::debug!("control stream closed; a newer one is recorded"),
+            Err(e) => tracing::debug!(error = %e, "could not record the control stream as closed"),
+        }
+    }
+}
+
+/// Why a watch stream ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum WatchEnd {
+    /// The client went away (closed the stream, or its connection closed).
+    ClientGone,
+    /// The job ended (its last event was sent).
+    JobEnded,
+    /// This replica is shutting down, or its view of the job stopped.
+    Replica,
+}
+
+/// Sends a job's events on a watch stream until the client goes away, the job ends or the
+/// replica stops.
+///
+/// # Cancel safety
+/// Cancel safe: it only sends.
+async fn stream_events(
+    hub: &Hub,
+    settings: &crate::config::JobSettings,
+    tx: &tokio::sync::mpsc::Sender<Result<pb::JobEvent, Status>>,
+    mut shutdown: tokio::sync::watch::Receiver<bool>,
+) -> WatchEnd {
+    let mut events = hub.subscribe_events();
+    let mut sent = Sent::default();
+    let mut batch = initial_events(&hub.state(), hub::pending(settings, &hub.state()));
+    loop {
+        for e in batch {
+            if !sent.admit(&e) {
+                continue;
+            }
+            let end = matches!(e.event, Some(Event::JobEnded(_)));
+            if tx.send(Ok(e)).await.is_err() {
+                return WatchEnd::ClientGone;
+            }
+            if end {
+                return WatchEnd::JobEnded;
+            }
+        }
+        let next = tokio::select! {
+            e = events.recv() => e,
+            _ = tx.closed() => return WatchEnd::ClientGone,
+            _ = crate::ops::stopped(&mut shutdown) => {
+                let _ = tx.send(Err(Status::unavailable("coordinator replica shutting down; watch another"))).await;
+                return WatchEnd::Replica;
+            }
+        };
+        batch = match next {
+            Ok(e) => vec![e],
+            Err(tokio::sync::broadcast::error::RecvError::Lagged(n)) => {
+                tracing::debug!(skipped = n, "watch fell behind; resending the current state");
+                initial_events(&hub.state(), hub::pending(settings, &hub.state()))
+            }
+            Err(tokio::sync::broadcast::error::RecvError::Closed) => {
+                let _ = tx.send(Err(Status::unavailable("coordinator view of the job stopped; watch again"))).await;
+                return WatchEnd::Replica;
+            }
+        };
     }
 }
 

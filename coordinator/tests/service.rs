@@ -134,6 +134,104 @@ async fn failure_report_revokes_and_survivors_reform_at_once(backend: Backend) {
     server.shutdown().await.expect("shutdown");
 }
 
+/// Polls `status` until `worker`'s control stream reads `want` (bounded).
+async fn wait_control(addr: std::net::SocketAddr, job: &str, worker: &str, want: Option<bool>) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let s = status(addr, job).await;
+        let seen = s.members.iter().find(|m| m.worker_id == worker).map(|m| m.control_connected);
+        if seen == Some(want) {
+            return;
+        }
+        assert!(Instant::now() < deadline, "{worker}'s control stream never read {want:?} (last: {seen:?})");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// Two members die together (one host lost): the first report evicts one; the other's
+/// lease is still alive, but its control stream closed with its process, so the survivors
+/// re-form at once instead of waiting out the join window for it.
+async fn two_dead_at_once_reform_without_the_join_window(backend: Backend) {
+    let backing = Backing::new(backend).await;
+    let mut settings = test_settings(backend);
+    settings.join_window = Duration::from_secs(20); // "at once" must not mean "after the window"
+    settings.lease_ttl = Duration::from_secs(30); // nor "after the lease lapsed"
+    settings.max_workers = 4;
+    settings.elastic_timeout = Duration::from_secs(60);
+    let server = replica(backing.store.clone(), &Options::new(settings)).await;
+    let addr = server.local_addr();
+    let mut workers = Vec::new();
+    for i in 0..4 {
+        // Each worker has a connection of its own, as separate processes do.
+        workers.push(Worker::join(addr, "job-node", &format!("w{i}"), HB).await);
+    }
+    let g1 = form_all(&workers, 0).await.remove(0);
+    let rank_of = |id: &str| g1.members.iter().position(|m| m.worker_id == id).expect("placed") as u32;
+    let mut watches = Vec::new();
+    for w in &workers {
+        watches.push(w.watch().await);
+    }
+    for w in &workers {
+        wait_control(addr, "job-node", &w.id, Some(true)).await;
+    }
+    // w2 and w3 die: their connections close (streams and channels dropped).
+    let w3 = workers.pop().expect("w3");
+    let w2 = workers.pop().expect("w2");
+    drop(watches.split_off(2));
+    drop(w3);
+    wait_control(addr, "job-node", "w3", Some(false)).await;
+    let dead_rank = rank_of("w2");
+    let first = workers[0]
+        .report_kind(1, Some(dead_rank), "peer closed the connection", pb::failure_report::FailureKind::PeerClosed)
+        .await
+        .expect("report");
+    assert!(first.accepted);
+    drop(w2);
+    let started = Instant::now();
+    let g2s = futures::future::join_all(workers.iter().map(|w| w.next_generation(1))).await;
+    assert!(started.elapsed() < Duration::from_secs(5), "re-formation took {:?}", started.elapsed());
+    let ids: Vec<String> = g2s[0].members.iter().map(|m| m.worker_id.clone()).collect();
+    let mut expected: Vec<String> = g1.members.iter().map(|m| m.worker_id.clone()).filter(|id| id == "w0" || id == "w1").collect();
+    assert_eq!(ids, std::mem::take(&mut expected), "the survivors, in their old order");
+    // w3 is still a member (its lease lives) but is reported with its stream closed.
+    let s = status(addr, "job-node").await;
+    let w3 = s.members.iter().find(|m| m.worker_id == "w3").expect("w3 still holds its lease");
+    assert_eq!(w3.control_connected, Some(false));
+    assert_eq!(w3.rank, None, "not placed in generation 2");
+    server.shutdown().await.expect("shutdown");
+}
+
+/// A live worker whose control stream broke is expected again once it reopens it; a
+/// replica's own shutdown does not mark its watchers as gone.
+async fn a_reopened_control_stream_counts_as_connected(backend: Backend) {
+    let backing = Backing::new(backend).await;
+    let server = replica(backing.store.clone(), &Options::new(test_settings(backend))).await;
+    let addr = server.local_addr();
+    let w = Worker::join(addr, "job-reopen", "w0", HB).await;
+    wait_control(addr, "job-reopen", "w0", None).await;
+    let first = w.watch().await;
+    wait_control(addr, "job-reopen", "w0", Some(true)).await;
+    drop(first);
+    wait_control(addr, "job-reopen", "w0", Some(false)).await;
+    let _second = w.watch().await;
+    wait_control(addr, "job-reopen", "w0", Some(true)).await;
+    // A watcher that is not a member (an operator's tool) records nothing.
+    let mut c = client(addr).await;
+    let tool = c
+        .watch(pb::WatchRequest { job: "job-reopen".into(), worker_id: "w0".into(), incarnation: w.incarnation + 1000 })
+        .await
+        .expect("watch")
+        .into_inner();
+    drop(tool);
+    // The shutdown ends the stream from the replica's side: w0 stays connected in the store.
+    server.shutdown().await.expect("shutdown");
+    let again = replica(backing.store.clone(), &Options::new(test_settings(backend))).await;
+    let s = status(again.local_addr(), "job-reopen").await;
+    let m = s.members.iter().find(|m| m.worker_id == "w0").expect("w0");
+    assert_eq!(m.control_connected, Some(true), "a replica's shutdown is not its watchers' death");
+    again.shutdown().await.expect("shutdown");
+}
+
 /// A member that stops heartbeating revokes the generation with cause "lease expired".
 async fn lease_lapse_revokes(backend: Backend) {
     let backing = Backing::new(backend).await;
@@ -511,4 +609,6 @@ suite!(
     timeout_report_blames_the_silent_member,
     cascading_timeouts_blame_the_end_of_the_chain,
     a_cycle_of_timeouts_blames_the_link_that_went_silent_first,
+    two_dead_at_once_reform_without_the_join_window,
+    a_reopened_control_stream_counts_as_connected,
 );

@@ -61,6 +61,8 @@ struct Shared {
     /// Root causes of revoked generations heard so far (only the newest few are kept).
     revoked: Mutex<Vec<(u64, RootCause)>>,
     revoked_changed: Notify,
+    /// Woken when this worker joined again (a new incarnation).
+    rejoined: Notify,
     reformation_pending: AtomicBool,
     /// The coordinator no longer knows this incarnation (lease lapsed or evicted).
     evicted: AtomicBool,
@@ -162,6 +164,7 @@ impl ElasticGroup {
             current: Mutex::new(None),
             revoked: Mutex::new(Vec::new()),
             revoked_changed: Notify::new(),
+            rejoined: Notify::new(),
             reformation_pending: AtomicBool::new(false),
             evicted: AtomicBool::new(false),
             ended: Mutex::new(None),
@@ -212,6 +215,7 @@ impl ElasticGroup {
             .await?;
         self.shared.incarnation.store(response.incarnation, Ordering::SeqCst);
         self.shared.evicted.store(false, Ordering::SeqCst);
+        self.shared.rejoined.notify_waiters();
         self.heartbeat_interval = Duration::from_millis(response.heartbeat_interval_ms.clamp(10, 60_000));
         info!(job = %self.config.job, worker = %self.config.worker_id, incarnation = response.incarnation,
               address = %self.advertised, "joined");
@@ -224,6 +228,7 @@ impl ElasticGroup {
             response.incarnation,
             self.heartbeat_interval,
         ));
+        self.tasks.retain(|task| !task.is_finished());
         self.tasks.push(heartbeat);
         Ok(())
     }
@@ -673,7 +678,6 @@ async fn heartbeat_task(
     }
 }
 
-/// Follows the job's event stream (reopening it when it breaks) and applies revocations.
 /// Sends commit reports: whenever a newer one is recorded, sends the newest. An answer that
 /// says joiners are waiting counts only for the generation that is still current.
 ///
@@ -696,25 +700,48 @@ async fn commit_task(client: ControlClient, shared: Arc<Shared>, mut commits: to
     }
 }
 
+/// Follows the job's event stream and applies revocations, reopening the stream when it
+/// breaks and when this worker joins again as a new incarnation. The open stream is also
+/// how the coordinator knows this process is alive: when the process dies, the stream's
+/// connection closes and the rendezvous stops waiting for it (before its lease lapses), so
+/// the stream is always opened for the current incarnation.
+///
+/// # Cancel safety
+/// Cancel safe: events are applied whole; a reopened stream starts with the current state.
 async fn watch_task(client: ControlClient, shared: Arc<Shared>, job: String, worker_id: String) {
     let mut retry = Duration::from_millis(50);
     loop {
-        let request = pb::WatchRequest { job: job.clone(), worker_id: worker_id.clone(), incarnation: shared.incarnation.load(Ordering::SeqCst) };
+        // Register for the wake-up before reading the incarnation, so that a join in
+        // between is not missed.
+        let rejoined = shared.rejoined.notified();
+        tokio::pin!(rejoined);
+        rejoined.as_mut().enable();
+        let incarnation = shared.incarnation.load(Ordering::SeqCst);
+        let request = pb::WatchRequest { job: job.clone(), worker_id: worker_id.clone(), incarnation };
         match client.watch(request).await {
             Ok(mut stream) => {
                 retry = Duration::from_millis(50);
                 loop {
-                    match stream.message().await {
-                        Ok(Some(event)) => apply_event(&shared, event),
-                        Ok(None) => break,
-                        Err(status) => {
-                            debug!(%status, "watch stream broke; reopening");
+                    tokio::select! {
+                        message = stream.message() => match message {
+                            Ok(Some(event)) => apply_event(&shared, event),
+                            Ok(None) => break,
+                            Err(status) => {
+                                debug!(%status, "watch stream broke; reopening");
+                                break;
+                            }
+                        },
+                        _ = rejoined.as_mut() => {
+                            debug!(old = incarnation, "joined again; reopening the watch for the new incarnation");
                             break;
                         }
                     }
                 }
             }
             Err(e) => debug!(error = %e, "watch failed; retrying"),
+        }
+        if shared.incarnation.load(Ordering::SeqCst) != incarnation {
+            continue; // a new incarnation: reopen at once
         }
         if shared.ended.lock().unwrap_or_else(|e| e.into_inner()).is_some() {
             return;
