@@ -2,7 +2,7 @@
 
 use crate::binaries::Binaries;
 use crate::events::WorkerEvent;
-use crate::process::{now_ms, ManagedProcess, OutputLine};
+use crate::process::{now_ms, LineHook, ManagedProcess, OutputLine};
 use crate::netns::NetLab;
 use crate::proxy::Proxy;
 use cohort_coordinator::etcd_process::EtcdProcess;
@@ -372,20 +372,13 @@ impl Cluster {
     pub async fn spawn_worker_proxied(&mut self, name: &str, spec: &WorkerSpec) -> Result<(), ClusterError> {
         let Some(proxy) = self.proxy.clone() else { return self.spawn_worker(name, spec) };
         let (advertised, upstream) = proxy.listen_for_later(name).await.map_err(|e| ClusterError::Setup(e.to_string()))?;
-        // The worker's lines pass through a task that hands its bound address to the proxy.
-        let (tx, mut rx) = mpsc::unbounded_channel::<OutputLine>();
-        let forward = self.lines_tx.clone();
-        tokio::spawn(async move {
-            while let Some(line) = rx.recv().await {
-                if let Some(addr) = bound_address(&line.line) {
-                    upstream.set(addr);
-                }
-                if forward.send(line).is_err() {
-                    break;
-                }
+        // The worker's output reader hands its bound address to the proxy.
+        let hook: LineHook = Box::new(move |line| {
+            if let Some(addr) = bound_address(line) {
+                upstream.set(addr);
             }
         });
-        self.spawn_worker_with(name, spec, "127.0.0.1:0", &advertised.to_string(), tx)?;
+        self.spawn_worker_with(name, spec, "127.0.0.1:0", &advertised.to_string(), Some(hook))?;
         if let Some(pid) = self.worker_pid(name) {
             proxy.register_pid(pid, name);
         }
@@ -409,17 +402,10 @@ impl Cluster {
             Some(lab) => lab.add_host(name).map_err(|e| ClusterError::Setup(e.to_string()))?.to_string(),
             None => "127.0.0.1".into(),
         };
-        self.spawn_worker_with(name, spec, &format!("{host}:0"), &host, self.lines_tx.clone())
+        self.spawn_worker_with(name, spec, &format!("{host}:0"), &host, None)
     }
 
-    fn spawn_worker_with(
-        &mut self,
-        name: &str,
-        spec: &WorkerSpec,
-        listen: &str,
-        advertise: &str,
-        lines: mpsc::UnboundedSender<OutputLine>,
-    ) -> Result<(), ClusterError> {
+    fn spawn_worker_with(&mut self, name: &str, spec: &WorkerSpec, listen: &str, advertise: &str, hook: Option<LineHook>) -> Result<(), ClusterError> {
         let host = self.netlab.as_ref().map(|_| name);
         let mut cmd = self.command(host, &self.bins.worker)?;
         cmd.args(["train", "--coordinator", &self.endpoints(), "--job", &self.config.job])
@@ -432,7 +418,8 @@ impl Cluster {
             cmd.args(["--connect-timeout", &ms(t)]);
         }
         cmd.env("RUST_LOG", std::env::var("COHORT_CHAOS_WORKER_LOG").unwrap_or_else(|_| "info".into()));
-        let process = ManagedProcess::spawn(name, cmd, &self.log_dir, lines).map_err(|e| ClusterError::Setup(e.to_string()))?;
+        let process = ManagedProcess::spawn_with_hook(name, cmd, &self.log_dir, self.lines_tx.clone(), hook)
+            .map_err(|e| ClusterError::Setup(e.to_string()))?;
         self.workers.insert(name.to_string(), process);
         Ok(())
     }

@@ -50,13 +50,24 @@ pub enum ProcessError {
     Log(PathBuf, std::io::Error),
 }
 
+/// Called with every stdout line of a child before it is forwarded.
+pub type LineHook = Box<dyn FnMut(&str) + Send>;
+
 impl ManagedProcess {
     /// Spawns `command`, forwarding stdout lines to `lines`.
-    pub fn spawn(
+    pub fn spawn(name: &str, command: Command, log_dir: &Path, lines: mpsc::UnboundedSender<OutputLine>) -> Result<Self, ProcessError> {
+        Self::spawn_with_hook(name, command, log_dir, lines, None)
+    }
+
+    /// Spawns `command`, forwarding stdout lines to `lines`; `hook` sees each line first, in
+    /// the same task, so that once [`ManagedProcess::drained`] returns every line has been
+    /// both seen and forwarded.
+    pub fn spawn_with_hook(
         name: &str,
         mut command: Command,
         log_dir: &Path,
         lines: mpsc::UnboundedSender<OutputLine>,
+        mut hook: Option<LineHook>,
     ) -> Result<Self, ProcessError> {
         let log = log_dir.join(format!("{name}.log"));
         let stderr_file = std::fs::File::create(&log).map_err(|e| ProcessError::Log(log.clone(), e))?;
@@ -74,6 +85,9 @@ impl ManagedProcess {
                 let mut reader = BufReader::new(stdout).lines();
                 let mut file = tokio::fs::OpenOptions::new().append(true).open(&log).await.ok();
                 while let Ok(Some(line)) = reader.next_line().await {
+                    if let Some(h) = hook.as_mut() {
+                        h(&line);
+                    }
                     if let Some(f) = file.as_mut() {
                         let _ = f.write_all(format!("{line}\n").as_bytes()).await;
                     }
@@ -154,5 +168,42 @@ impl Drop for ManagedProcess {
         // A stopped process must be continued for SIGKILL to reap it promptly.
         self.signal(libc::SIGCONT);
         let _ = self.child.start_kill();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    /// Once the process has exited and `drained` returned, every line it printed has been
+    /// through the hook and is in the channel: nothing is still in flight.
+    #[tokio::test]
+    async fn drained_means_every_line_was_seen_and_forwarded() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let seen = Arc::new(AtomicUsize::new(0));
+        let counter = seen.clone();
+        let hook: LineHook = Box::new(move |line| {
+            if line.starts_with("event=") {
+                counter.fetch_add(1, Ordering::SeqCst);
+            }
+        });
+        let mut command = Command::new("sh");
+        command.args(["-c", "i=0; while [ $i -lt 500 ]; do echo event=line n=$i; i=$((i+1)); done"]);
+        let mut p = ManagedProcess::spawn_with_hook("p", command, dir.path(), tx, Some(hook)).expect("spawn");
+        assert_eq!(p.wait(Duration::from_secs(20)).await, Some(0));
+        p.drained(Duration::from_secs(20)).await;
+        let mut forwarded = 0;
+        while let Ok(line) = rx.try_recv() {
+            assert_eq!(line.name, "p");
+            forwarded += 1;
+        }
+        assert_eq!(forwarded, 500);
+        assert_eq!(seen.load(Ordering::SeqCst), 500);
+        let log = std::fs::read_to_string(p.log()).expect("log");
+        assert_eq!(log.lines().count(), 500, "stdout is copied to the log too");
     }
 }
