@@ -3,12 +3,22 @@
 use std::fmt;
 use std::str::FromStr;
 
-/// Messages below this many bytes are latency bound: [`Algorithm::Auto`] picks recursive
-/// doubling for them (log2(n) rounds of whole-vector exchanges), and ring allreduce
-/// (2(n-1) rounds, each moving 1/n of the data) at and above it. 64 KiB is where, on loopback
-/// TCP with ~20-50 us per round trip and ~2 GB/s per stream, the ring's bandwidth advantage
-/// starts to outweigh its extra rounds for the world sizes this targets (2-16).
-pub const AUTO_RING_MIN_BYTES: usize = 64 * 1024;
+/// On two ranks, messages below this many bytes go to recursive doubling under
+/// [`Algorithm::Auto`], and to the ring at and above it. With two ranks both move the same
+/// bytes over the one link (the ring in two rounds of half the vector, recursive doubling in
+/// one round of all of it), and measured on loopback TCP neither wins consistently above
+/// 64 KiB; the ring halves the reduction work per rank, so it keeps the large sizes.
+pub const AUTO_RING_MIN_BYTES_TWO_RANKS: usize = 64 * 1024;
+
+/// On three or more ranks, messages below this many bytes go to recursive doubling under
+/// [`Algorithm::Auto`] (about log2(n) rounds of whole-vector exchanges), and to the ring at
+/// and above it (2(n-1) rounds, each moving 1/n of the vector). The ring's extra rounds cost
+/// more the more ranks there are: measured on loopback TCP (`docs/benchmarks.md`,
+/// "Choosing the algorithm") recursive doubling takes 0.4-0.75 of the ring's time up to
+/// 128 KiB on 3 and 4 ranks, they tie at 256 KiB, and the ring wins from 512 KiB. The
+/// latency-bandwidth model puts the crossover for 8-16 ranks at 9-12 times the bytes a link
+/// moves in one round trip, the same order (256-384 KiB at 32 KiB per round trip).
+pub const AUTO_RING_MIN_BYTES: usize = 256 * 1024;
 
 /// How an allreduce is scheduled.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
@@ -22,7 +32,7 @@ pub enum Algorithm {
     /// Recursive doubling with the usual fold for non-powers of two: log2(n) exchanges of the
     /// whole vector; best for small messages.
     RecursiveDoubling,
-    /// Chosen per call by message size (see [`AUTO_RING_MIN_BYTES`]).
+    /// Chosen per call by message size and world size (see [`Algorithm::resolve`]).
     #[default]
     Auto,
 }
@@ -31,12 +41,15 @@ impl Algorithm {
     /// Every concrete algorithm (not `Auto`).
     pub const CONCRETE: [Algorithm; 3] = [Algorithm::Ring, Algorithm::Bcube, Algorithm::RecursiveDoubling];
 
-    /// Resolves `Auto` for a message of `bytes` bytes on `world_size` ranks; concrete
-    /// algorithms are returned unchanged. The choice depends only on arguments every rank
-    /// shares, so all ranks resolve alike.
+    /// Resolves `Auto` for a message of `bytes` bytes on `world_size` ranks: recursive
+    /// doubling below [`AUTO_RING_MIN_BYTES_TWO_RANKS`] (two ranks) or
+    /// [`AUTO_RING_MIN_BYTES`] (more), the ring at and above. Concrete algorithms are
+    /// returned unchanged. The choice depends only on arguments every rank shares, so all
+    /// ranks resolve alike.
     pub fn resolve(self, bytes: usize, world_size: u32) -> Algorithm {
+        let ring_from = if world_size <= 2 { AUTO_RING_MIN_BYTES_TWO_RANKS } else { AUTO_RING_MIN_BYTES };
         match self {
-            Algorithm::Auto if world_size > 1 && bytes < AUTO_RING_MIN_BYTES => Algorithm::RecursiveDoubling,
+            Algorithm::Auto if world_size > 1 && bytes < ring_from => Algorithm::RecursiveDoubling,
             Algorithm::Auto => Algorithm::Ring,
             other => other,
         }
@@ -98,6 +111,11 @@ mod tests {
         assert_eq!(Algorithm::Auto.resolve(1 << 20, 8), Algorithm::Ring);
         assert_eq!(Algorithm::Auto.resolve(1 << 20, 2), Algorithm::Ring);
         assert_eq!(Algorithm::Auto.resolve(100, 2), Algorithm::RecursiveDoubling);
+        // The threshold depends on the world: 128 KiB is a ring on 2 ranks, not on 4.
+        assert_eq!(Algorithm::Auto.resolve(128 << 10, 2), Algorithm::Ring);
+        assert_eq!(Algorithm::Auto.resolve(128 << 10, 4), Algorithm::RecursiveDoubling);
+        assert_eq!(Algorithm::Auto.resolve(256 << 10, 3), Algorithm::Ring);
+        assert_eq!(Algorithm::Auto.resolve(1 << 30, 1), Algorithm::Ring, "one rank: nothing to exchange");
         assert_eq!(Algorithm::Bcube.resolve(1, 8), Algorithm::Bcube);
         assert_eq!("rd".parse::<Algorithm>().unwrap(), Algorithm::RecursiveDoubling);
     }
