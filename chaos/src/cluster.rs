@@ -269,10 +269,30 @@ impl Cluster {
         }
     }
 
-    /// Restarts coordinator `index` on its old address.
+    /// Stops coordinator `index` as the kubelet stops a pod: SIGTERM, then SIGKILL if it is
+    /// still running after `grace`. Returns its exit code (`None`: it had to be killed, or
+    /// it was not running).
+    ///
+    /// # Cancel safety
+    /// Cancel safe: a replica left running is killed when the cluster is dropped.
+    pub async fn stop_coordinator(&mut self, index: usize, grace: Duration) -> Option<i32> {
+        let mut p = self.coordinators.get_mut(index)?.process.take()?;
+        p.signal(libc::SIGTERM);
+        p.wait(grace).await
+    }
+
+    /// Restarts coordinator `index` on its old address (SIGKILL, then start).
     pub async fn restart_coordinator(&mut self, index: usize) -> Result<(), ClusterError> {
-        let listen = self.coordinators.get(index).map(|c| c.address.clone()).ok_or_else(|| ClusterError::Setup(format!("no coordinator {index}")))?;
         self.kill_coordinator(index).await;
+        self.start_coordinator_again(index).await
+    }
+
+    /// Starts coordinator `index` again on its old address, after it was stopped or killed.
+    pub async fn start_coordinator_again(&mut self, index: usize) -> Result<(), ClusterError> {
+        let listen = self.coordinators.get(index).map(|c| c.address.clone()).ok_or_else(|| ClusterError::Setup(format!("no coordinator {index}")))?;
+        if self.coordinators[index].process.is_some() {
+            return Err(ClusterError::Setup(format!("coordinator {index} is still running")));
+        }
         let (process, address) = self.spawn_coordinator(index, &listen).await?;
         self.coordinators[index] = Coordinator { process: Some(process), address };
         Ok(())

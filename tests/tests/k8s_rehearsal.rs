@@ -247,7 +247,8 @@ async fn rehearsal() {
     // The coordinator upgrade: every replica replaced, one at a time, the leader first.
     // The leader is killed (SIGKILL, harsher than Kubernetes' preStop + SIGTERM) and stays
     // down until another replica has taken over and the job has gone on without it; then
-    // it comes back on its address and the others are restarted (SIGKILL + start) in turn.
+    // it comes back on its address and the others are replaced in turn as a rolling update
+    // replaces pods: SIGTERM, SIGKILL only after the grace period, then a new process.
     let first_leader = wait_for_leader(&bins, &cluster, None, PHASE).await;
     let leader_index = replica_index(&cluster, &first_leader);
     phase(&format!("killing the leader {first_leader}"), &cluster.events);
@@ -260,9 +261,18 @@ async fn rehearsal() {
     cluster.restart_coordinator(leader_index).await.expect("bring the old leader's replica back");
     for i in (0..cluster.coordinator_count()).filter(|&i| i != leader_index) {
         let restarted_at = now_ms();
-        cluster.restart_coordinator(i).await.expect("restart a coordinator replica");
+        let code = cluster.stop_coordinator(i, GRACE).await;
+        check(code == Some(0), &format!("replica {i} did not stop cleanly on SIGTERM within {GRACE:?} (exit {code:?})"), &cluster.events);
+        cluster.start_coordinator_again(i).await.expect("start the replica again");
         wait_steps(&mut cluster, &all, 6, restarted_at, 5, "the job to go on while a coordinator restarts").await;
-        phase(&format!("replica {i} restarted"), &cluster.events);
+        phase(&format!("replica {i} replaced (SIGTERM, exit 0)"), &cluster.events);
+    }
+    // A replica's graceful shutdown ends its watchers' streams from its side: it must not
+    // mark them as gone (their processes live; they reconnect to another replica).
+    let s = status(&bins, &cluster).await.expect("status");
+    for p in &all {
+        let line = s.lines().find(|l| l.contains(p.as_str())).unwrap_or("");
+        check(!line.contains("CLOSED"), &format!("{p}'s control stream reads CLOSED after a rolling restart:\n{s}"), &cluster.events);
     }
     let leader = wait_for_leader(&bins, &cluster, None, PHASE).await;
     phase(&format!("upgrade done, leader {leader}"), &cluster.events);
