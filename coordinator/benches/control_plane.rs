@@ -10,7 +10,13 @@
 //! ```text
 //! bench=rendezvous store=memory workers=256 runs=5 median_ms=.. min_ms=.. max_ms=..
 //! bench=revocation store=memory watchers=64 runs=30 last_p50_ms=.. last_p99_ms=.. last_max_ms=.. all_p99_ms=..
+//! bench=steady store=memory workers=256 joiners=32 heartbeat_ms=100 seconds=5 heartbeats_per_s=.. coordinator_cpu_pct=..
 //! ```
+//!
+//! `steady` is the exception to "everything in this process": it runs the real
+//! `cohort-coordinator` binary, so that its CPU time (from `/proc`) is the coordinator's
+//! alone, while this process's clients keep a job's members heartbeating and a few joiners
+//! long-polling the rendezvous, as a running job does between re-formations.
 //!
 //! Run it with `cargo bench -p cohort-coordinator --bench control_plane`. Without `--bench`
 //! on its command line (`cargo test --benches`) it runs a one-iteration smoke version on the
@@ -50,10 +56,15 @@ struct Plan {
     rendezvous_runs: usize,
     revocation_runs: usize,
     stores: &'static [Backend],
+    /// Members, waiting joiners and the measured window of the steady-state benchmark.
+    steady: (usize, usize, Duration),
 }
 
-const FULL: Plan = Plan { rendezvous_runs: 5, revocation_runs: 30, stores: &[Backend::Memory, Backend::Etcd] };
-const SMOKE: Plan = Plan { rendezvous_runs: 1, revocation_runs: 2, stores: &[Backend::Memory] };
+const FULL: Plan =
+    Plan { rendezvous_runs: 5, revocation_runs: 30, stores: &[Backend::Memory, Backend::Etcd], steady: (256, 32, Duration::from_secs(5)) };
+const SMOKE: Plan = Plan { rendezvous_runs: 1, revocation_runs: 2, stores: &[Backend::Memory], steady: (8, 2, Duration::from_millis(500)) };
+/// Heartbeat interval of the steady-state benchmark's members.
+const STEADY_HEARTBEAT: Duration = Duration::from_millis(100);
 
 fn store_name(backend: Backend) -> &'static str {
     match backend {
@@ -262,8 +273,122 @@ async fn bench_revocation(backend: Backend, runs: usize) {
     within(START_BOUND, "stopping the replica", server.shutdown()).await.expect("shutdown");
 }
 
+/// The `cohort-coordinator` binary, serving on a free port; killed when dropped.
+struct CoordinatorProcess {
+    child: std::process::Child,
+    addr: SocketAddr,
+}
+
+impl Drop for CoordinatorProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl CoordinatorProcess {
+    /// Starts it (memory store) with `args`; waits (bounded) for its `listening on` line.
+    fn start(args: &[&str]) -> Result<Self, String> {
+        use std::io::BufRead;
+        let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_cohort-coordinator"))
+            .args(["serve", "--listen", "127.0.0.1:0", "--store", "memory"])
+            .args(args)
+            .env("RUST_LOG", "warn")
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .map_err(|e| format!("starting cohort-coordinator: {e}"))?;
+        let stdout = child.stdout.take().ok_or("no stdout")?;
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in std::io::BufReader::new(stdout).lines().map_while(Result::ok) {
+                let _ = tx.send(line);
+            }
+        });
+        let line = rx.recv_timeout(START_BOUND).map_err(|_| "cohort-coordinator printed no address".to_string())?;
+        let addr = line
+            .strip_prefix("cohort-coordinator listening on ")
+            .and_then(|a| a.trim().parse().ok())
+            .ok_or_else(|| format!("unexpected first line {line:?}"))?;
+        Ok(Self { child, addr })
+    }
+
+    /// CPU time the process has used so far (user + system), from `/proc/PID/stat`.
+    fn cpu_time(&self) -> Duration {
+        let stat = std::fs::read_to_string(format!("/proc/{}/stat", self.child.id())).expect("read /proc/PID/stat");
+        // Fields after the command name (which is in parentheses): utime and stime are the
+        // 12th and 13th of them, in clock ticks.
+        let rest = &stat[stat.rfind(')').expect("stat format") + 2..];
+        let fields: Vec<u64> = rest.split_whitespace().map(|f| f.parse().unwrap_or(0)).collect();
+        // SAFETY: sysconf with a valid name has no preconditions.
+        let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
+        Duration::from_micros((fields[11] + fields[12]) * 1_000_000 / ticks)
+    }
+}
+
+/// A job between re-formations: `members` in one generation heartbeating every
+/// [`STEADY_HEARTBEAT`], `joiners` more long-polling the rendezvous (the job is at
+/// `max_workers`, so they wait), for `window`; reports the coordinator's CPU use.
+async fn bench_steady(members: usize, joiners: usize, window: Duration) {
+    let heartbeat = format!("{}ms", STEADY_HEARTBEAT.as_millis());
+    let max = members.to_string();
+    let coordinator = match CoordinatorProcess::start(&[
+        "--min-workers", "1", "--max-workers", &max, "--join-window", "30s", "--heartbeat-interval", &heartbeat, "--lease-ttl", "60s",
+    ]) {
+        Ok(c) => c,
+        Err(e) => {
+            println!("bench=steady store=memory skipped=\"{}\"", e.replace(['"', '\n'], " "));
+            return;
+        }
+    };
+    let addr = coordinator.addr;
+    let (workers, polls) = within(SETUP_BOUND, "forming the job and starting the joiners", async {
+        let mut workers = Vec::with_capacity(members);
+        for i in 0..members {
+            workers.push(Worker::join(addr, "steady", &format!("m{i:03}"), STEADY_HEARTBEAT).await);
+        }
+        let g = form_all(&workers, 0).await.remove(0);
+        assert_eq!(g.members.len(), members);
+        let mut polls = Vec::with_capacity(joiners);
+        for i in 0..joiners {
+            let w = Worker::join(addr, "steady", &format!("j{i:03}"), STEADY_HEARTBEAT).await;
+            polls.push(tokio::spawn(async move {
+                loop {
+                    // Waiting answers come back every few seconds; nothing forms.
+                    if w.rendezvous(0, Duration::from_secs(5)).await.is_err() {
+                        return;
+                    }
+                }
+            }));
+        }
+        (workers, polls)
+    })
+    .await;
+    // Warm-up, not synchronisation: let the joiners' first polls and the heartbeats settle
+    // into their rhythm before the measured window (itself a stretch of wall time).
+    tokio::time::sleep(STEADY_HEARTBEAT * 5).await;
+    let (cpu0, t0) = (coordinator.cpu_time(), Instant::now());
+    tokio::time::sleep(window).await;
+    let (cpu1, elapsed) = (coordinator.cpu_time(), t0.elapsed());
+    let per_s = (members + joiners) as f64 / STEADY_HEARTBEAT.as_secs_f64();
+    println!(
+        "bench=steady store=memory workers={members} joiners={joiners} heartbeat_ms={} seconds={:.1} heartbeats_per_s={per_s:.0} coordinator_cpu_pct={:.1}",
+        STEADY_HEARTBEAT.as_millis(),
+        elapsed.as_secs_f64(),
+        100.0 * (cpu1 - cpu0).as_secs_f64() / elapsed.as_secs_f64()
+    );
+    for p in polls {
+        p.abort();
+    }
+    drop(workers);
+}
+
 fn main() {
     let plan = if std::env::args().any(|a| a == "--bench") { FULL } else { SMOKE };
+    // `cargo bench --bench control_plane -- steady` runs the benchmarks whose name contains
+    // the filter (rendezvous, revocation, steady).
+    let filter = std::env::args().skip(1).find(|a| !a.starts_with('-')).unwrap_or_default();
+    let wanted = |name: &str| name.contains(filter.as_str());
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("tokio runtime");
     runtime.block_on(async {
         eprintln!(
@@ -271,11 +396,15 @@ fn main() {
             tokio::runtime::Handle::current().metrics().num_workers(),
             std::thread::available_parallelism().map_or(0, |n| n.get())
         );
-        for &backend in plan.stores {
+        for &backend in plan.stores.iter().filter(|_| wanted("rendezvous")) {
             bench_rendezvous(backend, plan.rendezvous_runs).await;
         }
-        for &backend in plan.stores {
+        for &backend in plan.stores.iter().filter(|_| wanted("revocation")) {
             bench_revocation(backend, plan.revocation_runs).await;
+        }
+        if wanted("steady") {
+            let (members, joiners, window) = plan.steady;
+            bench_steady(members, joiners, window).await;
         }
     });
 }

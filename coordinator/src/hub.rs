@@ -140,6 +140,8 @@ pub struct Hub {
     /// The job.
     pub job: String,
     state: watch::Receiver<Arc<JobState>>,
+    /// [`pending`] of the state, evaluated once per change rather than per request.
+    pending: watch::Receiver<Option<u32>>,
     events: broadcast::Sender<pb::JobEvent>,
     task: tokio::task::JoinHandle<()>,
 }
@@ -159,6 +161,14 @@ impl Hub {
     /// A receiver of state changes (for long polls).
     pub fn subscribe_state(&self) -> watch::Receiver<Arc<JobState>> {
         self.state.clone()
+    }
+
+    /// `Some(joiners)` when the active generation should re-form at its next commit point
+    /// ([`pending`] of the state, as of the last change this replica has seen). Heartbeat
+    /// and Commit answers read it: evaluating the rendezvous per request would cost every
+    /// heartbeat of a large job a walk over all its members.
+    pub fn pending(&self) -> Option<u32> {
+        *self.pending.borrow()
     }
 
     /// A receiver of the job's events (generation formed/revoked, re-formation pending,
@@ -240,9 +250,10 @@ async fn run_hub(
     mut state: JobState,
     settings: JobSettings,
     tx: watch::Sender<Arc<JobState>>,
+    pending_tx: watch::Sender<Option<u32>>,
     events: broadcast::Sender<pb::JobEvent>,
 ) {
-    let mut was_pending = pending(&settings, &state);
+    let mut was_pending = *pending_tx.borrow();
     let mut headline = Headline::of(&state);
     loop {
         let batch = follower.next().await;
@@ -288,8 +299,14 @@ async fn run_hub(
                 }
             }
             was_pending = now_pending;
+            pending_tx.send_replace(now_pending);
         }
-        tx.send_replace(Arc::new(state.clone()));
+        // Progress (heartbeats, commits: most writes of a running job) is in the view
+        // only for completeness; nothing that reads the view uses it, so publishing it
+        // would copy the job's state and wake every waiting rendezvous per heartbeat.
+        if relevant {
+            tx.send_replace(Arc::new(state.clone()));
+        }
         for e in out {
             let _ = events.send(e);
         }
@@ -346,9 +363,10 @@ impl Hubs {
         let (follower, kvs, revision) = PrefixFollower::start(self.store.clone(), &keys::job_prefix(job)).await?;
         let state = JobState::from_kvs(job, &kvs, revision);
         let (tx, rx) = watch::channel(Arc::new(state.clone()));
+        let (pending_tx, pending_rx) = watch::channel(pending(settings, &state));
         let (events, _) = broadcast::channel(256);
-        let task = tokio::spawn(run_hub(follower, state, *settings, tx, events.clone()));
-        let hub = Arc::new(Hub { job: job.to_string(), state: rx, events, task });
+        let task = tokio::spawn(run_hub(follower, state, *settings, tx, pending_tx, events.clone()));
+        let hub = Arc::new(Hub { job: job.to_string(), state: rx, pending: pending_rx, events, task });
         hubs.insert(job.to_string(), Entry { hub: hub.clone(), last_used: now });
         *self.count.lock().unwrap_or_else(|e| e.into_inner()) = hubs.len();
         Ok(hub)

@@ -32,7 +32,7 @@
 
 use crate::config::JobSettings;
 use crate::records::{GenerationRecord, JobState, Outcome, Placed};
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashSet};
 
 /// What to do now.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -73,7 +73,20 @@ pub fn excluded(state: &JobState, now_ms: u64) -> BTreeSet<String> {
         .collect()
 }
 
-fn is_ready(state: &JobState, current: Option<&GenerationRecord>, excluded: &BTreeSet<String>, worker: &str) -> bool {
+/// The current generation's number and members, for lookups in O(1) (an evaluation looks
+/// up every waiting worker; a linear `rank_of` each would make it quadratic).
+struct Current<'a> {
+    number: u64,
+    members: HashSet<(&'a str, u64)>,
+}
+
+impl<'a> Current<'a> {
+    fn of(g: &'a GenerationRecord) -> Self {
+        Self { number: g.number, members: g.members.iter().map(|m| (m.worker_id.as_str(), m.incarnation)).collect() }
+    }
+}
+
+fn is_ready(state: &JobState, current: Option<&Current<'_>>, excluded: &BTreeSet<String>, worker: &str) -> bool {
     let Some(w) = state.waiting.get(worker) else { return false };
     if !state.is_live(worker, w.incarnation) || state.is_disconnected(worker, w.incarnation) || excluded.contains(worker) {
         return false;
@@ -83,7 +96,7 @@ fn is_ready(state: &JobState, current: Option<&GenerationRecord>, excluded: &BTr
         // A member of the current generation is ready only once it asks for a newer one:
         // its wait from before (which this generation answered) does not count, even after
         // a revocation, until it comes back to rendezvous.
-        Some(g) => g.rank_of(worker, w.incarnation).is_none() || w.after_generation >= g.number,
+        Some(g) => !g.members.contains(&(worker, w.incarnation)) || w.after_generation >= g.number,
     }
 }
 
@@ -158,13 +171,15 @@ pub fn evaluate(settings: &JobSettings, state: &JobState, now_ms: u64) -> Evalua
                 .collect()
         })
         .unwrap_or_default();
-    let ready = |w: &str| is_ready(state, current, &excluded, w);
+    let lookup = current.map(Current::of);
+    let ready = |w: &str| is_ready(state, lookup.as_ref(), &excluded, w);
     let ready_survivors: Vec<&str> =
         expected.iter().filter(|m| ready(&m.worker_id)).map(|m| m.worker_id.as_str()).collect();
+    let survivor_set: HashSet<&str> = ready_survivors.iter().copied().collect();
     let mut joiners: Vec<(&str, u64)> = state
         .waiting
         .iter()
-        .filter(|(w, _)| ready(w) && !ready_survivors.contains(&w.as_str()))
+        .filter(|(w, _)| ready(w) && !survivor_set.contains(w.as_str()))
         .map(|(w, r)| (w.as_str(), r.since_ms))
         .collect();
     joiners.sort_by(|a, b| a.1.cmp(&b.1).then(a.0.cmp(b.0)));

@@ -323,11 +323,10 @@ impl CoordinatorService {
         })
         .await?;
         let state = hub.state();
-        let settings = self.ctx.settings.for_job(&r.job);
         Ok(pb::HeartbeatResponse {
             current_generation: state.current_number(),
             current_revoked: state.current().is_some_and(|g| g.revoked.is_some()),
-            reformation_pending: hub::pending(&settings, &state).is_some(),
+            reformation_pending: hub.pending().is_some(),
         })
     }
 
@@ -598,9 +597,7 @@ impl CoordinatorService {
             p.step = r.step;
         })
         .await?;
-        let state = hub.state();
-        let settings = self.ctx.settings.for_job(&r.job);
-        Ok(pb::CommitResponse { reformation_pending: hub::pending(&settings, &state).is_some() })
+        Ok(pb::CommitResponse { reformation_pending: hub.pending().is_some() })
     }
 
     async fn do_status(&self, r: pb::StatusRequest) -> Result<pb::StatusResponse, Status> {
@@ -668,7 +665,6 @@ impl CoordinatorService {
         validate::id("job", &r.job)?;
         validate::id("worker_id", &r.worker_id)?;
         let hub = self.hub(&r.job).await?;
-        let settings = self.ctx.settings.for_job(&r.job);
         let (tx, rx) = tokio::sync::mpsc::channel(64);
         let shutdown = self.ctx.shutdown.clone();
         let span = tracing::debug_span!("watch", job = %r.job, worker = %r.worker_id, incarnation = r.incarnation);
@@ -676,7 +672,7 @@ impl CoordinatorService {
         tokio::spawn(
             async move {
                 let control = service.control_opened(&hub, &r.job, &r.worker_id, r.incarnation).await;
-                let end = stream_events(&hub, &settings, &tx, shutdown).await;
+                let end = stream_events(&hub, &tx, shutdown).await;
                 if let (WatchEnd::ClientGone, Some(revision)) = (end, control) {
                     service.control_closed(&r.job, &r.worker_id, r.incarnation, revision).await;
                 }
@@ -751,13 +747,12 @@ enum WatchEnd {
 /// Cancel safe: it only sends.
 async fn stream_events(
     hub: &Hub,
-    settings: &crate::config::JobSettings,
     tx: &tokio::sync::mpsc::Sender<Result<pb::JobEvent, Status>>,
     mut shutdown: tokio::sync::watch::Receiver<bool>,
 ) -> WatchEnd {
     let mut events = hub.subscribe_events();
     let mut sent = Sent::default();
-    let mut batch = initial_events(&hub.state(), hub::pending(settings, &hub.state()));
+    let mut batch = initial_events(&hub.state(), hub.pending());
     loop {
         for e in batch {
             if !sent.admit(&e) {
@@ -783,7 +778,7 @@ async fn stream_events(
             Ok(e) => vec![e],
             Err(tokio::sync::broadcast::error::RecvError::Lagged(n)) => {
                 tracing::debug!(skipped = n, "watch fell behind; resending the current state");
-                initial_events(&hub.state(), hub::pending(settings, &hub.state()))
+                initial_events(&hub.state(), hub.pending())
             }
             Err(tokio::sync::broadcast::error::RecvError::Closed) => {
                 let _ = tx.send(Err(Status::unavailable("coordinator view of the job stopped; watch again"))).await;
