@@ -18,10 +18,7 @@ async fn four_workers_form_one_generation(backend: Backend) {
     let backing = Backing::new(backend).await;
     let server = replica(backing.store.clone(), &Options::new(test_settings(backend))).await;
     let addr = server.local_addr();
-    let mut workers = Vec::new();
-    for i in 0..4 {
-        workers.push(Worker::join(addr, "job-a", &format!("w{i}"), HB).await);
-    }
+    let workers = Worker::join_many(addr, "job-a", 4, HB).await;
     let generations = form_all(&workers, 0).await;
     let first = &generations[0];
     assert_eq!(first.number, 1);
@@ -76,10 +73,7 @@ async fn failure_report_revokes_and_survivors_reform_at_once(backend: Backend) {
     settings.elastic_timeout = Duration::from_secs(30);
     let server = replica(backing.store.clone(), &Options::new(settings)).await;
     let addr = server.local_addr();
-    let mut workers = Vec::new();
-    for i in 0..4 {
-        workers.push(Worker::join(addr, "job-b", &format!("w{i}"), HB).await);
-    }
+    let workers = Worker::join_many(addr, "job-b", 4, HB).await;
     let g1 = form_all(&workers, 0).await.remove(0); // max reached: forms at once
     let order: Vec<String> = g1.members.iter().map(|m| m.worker_id.clone()).collect();
     let mut watches = Vec::new();
@@ -160,11 +154,7 @@ async fn two_dead_at_once_reform_without_the_join_window(backend: Backend) {
     settings.elastic_timeout = Duration::from_secs(60);
     let server = replica(backing.store.clone(), &Options::new(settings)).await;
     let addr = server.local_addr();
-    let mut workers = Vec::new();
-    for i in 0..4 {
-        // Each worker has a connection of its own, as separate processes do.
-        workers.push(Worker::join(addr, "job-node", &format!("w{i}"), HB).await);
-    }
+    let mut workers = Worker::join_many(addr, "job-node", 4, HB).await;
     let g1 = form_all(&workers, 0).await.remove(0);
     let rank_of = |id: &str| g1.members.iter().position(|m| m.worker_id == id).expect("placed") as u32;
     let mut watches = Vec::new();
@@ -237,10 +227,7 @@ async fn lease_lapse_revokes(backend: Backend) {
     let backing = Backing::new(backend).await;
     let server = replica(backing.store.clone(), &Options::new(test_settings(backend))).await;
     let addr = server.local_addr();
-    let mut workers = Vec::new();
-    for i in 0..3 {
-        workers.push(Worker::join(addr, "job-c", &format!("w{i}"), HB).await);
-    }
+    let mut workers = Worker::join_many(addr, "job-c", 3, HB).await;
     let g1 = form_all(&workers, 0).await.remove(0);
     let mut watch = workers[0].watch().await;
     let victim_rank = g1.members.iter().position(|m| m.worker_id == "w1").expect("w1 placed") as u32;
@@ -277,10 +264,7 @@ async fn timeout_report_blames_the_silent_member(backend: Backend) {
     settings.elastic_timeout = Duration::from_secs(60);
     let server = replica(backing.store.clone(), &Options::new(settings)).await;
     let addr = server.local_addr();
-    let mut workers = Vec::new();
-    for i in 0..3 {
-        workers.push(Worker::join(addr, "job-t", &format!("w{i}"), Duration::from_millis(50)).await);
-    }
+    let mut workers = Worker::join_many(addr, "job-t", 3, Duration::from_millis(50)).await;
     let g1 = form_all(&workers, 0).await.remove(0);
     let rank = |id: &str| g1.members.iter().position(|m| m.worker_id == id).expect("placed") as u32;
     workers[1].stop_heartbeats(); // w1 hangs (SIGSTOP)
@@ -432,10 +416,7 @@ async fn leave_and_finish(backend: Backend) {
     let backing = Backing::new(backend).await;
     let server = replica(backing.store.clone(), &Options::new(test_settings(backend))).await;
     let addr = server.local_addr();
-    let mut workers = Vec::new();
-    for i in 0..3 {
-        workers.push(Worker::join(addr, "job-g", &format!("w{i}"), HB).await);
-    }
+    let workers = Worker::join_many(addr, "job-g", 3, HB).await;
     let g1 = form_all(&workers, 0).await.remove(0);
     let mut watch = workers[0].watch().await;
     workers[2].leave(false).await.expect("graceful leave");
@@ -513,10 +494,7 @@ impl Trio {
         settings.lease_ttl = Duration::from_secs(20);
         let server = replica(backing.store.clone(), &Options::new(settings)).await;
         let addr = server.local_addr();
-        let mut workers = Vec::new();
-        for i in 0..3 {
-            workers.push(Worker::join(addr, job, &format!("w{i}"), Duration::from_millis(50)).await);
-        }
+        let workers = Worker::join_many(addr, job, 3, Duration::from_millis(50)).await;
         let g1 = form_all(&workers, 0).await.remove(0);
         Self { _backing: backing, server, workers, g1 }
     }

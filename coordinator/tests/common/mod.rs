@@ -140,6 +140,16 @@ impl Worker {
         Worker::join_with(addr, join_request(job, id), interval).await
     }
 
+    /// Joins `n` workers `w0`, `w1`, ... to `job`, one after the other, each on a connection
+    /// of its own (as separate processes are), heartbeating every `interval`.
+    pub async fn join_many(addr: SocketAddr, job: &str, n: usize, interval: Duration) -> Vec<Worker> {
+        let mut workers = Vec::with_capacity(n);
+        for i in 0..n {
+            workers.push(Worker::join(addr, job, &format!("w{i}"), interval).await);
+        }
+        workers
+    }
+
     /// Joins with `request` (its job and worker id) and starts heartbeating every `interval`.
     pub async fn join_with(addr: SocketAddr, request: pb::JoinRequest, interval: Duration) -> Worker {
         let mut client = client(addr).await;
