@@ -671,8 +671,11 @@ impl CoordinatorService {
         let service = self.clone();
         tokio::spawn(
             async move {
-                let control = service.control_opened(&hub, &r.job, &r.worker_id, r.incarnation).await;
-                let end = stream_events(&hub, &tx, shutdown).await;
+                // Recording the stream (a store write) does not hold back its first events.
+                let (control, end) = tokio::join!(
+                    service.control_opened(&hub, &r.job, &r.worker_id, r.incarnation),
+                    stream_events(&hub, &tx, shutdown)
+                );
                 if let (WatchEnd::ClientGone, Some(revision)) = (end, control) {
                     service.control_closed(&r.job, &r.worker_id, r.incarnation, revision).await;
                 }
