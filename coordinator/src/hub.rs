@@ -239,10 +239,32 @@ pub fn pending_event(generation: u64, joiners: u32) -> pb::JobEvent {
     }
 }
 
-/// `Some(joiners)` when the active generation should re-form at its next commit point.
-pub fn pending(settings: &JobSettings, state: &JobState) -> Option<u32> {
-    let e = rendezvous::evaluate(settings, state, records::now_ms());
-    e.reformation_pending.then_some(e.pending_joiners)
+/// A state's pending re-formation: `Some(joiners)` when the active generation should
+/// re-form at its next commit point.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Pending {
+    joiners: Option<u32>,
+    /// When the answer may change with no change to the state (an exclusion ends, ms since
+    /// the epoch): the hub evaluates again then.
+    recheck_at_ms: Option<u64>,
+}
+
+impl Pending {
+    fn of(settings: &JobSettings, state: &JobState) -> Self {
+        let e = rendezvous::evaluate(settings, state, records::now_ms());
+        Self { joiners: e.reformation_pending.then_some(e.pending_joiners), recheck_at_ms: e.next_deadline_ms }
+    }
+}
+
+/// Waits until `at_ms` (ms since the epoch); forever when `None`.
+///
+/// # Cancel safety
+/// Cancel safe: it only sleeps.
+async fn sleep_until_ms(at_ms: Option<u64>) {
+    match at_ms {
+        Some(at) => tokio::time::sleep(Duration::from_millis(at.saturating_sub(records::now_ms()))).await,
+        None => std::future::pending().await,
+    }
 }
 
 async fn run_hub(
@@ -250,19 +272,26 @@ async fn run_hub(
     mut state: JobState,
     settings: JobSettings,
     tx: watch::Sender<Arc<JobState>>,
+    mut pending: Pending,
     pending_tx: watch::Sender<Option<u32>>,
     events: broadcast::Sender<pb::JobEvent>,
 ) {
-    let mut was_pending = *pending_tx.borrow();
     let mut headline = Headline::of(&state);
     loop {
-        let batch = follower.next().await;
+        // A pending re-formation can also begin with no write at all (a waiting worker's
+        // exclusion ends): evaluate again when the last evaluation said it might.
+        let batch = tokio::select! {
+            batch = follower.next() => Some(batch),
+            () = sleep_until_ms(pending.recheck_at_ms) => None,
+        };
         // Events are published after the new state, so that a client reacting to an event
         // reads a state at least as new.
         let mut out = Vec::new();
         let mut relevant = false;
+        let mut recheck = false;
         match batch {
-            Batch::Events(list) => {
+            None => recheck = true,
+            Some(Batch::Events(list)) => {
                 // Apply revision by revision so that no intermediate generation is missed.
                 let mut i = 0;
                 while i < list.len() {
@@ -283,7 +312,7 @@ async fn run_hub(
                     }
                 }
             }
-            Batch::Reset(kvs, revision) => {
+            Some(Batch::Reset(kvs, revision)) => {
                 state = JobState::from_kvs(&state.job, &kvs, revision);
                 let now = Headline::of(&state);
                 out.extend(events_between(&headline, &now));
@@ -291,15 +320,15 @@ async fn run_hub(
                 relevant = true;
             }
         }
-        if relevant {
-            let now_pending = pending(&settings, &state);
-            if let (Some(joiners), Some(g)) = (now_pending, state.current()) {
-                if now_pending != was_pending {
+        if relevant || recheck {
+            let now = Pending::of(&settings, &state);
+            if let (Some(joiners), Some(g)) = (now.joiners, state.current()) {
+                if now.joiners != pending.joiners {
                     out.push(pending_event(g.number, joiners));
                 }
             }
-            was_pending = now_pending;
-            pending_tx.send_replace(now_pending);
+            pending = now;
+            pending_tx.send_replace(now.joiners);
         }
         // Progress (heartbeats, commits: most writes of a running job) is in the view
         // only for completeness; nothing that reads the view uses it, so publishing it
@@ -363,9 +392,10 @@ impl Hubs {
         let (follower, kvs, revision) = PrefixFollower::start(self.store.clone(), &keys::job_prefix(job)).await?;
         let state = JobState::from_kvs(job, &kvs, revision);
         let (tx, rx) = watch::channel(Arc::new(state.clone()));
-        let (pending_tx, pending_rx) = watch::channel(pending(settings, &state));
+        let pending = Pending::of(settings, &state);
+        let (pending_tx, pending_rx) = watch::channel(pending.joiners);
         let (events, _) = broadcast::channel(256);
-        let task = tokio::spawn(run_hub(follower, state, *settings, tx, pending_tx, events.clone()));
+        let task = tokio::spawn(run_hub(follower, state, *settings, tx, pending, pending_tx, events.clone()));
         let hub = Arc::new(Hub { job: job.to_string(), state: rx, pending: pending_rx, events, task });
         hubs.insert(job.to_string(), Entry { hub: hub.clone(), last_used: now });
         *self.count.lock().unwrap_or_else(|e| e.into_inner()) = hubs.len();
@@ -430,5 +460,49 @@ mod tests {
         assert_eq!(kinds(&events_between(&h2, &ended)), ["ended"]);
         // A new watcher of a revoked generation hears both.
         assert_eq!(kinds(&events_between(&empty, &h1r)), ["formed 1", "revoked 1"]);
+    }
+
+    #[tokio::test]
+    async fn a_reformation_becomes_pending_when_a_waiting_workers_exclusion_ends() {
+        // Generation 1 = [a] is active; b is a live member waiting to join but excluded for
+        // another 300 ms. Nothing is written when the exclusion ends: the hub must notice
+        // by itself, or the members are never told to re-form and b waits forever.
+        use crate::exclusion::FailureHistory;
+        use crate::keys::Kind;
+        use crate::records::{encode, MemberRecord, WaitingRecord};
+        let store = Arc::new(crate::store::memory::MemoryStore::new());
+        let (job, now) = ("j", records::now_ms());
+        let mut incarnations = HashMap::new();
+        for w in ["a", "b"] {
+            let lease = store.grant_lease(Duration::from_secs(60)).await.expect("lease");
+            let member = MemberRecord {
+                worker_id: w.into(),
+                incarnation: lease as u64,
+                host: "h".into(),
+                addresses: vec![],
+                capabilities: vec![],
+                joined_at_ms: now,
+            };
+            store.put(&keys::worker_key(job, Kind::Member, w), encode(&member), Some(lease)).await.expect("put");
+            incarnations.insert(w, lease);
+        }
+        let a = Placed { worker_id: "a".into(), incarnation: incarnations["a"] as u64, host: "h".into(), addresses: vec![] };
+        store.put(&keys::generation(job), encode(&next_generation(None, vec![a], now)), None).await.expect("put");
+        let wait = WaitingRecord { incarnation: incarnations["b"] as u64, after_generation: 0, since_ms: now };
+        store.put(&keys::worker_key(job, Kind::Waiting, "b"), encode(&wait), Some(incarnations["b"])).await.expect("put");
+        let history = FailureHistory { failures_ms: vec![], exclusions: 1, excluded_until_ms: Some(now + 300) };
+        store.put(&keys::worker_key(job, Kind::Failures, "b"), encode(&history), None).await.expect("put");
+
+        let settings = JobSettings { min_workers: 1, max_workers: 4, ..Default::default() };
+        let hubs = Hubs::new(store);
+        let hub = hubs.get(job, &settings).await.expect("hub");
+        let mut events = hub.subscribe_events();
+        assert_eq!(hub.pending(), None, "b is excluded");
+        let event = tokio::time::timeout(Duration::from_secs(10), events.recv())
+            .await
+            .expect("a pending re-formation within 10 s of the exclusion's end")
+            .expect("event");
+        assert_eq!(kinds(&[event]), ["pending 1"]);
+        assert_eq!(hub.pending(), Some(1));
     }
 }
