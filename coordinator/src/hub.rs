@@ -298,7 +298,7 @@ async fn run_hub(
                     let rev = event_revision(&list[i]);
                     let mut touched = false;
                     while i < list.len() && event_revision(&list[i]) == rev {
-                        touched |= !is_progress(&list[i]);
+                        touched |= !is_bookkeeping(&list[i]);
                         state.apply(&list[i]);
                         i += 1;
                     }
@@ -342,13 +342,15 @@ async fn run_hub(
     }
 }
 
-/// Progress writes (heartbeats, commits) change nothing that events or decisions use.
-pub fn is_progress(event: &WatchEvent) -> bool {
+/// Bookkeeping writes change nothing that events or decisions use: progress (heartbeats,
+/// commits: most writes of a running job) and timeout reports (read by failure reports
+/// straight from the store).
+pub fn is_bookkeeping(event: &WatchEvent) -> bool {
     let key = match event {
         WatchEvent::Put(kv) => kv.key.as_str(),
         WatchEvent::Delete { key, .. } => key.as_str(),
     };
-    matches!(keys::parse(key), Some(keys::Parsed::Worker { kind: keys::Kind::Progress, .. }))
+    matches!(keys::parse(key), Some(keys::Parsed::Worker { kind: keys::Kind::Progress | keys::Kind::Timeout, .. }))
 }
 
 struct Entry {

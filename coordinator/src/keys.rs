@@ -6,6 +6,7 @@
 //! | `waiting/<worker>` | the member's | the generation it waits after, arrival time |
 //! | `progress/<worker>` | the member's | last heartbeat, step, activity, last commit |
 //! | `control/<worker>` | the member's | whether its control stream (Watch) is open |
+//! | `timeouts/<worker>` | the member's | its latest timeout report (generation, ranks, progress) |
 //! | `generation` | none | the current generation: number, ordered members, revocation |
 //! | `failures/<worker>` | none | failure history for exclusion |
 //! | `ended` | a 10 min lease | outcome and reason (kept so late callers are told) |
@@ -34,6 +35,8 @@ pub enum Kind {
     Failures,
     /// `control/<worker>`
     Control,
+    /// `timeouts/<worker>`
+    Timeout,
 }
 
 impl Kind {
@@ -44,11 +47,12 @@ impl Kind {
             Kind::Progress => "progress/",
             Kind::Failures => "failures/",
             Kind::Control => "control/",
+            Kind::Timeout => "timeouts/",
         }
     }
 
     /// Every per-worker kind.
-    pub const ALL: [Kind; 5] = [Kind::Member, Kind::Waiting, Kind::Progress, Kind::Failures, Kind::Control];
+    pub const ALL: [Kind; 6] = [Kind::Member, Kind::Waiting, Kind::Progress, Kind::Failures, Kind::Control, Kind::Timeout];
 }
 
 /// `/cohort/v1/jobs/<job>/`

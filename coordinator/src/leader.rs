@@ -278,7 +278,7 @@ async fn work(ctx: Arc<Context>) {
                         let state = states.entry(job.to_string()).or_insert_with(|| JobState { job: job.to_string(), ..Default::default() });
                         state.apply(event);
                         // Progress writes (about one per member per second) decide nothing.
-                        if !crate::hub::is_progress(event) {
+                        if !crate::hub::is_bookkeeping(event) {
                             dirty.insert(job.to_string());
                         }
                     }

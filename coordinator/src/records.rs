@@ -126,6 +126,24 @@ pub struct ControlRecord {
     pub since_ms: u64,
 }
 
+/// `timeouts/<worker>`: the member's latest timeout report, kept in the store so that every
+/// replica reads a cascade whole, whichever replica each report reached (see
+/// [`crate::revocation::cascade_root`]). On the member's lease; one per member, replaced by
+/// its next report. Nothing else reads it: it decides no rendezvous.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TimeoutRecord {
+    /// The reporter's incarnation.
+    pub incarnation: u64,
+    /// The generation reported.
+    pub generation: u64,
+    /// The reporter's rank in it.
+    pub reporter: u32,
+    /// The rank it timed out waiting on.
+    pub suspect: u32,
+    /// How far the reporter got in the failed operation, `(op seq, messages received)`.
+    pub progress: Option<(u32, u64)>,
+}
+
 /// One member of a generation.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Placed {
@@ -366,6 +384,8 @@ impl JobState {
                             self.control.remove(&w);
                         }
                     },
+                    // Read only by failure reports, straight from the store.
+                    Kind::Timeout => {}
                 }
             }
             Some(Parsed::Generation { job }) if job == self.job => {
@@ -388,6 +408,7 @@ impl JobState {
                     Kind::Progress => self.progress.remove(worker).map(|_| ()),
                     Kind::Failures => self.failures.remove(worker).map(|_| ()),
                     Kind::Control => self.control.remove(worker).map(|_| ()),
+                    Kind::Timeout => None,
                 };
             }
             Some(Parsed::Generation { job }) if job == self.job => self.generation = None,

@@ -17,7 +17,7 @@
 use crate::hub::{self, Hub};
 use crate::keys::{self, Kind};
 use crate::ops::{self, Context};
-use crate::records::{self, decode, encode, hex, Departure, JobState, MemberRecord, Outcome, ProgressRecord, WaitingRecord};
+use crate::records::{self, decode, encode, hex, Departure, JobState, MemberRecord, Outcome, ProgressRecord, TimeoutRecord, WaitingRecord};
 use crate::revocation::{self, ReportDecision};
 use crate::store::{Compare, StoreError, Txn, TxnOp};
 use crate::validate;
@@ -46,13 +46,7 @@ struct CachedProgress {
 pub struct CoordinatorService {
     ctx: Arc<Context>,
     progress: Arc<Mutex<HashMap<(String, String), CachedProgress>>>,
-    /// Timeout reports this replica received per (job, generation), in arrival order: the
-    /// input of [`revocation::cascade_root`].
-    timeouts: Arc<Mutex<TimeoutReports>>,
 }
-
-/// Timeout reports per (job, generation).
-type TimeoutReports = HashMap<(String, u64), Vec<revocation::TimeoutReport>>;
 
 fn store_status(e: StoreError) -> Status {
     match e {
@@ -70,7 +64,7 @@ fn not_member(job: &str, worker: &str, incarnation: u64) -> Status {
 impl CoordinatorService {
     /// A service over a replica's shared context.
     pub fn new(ctx: Arc<Context>) -> Self {
-        Self { ctx, progress: Arc::new(Mutex::new(HashMap::new())), timeouts: Arc::new(Mutex::new(HashMap::new())) }
+        Self { ctx, progress: Arc::new(Mutex::new(HashMap::new())) }
     }
 
     async fn hub(&self, job: &str) -> Result<Arc<Hub>, Status> {
@@ -428,11 +422,12 @@ impl CoordinatorService {
                 .filter(|(g, _)| g.number == r.generation && g.revoked.is_none())
                 .and_then(|(g, _)| g.rank_of(&r.worker_id, r.incarnation));
             if let Some(reporter) = reporter {
-                let progress = r.progress.map(|p| (p.seq, p.received));
-                self.record_timeout(job, r.generation, revocation::TimeoutReport { reporter, suspect, progress });
+                let own = revocation::TimeoutReport { reporter, suspect, progress: r.progress.map(|p| (p.seq, p.received)) };
+                self.record_timeout(job, &r.worker_id, r.incarnation, r.generation, own).await;
+                // The hold: the cascade's other reports arrive meanwhile, at any replica.
                 tokio::time::sleep(revocation::TIMEOUT_HOLD).await;
                 current = ops::read_generation(self.ctx.store.as_ref(), job).await.map_err(store_status)?;
-                let chain = self.timeouts_of(job, r.generation);
+                let chain = self.timeouts_of(job, r.generation, own).await;
                 if let Some(root) = revocation::cascade_root(&chain).filter(|root| root.rank() != suspect) {
                     let reporters: Vec<u32> = chain.iter().map(|t| t.reporter).collect();
                     tracing::info!(named = suspect, blamed = root.rank(), ?chain, "timeout report re-attributed within a cascade");
@@ -491,20 +486,68 @@ impl CoordinatorService {
         }
     }
 
-    /// Records a timeout report of `generation` (dropping older generations' records).
-    fn record_timeout(&self, job: &str, generation: u64, report: revocation::TimeoutReport) {
-        let mut timeouts = self.timeouts.lock().unwrap_or_else(|e| e.into_inner());
-        timeouts.retain(|(j, g), _| j != job || *g >= generation);
-        let reports = timeouts.entry((job.to_string(), generation)).or_default();
-        if reports.len() < 4096 && !reports.iter().any(|t| t.reporter == report.reporter && t.suspect == report.suspect) {
-            reports.push(report);
+    /// Records a timeout report of `generation` in the store (`timeouts/<worker>`, on the
+    /// reporter's lease), where every replica's [`Self::timeouts_of`] finds it. A repeated
+    /// report of the same generation (a retry after a failover) keeps the first one's place
+    /// in the arrival order. A store error is logged: the report is then judged on what the
+    /// store does hold.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: one read and at most one write of the reporter's own key.
+    async fn record_timeout(&self, job: &str, worker: &str, incarnation: u64, generation: u64, report: revocation::TimeoutReport) {
+        let key = keys::worker_key(job, Kind::Timeout, worker);
+        let record = TimeoutRecord {
+            incarnation,
+            generation,
+            reporter: report.reporter,
+            suspect: report.suspect,
+            progress: report.progress,
+        };
+        let store = self.ctx.store.as_ref();
+        let result = async {
+            let existing = store.get(&key).await?.and_then(|kv| decode::<TimeoutRecord>(&key, &kv.value));
+            if existing.is_some_and(|e| e.incarnation == incarnation && e.generation == generation) {
+                return Ok(());
+            }
+            store.put(&key, encode(&record), Some(incarnation as i64)).await.map(|_| ())
+        }
+        .await;
+        if let Err(e) = result {
+            tracing::warn!(error = %e, "could not record a timeout report for the cascade; judging it without");
         }
     }
 
-    /// The timeout reports of `generation` this replica has received, in arrival order.
-    fn timeouts_of(&self, job: &str, generation: u64) -> Vec<revocation::TimeoutReport> {
-        let timeouts = self.timeouts.lock().unwrap_or_else(|e| e.into_inner());
-        timeouts.get(&(job.to_string(), generation)).cloned().unwrap_or_default()
+    /// The timeout reports of `generation` every replica has recorded, in arrival order
+    /// (store revision), from members of that generation. `own` (this call's report) is
+    /// always among them, also when the store could not be read.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: reads only.
+    async fn timeouts_of(&self, job: &str, generation: u64, own: revocation::TimeoutReport) -> Vec<revocation::TimeoutReport> {
+        let prefix = keys::kind_prefix(job, Kind::Timeout);
+        let mut records: Vec<(i64, TimeoutRecord)> = match self.ctx.store.get_prefix(&prefix).await {
+            Ok((kvs, _)) => kvs
+                .iter()
+                .filter_map(|kv| decode::<TimeoutRecord>(&kv.key, &kv.value).map(|t| (kv.mod_revision, t)))
+                .filter(|(_, t)| t.generation == generation)
+                .collect(),
+            Err(e) => {
+                tracing::warn!(error = %e, "could not read the cascade's timeout reports; judging this one alone");
+                Vec::new()
+            }
+        };
+        records.sort_by_key(|(revision, _)| *revision);
+        let mut chain: Vec<revocation::TimeoutReport> = Vec::with_capacity(records.len() + 1);
+        for (_, t) in records {
+            let report = revocation::TimeoutReport { reporter: t.reporter, suspect: t.suspect, progress: t.progress };
+            if !chain.iter().any(|c| c.reporter == report.reporter) {
+                chain.push(report);
+            }
+        }
+        if !chain.iter().any(|c| c.reporter == own.reporter) {
+            chain.push(own);
+        }
+        chain
     }
 
     async fn do_leave(&self, r: pb::LeaveRequest) -> Result<pb::LeaveResponse, Status> {

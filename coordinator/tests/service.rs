@@ -482,6 +482,7 @@ async fn restart_revokes(backend: Backend) {
 struct Trio {
     _backing: Backing,
     server: ServerHandle,
+    options: Options,
     workers: Vec<Worker>,
     g1: pb::Generation,
 }
@@ -492,19 +493,51 @@ impl Trio {
         let mut settings = test_settings(backend);
         settings.max_workers = 3;
         settings.lease_ttl = Duration::from_secs(20);
-        let server = replica(backing.store.clone(), &Options::new(settings)).await;
+        let options = Options::new(settings);
+        let server = replica(backing.store.clone(), &options).await;
         let addr = server.local_addr();
         let workers = Worker::join_many(addr, job, 3, Duration::from_millis(50)).await;
         let g1 = form_all(&workers, 0).await.remove(0);
-        Self { _backing: backing, server, workers, g1 }
+        Self { _backing: backing, server, options, workers, g1 }
     }
+
+    /// The workers in rank order of generation 1.
+    fn by_rank(&self) -> Vec<&Worker> {
+        self.g1.members.iter().map(|m| self.workers.iter().find(|w| w.id == m.worker_id).expect("member is a worker")).collect()
+    }
+}
+
+/// Rank `rank` of a three-rank ring reports a timeout waiting on rank `rank - 1`, having
+/// received `received` messages of operation 5.
+async fn ring_timeout(worker: &Worker, rank: usize, received: u64) -> pb::FailureReportResponse {
+    let suspect = ((rank + 2) % 3) as u32;
+    let reason = format!("rank {rank} timed out");
+    let progress = Some(pb::OpProgress { seq: 5, received });
+    worker
+        .report_with(1, Some(suspect), &reason, pb::failure_report::FailureKind::Timeout, progress)
+        .await
+        .unwrap_or_else(|s| panic!("rank {rank}'s report: {s}"))
+}
+
+/// Every answer names rank 0, either from rank 1's own report or re-attributed to it; only
+/// rank 0 is evicted.
+async fn assert_link_from_rank_0_blamed(by_rank: &[&Worker], responses: [pb::FailureReportResponse; 3]) {
+    for response in responses {
+        let cause = response.cause.expect("cause");
+        assert_eq!(cause.rank, Some(0), "{}", cause.reason);
+        assert!(cause.reason.contains("got least far") || cause.reason == "rank 1 timed out", "{}", cause.reason);
+    }
+    let err = by_rank[0].rendezvous(1, Duration::from_millis(10)).await.expect_err("rank 0 evicted");
+    assert_eq!(err.code(), tonic::Code::NotFound);
+    by_rank[1].rendezvous(1, Duration::from_millis(10)).await.expect("rank 1 is still a member");
+    by_rank[2].rendezvous(1, Duration::from_millis(10)).await.expect("rank 2 is still a member");
 }
 
 /// A blackholed link: everyone is alive and heartbeating, the timeouts cascade. w0 times out
 /// waiting on w1, which itself times out waiting on w2 a moment later: the root cause is the
 /// end of the chain (w2), whichever report arrives first, and only w2 is evicted.
 async fn cascading_timeouts_blame_the_end_of_the_chain(backend: Backend) {
-    let Trio { _backing, server, workers, g1 } = Trio::form(backend, "job-c").await;
+    let Trio { _backing, server, workers, g1, .. } = Trio::form(backend, "job-c").await;
     let rank = |id: &str| g1.members.iter().position(|m| m.worker_id == id).expect("placed") as u32;
     let timeout = pb::failure_report::FailureKind::Timeout;
     let first = workers[0].report_kind(1, Some(rank("w1")), "timed out after 1.5s waiting on w1", timeout);
@@ -526,31 +559,31 @@ async fn cascading_timeouts_blame_the_end_of_the_chain(backend: Backend) {
 /// behind the silent link got least far in the operation; the rank it waits on is blamed,
 /// whichever report arrives first.
 async fn a_cycle_of_timeouts_blames_the_link_that_went_silent_first(backend: Backend) {
-    let Trio { _backing, server, workers, g1 } = Trio::form(backend, "job-y").await;
-    let by_rank: Vec<&Worker> =
-        g1.members.iter().map(|m| workers.iter().find(|w| w.id == m.worker_id).expect("member is a worker")).collect();
+    let trio = Trio::form(backend, "job-y").await;
+    let by_rank = trio.by_rank();
     // Ring: rank r receives from rank r-1. The link 0 -> 1 is silent: rank 1 received 2
-    // messages of op 5, rank 2 one more, rank 0 one more again.
-    let timeout = pb::failure_report::FailureKind::Timeout;
-    let report = |rank: usize, received: u64| {
-        let suspect = ((rank + 2) % 3) as u32;
-        let reason = ["rank 0 timed out", "rank 1 timed out", "rank 2 timed out"][rank];
-        by_rank[rank].report_with(1, Some(suspect), reason, timeout, Some(pb::OpProgress { seq: 5, received }))
-    };
-    // Two of the three reports name a healthy rank; whichever the coordinator settles first,
-    // every rank gets the same answer: rank 0, either from rank 1's own report or
-    // re-attributed to it.
-    let (a, b, c) = tokio::join!(report(0, 4), report(2, 3), report(1, 2));
-    for response in [a.expect("rank 0's report"), b.expect("rank 2's report"), c.expect("rank 1's report")] {
-        let cause = response.cause.expect("cause");
-        assert_eq!(cause.rank, Some(0), "{}", cause.reason);
-        assert!(cause.reason.contains("got least far") || cause.reason == "rank 1 timed out", "{}", cause.reason);
-    }
-    let err = by_rank[0].rendezvous(1, Duration::from_millis(10)).await.expect_err("rank 0 evicted");
-    assert_eq!(err.code(), tonic::Code::NotFound);
-    by_rank[1].rendezvous(1, Duration::from_millis(10)).await.expect("rank 1 is still a member");
-    by_rank[2].rendezvous(1, Duration::from_millis(10)).await.expect("rank 2 is still a member");
-    server.shutdown().await.expect("shutdown");
+    // messages of op 5, rank 2 one more, rank 0 one more again. Two of the three reports name
+    // a healthy rank; whichever the coordinator settles first, every rank gets the same answer.
+    let (a, b, c) = tokio::join!(ring_timeout(by_rank[0], 0, 4), ring_timeout(by_rank[2], 2, 3), ring_timeout(by_rank[1], 1, 2));
+    assert_link_from_rank_0_blamed(&by_rank, [a, b, c]).await;
+    trio.server.shutdown().await.expect("shutdown");
+}
+
+/// The same cycle with its reports split between two replicas of one store, as behind one
+/// Kubernetes Service: ranks 0 and 2 report to one replica, rank 1 to the other. Each replica
+/// judges the whole cascade from the store, so the replica holding ranks 0 and 2 does not
+/// read rank 1 as the chain's end and evict it.
+async fn a_cascade_split_across_replicas_is_judged_whole(backend: Backend) {
+    let mut trio = Trio::form(backend, "job-s").await;
+    let other = replica(trio._backing.store.clone(), &trio.options).await;
+    let rank1 = trio.g1.members[1].worker_id.clone();
+    let w = trio.workers.iter_mut().find(|w| w.id == rank1).expect("rank 1 is a worker");
+    w.client = client(other.local_addr()).await;
+    let by_rank = trio.by_rank();
+    let (a, b, c) = tokio::join!(ring_timeout(by_rank[0], 0, 4), ring_timeout(by_rank[2], 2, 3), ring_timeout(by_rank[1], 1, 2));
+    assert_link_from_rank_0_blamed(&by_rank, [a, b, c]).await;
+    other.shutdown().await.expect("shutdown");
+    trio.server.shutdown().await.expect("shutdown");
 }
 
 macro_rules! suite {
@@ -587,6 +620,7 @@ suite!(
     timeout_report_blames_the_silent_member,
     cascading_timeouts_blame_the_end_of_the_chain,
     a_cycle_of_timeouts_blames_the_link_that_went_silent_first,
+    a_cascade_split_across_replicas_is_judged_whole,
     two_dead_at_once_reform_without_the_join_window,
     a_reopened_control_stream_counts_as_connected,
 );
