@@ -55,7 +55,9 @@ struct Inner {
     config: ControlConfig,
     channels: Vec<Channel>,
     auth: Option<MetadataValue<tonic::metadata::Ascii>>,
-    /// Index of the endpoint that answered last; requests start there.
+    /// Index of the endpoint that answered last; requests start there. It starts at a
+    /// random endpoint, so that a job's workers spread over the replicas (as they do behind
+    /// one Kubernetes Service) instead of all loading the first one.
     preferred: AtomicUsize,
 }
 
@@ -123,7 +125,8 @@ impl ControlClient {
             ),
             None => None,
         };
-        Ok(Self { inner: Arc::new(Inner { config, channels, auth, preferred: AtomicUsize::new(0) }) })
+        let preferred = AtomicUsize::new(rand::random::<u32>() as usize % channels.len());
+        Ok(Self { inner: Arc::new(Inner { config, channels, auth, preferred }) })
     }
 
     /// The configuration this client was built with.
