@@ -145,19 +145,16 @@ fn main() -> ExitCode {
     match cli.command {
         Cmd::Demo { workers, steps, size, log_dir } => {
             let config = cohort_chaos::demo::DemoConfig { workers: workers.max(2), steps, size, log_dir, ..Default::default() };
-            match runtime.block_on(cohort_chaos::demo::run(config)) {
-                Ok(checks) => {
-                    if cohort_chaos::demo::print_verdict(&checks) {
-                        ExitCode::SUCCESS
-                    } else {
+            runtime.block_on(interruptible(async {
+                match cohort_chaos::demo::run(config).await {
+                    Ok(checks) if cohort_chaos::demo::print_verdict(&checks) => ExitCode::SUCCESS,
+                    Ok(_) => ExitCode::FAILURE,
+                    Err(e) => {
+                        eprintln!("cohort-chaos demo: {e}");
                         ExitCode::FAILURE
                     }
                 }
-                Err(e) => {
-                    eprintln!("cohort-chaos demo: {e}");
-                    ExitCode::FAILURE
-                }
-            }
+            }))
         }
         Cmd::Run { scenario, seed, common } => {
             let sc = match suite::resolve(&scenario, &common.dir()) {
