@@ -70,7 +70,10 @@ impl ManagedProcess {
         mut hook: Option<LineHook>,
     ) -> Result<Self, ProcessError> {
         let log = log_dir.join(format!("{name}.log"));
-        let stderr_file = std::fs::File::create(&log).map_err(|e| ProcessError::Log(log.clone(), e))?;
+        // Created empty, then opened in append mode: the child's stderr and the harness's
+        // copy of its stdout both write at the end, neither over the other.
+        std::fs::File::create(&log).map_err(|e| ProcessError::Log(log.clone(), e))?;
+        let stderr_file = std::fs::OpenOptions::new().append(true).open(&log).map_err(|e| ProcessError::Log(log.clone(), e))?;
         let program = format!("{:?}", command.as_std().get_program());
         command.stdout(Stdio::piped()).stderr(Stdio::from(stderr_file)).stdin(Stdio::null()).kill_on_drop(true);
         let mut child = command
@@ -94,6 +97,11 @@ impl ManagedProcess {
                     if lines.send(OutputLine { name: name.clone(), line, read_ms: now_ms() }).is_err() {
                         break;
                     }
+                }
+                // A tokio file finishes writes in the background: flush, so that the log is
+                // complete once this task (what `drained` waits for) has ended.
+                if let Some(f) = file.as_mut() {
+                    let _ = f.flush().await;
                 }
             }));
         }
@@ -206,4 +214,26 @@ mod tests {
         let log = std::fs::read_to_string(p.log()).expect("log");
         assert_eq!(log.lines().count(), 500, "stdout is copied to the log too");
     }
+
+    /// The child's stderr and the copy of its stdout share the log: neither overwrites the
+    /// other, however they interleave.
+    #[tokio::test]
+    async fn stderr_and_the_stdout_copy_both_survive_in_the_log() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let (tx, _rx) = mpsc::unbounded_channel();
+        let mut command = Command::new("sh");
+        command.args(["-c", "i=0; while [ $i -lt 300 ]; do echo out $i; echo err $i >&2; i=$((i+1)); done"]);
+        let mut p = ManagedProcess::spawn("p", command, dir.path(), tx).expect("spawn");
+        assert_eq!(p.wait(Duration::from_secs(20)).await, Some(0));
+        p.drained(Duration::from_secs(20)).await;
+        let log = std::fs::read_to_string(p.log()).expect("log");
+        for stream in ["out", "err"] {
+            let lines: Vec<&str> = log.lines().filter(|l| l.starts_with(stream)).collect();
+            assert_eq!(lines.len(), 300, "{stream} lines in the log:\n{log}");
+            for (i, line) in lines.iter().enumerate() {
+                assert_eq!(*line, format!("{stream} {i}"), "{stream} lines in order and whole");
+            }
+        }
+    }
+
 }
