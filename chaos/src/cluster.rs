@@ -77,6 +77,10 @@ pub struct ClusterConfig {
     pub settings: JobSettings,
     /// Where logs go (a fresh temp dir if `None`).
     pub log_dir: Option<PathBuf>,
+    /// Every coordinator and worker serves Prometheus metrics on a free port of its host
+    /// (`--metrics HOST:0`), as the Kubernetes manifests run them; see
+    /// [`Cluster::coordinator_metrics`] and [`Cluster::worker_metrics`].
+    pub metrics: bool,
 }
 
 /// Where the cluster's processes live on the network.
@@ -94,6 +98,15 @@ pub enum Network {
 struct Coordinator {
     process: Option<ManagedProcess>,
     address: String,
+    /// Its metrics endpoint (a new port at every start), when the cluster serves metrics.
+    metrics: Option<String>,
+}
+
+/// A coordinator process that is serving.
+struct Started {
+    process: ManagedProcess,
+    address: String,
+    metrics: Option<String>,
 }
 
 /// A running local cluster. Dropping it kills every process it started.
@@ -195,8 +208,8 @@ impl Cluster {
             None => "127.0.0.1:0".into(),
         };
         for i in 0..n {
-            let (process, address) = cluster.spawn_coordinator(i, &listen).await?;
-            cluster.coordinators.push(Coordinator { process: Some(process), address });
+            let s = cluster.spawn_coordinator(i, &listen).await?;
+            cluster.coordinators.push(Coordinator { process: Some(s.process), address: s.address, metrics: s.metrics });
         }
         Ok(cluster)
     }
@@ -213,7 +226,12 @@ impl Cluster {
         }
     }
 
-    async fn spawn_coordinator(&mut self, index: usize, listen: &str) -> Result<(ManagedProcess, String), ClusterError> {
+    /// The host part of a `HOST:PORT` listen address.
+    fn host_of(listen: &str) -> &str {
+        listen.rsplit_once(':').map_or(listen, |(host, _)| host)
+    }
+
+    async fn spawn_coordinator(&mut self, index: usize, listen: &str) -> Result<Started, ClusterError> {
         let mut cmd = self.command(None, &self.bins.coordinator)?;
         let s = &self.config.settings;
         cmd.args(["serve", "--listen", listen, "--store", &self.store_arg(), "--name", &format!("coord{index}")])
@@ -223,16 +241,35 @@ impl Cluster {
             .arg("--token-file")
             .arg(&self.token_file)
             .env("RUST_LOG", std::env::var("COHORT_CHAOS_COORDINATOR_LOG").unwrap_or_else(|_| "info".into()));
+        if self.config.metrics {
+            cmd.args(["--metrics", &format!("{}:0", Self::host_of(listen))]);
+        }
         let name = format!("coord{index}");
-        let process = ManagedProcess::spawn(&name, cmd, &self.log_dir, self.lines_tx.clone())
+        let mut process = ManagedProcess::spawn(&name, cmd, &self.log_dir, self.lines_tx.clone())
             .map_err(|e| ClusterError::Setup(e.to_string()))?;
-        // The coordinator prints `cohort-coordinator listening on ADDR` once serving.
+        // The coordinator prints `cohort-coordinator listening on ADDR` once serving, after
+        // `cohort-coordinator metrics on ADDR` when it serves metrics. One that exits first
+        // (a bad flag, a port in use) fails the start at once, with its log's last lines.
         let deadline = Duration::from_secs(20);
+        let mut metrics = None;
+        let mut exited = None;
         let found = tokio::time::timeout(deadline, async {
+            let mut poll_exit = tokio::time::interval(Duration::from_millis(100));
             loop {
-                let line = self.lines_rx.recv().await?;
+                let line = tokio::select! {
+                    line = self.lines_rx.recv() => line?,
+                    _ = poll_exit.tick() => {
+                        if let Some(code) = process.try_exit() {
+                            exited = Some(code);
+                            return None;
+                        }
+                        continue;
+                    }
+                };
                 if line.name == name {
-                    if let Some(addr) = line.line.strip_prefix("cohort-coordinator listening on ") {
+                    if let Some(addr) = line.line.strip_prefix("cohort-coordinator metrics on ") {
+                        metrics = Some(addr.trim().to_string());
+                    } else if let Some(addr) = line.line.strip_prefix("cohort-coordinator listening on ") {
                         return Some(addr.trim().to_string());
                     }
                 } else if let Some(e) = WorkerEvent::parse(&line.name, &line.line, line.read_ms) {
@@ -243,15 +280,37 @@ impl Cluster {
         .await
         .ok()
         .flatten();
-        match found {
-            Some(address) => Ok((process, address)),
-            None => Err(ClusterError::Timeout { what: format!("{name} to listen (see {})", process.log().display()), after: deadline }),
+        match (found, exited) {
+            (Some(address), _) => Ok(Started { process, address, metrics }),
+            (None, Some(code)) => {
+                let log = std::fs::read_to_string(process.log()).unwrap_or_default();
+                let tail: Vec<&str> = log.lines().rev().take(8).collect::<Vec<_>>().into_iter().rev().collect();
+                Err(ClusterError::Setup(format!(
+                    "{name} exited ({}) before it listened; {}:\n{}",
+                    code.map_or_else(|| "killed by a signal".to_string(), |c| format!("exit code {c}")),
+                    process.log().display(),
+                    tail.join("\n")
+                )))
+            }
+            (None, None) => Err(ClusterError::Timeout { what: format!("{name} to listen (see {})", process.log().display()), after: deadline }),
         }
     }
 
     /// Every coordinator endpoint, comma separated (as workers take them).
     pub fn endpoints(&self) -> String {
         self.coordinators.iter().map(|c| format!("http://{}", c.address)).collect::<Vec<_>>().join(",")
+    }
+
+    /// The metrics endpoint (`HOST:PORT`) of coordinator `index` as last started, when the
+    /// cluster serves metrics.
+    pub fn coordinator_metrics(&self, index: usize) -> Option<&str> {
+        self.coordinators.get(index)?.metrics.as_deref()
+    }
+
+    /// The metrics endpoint (`HOST:PORT`) of worker `name`, from its `event=metrics` line,
+    /// when the cluster serves metrics and the worker has started serving them.
+    pub fn worker_metrics(&self, name: &str) -> Option<&str> {
+        self.events.iter().rev().find(|e| e.worker == name && e.kind == "metrics").and_then(|e| e.text("address"))
     }
 
     /// Number of coordinator replicas (running or not).
@@ -293,8 +352,8 @@ impl Cluster {
         if self.coordinators[index].process.is_some() {
             return Err(ClusterError::Setup(format!("coordinator {index} is still running")));
         }
-        let (process, address) = self.spawn_coordinator(index, &listen).await?;
-        self.coordinators[index] = Coordinator { process: Some(process), address };
+        let s = self.spawn_coordinator(index, &listen).await?;
+        self.coordinators[index] = Coordinator { process: Some(s.process), address: s.address, metrics: s.metrics };
         Ok(())
     }
 
@@ -436,6 +495,9 @@ impl Cluster {
             .arg(&self.token_file);
         if let Some(t) = self.connect_timeout {
             cmd.args(["--connect-timeout", &ms(t)]);
+        }
+        if self.config.metrics {
+            cmd.args(["--metrics", &format!("{}:0", Self::host_of(listen))]);
         }
         cmd.env("RUST_LOG", std::env::var("COHORT_CHAOS_WORKER_LOG").unwrap_or_else(|_| "info".into()));
         let process = ManagedProcess::spawn_with_hook(name, cmd, &self.log_dir, self.lines_tx.clone(), hook)

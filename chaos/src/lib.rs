@@ -3,6 +3,7 @@
 //! - [`cluster`]: launches etcd (optional), coordinator replicas and `cohort-worker train`
 //!   processes, each with its own log, and kills them all on exit.
 //! - [`events`]: parses the workers' `key=value` event lines.
+//! - [`metrics`]: scrapes the processes' Prometheus endpoints (`GET /metrics`), strictly.
 //! - [`invariants`]: what must hold on every run (no wrong result, generations increase,
 //!   committed steps never lost, ...).
 //! - [`demo`]: the README's main command.
@@ -17,6 +18,7 @@ pub mod cluster;
 pub mod demo;
 pub mod events;
 pub mod invariants;
+pub mod metrics;
 pub mod netns;
 pub mod process;
 pub mod proxy;

@@ -179,6 +179,7 @@ async fn run_inner(sc: &Scenario, seed: u64, log_dir: &std::path::Path, verbose:
             elastic_timeout: sc.elastic_timeout.0,
         },
         log_dir: Some(log_dir.to_path_buf()),
+        metrics: false,
     };
     let network = if sc.network == NetworkChoice::Netns { Network::Namespaces } else { Network::Loopback };
     let cluster = match Cluster::start_on(config, network).await {

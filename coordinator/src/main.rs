@@ -201,6 +201,8 @@ async fn serve(args: ServeArgs) -> Result<(), CliError> {
     let handle = cohort_coordinator::start(config, listener).await?;
     if let Some(m) = handle.metrics_addr() {
         tracing::info!(address = %m, "metrics at /metrics");
+        // Machine-readable, like the line below (launchers learn a port-0 address from it).
+        println!("cohort-coordinator metrics on {m}");
     }
     println!("cohort-coordinator listening on {}", handle.local_addr());
     let _ = std::io::stdout().flush();

@@ -23,6 +23,7 @@ pub fn test_cluster(job: &str, store: StoreKind, min_workers: u32) -> ClusterCon
             elastic_timeout: Duration::from_secs(4),
         },
         log_dir: None,
+        metrics: false,
     }
 }
 
@@ -39,7 +40,12 @@ pub fn of<'a>(events: &'a [WorkerEvent], worker: &'a str, kind: &'a str) -> impl
 /// Panics with the worker logs' tails when `ok` is false.
 pub fn check(ok: bool, what: &str, events: &[WorkerEvent]) {
     if !ok {
-        let tail: Vec<String> = events.iter().rev().take(40).rev().map(|e| format!("{} {} {:?}", e.worker, e.kind, e.fields)).collect();
-        panic!("{what}\nlast events:\n{}", tail.join("\n"));
+        fail(what, events);
     }
+}
+
+/// Fails the test with `what` and the last events seen.
+pub fn fail(what: &str, events: &[WorkerEvent]) -> ! {
+    let tail: Vec<String> = events.iter().rev().take(40).rev().map(|e| format!("{} {} {:?}", e.worker, e.kind, e.fields)).collect();
+    panic!("{what}\nlast events:\n{}", tail.join("\n"));
 }

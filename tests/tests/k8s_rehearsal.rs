@@ -16,13 +16,18 @@
 //! coordinator restart is invisible to the job), the leavers leave gracefully and exit 0,
 //! the remaining three finish every step and exit 0, and `cohort-coordinator status` (the
 //! README's command) shows the members and a leader that changes when the leader goes.
+//! Every replica and pod serves `/metrics` as the manifests run them (the pods' readiness
+//! probe and the scrape annotations point there): at each phase every endpoint answers with
+//! well-formed Prometheus text, exactly one replica reports `cohort_is_leader 1`, its job
+//! gauges agree with the pods', and every pod's gauges show the generation it steps in.
 //! Every wait is bounded; nothing sleeps to synchronise.
 
 use cohort_chaos::binaries::Binaries;
 use cohort_chaos::cluster::{Cluster, ClusterConfig, JobSettings, StoreKind, WorkerSpec};
 use cohort_chaos::events::WorkerEvent;
 use cohort_chaos::invariants;
-use cohort_integration_tests::{check, of};
+use cohort_chaos::metrics::{scrape, Samples};
+use cohort_integration_tests::{check, fail, of};
 use cohort_chaos::process::now_ms;
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
@@ -195,6 +200,92 @@ async fn wait_steps(cluster: &mut Cluster, pods: &[String], world: i64, since_ms
     }
 }
 
+/// What every replica and pod serves at `/metrics` at one moment.
+struct Scrape {
+    /// By replica index; the error when it did not answer.
+    replicas: Vec<Result<Samples, String>>,
+    /// By pod; the error when it did not answer.
+    pods: BTreeMap<String, Result<Samples, String>>,
+}
+
+async fn scrape_all(cluster: &Cluster, pods: &[String]) -> Scrape {
+    const EACH: Duration = Duration::from_secs(2);
+    let mut replicas = Vec::new();
+    for i in 0..cluster.coordinator_count() {
+        replicas.push(match cluster.coordinator_metrics(i) {
+            Some(addr) => scrape(addr, EACH).await.map_err(|e| e.to_string()),
+            None => Err(format!("replica {i} printed no metrics address")),
+        });
+    }
+    let mut by_pod = BTreeMap::new();
+    for p in pods {
+        let result = match cluster.worker_metrics(p) {
+            Some(addr) => scrape(addr, EACH).await.map_err(|e| e.to_string()),
+            None => Err(format!("{p} printed no metrics address")),
+        };
+        by_pod.insert(p.clone(), result);
+    }
+    Scrape { replicas, pods: by_pod }
+}
+
+/// What the metrics must show while `pods` step together in a generation of `world`: every
+/// endpoint answers; every pod's gauges show that world and one common generation; exactly
+/// one replica leads (`expected_leader`, if given, is its index), and its job gauges show
+/// `world` members and the pods' generation.
+fn judge(s: &Scrape, pods: &[String], world: f64, expected_leader: Option<usize>) -> Result<(), String> {
+    let series = |name: &str| format!("{name}{{job=\"{JOB}\"}}");
+    let mut generation = None;
+    for p in pods {
+        let m = s.pods[p].as_ref().map_err(|e| format!("pod {p}: {e}"))?;
+        let w = m.get("cohort_worker_world_size");
+        if w != Some(world) {
+            return Err(format!("pod {p}: cohort_worker_world_size {w:?}, not {world}"));
+        }
+        let g = m.get("cohort_worker_generation").ok_or_else(|| format!("pod {p}: no cohort_worker_generation"))?;
+        if *generation.get_or_insert(g) != g {
+            return Err(format!("pods in different generations ({generation:?} and {g} at {p})"));
+        }
+        if m.get("cohort_worker_steps_verified_total").unwrap_or(0.0) < 1.0 {
+            return Err(format!("pod {p}: no verified step counted"));
+        }
+    }
+    let mut leaders = Vec::new();
+    for (i, r) in s.replicas.iter().enumerate() {
+        let m = r.as_ref().map_err(|e| format!("replica {i}: {e}"))?;
+        if m.get("cohort_is_leader") == Some(1.0) {
+            leaders.push(i);
+        }
+    }
+    let [leader] = leaders[..] else { return Err(format!("replicas reporting cohort_is_leader 1: {leaders:?}")) };
+    if expected_leader.is_some_and(|l| l != leader) {
+        return Err(format!("replica {leader} reports itself leader; status names replica {expected_leader:?}"));
+    }
+    let m = s.replicas[leader].as_ref().map_err(Clone::clone)?;
+    let members = m.get(&series("cohort_members"));
+    let gen = m.get(&series("cohort_generation"));
+    if members != Some(world) || gen != generation {
+        return Err(format!("the leader (replica {leader}) shows members {members:?} and generation {gen:?}; the pods: {world} in {generation:?}"));
+    }
+    Ok(())
+}
+
+/// Scrapes every replica and pod until [`judge`] accepts (bounded by [`PHASE`]); fails the
+/// rehearsal with the last complaint otherwise. The gauges follow the store and the pods'
+/// own steps, so they may trail an event line by a moment.
+async fn wait_metrics(cluster: &Cluster, pods: &[String], world: f64, expected_leader: Option<usize>, what: &str) -> Scrape {
+    let deadline = tokio::time::Instant::now() + PHASE;
+    let mut tick = tokio::time::interval(Duration::from_millis(200));
+    loop {
+        tick.tick().await;
+        let s = scrape_all(cluster, pods).await;
+        match judge(&s, pods, world, expected_leader) {
+            Ok(()) => return s,
+            Err(why) if tokio::time::Instant::now() >= deadline => fail(&format!("metrics: {what}: {why}"), &cluster.events),
+            Err(_) => {}
+        }
+    }
+}
+
 async fn rehearsal() {
     let config = ClusterConfig {
         job: JOB.into(),
@@ -212,6 +303,9 @@ async fn rehearsal() {
         },
         // COHORT_TEST_LOG_DIR keeps the processes' logs (default: a temporary directory).
         log_dir: std::env::var_os("COHORT_TEST_LOG_DIR").map(|d| std::path::PathBuf::from(d).join(JOB)),
+        // Every replica and pod serves /metrics, as the manifests run them (the pods'
+        // readiness probe and the scrape annotations use it).
+        metrics: true,
     };
     let mut cluster = Cluster::start(config).await.expect("etcd and three coordinator replicas");
     let bins = Binaries::locate().expect("binaries");
@@ -243,6 +337,10 @@ async fn rehearsal() {
     }
     check(s.contains("(6 members"), &format!("status does not show a generation of 6:\n{s}"), &cluster.events);
     phase("6 pods stepping, status lists them", &cluster.events);
+    let scraped = wait_metrics(&cluster, &all, 6.0, None, "6 pods").await;
+    let joins: f64 = scraped.replicas.iter().flatten().map(|m| m.get(r#"cohort_rpcs_total{method="Join",code="OK"}"#).unwrap_or(0.0)).sum();
+    check(joins >= 6.0, &format!("metrics: the replicas counted {joins} successful joins of 6 pods"), &cluster.events);
+    phase("every replica and pod serves /metrics; one leader; gauges agree", &cluster.events);
 
     // The coordinator upgrade: every replica replaced, one at a time, the leader first.
     // The leader is killed (SIGKILL, harsher than Kubernetes' preStop + SIGTERM) and stays
@@ -276,6 +374,7 @@ async fn rehearsal() {
     }
     let leader = wait_for_leader(&bins, &cluster, None, PHASE).await;
     phase(&format!("upgrade done, leader {leader}"), &cluster.events);
+    wait_metrics(&cluster, &all, 6.0, Some(replica_index(&cluster, &leader)), "after the rolling upgrade").await;
     let before_scale_down = max_step(&cluster.events);
     check(
         before_scale_down + 50 < STEPS as i64,
@@ -293,6 +392,7 @@ async fn rehearsal() {
     let s = status(&bins, &cluster).await.expect("status");
     check(s.contains("(3 members"), &format!("status does not show a generation of 3:\n{s}"), &cluster.events);
     phase("3 pods stepping", &cluster.events);
+    wait_metrics(&cluster, &all[..3], 3.0, None, "after the scale-down").await;
     let codes = cluster.wait_workers(Duration::from_secs(90)).await;
     phase(&format!("all exited: {codes:?}"), &cluster.events);
     let events = &cluster.events;
@@ -329,4 +429,38 @@ async fn rehearsal() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn statefulset_scaling_and_coordinator_upgrade_keep_the_job_verified() {
     tokio::time::timeout(BOUND, rehearsal()).await.expect("rehearsal bound");
+}
+
+/// The metrics judge on hand-made scrapes: consistent metrics pass, and each kind of
+/// disagreement is caught.
+#[test]
+fn the_metrics_judge_catches_each_disagreement() {
+    let samples = |text: &str| Ok(cohort_chaos::metrics::parse_text(text).expect("valid exposition"));
+    let pod_metrics = |world: u32, generation: u32| samples(&format!("cohort_worker_world_size {world}\ncohort_worker_generation {generation}\ncohort_worker_steps_verified_total 9\n"));
+    let replica = |leader: u32, members: u32, generation: u32| {
+        samples(&format!("cohort_is_leader {leader}\ncohort_members{{job=\"{JOB}\"}} {members}\ncohort_generation{{job=\"{JOB}\"}} {generation}\n"))
+    };
+    let pods: Vec<String> = (0..2).map(pod).collect();
+    let scrape = |replicas: Vec<Result<Samples, String>>, by_pod: [Result<Samples, String>; 2]| Scrape {
+        replicas,
+        pods: pods.iter().cloned().zip(by_pod).collect(),
+    };
+    let ok = scrape(vec![replica(0, 0, 0), replica(1, 2, 3)], [pod_metrics(2, 3), pod_metrics(2, 3)]);
+    assert_eq!(judge(&ok, &pods, 2.0, None), Ok(()));
+    assert_eq!(judge(&ok, &pods, 2.0, Some(1)), Ok(()));
+    let cases = [
+        (judge(&ok, &pods, 2.0, Some(0)), "status names"),
+        (judge(&ok, &pods, 3.0, None), "cohort_worker_world_size"),
+        (judge(&scrape(vec![replica(1, 2, 3), replica(1, 2, 3)], [pod_metrics(2, 3), pod_metrics(2, 3)]), &pods, 2.0, None), "cohort_is_leader 1: [0, 1]"),
+        (judge(&scrape(vec![replica(0, 2, 3), replica(0, 2, 3)], [pod_metrics(2, 3), pod_metrics(2, 3)]), &pods, 2.0, None), "cohort_is_leader 1: []"),
+        (judge(&scrape(vec![replica(1, 3, 3)], [pod_metrics(2, 3), pod_metrics(2, 3)]), &pods, 2.0, None), "members Some(3.0)"),
+        (judge(&scrape(vec![replica(1, 2, 4)], [pod_metrics(2, 3), pod_metrics(2, 3)]), &pods, 2.0, None), "generation Some(4.0)"),
+        (judge(&scrape(vec![replica(1, 2, 3)], [pod_metrics(2, 3), pod_metrics(2, 4)]), &pods, 2.0, None), "different generations"),
+        (judge(&scrape(vec![replica(1, 2, 3)], [pod_metrics(2, 3), Err("connection refused".into())]), &pods, 2.0, None), "connection refused"),
+        (judge(&scrape(vec![Err("no answer".into())], [pod_metrics(2, 3), pod_metrics(2, 3)]), &pods, 2.0, None), "replica 0: no answer"),
+    ];
+    for (verdict, why) in cases {
+        let err = verdict.expect_err(why);
+        assert!(err.contains(why), "expected {why:?} in {err:?}");
+    }
 }

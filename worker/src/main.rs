@@ -336,6 +336,7 @@ fn train_main(args: TrainArgs) -> Result<TrainSummary, String> {
         if let Some(addr) = args.metrics {
             let bound = cohort::metrics::serve(addr).await.map_err(|e| format!("metrics endpoint {addr}: {e}"))?;
             tracing::info!(%bound, "serving metrics");
+            println!("event=metrics address={bound} t_ms={}", train::now_ms());
         }
         // SIGTERM: finish the current step, leave gracefully, let the others re-form.
         let leaving = Arc::new(AtomicBool::new(false));

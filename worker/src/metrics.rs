@@ -43,7 +43,15 @@ pub async fn serve(addr: SocketAddr) -> std::io::Result<SocketAddr> {
     let local = listener.local_addr()?;
     tokio::spawn(async move {
         loop {
-            let Ok((mut socket, _)) = listener.accept().await else { continue };
+            let mut socket = match listener.accept().await {
+                Ok((socket, _)) => socket,
+                Err(e) => {
+                    tracing::warn!(error = %e, "metrics listener accept failed");
+                    // Back off briefly (e.g. out of file descriptors) instead of spinning.
+                    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                    continue;
+                }
+            };
             tokio::spawn(async move {
                 let mut buf = [0u8; 1024];
                 let read = tokio::time::timeout(std::time::Duration::from_secs(2), socket.read(&mut buf)).await;
