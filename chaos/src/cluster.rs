@@ -21,35 +21,8 @@ pub enum StoreKind {
     Etcd,
 }
 
-/// Job settings passed to the coordinators.
-#[derive(Clone, Debug)]
-pub struct JobSettings {
-    /// Smallest world.
-    pub min_workers: u32,
-    /// Largest world.
-    pub max_workers: u32,
-    /// Join window.
-    pub join_window: Duration,
-    /// Heartbeat interval.
-    pub heartbeat_interval: Duration,
-    /// Lease TTL.
-    pub lease_ttl: Duration,
-    /// Elastic timeout (below min).
-    pub elastic_timeout: Duration,
-}
-
-impl Default for JobSettings {
-    fn default() -> Self {
-        Self {
-            min_workers: 2,
-            max_workers: 8,
-            join_window: Duration::from_millis(500),
-            heartbeat_interval: Duration::from_millis(200),
-            lease_ttl: Duration::from_secs(2),
-            elastic_timeout: Duration::from_secs(20),
-        }
-    }
-}
+/// Job settings passed to the coordinators (as `serve` flags): the coordinator's own type.
+pub use cohort_coordinator::config::JobSettings;
 
 /// What every worker of the cluster runs.
 #[derive(Clone, Debug)]

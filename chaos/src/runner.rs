@@ -520,15 +520,7 @@ impl Run<'_> {
                 self.timers.push((plug_at, Action::Plug(target_names.clone())));
             }
             FaultKind::Blackhole | FaultKind::Partition if self.cluster.netlab().is_some() => {
-                let mut pairs = Vec::new();
-                for t in &target_names {
-                    for p in &peers {
-                        pairs.push((t.clone(), p.clone()));
-                        if f.kind != FaultKind::Partition {
-                            pairs.push((p.clone(), t.clone()));
-                        }
-                    }
-                }
+                let pairs = directed_pairs(&target_names, &peers, f.kind == FaultKind::Partition);
                 if let Some(lab) = self.cluster.netlab() {
                     for (a, b) in &pairs {
                         lab.drop_route(a, b, true).map_err(|e| RunError::Scenario(e.to_string()))?;
@@ -544,15 +536,7 @@ impl Run<'_> {
                     FaultKind::Bandwidth => LinkRule { bandwidth: f.bandwidth.as_deref().and_then(|b| parse_bytes(b).ok()), ..Default::default() },
                     _ => LinkRule { blackhole: true, ..Default::default() },
                 };
-                let mut pairs = Vec::new();
-                for t in &target_names {
-                    for p in &peers {
-                        pairs.push((t.clone(), p.clone()));
-                        if f.kind != FaultKind::Partition {
-                            pairs.push((p.clone(), t.clone()));
-                        }
-                    }
-                }
+                let pairs = directed_pairs(&target_names, &peers, f.kind == FaultKind::Partition);
                 if f.kind == FaultKind::Reset {
                     let n: usize = target_names.iter().flat_map(|t| peers.iter().map(move |p| (t, p))).map(|(t, p)| proxy.reset_pair(t, p)).sum();
                     note = format!("{n} connections reset");
@@ -1006,6 +990,21 @@ fn causes(r: &FaultRecord) -> String {
     let mut c: Vec<String> = r.errors.iter().map(|e| format!("{} {}: {}", e.worker, e.kind, e.cause)).collect();
     c.truncate(4);
     c.join(" | ")
+}
+
+/// The directed links (sender, receiver) between every target and every peer: both ways,
+/// or only target -> peer for a one-way fault.
+fn directed_pairs(targets: &[String], peers: &[String], one_way: bool) -> Vec<(String, String)> {
+    let mut pairs = Vec::new();
+    for t in targets {
+        for p in peers {
+            pairs.push((t.clone(), p.clone()));
+            if !one_way {
+                pairs.push((p.clone(), t.clone()));
+            }
+        }
+    }
+    pairs
 }
 
 #[cfg(test)]
