@@ -23,6 +23,8 @@ pub enum StoreKind {
 
 /// Job settings passed to the coordinators (as `serve` flags): the coordinator's own type.
 pub use cohort_coordinator::config::JobSettings;
+/// When repeated failures exclude a worker (as `serve --exclusion-*` flags).
+pub use cohort_coordinator::exclusion::ExclusionPolicy;
 
 /// What every worker of the cluster runs.
 #[derive(Clone, Debug)]
@@ -50,6 +52,9 @@ pub struct ClusterConfig {
     pub settings: JobSettings,
     /// Where logs go (a fresh temp dir if `None`).
     pub log_dir: Option<PathBuf>,
+    /// The coordinators' exclusion policy (`None`: their defaults, 3 failures in 10 min
+    /// exclude for 30 s and more).
+    pub exclusion: Option<ExclusionPolicy>,
     /// Every coordinator and worker serves Prometheus metrics on a free port of its host
     /// (`--metrics HOST:0`), as the Kubernetes manifests run them; see
     /// [`Cluster::coordinator_metrics`] and [`Cluster::worker_metrics`].
@@ -216,6 +221,10 @@ impl Cluster {
             .env("RUST_LOG", std::env::var("COHORT_CHAOS_COORDINATOR_LOG").unwrap_or_else(|_| "info".into()));
         if self.config.metrics {
             cmd.args(["--metrics", &format!("{}:0", Self::host_of(listen))]);
+        }
+        if let Some(p) = &self.config.exclusion {
+            cmd.args(["--exclusion-threshold", &p.threshold.to_string(), "--exclusion-window", &ms(p.window)])
+                .args(["--exclusion-cooldown", &ms(p.base_cooldown), "--exclusion-max-cooldown", &ms(p.max_cooldown)]);
         }
         let name = format!("coord{index}");
         let mut process = ManagedProcess::spawn(&name, cmd, &self.log_dir, self.lines_tx.clone())

@@ -69,6 +69,7 @@ pub async fn run(config: DemoConfig) -> Result<Vec<Check>, ClusterError> {
         coordinators: 1,
         settings,
         log_dir: config.log_dir.clone(),
+        exclusion: None,
         metrics: false,
     })
     .await?;

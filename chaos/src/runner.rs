@@ -1,7 +1,7 @@
 //! Running a scenario: start the cluster, strike each fault at its moment, wait (bounded)
 //! for the job to react, then check the invariants and measure.
 //!
-//! Every wait is on worker events with a deadline ([`Run::pump`]); the only timed waits are
+//! Every wait is on worker events with a deadline (`Run::pump`); the only timed waits are
 //! the faults' own durations (a SIGSTOP lasting 3 s, a blackhole lasting at most 5 s),
 //! which are the schedule of the scenario, not synchronisation. Due timers (SIGCONT,
 //! healing a link, restarting coordinators or etcd, the slow rank's duty cycle) fire while
@@ -179,6 +179,7 @@ async fn run_inner(sc: &Scenario, seed: u64, log_dir: &std::path::Path, verbose:
             elastic_timeout: sc.elastic_timeout.0,
         },
         log_dir: Some(log_dir.to_path_buf()),
+        exclusion: None,
         metrics: false,
     };
     let network = if sc.network == NetworkChoice::Netns { Network::Namespaces } else { Network::Loopback };

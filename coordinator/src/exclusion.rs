@@ -3,8 +3,10 @@
 //! A failure is a revocation blamed on the worker (named by a failure report, or its lease
 //! lapsed). Three failures within ten minutes exclude the worker for a cool-down that
 //! starts at 30 s and doubles with every further exclusion, up to 30 min. Graceful leaves
-//! never count. While excluded, a Join is refused and the worker is never placed in a
-//! generation, so a flapping peer cannot keep the job re-forming.
+//! never count. While excluded, a Join is refused (with the time left, in the metadata
+//! [`cohort_proto::RETRY_AFTER_MS_HEADER`], so that the worker waits and joins again) and the
+//! worker is never placed in a generation, so a flapping peer cannot keep the job re-forming.
+//! The policy is set per replica (`serve --exclusion-*`).
 
 use serde::{Deserialize, Serialize};
 use std::time::Duration;
@@ -30,6 +32,25 @@ impl Default for ExclusionPolicy {
             base_cooldown: Duration::from_secs(30),
             max_cooldown: Duration::from_secs(1800),
         }
+    }
+}
+
+impl ExclusionPolicy {
+    /// Checks the policy for consistency.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.threshold < 1 {
+            return Err("the exclusion threshold must be at least 1 failure".into());
+        }
+        if self.window.is_zero() {
+            return Err("the exclusion window must be longer than 0".into());
+        }
+        if self.base_cooldown > self.max_cooldown {
+            return Err(format!(
+                "the exclusion cool-down ({:?}) must not exceed the longest cool-down ({:?})",
+                self.base_cooldown, self.max_cooldown
+            ));
+        }
+        Ok(())
     }
 }
 

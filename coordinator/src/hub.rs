@@ -164,7 +164,8 @@ impl Hub {
     }
 
     /// `Some(joiners)` when the active generation should re-form at its next commit point
-    /// ([`pending`] of the state, as of the last change this replica has seen). Heartbeat
+    /// (the rendezvous evaluation of the state, as of the last change this replica has seen,
+    /// or of the moment an exclusion ended). Heartbeat
     /// and Commit answers read it: evaluating the rendezvous per request would cost every
     /// heartbeat of a large job a walk over all its members.
     pub fn pending(&self) -> Option<u32> {

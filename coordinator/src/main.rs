@@ -22,7 +22,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Run a coordinator replica (the default when the first argument is a flag).
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
     /// Print a job's members, generation and progress.
     Status(StatusArgs),
 }
@@ -63,6 +63,18 @@ struct ServeArgs {
     /// Leader lease TTL (replicas on etcd).
     #[arg(long, value_parser = duration, default_value = "3s")]
     leader_ttl: Duration,
+    /// Failures of one worker within --exclusion-window that exclude it.
+    #[arg(long, default_value_t = 3)]
+    exclusion_threshold: usize,
+    /// The sliding window failures are counted in.
+    #[arg(long, value_parser = duration, default_value = "10m")]
+    exclusion_window: Duration,
+    /// The first exclusion's length (each further one doubles it).
+    #[arg(long, value_parser = duration, default_value = "30s")]
+    exclusion_cooldown: Duration,
+    /// The longest exclusion.
+    #[arg(long, value_parser = duration, default_value = "30m")]
+    exclusion_max_cooldown: Duration,
     /// Serve Prometheus metrics on this address (`GET /metrics`).
     #[arg(long)]
     metrics: Option<String>,
@@ -117,6 +129,8 @@ enum CliError {
     Unreachable(String),
     #[error("the coordinator refused: {0}")]
     Refused(String),
+    #[error("{0}")]
+    Exclusion(String),
 }
 
 fn read_token(file: Option<&PathBuf>) -> Result<Option<String>, CliError> {
@@ -181,6 +195,13 @@ async fn serve(args: ServeArgs) -> Result<(), CliError> {
         elastic_timeout_ms: args.elastic_timeout.map(|d| d.as_millis() as u64),
     };
     let settings = Settings::from_file(args.config.as_deref(), &cli)?;
+    let exclusion = cohort_coordinator::exclusion::ExclusionPolicy {
+        threshold: args.exclusion_threshold,
+        window: args.exclusion_window,
+        base_cooldown: args.exclusion_cooldown,
+        max_cooldown: args.exclusion_max_cooldown,
+    };
+    exclusion.validate().map_err(CliError::Exclusion)?;
     let token = read_token(args.token_file.as_ref())?;
     let tls = match (&args.tls_cert, &args.tls_key) {
         (Some(c), Some(k)) => Some(TlsFiles { cert_pem: read(c)?, key_pem: read(k)? }),
@@ -198,6 +219,7 @@ async fn serve(args: ServeArgs) -> Result<(), CliError> {
     config.metrics = metrics;
     config.replica_name = args.name.clone();
     config.leader_ttl = args.leader_ttl;
+    config.exclusion = exclusion;
     let handle = cohort_coordinator::start(config, listener).await?;
     if let Some(m) = handle.metrics_addr() {
         tracing::info!(address = %m, "metrics at /metrics");
@@ -422,7 +444,7 @@ fn main() -> ExitCode {
     };
     let result = runtime.block_on(async {
         match cli.command {
-            Command::Serve(a) => serve(a).await,
+            Command::Serve(a) => serve(*a).await,
             Command::Status(a) => status(a).await,
         }
     });

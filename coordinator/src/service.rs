@@ -227,7 +227,12 @@ impl CoordinatorService {
         }
         let now = records::now_ms();
         if let Some(until) = state.failures.get(worker).and_then(|h| h.excluded_until(now)) {
-            return Err(Status::failed_precondition(crate::exclusion::refusal(worker, until, now, &self.ctx.exclusion)));
+            // The worker waits this long and joins again (it needs no clock of ours).
+            let mut status = Status::failed_precondition(crate::exclusion::refusal(worker, until, now, &self.ctx.exclusion));
+            if let Ok(left) = (until - now).to_string().parse() {
+                status.metadata_mut().insert(cohort_proto::RETRY_AFTER_MS_HEADER, left);
+            }
+            return Err(status);
         }
         let lease = self.ctx.store.grant_lease(settings.lease_ttl_for_store()).await.map_err(store_status)?;
         let incarnation = lease as u64;

@@ -403,6 +403,14 @@ async fn repeated_failures_exclude(backend: Backend) {
     let err = c.join(join_request("job-f", "flaky")).await.expect_err("excluded");
     assert_eq!(err.code(), tonic::Code::FailedPrecondition);
     assert!(err.message().contains("excluded") && err.message().contains("3 failures"), "{}", err.message());
+    // The refusal says, machine-readably, when to come back: the rest of the 30 s cool-down.
+    let retry_after: u64 = err
+        .metadata()
+        .get(cohort_proto::RETRY_AFTER_MS_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no {} on the refusal: {:?}", cohort_proto::RETRY_AFTER_MS_HEADER, err.metadata()));
+    assert!((20_000..=30_000).contains(&retry_after), "retry after {retry_after} ms of a 30 s cool-down");
     // A graceful leave never counts: the good worker can leave and come back.
     good.leave(false).await.expect("leave");
     let back = Worker::join(addr, "job-f", "good", HB).await;

@@ -16,5 +16,9 @@ pub const PROTOCOL_VERSION: u32 = 1;
 /// The metadata key carrying the job token (`Bearer <token>`).
 pub const AUTHORIZATION_HEADER: &str = "authorization";
 
+/// The metadata key on a refused `Join` of an excluded worker: milliseconds until its
+/// exclusion ends (decimal). A worker waits that long and joins again.
+pub const RETRY_AFTER_MS_HEADER: &str = "cohort-retry-after-ms";
+
 pub use v1::coordinator_client::CoordinatorClient;
 pub use v1::coordinator_server::{Coordinator, CoordinatorServer};

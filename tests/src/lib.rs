@@ -23,6 +23,7 @@ pub fn test_cluster(job: &str, store: StoreKind, min_workers: u32) -> ClusterCon
             elastic_timeout: Duration::from_secs(4),
         },
         log_dir: None,
+        exclusion: None,
         metrics: false,
     }
 }

@@ -3,9 +3,10 @@
 //! Each test runs a small job (`cohort-worker train`, every step's allreduce verified),
 //! injects one fault, and checks what the workers printed. Every test is bounded.
 
-use cohort_chaos::cluster::{Cluster, StoreKind};
+use cohort_chaos::cluster::{Cluster, ExclusionPolicy, StoreKind};
 use cohort_chaos::invariants;
 use cohort_integration_tests::{check, of, test_cluster, test_worker};
+use cohort_chaos::process::now_ms as process_now_ms;
 use std::time::Duration;
 
 const BOUND: Duration = Duration::from_secs(150);
@@ -153,6 +154,66 @@ async fn below_min_workers_ends_the_job_with_a_clear_error() {
             check(codes.get(w).is_some_and(|c| *c != Some(0)), &format!("{w} should fail, exit {:?}", codes.get(w)), events);
             let fatal = of(events, w, "fatal").last().and_then(|e| e.text("error")).unwrap_or_default().to_string();
             check(fatal.contains("min") || fatal.contains("elastic"), &format!("{w}'s error is not about min_workers: {fatal:?}"), events);
+        }
+    })
+    .await
+    .expect("test bound");
+}
+
+/// A worker whose failures repeat is excluded; started again at once (as a pod restarts) it
+/// is refused, waits out the exclusion and rejoins by itself, and the job takes it back at
+/// a commit point. Threshold 1 and a 2 s cool-down stand for "3 failures in 10 min, 30 s".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_excluded_worker_waits_out_its_exclusion_and_rejoins() {
+    const COOLDOWN: Duration = Duration::from_secs(2);
+    const STEPS: u64 = 400;
+    tokio::time::timeout(BOUND, async {
+        let mut config = test_cluster("exclusion", StoreKind::Memory, 2);
+        config.exclusion = Some(ExclusionPolicy {
+            threshold: 1,
+            window: Duration::from_secs(600),
+            base_cooldown: COOLDOWN,
+            max_cooldown: Duration::from_secs(60),
+        });
+        let mut cluster = Cluster::start(config).await.expect("cluster");
+        let spec = test_worker(STEPS, "1M");
+        for i in 0..3 {
+            cluster.spawn_worker(&format!("w{i}"), &spec).expect("spawn");
+        }
+        cluster.wait_for("5 steps of 3", Duration::from_secs(60), |e| e.kind == "step" && e.int("world") == Some(3) && e.int("step").unwrap_or(0) >= 5).await.expect("steps");
+        cluster.wait_for("w1 in an allreduce", Duration::from_secs(30), |e| e.kind == "allreduce" && e.worker == "w1").await.expect("allreduce");
+        let killed_at = cluster.signal_worker("w1", libc::SIGKILL).expect("kill");
+        // A survivor's error comes after the coordinator answered its report: the failure,
+        // and with it the exclusion, is recorded. Then w1 comes back at once.
+        cluster.wait_for("a survivor's error", Duration::from_secs(10), |e| e.kind == "error" && e.worker != "w1").await.expect("error");
+        let restarted_at = process_now_ms();
+        cluster.spawn_worker("w1", &spec).expect("start w1 again");
+        let back = cluster
+            .wait_for("w1 back in a generation of 3", Duration::from_secs(60), |e| e.kind == "generation" && e.worker == "w1" && e.t_ms() >= restarted_at && e.int("world") == Some(3))
+            .await
+            .expect("w1 rejoined");
+        let codes = cluster.wait_workers(Duration::from_secs(120)).await;
+        let events = &cluster.events;
+        let joined = of(events, "w1", "joined").find(|e| e.t_ms() >= restarted_at);
+        check(joined.is_some(), "the restarted w1 never joined", events);
+        let joined_at = joined.map_or(0, |e| e.t_ms());
+        // The cool-down starts when the report is recorded, a few ms after the kill.
+        check(
+            joined_at >= killed_at + COOLDOWN.as_millis() as u64,
+            &format!("w1 joined {} ms after the kill, inside its {COOLDOWN:?} exclusion", joined_at.saturating_sub(killed_at)),
+            events,
+        );
+        check(back.t_ms() >= joined_at, "w1 was placed before it joined", events);
+        check(of(events, "w1", "fatal").next().is_none(), "the restarted w1 gave up", events);
+        for (w, code) in &codes {
+            check(*code == Some(0), &format!("{w} exited {code:?}"), events);
+        }
+        for w in ["w0", "w1", "w2"] {
+            let summary = of(events, w, "summary").last();
+            check(summary.and_then(|s| s.int("final_step")) == Some(STEPS as i64), &format!("{w} did not finish all {STEPS} steps"), events);
+        }
+        for c in [invariants::no_wrong_results(events), invariants::generations_increase(events), invariants::commits_never_lost(events)] {
+            check(c.ok, &format!("{}: {}", c.what, c.detail), events);
         }
     })
     .await

@@ -306,6 +306,7 @@ async fn rehearsal() {
         // Every replica and pod serves /metrics, as the manifests run them (the pods'
         // readiness probe and the scrape annotations use it).
         metrics: true,
+        exclusion: None,
     };
     let mut cluster = Cluster::start(config).await.expect("etcd and three coordinator replicas");
     let bins = Binaries::locate().expect("binaries");

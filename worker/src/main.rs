@@ -78,7 +78,8 @@ fn duration(text: &str) -> Result<Duration, String> {
         "" | "ms" => Ok(Duration::from_millis(n)),
         "s" => Ok(Duration::from_secs(n)),
         "m" | "min" => Ok(Duration::from_secs(n.saturating_mul(60))),
-        _ => Err(format!("{text:?}: unknown unit {unit:?} (use us, ms, s or m)")),
+        "h" => Ok(Duration::from_secs(n.saturating_mul(3600))),
+        _ => Err(format!("{text:?}: unknown unit {unit:?} (use us, ms, s, m or h)")),
     }
 }
 
@@ -136,6 +137,10 @@ struct TrainArgs {
     /// Bound on connecting one generation's mesh.
     #[arg(long, value_parser = duration, default_value = "30s")]
     connect_timeout: Duration,
+    /// Longest this worker waits out an exclusion (its failures repeated) before it gives up
+    /// (0 = at once).
+    #[arg(long, value_parser = duration, default_value = "1h")]
+    exclusion_wait: Duration,
     /// Allreduce algorithm.
     #[arg(long, value_parser = algorithm, default_value = "auto")]
     algo: Algorithm,
@@ -313,6 +318,7 @@ fn train_main(args: TrainArgs) -> Result<TrainSummary, String> {
     config.advertise = args.advertise.clone();
     config.deadlines.no_progress = args.no_progress_timeout;
     config.deadlines.connect = args.connect_timeout;
+    config.exclusion_wait = args.exclusion_wait;
     config.comm.algorithm = args.algo;
     config.tcp.busy_poll = args.busy_poll;
     // With rdma, the worker publishes an RDMA endpoint beside its TCP address; a generation

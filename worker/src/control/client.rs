@@ -69,6 +69,22 @@ fn normalise(endpoint: &str) -> String {
     }
 }
 
+/// The error for a status that is not retried: [`ControlError::Excluded`] when the
+/// coordinator says when to come back, else [`ControlError::Rejected`].
+fn refusal(rpc: &'static str, status: &Status) -> ControlError {
+    let retry_after = status
+        .metadata()
+        .get(cohort_proto::RETRY_AFTER_MS_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    match retry_after {
+        Some(ms) if status.code() == Code::FailedPrecondition => {
+            ControlError::Excluded { message: status.message().to_string(), retry_after: Duration::from_millis(ms) }
+        }
+        _ => ControlError::Rejected { rpc, code: status.code(), message: status.message().to_string() },
+    }
+}
+
 /// Whether a status means "this endpoint is not serving now": retry elsewhere.
 fn is_transient(status: &Status) -> bool {
     match status.code() {
@@ -188,9 +204,7 @@ impl ControlClient {
                         }
                     }
                 }
-                Err(status) => {
-                    return Err(ControlError::Rejected { rpc, code: status.code(), message: status.message().to_string() })
-                }
+                Err(status) => return Err(refusal(rpc, &status)),
             }
         }
     }
@@ -281,5 +295,36 @@ impl ControlClient {
             }
         }
         Err(ControlError::Unreachable { endpoints: self.inner.config.endpoints.join(","), attempts: n as u32, last })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn with_retry_after(code: Code, value: &str) -> Status {
+        let mut status = Status::new(code, "worker w1 is excluded");
+        status.metadata_mut().insert(cohort_proto::RETRY_AFTER_MS_HEADER, value.parse().expect("ascii"));
+        status
+    }
+
+    #[test]
+    fn an_exclusion_refusal_says_when_to_come_back() {
+        match refusal("Join", &with_retry_after(Code::FailedPrecondition, "2500")) {
+            ControlError::Excluded { retry_after, message } => {
+                assert_eq!(retry_after, Duration::from_millis(2500));
+                assert!(message.contains("excluded"), "{message}");
+            }
+            other => panic!("not Excluded: {other:?}"),
+        }
+        // Anything else is a plain refusal: no hint, a malformed hint, another code.
+        for status in [
+            Status::failed_precondition("job ended"),
+            with_retry_after(Code::FailedPrecondition, "soon"),
+            with_retry_after(Code::InvalidArgument, "2500"),
+        ] {
+            let e = refusal("Join", &status);
+            assert!(matches!(e, ControlError::Rejected { rpc: "Join", .. }), "{e:?}");
+        }
     }
 }

@@ -23,6 +23,15 @@ pub enum ControlError {
         /// The coordinator's message.
         message: String,
     },
+    /// The coordinator refused a Join because this worker is excluded (its failures repeated);
+    /// it may join again after `retry_after`.
+    #[error("coordinator refused Join: {message} (retry after {retry_after:?})")]
+    Excluded {
+        /// The coordinator's message (failures, cool-down).
+        message: String,
+        /// Until the exclusion ends, as the coordinator counted it.
+        retry_after: std::time::Duration,
+    },
     /// The client configuration is unusable (bad endpoint URL, unreadable CA file, ...).
     #[error("invalid control-plane configuration: {0}")]
     Config(String),
@@ -33,6 +42,7 @@ impl ControlError {
     pub fn code(&self) -> Option<tonic::Code> {
         match self {
             Self::Rejected { code, .. } => Some(*code),
+            Self::Excluded { .. } => Some(tonic::Code::FailedPrecondition),
             _ => None,
         }
     }

@@ -44,6 +44,10 @@ pub struct ElasticConfig {
     /// How long to wait for the coordinator's revocation record after a local failure before
     /// falling back to the local error as the cause.
     pub root_cause_wait: Duration,
+    /// Longest an excluded worker waits out its exclusion (the coordinator says how long it
+    /// has left) before joining fails; zero fails at once. Default one hour (the longest
+    /// default exclusion is 30 min).
+    pub exclusion_wait: Duration,
 }
 
 impl ElasticConfig {
@@ -64,6 +68,7 @@ impl ElasticConfig {
             comm: CommConfig::default(),
             rendezvous_poll: Duration::from_secs(10),
             root_cause_wait: Duration::from_millis(500),
+            exclusion_wait: Duration::from_secs(3600),
         }
     }
 }

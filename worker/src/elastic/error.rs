@@ -24,6 +24,19 @@ pub enum ElasticError {
         #[source]
         source: TransportError,
     },
+    /// This worker stayed excluded (its failures repeated) for longer than
+    /// [`super::ElasticConfig::exclusion_wait`] allows it to wait.
+    #[error("excluded by the coordinator for longer than this worker waits ({waited:?} waited, {retry_after:?} left, limit {limit:?}): {message}")]
+    Excluded {
+        /// The coordinator's last refusal.
+        message: String,
+        /// What was left of the exclusion then.
+        retry_after: std::time::Duration,
+        /// How long this worker had waited already.
+        waited: std::time::Duration,
+        /// The limit, [`super::ElasticConfig::exclusion_wait`].
+        limit: std::time::Duration,
+    },
     /// The job ended (finished, or failed with the coordinator's reason).
     #[error("job ended ({outcome}): {reason}")]
     JobEnded {

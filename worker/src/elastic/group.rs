@@ -2,7 +2,7 @@
 
 use super::choice::{plan_mesh, MeshPlan};
 use super::{ElasticConfig, ElasticError, MeshKind, MeshTransport};
-use crate::control::ControlClient;
+use crate::control::{ControlClient, ControlError};
 use crate::{CommConfig, CommError, Communicator, Revoker, RootCause};
 use cohort_proto::v1::{self as pb, job_event, job_ended, rendezvous_response};
 use cohort_transports::tcp::{MeshSpec, TcpEndpoint};
@@ -14,6 +14,10 @@ use std::time::{Duration, Instant};
 use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 use tracing::{debug, info, info_span, warn, Instrument};
+
+/// How long past the end of its exclusion (as the coordinator counted it) an excluded worker
+/// asks to join again.
+const EXCLUSION_MARGIN: Duration = Duration::from_millis(50);
 
 /// One member of a generation, as the coordinator formed it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -194,7 +198,10 @@ impl ElasticGroup {
         Ok(group)
     }
 
-    /// One Join RPC: a new incarnation; (re)starts the heartbeat task for it.
+    /// One Join: a new incarnation; (re)starts the heartbeat task for it. An excluded worker
+    /// (its failures repeated) waits out its exclusion, as long as the coordinator says it
+    /// has left, and asks again: in all at most [`ElasticConfig::exclusion_wait`], after
+    /// which it fails with [`ElasticError::Excluded`].
     async fn register(&mut self) -> Result<(), ElasticError> {
         let mut addresses = vec![pb::TransportAddress { transport: MeshKind::Tcp.name().into(), address: self.advertised.clone() }];
         let mut capabilities = vec![format!("transport:{}", MeshKind::Tcp)];
@@ -202,17 +209,31 @@ impl ElasticGroup {
             addresses.push(pb::TransportAddress { transport: MeshKind::Rdma.name().into(), address: rdma });
             capabilities.push(format!("transport:{}", MeshKind::Rdma));
         }
-        let response = self
-            .client
-            .join(pb::JoinRequest {
-                job: self.config.job.clone(),
-                worker_id: self.config.worker_id.clone(),
-                host: self.config.host.clone(),
-                addresses,
-                capabilities,
-                protocol_version: cohort_proto::PROTOCOL_VERSION,
-            })
-            .await?;
+        let request = pb::JoinRequest {
+            job: self.config.job.clone(),
+            worker_id: self.config.worker_id.clone(),
+            host: self.config.host.clone(),
+            addresses,
+            capabilities,
+            protocol_version: cohort_proto::PROTOCOL_VERSION,
+        };
+        let started = Instant::now();
+        let response = loop {
+            match self.client.join(request.clone()).await {
+                Ok(response) => break response,
+                Err(ControlError::Excluded { message, retry_after }) => {
+                    let (waited, limit) = (started.elapsed(), self.config.exclusion_wait);
+                    if waited + retry_after > limit {
+                        return Err(ElasticError::Excluded { message, retry_after, waited, limit });
+                    }
+                    warn!(worker = %self.config.worker_id, retry_after_ms = retry_after.as_millis() as u64, %message,
+                          "excluded by the coordinator; joining again when the exclusion ends");
+                    // A moment past the end, so that the coordinator's clock has passed it too.
+                    tokio::time::sleep(retry_after + EXCLUSION_MARGIN).await;
+                }
+                Err(e) => return Err(e.into()),
+            }
+        };
         self.shared.incarnation.store(response.incarnation, Ordering::SeqCst);
         self.shared.evicted.store(false, Ordering::SeqCst);
         self.shared.rejoined.notify_waiters();
