@@ -8,7 +8,7 @@ pub struct WorkerEvent {
     /// Which process printed it.
     pub worker: String,
     /// `event=` value: joined, generation, restored, allreduce, step, error, recovered,
-    /// reform, leave, finished, summary, wrong_result, fatal, sigterm, job_ended, metrics.
+    /// reform, leave, finished, summary, wrong_result, fatal, sigterm, job_ended, metrics, joining.
     pub kind: String,
     /// Every other field.
     pub fields: BTreeMap<String, String>,

@@ -219,3 +219,47 @@ async fn an_excluded_worker_waits_out_its_exclusion_and_rejoins() {
     .await
     .expect("test bound");
 }
+
+/// SIGTERM to a worker that is still joining (here: waiting out a 60 s exclusion) ends it at
+/// once and cleanly: it is no member, so nobody waits on it. (Kubernetes scales such a pod
+/// down without waiting for the grace period's SIGKILL.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_ends_a_worker_that_waits_out_its_exclusion() {
+    tokio::time::timeout(BOUND, async {
+        let mut config = test_cluster("exclusion-term", StoreKind::Memory, 2);
+        config.exclusion = Some(ExclusionPolicy {
+            threshold: 1,
+            window: Duration::from_secs(600),
+            base_cooldown: Duration::from_secs(60),
+            max_cooldown: Duration::from_secs(60),
+        });
+        let mut cluster = Cluster::start(config).await.expect("cluster");
+        let spec = test_worker(60, "256K");
+        for i in 0..3 {
+            cluster.spawn_worker(&format!("w{i}"), &spec).expect("spawn");
+        }
+        cluster.wait_for("w1 in an allreduce", Duration::from_secs(60), |e| e.kind == "allreduce" && e.worker == "w1").await.expect("allreduce");
+        cluster.signal_worker("w1", libc::SIGKILL).expect("kill");
+        cluster.wait_for("a survivor's error", Duration::from_secs(10), |e| e.kind == "error" && e.worker != "w1").await.expect("error");
+        let restarted_at = process_now_ms();
+        cluster.spawn_worker("w1", &spec).expect("start w1 again");
+        // `joining` comes after the SIGTERM handler is installed; the Join is refused within
+        // milliseconds and the worker then waits out the 60 s exclusion.
+        cluster.wait_for("w1 joining", Duration::from_secs(10), |e| e.kind == "joining" && e.worker == "w1" && e.t_ms() >= restarted_at).await.expect("joining");
+        let termed_at = cluster.signal_worker("w1", libc::SIGTERM).expect("SIGTERM");
+        let summary = cluster
+            .wait_for("w1 to stop", Duration::from_secs(10), |e| e.kind == "summary" && e.worker == "w1" && e.t_ms() >= restarted_at)
+            .await
+            .expect("w1 stopped on SIGTERM instead of waiting out its exclusion");
+        let codes = cluster.wait_workers(Duration::from_secs(60)).await;
+        let events = &cluster.events;
+        check(summary.text("left") == Some("true"), &format!("w1's summary: {:?}", summary.fields), events);
+        check(summary.t_ms() < termed_at + 5_000, "w1 took more than 5 s to stop", events);
+        check(!of(events, "w1", "joined").any(|e| e.t_ms() >= restarted_at), "the excluded w1 joined", events);
+        for (w, code) in &codes {
+            check(*code == Some(0), &format!("{w} exited {code:?}"), events);
+        }
+    })
+    .await
+    .expect("test bound");
+}

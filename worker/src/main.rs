@@ -10,8 +10,6 @@ use cohort::Algorithm;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::ExitCode;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
 use std::time::Duration;
 
 #[derive(Parser)]
@@ -344,27 +342,27 @@ fn train_main(args: TrainArgs) -> Result<TrainSummary, String> {
             tracing::info!(%bound, "serving metrics");
             println!("event=metrics address={bound} t_ms={}", train::now_ms());
         }
-        // SIGTERM: finish the current step, leave gracefully, let the others re-form.
-        let leaving = Arc::new(AtomicBool::new(false));
+        // SIGTERM: finish the current step, leave gracefully, let the others re-form (or, not
+        // yet a member, stop joining).
+        let (sigterm, leaving) = tokio::sync::watch::channel(false);
         {
-            let leaving = leaving.clone();
             let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
                 .map_err(|e| format!("installing the SIGTERM handler: {e}"))?;
             tokio::spawn(async move {
                 if term.recv().await.is_some() {
                     println!("event=sigterm t_ms={}", train::now_ms());
-                    leaving.store(true, Ordering::SeqCst);
+                    let _ = sigterm.send(true);
                 }
             });
         }
         let result = match args.dtype {
-            DTypeArg::F32 => train::run::<f32>(config, train_config, leaving).await,
-            DTypeArg::F64 => train::run::<f64>(config, train_config, leaving).await,
-            DTypeArg::F16 => train::run::<half::f16>(config, train_config, leaving).await,
-            DTypeArg::Bf16 => train::run::<half::bf16>(config, train_config, leaving).await,
-            DTypeArg::I32 => train::run::<i32>(config, train_config, leaving).await,
-            DTypeArg::I64 => train::run::<i64>(config, train_config, leaving).await,
-            DTypeArg::U8 => train::run::<u8>(config, train_config, leaving).await,
+            DTypeArg::F32 => train::run::<f32>(config, train_config, leaving.clone()).await,
+            DTypeArg::F64 => train::run::<f64>(config, train_config, leaving.clone()).await,
+            DTypeArg::F16 => train::run::<half::f16>(config, train_config, leaving.clone()).await,
+            DTypeArg::Bf16 => train::run::<half::bf16>(config, train_config, leaving.clone()).await,
+            DTypeArg::I32 => train::run::<i32>(config, train_config, leaving.clone()).await,
+            DTypeArg::I64 => train::run::<i64>(config, train_config, leaving.clone()).await,
+            DTypeArg::U8 => train::run::<u8>(config, train_config, leaving.clone()).await,
         };
         result.map_err(|e: TrainError| e.to_string())
     })

@@ -3,17 +3,18 @@
 //! Each step allreduces a deterministic, integer-valued gradient (so sums are exact),
 //! checks every element against the expected sum for the generation's members, adds it to
 //! the parameters, commits, and agrees with the other ranks (one tiny allreduce) whether to
-//! re-form at this commit point (joiners waiting, or a member leaving on SIGTERM).
+//! re-form at this commit point (joiners waiting, or a member leaving on SIGTERM). A SIGTERM
+//! before the worker is a member (while it joins, or waits out an exclusion) ends it at once.
 //!
 //! Output: one `key=value` line per event on stdout (the chaos harness parses them):
-//! `event=joined|generation|allreduce|step|error|restored|reform|leave|summary|wrong_result`,
+//! `event=joining|joined|generation|allreduce|step|error|restored|reform|leave|summary|wrong_result`,
 //! each with `t_ms` (wall clock, ms since the Unix epoch).
 
 use crate::elastic::{Checkpoint, ElasticConfig, ElasticError, ElasticGroup, Generation, SyncError};
 use crate::exact::{ExactElement, Pattern};
 use crate::{CommError, ReduceOp};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use tokio::sync::watch;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use tracing::{info_span, Instrument};
 
@@ -88,12 +89,22 @@ impl<E: ExactElement> crate::elastic::ElasticState for Params<E> {
 pub async fn run<E: ExactElement>(
     config: ElasticConfig,
     train: TrainConfig,
-    leaving: Arc<AtomicBool>,
+    mut leaving: watch::Receiver<bool>,
 ) -> Result<TrainSummary, TrainError> {
     let width = std::mem::size_of::<E>();
     let count = train.size_bytes / width;
     let worker = config.worker_id.clone();
-    let mut group = ElasticGroup::join(config).await?;
+    // SIGTERM while joining (which includes waiting out an exclusion, possibly minutes): not
+    // a member yet, so nobody waits on this worker and it stops at once. Later, inside a
+    // generation or a re-formation, it leaves at the next commit point.
+    println!("event=joining worker={worker} t_ms={}", now_ms());
+    let mut group = tokio::select! {
+        joined = ElasticGroup::join(config) => joined?,
+        () = sigterm(&mut leaving) => {
+            println!("event=leave gen=0 step=0 joined=false t_ms={}", now_ms());
+            return Ok(TrainSummary { left: true, ..TrainSummary::default() });
+        }
+    };
     println!(
         "event=joined worker={worker} incarnation={} addr={} listen={} t_ms={}",
         group.incarnation(),
@@ -201,14 +212,14 @@ pub async fn run<E: ExactElement>(
             // Commit point: report, then agree with every rank on whether to re-form here.
             group.set_progress(g, step, "commit");
             let pending = group.commit(g, step, &checkpoint.digest());
-            let mut flags = [u8::from(pending), u8::from(leaving.load(Ordering::SeqCst))];
+            let mut flags = [u8::from(pending), u8::from(*leaving.borrow())];
             if let Err(e) = generation.comm.allreduce(&mut flags, ReduceOp::Max).await {
                 let cause = group.on_failure(g, &e).await;
                 println!("event=error gen={g} rank={rank} step={step} phase=commit kind={} cause={} t_ms={}", kind_of(&e), q(&cause.to_string()), now_ms());
                 failed_at.get_or_insert_with(Instant::now);
                 continue 'generations;
             }
-            if flags[1] != 0 && leaving.load(Ordering::SeqCst) {
+            if flags[1] != 0 && *leaving.borrow() {
                 println!("event=leave gen={g} rank={rank} step={step} t_ms={}", now_ms());
                 summary.final_step = step;
                 summary.left = true;
@@ -230,6 +241,16 @@ pub async fn run<E: ExactElement>(
     }
     summary.final_step = checkpoint.step().unwrap_or(0);
     Ok(summary)
+}
+
+/// Resolves once SIGTERM has been received (never, if the signal task is gone without one).
+///
+/// # Cancel safety
+/// Cancel safe: it only watches the flag.
+async fn sigterm(leaving: &mut watch::Receiver<bool>) {
+    if leaving.wait_for(|l| *l).await.is_err() {
+        std::future::pending::<()>().await;
+    }
 }
 
 /// Why `train` stopped with a failure.

@@ -149,7 +149,8 @@ impl Drop for ElasticGroup {
 impl ElasticGroup {
     /// Binds the data-plane listener, opens the RDMA endpoint when configured (failing at
     /// once, before joining, when its device cannot be opened), joins the job and starts the
-    /// heartbeat and watch tasks.
+    /// heartbeat and watch tasks. An excluded worker waits out its exclusion first (at most
+    /// [`ElasticConfig::exclusion_wait`], else [`ElasticError::Excluded`]).
     ///
     /// # Cancel safety
     /// Cancel safe: a join left half done expires with its lease.
@@ -309,7 +310,9 @@ impl ElasticGroup {
     ///
     /// This is re-formation in one call: after a failure (or at a commit point where a
     /// re-formation was agreed) it returns the next generation's communicator. Errors only
-    /// when the job ends or the coordinator is unreachable for the whole retry budget.
+    /// when the job ends, the coordinator is unreachable for the whole retry budget, or this
+    /// worker, evicted and joining again, stays excluded longer than
+    /// [`ElasticConfig::exclusion_wait`].
     ///
     /// # Cancel safety
     /// Cancel safe: calling it again resumes the rendezvous.
