@@ -472,67 +472,25 @@ impl ElasticGroup {
         }
     }
 
-    /// Turns a failed collective of `generation` into the generation's root cause.
-    ///
-    /// A revoked communicator already carries the cause. For a local detection (peer closed,
-    /// timeout, protocol error) this reports the failure to the coordinator, which keeps the
-    /// first report of the generation: the answer is the root cause every rank shares.
+    /// Turns a failed collective of `generation` into the generation's root cause (see
+    /// [`FailureReporter::on_failure`]).
     ///
     /// # Cancel safety
     /// Cancel safe (reports are idempotent).
     pub async fn on_failure(&self, generation: u64, error: &CommError) -> RootCause {
-        if let CommError::Revoked { cause, .. } = error {
-            return cause.clone();
-        }
-        if let Some(cause) = self.shared.cause_of(generation) {
-            return cause;
-        }
-        let failed_rank = match error {
-            CommError::PeerFailed { rank, .. } => Some(*rank),
-            CommError::Timeout { rank, .. } => *rank,
-            _ => None,
-        };
-        let report = pb::FailureReport {
-            job: self.config.job.clone(),
-            worker_id: self.config.worker_id.clone(),
-            incarnation: self.incarnation(),
-            generation,
-            failed_rank,
-            reason: error.to_string(),
-            kind: match error {
-                CommError::PeerFailed { .. } => pb::failure_report::FailureKind::PeerClosed,
-                CommError::Timeout { .. } => pb::failure_report::FailureKind::Timeout,
-                _ => pb::failure_report::FailureKind::Unspecified,
-            } as i32,
-            progress: match error {
-                CommError::Timeout { progress: Some(p), .. } => Some(pb::OpProgress { seq: p.seq, received: p.received }),
-                _ => None,
-            },
-        };
-        match tokio::time::timeout(self.config.root_cause_wait.max(Duration::from_secs(2)), self.client.report_failure(report)).await {
-            Ok(Ok(response)) => {
-                let cause = cause_from_pb(response.cause);
-                self.shared.revoke(generation, cause.clone());
-                cause
-            }
-            Ok(Err(e)) => {
-                warn!(error = %e, "could not report the failure; using the local error as the cause");
-                self.revoke_locally(generation, failed_rank, error)
-            }
-            Err(_) => {
-                warn!("no answer to the failure report in time; using the local error as the cause");
-                self.revoke_locally(generation, failed_rank, error)
-            }
-        }
+        self.reporter().on_failure(generation, error).await
     }
 
-    /// Without the coordinator's record, the local error is the cause; revoking with it
-    /// closes the generation's links (which stayed open for the report) so that peers stop
-    /// waiting on this rank.
-    fn revoke_locally(&self, generation: u64, failed_rank: Option<u32>, error: &CommError) -> RootCause {
-        let cause = RootCause { rank: failed_rank, worker_id: String::new(), host: String::new(), reason: error.to_string() };
-        self.shared.revoke(generation, cause.clone());
-        cause
+    /// A cloneable handle that reports failures of this worker's generations, for code that
+    /// holds a [`Generation`] apart from the group (another task, a language binding).
+    pub fn reporter(&self) -> FailureReporter {
+        FailureReporter {
+            client: self.client.clone(),
+            shared: self.shared.clone(),
+            job: self.config.job.clone(),
+            worker_id: self.config.worker_id.clone(),
+            root_cause_wait: self.config.root_cause_wait,
+        }
     }
 
     /// Records a commit point (step and state digest) for the coordinator and answers whether
@@ -591,6 +549,98 @@ impl ElasticGroup {
             task.abort();
         }
         result.map(|_| ()).map_err(Into::into)
+    }
+}
+
+/// Reports failed collectives of one worker's generations and answers their root cause.
+/// Obtained from [`ElasticGroup::reporter`]; cheap to clone, `Send + Sync`.
+#[derive(Clone)]
+pub struct FailureReporter {
+    client: ControlClient,
+    shared: Arc<Shared>,
+    job: String,
+    worker_id: String,
+    root_cause_wait: Duration,
+}
+
+impl std::fmt::Debug for FailureReporter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FailureReporter").field("job", &self.job).field("worker_id", &self.worker_id).finish()
+    }
+}
+
+impl FailureReporter {
+    /// The worker's current incarnation (changes when it had to join again).
+    pub fn incarnation(&self) -> u64 {
+        self.shared.incarnation.load(Ordering::SeqCst)
+    }
+
+    /// Whether the watch has announced joiners waiting for a re-formation.
+    pub fn reformation_pending(&self) -> bool {
+        self.shared.reformation_pending.load(Ordering::SeqCst)
+    }
+
+    /// Turns a failed collective of `generation` into the generation's root cause.
+    ///
+    /// A revoked communicator already carries the cause. For a local detection (peer closed,
+    /// timeout, protocol error) this reports the failure to the coordinator, which keeps the
+    /// first report of the generation: the answer is the root cause every rank shares.
+    ///
+    /// # Cancel safety
+    /// Cancel safe (reports are idempotent).
+    pub async fn on_failure(&self, generation: u64, error: &CommError) -> RootCause {
+        if let CommError::Revoked { cause, .. } = error {
+            return cause.clone();
+        }
+        if let Some(cause) = self.shared.cause_of(generation) {
+            return cause;
+        }
+        let failed_rank = match error {
+            CommError::PeerFailed { rank, .. } => Some(*rank),
+            CommError::Timeout { rank, .. } => *rank,
+            _ => None,
+        };
+        let report = pb::FailureReport {
+            job: self.job.clone(),
+            worker_id: self.worker_id.clone(),
+            incarnation: self.shared.incarnation.load(Ordering::SeqCst),
+            generation,
+            failed_rank,
+            reason: error.to_string(),
+            kind: match error {
+                CommError::PeerFailed { .. } => pb::failure_report::FailureKind::PeerClosed,
+                CommError::Timeout { .. } => pb::failure_report::FailureKind::Timeout,
+                _ => pb::failure_report::FailureKind::Unspecified,
+            } as i32,
+            progress: match error {
+                CommError::Timeout { progress: Some(p), .. } => Some(pb::OpProgress { seq: p.seq, received: p.received }),
+                _ => None,
+            },
+        };
+        match tokio::time::timeout(self.root_cause_wait.max(Duration::from_secs(2)), self.client.report_failure(report)).await {
+            Ok(Ok(response)) => {
+                let cause = cause_from_pb(response.cause);
+                self.shared.revoke(generation, cause.clone());
+                cause
+            }
+            Ok(Err(e)) => {
+                warn!(error = %e, "could not report the failure; using the local error as the cause");
+                self.revoke_locally(generation, failed_rank, error)
+            }
+            Err(_) => {
+                warn!("no answer to the failure report in time; using the local error as the cause");
+                self.revoke_locally(generation, failed_rank, error)
+            }
+        }
+    }
+
+    /// Without the coordinator's record, the local error is the cause; revoking with it
+    /// closes the generation's links (which stayed open for the report) so that peers stop
+    /// waiting on this rank.
+    fn revoke_locally(&self, generation: u64, failed_rank: Option<u32>, error: &CommError) -> RootCause {
+        let cause = RootCause { rank: failed_rank, worker_id: String::new(), host: String::new(), reason: error.to_string() };
+        self.shared.revoke(generation, cause.clone());
+        cause
     }
 }
 

@@ -33,6 +33,6 @@ mod state;
 
 pub use config::{local_hostname, ElasticConfig};
 pub use error::ElasticError;
-pub use group::{ElasticGroup, Generation, MemberInfo, ReformReason};
+pub use group::{ElasticGroup, FailureReporter, Generation, MemberInfo, ReformReason};
 pub use mesh::{MeshKind, MeshTransport};
 pub use state::{Checkpoint, ElasticState, SyncError, SyncOutcome};

@@ -1,0 +1,155 @@
+"""Type stubs of ``cohort._native``, the PyO3 extension over the ``cohort`` crate.
+
+Everything here is a thin wrapper: collectives, rendezvous, revocation and state sync are
+the Rust crate's. Users normally import from ``cohort`` (which re-exports these) and use the
+high-level layers (``cohort.elastic``, ``cohort.torch``).
+
+Buffers: every collective takes its buffers in place. A buffer is a C-contiguous, writable
+object supporting the buffer protocol (a NumPy array, ``bytearray``, ``memoryview``) or a
+contiguous CPU ``torch.Tensor`` (read through ``data_ptr()``; ``torch.bfloat16`` included).
+Dtypes: float32, float64, float16, bfloat16 (torch only), int32, int64, uint8. Nothing is
+copied between Python and Rust: the collective reads and writes the buffer's own memory.
+The GIL is released while a collective or a wait runs.
+
+Errors: failures raise the exceptions of ``cohort.errors`` (``PeerFailedError``,
+``TimeoutError``, ``RevokedError``, ``TransportError``, ``JobEndedError``,
+``ExcludedError``, ``DivergedError``, ``ControlError``, ``InvalidArgumentError``), built by
+the extension with their facts as attributes. Ctrl-C during a blocking call raises
+``KeyboardInterrupt`` within 100 ms (the operation is abandoned; the communicator is then
+unusable, as after any failure).
+"""
+
+from typing import Any, Optional, Sequence, Union
+
+Buffer = Any  # numpy.ndarray | torch.Tensor | bytearray | memoryview
+ReduceOpName = str  # "sum" | "prod" | "min" | "max" | "avg"
+
+__version__: str
+
+class Member:
+    """One member of a generation, as the coordinator formed it."""
+
+    rank: int
+    worker_id: str
+    host: str
+    address: str
+
+class Work:
+    """A collective started with ``*_async``; runs on the communicator's worker thread, in
+    issue order with every other call of the communicator."""
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        """Blocks (GIL released) until the collective completes. Returns True when it
+        completed; False when ``timeout`` seconds passed first (it still runs). Raises the
+        collective's error (once; later calls raise it again)."""
+    def is_completed(self) -> bool: ...
+
+class Communicator:
+    """The collectives of one generation. Obtained from ``Group.next_generation()``. After
+    any failure it is poisoned: every later call raises the same error. When the
+    communicator belongs to a ``Group``, a failure is reported to the coordinator first and
+    the exception carries the generation's root cause."""
+
+    rank: int
+    size: int
+    generation: int
+    transport: str  # "tcp" | "rdma"
+    members: list[Member]
+
+    def allreduce(self, buf: Buffer, op: ReduceOpName = "sum") -> None: ...
+    def allreduce_async(self, buf: Buffer, op: ReduceOpName = "sum") -> Work: ...
+    def reduce_scatter(self, input: Buffer, output: Buffer, op: ReduceOpName = "sum") -> None:
+        """``input`` holds ``size`` equal blocks of ``len(output)`` elements; rank r gets
+        the reduction of every rank's block r in ``output``."""
+    def allgather(self, input: Buffer, output: Buffer) -> None:
+        """``output`` holds ``size`` blocks of ``len(input)`` elements; block r is rank r's
+        input. ``input`` may be the rank's own block of ``output`` (in place)."""
+    def allgather_async(self, input: Buffer, output: Buffer) -> Work: ...
+    def broadcast(self, buf: Buffer, root: int = 0) -> None: ...
+    def broadcast_async(self, buf: Buffer, root: int = 0) -> Work: ...
+    def reduce(self, buf: Buffer, root: int = 0, op: ReduceOpName = "sum") -> None: ...
+    def gather(self, input: Buffer, output: Optional[Buffer], root: int = 0) -> None: ...
+    def scatter(self, input: Optional[Buffer], output: Buffer, root: int = 0) -> None: ...
+    def alltoall(self, input: Buffer, output: Buffer) -> None: ...
+    def barrier(self) -> None: ...
+    def send(self, buf: Buffer, dst: int) -> None: ...
+    def recv(self, buf: Buffer, src: int) -> None: ...
+    def close(self) -> None:
+        """Closes the links (peers see this rank gone). Idempotent."""
+
+class SyncOutcome:
+    step: Optional[int]  # the commit every member now holds (None: nothing committed yet)
+    source: int  # the rank whose commit was broadcast
+    changed: bool  # whether this member's state changed
+
+class Checkpoint:
+    """The crate's commit/restore/sync, over opaque snapshot bytes."""
+
+    step: Optional[int]
+    digest: bytes  # SHA-256 over step and snapshot
+
+    def __init__(self) -> None: ...
+    def commit(self, snapshot: bytes, step: int) -> None: ...
+    def snapshot(self) -> bytes:
+        """The committed snapshot (what restore loads)."""
+    def sync(self, comm: Communicator, current: bytes) -> tuple[bytes, SyncOutcome]:
+        """Makes every member hold the newest commit (digests compared). ``current`` is
+        this member's state, used when nobody has committed yet. Returns the snapshot to
+        load. Raises a collective error (re-form and call again) or ``DivergedError``."""
+
+class Group:
+    """This worker's membership in an elastic job (``ElasticGroup``). Joining happens in
+    the constructor; heartbeats and the watch stream run in the background until
+    ``leave()``/``close()``.
+
+    Defaults are ``cohort-worker train``'s."""
+
+    job: str
+    worker_id: str
+    host: str
+    incarnation: int
+    address: str  # data-plane address peers dial
+    leaving: bool  # SIGTERM received (when handle_sigterm): leave at the next commit point
+    reformation_pending: bool  # joiners waiting (as far as this worker has heard)
+
+    def __init__(
+        self,
+        job: str,
+        coordinator: Union[str, Sequence[str]],
+        worker_id: Optional[str] = None,
+        *,
+        token: Optional[Union[str, bytes]] = None,
+        host: Optional[str] = None,
+        listen: str = "0.0.0.0:0",
+        advertise: str = "127.0.0.1",
+        no_progress_timeout: float = 10.0,
+        connect_timeout: float = 30.0,
+        op_timeout: Optional[float] = None,
+        exclusion_wait: float = 3600.0,
+        rendezvous_poll: float = 10.0,
+        root_cause_wait: float = 0.5,
+        algorithm: str = "auto",
+        segment_bytes: int = 1 << 20,
+        busy_poll: float = 50e-6,
+        tls_ca: Optional[str] = None,
+        request_timeout: float = 5.0,
+        retry_budget: float = 30.0,
+        handle_sigterm: bool = True,
+    ) -> None:
+        """Joins (blocks; an excluded worker waits out its exclusion). SIGTERM while
+        joining raises ``cohort.GracefulLeave`` (exit status 0 if uncaught)."""
+    def next_generation(self) -> Communicator:
+        """Waits at the rendezvous for the next generation and connects its mesh (blocks,
+        GIL released). Raises ``JobEndedError`` when the job ended."""
+    def commit(self, generation: int, step: int, digest: bytes) -> bool:
+        """Reports a commit point (in the background); returns ``reformation_pending``."""
+    def set_progress(self, generation: int, step: int, activity: str) -> None: ...
+    def leave(self, finished: bool = False) -> None:
+        """Leaves the job (``finished``: the work is done; otherwise a graceful leave)."""
+    def close(self) -> None:
+        """Stops the background tasks without a leave (the lease expires). Idempotent."""
+    def __enter__(self) -> "Group": ...
+    def __exit__(self, *exc: Any) -> None: ...
+
+def init_logging(level: str = "warn") -> None:
+    """Routes the crate's tracing to stderr (``COHORT_LOG`` overrides). Called at import."""

@@ -1,0 +1,504 @@
+//! `Communicator` and `Work`: one generation's collectives from Python.
+//!
+//! A blocking call runs on the calling thread with the GIL released ([`crate::runtime::wait`]).
+//! A `*_async` call is queued to the communicator's own thread (started on first use), which
+//! runs queued calls one at a time in issue order, so that gradient buckets are reduced while
+//! backward goes on. A blocking call first waits for every queued call to finish, keeping the
+//! one order all ranks must agree on.
+//!
+//! When a call fails and the communicator belongs to a `Group`, the failure is reported to the
+//! coordinator before the exception is raised, and the exception carries the generation's
+//! root cause (the rank that failed first), as `cohort-worker train` prints it.
+
+use crate::buffer::Buf;
+use crate::errors::{invalid, to_pyerr, Failure};
+use crate::ops::{execute, parse_op, Prepared, Shape};
+use crate::runtime::{runtime, wait};
+use cohort::elastic::{FailureReporter, MemberInfo, MeshTransport};
+use cohort::{CommError, Communicator as RustCommunicator};
+use pyo3::prelude::*;
+use std::sync::mpsc;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+pub(crate) type Comm = Box<RustCommunicator<MeshTransport>>;
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Where the communicator is: ready, lent to a running call, or closed.
+enum Slot {
+    Ready(Comm),
+    Busy,
+    Closed,
+}
+
+/// One member of a generation.
+#[pyclass(module = "cohort._native", frozen, get_all)]
+#[derive(Clone)]
+pub(crate) struct Member {
+    /// Rank in the generation.
+    rank: u32,
+    /// The worker's id.
+    worker_id: String,
+    /// Its host name.
+    host: String,
+    /// Its data-plane address.
+    address: String,
+}
+
+#[pymethods]
+impl Member {
+    fn __repr__(&self) -> String {
+        format!("Member(rank={}, worker_id={:?}, host={:?}, address={:?})", self.rank, self.worker_id, self.host, self.address)
+    }
+}
+
+impl From<&MemberInfo> for Member {
+    fn from(m: &MemberInfo) -> Self {
+        Member { rank: m.rank, worker_id: m.worker_id.clone(), host: m.host.clone(), address: m.tcp.to_string() }
+    }
+}
+
+/// What a communicator's calls share (its Python object, queued calls, the executor).
+pub(crate) struct Core {
+    slot: Mutex<Slot>,
+    reporter: Option<FailureReporter>,
+    generation: u64,
+    shape: Shape,
+    /// The executor's queue, started by the first `*_async` call.
+    queue: Mutex<Option<mpsc::Sender<Box<dyn FnOnce() + Send>>>>,
+    /// The last queued call.
+    tail: Mutex<Option<Arc<Completion>>>,
+}
+
+impl Core {
+    /// Lends the communicator to one call.
+    fn take(&self) -> Result<Comm, Failure> {
+        let mut slot = lock(&self.slot);
+        match std::mem::replace(&mut *slot, Slot::Busy) {
+            Slot::Ready(comm) => Ok(comm),
+            Slot::Busy => Err(Failure::Invalid(
+                "another call is running on this communicator (its calls run one at a time, in the same order on every rank)".into(),
+            )),
+            Slot::Closed => {
+                *slot = Slot::Closed;
+                Err(Failure::Invalid("the communicator is closed".into()))
+            }
+        }
+    }
+
+    /// Returns a lent communicator (unless it was closed meanwhile).
+    pub(crate) fn give_back(&self, comm: Comm) {
+        let mut slot = lock(&self.slot);
+        if matches!(*slot, Slot::Busy) {
+            *slot = Slot::Ready(comm);
+        }
+    }
+
+    /// Runs `op` to completion on `comm` and turns a failure into the root cause.
+    ///
+    /// # Cancel safety
+    /// Not cancel safe (a collective).
+    async fn run(&self, comm: &mut RustCommunicator<MeshTransport>, prepared: &Prepared) -> Result<(), Failure> {
+        match execute(comm, &prepared.op).await {
+            Ok(()) => Ok(()),
+            Err(error) => Err(self.failure(error).await),
+        }
+    }
+
+    /// Reports `error` (when the communicator belongs to a group) and wraps it with the cause.
+    ///
+    /// # Cancel safety
+    /// Cancel safe (reports are idempotent).
+    pub(crate) async fn failure(&self, error: CommError) -> Failure {
+        let cause = match (&self.reporter, &error) {
+            (_, CommError::InvalidArgument(_)) => None,
+            (Some(reporter), _) => Some(reporter.on_failure(self.generation, &error).await),
+            (None, _) => None,
+        };
+        Failure::Comm { error, generation: self.generation, cause }
+    }
+
+    /// Waits (GIL released) until every queued call has finished.
+    fn drain(&self, py: Python<'_>) -> PyResult<()> {
+        let tail = lock(&self.tail).clone();
+        if let Some(tail) = tail {
+            tail.wait_interruptibly(py, None)?;
+        }
+        Ok(())
+    }
+
+    /// Runs one blocking call.
+    pub(crate) fn call(&self, py: Python<'_>, prepared: PyResult<Prepared>) -> PyResult<()> {
+        let prepared = prepared?;
+        self.drain(py)?;
+        let mut comm = self.take().map_err(PyErr::from)?;
+        let result = wait(py, async { self.run(&mut comm, &prepared).await });
+        self.give_back(comm);
+        match result {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(failure)) => Err(to_pyerr(py, failure)),
+            Err(interrupted) => Err(interrupted),
+        }
+    }
+
+    /// Lends the communicator to a caller that runs its own operation (Checkpoint.sync),
+    /// after every queued call has finished; hand it back with [`Core::give_back`].
+    pub(crate) fn lend(&self, py: Python<'_>) -> PyResult<Comm> {
+        self.drain(py)?;
+        self.take().map_err(PyErr::from)
+    }
+
+    /// Queues one call on the executor thread.
+    fn queue(self: &Arc<Self>, prepared: Prepared, bufs: Vec<Buf>) -> PyResult<Work> {
+        let completion = Arc::new(Completion::default());
+        let job = {
+            let core = Arc::clone(self);
+            let completion = Arc::clone(&completion);
+            Box::new(move || {
+                let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| -> Result<(), Failure> {
+                    let mut comm = core.take()?;
+                    let rt = runtime().map_err(Failure::Python)?;
+                    let result = rt.block_on(core.run(&mut comm, &prepared));
+                    core.give_back(comm);
+                    result
+                }));
+                let result = result.unwrap_or_else(|_| Err(Failure::Other("internal error in cohort: a queued collective panicked".into())));
+                drop(prepared);
+                completion.complete(result);
+            }) as Box<dyn FnOnce() + Send>
+        };
+        let mut queue = lock(&self.queue);
+        if queue.is_none() {
+            let (tx, rx) = mpsc::channel::<Box<dyn FnOnce() + Send>>();
+            std::thread::Builder::new()
+                .name(format!("cohort-collectives-g{}", self.generation))
+                .spawn(move || {
+                    for job in rx {
+                        job();
+                    }
+                })
+                .map_err(|e| crate::errors::cohort_error(format!("starting the collectives thread: {e}")))?;
+            *queue = Some(tx);
+        }
+        *lock(&self.tail) = Some(Arc::clone(&completion));
+        let sent = queue.as_ref().map(|tx| tx.send(job));
+        if !matches!(sent, Some(Ok(()))) {
+            return Err(crate::errors::cohort_error("the collectives thread is gone".into()));
+        }
+        Ok(Work { completion, bufs: Mutex::new(bufs), error: Mutex::new(None) })
+    }
+}
+
+/// The end of a queued call: its result, once there.
+#[derive(Default)]
+pub(crate) struct Completion {
+    result: Mutex<Option<Result<(), Failure>>>,
+    done: Condvar,
+}
+
+impl Completion {
+    fn complete(&self, result: Result<(), Failure>) {
+        *lock(&self.result) = Some(result);
+        self.done.notify_all();
+    }
+
+    fn is_done(&self) -> bool {
+        lock(&self.result).is_some()
+    }
+
+    /// Waits until done or `timeout` passes (GIL released; signals checked every 50 ms on
+    /// the main thread). True when done.
+    fn wait_interruptibly(&self, py: Python<'_>, timeout: Option<Duration>) -> PyResult<bool> {
+        if self.is_done() {
+            return Ok(true);
+        }
+        let deadline = timeout.map(|t| Instant::now() + t);
+        loop {
+            let step = Duration::from_millis(50);
+            let step = deadline.map_or(step, |d| d.saturating_duration_since(Instant::now()).min(step));
+            let done = py.detach(|| {
+                let guard = lock(&self.result);
+                let (guard, _) = self.done.wait_timeout_while(guard, step, |r| r.is_none()).unwrap_or_else(|e| e.into_inner());
+                guard.is_some()
+            });
+            if done {
+                return Ok(true);
+            }
+            py.check_signals()?;
+            if deadline.is_some_and(|d| Instant::now() >= d) {
+                return Ok(false);
+            }
+        }
+    }
+}
+
+/// A queued collective (see the module docs).
+#[pyclass(module = "cohort._native", frozen)]
+pub(crate) struct Work {
+    completion: Arc<Completion>,
+    /// The buffers, held until the call has finished.
+    bufs: Mutex<Vec<Buf>>,
+    /// The call's error as raised the first time (raised again on later waits).
+    error: Mutex<Option<PyErr>>,
+}
+
+#[pymethods]
+impl Work {
+    /// Blocks (GIL released) until the call completes; False when `timeout` seconds passed
+    /// first. Raises the call's error.
+    #[pyo3(signature = (timeout=None))]
+    fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<bool> {
+        let timeout = match timeout {
+            Some(t) if !(t.is_finite() && t >= 0.0) => return Err(invalid(format!("timeout must be a non-negative number of seconds, got {t}"))),
+            Some(t) => Some(Duration::from_secs_f64(t)),
+            None => None,
+        };
+        if !self.completion.wait_interruptibly(py, timeout)? {
+            return Ok(false);
+        }
+        lock(&self.bufs).clear();
+        let mut error = lock(&self.error);
+        if let Some(e) = error.as_ref() {
+            return Err(e.clone_ref(py));
+        }
+        let failure = lock(&self.completion.result).as_mut().and_then(|r| std::mem::replace(r, Ok(())).err());
+        match failure {
+            None => Ok(true),
+            Some(failure) => {
+                let e = to_pyerr(py, failure);
+                *error = Some(e.clone_ref(py));
+                Err(e)
+            }
+        }
+    }
+
+    /// Whether the call has finished (successfully or not).
+    fn is_completed(&self) -> bool {
+        self.completion.is_done()
+    }
+}
+
+impl Drop for Work {
+    fn drop(&mut self) {
+        // The buffers must outlive the call: wait for it before they are released.
+        if !self.completion.is_done() {
+            let completion = Arc::clone(&self.completion);
+            Python::attach(|py| {
+                py.detach(|| {
+                    let guard = lock(&completion.result);
+                    drop(completion.done.wait_while(guard, |r| r.is_none()));
+                })
+            });
+        }
+    }
+}
+
+/// The collectives of one generation.
+#[pyclass(module = "cohort._native", frozen)]
+pub(crate) struct Communicator {
+    pub(crate) core: Arc<Core>,
+    members: Vec<Member>,
+    transport: String,
+}
+
+impl Communicator {
+    pub(crate) fn new(comm: RustCommunicator<MeshTransport>, reporter: Option<FailureReporter>, members: &[MemberInfo], transport: &str) -> Self {
+        let shape = Shape { rank: comm.rank(), size: comm.size() };
+        let generation = comm.generation();
+        Communicator {
+            core: Arc::new(Core {
+                slot: Mutex::new(Slot::Ready(Box::new(comm))),
+                reporter,
+                generation,
+                shape,
+                queue: Mutex::new(None),
+                tail: Mutex::new(None),
+            }),
+            members: members.iter().map(Member::from).collect(),
+            transport: transport.to_string(),
+        }
+    }
+
+    fn shape(&self) -> Shape {
+        self.core.shape
+    }
+}
+
+fn prepared(p: Result<Prepared, String>) -> PyResult<Prepared> {
+    p.map_err(invalid)
+}
+
+fn op_of(name: &str) -> PyResult<cohort::ReduceOp> {
+    parse_op(name).map_err(invalid)
+}
+
+#[pymethods]
+impl Communicator {
+    /// This rank.
+    #[getter]
+    fn rank(&self) -> u32 {
+        self.shape().rank
+    }
+
+    /// Number of ranks.
+    #[getter]
+    fn size(&self) -> u32 {
+        self.shape().size
+    }
+
+    /// The generation number.
+    #[getter]
+    fn generation(&self) -> u64 {
+        self.core.generation
+    }
+
+    /// "tcp" or "rdma".
+    #[getter]
+    fn transport(&self) -> &str {
+        &self.transport
+    }
+
+    /// The members, by rank.
+    #[getter]
+    fn members(&self) -> Vec<Member> {
+        self.members.clone()
+    }
+
+    /// Element-wise reduction of `buf` over every rank, in place.
+    #[pyo3(signature = (buf, op="sum"))]
+    fn allreduce(&self, py: Python<'_>, buf: &Bound<'_, PyAny>, op: &str) -> PyResult<()> {
+        let buf = Buf::new(buf, true, "allreduce")?;
+        self.core.call(py, op_of(op).and_then(|op| prepared(Prepared::allreduce(&buf, op))))
+    }
+
+    /// [`Communicator::allreduce`] queued; returns a `Work`.
+    #[pyo3(signature = (buf, op="sum"))]
+    fn allreduce_async(&self, buf: &Bound<'_, PyAny>, op: &str) -> PyResult<Work> {
+        let buf = Buf::new(buf, true, "allreduce")?;
+        let p = prepared(Prepared::allreduce(&buf, op_of(op)?))?;
+        self.core.queue(p, vec![buf])
+    }
+
+    /// Rank r receives the reduction of every rank's block r of `input` in `output`.
+    #[pyo3(signature = (input, output, op="sum"))]
+    fn reduce_scatter(&self, py: Python<'_>, input: &Bound<'_, PyAny>, output: &Bound<'_, PyAny>, op: &str) -> PyResult<()> {
+        let (i, o) = (Buf::new(input, false, "reduce_scatter input")?, Buf::new(output, true, "reduce_scatter output")?);
+        self.core.call(py, op_of(op).and_then(|op| prepared(Prepared::reduce_scatter(&i, &o, op, self.shape()))))
+    }
+
+    /// [`Communicator::reduce_scatter`] queued; returns a `Work`.
+    #[pyo3(signature = (input, output, op="sum"))]
+    fn reduce_scatter_async(&self, input: &Bound<'_, PyAny>, output: &Bound<'_, PyAny>, op: &str) -> PyResult<Work> {
+        let (i, o) = (Buf::new(input, false, "reduce_scatter input")?, Buf::new(output, true, "reduce_scatter output")?);
+        let p = prepared(Prepared::reduce_scatter(&i, &o, op_of(op)?, self.shape()))?;
+        self.core.queue(p, vec![i, o])
+    }
+
+    /// `output` holds every rank's `input`, by rank.
+    fn allgather(&self, py: Python<'_>, input: &Bound<'_, PyAny>, output: &Bound<'_, PyAny>) -> PyResult<()> {
+        let (i, o) = (Buf::new(input, false, "allgather input")?, Buf::new(output, true, "allgather output")?);
+        self.core.call(py, prepared(Prepared::allgather(&i, &o, self.shape())))
+    }
+
+    /// [`Communicator::allgather`] queued; returns a `Work`.
+    fn allgather_async(&self, input: &Bound<'_, PyAny>, output: &Bound<'_, PyAny>) -> PyResult<Work> {
+        let (i, o) = (Buf::new(input, false, "allgather input")?, Buf::new(output, true, "allgather output")?);
+        let p = prepared(Prepared::allgather(&i, &o, self.shape()))?;
+        self.core.queue(p, vec![i, o])
+    }
+
+    /// Copies the root's `buf` to every rank.
+    #[pyo3(signature = (buf, root=0))]
+    fn broadcast(&self, py: Python<'_>, buf: &Bound<'_, PyAny>, root: u32) -> PyResult<()> {
+        let b = Buf::new(buf, true, "broadcast")?;
+        self.core.call(py, prepared(Prepared::broadcast(&b, root, self.shape())))
+    }
+
+    /// [`Communicator::broadcast`] queued; returns a `Work`.
+    #[pyo3(signature = (buf, root=0))]
+    fn broadcast_async(&self, buf: &Bound<'_, PyAny>, root: u32) -> PyResult<Work> {
+        let b = Buf::new(buf, true, "broadcast")?;
+        let p = prepared(Prepared::broadcast(&b, root, self.shape()))?;
+        self.core.queue(p, vec![b])
+    }
+
+    /// The root's `buf` receives the reduction over every rank (others' are left as they are).
+    #[pyo3(signature = (buf, root=0, op="sum"))]
+    fn reduce(&self, py: Python<'_>, buf: &Bound<'_, PyAny>, root: u32, op: &str) -> PyResult<()> {
+        let b = Buf::new(buf, true, "reduce")?;
+        self.core.call(py, op_of(op).and_then(|op| prepared(Prepared::reduce(&b, root, op, self.shape()))))
+    }
+
+    /// The root's `output` holds every rank's `input`, by rank (`output` may be None elsewhere).
+    #[pyo3(signature = (input, output, root=0))]
+    fn gather(&self, py: Python<'_>, input: &Bound<'_, PyAny>, output: Option<&Bound<'_, PyAny>>, root: u32) -> PyResult<()> {
+        let i = Buf::new(input, false, "gather input")?;
+        let o = match output {
+            Some(o) => Buf::new(o, true, "gather output")?,
+            None if self.shape().rank == root => return Err(invalid("gather: the root needs an output buffer")),
+            None => Buf::empty(i.dtype()),
+        };
+        self.core.call(py, prepared(Prepared::gather(&i, &o, root, self.shape())))
+    }
+
+    /// Every rank's `output` receives its block of the root's `input` (`input` may be None
+    /// elsewhere).
+    #[pyo3(signature = (input, output, root=0))]
+    fn scatter(&self, py: Python<'_>, input: Option<&Bound<'_, PyAny>>, output: &Bound<'_, PyAny>, root: u32) -> PyResult<()> {
+        let o = Buf::new(output, true, "scatter output")?;
+        let i = match input {
+            Some(i) => Buf::new(i, false, "scatter input")?,
+            None if self.shape().rank == root => return Err(invalid("scatter: the root needs an input buffer")),
+            None => Buf::empty(o.dtype()),
+        };
+        self.core.call(py, prepared(Prepared::scatter(&i, &o, root, self.shape())))
+    }
+
+    /// Block j of rank i's `input` lands in block i of rank j's `output`.
+    fn alltoall(&self, py: Python<'_>, input: &Bound<'_, PyAny>, output: &Bound<'_, PyAny>) -> PyResult<()> {
+        let (i, o) = (Buf::new(input, false, "alltoall input")?, Buf::new(output, true, "alltoall output")?);
+        self.core.call(py, prepared(Prepared::alltoall(&i, &o, self.shape())))
+    }
+
+    /// Returns once every rank has entered it.
+    fn barrier(&self, py: Python<'_>) -> PyResult<()> {
+        self.core.call(py, prepared(Prepared::barrier()))
+    }
+
+    /// Sends `buf` to rank `dst` (matched with its `recv` in order).
+    fn send(&self, py: Python<'_>, buf: &Bound<'_, PyAny>, dst: u32) -> PyResult<()> {
+        let b = Buf::new(buf, false, "send")?;
+        self.core.call(py, prepared(Prepared::point_to_point(&b, dst, true, self.shape())))
+    }
+
+    /// Receives into `buf` from rank `src` (its length must match what was sent).
+    fn recv(&self, py: Python<'_>, buf: &Bound<'_, PyAny>, src: u32) -> PyResult<()> {
+        let b = Buf::new(buf, true, "recv")?;
+        self.core.call(py, prepared(Prepared::point_to_point(&b, src, false, self.shape())))
+    }
+
+    /// Releases this rank's communicator (idempotent). The links close when the group moves
+    /// to the next generation, or at once when the generation was revoked.
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        self.core.drain(py)?;
+        let old = std::mem::replace(&mut *lock(&self.core.slot), Slot::Closed);
+        if let Ok(rt) = runtime() {
+            let _entered = rt.enter();
+            drop(old);
+        }
+        Ok(())
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "Communicator(rank={}, size={}, generation={}, transport={:?})",
+            self.shape().rank,
+            self.shape().size,
+            self.core.generation,
+            self.transport
+        )
+    }
+}
