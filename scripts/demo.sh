@@ -4,6 +4,6 @@
 # survivors re-form, a new worker joins, every step verified. Extra arguments go to the demo.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/ensure-deps.sh >&2
+bash scripts/ensure-deps.sh build >&2
 cargo build --release --locked -p cohort-coordinator -p cohort -p cohort-chaos --bins
 exec target/release/cohort-chaos demo "$@"

@@ -26,6 +26,13 @@ echo "== chaos suite --quick"
 cargo build --release --locked -p cohort-chaos -p cohort -p cohort-coordinator
 target/release/cohort-chaos suite --quick --json target/chaos-quick.json
 
+# The Python package (python/: the PyO3 extension, the elastic layers, the PyTorch backend and
+# example): built by maturin into target/pyenv (it sees Debian's torch), tested by pytest
+# against the release binaries (real coordinator and worker processes on loopback).
+echo "== python"
+py=$(bash scripts/python-env.sh | tail -n 1)
+COHORT_BIN_DIR="$PWD/target/release" "$py" -m pytest -q -p no:cacheprovider python/tests
+
 # The RDMA transport (feature `rdma`): its device-free tests run everywhere; the device
 # tests run when a device is present and otherwise say, visibly, that they were skipped.
 echo "== rdma feature"

@@ -160,10 +160,9 @@ impl Core {
             Box::new(move || {
                 let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| -> Result<(), Failure> {
                     let mut comm = core.take()?;
-                    let rt = runtime().map_err(Failure::Python)?;
-                    let result = rt.block_on(core.run(&mut comm, &prepared));
+                    let result = crate::runtime::block_on(core.run(&mut comm, &prepared));
                     core.give_back(comm);
-                    result
+                    result.map_err(Failure::Python)?
                 }));
                 let result = result.unwrap_or_else(|_| Err(Failure::Other("internal error in cohort: a queued collective panicked".into())));
                 drop(prepared);

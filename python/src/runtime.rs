@@ -1,11 +1,14 @@
 //! The tokio runtime behind the extension, and the one way Python code waits on it.
 //!
-//! One multi-thread runtime per process with a single worker thread: it runs the group's
-//! background tasks (heartbeats, the watch stream, commit reports, the SIGTERM listener)
-//! while Python computes. A blocking call runs its future on the calling thread through
-//! [`wait`], with the GIL released, so a collective's socket work stays on the thread that
-//! asked for it (the TCP receive busy-polls its socket before it parks, as the Rust bench
-//! does), and other Python threads run meanwhile.
+//! A current-thread runtime whose core moves to whoever needs it. A blocking call runs its
+//! future through [`block_on`] on the calling thread, with the GIL released: that thread then
+//! drives the sockets, timers and tasks itself, as `cohort-worker bench` and `train` do on
+//! their current-thread runtimes, and a receive that parks wakes the same thread (a
+//! multi-thread runtime, whose worker drives the reactor, measured 6-11% slower at 16 MiB:
+//! docs/benchmarks.md). While no call runs, a driver thread holds the core so that the
+//! group's background tasks (heartbeats, the watch stream, commit reports, the SIGTERM
+//! listener) keep running while Python computes. It takes the core back only after
+//! [`DRIVER_GRACE`] without calls, so back-to-back collectives never wait for a hand-over.
 //!
 //! Fork: a runtime does not survive `fork()`. Create groups in the process that uses them
 //! (torch.multiprocessing's default "spawn" start method is fine).
@@ -13,30 +16,104 @@
 use pyo3::prelude::*;
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::OnceLock;
-use std::time::Duration;
-use tokio::sync::watch;
+use std::time::{Duration, Instant};
+use tokio::sync::{watch, Notify};
 
 /// How often a blocking call on the main thread looks for signals (Ctrl-C, or any Python
 /// signal handler): well inside the 100 ms a user waits for `KeyboardInterrupt`.
 const SIGNAL_POLL: Duration = Duration::from_millis(50);
 
-static RUNTIME: OnceLock<Result<tokio::runtime::Runtime, String>> = OnceLock::new();
+/// How long the driver thread stays away after the last call ended.
+const DRIVER_GRACE: Duration = Duration::from_millis(2);
+
+/// The runtime and the hand-over of its core between callers and the driver thread.
+pub(crate) struct Driver {
+    rt: tokio::runtime::Runtime,
+    /// Calls that hold or wait for the core.
+    wanted: AtomicUsize,
+    /// Wakes the driver's idle future when a call wants the core.
+    call_waiting: Notify,
+    /// When the last call ended, in ns since `epoch` (written by callers, read by the driver,
+    /// which checks back every grace period instead of being woken by every call's end).
+    last_release_ns: AtomicU64,
+    epoch: Instant,
+}
+
+static DRIVER: OnceLock<Result<&'static Driver, String>> = OnceLock::new();
 static SIGTERM: OnceLock<watch::Receiver<bool>> = OnceLock::new();
 
-/// The process's runtime, started on first use.
-pub(crate) fn runtime() -> PyResult<&'static tokio::runtime::Runtime> {
-    RUNTIME
+fn driver() -> PyResult<&'static Driver> {
+    DRIVER
         .get_or_init(|| {
-            tokio::runtime::Builder::new_multi_thread()
-                .worker_threads(1)
-                .thread_name("cohort-runtime")
+            let rt = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()
-                .map_err(|e| format!("starting the tokio runtime: {e}"))
+                .map_err(|e| format!("starting the tokio runtime: {e}"))?;
+            let driver: &'static Driver = Box::leak(Box::new(Driver {
+                rt,
+                wanted: AtomicUsize::new(0),
+                call_waiting: Notify::new(),
+                last_release_ns: AtomicU64::new(0),
+                epoch: Instant::now(),
+            }));
+            std::thread::Builder::new()
+                .name("cohort-driver".into())
+                .spawn(move || drive(driver))
+                .map_err(|e| format!("starting the runtime's driver thread: {e}"))?;
+            Ok(driver)
         })
         .as_ref()
+        .map(|d| *d)
         .map_err(|e| crate::errors::cohort_error(e.clone()))
+}
+
+/// The driver thread: holds the core while no call wants it.
+fn drive(d: &'static Driver) {
+    loop {
+        d.rt.block_on(async {
+            while d.wanted.load(Ordering::SeqCst) == 0 {
+                d.call_waiting.notified().await;
+            }
+        });
+        // Stay away while calls run and for a grace period after the last one: look again
+        // every grace period (waking the driver at each call's end costs two context
+        // switches per call, a 4 KiB allreduce's whole budget on a small machine).
+        loop {
+            std::thread::sleep(DRIVER_GRACE);
+            let now_ns = d.epoch.elapsed().as_nanos() as u64;
+            let idle = Duration::from_nanos(now_ns.saturating_sub(d.last_release_ns.load(Ordering::SeqCst)));
+            if d.wanted.load(Ordering::SeqCst) == 0 && idle >= DRIVER_GRACE {
+                break;
+            }
+        }
+    }
+}
+
+/// Marks a call's end (also on panic).
+struct CallGuard(&'static Driver);
+
+impl Drop for CallGuard {
+    fn drop(&mut self) {
+        self.0.last_release_ns.store(self.0.epoch.elapsed().as_nanos() as u64, Ordering::SeqCst);
+        self.0.wanted.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// Runs `fut` on the calling thread, which takes the runtime's core for the duration (see
+/// the module docs). No GIL handling: callers hold no GIL or release it first.
+pub(crate) fn block_on<F: Future>(fut: F) -> PyResult<F::Output> {
+    let d = driver()?;
+    d.wanted.fetch_add(1, Ordering::SeqCst);
+    let _guard = CallGuard(d);
+    d.call_waiting.notify_one();
+    Ok(d.rt.block_on(fut))
+}
+
+/// The process's runtime (for spawning and entering its context).
+pub(crate) fn runtime() -> PyResult<&'static tokio::runtime::Runtime> {
+    driver().map(|d| &d.rt)
 }
 
 /// A receiver that turns `true` once SIGTERM arrives. The first call installs the handler
@@ -87,11 +164,10 @@ where
     F: Future<Output = T> + Send,
     T: Send,
 {
-    let rt = runtime()?;
     let main = on_main_thread();
     py.detach(move || {
         let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| {
-            rt.block_on(async move {
+            block_on(async move {
                 let mut fut = std::pin::pin!(fut);
                 if !main {
                     return Ok(fut.await);
@@ -108,7 +184,8 @@ where
             })
         }));
         match outcome {
-            Ok(result) => result,
+            Ok(Ok(result)) => result,
+            Ok(Err(no_runtime)) => Err(no_runtime),
             Err(panic) => Err(crate::errors::panic_error(panic)),
         }
     })

@@ -1,0 +1,104 @@
+"""Failure paths from Python, over real processes: a SIGKILLed or SIGSTOPped peer, bad
+arguments, the GIL, Ctrl-C and SIGTERM."""
+import json
+import signal
+import time
+
+import pytest
+
+
+def events(worker, kind):
+    return [e for e in (json.loads(l) for l in worker.output().splitlines() if l.startswith("{")) if e["event"] == kind]
+
+
+def wait_event(worker, kind, timeout):
+    worker.wait_for_line(r'"event": "%s"' % kind, timeout)
+    return events(worker, kind)[-1]
+
+
+def start_loop(coordinator_factory, spawn, world, *extra_coord, no_progress="10"):
+    coord = coordinator_factory(world - 1, world, *extra_coord)
+    workers = [spawn(f"w{r}", "failures.py", "loop", coord.endpoint, "loop", f"w{r}", no_progress) for r in range(world)]
+    for w in workers:
+        w.wait_for_line(r'"step": 3\b', timeout=60)
+    return workers
+
+
+def test_sigkill_mid_allreduce_every_survivor_names_the_victim_and_reforms(coordinator_factory, spawn):
+    workers = start_loop(coordinator_factory, spawn, 3)
+    victim = workers[1]
+    victim.kill()
+    for w in (workers[0], workers[2]):
+        err = wait_event(w, "error", timeout=30)
+        assert err["cls"] in ("PeerFailedError", "RevokedError"), err
+        # The root cause names the killed worker exactly, on every survivor.
+        assert err["cause_worker"] == "w1", err
+        assert err["cause_rank"] == events(victim, "joined")[0]["rank"], err
+        assert err["generation"] == 1, err
+        done = wait_event(w, "reformed", timeout=60)
+        assert done["size"] == 2 and sorted(done["members"]) == ["w0", "w2"], done
+        assert w.wait(timeout=30) == 0, w.output()
+
+
+def test_sigstopped_peer_fails_the_others_within_the_deadline(coordinator_factory, spawn):
+    workers = start_loop(coordinator_factory, spawn, 2, "--lease-ttl", "3s", no_progress="1")
+    stopped = time.monotonic()
+    workers[1].signal(signal.SIGSTOP)
+    try:
+        err = wait_event(workers[0], "error", timeout=30)
+        detected = time.monotonic() - stopped
+        assert err["cls"] in ("TimeoutError", "RevokedError"), err
+        assert err["cause_worker"] == "w1" or err["peer"] == 1, err
+        assert detected < 15, detected
+    finally:
+        workers[1].signal(signal.SIGCONT)
+
+
+def test_bad_arguments_raise_and_change_nothing(coordinator_factory, spawn):
+    coord = coordinator_factory(1)
+    w = spawn("w0", "failures.py", "badargs", coord.endpoint, "bad", "w0")
+    assert w.wait(timeout=60) == 0, w.output()
+    names = events(w, "badargs")[0]["raised"]
+    assert len(names) >= 17 and "closed communicator" in names, names
+    assert events(w, "badargs-done")[0]["count"] == len(names) + 1
+
+
+def test_the_gil_is_released_during_collectives(coordinator_factory, spawn):
+    coord = coordinator_factory(2)
+    workers = [spawn(f"w{r}", "failures.py", "gil", coord.endpoint, "gil", f"w{r}") for r in range(2)]
+    for w in workers:
+        assert w.wait(timeout=120) == 0, w.output()
+        during = events(w, "gil")[0]["during"]
+        # While each 64 MiB allreduce ran, the other Python thread kept counting.
+        assert all(increments > 1000 for increments, _seconds in during), during
+
+
+def test_ctrl_c_interrupts_a_blocked_collective(coordinator_factory, spawn):
+    coord = coordinator_factory(2)
+    blocked = spawn("w0", "failures.py", "interrupt", coord.endpoint, "intr", "w0")
+    idle = spawn("w1", "failures.py", "idle", coord.endpoint, "intr", "w1", stdin=True)
+    try:
+        blocked.wait_for_line('"event": "blocking"', timeout=60)
+        # The allreduce is entered right after the line; a moment later it is surely blocked.
+        deadline = time.monotonic() + 0.3
+        while time.monotonic() < deadline:
+            pass
+        sent = time.time()
+        blocked.signal(signal.SIGINT)
+        got = wait_event(blocked, "interrupted", timeout=10)
+        latency = got["at"] - sent
+        print(f"KeyboardInterrupt {latency * 1e3:.1f} ms after SIGINT")
+        assert latency < 1.0, latency
+        assert blocked.wait(timeout=30) == 0, blocked.output()
+    finally:
+        idle.process.stdin.close()
+        idle.process.wait(timeout=30)
+
+
+def test_sigterm_sets_leaving(coordinator_factory, spawn):
+    coord = coordinator_factory(1)
+    w = spawn("w0", "failures.py", "sigterm", coord.endpoint, "term", "w0")
+    w.wait_for_line('"event": "waiting"', timeout=60)
+    w.signal(signal.SIGTERM)
+    assert wait_event(w, "leaving", timeout=20)["leaving"] is True
+    assert w.wait(timeout=30) == 0, w.output()

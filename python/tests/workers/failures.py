@@ -1,0 +1,161 @@
+"""Worker for the failure tests. argv: MODE COORDINATOR JOB WORKER_ID [options].
+
+Modes:
+  loop       allreduce 8 MiB forever, printing `step N`; on failure print the exception's class
+             and root cause, re-form, verify one allreduce in the new generation, print `reformed`.
+  badargs    one rank: every kind of bad argument raises InvalidArgumentError and changes
+             nothing (a valid call still works after each).
+  gil        a Python thread keeps counting while long allreduces run.
+  interrupt  rank 0 blocks in an allreduce its peer never joins; prints when Ctrl-C lands.
+  idle       joins, prints `joined`, then waits on stdin (the peer that never calls).
+  sigterm    prints `joined`, then polls group.leaving until SIGTERM sets it.
+"""
+import json
+import sys
+import threading
+import time
+
+import numpy as np
+
+import cohort
+
+mode, coordinator, job, worker_id = sys.argv[1:5]
+no_progress = float(sys.argv[5]) if len(sys.argv) > 5 else 10.0
+
+
+def report(kind: str, **facts) -> None:
+    print(json.dumps({"event": kind, "worker": worker_id, **facts}), flush=True)
+
+
+group = cohort.Group(job, coordinator, worker_id, no_progress_timeout=no_progress)
+comm = group.next_generation()
+report("joined", rank=comm.rank, size=comm.size, generation=comm.generation)
+
+if mode == "loop":
+    data = np.empty(2 << 20, dtype=np.float32)
+    step = 0
+    while True:
+        data.fill(comm.rank + 1)
+        try:
+            comm.allreduce(data)
+        except cohort.CollectiveError as e:
+            report("error", cls=type(e).__name__, generation=e.generation, peer=e.peer,
+                   cause_rank=e.rank, cause_worker=e.worker_id, cause_host=e.host, reason=e.reason,
+                   is_timeout=isinstance(e, TimeoutError), message=str(e))
+            break
+        assert data[0] == sum(range(1, comm.size + 1)), data[:4]
+        step += 1
+        report("step", step=step)
+    comm.close()
+    comm = group.next_generation()
+    x = np.full(1000, comm.rank + 1, dtype=np.float64)
+    comm.allreduce(x)
+    assert (x == sum(range(1, comm.size + 1))).all()
+    report("reformed", size=comm.size, generation=comm.generation, members=[m.worker_id for m in comm.members])
+    group.leave(finished=True)
+
+elif mode == "badargs":
+    ok = np.ones(8, dtype=np.float32)
+
+    def still_works() -> None:
+        x = np.ones(8, dtype=np.float32)
+        comm.allreduce(x)
+        assert (x == comm.size).all()
+
+    cases = {
+        "non-contiguous": lambda: comm.allreduce(np.ones(16, dtype=np.float32)[::2]),
+        "complex dtype": lambda: comm.allreduce(np.ones(4, dtype=np.complex64)),
+        "int8 dtype": lambda: comm.allreduce(np.ones(4, dtype=np.int8)),
+        "read-only": lambda: comm.allreduce(np.frombuffer(b"\0" * 16, dtype=np.float32)),
+        "not a buffer": lambda: comm.allreduce([1.0, 2.0]),
+        "unknown op": lambda: comm.allreduce(ok, "median"),
+        "allgather sizes": lambda: comm.allgather(np.ones(4, np.float32), np.ones(5, np.float32)),
+        "allgather dtypes": lambda: comm.allgather(np.ones(4, np.float32), np.ones(4 * comm.size, np.float64)),
+        "reduce_scatter sizes": lambda: comm.reduce_scatter(np.ones(3, np.float32), np.ones(2, np.float32)),
+        "broadcast root": lambda: comm.broadcast(ok, root=comm.size),
+        "send to self": lambda: comm.send(ok, comm.rank),
+        "recv from nowhere": lambda: comm.recv(ok, 99),
+        "unaligned": lambda: comm.allreduce(np.frombuffer(bytearray(20), dtype=np.float32, offset=1, count=4)),
+        "gather without output": lambda: comm.gather(ok, None, root=comm.rank),
+    }
+    try:
+        import torch
+        cases["non-contiguous tensor"] = lambda: comm.allreduce(torch.ones(4, 4).t())
+        cases["complex tensor"] = lambda: comm.allreduce(torch.ones(4, dtype=torch.complex64))
+    except ImportError:
+        pass
+    raised = []
+    for name, call in cases.items():
+        try:
+            call()
+        except cohort.InvalidArgumentError as e:
+            assert isinstance(e, ValueError) and str(e), name
+            raised.append(name)
+        else:
+            raise AssertionError(f"{name}: no error")
+        still_works()
+    bad_kwargs = [dict(no_progress_timeout=-1), dict(listen="nonsense"), dict(algorithm="quantum")]
+    for kwargs in bad_kwargs:
+        try:
+            cohort.Group(job, coordinator, worker_id + "-x", **kwargs)
+        except cohort.InvalidArgumentError:
+            raised.append(str(kwargs))
+        else:
+            raise AssertionError(f"Group({kwargs}) accepted")
+    comm.close()
+    try:
+        comm.allreduce(ok)
+    except cohort.InvalidArgumentError as e:
+        assert "closed" in str(e)
+        raised.append("closed communicator")
+    report("badargs", raised=raised)
+    group.leave(finished=True)
+    try:
+        group.next_generation()
+    except cohort.InvalidArgumentError as e:
+        assert "closed" in str(e)
+        raised.append("closed group")
+    report("badargs-done", count=len(raised))
+
+elif mode == "gil":
+    counter = [0]
+    stop = threading.Event()
+
+    def count() -> None:
+        while not stop.is_set():
+            counter[0] += 1
+
+    t = threading.Thread(target=count)
+    t.start()
+    data = np.ones(16 << 20, dtype=np.float32)  # 64 MiB
+    during = []
+    for _ in range(3):
+        before = counter[0]
+        started = time.perf_counter()
+        comm.allreduce(data)
+        during.append((counter[0] - before, time.perf_counter() - started))
+    stop.set()
+    t.join(timeout=10)
+    report("gil", during=during)
+    group.leave(finished=True)
+
+elif mode == "interrupt":
+    data = np.ones(1000, dtype=np.float32)
+    report("blocking")
+    try:
+        comm.allreduce(data)
+    except KeyboardInterrupt:
+        report("interrupted", at=time.time())
+    group.close()
+
+elif mode == "idle":
+    sys.stdin.readline()
+    group.close()
+
+elif mode == "sigterm":
+    report("waiting")
+    deadline = time.monotonic() + 20
+    while not group.leaving and time.monotonic() < deadline:
+        time.sleep(0.01)  # polling a flag, bounded
+    report("leaving", leaving=group.leaving)
+    group.leave()
