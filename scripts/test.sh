@@ -38,7 +38,10 @@ COHORT_BIN_DIR="$PWD/target/release" "$py" -m pytest -q -p no:cacheprovider pyth
 echo "== rdma feature"
 cargo build -p cohort --features rdma --bins --locked
 rdma_log=$(mktemp)
-if ! cargo test -p cohort-transports --features rdma --locked -- --nocapture --test-threads=2 >"$rdma_log" 2>&1; then
+# The transports' tests, then the worker library's unit tests that only exist with the
+# feature (mesh choice, group endpoint set-up).
+if ! { cargo test -p cohort-transports --features rdma --locked -- --nocapture --test-threads=2 &&
+       cargo test -p cohort --features rdma --lib --locked -- --nocapture --test-threads=2; } >"$rdma_log" 2>&1; then
   cat "$rdma_log"; exit 1
 fi
 grep -E '^test result|SKIPPED|RDMA devices present' "$rdma_log"

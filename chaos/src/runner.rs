@@ -687,7 +687,7 @@ impl Run<'_> {
                     if sc.expect == Expect::Fail {
                         continue;
                     }
-                    let named = r.errors.iter().filter(|e| culprits.iter().any(|c| e.cause.contains(&format!("worker {c} ")) || e.cause.contains(&format!("worker {c})")) || e.cause.contains(c.as_str()))).count();
+                    let named = r.errors.iter().filter(|e| culprits.iter().any(|c| cause_names(&e.cause, c))).count();
                     checks.push(Check {
                         what: format!("fault {} ({kind}): every survivor got an error naming the root cause", r.index),
                         ok: named == r.survivors.len() && !r.survivors.is_empty(),
@@ -714,7 +714,7 @@ impl Run<'_> {
                     }
                 }
                 "isolate" => {
-                    let named = r.errors.iter().filter(|e| culprits.iter().any(|c| e.cause.contains(&format!("worker {c} ")) || e.cause.contains(&format!("worker {c})")))).count();
+                    let named = r.errors.iter().filter(|e| culprits.iter().any(|c| cause_names(&e.cause, c))).count();
                     checks.push(Check {
                         what: format!("fault {} ({kind}): every survivor got an error naming the cut-off host", r.index),
                         ok: named == r.survivors.len() && !r.survivors.is_empty(),
@@ -743,7 +743,7 @@ impl Run<'_> {
                     });
                 }
                 "blackhole" | "partition" | "reset" => {
-                    let named = r.errors.iter().filter(|e| culprits.iter().any(|c| e.cause.contains(c.as_str()))).count();
+                    let named = r.errors.iter().filter(|e| culprits.iter().any(|c| cause_names(&e.cause, c))).count();
                     checks.push(Check {
                         what: format!("fault {} ({kind}): every member got an error naming an end of the link", r.index),
                         ok: named == r.survivors.len() && !r.survivors.is_empty(),
@@ -987,6 +987,16 @@ fn o(v: Option<i64>) -> String {
     v.map_or_else(|| "-".into(), |x| x.to_string())
 }
 
+/// Whether a root cause as a worker prints it (`rank 2 (worker w2 on host-a): SIGKILL
+/// (reported by w0)`, see `cohort::RootCause`'s Display) blames worker `name`: the id after
+/// "(worker " is compared exactly, so that `w1` matches neither `w10` nor a reporter's name.
+pub(crate) fn cause_names(cause: &str, name: &str) -> bool {
+    let Some(start) = cause.find("(worker ") else { return false };
+    let rest = &cause[start + "(worker ".len()..];
+    let end = rest.find([' ', ')']).unwrap_or(rest.len());
+    !name.is_empty() && &rest[..end] == name
+}
+
 fn causes(r: &FaultRecord) -> String {
     let mut c: Vec<String> = r.errors.iter().map(|e| format!("{} {}: {}", e.worker, e.kind, e.cause)).collect();
     c.truncate(4);
@@ -1010,6 +1020,19 @@ fn directed_pairs(targets: &[String], peers: &[String], one_way: bool) -> Vec<(S
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn a_cause_names_a_worker_exactly() {
+        let cause = "rank 1 (worker w1 on vm): peer rank 1 failed (reported by w0)";
+        assert!(cause_names(cause, "w1"));
+        assert!(!cause_names(cause, "w0"), "the reporter is not the culprit");
+        assert!(!cause_names("rank 1 (worker w10 on vm): SIGKILL", "w1"), "w10 is not w1");
+        assert!(!cause_names("rank 1 (worker w1 on vm): SIGKILL", "w10"));
+        assert!(cause_names("(worker w3): left", "w3"));
+        assert!(!cause_names("lease expired", "w3"));
+        assert!(!cause_names("rank 1 (worker w1 on vm): x", ""));
+    }
+
     use super::*;
 
     fn ev(worker: &str, line: &str) -> WorkerEvent {

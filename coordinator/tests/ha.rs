@@ -99,20 +99,30 @@ async fn leader_failover_mid_rendezvous_and_full_restart() {
 }
 
 /// Two replicas that both believe they lead race to publish generation 1 from the same
-/// view: the CAS on the generation key lets exactly one group through.
+/// view: the CAS on the generation key lets exactly one group through (memory store).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_leaders_cannot_publish_two_groups() {
+    two_leaders_race(Backend::Memory).await;
+}
+
+/// The same race on a real etcd: the CAS is etcd's transaction.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_leaders_cannot_publish_two_groups_on_etcd() {
+    two_leaders_race(Backend::Etcd).await;
+}
+
+async fn two_leaders_race(backend: Backend) {
     use cohort_coordinator::config::Settings;
     use cohort_coordinator::hub::Hubs;
     use cohort_coordinator::metrics::Metrics;
     use cohort_coordinator::ops::{self, Context};
     use cohort_coordinator::records::Placed;
     bounded(async {
-        let backing = Backing::new(Backend::Memory).await;
+        let backing = Backing::new(backend).await;
         let (_tx, rx) = tokio::sync::watch::channel(false);
         let ctx = |name: &str| Context {
             store: backing.store.clone(),
-            settings: Settings::uniform(test_settings(Backend::Memory)).expect("settings"),
+            settings: Settings::uniform(test_settings(backend)).expect("settings"),
             exclusion: Default::default(),
             metrics: std::sync::Arc::new(Metrics::default()),
             hubs: Hubs::new(backing.store.clone()),

@@ -271,23 +271,30 @@ async fn silent_peer_times_out_after_no_progress() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn slow_but_moving_transfer_does_not_time_out() {
     timeout(TEST_LIMIT, async {
-        let np = Duration::from_millis(300);
+        // A byte every 100 ms for 2.4 s: the transfer outlasts the 1 s no-progress deadline
+        // more than twice, but is never idle for more than a tenth of it (a margin that a
+        // loaded machine's scheduling delays cannot eat, unlike 150 ms writes against 300 ms).
+        let np = Duration::from_secs(1);
         let d = deadlines(np, Duration::from_secs(10));
         let (_eps, t0, _t1, mut a0, _a1) = with_attacker(d).await;
-        // 1.2 s of trickling, well beyond the 300 ms deadline, but never idle for 300 ms.
         let payload = pattern(3, 24);
         let mut bytes = header(GEN, Tag::new(1, 0, 4), payload.len() as u64);
+        let body_len = payload.len();
         bytes.extend_from_slice(&payload);
         let writer = tokio::spawn(async move {
-            for b in bytes.chunks(8) {
+            let (head, body) = bytes.split_at(bytes.len() - body_len);
+            a0.write_all(head).await.unwrap();
+            for b in body.chunks(1) {
+                tokio::time::sleep(Duration::from_millis(100)).await;
                 a0.write_all(b).await.unwrap();
-                tokio::time::sleep(Duration::from_millis(150)).await;
             }
             a0
         });
+        let started = Instant::now();
         let mut buf = [0u8; 24];
         t0.recv(2, Tag::new(1, 0, 4), &mut buf).await.unwrap();
         assert_eq!(buf.to_vec(), payload);
+        assert!(started.elapsed() > np * 2, "the transfer must outlast the deadline to test anything");
         drop(writer.await.unwrap());
     })
     .await

@@ -75,19 +75,38 @@ async fn joiner_receives_the_newest_commit_from_the_lowest_rank_holding_it() {
 }
 
 #[tokio::test]
-async fn members_with_the_same_step_but_different_bytes_converge_on_the_source() {
-    // Two members claim the same committed step with different bytes (a silent divergence
-    // before the failure): the sync makes both hold the source's (rank 0's) bytes and digest.
+async fn members_with_the_same_step_but_different_bytes_are_a_divergence_on_every_rank() {
+    // Two members claim the same committed step with different bytes (their states diverged
+    // before the failure): every member fails with Diverged naming the rank, and nobody's
+    // state or checkpoint is overwritten.
     let mut a = Checkpoint::new();
     a.commit(&b"aaaa".to_vec(), 3);
     let mut b = Checkpoint::new();
     b.commit(&b"bbbb".to_vec(), 3);
-    let digest_a = a.digest();
-    let results = sync_all(vec![a, b], vec![b"aaaa".to_vec(), b"bbbb".to_vec()]).await;
+    let joiner = Checkpoint::new();
+    let (digest_a, digest_b) = (a.digest(), b.digest());
+    let results = sync_all(vec![a, b, joiner], vec![b"aaaa".to_vec(), b"bbbb".to_vec(), b"joiner".to_vec()]).await;
+    for (rank, (r, _, state)) in results.iter().enumerate() {
+        let e = r.as_ref().expect_err("a divergence must not sync");
+        assert!(e.contains("diverged") && e.contains("rank(s) 1 committed step 3"), "rank {rank}: {e}");
+        assert_eq!(state, [&b"aaaa"[..], b"bbbb", b"joiner"][rank], "rank {rank}'s state was overwritten");
+    }
+    assert_eq!(results[0].1.digest(), digest_a);
+    assert_eq!(results[1].1.digest(), digest_b);
+}
+
+#[tokio::test]
+async fn a_member_behind_and_a_joiner_are_not_a_divergence() {
+    // Older steps and empty checkpoints differ from the newest legitimately: they take it.
+    let mut newest = Checkpoint::new();
+    newest.commit(&b"seven".to_vec(), 7);
+    let mut behind = Checkpoint::new();
+    behind.commit(&b"six".to_vec(), 6);
+    let results = sync_all(vec![behind, Checkpoint::new(), newest.clone(), newest], vec![b"six".to_vec(), Vec::new(), b"seven".to_vec(), b"seven".to_vec()]).await;
     for (rank, (r, cp, state)) in results.iter().enumerate() {
         let outcome = r.as_ref().unwrap_or_else(|e| panic!("rank {rank}: {e}"));
-        assert_eq!(outcome.source, 0);
-        assert_eq!(state, b"aaaa", "rank {rank}");
-        assert_eq!(cp.digest(), digest_a, "rank {rank}");
+        assert_eq!((outcome.source, outcome.step), (2, Some(7)));
+        assert_eq!(state, b"seven");
+        assert_eq!(cp.step(), Some(7));
     }
 }

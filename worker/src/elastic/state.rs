@@ -85,14 +85,18 @@ impl Checkpoint {
         state.load(&self.snapshot).map_err(ElasticError::StateDiverged)
     }
 
-    /// Makes every member hold the newest commit of the generation, then checks digests.
+    /// Makes every member hold the newest commit of the generation, checking digests before
+    /// and after the transfer.
     ///
-    /// 1. allgather every member's committed step; the source is the lowest rank among
-    ///    those with the newest step (every rank computes the same choice); when nobody has
-    ///    committed yet, the source's current state is taken as the initial state;
-    /// 2. broadcast the source's snapshot length, then its bytes;
-    /// 3. allgather every member's digest and compare: any difference is
-    ///    [`ElasticError::StateDiverged`].
+    /// 1. allgather every member's committed step and digest; the source is the lowest rank
+    ///    among those with the newest step (every rank computes the same choice); when nobody
+    ///    has committed yet, the source's current state is taken as the initial state;
+    /// 2. members that claim the newest step must hold the same digest: a difference means
+    ///    their states diverged before this sync, and is [`SyncError::Diverged`] naming the
+    ///    ranks, on every member (never silently overwritten by the source's bytes);
+    /// 3. broadcast the source's snapshot length, then its bytes;
+    /// 4. allgather every member's digest of what it now holds and compare: any difference
+    ///    (corruption in transit) is [`SyncError::Diverged`].
     ///
     /// On success `state` holds the synchronised snapshot.
     ///
@@ -104,12 +108,31 @@ impl Checkpoint {
         comm: &mut Communicator<T>,
         state: &mut S,
     ) -> Result<SyncOutcome, SyncError> {
+        const CLAIM: usize = 8 + 32;
         let size = comm.size() as usize;
-        let mine = [self.step.map_or(-1, |s| s as i64)];
-        let mut steps = vec![0i64; size];
-        comm.allgather(&mine, &mut steps).await?;
-        let newest = steps.iter().copied().max().unwrap_or(-1);
-        let source = steps.iter().position(|&s| s == newest).unwrap_or(0) as u32;
+        let mut mine = [0u8; CLAIM];
+        mine[..8].copy_from_slice(&self.step.map_or(-1, |s| s as i64).to_le_bytes());
+        mine[8..].copy_from_slice(&self.digest);
+        let mut claims = vec![0u8; CLAIM * size];
+        comm.allgather(&mine[..], &mut claims).await?;
+        let claims: Vec<(i64, &[u8])> = claims
+            .chunks_exact(CLAIM)
+            .map(|c| (i64::from_le_bytes(c[..8].try_into().unwrap_or([0xff; 8])), &c[8..]))
+            .collect();
+        let newest = claims.iter().map(|c| c.0).max().unwrap_or(-1);
+        let source = claims.iter().position(|c| c.0 == newest).unwrap_or(0) as u32;
+        if newest >= 0 {
+            let source_digest = claims[source as usize].1;
+            let differing: Vec<usize> =
+                claims.iter().enumerate().filter(|(_, c)| c.0 == newest && c.1 != source_digest).map(|(r, _)| r).collect();
+            if !differing.is_empty() {
+                let ranks: Vec<String> = differing.iter().map(|r| r.to_string()).collect();
+                return Err(SyncError::Diverged(format!(
+                    "rank(s) {} committed step {newest} with a state digest that differs from rank {source}'s",
+                    ranks.join(", ")
+                )));
+            }
+        }
 
         if newest < 0 && comm.rank() == source {
             // Nobody has committed yet: the source's current state is the job's initial state,
@@ -136,9 +159,12 @@ impl Checkpoint {
 
         let mut digests = vec![0u8; 32 * size];
         comm.allgather(&digest[..], &mut digests).await?;
+        let source_after = &digests[32 * source as usize..32 * (source as usize + 1)];
         for (rank, theirs) in digests.chunks_exact(32).enumerate() {
-            if theirs != digest {
-                return Err(SyncError::Diverged(format!("rank {rank}'s state digest differs from rank {}'s", comm.rank())));
+            if theirs != source_after {
+                return Err(SyncError::Diverged(format!(
+                    "after the transfer rank {rank}'s state digest differs from the source's (rank {source})"
+                )));
             }
         }
         if let Some(snapshot) = received {
@@ -157,7 +183,8 @@ pub enum SyncError {
     /// A collective of the sync failed (handle it like any failed step: re-form).
     #[error(transparent)]
     Comm(#[from] CommError),
-    /// Members hold different state after the broadcast.
+    /// Members claim the same commit with different state, or hold different state after
+    /// the transfer.
     #[error("state diverged: {0}")]
     Diverged(String),
 }
