@@ -10,6 +10,13 @@ bash scripts/ensure-deps.sh
 export CARGO_TERM_COLOR=never
 export RUST_BACKTRACE=1
 
+# The style gate: formatting (rustfmt.toml) and clippy with warnings as errors, the rdma
+# feature included (the workspace lints are in Cargo.toml).
+echo "== fmt and clippy"
+cargo fmt --all -- --check
+cargo clippy --workspace --all-targets --locked -- -D warnings
+cargo clippy -p cohort -p cohort-transports --features cohort/rdma --all-targets --locked -- -D warnings
+
 echo "== build"
 cargo build --workspace --all-targets --locked
 

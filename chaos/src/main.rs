@@ -144,7 +144,8 @@ fn main() -> ExitCode {
     };
     match cli.command {
         Cmd::Demo { workers, steps, size, log_dir } => {
-            let config = cohort_chaos::demo::DemoConfig { workers: workers.max(2), steps, size, log_dir, ..Default::default() };
+            let config =
+                cohort_chaos::demo::DemoConfig { workers: workers.max(2), steps, size, log_dir, ..Default::default() };
             runtime.block_on(interruptible(async {
                 match cohort_chaos::demo::run(config).await {
                     Ok(checks) if cohort_chaos::demo::print_verdict(&checks) => ExitCode::SUCCESS,
@@ -206,7 +207,12 @@ fn main() -> ExitCode {
             runtime.block_on(interruptible(async {
                 let runs = suite::soak(&sc, seed, duration, max_runs.max(1), &opts).await;
                 let targets = cohort_chaos::report::soak_targets(&runs);
-                suite::publish(&format!("soak --duration {}s --seed {seed}", duration.as_secs()), &runs, &targets, common.json.as_deref());
+                suite::publish(
+                    &format!("soak --duration {}s --seed {seed}", duration.as_secs()),
+                    &runs,
+                    &targets,
+                    common.json.as_deref(),
+                );
                 verdict(&runs, &targets)
             }))
         }

@@ -65,7 +65,8 @@ pub async fn scrape(addr: &str, timeout: Duration) -> Result<Samples, ScrapeErro
     let io = |source| ScrapeError::Io { addr: addr.to_string(), source };
     let response = tokio::time::timeout(timeout, async {
         let mut stream = tokio::net::TcpStream::connect(addr).await.map_err(io)?;
-        let request = format!("GET /metrics HTTP/1.1\r\nHost: {addr}\r\nAccept: text/plain\r\nConnection: close\r\n\r\n");
+        let request =
+            format!("GET /metrics HTTP/1.1\r\nHost: {addr}\r\nAccept: text/plain\r\nConnection: close\r\n\r\n");
         stream.write_all(request.as_bytes()).await.map_err(io)?;
         let mut bytes = Vec::new();
         stream.take(MAX_RESPONSE).read_to_end(&mut bytes).await.map_err(io)?;

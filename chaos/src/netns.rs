@@ -99,7 +99,9 @@ impl NetLab {
         let Ok(entries) = std::fs::read_dir("/run/netns") else { return };
         for entry in entries.flatten() {
             let name = entry.file_name().to_string_lossy().to_string();
-            let Some(pid) = name.strip_prefix(PREFIX).and_then(|rest| rest.split('-').next()).and_then(|p| p.parse::<u32>().ok()) else {
+            let Some(pid) =
+                name.strip_prefix(PREFIX).and_then(|rest| rest.split('-').next()).and_then(|p| p.parse::<u32>().ok())
+            else {
                 continue;
             };
             if !std::path::Path::new(&format!("/proc/{pid}")).exists() {
@@ -174,7 +176,11 @@ impl NetLab {
     }
 
     /// A command that runs `program` inside host `name`'s namespace (`None`: the hub's).
-    pub fn command(&self, host: Option<&str>, program: &std::path::Path) -> Result<tokio::process::Command, NetLabError> {
+    pub fn command(
+        &self,
+        host: Option<&str>,
+        program: &std::path::Path,
+    ) -> Result<tokio::process::Command, NetLabError> {
         let ns = match host {
             None => self.hub.clone(),
             Some(h) => self.host(h)?.ns.clone(),
@@ -249,7 +255,9 @@ mod tests {
     #[test]
     fn hosts_reach_each_other_and_faults_are_silent() {
         if let Err(why) = NetLab::probe() {
-            println!("SKIPPED hosts_reach_each_other_and_faults_are_silent: network namespaces unavailable here: {why}");
+            println!(
+                "SKIPPED hosts_reach_each_other_and_faults_are_silent: network namespaces unavailable here: {why}"
+            );
             return;
         }
         let mut lab = NetLab::create().expect("lab");

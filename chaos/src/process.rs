@@ -55,7 +55,12 @@ pub type LineHook = Box<dyn FnMut(&str) + Send>;
 
 impl ManagedProcess {
     /// Spawns `command`, forwarding stdout lines to `lines`.
-    pub fn spawn(name: &str, command: Command, log_dir: &Path, lines: mpsc::UnboundedSender<OutputLine>) -> Result<Self, ProcessError> {
+    pub fn spawn(
+        name: &str,
+        command: Command,
+        log_dir: &Path,
+        lines: mpsc::UnboundedSender<OutputLine>,
+    ) -> Result<Self, ProcessError> {
         Self::spawn_with_hook(name, command, log_dir, lines, None)
     }
 
@@ -73,12 +78,12 @@ impl ManagedProcess {
         // Created empty, then opened in append mode: the child's stderr and the harness's
         // copy of its stdout both write at the end, neither over the other.
         std::fs::File::create(&log).map_err(|e| ProcessError::Log(log.clone(), e))?;
-        let stderr_file = std::fs::OpenOptions::new().append(true).open(&log).map_err(|e| ProcessError::Log(log.clone(), e))?;
+        let stderr_file =
+            std::fs::OpenOptions::new().append(true).open(&log).map_err(|e| ProcessError::Log(log.clone(), e))?;
         let program = format!("{:?}", command.as_std().get_program());
         command.stdout(Stdio::piped()).stderr(Stdio::from(stderr_file)).stdin(Stdio::null()).kill_on_drop(true);
-        let mut child = command
-            .spawn()
-            .map_err(|source| ProcessError::Spawn { name: name.to_string(), program, source })?;
+        let mut child =
+            command.spawn().map_err(|source| ProcessError::Spawn { name: name.to_string(), program, source })?;
         let pid = child.id().unwrap_or(0);
         let mut reader_task = None;
         if let Some(stdout) = child.stdout.take() {
@@ -235,5 +240,4 @@ mod tests {
             }
         }
     }
-
 }

@@ -291,7 +291,9 @@ fn identify(inner: &Inner, peer: SocketAddr, local: SocketAddr) -> String {
         return UNKNOWN.to_string();
     }
     let Some(inode) = socket_inode(peer, local) else { return UNKNOWN.to_string() };
-    owner_of(inode, pids.iter().map(|(p, _)| *p)).and_then(|pid| pids.iter().find(|(p, _)| *p == pid).map(|(_, n)| n.clone())).unwrap_or_else(|| UNKNOWN.to_string())
+    owner_of(inode, pids.iter().map(|(p, _)| *p))
+        .and_then(|pid| pids.iter().find(|(p, _)| *p == pid).map(|(_, n)| n.clone()))
+        .unwrap_or_else(|| UNKNOWN.to_string())
 }
 
 /// The inode of the socket whose local address is `local` and remote address `remote`
@@ -352,13 +354,21 @@ fn set_linger_zero(fd: RawFd) {
     }
 }
 
-async fn serve(inner: Arc<Inner>, client: TcpStream, from: String, to: String, mut upstream: watch::Receiver<Option<SocketAddr>>) {
+async fn serve(
+    inner: Arc<Inner>,
+    client: TcpStream,
+    from: String,
+    to: String,
+    mut upstream: watch::Receiver<Option<SocketAddr>>,
+) {
     let known = match tokio::time::timeout(UPSTREAM_WAIT, upstream.wait_for(Option::is_some)).await {
         Ok(Ok(addr)) => *addr,
         _ => None,
     };
     let connected = match known {
-        Some(addr) => tokio::time::timeout(Duration::from_secs(5), TcpStream::connect(addr)).await.ok().and_then(Result::ok),
+        Some(addr) => {
+            tokio::time::timeout(Duration::from_secs(5), TcpStream::connect(addr)).await.ok().and_then(Result::ok)
+        }
         None => None,
     };
     let server = match connected {
@@ -399,7 +409,14 @@ async fn serve(inner: Arc<Inner>, client: TcpStream, from: String, to: String, m
 
 /// Forwards `rd` to `wr` under the `from → to` rule until EOF (then FIN) or an error (then
 /// `failed` resets the whole connection).
-async fn pump(inner: Arc<Inner>, rd: &mut OwnedReadHalf, wr: &mut OwnedWriteHalf, from: String, to: String, failed: watch::Sender<bool>) {
+async fn pump(
+    inner: Arc<Inner>,
+    rd: &mut OwnedReadHalf,
+    wr: &mut OwnedWriteHalf,
+    from: String,
+    to: String,
+    failed: watch::Sender<bool>,
+) {
     let (tx, mut rx) = mpsc::channel::<(Instant, Vec<u8>)>(32);
     let failed_r = failed.clone();
     // Owns the sender: when it ends, the writer sees the end of the stream.

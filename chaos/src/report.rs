@@ -135,7 +135,10 @@ impl FaultRecord {
         }
         if let Some(s) = &self.status {
             if let Some(m) = s.stalest() {
-                return format!("status +{} ms: stalest {} ({} ms, step {} {})", s.after_ms, m.worker, m.heartbeat_age_ms, m.step, m.activity);
+                return format!(
+                    "status +{} ms: stalest {} ({} ms, step {} {})",
+                    s.after_ms, m.worker, m.heartbeat_age_ms, m.step, m.activity
+                );
             }
         }
         String::new()
@@ -244,7 +247,10 @@ fn o(v: Option<i64>) -> String {
 /// The table for people: one line per run, one per fault, statistics, failed checks.
 pub fn render(runs: &[RunReport], targets: &[Check]) -> String {
     let mut out = String::new();
-    out.push_str(&format!("{:<28} {:>6} {:>6} {:>7} {:>7}  {}\n", "SCENARIO", "SEED", "FAULTS", "SECONDS", "RESULT", "LOGS"));
+    out.push_str(&format!(
+        "{:<28} {:>6} {:>6} {:>7} {:>7}  {}\n",
+        "SCENARIO", "SEED", "FAULTS", "SECONDS", "RESULT", "LOGS"
+    ));
     for r in runs {
         out.push_str(&format!(
             "{:<28} {:>6} {:>6} {:>7.1} {:>7}  {}\n",
@@ -260,7 +266,17 @@ pub fn render(runs: &[RunReport], targets: &[Check]) -> String {
     if runs.iter().map(|r| r.faults.len()).sum::<usize>() <= 60 {
         out.push_str(&format!(
             "{:<22} {:>3} {:<24} {:>4} {:>5} {:>4} {:>9} {:>9} {:>9} {:>9}  {}\n",
-            "RUN/FAULT", "#", "TARGETS", "GEN", "WORLD", "MID", "ERR1 ms", "ERRS ms", "REVOKE ms", "NEXT ms", "MEASURED"
+            "RUN/FAULT",
+            "#",
+            "TARGETS",
+            "GEN",
+            "WORLD",
+            "MID",
+            "ERR1 ms",
+            "ERRS ms",
+            "REVOKE ms",
+            "NEXT ms",
+            "MEASURED"
         ));
         for r in runs {
             for f in &r.faults {
@@ -301,7 +317,8 @@ pub fn render(runs: &[RunReport], targets: &[Check]) -> String {
             s3(&k.next_step_ms)
         ));
     }
-    let failed: Vec<(&str, &Check)> = runs.iter().flat_map(|r| r.checks.iter().filter(|c| !c.ok).map(move |c| (r.scenario.as_str(), c))).collect();
+    let failed: Vec<(&str, &Check)> =
+        runs.iter().flat_map(|r| r.checks.iter().filter(|c| !c.ok).map(move |c| (r.scenario.as_str(), c))).collect();
     let errors: Vec<&RunReport> = runs.iter().filter(|r| r.error.is_some()).collect();
     out.push('\n');
     for r in errors {
@@ -353,11 +370,28 @@ pub fn soak_targets(runs: &[RunReport]) -> Vec<Check> {
     let mid = kills.iter().filter(|f| f.mid_allreduce).count();
     let errs = Stats::of(kills.iter().filter_map(|f| f.survivors_errors_ms));
     let next = Stats::of(kills.iter().filter_map(|f| f.next_step_ms));
-    let violated = |what: &str| runs.iter().flat_map(|r| r.checks.iter()).filter(|c| !c.ok && c.what.starts_with(what)).count();
+    let violated =
+        |what: &str| runs.iter().flat_map(|r| r.checks.iter()).filter(|c| !c.ok && c.what.starts_with(what)).count();
     vec![
-        Check { what: "at least 50 SIGKILLs mid-allreduce".into(), ok: mid >= 50, detail: format!("{mid} of {} kills", kills.len()) },
-        Check { what: "zero wrong results".into(), ok: violated("no wrong result") == 0, detail: format!("{} runs with one", violated("no wrong result")) },
-        Check { what: "zero hangs".into(), ok: violated("no hang") == 0 && runs.iter().all(|r| r.error.is_none()), detail: format!("{} runs with one; {} run errors", violated("no hang"), runs.iter().filter(|r| r.error.is_some()).count()) },
+        Check {
+            what: "at least 50 SIGKILLs mid-allreduce".into(),
+            ok: mid >= 50,
+            detail: format!("{mid} of {} kills", kills.len()),
+        },
+        Check {
+            what: "zero wrong results".into(),
+            ok: violated("no wrong result") == 0,
+            detail: format!("{} runs with one", violated("no wrong result")),
+        },
+        Check {
+            what: "zero hangs".into(),
+            ok: violated("no hang") == 0 && runs.iter().all(|r| r.error.is_none()),
+            detail: format!(
+                "{} runs with one; {} run errors",
+                violated("no hang"),
+                runs.iter().filter(|r| r.error.is_some()).count()
+            ),
+        },
         Check {
             what: "survivors' errors p99 < 100 ms".into(),
             ok: errs.n == kills.len() && errs.p99.is_some_and(|p| p < 100),
@@ -427,7 +461,10 @@ mod tests {
         assert_eq!(s.members[1].rank, None);
         assert_eq!(s.members[1].control_connected, None);
         assert_eq!(s.stalest().map(|m| m.worker.as_str()), Some("w1"));
-        assert!(StatusSeen::from_json(0, &serde_json::json!({ "members": [{ "worker_id": "w0" }] })).is_none(), "a member without its fields");
+        assert!(
+            StatusSeen::from_json(0, &serde_json::json!({ "members": [{ "worker_id": "w0" }] })).is_none(),
+            "a member without its fields"
+        );
     }
 
     #[test]

@@ -56,8 +56,18 @@ enum Action {
     Plug(Vec<String>),
     RestartCoordinators(Vec<usize>),
     RestartEtcd,
-    SlowStop { worker: String, until: Instant, stop_for: Duration, run_for: Duration },
-    SlowCont { worker: String, until: Instant, stop_for: Duration, run_for: Duration },
+    SlowStop {
+        worker: String,
+        until: Instant,
+        stop_for: Duration,
+        run_for: Duration,
+    },
+    SlowCont {
+        worker: String,
+        until: Instant,
+        stop_for: Duration,
+        run_for: Duration,
+    },
 }
 
 /// What the harness knows about the job, from the events.
@@ -145,7 +155,8 @@ pub async fn run(scenario: &Scenario, opts: &RunOptions) -> RunReport {
         proxy: None,
     };
     let bound = scenario.timeout.0;
-    match tokio::time::timeout(bound + Duration::from_secs(30), run_inner(scenario, seed, &log_dir, opts.verbose)).await {
+    match tokio::time::timeout(bound + Duration::from_secs(30), run_inner(scenario, seed, &log_dir, opts.verbose)).await
+    {
         Ok((records, checks, proxy, error)) => {
             report.faults = records;
             report.checks = checks;
@@ -187,7 +198,12 @@ async fn run_inner(sc: &Scenario, seed: u64, log_dir: &std::path::Path, verbose:
         Ok(c) => c,
         Err(e) => return (Vec::new(), Vec::new(), None, Some(format!("starting the cluster: {e}"))),
     };
-    let spec = WorkerSpec { steps: sc.steps, size: sc.size.clone(), step_interval: sc.step_interval.0, no_progress: sc.no_progress.0 };
+    let spec = WorkerSpec {
+        steps: sc.steps,
+        size: sc.size.clone(),
+        step_interval: sc.step_interval.0,
+        no_progress: sc.no_progress.0,
+    };
     let mut run = Run {
         sc,
         cluster,
@@ -223,7 +239,11 @@ async fn run_inner(sc: &Scenario, seed: u64, log_dir: &std::path::Path, verbose:
     let end_ms = now_ms();
     let mut checks = run.checks(&codes, end_ms);
     let crashed = run.cluster.crashed_coordinators();
-    checks.push(Check { what: "no coordinator crashed".into(), ok: crashed.is_empty(), detail: format!("{crashed:?}") });
+    checks.push(Check {
+        what: "no coordinator crashed".into(),
+        ok: crashed.is_empty(),
+        detail: format!("{crashed:?}"),
+    });
     let records = run.measure();
     let proxy = run.cluster.proxy().map(|p| p.stats());
     if let Some(p) = run.cluster.proxy() {
@@ -318,7 +338,8 @@ impl Run<'_> {
             Action::SlowStop { worker, until, stop_for, run_for } => {
                 if Instant::now() < until {
                     self.signal(&worker, libc::SIGSTOP);
-                    self.timers.push((Instant::now() + stop_for, Action::SlowCont { worker, until, stop_for, run_for }));
+                    self.timers
+                        .push((Instant::now() + stop_for, Action::SlowCont { worker, until, stop_for, run_for }));
                 }
             }
             Action::SlowCont { worker, until, stop_for, run_for } => {
@@ -346,7 +367,9 @@ impl Run<'_> {
             guard += 1;
             let (_, a) = self.timers.remove(0);
             let a = match a {
-                Action::SlowStop { worker, .. } | Action::SlowCont { worker, .. } => Action::Signal(worker, libc::SIGCONT),
+                Action::SlowStop { worker, .. } | Action::SlowCont { worker, .. } => {
+                    Action::Signal(worker, libc::SIGCONT)
+                }
                 other => other,
             };
             self.fire(a).await;
@@ -355,7 +378,12 @@ impl Run<'_> {
 
     /// Waits for an event matching `pred`, up to `bound` (and the run's deadline), firing
     /// due timers meanwhile.
-    async fn pump(&mut self, what: &str, bound: Duration, mut pred: impl FnMut(&WorkerEvent, &View) -> bool) -> Result<WorkerEvent, RunError> {
+    async fn pump(
+        &mut self,
+        what: &str,
+        bound: Duration,
+        mut pred: impl FnMut(&WorkerEvent, &View) -> bool,
+    ) -> Result<WorkerEvent, RunError> {
         let deadline = (Instant::now() + bound).min(self.run_deadline);
         loop {
             self.fire_due().await;
@@ -384,7 +412,10 @@ impl Run<'_> {
         self.spawn(sc.workers).await?;
         self.say(format!("started {} workers", sc.workers));
         let n = sc.workers as i64;
-        self.pump("the first generation with every worker", Duration::from_secs(60), |e, _| e.kind == "generation" && e.int("world") == Some(n)).await?;
+        self.pump("the first generation with every worker", Duration::from_secs(60), |e, _| {
+            e.kind == "generation" && e.int("world") == Some(n)
+        })
+        .await?;
         let mut index = 0;
         for _ in 0..sc.repeat {
             for f in &sc.faults {
@@ -402,13 +433,26 @@ impl Run<'_> {
         for &r in &f.ranks {
             match members.get(&(r as i64)) {
                 Some(w) => chosen.push((r as i64, w.clone())),
-                None => return Err(RunError::Scenario(format!("rank {r} is not in generation {g} (world {})", members.len()))),
+                None => {
+                    return Err(RunError::Scenario(format!(
+                        "rank {r} is not in generation {g} (world {})",
+                        members.len()
+                    )))
+                }
             }
         }
-        let mut rest: Vec<(i64, String)> = members.iter().filter(|(r, _)| !chosen.iter().any(|(c, _)| c == *r)).map(|(r, w)| (*r, w.clone())).collect();
+        let mut rest: Vec<(i64, String)> = members
+            .iter()
+            .filter(|(r, _)| !chosen.iter().any(|(c, _)| c == *r))
+            .map(|(r, w)| (*r, w.clone()))
+            .collect();
         rest.shuffle(&mut self.rng);
         if (f.random_ranks as usize) > rest.len() {
-            return Err(RunError::Scenario(format!("{} random ranks wanted, {} left in generation {g}", f.random_ranks, rest.len())));
+            return Err(RunError::Scenario(format!(
+                "{} random ranks wanted, {} left in generation {g}",
+                f.random_ranks,
+                rest.len()
+            )));
         }
         chosen.extend(rest.into_iter().take(f.random_ranks as usize));
         Ok(chosen)
@@ -424,11 +468,15 @@ impl Run<'_> {
         } as i64;
         let target_step = self.view.max_step + steps;
         if steps > 0 {
-            self.pump(&format!("step {target_step} before fault {index}"), settle, |e, _| e.kind == "step" && e.int("step").unwrap_or(0) >= target_step).await?;
+            self.pump(&format!("step {target_step} before fault {index}"), settle, |e, _| {
+                e.kind == "step" && e.int("step").unwrap_or(0) >= target_step
+            })
+            .await?;
         }
         let mut g = self.view.current();
         if !self.view.complete(g) {
-            self.pump("every member's generation event", Duration::from_secs(10), |_, v| v.complete(v.current())).await?;
+            self.pump("every member's generation event", Duration::from_secs(10), |_, v| v.complete(v.current()))
+                .await?;
             g = self.view.current();
         }
         let targets = self.ranks_of(f, g)?;
@@ -439,7 +487,11 @@ impl Run<'_> {
                 members.iter().filter(|w| !target_names.contains(w)).cloned().collect()
             } else {
                 let m = self.view.members.get(&g).cloned().unwrap_or_default();
-                f.peers.iter().filter_map(|r| m.get(&(*r as i64)).cloned()).filter(|w| !target_names.contains(w)).collect()
+                f.peers
+                    .iter()
+                    .filter_map(|r| m.get(&(*r as i64)).cloned())
+                    .filter(|w| !target_names.contains(w))
+                    .collect()
             }
         } else {
             Vec::new()
@@ -452,7 +504,10 @@ impl Run<'_> {
         if f.mid_allreduce && !targets.is_empty() {
             let t0 = target_names[0].clone();
             let gen = g;
-            self.pump(&format!("an allreduce of {t0}"), Duration::from_secs(20), |e, _| e.kind == "allreduce" && e.worker == t0 && e.int("gen") == Some(gen)).await?;
+            self.pump(&format!("an allreduce of {t0}"), Duration::from_secs(20), |e, _| {
+                e.kind == "allreduce" && e.worker == t0 && e.int("gen") == Some(gen)
+            })
+            .await?;
             mid = true;
         }
         let at_ms = now_ms();
@@ -483,7 +538,8 @@ impl Run<'_> {
             }
             FaultKind::Slow => {
                 let until = Instant::now() + dur;
-                let (stop_for, run_for) = (f.stop_for.map(|d| d.0).unwrap_or_default(), f.run_for.map(|d| d.0).unwrap_or_default());
+                let (stop_for, run_for) =
+                    (f.stop_for.map(|d| d.0).unwrap_or_default(), f.run_for.map(|d| d.0).unwrap_or_default());
                 for w in &target_names {
                     self.fire(Action::SlowStop { worker: w.clone(), until, stop_for, run_for }).await;
                 }
@@ -513,7 +569,10 @@ impl Run<'_> {
                 self.timers.push((Instant::now() + dur, Action::RestartEtcd));
             }
             FaultKind::Isolate => {
-                let lab = self.cluster.netlab().ok_or_else(|| RunError::Scenario("isolate needs network = \"netns\"".into()))?;
+                let lab = self
+                    .cluster
+                    .netlab()
+                    .ok_or_else(|| RunError::Scenario("isolate needs network = \"netns\"".into()))?;
                 for w in &target_names {
                     lab.isolate(w, true).map_err(|e| RunError::Scenario(e.to_string()))?;
                 }
@@ -530,16 +589,29 @@ impl Run<'_> {
                 let heal_at = Instant::now() + if dur.is_zero() { sc.no_progress.0 * 3 } else { dur };
                 self.timers.push((heal_at, Action::Heal(pairs)));
             }
-            FaultKind::Blackhole | FaultKind::Partition | FaultKind::Latency | FaultKind::Bandwidth | FaultKind::Reset => {
+            FaultKind::Blackhole
+            | FaultKind::Partition
+            | FaultKind::Latency
+            | FaultKind::Bandwidth
+            | FaultKind::Reset => {
                 let proxy = self.cluster.enable_proxy();
                 let rule = match f.kind {
-                    FaultKind::Latency => LinkRule { latency: f.latency.map(|d| d.0).unwrap_or_default(), ..Default::default() },
-                    FaultKind::Bandwidth => LinkRule { bandwidth: f.bandwidth.as_deref().and_then(|b| parse_bytes(b).ok()), ..Default::default() },
+                    FaultKind::Latency => {
+                        LinkRule { latency: f.latency.map(|d| d.0).unwrap_or_default(), ..Default::default() }
+                    }
+                    FaultKind::Bandwidth => LinkRule {
+                        bandwidth: f.bandwidth.as_deref().and_then(|b| parse_bytes(b).ok()),
+                        ..Default::default()
+                    },
                     _ => LinkRule { blackhole: true, ..Default::default() },
                 };
                 let pairs = directed_pairs(&target_names, &peers, f.kind == FaultKind::Partition);
                 if f.kind == FaultKind::Reset {
-                    let n: usize = target_names.iter().flat_map(|t| peers.iter().map(move |p| (t, p))).map(|(t, p)| proxy.reset_pair(t, p)).sum();
+                    let n: usize = target_names
+                        .iter()
+                        .flat_map(|t| peers.iter().map(move |p| (t, p)))
+                        .map(|(t, p)| proxy.reset_pair(t, p))
+                        .sum();
                     note = format!("{n} connections reset");
                 } else {
                     for (a, b) in &pairs {
@@ -569,7 +641,11 @@ impl Run<'_> {
             at_ms,
             duration_ms: dur.as_millis() as u64,
             mid_allreduce: mid,
-            survivors: if kill_like(f.kind) { members.iter().filter(|w| !target_names.contains(w)).cloned().collect() } else { members.clone() },
+            survivors: if kill_like(f.kind) {
+                members.iter().filter(|w| !target_names.contains(w)).cloned().collect()
+            } else {
+                members.clone()
+            },
             note,
             ..Default::default()
         });
@@ -577,11 +653,20 @@ impl Run<'_> {
         // Settle.
         let gen = g;
         match f.kind {
-            FaultKind::Kill | FaultKind::Stop | FaultKind::Reset | FaultKind::Blackhole | FaultKind::Partition | FaultKind::Term => {
+            FaultKind::Kill
+            | FaultKind::Stop
+            | FaultKind::Reset
+            | FaultKind::Blackhole
+            | FaultKind::Partition
+            | FaultKind::Term => {
                 if matches!(f.kind, FaultKind::Blackhole | FaultKind::Partition) {
                     // Heal as soon as a member reports it (the fault was seen); at the
                     // latest at its duration (the timer set above).
-                    let seen = self.pump("an error after the link fault", sc.no_progress.0 * 3 + Duration::from_secs(5), |e, _| e.kind == "error" && e.int("gen") == Some(gen)).await;
+                    let seen = self
+                        .pump("an error after the link fault", sc.no_progress.0 * 3 + Duration::from_secs(5), |e, _| {
+                            e.kind == "error" && e.int("gen") == Some(gen)
+                        })
+                        .await;
                     if let Some(pos) = self.timers.iter().position(|(_, a)| matches!(a, Action::Heal(_))) {
                         let (_, a) = self.timers.remove(pos);
                         self.fire(a).await;
@@ -594,26 +679,43 @@ impl Run<'_> {
                 if f.kind == FaultKind::Stop {
                     self.status_while_hung(struck).await;
                 }
-                let cont_at = self.timers.iter().filter(|(_, a)| matches!(a, Action::Signal(_, s) if *s == libc::SIGCONT)).map(|(t, _)| *t).max();
-                self.pump(&format!("the first verified step after fault {index}"), settle, |e, _| e.kind == "step" && e.int("gen").unwrap_or(0) > gen).await?;
+                let cont_at = self
+                    .timers
+                    .iter()
+                    .filter(|(_, a)| matches!(a, Action::Signal(_, s) if *s == libc::SIGCONT))
+                    .map(|(t, _)| *t)
+                    .max();
+                self.pump(&format!("the first verified step after fault {index}"), settle, |e, _| {
+                    e.kind == "step" && e.int("gen").unwrap_or(0) > gen
+                })
+                .await?;
                 if let Some(t) = cont_at {
                     // The hung rank comes back: let its continuation happen, then see it react.
                     self.pass_time(t).await;
                     let back: Vec<String> = target_names.clone();
                     let _ = self
-                        .pump("the continued rank to react", Duration::from_secs(10) + sc.no_progress.0, |e, _| back.contains(&e.worker) && e.kind != "allreduce")
+                        .pump("the continued rank to react", Duration::from_secs(10) + sc.no_progress.0, |e, _| {
+                            back.contains(&e.worker) && e.kind != "allreduce"
+                        })
                         .await;
                 }
                 if f.kind == FaultKind::Kill && f.respawn {
                     let names = self.spawn(target_names.len() as u32).await?;
                     let last = names.last().cloned().unwrap_or_default();
-                    self.pump(&format!("replacement {last} to join"), settle, |e, _| e.kind == "step" && e.worker == last).await?;
+                    self.pump(&format!("replacement {last} to join"), settle, |e, _| {
+                        e.kind == "step" && e.worker == last
+                    })
+                    .await?;
                 }
             }
             FaultKind::Isolate => {
                 // The survivors re-form without the cut-off hosts; then they are plugged back
                 // (at the latest at their duration) and must find their way back in.
-                let recovered = self.pump(&format!("the first verified step after fault {index}"), settle, |e, _| e.kind == "step" && e.int("gen").unwrap_or(0) > gen).await;
+                let recovered = self
+                    .pump(&format!("the first verified step after fault {index}"), settle, |e, _| {
+                        e.kind == "step" && e.int("gen").unwrap_or(0) > gen
+                    })
+                    .await;
                 if let Some(pos) = self.timers.iter().position(|(_, a)| matches!(a, Action::Plug(_))) {
                     let (_, a) = self.timers.remove(pos);
                     self.fire(a).await;
@@ -621,20 +723,37 @@ impl Run<'_> {
                 recovered?;
                 for w in &target_names {
                     let who = w.clone();
-                    self.pump(&format!("{w} to rejoin after it was plugged back"), settle, |e, _| e.kind == "step" && e.worker == who && e.int("gen").unwrap_or(0) > gen).await?;
+                    self.pump(&format!("{w} to rejoin after it was plugged back"), settle, |e, _| {
+                        e.kind == "step" && e.worker == who && e.int("gen").unwrap_or(0) > gen
+                    })
+                    .await?;
                 }
             }
             FaultKind::JoinStorm => {
                 let want = (world + f.count as i64).min(sc.max_workers as i64);
-                self.pump(&format!("a generation of {want} after the join storm"), settle, |e, _| e.kind == "step" && e.int("world") == Some(want)).await?;
+                self.pump(&format!("a generation of {want} after the join storm"), settle, |e, _| {
+                    e.kind == "step" && e.int("world") == Some(want)
+                })
+                .await?;
             }
-            FaultKind::Slow | FaultKind::Latency | FaultKind::Bandwidth | FaultKind::CoordinatorLeaderKill | FaultKind::CoordinatorsDown | FaultKind::EtcdRestart => {
+            FaultKind::Slow
+            | FaultKind::Latency
+            | FaultKind::Bandwidth
+            | FaultKind::CoordinatorLeaderKill
+            | FaultKind::CoordinatorsDown
+            | FaultKind::EtcdRestart => {
                 let end = Instant::now() + dur;
                 self.pass_time(end).await;
                 self.fire_due().await;
                 let target = self.view.max_step + 3;
-                self.pump(&format!("3 steps after fault {index}"), settle, |e, _| e.kind == "step" && e.int("step").unwrap_or(0) >= target).await?;
-                if matches!(f.kind, FaultKind::Latency | FaultKind::Bandwidth | FaultKind::CoordinatorLeaderKill | FaultKind::Slow) {
+                self.pump(&format!("3 steps after fault {index}"), settle, |e, _| {
+                    e.kind == "step" && e.int("step").unwrap_or(0) >= target
+                })
+                .await?;
+                if matches!(
+                    f.kind,
+                    FaultKind::Latency | FaultKind::Bandwidth | FaultKind::CoordinatorLeaderKill | FaultKind::Slow
+                ) {
                     self.quiet.push((at_ms, now_ms(), index));
                 }
             }
@@ -651,7 +770,9 @@ impl Run<'_> {
         let after = sc.heartbeat_interval.0 * 3;
         if after + Duration::from_millis(300) >= sc.no_progress.0 {
             if let Some(r) = self.records.last_mut() {
-                r.note = format!("no status taken: 3 heartbeat intervals ({after:?}) do not fit before the no-progress deadline");
+                r.note = format!(
+                    "no status taken: 3 heartbeat intervals ({after:?}) do not fit before the no-progress deadline"
+                );
             }
             return;
         }
@@ -673,7 +794,11 @@ impl Run<'_> {
         let sc = self.sc;
         let events = self.cluster.events.clone();
         let records = self.measure();
-        let mut checks = vec![invariants::no_wrong_results(&events), invariants::generations_increase(&events), invariants::commits_never_lost(&events)];
+        let mut checks = vec![
+            invariants::no_wrong_results(&events),
+            invariants::generations_increase(&events),
+            invariants::commits_never_lost(&events),
+        ];
         let bound_ms = (sc.no_progress.0 + Duration::from_secs(3)).as_millis() as u64;
         checks.push(invariants::no_hang(&events, &self.signal_windows(), bound_ms, end_ms));
         checks.push(invariants::errors_typed(&events));
@@ -681,7 +806,12 @@ impl Run<'_> {
         // fail no collective.
         for r in &records {
             let kind = r.kind.as_str();
-            let culprits: Vec<String> = r.targets.iter().map(|t| t.split('(').next().unwrap_or("").to_string()).chain(r.peers.iter().cloned()).collect();
+            let culprits: Vec<String> = r
+                .targets
+                .iter()
+                .map(|t| t.split('(').next().unwrap_or("").to_string())
+                .chain(r.peers.iter().cloned())
+                .collect();
             match kind {
                 "kill" | "stop" => {
                     if sc.expect == Expect::Fail {
@@ -716,7 +846,10 @@ impl Run<'_> {
                 "isolate" => {
                     let named = r.errors.iter().filter(|e| culprits.iter().any(|c| cause_names(&e.cause, c))).count();
                     checks.push(Check {
-                        what: format!("fault {} ({kind}): every survivor got an error naming the cut-off host", r.index),
+                        what: format!(
+                            "fault {} ({kind}): every survivor got an error naming the cut-off host",
+                            r.index
+                        ),
                         ok: named == r.survivors.len() && !r.survivors.is_empty(),
                         detail: format!("{named} of {} survivors; causes: {}", r.survivors.len(), causes(r)),
                     });
@@ -724,28 +857,48 @@ impl Run<'_> {
                     checks.push(next_step_check(r, kind));
                     let back: Vec<String> = culprits
                         .iter()
-                        .filter(|w| !events.iter().any(|e| e.kind == "step" && e.worker == **w && e.int("gen").unwrap_or(0) > r.generation))
+                        .filter(|w| {
+                            !events.iter().any(|e| {
+                                e.kind == "step" && e.worker == **w && e.int("gen").unwrap_or(0) > r.generation
+                            })
+                        })
                         .cloned()
                         .collect();
                     checks.push(Check {
                         what: format!("fault {} ({kind}): the cut-off host rejoined once plugged back", r.index),
                         ok: back.is_empty(),
-                        detail: if back.is_empty() { "verified steps in a later generation".into() } else { format!("never back: {}", back.join(",")) },
+                        detail: if back.is_empty() {
+                            "verified steps in a later generation".into()
+                        } else {
+                            format!("never back: {}", back.join(","))
+                        },
                     });
                 }
                 "join_storm" => {
-                    let joiners: Vec<&str> = r.note.strip_prefix("joined: ").map(|n| n.split(',').collect()).unwrap_or_default();
-                    let missing: Vec<&str> = joiners.iter().copied().filter(|w| !events.iter().any(|e| e.kind == "step" && e.worker == *w)).collect();
+                    let joiners: Vec<&str> =
+                        r.note.strip_prefix("joined: ").map(|n| n.split(',').collect()).unwrap_or_default();
+                    let missing: Vec<&str> = joiners
+                        .iter()
+                        .copied()
+                        .filter(|w| !events.iter().any(|e| e.kind == "step" && e.worker == *w))
+                        .collect();
                     checks.push(Check {
                         what: format!("fault {} ({kind}): every joiner verified steps", r.index),
                         ok: !joiners.is_empty() && missing.is_empty(),
-                        detail: if missing.is_empty() { format!("{} joiners", joiners.len()) } else { format!("never stepped: {}", missing.join(",")) },
+                        detail: if missing.is_empty() {
+                            format!("{} joiners", joiners.len())
+                        } else {
+                            format!("never stepped: {}", missing.join(","))
+                        },
                     });
                 }
                 "blackhole" | "partition" | "reset" => {
                     let named = r.errors.iter().filter(|e| culprits.iter().any(|c| cause_names(&e.cause, c))).count();
                     checks.push(Check {
-                        what: format!("fault {} ({kind}): every member got an error naming an end of the link", r.index),
+                        what: format!(
+                            "fault {} ({kind}): every member got an error naming an end of the link",
+                            r.index
+                        ),
                         ok: named == r.survivors.len() && !r.survivors.is_empty(),
                         detail: format!("{named} of {}; causes: {}", r.survivors.len(), causes(r)),
                     });
@@ -764,7 +917,11 @@ impl Run<'_> {
                 .map(|e| format!("{}: {}", e.worker, e.text("cause").unwrap_or("?")))
                 .collect();
             let kind = records.iter().find(|r| r.index == index).map(|r| r.kind.clone()).unwrap_or_default();
-            checks.push(Check { what: format!("fault {index} ({kind}): no collective failed because of it"), ok: errs.is_empty(), detail: if errs.is_empty() { "none failed".into() } else { errs.join("; ") } });
+            checks.push(Check {
+                what: format!("fault {index} ({kind}): no collective failed because of it"),
+                ok: errs.is_empty(),
+                detail: if errs.is_empty() { "none failed".into() } else { errs.join("; ") },
+            });
         }
         // How the job ended.
         match sc.expect {
@@ -780,7 +937,9 @@ impl Run<'_> {
                         if *code != Some(0) || summary.and_then(|s| s.text("left")) != Some("true") {
                             bad.push(format!("{w} (SIGTERM) exit {code:?} without a graceful leave"));
                         }
-                    } else if self.signals.iter().any(|s| s.worker == *w && s.signal == libc::SIGSTOP) && *code != Some(0) {
+                    } else if self.signals.iter().any(|s| s.worker == *w && s.signal == libc::SIGSTOP)
+                        && *code != Some(0)
+                    {
                         // A hung rank that came back after its exclusion may be refused;
                         // then it must say why.
                         if fatal.and_then(|f| f.text("error")).is_none_or(str::is_empty) {
@@ -806,7 +965,12 @@ impl Run<'_> {
                     if self.killed.contains(w) {
                         continue;
                     }
-                    let fatal = events.iter().rev().find(|e| e.worker == *w && e.kind == "fatal").and_then(|f| f.text("error")).unwrap_or("");
+                    let fatal = events
+                        .iter()
+                        .rev()
+                        .find(|e| e.worker == *w && e.kind == "fatal")
+                        .and_then(|f| f.text("error"))
+                        .unwrap_or("");
                     if *code == Some(0) || !fatal.contains("min_workers") {
                         bad.push(format!("{w}: exit {code:?}, error {fatal:?}"));
                     }
@@ -814,7 +978,11 @@ impl Run<'_> {
                 checks.push(Check {
                     what: "the job failed below min_workers, every remaining worker saying why".into(),
                     ok: bad.is_empty(),
-                    detail: if bad.is_empty() { "every remaining worker failed naming min_workers".into() } else { bad.join("; ") },
+                    detail: if bad.is_empty() {
+                        "every remaining worker failed naming min_workers".into()
+                    } else {
+                        bad.join("; ")
+                    },
                 });
             }
         }
@@ -840,10 +1008,13 @@ fn measure(records: &[FaultRecord], events: &[WorkerEvent]) -> Vec<FaultRecord> 
     let mut out = records.to_vec();
     for (i, r) in out.iter_mut().enumerate() {
         let at = r.at_ms as i64;
-        let until = records[i + 1..].iter().find(|n| n.generation == r.generation).map_or(i64::MAX, |n| n.at_ms as i64 - 5);
+        let until =
+            records[i + 1..].iter().find(|n| n.generation == r.generation).map_or(i64::MAX, |n| n.at_ms as i64 - 5);
         let mut errors: Vec<ErrorSeen> = Vec::new();
         for w in &r.survivors {
-            let seen = events.iter().find(|e| e.kind == "error" && e.worker == *w && e.int("gen") == Some(r.generation) && e.t_ms() as i64 >= at - 5);
+            let seen = events.iter().find(|e| {
+                e.kind == "error" && e.worker == *w && e.int("gen") == Some(r.generation) && e.t_ms() as i64 >= at - 5
+            });
             if let Some(e) = seen.filter(|e| (e.t_ms() as i64) < until) {
                 errors.push(ErrorSeen {
                     worker: w.clone(),
@@ -865,7 +1036,10 @@ fn measure(records: &[FaultRecord], events: &[WorkerEvent]) -> Vec<FaultRecord> 
         r.errors = errors;
         let kind = FaultKind::from_name(&r.kind);
         if kind.is_some_and(|k| !k.quiet()) {
-            if let Some(e) = events.iter().find(|e| e.kind == "step" && e.int("gen").unwrap_or(0) > r.generation && e.t_ms() as i64 >= at) {
+            if let Some(e) = events
+                .iter()
+                .find(|e| e.kind == "step" && e.int("gen").unwrap_or(0) > r.generation && e.t_ms() as i64 >= at)
+            {
                 r.next_step_ms = Some(e.t_ms() as i64 - at);
                 r.next_generation = e.int("gen");
             }
@@ -876,7 +1050,8 @@ fn measure(records: &[FaultRecord], events: &[WorkerEvent]) -> Vec<FaultRecord> 
             r.steps_per_s_during = step_rate(events, at, at + d);
         }
         if kind == Some(FaultKind::JoinStorm) {
-            let joiners: Vec<&str> = r.note.strip_prefix("joined: ").map(|n| n.split(',').collect()).unwrap_or_default();
+            let joiners: Vec<&str> =
+                r.note.strip_prefix("joined: ").map(|n| n.split(',').collect()).unwrap_or_default();
             r.absorbed_ms = absorbed(events, r.generation, &joiners).map(|t| t as i64 - at);
         }
     }
@@ -925,8 +1100,10 @@ fn hung_rank_status_check(r: &FaultRecord, events: &[WorkerEvent], sc: &Scenario
     };
     let hung: Vec<&str> = r.targets.iter().map(|t| t.split('(').next().unwrap_or("")).collect();
     let mut problems = Vec::new();
-    let freshest_hung = status.members.iter().filter(|m| hung.contains(&m.worker.as_str())).map(|m| m.heartbeat_age_ms).min();
-    let stalest_other = status.members.iter().filter(|m| !hung.contains(&m.worker.as_str())).map(|m| m.heartbeat_age_ms).max();
+    let freshest_hung =
+        status.members.iter().filter(|m| hung.contains(&m.worker.as_str())).map(|m| m.heartbeat_age_ms).min();
+    let stalest_other =
+        status.members.iter().filter(|m| !hung.contains(&m.worker.as_str())).map(|m| m.heartbeat_age_ms).max();
     let mut shown = Vec::new();
     for w in &hung {
         let Some(m) = status.members.iter().find(|m| m.worker == *w) else {
@@ -935,10 +1112,19 @@ fn hung_rank_status_check(r: &FaultRecord, events: &[WorkerEvent], sc: &Scenario
         };
         let printed = events
             .iter()
-            .filter(|e| e.worker == *w && e.kind == "allreduce" && e.int("gen") == Some(r.generation) && e.t_ms() <= r.at_ms)
+            .filter(|e| {
+                e.worker == *w && e.kind == "allreduce" && e.int("gen") == Some(r.generation) && e.t_ms() <= r.at_ms
+            })
             .filter_map(|e| e.int("step"))
             .max();
-        shown.push(format!("{w}: heartbeat {} ms ago, gen {} step {} {} (printed step {})", m.heartbeat_age_ms, m.generation, m.step, m.activity, o(printed)));
+        shown.push(format!(
+            "{w}: heartbeat {} ms ago, gen {} step {} {} (printed step {})",
+            m.heartbeat_age_ms,
+            m.generation,
+            m.step,
+            m.activity,
+            o(printed)
+        ));
         let min_age = (sc.heartbeat_interval.0 * 2).as_millis() as u64;
         if m.heartbeat_age_ms < min_age {
             problems.push(format!("{w}'s heartbeat age {} ms < {min_age} ms", m.heartbeat_age_ms));
@@ -959,7 +1145,12 @@ fn hung_rank_status_check(r: &FaultRecord, events: &[WorkerEvent], sc: &Scenario
     Some(Check {
         what,
         ok: problems.is_empty(),
-        detail: format!("+{} ms: {}{}", status.after_ms, shown.join("; "), if problems.is_empty() { String::new() } else { format!(" -- {}", problems.join("; ")) }),
+        detail: format!(
+            "+{} ms: {}{}",
+            status.after_ms,
+            shown.join("; "),
+            if problems.is_empty() { String::new() } else { format!(" -- {}", problems.join("; ")) }
+        ),
     })
 }
 
@@ -977,7 +1168,11 @@ fn next_step_check(r: &FaultRecord, kind: &str) -> Check {
 fn detection_check(r: &FaultRecord, kind: &str, sc: &Scenario) -> Check {
     let limit = (sc.no_progress.0 + sc.step_interval.0 + Duration::from_millis(1000)).as_millis() as i64;
     Check {
-        what: format!("fault {} ({kind}): detected within the no-progress deadline ({} ms) + 1 s", r.index, sc.no_progress.0.as_millis()),
+        what: format!(
+            "fault {} ({kind}): detected within the no-progress deadline ({} ms) + 1 s",
+            r.index,
+            sc.no_progress.0.as_millis()
+        ),
         ok: r.first_error_ms.is_some_and(|t| t <= limit),
         detail: format!("first error after {} ms", o(r.first_error_ms)),
     }
@@ -1055,8 +1250,10 @@ mod tests {
         // Steps 1..=10 at t=1000..1900 (10 per second), then steps 11..=15 at t=2100..2900
         // (5 per second while a 1 s latency fault struck at t=2000 lasts); a kill at t=3500
         // re-forms into generation 2 at t=3600.
-        let mut events: Vec<WorkerEvent> = (1..=10).map(|s| ev("w0", &format!("event=step gen=1 step={s} t_ms={}", 900 + s * 100))).collect();
-        events.extend((11..=15).map(|s| ev("w0", &format!("event=step gen=1 step={s} t_ms={}", 2100 + (s - 11) * 200))));
+        let mut events: Vec<WorkerEvent> =
+            (1..=10).map(|s| ev("w0", &format!("event=step gen=1 step={s} t_ms={}", 900 + s * 100))).collect();
+        events
+            .extend((11..=15).map(|s| ev("w0", &format!("event=step gen=1 step={s} t_ms={}", 2100 + (s - 11) * 200))));
         events.push(ev("w0", "event=step gen=2 step=16 t_ms=3600"));
         let mut latency = record(1, "latency", 1, 2000, &["w0"]);
         latency.duration_ms = 1000;
@@ -1105,7 +1302,10 @@ mod tests {
         let events = [ev("w2", "event=allreduce gen=4 rank=2 step=12 t_ms=900")];
         let mut r = record(1, "stop", 4, 1000, &["w0", "w1"]);
         r.targets = vec!["w2(rank 2)".into()];
-        r.status = Some(StatusSeen { after_ms: 600, members: vec![seen("w0", 90, 12), seen("w1", 150, 12), seen("w2", 680, 11)] });
+        r.status = Some(StatusSeen {
+            after_ms: 600,
+            members: vec![seen("w0", 90, 12), seen("w1", 150, 12), seen("w2", 680, 11)],
+        });
         let c = hung_rank_status_check(&r, &events, &sc).expect("a check");
         assert!(c.ok, "{}", c.detail);
         // Another member as stale: status would not tell who hung.
@@ -1127,7 +1327,10 @@ mod tests {
     fn a_later_fault_of_the_same_generation_keeps_its_own_errors() {
         // A leader kill at t=1000 fails nothing; a SIGKILL of w2 at t=3000 in the same
         // generation fails w0 and w1 at t=3004.
-        let records = [record(1, "coordinator_leader_kill", 4, 1000, &["w0", "w1", "w2"]), record(2, "kill", 4, 3000, &["w0", "w1"])];
+        let records = [
+            record(1, "coordinator_leader_kill", 4, 1000, &["w0", "w1", "w2"]),
+            record(2, "kill", 4, 3000, &["w0", "w1"]),
+        ];
         let events = [
             ev("w0", "event=error gen=4 rank=0 step=9 kind=PeerFailed cause=\"rank 2 (worker w2): SIGKILL\" t_ms=3004"),
             ev("w1", "event=error gen=4 rank=1 step=9 kind=PeerFailed cause=\"rank 2 (worker w2): SIGKILL\" t_ms=3005"),

@@ -138,7 +138,15 @@ impl FaultKind {
     /// Whether the job must go on undisturbed through it (no collective fails): its
     /// measurement is the job's step rate while it lasts.
     pub fn quiet(self) -> bool {
-        matches!(self, Self::Slow | Self::Latency | Self::Bandwidth | Self::CoordinatorLeaderKill | Self::CoordinatorsDown | Self::EtcdRestart)
+        matches!(
+            self,
+            Self::Slow
+                | Self::Latency
+                | Self::Bandwidth
+                | Self::CoordinatorLeaderKill
+                | Self::CoordinatorsDown
+                | Self::EtcdRestart
+        )
     }
 
     /// The kind named `name` (as in scenarios and reports).
@@ -405,15 +413,16 @@ pub struct FaultSpec {
 impl Scenario {
     /// Reads and checks a scenario file; the name defaults to the file stem.
     pub fn load(path: &Path) -> Result<Self, ScenarioError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ScenarioError::Read { path: path.display().to_string(), source })?;
+        let text = std::fs::read_to_string(path)
+            .map_err(|source| ScenarioError::Read { path: path.display().to_string(), source })?;
         let stem = path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "scenario".into());
         Self::parse(&stem, &text)
     }
 
     /// Parses and checks scenario text; `default_name` is used when it names none.
     pub fn parse(default_name: &str, text: &str) -> Result<Self, ScenarioError> {
-        let mut s: Scenario =
-            toml::from_str(text).map_err(|e| ScenarioError::Parse { name: default_name.to_string(), message: e.to_string() })?;
+        let mut s: Scenario = toml::from_str(text)
+            .map_err(|e| ScenarioError::Parse { name: default_name.to_string(), message: e.to_string() })?;
         if s.name.is_empty() {
             s.name = default_name.to_string();
         }
@@ -473,12 +482,22 @@ impl Scenario {
         for (i, f) in self.faults.iter().enumerate() {
             let at = format!("fault {} ({})", i + 1, f.kind.name());
             if f.kind.control_plane() && self.store != StoreChoice::Etcd {
-                return bad(format!("{at}: needs store = \"etcd\" (the memory store loses its state with its coordinator)"));
+                return bad(format!(
+                    "{at}: needs store = \"etcd\" (the memory store loses its state with its coordinator)"
+                ));
             }
             let needs_targets = matches!(
                 f.kind,
-                FaultKind::Kill | FaultKind::Stop | FaultKind::Term | FaultKind::Slow | FaultKind::Blackhole | FaultKind::Reset
-                    | FaultKind::Latency | FaultKind::Bandwidth | FaultKind::Partition | FaultKind::Isolate
+                FaultKind::Kill
+                    | FaultKind::Stop
+                    | FaultKind::Term
+                    | FaultKind::Slow
+                    | FaultKind::Blackhole
+                    | FaultKind::Reset
+                    | FaultKind::Latency
+                    | FaultKind::Bandwidth
+                    | FaultKind::Partition
+                    | FaultKind::Isolate
             );
             let netns = self.network == NetworkChoice::Netns;
             if f.kind == FaultKind::Isolate && !netns {
@@ -500,7 +519,11 @@ impl Scenario {
                 }
             }
             match f.kind {
-                FaultKind::Stop | FaultKind::CoordinatorsDown | FaultKind::EtcdRestart | FaultKind::Latency | FaultKind::Bandwidth
+                FaultKind::Stop
+                | FaultKind::CoordinatorsDown
+                | FaultKind::EtcdRestart
+                | FaultKind::Latency
+                | FaultKind::Bandwidth
                     if f.duration.is_none() =>
                 {
                     return bad(format!("{at}: needs a duration"));
@@ -575,13 +598,17 @@ mod tests {
         assert!(dur.contains("unknown unit"), "{dur}");
         let targets = Scenario::parse("x", "[[fault]]\nkind = \"kill\"").unwrap_err().to_string();
         assert!(targets.contains("targets"), "{targets}");
-        let etcd = Scenario::parse("x", "[[fault]]\nkind = \"etcd_restart\"\nduration = \"1s\"").unwrap_err().to_string();
+        let etcd =
+            Scenario::parse("x", "[[fault]]\nkind = \"etcd_restart\"\nduration = \"1s\"").unwrap_err().to_string();
         assert!(etcd.contains("etcd"), "{etcd}");
-        let bw = Scenario::parse("x", "[[fault]]\nkind = \"bandwidth\"\nranks=[0]\nduration=\"1s\"\nbandwidth=\"1\"").unwrap_err();
+        let bw = Scenario::parse("x", "[[fault]]\nkind = \"bandwidth\"\nranks=[0]\nduration=\"1s\"\nbandwidth=\"1\"")
+            .unwrap_err();
         assert!(bw.to_string().contains("at least 1K"), "{bw}");
         let isolate = Scenario::parse("x", "[[fault]]\nkind = \"isolate\"\nranks = [1]").unwrap_err().to_string();
         assert!(isolate.contains("netns"), "{isolate}");
-        let proxied = Scenario::parse("x", "network = \"netns\"\n[[fault]]\nkind = \"reset\"\nranks = [1]").unwrap_err().to_string();
+        let proxied = Scenario::parse("x", "network = \"netns\"\n[[fault]]\nkind = \"reset\"\nranks = [1]")
+            .unwrap_err()
+            .to_string();
         assert!(proxied.contains("proxy"), "{proxied}");
         let etcd = Scenario::parse("x", "network = \"netns\"\nstore = \"etcd\"").unwrap_err().to_string();
         assert!(etcd.contains("memory store"), "{etcd}");

@@ -1,9 +1,9 @@
 //! `suite` (every scenario, or the quick ones) and `soak` (one scenario, fresh seeds, for a
 //! while), with their reports.
 
+use crate::netns::NetLab;
 use crate::report::{self, RunReport};
 use crate::runner::{self, RunOptions};
-use crate::netns::NetLab;
 use crate::scenario::{NetworkChoice, Scenario, ScenarioError};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -93,7 +93,13 @@ fn print_failures(r: &RunReport) {
 ///
 /// # Cancel safety
 /// Cancel safe, as [`run_all`].
-pub async fn soak(scenario: &Scenario, seed: u64, duration: Duration, max_runs: usize, opts: &RunOptions) -> Vec<RunReport> {
+pub async fn soak(
+    scenario: &Scenario,
+    seed: u64,
+    duration: Duration,
+    max_runs: usize,
+    opts: &RunOptions,
+) -> Vec<RunReport> {
     let start = Instant::now();
     let mut reports = Vec::new();
     let mut kills = 0;

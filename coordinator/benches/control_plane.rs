@@ -60,9 +60,18 @@ struct Plan {
     steady: (usize, usize, Duration),
 }
 
-const FULL: Plan =
-    Plan { rendezvous_runs: 5, revocation_runs: 30, stores: &[Backend::Memory, Backend::Etcd], steady: (256, 32, Duration::from_secs(5)) };
-const SMOKE: Plan = Plan { rendezvous_runs: 1, revocation_runs: 2, stores: &[Backend::Memory], steady: (8, 2, Duration::from_millis(500)) };
+const FULL: Plan = Plan {
+    rendezvous_runs: 5,
+    revocation_runs: 30,
+    stores: &[Backend::Memory, Backend::Etcd],
+    steady: (256, 32, Duration::from_secs(5)),
+};
+const SMOKE: Plan = Plan {
+    rendezvous_runs: 1,
+    revocation_runs: 2,
+    stores: &[Backend::Memory],
+    steady: (8, 2, Duration::from_millis(500)),
+};
 /// Heartbeat interval of the steady-state benchmark's members.
 const STEADY_HEARTBEAT: Duration = Duration::from_millis(100);
 
@@ -170,7 +179,8 @@ async fn bench_rendezvous(backend: Backend, runs: usize) {
         }
     };
     let n = RENDEZVOUS_WORKERS;
-    let server = within(START_BOUND, "starting a replica", replica(bed.store.clone(), &Options::new(settings(n)))).await;
+    let server =
+        within(START_BOUND, "starting a replica", replica(bed.store.clone(), &Options::new(settings(n)))).await;
     let addr = server.local_addr();
     // Warm-up (untimed): the replica leads and forms generations, connections are cheap.
     rendezvous_once(&bed.store, addr, &format!("rdv-{name}-warmup"), n).await;
@@ -228,10 +238,14 @@ async fn revocation_once(store: &Arc<dyn Store>, addr: SocketAddr, job: &str, n:
     // Let the watcher tasks start waiting before the clock starts.
     tokio::task::yield_now().await;
     let sent = Instant::now();
-    let report = within(REVOCATION_BOUND, "failure report", workers[0].report(1, Some(n as u32 - 1), "bench: peer failed")).await;
+    let report =
+        within(REVOCATION_BOUND, "failure report", workers[0].report(1, Some(n as u32 - 1), "bench: peer failed"))
+            .await;
     assert!(report.expect("report").accepted, "the report revokes generation 1");
     let mut latencies = Vec::with_capacity(n);
-    for received in within(REVOCATION_BOUND, "revocation reaching every watcher", futures::future::join_all(watchers)).await {
+    for received in
+        within(REVOCATION_BOUND, "revocation reaching every watcher", futures::future::join_all(watchers)).await
+    {
         latencies.push(received.expect("watcher task").duration_since(sent));
     }
     within(SETUP_BOUND, "removing the job", remove_job(store, job, workers)).await;
@@ -248,7 +262,8 @@ async fn bench_revocation(backend: Backend, runs: usize) {
         }
     };
     let n = REVOCATION_WATCHERS;
-    let server = within(START_BOUND, "starting a replica", replica(bed.store.clone(), &Options::new(settings(n)))).await;
+    let server =
+        within(START_BOUND, "starting a replica", replica(bed.store.clone(), &Options::new(settings(n)))).await;
     let addr = server.local_addr();
     revocation_once(&bed.store, addr, &format!("rev-{name}-warmup"), n).await;
     let mut last = Vec::with_capacity(runs);
@@ -333,7 +348,16 @@ async fn bench_steady(members: usize, joiners: usize, window: Duration) {
     let heartbeat = format!("{}ms", STEADY_HEARTBEAT.as_millis());
     let max = members.to_string();
     let coordinator = match CoordinatorProcess::start(&[
-        "--min-workers", "1", "--max-workers", &max, "--join-window", "30s", "--heartbeat-interval", &heartbeat, "--lease-ttl", "60s",
+        "--min-workers",
+        "1",
+        "--max-workers",
+        &max,
+        "--join-window",
+        "30s",
+        "--heartbeat-interval",
+        &heartbeat,
+        "--lease-ttl",
+        "60s",
     ]) {
         Ok(c) => c,
         Err(e) => {

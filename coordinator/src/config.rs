@@ -227,11 +227,15 @@ impl Settings {
         defaults.validate().map_err(|message| ConfigError::Invalid { scope: String::new(), message })?;
         let mut jobs = HashMap::new();
         for (job, overrides) in &file.jobs {
-            crate::validate::id("jobs.<id>", job)
-                .map_err(|s| ConfigError::Invalid { scope: format!(" for job {job:?}"), message: s.message().to_string() })?;
+            crate::validate::id("jobs.<id>", job).map_err(|s| ConfigError::Invalid {
+                scope: format!(" for job {job:?}"),
+                message: s.message().to_string(),
+            })?;
             let mut settings = defaults;
             settings.apply(overrides);
-            settings.validate().map_err(|message| ConfigError::Invalid { scope: format!(" for job {job}"), message })?;
+            settings
+                .validate()
+                .map_err(|message| ConfigError::Invalid { scope: format!(" for job {job}"), message })?;
             jobs.insert(job.clone(), settings);
         }
         Ok(Self { defaults, jobs })

@@ -180,7 +180,9 @@ fn file_tail(path: &Path, max: u64) -> String {
 /// One `GET /health` against etcd's client port; true if it reports healthy.
 fn probe_health(addr: SocketAddr) -> bool {
     let Ok(mut conn) = TcpStream::connect_timeout(&addr, Duration::from_millis(500)) else { return false };
-    if conn.set_read_timeout(Some(Duration::from_secs(2))).is_err() || conn.set_write_timeout(Some(Duration::from_secs(2))).is_err() {
+    if conn.set_read_timeout(Some(Duration::from_secs(2))).is_err()
+        || conn.set_write_timeout(Some(Duration::from_secs(2))).is_err()
+    {
         return false;
     }
     let request = format!("GET /health HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
@@ -215,7 +217,12 @@ impl EtcdProcess {
                     return Ok(etcd);
                 }
                 Err(e) if e.is_port_conflict() && attempt < START_ATTEMPTS => {
-                    tracing::warn!(attempt, client_port, peer_port, "etcd could not bind its ports; retrying with others");
+                    tracing::warn!(
+                        attempt,
+                        client_port,
+                        peer_port,
+                        "etcd could not bind its ports; retrying with others"
+                    );
                     attempt += 1;
                 }
                 Err(e) => return Err(e),
@@ -330,7 +337,8 @@ impl EtcdProcess {
                 cmd.env_remove(key);
             }
         }
-        let child = spawn_tied_to_process(cmd).map_err(EtcdProcessError::io(format!("spawning {}", self.bin.display())))?;
+        let child =
+            spawn_tied_to_process(cmd).map_err(EtcdProcessError::io(format!("spawning {}", self.bin.display())))?;
         self.child = Some(child);
         match self.wait_ready() {
             Ok(()) => Ok(()),
@@ -354,7 +362,11 @@ impl EtcdProcess {
             };
             if let Some(status) = exited {
                 self.child = None;
-                return Err(EtcdProcessError::Exited { status, log: self.log_path(), tail: file_tail(&self.log_path(), 4096) });
+                return Err(EtcdProcessError::Exited {
+                    status,
+                    log: self.log_path(),
+                    tail: file_tail(&self.log_path(), 4096),
+                });
             }
             if probe_health(addr) {
                 return Ok(());
@@ -405,7 +417,11 @@ mod tests {
 
     #[test]
     fn port_conflict_is_recognised() {
-        let exited = |tail: &str| EtcdProcessError::Exited { status: "exit status: 1".into(), log: PathBuf::new(), tail: tail.into() };
+        let exited = |tail: &str| EtcdProcessError::Exited {
+            status: "exit status: 1".into(),
+            log: PathBuf::new(),
+            tail: tail.into(),
+        };
         assert!(exited("listen tcp 127.0.0.1:2380: bind: address already in use").is_port_conflict());
         assert!(!exited("member has already been bootstrapped").is_port_conflict());
     }

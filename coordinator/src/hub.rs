@@ -222,7 +222,10 @@ pub fn events_between(old: &Headline, new: &Headline) -> Vec<pb::JobEvent> {
             let was = og.filter(|o| o.number == n.number).and_then(|o| o.revoked.as_ref());
             if was.is_none() {
                 out.push(pb::JobEvent {
-                    event: Some(Event::GenerationRevoked(pb::GenerationRevoked { generation: n.number, cause: Some(cause.to_proto()) })),
+                    event: Some(Event::GenerationRevoked(pb::GenerationRevoked {
+                        generation: n.number,
+                        cause: Some(cause.to_proto()),
+                    })),
                 });
             }
         }
@@ -489,10 +492,18 @@ mod tests {
             store.put(&keys::worker_key(job, Kind::Member, w), encode(&member), Some(lease)).await.expect("put");
             incarnations.insert(w, lease);
         }
-        let a = Placed { worker_id: "a".into(), incarnation: incarnations["a"] as u64, host: "h".into(), addresses: vec![] };
+        let a = Placed {
+            worker_id: "a".into(),
+            incarnation: incarnations["a"] as u64,
+            host: "h".into(),
+            addresses: vec![],
+        };
         store.put(&keys::generation(job), encode(&next_generation(None, vec![a], now)), None).await.expect("put");
         let wait = WaitingRecord { incarnation: incarnations["b"] as u64, after_generation: 0, since_ms: now };
-        store.put(&keys::worker_key(job, Kind::Waiting, "b"), encode(&wait), Some(incarnations["b"])).await.expect("put");
+        store
+            .put(&keys::worker_key(job, Kind::Waiting, "b"), encode(&wait), Some(incarnations["b"]))
+            .await
+            .expect("put");
         let history = FailureHistory { failures_ms: vec![], exclusions: 1, excluded_until_ms: Some(now + 300) };
         store.put(&keys::worker_key(job, Kind::Failures, "b"), encode(&history), None).await.expect("put");
 

@@ -52,7 +52,8 @@ impl Kind {
     }
 
     /// Every per-worker kind.
-    pub const ALL: [Kind; 6] = [Kind::Member, Kind::Waiting, Kind::Progress, Kind::Failures, Kind::Control, Kind::Timeout];
+    pub const ALL: [Kind; 6] =
+        [Kind::Member, Kind::Waiting, Kind::Progress, Kind::Failures, Kind::Control, Kind::Timeout];
 }
 
 /// `/cohort/v1/jobs/<job>/`

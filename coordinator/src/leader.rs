@@ -62,7 +62,11 @@ pub async fn run(ctx: Arc<Context>, ttl: Duration, leading: Arc<AtomicBool>) {
             };
             let txn = Txn {
                 compares: vec![Compare::Absent(keys::LEADER.to_string())],
-                success: vec![TxnOp::Put { key: keys::LEADER.to_string(), value: ctx.replica.clone().into_bytes(), lease: Some(lease) }],
+                success: vec![TxnOp::Put {
+                    key: keys::LEADER.to_string(),
+                    value: ctx.replica.clone().into_bytes(),
+                    lease: Some(lease),
+                }],
                 failure: vec![],
             };
             let mut won = ctx.store.txn(txn).await.map(|r| r.succeeded);
@@ -119,7 +123,11 @@ async fn take_over_own_key(ctx: &Context, lease: i64) -> Result<bool, StoreError
     }
     let txn = Txn {
         compares: vec![Compare::ModRevision(keys::LEADER.to_string(), held.mod_revision)],
-        success: vec![TxnOp::Put { key: keys::LEADER.to_string(), value: ctx.replica.clone().into_bytes(), lease: Some(lease) }],
+        success: vec![TxnOp::Put {
+            key: keys::LEADER.to_string(),
+            value: ctx.replica.clone().into_bytes(),
+            lease: Some(lease),
+        }],
         failure: vec![],
     };
     let took = ctx.store.txn(txn).await?.succeeded;
@@ -188,7 +196,13 @@ async fn follow(ctx: &Context, ttl: Duration, shutdown: &mut tokio::sync::watch:
     }
 }
 
-async fn lead(ctx: &Arc<Context>, lease: i64, ttl: Duration, leading: &AtomicBool, shutdown: &mut tokio::sync::watch::Receiver<bool>) {
+async fn lead(
+    ctx: &Arc<Context>,
+    lease: i64,
+    ttl: Duration,
+    leading: &AtomicBool,
+    shutdown: &mut tokio::sync::watch::Receiver<bool>,
+) {
     leading.store(true, Ordering::SeqCst);
     ctx.metrics.set_leader(true);
     tracing::info!(lease, "leading");
@@ -332,16 +346,18 @@ async fn evaluate_job(ctx: &Context, state: &JobState) -> Result<Option<u64>, St
     let rev = state.generation.as_ref().map(|(_, rev)| *rev);
     match eval.action {
         Action::Form(members) => {
-            let first_arrival = members
-                .iter()
-                .filter_map(|m| state.waiting.get(&m.worker_id).map(|w| w.since_ms))
-                .min()
-                .unwrap_or(now);
+            let first_arrival =
+                members.iter().filter_map(|m| state.waiting.get(&m.worker_id).map(|w| w.since_ms)).min().unwrap_or(now);
             let size = members.len();
             if let Some(record) = ops::form_generation(ctx, job, state.current(), rev, members).await? {
                 let latency = Duration::from_millis(now.saturating_sub(first_arrival));
                 ctx.metrics.formed(latency);
-                tracing::info!(generation = record.number, size, latency_ms = latency.as_millis() as u64, "generation formed");
+                tracing::info!(
+                    generation = record.number,
+                    size,
+                    latency_ms = latency.as_millis() as u64,
+                    "generation formed"
+                );
             }
             Ok(retry)
         }
@@ -357,8 +373,12 @@ async fn evaluate_job(ctx: &Context, state: &JobState) -> Result<Option<u64>, St
                     updated.below_min_since_ms = eval.below_min_since_ms;
                     ops::update_generation(ctx, job, &updated, *rev).await?;
                     if let Some(since) = eval.below_min_since_ms {
-                        tracing::warn!(live = state.members.len(), min = settings.min_workers, since_ms = since,
-                                       "job below min_workers; it fails if this lasts the elastic timeout");
+                        tracing::warn!(
+                            live = state.members.len(),
+                            min = settings.min_workers,
+                            since_ms = since,
+                            "job below min_workers; it fails if this lasts the elastic timeout"
+                        );
                     }
                     return Ok(retry);
                 }

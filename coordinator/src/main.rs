@@ -13,7 +13,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 #[derive(Parser)]
-#[command(name = "cohort-coordinator", version, about = "cohort control plane: membership, rendezvous and revocation for elastic jobs")]
+#[command(
+    name = "cohort-coordinator",
+    version,
+    about = "cohort control plane: membership, rendezvous and revocation for elastic jobs"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -135,7 +139,8 @@ enum CliError {
 
 fn read_token(file: Option<&PathBuf>) -> Result<Option<String>, CliError> {
     if let Some(path) = file {
-        let text = std::fs::read_to_string(path).map_err(|source| CliError::Read { path: path.display().to_string(), source })?;
+        let text = std::fs::read_to_string(path)
+            .map_err(|source| CliError::Read { path: path.display().to_string(), source })?;
         return Ok(Some(text.trim().to_string()).filter(|t| !t.is_empty()));
     }
     Ok(std::env::var("COHORT_TOKEN").ok().map(|t| t.trim().to_string()).filter(|t| !t.is_empty()))
@@ -251,7 +256,12 @@ fn print_status(s: &pb::StatusResponse) {
     if let Some(set) = &s.settings {
         println!(
             "settings: min {} max {} join window {} ms heartbeat {} ms lease {} ms elastic timeout {} ms",
-            set.min_workers, set.max_workers, set.join_window_ms, set.heartbeat_interval_ms, set.lease_ttl_ms, set.elastic_timeout_ms
+            set.min_workers,
+            set.max_workers,
+            set.join_window_ms,
+            set.heartbeat_interval_ms,
+            set.lease_ttl_ms,
+            set.elastic_timeout_ms
         );
     }
     match &s.current {
@@ -386,12 +396,21 @@ async fn status_once(url: String, args: &StatusArgs, token: Option<&str>) -> Res
     let mut client = pb::coordinator_client::CoordinatorClient::new(channel);
     let mut request = tonic::Request::new(pb::StatusRequest { job: args.job.clone() });
     if let Some(t) = token {
-        let value = format!("Bearer {t}").parse().map_err(|_| Attempt::Refused("the token is not valid metadata".into()))?;
+        let value =
+            format!("Bearer {t}").parse().map_err(|_| Attempt::Refused("the token is not valid metadata".into()))?;
         request.metadata_mut().insert(cohort_proto::AUTHORIZATION_HEADER, value);
     }
     match client.status(request).await {
         Ok(r) => Ok(r.into_inner()),
-        Err(s) if matches!(s.code(), tonic::Code::Unavailable | tonic::Code::Unknown | tonic::Code::DeadlineExceeded | tonic::Code::Cancelled) => {
+        Err(s)
+            if matches!(
+                s.code(),
+                tonic::Code::Unavailable
+                    | tonic::Code::Unknown
+                    | tonic::Code::DeadlineExceeded
+                    | tonic::Code::Cancelled
+            ) =>
+        {
             Err(Attempt::Unreachable(format!("{:?}: {}", s.code(), s.message())))
         }
         Err(s) => Err(Attempt::Refused(format!("{:?}: {}", s.code(), s.message()))),
@@ -430,7 +449,8 @@ fn main() -> ExitCode {
     let cli = Cli::parse_from(args);
     tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
         )
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))

@@ -117,7 +117,10 @@ impl Metrics {
         for (job, (members, _)) in &jobs {
             let _ = writeln!(out, "cohort_members{{job=\"{job}\"}} {members}");
         }
-        let _ = writeln!(out, "# HELP cohort_generation The job's newest generation number.\n# TYPE cohort_generation gauge");
+        let _ = writeln!(
+            out,
+            "# HELP cohort_generation The job's newest generation number.\n# TYPE cohort_generation gauge"
+        );
         for (job, (_, generation)) in &jobs {
             let _ = writeln!(out, "cohort_generation{{job=\"{job}\"}} {generation}");
         }
@@ -149,7 +152,10 @@ impl Metrics {
             let _ = writeln!(out, "cohort_formation_latency_seconds_sum {}", h.sum);
             let _ = writeln!(out, "cohort_formation_latency_seconds_count {}", h.count);
         }
-        let _ = writeln!(out, "# HELP cohort_rpcs_total RPCs answered, by method and code.\n# TYPE cohort_rpcs_total counter");
+        let _ = writeln!(
+            out,
+            "# HELP cohort_rpcs_total RPCs answered, by method and code.\n# TYPE cohort_rpcs_total counter"
+        );
         for ((method, code), n) in lock(&self.rpcs).iter() {
             let _ = writeln!(out, "cohort_rpcs_total{{method=\"{method}\",code=\"{code}\"}} {n}");
         }
@@ -161,7 +167,11 @@ impl Metrics {
 ///
 /// # Cancel safety
 /// Cancel safe: dropping it stops accepting; connections in progress are dropped.
-pub async fn serve_metrics(listener: TcpListener, metrics: Arc<Metrics>, shutdown: impl std::future::Future<Output = ()>) {
+pub async fn serve_metrics(
+    listener: TcpListener,
+    metrics: Arc<Metrics>,
+    shutdown: impl std::future::Future<Output = ()>,
+) {
     tokio::pin!(shutdown);
     loop {
         let accepted = tokio::select! {
@@ -195,7 +205,11 @@ async fn answer(mut stream: tokio::net::TcpStream, metrics: &Metrics) {
             Ok(n) => buf.extend_from_slice(&chunk[..n]),
         }
         if buf.len() > 8192 {
-            let _ = stream.write_all(b"HTTP/1.1 431 Request Header Fields Too Large\r\nContent-Length: 0\r\nConnection: close\r\n\r\n").await;
+            let _ = stream
+                .write_all(
+                    b"HTTP/1.1 431 Request Header Fields Too Large\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
+                )
+                .await;
             return;
         }
     }

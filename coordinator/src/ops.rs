@@ -72,7 +72,11 @@ pub async fn read_generation(store: &dyn Store, job: &str) -> Result<Option<(Gen
 ///
 /// # Cancel safety
 /// Cancel safe (read only).
-pub async fn read_member(store: &dyn Store, job: &str, worker: &str) -> Result<Option<(MemberRecord, KeyValue)>, StoreError> {
+pub async fn read_member(
+    store: &dyn Store,
+    job: &str,
+    worker: &str,
+) -> Result<Option<(MemberRecord, KeyValue)>, StoreError> {
     let key = keys::worker_key(job, Kind::Member, worker);
     let Some(kv) = store.get(&key).await? else { return Ok(None) };
     Ok(decode::<MemberRecord>(&key, &kv.value).map(|m| (m, kv)))
@@ -198,7 +202,12 @@ pub async fn form_generation(
 ///
 /// # Cancel safety
 /// Cancel safe: one transaction.
-pub async fn update_generation(ctx: &Context, job: &str, record: &GenerationRecord, expected: i64) -> Result<bool, StoreError> {
+pub async fn update_generation(
+    ctx: &Context,
+    job: &str,
+    record: &GenerationRecord,
+    expected: i64,
+) -> Result<bool, StoreError> {
     let key = keys::generation(job);
     let txn = Txn {
         compares: vec![Compare::ModRevision(key.clone(), expected)],

@@ -65,12 +65,7 @@ pub struct Evaluation {
 
 /// Workers excluded at `now_ms`.
 pub fn excluded(state: &JobState, now_ms: u64) -> BTreeSet<String> {
-    state
-        .failures
-        .iter()
-        .filter(|(_, h)| h.excluded_until(now_ms).is_some())
-        .map(|(w, _)| w.clone())
-        .collect()
+    state.failures.iter().filter(|(_, h)| h.excluded_until(now_ms).is_some()).map(|(w, _)| w.clone()).collect()
 }
 
 /// The current generation's number and members, for lookups in O(1) (an evaluation looks
@@ -88,7 +83,10 @@ impl<'a> Current<'a> {
 
 fn is_ready(state: &JobState, current: Option<&Current<'_>>, excluded: &BTreeSet<String>, worker: &str) -> bool {
     let Some(w) = state.waiting.get(worker) else { return false };
-    if !state.is_live(worker, w.incarnation) || state.is_disconnected(worker, w.incarnation) || excluded.contains(worker) {
+    if !state.is_live(worker, w.incarnation)
+        || state.is_disconnected(worker, w.incarnation)
+        || excluded.contains(worker)
+    {
         return false;
     }
     match current {
@@ -123,7 +121,11 @@ pub fn evaluate(settings: &JobSettings, state: &JobState, now_ms: u64) -> Evalua
         {
             eval.action = Action::End(
                 Outcome::Finished,
-                format!("every member of generation {} left the job, {} of them finished", g.number, g.departed.iter().filter(|d| d.finished).count()),
+                format!(
+                    "every member of generation {} left the job, {} of them finished",
+                    g.number,
+                    g.departed.iter().filter(|d| d.finished).count()
+                ),
             );
             return eval;
         }
@@ -183,12 +185,7 @@ pub fn evaluate(settings: &JobSettings, state: &JobState, now_ms: u64) -> Evalua
         .map(|(w, r)| (w.as_str(), r.since_ms))
         .collect();
     joiners.sort_by(|a, b| a.1.cmp(&b.1).then(a.0.cmp(b.0)));
-    let last_arrival = state
-        .waiting
-        .iter()
-        .filter(|(w, _)| ready(w))
-        .map(|(_, r)| r.since_ms)
-        .max();
+    let last_arrival = state.waiting.iter().filter(|(w, _)| ready(w)).map(|(_, r)| r.since_ms).max();
     let mut candidates: Vec<&str> = ready_survivors.clone();
     candidates.extend(joiners.iter().map(|(w, _)| *w));
     eval.ready = candidates.len() as u32;
@@ -209,9 +206,8 @@ pub fn evaluate(settings: &JobSettings, state: &JobState, now_ms: u64) -> Evalua
     } else if cooperative {
         all_expected_ready
     } else {
-        let window_passed = last_arrival
-            .map(|t| now_ms >= t.saturating_add(settings.join_window.as_millis() as u64))
-            .unwrap_or(false);
+        let window_passed =
+            last_arrival.map(|t| now_ms >= t.saturating_add(settings.join_window.as_millis() as u64)).unwrap_or(false);
         n >= max || all_expected_ready || window_passed
     };
     if form {
@@ -230,7 +226,8 @@ pub fn evaluate(settings: &JobSettings, state: &JobState, now_ms: u64) -> Evalua
         eval.action = Action::Form(placed);
     } else if n >= min && n > 0 && !cooperative {
         if let Some(t) = last_arrival {
-            eval.next_deadline_ms = min_opt(eval.next_deadline_ms, t.saturating_add(settings.join_window.as_millis() as u64));
+            eval.next_deadline_ms =
+                min_opt(eval.next_deadline_ms, t.saturating_add(settings.join_window.as_millis() as u64));
         }
     }
     eval
@@ -296,13 +293,22 @@ mod tests {
         fn member(mut self, w: &str, inc: u64) -> Self {
             self.0.members.insert(
                 w.into(),
-                MemberRecord { worker_id: w.into(), incarnation: inc, host: "h".into(), addresses: vec![], capabilities: vec![], joined_at_ms: 0 },
+                MemberRecord {
+                    worker_id: w.into(),
+                    incarnation: inc,
+                    host: "h".into(),
+                    addresses: vec![],
+                    capabilities: vec![],
+                    joined_at_ms: 0,
+                },
             );
             self
         }
         fn waits(mut self, w: &str, after: u64, since: u64) -> Self {
             let inc = self.0.members.get(w).map(|m| m.incarnation).unwrap_or(1);
-            self.0.waiting.insert(w.into(), WaitingRecord { incarnation: inc, after_generation: after, since_ms: since });
+            self.0
+                .waiting
+                .insert(w.into(), WaitingRecord { incarnation: inc, after_generation: after, since_ms: since });
             self
         }
         fn generation(mut self, number: u64, members: &[&str], revoked: bool) -> Self {
@@ -310,7 +316,13 @@ mod tests {
             let mut g = next_generation(None, members, 0);
             g.number = number;
             if revoked {
-                g.revoked = Some(Cause { rank: Some(0), worker_id: "x".into(), host: String::new(), reason: "r".into(), reported_by: "t".into() });
+                g.revoked = Some(Cause {
+                    rank: Some(0),
+                    worker_id: "x".into(),
+                    host: String::new(),
+                    reason: "r".into(),
+                    reported_by: "t".into(),
+                });
                 g.revoked_at_ms = Some(0);
             }
             self.0.generation = Some((g, 1));
@@ -340,19 +352,20 @@ mod tests {
 
     #[test]
     fn joiners_are_ranked_by_arrival() {
-        let job = Job::new().member("a", 1).member("b", 1).member("c", 1).waits("c", 0, 10).waits("a", 0, 30).waits("b", 0, 20);
+        let job = Job::new()
+            .member("a", 1)
+            .member("b", 1)
+            .member("c", 1)
+            .waits("c", 0, 10)
+            .waits("a", 0, 30)
+            .waits("b", 0, 20);
         assert_eq!(formed(&evaluate(&settings(1, 8), &job.0, 1000)), ["c", "b", "a"]);
     }
 
     #[test]
     fn max_forms_at_once_and_extra_joiners_wait() {
-        let job = Job::new()
-            .member("a", 1)
-            .member("b", 1)
-            .member("c", 1)
-            .waits("a", 0, 1)
-            .waits("b", 0, 2)
-            .waits("c", 0, 3);
+        let job =
+            Job::new().member("a", 1).member("b", 1).member("c", 1).waits("a", 0, 1).waits("b", 0, 2).waits("c", 0, 3);
         let e = evaluate(&settings(1, 2), &job.0, 3);
         assert_eq!(formed(&e), ["a", "b"]);
     }
@@ -384,11 +397,7 @@ mod tests {
 
     #[test]
     fn revoked_without_all_survivors_waits_for_the_window() {
-        let job = Job::new()
-            .member("a", 1)
-            .member("c", 1)
-            .generation(1, &["a", "b", "c"], true)
-            .waits("a", 1, 100);
+        let job = Job::new().member("a", 1).member("c", 1).generation(1, &["a", "b", "c"], true).waits("a", 1, 100);
         let e = evaluate(&settings(1, 8), &job.0, 150);
         assert_eq!(e.action, Action::Nothing);
         assert_eq!(e.next_deadline_ms, Some(300));
@@ -457,7 +466,8 @@ mod tests {
     #[test]
     fn a_wait_answered_by_a_revoked_generation_is_stale() {
         // a and b waited after 0 and got generation 1, which is revoked before they return.
-        let job = Job::new().member("a", 1).member("b", 1).generation(1, &["a", "b"], true).waits("a", 0, 0).waits("b", 0, 0);
+        let job =
+            Job::new().member("a", 1).member("b", 1).generation(1, &["a", "b"], true).waits("a", 0, 0).waits("b", 0, 0);
         let e = evaluate(&settings(1, 8), &job.0, 100_000);
         assert_eq!(e.action, Action::Nothing);
         assert_eq!(e.ready, 0);
@@ -467,7 +477,8 @@ mod tests {
 
     #[test]
     fn no_room_means_no_pending_reformation() {
-        let job = Job::new().member("a", 1).member("b", 1).member("j", 1).generation(1, &["a", "b"], false).waits("j", 0, 0);
+        let job =
+            Job::new().member("a", 1).member("b", 1).member("j", 1).generation(1, &["a", "b"], false).waits("j", 0, 0);
         let e = evaluate(&settings(1, 2), &job.0, 10);
         assert_eq!(e.pending_joiners, 0);
         assert!(!e.reformation_pending);
@@ -503,7 +514,9 @@ mod tests {
     #[test]
     fn excluded_workers_are_never_placed() {
         let mut job = Job::new().member("a", 1).member("b", 1).waits("a", 0, 0).waits("b", 0, 0);
-        job.0.failures.insert("b".into(), FailureHistory { failures_ms: vec![], exclusions: 1, excluded_until_ms: Some(50_000) });
+        job.0
+            .failures
+            .insert("b".into(), FailureHistory { failures_ms: vec![], exclusions: 1, excluded_until_ms: Some(50_000) });
         let e = evaluate(&settings(1, 8), &job.0, 1000);
         assert_eq!(formed(&e), ["a"]);
         assert_eq!(formed(&evaluate(&settings(1, 8), &job.0, 50_000)), ["a", "b"], "the exclusion is over");
@@ -522,7 +535,13 @@ mod tests {
     fn next_generation_keeps_history() {
         let mut g = next_generation(None, vec![placed("a", 1)], 5);
         assert_eq!(g.number, 1);
-        g.revoked = Some(Cause { rank: None, worker_id: String::new(), host: String::new(), reason: "x".into(), reported_by: "a".into() });
+        g.revoked = Some(Cause {
+            rank: None,
+            worker_id: String::new(),
+            host: String::new(),
+            reason: "x".into(),
+            reported_by: "a".into(),
+        });
         let g2 = next_generation(Some(&g), vec![placed("a", 1)], 6);
         assert_eq!(g2.number, 2);
         assert_eq!(g2.cause_of(1).map(|c| c.reason.as_str()), Some("x"));

@@ -162,7 +162,12 @@ pub type Silences = std::collections::BTreeMap<(String, u64), Silence>;
 /// reason says it was re-attributed. Otherwise (another kind, no suspect, S not known to be
 /// fresh, nobody stale: e.g. a real partition between two live workers) `None`: the report
 /// stands.
-pub fn arbitrate(g: &GenerationRecord, report: &Report<'_>, silence: &Silences, heartbeat_interval: Duration) -> Option<Cause> {
+pub fn arbitrate(
+    g: &GenerationRecord,
+    report: &Report<'_>,
+    silence: &Silences,
+    heartbeat_interval: Duration,
+) -> Option<Cause> {
     if report.kind != FailureKind::Timeout {
         return None;
     }
@@ -178,7 +183,9 @@ pub fn arbitrate(g: &GenerationRecord, report: &Report<'_>, silence: &Silences, 
         .members
         .iter()
         .enumerate()
-        .filter(|(rank, m)| *rank != suspect && Some(*rank) != reporter && g.departed(&m.worker_id, m.incarnation).is_none())
+        .filter(|(rank, m)| {
+            *rank != suspect && Some(*rank) != reporter && g.departed(&m.worker_id, m.incarnation).is_none()
+        })
         .filter_map(|(rank, m)| of(m).map(|s| (rank, m, s)))
         .filter(|(_, _, s)| s.at_least > limit)
         .fold(None, |best: Option<(usize, &crate::records::Placed, Silence)>, c| match best {
@@ -324,7 +331,14 @@ mod tests {
     }
 
     fn report(generation: u64, failed_rank: Option<u32>) -> Report<'static> {
-        Report { worker_id: "a", incarnation: 1, generation, failed_rank, reason: "peer closed", kind: FailureKind::PeerClosed }
+        Report {
+            worker_id: "a",
+            incarnation: 1,
+            generation,
+            failed_rank,
+            reason: "peer closed",
+            kind: FailureKind::PeerClosed,
+        }
     }
 
     const HB: Duration = Duration::from_millis(500);
@@ -346,10 +360,7 @@ mod tests {
 
     /// Silences of workers a, b, c, d, e, ... (incarnation 1), in that order.
     fn obs<const N: usize>(v: [Option<Silence>; N]) -> Silences {
-        v.iter()
-            .zip(["a", "b", "c", "d", "e", "z"])
-            .filter_map(|(s, w)| s.map(|s| ((w.to_string(), 1), s)))
-            .collect()
+        v.iter().zip(["a", "b", "c", "d", "e", "z"]).filter_map(|(s, w)| s.map(|s| ((w.to_string(), 1), s))).collect()
     }
 
     fn four() -> GenerationRecord {
@@ -366,12 +377,18 @@ mod tests {
     fn timeout_naming_a_live_rank_blames_the_silent_one() {
         let g = four();
         // a (rank 0) names b (rank 1), which heartbeats; c and d are silent, d longer.
-        let cause = arbitrate(&g, &timeout("a", 1), &obs([ms(100), ms(200), ms(1200), ms(1600)]), HB).expect("re-attributed");
+        let cause =
+            arbitrate(&g, &timeout("a", 1), &obs([ms(100), ms(200), ms(1200), ms(1600)]), HB).expect("re-attributed");
         assert_eq!((cause.rank, cause.worker_id.as_str(), cause.host.as_str()), (Some(3), "d", "host-d"));
         assert_eq!(cause.reported_by, "a");
-        assert!(cause.reason.starts_with("no heartbeat for 1.6 s (rank 0 timed out waiting on rank 1, which is alive"), "{}", cause.reason);
+        assert!(
+            cause.reason.starts_with("no heartbeat for 1.6 s (rank 0 timed out waiting on rank 1, which is alive"),
+            "{}",
+            cause.reason
+        );
         // A tie goes to the lowest rank.
-        let cause = arbitrate(&g, &timeout("a", 1), &obs([ms(100), ms(200), ms(1600), ms(1600)]), HB).expect("re-attributed");
+        let cause =
+            arbitrate(&g, &timeout("a", 1), &obs([ms(100), ms(200), ms(1600), ms(1600)]), HB).expect("re-attributed");
         assert_eq!(cause.rank, Some(2));
     }
 
@@ -461,7 +478,14 @@ mod tests {
         for w in ["a", "c"] {
             state.members.insert(
                 w.into(),
-                MemberRecord { worker_id: w.into(), incarnation: 1, host: String::new(), addresses: vec![], capabilities: vec![], joined_at_ms: 0 },
+                MemberRecord {
+                    worker_id: w.into(),
+                    incarnation: 1,
+                    host: String::new(),
+                    addresses: vec![],
+                    capabilities: vec![],
+                    joined_at_ms: 0,
+                },
             );
         }
         state.generation = Some((gen(2), 1));
@@ -506,7 +530,8 @@ mod tests {
         assert_eq!(cascade_root(&reports), Some(CascadeRoot::LeastProgress { rank: 1, starved: 2 }));
         // A rank that finished the operation and starves in the next is further along,
         // whatever its message count.
-        let reports = [TimeoutReport { reporter: 3, suspect: 2, progress: Some((8, 0)) }, r(0, 3, 5), r(1, 0, 5), r(2, 1, 4)];
+        let reports =
+            [TimeoutReport { reporter: 3, suspect: 2, progress: Some((8, 0)) }, r(0, 3, 5), r(1, 0, 5), r(2, 1, 4)];
         assert_eq!(cascade_root(&reports).map(CascadeRoot::rank), Some(1));
         // A tie between different reporters proves nothing: the earliest report stands.
         assert_eq!(cascade_root(&[r(0, 1, 2), r(1, 0, 2)]), None);

@@ -199,7 +199,10 @@ pub async fn start(config: ServeConfig, listener: TcpListener) -> Result<ServerH
     let (health, health_service) = tonic_health::server::health_reporter();
     health.set_service_status("", tonic_health::ServingStatus::Serving).await;
     health.set_service_status(SERVICE_NAME, tonic_health::ServingStatus::Serving).await;
-    let service = CoordinatorServer::with_interceptor(CoordinatorService::new(ctx.clone()), TokenCheck::new(config.token.as_deref()));
+    let service = CoordinatorServer::with_interceptor(
+        CoordinatorService::new(ctx.clone()),
+        TokenCheck::new(config.token.as_deref()),
+    );
     let mut builder = tonic::transport::Server::builder()
         .http2_keepalive_interval(Some(Duration::from_secs(10)))
         .http2_keepalive_timeout(Some(Duration::from_secs(10)));
@@ -250,7 +253,11 @@ pub async fn start(config: ServeConfig, listener: TcpListener) -> Result<ServerH
 ///
 /// # Cancel safety
 /// Not cancel safe: dropping it leaves the replica's tasks running until they notice.
-pub async fn serve(config: ServeConfig, listener: TcpListener, shutdown: impl std::future::Future<Output = ()>) -> Result<(), ServeError> {
+pub async fn serve(
+    config: ServeConfig,
+    listener: TcpListener,
+    shutdown: impl std::future::Future<Output = ()>,
+) -> Result<(), ServeError> {
     let handle = start(config, listener).await?;
     shutdown.await;
     handle.shutdown().await

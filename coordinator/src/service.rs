@@ -17,7 +17,9 @@
 use crate::hub::{self, Hub};
 use crate::keys::{self, Kind};
 use crate::ops::{self, Context};
-use crate::records::{self, decode, encode, hex, Departure, JobState, MemberRecord, Outcome, ProgressRecord, TimeoutRecord, WaitingRecord};
+use crate::records::{
+    self, decode, encode, hex, Departure, JobState, MemberRecord, Outcome, ProgressRecord, TimeoutRecord, WaitingRecord,
+};
 use crate::revocation::{self, ReportDecision};
 use crate::store::{Compare, StoreError, Txn, TxnOp};
 use crate::validate;
@@ -78,7 +80,13 @@ impl CoordinatorService {
 
     /// Confirms that `(worker, incarnation)` is a live member: the hub's view first, the
     /// store when the view disagrees (it may lag a change by milliseconds).
-    async fn require_member(&self, hub: &Hub, job: &str, worker: &str, incarnation: u64) -> Result<MemberRecord, Status> {
+    async fn require_member(
+        &self,
+        hub: &Hub,
+        job: &str,
+        worker: &str,
+        incarnation: u64,
+    ) -> Result<MemberRecord, Status> {
         let state = hub.state();
         if let Some(m) = state.members.get(worker).filter(|m| m.incarnation == incarnation) {
             return Ok(m.clone());
@@ -107,7 +115,13 @@ impl CoordinatorService {
 
     /// Updates the cached progress of a member; writes it to the store (on the member's
     /// lease) when the last write is older than [`PROGRESS_PERIOD`].
-    async fn record_progress(&self, job: &str, worker: &str, incarnation: u64, update: impl FnOnce(&mut ProgressRecord)) -> Result<(), Status> {
+    async fn record_progress(
+        &self,
+        job: &str,
+        worker: &str,
+        incarnation: u64,
+        update: impl FnOnce(&mut ProgressRecord),
+    ) -> Result<(), Status> {
         let now = Instant::now();
         let to_write = {
             let mut cache = self.progress.lock().unwrap_or_else(|e| e.into_inner());
@@ -167,13 +181,16 @@ impl CoordinatorService {
         let progress: HashMap<String, ProgressRecord> = kvs
             .iter()
             .filter_map(|kv| match keys::parse(&kv.key) {
-                Some(keys::Parsed::Worker { worker, .. }) => decode(&kv.key, &kv.value).map(|p| (worker.to_string(), p)),
+                Some(keys::Parsed::Worker { worker, .. }) => {
+                    decode(&kv.key, &kv.value).map(|p| (worker.to_string(), p))
+                }
                 _ => None,
             })
             .collect();
         // One round trip per member, all at once (only timeout reports that find the
         // generation not yet revoked get here: normally the first one or few).
-        let leases = futures::future::join_all(g.members.iter().map(|m| store.lease_time_to_live(m.incarnation as i64))).await;
+        let leases =
+            futures::future::join_all(g.members.iter().map(|m| store.lease_time_to_live(m.incarnation as i64))).await;
         let now_ms = records::now_ms();
         let now = Instant::now();
         let cache = self.progress.lock().unwrap_or_else(|e| e.into_inner());
@@ -191,7 +208,9 @@ impl CoordinatorService {
                 let age = Duration::from_millis(now_ms.saturating_sub(p.last_heartbeat_ms));
                 add(Silence { at_least: age.saturating_sub(PROGRESS_PERIOD), at_most: age });
             }
-            if let Some(c) = cache.get(&(job.to_string(), m.worker_id.clone())).filter(|c| c.record.incarnation == m.incarnation) {
+            if let Some(c) =
+                cache.get(&(job.to_string(), m.worker_id.clone())).filter(|c| c.record.incarnation == m.incarnation)
+            {
                 add(Silence { at_least: Duration::ZERO, at_most: now.duration_since(c.touched) });
             }
             if let Some(s) = seen {
@@ -228,7 +247,8 @@ impl CoordinatorService {
         let now = records::now_ms();
         if let Some(until) = state.failures.get(worker).and_then(|h| h.excluded_until(now)) {
             // The worker waits this long and joins again (it needs no clock of ours).
-            let mut status = Status::failed_precondition(crate::exclusion::refusal(worker, until, now, &self.ctx.exclusion));
+            let mut status =
+                Status::failed_precondition(crate::exclusion::refusal(worker, until, now, &self.ctx.exclusion));
             if let Ok(left) = (until - now).to_string().parse() {
                 status.metadata_mut().insert(cohort_proto::RETRY_AFTER_MS_HEADER, left);
             }
@@ -248,7 +268,15 @@ impl CoordinatorService {
                         reason: format!("worker restarted (incarnation {} replaced by {incarnation})", old.incarnation),
                         reported_by: "coordinator".into(),
                     };
-                    let revoked = ops::revoke_generation(&self.ctx, job, g.number, cause, Some((worker.to_string(), old.incarnation)), false).await;
+                    let revoked = ops::revoke_generation(
+                        &self.ctx,
+                        job,
+                        g.number,
+                        cause,
+                        Some((worker.to_string(), old.incarnation)),
+                        false,
+                    )
+                    .await;
                     if let Err(e) = revoked {
                         let _ = self.ctx.store.revoke_lease(lease).await;
                         return Err(store_status(e));
@@ -264,12 +292,21 @@ impl CoordinatorService {
             capabilities: r.capabilities.clone(),
             joined_at_ms: now,
         };
-        let progress = ProgressRecord { incarnation, last_heartbeat_ms: now, activity: "joined".into(), ..Default::default() };
+        let progress =
+            ProgressRecord { incarnation, last_heartbeat_ms: now, activity: "joined".into(), ..Default::default() };
         let txn = Txn {
             compares: vec![Compare::Absent(keys::ended(job))],
             success: vec![
-                TxnOp::Put { key: keys::worker_key(job, Kind::Member, worker), value: encode(&member), lease: Some(lease) },
-                TxnOp::Put { key: keys::worker_key(job, Kind::Progress, worker), value: encode(&progress), lease: Some(lease) },
+                TxnOp::Put {
+                    key: keys::worker_key(job, Kind::Member, worker),
+                    value: encode(&member),
+                    lease: Some(lease),
+                },
+                TxnOp::Put {
+                    key: keys::worker_key(job, Kind::Progress, worker),
+                    value: encode(&progress),
+                    lease: Some(lease),
+                },
             ],
             failure: vec![],
         };
@@ -363,13 +400,16 @@ impl CoordinatorService {
         let existing = self.ctx.store.get(&wkey).await.map_err(store_status)?;
         let existing: Option<WaitingRecord> = existing.and_then(|kv| decode(&wkey, &kv.value));
         let mut written_at = 0;
-        let keep = existing.as_ref().is_some_and(|w| w.incarnation == incarnation && w.after_generation == r.after_generation);
+        let keep =
+            existing.as_ref().is_some_and(|w| w.incarnation == incarnation && w.after_generation == r.after_generation);
         if !keep {
-            let record = WaitingRecord { incarnation, after_generation: r.after_generation, since_ms: records::now_ms() };
-            written_at = self.ctx.store.put(&wkey, encode(&record), Some(incarnation as i64)).await.map_err(|e| match e {
-                StoreError::LeaseNotFound(_) => not_member(job, worker, incarnation),
-                other => store_status(other),
-            })?;
+            let record =
+                WaitingRecord { incarnation, after_generation: r.after_generation, since_ms: records::now_ms() };
+            written_at =
+                self.ctx.store.put(&wkey, encode(&record), Some(incarnation as i64)).await.map_err(|e| match e {
+                    StoreError::LeaseNotFound(_) => not_member(job, worker, incarnation),
+                    other => store_status(other),
+                })?;
             tracing::debug!(after = r.after_generation, "member waiting");
         }
         let _ = self
@@ -427,7 +467,8 @@ impl CoordinatorService {
                 .filter(|(g, _)| g.number == r.generation && g.revoked.is_none())
                 .and_then(|(g, _)| g.rank_of(&r.worker_id, r.incarnation));
             if let Some(reporter) = reporter {
-                let own = revocation::TimeoutReport { reporter, suspect, progress: r.progress.map(|p| (p.seq, p.received)) };
+                let own =
+                    revocation::TimeoutReport { reporter, suspect, progress: r.progress.map(|p| (p.seq, p.received)) };
                 self.record_timeout(job, &r.worker_id, r.incarnation, r.generation, own).await;
                 // The hold: the cascade's other reports arrive meanwhile, at any replica.
                 tokio::time::sleep(revocation::TIMEOUT_HOLD).await;
@@ -435,7 +476,12 @@ impl CoordinatorService {
                 let chain = self.timeouts_of(job, r.generation, own).await;
                 if let Some(root) = revocation::cascade_root(&chain).filter(|root| root.rank() != suspect) {
                     let reporters: Vec<u32> = chain.iter().map(|t| t.reporter).collect();
-                    tracing::info!(named = suspect, blamed = root.rank(), ?chain, "timeout report re-attributed within a cascade");
+                    tracing::info!(
+                        named = suspect,
+                        blamed = root.rank(),
+                        ?chain,
+                        "timeout report re-attributed within a cascade"
+                    );
                     reason = match root {
                         revocation::CascadeRoot::ChainEnd(rank) => format!(
                             "{} (re-attributed to rank {rank}: ranks {reporters:?} timed out waiting on one another, rank {rank} did not)",
@@ -470,13 +516,17 @@ impl CoordinatorService {
                     let settings = self.ctx.settings.for_job(job);
                     match self.silences(job, g).await {
                         Ok(silences) => {
-                            if let Some(blamed) = revocation::arbitrate(g, &report, &silences, settings.heartbeat_interval) {
+                            if let Some(blamed) =
+                                revocation::arbitrate(g, &report, &silences, settings.heartbeat_interval)
+                            {
                                 tracing::info!(named = ?r.failed_rank, blamed = ?blamed.rank, worker = %blamed.worker_id,
                                                "timeout report re-attributed to a silent member");
                                 cause = blamed;
                             }
                         }
-                        Err(e) => tracing::warn!(error = %e, "could not read heartbeat observations; taking the timeout report as is"),
+                        Err(e) => {
+                            tracing::warn!(error = %e, "could not read heartbeat observations; taking the timeout report as is")
+                        }
                     }
                 }
                 let suspect = cause
@@ -499,7 +549,14 @@ impl CoordinatorService {
     ///
     /// # Cancel safety
     /// Cancel safe: one read and at most one write of the reporter's own key.
-    async fn record_timeout(&self, job: &str, worker: &str, incarnation: u64, generation: u64, report: revocation::TimeoutReport) {
+    async fn record_timeout(
+        &self,
+        job: &str,
+        worker: &str,
+        incarnation: u64,
+        generation: u64,
+        report: revocation::TimeoutReport,
+    ) {
         let key = keys::worker_key(job, Kind::Timeout, worker);
         let record = TimeoutRecord {
             incarnation,
@@ -528,7 +585,12 @@ impl CoordinatorService {
     ///
     /// # Cancel safety
     /// Cancel safe: reads only.
-    async fn timeouts_of(&self, job: &str, generation: u64, own: revocation::TimeoutReport) -> Vec<revocation::TimeoutReport> {
+    async fn timeouts_of(
+        &self,
+        job: &str,
+        generation: u64,
+        own: revocation::TimeoutReport,
+    ) -> Vec<revocation::TimeoutReport> {
         let prefix = keys::kind_prefix(job, Kind::Timeout);
         let mut records: Vec<(i64, TimeoutRecord)> = match self.ctx.store.get_prefix(&prefix).await {
             Ok((kvs, _)) => kvs
@@ -676,11 +738,15 @@ impl CoordinatorService {
             .members
             .values()
             .map(|m| {
-                let p = cached.get(&m.worker_id).or_else(|| state.progress.get(&m.worker_id).filter(|p| p.incarnation == m.incarnation));
+                let p = cached
+                    .get(&m.worker_id)
+                    .or_else(|| state.progress.get(&m.worker_id).filter(|p| p.incarnation == m.incarnation));
                 let waiting = state.waiting.get(&m.worker_id).is_some_and(|w| {
                     w.incarnation == m.incarnation
                         && !excluded.contains(&m.worker_id)
-                        && g.is_none_or(|g| g.rank_of(&m.worker_id, m.incarnation).is_none() || w.after_generation >= g.number)
+                        && g.is_none_or(|g| {
+                            g.rank_of(&m.worker_id, m.incarnation).is_none() || w.after_generation >= g.number
+                        })
                 });
                 pb::MemberStatus {
                     worker_id: m.worker_id.clone(),
@@ -693,7 +759,11 @@ impl CoordinatorService {
                     activity: p.map_or_else(String::new, |p| p.activity.clone()),
                     last_commit_step: p.map_or(0, |p| p.last_commit_step),
                     waiting,
-                    control_connected: state.control.get(&m.worker_id).filter(|c| c.incarnation == m.incarnation).map(|c| c.connected),
+                    control_connected: state
+                        .control
+                        .get(&m.worker_id)
+                        .filter(|c| c.incarnation == m.incarnation)
+                        .map(|c| c.connected),
                 }
             })
             .collect();
@@ -773,7 +843,9 @@ impl CoordinatorService {
             failure: vec![],
         };
         match self.ctx.store.txn(txn).await {
-            Ok(r) if r.succeeded => tracing::info!("member's control stream closed; the rendezvous no longer waits for it"),
+            Ok(r) if r.succeeded => {
+                tracing::info!("member's control stream closed; the rendezvous no longer waits for it")
+            }
             Ok(_) => tracing::debug!("control stream closed; a newer one is recorded"),
             Err(e) => tracing::debug!(error = %e, "could not record the control stream as closed"),
         }
@@ -910,12 +982,18 @@ impl pb::coordinator_server::Coordinator for CoordinatorService {
         rpc!(self, "Join", request, do_join, |r: &pb::JoinRequest| span3("Join", &r.job, &r.worker_id, 0))
     }
 
-    async fn heartbeat(&self, request: Request<pb::HeartbeatRequest>) -> Result<Response<pb::HeartbeatResponse>, Status> {
+    async fn heartbeat(
+        &self,
+        request: Request<pb::HeartbeatRequest>,
+    ) -> Result<Response<pb::HeartbeatResponse>, Status> {
         rpc!(self, "Heartbeat", request, do_heartbeat, |r: &pb::HeartbeatRequest| tracing::debug_span!(
             "rpc", method = "Heartbeat", job = %r.job, worker = %r.worker_id, incarnation = r.incarnation, generation = r.generation))
     }
 
-    async fn rendezvous(&self, request: Request<pb::RendezvousRequest>) -> Result<Response<pb::RendezvousResponse>, Status> {
+    async fn rendezvous(
+        &self,
+        request: Request<pb::RendezvousRequest>,
+    ) -> Result<Response<pb::RendezvousResponse>, Status> {
         rpc!(self, "Rendezvous", request, do_rendezvous, |r: &pb::RendezvousRequest| tracing::info_span!(
             "rpc", method = "Rendezvous", job = %r.job, worker = %r.worker_id, incarnation = r.incarnation, after = r.after_generation))
     }
@@ -923,16 +1001,29 @@ impl pb::coordinator_server::Coordinator for CoordinatorService {
     type WatchStream = ReceiverStream<Result<pb::JobEvent, Status>>;
 
     async fn watch(&self, request: Request<pb::WatchRequest>) -> Result<Response<Self::WatchStream>, Status> {
-        rpc!(self, "Watch", request, do_watch, |r: &pb::WatchRequest| span3("Watch", &r.job, &r.worker_id, r.incarnation))
+        rpc!(self, "Watch", request, do_watch, |r: &pb::WatchRequest| span3(
+            "Watch",
+            &r.job,
+            &r.worker_id,
+            r.incarnation
+        ))
     }
 
-    async fn report_failure(&self, request: Request<pb::FailureReport>) -> Result<Response<pb::FailureReportResponse>, Status> {
+    async fn report_failure(
+        &self,
+        request: Request<pb::FailureReport>,
+    ) -> Result<Response<pb::FailureReportResponse>, Status> {
         rpc!(self, "ReportFailure", request, do_report, |r: &pb::FailureReport| tracing::info_span!(
             "rpc", method = "ReportFailure", job = %r.job, worker = %r.worker_id, incarnation = r.incarnation, generation = r.generation))
     }
 
     async fn leave(&self, request: Request<pb::LeaveRequest>) -> Result<Response<pb::LeaveResponse>, Status> {
-        rpc!(self, "Leave", request, do_leave, |r: &pb::LeaveRequest| span3("Leave", &r.job, &r.worker_id, r.incarnation))
+        rpc!(self, "Leave", request, do_leave, |r: &pb::LeaveRequest| span3(
+            "Leave",
+            &r.job,
+            &r.worker_id,
+            r.incarnation
+        ))
     }
 
     async fn commit(&self, request: Request<pb::CommitRequest>) -> Result<Response<pb::CommitResponse>, Status> {
@@ -941,6 +1032,12 @@ impl pb::coordinator_server::Coordinator for CoordinatorService {
     }
 
     async fn status(&self, request: Request<pb::StatusRequest>) -> Result<Response<pb::StatusResponse>, Status> {
-        rpc!(self, "Status", request, do_status, |r: &pb::StatusRequest| tracing::debug_span!("rpc", method = "Status", job = %r.job))
+        rpc!(
+            self,
+            "Status",
+            request,
+            do_status,
+            |r: &pb::StatusRequest| tracing::debug_span!("rpc", method = "Status", job = %r.job)
+        )
     }
 }

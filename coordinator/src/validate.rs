@@ -29,7 +29,10 @@ pub fn id(field: &str, value: &str) -> Result<(), Status> {
         return Err(Status::invalid_argument(format!("{field} is empty")));
     }
     if value.len() > MAX_ID_LEN {
-        return Err(Status::invalid_argument(format!("{field} is {} characters long (at most {MAX_ID_LEN})", value.len())));
+        return Err(Status::invalid_argument(format!(
+            "{field} is {} characters long (at most {MAX_ID_LEN})",
+            value.len()
+        )));
     }
     if let Some(c) = value.chars().find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'))) {
         return Err(Status::invalid_argument(format!(
@@ -57,7 +60,9 @@ pub fn text(field: &str, value: &str, max: usize) -> Result<(), Status> {
 /// Checks an incarnation number (they are never 0).
 pub fn incarnation(value: u64) -> Result<(), Status> {
     if value == 0 || value > i64::MAX as u64 {
-        return Err(Status::invalid_argument("incarnation is not one the coordinator hands out (use JoinResponse.incarnation)"));
+        return Err(Status::invalid_argument(
+            "incarnation is not one the coordinator hands out (use JoinResponse.incarnation)",
+        ));
     }
     Ok(())
 }
@@ -113,7 +118,10 @@ pub fn addresses(addresses: &[TransportAddress]) -> Result<(), Status> {
         return Err(Status::invalid_argument("addresses is empty (give at least one data-plane address)"));
     }
     if addresses.len() > MAX_ADDRESSES {
-        return Err(Status::invalid_argument(format!("addresses has {} entries (at most {MAX_ADDRESSES})", addresses.len())));
+        return Err(Status::invalid_argument(format!(
+            "addresses has {} entries (at most {MAX_ADDRESSES})",
+            addresses.len()
+        )));
     }
     for (i, a) in addresses.iter().enumerate() {
         let field = format!("addresses[{i}].address");
@@ -123,7 +131,10 @@ pub fn addresses(addresses: &[TransportAddress]) -> Result<(), Status> {
                 if a.address.is_empty() {
                     return Err(Status::invalid_argument(format!("{field} is empty")));
                 }
-                if a.address.len() > MAX_ADDRESS_LEN || !a.address.is_ascii() || a.address.chars().any(|c| c.is_ascii_control()) {
+                if a.address.len() > MAX_ADDRESS_LEN
+                    || !a.address.is_ascii()
+                    || a.address.chars().any(|c| c.is_ascii_control())
+                {
                     return Err(Status::invalid_argument(format!(
                         "{field} must be printable ASCII of at most {MAX_ADDRESS_LEN} bytes"
                     )));
@@ -193,7 +204,8 @@ mod tests {
         for ok in ["127.0.0.1:5000", "[::1]:80", "worker-3.svc.cluster.local:29500", "localhost:1"] {
             assert!(addresses(&tcp(ok)).is_ok(), "{ok}");
         }
-        for bad in ["127.0.0.1:0", "127.0.0.1", "host:", ":80", "0.0.0.0:80", "a_b:80", "host:70000", "[::1]:0", "-x:5"] {
+        for bad in ["127.0.0.1:0", "127.0.0.1", "host:", ":80", "0.0.0.0:80", "a_b:80", "host:70000", "[::1]:0", "-x:5"]
+        {
             assert!(addresses(&tcp(bad)).is_err(), "{bad}");
         }
     }
@@ -201,7 +213,8 @@ mod tests {
     #[test]
     fn address_lists() {
         assert!(addresses(&[]).is_err());
-        let many: Vec<_> = (0..9).map(|i| TransportAddress { transport: "tcp".into(), address: format!("h:{}", i + 1) }).collect();
+        let many: Vec<_> =
+            (0..9).map(|i| TransportAddress { transport: "tcp".into(), address: format!("h:{}", i + 1) }).collect();
         assert!(addresses(&many).is_err());
         let unknown = vec![TransportAddress { transport: "udp".into(), address: "h:1".into() }];
         assert!(addresses(&unknown).is_err());

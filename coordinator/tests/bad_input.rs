@@ -54,31 +54,65 @@ async fn malformed_requests_are_refused_without_state_change() {
             Box::pin(async move { c.join(r).await.map(|_| ()) }) as Call
         };
         let hb = |f: &dyn Fn(&mut pb::HeartbeatRequest)| {
-            let mut r = pb::HeartbeatRequest { job: "jb".into(), worker_id: "w0".into(), incarnation: inc, generation: 1, step: 0, activity: String::new() };
+            let mut r = pb::HeartbeatRequest {
+                job: "jb".into(),
+                worker_id: "w0".into(),
+                incarnation: inc,
+                generation: 1,
+                step: 0,
+                activity: String::new(),
+            };
             f(&mut r);
             let mut c = c.clone();
             Box::pin(async move { c.heartbeat(r).await.map(|_| ()) }) as Call
         };
         let rdv = |f: &dyn Fn(&mut pb::RendezvousRequest)| {
-            let mut r = pb::RendezvousRequest { job: "jb".into(), worker_id: "w0".into(), incarnation: inc, after_generation: 1, wait_ms: 10 };
+            let mut r = pb::RendezvousRequest {
+                job: "jb".into(),
+                worker_id: "w0".into(),
+                incarnation: inc,
+                after_generation: 1,
+                wait_ms: 10,
+            };
             f(&mut r);
             let mut c = c.clone();
             Box::pin(async move { c.rendezvous(r).await.map(|_| ()) }) as Call
         };
         let report = |f: &dyn Fn(&mut pb::FailureReport)| {
-            let mut r = pb::FailureReport { job: "jb".into(), worker_id: "w0".into(), incarnation: inc, generation: 1, failed_rank: Some(1), reason: "x".into(), kind: 0, progress: None };
+            let mut r = pb::FailureReport {
+                job: "jb".into(),
+                worker_id: "w0".into(),
+                incarnation: inc,
+                generation: 1,
+                failed_rank: Some(1),
+                reason: "x".into(),
+                kind: 0,
+                progress: None,
+            };
             f(&mut r);
             let mut c = c.clone();
             Box::pin(async move { c.report_failure(r).await.map(|_| ()) }) as Call
         };
         let leave = |f: &dyn Fn(&mut pb::LeaveRequest)| {
-            let mut r = pb::LeaveRequest { job: "jb".into(), worker_id: "w0".into(), incarnation: inc, mode: pb::leave_request::Mode::Graceful as i32 };
+            let mut r = pb::LeaveRequest {
+                job: "jb".into(),
+                worker_id: "w0".into(),
+                incarnation: inc,
+                mode: pb::leave_request::Mode::Graceful as i32,
+            };
             f(&mut r);
             let mut c = c.clone();
             Box::pin(async move { c.leave(r).await.map(|_| ()) }) as Call
         };
         let commit = |f: &dyn Fn(&mut pb::CommitRequest)| {
-            let mut r = pb::CommitRequest { job: "jb".into(), worker_id: "w0".into(), incarnation: inc, generation: 1, step: 1, digest: vec![1; 32] };
+            let mut r = pb::CommitRequest {
+                job: "jb".into(),
+                worker_id: "w0".into(),
+                incarnation: inc,
+                generation: 1,
+                step: 1,
+                digest: vec![1; 32],
+            };
             f(&mut r);
             let mut c = c.clone();
             Box::pin(async move { c.commit(r).await.map(|_| ()) }) as Call
@@ -97,10 +131,20 @@ async fn malformed_requests_are_refused_without_state_change() {
             ("join: no port", join(&|r| r.addresses = tcp("localhost")), Code::InvalidArgument),
             ("join: garbage host", join(&|r| r.addresses = tcp("not a host:80")), Code::InvalidArgument),
             ("join: unknown transport", join(&|r| r.addresses[0].transport = "udp".into()), Code::InvalidArgument),
-            ("join: 9 addresses", join(&|r| {
-                r.addresses = (1..=9).map(|i| pb::TransportAddress { transport: "tcp".into(), address: format!("h:{i}") }).collect()
-            }), Code::InvalidArgument),
-            ("join: empty rdma address", join(&|r| r.addresses.push(pb::TransportAddress { transport: "rdma".into(), address: String::new() })), Code::InvalidArgument),
+            (
+                "join: 9 addresses",
+                join(&|r| {
+                    r.addresses = (1..=9)
+                        .map(|i| pb::TransportAddress { transport: "tcp".into(), address: format!("h:{i}") })
+                        .collect()
+                }),
+                Code::InvalidArgument,
+            ),
+            (
+                "join: empty rdma address",
+                join(&|r| r.addresses.push(pb::TransportAddress { transport: "rdma".into(), address: String::new() })),
+                Code::InvalidArgument,
+            ),
             ("join: 33 capabilities", join(&|r| r.capabilities = vec!["c".into(); 33]), Code::InvalidArgument),
             ("join: host too long", join(&|r| r.host = "h".repeat(300)), Code::InvalidArgument),
             ("heartbeat: incarnation 0", hb(&|r| r.incarnation = 0), Code::InvalidArgument),
@@ -125,16 +169,27 @@ async fn malformed_requests_are_refused_without_state_change() {
             ("commit: digest over 64 bytes", commit(&|r| r.digest = vec![0; 65]), Code::InvalidArgument),
             ("commit: generation from the future", commit(&|r| r.generation = 9), Code::InvalidArgument),
             ("commit: unknown member", commit(&|r| r.worker_id = "ghost".into()), Code::NotFound),
-            ("status: empty job", {
-                let mut c = c.clone();
-                Box::pin(async move { c.status(pb::StatusRequest { job: String::new() }).await.map(|_| ()) }) as Call
-            }, Code::InvalidArgument),
-            ("watch: bad job", {
-                let mut c = c.clone();
-                Box::pin(async move {
-                    c.watch(pb::WatchRequest { job: "a b".into(), worker_id: "w0".into(), incarnation: inc }).await.map(|_| ())
-                }) as Call
-            }, Code::InvalidArgument),
+            (
+                "status: empty job",
+                {
+                    let mut c = c.clone();
+                    Box::pin(async move { c.status(pb::StatusRequest { job: String::new() }).await.map(|_| ()) })
+                        as Call
+                },
+                Code::InvalidArgument,
+            ),
+            (
+                "watch: bad job",
+                {
+                    let mut c = c.clone();
+                    Box::pin(async move {
+                        c.watch(pb::WatchRequest { job: "a b".into(), worker_id: "w0".into(), incarnation: inc })
+                            .await
+                            .map(|_| ())
+                    }) as Call
+                },
+                Code::InvalidArgument,
+            ),
         ];
         for (name, call, code) in cases {
             check(name, call.await, code);

@@ -62,15 +62,18 @@ fn wait_exit(child: &mut Child, bound: Duration) -> std::process::ExitStatus {
 async fn serve_status_and_sigterm() {
     bounded(async {
         // `serve` is the default when the first argument is a flag.
-        let (mut running, addr) = spawn(&["--listen", "127.0.0.1:0", "--store", "memory", "--join-window", "200ms", "--lease-ttl", "5s"]);
+        let (mut running, addr) =
+            spawn(&["--listen", "127.0.0.1:0", "--store", "memory", "--join-window", "200ms", "--lease-ttl", "5s"]);
         let w = Worker::join(addr, "binjob", "w0", Duration::from_millis(200)).await;
         let g = form_all(std::slice::from_ref(&w), 0).await.remove(0);
         assert_eq!(g.number, 1);
         let endpoint = format!("http://{addr}");
-        let out = tokio::task::spawn_blocking(move || Command::new(BIN).args(["status", "--job", "binjob", "--endpoints", &endpoint]).output())
-            .await
-            .expect("status task")
-            .expect("run status");
+        let out = tokio::task::spawn_blocking(move || {
+            Command::new(BIN).args(["status", "--job", "binjob", "--endpoints", &endpoint]).output()
+        })
+        .await
+        .expect("status task")
+        .expect("run status");
         assert!(out.status.success(), "status failed: {}", String::from_utf8_lossy(&out.stderr));
         let text = String::from_utf8_lossy(&out.stdout);
         assert!(text.contains("generation: 1 (1 members"), "{text}");
@@ -114,13 +117,19 @@ async fn status_of_an_unreachable_coordinator_fails() {
 async fn bad_settings_are_refused_at_start() {
     bounded(async {
         let out = tokio::task::spawn_blocking(|| {
-            Command::new(BIN).args(["serve", "--listen", "127.0.0.1:0", "--min-workers", "4", "--max-workers", "2"]).output()
+            Command::new(BIN)
+                .args(["serve", "--listen", "127.0.0.1:0", "--min-workers", "4", "--max-workers", "2"])
+                .output()
         })
         .await
         .expect("task")
         .expect("run");
         assert!(!out.status.success());
-        assert!(String::from_utf8_lossy(&out.stderr).contains("max_workers"), "{}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            String::from_utf8_lossy(&out.stderr).contains("max_workers"),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
     })
     .await;
 }

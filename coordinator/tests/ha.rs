@@ -74,7 +74,10 @@ async fn leader_failover_mid_rendezvous_and_full_restart() {
         assert_eq!(g.members.len(), 3);
         assert!(generations.iter().all(|x| x == g), "every worker sees the identical generation");
         // etcd may keep a 2 s lease up to one more second; then the join window runs again.
-        assert!(elapsed < leader_ttl + settings.join_window + Duration::from_secs(3), "formation took {elapsed:?} after the leader died");
+        assert!(
+            elapsed < leader_ttl + settings.join_window + Duration::from_secs(3),
+            "formation took {elapsed:?} after the leader died"
+        );
         let new_leaders = leader_index(&replicas);
         assert_eq!(new_leaders.len(), 1, "exactly one replica leads after the failover");
         assert_ne!(new_leaders[0], leader);
@@ -138,7 +141,8 @@ async fn two_leaders_race(backend: Backend) {
         let (ra, rb) = (ra.expect("store"), rb.expect("store"));
         assert!(ra.is_some() != rb.is_some(), "exactly one formation wins: {ra:?} {rb:?}");
         let winner = ra.or(rb).expect("one");
-        let (stored, _) = ops::read_generation(backing.store.as_ref(), "race").await.expect("read").expect("generation");
+        let (stored, _) =
+            ops::read_generation(backing.store.as_ref(), "race").await.expect("read").expect("generation");
         assert_eq!(stored, winner);
         // A second round from the stale view (expected: absent) fails too.
         assert!(ops::form_generation(&a, "race", None, None, vec![placed("z")]).await.expect("store").is_none());
@@ -164,10 +168,17 @@ async fn a_restarted_leader_takes_its_key_back_at_once() {
         let restarted_at = Instant::now();
         let second = replica(backing.store.clone(), &options).await;
         until("the restarted replica leads", Duration::from_secs(10), async || second.is_leader()).await;
-        assert!(restarted_at.elapsed() < leader_ttl / 4, "took {:?}: it waited for the old lease", restarted_at.elapsed());
+        assert!(
+            restarted_at.elapsed() < leader_ttl / 4,
+            "took {:?}: it waited for the old lease",
+            restarted_at.elapsed()
+        );
 
         let twin = replica(backing.store.clone(), &options).await;
-        until("the twin leads and the older one steps down", Duration::from_secs(10), async || twin.is_leader() && !second.is_leader()).await;
+        until("the twin leads and the older one steps down", Duration::from_secs(10), async || {
+            twin.is_leader() && !second.is_leader()
+        })
+        .await;
         let settled = Instant::now() + Duration::from_secs(1);
         while Instant::now() < settled {
             assert!(twin.is_leader() && !second.is_leader(), "leadership went back and forth");

@@ -109,7 +109,8 @@ async fn failure_report_revokes_and_survivors_reform_at_once(backend: Backend) {
     let err = suspect.rendezvous(1, Duration::from_millis(10)).await.expect_err("evicted");
     assert_eq!(err.code(), tonic::Code::NotFound);
     // Survivors re-form at once, in their old relative order.
-    let survivors: Vec<&Worker> = order.iter().filter(|id| **id != order[2]).map(|id| workers.iter().find(|w| &w.id == id).expect("w")).collect();
+    let survivors: Vec<&Worker> =
+        order.iter().filter(|id| **id != order[2]).map(|id| workers.iter().find(|w| &w.id == id).expect("w")).collect();
     let started = Instant::now();
     let g2s = futures::future::join_all(survivors.iter().map(|w| w.next_generation(1))).await;
     assert!(started.elapsed() < Duration::from_secs(3), "re-formation took {:?}", started.elapsed());
@@ -181,7 +182,8 @@ async fn two_dead_at_once_reform_without_the_join_window(backend: Backend) {
     let g2s = futures::future::join_all(workers.iter().map(|w| w.next_generation(1))).await;
     assert!(started.elapsed() < Duration::from_secs(5), "re-formation took {:?}", started.elapsed());
     let ids: Vec<String> = g2s[0].members.iter().map(|m| m.worker_id.clone()).collect();
-    let mut expected: Vec<String> = g1.members.iter().map(|m| m.worker_id.clone()).filter(|id| id == "w0" || id == "w1").collect();
+    let mut expected: Vec<String> =
+        g1.members.iter().map(|m| m.worker_id.clone()).filter(|id| id == "w0" || id == "w1").collect();
     assert_eq!(ids, std::mem::take(&mut expected), "the survivors, in their old order");
     // w3 is still a member (its lease lives) but is reported with its stream closed.
     let s = status(addr, "job-node").await;
@@ -268,9 +270,9 @@ async fn timeout_report_blames_the_silent_member(backend: Backend) {
     let g1 = form_all(&workers, 0).await.remove(0);
     let rank = |id: &str| g1.members.iter().position(|m| m.worker_id == id).expect("placed") as u32;
     workers[1].stop_heartbeats(); // w1 hangs (SIGSTOP)
-    // Let w1's silence grow past 2 x heartbeat_interval as the coordinator can certainly
-    // tell (the passage of time is the condition under test, not a synchronisation):
-    // exact on the memory store; etcd's lease TTL has whole-second resolution.
+                                  // Let w1's silence grow past 2 x heartbeat_interval as the coordinator can certainly
+                                  // tell (the passage of time is the condition under test, not a synchronisation):
+                                  // exact on the memory store; etcd's lease TTL has whole-second resolution.
     tokio::time::sleep(match backend {
         Backend::Memory => Duration::from_millis(2400),
         Backend::Etcd => Duration::from_millis(3400),
@@ -295,7 +297,10 @@ async fn timeout_report_blames_the_silent_member(backend: Backend) {
     let s = status(addr, "job-t").await;
     assert_eq!(s.revocation_cause.as_ref(), Some(&cause));
     // A later report is answered with the same (first) cause.
-    let late = workers[2].report_kind(1, Some(rank("w0")), "timed out", pb::failure_report::FailureKind::Timeout).await.expect("late");
+    let late = workers[2]
+        .report_kind(1, Some(rank("w0")), "timed out", pb::failure_report::FailureKind::Timeout)
+        .await
+        .expect("late");
     assert!(!late.accepted);
     assert_eq!(late.cause.as_ref(), Some(&cause));
     server.shutdown().await.expect("shutdown");
@@ -384,7 +389,12 @@ async fn repeated_failures_exclude(backend: Backend) {
     settings.min_workers = 2;
     settings.elastic_timeout = Duration::from_secs(60);
     let mut options = Options::new(settings);
-    options.exclusion = ExclusionPolicy { threshold: 3, window: Duration::from_secs(600), base_cooldown: Duration::from_secs(30), max_cooldown: Duration::from_secs(1800) };
+    options.exclusion = ExclusionPolicy {
+        threshold: 3,
+        window: Duration::from_secs(600),
+        base_cooldown: Duration::from_secs(30),
+        max_cooldown: Duration::from_secs(1800),
+    };
     let server = replica(backing.store.clone(), &options).await;
     let addr = server.local_addr();
     let good = Worker::join(addr, "job-f", "good", HB).await;
@@ -511,7 +521,11 @@ impl Trio {
 
     /// The workers in rank order of generation 1.
     fn by_rank(&self) -> Vec<&Worker> {
-        self.g1.members.iter().map(|m| self.workers.iter().find(|w| w.id == m.worker_id).expect("member is a worker")).collect()
+        self.g1
+            .members
+            .iter()
+            .map(|m| self.workers.iter().find(|w| w.id == m.worker_id).expect("member is a worker"))
+            .collect()
     }
 }
 
@@ -572,7 +586,8 @@ async fn a_cycle_of_timeouts_blames_the_link_that_went_silent_first(backend: Bac
     // Ring: rank r receives from rank r-1. The link 0 -> 1 is silent: rank 1 received 2
     // messages of op 5, rank 2 one more, rank 0 one more again. Two of the three reports name
     // a healthy rank; whichever the coordinator settles first, every rank gets the same answer.
-    let (a, b, c) = tokio::join!(ring_timeout(by_rank[0], 0, 4), ring_timeout(by_rank[2], 2, 3), ring_timeout(by_rank[1], 1, 2));
+    let (a, b, c) =
+        tokio::join!(ring_timeout(by_rank[0], 0, 4), ring_timeout(by_rank[2], 2, 3), ring_timeout(by_rank[1], 1, 2));
     assert_link_from_rank_0_blamed(&by_rank, [a, b, c]).await;
     trio.server.shutdown().await.expect("shutdown");
 }
@@ -588,7 +603,8 @@ async fn a_cascade_split_across_replicas_is_judged_whole(backend: Backend) {
     let w = trio.workers.iter_mut().find(|w| w.id == rank1).expect("rank 1 is a worker");
     w.client = client(other.local_addr()).await;
     let by_rank = trio.by_rank();
-    let (a, b, c) = tokio::join!(ring_timeout(by_rank[0], 0, 4), ring_timeout(by_rank[2], 2, 3), ring_timeout(by_rank[1], 1, 2));
+    let (a, b, c) =
+        tokio::join!(ring_timeout(by_rank[0], 0, 4), ring_timeout(by_rank[2], 2, 3), ring_timeout(by_rank[1], 1, 2));
     assert_link_from_rank_0_blamed(&by_rank, [a, b, c]).await;
     other.shutdown().await.expect("shutdown");
     trio.server.shutdown().await.expect("shutdown");

@@ -25,9 +25,11 @@ static SHARED_ETCD: OnceLock<Result<EtcdProcess, String>> = OnceLock::new();
 
 /// The endpoint of the etcd shared by this test binary (started on first use).
 async fn shared_etcd_endpoint() -> String {
-    let started = tokio::task::spawn_blocking(|| match SHARED_ETCD.get_or_init(|| EtcdProcess::start().map_err(|e| e.to_string())) {
-        Ok(etcd) => Ok(etcd.endpoint()),
-        Err(e) => Err(e.clone()),
+    let started = tokio::task::spawn_blocking(|| {
+        match SHARED_ETCD.get_or_init(|| EtcdProcess::start().map_err(|e| e.to_string())) {
+            Ok(etcd) => Ok(etcd.endpoint()),
+            Err(e) => Err(e.clone()),
+        }
     })
     .await
     .expect("etcd start task");
@@ -189,7 +191,11 @@ async fn txn_conditions<S: Store>(s: S, p: String) {
     let a = format!("{p}multi/a");
     let b = format!("{p}multi/b");
     let res = s
-        .txn(Txn { compares: vec![], success: vec![put(&a, b"a"), put(&b, b"b"), TxnOp::Delete(k.clone())], failure: vec![] })
+        .txn(Txn {
+            compares: vec![],
+            success: vec![put(&a, b"a"), put(&b, b"b"), TxnOp::Delete(k.clone())],
+            failure: vec![],
+        })
         .await
         .expect("txn");
     assert!(res.succeeded);
@@ -247,7 +253,11 @@ async fn keep_alive_extends_lease<S: Store>(s: S, p: String) {
     let stopped = Instant::now();
     let ev = next_event(&mut watch).await;
     assert_eq!(delete_of(&ev).0, key);
-    assert!(stopped.elapsed() >= Duration::from_millis(500), "lapsed {:?} after the last keep-alive", stopped.elapsed());
+    assert!(
+        stopped.elapsed() >= Duration::from_millis(500),
+        "lapsed {:?} after the last keep-alive",
+        stopped.elapsed()
+    );
 }
 
 async fn revoke_deletes_keys_at_once<S: Store>(s: S, p: String) {
@@ -291,9 +301,13 @@ async fn watch_history_then_live<S: Store>(s: S, p: String) {
     assert_eq!(put_of(&ev).key, format!("{p}-outside"));
     // Then live changes, in order.
     let r4 = s.put(&a, b"4".to_vec(), None).await.expect("put");
-    let del = s.txn(Txn { compares: vec![], success: vec![TxnOp::Delete(b.clone())], failure: vec![] }).await.expect("txn");
+    let del =
+        s.txn(Txn { compares: vec![], success: vec![TxnOp::Delete(b.clone())], failure: vec![] }).await.expect("txn");
     let ev = next_event(&mut watch).await;
-    assert_eq!((put_of(&ev).value.as_slice(), put_of(&ev).mod_revision, put_of(&ev).create_revision), (&b"4"[..], r4, r1));
+    assert_eq!(
+        (put_of(&ev).value.as_slice(), put_of(&ev).mod_revision, put_of(&ev).create_revision),
+        (&b"4"[..], r4, r1)
+    );
     let ev = next_event(&mut watch).await;
     assert_eq!(delete_of(&ev), (b.as_str(), del.revision));
     // The narrower watch saw only its own key.
@@ -347,7 +361,12 @@ fn rest_of_revision_now(watch: &mut WatchStream, first: &WatchEvent, count: usiz
                 assert_eq!(revision_of(&ev), revision_of(first), "event {i} of the revision");
                 out.push(ev);
             }
-            other => panic!("event {} of {} of revision {} was not ready at once: {other:?}", i + 1, count, revision_of(first)),
+            other => panic!(
+                "event {} of {} of revision {} was not ready at once: {other:?}",
+                i + 1,
+                count,
+                revision_of(first)
+            ),
         }
     }
     out
@@ -442,7 +461,8 @@ async fn memory_revision_larger_than_the_watch_channel_is_ready_at_once() {
         let keys = WATCH_CHANNEL_CAPACITY + WATCH_CHANNEL_CAPACITY / 2;
         let s = MemoryStore::new();
         let mut watch = s.watch_prefix("/big/", 0).await.expect("watch");
-        let success = (0..keys).map(|i| TxnOp::Put { key: format!("/big/{i:05}"), value: vec![], lease: None }).collect();
+        let success =
+            (0..keys).map(|i| TxnOp::Put { key: format!("/big/{i:05}"), value: vec![], lease: None }).collect();
         s.txn(Txn { compares: vec![], success, failure: vec![] }).await.expect("txn");
         let first = next_event(&mut watch).await;
         let rest = rest_of_revision_now(&mut watch, &first, keys - 1);

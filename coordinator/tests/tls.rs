@@ -22,10 +22,63 @@ fn openssl(dir: &Path, args: &[&str]) -> bool {
 /// `false` when openssl is not installed.
 fn make_certificates(dir: &Path) -> bool {
     let ext = dir.join("ext.cnf");
-    std::fs::write(&ext, "subjectAltName=DNS:localhost,IP:127.0.0.1\nbasicConstraints=critical,CA:FALSE\n").expect("write ext");
-    openssl(dir, &["req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "1", "-subj", "/CN=cohort test CA"])
-        && openssl(dir, &["req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-keyout", "server.key", "-out", "server.csr", "-subj", "/CN=localhost"])
-        && openssl(dir, &["x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial", "-out", "server.pem", "-days", "1", "-extfile", "ext.cnf"])
+    std::fs::write(&ext, "subjectAltName=DNS:localhost,IP:127.0.0.1\nbasicConstraints=critical,CA:FALSE\n")
+        .expect("write ext");
+    openssl(
+        dir,
+        &[
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+            "-keyout",
+            "ca.key",
+            "-out",
+            "ca.pem",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=cohort test CA",
+        ],
+    ) && openssl(
+        dir,
+        &[
+            "req",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+            "-keyout",
+            "server.key",
+            "-out",
+            "server.csr",
+            "-subj",
+            "/CN=localhost",
+        ],
+    ) && openssl(
+        dir,
+        &[
+            "x509",
+            "-req",
+            "-in",
+            "server.csr",
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            "server.pem",
+            "-days",
+            "1",
+            "-extfile",
+            "ext.cnf",
+        ],
+    )
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -40,7 +93,10 @@ async fn serves_over_tls() {
         );
         let read = |name: &str| std::fs::read(dir.path().join(name)).expect("read pem");
         let backing = Backing::new(Backend::Memory).await;
-        let mut config = ServeConfig::new(backing.store.clone(), Settings::uniform(test_settings(Backend::Memory)).expect("settings"));
+        let mut config = ServeConfig::new(
+            backing.store.clone(),
+            Settings::uniform(test_settings(Backend::Memory)).expect("settings"),
+        );
         config.tls = Some(TlsFiles { cert_pem: read("server.pem"), key_pem: read("server.key") });
         config.token = Some("tok".into());
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");

@@ -123,7 +123,10 @@ impl Buf {
     /// Refuses memory that is not aligned for its element type (a view at an odd offset).
     fn aligned(self, what: &str) -> PyResult<Buf> {
         if self.bytes > 0 && (self.ptr as usize) % self.dtype.size() != 0 {
-            return Err(invalid(format!("{what}: the buffer's memory is not aligned to its {}-byte elements", self.dtype.size())));
+            return Err(invalid(format!(
+                "{what}: the buffer's memory is not aligned to its {}-byte elements",
+                self.dtype.size()
+            )));
         }
         Ok(self)
     }

@@ -22,7 +22,12 @@ pub(crate) struct SyncOutcome {
 #[pymethods]
 impl SyncOutcome {
     fn __repr__(&self) -> String {
-        format!("SyncOutcome(step={:?}, source={}, changed={})", self.step, self.source, if self.changed { "True" } else { "False" })
+        format!(
+            "SyncOutcome(step={:?}, source={}, changed={})",
+            self.step,
+            self.source,
+            if self.changed { "True" } else { "False" }
+        )
     }
 }
 
@@ -71,7 +76,12 @@ impl Checkpoint {
 
     /// Makes every member hold the newest commit (digests compared); returns the snapshot to
     /// load and what happened.
-    fn sync<'py>(&self, py: Python<'py>, comm: &Communicator, current: Vec<u8>) -> PyResult<(Bound<'py, PyBytes>, SyncOutcome)> {
+    fn sync<'py>(
+        &self,
+        py: Python<'py>,
+        comm: &Communicator,
+        current: Vec<u8>,
+    ) -> PyResult<(Bound<'py, PyBytes>, SyncOutcome)> {
         let core = comm.core.clone();
         let mut rust_comm = core.lend(py)?;
         // The checkpoint is moved into the sync and back: it is unchanged unless the sync completed.
@@ -87,7 +97,10 @@ impl Checkpoint {
         core.give_back(rust_comm);
         *self.inner() = checkpoint;
         let (state, outcome) = result?.map_err(|f| to_pyerr(py, f))?;
-        Ok((PyBytes::new(py, &state), SyncOutcome { step: outcome.step, source: outcome.source, changed: outcome.changed }))
+        Ok((
+            PyBytes::new(py, &state),
+            SyncOutcome { step: outcome.step, source: outcome.source, changed: outcome.changed },
+        ))
     }
 
     fn __repr__(&self) -> String {

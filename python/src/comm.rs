@@ -23,6 +23,9 @@ use std::time::{Duration, Instant};
 
 pub(crate) type Comm = Box<RustCommunicator<MeshTransport>>;
 
+/// A queued call, as the collectives thread runs it.
+type Job = Box<dyn FnOnce() + Send>;
+
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
@@ -51,7 +54,10 @@ pub(crate) struct Member {
 #[pymethods]
 impl Member {
     fn __repr__(&self) -> String {
-        format!("Member(rank={}, worker_id={:?}, host={:?}, address={:?})", self.rank, self.worker_id, self.host, self.address)
+        format!(
+            "Member(rank={}, worker_id={:?}, host={:?}, address={:?})",
+            self.rank, self.worker_id, self.host, self.address
+        )
     }
 }
 
@@ -68,7 +74,7 @@ pub(crate) struct Core {
     generation: u64,
     shape: Shape,
     /// The executor's queue, started by the first `*_async` call.
-    queue: Mutex<Option<mpsc::Sender<Box<dyn FnOnce() + Send>>>>,
+    queue: Mutex<Option<mpsc::Sender<Job>>>,
     /// The last queued call.
     tail: Mutex<Option<Arc<Completion>>>,
 }
@@ -118,7 +124,7 @@ impl Core {
             (Some(reporter), _) => Some(reporter.on_failure(self.generation, &error).await),
             (None, _) => None,
         };
-        Failure::Comm { error, generation: self.generation, cause }
+        Failure::comm(error, self.generation, cause)
     }
 
     /// Waits (GIL released) until every queued call has finished.
@@ -164,14 +170,16 @@ impl Core {
                     core.give_back(comm);
                     result.map_err(Failure::Python)?
                 }));
-                let result = result.unwrap_or_else(|_| Err(Failure::Other("internal error in cohort: a queued collective panicked".into())));
+                let result = result.unwrap_or_else(|_| {
+                    Err(Failure::Other("internal error in cohort: a queued collective panicked".into()))
+                });
                 drop(prepared);
                 completion.complete(result);
-            }) as Box<dyn FnOnce() + Send>
+            }) as Job
         };
         let mut queue = lock(&self.queue);
         if queue.is_none() {
-            let (tx, rx) = mpsc::channel::<Box<dyn FnOnce() + Send>>();
+            let (tx, rx) = mpsc::channel::<Job>();
             std::thread::Builder::new()
                 .name(format!("cohort-collectives-g{}", self.generation))
                 .spawn(move || {
@@ -220,7 +228,8 @@ impl Completion {
             let step = deadline.map_or(step, |d| d.saturating_duration_since(Instant::now()).min(step));
             let done = py.detach(|| {
                 let guard = lock(&self.result);
-                let (guard, _) = self.done.wait_timeout_while(guard, step, |r| r.is_none()).unwrap_or_else(|e| e.into_inner());
+                let (guard, _) =
+                    self.done.wait_timeout_while(guard, step, |r| r.is_none()).unwrap_or_else(|e| e.into_inner());
                 guard.is_some()
             });
             if done {
@@ -251,7 +260,9 @@ impl Work {
     #[pyo3(signature = (timeout=None))]
     fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<bool> {
         let timeout = match timeout {
-            Some(t) if !(t.is_finite() && t >= 0.0) => return Err(invalid(format!("timeout must be a non-negative number of seconds, got {t}"))),
+            Some(t) if !(t.is_finite() && t >= 0.0) => {
+                return Err(invalid(format!("timeout must be a non-negative number of seconds, got {t}")))
+            }
             Some(t) => Some(Duration::from_secs_f64(t)),
             None => None,
         };
@@ -304,7 +315,12 @@ pub(crate) struct Communicator {
 }
 
 impl Communicator {
-    pub(crate) fn new(comm: RustCommunicator<MeshTransport>, reporter: Option<FailureReporter>, members: &[MemberInfo], transport: &str) -> Self {
+    pub(crate) fn new(
+        comm: RustCommunicator<MeshTransport>,
+        reporter: Option<FailureReporter>,
+        members: &[MemberInfo],
+        transport: &str,
+    ) -> Self {
         let shape = Shape { rank: comm.rank(), size: comm.size() };
         let generation = comm.generation();
         Communicator {
@@ -383,15 +399,23 @@ impl Communicator {
 
     /// Rank r receives the reduction of every rank's block r of `input` in `output`.
     #[pyo3(signature = (input, output, op="sum"))]
-    fn reduce_scatter(&self, py: Python<'_>, input: &Bound<'_, PyAny>, output: &Bound<'_, PyAny>, op: &str) -> PyResult<()> {
-        let (i, o) = (Buf::new(input, false, "reduce_scatter input")?, Buf::new(output, true, "reduce_scatter output")?);
+    fn reduce_scatter(
+        &self,
+        py: Python<'_>,
+        input: &Bound<'_, PyAny>,
+        output: &Bound<'_, PyAny>,
+        op: &str,
+    ) -> PyResult<()> {
+        let (i, o) =
+            (Buf::new(input, false, "reduce_scatter input")?, Buf::new(output, true, "reduce_scatter output")?);
         self.core.call(py, op_of(op).and_then(|op| prepared(Prepared::reduce_scatter(&i, &o, op, self.shape()))))
     }
 
     /// [`Communicator::reduce_scatter`] queued; returns a `Work`.
     #[pyo3(signature = (input, output, op="sum"))]
     fn reduce_scatter_async(&self, input: &Bound<'_, PyAny>, output: &Bound<'_, PyAny>, op: &str) -> PyResult<Work> {
-        let (i, o) = (Buf::new(input, false, "reduce_scatter input")?, Buf::new(output, true, "reduce_scatter output")?);
+        let (i, o) =
+            (Buf::new(input, false, "reduce_scatter input")?, Buf::new(output, true, "reduce_scatter output")?);
         let p = prepared(Prepared::reduce_scatter(&i, &o, op_of(op)?, self.shape()))?;
         self.core.queue(p, vec![i, o])
     }
@@ -433,7 +457,13 @@ impl Communicator {
 
     /// The root's `output` holds every rank's `input`, by rank (`output` may be None elsewhere).
     #[pyo3(signature = (input, output, root=0))]
-    fn gather(&self, py: Python<'_>, input: &Bound<'_, PyAny>, output: Option<&Bound<'_, PyAny>>, root: u32) -> PyResult<()> {
+    fn gather(
+        &self,
+        py: Python<'_>,
+        input: &Bound<'_, PyAny>,
+        output: Option<&Bound<'_, PyAny>>,
+        root: u32,
+    ) -> PyResult<()> {
         let i = Buf::new(input, false, "gather input")?;
         let o = match output {
             Some(o) => Buf::new(o, true, "gather output")?,
@@ -446,7 +476,13 @@ impl Communicator {
     /// Every rank's `output` receives its block of the root's `input` (`input` may be None
     /// elsewhere).
     #[pyo3(signature = (input, output, root=0))]
-    fn scatter(&self, py: Python<'_>, input: Option<&Bound<'_, PyAny>>, output: &Bound<'_, PyAny>, root: u32) -> PyResult<()> {
+    fn scatter(
+        &self,
+        py: Python<'_>,
+        input: Option<&Bound<'_, PyAny>>,
+        output: &Bound<'_, PyAny>,
+        root: u32,
+    ) -> PyResult<()> {
         let o = Buf::new(output, true, "scatter output")?;
         let i = match input {
             Some(i) => Buf::new(i, false, "scatter input")?,

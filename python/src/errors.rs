@@ -16,8 +16,8 @@ static ERRORS: PyOnceLock<Py<PyModule>> = PyOnceLock::new();
 /// A failure computed without the GIL, turned into a Python exception once it is held.
 #[derive(Debug)]
 pub(crate) enum Failure {
-    /// A collective failed; `cause` is the generation's root cause where one is known.
-    Comm { error: CommError, generation: u64, cause: Option<RootCause> },
+    /// A collective failed (boxed: the variant is large).
+    Comm(Box<CommFailure>),
     /// The elastic runtime failed (join, rendezvous, leave).
     Elastic(ElasticError),
     /// Members disagree about the committed state.
@@ -30,6 +30,21 @@ pub(crate) enum Failure {
     Python(PyErr),
 }
 
+/// A failed collective and the generation's root cause, where one is known.
+#[derive(Debug)]
+pub(crate) struct CommFailure {
+    pub(crate) error: CommError,
+    pub(crate) generation: u64,
+    pub(crate) cause: Option<RootCause>,
+}
+
+impl Failure {
+    /// A failed collective of `generation`.
+    pub(crate) fn comm(error: CommError, generation: u64, cause: Option<RootCause>) -> Self {
+        Failure::Comm(Box::new(CommFailure { error, generation, cause }))
+    }
+}
+
 impl From<PyErr> for Failure {
     fn from(e: PyErr) -> Self {
         Failure::Python(e)
@@ -39,7 +54,7 @@ impl From<PyErr> for Failure {
 impl From<SyncError> for Failure {
     fn from(e: SyncError) -> Self {
         match e {
-            SyncError::Comm(error) => Failure::Comm { generation: 0, error, cause: None },
+            SyncError::Comm(error) => Failure::comm(error, 0, None),
             SyncError::Diverged(detail) => Failure::Diverged(detail),
         }
     }
@@ -57,7 +72,12 @@ fn module(py: Python<'_>) -> PyResult<&Bound<'_, PyModule>> {
 
 /// Builds `cohort.errors.<class>(message, **facts)`; if that fails, a RuntimeError with the
 /// message (never a lost error).
-fn build(py: Python<'_>, class: &str, message: String, facts: impl FnOnce(&Bound<'_, PyDict>) -> PyResult<()>) -> PyErr {
+fn build(
+    py: Python<'_>,
+    class: &str,
+    message: String,
+    facts: impl FnOnce(&Bound<'_, PyDict>) -> PyResult<()>,
+) -> PyErr {
     let made = (|| -> PyResult<PyErr> {
         let cls = module(py)?.getattr(class)?;
         let kwargs = PyDict::new(py);
@@ -84,7 +104,10 @@ pub(crate) fn to_pyerr(py: Python<'_>, failure: Failure) -> PyErr {
         Failure::Invalid(msg) => build(py, "InvalidArgumentError", msg, |_| Ok(())),
         Failure::Diverged(msg) => build(py, "DivergedError", format!("state diverged: {msg}"), |_| Ok(())),
         Failure::Other(msg) => build(py, "CohortError", msg, |_| Ok(())),
-        Failure::Comm { error, generation, cause } => comm_error(py, error, generation, cause),
+        Failure::Comm(f) => {
+            let CommFailure { error, generation, cause } = *f;
+            comm_error(py, error, generation, cause)
+        }
         Failure::Elastic(e) => elastic_error(py, e),
     }
 }
@@ -142,7 +165,9 @@ fn elastic_error(py: Python<'_>, e: ElasticError) -> PyErr {
         }
         ElasticError::Protocol(_) => build(py, "ControlError", message, |kw| kw.set_item("code", "protocol")),
         ElasticError::Comm(error) => comm_error(py, error, 0, None),
-        ElasticError::DataPlane(TransportError::InvalidArgument(_)) => build(py, "InvalidArgumentError", message, |_| Ok(())),
+        ElasticError::DataPlane(TransportError::InvalidArgument(_)) => {
+            build(py, "InvalidArgumentError", message, |_| Ok(()))
+        }
         ElasticError::DataPlane(_) | ElasticError::RdmaEndpoint { .. } => build(py, "CohortError", message, |_| Ok(())),
     }
 }

@@ -46,7 +46,9 @@ fn endpoints(coordinator: &Bound<'_, PyAny>) -> PyResult<Vec<String>> {
     let list: Vec<String> = if let Ok(s) = coordinator.cast::<PyString>() {
         s.to_str()?.split(',').map(|e| e.trim().to_string()).filter(|e| !e.is_empty()).collect()
     } else {
-        coordinator.extract().map_err(|_| invalid("coordinator must be a string (comma separated) or a sequence of strings"))?
+        coordinator
+            .extract()
+            .map_err(|_| invalid("coordinator must be a string (comma separated) or a sequence of strings"))?
     };
     if list.is_empty() {
         return Err(invalid("coordinator: at least one endpoint is needed (e.g. http://127.0.0.1:7470)"));
@@ -57,7 +59,8 @@ fn endpoints(coordinator: &Bound<'_, PyAny>) -> PyResult<Vec<String>> {
 fn token_of(token: Option<&Bound<'_, PyAny>>) -> PyResult<Option<String>> {
     let Some(token) = token else { return Ok(None) };
     let text = if let Ok(b) = token.cast::<PyBytes>() {
-        String::from_utf8(b.as_bytes().to_vec()).map_err(|_| invalid("token: bytes must be UTF-8 (it travels as a bearer token)"))?
+        String::from_utf8(b.as_bytes().to_vec())
+            .map_err(|_| invalid("token: bytes must be UTF-8 (it travels as a bearer token)"))?
     } else {
         token.extract::<String>().map_err(|_| invalid("token must be str or bytes"))?
     };
@@ -70,7 +73,9 @@ impl Group {
         let mut slot = lock(&self.slot);
         match std::mem::replace(&mut *slot, Slot::Busy) {
             Slot::Idle(g) => Ok(g),
-            Slot::Busy => Err(invalid("another call is using this group (next_generation or leave runs in another thread)")),
+            Slot::Busy => {
+                Err(invalid("another call is using this group (next_generation or leave runs in another thread)"))
+            }
             Slot::Closed => {
                 *slot = Slot::Closed;
                 Err(invalid("the group is closed (it left the job)"))
@@ -155,7 +160,8 @@ impl Group {
             config.host = host;
         }
         config.token = token.unwrap_or_default().into_bytes();
-        config.listen = listen.parse::<SocketAddr>().map_err(|e| invalid(format!("listen {listen:?}: {e} (e.g. 0.0.0.0:0)")))?;
+        config.listen =
+            listen.parse::<SocketAddr>().map_err(|e| invalid(format!("listen {listen:?}: {e} (e.g. 0.0.0.0:0)")))?;
         config.advertise = advertise.to_string();
         config.deadlines.no_progress = seconds("no_progress_timeout", no_progress_timeout)?;
         config.deadlines.connect = seconds("connect_timeout", connect_timeout)?;
@@ -192,7 +198,15 @@ impl Group {
         };
         let reporter = group.reporter();
         let address = group.advertised_address().to_string();
-        Ok(Group { slot: Mutex::new(Slot::Idle(Box::new(group))), reporter, job, worker_id, host, address, handle_sigterm })
+        Ok(Group {
+            slot: Mutex::new(Slot::Idle(Box::new(group))),
+            reporter,
+            job,
+            worker_id,
+            host,
+            address,
+            handle_sigterm,
+        })
     }
 
     /// The job id.

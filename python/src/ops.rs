@@ -119,7 +119,12 @@ impl Prepared {
     pub(crate) fn reduce_scatter(input: &Buf, output: &Buf, op: ReduceOp, shape: Shape) -> Result<Prepared, String> {
         same_dtype("reduce_scatter", input, output)?;
         lengths("reduce_scatter", input.len() == output.len() * shape.size as usize, || {
-            format!("input has {} elements, expected {} ranks x {} (the output's length)", input.len(), shape.size, output.len())
+            format!(
+                "input has {} elements, expected {} ranks x {} (the output's length)",
+                input.len(),
+                shape.size,
+                output.len()
+            )
         })?;
         let mut copies = Vec::new();
         let input = input_view(input, output, &mut copies);
@@ -129,7 +134,12 @@ impl Prepared {
     pub(crate) fn allgather(input: &Buf, output: &Buf, shape: Shape) -> Result<Prepared, String> {
         same_dtype("allgather", input, output)?;
         lengths("allgather", output.len() == input.len() * shape.size as usize, || {
-            format!("output has {} elements, expected {} ranks x {} (the input's length)", output.len(), shape.size, input.len())
+            format!(
+                "output has {} elements, expected {} ranks x {} (the input's length)",
+                output.len(),
+                shape.size,
+                input.len()
+            )
         })?;
         let mut copies = Vec::new();
         let input = input_view(input, output, &mut copies);
@@ -151,7 +161,12 @@ impl Prepared {
         if shape.rank == root {
             same_dtype("gather", input, output)?;
             lengths("gather", output.len() == input.len() * shape.size as usize, || {
-                format!("the root's output has {} elements, expected {} ranks x {}", output.len(), shape.size, input.len())
+                format!(
+                    "the root's output has {} elements, expected {} ranks x {}",
+                    output.len(),
+                    shape.size,
+                    input.len()
+                )
             })?;
         }
         let mut copies = Vec::new();
@@ -164,7 +179,12 @@ impl Prepared {
         if shape.rank == root {
             same_dtype("scatter", input, output)?;
             lengths("scatter", input.len() == output.len() * shape.size as usize, || {
-                format!("the root's input has {} elements, expected {} ranks x {}", input.len(), shape.size, output.len())
+                format!(
+                    "the root's input has {} elements, expected {} ranks x {}",
+                    input.len(),
+                    shape.size,
+                    output.len()
+                )
             })?;
         }
         let mut copies = Vec::new();
@@ -175,7 +195,12 @@ impl Prepared {
     pub(crate) fn alltoall(input: &Buf, output: &Buf, shape: Shape) -> Result<Prepared, String> {
         same_dtype("alltoall", input, output)?;
         lengths("alltoall", input.len() == output.len() && input.len() % shape.size as usize == 0, || {
-            format!("input has {} elements and output {}: both must be equal and divisible by {} ranks", input.len(), output.len(), shape.size)
+            format!(
+                "input has {} elements and output {}: both must be equal and divisible by {} ranks",
+                input.len(),
+                output.len(),
+                shape.size
+            )
         })?;
         let mut copies = Vec::new();
         let input = input_view(input, output, &mut copies);
@@ -189,7 +214,10 @@ impl Prepared {
     pub(crate) fn point_to_point(buf: &Buf, peer: u32, send: bool, shape: Shape) -> Result<Prepared, String> {
         let what = if send { "send" } else { "recv" };
         if peer >= shape.size || peer == shape.rank {
-            return Err(format!("{what}: peer {peer} is not another rank of {} (this is rank {})", shape.size, shape.rank));
+            return Err(format!(
+                "{what}: peer {peer} is not another rank of {} (this is rank {})",
+                shape.size, shape.rank
+            ));
         }
         let buf = View::of(buf);
         Self::plain(if send { Op::Send { buf, peer } } else { Op::Recv { buf, peer } })
@@ -209,16 +237,22 @@ pub(crate) async fn execute(comm: &mut Communicator<MeshTransport>, op: &Op) -> 
             Op::ReduceScatter { input, output, op } => {
                 with_element!(input.dtype, E => comm.reduce_scatter(input.slice::<E>(), output.slice::<E>(), op).await)
             }
-            Op::Allgather { input, output } => with_element!(input.dtype, E => comm.allgather(input.slice::<E>(), output.slice::<E>()).await),
+            Op::Allgather { input, output } => {
+                with_element!(input.dtype, E => comm.allgather(input.slice::<E>(), output.slice::<E>()).await)
+            }
             Op::Broadcast { buf, root } => with_element!(buf.dtype, E => comm.broadcast(buf.slice::<E>(), root).await),
-            Op::Reduce { buf, root, op } => with_element!(buf.dtype, E => comm.reduce(buf.slice::<E>(), op, root).await),
+            Op::Reduce { buf, root, op } => {
+                with_element!(buf.dtype, E => comm.reduce(buf.slice::<E>(), op, root).await)
+            }
             Op::Gather { input, output, root } => {
                 with_element!(input.dtype, E => comm.gather(input.slice::<E>(), output.slice::<E>(), root).await)
             }
             Op::Scatter { input, output, root } => {
                 with_element!(output.dtype, E => comm.scatter(input.slice::<E>(), output.slice::<E>(), root).await)
             }
-            Op::Alltoall { input, output } => with_element!(input.dtype, E => comm.alltoall(input.slice::<E>(), output.slice::<E>()).await),
+            Op::Alltoall { input, output } => {
+                with_element!(input.dtype, E => comm.alltoall(input.slice::<E>(), output.slice::<E>()).await)
+            }
             Op::Barrier => comm.barrier().await,
             Op::Send { buf, peer } => with_element!(buf.dtype, E => comm.send(buf.slice::<E>(), peer).await),
             Op::Recv { buf, peer } => with_element!(buf.dtype, E => comm.recv(buf.slice::<E>(), peer).await),

@@ -130,7 +130,7 @@ pub(crate) fn sigterm() -> PyResult<watch::Receiver<bool>> {
     let (tx, rx) = watch::channel(false);
     if SIGTERM.set(rx.clone()).is_err() {
         // Another thread installed it first; use that one.
-        return Ok(SIGTERM.get().map(Clone::clone).unwrap_or(rx));
+        return Ok(SIGTERM.get().cloned().unwrap_or(rx));
     }
     rt.spawn(async move {
         if term.recv().await.is_some() {

@@ -30,7 +30,12 @@ pub fn test_cluster(job: &str, store: StoreKind, min_workers: u32) -> ClusterCon
 
 /// A worker spec for tests: `steps` steps of `size` with a short pause.
 pub fn test_worker(steps: u64, size: &str) -> WorkerSpec {
-    WorkerSpec { steps, size: size.into(), step_interval: Duration::from_millis(20), no_progress: Duration::from_secs(3) }
+    WorkerSpec {
+        steps,
+        size: size.into(),
+        step_interval: Duration::from_millis(20),
+        no_progress: Duration::from_secs(3),
+    }
 }
 
 /// The events of `worker` of kind `kind`.
@@ -47,6 +52,7 @@ pub fn check(ok: bool, what: &str, events: &[WorkerEvent]) {
 
 /// Fails the test with `what` and the last events seen.
 pub fn fail(what: &str, events: &[WorkerEvent]) -> ! {
-    let tail: Vec<String> = events.iter().rev().take(40).rev().map(|e| format!("{} {} {:?}", e.worker, e.kind, e.fields)).collect();
+    let tail: Vec<String> =
+        events.iter().rev().take(40).rev().map(|e| format!("{} {} {:?}", e.worker, e.kind, e.fields)).collect();
     panic!("{what}\nlast events:\n{}", tail.join("\n"));
 }

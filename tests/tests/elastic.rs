@@ -5,8 +5,8 @@
 
 use cohort_chaos::cluster::{Cluster, ExclusionPolicy, StoreKind};
 use cohort_chaos::invariants;
-use cohort_integration_tests::{check, of, test_cluster, test_worker};
 use cohort_chaos::process::now_ms as process_now_ms;
+use cohort_integration_tests::{check, of, test_cluster, test_worker};
 use std::time::Duration;
 
 const BOUND: Duration = Duration::from_secs(150);
@@ -17,9 +17,18 @@ async fn kill_one_of_four(store: StoreKind, job: &str) {
     for i in 0..4 {
         cluster.spawn_worker(&format!("w{i}"), &spec).expect("spawn");
     }
-    cluster.wait_for("generation of 4", Duration::from_secs(60), |e| e.kind == "generation" && e.int("world") == Some(4)).await.expect("formed");
-    cluster.wait_for("5 steps", Duration::from_secs(60), |e| e.kind == "step" && e.int("step").unwrap_or(0) >= 5).await.expect("steps");
-    cluster.wait_for("w1 in an allreduce", Duration::from_secs(30), |e| e.kind == "allreduce" && e.worker == "w1").await.expect("allreduce");
+    cluster
+        .wait_for("generation of 4", Duration::from_secs(60), |e| e.kind == "generation" && e.int("world") == Some(4))
+        .await
+        .expect("formed");
+    cluster
+        .wait_for("5 steps", Duration::from_secs(60), |e| e.kind == "step" && e.int("step").unwrap_or(0) >= 5)
+        .await
+        .expect("steps");
+    cluster
+        .wait_for("w1 in an allreduce", Duration::from_secs(30), |e| e.kind == "allreduce" && e.worker == "w1")
+        .await
+        .expect("allreduce");
     let killed_at = cluster.signal_worker("w1", libc::SIGKILL).expect("kill");
     let codes = cluster.wait_workers(Duration::from_secs(120)).await;
     let events = &cluster.events;
@@ -32,13 +41,21 @@ async fn kill_one_of_four(store: StoreKind, job: &str) {
         let summary = of(events, w, "summary").last();
         check(summary.and_then(|s| s.int("final_step")) == Some(40), &format!("{w} did not finish all steps"), events);
     }
-    check(events.iter().any(|e| e.kind == "generation" && e.int("world") == Some(3)), "no generation of 3 formed", events);
+    check(
+        events.iter().any(|e| e.kind == "generation" && e.int("world") == Some(3)),
+        "no generation of 3 formed",
+        events,
+    );
     check(
         events.iter().filter(|e| e.kind == "generation").all(|e| e.text("transport") == Some("tcp")),
         "a generation does not say transport=tcp",
         events,
     );
-    for c in [invariants::no_wrong_results(events), invariants::generations_increase(events), invariants::commits_never_lost(events)] {
+    for c in [
+        invariants::no_wrong_results(events),
+        invariants::generations_increase(events),
+        invariants::commits_never_lost(events),
+    ] {
         check(c.ok, &format!("{}: {}", c.what, c.detail), events);
     }
 }
@@ -61,12 +78,18 @@ async fn sigstopped_rank_is_caught_and_the_job_goes_on() {
         for i in 0..4 {
             cluster.spawn_worker(&format!("w{i}"), &spec).expect("spawn");
         }
-        cluster.wait_for("5 steps", Duration::from_secs(60), |e| e.kind == "step" && e.int("step").unwrap_or(0) >= 5).await.expect("steps");
+        cluster
+            .wait_for("5 steps", Duration::from_secs(60), |e| e.kind == "step" && e.int("step").unwrap_or(0) >= 5)
+            .await
+            .expect("steps");
         let stopped_at = cluster.signal_worker("w2", libc::SIGSTOP).expect("stop");
         // The others finish without it (deadline and lease catch it); then it is killed.
         let mut finished = 0;
         while finished < 3 {
-            let e = cluster.wait_for("survivors to finish", Duration::from_secs(100), |e| e.kind == "summary" && e.worker != "w2").await.expect("finish");
+            let e = cluster
+                .wait_for("survivors to finish", Duration::from_secs(100), |e| e.kind == "summary" && e.worker != "w2")
+                .await
+                .expect("finish");
             assert_eq!(e.int("final_step"), Some(40), "{} stopped early", e.worker);
             finished += 1;
         }
@@ -92,11 +115,22 @@ async fn fifth_worker_joins_with_the_committed_state() {
         for i in 0..4 {
             cluster.spawn_worker(&format!("w{i}"), &spec).expect("spawn");
         }
-        cluster.wait_for("10 steps", Duration::from_secs(60), |e| e.kind == "step" && e.int("world") == Some(4) && e.int("step").unwrap_or(0) >= 10).await.expect("steps");
+        cluster
+            .wait_for("10 steps", Duration::from_secs(60), |e| {
+                e.kind == "step" && e.int("world") == Some(4) && e.int("step").unwrap_or(0) >= 10
+            })
+            .await
+            .expect("steps");
         cluster.spawn_worker("w4", &spec).expect("spawn joiner");
-        let joined = cluster.wait_for("w4's generation", Duration::from_secs(60), |e| e.kind == "generation" && e.worker == "w4").await.expect("joined");
+        let joined = cluster
+            .wait_for("w4's generation", Duration::from_secs(60), |e| e.kind == "generation" && e.worker == "w4")
+            .await
+            .expect("joined");
         assert_eq!(joined.int("world"), Some(5));
-        let restored = cluster.wait_for("w4's restore", Duration::from_secs(30), |e| e.kind == "restored" && e.worker == "w4").await.expect("restored");
+        let restored = cluster
+            .wait_for("w4's restore", Duration::from_secs(30), |e| e.kind == "restored" && e.worker == "w4")
+            .await
+            .expect("restored");
         assert!(restored.int("step").unwrap_or(-1) >= 10, "joiner restored step {:?}", restored.int("step"));
         assert_eq!(restored.text("changed"), Some("true"));
         let codes = cluster.wait_workers(Duration::from_secs(120)).await;
@@ -120,7 +154,10 @@ async fn graceful_leave_reforms_without_a_failure() {
         for i in 0..4 {
             cluster.spawn_worker(&format!("w{i}"), &spec).expect("spawn");
         }
-        cluster.wait_for("5 steps", Duration::from_secs(60), |e| e.kind == "step" && e.int("step").unwrap_or(0) >= 5).await.expect("steps");
+        cluster
+            .wait_for("5 steps", Duration::from_secs(60), |e| e.kind == "step" && e.int("step").unwrap_or(0) >= 5)
+            .await
+            .expect("steps");
         cluster.signal_worker("w3", libc::SIGTERM).expect("term");
         let codes = cluster.wait_workers(Duration::from_secs(120)).await;
         let events = &cluster.events;
@@ -131,7 +168,11 @@ async fn graceful_leave_reforms_without_a_failure() {
         check(!events.iter().any(|e| e.kind == "error"), "a graceful leave caused an error", events);
         check(events.iter().any(|e| e.kind == "generation" && e.int("world") == Some(3)), "no generation of 3", events);
         for w in ["w0", "w1", "w2"] {
-            check(of(events, w, "summary").last().and_then(|s| s.int("final_step")) == Some(50), &format!("{w} did not finish"), events);
+            check(
+                of(events, w, "summary").last().and_then(|s| s.int("final_step")) == Some(50),
+                &format!("{w} did not finish"),
+                events,
+            );
         }
     })
     .await
@@ -146,14 +187,25 @@ async fn below_min_workers_ends_the_job_with_a_clear_error() {
         for i in 0..3 {
             cluster.spawn_worker(&format!("w{i}"), &spec).expect("spawn");
         }
-        cluster.wait_for("5 steps", Duration::from_secs(60), |e| e.kind == "step" && e.int("step").unwrap_or(0) >= 5).await.expect("steps");
+        cluster
+            .wait_for("5 steps", Duration::from_secs(60), |e| e.kind == "step" && e.int("step").unwrap_or(0) >= 5)
+            .await
+            .expect("steps");
         cluster.signal_worker("w0", libc::SIGKILL).expect("kill");
         let codes = cluster.wait_workers(Duration::from_secs(60)).await;
         let events = &cluster.events;
         for w in ["w1", "w2"] {
-            check(codes.get(w).is_some_and(|c| *c != Some(0)), &format!("{w} should fail, exit {:?}", codes.get(w)), events);
+            check(
+                codes.get(w).is_some_and(|c| *c != Some(0)),
+                &format!("{w} should fail, exit {:?}", codes.get(w)),
+                events,
+            );
             let fatal = of(events, w, "fatal").last().and_then(|e| e.text("error")).unwrap_or_default().to_string();
-            check(fatal.contains("min") || fatal.contains("elastic"), &format!("{w}'s error is not about min_workers: {fatal:?}"), events);
+            check(
+                fatal.contains("min") || fatal.contains("elastic"),
+                &format!("{w}'s error is not about min_workers: {fatal:?}"),
+                events,
+            );
         }
     })
     .await
@@ -180,16 +232,29 @@ async fn an_excluded_worker_waits_out_its_exclusion_and_rejoins() {
         for i in 0..3 {
             cluster.spawn_worker(&format!("w{i}"), &spec).expect("spawn");
         }
-        cluster.wait_for("5 steps of 3", Duration::from_secs(60), |e| e.kind == "step" && e.int("world") == Some(3) && e.int("step").unwrap_or(0) >= 5).await.expect("steps");
-        cluster.wait_for("w1 in an allreduce", Duration::from_secs(30), |e| e.kind == "allreduce" && e.worker == "w1").await.expect("allreduce");
+        cluster
+            .wait_for("5 steps of 3", Duration::from_secs(60), |e| {
+                e.kind == "step" && e.int("world") == Some(3) && e.int("step").unwrap_or(0) >= 5
+            })
+            .await
+            .expect("steps");
+        cluster
+            .wait_for("w1 in an allreduce", Duration::from_secs(30), |e| e.kind == "allreduce" && e.worker == "w1")
+            .await
+            .expect("allreduce");
         let killed_at = cluster.signal_worker("w1", libc::SIGKILL).expect("kill");
         // A survivor's error comes after the coordinator answered its report: the failure,
         // and with it the exclusion, is recorded. Then w1 comes back at once.
-        cluster.wait_for("a survivor's error", Duration::from_secs(10), |e| e.kind == "error" && e.worker != "w1").await.expect("error");
+        cluster
+            .wait_for("a survivor's error", Duration::from_secs(10), |e| e.kind == "error" && e.worker != "w1")
+            .await
+            .expect("error");
         let restarted_at = process_now_ms();
         cluster.spawn_worker("w1", &spec).expect("start w1 again");
         let back = cluster
-            .wait_for("w1 back in a generation of 3", Duration::from_secs(60), |e| e.kind == "generation" && e.worker == "w1" && e.t_ms() >= restarted_at && e.int("world") == Some(3))
+            .wait_for("w1 back in a generation of 3", Duration::from_secs(60), |e| {
+                e.kind == "generation" && e.worker == "w1" && e.t_ms() >= restarted_at && e.int("world") == Some(3)
+            })
             .await
             .expect("w1 rejoined");
         let codes = cluster.wait_workers(Duration::from_secs(120)).await;
@@ -200,7 +265,10 @@ async fn an_excluded_worker_waits_out_its_exclusion_and_rejoins() {
         // The cool-down starts when the report is recorded, a few ms after the kill.
         check(
             joined_at >= killed_at + COOLDOWN.as_millis() as u64,
-            &format!("w1 joined {} ms after the kill, inside its {COOLDOWN:?} exclusion", joined_at.saturating_sub(killed_at)),
+            &format!(
+                "w1 joined {} ms after the kill, inside its {COOLDOWN:?} exclusion",
+                joined_at.saturating_sub(killed_at)
+            ),
             events,
         );
         check(back.t_ms() >= joined_at, "w1 was placed before it joined", events);
@@ -210,9 +278,17 @@ async fn an_excluded_worker_waits_out_its_exclusion_and_rejoins() {
         }
         for w in ["w0", "w1", "w2"] {
             let summary = of(events, w, "summary").last();
-            check(summary.and_then(|s| s.int("final_step")) == Some(STEPS as i64), &format!("{w} did not finish all {STEPS} steps"), events);
+            check(
+                summary.and_then(|s| s.int("final_step")) == Some(STEPS as i64),
+                &format!("{w} did not finish all {STEPS} steps"),
+                events,
+            );
         }
-        for c in [invariants::no_wrong_results(events), invariants::generations_increase(events), invariants::commits_never_lost(events)] {
+        for c in [
+            invariants::no_wrong_results(events),
+            invariants::generations_increase(events),
+            invariants::commits_never_lost(events),
+        ] {
             check(c.ok, &format!("{}: {}", c.what, c.detail), events);
         }
     })
@@ -238,17 +314,30 @@ async fn sigterm_ends_a_worker_that_waits_out_its_exclusion() {
         for i in 0..3 {
             cluster.spawn_worker(&format!("w{i}"), &spec).expect("spawn");
         }
-        cluster.wait_for("w1 in an allreduce", Duration::from_secs(60), |e| e.kind == "allreduce" && e.worker == "w1").await.expect("allreduce");
+        cluster
+            .wait_for("w1 in an allreduce", Duration::from_secs(60), |e| e.kind == "allreduce" && e.worker == "w1")
+            .await
+            .expect("allreduce");
         cluster.signal_worker("w1", libc::SIGKILL).expect("kill");
-        cluster.wait_for("a survivor's error", Duration::from_secs(10), |e| e.kind == "error" && e.worker != "w1").await.expect("error");
+        cluster
+            .wait_for("a survivor's error", Duration::from_secs(10), |e| e.kind == "error" && e.worker != "w1")
+            .await
+            .expect("error");
         let restarted_at = process_now_ms();
         cluster.spawn_worker("w1", &spec).expect("start w1 again");
         // `joining` comes after the SIGTERM handler is installed; the Join is refused within
         // milliseconds and the worker then waits out the 60 s exclusion.
-        cluster.wait_for("w1 joining", Duration::from_secs(10), |e| e.kind == "joining" && e.worker == "w1" && e.t_ms() >= restarted_at).await.expect("joining");
+        cluster
+            .wait_for("w1 joining", Duration::from_secs(10), |e| {
+                e.kind == "joining" && e.worker == "w1" && e.t_ms() >= restarted_at
+            })
+            .await
+            .expect("joining");
         let termed_at = cluster.signal_worker("w1", libc::SIGTERM).expect("SIGTERM");
         let summary = cluster
-            .wait_for("w1 to stop", Duration::from_secs(10), |e| e.kind == "summary" && e.worker == "w1" && e.t_ms() >= restarted_at)
+            .wait_for("w1 to stop", Duration::from_secs(10), |e| {
+                e.kind == "summary" && e.worker == "w1" && e.t_ms() >= restarted_at
+            })
             .await
             .expect("w1 stopped on SIGTERM instead of waiting out its exclusion");
         let codes = cluster.wait_workers(Duration::from_secs(60)).await;

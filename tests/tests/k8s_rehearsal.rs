@@ -27,8 +27,8 @@ use cohort_chaos::cluster::{Cluster, ClusterConfig, JobSettings, StoreKind, Work
 use cohort_chaos::events::WorkerEvent;
 use cohort_chaos::invariants;
 use cohort_chaos::metrics::{scrape, Samples};
-use cohort_integration_tests::{check, fail, of};
 use cohort_chaos::process::now_ms;
+use cohort_integration_tests::{check, fail, of};
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
@@ -93,7 +93,10 @@ impl StatefulSet {
         let deadline = tokio::time::Instant::now() + grace;
         while !pending.is_empty() {
             let left = deadline.saturating_duration_since(tokio::time::Instant::now());
-            match cluster.wait_for("the terminated pods to exit", left, |e| exited(e) && pending.contains(&e.worker)).await {
+            match cluster
+                .wait_for("the terminated pods to exit", left, |e| exited(e) && pending.contains(&e.worker))
+                .await
+            {
                 Ok(e) => {
                     pending.remove(&e.worker);
                 }
@@ -164,7 +167,9 @@ fn replica_index(cluster: &Cluster, leader: &str) -> usize {
         .enumerate()
         .position(|(i, e)| {
             let named = format!("coord{i}");
-            leader == named || leader.starts_with(&format!("{named}/")) || leader.ends_with(&format!("/{}", e.trim_start_matches("http://")))
+            leader == named
+                || leader.starts_with(&format!("{named}/"))
+                || leader.ends_with(&format!("/{}", e.trim_start_matches("http://")))
         })
         .unwrap_or_else(|| panic!("leader {leader:?} is none of the replicas {endpoints}"))
 }
@@ -272,7 +277,13 @@ fn judge(s: &Scrape, pods: &[String], world: f64, expected_leader: Option<usize>
 /// Scrapes every replica and pod until [`judge`] accepts (bounded by [`PHASE`]); fails the
 /// rehearsal with the last complaint otherwise. The gauges follow the store and the pods'
 /// own steps, so they may trail an event line by a moment.
-async fn wait_metrics(cluster: &Cluster, pods: &[String], world: f64, expected_leader: Option<usize>, what: &str) -> Scrape {
+async fn wait_metrics(
+    cluster: &Cluster,
+    pods: &[String],
+    world: f64,
+    expected_leader: Option<usize>,
+    what: &str,
+) -> Scrape {
     let deadline = tokio::time::Instant::now() + PHASE;
     let mut tick = tokio::time::interval(Duration::from_millis(200));
     loop {
@@ -280,7 +291,9 @@ async fn wait_metrics(cluster: &Cluster, pods: &[String], world: f64, expected_l
         let s = scrape_all(cluster, pods).await;
         match judge(&s, pods, world, expected_leader) {
             Ok(()) => return s,
-            Err(why) if tokio::time::Instant::now() >= deadline => fail(&format!("metrics: {what}: {why}"), &cluster.events),
+            Err(why) if tokio::time::Instant::now() >= deadline => {
+                fail(&format!("metrics: {what}: {why}"), &cluster.events)
+            }
             Err(_) => {}
         }
     }
@@ -312,11 +325,18 @@ async fn rehearsal() {
     let bins = Binaries::locate().expect("binaries");
     let mut sts = StatefulSet {
         replicas: 0,
-        spec: WorkerSpec { steps: STEPS, size: "256K".into(), step_interval: Duration::from_millis(15), no_progress: Duration::from_secs(5) },
+        spec: WorkerSpec {
+            steps: STEPS,
+            size: "256K".into(),
+            step_interval: Duration::from_millis(15),
+            no_progress: Duration::from_secs(5),
+        },
     };
     let all: Vec<String> = (0..6).map(pod).collect();
     let started = std::time::Instant::now();
-    let phase = |what: &str, events: &[WorkerEvent]| eprintln!("[{:>5.1}s] step {:>3}: {what}", started.elapsed().as_secs_f64(), max_step(events));
+    let phase = |what: &str, events: &[WorkerEvent]| {
+        eprintln!("[{:>5.1}s] step {:>3}: {what}", started.elapsed().as_secs_f64(), max_step(events))
+    };
     eprintln!("logs: {}", cluster.log_dir().display());
 
     // kubectl apply: 4 pods.
@@ -330,7 +350,11 @@ async fn rehearsal() {
     wait_steps(&mut cluster, &all, 6, 0, 5, "6 pods to step together").await;
     for p in &all[4..] {
         let restored = of(&cluster.events, p, "restored").next().map(|e| e.int("step").unwrap_or(-1)).unwrap_or(-1);
-        check(restored >= before_join, &format!("joiner {p} restored step {restored}, not the committed state"), &cluster.events);
+        check(
+            restored >= before_join,
+            &format!("joiner {p} restored step {restored}, not the committed state"),
+            &cluster.events,
+        );
     }
     let s = status(&bins, &cluster).await.expect("status");
     for p in &all {
@@ -339,7 +363,12 @@ async fn rehearsal() {
     check(s.contains("(6 members"), &format!("status does not show a generation of 6:\n{s}"), &cluster.events);
     phase("6 pods stepping, status lists them", &cluster.events);
     let scraped = wait_metrics(&cluster, &all, 6.0, None, "6 pods").await;
-    let joins: f64 = scraped.replicas.iter().flatten().map(|m| m.get(r#"cohort_rpcs_total{method="Join",code="OK"}"#).unwrap_or(0.0)).sum();
+    let joins: f64 = scraped
+        .replicas
+        .iter()
+        .flatten()
+        .map(|m| m.get(r#"cohort_rpcs_total{method="Join",code="OK"}"#).unwrap_or(0.0))
+        .sum();
     check(joins >= 6.0, &format!("metrics: the replicas counted {joins} successful joins of 6 pods"), &cluster.events);
     phase("every replica and pod serves /metrics; one leader; gauges agree", &cluster.events);
 
@@ -361,7 +390,11 @@ async fn rehearsal() {
     for i in (0..cluster.coordinator_count()).filter(|&i| i != leader_index) {
         let restarted_at = now_ms();
         let code = cluster.stop_coordinator(i, GRACE).await;
-        check(code == Some(0), &format!("replica {i} did not stop cleanly on SIGTERM within {GRACE:?} (exit {code:?})"), &cluster.events);
+        check(
+            code == Some(0),
+            &format!("replica {i} did not stop cleanly on SIGTERM within {GRACE:?} (exit {code:?})"),
+            &cluster.events,
+        );
         cluster.start_coordinator_again(i).await.expect("start the replica again");
         wait_steps(&mut cluster, &all, 6, restarted_at, 5, "the job to go on while a coordinator restarts").await;
         phase(&format!("replica {i} replaced (SIGTERM, exit 0)"), &cluster.events);
@@ -371,7 +404,11 @@ async fn rehearsal() {
     let s = status(&bins, &cluster).await.expect("status");
     for p in &all {
         let line = s.lines().find(|l| l.contains(p.as_str())).unwrap_or("");
-        check(!line.contains("CLOSED"), &format!("{p}'s control stream reads CLOSED after a rolling restart:\n{s}"), &cluster.events);
+        check(
+            !line.contains("CLOSED"),
+            &format!("{p}'s control stream reads CLOSED after a rolling restart:\n{s}"),
+            &cluster.events,
+        );
     }
     let leader = wait_for_leader(&bins, &cluster, None, PHASE).await;
     phase(&format!("upgrade done, leader {leader}"), &cluster.events);
@@ -387,7 +424,11 @@ async fn rehearsal() {
     let terminations = sts.scale_down(&mut cluster, 3, GRACE).await;
     phase(&format!("scaled down: {terminations:?}"), &cluster.events);
     for t in &terminations {
-        check(t.in_grace, &format!("{} was still running after the grace period and got SIGKILL", t.pod), &cluster.events);
+        check(
+            t.in_grace,
+            &format!("{} was still running after the grace period and got SIGKILL", t.pod),
+            &cluster.events,
+        );
     }
     wait_steps(&mut cluster, &all[..3], 3, 0, 5, "the remaining 3 pods to step").await;
     let s = status(&bins, &cluster).await.expect("status");
@@ -402,27 +443,51 @@ async fn rehearsal() {
         let finished_first = of(events, &t.pod, "finished").next().is_some();
         check(
             of(events, &t.pod, "leave").next().is_some(),
-            &format!("{} did not leave gracefully{}", t.pod, if finished_first { " (the job had finished before the scale-down: raise STEPS)" } else { "" }),
+            &format!(
+                "{} did not leave gracefully{}",
+                t.pod,
+                if finished_first { " (the job had finished before the scale-down: raise STEPS)" } else { "" }
+            ),
             events,
         );
         let summary = of(events, &t.pod, "summary").last();
-        check(summary.and_then(|s| s.text("left")) == Some("true"), &format!("{} has no summary with left=true", t.pod), events);
+        check(
+            summary.and_then(|s| s.text("left")) == Some("true"),
+            &format!("{} has no summary with left=true", t.pod),
+            events,
+        );
     }
     for p in &all[..3] {
         let summary = of(events, p, "summary").last();
-        check(summary.and_then(|s| s.int("final_step")) == Some(STEPS as i64), &format!("{p} did not finish all {STEPS} steps"), events);
-        check(of(events, p, "generation").any(|e| e.int("world") == Some(3)), &format!("{p} never stepped in the generation of 3"), events);
+        check(
+            summary.and_then(|s| s.int("final_step")) == Some(STEPS as i64),
+            &format!("{p} did not finish all {STEPS} steps"),
+            events,
+        );
+        check(
+            of(events, p, "generation").any(|e| e.int("world") == Some(3)),
+            &format!("{p} never stepped in the generation of 3"),
+            events,
+        );
     }
     for (w, code) in &codes {
         check(*code == Some(0), &format!("{w} exited {code:?}"), events);
     }
-    let errors: Vec<String> = events.iter().filter(|e| e.kind == "error" || e.kind == "fatal").map(|e| format!("{} {:?}", e.worker, e.fields)).collect();
+    let errors: Vec<String> = events
+        .iter()
+        .filter(|e| e.kind == "error" || e.kind == "fatal")
+        .map(|e| format!("{} {:?}", e.worker, e.fields))
+        .collect();
     check(errors.is_empty(), &format!("scaling and coordinator restarts must not cause failures: {errors:?}"), events);
     for p in &all {
         let failures = of(events, p, "summary").last().and_then(|s| s.int("failures"));
         check(failures == Some(0), &format!("{p} recorded failures: {failures:?}"), events);
     }
-    for c in [invariants::no_wrong_results(events), invariants::generations_increase(events), invariants::commits_never_lost(events)] {
+    for c in [
+        invariants::no_wrong_results(events),
+        invariants::generations_increase(events),
+        invariants::commits_never_lost(events),
+    ] {
         check(c.ok, &format!("{}: {}", c.what, c.detail), events);
     }
 }
@@ -437,7 +502,9 @@ async fn statefulset_scaling_and_coordinator_upgrade_keep_the_job_verified() {
 #[test]
 fn the_metrics_judge_catches_each_disagreement() {
     let samples = |text: &str| Ok(cohort_chaos::metrics::parse_text(text).expect("valid exposition"));
-    let pod_metrics = |world: u32, generation: u32| samples(&format!("cohort_worker_world_size {world}\ncohort_worker_generation {generation}\ncohort_worker_steps_verified_total 9\n"));
+    let pod_metrics = |world: u32, generation: u32| {
+        samples(&format!("cohort_worker_world_size {world}\ncohort_worker_generation {generation}\ncohort_worker_steps_verified_total 9\n"))
+    };
     let replica = |leader: u32, members: u32, generation: u32| {
         samples(&format!("cohort_is_leader {leader}\ncohort_members{{job=\"{JOB}\"}} {members}\ncohort_generation{{job=\"{JOB}\"}} {generation}\n"))
     };
@@ -452,13 +519,49 @@ fn the_metrics_judge_catches_each_disagreement() {
     let cases = [
         (judge(&ok, &pods, 2.0, Some(0)), "status names"),
         (judge(&ok, &pods, 3.0, None), "cohort_worker_world_size"),
-        (judge(&scrape(vec![replica(1, 2, 3), replica(1, 2, 3)], [pod_metrics(2, 3), pod_metrics(2, 3)]), &pods, 2.0, None), "cohort_is_leader 1: [0, 1]"),
-        (judge(&scrape(vec![replica(0, 2, 3), replica(0, 2, 3)], [pod_metrics(2, 3), pod_metrics(2, 3)]), &pods, 2.0, None), "cohort_is_leader 1: []"),
-        (judge(&scrape(vec![replica(1, 3, 3)], [pod_metrics(2, 3), pod_metrics(2, 3)]), &pods, 2.0, None), "members Some(3.0)"),
-        (judge(&scrape(vec![replica(1, 2, 4)], [pod_metrics(2, 3), pod_metrics(2, 3)]), &pods, 2.0, None), "generation Some(4.0)"),
-        (judge(&scrape(vec![replica(1, 2, 3)], [pod_metrics(2, 3), pod_metrics(2, 4)]), &pods, 2.0, None), "different generations"),
-        (judge(&scrape(vec![replica(1, 2, 3)], [pod_metrics(2, 3), Err("connection refused".into())]), &pods, 2.0, None), "connection refused"),
-        (judge(&scrape(vec![Err("no answer".into())], [pod_metrics(2, 3), pod_metrics(2, 3)]), &pods, 2.0, None), "replica 0: no answer"),
+        (
+            judge(
+                &scrape(vec![replica(1, 2, 3), replica(1, 2, 3)], [pod_metrics(2, 3), pod_metrics(2, 3)]),
+                &pods,
+                2.0,
+                None,
+            ),
+            "cohort_is_leader 1: [0, 1]",
+        ),
+        (
+            judge(
+                &scrape(vec![replica(0, 2, 3), replica(0, 2, 3)], [pod_metrics(2, 3), pod_metrics(2, 3)]),
+                &pods,
+                2.0,
+                None,
+            ),
+            "cohort_is_leader 1: []",
+        ),
+        (
+            judge(&scrape(vec![replica(1, 3, 3)], [pod_metrics(2, 3), pod_metrics(2, 3)]), &pods, 2.0, None),
+            "members Some(3.0)",
+        ),
+        (
+            judge(&scrape(vec![replica(1, 2, 4)], [pod_metrics(2, 3), pod_metrics(2, 3)]), &pods, 2.0, None),
+            "generation Some(4.0)",
+        ),
+        (
+            judge(&scrape(vec![replica(1, 2, 3)], [pod_metrics(2, 3), pod_metrics(2, 4)]), &pods, 2.0, None),
+            "different generations",
+        ),
+        (
+            judge(
+                &scrape(vec![replica(1, 2, 3)], [pod_metrics(2, 3), Err("connection refused".into())]),
+                &pods,
+                2.0,
+                None,
+            ),
+            "connection refused",
+        ),
+        (
+            judge(&scrape(vec![Err("no answer".into())], [pod_metrics(2, 3), pod_metrics(2, 3)]), &pods, 2.0, None),
+            "replica 0: no answer",
+        ),
     ];
     for (verdict, why) in cases {
         let err = verdict.expect_err(why);

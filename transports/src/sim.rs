@@ -259,7 +259,11 @@ impl SimNetwork {
     /// close, so peers see [`TransportError::PeerClosed`].
     pub fn crash(&self, rank: Rank) {
         self.shared.check_rank(rank);
-        self.shared.kill(rank, AbortReason::new(format!("rank {rank} crashed (simulated)")), &format!("rank {rank} crashed"));
+        self.shared.kill(
+            rank,
+            AbortReason::new(format!("rank {rank} crashed (simulated)")),
+            &format!("rank {rank} crashed"),
+        );
     }
 }
 
@@ -306,7 +310,8 @@ impl SimTransport {
                     tag.seq, tag.step
                 )));
             }
-            st.mailboxes[bi].insert(key, Message { signature: tag.signature, data: data.to_vec(), deliver_at: now + delay });
+            st.mailboxes[bi]
+                .insert(key, Message { signature: tag.signature, data: data.to_vec(), deliver_at: now + delay });
             if !stalled {
                 st.progress[bi] = now;
             }
@@ -329,7 +334,13 @@ impl SimTransport {
         if msg.data.len() != buf.len() {
             return Err(TransportError::Mismatch {
                 peer,
-                detail: format!("seq {} step {}: {} bytes expected, {} received", tag.seq, tag.step, buf.len(), msg.data.len()),
+                detail: format!(
+                    "seq {} step {}: {} bytes expected, {} received",
+                    tag.seq,
+                    tag.step,
+                    buf.len(),
+                    msg.data.len()
+                ),
             });
         }
         buf.copy_from_slice(&msg.data);

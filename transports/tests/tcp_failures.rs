@@ -18,15 +18,7 @@ const GEN: u64 = 7;
 
 /// Ranks 0 and 1 are honest; the test plays rank 2 by hand. Returns the honest transports
 /// and the attacker's raw link to rank 0.
-async fn with_attacker(
-    d: Deadlines,
-) -> (
-    Vec<TcpEndpoint>,
-    Arc<TcpTransport>,
-    Arc<TcpTransport>,
-    TcpStream,
-    TcpStream,
-) {
+async fn with_attacker(d: Deadlines) -> (Vec<TcpEndpoint>, Arc<TcpTransport>, Arc<TcpTransport>, TcpStream, TcpStream) {
     let eps = endpoints(2).await;
     let mut addrs: Vec<SocketAddr> = eps.iter().map(TcpEndpoint::local_addr).collect();
     addrs.push("127.0.0.1:9".parse().unwrap()); // rank 2 is never dialed (it is the highest)
@@ -42,17 +34,11 @@ async fn with_attacker(
 async fn honest_pair_still_works(t0: &TcpTransport, t1: &TcpTransport) {
     let msg = pattern(99, 100_000);
     let mut buf = vec![0u8; msg.len()];
-    let (s, r) = tokio::join!(
-        t1.send(0, Tag::new(50, 0, 1), &msg),
-        t0.recv(1, Tag::new(50, 0, 1), &mut buf)
-    );
+    let (s, r) = tokio::join!(t1.send(0, Tag::new(50, 0, 1), &msg), t0.recv(1, Tag::new(50, 0, 1), &mut buf));
     s.unwrap();
     r.unwrap();
     assert_eq!(buf, msg);
-    let (s, r) = tokio::join!(
-        t0.send(1, Tag::new(51, 0, 1), &msg),
-        t1.recv(0, Tag::new(51, 0, 1), &mut buf)
-    );
+    let (s, r) = tokio::join!(t0.send(1, Tag::new(51, 0, 1), &msg), t1.recv(0, Tag::new(51, 0, 1), &mut buf));
     s.unwrap();
     r.unwrap();
     assert_eq!(buf, msg);
@@ -76,74 +62,42 @@ async fn attack_frame(bytes: Vec<u8>, needle: &str) {
         e => panic!("expected a protocol error naming {needle:?}, got {e:?}"),
     }
     // The link stays broken; the victim's other links keep working.
-    let again = t0
-        .recv(2, Tag::new(6, 0, 1), &mut [0u8; 1])
-        .await
-        .unwrap_err();
-    assert!(
-        matches!(again, TransportError::Protocol { .. }),
-        "{again:?}"
-    );
+    let again = t0.recv(2, Tag::new(6, 0, 1), &mut [0u8; 1]).await.unwrap_err();
+    assert!(matches!(again, TransportError::Protocol { .. }), "{again:?}");
     honest_pair_still_works(&t0, &t1).await;
     // The victim closed the attacker's connection.
     let mut rest = Vec::new();
     let ended = timeout(Duration::from_secs(5), a0.read_to_end(&mut rest)).await;
-    assert!(
-        ended.is_ok(),
-        "the victim must close the attacker's connection"
-    );
+    assert!(ended.is_ok(), "the victim must close the attacker's connection");
 }
 
 fn header(generation: u64, tag: Tag, len: u64) -> Vec<u8> {
-    FrameHeader {
-        generation,
-        tag,
-        len,
-    }
-    .encode()
-    .to_vec()
+    FrameHeader { generation, tag, len }.encode().to_vec()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn garbage_frame_is_a_protocol_error() {
-    timeout(
-        TEST_LIMIT,
-        attack_frame(pattern(5, HEADER_LEN + 10), "bad frame magic"),
-    )
-    .await
-    .unwrap();
+    timeout(TEST_LIMIT, attack_frame(pattern(5, HEADER_LEN + 10), "bad frame magic")).await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn oversize_frame_is_a_protocol_error() {
     let len = TcpOptions::default().max_frame + 1;
-    timeout(
-        TEST_LIMIT,
-        attack_frame(header(GEN, Tag::new(5, 0, 1), len), "exceeds the maximum"),
-    )
-    .await
-    .unwrap();
+    timeout(TEST_LIMIT, attack_frame(header(GEN, Tag::new(5, 0, 1), len), "exceeds the maximum")).await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn other_generation_frame_is_a_protocol_error() {
     let mut bytes = header(GEN - 1, Tag::new(5, 0, 1), 64);
     bytes.extend_from_slice(&[0u8; 64]);
-    timeout(
-        TEST_LIMIT,
-        attack_frame(bytes, "generation 6 on a generation 7 link"),
-    )
-    .await
-    .unwrap();
+    timeout(TEST_LIMIT, attack_frame(bytes, "generation 6 on a generation 7 link")).await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stale_tag_is_a_protocol_error() {
     let mut bytes = header(GEN, Tag::new(3, 0, 1), 64);
     bytes.extend_from_slice(&[0u8; 64]);
-    timeout(TEST_LIMIT, attack_frame(bytes, "stale frame seq 3"))
-        .await
-        .unwrap();
+    timeout(TEST_LIMIT, attack_frame(bytes, "stale frame seq 3")).await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -177,10 +131,7 @@ async fn out_of_order_flood_beyond_the_stash_budget_is_a_protocol_error() {
 async fn pre_handshake(addr: SocketAddr, bytes: &[u8]) -> handshake::Refusal {
     let mut s = TcpStream::connect(addr).await.unwrap();
     s.write_all(bytes).await.unwrap();
-    match handshake::read_message(&mut s, Instant::now() + Duration::from_secs(5))
-        .await
-        .unwrap()
-    {
+    match handshake::read_message(&mut s, Instant::now() + Duration::from_secs(5)).await.unwrap() {
         Message::Refuse(r) => r,
         m => panic!("expected a refusal, got {m:?}"),
     }
@@ -198,11 +149,7 @@ async fn endpoint_refuses_bad_hellos_and_keeps_working() {
         let mut hello = handshake::Hello::new("job", 1, 1, 0, 2).unwrap().encode();
         hello[4] = 99;
         let r = pre_handshake(target, &hello).await;
-        assert!(
-            r.text.contains("unsupported protocol version 99"),
-            "{}",
-            r.text
-        );
+        assert!(r.text.contains("unsupported protocol version 99"), "{}", r.text);
 
         let mut oversize = handshake::Hello::new("job", 1, 1, 0, 2).unwrap().encode();
         oversize[6..8].copy_from_slice(&u16::MAX.to_le_bytes());
@@ -211,9 +158,7 @@ async fn endpoint_refuses_bad_hellos_and_keeps_working() {
 
         // A peer that closes mid-hello changes nothing either.
         let mut s = TcpStream::connect(target).await.unwrap();
-        s.write_all(&handshake::Hello::new("job", 1, 1, 0, 2).unwrap().encode()[..20])
-            .await
-            .unwrap();
+        s.write_all(&handshake::Hello::new("job", 1, 1, 0, 2).unwrap().encode()[..20]).await.unwrap();
         drop(s);
 
         let ts = mesh_on(&eps, "job", 1, Default::default()).await;
@@ -232,33 +177,15 @@ async fn silent_peer_times_out_after_no_progress() {
         let np = Duration::from_millis(300);
         let (_eps, ts) = mesh(3, deadlines(np, Duration::from_secs(10))).await;
         let start = Instant::now();
-        let e = ts[0]
-            .recv(1, Tag::new(1, 0, 0), &mut [0u8; 16])
-            .await
-            .unwrap_err();
+        let e = ts[0].recv(1, Tag::new(1, 0, 0), &mut [0u8; 16]).await.unwrap_err();
         let took = start.elapsed();
-        assert!(
-            matches!(e, TransportError::Timeout { peer: 1, after } if after == np),
-            "{e:?}"
-        );
-        assert!(
-            took >= np && took <= np + Duration::from_secs(2),
-            "took {took:?}"
-        );
-        assert!(
-            ts[0].is_aborted(),
-            "a broken link counts as broken for good"
-        );
+        assert!(matches!(e, TransportError::Timeout { peer: 1, after } if after == np), "{e:?}");
+        assert!(took >= np && took <= np + Duration::from_secs(2), "took {took:?}");
+        assert!(ts[0].is_aborted(), "a broken link counts as broken for good");
         // The timed-out link fails fast; the others still work.
         let start = Instant::now();
-        let again = ts[0]
-            .recv(1, Tag::new(2, 0, 0), &mut [0u8; 16])
-            .await
-            .unwrap_err();
-        assert!(
-            matches!(again, TransportError::Timeout { .. }) && start.elapsed() < np,
-            "{again:?}"
-        );
+        let again = ts[0].recv(1, Tag::new(2, 0, 0), &mut [0u8; 16]).await.unwrap_err();
+        assert!(matches!(again, TransportError::Timeout { .. }) && start.elapsed() < np, "{again:?}");
         ts[2].send(0, Tag::new(1, 0, 0), b"ok").await.unwrap();
         let mut buf = [0u8; 2];
         ts[0].recv(2, Tag::new(1, 0, 0), &mut buf).await.unwrap();
@@ -325,7 +252,10 @@ async fn abort_stops_pending_operations_at_once() {
         let took = start.elapsed();
         aborter.await.unwrap();
         for e in [r.unwrap_err(), s.unwrap_err()] {
-            assert!(matches!(&e, TransportError::Aborted(reason) if reason.to_string() == "revoked by the test"), "{e:?}");
+            assert!(
+                matches!(&e, TransportError::Aborted(reason) if reason.to_string() == "revoked by the test"),
+                "{e:?}"
+            );
         }
         assert!(took < Duration::from_millis(200), "took {took:?}");
         assert!(ts[0].is_aborted());
@@ -347,10 +277,7 @@ async fn abort_stops_pending_operations_at_once() {
 }
 
 fn expect_peer_closed(e: TransportError, peer: Rank) {
-    assert!(
-        matches!(&e, TransportError::PeerClosed { peer: p, .. } if *p == peer),
-        "{e:?}"
-    );
+    assert!(matches!(&e, TransportError::PeerClosed { peer: p, .. } if *p == peer), "{e:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -363,24 +290,14 @@ async fn sender_dropping_mid_message_gives_peer_closed() {
         let big = pattern(1, 64 << 20);
         {
             let mut send = Box::pin(sender.send(1, Tag::new(1, 0, 0), &big));
-            assert!(
-                poll_once(&mut send).await.is_none(),
-                "64 MiB cannot fit in the socket buffers"
-            );
+            assert!(poll_once(&mut send).await.is_none(), "64 MiB cannot fit in the socket buffers");
         }
         drop(sender);
         let start = Instant::now();
         let mut buf = vec![0u8; 64 << 20];
-        let e = receiver
-            .recv(0, Tag::new(1, 0, 0), &mut buf)
-            .await
-            .unwrap_err();
+        let e = receiver.recv(0, Tag::new(1, 0, 0), &mut buf).await.unwrap_err();
         expect_peer_closed(e, 0);
-        assert!(
-            start.elapsed() < Duration::from_secs(2),
-            "took {:?}",
-            start.elapsed()
-        );
+        assert!(start.elapsed() < Duration::from_secs(2), "took {:?}", start.elapsed());
     })
     .await
     .unwrap();
@@ -405,11 +322,7 @@ async fn receiver_dropping_mid_message_gives_peer_closed() {
         drop(receiver);
         let start = Instant::now();
         expect_peer_closed(send.await.unwrap_err(), 1);
-        assert!(
-            start.elapsed() < Duration::from_secs(2),
-            "took {:?}",
-            start.elapsed()
-        );
+        assert!(start.elapsed() < Duration::from_secs(2), "took {:?}", start.elapsed());
     })
     .await
     .unwrap();

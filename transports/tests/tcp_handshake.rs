@@ -13,19 +13,14 @@ fn d() -> Deadlines {
     deadlines(Duration::from_secs(5), Duration::from_millis(2500))
 }
 
-type Pair = (
-    Result<TcpTransport, TransportError>,
-    Result<TcpTransport, TransportError>,
-);
+type Pair = (Result<TcpTransport, TransportError>, Result<TcpTransport, TransportError>);
 
 /// Runs rank 0 and rank 1 with the given (job, generation, token, world) each.
 async fn pair(a: (&str, u64, &[u8], usize), b: (&str, u64, &[u8], usize)) -> Pair {
     let eps = endpoints(2).await;
     let mut addrs: Vec<SocketAddr> = eps.iter().map(TcpEndpoint::local_addr).collect();
     // A third rank's address for the side with the bigger world; nobody listens there.
-    let spare = TcpEndpoint::bind(loopback(), Default::default())
-        .await
-        .unwrap();
+    let spare = TcpEndpoint::bind(loopback(), Default::default()).await.unwrap();
     addrs.push(spare.local_addr());
     drop(spare);
     let s0 = spec(a.0, a.1, 0, &addrs[..a.3], a.2, d());
@@ -100,15 +95,10 @@ async fn missing_peer_fails_at_the_connect_deadline() {
         let addrs: Vec<SocketAddr> = eps.iter().map(TcpEndpoint::local_addr).collect();
         let d = deadlines(Duration::from_secs(1), Duration::from_millis(700));
         let start = Instant::now();
-        let r = eps[0]
-            .connect_mesh(spec("job", 1, 0, &addrs, TOKEN, d))
-            .await;
+        let r = eps[0].connect_mesh(spec("job", 1, 0, &addrs, TOKEN, d)).await;
         let took = start.elapsed();
         assert_handshake(&r, "no link to ranks [1]");
-        assert!(
-            took >= d.connect && took < d.connect + Duration::from_secs(2),
-            "took {took:?}"
-        );
+        assert!(took >= d.connect && took < d.connect + Duration::from_secs(2), "took {took:?}");
     })
     .await
     .unwrap();

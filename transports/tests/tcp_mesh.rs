@@ -26,18 +26,14 @@ async fn exchange_all(ts: Vec<Arc<TcpTransport>>) {
             tasks.spawn(async move {
                 for (i, &len) in SIZES.iter().enumerate() {
                     let data = pattern(seed(tx.rank(), peer, i), len);
-                    tx.send(peer, Tag::new(i as u32, 0, len as u32), &data)
-                        .await
-                        .unwrap();
+                    tx.send(peer, Tag::new(i as u32, 0, len as u32), &data).await.unwrap();
                 }
             });
             let rx = Arc::clone(t);
             tasks.spawn(async move {
                 for (i, &len) in SIZES.iter().enumerate() {
                     let mut buf = vec![0u8; len];
-                    rx.recv(peer, Tag::new(i as u32, 0, len as u32), &mut buf)
-                        .await
-                        .unwrap();
+                    rx.recv(peer, Tag::new(i as u32, 0, len as u32), &mut buf).await.unwrap();
                     assert!(
                         buf == pattern(seed(peer, rx.rank(), i), len),
                         "rank {} from {peer}: size {len} corrupted",
@@ -72,10 +68,7 @@ async fn mesh_of_1() {
         assert_eq!(t.world_size(), 1);
         let e = t.send(0, Tag::new(0, 0, 0), b"x").await.unwrap_err();
         assert!(matches!(e, TransportError::InvalidArgument(_)), "{e:?}");
-        let e = t
-            .recv(1, Tag::new(0, 0, 0), &mut [0u8; 1])
-            .await
-            .unwrap_err();
+        let e = t.recv(1, Tag::new(0, 0, 0), &mut [0u8; 1]).await.unwrap_err();
         assert!(matches!(e, TransportError::InvalidArgument(_)), "{e:?}");
     })
     .await
@@ -142,14 +135,8 @@ async fn out_of_order_frames_are_stashed_and_delivered() {
 async fn signature_mismatch_is_reported() {
     timeout(TEST_LIMIT, async {
         let (_eps, ts) = mesh(3, Default::default()).await;
-        ts[0]
-            .send(1, Tag::new(1, 0, 0xaaaa), &[1u8; 100])
-            .await
-            .unwrap();
-        let e = ts[1]
-            .recv(0, Tag::new(1, 0, 0xbbbb), &mut [0u8; 100])
-            .await
-            .unwrap_err();
+        ts[0].send(1, Tag::new(1, 0, 0xaaaa), &[1u8; 100]).await.unwrap();
+        let e = ts[1].recv(0, Tag::new(1, 0, 0xbbbb), &mut [0u8; 100]).await.unwrap_err();
         match &e {
             TransportError::Mismatch { peer: 0, detail } => {
                 assert!(detail.contains("signature"), "{detail}")
@@ -157,18 +144,9 @@ async fn signature_mismatch_is_reported() {
             e => panic!("expected a mismatch, got {e:?}"),
         }
         // The link stays closed with the same error; the other links keep working.
-        let again = ts[1]
-            .recv(0, Tag::new(2, 0, 0), &mut [0u8; 1])
-            .await
-            .unwrap_err();
-        assert!(
-            matches!(again, TransportError::Mismatch { .. }),
-            "{again:?}"
-        );
-        ts[2]
-            .send(1, Tag::new(1, 0, 5), b"still fine")
-            .await
-            .unwrap();
+        let again = ts[1].recv(0, Tag::new(2, 0, 0), &mut [0u8; 1]).await.unwrap_err();
+        assert!(matches!(again, TransportError::Mismatch { .. }), "{again:?}");
+        ts[2].send(1, Tag::new(1, 0, 5), b"still fine").await.unwrap();
         let mut buf = [0u8; 10];
         ts[1].recv(2, Tag::new(1, 0, 5), &mut buf).await.unwrap();
         assert_eq!(&buf, b"still fine");
@@ -182,15 +160,11 @@ async fn length_mismatch_is_reported() {
     timeout(TEST_LIMIT, async {
         let (_eps, ts) = mesh(2, Default::default()).await;
         ts[0].send(1, Tag::new(1, 0, 7), &[1u8; 100]).await.unwrap();
-        let e = ts[1]
-            .recv(0, Tag::new(1, 0, 7), &mut [0u8; 99])
-            .await
-            .unwrap_err();
+        let e = ts[1].recv(0, Tag::new(1, 0, 7), &mut [0u8; 99]).await.unwrap_err();
         match &e {
-            TransportError::Mismatch { peer: 0, detail } => assert!(
-                detail.contains("100 bytes received, 99 expected"),
-                "{detail}"
-            ),
+            TransportError::Mismatch { peer: 0, detail } => {
+                assert!(detail.contains("100 bytes received, 99 expected"), "{detail}")
+            }
             e => panic!("expected a mismatch, got {e:?}"),
         }
     })
@@ -215,14 +189,7 @@ async fn concurrent_generations_share_an_endpoint() {
         assert_eq!(g2[0].generation(), 2);
         // The same (job, generation) twice at once on one endpoint is refused.
         let addrs: Vec<_> = eps.iter().map(TcpEndpoint::local_addr).collect();
-        let s = spec(
-            "job",
-            3,
-            1,
-            &addrs,
-            TOKEN,
-            deadlines(Duration::from_secs(1), Duration::from_millis(300)),
-        );
+        let s = spec("job", 3, 1, &addrs, TOKEN, deadlines(Duration::from_secs(1), Duration::from_millis(300)));
         let (a, b) = tokio::join!(eps[1].connect_mesh(s.clone()), eps[1].connect_mesh(s));
         assert!(
             matches!(a, Err(TransportError::InvalidArgument(_)))

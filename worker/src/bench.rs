@@ -149,7 +149,10 @@ pub fn run_parent(config: &BenchConfig) -> Result<Vec<BenchRow>, String> {
         let mut reader = BufReader::new(stdout);
         let mut line = String::new();
         reader.read_line(&mut line).map_err(|e| format!("rank {rank}: {e}"))?;
-        let addr = line.trim().strip_prefix("addr=").ok_or_else(|| format!("rank {rank} said {line:?} instead of its address"))?;
+        let addr = line
+            .trim()
+            .strip_prefix("addr=")
+            .ok_or_else(|| format!("rank {rank} said {line:?} instead of its address"))?;
         addresses.push(addr.to_string());
         readers.push(reader);
     }
@@ -181,7 +184,11 @@ pub fn run_parent(config: &BenchConfig) -> Result<Vec<BenchRow>, String> {
                 }
             }
             if let (Some(b), Some(m)) = (bytes, median) {
-                let i = config.sizes.iter().position(|&s| s == b).ok_or_else(|| format!("rank {rank} reported unknown size {b}"))?;
+                let i = config
+                    .sizes
+                    .iter()
+                    .position(|&s| s == b)
+                    .ok_or_else(|| format!("rank {rank} reported unknown size {b}"))?;
                 medians[i][rank] = m;
                 seen += 1;
             }
@@ -208,7 +215,13 @@ pub fn run_parent(config: &BenchConfig) -> Result<Vec<BenchRow>, String> {
 pub fn print_rows(config: &BenchConfig, rows: &[BenchRow]) {
     println!(
         "# cohort allreduce: ranks={} dtype={} algo={} transport={} iters={} warmup={} busy_poll={:?}",
-        config.ranks, config.dtype, algo_name(config.algo), config.transport.name(), config.iters, config.warmup, config.busy_poll
+        config.ranks,
+        config.dtype,
+        algo_name(config.algo),
+        config.transport.name(),
+        config.iters,
+        config.warmup,
+        config.busy_poll
     );
     println!("#{:>14} {:>12} {:>12} {:>12}", "size(B)", "time(us)", "algbw(GB/s)", "busbw(GB/s)");
     for r in rows {
@@ -217,7 +230,11 @@ pub fn print_rows(config: &BenchConfig, rows: &[BenchRow]) {
     for r in rows {
         println!(
             "peer=cohort ranks={} bytes={} median_us={:.1} algbw_GBps={:.3} busbw_GBps={:.3}",
-            config.ranks, r.bytes, r.median_us, r.algbw(), r.busbw(config.ranks)
+            config.ranks,
+            r.bytes,
+            r.median_us,
+            r.algbw(),
+            r.busbw(config.ranks)
         );
     }
 }
@@ -258,20 +275,31 @@ async fn rank_typed<E: ExactElement>(rank: u32, config: BenchConfig) -> Result<(
     match config.transport {
         BenchTransport::Tcp => {
             let options = TcpOptions { busy_poll: config.busy_poll, ..TcpOptions::default() };
-            let endpoint = TcpEndpoint::bind(SocketAddr::from(([127, 0, 0, 1], 0)), options).await.map_err(|e| e.to_string())?;
+            let endpoint =
+                TcpEndpoint::bind(SocketAddr::from(([127, 0, 0, 1], 0)), options).await.map_err(|e| e.to_string())?;
             println!("addr={}", endpoint.local_addr());
             let peers = read_peer_list()?
                 .iter()
                 .map(|a| a.parse::<SocketAddr>().map_err(|e| format!("bad address {a:?}: {e}")))
                 .collect::<Result<Vec<_>, _>>()?;
-            let spec = MeshSpec { job: "bench".into(), generation: 1, rank, peers, token: bench_token(), deadlines: BENCH_DEADLINES };
+            let spec = MeshSpec {
+                job: "bench".into(),
+                generation: 1,
+                rank,
+                peers,
+                token: bench_token(),
+                deadlines: BENCH_DEADLINES,
+            };
             let transport = endpoint.connect_mesh(spec).await.map_err(|e| e.to_string())?;
             measure::<E, _>(rank, &config, Communicator::new(Arc::new(transport), comm_config)).await
         }
         #[cfg(feature = "rdma")]
         BenchTransport::Rdma => {
             use cohort_transports::rdma::{DeviceConfig, EndpointAddress, RdmaEndpoint, RdmaMeshSpec, RdmaOptions};
-            let device = DeviceConfig { name: std::env::var("COHORT_RDMA_DEVICE").ok().filter(|d| !d.is_empty()), ..DeviceConfig::default() };
+            let device = DeviceConfig {
+                name: std::env::var("COHORT_RDMA_DEVICE").ok().filter(|d| !d.is_empty()),
+                ..DeviceConfig::default()
+            };
             let options = RdmaOptions { device, busy_poll: !config.busy_poll.is_zero(), ..RdmaOptions::default() };
             let endpoint = RdmaEndpoint::open(options).await.map_err(|e| e.to_string())?;
             println!("addr={}", endpoint.address().encode());
@@ -279,7 +307,14 @@ async fn rank_typed<E: ExactElement>(rank: u32, config: BenchConfig) -> Result<(
                 .iter()
                 .map(|a| EndpointAddress::decode(a).map_err(|e| format!("bad rdma address {a:?}: {e}")))
                 .collect::<Result<Vec<_>, _>>()?;
-            let spec = RdmaMeshSpec { job: "bench".into(), generation: 1, rank, peers, token: bench_token(), deadlines: BENCH_DEADLINES };
+            let spec = RdmaMeshSpec {
+                job: "bench".into(),
+                generation: 1,
+                rank,
+                peers,
+                token: bench_token(),
+                deadlines: BENCH_DEADLINES,
+            };
             let transport = endpoint.connect_mesh(spec).await.map_err(|e| e.to_string())?;
             measure::<E, _>(rank, &config, Communicator::new(Arc::new(transport), comm_config)).await
         }
@@ -289,7 +324,11 @@ async fn rank_typed<E: ExactElement>(rank: u32, config: BenchConfig) -> Result<(
 }
 
 /// Warm-up and timed iterations of every size, each result verified; prints the medians.
-async fn measure<E: ExactElement, T: Transport>(rank: u32, config: &BenchConfig, mut comm: Communicator<T>) -> Result<(), String> {
+async fn measure<E: ExactElement, T: Transport>(
+    rank: u32,
+    config: &BenchConfig,
+    mut comm: Communicator<T>,
+) -> Result<(), String> {
     let world = comm.size();
     for &bytes in &config.sizes {
         let count = bytes / std::mem::size_of::<E>();

@@ -42,7 +42,13 @@ impl Default for CommConfig {
     /// `Auto` algorithm, 1 MiB segments, no whole-op bound, prime-factor BCube groups, abort
     /// the transport on error.
     fn default() -> Self {
-        Self { algorithm: Algorithm::Auto, segment_bytes: 1 << 20, op_timeout: None, bcube_base: None, abort_transport_on_error: true }
+        Self {
+            algorithm: Algorithm::Auto,
+            segment_bytes: 1 << 20,
+            op_timeout: None,
+            bcube_base: None,
+            abort_transport_on_error: true,
+        }
     }
 }
 
@@ -150,7 +156,12 @@ impl Call {
     /// 32-bit FNV-1a over the arguments.
     fn signature(&self) -> u32 {
         let mut h = Fnv::new();
-        h.bytes(&[self.kind as u8, self.dtype.map_or(0, DType::code), self.op.map_or(0, ReduceOp::code), self.algo.map_or(0, Algorithm::code)]);
+        h.bytes(&[
+            self.kind as u8,
+            self.dtype.map_or(0, DType::code),
+            self.op.map_or(0, ReduceOp::code),
+            self.algo.map_or(0, Algorithm::code),
+        ]);
         h.bytes(&self.count.to_le_bytes());
         h.bytes(&self.root.map_or(u32::MAX, |r| r).to_le_bytes());
         h.bytes(&self.extra.to_le_bytes());
@@ -321,7 +332,11 @@ impl<T: Transport> Communicator<T> {
     /// A handle that revokes this communicator from anywhere (see [`Revoker`]).
     pub fn revoker(&self) -> Revoker {
         let transport = self.transport.clone();
-        Revoker { state: self.revoke.clone(), abort: Arc::new(move |reason| transport.abort(reason)), generation: self.generation }
+        Revoker {
+            state: self.revoke.clone(),
+            abort: Arc::new(move |reason| transport.abort(reason)),
+            generation: self.generation,
+        }
     }
 
     fn revoked_error(&self) -> Option<CommError> {
@@ -338,7 +353,9 @@ impl<T: Transport> Communicator<T> {
                 TransportError::PeerClosed { peer, detail } | TransportError::Protocol { peer, detail } => {
                     CommError::PeerFailed { rank: peer, detail }
                 }
-                TransportError::Timeout { peer, after } => CommError::Timeout { rank: Some(peer), after, progress: Some(progress) },
+                TransportError::Timeout { peer, after } => {
+                    CommError::Timeout { rank: Some(peer), after, progress: Some(progress) }
+                }
                 TransportError::Aborted(reason) => {
                     CommError::Revoked { generation: self.generation, cause: RootCause::reason(reason.to_string()) }
                 }
@@ -364,7 +381,14 @@ impl<T: Transport> Communicator<T> {
 
     /// Refuses the call if poisoned or revoked, validates it, and takes a sequence number
     /// (`advance`: false for point-to-point, which shares the next collective's number).
-    fn begin(&mut self, call: &Call, elem_size: usize, bytes: usize, valid: Result<(), String>, advance: bool) -> Result<Started<T>, CommError> {
+    fn begin(
+        &mut self,
+        call: &Call,
+        elem_size: usize,
+        bytes: usize,
+        valid: Result<(), String>,
+        advance: bool,
+    ) -> Result<Started<T>, CommError> {
         if let Some(e) = &self.poisoned {
             return Err(e.clone());
         }
@@ -490,10 +514,21 @@ impl<T: Transport> Communicator<T> {
     ///
     /// # Cancel safety
     /// Not cancel safe; see [`Communicator::allreduce`].
-    pub async fn allreduce_with<E: Element>(&mut self, data: &mut [E], op: ReduceOp, algo: Algorithm) -> Result<(), CommError> {
+    pub async fn allreduce_with<E: Element>(
+        &mut self,
+        data: &mut [E],
+        op: ReduceOp,
+        algo: Algorithm,
+    ) -> Result<(), CommError> {
         let bytes = std::mem::size_of_val(data);
         let algo = algo.resolve(bytes, self.size);
-        let call = Call { dtype: Some(E::DTYPE), op: Some(op), count: data.len() as u64, algo: Some(algo), ..Call::new(Kind::Allreduce) };
+        let call = Call {
+            dtype: Some(E::DTYPE),
+            op: Some(op),
+            count: data.len() as u64,
+            algo: Some(algo),
+            ..Call::new(Kind::Allreduce)
+        };
         let (len, n) = (data.len(), self.size as usize);
         let dims = self.bcube_dims.clone();
         operation!(self, call, std::mem::size_of::<E>(), bytes, Ok(()), true, |ctx, scratch| {
@@ -521,11 +556,20 @@ impl<T: Transport> Communicator<T> {
     ///
     /// # Cancel safety
     /// Not cancel safe; see [`Communicator::allreduce`].
-    pub async fn reduce_scatter<E: Element>(&mut self, input: &[E], output: &mut [E], op: ReduceOp) -> Result<(), CommError> {
+    pub async fn reduce_scatter<E: Element>(
+        &mut self,
+        input: &[E],
+        output: &mut [E],
+        op: ReduceOp,
+    ) -> Result<(), CommError> {
         let (len, n, rank) = (input.len(), self.size as usize, self.rank as usize);
         let mine = collectives::block_range(len, n, rank);
         let valid = check(output.len() == mine.len(), || {
-            format!("output has {} elements, rank {rank}'s block of {len} over {n} ranks has {}", output.len(), mine.len())
+            format!(
+                "output has {} elements, rank {rank}'s block of {len} over {n} ranks has {}",
+                output.len(),
+                mine.len()
+            )
         });
         let call = Call { dtype: Some(E::DTYPE), op: Some(op), count: len as u64, ..Call::new(Kind::ReduceScatter) };
         operation!(self, call, std::mem::size_of::<E>(), std::mem::size_of_val(input), valid, true, |ctx, scratch| {
@@ -550,7 +594,8 @@ impl<T: Transport> Communicator<T> {
     /// Not cancel safe; see [`Communicator::allreduce`].
     pub async fn allgather<E: Element>(&mut self, input: &[E], output: &mut [E]) -> Result<(), CommError> {
         let (m, n, rank) = (input.len(), self.size as usize, self.rank as usize);
-        let valid = check(output.len() == m * n, || format!("output has {} elements, expected {m} x {n}", output.len()));
+        let valid =
+            check(output.len() == m * n, || format!("output has {} elements, expected {m} x {n}", output.len()));
         let call = Call { dtype: Some(E::DTYPE), count: m as u64, ..Call::new(Kind::Allgather) };
         operation!(self, call, std::mem::size_of::<E>(), std::mem::size_of_val(output), valid, true, |ctx, scratch| {
             output[rank * m..(rank + 1) * m].copy_from_slice(input);
@@ -564,13 +609,29 @@ impl<T: Transport> Communicator<T> {
     ///
     /// # Cancel safety
     /// Not cancel safe; see [`Communicator::allreduce`].
-    pub async fn allgatherv<E: Element>(&mut self, input: &[E], output: &mut [E], counts: &[usize]) -> Result<(), CommError> {
+    pub async fn allgatherv<E: Element>(
+        &mut self,
+        input: &[E],
+        output: &mut [E],
+        counts: &[usize],
+    ) -> Result<(), CommError> {
         let (n, rank) = (self.size as usize, self.rank as usize);
         let total: usize = counts.iter().sum();
         let valid = check(counts.len() == n, || format!("{} counts for {n} ranks", counts.len()))
-            .and_then(|_| check(counts[rank] == input.len(), || format!("counts[{rank}] = {} but input has {} elements", counts[rank], input.len())))
-            .and_then(|_| check(output.len() == total, || format!("output has {} elements, counts sum to {total}", output.len())));
-        let call = Call { dtype: Some(E::DTYPE), count: total as u64, extra: hash_counts(counts), ..Call::new(Kind::Allgatherv) };
+            .and_then(|_| {
+                check(counts[rank] == input.len(), || {
+                    format!("counts[{rank}] = {} but input has {} elements", counts[rank], input.len())
+                })
+            })
+            .and_then(|_| {
+                check(output.len() == total, || format!("output has {} elements, counts sum to {total}", output.len()))
+            });
+        let call = Call {
+            dtype: Some(E::DTYPE),
+            count: total as u64,
+            extra: hash_counts(counts),
+            ..Call::new(Kind::Allgatherv)
+        };
         operation!(self, call, std::mem::size_of::<E>(), std::mem::size_of_val(output), valid, true, |ctx, scratch| {
             let offs = collectives::offsets(counts);
             output[offs[rank]..offs[rank] + counts[rank]].copy_from_slice(input);
@@ -586,7 +647,8 @@ impl<T: Transport> Communicator<T> {
     pub async fn broadcast<E: Element>(&mut self, data: &mut [E], root: u32) -> Result<(), CommError> {
         let n = self.size;
         let valid = check(root < n, || format!("root {root} out of range for {n} ranks"));
-        let call = Call { dtype: Some(E::DTYPE), count: data.len() as u64, root: Some(root), ..Call::new(Kind::Broadcast) };
+        let call =
+            Call { dtype: Some(E::DTYPE), count: data.len() as u64, root: Some(root), ..Call::new(Kind::Broadcast) };
         operation!(self, call, std::mem::size_of::<E>(), std::mem::size_of_val(data), valid, true, |ctx, scratch| {
             tree::broadcast(&ctx, data, root as usize).await
         })
@@ -601,7 +663,13 @@ impl<T: Transport> Communicator<T> {
         let n = self.size;
         let valid = check(root < n, || format!("root {root} out of range for {n} ranks"));
         let len = data.len();
-        let call = Call { dtype: Some(E::DTYPE), op: Some(op), count: len as u64, root: Some(root), ..Call::new(Kind::Reduce) };
+        let call = Call {
+            dtype: Some(E::DTYPE),
+            op: Some(op),
+            count: len as u64,
+            root: Some(root),
+            ..Call::new(Kind::Reduce)
+        };
         operation!(self, call, std::mem::size_of::<E>(), std::mem::size_of_val(data), valid, true, |ctx, scratch| {
             let s = scratch.get::<E>(tree::reduce_scratch(ctx.seg, len));
             tree::reduce(&ctx, data, op, root as usize, s).await
@@ -617,8 +685,11 @@ impl<T: Transport> Communicator<T> {
     pub async fn gather<E: Element>(&mut self, input: &[E], output: &mut [E], root: u32) -> Result<(), CommError> {
         let (n, m) = (self.size as usize, input.len());
         let on_root = root == self.rank;
-        let valid = check(root < self.size, || format!("root {root} out of range for {n} ranks"))
-            .and_then(|_| check(!on_root || output.len() == m * n, || format!("output has {} elements, expected {m} x {n}", output.len())));
+        let valid = check(root < self.size, || format!("root {root} out of range for {n} ranks")).and_then(|_| {
+            check(!on_root || output.len() == m * n, || {
+                format!("output has {} elements, expected {m} x {n}", output.len())
+            })
+        });
         let call = Call { dtype: Some(E::DTYPE), count: m as u64, root: Some(root), ..Call::new(Kind::Gather) };
         operation!(self, call, std::mem::size_of::<E>(), std::mem::size_of_val(input), valid, true, |ctx, scratch| {
             tree::gather(&ctx, input, output, root as usize).await
@@ -633,8 +704,11 @@ impl<T: Transport> Communicator<T> {
     pub async fn scatter<E: Element>(&mut self, input: &[E], output: &mut [E], root: u32) -> Result<(), CommError> {
         let (n, m) = (self.size as usize, output.len());
         let on_root = root == self.rank;
-        let valid = check(root < self.size, || format!("root {root} out of range for {n} ranks"))
-            .and_then(|_| check(!on_root || input.len() == m * n, || format!("input has {} elements, expected {m} x {n}", input.len())));
+        let valid = check(root < self.size, || format!("root {root} out of range for {n} ranks")).and_then(|_| {
+            check(!on_root || input.len() == m * n, || {
+                format!("input has {} elements, expected {m} x {n}", input.len())
+            })
+        });
         let call = Call { dtype: Some(E::DTYPE), count: m as u64, root: Some(root), ..Call::new(Kind::Scatter) };
         operation!(self, call, std::mem::size_of::<E>(), std::mem::size_of_val(output), valid, true, |ctx, scratch| {
             tree::scatter(&ctx, input, output, root as usize).await
@@ -648,8 +722,12 @@ impl<T: Transport> Communicator<T> {
     /// Not cancel safe; see [`Communicator::allreduce`].
     pub async fn alltoall<E: Element>(&mut self, input: &[E], output: &mut [E]) -> Result<(), CommError> {
         let n = self.size as usize;
-        let valid = check(input.len() == output.len(), || format!("input has {} elements, output {}", input.len(), output.len()))
-            .and_then(|_| check(input.len() % n == 0, || format!("{} elements do not split into {n} equal blocks", input.len())));
+        let valid = check(input.len() == output.len(), || {
+            format!("input has {} elements, output {}", input.len(), output.len())
+        })
+        .and_then(|_| {
+            check(input.len() % n == 0, || format!("{} elements do not split into {n} equal blocks", input.len()))
+        });
         let m = input.len() / n;
         let call = Call { dtype: Some(E::DTYPE), count: input.len() as u64, ..Call::new(Kind::Alltoall) };
         let counts = vec![m; n];
@@ -665,14 +743,30 @@ impl<T: Transport> Communicator<T> {
     ///
     /// # Cancel safety
     /// Not cancel safe; see [`Communicator::allreduce`].
-    pub async fn alltoallv<E: Element>(&mut self, input: &[E], send_counts: &[usize], output: &mut [E], recv_counts: &[usize]) -> Result<(), CommError> {
+    pub async fn alltoallv<E: Element>(
+        &mut self,
+        input: &[E],
+        send_counts: &[usize],
+        output: &mut [E],
+        recv_counts: &[usize],
+    ) -> Result<(), CommError> {
         let (n, rank) = (self.size as usize, self.rank as usize);
         let valid = check(send_counts.len() == n && recv_counts.len() == n, || {
             format!("{} send counts and {} receive counts for {n} ranks", send_counts.len(), recv_counts.len())
         })
-        .and_then(|_| check(send_counts.iter().sum::<usize>() == input.len(), || format!("send counts do not sum to the input's {} elements", input.len())))
-        .and_then(|_| check(recv_counts.iter().sum::<usize>() == output.len(), || format!("receive counts do not sum to the output's {} elements", output.len())))
-        .and_then(|_| check(send_counts[rank] == recv_counts[rank], || format!("send_counts[{rank}] != recv_counts[{rank}]")));
+        .and_then(|_| {
+            check(send_counts.iter().sum::<usize>() == input.len(), || {
+                format!("send counts do not sum to the input's {} elements", input.len())
+            })
+        })
+        .and_then(|_| {
+            check(recv_counts.iter().sum::<usize>() == output.len(), || {
+                format!("receive counts do not sum to the output's {} elements", output.len())
+            })
+        })
+        .and_then(|_| {
+            check(send_counts[rank] == recv_counts[rank], || format!("send_counts[{rank}] != recv_counts[{rank}]"))
+        });
         let call = Call { dtype: Some(E::DTYPE), ..Call::new(Kind::Alltoallv) };
         operation!(self, call, std::mem::size_of::<E>(), std::mem::size_of_val(input), valid, true, |ctx, scratch| {
             alltoall::alltoallv(&ctx, input, send_counts, output, recv_counts).await
@@ -697,9 +791,15 @@ impl<T: Transport> Communicator<T> {
         let valid = self.check_peer(peer);
         let call = Call { dtype: Some(E::DTYPE), count: data.len() as u64, ..Call::new(Kind::P2p) };
         let step0 = self.p2p_send.get(peer as usize).copied().unwrap_or(P2P_STEP_BASE);
-        let res = operation!(self, call, std::mem::size_of::<E>(), std::mem::size_of_val(data), valid, false, |ctx, scratch| {
-            ctx.send_segs(peer as usize, step0, data).await
-        });
+        let res = operation!(
+            self,
+            call,
+            std::mem::size_of::<E>(),
+            std::mem::size_of_val(data),
+            valid,
+            false,
+            |ctx, scratch| ctx.send_segs(peer as usize, step0, data).await
+        );
         if res.is_ok() {
             let segs = data.len().div_ceil((self.config.segment_bytes / std::mem::size_of::<E>()).max(1)) as u64;
             self.p2p_send[peer as usize] = step0 + segs;
@@ -717,9 +817,15 @@ impl<T: Transport> Communicator<T> {
         let call = Call { dtype: Some(E::DTYPE), count: data.len() as u64, ..Call::new(Kind::P2p) };
         let step0 = self.p2p_recv.get(peer as usize).copied().unwrap_or(P2P_STEP_BASE);
         let len = data.len();
-        let res = operation!(self, call, std::mem::size_of::<E>(), std::mem::size_of_val(data), valid, false, |ctx, scratch| {
-            ctx.recv_segs(peer as usize, step0, data).await
-        });
+        let res = operation!(
+            self,
+            call,
+            std::mem::size_of::<E>(),
+            std::mem::size_of_val(data),
+            valid,
+            false,
+            |ctx, scratch| ctx.recv_segs(peer as usize, step0, data).await
+        );
         if res.is_ok() {
             let segs = len.div_ceil((self.config.segment_bytes / std::mem::size_of::<E>()).max(1)) as u64;
             self.p2p_recv[peer as usize] = step0 + segs;
@@ -728,7 +834,9 @@ impl<T: Transport> Communicator<T> {
     }
 
     fn check_peer(&self, peer: u32) -> Result<(), String> {
-        check(peer < self.size && peer != self.rank, || format!("peer {peer} is not another rank of {} (this is rank {})", self.size, self.rank))
+        check(peer < self.size && peer != self.rank, || {
+            format!("peer {peer} is not another rank of {} (this is rank {})", self.size, self.rank)
+        })
     }
 
     /// Allreduce over raw bytes holding elements of `dtype` (native byte order): the untyped

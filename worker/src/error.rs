@@ -35,7 +35,9 @@ impl fmt::Display for RootCause {
             wrote = true;
         }
         match (self.worker_id.is_empty(), self.host.is_empty()) {
-            (false, false) => write!(f, "{}(worker {} on {})", if wrote { " " } else { "" }, self.worker_id, self.host)?,
+            (false, false) => {
+                write!(f, "{}(worker {} on {})", if wrote { " " } else { "" }, self.worker_id, self.host)?
+            }
             (false, true) => write!(f, "{}(worker {})", if wrote { " " } else { "" }, self.worker_id)?,
             (true, false) => write!(f, "{}(on {})", if wrote { " " } else { "" }, self.host)?,
             (true, true) => {}

@@ -111,7 +111,8 @@ impl Pattern {
     /// Checks `buf` against the expected sum; returns the first wrong index.
     pub fn first_mismatch<E: ExactElement>(&self, buf: &[E]) -> Option<usize> {
         let base = self.seed % 16;
-        let expected: [E; 16] = std::array::from_fn(|k| E::from_small(self.table[((base + k as u64) % 16) as usize] as u32));
+        let expected: [E; 16] =
+            std::array::from_fn(|k| E::from_small(self.table[((base + k as u64) % 16) as usize] as u32));
         buf.iter().enumerate().position(|(j, x)| *x != expected[j % 16])
     }
 

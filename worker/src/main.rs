@@ -221,7 +221,8 @@ fn main() -> ExitCode {
 }
 
 fn init_tracing() {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
     // Logs go to stderr: stdout carries the event lines and the bench protocol.
     let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(false).try_init();
 }
@@ -256,7 +257,10 @@ fn check_transport(kind: TransportKind) -> Result<(), String> {
         TransportKind::Rdma => {
             let devices = cohort_transports::rdma::device_names().map_err(|e| format!("--transport rdma: {e}"))?;
             if devices.is_empty() {
-                return Err("--transport rdma: no RDMA device found (is an InfiniBand/RoCE NIC present and its driver loaded?)".into());
+                return Err(
+                    "--transport rdma: no RDMA device found (is an InfiniBand/RoCE NIC present and its driver loaded?)"
+                        .into(),
+                );
             }
             Ok(())
         }
@@ -273,7 +277,9 @@ fn rdma_device() -> cohort_transports::rdma::DeviceConfig {
 
 fn read_token(file: Option<&PathBuf>) -> Result<Option<String>, String> {
     let text = match file {
-        Some(path) => std::fs::read_to_string(path).map_err(|e| format!("reading the token file {}: {e}", path.display()))?,
+        Some(path) => {
+            std::fs::read_to_string(path).map_err(|e| format!("reading the token file {}: {e}", path.display()))?
+        }
         None => std::env::var("COHORT_TOKEN").unwrap_or_default(),
     };
     Ok(Some(text.trim().to_string()).filter(|t| !t.is_empty()))
@@ -309,7 +315,10 @@ fn train_main(args: TrainArgs) -> Result<TrainSummary, String> {
     let mut control = ControlConfig::new(args.coordinator.clone());
     control.token = token.clone();
     control.tls_ca = args.tls_ca.clone();
-    let worker_id = args.worker_id.clone().unwrap_or_else(|| format!("{}-{}", cohort::elastic::local_hostname(), std::process::id()));
+    let worker_id = args
+        .worker_id
+        .clone()
+        .unwrap_or_else(|| format!("{}-{}", cohort::elastic::local_hostname(), std::process::id()));
     let mut config = ElasticConfig::new(args.job.clone(), worker_id, control);
     config.token = token.unwrap_or_default().into_bytes();
     config.listen = args.listen;

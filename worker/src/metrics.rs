@@ -29,7 +29,10 @@ pub fn render() -> String {
     ];
     let mut out = String::new();
     for (name, kind, help, value) in rows {
-        out.push_str(&format!("# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {}\n", value.load(Ordering::Relaxed)));
+        out.push_str(&format!(
+            "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {}\n",
+            value.load(Ordering::Relaxed)
+        ));
     }
     out
 }

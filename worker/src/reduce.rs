@@ -81,7 +81,10 @@ impl FromStr for ReduceOp {
     type Err = ParseReduceOpError;
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        ReduceOp::ALL.into_iter().find(|o| o.name().eq_ignore_ascii_case(s)).ok_or_else(|| ParseReduceOpError(s.to_owned()))
+        ReduceOp::ALL
+            .into_iter()
+            .find(|o| o.name().eq_ignore_ascii_case(s))
+            .ok_or_else(|| ParseReduceOpError(s.to_owned()))
     }
 }
 

@@ -14,8 +14,8 @@ use crate::elastic::{Checkpoint, ElasticConfig, ElasticError, ElasticGroup, Gene
 use crate::exact::{ExactElement, Pattern};
 use crate::{CommError, ReduceOp};
 use std::sync::atomic::Ordering;
-use tokio::sync::watch;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use tokio::sync::watch;
 use tracing::{info_span, Instrument};
 
 /// Settings of the synthetic loop.
@@ -74,7 +74,12 @@ impl<E: ExactElement> crate::elastic::ElasticState for Params<E> {
     fn load(&mut self, snapshot: &[u8]) -> Result<(), String> {
         let width = std::mem::size_of::<E>();
         if snapshot.len() != self.0.len() * width {
-            return Err(format!("snapshot of {} bytes for {} elements of {} bytes", snapshot.len(), self.0.len(), width));
+            return Err(format!(
+                "snapshot of {} bytes for {} elements of {} bytes",
+                snapshot.len(),
+                self.0.len(),
+                width
+            ));
         }
         crate::dtype::as_bytes_mut(&mut self.0).copy_from_slice(snapshot);
         Ok(())
@@ -135,10 +140,15 @@ pub async fn run<E: ExactElement>(
         if E::EXACT_LIMIT < Pattern::new(0, world).max_sum() + 15 * world as u64 * train.steps {
             return Err(TrainError::Setup(format!(
                 "{} cannot hold {} steps of exact sums over {world} ranks; use f32/f64/i32/i64 or fewer steps",
-                E::NAME, train.steps
+                E::NAME,
+                train.steps
             )));
         }
-        println!("event=generation gen={g} world={world} rank={rank} transport={} t_ms={}", generation.transport, now_ms());
+        println!(
+            "event=generation gen={g} world={world} rank={rank} transport={} t_ms={}",
+            generation.transport,
+            now_ms()
+        );
         crate::metrics::GENERATION.store(g, Ordering::Relaxed);
         crate::metrics::WORLD_SIZE.store(world as u64, Ordering::Relaxed);
 
@@ -147,11 +157,19 @@ pub async fn run<E: ExactElement>(
         match checkpoint.sync(&mut generation.comm, &mut params).instrument(span.clone()).await {
             Ok(outcome) => println!(
                 "event=restored gen={g} rank={rank} step={} source={} changed={} t_ms={}",
-                outcome.step.map_or(-1, |s| s as i64), outcome.source, outcome.changed, now_ms()
+                outcome.step.map_or(-1, |s| s as i64),
+                outcome.source,
+                outcome.changed,
+                now_ms()
             ),
             Err(SyncError::Comm(e)) => {
                 let cause = group.on_failure(g, &e).await;
-                println!("event=error gen={g} rank={rank} phase=sync kind={} cause={} t_ms={}", kind_of(&e), q(&cause.to_string()), now_ms());
+                println!(
+                    "event=error gen={g} rank={rank} phase=sync kind={} cause={} t_ms={}",
+                    kind_of(&e),
+                    q(&cause.to_string()),
+                    now_ms()
+                );
                 failed_at.get_or_insert_with(Instant::now);
                 continue 'generations;
             }
@@ -186,7 +204,9 @@ pub async fn run<E: ExactElement>(
             if let Some(j) = pattern.first_mismatch(&grad) {
                 println!(
                     "event=wrong_result gen={g} rank={rank} step={step} index={j} got={:?} expected={:?} t_ms={}",
-                    grad[j], pattern.expected::<E>(j), now_ms()
+                    grad[j],
+                    pattern.expected::<E>(j),
+                    now_ms()
                 );
                 return Err(TrainError::WrongResult { generation: g, step, index: j });
             }
@@ -202,11 +222,16 @@ pub async fn run<E: ExactElement>(
                 summary.failures.push(t.elapsed());
                 crate::metrics::FAILURES.fetch_add(1, Ordering::Relaxed);
                 crate::metrics::LOST_MS.fetch_add(t.elapsed().as_millis() as u64, Ordering::Relaxed);
-                println!("event=recovered gen={g} rank={rank} step={step} lost_ms={} t_ms={}", t.elapsed().as_millis(), now_ms());
+                println!(
+                    "event=recovered gen={g} rank={rank} step={step} lost_ms={} t_ms={}",
+                    t.elapsed().as_millis(),
+                    now_ms()
+                );
             }
             println!(
                 "event=step gen={g} world={world} rank={rank} step={step} ms={:.3} t_ms={}",
-                elapsed.as_secs_f64() * 1e3, now_ms()
+                elapsed.as_secs_f64() * 1e3,
+                now_ms()
             );
 
             // Commit point: report, then agree with every rank on whether to re-form here.
@@ -215,7 +240,12 @@ pub async fn run<E: ExactElement>(
             let mut flags = [u8::from(pending), u8::from(*leaving.borrow())];
             if let Err(e) = generation.comm.allreduce(&mut flags, ReduceOp::Max).await {
                 let cause = group.on_failure(g, &e).await;
-                println!("event=error gen={g} rank={rank} step={step} phase=commit kind={} cause={} t_ms={}", kind_of(&e), q(&cause.to_string()), now_ms());
+                println!(
+                    "event=error gen={g} rank={rank} step={step} phase=commit kind={} cause={} t_ms={}",
+                    kind_of(&e),
+                    q(&cause.to_string()),
+                    now_ms()
+                );
                 failed_at.get_or_insert_with(Instant::now);
                 continue 'generations;
             }

@@ -113,8 +113,10 @@ async fn allreduce_is_bit_exact_across_ranks() {
                                 let r = c.rank();
                                 let mut v: Vec<f32> = (0..1003u32)
                                     .map(|i| {
-                                        let x = ((i.wrapping_mul(2_654_435_761) ^ r.wrapping_mul(40_503)) % 100_000) as f32;
-                                        (x * 1e-3 + 0.1).powi(if i % 3 == 0 { -1 } else { 1 }) * if (i + r) % 2 == 0 { 1.0 } else { -1.7 }
+                                        let x =
+                                            ((i.wrapping_mul(2_654_435_761) ^ r.wrapping_mul(40_503)) % 100_000) as f32;
+                                        (x * 1e-3 + 0.1).powi(if i % 3 == 0 { -1 } else { 1 })
+                                            * if (i + r) % 2 == 0 { 1.0 } else { -1.7 }
                                     })
                                     .collect();
                                 // Signed zeros for min.
@@ -179,7 +181,10 @@ async fn untyped_entries_and_misaligned_buffers() {
 
 const NO_PROGRESS: Duration = Duration::from_secs(10);
 
-fn spawn_allreduce(mut c: Communicator<SimTransport>, len: usize) -> tokio::task::JoinHandle<(Result<(), CommError>, Communicator<SimTransport>, Duration)> {
+fn spawn_allreduce(
+    mut c: Communicator<SimTransport>,
+    len: usize,
+) -> tokio::task::JoinHandle<(Result<(), CommError>, Communicator<SimTransport>, Duration)> {
     tokio::spawn(async move {
         let start = Instant::now();
         let mut v = vec![1.0f32; len];

@@ -73,7 +73,12 @@ async fn every_collective_over_tcp_other_dtypes() {
         for n in [2u32, 3, 5, 8] {
             let config = CommConfig { segment_bytes: 4096, ..CommConfig::default() };
             check_world::<i64>(n, config.clone(), matrix(n, &[7, 1021], &[ReduceOp::Sum], &Algorithm::CONCRETE)).await;
-            check_world::<bf16>(n, config.clone(), matrix(n, &[131], &[ReduceOp::Max, ReduceOp::Avg], &Algorithm::CONCRETE)).await;
+            check_world::<bf16>(
+                n,
+                config.clone(),
+                matrix(n, &[131], &[ReduceOp::Max, ReduceOp::Avg], &Algorithm::CONCRETE),
+            )
+            .await;
             check_world::<u8>(n, config, matrix(n, &[1021], &[ReduceOp::Prod], &Algorithm::CONCRETE)).await;
         }
     })
@@ -86,7 +91,10 @@ async fn large_allreduce_over_tcp_with_default_segments() {
     timeout(LIMIT, async {
         for n in [2u32, 4, 7] {
             let cases = matrix(n, &[1 << 20], &[ReduceOp::Sum], &[Algorithm::Ring, Algorithm::Bcube, Algorithm::Auto]);
-            let cases: Vec<Case> = cases.into_iter().filter(|c| matches!(c.coll, common::Coll::Allreduce(_) | common::Coll::Broadcast(0))).collect();
+            let cases: Vec<Case> = cases
+                .into_iter()
+                .filter(|c| matches!(c.coll, common::Coll::Allreduce(_) | common::Coll::Broadcast(0)))
+                .collect();
             check_world::<f32>(n, CommConfig::default(), cases).await;
         }
     })

@@ -24,7 +24,19 @@ impl Drop for Ranks {
 
 fn bench(ranks: u32, algo: &str, sizes: &str) -> String {
     let mut child = Command::new(WORKER)
-        .args(["bench", "--ranks", &ranks.to_string(), "--sizes", sizes, "--iters", "3", "--warmup", "1", "--algo", algo])
+        .args([
+            "bench",
+            "--ranks",
+            &ranks.to_string(),
+            "--sizes",
+            sizes,
+            "--iters",
+            "3",
+            "--warmup",
+            "1",
+            "--algo",
+            algo,
+        ])
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -77,7 +89,20 @@ fn sigkill_mid_allreduce_fails_every_survivor_promptly_with_a_peer_error() {
     for rank in 0..N {
         let child = Command::new(WORKER)
             .args(["bench-rank", "--rank", &rank.to_string(), "--ranks", &N.to_string()])
-            .args(["--sizes", "4K,64M", "--iters", "1000", "--warmup", "0", "--algo", "ring", "--dtype", "f32", "--busy-poll", "0us"])
+            .args([
+                "--sizes",
+                "4K,64M",
+                "--iters",
+                "1000",
+                "--warmup",
+                "0",
+                "--algo",
+                "ring",
+                "--dtype",
+                "f32",
+                "--busy-poll",
+                "0us",
+            ])
             .env("COHORT_BENCH_TOKEN", "processes-test")
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
@@ -118,14 +143,19 @@ fn sigkill_mid_allreduce_fails_every_survivor_promptly_with_a_peer_error() {
     let killed_at = Instant::now();
     let mut errors = std::collections::BTreeMap::new();
     while errors.len() < N - 1 {
-        let (rank, line, at) = rx.recv_timeout(PROMPT * 2).unwrap_or_else(|_| panic!("survivors' errors so far: {errors:?}; the others hang"));
+        let (rank, line, at) = rx
+            .recv_timeout(PROMPT * 2)
+            .unwrap_or_else(|_| panic!("survivors' errors so far: {errors:?}; the others hang"));
         if let Some(e) = line.strip_prefix("error ") {
             errors.insert(rank, (e.to_string(), at.duration_since(killed_at)));
         }
     }
     for (rank, (error, after)) in &errors {
         assert_ne!(*rank, VICTIM);
-        assert!(error.contains("peer rank ") && error.contains(" failed"), "rank {rank}'s error is not PeerFailed: {error}");
+        assert!(
+            error.contains("peer rank ") && error.contains(" failed"),
+            "rank {rank}'s error is not PeerFailed: {error}"
+        );
         assert!(*after < PROMPT, "rank {rank} took {after:?} to fail: {error}");
     }
     // Survivors exit non-zero; nothing is left running.
@@ -148,7 +178,10 @@ fn sigkill_mid_allreduce_fails_every_survivor_promptly_with_a_peer_error() {
 #[test]
 fn bench_over_rdma_runs_or_fails_at_once_with_a_clear_message() {
     let started = Instant::now();
-    let out = Command::new(WORKER).args(["bench", "--ranks", "2", "--sizes", "4K,1M", "--iters", "3", "--transport", "rdma"]).output().expect("run bench");
+    let out = Command::new(WORKER)
+        .args(["bench", "--ranks", "2", "--sizes", "4K,1M", "--iters", "3", "--transport", "rdma"])
+        .output()
+        .expect("run bench");
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
     if out.status.success() {

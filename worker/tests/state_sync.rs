@@ -16,7 +16,10 @@ fn world(n: u32) -> Vec<Communicator<SimTransport>> {
 }
 
 /// Runs `sync` on every rank with the given checkpoints and states; returns what each got.
-async fn sync_all(checkpoints: Vec<Checkpoint>, states: Vec<Vec<u8>>) -> Vec<(Result<cohort::elastic::SyncOutcome, String>, Checkpoint, Vec<u8>)> {
+async fn sync_all(
+    checkpoints: Vec<Checkpoint>,
+    states: Vec<Vec<u8>>,
+) -> Vec<(Result<cohort::elastic::SyncOutcome, String>, Checkpoint, Vec<u8>)> {
     let comms = world(checkpoints.len() as u32);
     let tasks: Vec<_> = comms
         .into_iter()
@@ -63,7 +66,11 @@ async fn joiner_receives_the_newest_commit_from_the_lowest_rank_holding_it() {
     newest_a.commit(&b"step-7".to_vec(), 7);
     let newest_b = newest_a.clone();
     let joiner = Checkpoint::new();
-    let results = sync_all(vec![old, newest_a, newest_b, joiner], vec![b"step-4".to_vec(), b"step-7".to_vec(), b"step-7".to_vec(), Vec::new()]).await;
+    let results = sync_all(
+        vec![old, newest_a, newest_b, joiner],
+        vec![b"step-4".to_vec(), b"step-7".to_vec(), b"step-7".to_vec(), Vec::new()],
+    )
+    .await;
     for (rank, (r, cp, state)) in results.iter().enumerate() {
         let outcome = r.as_ref().unwrap_or_else(|e| panic!("rank {rank}: {e}"));
         assert_eq!(outcome.step, Some(7));
@@ -102,7 +109,11 @@ async fn a_member_behind_and_a_joiner_are_not_a_divergence() {
     newest.commit(&b"seven".to_vec(), 7);
     let mut behind = Checkpoint::new();
     behind.commit(&b"six".to_vec(), 6);
-    let results = sync_all(vec![behind, Checkpoint::new(), newest.clone(), newest], vec![b"six".to_vec(), Vec::new(), b"seven".to_vec(), b"seven".to_vec()]).await;
+    let results = sync_all(
+        vec![behind, Checkpoint::new(), newest.clone(), newest],
+        vec![b"six".to_vec(), Vec::new(), b"seven".to_vec(), b"seven".to_vec()],
+    )
+    .await;
     for (rank, (r, cp, state)) in results.iter().enumerate() {
         let outcome = r.as_ref().unwrap_or_else(|e| panic!("rank {rank}: {e}"));
         assert_eq!((outcome.source, outcome.step), (2, Some(7)));

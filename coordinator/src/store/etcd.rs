@@ -13,7 +13,10 @@ use std::time::Duration;
 use etcd_client::{Client, ConnectOptions, DeleteOptions, GetOptions, PutOptions, WatchOptions};
 use futures::StreamExt;
 
-use super::{check_key, ttl_seconds, Compare, KeyValue, LeaseId, Store, StoreError, Txn, TxnOp, TxnResult, WatchEvent, WatchStream};
+use super::{
+    check_key, ttl_seconds, Compare, KeyValue, LeaseId, Store, StoreError, Txn, TxnOp, TxnResult, WatchEvent,
+    WatchStream,
+};
 
 /// Deadline for establishing the connection (and for the probe `connect` makes).
 pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
@@ -88,9 +91,7 @@ fn convert_kv(kv: &etcd_client::KeyValue) -> KeyValue {
 
 /// The store revision a response was served at.
 fn header_revision(header: Option<&etcd_client::ResponseHeader>) -> Result<i64, StoreError> {
-    header
-        .map(|h| h.revision())
-        .ok_or_else(|| StoreError::Unavailable("etcd response without a header".into()))
+    header.map(|h| h.revision()).ok_or_else(|| StoreError::Unavailable("etcd response without a header".into()))
 }
 
 /// Converts one watch event. The kind is read from the key's version (a deletion resets it
@@ -187,7 +188,10 @@ impl EtcdStore {
     ///
     /// # Cancel safety
     /// Cancel safe: dropping the future drops the half-made connection.
-    pub async fn connect_with_timeout(endpoints: &[String], request_timeout: Duration) -> Result<EtcdStore, StoreError> {
+    pub async fn connect_with_timeout(
+        endpoints: &[String],
+        request_timeout: Duration,
+    ) -> Result<EtcdStore, StoreError> {
         if endpoints.is_empty() {
             return Err(StoreError::Invalid("no etcd endpoints given".into()));
         }
@@ -275,7 +279,8 @@ impl Store for EtcdStore {
     }
 
     async fn grant_lease(&self, ttl: Duration) -> Result<LeaseId, StoreError> {
-        let secs = i64::try_from(ttl_seconds(ttl)?).map_err(|_| StoreError::Invalid("lease TTL out of range".into()))?;
+        let secs =
+            i64::try_from(ttl_seconds(ttl)?).map_err(|_| StoreError::Invalid("lease TTL out of range".into()))?;
         let mut leases = self.client.lease_client();
         let resp = self.call(None, leases.grant(secs, None)).await?;
         if !resp.error().is_empty() {
@@ -334,9 +339,11 @@ impl Store for EtcdStore {
             }
         }
         tracing::debug!(prefix, from_revision, "etcd watch created");
-        let stream = futures::stream::unfold(watch, |mut watch| async move {
-            watch.next_event().await.map(|item| (item, watch))
-        });
+        let stream =
+            futures::stream::unfold(
+                watch,
+                |mut watch| async move { watch.next_event().await.map(|item| (item, watch)) },
+            );
         Ok(stream.boxed())
     }
 }
@@ -359,8 +366,14 @@ mod tests {
             map_error(status(tonic::Code::InvalidArgument, "etcdserver: duplicate key given in txn request"), None),
             StoreError::Invalid(_)
         ));
-        assert!(matches!(map_error(status(tonic::Code::Unavailable, "etcdserver: no leader"), None), StoreError::Unavailable(_)));
-        assert!(matches!(map_error(status(tonic::Code::DeadlineExceeded, "timeout"), Some(3)), StoreError::Unavailable(_)));
+        assert!(matches!(
+            map_error(status(tonic::Code::Unavailable, "etcdserver: no leader"), None),
+            StoreError::Unavailable(_)
+        ));
+        assert!(matches!(
+            map_error(status(tonic::Code::DeadlineExceeded, "timeout"), Some(3)),
+            StoreError::Unavailable(_)
+        ));
         assert!(matches!(map_error(etcd_client::Error::WatchError("closed".into()), None), StoreError::Unavailable(_)));
     }
 }

@@ -22,7 +22,10 @@ use std::time::Duration;
 use tokio::sync::{mpsc, Notify};
 use tokio::time::Instant;
 
-use super::{check_key, ttl_seconds, Compare, KeyValue, LeaseId, Store, StoreError, Txn, TxnOp, TxnResult, WatchEvent, WatchStream};
+use super::{
+    check_key, ttl_seconds, Compare, KeyValue, LeaseId, Store, StoreError, Txn, TxnOp, TxnResult, WatchEvent,
+    WatchStream,
+};
 
 /// How many events the history ring keeps by default (watches can start this far back).
 pub const DEFAULT_HISTORY_LIMIT: usize = 10_000;
@@ -282,17 +285,16 @@ impl State {
     }
 
     /// Registers a live feed for `prefix` and returns the history from `from` (inclusive).
-    fn subscribe(&mut self, prefix: &str, from: i64) -> Result<(VecDeque<WatchEvent>, mpsc::Receiver<WatchEvent>), StoreError> {
+    fn subscribe(
+        &mut self,
+        prefix: &str,
+        from: i64,
+    ) -> Result<(VecDeque<WatchEvent>, mpsc::Receiver<WatchEvent>), StoreError> {
         if from <= self.compacted_through {
             return Err(StoreError::Compacted(self.compacted_through + 1));
         }
         let start = self.history.partition_point(|ev| event_revision(ev) < from);
-        let backlog = self
-            .history
-            .range(start..)
-            .filter(|ev| event_key(ev).starts_with(prefix))
-            .cloned()
-            .collect();
+        let backlog = self.history.range(start..).filter(|ev| event_key(ev).starts_with(prefix)).cloned().collect();
         let (tx, rx) = mpsc::channel(WATCH_CHANNEL_CAPACITY);
         self.watchers.push(Watcher { prefix: prefix.to_owned(), tx });
         Ok((backlog, rx))
@@ -342,9 +344,7 @@ impl MemoryStore {
 
     /// An empty store keeping the last `limit` (at least 1) events for watches to replay.
     pub fn with_history_limit(limit: usize) -> MemoryStore {
-        MemoryStore {
-            shared: Arc::new(Shared { state: Mutex::new(State::new(limit)), wake: Arc::new(Notify::new()) }),
-        }
+        MemoryStore { shared: Arc::new(Shared { state: Mutex::new(State::new(limit)), wake: Arc::new(Notify::new()) }) }
     }
 
     /// The current store revision.

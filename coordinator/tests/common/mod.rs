@@ -15,16 +15,16 @@ use std::time::Duration;
 use tonic::transport::Channel;
 
 /// Every test body runs under this bound.
-pub const BOUND: Duration = Duration::from_secs(90);
+pub(crate) const BOUND: Duration = Duration::from_secs(90);
 
 /// Runs a test body under [`BOUND`].
-pub async fn bounded<F: std::future::Future<Output = ()>>(test: F) {
+pub(crate) async fn bounded<F: std::future::Future<Output = ()>>(test: F) {
     tokio::time::timeout(BOUND, test).await.expect("test exceeded its time bound");
 }
 
 /// Which store a test runs on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Backend {
+pub(crate) enum Backend {
     /// The embedded store.
     Memory,
     /// A private etcd started for the test.
@@ -32,7 +32,7 @@ pub enum Backend {
 }
 
 /// Short settings for tests. etcd rounds leases up to about 2 s, so its TTL is longer.
-pub fn test_settings(backend: Backend) -> JobSettings {
+pub(crate) fn test_settings(backend: Backend) -> JobSettings {
     JobSettings {
         min_workers: 1,
         max_workers: 64,
@@ -47,13 +47,13 @@ pub fn test_settings(backend: Backend) -> JobSettings {
 }
 
 /// A store (and the etcd behind it, kept alive).
-pub struct Backing {
+pub(crate) struct Backing {
     pub store: Arc<dyn Store>,
     pub etcd: Option<EtcdProcess>,
 }
 
 impl Backing {
-    pub async fn new(backend: Backend) -> Self {
+    pub(crate) async fn new(backend: Backend) -> Self {
         match backend {
             Backend::Memory => Backing { store: Arc::new(MemoryStore::new()), etcd: None },
             Backend::Etcd => {
@@ -70,7 +70,7 @@ impl Backing {
 
 /// Options of a test replica.
 #[derive(Clone)]
-pub struct Options {
+pub(crate) struct Options {
     pub settings: JobSettings,
     pub token: Option<String>,
     pub exclusion: ExclusionPolicy,
@@ -79,13 +79,19 @@ pub struct Options {
 }
 
 impl Options {
-    pub fn new(settings: JobSettings) -> Self {
-        Self { settings, token: None, exclusion: ExclusionPolicy::default(), leader_ttl: Duration::from_secs(2), name: None }
+    pub(crate) fn new(settings: JobSettings) -> Self {
+        Self {
+            settings,
+            token: None,
+            exclusion: ExclusionPolicy::default(),
+            leader_ttl: Duration::from_secs(2),
+            name: None,
+        }
     }
 }
 
 /// Starts a replica on a free loopback port.
-pub async fn replica(store: Arc<dyn Store>, options: &Options) -> ServerHandle {
+pub(crate) async fn replica(store: Arc<dyn Store>, options: &Options) -> ServerHandle {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let mut config = ServeConfig::new(store, Settings::uniform(options.settings).expect("valid settings"));
     config.token = options.token.clone();
@@ -97,7 +103,7 @@ pub async fn replica(store: Arc<dyn Store>, options: &Options) -> ServerHandle {
 }
 
 /// A gRPC client of one replica.
-pub async fn client(addr: SocketAddr) -> CoordinatorClient<Channel> {
+pub(crate) async fn client(addr: SocketAddr) -> CoordinatorClient<Channel> {
     let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
         .expect("endpoint")
         .connect_timeout(Duration::from_secs(5))
@@ -108,7 +114,7 @@ pub async fn client(addr: SocketAddr) -> CoordinatorClient<Channel> {
 }
 
 /// A join request with a plausible address.
-pub fn join_request(job: &str, worker: &str) -> pb::JoinRequest {
+pub(crate) fn join_request(job: &str, worker: &str) -> pb::JoinRequest {
     pb::JoinRequest {
         job: job.into(),
         worker_id: worker.into(),
@@ -120,7 +126,7 @@ pub fn join_request(job: &str, worker: &str) -> pb::JoinRequest {
 }
 
 /// A test worker: one incarnation, heartbeating in the background until dropped or stopped.
-pub struct Worker {
+pub(crate) struct Worker {
     pub client: CoordinatorClient<Channel>,
     pub job: String,
     pub id: String,
@@ -136,13 +142,13 @@ impl Drop for Worker {
 
 impl Worker {
     /// Joins and starts heartbeating every `interval`.
-    pub async fn join(addr: SocketAddr, job: &str, id: &str, interval: Duration) -> Worker {
+    pub(crate) async fn join(addr: SocketAddr, job: &str, id: &str, interval: Duration) -> Worker {
         Worker::join_with(addr, join_request(job, id), interval).await
     }
 
     /// Joins `n` workers `w0`, `w1`, ... to `job`, one after the other, each on a connection
     /// of its own (as separate processes are), heartbeating every `interval`.
-    pub async fn join_many(addr: SocketAddr, job: &str, n: usize, interval: Duration) -> Vec<Worker> {
+    pub(crate) async fn join_many(addr: SocketAddr, job: &str, n: usize, interval: Duration) -> Vec<Worker> {
         let mut workers = Vec::with_capacity(n);
         for i in 0..n {
             workers.push(Worker::join(addr, job, &format!("w{i}"), interval).await);
@@ -151,7 +157,7 @@ impl Worker {
     }
 
     /// Joins with `request` (its job and worker id) and starts heartbeating every `interval`.
-    pub async fn join_with(addr: SocketAddr, request: pb::JoinRequest, interval: Duration) -> Worker {
+    pub(crate) async fn join_with(addr: SocketAddr, request: pb::JoinRequest, interval: Duration) -> Worker {
         let mut client = client(addr).await;
         let (job, id) = (request.job.clone(), request.worker_id.clone());
         let response = client.join(request).await.unwrap_or_else(|s| panic!("join {id}: {s}")).into_inner();
@@ -160,7 +166,7 @@ impl Worker {
         w
     }
 
-    pub fn start_heartbeats(&mut self, interval: Duration) {
+    pub(crate) fn start_heartbeats(&mut self, interval: Duration) {
         let mut c = self.client.clone();
         let request = pb::HeartbeatRequest {
             job: self.job.clone(),
@@ -183,14 +189,14 @@ impl Worker {
         }));
     }
 
-    pub fn stop_heartbeats(&mut self) {
+    pub(crate) fn stop_heartbeats(&mut self) {
         if let Some(h) = self.heartbeat.take() {
             h.abort();
         }
     }
 
     /// One rendezvous long poll.
-    pub async fn rendezvous(&self, after: u64, wait: Duration) -> Result<pb::RendezvousResponse, tonic::Status> {
+    pub(crate) async fn rendezvous(&self, after: u64, wait: Duration) -> Result<pb::RendezvousResponse, tonic::Status> {
         let mut c = self.client.clone();
         c.rendezvous(pb::RendezvousRequest {
             job: self.job.clone(),
@@ -204,9 +210,14 @@ impl Worker {
     }
 
     /// Long polls until a generation is formed (panics on an end or an error).
-    pub async fn next_generation(&self, after: u64) -> pb::Generation {
+    pub(crate) async fn next_generation(&self, after: u64) -> pb::Generation {
         loop {
-            match self.rendezvous(after, Duration::from_secs(5)).await.unwrap_or_else(|s| panic!("rendezvous {}: {s}", self.id)).outcome {
+            match self
+                .rendezvous(after, Duration::from_secs(5))
+                .await
+                .unwrap_or_else(|s| panic!("rendezvous {}: {s}", self.id))
+                .outcome
+            {
                 Some(pb::rendezvous_response::Outcome::Formed(g)) => return g,
                 Some(pb::rendezvous_response::Outcome::Waiting(_)) => continue,
                 other => panic!("{}: unexpected rendezvous outcome {other:?}", self.id),
@@ -214,11 +225,16 @@ impl Worker {
         }
     }
 
-    pub async fn report(&self, generation: u64, failed_rank: Option<u32>, reason: &str) -> Result<pb::FailureReportResponse, tonic::Status> {
+    pub(crate) async fn report(
+        &self,
+        generation: u64,
+        failed_rank: Option<u32>,
+        reason: &str,
+    ) -> Result<pb::FailureReportResponse, tonic::Status> {
         self.report_kind(generation, failed_rank, reason, pb::failure_report::FailureKind::Unspecified).await
     }
 
-    pub async fn report_kind(
+    pub(crate) async fn report_kind(
         &self,
         generation: u64,
         failed_rank: Option<u32>,
@@ -229,7 +245,7 @@ impl Worker {
     }
 
     /// Reports a failure of `kind` carrying the reporter's progress in the failed operation.
-    pub async fn report_with(
+    pub(crate) async fn report_with(
         &self,
         generation: u64,
         failed_rank: Option<u32>,
@@ -252,7 +268,7 @@ impl Worker {
         .map(|r| r.into_inner())
     }
 
-    pub async fn watch(&self) -> tonic::Streaming<pb::JobEvent> {
+    pub(crate) async fn watch(&self) -> tonic::Streaming<pb::JobEvent> {
         let mut c = self.client.clone();
         c.watch(pb::WatchRequest { job: self.job.clone(), worker_id: self.id.clone(), incarnation: self.incarnation })
             .await
@@ -260,15 +276,20 @@ impl Worker {
             .into_inner()
     }
 
-    pub async fn leave(&self, finished: bool) -> Result<(), tonic::Status> {
+    pub(crate) async fn leave(&self, finished: bool) -> Result<(), tonic::Status> {
         let mode = if finished { pb::leave_request::Mode::Finished } else { pb::leave_request::Mode::Graceful };
         let mut c = self.client.clone();
-        c.leave(pb::LeaveRequest { job: self.job.clone(), worker_id: self.id.clone(), incarnation: self.incarnation, mode: mode as i32 })
-            .await
-            .map(|_| ())
+        c.leave(pb::LeaveRequest {
+            job: self.job.clone(),
+            worker_id: self.id.clone(),
+            incarnation: self.incarnation,
+            mode: mode as i32,
+        })
+        .await
+        .map(|_| ())
     }
 
-    pub async fn commit(&self, generation: u64, step: u64) -> Result<pb::CommitResponse, tonic::Status> {
+    pub(crate) async fn commit(&self, generation: u64, step: u64) -> Result<pb::CommitResponse, tonic::Status> {
         let mut c = self.client.clone();
         c.commit(pb::CommitRequest {
             job: self.job.clone(),
@@ -284,13 +305,13 @@ impl Worker {
 }
 
 /// Forms the first generation of `workers` (all rendezvous concurrently).
-pub async fn form_all(workers: &[Worker], after: u64) -> Vec<pb::Generation> {
+pub(crate) async fn form_all(workers: &[Worker], after: u64) -> Vec<pb::Generation> {
     let polls = workers.iter().map(|w| w.next_generation(after));
     futures::future::join_all(polls).await
 }
 
 /// The next event of a watch stream, bounded.
-pub async fn next_event(stream: &mut tonic::Streaming<pb::JobEvent>) -> pb::job_event::Event {
+pub(crate) async fn next_event(stream: &mut tonic::Streaming<pb::JobEvent>) -> pb::job_event::Event {
     let message = tokio::time::timeout(Duration::from_secs(20), stream.message())
         .await
         .expect("no watch event within 20 s")
@@ -300,7 +321,10 @@ pub async fn next_event(stream: &mut tonic::Streaming<pb::JobEvent>) -> pb::job_
 }
 
 /// Reads events until one matches `pick`, bounded.
-pub async fn wait_event<T>(stream: &mut tonic::Streaming<pb::JobEvent>, mut pick: impl FnMut(&pb::job_event::Event) -> Option<T>) -> T {
+pub(crate) async fn wait_event<T>(
+    stream: &mut tonic::Streaming<pb::JobEvent>,
+    mut pick: impl FnMut(&pb::job_event::Event) -> Option<T>,
+) -> T {
     loop {
         let e = next_event(stream).await;
         if let Some(t) = pick(&e) {
@@ -309,6 +333,6 @@ pub async fn wait_event<T>(stream: &mut tonic::Streaming<pb::JobEvent>, mut pick
     }
 }
 
-pub async fn status(addr: SocketAddr, job: &str) -> pb::StatusResponse {
+pub(crate) async fn status(addr: SocketAddr, job: &str) -> pb::StatusResponse {
     client(addr).await.status(pb::StatusRequest { job: job.into() }).await.expect("status").into_inner()
 }

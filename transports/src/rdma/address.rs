@@ -353,7 +353,11 @@ impl RdmaAddress {
             return Err(bad("ring", ring_text, "null address"));
         }
         if len == 0 || len % slot_bytes != 0 {
-            return Err(bad("ring", ring_text, format!("length is not a positive multiple of the slot size {slot_bytes}")));
+            return Err(bad(
+                "ring",
+                ring_text,
+                format!("length is not a positive multiple of the slot size {slot_bytes}"),
+            ));
         }
         if len / slot_bytes > MAX_SLOTS {
             return Err(bad("ring", ring_text, format!("more than {MAX_SLOTS} slots")));

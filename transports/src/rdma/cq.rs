@@ -149,7 +149,8 @@ impl CompletionQueue {
     /// Cancel safe: an event is consumed only after readiness, synchronously.
     pub async fn wait(&self) -> Result<(), TransportError> {
         loop {
-            let mut guard = self.fd.readable().await.map_err(|e| TransportError::Io(format!("completion channel: {e}")))?;
+            let mut guard =
+                self.fd.readable().await.map_err(|e| TransportError::Io(format!("completion channel: {e}")))?;
             let mut ev_cq: *mut ffi::ibv_cq = std::ptr::null_mut();
             let mut ev_ctx: *mut std::ffi::c_void = std::ptr::null_mut();
             // SAFETY: valid channel (non-blocking) and out-pointers.

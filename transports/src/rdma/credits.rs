@@ -384,7 +384,8 @@ mod tests {
             let mut w = SendWindow::new(slots);
             let mut r = RecvRing::new(slots, threshold);
             // Messages to send: (id, length).
-            let msgs: Vec<(u32, u64)> = (0..rng.random_range(1..20u32)).map(|i| (i, rng.random_range(0..64u64))).collect();
+            let msgs: Vec<(u32, u64)> =
+                (0..rng.random_range(1..20u32)).map(|i| (i, rng.random_range(0..64u64))).collect();
             let mut to_send: VecDeque<(u32, u64, u32)> = VecDeque::new();
             for &(id, len) in &msgs {
                 for (off, l) in segments(len, slot_bytes) {

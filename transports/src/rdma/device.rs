@@ -181,15 +181,19 @@ impl Device {
 
     fn open_one(dev: *mut ffi::ibv_device, name: &str, config: &DeviceConfig) -> Result<Self, TransportError> {
         // SAFETY: `dev` is a valid device of a live list.
-        let ctx = NonNull::new(unsafe { ffi::ibv_open_device(dev) })
-            .ok_or_else(|| TransportError::Io(format!("ibv_open_device({name}) failed: {}", std::io::Error::last_os_error())))?;
+        let ctx = NonNull::new(unsafe { ffi::ibv_open_device(dev) }).ok_or_else(|| {
+            TransportError::Io(format!("ibv_open_device({name}) failed: {}", std::io::Error::last_os_error()))
+        })?;
         let ctx = Ctx(ctx);
         // SAFETY: plain old data, zero is valid.
         let mut dattr: ffi::ibv_device_attr = unsafe { std::mem::zeroed() };
         // SAFETY: open context and valid out-pointer.
         let rc = unsafe { ffi::ibv_query_device(ctx.0.as_ptr(), &mut dattr) };
         if rc != 0 {
-            return Err(TransportError::Io(format!("ibv_query_device({name}) failed: {}", std::io::Error::from_raw_os_error(rc.abs()))));
+            return Err(TransportError::Io(format!(
+                "ibv_query_device({name}) failed: {}",
+                std::io::Error::from_raw_os_error(rc.abs())
+            )));
         }
         let ports: Vec<u8> = match config.port {
             Some(p) => vec![p],
@@ -218,7 +222,8 @@ impl Device {
                     (0..table).filter_map(|i| query_gid(ctx.0.as_ptr(), port, i).map(|g| (i, g))).collect();
                 let v4 = gids.iter().find(|(_, g)| g[..10].iter().all(|b| *b == 0) && g[10] == 0xff && g[11] == 0xff);
                 let any = gids.iter().find(|(_, g)| g.iter().any(|b| *b != 0));
-                let (i, _) = v4.or(any).ok_or_else(|| TransportError::Io(format!("{name} port {port}: no usable RoCE GID")))?;
+                let (i, _) =
+                    v4.or(any).ok_or_else(|| TransportError::Io(format!("{name} port {port}: no usable RoCE GID")))?;
                 // i < GID_SCAN = 16, fits in u8.
                 *i as u8
             }
@@ -227,16 +232,28 @@ impl Device {
         let gid = query_gid(ctx.0.as_ptr(), port, i32::from(gid_index))
             .ok_or_else(|| TransportError::Io(format!("{name} port {port}: GID index {gid_index} cannot be read")))?;
         if ethernet && gid.iter().all(|b| *b == 0) {
-            return Err(TransportError::Io(format!("{name} port {port}: GID index {gid_index} is empty (RoCE needs a GID)")));
+            return Err(TransportError::Io(format!(
+                "{name} port {port}: GID index {gid_index} is empty (RoCE needs a GID)"
+            )));
         }
-        let mtu = Mtu::from_verbs(pattr.active_mtu)
-            .ok_or_else(|| TransportError::Io(format!("{name} port {port}: unknown active MTU value {}", pattr.active_mtu)))?;
+        let mtu = Mtu::from_verbs(pattr.active_mtu).ok_or_else(|| {
+            TransportError::Io(format!("{name} port {port}: unknown active MTU value {}", pattr.active_mtu))
+        })?;
         // SAFETY: open context.
-        let pd = NonNull::new(unsafe { ffi::ibv_alloc_pd(ctx.0.as_ptr()) })
-            .ok_or_else(|| TransportError::Io(format!("ibv_alloc_pd({name}) failed: {}", std::io::Error::last_os_error())))?;
+        let pd = NonNull::new(unsafe { ffi::ibv_alloc_pd(ctx.0.as_ptr()) }).ok_or_else(|| {
+            TransportError::Io(format!("ibv_alloc_pd({name}) failed: {}", std::io::Error::last_os_error()))
+        })?;
         let ctx_ptr = ctx.0;
         std::mem::forget(ctx);
-        tracing::info!(device = name, port, gid_index, lid = pattr.lid, mtu = mtu.bytes(), ethernet, "opened RDMA device");
+        tracing::info!(
+            device = name,
+            port,
+            gid_index,
+            lid = pattr.lid,
+            mtu = mtu.bytes(),
+            ethernet,
+            "opened RDMA device"
+        );
         Ok(Self {
             ctx: ctx_ptr,
             pd,

@@ -55,8 +55,8 @@
 //! context go last, with the endpoint.
 
 pub mod address;
-pub mod credits;
 pub mod cq;
+pub mod credits;
 pub mod device;
 pub mod memory;
 pub mod qp;
@@ -181,7 +181,12 @@ impl std::fmt::Debug for RdmaEndpoint {
 fn check_options(o: &RdmaOptions) -> Result<(), TransportError> {
     let bad = |m: String| Err(TransportError::InvalidArgument(m));
     if !(address::MIN_SLOT_BYTES..=address::MAX_SLOT_BYTES).contains(&o.slot_bytes) {
-        return bad(format!("slot_bytes {} outside {}..={}", o.slot_bytes, address::MIN_SLOT_BYTES, address::MAX_SLOT_BYTES));
+        return bad(format!(
+            "slot_bytes {} outside {}..={}",
+            o.slot_bytes,
+            address::MIN_SLOT_BYTES,
+            address::MAX_SLOT_BYTES
+        ));
     }
     if o.slots == 0 || o.slots > address::MAX_SLOTS {
         return bad(format!("slots {} outside 1..={}", o.slots, address::MAX_SLOTS));
@@ -217,10 +222,11 @@ impl RdmaEndpoint {
     pub async fn open(options: RdmaOptions) -> Result<Self, TransportError> {
         check_options(&options)?;
         let device = Arc::new(Device::open(&options.device)?);
-        let listener = TcpListener::bind(options.bootstrap_bind)
-            .await
-            .map_err(|e| TransportError::Io(format!("binding the rdma bootstrap listener on {}: {e}", options.bootstrap_bind)))?;
-        let local = listener.local_addr().map_err(|e| TransportError::Io(format!("bootstrap listener address: {e}")))?;
+        let listener = TcpListener::bind(options.bootstrap_bind).await.map_err(|e| {
+            TransportError::Io(format!("binding the rdma bootstrap listener on {}: {e}", options.bootstrap_bind))
+        })?;
+        let local =
+            listener.local_addr().map_err(|e| TransportError::Io(format!("bootstrap listener address: {e}")))?;
         let bootstrap = bootstrap_address(options.advertise, local)?;
         let address = EndpointAddress { lid: device.lid(), gid: device.gid(), mtu: device.mtu(), bootstrap };
         let pool = BufferPool::new(device.clone(), options.max_cached_bytes);
@@ -255,7 +261,8 @@ impl RdmaEndpoint {
     }
 
     async fn connect_inner(&self, spec: RdmaMeshSpec) -> Result<RdmaTransport, TransportError> {
-        let world = u32::try_from(spec.peers.len()).map_err(|_| TransportError::InvalidArgument("too many peers".into()))?;
+        let world =
+            u32::try_from(spec.peers.len()).map_err(|_| TransportError::InvalidArgument("too many peers".into()))?;
         if spec.rank >= world {
             return Err(TransportError::InvalidArgument(format!("rank {} outside a world of {world}", spec.rank)));
         }
@@ -266,7 +273,8 @@ impl RdmaEndpoint {
         // Per QP: sends = data writes (peer's slots, assumed like ours) + credit sends.
         let send_wr = 2 * o.slots + 8;
         let recv_wr = 2 * o.slots + 8;
-        let cq_entries = i32::try_from(u64::from(peers_n.max(1)) * u64::from(send_wr + recv_wr) + 64).unwrap_or(i32::MAX);
+        let cq_entries =
+            i32::try_from(u64::from(peers_n.max(1)) * u64::from(send_wr + recv_wr) + 64).unwrap_or(i32::MAX);
         let cq = Arc::new(CompletionQueue::new(&self.device, cq_entries)?);
         let mut pairs: Vec<Option<PairSetup>> = Vec::with_capacity(world as usize);
         let mut rings: Vec<Option<PooledBuffer>> = Vec::with_capacity(world as usize);
@@ -282,7 +290,8 @@ impl RdmaEndpoint {
                 qp.post_recv(WR_RECV)?;
             }
             let mut psn_bytes = [0u8; 4];
-            getrandom::fill(&mut psn_bytes).map_err(|e| TransportError::Io(format!("no randomness for the PSN: {e}")))?;
+            getrandom::fill(&mut psn_bytes)
+                .map_err(|e| TransportError::Io(format!("no randomness for the PSN: {e}")))?;
             let local = RdmaAddress {
                 lid: self.device.lid(),
                 gid: self.device.gid(),
@@ -354,7 +363,8 @@ impl RdmaEndpoint {
             abort: Mutex::new(None),
             aborted: AtomicBool::new(false),
         });
-        let span = tracing::info_span!("rdma_progress", job = %spec.job, generation = spec.generation, rank = spec.rank);
+        let span =
+            tracing::info_span!("rdma_progress", job = %spec.job, generation = spec.generation, rank = spec.rank);
         let engine = tokio::spawn(progress(inner.clone(), stop_rx, o.busy_poll).instrument(span));
         tracing::info!(world, "rdma mesh connected");
         Ok(RdmaTransport { inner, stop: stop_tx, engine })
@@ -377,7 +387,9 @@ impl RdmaEndpoint {
         let mut notes: Vec<String> = Vec::new();
         let listener = match tokio::time::timeout_at(deadline, self.listener.lock()).await {
             Ok(l) => l,
-            Err(_) => return Err(TransportError::Io("another connect_mesh held the endpoint past the deadline".into())),
+            Err(_) => {
+                return Err(TransportError::Io("another connect_mesh held the endpoint past the deadline".into()))
+            }
         };
         while missing > 0 {
             tokio::select! {
@@ -574,7 +586,8 @@ impl Peer {
             entry.signature = h.tag.signature;
             entry.reasm = Reassembly::new(h.total);
         } else if entry.signature != h.tag.signature || entry.reasm.total() != h.total {
-            let d = format!("segment of seq {} step {} changes the message's signature or length", h.tag.seq, h.tag.step);
+            let d =
+                format!("segment of seq {} step {} changes the message's signature or length", h.tag.seq, h.tag.step);
             self.protocol(st, d);
             return;
         }
@@ -645,9 +658,9 @@ impl Inner {
         if peer >= self.world {
             return Err(TransportError::InvalidArgument(format!("peer {peer} outside a world of {}", self.world)));
         }
-        self.peers[peer as usize]
-            .as_ref()
-            .ok_or_else(|| TransportError::InvalidArgument(format!("rank {peer} cannot send to or receive from itself")))
+        self.peers[peer as usize].as_ref().ok_or_else(|| {
+            TransportError::InvalidArgument(format!("rank {peer} cannot send to or receive from itself"))
+        })
     }
 
     /// Aborted, or the link broken: the error to return.
@@ -692,7 +705,10 @@ impl Inner {
                         }
                     }
                     (opc, imm) => {
-                        peer.protocol(&mut st, format!("unexpected receive completion (opcode {opc}, immediate {imm:?})"));
+                        peer.protocol(
+                            &mut st,
+                            format!("unexpected receive completion (opcode {opc}, immediate {imm:?})"),
+                        );
                     }
                 }
             }
@@ -1040,7 +1056,8 @@ impl Transport for RdmaTransport {
     }
 
     fn is_aborted(&self) -> bool {
-        self.inner.aborted.load(Ordering::Acquire) || self.inner.peers.iter().flatten().any(|p| p.lock().broken.is_some())
+        self.inner.aborted.load(Ordering::Acquire)
+            || self.inner.peers.iter().flatten().any(|p| p.lock().broken.is_some())
     }
 }
 

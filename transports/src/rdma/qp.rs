@@ -167,7 +167,12 @@ fn verr(what: &str, rc: i32) -> TransportError {
 impl QueuePair {
     /// Creates an RC QP on `cq` (send and receive) with room for `send_wr` and `recv_wr`
     /// work requests and moves it to `INIT` with remote-write access.
-    pub fn new(device: &Arc<Device>, cq: &Arc<CompletionQueue>, send_wr: u32, recv_wr: u32) -> Result<Self, TransportError> {
+    pub fn new(
+        device: &Arc<Device>,
+        cq: &Arc<CompletionQueue>,
+        send_wr: u32,
+        recv_wr: u32,
+    ) -> Result<Self, TransportError> {
         let max = u32::try_from(device.max_qp_wr().max(1)).unwrap_or(1);
         // SAFETY: plain old data; zero is valid.
         let mut init: ffi::ibv_qp_init_attr = unsafe { std::mem::zeroed() };
@@ -187,7 +192,8 @@ impl QueuePair {
         let mut attr: ffi::ibv_qp_attr = unsafe { std::mem::zeroed() };
         attr.pkey_index = 0;
         attr.port_num = device.port();
-        attr.qp_access_flags = ffi::ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0 | ffi::ibv_access_flags::IBV_ACCESS_LOCAL_WRITE.0;
+        attr.qp_access_flags =
+            ffi::ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0 | ffi::ibv_access_flags::IBV_ACCESS_LOCAL_WRITE.0;
         this.modify(QpState::Init, &mut attr)?;
         Ok(this)
     }

@@ -151,7 +151,11 @@ async fn finish_pair(
     hello_a: &[u8],
 ) -> Result<RdmaAddress, TransportError> {
     let hs_err = |detail: String| TransportError::Handshake { peer, detail };
-    let pair = ctx.pairs.get(peer as usize).and_then(Option::as_ref).ok_or_else(|| hs_err("no queue pair for this rank".into()))?;
+    let pair = ctx
+        .pairs
+        .get(peer as usize)
+        .and_then(Option::as_ref)
+        .ok_or_else(|| hs_err("no queue pair for this rank".into()))?;
     let ours = encode_qpinfo(&ctx.token, dialer, hello_d, hello_a, &pair.local);
     timed(ctx.deadline, s.write_all(&ours)).await.map_err(hs_err)?;
     let (text, mac) = read_qpinfo(s, ctx.deadline).await.map_err(hs_err)?;
@@ -207,7 +211,9 @@ pub(crate) async fn dial(ctx: Arc<MeshCtx>, peer: Rank, addr: SocketAddr) -> Res
                 verdict = Verdict::AuthFailed;
             }
             let ours = hs::proof(&ctx.token, true, &hello_d, &hello_a).unwrap_or([0; 32]);
-            hs::write_all(&mut s, &hs::encode_proof(verdict, &ours), ctx.deadline).await.map_err(|e| (true, io_note(e)))?;
+            hs::write_all(&mut s, &hs::encode_proof(verdict, &ours), ctx.deadline)
+                .await
+                .map_err(|e| (true, io_note(e)))?;
             if verdict != Verdict::Ok {
                 return Err((false, verdict.describe(&hello, &theirs)));
             }
@@ -233,7 +239,11 @@ pub(crate) async fn dial(ctx: Arc<MeshCtx>, peer: Rank, addr: SocketAddr) -> Res
 }
 
 /// Serves one accepted connection from a higher rank.
-pub(crate) async fn accept_one(ctx: Arc<MeshCtx>, mut s: TcpStream, from: SocketAddr) -> Result<Outcome, TransportError> {
+pub(crate) async fn accept_one(
+    ctx: Arc<MeshCtx>,
+    mut s: TcpStream,
+    from: SocketAddr,
+) -> Result<Outcome, TransportError> {
     let _ = s.set_nodelay(true);
     let refuse_note = |why: String| Outcome::Refused(format!("connection from {from}: {why}"));
     let hello_deadline = (Instant::now() + HELLO_WAIT).min(ctx.deadline);
@@ -251,7 +261,13 @@ pub(crate) async fn accept_one(ctx: Arc<MeshCtx>, mut s: TcpStream, from: Socket
     }
     if verdict != Verdict::Ok {
         let retriable = verdict == Verdict::GenerationMismatch && theirs.generation > ctx.generation;
-        let r = Refusal { code: verdict, retriable, ours: ctx.generation, theirs: theirs.generation, text: verdict.describe(&ours, &theirs) };
+        let r = Refusal {
+            code: verdict,
+            retriable,
+            ours: ctx.generation,
+            theirs: theirs.generation,
+            text: verdict.describe(&ours, &theirs),
+        };
         let _ = hs::write_all(&mut s, &r.encode(), hello_deadline).await;
         return Ok(refuse_note(r.text));
     }
@@ -346,7 +362,10 @@ mod tests {
     }
 
     /// Runs one dial against one accepted connection on loopback.
-    async fn pair_up(dialer: Arc<MeshCtx>, acceptor: Arc<MeshCtx>) -> (Result<Outcome, TransportError>, Result<Outcome, TransportError>) {
+    async fn pair_up(
+        dialer: Arc<MeshCtx>,
+        acceptor: Arc<MeshCtx>,
+    ) -> (Result<Outcome, TransportError>, Result<Outcome, TransportError>) {
         let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = l.local_addr().unwrap();
         let acc = tokio::spawn(async move {
@@ -362,7 +381,9 @@ mod tests {
         let run = pair_up(ctx(1, 4, b"good"), ctx(0, 4, b"evil"));
         let (d, a) = tokio::time::timeout(Duration::from_secs(10), run).await.unwrap();
         match d {
-            Err(TransportError::Handshake { peer: 0, detail }) => assert!(detail.contains("authentication failed"), "{detail}"),
+            Err(TransportError::Handshake { peer: 0, detail }) => {
+                assert!(detail.contains("authentication failed"), "{detail}")
+            }
             other => panic!("dialer: {:?}", other.map(|_| ())),
         }
         match a {
@@ -390,7 +411,11 @@ mod tests {
         // (this machine has no device): a typed error, no panic, no hang.
         let run = pair_up(ctx(1, 4, b"tok"), ctx(0, 4, b"tok"));
         let (d, a) = tokio::time::timeout(Duration::from_secs(10), run).await.unwrap();
-        assert!(matches!(d, Err(TransportError::Handshake { peer: 0, ref detail }) if detail.contains("no queue pair")), "{:?}", d.map(|_| ()));
+        assert!(
+            matches!(d, Err(TransportError::Handshake { peer: 0, ref detail }) if detail.contains("no queue pair")),
+            "{:?}",
+            d.map(|_| ())
+        );
         assert!(matches!(a, Err(TransportError::Handshake { peer: 1, .. })), "{:?}", a.map(|_| ()));
     }
 }

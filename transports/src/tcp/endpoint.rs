@@ -40,7 +40,7 @@ pub(crate) struct Notes {
 
 impl Notes {
     /// Records a problem seen with a connection claiming to come from `rank`.
-    pub fn record(&mut self, world: u32, rank: Rank, note: String) {
+    pub(super) fn record(&mut self, world: u32, rank: Rank, note: String) {
         if rank < world {
             self.by_rank.insert(rank, note);
         } else {
@@ -49,12 +49,12 @@ impl Notes {
     }
 
     /// The last problem seen with `rank`, if any.
-    pub fn for_rank(&self, rank: Rank) -> Option<&str> {
+    pub(super) fn for_rank(&self, rank: Rank) -> Option<&str> {
         self.by_rank.get(&rank).map(String::as_str)
     }
 
     /// The last problem with a connection that claimed no valid rank.
-    pub fn other(&self) -> Option<&str> {
+    pub(super) fn other(&self) -> Option<&str> {
         self.other.as_deref()
     }
 }
@@ -106,7 +106,7 @@ impl Drop for Registration {
 
 impl Router {
     /// Registers a mesh set-up for (job, generation) and hands it any held connections.
-    pub fn register(
+    pub(super) fn register(
         self: &Arc<Self>,
         job: &str,
         generation: u64,
@@ -131,10 +131,7 @@ impl Router {
             }
         }
         st.waiters.insert(key.clone(), Waiter { tx, notes, world });
-        Ok(Registration {
-            router: Arc::clone(self),
-            key,
-        })
+        Ok(Registration { router: Arc::clone(self), key })
     }
 
     /// Notes a refused connection on every mesh set-up of `job` (or of any job if none).
@@ -149,29 +146,17 @@ impl Router {
 
     /// The newest generation being formed for `job`, if any.
     fn newest_for(st: &RouterState, job: &str) -> Option<u64> {
-        st.waiters
-            .keys()
-            .filter(|(j, _)| j == job)
-            .map(|(_, g)| *g)
-            .max()
+        st.waiters.keys().filter(|(j, _)| j == job).map(|(_, g)| *g).max()
     }
 }
 
 /// Binds the listening socket with the buffer sizes set before `listen`, so that accepted
 /// sockets inherit them.
-pub(crate) fn bind_listener(
-    addr: SocketAddr,
-    options: &TcpOptions,
-) -> Result<TcpListener, TransportError> {
+pub(crate) fn bind_listener(addr: SocketAddr, options: &TcpOptions) -> Result<TcpListener, TransportError> {
     let io = |what: &str, e: std::io::Error| TransportError::Io(format!("{what} {addr}: {e}"));
-    let sock = if addr.is_ipv4() {
-        TcpSocket::new_v4()
-    } else {
-        TcpSocket::new_v6()
-    }
-    .map_err(|e| io("socket for", e))?;
-    sock.set_reuseaddr(true)
-        .map_err(|e| io("SO_REUSEADDR on", e))?;
+    let sock =
+        if addr.is_ipv4() { TcpSocket::new_v4() } else { TcpSocket::new_v6() }.map_err(|e| io("socket for", e))?;
+    sock.set_reuseaddr(true).map_err(|e| io("SO_REUSEADDR on", e))?;
     options.apply_buffers(&socket2::SockRef::from(&sock))?;
     sock.bind(addr).map_err(|e| io("binding", e))?;
     sock.listen(1024).map_err(|e| io("listening on", e))
@@ -234,17 +219,7 @@ async fn route(mut stream: TcpStream, addr: SocketAddr, router: Arc<Router>, opt
         }
     };
     match decide(&router, &hello, addr) {
-        Decision::Deliver(tx) => {
-            deliver(
-                tx,
-                Incoming {
-                    stream,
-                    hello,
-                    addr,
-                },
-            )
-            .await
-        }
+        Decision::Deliver(tx) => deliver(tx, Incoming { stream, hello, addr }).await,
         Decision::Refuse(r) => refuse(&mut stream, r).await,
         Decision::Hold(id, claim) => hold(stream, hello, addr, router, id, claim).await,
     }
@@ -270,10 +245,7 @@ fn decide(router: &Router, hello: &Hello, addr: SocketAddr) -> Decision {
                 hello.generation, hello.sender
             );
             Router::note(&st, &hello.job, hello.sender, &note);
-            let text = format!(
-                "this endpoint forms generation {newest} of job {:?}",
-                hello.job
-            );
+            let text = format!("this endpoint forms generation {newest} of job {:?}", hello.job);
             return Decision::Refuse(Refusal {
                 code: Verdict::StaleGeneration,
                 retriable: false,
@@ -285,23 +257,12 @@ fn decide(router: &Router, hello: &Hello, addr: SocketAddr) -> Decision {
     }
     if st.pending.len() >= MAX_PENDING {
         let text = "too many connections wait for a mesh set-up on this endpoint".to_owned();
-        return Decision::Refuse(Refusal {
-            code: Verdict::Busy,
-            retriable: true,
-            ours: 0,
-            theirs: 0,
-            text,
-        });
+        return Decision::Refuse(Refusal { code: Verdict::Busy, retriable: true, ours: 0, theirs: 0, text });
     }
     let (claim_tx, claim_rx) = oneshot::channel();
     let id = st.next_id;
     st.next_id += 1;
-    st.pending.push(Pending {
-        id,
-        job: hello.job.clone(),
-        generation: hello.generation,
-        claim: claim_tx,
-    });
+    st.pending.push(Pending { id, job: hello.job.clone(), generation: hello.generation, claim: claim_tx });
     Decision::Hold(id, claim_rx)
 }
 
@@ -315,28 +276,12 @@ async fn hold(
     mut claim: oneshot::Receiver<mpsc::Sender<Incoming>>,
 ) {
     if let Ok(Ok(tx)) = tokio::time::timeout(PENDING_HOLD, &mut claim).await {
-        deliver(
-            tx,
-            Incoming {
-                stream,
-                hello,
-                addr,
-            },
-        )
-        .await;
+        deliver(tx, Incoming { stream, hello, addr }).await;
         return;
     }
     let refusal = match unclaimed(&router, &hello, addr, id, &mut claim) {
         Ok(tx) => {
-            deliver(
-                tx,
-                Incoming {
-                    stream,
-                    hello,
-                    addr,
-                },
-            )
-            .await;
+            deliver(tx, Incoming { stream, hello, addr }).await;
             return;
         }
         Err(r) => r,
@@ -350,19 +295,8 @@ async fn deliver(tx: mpsc::Sender<Incoming>, incoming: Incoming) {
         let mut inc = match e {
             mpsc::error::TrySendError::Full(i) | mpsc::error::TrySendError::Closed(i) => i,
         };
-        let text =
-            "the mesh set-up for this job and generation is not taking connections".to_owned();
-        refuse(
-            &mut inc.stream,
-            Refusal {
-                code: Verdict::Busy,
-                retriable: true,
-                ours: 0,
-                theirs: 0,
-                text,
-            },
-        )
-        .await;
+        let text = "the mesh set-up for this job and generation is not taking connections".to_owned();
+        refuse(&mut inc.stream, Refusal { code: Verdict::Busy, retriable: true, ours: 0, theirs: 0, text }).await;
     }
 }
 
@@ -388,17 +322,8 @@ fn unclaimed(
                 hello.generation, hello.sender
             );
             Router::note(&st, &hello.job, hello.sender, &note);
-            let text = format!(
-                "this endpoint forms generation {newest} of job {:?}",
-                hello.job
-            );
-            Refusal {
-                code: Verdict::GenerationMismatch,
-                retriable: true,
-                ours: newest,
-                theirs: hello.generation,
-                text,
-            }
+            let text = format!("this endpoint forms generation {newest} of job {:?}", hello.job);
+            Refusal { code: Verdict::GenerationMismatch, retriable: true, ours: newest, theirs: hello.generation, text }
         }
         None if !st.waiters.is_empty() => {
             let jobs: Vec<&str> = st.waiters.keys().map(|(j, _)| j.as_str()).collect();
@@ -407,30 +332,15 @@ fn unclaimed(
                 hello.sender, hello.job
             );
             Router::note(&st, &hello.job, hello.sender, &note);
-            let text = format!(
-                "job mismatch: this endpoint forms meshes for jobs {jobs:?}, not {:?}",
-                hello.job
-            );
-            Refusal {
-                code: Verdict::JobMismatch,
-                retriable: true,
-                ours: 0,
-                theirs: 0,
-                text,
-            }
+            let text = format!("job mismatch: this endpoint forms meshes for jobs {jobs:?}, not {:?}", hello.job);
+            Refusal { code: Verdict::JobMismatch, retriable: true, ours: 0, theirs: 0, text }
         }
         None => {
             let text = format!(
                 "no mesh for job {:?} generation {} is being set up on this endpoint",
                 hello.job, hello.generation
             );
-            Refusal {
-                code: Verdict::NotReady,
-                retriable: true,
-                ours: 0,
-                theirs: 0,
-                text,
-            }
+            Refusal { code: Verdict::NotReady, retriable: true, ours: 0, theirs: 0, text }
         }
     })
 }

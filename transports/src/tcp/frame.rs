@@ -92,11 +92,7 @@ impl FrameHeader {
     }
 
     /// Decodes and validates a header against the link's generation and maximum length.
-    pub fn decode(
-        b: &[u8; HEADER_LEN],
-        generation: u64,
-        max_frame: u64,
-    ) -> Result<Self, FrameError> {
+    pub fn decode(b: &[u8; HEADER_LEN], generation: u64, max_frame: u64) -> Result<Self, FrameError> {
         let magic = u32_at(b, 0);
         if magic != FRAME_MAGIC {
             return Err(FrameError::BadMagic(magic));
@@ -114,28 +110,14 @@ impl FrameHeader {
         }
         let theirs = u64_at(b, 8);
         if theirs != generation {
-            return Err(FrameError::Generation {
-                ours: generation,
-                theirs,
-            });
+            return Err(FrameError::Generation { ours: generation, theirs });
         }
         let len = u64_at(b, 32);
         if len > max_frame {
-            return Err(FrameError::TooLong {
-                len,
-                max: max_frame,
-            });
+            return Err(FrameError::TooLong { len, max: max_frame });
         }
-        let tag = Tag {
-            seq: u32_at(b, 16),
-            step: u32_at(b, 20),
-            signature: u32_at(b, 24),
-        };
-        Ok(Self {
-            generation: theirs,
-            tag,
-            len,
-        })
+        let tag = Tag { seq: u32_at(b, 16), step: u32_at(b, 20), signature: u32_at(b, 24) };
+        Ok(Self { generation: theirs, tag, len })
     }
 }
 
@@ -159,11 +141,7 @@ mod tests {
     use super::*;
 
     fn hdr() -> FrameHeader {
-        FrameHeader {
-            generation: 7,
-            tag: Tag::new(3, 9, 0xdead_beef),
-            len: 4093,
-        }
+        FrameHeader { generation: 7, tag: Tag::new(3, 9, 0xdead_beef), len: 4093 }
     }
 
     #[test]
@@ -178,45 +156,21 @@ mod tests {
         let good = hdr().encode();
         let mut b = good;
         b[0] ^= 1;
-        assert!(matches!(
-            FrameHeader::decode(&b, 7, 1 << 20),
-            Err(FrameError::BadMagic(_))
-        ));
+        assert!(matches!(FrameHeader::decode(&b, 7, 1 << 20), Err(FrameError::BadMagic(_))));
         let mut b = good;
         b[4] = 2;
-        assert_eq!(
-            FrameHeader::decode(&b, 7, 1 << 20),
-            Err(FrameError::BadVersion(2))
-        );
+        assert_eq!(FrameHeader::decode(&b, 7, 1 << 20), Err(FrameError::BadVersion(2)));
         let mut b = good;
         b[5] = 9;
-        assert_eq!(
-            FrameHeader::decode(&b, 7, 1 << 20),
-            Err(FrameError::BadKind(9))
-        );
+        assert_eq!(FrameHeader::decode(&b, 7, 1 << 20), Err(FrameError::BadKind(9)));
         let mut b = good;
         b[7] = 1;
-        assert!(matches!(
-            FrameHeader::decode(&b, 7, 1 << 20),
-            Err(FrameError::Reserved { .. })
-        ));
+        assert!(matches!(FrameHeader::decode(&b, 7, 1 << 20), Err(FrameError::Reserved { .. })));
         let mut b = good;
         b[30] = 1;
-        assert!(matches!(
-            FrameHeader::decode(&b, 7, 1 << 20),
-            Err(FrameError::Reserved { .. })
-        ));
-        assert_eq!(
-            FrameHeader::decode(&good, 8, 1 << 20),
-            Err(FrameError::Generation { ours: 8, theirs: 7 })
-        );
-        assert_eq!(
-            FrameHeader::decode(&good, 7, 4092),
-            Err(FrameError::TooLong {
-                len: 4093,
-                max: 4092
-            })
-        );
+        assert!(matches!(FrameHeader::decode(&b, 7, 1 << 20), Err(FrameError::Reserved { .. })));
+        assert_eq!(FrameHeader::decode(&good, 8, 1 << 20), Err(FrameError::Generation { ours: 8, theirs: 7 }));
+        assert_eq!(FrameHeader::decode(&good, 7, 4092), Err(FrameError::TooLong { len: 4093, max: 4092 }));
         assert!(FrameHeader::decode(&good, 7, 4093).is_ok());
     }
 

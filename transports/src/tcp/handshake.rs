@@ -158,24 +158,10 @@ pub struct Hello {
 
 impl Hello {
     /// A hello with a fresh random nonce.
-    pub fn new(
-        job: &str,
-        generation: u64,
-        sender: Rank,
-        receiver: Rank,
-        world: u32,
-    ) -> Result<Self, String> {
+    pub fn new(job: &str, generation: u64, sender: Rank, receiver: Rank, world: u32) -> Result<Self, String> {
         let mut nonce = [0u8; 32];
-        getrandom::fill(&mut nonce)
-            .map_err(|e| format!("no randomness for the handshake nonce: {e}"))?;
-        Ok(Self {
-            job: job.to_owned(),
-            generation,
-            sender,
-            receiver,
-            world,
-            nonce,
-        })
+        getrandom::fill(&mut nonce).map_err(|e| format!("no randomness for the handshake nonce: {e}"))?;
+        Ok(Self { job: job.to_owned(), generation, sender, receiver, world, nonce })
     }
 
     /// Encodes the full message (prefix and body). The job id must already be valid
@@ -195,13 +181,9 @@ impl Hello {
 
     fn decode_body(body: &[u8]) -> Result<Self, String> {
         if body.len() <= HELLO_FIXED || body.len() > HELLO_FIXED + MAX_JOB_LEN {
-            return Err(format!(
-                "hello body of {} bytes (job id must be 1..={MAX_JOB_LEN} bytes)",
-                body.len()
-            ));
+            return Err(format!("hello body of {} bytes (job id must be 1..={MAX_JOB_LEN} bytes)", body.len()));
         }
-        let job = std::str::from_utf8(&body[HELLO_FIXED..])
-            .map_err(|_| "job id is not UTF-8".to_owned())?;
+        let job = std::str::from_utf8(&body[HELLO_FIXED..]).map_err(|_| "job id is not UTF-8".to_owned())?;
         let mut nonce = [0u8; 32];
         nonce.copy_from_slice(&body[20..52]);
         Ok(Self {
@@ -218,10 +200,7 @@ impl Hello {
 /// Checks that a job id can be carried in a hello.
 pub fn validate_job(job: &str) -> Result<(), String> {
     if job.is_empty() || job.len() > MAX_JOB_LEN {
-        return Err(format!(
-            "job id must be 1..={MAX_JOB_LEN} bytes, got {}",
-            job.len()
-        ));
+        return Err(format!("job id must be 1..={MAX_JOB_LEN} bytes, got {}", job.len()));
     }
     Ok(())
 }
@@ -261,10 +240,9 @@ impl Refusal {
     /// Describes the refusal from the dialer's point of view.
     pub fn describe_for_dialer(&self) -> String {
         match self.code {
-            Verdict::GenerationMismatch | Verdict::StaleGeneration => format!(
-                "peer refused: generation mismatch (ours {}, theirs {}): {}",
-                self.theirs, self.ours, self.text
-            ),
+            Verdict::GenerationMismatch | Verdict::StaleGeneration => {
+                format!("peer refused: generation mismatch (ours {}, theirs {}): {}", self.theirs, self.ours, self.text)
+            }
             _ => format!("peer refused: {}", self.text),
         }
     }
@@ -325,15 +303,10 @@ fn arr<const N: usize>(s: &[u8]) -> [u8; N] {
 pub fn decode_prefix(p: &[u8; PREFIX_LEN]) -> Result<(u8, usize), String> {
     let magic = u32::from_le_bytes(arr(&p[0..4]));
     if magic != HS_MAGIC {
-        return Err(format!(
-            "bad handshake magic {magic:#010x} (not a cohort peer?)"
-        ));
+        return Err(format!("bad handshake magic {magic:#010x} (not a cohort peer?)"));
     }
     if p[4] != VERSION {
-        return Err(format!(
-            "unsupported protocol version {} (ours {VERSION})",
-            p[4]
-        ));
+        return Err(format!("unsupported protocol version {} (ours {VERSION})", p[4]));
     }
     let kind = p[5];
     let len = usize::from(u16::from_le_bytes([p[6], p[7]]));
@@ -345,9 +318,7 @@ pub fn decode_prefix(p: &[u8; PREFIX_LEN]) -> Result<(u8, usize), String> {
         k => return Err(format!("unknown handshake message kind {k}")),
     };
     if len < min || len > max {
-        return Err(format!(
-            "handshake message kind {kind} of {len} bytes (allowed {min}..={max})"
-        ));
+        return Err(format!("handshake message kind {kind} of {len} bytes (allowed {min}..={max})"));
     }
     Ok((kind, len))
 }
@@ -359,14 +330,9 @@ pub fn decode_body(kind: u8, body: &[u8]) -> Result<Message, String> {
         KIND_HELLO => Hello::decode_body(body).map(Message::Hello),
         KIND_PROOF => {
             let verdict = Verdict::from_code(body[0]).ok_or_else(|| bad_verdict(body[0]))?;
-            Ok(Message::Proof {
-                verdict,
-                mac: arr(&body[4..36]),
-            })
+            Ok(Message::Proof { verdict, mac: arr(&body[4..36]) })
         }
-        KIND_VERDICT => Verdict::from_code(body[0])
-            .map(Message::Verdict)
-            .ok_or_else(|| bad_verdict(body[0])),
+        KIND_VERDICT => Verdict::from_code(body[0]).map(Message::Verdict).ok_or_else(|| bad_verdict(body[0])),
         KIND_REFUSE => {
             let code = Verdict::from_code(body[0]).ok_or_else(|| bad_verdict(body[0]))?;
             let text = String::from_utf8_lossy(&body[REFUSE_FIXED..]).into_owned();
@@ -408,34 +374,23 @@ fn describe_io(e: &std::io::Error) -> String {
 ///
 /// # Cancel safety
 /// Not cancel safe: a message partly read is lost; drop the connection instead.
-pub async fn read_message<S: AsyncRead + Unpin>(
-    s: &mut S,
-    deadline: Instant,
-) -> Result<Message, HsIoError> {
+pub async fn read_message<S: AsyncRead + Unpin>(s: &mut S, deadline: Instant) -> Result<Message, HsIoError> {
     let fut = async {
         let mut p = [0u8; PREFIX_LEN];
         s.read_exact(&mut p).await.map_err(HsIoError::Io)?;
         let (kind, len) = decode_prefix(&p).map_err(HsIoError::Malformed)?;
         let mut body = [0u8; MAX_BODY];
-        s.read_exact(&mut body[..len])
-            .await
-            .map_err(HsIoError::Io)?;
+        s.read_exact(&mut body[..len]).await.map_err(HsIoError::Io)?;
         decode_body(kind, &body[..len]).map_err(HsIoError::Malformed)
     };
-    tokio::time::timeout_at(deadline, fut)
-        .await
-        .map_err(|_| HsIoError::Timeout)?
+    tokio::time::timeout_at(deadline, fut).await.map_err(|_| HsIoError::Timeout)?
 }
 
 /// Writes bytes, bounded in time by `deadline`.
 ///
 /// # Cancel safety
 /// Not cancel safe: part of the bytes may have been written; drop the connection instead.
-pub async fn write_all<S: AsyncWrite + Unpin>(
-    s: &mut S,
-    bytes: &[u8],
-    deadline: Instant,
-) -> Result<(), HsIoError> {
+pub async fn write_all<S: AsyncWrite + Unpin>(s: &mut S, bytes: &[u8], deadline: Instant) -> Result<(), HsIoError> {
     let fut = async {
         s.write_all(bytes).await?;
         s.flush().await
@@ -449,40 +404,18 @@ pub async fn write_all<S: AsyncWrite + Unpin>(
 /// The MAC a side sends over the transcript of the two encoded hellos (`dialer_side`
 /// selects the role label). `None` only if HMAC rejected the key, which it never does for
 /// SHA-256 (any key length is accepted).
-pub fn proof(
-    token: &[u8],
-    dialer_side: bool,
-    hello_dialer: &[u8],
-    hello_acceptor: &[u8],
-) -> Option<[u8; 32]> {
-    mac_for(token, dialer_side, hello_dialer, hello_acceptor)
-        .map(|m| m.finalize().into_bytes().into())
+pub fn proof(token: &[u8], dialer_side: bool, hello_dialer: &[u8], hello_acceptor: &[u8]) -> Option<[u8; 32]> {
+    mac_for(token, dialer_side, hello_dialer, hello_acceptor).map(|m| m.finalize().into_bytes().into())
 }
 
 /// Verifies the other side's MAC in constant time.
-pub fn verify(
-    token: &[u8],
-    dialer_side: bool,
-    hello_dialer: &[u8],
-    hello_acceptor: &[u8],
-    mac: &[u8; 32],
-) -> bool {
-    mac_for(token, dialer_side, hello_dialer, hello_acceptor)
-        .is_some_and(|m| m.verify_slice(mac).is_ok())
+pub fn verify(token: &[u8], dialer_side: bool, hello_dialer: &[u8], hello_acceptor: &[u8], mac: &[u8; 32]) -> bool {
+    mac_for(token, dialer_side, hello_dialer, hello_acceptor).is_some_and(|m| m.verify_slice(mac).is_ok())
 }
 
-fn mac_for(
-    token: &[u8],
-    dialer_side: bool,
-    hello_dialer: &[u8],
-    hello_acceptor: &[u8],
-) -> Option<HmacSha256> {
+fn mac_for(token: &[u8], dialer_side: bool, hello_dialer: &[u8], hello_acceptor: &[u8]) -> Option<HmacSha256> {
     let mut m = <HmacSha256 as Mac>::new_from_slice(token).ok()?;
-    m.update(if dialer_side {
-        LABEL_DIALER
-    } else {
-        LABEL_ACCEPTOR
-    });
+    m.update(if dialer_side { LABEL_DIALER } else { LABEL_ACCEPTOR });
     m.update(&(hello_dialer.len() as u64).to_le_bytes());
     m.update(hello_dialer);
     m.update(&(hello_acceptor.len() as u64).to_le_bytes());
@@ -528,34 +461,17 @@ mod tests {
         let mac = [7u8; 32];
         assert_eq!(
             round_trip(&encode_proof(Verdict::WorldMismatch, &mac)),
-            Message::Proof {
-                verdict: Verdict::WorldMismatch,
-                mac
-            }
+            Message::Proof { verdict: Verdict::WorldMismatch, mac }
         );
-        assert_eq!(
-            round_trip(&encode_verdict(Verdict::Ok)),
-            Message::Verdict(Verdict::Ok)
-        );
-        let r = Refusal {
-            code: Verdict::StaleGeneration,
-            retriable: false,
-            ours: 4,
-            theirs: 3,
-            text: "x".into(),
-        };
+        assert_eq!(round_trip(&encode_verdict(Verdict::Ok)), Message::Verdict(Verdict::Ok));
+        let r = Refusal { code: Verdict::StaleGeneration, retriable: false, ours: 4, theirs: 3, text: "x".into() };
         assert_eq!(round_trip(&r.encode()), Message::Refuse(r.clone()));
-        assert_eq!(
-            r.describe_for_dialer(),
-            "peer refused: generation mismatch (ours 3, theirs 4): x"
-        );
+        assert_eq!(r.describe_for_dialer(), "peer refused: generation mismatch (ours 3, theirs 4): x");
     }
 
     #[test]
     fn prefix_rejects_garbage_and_oversize() {
-        assert!(decode_prefix(b"GET / HT")
-            .unwrap_err()
-            .contains("bad handshake magic"));
+        assert!(decode_prefix(b"GET / HT").unwrap_err().contains("bad handshake magic"));
         let mut p: [u8; PREFIX_LEN] = arr(&hello().encode()[..PREFIX_LEN]);
         p[6..8].copy_from_slice(&60000u16.to_le_bytes());
         assert!(decode_prefix(&p).unwrap_err().contains("60000 bytes"));
@@ -565,13 +481,7 @@ mod tests {
 
     #[test]
     fn refusal_text_is_bounded_on_char_boundary() {
-        let r = Refusal {
-            code: Verdict::Busy,
-            retriable: true,
-            ours: 0,
-            theirs: 0,
-            text: "é".repeat(400),
-        };
+        let r = Refusal { code: Verdict::Busy, retriable: true, ours: 0, theirs: 0, text: "é".repeat(400) };
         let b = r.encode();
         assert!(b.len() <= PREFIX_LEN + MAX_BODY);
         match round_trip(&b) {
@@ -601,10 +511,7 @@ mod tests {
         let mut t = theirs.clone();
         t.generation = 3;
         assert_eq!(check_fields(&ours, &t), Verdict::GenerationMismatch);
-        assert_eq!(
-            Verdict::GenerationMismatch.describe(&ours, &t),
-            "generation mismatch (ours 4, theirs 3)"
-        );
+        assert_eq!(Verdict::GenerationMismatch.describe(&ours, &t), "generation mismatch (ours 4, theirs 3)");
         let mut t = theirs.clone();
         t.world = 5;
         assert_eq!(check_fields(&ours, &t), Verdict::WorldMismatch);

@@ -282,16 +282,12 @@ impl Link {
         span: tracing::Span,
     ) -> Result<Self, TransportError> {
         let dup = || {
-            socket2::SockRef::from(&stream).try_clone().map_err(|e| {
-                TransportError::Io(format!("duplicating the socket to rank {peer}: {e}"))
-            })
+            socket2::SockRef::from(&stream)
+                .try_clone()
+                .map_err(|e| TransportError::Io(format!("duplicating the socket to rank {peer}: {e}")))
         };
         let sock = dup()?;
-        let busy_poll = if busy_poll.is_zero() {
-            None
-        } else {
-            Some(BusyPoll { sock: dup()?, window: busy_poll })
-        };
+        let busy_poll = if busy_poll.is_zero() { None } else { Some(BusyPoll { sock: dup()?, window: busy_poll }) };
         let (r, w) = stream.into_split();
         Ok(Self {
             peer,
@@ -331,8 +327,7 @@ impl Link {
     /// wakes receivers waiting on the stash. Returns `err` for the failing operation.
     pub(crate) fn fail(&self, err: TransportError) -> TransportError {
         if self.broken.set(err.clone()).is_ok() {
-            self.span
-                .in_scope(|| tracing::debug!(peer = self.peer, error = %err, "tcp link down"));
+            self.span.in_scope(|| tracing::debug!(peer = self.peer, error = %err, "tcp link down"));
             self.shutdown();
             self.stash_changed.notify_waiters();
         }
@@ -343,8 +338,7 @@ impl Link {
     /// down, and wakes receivers waiting on the stash.
     fn break_quietly(&self, err: TransportError) {
         if self.broken.set(err.clone()).is_ok() {
-            self.span
-                .in_scope(|| tracing::debug!(peer = self.peer, error = %err, "tcp link unusable (left open)"));
+            self.span.in_scope(|| tracing::debug!(peer = self.peer, error = %err, "tcp link unusable (left open)"));
             self.stash_changed.notify_waiters();
         }
     }
@@ -358,26 +352,16 @@ impl Link {
 
     fn io_error(&self, e: IoFail) -> TransportError {
         match e {
-            IoFail::Stalled => TransportError::Timeout {
-                peer: self.peer,
-                after: self.no_progress,
-            },
-            IoFail::Eof(at) => TransportError::PeerClosed {
-                peer: self.peer,
-                detail: format!("connection closed by peer {at}"),
-            },
-            IoFail::Io(e) => TransportError::PeerClosed {
-                peer: self.peer,
-                detail: e.to_string(),
-            },
+            IoFail::Stalled => TransportError::Timeout { peer: self.peer, after: self.no_progress },
+            IoFail::Eof(at) => {
+                TransportError::PeerClosed { peer: self.peer, detail: format!("connection closed by peer {at}") }
+            }
+            IoFail::Io(e) => TransportError::PeerClosed { peer: self.peer, detail: e.to_string() },
         }
     }
 
     fn protocol(&self, detail: String) -> TransportError {
-        TransportError::Protocol {
-            peer: self.peer,
-            detail,
-        }
+        TransportError::Protocol { peer: self.peer, detail }
     }
 
     /// Sends one frame: header and payload, straight from `data`.
@@ -385,23 +369,11 @@ impl Link {
         self.check()?;
         let mut w = self.writer.lock().await;
         self.check()?;
-        let header = FrameHeader {
-            generation: self.generation,
-            tag,
-            len: data.len() as u64,
-        }
-        .encode();
-        let mut poison = Poison {
-            link: self,
-            armed: true,
-        };
+        let header = FrameHeader { generation: self.generation, tag, len: data.len() as u64 }.encode();
+        let mut poison = Poison { link: self, armed: true };
         let sleep = tokio::time::sleep(self.no_progress);
         tokio::pin!(sleep);
-        let mut wd = Watchdog {
-            window: self.no_progress,
-            last: Instant::now(),
-            sleep,
-        };
+        let mut wd = Watchdog { window: self.no_progress, last: Instant::now(), sleep };
         let total = HEADER_LEN + data.len();
         let mut done = 0;
         let mut result = Ok(());
@@ -430,22 +402,13 @@ impl Link {
 
     fn take_stashed(&self, tag: Tag) -> Option<Stashed> {
         let mut s = lock(&self.stash);
-        let i = s
-            .frames
-            .iter()
-            .position(|f| f.tag.seq == tag.seq && f.tag.step == tag.step)?;
+        let i = s.frames.iter().position(|f| f.tag.seq == tag.seq && f.tag.step == tag.step)?;
         let f = s.frames.swap_remove(i);
         s.bytes -= f.data.len();
         Some(f)
     }
 
-    fn check_match(
-        &self,
-        want: Tag,
-        len: usize,
-        got: Tag,
-        got_len: u64,
-    ) -> Result<(), TransportError> {
+    fn check_match(&self, want: Tag, len: usize, got: Tag, got_len: u64) -> Result<(), TransportError> {
         if got.signature != want.signature {
             return Err(self.fail(TransportError::Mismatch {
                 peer: self.peer,
@@ -469,19 +432,13 @@ impl Link {
 
     /// The oldest `seq` any receiver waits for on this link.
     fn oldest_waiting(&self) -> Option<u32> {
-        lock(&self.waiting)
-            .iter()
-            .copied()
-            .reduce(|a, b| if seq_older(b, a) { b } else { a })
+        lock(&self.waiting).iter().copied().reduce(|a, b| if seq_older(b, a) { b } else { a })
     }
 
     /// Receives the frame tagged `tag` into `buf`.
     pub(crate) async fn recv(&self, tag: Tag, buf: &mut [u8]) -> Result<(), TransportError> {
         lock(&self.waiting).push(tag.seq);
-        let _waiting = Waiting {
-            link: self,
-            seq: tag.seq,
-        };
+        let _waiting = Waiting { link: self, seq: tag.seq };
         // Wait for the reader lock, unless the frame shows up in the stash meanwhile.
         let mut reader = loop {
             self.check()?;
@@ -501,17 +458,10 @@ impl Link {
         if let Some(f) = self.take_stashed(tag) {
             return self.deliver_stashed(tag, f, buf);
         }
-        let mut poison = Poison {
-            link: self,
-            armed: true,
-        };
+        let mut poison = Poison { link: self, armed: true };
         let sleep = tokio::time::sleep(self.no_progress);
         tokio::pin!(sleep);
-        let mut wd = Watchdog {
-            window: self.no_progress,
-            last: Instant::now(),
-            sleep,
-        };
+        let mut wd = Watchdog { window: self.no_progress, last: Instant::now(), sleep };
         let result = self.read_until(&mut reader, &mut wd, tag, buf).await;
         poison.armed = false;
         result
@@ -531,18 +481,12 @@ impl Link {
         buf: &mut [u8],
     ) -> Result<(), TransportError> {
         loop {
-            let raw = r
-                .read_header(wd)
-                .await
-                .map_err(|e| self.fail(self.io_error(e)))?;
+            let raw = r.read_header(wd).await.map_err(|e| self.fail(self.io_error(e)))?;
             let h = FrameHeader::decode(&raw, self.generation, self.max_frame)
                 .map_err(|e| self.fail(self.protocol(e.to_string())))?;
             if h.tag.seq == tag.seq && h.tag.step == tag.step {
                 self.check_match(tag, buf.len(), h.tag, h.len)?;
-                return r
-                    .read_payload(buf, wd)
-                    .await
-                    .map_err(|e| self.fail(self.io_error(e)));
+                return r.read_payload(buf, wd).await.map_err(|e| self.fail(self.io_error(e)));
             }
             if let Some(oldest) = self.oldest_waiting() {
                 if seq_older(h.tag.seq, oldest) {
@@ -555,14 +499,10 @@ impl Link {
             // Reserve stash room before reading, so the allocation is bounded by the budget.
             let len = {
                 let s = lock(&self.stash);
-                if s.frames
-                    .iter()
-                    .any(|f| f.tag.seq == h.tag.seq && f.tag.step == h.tag.step)
-                {
-                    return Err(self.fail(self.protocol(format!(
-                        "duplicate frame seq {} step {}",
-                        h.tag.seq, h.tag.step
-                    ))));
+                if s.frames.iter().any(|f| f.tag.seq == h.tag.seq && f.tag.step == h.tag.step) {
+                    return Err(
+                        self.fail(self.protocol(format!("duplicate frame seq {} step {}", h.tag.seq, h.tag.step)))
+                    );
                 }
                 // h.len <= max_frame was checked; it may still exceed usize on 32-bit targets.
                 let len = usize::try_from(h.len).unwrap_or(usize::MAX);
@@ -576,9 +516,7 @@ impl Link {
                 len
             };
             let mut data = vec![0u8; len];
-            r.read_payload(&mut data, wd)
-                .await
-                .map_err(|e| self.fail(self.io_error(e)))?;
+            r.read_payload(&mut data, wd).await.map_err(|e| self.fail(self.io_error(e)))?;
             {
                 let mut s = lock(&self.stash);
                 s.bytes += data.len();

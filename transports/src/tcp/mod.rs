@@ -96,9 +96,7 @@ impl Drop for TcpEndpoint {
 
 impl std::fmt::Debug for TcpEndpoint {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("TcpEndpoint")
-            .field("local", &self.local)
-            .finish_non_exhaustive()
+        f.debug_struct("TcpEndpoint").field("local", &self.local).finish_non_exhaustive()
     }
 }
 
@@ -111,21 +109,14 @@ impl TcpEndpoint {
     /// returned endpoint stops it.
     pub async fn bind(addr: SocketAddr, options: TcpOptions) -> Result<Self, TransportError> {
         let listener = endpoint::bind_listener(addr, &options)?;
-        let local = listener
-            .local_addr()
-            .map_err(|e| TransportError::Io(format!("local address of {addr}: {e}")))?;
+        let local = listener.local_addr().map_err(|e| TransportError::Io(format!("local address of {addr}: {e}")))?;
         let router = Arc::new(Router::default());
         let accept_task = tokio::spawn(
             endpoint::accept_loop(listener, Arc::clone(&router), options.clone())
                 .instrument(tracing::debug_span!("tcp_endpoint", %local)),
         );
         tracing::debug!(%local, "tcp endpoint listening");
-        Ok(Self {
-            local,
-            options,
-            router,
-            accept_task,
-        })
+        Ok(Self { local, options, router, accept_task })
     }
 
     /// The address the endpoint listens on.
@@ -143,19 +134,12 @@ impl TcpEndpoint {
     /// the set-up from the endpoint; peers see their links fail.
     pub async fn connect_mesh(&self, spec: MeshSpec) -> Result<TcpTransport, TransportError> {
         let span = tracing::debug_span!("tcp_mesh", job = %spec.job, generation = spec.generation, rank = spec.rank);
-        self.connect_mesh_inner(spec, span.clone())
-            .instrument(span)
-            .await
+        self.connect_mesh_inner(spec, span.clone()).instrument(span).await
     }
 
-    async fn connect_mesh_inner(
-        &self,
-        spec: MeshSpec,
-        span: tracing::Span,
-    ) -> Result<TcpTransport, TransportError> {
-        let world = u32::try_from(spec.peers.len()).map_err(|_| {
-            TransportError::InvalidArgument(format!("{} peers is too many", spec.peers.len()))
-        })?;
+    async fn connect_mesh_inner(&self, spec: MeshSpec, span: tracing::Span) -> Result<TcpTransport, TransportError> {
+        let world = u32::try_from(spec.peers.len())
+            .map_err(|_| TransportError::InvalidArgument(format!("{} peers is too many", spec.peers.len())))?;
         if spec.rank >= world {
             return Err(TransportError::InvalidArgument(format!(
                 "rank {} out of range for a world of {world}",
@@ -169,9 +153,7 @@ impl TcpEndpoint {
         if world > 1 {
             let notes = Arc::new(Mutex::new(Notes::default()));
             let (tx, mut rx) = mpsc::channel(world as usize + 8);
-            let _registration =
-                self.router
-                    .register(&spec.job, spec.generation, world, tx, Arc::clone(&notes))?;
+            let _registration = self.router.register(&spec.job, spec.generation, world, tx, Arc::clone(&notes))?;
             let ctx = Arc::new(MeshCtx {
                 job: spec.job.clone(),
                 generation: spec.generation,
@@ -184,9 +166,7 @@ impl TcpEndpoint {
             });
             let mut tasks = JoinSet::new();
             for (peer, addr) in spec.peers.iter().enumerate().take(rank as usize) {
-                tasks.spawn(
-                    mesh::dial(Arc::clone(&ctx), peer as Rank, *addr).instrument(span.clone()),
-                );
+                tasks.spawn(mesh::dial(Arc::clone(&ctx), peer as Rank, *addr).instrument(span.clone()));
             }
             let mut missing = world - 1;
             while missing > 0 {
@@ -244,14 +224,8 @@ impl TcpEndpoint {
     }
 }
 
-fn deadline_error(
-    ctx: &MeshCtx,
-    streams: &[Option<tokio::net::TcpStream>],
-    deadlines: Deadlines,
-) -> TransportError {
-    let missing: Vec<Rank> = (0..ctx.world)
-        .filter(|&r| r != ctx.rank && streams[r as usize].is_none())
-        .collect();
+fn deadline_error(ctx: &MeshCtx, streams: &[Option<tokio::net::TcpStream>], deadlines: Deadlines) -> TransportError {
+    let missing: Vec<Rank> = (0..ctx.world).filter(|&r| r != ctx.rank && streams[r as usize].is_none()).collect();
     let notes = endpoint::lock(&ctx.notes);
     let mut detail = format!(
         "mesh not complete within the connect deadline of {:?}; no link to ranks {missing:?}",
@@ -265,10 +239,7 @@ fn deadline_error(
     if let Some(n) = notes.other() {
         detail.push_str(&format!("; {n}"));
     }
-    TransportError::Handshake {
-        peer: missing.first().copied().unwrap_or(ctx.rank),
-        detail,
-    }
+    TransportError::Handshake { peer: missing.first().copied().unwrap_or(ctx.rank), detail }
 }
 
 /// A connected generation over TCP: one link per peer. `Send + Sync`; share it behind `Arc`.
@@ -304,13 +275,10 @@ impl TcpTransport {
     fn link(&self, peer: Rank) -> Result<&Link, TransportError> {
         match self.links.get(peer as usize) {
             Some(Some(l)) => Ok(l),
-            Some(None) => Err(TransportError::InvalidArgument(format!(
-                "rank {peer} is this rank"
-            ))),
-            None => Err(TransportError::InvalidArgument(format!(
-                "rank {peer} out of range for a world of {}",
-                self.world
-            ))),
+            Some(None) => Err(TransportError::InvalidArgument(format!("rank {peer} is this rank"))),
+            None => {
+                Err(TransportError::InvalidArgument(format!("rank {peer} out of range for a world of {}", self.world)))
+            }
         }
     }
 
@@ -381,7 +349,6 @@ impl Transport for TcpTransport {
     }
 
     fn is_aborted(&self) -> bool {
-        self.abort_rx.borrow().is_some()
-            || self.links.iter().flatten().any(|l| l.broken().is_some())
+        self.abort_rx.borrow().is_some() || self.links.iter().flatten().any(|l| l.broken().is_some())
     }
 }

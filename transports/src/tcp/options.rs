@@ -57,12 +57,10 @@ impl TcpOptions {
     /// window scale negotiated in the SYN reflects them.
     pub(crate) fn apply_buffers(&self, sock: &Socket) -> Result<(), TransportError> {
         if let Some(n) = self.send_buffer {
-            sock.set_send_buffer_size(n)
-                .map_err(|e| io_err("SO_SNDBUF", e))?;
+            sock.set_send_buffer_size(n).map_err(|e| io_err("SO_SNDBUF", e))?;
         }
         if let Some(n) = self.recv_buffer {
-            sock.set_recv_buffer_size(n)
-                .map_err(|e| io_err("SO_RCVBUF", e))?;
+            sock.set_recv_buffer_size(n).map_err(|e| io_err("SO_RCVBUF", e))?;
         }
         Ok(())
     }
@@ -70,24 +68,19 @@ impl TcpOptions {
     /// Applies every option to a connected socket.
     pub(crate) fn apply(&self, sock: &Socket) -> Result<(), TransportError> {
         self.apply_buffers(sock)?;
-        sock.set_tcp_nodelay(self.nodelay)
-            .map_err(|e| io_err("TCP_NODELAY", e))?;
+        sock.set_tcp_nodelay(self.nodelay).map_err(|e| io_err("TCP_NODELAY", e))?;
         match self.keepalive {
             Some(idle) => {
                 let ka = TcpKeepalive::new()
                     .with_time(idle)
                     .with_interval(KEEPALIVE_INTERVAL)
                     .with_retries(KEEPALIVE_RETRIES);
-                sock.set_tcp_keepalive(&ka)
-                    .map_err(|e| io_err("TCP keepalive", e))?;
+                sock.set_tcp_keepalive(&ka).map_err(|e| io_err("TCP keepalive", e))?;
             }
-            None => sock
-                .set_keepalive(false)
-                .map_err(|e| io_err("SO_KEEPALIVE", e))?,
+            None => sock.set_keepalive(false).map_err(|e| io_err("SO_KEEPALIVE", e))?,
         }
         if let Some(t) = self.user_timeout {
-            sock.set_tcp_user_timeout(Some(t))
-                .map_err(|e| io_err("TCP_USER_TIMEOUT", e))?;
+            sock.set_tcp_user_timeout(Some(t)).map_err(|e| io_err("TCP_USER_TIMEOUT", e))?;
         }
         Ok(())
     }

@@ -15,34 +15,27 @@ use tokio::net::TcpStream;
 use tokio::time::Instant;
 
 /// The job token every honest test rank uses.
-pub const TOKEN: &[u8] = b"test-token-0123456789";
+pub(crate) const TOKEN: &[u8] = b"test-token-0123456789";
 /// Bound on every test.
-pub const TEST_LIMIT: Duration = Duration::from_secs(90);
+pub(crate) const TEST_LIMIT: Duration = Duration::from_secs(90);
 
-pub fn deadlines(no_progress: Duration, connect: Duration) -> Deadlines {
-    Deadlines {
-        no_progress,
-        connect,
-    }
+pub(crate) fn deadlines(no_progress: Duration, connect: Duration) -> Deadlines {
+    Deadlines { no_progress, connect }
 }
 
-pub fn loopback() -> SocketAddr {
+pub(crate) fn loopback() -> SocketAddr {
     "127.0.0.1:0".parse().unwrap()
 }
 
-pub async fn endpoints(n: usize) -> Vec<TcpEndpoint> {
+pub(crate) async fn endpoints(n: usize) -> Vec<TcpEndpoint> {
     let mut v = Vec::new();
     for _ in 0..n {
-        v.push(
-            TcpEndpoint::bind(loopback(), TcpOptions::default())
-                .await
-                .unwrap(),
-        );
+        v.push(TcpEndpoint::bind(loopback(), TcpOptions::default()).await.unwrap());
     }
     v
 }
 
-pub fn spec(
+pub(crate) fn spec(
     job: &str,
     generation: u64,
     rank: Rank,
@@ -50,28 +43,14 @@ pub fn spec(
     token: &[u8],
     d: Deadlines,
 ) -> MeshSpec {
-    MeshSpec {
-        job: job.into(),
-        generation,
-        rank,
-        peers: peers.to_vec(),
-        token: token.to_vec(),
-        deadlines: d,
-    }
+    MeshSpec { job: job.into(), generation, rank, peers: peers.to_vec(), token: token.to_vec(), deadlines: d }
 }
 
 /// Forms a mesh of `n` ranks, one endpoint each, all set-ups running concurrently.
-pub async fn mesh_on(
-    eps: &[TcpEndpoint],
-    job: &str,
-    generation: u64,
-    d: Deadlines,
-) -> Vec<Arc<TcpTransport>> {
+pub(crate) async fn mesh_on(eps: &[TcpEndpoint], job: &str, generation: u64, d: Deadlines) -> Vec<Arc<TcpTransport>> {
     let addrs: Vec<SocketAddr> = eps.iter().map(TcpEndpoint::local_addr).collect();
-    let futs = eps
-        .iter()
-        .enumerate()
-        .map(|(r, ep)| ep.connect_mesh(spec(job, generation, r as Rank, &addrs, TOKEN, d)));
+    let futs =
+        eps.iter().enumerate().map(|(r, ep)| ep.connect_mesh(spec(job, generation, r as Rank, &addrs, TOKEN, d)));
     let mut out = Vec::new();
     for r in join_all(futs).await {
         out.push(Arc::new(r.unwrap()));
@@ -79,14 +58,14 @@ pub async fn mesh_on(
     out
 }
 
-pub async fn mesh(n: usize, d: Deadlines) -> (Vec<TcpEndpoint>, Vec<Arc<TcpTransport>>) {
+pub(crate) async fn mesh(n: usize, d: Deadlines) -> (Vec<TcpEndpoint>, Vec<Arc<TcpTransport>>) {
     let eps = endpoints(n).await;
     let ts = mesh_on(&eps, "job", 1, d).await;
     (eps, ts)
 }
 
 /// Polls all futures concurrently on the current task and collects their outputs in order.
-pub async fn join_all<F: Future>(futs: impl IntoIterator<Item = F>) -> Vec<F::Output> {
+pub(crate) async fn join_all<F: Future>(futs: impl IntoIterator<Item = F>) -> Vec<F::Output> {
     let mut futs: Vec<Pin<Box<F>>> = futs.into_iter().map(Box::pin).collect();
     let mut out: Vec<Option<F::Output>> = futs.iter().map(|_| None).collect();
     std::future::poll_fn(|cx| {
@@ -110,7 +89,7 @@ pub async fn join_all<F: Future>(futs: impl IntoIterator<Item = F>) -> Vec<F::Ou
 }
 
 /// Polls `fut` once; `Some` if it completed.
-pub async fn poll_once<F: Future + Unpin>(fut: &mut F) -> Option<F::Output> {
+pub(crate) async fn poll_once<F: Future + Unpin>(fut: &mut F) -> Option<F::Output> {
     std::future::poll_fn(|cx| {
         Poll::Ready(match Pin::new(&mut *fut).poll(cx) {
             Poll::Ready(v) => Some(v),
@@ -121,7 +100,7 @@ pub async fn poll_once<F: Future + Unpin>(fut: &mut F) -> Option<F::Output> {
 }
 
 /// Deterministic message contents.
-pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
+pub(crate) fn pattern(seed: u64, len: usize) -> Vec<u8> {
     let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
     (0..len)
         .map(|_| {
@@ -135,7 +114,7 @@ pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
 
 /// Performs a correct dialer handshake by hand (the tests know the token) and returns the
 /// raw socket, ready for hand-made frames.
-pub async fn raw_handshake(
+pub(crate) async fn raw_handshake(
     addr: SocketAddr,
     job: &str,
     generation: u64,
@@ -153,25 +132,19 @@ pub async fn raw_handshake(
         m => panic!("expected a hello, got {m:?}"),
     };
     let tb = theirs.encode();
-    let Message::Proof {
-        verdict: Verdict::Ok,
-        mac,
-    } = handshake::read_message(&mut s, deadline).await.unwrap()
-    else {
+    let Message::Proof { verdict: Verdict::Ok, mac } = handshake::read_message(&mut s, deadline).await.unwrap() else {
         panic!("expected a proof");
     };
     assert!(handshake::verify(TOKEN, false, &ob, &tb, &mac));
     let ours_mac = handshake::proof(TOKEN, true, &ob, &tb).unwrap();
-    s.write_all(&handshake::encode_proof(Verdict::Ok, &ours_mac))
-        .await
-        .unwrap();
+    s.write_all(&handshake::encode_proof(Verdict::Ok, &ours_mac)).await.unwrap();
     match handshake::read_message(&mut s, deadline).await.unwrap() {
         Message::Verdict(Verdict::Ok) => s,
         m => panic!("expected an OK verdict, got {m:?}"),
     }
 }
 
-pub fn assert_handshake(r: &Result<TcpTransport, TransportError>, needle: &str) {
+pub(crate) fn assert_handshake(r: &Result<TcpTransport, TransportError>, needle: &str) {
     match r {
         Err(TransportError::Handshake { detail, .. }) => {
             assert!(detail.contains(needle), "expected {needle:?} in {detail:?}")

@@ -45,7 +45,7 @@ pub(crate) struct Ctx<'a, T> {
 
 impl<T: Transport> Ctx<'_, T> {
     /// The tag of message `step`; fails if the schedule runs out of the 32-bit step space.
-    pub fn tag(&self, step: u64) -> Result<Tag, TransportError> {
+    pub(crate) fn tag(&self, step: u64) -> Result<Tag, TransportError> {
         u32::try_from(step).map(|s| Tag::new(self.seq, s, self.sig)).map_err(|_| {
             TransportError::InvalidArgument(format!(
                 "operation needs more than 2^32 messages per link at {} elements per segment; raise segment_bytes",
@@ -55,12 +55,17 @@ impl<T: Transport> Ctx<'_, T> {
     }
 
     /// Number of messages that carry `len` elements.
-    pub fn nsegs(&self, len: usize) -> u64 {
+    pub(crate) fn nsegs(&self, len: usize) -> u64 {
         len.div_ceil(self.seg) as u64
     }
 
     /// Sends `data` to `peer` as segments with steps `step0, step0 + 1, ...` (nothing if empty).
-    pub async fn send_segs<E: Element>(&self, peer: usize, step0: u64, data: &[E]) -> Result<(), TransportError> {
+    pub(crate) async fn send_segs<E: Element>(
+        &self,
+        peer: usize,
+        step0: u64,
+        data: &[E],
+    ) -> Result<(), TransportError> {
         for (k, chunk) in data.chunks(self.seg).enumerate() {
             self.t.send(peer as u32, self.tag(step0 + k as u64)?, as_bytes(chunk)).await?;
         }
@@ -68,14 +73,19 @@ impl<T: Transport> Ctx<'_, T> {
     }
 
     /// Receives message `tag` from `peer` into `buf` and counts it.
-    pub async fn recv(&self, peer: Rank, tag: Tag, buf: &mut [u8]) -> Result<(), TransportError> {
+    pub(crate) async fn recv(&self, peer: Rank, tag: Tag, buf: &mut [u8]) -> Result<(), TransportError> {
         self.t.recv(peer, tag, buf).await?;
         self.received.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }
 
     /// Receives into `buf` from `peer` the segments sent by [`Ctx::send_segs`] with `step0`.
-    pub async fn recv_segs<E: Element>(&self, peer: usize, step0: u64, buf: &mut [E]) -> Result<(), TransportError> {
+    pub(crate) async fn recv_segs<E: Element>(
+        &self,
+        peer: usize,
+        step0: u64,
+        buf: &mut [E],
+    ) -> Result<(), TransportError> {
         for (k, chunk) in buf.chunks_mut(self.seg).enumerate() {
             self.recv(peer as u32, self.tag(step0 + k as u64)?, as_bytes_mut(chunk)).await?;
         }

@@ -60,7 +60,10 @@ pub(crate) async fn allreduce<T: Transport, E: Element>(
             for (k, seg) in data.chunks_mut(ctx.seg).enumerate() {
                 let incoming = &mut scratch[..seg.len()];
                 let tag = ctx.tag(step0 + k as u64)?;
-                tokio::try_join!(ctx.t.send(peer as u32, tag, as_bytes(seg)), ctx.recv(peer as u32, tag, as_bytes_mut(incoming)))?;
+                tokio::try_join!(
+                    ctx.t.send(peer as u32, tag, as_bytes(seg)),
+                    ctx.recv(peer as u32, tag, as_bytes_mut(incoming))
+                )?;
                 E::combine(op, seg, incoming, v > pv);
             }
         }

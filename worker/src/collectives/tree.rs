@@ -36,7 +36,11 @@ fn children(v: usize, n: usize) -> impl DoubleEndedIterator<Item = usize> {
 }
 
 /// Binomial-tree broadcast of `data` from `root`.
-pub(crate) async fn broadcast<T: Transport, E: Element>(ctx: &Ctx<'_, T>, data: &mut [E], root: usize) -> Result<(), TransportError> {
+pub(crate) async fn broadcast<T: Transport, E: Element>(
+    ctx: &Ctx<'_, T>,
+    data: &mut [E],
+    root: usize,
+) -> Result<(), TransportError> {
     let n = ctx.size;
     let v = vrank(ctx.rank, root, n);
     for (k, seg) in data.chunks_mut(ctx.seg).enumerate() {

@@ -128,9 +128,8 @@ impl ControlClient {
                 let tls = tls.clone().ok_or_else(|| {
                     ControlError::Config(format!("{raw:?} is https: give the CA certificate (--tls-ca)"))
                 })?;
-                endpoint = endpoint
-                    .tls_config(tls)
-                    .map_err(|e| ControlError::Config(format!("TLS for {raw:?}: {e}")))?;
+                endpoint =
+                    endpoint.tls_config(tls).map_err(|e| ControlError::Config(format!("TLS for {raw:?}: {e}")))?;
             }
             channels.push(endpoint.connect_lazy());
         }
@@ -192,7 +191,12 @@ impl ControlClient {
                 Err(status) if is_transient(&status) => {
                     tracing::debug!(rpc, endpoint = %self.inner.config.endpoints[index], %status, "coordinator unreachable, failing over");
                     // Try the next endpoint next time.
-                    let _ = self.inner.preferred.compare_exchange(index, (index + 1) % n, Ordering::Relaxed, Ordering::Relaxed);
+                    let _ = self.inner.preferred.compare_exchange(
+                        index,
+                        (index + 1) % n,
+                        Ordering::Relaxed,
+                        Ordering::Relaxed,
+                    );
                     match backoff::backoff::Backoff::next_backoff(&mut backoff) {
                         Some(wait) => tokio::time::sleep(wait).await,
                         None => {
@@ -240,8 +244,7 @@ impl ControlClient {
     /// # Cancel safety
     /// Cancel safe (reports are idempotent).
     pub async fn report_failure(&self, request: FailureReport) -> Result<FailureReportResponse, ControlError> {
-        self.call("ReportFailure", request, Duration::ZERO, |mut c, r| async move { c.report_failure(r).await })
-            .await
+        self.call("ReportFailure", request, Duration::ZERO, |mut c, r| async move { c.report_failure(r).await }).await
     }
 
     /// Leaves the job.
@@ -288,7 +291,11 @@ impl ControlClient {
             match tokio::time::timeout(self.inner.config.request_timeout, client.watch(req)).await {
                 Ok(Ok(stream)) => return Ok(stream.into_inner()),
                 Ok(Err(status)) if !is_transient(&status) => {
-                    return Err(ControlError::Rejected { rpc: "Watch", code: status.code(), message: status.message().to_string() })
+                    return Err(ControlError::Rejected {
+                        rpc: "Watch",
+                        code: status.code(),
+                        message: status.message().to_string(),
+                    })
                 }
                 Ok(Err(status)) => last = status.to_string(),
                 Err(_) => last = format!("no answer within {:?}", self.inner.config.request_timeout),

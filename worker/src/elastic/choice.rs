@@ -113,7 +113,10 @@ mod tests {
         let plan = plan_mesh(4, &members, true).expect("a plan");
         assert_eq!(plan.kind(), MeshKind::Tcp);
         assert_eq!(plan.without_rdma(), ["w1 (rank 1)".to_string()]);
-        assert_eq!(plan, MeshPlan::Tcp { peers: members.iter().map(|m| m.tcp).collect(), without_rdma: vec!["w1 (rank 1)".into()] });
+        assert_eq!(
+            plan,
+            MeshPlan::Tcp { peers: members.iter().map(|m| m.tcp).collect(), without_rdma: vec!["w1 (rank 1)".into()] }
+        );
     }
 
     #[test]
@@ -130,7 +133,10 @@ mod tests {
     fn every_member_with_rdma_but_no_local_endpoint_is_a_protocol_error() {
         let members = [member(0, Some(EP)), member(1, Some(EP))];
         let e = plan_mesh(3, &members, false).expect_err("no local endpoint");
-        assert!(matches!(&e, ElasticError::Protocol(m) if m.contains("generation 3") && m.contains("no RDMA endpoint")), "{e}");
+        assert!(
+            matches!(&e, ElasticError::Protocol(m) if m.contains("generation 3") && m.contains("no RDMA endpoint")),
+            "{e}"
+        );
     }
 
     #[cfg(feature = "rdma")]
@@ -150,7 +156,13 @@ mod tests {
     #[cfg(feature = "rdma")]
     #[test]
     fn a_malformed_rdma_address_is_a_clear_error() {
-        for bad in ["", "garbage", "rdma-ep1;lid=17", "rdma-ep1;lid=17;gid=zz;mtu=4096;boot=10.0.0.5:1", &EP.replace("4096", "4000")] {
+        for bad in [
+            "",
+            "garbage",
+            "rdma-ep1;lid=17",
+            "rdma-ep1;lid=17;gid=zz;mtu=4096;boot=10.0.0.5:1",
+            &EP.replace("4096", "4000"),
+        ] {
             let members = [member(0, Some(EP)), member(1, Some(bad))];
             let e = plan_mesh(5, &members, true).expect_err(bad);
             let ElasticError::Protocol(message) = &e else { panic!("not a protocol error: {e}") };

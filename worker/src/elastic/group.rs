@@ -4,7 +4,7 @@ use super::choice::{plan_mesh, MeshPlan};
 use super::{ElasticConfig, ElasticError, MeshKind, MeshTransport};
 use crate::control::{ControlClient, ControlError};
 use crate::{CommConfig, CommError, Communicator, Revoker, RootCause};
-use cohort_proto::v1::{self as pb, job_event, job_ended, rendezvous_response};
+use cohort_proto::v1::{self as pb, job_ended, job_event, rendezvous_response};
 use cohort_transports::tcp::{MeshSpec, TcpEndpoint};
 use cohort_transports::TransportError;
 use std::net::SocketAddr;
@@ -189,7 +189,11 @@ impl ElasticGroup {
             commits: tokio::sync::watch::channel(None).0,
         };
         group.register().await?;
-        group.tasks.push(tokio::spawn(commit_task(group.client.clone(), group.shared.clone(), group.commits.subscribe())));
+        group.tasks.push(tokio::spawn(commit_task(
+            group.client.clone(),
+            group.shared.clone(),
+            group.commits.subscribe(),
+        )));
         group.tasks.push(tokio::spawn(watch_task(
             group.client.clone(),
             group.shared.clone(),
@@ -204,7 +208,8 @@ impl ElasticGroup {
     /// has left, and asks again: in all at most [`ElasticConfig::exclusion_wait`], after
     /// which it fails with [`ElasticError::Excluded`].
     async fn register(&mut self) -> Result<(), ElasticError> {
-        let mut addresses = vec![pb::TransportAddress { transport: MeshKind::Tcp.name().into(), address: self.advertised.clone() }];
+        let mut addresses =
+            vec![pb::TransportAddress { transport: MeshKind::Tcp.name().into(), address: self.advertised.clone() }];
         let mut capabilities = vec![format!("transport:{}", MeshKind::Tcp)];
         if let Some(rdma) = self.rdma_address() {
             addresses.push(pb::TransportAddress { transport: MeshKind::Rdma.name().into(), address: rdma });
@@ -457,7 +462,9 @@ impl ElasticGroup {
             MeshPlan::Rdma { peers } => {
                 let Some(endpoint) = &self.rdma else {
                     // plan_mesh chooses rdma only when this worker has an endpoint.
-                    return Err(TransportError::InvalidArgument("an rdma mesh was planned without an rdma endpoint".into()));
+                    return Err(TransportError::InvalidArgument(
+                        "an rdma mesh was planned without an rdma endpoint".into(),
+                    ));
                 };
                 let spec = cohort_transports::rdma::RdmaMeshSpec {
                     job: self.config.job.clone(),
@@ -613,11 +620,15 @@ impl FailureReporter {
                 _ => pb::failure_report::FailureKind::Unspecified,
             } as i32,
             progress: match error {
-                CommError::Timeout { progress: Some(p), .. } => Some(pb::OpProgress { seq: p.seq, received: p.received }),
+                CommError::Timeout { progress: Some(p), .. } => {
+                    Some(pb::OpProgress { seq: p.seq, received: p.received })
+                }
                 _ => None,
             },
         };
-        match tokio::time::timeout(self.root_cause_wait.max(Duration::from_secs(2)), self.client.report_failure(report)).await {
+        match tokio::time::timeout(self.root_cause_wait.max(Duration::from_secs(2)), self.client.report_failure(report))
+            .await
+        {
             Ok(Ok(response)) => {
                 let cause = cause_from_pb(response.cause);
                 self.shared.revoke(generation, cause.clone());
@@ -638,7 +649,8 @@ impl FailureReporter {
     /// closes the generation's links (which stayed open for the report) so that peers stop
     /// waiting on this rank.
     fn revoke_locally(&self, generation: u64, failed_rank: Option<u32>, error: &CommError) -> RootCause {
-        let cause = RootCause { rank: failed_rank, worker_id: String::new(), host: String::new(), reason: error.to_string() };
+        let cause =
+            RootCause { rank: failed_rank, worker_id: String::new(), host: String::new(), reason: error.to_string() };
         self.shared.revoke(generation, cause.clone());
         cause
     }
@@ -693,15 +705,19 @@ fn parse_members(generation: &pb::Generation) -> Result<Vec<MemberInfo>, Elastic
     let mut members = Vec::with_capacity(generation.members.len());
     for (i, m) in generation.members.iter().enumerate() {
         if m.rank as usize != i {
-            return Err(ElasticError::Protocol(format!("member {} listed at position {i} has rank {}", m.worker_id, m.rank)));
+            return Err(ElasticError::Protocol(format!(
+                "member {} listed at position {i} has rank {}",
+                m.worker_id, m.rank
+            )));
         }
         let address = m
             .addresses
             .iter()
             .find(|a| a.transport == "tcp")
             .ok_or_else(|| ElasticError::Protocol(format!("member {} has no tcp address", m.worker_id)))?;
-        let tcp = resolve(&address.address)
-            .ok_or_else(|| ElasticError::Protocol(format!("member {} has an unusable address {:?}", m.worker_id, address.address)))?;
+        let tcp = resolve(&address.address).ok_or_else(|| {
+            ElasticError::Protocol(format!("member {} has an unusable address {:?}", m.worker_id, address.address))
+        })?;
         let rdma = m.addresses.iter().find(|a| a.transport == "rdma").map(|a| a.address.clone());
         members.push(MemberInfo { rank: m.rank, worker_id: m.worker_id.clone(), host: m.host.clone(), tcp, rdma });
     }
@@ -735,7 +751,14 @@ async fn heartbeat_task(
             return; // a newer incarnation has its own task
         }
         let (generation, step, activity) = shared.progress.lock().unwrap_or_else(|e| e.into_inner()).clone();
-        let request = pb::HeartbeatRequest { job: job.clone(), worker_id: worker_id.clone(), incarnation, generation, step, activity };
+        let request = pb::HeartbeatRequest {
+            job: job.clone(),
+            worker_id: worker_id.clone(),
+            incarnation,
+            generation,
+            step,
+            activity,
+        };
         match client.heartbeat(request).await {
             Ok(response) => {
                 if response.reformation_pending {
@@ -757,7 +780,11 @@ async fn heartbeat_task(
 ///
 /// # Cancel safety
 /// Cancel safe: a report cut short is superseded by the next one.
-async fn commit_task(client: ControlClient, shared: Arc<Shared>, mut commits: tokio::sync::watch::Receiver<Option<pb::CommitRequest>>) {
+async fn commit_task(
+    client: ControlClient,
+    shared: Arc<Shared>,
+    mut commits: tokio::sync::watch::Receiver<Option<pb::CommitRequest>>,
+) {
     while commits.changed().await.is_ok() {
         let Some(request) = commits.borrow_and_update().clone() else { continue };
         let generation = request.generation;
@@ -861,7 +888,12 @@ fn apply_event(shared: &Shared, event: pb::JobEvent) {
             // Wake a rank blocked in a collective of a job that is over.
             let current = shared.current.lock().unwrap_or_else(|e| e.into_inner()).clone();
             if let Some((_, revoker)) = current {
-                revoker.revoke(RootCause { rank: None, worker_id: String::new(), host: String::new(), reason: "job ended".into() });
+                revoker.revoke(RootCause {
+                    rank: None,
+                    worker_id: String::new(),
+                    host: String::new(),
+                    reason: "job ended".into(),
+                });
             }
         }
         Some(job_event::Event::GenerationFormed(_)) | None => {}
@@ -891,7 +923,10 @@ mod tests {
             Err(e) => e,
         };
         assert!(started.elapsed() < std::time::Duration::from_secs(5), "took {:?}", started.elapsed());
-        assert!(matches!(&error, ElasticError::RdmaEndpoint { device, .. } if device == "cohort-no-such-device"), "{error}");
+        assert!(
+            matches!(&error, ElasticError::RdmaEndpoint { device, .. } if device == "cohort-no-such-device"),
+            "{error}"
+        );
         let message = error.to_string();
         assert!(message.contains("cohort-no-such-device") && message.contains("RDMA device"), "{message}");
     }

@@ -123,8 +123,12 @@ impl Checkpoint {
         let source = claims.iter().position(|c| c.0 == newest).unwrap_or(0) as u32;
         if newest >= 0 {
             let source_digest = claims[source as usize].1;
-            let differing: Vec<usize> =
-                claims.iter().enumerate().filter(|(_, c)| c.0 == newest && c.1 != source_digest).map(|(r, _)| r).collect();
+            let differing: Vec<usize> = claims
+                .iter()
+                .enumerate()
+                .filter(|(_, c)| c.0 == newest && c.1 != source_digest)
+                .map(|(r, _)| r)
+                .collect();
             if !differing.is_empty() {
                 let ranks: Vec<String> = differing.iter().map(|r| r.to_string()).collect();
                 return Err(SyncError::Diverged(format!(
@@ -142,8 +146,10 @@ impl Checkpoint {
         }
         let mut len = [self.snapshot.len() as i64];
         comm.broadcast(&mut len, source).await?;
-        let len = usize::try_from(len[0]).map_err(|_| SyncError::Diverged(format!("source announced length {}", len[0])))?;
-        let changed = comm.rank() != source && (self.step.map_or(-1, |s| s as i64) != newest || self.snapshot.len() != len);
+        let len =
+            usize::try_from(len[0]).map_err(|_| SyncError::Diverged(format!("source announced length {}", len[0])))?;
+        let changed =
+            comm.rank() != source && (self.step.map_or(-1, |s| s as i64) != newest || self.snapshot.len() != len);
         let step = if newest < 0 { None } else { Some(newest as u64) };
         // The source sends from its own snapshot (broadcast leaves the root's buffer as is);
         // the others receive into a fresh buffer that replaces theirs only once all is checked.

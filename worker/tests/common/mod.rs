@@ -9,7 +9,7 @@ use cohort_transports::Transport;
 use half::{bf16, f16};
 
 /// Test-only constructors for every element type.
-pub trait TestElem: Element {
+pub(crate) trait TestElem: Element {
     fn small(x: i32) -> Self;
 }
 
@@ -51,7 +51,7 @@ impl TestElem for u8 {
 
 /// One collective call of a test.
 #[derive(Clone, Copy, Debug)]
-pub enum Coll {
+pub(crate) enum Coll {
     Allreduce(Algorithm),
     ReduceScatter,
     Allgather,
@@ -67,7 +67,7 @@ pub enum Coll {
 }
 
 #[derive(Clone, Copy, Debug)]
-pub struct Case {
+pub(crate) struct Case {
     pub coll: Coll,
     pub op: ReduceOp,
     pub len: usize,
@@ -84,7 +84,7 @@ fn mix(a: u32, b: u32, c: u32) -> u32 {
 /// Rank `rank`'s `len` input elements for `case`: small integers chosen so that every
 /// reduction is exact in every dtype (sums stay below 2^8 in magnitude, products are powers of
 /// two), hence comparable bit for bit with the reference whatever the combination order.
-pub fn input<E: TestElem>(rank: u32, case: &Case, len: usize) -> Vec<E> {
+pub(crate) fn input<E: TestElem>(rank: u32, case: &Case, len: usize) -> Vec<E> {
     (0..len as u32)
         .map(|i| {
             let h = mix(rank, i, case.salt);
@@ -99,12 +99,12 @@ pub fn input<E: TestElem>(rank: u32, case: &Case, len: usize) -> Vec<E> {
 }
 
 /// Counts of an allgatherv: rank `i` contributes `(len + 3 i) % 5 + (i % 2) * len`.
-pub fn gatherv_counts(n: u32, len: usize) -> Vec<usize> {
+pub(crate) fn gatherv_counts(n: u32, len: usize) -> Vec<usize> {
     (0..n as usize).map(|i| (len + 3 * i) % 5 + (i % 2) * len).collect()
 }
 
 /// Alltoallv: elements rank `i` sends to rank `j`.
-pub fn a2av_count(i: usize, j: usize, len: usize) -> usize {
+pub(crate) fn a2av_count(i: usize, j: usize, len: usize) -> usize {
     (i + 2 * j + len) % 4 + if (i + j) % 3 == 0 { len } else { 0 }
 }
 
@@ -118,7 +118,7 @@ fn reduced<E: TestElem>(n: u32, case: &Case, len: usize) -> Vec<E> {
 }
 
 /// What rank `rank` of `n` must hold after `case`.
-pub fn expected<E: TestElem>(n: u32, rank: u32, case: &Case) -> Vec<E> {
+pub(crate) fn expected<E: TestElem>(n: u32, rank: u32, case: &Case) -> Vec<E> {
     let len = case.len;
     let nn = n as usize;
     let r = rank as usize;
@@ -151,7 +151,9 @@ pub fn expected<E: TestElem>(n: u32, rank: u32, case: &Case) -> Vec<E> {
             }
         }
         Coll::Scatter(root) => input::<E>(root, case, len * nn)[r * len..(r + 1) * len].to_vec(),
-        Coll::Alltoall => (0..nn).flat_map(|i| input::<E>(i as u32, case, len * nn)[r * len..(r + 1) * len].to_vec()).collect(),
+        Coll::Alltoall => {
+            (0..nn).flat_map(|i| input::<E>(i as u32, case, len * nn)[r * len..(r + 1) * len].to_vec()).collect()
+        }
         Coll::Alltoallv => (0..nn)
             .flat_map(|i| {
                 let sc: Vec<usize> = (0..nn).map(|j| a2av_count(i, j, len)).collect();
@@ -166,7 +168,10 @@ pub fn expected<E: TestElem>(n: u32, rank: u32, case: &Case) -> Vec<E> {
 }
 
 /// Runs `case` on this rank and returns what it must be compared with [`expected`].
-pub async fn run_case<E: TestElem, T: Transport>(comm: &mut Communicator<T>, case: &Case) -> Result<Vec<E>, CommError> {
+pub(crate) async fn run_case<E: TestElem, T: Transport>(
+    comm: &mut Communicator<T>,
+    case: &Case,
+) -> Result<Vec<E>, CommError> {
     let (n, rank) = (comm.size(), comm.rank());
     let nn = n as usize;
     let len = case.len;
@@ -253,7 +258,7 @@ pub async fn run_case<E: TestElem, T: Transport>(comm: &mut Communicator<T>, cas
 
 /// The full matrix of cases for one dtype: every collective, op and algorithm, for the
 /// element counts `lens`.
-pub fn matrix(n: u32, lens: &[usize], ops: &[ReduceOp], algos: &[Algorithm]) -> Vec<Case> {
+pub(crate) fn matrix(n: u32, lens: &[usize], ops: &[ReduceOp], algos: &[Algorithm]) -> Vec<Case> {
     let mut cases = Vec::new();
     let mut salt = 0;
     let mut push = |coll, op, len| {
@@ -286,7 +291,10 @@ pub fn matrix(n: u32, lens: &[usize], ops: &[ReduceOp], algos: &[Algorithm]) -> 
 
 /// Runs all `cases` in order on one rank, returning the results (or the first error, with the
 /// case that failed).
-pub async fn run_all<E: TestElem, T: Transport>(mut comm: Communicator<T>, cases: Vec<Case>) -> Result<Vec<Vec<E>>, (Case, CommError)> {
+pub(crate) async fn run_all<E: TestElem, T: Transport>(
+    mut comm: Communicator<T>,
+    cases: Vec<Case>,
+) -> Result<Vec<Vec<E>>, (Case, CommError)> {
     let mut out = Vec::with_capacity(cases.len());
     for c in &cases {
         out.push(run_case::<E, T>(&mut comm, c).await.map_err(|e| (*c, e))?);
@@ -295,7 +303,7 @@ pub async fn run_all<E: TestElem, T: Transport>(mut comm: Communicator<T>, cases
 }
 
 /// Checks every rank's results against the reference.
-pub fn check_results<E: TestElem>(n: u32, cases: &[Case], results: &[Vec<Vec<E>>]) {
+pub(crate) fn check_results<E: TestElem>(n: u32, cases: &[Case], results: &[Vec<Vec<E>>]) {
     for (rank, per_rank) in results.iter().enumerate() {
         for (case, got) in cases.iter().zip(per_rank) {
             let want = expected::<E>(n, rank as u32, case);
