@@ -31,13 +31,15 @@ cargo test --workspace --locked -- --test-threads="${COHORT_TEST_THREADS:-2}"
 # etcd loss, joins and leaves, below min_workers), every invariant checked.
 echo "== chaos suite --quick"
 cargo build --release --locked -p cohort-chaos -p cohort -p cohort-coordinator
-target/release/cohort-chaos suite --quick --json target/chaos-quick.json
-
-# The Python package (python/: the PyO3 extension, the elastic layers, the PyTorch backend and
-# example): built by maturin into target/pyenv (it sees Debian's torch), tested by pytest
-# against the release binaries (real coordinator and worker processes on loopback).
-echo "== python"
+# The Python package (python/: the PyO3 extension and the pure-Python layers), built by
+# maturin into target/pyenv (which sees Debian's torch): the quick suite's python-kills
+# scenario runs Python workers with it, and the pytest suite below tests it.
 py=$(bash scripts/python-env.sh | tail -n 1)
+COHORT_PYTHON="$py" target/release/cohort-chaos suite --quick --json target/chaos-quick.json
+
+# The Python package's tests (the extension, the elastic layers, the PyTorch backend and
+# example), against the release binaries: real coordinator and worker processes on loopback.
+echo "== python"
 COHORT_BIN_DIR="$PWD/target/release" "$py" -m pytest -q -p no:cacheprovider python/tests
 
 # The RDMA transport (feature `rdma`): its device-free tests run everywhere; the device

@@ -37,6 +37,47 @@ pub struct WorkerSpec {
     pub step_interval: Duration,
     /// Data-plane no-progress deadline.
     pub no_progress: Duration,
+    /// The worker's command line, when it is not `cohort-worker train`: any program that
+    /// speaks train's event protocol (`event=...` lines on stdout; docs/chaos.md), such as a
+    /// Python training script on the `cohort` package. See [`expand_command`].
+    pub command: Option<Vec<String>>,
+}
+
+/// The worker command with its placeholders filled: `{coordinator}` (comma-separated
+/// endpoints), `{job}`, `{worker_id}`, `{listen}`, `{advertise}`, `{token_file}`, `{steps}`,
+/// `{size}`, `{no_progress_ms}`, `{step_interval_ms}`, and `{python}` (`$COHORT_PYTHON`, else
+/// `python3`). An unknown `{name}` is an error, not a silent literal.
+pub fn expand_command(template: &[String], values: &[(&str, String)]) -> Result<Vec<String>, String> {
+    if template.is_empty() {
+        return Err("worker_command is empty".into());
+    }
+    let python = std::env::var("COHORT_PYTHON").unwrap_or_else(|_| "python3".into());
+    template
+        .iter()
+        .map(|arg| {
+            let mut out = String::new();
+            let mut rest = arg.as_str();
+            while let Some(open) = rest.find('{') {
+                out.push_str(&rest[..open]);
+                let close =
+                    rest[open..].find('}').ok_or_else(|| format!("unclosed {{ in worker_command argument {arg:?}"))?;
+                let key = &rest[open + 1..open + close];
+                let value = if key == "python" {
+                    python.clone()
+                } else {
+                    values
+                        .iter()
+                        .find(|(k, _)| *k == key)
+                        .map(|(_, v)| v.clone())
+                        .ok_or_else(|| format!("unknown placeholder {{{key}}} in worker_command"))?
+                };
+                out.push_str(&value);
+                rest = &rest[open + close + 1..];
+            }
+            out.push_str(rest);
+            Ok(out)
+        })
+        .collect()
 }
 
 /// How to set a cluster up.
@@ -500,19 +541,42 @@ impl Cluster {
         hook: Option<LineHook>,
     ) -> Result<(), ClusterError> {
         let host = self.netlab.as_ref().map(|_| name);
-        let mut cmd = self.command(host, &self.bins.worker)?;
-        cmd.args(["train", "--coordinator", &self.endpoints(), "--job", &self.config.job])
-            .args(["--steps", &spec.steps.to_string(), "--size", &spec.size])
-            .args(["--listen", listen, "--advertise", advertise, "--worker-id", name])
-            .args(["--no-progress-timeout", &ms(spec.no_progress), "--step-interval", &ms(spec.step_interval)])
-            .arg("--token-file")
-            .arg(&self.token_file);
-        if let Some(t) = self.connect_timeout {
-            cmd.args(["--connect-timeout", &ms(t)]);
-        }
-        if self.config.metrics {
-            cmd.args(["--metrics", &format!("{}:0", Self::host_of(listen))]);
-        }
+        let mut cmd = match &spec.command {
+            Some(template) => {
+                let values = [
+                    ("coordinator", self.endpoints()),
+                    ("job", self.config.job.clone()),
+                    ("worker_id", name.to_string()),
+                    ("listen", listen.to_string()),
+                    ("advertise", advertise.to_string()),
+                    ("token_file", self.token_file.display().to_string()),
+                    ("steps", spec.steps.to_string()),
+                    ("size", spec.size.clone()),
+                    ("no_progress_ms", spec.no_progress.as_millis().to_string()),
+                    ("step_interval_ms", spec.step_interval.as_millis().to_string()),
+                ];
+                let argv = expand_command(template, &values).map_err(ClusterError::Setup)?;
+                let mut cmd = self.command(host, std::path::Path::new(&argv[0]))?;
+                cmd.args(&argv[1..]);
+                cmd
+            }
+            None => {
+                let mut cmd = self.command(host, &self.bins.worker)?;
+                cmd.args(["train", "--coordinator", &self.endpoints(), "--job", &self.config.job])
+                    .args(["--steps", &spec.steps.to_string(), "--size", &spec.size])
+                    .args(["--listen", listen, "--advertise", advertise, "--worker-id", name])
+                    .args(["--no-progress-timeout", &ms(spec.no_progress), "--step-interval", &ms(spec.step_interval)])
+                    .arg("--token-file")
+                    .arg(&self.token_file);
+                if let Some(t) = self.connect_timeout {
+                    cmd.args(["--connect-timeout", &ms(t)]);
+                }
+                if self.config.metrics {
+                    cmd.args(["--metrics", &format!("{}:0", Self::host_of(listen))]);
+                }
+                cmd
+            }
+        };
         cmd.env("RUST_LOG", std::env::var("COHORT_CHAOS_WORKER_LOG").unwrap_or_else(|_| "info".into()));
         let process = ManagedProcess::spawn_with_hook(name, cmd, &self.log_dir, self.lines_tx.clone(), hook)
             .map_err(|e| ClusterError::Setup(e.to_string()))?;
@@ -625,6 +689,24 @@ fn bound_address(line: &str) -> Option<std::net::SocketAddr> {
 
 #[cfg(test)]
 mod tests {
+    use super::expand_command;
+
+    #[test]
+    fn a_worker_command_template_is_filled_and_unknown_placeholders_are_errors() {
+        let values = [("coordinator", "http://a:1,http://b:2".to_string()), ("worker_id", "w3".to_string())];
+        let template: Vec<String> = ["{python}", "ex.py", "--coordinator={coordinator}", "--id", "{worker_id}"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        let argv = expand_command(&template, &values).expect("expands");
+        assert_eq!(&argv[1..], ["ex.py", "--coordinator=http://a:1,http://b:2", "--id", "w3"]);
+        assert!(!argv[0].is_empty());
+        let bad: Vec<String> = vec!["x".into(), "{nope}".into()];
+        assert!(expand_command(&bad, &values).unwrap_err().contains("unknown placeholder {nope}"));
+        assert!(expand_command(&["{job".to_string()], &values).unwrap_err().contains("unclosed"));
+        assert!(expand_command(&[], &values).is_err());
+    }
+
     use super::bound_address;
 
     #[test]

@@ -203,6 +203,7 @@ async fn run_inner(sc: &Scenario, seed: u64, log_dir: &std::path::Path, verbose:
         size: sc.size.clone(),
         step_interval: sc.step_interval.0,
         no_progress: sc.no_progress.0,
+        command: sc.worker_command.clone(),
     };
     let mut run = Run {
         sc,

@@ -344,6 +344,10 @@ pub struct Scenario {
     /// Loopback (default) or a network namespace per worker.
     #[serde(default)]
     pub network: NetworkChoice,
+    /// The workers' command line instead of `cohort-worker train` (placeholders: see
+    /// [`crate::cluster::expand_command`]); the program must print train's events.
+    #[serde(default)]
+    pub worker_command: Option<Vec<String>>,
     /// How the job must end.
     #[serde(default)]
     pub expect: Expect,

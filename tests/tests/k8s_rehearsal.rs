@@ -330,6 +330,7 @@ async fn rehearsal() {
             size: "256K".into(),
             step_interval: Duration::from_millis(15),
             no_progress: Duration::from_secs(5),
+            command: None,
         },
     };
     let all: Vec<String> = (0..6).map(pod).collect();
