@@ -107,6 +107,10 @@ struct StatusArgs {
     /// File holding the job token (also accepted: env COHORT_TOKEN).
     #[arg(long)]
     token_file: Option<PathBuf>,
+    /// PEM file of the CA that signed the coordinators' certificates, for `https://`
+    /// endpoints (a bare HOST:PORT then means https).
+    #[arg(long)]
+    tls_ca: Option<PathBuf>,
     /// How long to wait for an answer.
     #[arg(long, value_parser = duration, default_value = "5s")]
     timeout: Duration,
@@ -387,11 +391,25 @@ enum Attempt {
     Refused(String),
 }
 
-async fn status_once(url: String, args: &StatusArgs, token: Option<&str>) -> Result<pb::StatusResponse, Attempt> {
-    let endpoint = tonic::transport::Endpoint::from_shared(url)
+async fn status_once(
+    url: String,
+    args: &StatusArgs,
+    token: Option<&str>,
+    ca: Option<&[u8]>,
+) -> Result<pb::StatusResponse, Attempt> {
+    let mut endpoint = tonic::transport::Endpoint::from_shared(url.clone())
         .map_err(|e| Attempt::Unreachable(e.to_string()))?
         .connect_timeout(args.timeout)
         .timeout(args.timeout);
+    if url.starts_with("https://") {
+        let ca = ca.ok_or_else(|| Attempt::Refused(format!("{url} is https: give the CA certificate (--tls-ca)")))?;
+        let tls = tonic::transport::ClientTlsConfig::new().ca_certificate(tonic::transport::Certificate::from_pem(ca));
+        endpoint = endpoint.tls_config(tls).map_err(|e| Attempt::Refused(format!("TLS for {url}: {e}")))?;
+    } else if ca.is_some() {
+        return Err(Attempt::Refused(format!(
+            "{url} is http:// but a CA certificate is given (--tls-ca): use https://"
+        )));
+    }
     let channel = endpoint.connect().await.map_err(|e| Attempt::Unreachable(e.to_string()))?;
     let mut client = pb::coordinator_client::CoordinatorClient::new(channel);
     let mut request = tonic::Request::new(pb::StatusRequest { job: args.job.clone() });
@@ -419,10 +437,22 @@ async fn status_once(url: String, args: &StatusArgs, token: Option<&str>) -> Res
 
 async fn status(args: StatusArgs) -> Result<(), CliError> {
     let token = read_token(args.token_file.as_ref())?;
+    let ca = match &args.tls_ca {
+        Some(path) => {
+            Some(std::fs::read(path).map_err(|source| CliError::Read { path: path.display().to_string(), source })?)
+        }
+        None => None,
+    };
     let mut errors = Vec::new();
     for raw in &args.endpoints {
-        let url = if raw.contains("://") { raw.clone() } else { format!("http://{raw}") };
-        match tokio::time::timeout(args.timeout, status_once(url, &args, token.as_deref())).await {
+        let url = if raw.contains("://") {
+            raw.clone()
+        } else if ca.is_some() {
+            format!("https://{raw}")
+        } else {
+            format!("http://{raw}")
+        };
+        match tokio::time::timeout(args.timeout, status_once(url, &args, token.as_deref(), ca.as_deref())).await {
             Ok(Ok(s)) => {
                 if args.json {
                     println!("{}", status_json(&s));

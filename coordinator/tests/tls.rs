@@ -125,6 +125,26 @@ async fn serves_over_tls() {
             let mut c = pb::coordinator_client::CoordinatorClient::new(channel);
             assert!(c.status(pb::StatusRequest { job: "tls-job".into() }).await.is_err());
         }
+        // `cohort-coordinator status` speaks TLS with --tls-ca (deploy/README.md offers it),
+        // and refuses an https endpoint without a CA instead of failing obscurely.
+        std::fs::write(dir.path().join("token"), "tok").expect("token file");
+        let status = |with_ca: bool| {
+            let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_cohort-coordinator"));
+            cmd.args(["status", "--job", "tls-job", "--timeout", "5s", "--endpoints"])
+                .arg(format!("https://localhost:{}", server.local_addr().port()))
+                .arg("--token-file")
+                .arg(dir.path().join("token"));
+            if with_ca {
+                cmd.arg("--tls-ca").arg(dir.path().join("ca.pem"));
+            }
+            tokio::task::spawn_blocking(move || cmd.output().expect("run cohort-coordinator status"))
+        };
+        let out = status(true).await.expect("join");
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success() && text.contains("tls-job") && text.contains("w0"), "{text} {out:?}");
+        let out = status(false).await.expect("join");
+        assert!(!out.status.success(), "{out:?}");
+        assert!(String::from_utf8_lossy(&out.stderr).contains("give the CA certificate"), "{out:?}");
         server.shutdown().await.expect("shutdown");
     })
     .await;

@@ -61,9 +61,13 @@ struct Inner {
     preferred: AtomicUsize,
 }
 
-fn normalise(endpoint: &str) -> String {
+/// The URL of an endpoint: as given when it names a scheme, else `https://` when a CA is
+/// configured (TLS is what a CA is for), `http://` otherwise.
+fn normalise(endpoint: &str, tls: bool) -> String {
     if endpoint.contains("://") {
         endpoint.to_string()
+    } else if tls {
+        format!("https://{endpoint}")
     } else {
         format!("http://{endpoint}")
     }
@@ -117,7 +121,14 @@ impl ControlClient {
         };
         let mut channels = Vec::with_capacity(config.endpoints.len());
         for raw in &config.endpoints {
-            let url = normalise(raw);
+            let url = normalise(raw, tls.is_some());
+            if tls.is_some() && url.starts_with("http://") {
+                // A CA with a plain-text endpoint would be silently ignored: say so instead.
+                return Err(ControlError::Config(format!(
+                    "{raw:?} is http:// but a CA certificate is given (--tls-ca): the connection would not be \
+                     encrypted; use https://"
+                )));
+            }
             let mut endpoint = Endpoint::from_shared(url.clone())
                 .map_err(|e| ControlError::Config(format!("bad coordinator endpoint {raw:?}: {e}")))?
                 .connect_timeout(config.connect_timeout)
@@ -307,6 +318,24 @@ impl ControlClient {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn a_ca_with_a_plain_text_endpoint_is_an_error_not_ignored() {
+        let dir = std::env::temp_dir().join(format!("cohort-ca-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let ca = dir.join("ca.pem");
+        std::fs::write(&ca, b"-----BEGIN CERTIFICATE-----\n-----END CERTIFICATE-----\n").expect("write");
+        let mut config = ControlConfig::new(vec!["http://127.0.0.1:7470".into()]);
+        config.tls_ca = Some(ca.clone());
+        let err = ControlClient::new(config).err().expect("http:// with a CA must be refused");
+        assert!(err.to_string().contains("is http:// but a CA certificate is given"), "{err}");
+        // A bare HOST:PORT with a CA means TLS; without one, plain text.
+        assert_eq!(normalise("h:1", true), "https://h:1");
+        assert_eq!(normalise("h:1", false), "http://h:1");
+        assert_eq!(normalise("http://h:1", true), "http://h:1");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
     use super::*;
 
     fn with_retry_after(code: Code, value: &str) -> Status {
