@@ -137,7 +137,7 @@ pub async fn run<E: ExactElement>(
         let world = generation.comm.size();
         let rank = generation.comm.rank();
         let span = info_span!("train", job = %group.job(), generation = g, rank);
-        if E::EXACT_LIMIT < Pattern::new(0, world).max_sum() + 15 * world as u64 * train.steps {
+        if E::EXACT_LIMIT < Pattern::new(0, world).max_sum().saturating_mul(train.steps.saturating_add(1)) {
             return Err(TrainError::Setup(format!(
                 "{} cannot hold {} steps of exact sums over {world} ranks; use f32/f64/i32/i64 or fewer steps",
                 E::NAME,
