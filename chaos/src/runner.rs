@@ -1002,11 +1002,50 @@ impl Run<'_> {
     }
 }
 
+/// Whether the evidence shows the fault struck while the target's allreduce was in flight
+/// (the harness strikes after the target announced one, but announcing is not proof): the
+/// target's last announced allreduce before the strike, of step S, had not completed (no
+/// `step` event for S+1 before the strike), and a survivor's error names step S outside the
+/// commit and sync phases.
+fn struck_mid_allreduce(r: &FaultRecord, events: &[WorkerEvent]) -> bool {
+    let Some(target) = r.targets.first().map(|t| t.split('(').next().unwrap_or("").to_string()) else {
+        return false;
+    };
+    let at = r.at_ms;
+    let gen = Some(r.generation as i64);
+    let Some(step) = events
+        .iter()
+        .filter(|e| e.kind == "allreduce" && e.worker == target && e.int("gen") == gen && e.t_ms() <= at)
+        .filter_map(|e| e.int("step"))
+        .max()
+    else {
+        return false;
+    };
+    let completed = events.iter().any(|e| {
+        e.kind == "step"
+            && e.worker == target
+            && e.int("gen") == gen
+            && e.int("step") == Some(step + 1)
+            && e.t_ms() <= at
+    });
+    let in_flight_error = events.iter().any(|e| {
+        e.kind == "error"
+            && r.survivors.contains(&e.worker)
+            && e.int("gen") == gen
+            && e.int("step") == Some(step)
+            && e.text("phase").is_none()
+    });
+    !completed && in_flight_error
+}
+
 /// Fills the records' measurements from the events. A fault's errors are its survivors'
 /// first errors in its generation from its moment on, and before the next fault of the same
 /// generation (whose errors they would be).
 fn measure(records: &[FaultRecord], events: &[WorkerEvent]) -> Vec<FaultRecord> {
     let mut out = records.to_vec();
+    for r in out.iter_mut() {
+        r.mid_allreduce = r.mid_allreduce && struck_mid_allreduce(r, events);
+    }
     for (i, r) in out.iter_mut().enumerate() {
         let at = r.at_ms as i64;
         let until =
@@ -1216,6 +1255,34 @@ fn directed_pairs(targets: &[String], peers: &[String], one_way: bool) -> Vec<(S
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn a_kill_is_mid_allreduce_only_on_evidence() {
+        let record = FaultRecord {
+            targets: vec!["w1(rank 1)".into()],
+            survivors: vec!["w0".into()],
+            generation: 2,
+            at_ms: 1000,
+            mid_allreduce: true,
+            ..Default::default()
+        };
+        let announced = ev("w1", "event=allreduce gen=2 rank=1 step=7 t_ms=990");
+        // In flight: the survivor's allreduce of step 7 failed.
+        let in_flight = [announced.clone(), ev("w0", "event=error gen=2 rank=0 step=7 kind=PeerFailed t_ms=1003")];
+        assert!(struck_mid_allreduce(&record, &in_flight));
+        // The collective had ended before the kill: the victim reported step 8, and the
+        // survivor failed later, at the commit point.
+        let after = [
+            announced.clone(),
+            ev("w1", "event=step gen=2 world=2 rank=1 step=8 t_ms=995"),
+            ev("w0", "event=error gen=2 rank=0 step=8 phase=commit kind=PeerFailed t_ms=1004"),
+        ];
+        assert!(!struck_mid_allreduce(&record, &after));
+        // No error from a survivor at that step: no evidence.
+        assert!(!struck_mid_allreduce(&record, &[announced]));
+        let measured = measure(&[record], &after);
+        assert!(!measured[0].mid_allreduce, "measure reports the kill as not mid-allreduce");
+    }
 
     #[test]
     fn a_cause_names_a_worker_exactly() {
