@@ -76,7 +76,10 @@ def job(name: str, workers: int, epochs: int, kill_at: int | None, logdir: Path,
         if kill_at is not None:
             victim, log = procs[1]
             if spare:
-                # A hot spare: started now, it waits at the rendezvous (the job is at max_workers).
+                # A hot spare, started once the first generation trains (else it could take a
+                # place in it): it waits at the rendezvous while the job is at max_workers.
+                for _, wlog in procs:
+                    wait_line(wlog, r"^event=step gen=1 ", 300)
                 replacement = worker("w-spare", endpoint, name, epochs, logdir)
             wait_line(log, rf"^event=allreduce gen=\d+ rank=\d+ step={kill_at}\b", 300)
             killed_at = time.time()
