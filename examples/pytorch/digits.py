@@ -110,10 +110,12 @@ def elastic(args: argparse.Namespace) -> None:
     (xtr, ytr), (xte, yte) = data(args.seed)
     net = model(args.hidden, args.seed)
     opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
-    state = cohort.elastic.TorchState(group, model=net, optimizer=opt, epoch=0, step_in_epoch=0, steps=0, loss=0.0)
+    state = cohort.elastic.TorchState(group, model=net, optimizer=opt, epoch=0, step_in_epoch=0, steps=0)
     steps_per_epoch = len(xtr) // GLOBAL_BATCH
     times: list[float] = []
-    trainer: dict[str, object] = {}
+    # Everything in the state must be the same on every rank (its digest is compared at each
+    # sync): the loss of this rank's slice is not, so it is kept outside.
+    trainer: dict[str, object] = {"loss": 0.0}
 
     def on_reform() -> None:
         # Mean loss and average when the batch splits evenly (what DDP computes); else a
@@ -163,8 +165,8 @@ def elastic(args: argparse.Namespace) -> None:
                 times.append(time.perf_counter() - t0)
                 state.step_in_epoch += 1
                 state.steps += 1
-                state.loss = loss.item()
-                emit("step", gen=state.generation, world=world, rank=rank, step=state.steps, loss=f"{state.loss:.4f}")
+                trainer["loss"] = loss.item()
+                emit("step", gen=state.generation, world=world, rank=rank, step=state.steps, loss=f"{trainer['loss']:.4f}")
                 if state.steps % args.commit_every == 0 or state.step_in_epoch == steps_per_epoch:
                     state.commit(step=state.steps)
             state.epoch += 1
@@ -177,7 +179,7 @@ def elastic(args: argparse.Namespace) -> None:
         if rank == 0 or args.all_ranks_summary:
             emit("summary", world=world, steps=state.steps,
                  step_ms_median=f"{statistics.median(times) * 1e3:.3f}" if times else "nan",
-                 test_accuracy=f"{accuracy(net, xte, yte):.4f}", final_loss=f"{state.loss:.4f}",
+                 test_accuracy=f"{accuracy(net, xte, yte):.4f}", final_loss=f"{trainer['loss']:.4f}",
                  param_sha256=digest(net), reformations=state.reformations, ranks_agree=agreed, rank=rank)
         if not agreed:
             raise SystemExit("the ranks' final parameters differ")

@@ -238,13 +238,7 @@ def run(func: F) -> F:
 
     @functools.wraps(func)
     def wrapper(state: State, *args: Any, **kwargs: Any) -> Any:
-        try:
-            state.reform()
-        except JobEndedError as e:
-            if e.outcome == "finished":
-                return None
-            raise
-        while True:
+        while _reform_unless_finished(state):
             try:
                 result = func(state, *args, **kwargs)
             except CollectiveError as failure:
@@ -259,11 +253,17 @@ def run(func: F) -> F:
                     state.comm = None
                 state.group.leave(finished=True)
                 return result
-            try:
-                state.reform()
-            except JobEndedError as e:
-                if e.outcome == "finished":
-                    return None
-                raise
+        return None
 
     return wrapper  # type: ignore[return-value]
+
+
+def _reform_unless_finished(state: State) -> bool:
+    """Re-forms; False when the job has finished meanwhile (the others completed it)."""
+    try:
+        state.reform()
+    except JobEndedError as e:
+        if e.outcome == "finished":
+            return False
+        raise
+    return True

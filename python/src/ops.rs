@@ -108,6 +108,13 @@ fn input_view(input: &Buf, output: &Buf, copies: &mut Vec<Vec<u64>>) -> View {
 }
 
 impl Prepared {
+    /// An operation with an input and an output buffer (the input copied when they overlap).
+    fn in_out(input: &Buf, output: &Buf, make: impl FnOnce(View, View) -> Op) -> Prepared {
+        let mut copies = Vec::new();
+        let input = input_view(input, output, &mut copies);
+        Prepared { op: make(input, View::of(output)), _copies: copies }
+    }
+
     fn plain(op: Op) -> Result<Prepared, String> {
         Ok(Prepared { op, _copies: Vec::new() })
     }
@@ -126,9 +133,7 @@ impl Prepared {
                 output.len()
             )
         })?;
-        let mut copies = Vec::new();
-        let input = input_view(input, output, &mut copies);
-        Ok(Prepared { op: Op::ReduceScatter { input, output: View::of(output), op }, _copies: copies })
+        Ok(Self::in_out(input, output, |input, output| Op::ReduceScatter { input, output, op }))
     }
 
     pub(crate) fn allgather(input: &Buf, output: &Buf, shape: Shape) -> Result<Prepared, String> {
@@ -141,9 +146,7 @@ impl Prepared {
                 input.len()
             )
         })?;
-        let mut copies = Vec::new();
-        let input = input_view(input, output, &mut copies);
-        Ok(Prepared { op: Op::Allgather { input, output: View::of(output) }, _copies: copies })
+        Ok(Self::in_out(input, output, |input, output| Op::Allgather { input, output }))
     }
 
     pub(crate) fn broadcast(buf: &Buf, root: u32, shape: Shape) -> Result<Prepared, String> {
@@ -169,9 +172,7 @@ impl Prepared {
                 )
             })?;
         }
-        let mut copies = Vec::new();
-        let input = input_view(input, output, &mut copies);
-        Ok(Prepared { op: Op::Gather { input, output: View::of(output), root }, _copies: copies })
+        Ok(Self::in_out(input, output, |input, output| Op::Gather { input, output, root }))
     }
 
     pub(crate) fn scatter(input: &Buf, output: &Buf, root: u32, shape: Shape) -> Result<Prepared, String> {
@@ -187,9 +188,7 @@ impl Prepared {
                 )
             })?;
         }
-        let mut copies = Vec::new();
-        let input = input_view(input, output, &mut copies);
-        Ok(Prepared { op: Op::Scatter { input, output: View::of(output), root }, _copies: copies })
+        Ok(Self::in_out(input, output, |input, output| Op::Scatter { input, output, root }))
     }
 
     pub(crate) fn alltoall(input: &Buf, output: &Buf, shape: Shape) -> Result<Prepared, String> {
@@ -202,9 +201,7 @@ impl Prepared {
                 shape.size
             )
         })?;
-        let mut copies = Vec::new();
-        let input = input_view(input, output, &mut copies);
-        Ok(Prepared { op: Op::Alltoall { input, output: View::of(output) }, _copies: copies })
+        Ok(Self::in_out(input, output, |input, output| Op::Alltoall { input, output }))
     }
 
     pub(crate) fn barrier() -> Result<Prepared, String> {

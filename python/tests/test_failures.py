@@ -102,3 +102,13 @@ def test_sigterm_sets_leaving(coordinator_factory, spawn):
     w.signal(signal.SIGTERM)
     assert wait_event(w, "leaving", timeout=20)["leaving"] is True
     assert w.wait(timeout=30) == 0, w.output()
+
+
+def test_members_claiming_one_commit_with_different_state_raise_diverged(coordinator_factory, spawn):
+    coord = coordinator_factory(2)
+    workers = [spawn(f"w{r}", "failures.py", "diverge", coord.endpoint, "div", f"w{r}") for r in range(2)]
+    for w in workers:
+        assert w.wait(timeout=60) == 0, w.output()
+        d = events(w, "diverged")[0]
+        assert "committed step 5" in d["message"] and d["step"] == 5, d  # nothing overwritten
+        assert events(w, "synced")[0] == {"event": "synced", "worker": d["worker"], "snapshot": "agreed", "step": 6}

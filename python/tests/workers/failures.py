@@ -148,6 +148,21 @@ elif mode == "interrupt":
         report("interrupted", at=time.time())
     group.close()
 
+elif mode == "diverge":
+    # Both ranks claim commit 5 with different state: the sync must refuse, on every rank.
+    checkpoint = cohort.Checkpoint()
+    checkpoint.commit(f"state of {worker_id}".encode(), 5)
+    try:
+        checkpoint.sync(comm, b"current")
+    except cohort.DivergedError as e:
+        report("diverged", message=str(e), step=checkpoint.step)
+    # Equal states at the same commit sync fine.
+    same = cohort.Checkpoint()
+    same.commit(b"agreed", 6)
+    snapshot, outcome = same.sync(comm, b"current")
+    report("synced", snapshot=snapshot.decode(), step=outcome.step)
+    group.leave(finished=True)
+
 elif mode == "idle":
     sys.stdin.readline()
     group.close()
