@@ -1012,7 +1012,7 @@ fn struck_mid_allreduce(r: &FaultRecord, events: &[WorkerEvent]) -> bool {
         return false;
     };
     let at = r.at_ms;
-    let gen = Some(r.generation as i64);
+    let gen = Some(r.generation);
     let Some(step) = events
         .iter()
         .filter(|e| e.kind == "allreduce" && e.worker == target && e.int("gen") == gen && e.t_ms() <= at)

@@ -22,7 +22,8 @@ together and follow the project's rules:
   * a container that runs `python SCRIPT.py ...` (the PyTorch workers): SCRIPT is a file
     that a deploy/Dockerfile* COPYs from the repository (--repo), its arguments are ones the
     script's argparse parser accepts (read statically from the source: options, values,
-    required options), and OMP_NUM_THREADS is the container's CPU limit;
+    required options), OMP_NUM_THREADS is the container's CPU limit, and a script with a
+    --threads option gets --threads $(OMP_NUM_THREADS);
   * a memory-backed emptyDir (/dev/shm) has a sizeLimit within the memory limit.
 
 Prints one line per problem, naming the resource, and exits 1 if there was any.
@@ -424,6 +425,11 @@ class Checker:
                 self.fail(r, f"{where}: OMP_NUM_THREADS should come from this container's limits.cpu")
         elif omp is None or limit is None or str(omp.get("value")) != str(math.ceil(quantity(limit, cpu=True) or 0)):
             self.fail(r, f"{where}: OMP_NUM_THREADS is not the CPU limit (torch would start a thread per CPU of the node)")
+        # A script with a --threads option (torch.set_num_threads) overrides OMP_NUM_THREADS.
+        if "--threads" in spec.options:
+            given = dict(flag_values(script_args)).get("--threads")
+            if given != "$(OMP_NUM_THREADS)":
+                self.fail(r, f"{where}: {src_rel} sets torch's threads from --threads; pass --threads $(OMP_NUM_THREADS), not {given!r}")
 
     def is_claim_template(self, r: Resource, name: str) -> bool:
         return any(t.get("metadata", {}).get("name") == name for t in r.get("spec", {}).get("volumeClaimTemplates", []) or [])
