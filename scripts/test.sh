@@ -23,19 +23,28 @@ cargo build --workspace --all-targets --locked
 echo "== deploy manifests (kustomize render, offline schema validation, yamllint, CLI flags)"
 bash scripts/validate-deploy.sh --require-cli
 
+# The release binaries and the Python package (python/: the PyO3 extension and the
+# pure-Python layers), built by maturin into target/pyenv (which sees Debian's torch): the
+# Kubernetes rehearsal with Python pods, the quick suite's python-kills scenario and the pytest
+# suite below run Python workers with it.
+echo "== release build and the Python package"
+cargo build --release --locked -p cohort-chaos -p cohort -p cohort-coordinator
+py=$(bash scripts/python-env.sh | tail -n 1)
+export COHORT_PYTHON="$py"
+
+# COHORT_REQUIRE_PYTHON: a test that needs the Python package fails instead of skipping.
 echo "== tests"
-cargo test --workspace --locked -- --test-threads="${COHORT_TEST_THREADS:-2}"
+COHORT_REQUIRE_PYTHON=1 cargo test --workspace --locked -- --test-threads="${COHORT_TEST_THREADS:-2}"
 
 # The chaos suite, quick: real coordinator and worker processes (release build), every fault
 # kind once (kills mid-allreduce, hangs, network faults through the proxy, coordinator and
 # etcd loss, joins and leaves, below min_workers), every invariant checked.
 echo "== chaos suite --quick"
-cargo build --release --locked -p cohort-chaos -p cohort -p cohort-coordinator
-# The Python package (python/: the PyO3 extension and the pure-Python layers), built by
-# maturin into target/pyenv (which sees Debian's torch): the quick suite's python-kills
-# scenario runs Python workers with it, and the pytest suite below tests it.
-py=$(bash scripts/python-env.sh | tail -n 1)
-COHORT_PYTHON="$py" target/release/cohort-chaos suite --quick --json target/chaos-quick.json
+target/release/cohort-chaos suite --quick --json target/chaos-quick.json
+
+# README's main command, as a newcomer runs it: it fails unless its verdict is PASS.
+echo "== the demo (README's main command)"
+bash scripts/demo.sh
 
 # The Python package's tests (the extension, the elastic layers, the PyTorch backend and
 # example), against the release binaries: real coordinator and worker processes on loopback.
