@@ -82,6 +82,17 @@ impl EtcdProcessError {
     }
 }
 
+/// TLS on a test etcd's client port (the files are PEM).
+#[derive(Clone, Debug)]
+pub struct EtcdServerTls {
+    /// The server certificate (valid for 127.0.0.1).
+    pub cert: PathBuf,
+    /// Its private key.
+    pub key: PathBuf,
+    /// With a CA, etcd runs with `--client-cert-auth`: clients must show a certificate it signed.
+    pub client_ca: Option<PathBuf>,
+}
+
 /// A running (or stopped) single-member etcd server on loopback ports.
 #[derive(Debug)]
 pub struct EtcdProcess {
@@ -90,6 +101,8 @@ pub struct EtcdProcess {
     dir: tempfile::TempDir,
     client_port: u16,
     peer_port: u16,
+    /// With TLS: TLS on the client port, and `/health` served in plain text on `metrics_port`.
+    tls: Option<(EtcdServerTls, u16)>,
     child: Option<Child>,
 }
 
@@ -202,6 +215,12 @@ impl EtcdProcess {
     /// Starts etcd on free loopback ports with a fresh temporary data directory and waits
     /// (at most [`READY_TIMEOUT`]) until it is healthy. Blocking.
     pub fn start() -> Result<EtcdProcess, EtcdProcessError> {
+        EtcdProcess::start_with(None)
+    }
+
+    /// Like [`EtcdProcess::start`], with TLS on the client port when `tls` is given (the
+    /// endpoint is then `https://`). Blocking.
+    pub fn start_with(tls: Option<EtcdServerTls>) -> Result<EtcdProcess, EtcdProcessError> {
         let bin = find_binary()?;
         let mut attempt = 1;
         loop {
@@ -210,7 +229,11 @@ impl EtcdProcess {
                 .tempdir()
                 .map_err(EtcdProcessError::io("creating the etcd data directory"))?;
             let (client_port, peer_port) = pick_ports()?;
-            let mut etcd = EtcdProcess { bin: bin.clone(), dir, client_port, peer_port, child: None };
+            let tls = match &tls {
+                Some(t) => Some((t.clone(), pick_ports()?.0)),
+                None => None,
+            };
+            let mut etcd = EtcdProcess { bin: bin.clone(), dir, client_port, peer_port, tls, child: None };
             match etcd.launch() {
                 Ok(()) => {
                     tracing::info!(endpoint = %etcd.endpoint(), dir = %etcd.dir.path().display(), "etcd started");
@@ -230,9 +253,10 @@ impl EtcdProcess {
         }
     }
 
-    /// The client URL, `http://127.0.0.1:PORT`.
+    /// The client URL, `http://127.0.0.1:PORT` (`https://` with TLS).
     pub fn endpoint(&self) -> String {
-        format!("http://127.0.0.1:{}", self.client_port)
+        let scheme = if self.tls.is_some() { "https" } else { "http" };
+        format!("{scheme}://127.0.0.1:{}", self.client_port)
     }
 
     /// The process id while running.
@@ -327,10 +351,15 @@ impl EtcdProcess {
             // A short election timeout makes startup fast and lowers the minimum lease TTL
             // to 1 s; a single member never holds an election after startup.
             .args(["--heartbeat-interval", "50", "--election-timeout", "500"])
-            .args(["--logger", "zap", "--log-outputs", "stderr", "--log-level", "error"])
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::from(log));
+            .args(["--logger", "zap", "--log-outputs", "stderr", "--log-level", "error"]);
+        if let Some((tls, metrics_port)) = &self.tls {
+            cmd.arg("--cert-file").arg(&tls.cert).arg("--key-file").arg(&tls.key);
+            if let Some(ca) = &tls.client_ca {
+                cmd.arg("--client-cert-auth").arg("--trusted-ca-file").arg(ca);
+            }
+            cmd.args(["--listen-metrics-urls", &format!("http://127.0.0.1:{metrics_port}")]);
+        }
+        cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::from(log));
         // Settings in the environment (ETCD_*) would silently change the member.
         for (key, _) in std::env::vars_os() {
             if key.to_string_lossy().starts_with("ETCD_") {
@@ -351,7 +380,8 @@ impl EtcdProcess {
 
     /// Polls `/health` until it passes, the process exits, or [`READY_TIMEOUT`] passes.
     fn wait_ready(&mut self) -> Result<(), EtcdProcessError> {
-        let addr = SocketAddr::from(([127, 0, 0, 1], self.client_port));
+        // With TLS on the client port, /health is probed on the plain-text metrics port.
+        let addr = SocketAddr::from(([127, 0, 0, 1], self.tls.as_ref().map_or(self.client_port, |(_, p)| *p)));
         let deadline = Instant::now() + READY_TIMEOUT;
         loop {
             let exited = match self.child.as_mut().map(Child::try_wait) {

@@ -4,7 +4,8 @@
 use clap::{Args, Parser, Subcommand};
 use cohort_coordinator::config::{parse_duration, Overrides, Settings};
 use cohort_coordinator::server::{ServeConfig, TlsFiles};
-use cohort_coordinator::store::{etcd::EtcdStore, memory::MemoryStore, Store};
+use cohort_coordinator::store::etcd::{EtcdSecurity, EtcdStore, DEFAULT_REQUEST_TIMEOUT};
+use cohort_coordinator::store::{memory::MemoryStore, Store};
 use cohort_proto::v1 as pb;
 use std::io::Write as _;
 use std::path::PathBuf;
@@ -43,6 +44,21 @@ struct ServeArgs {
     /// `memory` (embedded, one replica) or `etcd://HOST:PORT[,HOST:PORT...]`.
     #[arg(long, default_value = "memory")]
     store: String,
+    /// PEM file of the CA that signed etcd's client certificates: speak TLS to etcd.
+    #[arg(long)]
+    etcd_ca: Option<PathBuf>,
+    /// Client certificate (PEM) for an etcd that runs with --client-cert-auth (needs --etcd-ca).
+    #[arg(long, requires_all = ["etcd_key", "etcd_ca"])]
+    etcd_cert: Option<PathBuf>,
+    /// The client certificate's private key (PEM).
+    #[arg(long, requires = "etcd_cert")]
+    etcd_key: Option<PathBuf>,
+    /// etcd user name, for an etcd with authentication enabled (password: --etcd-password-file).
+    #[arg(long, requires = "etcd_password_file")]
+    etcd_user: Option<String>,
+    /// File holding the etcd user's password.
+    #[arg(long, requires = "etcd_user")]
+    etcd_password_file: Option<PathBuf>,
     /// TOML settings file (`[defaults]`, `[jobs.<id>]`).
     #[arg(long)]
     config: Option<PathBuf>,
@@ -127,6 +143,10 @@ enum CliError {
     Read { path: String, source: std::io::Error },
     #[error("bad --store {0:?}: use memory or etcd://HOST:PORT[,HOST:PORT...]")]
     StoreSpec(String),
+    #[error("etcd password: {0}")]
+    Secret(String),
+    #[error("{0}")]
+    Flags(String),
     #[error("store: {0}")]
     Store(#[from] cohort_coordinator::store::StoreError),
     #[error("{0}")]
@@ -154,16 +174,43 @@ fn read(path: &PathBuf) -> Result<Vec<u8>, CliError> {
     std::fs::read(path).map_err(|source| CliError::Read { path: path.display().to_string(), source })
 }
 
-async fn open_store(spec: &str) -> Result<Arc<dyn Store>, CliError> {
+/// TLS and credentials for etcd, from the `--etcd-*` flags.
+fn etcd_security(args: &ServeArgs) -> Result<EtcdSecurity, CliError> {
+    let client_identity = match (&args.etcd_cert, &args.etcd_key) {
+        (Some(c), Some(k)) => Some((read(c)?, read(k)?)),
+        _ => None,
+    };
+    let user = match (&args.etcd_user, &args.etcd_password_file) {
+        (Some(name), Some(file)) => {
+            let password = String::from_utf8(read(file)?)
+                .map_err(|_| CliError::Secret(format!("{} is not UTF-8", file.display())))?
+                .trim_end_matches(['\r', '\n'])
+                .to_string();
+            if password.is_empty() {
+                return Err(CliError::Secret(format!("{} is empty", file.display())));
+            }
+            Some((name.clone(), password))
+        }
+        _ => None,
+    };
+    Ok(EtcdSecurity { ca_pem: args.etcd_ca.as_ref().map(read).transpose()?, client_identity, user })
+}
+
+async fn open_store(spec: &str, security: &EtcdSecurity) -> Result<Arc<dyn Store>, CliError> {
+    let etcd_flags = security.ca_pem.is_some() || security.user.is_some();
     if spec == "memory" {
+        if etcd_flags {
+            return Err(CliError::Flags("the --etcd-* flags need --store etcd://HOST:PORT[,...]".into()));
+        }
         return Ok(Arc::new(MemoryStore::new()));
     }
     let Some(list) = spec.strip_prefix("etcd://") else { return Err(CliError::StoreSpec(spec.into())) };
-    let endpoints: Vec<String> = list.split(',').filter(|s| !s.is_empty()).map(|s| format!("http://{s}")).collect();
+    let scheme = if security.ca_pem.is_some() { "https" } else { "http" };
+    let endpoints: Vec<String> = list.split(',').filter(|s| !s.is_empty()).map(|s| format!("{scheme}://{s}")).collect();
     if endpoints.is_empty() {
         return Err(CliError::StoreSpec(spec.into()));
     }
-    Ok(Arc::new(EtcdStore::connect(&endpoints).await?))
+    Ok(Arc::new(EtcdStore::connect_secured(&endpoints, DEFAULT_REQUEST_TIMEOUT, security).await?))
 }
 
 async fn bind(addr: &str) -> Result<tokio::net::TcpListener, CliError> {
@@ -216,7 +263,7 @@ async fn serve(args: ServeArgs) -> Result<(), CliError> {
         (Some(c), Some(k)) => Some(TlsFiles { cert_pem: read(c)?, key_pem: read(k)? }),
         _ => None,
     };
-    let store = open_store(&args.store).await?;
+    let store = open_store(&args.store, &etcd_security(&args)?).await?;
     let listener = bind(&args.listen).await?;
     let metrics = match &args.metrics {
         Some(a) => Some(bind(a).await?),

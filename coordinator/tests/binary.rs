@@ -4,48 +4,8 @@
 mod common;
 
 use common::*;
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::time::{Duration, Instant};
-
-const BIN: &str = env!("CARGO_BIN_EXE_cohort-coordinator");
-
-struct Running(Child);
-
-impl Drop for Running {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-/// Starts `cohort-coordinator` with `args` and returns it with the address it printed.
-fn spawn(args: &[&str]) -> (Running, std::net::SocketAddr) {
-    let mut child = Command::new(BIN)
-        .args(args)
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("spawn cohort-coordinator");
-    let stdout = child.stdout.take().expect("stdout");
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            if tx.send(line).is_err() {
-                return;
-            }
-        }
-    });
-    let running = Running(child);
-    let line = rx.recv_timeout(Duration::from_secs(20)).expect("no 'listening' line within 20 s");
-    let addr = line
-        .strip_prefix("cohort-coordinator listening on ")
-        .unwrap_or_else(|| panic!("unexpected first line {line:?}"))
-        .parse()
-        .expect("an address");
-    (running, addr)
-}
 
 fn wait_exit(child: &mut Child, bound: Duration) -> std::process::ExitStatus {
     let deadline = Instant::now() + bound;

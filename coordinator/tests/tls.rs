@@ -1,5 +1,5 @@
 //! The coordinator over TLS: a CA and a server certificate made with the `openssl` tool in a
-//! temporary directory (the test says it is skipped, and why, where the tool is missing).
+//! temporary directory (common/certs.rs; the test fails, saying why, where the tool is missing).
 
 mod common;
 
@@ -7,79 +7,6 @@ use cohort_coordinator::config::Settings;
 use cohort_coordinator::server::{ServeConfig, TlsFiles};
 use cohort_proto::v1 as pb;
 use common::*;
-use std::path::Path;
-use std::process::Command;
-
-fn openssl(dir: &Path, args: &[&str]) -> bool {
-    match Command::new("openssl").args(args).current_dir(dir).output() {
-        Ok(out) if out.status.success() => true,
-        Ok(out) => panic!("openssl {args:?} failed: {}", String::from_utf8_lossy(&out.stderr)),
-        Err(_) => false,
-    }
-}
-
-/// Makes `ca.pem`, `server.pem` and `server.key` (for localhost and 127.0.0.1) in `dir`;
-/// `false` when openssl is not installed.
-fn make_certificates(dir: &Path) -> bool {
-    let ext = dir.join("ext.cnf");
-    std::fs::write(&ext, "subjectAltName=DNS:localhost,IP:127.0.0.1\nbasicConstraints=critical,CA:FALSE\n")
-        .expect("write ext");
-    openssl(
-        dir,
-        &[
-            "req",
-            "-x509",
-            "-newkey",
-            "ec",
-            "-pkeyopt",
-            "ec_paramgen_curve:prime256v1",
-            "-nodes",
-            "-keyout",
-            "ca.key",
-            "-out",
-            "ca.pem",
-            "-days",
-            "1",
-            "-subj",
-            "/CN=cohort test CA",
-        ],
-    ) && openssl(
-        dir,
-        &[
-            "req",
-            "-newkey",
-            "ec",
-            "-pkeyopt",
-            "ec_paramgen_curve:prime256v1",
-            "-nodes",
-            "-keyout",
-            "server.key",
-            "-out",
-            "server.csr",
-            "-subj",
-            "/CN=localhost",
-        ],
-    ) && openssl(
-        dir,
-        &[
-            "x509",
-            "-req",
-            "-in",
-            "server.csr",
-            "-CA",
-            "ca.pem",
-            "-CAkey",
-            "ca.key",
-            "-CAcreateserial",
-            "-out",
-            "server.pem",
-            "-days",
-            "1",
-            "-extfile",
-            "ext.cnf",
-        ],
-    )
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn serves_over_tls() {
@@ -87,10 +14,7 @@ async fn serves_over_tls() {
         let dir = tempfile::tempdir().expect("tempdir");
         // The test command installs openssl (scripts/ensure-deps.sh): without it this test
         // cannot do its job, and says so by failing rather than passing silently.
-        assert!(
-            make_certificates(dir.path()),
-            "the openssl tool is needed to make the test certificates (apt-get install openssl)"
-        );
+        assert!(certs::make_certificates(dir.path()), "{}", certs::NEED_OPENSSL);
         let read = |name: &str| std::fs::read(dir.path().join(name)).expect("read pem");
         let backing = Backing::new(Backend::Memory).await;
         let mut config = ServeConfig::new(

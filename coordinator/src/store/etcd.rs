@@ -5,12 +5,19 @@
 //! long-lived and have no overall deadline; a dead connection under them is detected by
 //! HTTP/2 keep-alive pings (every [`KEEPALIVE_INTERVAL`], failing after
 //! [`KEEPALIVE_TIMEOUT`]), which ends the stream with an error.
+//!
+//! The connection can be secured as production etcd clusters require ([`EtcdSecurity`]): TLS
+//! with the cluster's CA (https endpoints), a client certificate for clusters that run with
+//! `--client-cert-auth`, and etcd's user authentication (a user name and password; the client
+//! renews its token when etcd reports it stale).
 
 use std::collections::VecDeque;
 use std::future::Future;
 use std::time::Duration;
 
-use etcd_client::{Client, ConnectOptions, DeleteOptions, GetOptions, PutOptions, WatchOptions};
+use etcd_client::{
+    Certificate, Client, ConnectOptions, DeleteOptions, GetOptions, Identity, PutOptions, TlsOptions, WatchOptions,
+};
 use futures::StreamExt;
 
 use super::{
@@ -29,6 +36,87 @@ pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(10);
 
 /// How long an unanswered HTTP/2 ping may take before the connection counts as dead.
 pub const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// How the coordinator authenticates to etcd and secures the connection. The default is plain
+/// text without credentials (a local or test cluster).
+#[derive(Clone, Default)]
+pub struct EtcdSecurity {
+    /// TLS: the CA (PEM) that signed etcd's client-facing certificates. With it, every endpoint
+    /// must be `https://` (or a bare `HOST:PORT`, which then means https).
+    pub ca_pem: Option<Vec<u8>>,
+    /// A client certificate and key (PEM), for clusters that run with `--client-cert-auth`.
+    /// Needs `ca_pem`.
+    pub client_identity: Option<(Vec<u8>, Vec<u8>)>,
+    /// etcd user authentication: user name and password.
+    pub user: Option<(String, String)>,
+}
+
+impl std::fmt::Debug for EtcdSecurity {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Never the password or the key.
+        f.debug_struct("EtcdSecurity")
+            .field("tls", &self.ca_pem.is_some())
+            .field("client_certificate", &self.client_identity.is_some())
+            .field("user", &self.user.as_ref().map(|(name, _)| name))
+            .finish()
+    }
+}
+
+impl EtcdSecurity {
+    /// Checks that the endpoints and the settings fit together: https needs a CA, a CA needs
+    /// https (a CA given for a plain-text endpoint would otherwise be ignored), and a client
+    /// certificate needs TLS.
+    pub fn check(&self, endpoints: &[String]) -> Result<(), StoreError> {
+        if self.client_identity.is_some() && self.ca_pem.is_none() {
+            return Err(StoreError::Invalid("an etcd client certificate needs TLS: give the etcd CA too".into()));
+        }
+        for e in endpoints {
+            match (e.starts_with("http://"), e.starts_with("https://"), self.ca_pem.is_some()) {
+                (true, _, true) => {
+                    return Err(StoreError::Invalid(format!(
+                        "etcd endpoint {e} is http:// but an etcd CA is given: use https:// (or HOST:PORT)"
+                    )))
+                }
+                (_, true, false) => {
+                    return Err(StoreError::Invalid(format!("etcd endpoint {e} is https://: give the etcd CA")))
+                }
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+
+    /// Adds what to check to a failure of the first request over TLS: a refused TLS
+    /// handshake reaches the client only as a cancelled or failed connection.
+    fn explain(&self, e: StoreError) -> StoreError {
+        match (e, self.ca_pem.is_some(), self.client_identity.is_some()) {
+            (StoreError::Unavailable(m), true, has_cert) => StoreError::Unavailable(format!(
+                "{m} (over TLS: check that the etcd CA signed the server's certificate{})",
+                if has_cert {
+                    " and the client certificate"
+                } else {
+                    ", and whether etcd requires a client certificate"
+                }
+            )),
+            (e, ..) => e,
+        }
+    }
+
+    /// The client's connect options for these settings.
+    fn apply(&self, mut options: ConnectOptions) -> ConnectOptions {
+        if let Some(ca) = &self.ca_pem {
+            let mut tls = TlsOptions::new().ca_certificate(Certificate::from_pem(ca));
+            if let Some((cert, key)) = &self.client_identity {
+                tls = tls.identity(Identity::from_pem(cert, key));
+            }
+            options = options.with_tls(tls);
+        }
+        if let Some((name, password)) = &self.user {
+            options = options.with_user(name.clone(), password.clone());
+        }
+        options
+    }
+}
 
 /// A [`Store`] on an etcd v3 cluster. Clones share one connection.
 #[derive(Clone)]
@@ -192,23 +280,46 @@ impl EtcdStore {
         endpoints: &[String],
         request_timeout: Duration,
     ) -> Result<EtcdStore, StoreError> {
+        EtcdStore::connect_secured(endpoints, request_timeout, &EtcdSecurity::default()).await
+    }
+
+    /// Like [`EtcdStore::connect_with_timeout`], over TLS and with credentials as `security`
+    /// says. Refused before any connection when the settings do not fit the endpoints
+    /// ([`EtcdSecurity::check`]); a wrong CA, certificate or password is
+    /// [`StoreError::Unavailable`] naming etcd's or the TLS layer's reason.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: dropping the future drops the half-made connection.
+    pub async fn connect_secured(
+        endpoints: &[String],
+        request_timeout: Duration,
+        security: &EtcdSecurity,
+    ) -> Result<EtcdStore, StoreError> {
         if endpoints.is_empty() {
             return Err(StoreError::Invalid("no etcd endpoints given".into()));
         }
-        let options = ConnectOptions::new()
-            .with_connect_timeout(DEFAULT_CONNECT_TIMEOUT)
-            .with_timeout(request_timeout)
-            .with_keep_alive(KEEPALIVE_INTERVAL, KEEPALIVE_TIMEOUT)
-            .with_keep_alive_while_idle(true)
-            .with_require_leader(true);
+        security.check(endpoints)?;
+        let options = security.apply(
+            ConnectOptions::new()
+                .with_connect_timeout(DEFAULT_CONNECT_TIMEOUT)
+                .with_timeout(request_timeout)
+                .with_keep_alive(KEEPALIVE_INTERVAL, KEEPALIVE_TIMEOUT)
+                .with_keep_alive_while_idle(true)
+                .with_require_leader(true),
+        );
         let client = tokio::time::timeout(DEFAULT_CONNECT_TIMEOUT, Client::connect(endpoints, Some(options)))
             .await
             .map_err(|_| StoreError::Unavailable(format!("connecting to etcd at {endpoints:?} timed out")))?
-            .map_err(|e| map_error(e, None))?;
+            .map_err(|e| security.explain(map_error(e, None)))?;
         let store = EtcdStore { client, request_timeout };
         // The client connects lazily; one status call proves the cluster is there.
         let mut maintenance = store.client.maintenance_client();
-        let status = store.call(None, maintenance.status()).await?;
+        let status = store.call(None, maintenance.status()).await.map_err(|e| security.explain(e))?;
+        // Status needs no permission; one read under the coordinator's keys proves that these
+        // credentials may read them, so a wrong user or role fails here, at start-up.
+        let mut kv = store.client.kv_client();
+        let probe = GetOptions::new().with_prefix().with_keys_only().with_limit(1);
+        store.call(None, kv.get(crate::keys::ROOT, Some(probe))).await?;
         tracing::debug!(endpoints = ?endpoints, version = status.version(), "connected to etcd");
         Ok(store)
     }

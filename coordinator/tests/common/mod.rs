@@ -2,6 +2,8 @@
 //! ports over a memory store or a private etcd, and a minimal worker (tonic client).
 #![allow(dead_code)]
 
+pub(crate) mod certs;
+
 use cohort_coordinator::config::{JobSettings, Settings};
 use cohort_coordinator::etcd_process::EtcdProcess;
 use cohort_coordinator::exclusion::ExclusionPolicy;
@@ -9,7 +11,9 @@ use cohort_coordinator::server::{ServeConfig, ServerHandle};
 use cohort_coordinator::store::{etcd::EtcdStore, memory::MemoryStore, Store};
 use cohort_proto::v1 as pb;
 use cohort_proto::v1::coordinator_client::CoordinatorClient;
+use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
+use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 use tonic::transport::Channel;
@@ -335,4 +339,45 @@ pub(crate) async fn wait_event<T>(
 
 pub(crate) async fn status(addr: SocketAddr, job: &str) -> pb::StatusResponse {
     client(addr).await.status(pb::StatusRequest { job: job.into() }).await.expect("status").into_inner()
+}
+
+/// The coordinator binary built with these tests.
+pub(crate) const BIN: &str = env!("CARGO_BIN_EXE_cohort-coordinator");
+
+/// A `cohort-coordinator` process, killed on drop.
+pub(crate) struct Running(pub(crate) Child);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Starts `cohort-coordinator` with `args` and returns it with the address it printed.
+pub(crate) fn spawn(args: &[&str]) -> (Running, std::net::SocketAddr) {
+    let mut child = Command::new(BIN)
+        .args(args)
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn cohort-coordinator");
+    let stdout = child.stdout.take().expect("stdout");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if tx.send(line).is_err() {
+                return;
+            }
+        }
+    });
+    let running = Running(child);
+    let line = rx.recv_timeout(Duration::from_secs(20)).expect("no 'listening' line within 20 s");
+    let addr = line
+        .strip_prefix("cohort-coordinator listening on ")
+        .unwrap_or_else(|| panic!("unexpected first line {line:?}"))
+        .parse()
+        .expect("an address");
+    (running, addr)
 }
