@@ -44,9 +44,9 @@ pub struct WorkerSpec {
 }
 
 /// The worker command with its placeholders filled: `{coordinator}` (comma-separated
-/// endpoints), `{job}`, `{worker_id}`, `{listen}`, `{advertise}`, `{token_file}`, `{steps}`,
-/// `{size}`, `{no_progress_ms}`, `{step_interval_ms}`, and `{python}` (`$COHORT_PYTHON`, else
-/// `python3`). An unknown `{name}` is an error, not a silent literal.
+/// endpoints), `{job}`, `{worker_id}`, `{listen}`, `{advertise}`, `{token_file}` (the job's
+/// credential), `{steps}`, `{size}`, `{no_progress_ms}`, `{step_interval_ms}`, and `{python}`
+/// (`$COHORT_PYTHON`, else `python3`). An unknown `{name}` is an error, not a silent literal.
 pub fn expand_command(template: &[String], values: &[(&str, String)]) -> Result<Vec<String>, String> {
     if template.is_empty() {
         return Err("worker_command is empty".into());
@@ -134,7 +134,10 @@ pub struct Cluster {
     config: ClusterConfig,
     log_dir: PathBuf,
     _tempdir: Option<tempfile::TempDir>,
+    /// The operator secret (coordinators, `status`).
     token_file: PathBuf,
+    /// The job's credential (workers).
+    job_credential_file: PathBuf,
     etcd: Option<EtcdProcess>,
     coordinators: Vec<Coordinator>,
     workers: BTreeMap<String, ManagedProcess>,
@@ -191,9 +194,14 @@ impl Cluster {
                 (Some(t), p)
             }
         };
+        // The coordinators hold the operator secret; the workers only the job's credential
+        // derived from it, as a production deployment hands them out.
         let token_file = log_dir.join("token");
         let token: String = (0..32).map(|_| format!("{:x}", rand::random::<u8>() % 16)).collect();
         std::fs::write(&token_file, &token).map_err(|e| ClusterError::Setup(e.to_string()))?;
+        let job_credential_file = log_dir.join("job-credential");
+        let credential = cohort_proto::credentials::job_token(token.as_bytes(), &config.job);
+        std::fs::write(&job_credential_file, credential).map_err(|e| ClusterError::Setup(e.to_string()))?;
         let netlab = if network == Network::Namespaces {
             if config.store == StoreKind::Etcd {
                 return Err(ClusterError::Setup("network namespaces work with the memory store only".into()));
@@ -214,6 +222,7 @@ impl Cluster {
             log_dir,
             _tempdir: tempdir,
             token_file,
+            job_credential_file,
             etcd,
             coordinators: Vec::new(),
             workers: BTreeMap::new(),
@@ -549,7 +558,7 @@ impl Cluster {
                     ("worker_id", name.to_string()),
                     ("listen", listen.to_string()),
                     ("advertise", advertise.to_string()),
-                    ("token_file", self.token_file.display().to_string()),
+                    ("token_file", self.job_credential_file.display().to_string()),
                     ("steps", spec.steps.to_string()),
                     ("size", spec.size.clone()),
                     ("no_progress_ms", spec.no_progress.as_millis().to_string()),
@@ -567,7 +576,7 @@ impl Cluster {
                     .args(["--listen", listen, "--advertise", advertise, "--worker-id", name])
                     .args(["--no-progress-timeout", &ms(spec.no_progress), "--step-interval", &ms(spec.step_interval)])
                     .arg("--token-file")
-                    .arg(&self.token_file);
+                    .arg(&self.job_credential_file);
                 if let Some(t) = self.connect_timeout {
                     cmd.args(["--connect-timeout", &ms(t)]);
                 }

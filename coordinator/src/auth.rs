@@ -1,44 +1,79 @@
-//! The job token check: `authorization: Bearer <token>` on every RPC, compared in constant
-//! time.
+//! Who may call: the operator secret, or a job's credential (`authorization: Bearer <token>`
+//! on every RPC, compared in constant time).
+//!
+//! The coordinator is configured with the operator secret (and, while it is being rotated,
+//! the previous ones). A request carrying an operator secret may act on every job; one
+//! carrying a job credential (`cohort_proto::credentials::job_token`) only on the job it names.
+//! The interceptor authenticates the token and records the [`Caller`] in the request's
+//! extensions; the service then checks the caller against the job of the message
+//! ([`Caller::permits`]), since the interceptor does not see the message.
 
+use cohort_proto::credentials::{constant_time_eq, is_job_token_of, job_of_token};
 use tonic::{Request, Status};
 
-/// Compares two byte strings in time that depends only on their lengths.
-pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    if a.len() != b.len() {
-        return false;
-    }
-    let diff = a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y));
-    // Keep the optimiser from short-circuiting the fold.
-    std::hint::black_box(diff) == 0
+/// Who made a request, as its token shows.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Caller {
+    /// No token is configured: everyone may do everything.
+    Anyone,
+    /// The operator secret: every job.
+    Operator,
+    /// A job credential: that job only.
+    Job(String),
 }
 
-/// A tonic interceptor that requires the token (or lets everything through without one).
+impl Caller {
+    /// Refuses a request about `job` from a caller whose credential is for another job.
+    pub fn permits(&self, job: &str) -> Result<(), Status> {
+        match self {
+            Caller::Job(own) if own != job => Err(Status::permission_denied(format!(
+                "this credential is for job {own:?}; the request is about job {job:?}"
+            ))),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// A tonic interceptor that authenticates the token (or lets everything through without one).
 #[derive(Clone)]
 pub struct TokenCheck {
-    expected: Option<Vec<u8>>,
+    /// The operator secrets accepted: the current one first, then those being rotated out.
+    secrets: Vec<Vec<u8>>,
 }
 
 impl TokenCheck {
-    /// Requires `Bearer <token>` when `token` is set.
-    pub fn new(token: Option<&str>) -> Self {
-        Self { expected: token.map(|t| format!("Bearer {t}").into_bytes()) }
+    /// Accepts the operator secrets `secrets` and the job credentials derived from them;
+    /// with none, requires nothing.
+    pub fn new(secrets: &[String]) -> Self {
+        Self { secrets: secrets.iter().map(|s| s.as_bytes().to_vec()).collect() }
     }
 
-    /// Checks one request's metadata.
-    pub fn check<T>(&self, request: &Request<T>) -> Result<(), Status> {
-        let Some(expected) = &self.expected else { return Ok(()) };
-        match request.metadata().get(cohort_proto::AUTHORIZATION_HEADER) {
-            Some(value) if constant_time_eq(value.as_bytes(), expected) => Ok(()),
-            Some(_) => Err(Status::unauthenticated("wrong job token")),
-            None => Err(Status::unauthenticated("missing job token (authorization: Bearer <token>)")),
+    /// Authenticates one request's token.
+    pub fn check<T>(&self, request: &Request<T>) -> Result<Caller, Status> {
+        if self.secrets.is_empty() {
+            return Ok(Caller::Anyone);
+        }
+        let Some(value) = request.metadata().get(cohort_proto::AUTHORIZATION_HEADER) else {
+            return Err(Status::unauthenticated("missing job token (authorization: Bearer <token>)"));
+        };
+        let Some(token) = value.to_str().ok().and_then(|v| v.strip_prefix("Bearer ")) else {
+            return Err(Status::unauthenticated("the authorization header is not `Bearer <token>`"));
+        };
+        if self.secrets.iter().any(|s| constant_time_eq(token.as_bytes(), s)) {
+            return Ok(Caller::Operator);
+        }
+        match job_of_token(token) {
+            Some(job) if is_job_token_of(token, job, &self.secrets) => Ok(Caller::Job(job.to_string())),
+            Some(job) => Err(Status::unauthenticated(format!("the credential for job {job:?} is not valid here"))),
+            None => Err(Status::unauthenticated("wrong job token")),
         }
     }
 }
 
 impl tonic::service::Interceptor for TokenCheck {
-    fn call(&mut self, request: Request<()>) -> Result<Request<()>, Status> {
-        self.check(&request)?;
+    fn call(&mut self, mut request: Request<()>) -> Result<Request<()>, Status> {
+        let caller = self.check(&request)?;
+        request.extensions_mut().insert(caller);
         Ok(request)
     }
 }
@@ -46,20 +81,34 @@ impl tonic::service::Interceptor for TokenCheck {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use cohort_proto::credentials::job_token;
+
+    fn with(token: &str) -> Request<()> {
+        let mut r = Request::new(());
+        r.metadata_mut().insert("authorization", format!("Bearer {token}").parse().expect("ascii"));
+        r
+    }
 
     #[test]
-    fn token_check() {
-        assert!(constant_time_eq(b"abc", b"abc"));
-        assert!(!constant_time_eq(b"abc", b"abd"));
-        assert!(!constant_time_eq(b"abc", b"ab"));
-        let check = TokenCheck::new(Some("s3cret"));
-        let mut ok = Request::new(());
-        ok.metadata_mut().insert("authorization", "Bearer s3cret".parse().expect("ascii"));
-        assert!(check.check(&ok).is_ok());
-        let mut wrong = Request::new(());
-        wrong.metadata_mut().insert("authorization", "Bearer nope".parse().expect("ascii"));
-        assert_eq!(check.check(&wrong).expect_err("wrong").code(), tonic::Code::Unauthenticated);
+    fn operator_secrets_and_job_credentials() {
+        let check = TokenCheck::new(&["s3cret".into(), "old".into()]);
+        assert_eq!(check.check(&with("s3cret")).expect("operator"), Caller::Operator);
+        assert_eq!(check.check(&with("old")).expect("rotating out"), Caller::Operator);
+        let job = job_token(b"s3cret", "a");
+        assert_eq!(check.check(&with(&job)).expect("job a"), Caller::Job("a".into()));
+        assert_eq!(check.check(&with(&job_token(b"old", "a"))).expect("old secret"), Caller::Job("a".into()));
+        let foreign = job_token(b"another coordinator", "a");
+        assert_eq!(check.check(&with(&foreign)).expect_err("foreign").code(), tonic::Code::Unauthenticated);
+        assert_eq!(check.check(&with("nope")).expect_err("wrong").code(), tonic::Code::Unauthenticated);
         assert_eq!(check.check(&Request::new(())).expect_err("missing").code(), tonic::Code::Unauthenticated);
-        assert!(TokenCheck::new(None).check(&Request::new(())).is_ok());
+        assert_eq!(TokenCheck::new(&[]).check(&Request::new(())).expect("open"), Caller::Anyone);
+    }
+
+    #[test]
+    fn a_job_credential_permits_its_job_only() {
+        assert!(Caller::Job("a".into()).permits("a").is_ok());
+        let denied = Caller::Job("a".into()).permits("b").expect_err("other job");
+        assert_eq!(denied.code(), tonic::Code::PermissionDenied);
+        assert!(Caller::Operator.permits("b").is_ok() && Caller::Anyone.permits("b").is_ok());
     }
 }

@@ -9,7 +9,7 @@
 //! | `timeouts/<worker>` | the member's | its latest timeout report (generation, ranks, progress) |
 //! | `generation` | none | the current generation: number, ordered members, revocation |
 //! | `failures/<worker>` | none | failure history for exclusion |
-//! | `ended` | a 10 min lease | outcome and reason (kept so late callers are told) |
+//! | `ended` | a lease of `--ended-ttl` (10 min) | outcome and reason (kept so late callers are told) |
 //!
 //! and `/cohort/v1/leader` holds the name of the leading replica, on that replica's lease.
 //! Ids are validated (`[A-Za-z0-9._-]`), so they can never contain `/` and a job's prefix

@@ -1,5 +1,5 @@
-//! `cohort-coordinator`: run a coordinator replica (`serve`, the default) or print a job's
-//! status (`status`).
+//! `cohort-coordinator`: run a coordinator replica (`serve`, the default), print a job's
+//! status (`status`), or print a job's credential (`credential`).
 
 use clap::{Args, Parser, Subcommand};
 use cohort_coordinator::config::{parse_duration, Overrides, Settings};
@@ -30,6 +30,20 @@ enum Command {
     Serve(Box<ServeArgs>),
     /// Print a job's members, generation and progress.
     Status(StatusArgs),
+    /// Print the credential of one job, derived from the operator secret: give it to that
+    /// job's workers (their --token-file) instead of the operator secret.
+    Credential(CredentialArgs),
+}
+
+#[derive(Args)]
+struct CredentialArgs {
+    /// The job id.
+    #[arg(long)]
+    job: String,
+    /// File holding the operator secret (the coordinators' --token-file; also accepted: env
+    /// COHORT_TOKEN).
+    #[arg(long)]
+    token_file: Option<PathBuf>,
 }
 
 fn duration(text: &str) -> Result<Duration, String> {
@@ -95,12 +109,21 @@ struct ServeArgs {
     /// The longest exclusion.
     #[arg(long, value_parser = duration, default_value = "30m")]
     exclusion_max_cooldown: Duration,
+    /// How long an ended job's record is kept, so that late callers are told how it ended;
+    /// after it, the job leaves no key in the store.
+    #[arg(long, value_parser = duration, default_value = "10m")]
+    ended_ttl: Duration,
     /// Serve Prometheus metrics on this address (`GET /metrics`).
     #[arg(long)]
     metrics: Option<String>,
-    /// File holding the job token (also accepted: env COHORT_TOKEN).
+    /// File holding the operator secret (also accepted: env COHORT_TOKEN). Requests must carry
+    /// it or a job credential derived from it (`cohort-coordinator credential`).
     #[arg(long)]
     token_file: Option<PathBuf>,
+    /// Files holding operator secrets being rotated out: still accepted, with their job
+    /// credentials, until removed (repeatable).
+    #[arg(long)]
+    previous_token_file: Vec<PathBuf>,
     /// Server certificate (PEM) for TLS.
     #[arg(long, requires = "tls_key")]
     tls_cert: Option<PathBuf>,
@@ -271,11 +294,24 @@ async fn serve(args: ServeArgs) -> Result<(), CliError> {
     };
     let mut config = ServeConfig::new(store, settings);
     config.token = token;
+    for file in &args.previous_token_file {
+        match read_token(Some(file))? {
+            Some(t) => config.previous_tokens.push(t),
+            None => return Err(CliError::Flags(format!("--previous-token-file {} is empty", file.display()))),
+        }
+    }
+    if config.token.is_none() && !config.previous_tokens.is_empty() {
+        return Err(CliError::Flags("--previous-token-file needs the current secret (--token-file)".into()));
+    }
     config.tls = tls;
     config.metrics = metrics;
     config.replica_name = args.name.clone();
     config.leader_ttl = args.leader_ttl;
     config.exclusion = exclusion;
+    if args.ended_ttl < Duration::from_secs(1) {
+        return Err(CliError::Flags("--ended-ttl must be at least 1s (leases have a resolution of 1 s)".into()));
+    }
+    config.ended_ttl = args.ended_ttl;
     let handle = cohort_coordinator::start(config, listener).await?;
     if let Some(m) = handle.metrics_addr() {
         tracing::info!(address = %m, "metrics at /metrics");
@@ -516,6 +552,16 @@ async fn status(args: StatusArgs) -> Result<(), CliError> {
     Err(CliError::Unreachable(errors.join("; ")))
 }
 
+/// Prints the credential of `args.job`.
+fn credential(args: CredentialArgs) -> Result<(), CliError> {
+    cohort_coordinator::validate::id("job", &args.job).map_err(|s| CliError::Flags(s.message().to_string()))?;
+    let Some(secret) = read_token(args.token_file.as_ref())? else {
+        return Err(CliError::Flags("no operator secret: give --token-file (or COHORT_TOKEN)".into()));
+    };
+    println!("{}", cohort_proto::credentials::job_token(secret.as_bytes(), &args.job));
+    Ok(())
+}
+
 fn main() -> ExitCode {
     let mut args: Vec<std::ffi::OsString> = std::env::args_os().collect();
     if let Some(first) = args.get(1).and_then(|a| a.to_str()) {
@@ -543,6 +589,7 @@ fn main() -> ExitCode {
         match cli.command {
             Command::Serve(a) => serve(*a).await,
             Command::Status(a) => status(a).await,
+            Command::Credential(a) => credential(a),
         }
     });
     match result {

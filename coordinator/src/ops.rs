@@ -15,7 +15,8 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::watch;
 
-/// How long the `ended` record of a finished or failed job is kept (for late callers).
+/// How long the `ended` record of a finished or failed job is kept (for late callers), unless
+/// configured otherwise ([`Context::ended_ttl`]).
 pub const ENDED_TTL: Duration = Duration::from_secs(600);
 
 /// How many times a CAS loop retries under contention before giving up.
@@ -37,6 +38,8 @@ pub struct Context {
     pub replica: String,
     /// Becomes `true` when the replica shuts down.
     pub shutdown: watch::Receiver<bool>,
+    /// How long an ended job's `ended` record is kept; then the job leaves no key behind.
+    pub ended_ttl: Duration,
 }
 
 /// The outcome of a revocation attempt.
@@ -218,7 +221,7 @@ pub async fn update_generation(
 }
 
 /// Ends a job if its generation key still has revision `expected` (`None`: absent): writes
-/// the `ended` record (on a lease of [`ENDED_TTL`]) and deletes every other key of the job,
+/// the `ended` record (on a lease of [`Context::ended_ttl`]) and deletes every other key of the job,
 /// then revokes the leases of `members`. Returns whether this call ended it.
 ///
 /// # Cancel safety
@@ -232,7 +235,7 @@ pub async fn end_job(
     expected: Option<i64>,
     members: &[u64],
 ) -> Result<bool, StoreError> {
-    let lease = ctx.store.grant_lease(ENDED_TTL).await?;
+    let lease = ctx.store.grant_lease(ctx.ended_ttl).await?;
     let gen_key = keys::generation(job);
     let record = EndedRecord { outcome, reason: reason.to_string(), ended_at_ms: records::now_ms() };
     let mut success = vec![TxnOp::Put { key: keys::ended(job), value: encode(&record), lease: Some(lease) }];

@@ -57,8 +57,11 @@ pub struct ServeConfig {
     pub store: Arc<dyn Store>,
     /// Job settings.
     pub settings: Settings,
-    /// The job token every RPC must carry, if any.
+    /// The operator secret, if any: every RPC must then carry it or a job credential derived
+    /// from it (`cohort_proto::credentials`).
     pub token: Option<String>,
+    /// Operator secrets being rotated out: still accepted, with their job credentials.
+    pub previous_tokens: Vec<String>,
     /// TLS for the gRPC listener, if any.
     pub tls: Option<TlsFiles>,
     /// A listener for `GET /metrics`, if any.
@@ -69,6 +72,8 @@ pub struct ServeConfig {
     pub leader_ttl: Duration,
     /// When repeated failures exclude a worker.
     pub exclusion: ExclusionPolicy,
+    /// How long an ended job's `ended` record is kept for late callers (default 10 min).
+    pub ended_ttl: Duration,
 }
 
 impl ServeConfig {
@@ -78,11 +83,13 @@ impl ServeConfig {
             store,
             settings,
             token: None,
+            previous_tokens: Vec::new(),
             tls: None,
             metrics: None,
             replica_name: None,
             leader_ttl: Duration::from_secs(3),
             exclusion: ExclusionPolicy::default(),
+            ended_ttl: crate::ops::ENDED_TTL,
         }
     }
 }
@@ -195,13 +202,14 @@ pub async fn start(config: ServeConfig, listener: TcpListener) -> Result<ServerH
         hubs: Hubs::new(config.store.clone()),
         replica,
         shutdown: shutdown_rx.clone(),
+        ended_ttl: config.ended_ttl,
     });
     let (health, health_service) = tonic_health::server::health_reporter();
     health.set_service_status("", tonic_health::ServingStatus::Serving).await;
     health.set_service_status(SERVICE_NAME, tonic_health::ServingStatus::Serving).await;
     let service = CoordinatorServer::with_interceptor(
         CoordinatorService::new(ctx.clone()),
-        TokenCheck::new(config.token.as_deref()),
+        TokenCheck::new(&config.token.iter().chain(&config.previous_tokens).cloned().collect::<Vec<_>>()),
     );
     let mut builder = tonic::transport::Server::builder()
         .http2_keepalive_interval(Some(Duration::from_secs(10)))

@@ -956,10 +956,14 @@ impl Sent {
 
 macro_rules! rpc {
     ($self:ident, $name:literal, $req:ident, $f:ident, $span:expr) => {{
+        // The interceptor authenticated the token; here the credential meets the message's job.
+        let caller = $req.extensions().get::<crate::auth::Caller>().cloned();
         let request = $req.into_inner();
         let span = $span(&request);
         let result = if $self.shutting_down() {
             Err(Status::unavailable("coordinator replica shutting down; call another"))
+        } else if let Err(denied) = caller.map_or(Ok(()), |c| c.permits(&request.job)) {
+            Err(denied)
         } else {
             $self.$f(request).instrument(span).await
         };

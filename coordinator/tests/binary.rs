@@ -93,3 +93,17 @@ async fn bad_settings_are_refused_at_start() {
     })
     .await;
 }
+
+#[test]
+fn credential_prints_the_jobs_credential() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let file = dir.path().join("operator");
+    std::fs::write(&file, "operator secret\n").expect("write");
+    let run = |job: &str| Command::new(BIN).args(["credential", "--job", job, "--token-file"]).arg(&file).output();
+    let out = run("train-1").expect("run credential");
+    assert!(out.status.success(), "{out:?}");
+    let printed = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    assert_eq!(printed, cohort_proto::credentials::job_token(b"operator secret", "train-1"));
+    let out = run("bad/job").expect("run credential");
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("job contains"), "{out:?}");
+}

@@ -131,6 +131,7 @@ async fn two_leaders_race(backend: Backend) {
             hubs: Hubs::new(backing.store.clone()),
             replica: name.into(),
             shutdown: rx.clone(),
+            ended_ttl: ops::ENDED_TTL,
         };
         let (a, b) = (ctx("a"), ctx("b"));
         let placed = |w: &str| Placed { worker_id: w.into(), incarnation: 1, host: "h".into(), addresses: vec![] };

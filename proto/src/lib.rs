@@ -10,6 +10,8 @@ pub mod v1 {
     tonic::include_proto!("cohort.v1");
 }
 
+pub mod credentials;
+
 /// Protocol version this crate speaks; the coordinator refuses joins from other versions.
 pub const PROTOCOL_VERSION: u32 = 1;
 

@@ -164,6 +164,9 @@ fn elastic_error(py: Python<'_>, e: ElasticError) -> PyErr {
             build(py, "ControlError", message, |kw| kw.set_item("code", code))
         }
         ElasticError::Protocol(_) => build(py, "ControlError", message, |kw| kw.set_item("code", "protocol")),
+        ElasticError::Credential(_) => {
+            build(py, "ControlError", message, |kw| kw.set_item("code", "permission_denied"))
+        }
         ElasticError::Comm(error) => comm_error(py, error, 0, None),
         ElasticError::DataPlane(TransportError::InvalidArgument(_)) => {
             build(py, "InvalidArgumentError", message, |_| Ok(()))

@@ -112,3 +112,14 @@ def test_members_claiming_one_commit_with_different_state_raise_diverged(coordin
         d = events(w, "diverged")[0]
         assert "committed step 5" in d["message"] and d["step"] == 5, d  # nothing overwritten
         assert events(w, "synced")[0] == {"event": "synced", "worker": d["worker"], "snapshot": "agreed", "step": 6}
+
+
+def test_another_jobs_credential_is_refused_before_joining(coordinator_factory):
+    import cohort
+
+    coord = coordinator_factory(1)
+    other = "cohort-job.v1:other-job:" + "0" * 64
+    with pytest.raises(cohort.ControlError) as raised:
+        cohort.Group("this-job", coord.endpoint, "w0", token=other)
+    assert raised.value.code == "permission_denied", raised.value
+    assert "other-job" in str(raised.value)

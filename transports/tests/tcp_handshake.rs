@@ -39,6 +39,29 @@ async fn wrong_token_fails_both_sides() {
     .unwrap();
 }
 
+/// Per-job credentials on the data plane: a worker holding another job's credential cannot
+/// compute this job's (the derivation refuses), and keying with its own credential fails the
+/// handshake; a worker given the operator secret derives the same key as one given the job's
+/// credential, so the two interoperate.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_jobs_credential_cannot_join_a_mesh() {
+    use cohort_proto::credentials::{data_plane_secret, job_token};
+    timeout(TEST_LIMIT, async {
+        let own = job_token(b"operator secret", "job");
+        let other = job_token(b"operator secret", "other-job");
+        let member = data_plane_secret(own.as_bytes(), "job").unwrap();
+        assert!(data_plane_secret(other.as_bytes(), "job").is_err());
+        let (r0, r1) = pair(("job", 1, &member, 2), ("job", 1, other.as_bytes(), 2)).await;
+        assert_handshake(&r1, "authentication failed: wrong job token");
+        assert_handshake(&r0, "authentication failed: wrong job token");
+        let operator = data_plane_secret(b"operator secret", "job").unwrap();
+        let (r0, r1) = pair(("job", 1, &member, 2), ("job", 1, &operator, 2)).await;
+        assert!(r0.is_ok() && r1.is_ok(), "{:?} {:?}", r0.err(), r1.err());
+    })
+    .await
+    .unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn wrong_job_fails_both_sides() {
     timeout(TEST_LIMIT, async {

@@ -77,8 +77,12 @@ impl Backing {
 pub(crate) struct Options {
     pub settings: JobSettings,
     pub token: Option<String>,
+    /// Operator secrets being rotated out (still accepted).
+    pub previous_tokens: Vec<String>,
     pub exclusion: ExclusionPolicy,
     pub leader_ttl: Duration,
+    /// How long ended jobs' records are kept.
+    pub ended_ttl: Duration,
     pub name: Option<String>,
 }
 
@@ -87,8 +91,10 @@ impl Options {
         Self {
             settings,
             token: None,
+            previous_tokens: Vec::new(),
             exclusion: ExclusionPolicy::default(),
             leader_ttl: Duration::from_secs(2),
+            ended_ttl: cohort_coordinator::ops::ENDED_TTL,
             name: None,
         }
     }
@@ -99,8 +105,10 @@ pub(crate) async fn replica(store: Arc<dyn Store>, options: &Options) -> ServerH
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let mut config = ServeConfig::new(store, Settings::uniform(options.settings).expect("valid settings"));
     config.token = options.token.clone();
+    config.previous_tokens = options.previous_tokens.clone();
     config.exclusion = options.exclusion;
     config.leader_ttl = options.leader_ttl;
+    config.ended_ttl = options.ended_ttl;
     config.replica_name = options.name.clone();
     config.metrics = Some(tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind metrics"));
     cohort_coordinator::start(config, listener).await.expect("start replica")

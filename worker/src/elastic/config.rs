@@ -19,7 +19,9 @@ pub struct ElasticConfig {
     pub host: String,
     /// How to reach the coordinator.
     pub control: ControlConfig,
-    /// The job token: authenticates RPCs and proves membership in data-plane handshakes.
+    /// The job's credential, or the operator secret it derives from
+    /// (`cohort_proto::credentials`): keys the data-plane handshakes (the control client has
+    /// its own copy, in [`ControlConfig`]).
     pub token: Vec<u8>,
     /// Where the data-plane listener binds (e.g. `0.0.0.0:7100`, or port 0 for any).
     pub listen: SocketAddr,

@@ -51,6 +51,9 @@ pub enum ElasticError {
     /// A collective failed in a way that is not a peer failure (a bug or misuse).
     #[error(transparent)]
     Comm(#[from] CommError),
+    /// The credential given is another job's (checked at join, before anything is sent).
+    #[error("credential: {0}")]
+    Credential(#[from] cohort_proto::credentials::CredentialError),
     /// The coordinator sent something that violates the protocol.
     #[error("coordinator protocol violation: {0}")]
     Protocol(String),

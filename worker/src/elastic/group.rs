@@ -154,7 +154,10 @@ impl ElasticGroup {
     ///
     /// # Cancel safety
     /// Cancel safe: a join left half done expires with its lease.
-    pub async fn join(config: ElasticConfig) -> Result<Self, ElasticError> {
+    pub async fn join(mut config: ElasticConfig) -> Result<Self, ElasticError> {
+        // The data plane is keyed by the job's credential, whether this worker was given it
+        // or the operator secret it derives from; another job's credential stops here.
+        config.token = cohort_proto::credentials::data_plane_secret(&config.token, &config.job)?;
         let client = ControlClient::new(config.control.clone())?;
         let endpoint = TcpEndpoint::bind(config.listen, config.tcp.clone()).await?;
         let port = endpoint.local_addr().port();

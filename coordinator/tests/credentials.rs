@@ -1,0 +1,173 @@
+//! Per-job credentials: a job's credential acts on its job only (every RPC about another job
+//! is refused and changes nothing there), the operator secret acts on every job, a forged or
+//! foreign credential is refused, and the previous secret keeps working while it is rotated
+//! out.
+
+mod common;
+
+use cohort_proto::credentials::job_token;
+use cohort_proto::v1 as pb;
+use common::*;
+use tonic::Code;
+
+const OPERATOR: &str = "operator secret";
+
+/// `message` carrying `Bearer token`.
+fn authed<T>(message: T, token: &str) -> tonic::Request<T> {
+    let mut r = tonic::Request::new(message);
+    r.metadata_mut().insert("authorization", format!("Bearer {token}").parse().expect("ascii"));
+    r
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_credential_acts_on_its_job_only() {
+    bounded(async {
+        let backing = Backing::new(Backend::Memory).await;
+        let mut options = Options::new(test_settings(Backend::Memory));
+        options.token = Some(OPERATOR.into());
+        let server = replica(backing.store.clone(), &options).await;
+        let mut c = client(server.local_addr()).await;
+        let (cred_a, cred_b) = (job_token(OPERATOR.as_bytes(), "a"), job_token(OPERATOR.as_bytes(), "b"));
+        c.join(authed(join_request("a", "wa"), &cred_a)).await.expect("a's member joins a");
+        let wb = c.join(authed(join_request("b", "wb"), &cred_b)).await.expect("b's member joins b").into_inner();
+        let before =
+            c.status(authed(pb::StatusRequest { job: "b".into() }, OPERATOR)).await.expect("status").into_inner();
+
+        // Every RPC about job b with a's credential: refused before it is looked at.
+        let b = || "b".to_string();
+        let denied: Vec<(&str, Result<(), tonic::Status>)> = vec![
+            ("Join", c.join(authed(join_request("b", "intruder"), &cred_a)).await.map(drop)),
+            ("Status", c.status(authed(pb::StatusRequest { job: b() }, &cred_a)).await.map(drop)),
+            (
+                "Heartbeat",
+                c.heartbeat(authed(
+                    pb::HeartbeatRequest {
+                        job: b(),
+                        worker_id: "wb".into(),
+                        incarnation: wb.incarnation,
+                        ..Default::default()
+                    },
+                    &cred_a,
+                ))
+                .await
+                .map(drop),
+            ),
+            (
+                "ReportFailure",
+                c.report_failure(authed(
+                    pb::FailureReport {
+                        job: b(),
+                        worker_id: "wb".into(),
+                        incarnation: wb.incarnation,
+                        ..Default::default()
+                    },
+                    &cred_a,
+                ))
+                .await
+                .map(drop),
+            ),
+            (
+                "Leave",
+                c.leave(authed(
+                    pb::LeaveRequest {
+                        job: b(),
+                        worker_id: "wb".into(),
+                        incarnation: wb.incarnation,
+                        ..Default::default()
+                    },
+                    &cred_a,
+                ))
+                .await
+                .map(drop),
+            ),
+            (
+                "Commit",
+                c.commit(authed(
+                    pb::CommitRequest {
+                        job: b(),
+                        worker_id: "wb".into(),
+                        incarnation: wb.incarnation,
+                        ..Default::default()
+                    },
+                    &cred_a,
+                ))
+                .await
+                .map(drop),
+            ),
+            (
+                "Rendezvous",
+                c.rendezvous(authed(
+                    pb::RendezvousRequest {
+                        job: b(),
+                        worker_id: "wb".into(),
+                        incarnation: wb.incarnation,
+                        ..Default::default()
+                    },
+                    &cred_a,
+                ))
+                .await
+                .map(drop),
+            ),
+            (
+                "Watch",
+                c.watch(authed(
+                    pb::WatchRequest { job: b(), worker_id: "wb".into(), incarnation: wb.incarnation },
+                    &cred_a,
+                ))
+                .await
+                .map(drop),
+            ),
+        ];
+        for (rpc, result) in denied {
+            let status = result.expect_err(rpc);
+            assert_eq!(status.code(), Code::PermissionDenied, "{rpc}: {status:?}");
+            assert!(status.message().contains("for job \"a\""), "{rpc}: {status:?}");
+        }
+        // Job b is as it was: same members, nothing revoked, nobody left.
+        let after =
+            c.status(authed(pb::StatusRequest { job: "b".into() }, OPERATOR)).await.expect("status").into_inner();
+        assert_eq!(after.members, before.members);
+        assert_eq!(after.current_revoked, before.current_revoked);
+        // A job's credential reads its own job; the operator's reads every job.
+        c.status(authed(pb::StatusRequest { job: "a".into() }, &cred_a)).await.expect("a reads a");
+        c.status(authed(pb::StatusRequest { job: "a".into() }, OPERATOR)).await.expect("the operator reads a");
+
+        // Forged (a's MAC under b's name) and foreign (another operator's secret): unauthenticated.
+        let forged = cred_a.replace(":a:", ":b:");
+        let foreign = job_token(b"some other coordinator", "b");
+        for token in [&forged, &foreign] {
+            let refused = c.status(authed(pb::StatusRequest { job: b() }, token)).await.expect_err("refused");
+            assert_eq!(refused.code(), Code::Unauthenticated, "{token}");
+        }
+
+        server.shutdown().await.expect("shutdown");
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rotation_accepts_the_previous_secret_until_it_is_removed() {
+    bounded(async {
+        let backing = Backing::new(Backend::Memory).await;
+        let mut rotating = Options::new(test_settings(Backend::Memory));
+        rotating.token = Some("new secret".into());
+        rotating.previous_tokens = vec![OPERATOR.into()];
+        let server = replica(backing.store.clone(), &rotating).await;
+        let mut c = client(server.local_addr()).await;
+        let (old, new) = (job_token(OPERATOR.as_bytes(), "j"), job_token(b"new secret", "j"));
+        c.join(authed(join_request("j", "w-old"), &old)).await.expect("old credential, during the overlap");
+        c.join(authed(join_request("j", "w-new"), &new)).await.expect("new credential");
+        server.shutdown().await.expect("shutdown");
+
+        // The rotation is over: only the new secret's credentials are accepted.
+        let mut done = Options::new(test_settings(Backend::Memory));
+        done.token = Some("new secret".into());
+        let server = replica(backing.store.clone(), &done).await;
+        let mut c = client(server.local_addr()).await;
+        let refused = c.status(authed(pb::StatusRequest { job: "j".into() }, &old)).await.expect_err("old");
+        assert_eq!(refused.code(), Code::Unauthenticated);
+        c.status(authed(pb::StatusRequest { job: "j".into() }, &new)).await.expect("new");
+        server.shutdown().await.expect("shutdown");
+    })
+    .await;
+}
