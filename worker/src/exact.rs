@@ -23,6 +23,12 @@ pub trait ExactElement: Element + Copy + PartialEq + Send + Sync + std::fmt::Deb
     fn from_int(v: i64) -> Self;
     /// The integer this value holds (truncated toward zero; NaN reads as 0).
     fn to_int(self) -> i64;
+    /// [`ExactElement::from_int`] for values that fit an `i32` (a conversion that
+    /// vectorises, for the per-element loops of `train`).
+    fn from_i32(v: i32) -> Self;
+    /// [`ExactElement::to_int`] for values that fit an `i32` (beyond, floats saturate and
+    /// integers truncate).
+    fn to_i32(self) -> i32;
     /// `self + other` in this type.
     fn add(self, other: Self) -> Self;
 }
@@ -42,6 +48,12 @@ macro_rules! exact_float {
             }
             fn to_int(self) -> i64 {
                 self as i64
+            }
+            fn from_i32(v: i32) -> Self {
+                v as $t
+            }
+            fn to_i32(self) -> i32 {
+                self as i32
             }
             fn add(self, other: Self) -> Self {
                 self + other
@@ -68,6 +80,12 @@ macro_rules! exact_int {
             fn to_int(self) -> i64 {
                 self as i64
             }
+            fn from_i32(v: i32) -> Self {
+                v as $t
+            }
+            fn to_i32(self) -> i32 {
+                self as i32
+            }
             fn add(self, other: Self) -> Self {
                 self.wrapping_add(other)
             }
@@ -92,6 +110,12 @@ impl ExactElement for f16 {
     fn to_int(self) -> i64 {
         self.to_f32() as i64
     }
+    fn from_i32(v: i32) -> Self {
+        Self::from_f32(v as f32)
+    }
+    fn to_i32(self) -> i32 {
+        self.to_f32() as i32
+    }
     fn add(self, other: Self) -> Self {
         f16::from_f32(self.to_f32() + other.to_f32())
     }
@@ -110,6 +134,12 @@ impl ExactElement for bf16 {
     }
     fn to_int(self) -> i64 {
         self.to_f32() as i64
+    }
+    fn from_i32(v: i32) -> Self {
+        Self::from_f32(v as f32)
+    }
+    fn to_i32(self) -> i32 {
+        self.to_f32() as i32
     }
     fn add(self, other: Self) -> Self {
         bf16::from_f32(self.to_f32() + other.to_f32())

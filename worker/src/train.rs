@@ -17,7 +17,7 @@
 
 use crate::elastic::{Checkpoint, ElasticConfig, ElasticError, ElasticGroup, Generation, SyncError};
 use crate::exact::ExactElement;
-use crate::trajectory::{params_digest, Trajectory};
+use crate::trajectory::{params_digest, StepMismatch, Trajectory};
 use crate::{CommError, ReduceOp};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -214,20 +214,23 @@ pub async fn run<E: ExactElement>(
                 failed_at.get_or_insert_with(Instant::now);
                 continue 'generations;
             }
-            if let Some(j) = trajectory.first_sum_mismatch(&params.0, step, &grad) {
-                println!(
-                    "event=wrong_result gen={g} rank={rank} step={step} index={j} got={:?} expected={:?} t_ms={}",
-                    grad[j],
-                    trajectory.expected_sum(&params.0, step, j),
-                    now_ms()
-                );
-                return Err(TrainError::WrongResult { generation: g, step, index: j });
-            }
-            for (p, d) in params.0.iter_mut().zip(&grad) {
-                *p = p.add(*d);
+            // One pass: every element of the sum against its target, added, and the new
+            // parameter against the one expected after step + 1 (the commit's check).
+            match trajectory.apply(&mut params.0, &grad, step) {
+                Ok(()) => {}
+                Err(StepMismatch::Sum { index: j, expected }) => {
+                    println!(
+                        "event=wrong_result gen={g} rank={rank} step={step} index={j} got={} expected={expected:?} t_ms={}",
+                        grad.get(j).map_or_else(|| "-".to_string(), |x| format!("{x:?}")),
+                        now_ms()
+                    );
+                    return Err(TrainError::WrongResult { generation: g, step, index: j });
+                }
+                Err(StepMismatch::Params { index, expected }) => {
+                    return Err(wrong_params(g, rank, step + 1, "commit", index, params.0.get(index), expected));
+                }
             }
             step += 1;
-            check_params(&trajectory, &params.0, g, rank, step, "commit")?;
             checkpoint.commit(&params, step);
             summary.verified_steps += 1;
             crate::metrics::STEPS_VERIFIED.fetch_add(1, Ordering::Relaxed);
@@ -310,15 +313,26 @@ fn check_params<E: ExactElement>(
 ) -> Result<(), TrainError> {
     match trajectory.first_param_mismatch(params, step) {
         None => Ok(()),
-        Some((index, expected)) => {
-            println!(
-                "event=wrong_params gen={generation} rank={rank} step={step} phase={phase} index={index} got={} expected={expected:?} t_ms={}",
-                params.get(index).map_or_else(|| "-".to_string(), |p| format!("{p:?}")),
-                now_ms()
-            );
-            Err(TrainError::WrongParams { generation, step, phase, index })
-        }
+        Some((index, expected)) => Err(wrong_params(generation, rank, step, phase, index, params.get(index), expected)),
     }
+}
+
+/// Prints `event=wrong_params` and returns the error.
+fn wrong_params<E: ExactElement>(
+    generation: u64,
+    rank: u32,
+    step: u64,
+    phase: &'static str,
+    index: usize,
+    got: Option<&E>,
+    expected: E,
+) -> TrainError {
+    println!(
+        "event=wrong_params gen={generation} rank={rank} step={step} phase={phase} index={index} got={} expected={expected:?} t_ms={}",
+        got.map_or_else(|| "-".to_string(), |p| format!("{p:?}")),
+        now_ms()
+    );
+    TrainError::WrongParams { generation, step, phase, index }
 }
 
 /// The digests of the parameters held and of those expected after `step` steps.

@@ -28,6 +28,9 @@ use sha2::{Digest, Sha256};
 /// Multiplier of the recurrence (odd, so a step is a bijection of the parameter).
 const A: u64 = 5;
 
+/// Elements per block of the checking loops.
+const BLOCK: usize = 4096;
+
 /// splitmix64's finaliser.
 fn mix(mut x: u64) -> u64 {
     x ^= x >> 30;
@@ -40,6 +43,25 @@ fn mix(mut x: u64) -> u64 {
 /// The per-step term `u(s)`.
 fn step_term(step: u64) -> u64 {
     mix(step.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0x5851_F42D_4C95_7F2D)
+}
+
+/// Where [`Trajectory::apply`] found a difference.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum StepMismatch<E> {
+    /// The reduced gradient differs from the target at `index`.
+    Sum {
+        /// First wrong element.
+        index: usize,
+        /// The target there.
+        expected: E,
+    },
+    /// The parameters after the step differ from the expected ones at `index`.
+    Params {
+        /// First wrong element.
+        index: usize,
+        /// The expected parameter there.
+        expected: E,
+    },
 }
 
 /// The trajectory of one parameter vector: its length, modulus and per-element terms `v(j)`.
@@ -96,49 +118,54 @@ impl Trajectory {
         c
     }
 
-    /// The expected parameter `j` after `step` steps, as an integer in `0..M`.
-    fn expected_int(&self, c: Coefficients, j: usize) -> u64 {
-        c.u.wrapping_add(u64::from(self.offsets[j]).wrapping_mul(c.w)) & self.mask
+    /// The expected parameter after the steps of `c`, as a function of an element's term
+    /// `v(j)` (an integer in `0..M`; 32-bit arithmetic suffices, as `M` divides 2^32).
+    fn expected_at(&self, c: Coefficients) -> impl Fn(u32) -> i32 + Copy {
+        let (u, w, mask) = (c.u as u32, c.w as u32, self.mask as u32);
+        move |offset| (u.wrapping_add(offset.wrapping_mul(w)) & mask) as i32
     }
 
     /// The parameters every worker must hold after `step` steps.
     pub fn expected_params<E: ExactElement>(&self, step: u64) -> Vec<E> {
-        let c = Self::coefficients(step, self.mask);
-        (0..self.len()).map(|j| E::from_int(self.expected_int(c, j) as i64)).collect()
+        let at = self.expected_at(Self::coefficients(step, self.mask));
+        self.offsets.iter().map(|&v| E::from_i32(at(v))).collect()
     }
 
     /// The first parameter that differs from its expected value after `step` steps, with
     /// that value. `params` of another length differ at `min(len)`.
     pub fn first_param_mismatch<E: ExactElement>(&self, params: &[E], step: u64) -> Option<(usize, E)> {
-        let c = Self::coefficients(step, self.mask);
-        let found = params
-            .iter()
-            .zip(0..self.len())
-            .map(|(p, j)| (j, *p, E::from_int(self.expected_int(c, j) as i64)))
-            .find(|(_, got, want)| got != want)
-            .map(|(j, _, want)| (j, want));
-        found.or_else(|| {
-            (params.len() != self.len()).then(|| {
-                let j = params.len().min(self.len());
-                (j, E::from_int(if j < self.len() { self.expected_int(c, j) as i64 } else { 0 }))
-            })
+        let at = self.expected_at(Self::coefficients(step, self.mask));
+        let want = |v: u32| E::from_i32(at(v));
+        for (block, (ps, vs)) in params.chunks(BLOCK).zip(self.offsets.chunks(BLOCK)).enumerate() {
+            // Branch-free over the block (so it vectorises); searched only if it differs.
+            if !ps.iter().zip(vs).fold(true, |ok, (p, &v)| ok & (*p == want(v))) {
+                let i = ps.iter().zip(vs).position(|(p, &v)| *p != want(v)).unwrap_or(0);
+                return Some((block * BLOCK + i, want(vs[i])));
+            }
+        }
+        (params.len() != self.len()).then(|| {
+            let j = params.len().min(self.len());
+            (j, self.offsets.get(j).map_or(E::from_i32(0), |&v| want(v)))
         })
     }
 
-    /// The target `G` at element `j` of step `step` for a parameter holding `param`.
-    fn target(&self, param: i64, step: u64, j: usize) -> i64 {
-        let next = A
-            .wrapping_mul(param as u64)
-            .wrapping_add(step_term(step) & self.mask)
-            .wrapping_add(u64::from(self.offsets[j]))
-            & self.mask;
-        next as i64 - param
+    /// The target `G` of step `step` as a function of a parameter's value and its element's
+    /// term `v(j)`, with the step's term computed once.
+    fn step_target(&self, step: u64) -> impl Fn(i32, u32) -> i32 + Copy {
+        let (u, mask) = ((step_term(step) & self.mask) as u32, self.mask as u32);
+        move |param, offset| {
+            let next = (A as u32).wrapping_mul(param as u32).wrapping_add(u).wrapping_add(offset) & mask;
+            (next as i32).wrapping_sub(param)
+        }
     }
 
     /// The reduced gradient of step `step` expected at element `j`, given this rank's
     /// parameters.
+    ///
+    /// # Panics
+    /// If `j` is out of range of `params` or of the trajectory.
     pub fn expected_sum<E: ExactElement>(&self, params: &[E], step: u64, j: usize) -> E {
-        E::from_int(self.target(params[j].to_int(), step, j))
+        E::from_i32(self.step_target(step)(params[j].to_i32(), self.offsets[j]))
     }
 
     /// Fills `out` with rank `rank`'s contribution to step `step` in a world of `world`:
@@ -146,12 +173,47 @@ impl Trajectory {
     pub fn fill<E: ExactElement>(&self, params: &[E], step: u64, rank: u32, world: u32, out: &mut [E]) {
         let pattern = Pattern::new(step, world);
         if rank == 0 {
-            for (j, (x, p)) in out.iter_mut().zip(params).enumerate() {
-                *x = E::from_int(self.target(p.to_int(), step, j) - pattern.sum_without_rank0(j) as i64);
+            let target = self.step_target(step);
+            for (j, ((x, p), &v)) in out.iter_mut().zip(params).zip(&self.offsets).enumerate() {
+                *x = E::from_i32(target(p.to_i32(), v).wrapping_sub(pattern.sum_without_rank0(j) as i32));
             }
         } else {
             pattern.fill(rank, out);
         }
+    }
+
+    /// Step `step`, block by block: checks each element of the reduced gradient `sum` against
+    /// the target for `params`, adds it, and checks the new parameter against the one
+    /// expected after `step + 1` steps. On a difference, `params` is left partly updated
+    /// (the caller stops).
+    pub fn apply<E: ExactElement>(&self, params: &mut [E], sum: &[E], step: u64) -> Result<(), StepMismatch<E>> {
+        if sum.len() != params.len() || sum.len() != self.len() {
+            let index = sum.len().min(params.len()).min(self.len());
+            return Err(StepMismatch::Sum { index, expected: E::from_i32(0) });
+        }
+        let target = self.step_target(step);
+        let sum_of = |p: &E, v: u32| E::from_i32(target(p.to_i32(), v));
+        let at = self.expected_at(Self::coefficients(step + 1, self.mask));
+        let after = |v: u32| E::from_i32(at(v));
+        let blocks = params.chunks_mut(BLOCK).zip(sum.chunks(BLOCK)).zip(self.offsets.chunks(BLOCK));
+        for (block, ((ps, ss), vs)) in blocks.enumerate() {
+            // Each pass is branch-free over the block (so it vectorises); a block that differs
+            // is searched for the first wrong element.
+            let sums_ok = ps.iter().zip(ss).zip(vs).fold(true, |ok, ((p, s), &v)| ok & (*s == sum_of(p, v)));
+            if !sums_ok {
+                let i = ps.iter().zip(ss).zip(vs).position(|((p, s), &v)| *s != sum_of(p, v)).unwrap_or(0);
+                return Err(StepMismatch::Sum { index: block * BLOCK + i, expected: sum_of(&ps[i], vs[i]) });
+            }
+            let params_ok = ps.iter_mut().zip(ss).zip(vs).fold(true, |ok, ((p, s), &v)| {
+                *p = p.add(*s);
+                ok & (*p == after(v))
+            });
+            if !params_ok {
+                let i = ps.iter().zip(vs).position(|(p, &v)| *p != after(v)).unwrap_or(0);
+                return Err(StepMismatch::Params { index: block * BLOCK + i, expected: after(vs[i]) });
+            }
+        }
+        Ok(())
     }
 
     /// The first element of the reduced gradient `sum` that differs from the target of step
@@ -160,7 +222,8 @@ impl Trajectory {
         if sum.len() != params.len() || sum.len() != self.len() {
             return Some(sum.len().min(params.len()).min(self.len()));
         }
-        (0..sum.len()).find(|&j| sum[j] != self.expected_sum(params, step, j))
+        let target = self.step_target(step);
+        sum.iter().zip(params).zip(&self.offsets).position(|((s, p), &v)| *s != E::from_i32(target(p.to_i32(), v)))
     }
 }
 
@@ -310,6 +373,34 @@ mod tests {
         let (a, b) = swapped.split_at_mut(16);
         a.swap_with_slice(&mut b[..16]);
         assert!(t.first_sum_mismatch(&params, 3, &swapped).is_some());
+    }
+
+    #[test]
+    fn apply_checks_the_sum_then_the_parameters_in_one_pass() {
+        let t = Trajectory::new::<f32>(50);
+        let sum_for = |params: &[f32], step: u64| {
+            let mut ranks = vec![params.to_vec(); 3];
+            let mut sum = vec![0f32; 50];
+            let mut buf = vec![0f32; 50];
+            for (r, p) in ranks.iter_mut().enumerate() {
+                t.fill(p, step, r as u32, 3, &mut buf);
+                sum.iter_mut().zip(&buf).for_each(|(s, b)| *s += b);
+            }
+            sum
+        };
+        let mut params = t.expected_params::<f32>(6);
+        let sum = sum_for(&params, 6);
+        assert_eq!(t.apply(&mut params, &sum, 6), Ok(()));
+        assert_eq!(params, t.expected_params::<f32>(7));
+        // A wrong element of the sum.
+        let mut params = t.expected_params::<f32>(6);
+        let mut wrong = sum.clone();
+        wrong[9] += 1.0;
+        assert!(matches!(t.apply(&mut params, &wrong, 6), Err(StepMismatch::Sum { index: 9, .. })));
+        // Parameters of step 5 taken for step 6 (the sum is right for them): the result is not step 7's.
+        let mut stale = t.expected_params::<f32>(5);
+        let sum = sum_for(&stale, 6);
+        assert!(matches!(t.apply(&mut stale, &sum, 6), Err(StepMismatch::Params { .. })));
     }
 
     #[test]
