@@ -276,6 +276,10 @@ pub async fn run(config: DemoConfig) -> Result<Vec<Check>, ClusterError> {
     });
     checks.push(crate::invariants::generations_increase(events));
     checks.push(crate::invariants::commits_never_lost(events));
+    let expected = crate::scenario::parse_bytes(&config.size)
+        .map(|bytes| crate::invariants::expected_params_digest(bytes, config.steps))
+        .map_err(|e| ClusterError::Setup(format!("the demo's size: {e}")))?;
+    checks.push(crate::invariants::final_params(events, crate::invariants::ExpectedParams::Computed(&expected)));
     Ok(checks)
 }
 

@@ -2,7 +2,7 @@
 
 use crate::demo::Check;
 use crate::events::WorkerEvent;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 /// No worker ever saw a generation number go down.
 pub fn generations_increase(events: &[WorkerEvent]) -> Check {
@@ -127,6 +127,103 @@ pub fn errors_typed(events: &[WorkerEvent]) -> Check {
     }
 }
 
+/// The digest of the parameters `cohort-worker train` (f32, the harness's default) must hold
+/// after `steps` steps of a `size_bytes` gradient, computed here from the trajectory's closed
+/// form, not from anything a worker printed.
+pub fn expected_params_digest(size_bytes: u64, steps: u64) -> String {
+    use cohort::trajectory::{params_digest, Trajectory};
+    let count = usize::try_from(size_bytes).unwrap_or(0) / std::mem::size_of::<f32>();
+    params_digest(&Trajectory::new::<f32>(count).expected_params::<f32>(steps))
+}
+
+/// Where the expected final parameters come from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ExpectedParams<'a> {
+    /// Computed by the harness (built-in `cohort-worker train`): SHA-256 in hex.
+    Computed(&'a str),
+    /// A worker program's own: each finished worker's `expected_digest`, which must agree.
+    Reported,
+}
+
+/// The trained parameters are right: no worker printed `event=wrong_params`, every worker that
+/// finished reports the same `params_digest`, and it is the expected one. A worker program
+/// that reports no digest at all is skipped, visibly (said in the detail); the built-in worker
+/// must report one.
+pub fn final_params(events: &[WorkerEvent], expected: ExpectedParams<'_>) -> Check {
+    let mut bad: Vec<String> = events
+        .iter()
+        .filter(|e| e.kind == "wrong_params")
+        .map(|e| {
+            format!(
+                "{} wrong parameters after {} at step {:?}, element {:?}",
+                e.worker,
+                e.text("phase").unwrap_or("?"),
+                e.int("step"),
+                e.int("index")
+            )
+        })
+        .collect();
+    let finished: Vec<&WorkerEvent> = events.iter().filter(|e| e.kind == "finished").collect();
+    let what = "the final parameters are the expected ones on every worker that finished".to_string();
+    let reporting = finished.iter().filter(|e| e.text("params_digest").is_some()).count();
+    if expected == ExpectedParams::Reported && reporting == 0 && bad.is_empty() {
+        return Check {
+            what,
+            ok: true,
+            detail: format!("SKIPPED: the worker program reports no params_digest ({} finished)", finished.len()),
+        };
+    }
+    let mut digests: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
+    for e in &finished {
+        let Some(digest) = e.text("params_digest") else {
+            bad.push(format!("{} finished without a params_digest", e.worker));
+            continue;
+        };
+        digests.entry(digest).or_default().push(&e.worker);
+        let want = match expected {
+            ExpectedParams::Computed(d) => Some(d),
+            ExpectedParams::Reported => e.text("expected_digest"),
+        };
+        if want != Some(digest) {
+            bad.push(format!("{}: params {} expected {}", e.worker, short(digest), want.map_or("none", short)));
+        }
+    }
+    if digests.len() > 1 {
+        let groups: Vec<String> = digests.iter().map(|(d, ws)| format!("{} on {}", short(d), ws.join(","))).collect();
+        bad.push(format!("workers differ: {}", groups.join("; ")));
+    }
+    if expected == ExpectedParams::Reported {
+        let claimed: BTreeSet<&str> = finished.iter().filter_map(|e| e.text("expected_digest")).collect();
+        if claimed.len() > 1 {
+            bad.push(format!("workers expect different parameters: {}", claimed.len()));
+        }
+    }
+    let source = match expected {
+        ExpectedParams::Computed(_) => "computed by the harness",
+        ExpectedParams::Reported => "as the workers' own replay expects",
+    };
+    Check {
+        what,
+        ok: bad.is_empty(),
+        detail: if !bad.is_empty() {
+            bad.join("; ")
+        } else if finished.is_empty() {
+            "no worker finished; no wrong parameters reported".into()
+        } else {
+            format!(
+                "{} workers hold {} ({source})",
+                finished.len(),
+                short(digests.keys().next().copied().unwrap_or(""))
+            )
+        },
+    }
+}
+
+/// The first 12 hex digits of a digest, for reports.
+fn short(digest: &str) -> &str {
+    digest.get(..12).unwrap_or(digest)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -184,5 +281,33 @@ mod tests {
         );
         assert!(!errors_typed(&[ev("a", "event=error kind=Weird cause=x t_ms=1")]).ok);
         assert!(!errors_typed(&[ev("a", "event=error kind=Timeout t_ms=1")]).ok);
+    }
+
+    #[test]
+    fn final_params_must_agree_with_each_other_and_the_expected() {
+        let fin = |w: &str, d: &str, x: &str| {
+            ev(w, &format!("event=finished step=9 params_digest={d} expected_digest={x} t_ms=1"))
+        };
+        let good = [fin("a", "d1", "d1"), fin("b", "d1", "d1")];
+        assert!(final_params(&good, ExpectedParams::Computed("d1")).ok);
+        assert!(final_params(&good, ExpectedParams::Reported).ok);
+        // The harness expects other parameters than both workers hold (and claim).
+        assert!(!final_params(&good, ExpectedParams::Computed("d2")).ok);
+        // One worker ended with other parameters.
+        let split = [fin("a", "d1", "d1"), fin("b", "d2", "d1")];
+        let c = final_params(&split, ExpectedParams::Computed("d1"));
+        assert!(!c.ok && c.detail.contains("differ"), "{}", c.detail);
+        assert!(!final_params(&split, ExpectedParams::Reported).ok);
+        // Workers that agree with each other but not with their own expectation.
+        assert!(!final_params(&[fin("a", "d2", "d1"), fin("b", "d2", "d1")], ExpectedParams::Reported).ok);
+        // A wrong_params event fails the run even if nobody finished.
+        let wrong = [ev("a", "event=wrong_params step=4 phase=sync index=0 t_ms=1")];
+        assert!(!final_params(&wrong, ExpectedParams::Computed("d1")).ok);
+        assert!(!final_params(&wrong, ExpectedParams::Reported).ok);
+        // The built-in worker must report a digest; a worker program that reports none is skipped, visibly.
+        let bare = [ev("a", "event=finished step=9 t_ms=1")];
+        assert!(!final_params(&bare, ExpectedParams::Computed("d1")).ok);
+        let skipped = final_params(&bare, ExpectedParams::Reported);
+        assert!(skipped.ok && skipped.detail.starts_with("SKIPPED"), "{}", skipped.detail);
     }
 }

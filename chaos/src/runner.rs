@@ -803,6 +803,12 @@ impl Run<'_> {
         let bound_ms = (sc.no_progress.0 + Duration::from_secs(3)).as_millis() as u64;
         checks.push(invariants::no_hang(&events, &self.signal_windows(), bound_ms, end_ms));
         checks.push(invariants::errors_typed(&events));
+        let computed =
+            sc.worker_command.is_none().then(|| invariants::expected_params_digest(sc.size_bytes(), sc.steps));
+        checks.push(invariants::final_params(
+            &events,
+            computed.as_deref().map_or(invariants::ExpectedParams::Reported, invariants::ExpectedParams::Computed),
+        ));
         // Per fault: disruptive ones reach every survivor with the root cause; quiet ones
         // fail no collective.
         for r in &records {

@@ -6,12 +6,13 @@
 //! formation timers and lease-lapse detection. Start one in-process with [`server::start`].
 //!
 //! Module map: [`config`] (settings), [`validate`] (request checks), [`keys`] and
-//! [`records`] (store layout and values), [`rendezvous`], [`revocation`] and [`exclusion`]
-//! (pure decision logic), [`ops`] (CAS mutations), [`hub`] (per-job live views),
+//! [`records`] (store layout and values), [`rendezvous`], [`revocation`], [`exclusion`] and
+//! [`digests`] (pure decision logic), [`ops`] (CAS mutations), [`hub`] (per-job live views),
 //! [`service`] (the RPCs), [`leader`] (election and timers), [`metrics`], [`server`].
 
 pub mod auth;
 pub mod config;
+pub mod digests;
 pub mod etcd_process;
 pub mod exclusion;
 pub mod hub;

@@ -402,6 +402,16 @@ fn print_status(s: &pb::StatusResponse) {
             }
         );
     }
+    for m in &s.digest_mismatches {
+        let commits: Vec<String> =
+            m.commits.iter().map(|c| format!("{} {}", c.worker_id, c.digest.get(..12).unwrap_or(&c.digest))).collect();
+        println!(
+            "DIGEST MISMATCH: generation {} step {} committed with different state by: {}",
+            m.generation,
+            m.step,
+            commits.join(", ")
+        );
+    }
 }
 
 /// The status as one JSON object: the table's facts, times as ms since the epoch plus the
@@ -436,6 +446,7 @@ fn status_json(s: &pb::StatusResponse) -> serde_json::Value {
                 "step": m.step,
                 "activity": m.activity,
                 "last_commit_step": m.last_commit_step,
+                "last_commit_digest": m.last_commit_digest,
                 "waiting": m.waiting,
                 "control_connected": m.control_connected,
             })
@@ -464,6 +475,11 @@ fn status_json(s: &pb::StatusResponse) -> serde_json::Value {
         "ended": ended,
         "leader": if s.leader.is_empty() { None } else { Some(&s.leader) },
         "members": members,
+        "digest_mismatches": s.digest_mismatches.iter().map(|m| json!({
+            "generation": m.generation,
+            "step": m.step,
+            "commits": m.commits.iter().map(|c| json!({ "worker_id": c.worker_id, "digest": c.digest })).collect::<Vec<_>>(),
+        })).collect::<Vec<_>>(),
     })
 }
 

@@ -31,6 +31,7 @@ pub struct Metrics {
     jobs: Mutex<BTreeMap<String, (u64, u64)>>,
     rpcs: Mutex<BTreeMap<(&'static str, &'static str), u64>>,
     formation: Mutex<Histogram>,
+    digest_mismatches: Mutex<BTreeMap<String, u64>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -84,6 +85,11 @@ impl Metrics {
     /// Counts a revocation.
     pub fn revoked(&self) {
         self.revocations.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Counts a commit whose digest differs from another member's for the same step.
+    pub fn digest_mismatch(&self, job: &str) {
+        *lock(&self.digest_mismatches).entry(job.to_string()).or_default() += 1;
     }
 
     /// Records whether this replica leads.
@@ -158,6 +164,13 @@ impl Metrics {
         );
         for ((method, code), n) in lock(&self.rpcs).iter() {
             let _ = writeln!(out, "cohort_rpcs_total{{method=\"{method}\",code=\"{code}\"}} {n}");
+        }
+        let _ = writeln!(
+            out,
+            "# HELP cohort_digest_mismatches_total Commits received by this replica whose state digest differs from another member's for the same step.\n# TYPE cohort_digest_mismatches_total counter"
+        );
+        for (job, n) in lock(&self.digest_mismatches).iter() {
+            let _ = writeln!(out, "cohort_digest_mismatches_total{{job=\"{job}\"}} {n}");
         }
         out
     }
@@ -242,7 +255,10 @@ mod tests {
         m.rpc("Join", tonic::Code::InvalidArgument);
         m.formed(Duration::from_millis(30));
         m.set_job("j", Some((4, 2)));
+        m.digest_mismatch("j");
+        m.digest_mismatch("j");
         let text = m.render();
+        assert!(text.contains("cohort_digest_mismatches_total{job=\"j\"} 2"), "{text}");
         assert!(text.contains("cohort_rpcs_total{method=\"Join\",code=\"OK\"} 2"), "{text}");
         assert!(text.contains("cohort_rpcs_total{method=\"Join\",code=\"INVALID_ARGUMENT\"} 1"));
         assert!(text.contains("cohort_formation_latency_seconds_bucket{le=\"0.05\"} 1"));

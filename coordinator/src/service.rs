@@ -14,6 +14,7 @@
 //! includes the caller even when it is already revoked: the member learns the revocation
 //! (watch, failed connection) and rendezvous again after it.
 
+use crate::digests::{self, CommitLedger};
 use crate::hub::{self, Hub};
 use crate::keys::{self, Kind};
 use crate::ops::{self, Context};
@@ -48,6 +49,7 @@ struct CachedProgress {
 pub struct CoordinatorService {
     ctx: Arc<Context>,
     progress: Arc<Mutex<HashMap<(String, String), CachedProgress>>>,
+    commits: Arc<Mutex<CommitLedger>>,
 }
 
 fn store_status(e: StoreError) -> Status {
@@ -66,7 +68,11 @@ fn not_member(job: &str, worker: &str, incarnation: u64) -> Status {
 impl CoordinatorService {
     /// A service over a replica's shared context.
     pub fn new(ctx: Arc<Context>) -> Self {
-        Self { ctx, progress: Arc::new(Mutex::new(HashMap::new())) }
+        Self {
+            ctx,
+            progress: Arc::new(Mutex::new(HashMap::new())),
+            commits: Arc::new(Mutex::new(CommitLedger::default())),
+        }
     }
 
     async fn hub(&self, job: &str) -> Result<Arc<Hub>, Status> {
@@ -699,14 +705,33 @@ impl CoordinatorService {
         validate::generation("generation", r.generation, current)?;
         self.require_member(&hub, &r.job, &r.worker_id, r.incarnation).await?;
         let now = records::now_ms();
+        let digest = hex(&r.digest);
         self.record_progress(&r.job, &r.worker_id, r.incarnation, |p| {
             p.last_commit_step = r.step;
             p.last_commit_generation = r.generation;
-            p.last_commit_digest = hex(&r.digest);
+            p.last_commit_digest = digest.clone();
             p.last_commit_ms = now;
             p.step = r.step;
         })
         .await?;
+        let mismatch = self.commits.lock().unwrap_or_else(|e| e.into_inner()).record(
+            &r.job,
+            r.generation,
+            r.step,
+            &r.worker_id,
+            &digest,
+            Instant::now(),
+        );
+        if let Some(m) = mismatch {
+            self.ctx.metrics.digest_mismatch(&r.job);
+            let commits: Vec<String> = m.commits.iter().map(|c| format!("{}={}", c.worker_id, c.digest)).collect();
+            tracing::warn!(
+                generation = m.generation,
+                step = m.step,
+                commits = %commits.join(" "),
+                "members committed one step with different state digests"
+            );
+        }
         Ok(pb::CommitResponse { reformation_pending: hub.pending().is_some() })
     }
 
@@ -758,6 +783,7 @@ impl CoordinatorService {
                     step: p.map_or(0, |p| p.step),
                     activity: p.map_or_else(String::new, |p| p.activity.clone()),
                     last_commit_step: p.map_or(0, |p| p.last_commit_step),
+                    last_commit_digest: p.map_or_else(String::new, |p| p.last_commit_digest.clone()),
                     waiting,
                     control_connected: state
                         .control
@@ -766,8 +792,23 @@ impl CoordinatorService {
                         .map(|c| c.connected),
                 }
             })
-            .collect();
+            .collect::<Vec<pb::MemberStatus>>();
+        // Members' last commits as the store and this replica's cache hold them, with the
+        // mismatches this replica saw as commits arrived.
+        let last_commits = state.members.values().filter_map(|m| {
+            let p = cached
+                .get(&m.worker_id)
+                .or_else(|| state.progress.get(&m.worker_id).filter(|p| p.incarnation == m.incarnation))?;
+            (p.last_commit_ms > 0).then(|| {
+                let commit = digests::Commit { worker_id: m.worker_id.clone(), digest: p.last_commit_digest.clone() };
+                (p.last_commit_generation, p.last_commit_step, commit)
+            })
+        });
+        let seen = self.commits.lock().unwrap_or_else(|e| e.into_inner()).mismatches(&r.job);
+        let digest_mismatches =
+            digests::merge(seen, digests::among_last_commits(last_commits)).iter().map(|m| m.to_proto()).collect();
         Ok(pb::StatusResponse {
+            digest_mismatches,
             job: r.job.clone(),
             settings: Some(settings.to_proto()),
             current: g.map(|g| g.to_proto()),

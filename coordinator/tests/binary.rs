@@ -55,6 +55,47 @@ async fn serve_status_and_sigterm() {
     .await;
 }
 
+/// `status` (table and `--json`) names the members and the step of a digest mismatch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_names_members_that_committed_one_step_with_different_digests() {
+    bounded(async {
+        let (_running, addr) =
+            spawn(&["--listen", "127.0.0.1:0", "--store", "memory", "--join-window", "200ms", "--lease-ttl", "5s"]);
+        let workers = vec![
+            Worker::join(addr, "digjob", "w0", Duration::from_millis(200)).await,
+            Worker::join(addr, "digjob", "w1", Duration::from_millis(200)).await,
+        ];
+        form_all(&workers, 0).await;
+        workers[0].commit_digest(1, 3, vec![0xaa; 32]).await.expect("commit");
+        workers[1].commit_digest(1, 3, vec![0xbb; 32]).await.expect("commit");
+        let status = |json: bool| {
+            let endpoint = format!("http://{addr}");
+            tokio::task::spawn_blocking(move || {
+                let mut cmd = Command::new(BIN);
+                cmd.args(["status", "--job", "digjob", "--endpoints", &endpoint]);
+                if json {
+                    cmd.arg("--json");
+                }
+                cmd.output()
+            })
+        };
+        let out = status(false).await.expect("status task").expect("run status");
+        assert!(out.status.success(), "status failed: {}", String::from_utf8_lossy(&out.stderr));
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            text.contains("DIGEST MISMATCH: generation 1 step 3 committed with different state by: w0 aaaaaaaaaaaa, w1 bbbbbbbbbbbb"),
+            "{text}"
+        );
+        let out = status(true).await.expect("status task").expect("run status");
+        let json: serde_json::Value = serde_json::from_slice(&out.stdout).expect("status --json is JSON");
+        let m = &json["digest_mismatches"][0];
+        assert_eq!((m["generation"].as_u64(), m["step"].as_u64()), (Some(1), Some(3)), "{json}");
+        assert_eq!(m["commits"][1]["worker_id"], "w1", "{json}");
+        assert_eq!(m["commits"][1]["digest"], "bb".repeat(32), "{json}");
+    })
+    .await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn status_of_an_unreachable_coordinator_fails() {
     bounded(async {

@@ -610,6 +610,61 @@ async fn a_cascade_split_across_replicas_is_judged_whole(backend: Backend) {
     trio.server.shutdown().await.expect("shutdown");
 }
 
+/// The body of a replica's `GET /metrics`.
+async fn scrape(server: &ServerHandle) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut conn = tokio::net::TcpStream::connect(server.metrics_addr().expect("metrics")).await.expect("connect");
+    conn.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n").await.expect("write");
+    let mut body = String::new();
+    conn.read_to_string(&mut body).await.expect("read");
+    body
+}
+
+/// Members of one generation that commit one step with different state digests are flagged:
+/// status names the step and every member's digest (and keeps it after they move on), the
+/// replica counts it in `cohort_digest_mismatches_total{job}`; equal digests are not flagged;
+/// an oversized digest is refused and changes nothing.
+async fn different_commit_digests_are_flagged(backend: Backend) {
+    let backing = Backing::new(backend).await;
+    let server = replica(backing.store.clone(), &Options::new(test_settings(backend))).await;
+    let addr = server.local_addr();
+    let job = "job-digest";
+    let workers = Worker::join_many(addr, job, 3, HB).await;
+    form_all(&workers, 0).await;
+    for w in &workers {
+        w.commit_digest(1, 4, vec![1; 32]).await.expect("commit");
+    }
+    let s = status(addr, job).await;
+    assert!(s.digest_mismatches.is_empty(), "{:?}", s.digest_mismatches);
+    assert!(s.members.iter().all(|m| m.last_commit_digest == "01".repeat(32)));
+    let odd = &workers[2].id;
+    for w in &workers {
+        let digest = if w.id == *odd { vec![2; 32] } else { vec![1; 32] };
+        w.commit_digest(1, 5, digest).await.expect("commit");
+    }
+    let bad = workers[0].commit_digest(1, 6, vec![7; 4096]).await.expect_err("an oversized digest is refused");
+    assert_eq!(bad.code(), tonic::Code::InvalidArgument);
+    let s = status(addr, job).await;
+    assert_eq!(s.digest_mismatches.len(), 1, "{:?}", s.digest_mismatches);
+    let m = &s.digest_mismatches[0];
+    assert_eq!((m.generation, m.step), (1, 5));
+    let mut want: Vec<(String, String)> =
+        workers.iter().map(|w| (w.id.clone(), if w.id == *odd { "02" } else { "01" }.repeat(32))).collect();
+    want.sort();
+    let got: Vec<(String, String)> = m.commits.iter().map(|c| (c.worker_id.clone(), c.digest.clone())).collect();
+    assert_eq!(got, want);
+    assert!(scrape(&server).await.contains(&format!("cohort_digest_mismatches_total{{job=\"{job}\"}} 1")));
+    // Every member moves on to an agreed step 6: the mismatch at step 5 stays in the status.
+    for w in &workers {
+        w.commit_digest(1, 6, vec![3; 32]).await.expect("commit");
+    }
+    let s = status(addr, job).await;
+    assert_eq!(s.digest_mismatches.iter().map(|m| m.step).collect::<Vec<_>>(), vec![5]);
+    assert!(s.members.iter().all(|m| m.last_commit_step == 6 && m.last_commit_digest == "03".repeat(32)));
+    assert!(scrape(&server).await.contains(&format!("cohort_digest_mismatches_total{{job=\"{job}\"}} 1")));
+    server.shutdown().await.expect("shutdown");
+}
+
 macro_rules! suite {
     ($($name:ident),* $(,)?) => {
         mod memory {
@@ -647,4 +702,5 @@ suite!(
     a_cascade_split_across_replicas_is_judged_whole,
     two_dead_at_once_reform_without_the_join_window,
     a_reopened_control_stream_counts_as_connected,
+    different_commit_digests_are_flagged,
 );

@@ -51,10 +51,12 @@ async fn kill_one_of_four(store: StoreKind, job: &str) {
         "a generation does not say transport=tcp",
         events,
     );
+    let expected = invariants::expected_params_digest(8 << 20, 40);
     for c in [
         invariants::no_wrong_results(events),
         invariants::generations_increase(events),
         invariants::commits_never_lost(events),
+        invariants::final_params(events, invariants::ExpectedParams::Computed(&expected)),
     ] {
         check(c.ok, &format!("{}: {}", c.what, c.detail), events);
     }

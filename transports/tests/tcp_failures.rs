@@ -201,6 +201,17 @@ async fn slow_but_moving_transfer_does_not_time_out() {
         // A byte every 100 ms for 2.4 s: the transfer outlasts the 1 s no-progress deadline
         // more than twice, but is never idle for more than a tenth of it (a margin that a
         // loaded machine's scheduling delays cannot eat, unlike 150 ms writes against 300 ms).
+        //
+        // Why this one test keeps a real-time margin instead of being driven by events: what
+        // it checks is a property of wall-clock time (a link idle for less than the deadline
+        // is never cut, however long the whole transfer), so the gaps between bytes must be
+        // real time. Tokio's paused clock cannot stand in for it with real sockets: a paused
+        // runtime that waits on socket I/O counts as idle and jumps to the next timer, which is
+        // the deadline itself, so the link would be cut while the writer is about to write.
+        // Handshakes between writer and reader (write the next byte once the reader has
+        // consumed the last) remove the gaps they would have to measure. What is left is the
+        // ratio: a stall of 900 ms of this process would be needed to fail it, and such a
+        // stall would rightly trip a 1 s deadline.
         let np = Duration::from_secs(1);
         let d = deadlines(np, Duration::from_secs(10));
         let (_eps, t0, _t1, mut a0, _a1) = with_attacker(d).await;

@@ -4,11 +4,12 @@
 //! binds a data-plane listener on 127.0.0.1:0 (TCP) or opens its RDMA device and bootstrap
 //! listener (`--transport rdma`) and prints its address; the parent hands the
 //! full address list back on every child's stdin; the ranks connect their mesh and, for each
-//! size, run warm-up iterations and then the timed ones, verifying every result. Each rank
+//! size, run warm-up iterations and then the timed ones of the chosen operator (`--op`),
+//! verifying every result against [`OpPattern`]'s expected values. Each rank
 //! reports its median; the figure for a size is the slowest rank's median, as nccl-tests
 //! does. busbw = algbw x 2(n-1)/n.
 
-use crate::exact::{ExactElement, Pattern};
+use crate::exact::{ExactElement, OpPattern};
 use crate::{Algorithm, CommConfig, Communicator, ReduceOp};
 use cohort_transports::tcp::{MeshSpec, TcpEndpoint, TcpOptions};
 use cohort_transports::{Deadlines, Transport};
@@ -50,6 +51,8 @@ pub struct BenchConfig {
     pub algo: Algorithm,
     /// Element type name (f32, f64, f16, bf16, i32, i64, u8).
     pub dtype: String,
+    /// The reduction operator (every result is verified for it).
+    pub op: ReduceOp,
     /// Receive busy-poll window of the TCP links ([`TcpOptions::busy_poll`]).
     pub busy_poll: Duration,
     /// The data-plane transport.
@@ -120,8 +123,24 @@ impl Drop for Children {
     }
 }
 
+/// Whether the element type named `dtype` holds `op`'s verified values exactly over `ranks`.
+pub fn check_exact(dtype: &str, op: ReduceOp, ranks: u32) -> Result<(), String> {
+    let pattern = OpPattern::new(op, 0, ranks);
+    match dtype {
+        "f32" => pattern.check_exact::<f32>(),
+        "f64" => pattern.check_exact::<f64>(),
+        "f16" => pattern.check_exact::<half::f16>(),
+        "bf16" => pattern.check_exact::<half::bf16>(),
+        "i32" => pattern.check_exact::<i32>(),
+        "i64" => pattern.check_exact::<i64>(),
+        "u8" => pattern.check_exact::<u8>(),
+        other => Err(format!("unknown dtype {other:?} (f32, f64, f16, bf16, i32, i64, u8)")),
+    }
+}
+
 /// Runs the benchmark: spawns the ranks, collects, returns one row per size.
 pub fn run_parent(config: &BenchConfig) -> Result<Vec<BenchRow>, String> {
+    check_exact(&config.dtype, config.op, config.ranks)?;
     let exe = std::env::current_exe().map_err(|e| format!("locating cohort-worker: {e}"))?;
     let sizes = config.sizes.iter().map(|s| s.to_string()).collect::<Vec<_>>().join(",");
     let token: [u8; 16] = rand::random();
@@ -131,7 +150,7 @@ pub fn run_parent(config: &BenchConfig) -> Result<Vec<BenchRow>, String> {
         let child = Command::new(&exe)
             .args(["bench-rank", "--rank", &rank.to_string(), "--ranks", &config.ranks.to_string()])
             .args(["--sizes", &sizes, "--iters", &config.iters.to_string(), "--warmup", &config.warmup.to_string()])
-            .args(["--algo", algo_name(config.algo), "--dtype", &config.dtype])
+            .args(["--algo", algo_name(config.algo), "--dtype", &config.dtype, "--op", config.op.name()])
             .args(["--busy-poll", &format!("{}us", config.busy_poll.as_micros())])
             .args(["--transport", config.transport.name()])
             .env("COHORT_BENCH_TOKEN", &token_hex)
@@ -214,9 +233,10 @@ pub fn run_parent(config: &BenchConfig) -> Result<Vec<BenchRow>, String> {
 /// Prints the nccl-tests-style table and the parseable lines.
 pub fn print_rows(config: &BenchConfig, rows: &[BenchRow]) {
     println!(
-        "# cohort allreduce: ranks={} dtype={} algo={} transport={} iters={} warmup={} busy_poll={:?}",
+        "# cohort allreduce: ranks={} dtype={} op={} algo={} transport={} iters={} warmup={} busy_poll={:?}",
         config.ranks,
         config.dtype,
+        config.op,
         algo_name(config.algo),
         config.transport.name(),
         config.iters,
@@ -268,9 +288,7 @@ fn bench_token() -> Vec<u8> {
 const BENCH_DEADLINES: Deadlines = Deadlines { no_progress: Duration::from_secs(30), connect: Duration::from_secs(30) };
 
 async fn rank_typed<E: ExactElement>(rank: u32, config: BenchConfig) -> Result<(), String> {
-    if Pattern::new(0, config.ranks).max_sum() > E::EXACT_LIMIT {
-        return Err(format!("{} cannot hold exact sums over {} ranks", E::NAME, config.ranks));
-    }
+    OpPattern::new(config.op, 0, config.ranks).check_exact::<E>()?;
     let comm_config = CommConfig { algorithm: config.algo, ..CommConfig::default() };
     match config.transport {
         BenchTransport::Tcp => {
@@ -335,15 +353,15 @@ async fn measure<E: ExactElement, T: Transport>(
         let mut buf = vec![E::from_small(0); count];
         let mut times = Vec::with_capacity(config.iters as usize);
         for iter in 0..(config.warmup + config.iters) {
-            let pattern = Pattern::new(iter as u64, world);
+            let pattern = OpPattern::new(config.op, iter as u64, world);
             pattern.fill(rank, &mut buf);
             // Line the ranks up so each timed iteration measures the collective alone.
             comm.barrier().await.map_err(|e| e.to_string())?;
             let started = Instant::now();
-            comm.allreduce(&mut buf, ReduceOp::Sum).await.map_err(|e| e.to_string())?;
+            comm.allreduce(&mut buf, config.op).await.map_err(|e| e.to_string())?;
             let took = started.elapsed();
             if let Some(j) = pattern.first_mismatch(&buf) {
-                let msg = format!("WRONG RESULT at {bytes} bytes, iteration {iter}, element {j}");
+                let msg = format!("WRONG RESULT of {} at {bytes} bytes, iteration {iter}, element {j}", config.op);
                 println!("error {msg}");
                 return Err(msg);
             }

@@ -19,6 +19,7 @@ pub mod exact;
 pub mod metrics;
 pub mod reduce;
 pub mod train;
+pub mod trajectory;
 
 pub use algo::Algorithm;
 pub use collectives::counts_for;

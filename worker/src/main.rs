@@ -173,6 +173,9 @@ struct BenchArgs {
     /// Element type.
     #[arg(long, value_enum, default_value = "f32")]
     dtype: DTypeArg,
+    /// Reduction operator: sum, prod, min, max or avg (every result verified).
+    #[arg(long, default_value = "sum")]
+    op: cohort::ReduceOp,
     /// Data-plane transport.
     #[arg(long, value_enum, default_value = "tcp")]
     transport: TransportKind,
@@ -197,6 +200,8 @@ struct BenchRankArgs {
     algo: Algorithm,
     #[arg(long)]
     dtype: String,
+    #[arg(long, default_value = "sum")]
+    op: cohort::ReduceOp,
     #[arg(long, value_parser = duration)]
     busy_poll: Duration,
     #[arg(long, value_enum, default_value = "tcp")]
@@ -290,13 +295,15 @@ fn run_train(args: TrainArgs) -> ExitCode {
         Ok(summary) => {
             let lost: Vec<String> = summary.failures.iter().map(|d| d.as_millis().to_string()).collect();
             println!(
-                "event=summary verified_steps={} final_step={} failures={} lost_ms={} cooperative_reforms={} left={} t_ms={}",
+                "event=summary verified_steps={} final_step={} failures={} lost_ms={} cooperative_reforms={} left={} params_digest={} expected_digest={} t_ms={}",
                 summary.verified_steps,
                 summary.final_step,
                 summary.failures.len(),
                 if lost.is_empty() { "-".into() } else { lost.join(",") },
                 summary.cooperative_reforms,
                 summary.left,
+                summary.params_digest.as_deref().unwrap_or("-"),
+                summary.expected_digest.as_deref().unwrap_or("-"),
                 train::now_ms()
             );
             ExitCode::SUCCESS
@@ -390,6 +397,7 @@ fn run_bench(args: BenchArgs) -> ExitCode {
             warmup: args.warmup,
             algo: args.algo,
             dtype: args.dtype.name().to_string(),
+            op: args.op,
             busy_poll: args.busy_poll,
             transport: bench_transport(args.transport),
         };
@@ -415,6 +423,7 @@ fn run_bench_rank(args: BenchRankArgs) -> ExitCode {
             warmup: args.warmup,
             algo: args.algo,
             dtype: args.dtype.clone(),
+            op: args.op,
             busy_poll: args.busy_poll,
             transport: bench_transport(args.transport),
         };

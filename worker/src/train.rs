@@ -1,17 +1,23 @@
 //! `cohort-worker train`: a synthetic data-parallel training loop on the elastic runtime.
 //!
-//! Each step allreduces a deterministic, integer-valued gradient (so sums are exact),
-//! checks every element against the expected sum for the generation's members, adds it to
-//! the parameters, commits, and agrees with the other ranks (one tiny allreduce) whether to
-//! re-form at this commit point (joiners waiting, or a member leaving on SIGTERM). A SIGTERM
+//! Each step allreduces a deterministic, integer-valued gradient (so sums are exact) whose sum
+//! depends on the parameters and the step ([`crate::trajectory`]), checks every element
+//! against that target, adds it to the parameters, checks the parameters against the ones
+//! every worker expects after that many steps, commits, and agrees with the other ranks (one
+//! tiny allreduce) whether to re-form at this commit point (joiners waiting, or a member
+//! leaving on SIGTERM). The parameters are also checked after every sync and restore and at
+//! the end, so a wrong restore, a wrong sync or a lost step stops the worker. A SIGTERM
 //! before the worker is a member (while it joins, or waits out an exclusion) ends it at once.
 //!
 //! Output: one `key=value` line per event on stdout (the chaos harness parses them):
-//! `event=joining|joined|generation|allreduce|step|error|restored|reform|leave|summary|wrong_result`,
-//! each with `t_ms` (wall clock, ms since the Unix epoch).
+//! `event=joining|joined|generation|allreduce|step|error|restored|reform|leave|finished|summary|wrong_result|wrong_params`,
+//! each with `t_ms` (wall clock, ms since the Unix epoch). `finished` and `summary` carry
+//! `params_digest` (SHA-256 of the final parameters' bytes) and `expected_digest` (of the
+//! parameters expected after that many steps).
 
 use crate::elastic::{Checkpoint, ElasticConfig, ElasticError, ElasticGroup, Generation, SyncError};
-use crate::exact::{ExactElement, Pattern};
+use crate::exact::ExactElement;
+use crate::trajectory::{params_digest, StepMismatch, Trajectory};
 use crate::{CommError, ReduceOp};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -42,6 +48,10 @@ pub struct TrainSummary {
     pub cooperative_reforms: u64,
     /// Whether this worker left early (SIGTERM).
     pub left: bool,
+    /// SHA-256 (hex) of the parameters at the end (`None`: never a member).
+    pub params_digest: Option<String>,
+    /// SHA-256 (hex) of the parameters expected after `final_step` steps.
+    pub expected_digest: Option<String>,
 }
 
 /// Milliseconds since the Unix epoch.
@@ -118,6 +128,7 @@ pub async fn run<E: ExactElement>(
         now_ms()
     );
 
+    let trajectory = Trajectory::new::<E>(count);
     let mut params = Params(vec![E::from_small(0); count]);
     let mut grad = vec![E::from_small(0); count];
     let mut checkpoint = Checkpoint::new();
@@ -137,13 +148,7 @@ pub async fn run<E: ExactElement>(
         let world = generation.comm.size();
         let rank = generation.comm.rank();
         let span = info_span!("train", job = %group.job(), generation = g, rank);
-        if E::EXACT_LIMIT < Pattern::new(0, world).max_sum().saturating_mul(train.steps.saturating_add(1)) {
-            return Err(TrainError::Setup(format!(
-                "{} cannot hold {} steps of exact sums over {world} ranks; use f32/f64/i32/i64 or fewer steps",
-                E::NAME,
-                train.steps
-            )));
-        }
+        Trajectory::check_exact::<E>(world).map_err(TrainError::Setup)?;
         println!(
             "event=generation gen={g} world={world} rank={rank} transport={} t_ms={}",
             generation.transport,
@@ -176,16 +181,23 @@ pub async fn run<E: ExactElement>(
             Err(SyncError::Diverged(detail)) => return Err(TrainError::Diverged(detail)),
         }
         let mut step = checkpoint.step().unwrap_or(0);
+        check_params(&trajectory, &params.0, g, rank, step, "sync")?;
 
         loop {
             if step >= train.steps {
-                println!("event=finished gen={g} rank={rank} step={step} t_ms={}", now_ms());
+                check_params(&trajectory, &params.0, g, rank, step, "end")?;
+                let (digest, expected) = digests(&trajectory, &params.0, step);
+                println!(
+                    "event=finished gen={g} rank={rank} step={step} params_digest={digest} expected_digest={expected} t_ms={}",
+                    now_ms()
+                );
+                summary.params_digest = Some(digest);
+                summary.expected_digest = Some(expected);
                 summary.final_step = step;
                 group.leave(true).await?;
                 return Ok(summary);
             }
-            let pattern = Pattern::new(step, world);
-            pattern.fill(rank, &mut grad);
+            trajectory.fill(&params.0, step, rank, world, &mut grad);
             group.set_progress(g, step, "allreduce");
             let started = Instant::now();
             println!("event=allreduce gen={g} rank={rank} step={step} t_ms={}", now_ms());
@@ -198,20 +210,25 @@ pub async fn run<E: ExactElement>(
                     kind_of(&e), q(&e.to_string()), q(&cause.to_string()), now_ms()
                 );
                 checkpoint.restore(&mut params)?;
+                check_params(&trajectory, &params.0, g, rank, checkpoint.step().unwrap_or(0), "restore")?;
                 failed_at.get_or_insert_with(Instant::now);
                 continue 'generations;
             }
-            if let Some(j) = pattern.first_mismatch(&grad) {
-                println!(
-                    "event=wrong_result gen={g} rank={rank} step={step} index={j} got={:?} expected={:?} t_ms={}",
-                    grad[j],
-                    pattern.expected::<E>(j),
-                    now_ms()
-                );
-                return Err(TrainError::WrongResult { generation: g, step, index: j });
-            }
-            for (p, d) in params.0.iter_mut().zip(&grad) {
-                *p = p.add(*d);
+            // One pass: every element of the sum against its target, added, and the new
+            // parameter against the one expected after step + 1 (the commit's check).
+            match trajectory.apply(&mut params.0, &grad, step) {
+                Ok(()) => {}
+                Err(StepMismatch::Sum { index: j, expected }) => {
+                    println!(
+                        "event=wrong_result gen={g} rank={rank} step={step} index={j} got={} expected={expected:?} t_ms={}",
+                        grad.get(j).map_or_else(|| "-".to_string(), |x| format!("{x:?}")),
+                        now_ms()
+                    );
+                    return Err(TrainError::WrongResult { generation: g, step, index: j });
+                }
+                Err(StepMismatch::Params { index, expected }) => {
+                    return Err(wrong_params(g, rank, step + 1, "commit", index, params.0.get(index), expected));
+                }
             }
             step += 1;
             checkpoint.commit(&params, step);
@@ -250,7 +267,13 @@ pub async fn run<E: ExactElement>(
                 continue 'generations;
             }
             if flags[1] != 0 && *leaving.borrow() {
-                println!("event=leave gen={g} rank={rank} step={step} t_ms={}", now_ms());
+                let (digest, expected) = digests(&trajectory, &params.0, step);
+                println!(
+                    "event=leave gen={g} rank={rank} step={step} params_digest={digest} expected_digest={expected} t_ms={}",
+                    now_ms()
+                );
+                summary.params_digest = Some(digest);
+                summary.expected_digest = Some(expected);
                 summary.final_step = step;
                 summary.left = true;
                 drop(generation);
@@ -270,7 +293,51 @@ pub async fn run<E: ExactElement>(
         }
     }
     summary.final_step = checkpoint.step().unwrap_or(0);
+    // The parameters are the last commit's here (every way into next_generation leaves them so).
+    check_params(&trajectory, &params.0, 0, 0, summary.final_step, "end")?;
+    let (digest, expected) = digests(&trajectory, &params.0, summary.final_step);
+    summary.params_digest = Some(digest);
+    summary.expected_digest = Some(expected);
     Ok(summary)
+}
+
+/// Checks the parameters against those every worker expects after `step` steps; a mismatch
+/// prints `event=wrong_params` (with the phase: sync, restore, commit, end) and is an error.
+fn check_params<E: ExactElement>(
+    trajectory: &Trajectory,
+    params: &[E],
+    generation: u64,
+    rank: u32,
+    step: u64,
+    phase: &'static str,
+) -> Result<(), TrainError> {
+    match trajectory.first_param_mismatch(params, step) {
+        None => Ok(()),
+        Some((index, expected)) => Err(wrong_params(generation, rank, step, phase, index, params.get(index), expected)),
+    }
+}
+
+/// Prints `event=wrong_params` and returns the error.
+fn wrong_params<E: ExactElement>(
+    generation: u64,
+    rank: u32,
+    step: u64,
+    phase: &'static str,
+    index: usize,
+    got: Option<&E>,
+    expected: E,
+) -> TrainError {
+    println!(
+        "event=wrong_params gen={generation} rank={rank} step={step} phase={phase} index={index} got={} expected={expected:?} t_ms={}",
+        got.map_or_else(|| "-".to_string(), |p| format!("{p:?}")),
+        now_ms()
+    );
+    TrainError::WrongParams { generation, step, phase, index }
+}
+
+/// The digests of the parameters held and of those expected after `step` steps.
+fn digests<E: ExactElement>(trajectory: &Trajectory, params: &[E], step: u64) -> (String, String) {
+    (params_digest(params), params_digest(&trajectory.expected_params::<E>(step)))
 }
 
 /// Resolves once SIGTERM has been received (never, if the signal task is gone without one).
@@ -296,6 +363,19 @@ pub enum TrainError {
         /// First wrong element.
         index: usize,
     },
+    /// The parameters differ from the ones expected after `step` steps: a wrong restore, a
+    /// wrong sync, or a lost or repeated step.
+    #[error("WRONG PARAMETERS in generation {generation} at step {step} (after {phase}), element {index}")]
+    WrongParams {
+        /// Generation of the check.
+        generation: u64,
+        /// The step the parameters claim.
+        step: u64,
+        /// Where the check ran: sync, restore, commit or end.
+        phase: &'static str,
+        /// First wrong element.
+        index: usize,
+    },
     /// Ranks disagree about the restored state.
     #[error("state diverged after restore: {0}")]
     Diverged(String),
@@ -305,4 +385,44 @@ pub enum TrainError {
     /// The settings cannot work.
     #[error("{0}")]
     Setup(String),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::elastic::ElasticState;
+
+    #[test]
+    fn a_restore_that_loads_the_previous_commit_fails_the_check() {
+        let trajectory = Trajectory::new::<f32>(100);
+        let mut params = Params(vec![0f32; 100]);
+        // A checkpoint whose commit of step 5 holds the parameters of step 4.
+        let mut checkpoint = Checkpoint::new();
+        checkpoint.commit(&Params(trajectory.expected_params::<f32>(4)), 5);
+        checkpoint.restore(&mut params).unwrap();
+        let err = check_params(&trajectory, &params.0, 2, 0, 5, "restore").unwrap_err();
+        assert!(matches!(err, TrainError::WrongParams { step: 5, phase: "restore", generation: 2, .. }), "{err}");
+        // The right commit passes.
+        checkpoint.commit(&Params(trajectory.expected_params::<f32>(5)), 5);
+        checkpoint.restore(&mut params).unwrap();
+        check_params(&trajectory, &params.0, 2, 0, 5, "restore").unwrap();
+    }
+
+    #[test]
+    fn a_wrong_snapshot_loaded_by_a_sync_fails_the_check() {
+        let trajectory = Trajectory::new::<i32>(64);
+        let mut params = Params(vec![0i32; 64]);
+        // A snapshot of the right length with one element off (a corrupted or mixed-up state).
+        let mut wrong = trajectory.expected_params::<i32>(9);
+        wrong[17] = wrong[17].wrapping_add(1);
+        let mut bytes = Vec::new();
+        Params(wrong).save(&mut bytes);
+        params.load(&bytes).unwrap();
+        let err = check_params(&trajectory, &params.0, 3, 1, 9, "sync").unwrap_err();
+        assert!(matches!(err, TrainError::WrongParams { index: 17, phase: "sync", .. }), "{err}");
+        // A joiner's zeros claimed as step 9 (a sync that skipped it).
+        let zeros = vec![0i32; 64];
+        assert!(check_params(&trajectory, &zeros, 3, 2, 9, "sync").is_err());
+        assert!(check_params(&trajectory, &zeros, 3, 2, 0, "sync").is_ok());
+    }
 }

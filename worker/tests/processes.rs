@@ -23,6 +23,11 @@ impl Drop for Ranks {
 }
 
 fn bench(ranks: u32, algo: &str, sizes: &str) -> String {
+    bench_with(ranks, algo, sizes, &[])
+}
+
+/// `cohort-worker bench` with `extra` arguments; its stdout (it must succeed within 120 s).
+fn bench_with(ranks: u32, algo: &str, sizes: &str, extra: &[&str]) -> String {
     let mut child = Command::new(WORKER)
         .args([
             "bench",
@@ -37,6 +42,7 @@ fn bench(ranks: u32, algo: &str, sizes: &str) -> String {
             "--algo",
             algo,
         ])
+        .args(extra)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -61,6 +67,32 @@ fn bench(ranks: u32, algo: &str, sizes: &str) -> String {
     let status = child.wait().expect("wait");
     assert!(status.success(), "bench --ranks {ranks} --algo {algo} failed ({status}):\n{out}\n{err}");
     out
+}
+
+#[test]
+fn bench_verifies_every_op() {
+    // Each rank checks every element of every iteration against the op's expected result
+    // (exact/OpPattern) and the bench fails on the first wrong one.
+    for op in ["sum", "prod", "min", "max", "avg"] {
+        for (ranks, algo, dtype) in [(3, "ring", "f32"), (4, "bcube", "i32"), (2, "rd", "f16")] {
+            let out = bench_with(ranks, algo, "4,4100,64K", &["--op", op, "--dtype", dtype]);
+            assert!(out.contains(&format!(" dtype={dtype} op={op} ")), "{out}");
+            let lines =
+                out.lines().filter(|l| l.starts_with("peer=cohort ") && l.contains(&format!(" ranks={ranks} ")));
+            assert_eq!(lines.count(), 3, "{op} {algo}: one parseable line per size:\n{out}");
+        }
+    }
+}
+
+#[test]
+fn bench_refuses_at_once_an_op_its_type_cannot_hold_exactly() {
+    let out = Command::new(WORKER)
+        .args(["bench", "--ranks", "16", "--sizes", "4K", "--dtype", "u8", "--op", "max"])
+        .output()
+        .expect("run cohort-worker bench");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("u8 cannot hold exact max values over 16 ranks"), "{err}");
 }
 
 #[test]

@@ -302,6 +302,15 @@ impl Worker {
     }
 
     pub(crate) async fn commit(&self, generation: u64, step: u64) -> Result<pb::CommitResponse, tonic::Status> {
+        self.commit_digest(generation, step, vec![0xab; 32]).await
+    }
+
+    pub(crate) async fn commit_digest(
+        &self,
+        generation: u64,
+        step: u64,
+        digest: Vec<u8>,
+    ) -> Result<pb::CommitResponse, tonic::Status> {
         let mut c = self.client.clone();
         c.commit(pb::CommitRequest {
             job: self.job.clone(),
@@ -309,7 +318,7 @@ impl Worker {
             incarnation: self.incarnation,
             generation,
             step,
-            digest: vec![0xab; 32],
+            digest,
         })
         .await
         .map(|r| r.into_inner())

@@ -9,11 +9,16 @@ gradient and of its parameters at every step. A wrong restore, a wrong sync, a l
 repeated step, or blocks swapped in the allreduce all change them.
 
     g[r, i, t] = f(i, t) + (r - (n - 1) / 2) * h(i, t)     (exact in float64; the mean is f)
+
+A mismatch prints `event=wrong_params` (then `fatal`); `finished` carries `params_digest` and
+`expected_digest` (SHA-256 of the float64 parameters' bytes), which cohort-chaos compares across
+the workers that finished.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import sys
 import time
 
@@ -54,6 +59,15 @@ def expected_params(idx: np.ndarray, steps: int) -> np.ndarray:
     for t in range(steps % 97):
         total += f(idx, t)
     return total
+
+
+def digest(values: np.ndarray) -> str:
+    """SHA-256 of the parameters' bytes, as `cohort-worker train` prints `params_digest`."""
+    return hashlib.sha256(values.tobytes()).hexdigest()
+
+
+def first_difference(params: np.ndarray, expected: np.ndarray) -> int:
+    return int(np.flatnonzero(params != expected)[0])
 
 
 def parse_size(text: str) -> int:
@@ -123,11 +137,14 @@ def main() -> int:
         emit("restored", gen=g, rank=rank, step=outcome.step if outcome.step is not None else -1,
              source=outcome.source, changed=outcome.changed)
         if not np.array_equal(params, expected):
+            j = first_difference(params, expected)
+            emit("wrong_params", gen=g, rank=rank, step=step, phase="sync", index=j, got=params[j], expected=expected[j])
             emit("fatal", error=f"parameters after the sync are not those of step {step}")
             return 1
         while True:
             if step >= args.steps:
-                emit("finished", gen=g, rank=rank, step=step)
+                emit("finished", gen=g, rank=rank, step=step, params_digest=digest(params),
+                     expected_digest=digest(expected_params(idx, step)))
                 group.leave(finished=True)
                 emit("summary", verified_steps=verified, final_step=step, failures=len(failures),
                      lost_ms=",".join(str(x) for x in failures) or "-", cooperative_reforms=reforms, left=False)
@@ -161,6 +178,9 @@ def main() -> int:
                 failed_at = None
             emit("step", gen=g, world=world, rank=rank, step=step, ms=f"{(time.monotonic() - started) * 1e3:.3f}")
             if not np.array_equal(params, expected):
+                j = first_difference(params, expected)
+                emit("wrong_params", gen=g, rank=rank, step=step, phase="commit", index=j, got=params[j],
+                     expected=expected[j])
                 emit("fatal", error=f"parameters at step {step} differ from the expected ones")
                 return 1
             pending = group.commit(g, step, checkpoint.digest)

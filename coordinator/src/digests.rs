@@ -1,0 +1,218 @@
+//! Comparison of the state digests members report with their commits.
+//!
+//! Members of one generation commit a step after the same collective on the same state, so
+//! their digests for that step must be equal; a difference means their states diverged (a
+//! wrong restore, a wrong sync, a rank-local value in the state). Commits of one step in
+//! different generations are not compared: a step redone after its first committer died may
+//! legitimately differ (a different world shards the data differently), and the members'
+//! sync compares those itself.
+//!
+//! Two views, both pure: [`CommitLedger`] keeps the recent commits a replica received, per
+//! job, and reports a mismatch the moment a commit disagrees (the service counts it and logs
+//! a warning); [`among_last_commits`] compares the members' last commits as the store and
+//! the cache hold them (what `status` shows, whichever replica received them).
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::time::{Duration, Instant};
+
+/// One member's commit of a step.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Commit {
+    /// The member.
+    pub worker_id: String,
+    /// Hex digest of its committed state.
+    pub digest: String,
+}
+
+/// Members of one generation that committed one step with different digests.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Mismatch {
+    /// The generation.
+    pub generation: u64,
+    /// The step.
+    pub step: u64,
+    /// Every commit of that step known, ordered by worker.
+    pub commits: Vec<Commit>,
+}
+
+impl Mismatch {
+    /// The mismatch as the status RPC returns it.
+    pub fn to_proto(&self) -> cohort_proto::v1::DigestMismatch {
+        cohort_proto::v1::DigestMismatch {
+            generation: self.generation,
+            step: self.step,
+            commits: self
+                .commits
+                .iter()
+                .map(|c| cohort_proto::v1::CommitDigest { worker_id: c.worker_id.clone(), digest: c.digest.clone() })
+                .collect(),
+        }
+    }
+}
+
+/// Steps kept per job (the newest).
+const STEPS_KEPT: usize = 64;
+/// Mismatches kept per job (the newest).
+const MISMATCHES_KEPT: usize = 16;
+/// Jobs kept before those idle longer than [`IDLE`] are forgotten.
+const JOBS_KEPT: usize = 1024;
+/// How long an idle job's commits are kept once there are many jobs.
+const IDLE: Duration = Duration::from_secs(600);
+
+#[derive(Debug)]
+struct JobCommits {
+    /// (generation, step) -> worker -> digest.
+    steps: BTreeMap<(u64, u64), BTreeMap<String, String>>,
+    mismatches: VecDeque<Mismatch>,
+    touched: Instant,
+}
+
+/// The recent commits a replica received, per job, in bounded memory.
+#[derive(Debug, Default)]
+pub struct CommitLedger {
+    jobs: HashMap<String, JobCommits>,
+}
+
+impl CommitLedger {
+    /// Records `worker`'s commit of `step` in `generation` with `digest`. Returns the mismatch
+    /// (every known commit of that step) when the digest differs from another member's.
+    pub fn record(
+        &mut self,
+        job: &str,
+        generation: u64,
+        step: u64,
+        worker: &str,
+        digest: &str,
+        now: Instant,
+    ) -> Option<Mismatch> {
+        if self.jobs.len() >= JOBS_KEPT && !self.jobs.contains_key(job) {
+            self.jobs.retain(|_, j| now.duration_since(j.touched) < IDLE);
+        }
+        let entry = self.jobs.entry(job.to_string()).or_insert_with(|| JobCommits {
+            steps: BTreeMap::new(),
+            mismatches: VecDeque::new(),
+            touched: now,
+        });
+        entry.touched = now;
+        let commits = entry.steps.entry((generation, step)).or_default();
+        commits.insert(worker.to_string(), digest.to_string());
+        let disagree = commits.iter().any(|(w, d)| w != worker && d != digest);
+        let mismatch = disagree.then(|| Mismatch {
+            generation,
+            step,
+            commits: commits.iter().map(|(w, d)| Commit { worker_id: w.clone(), digest: d.clone() }).collect(),
+        });
+        while entry.steps.len() > STEPS_KEPT {
+            entry.steps.pop_first();
+        }
+        if let Some(m) = &mismatch {
+            entry.mismatches.retain(|old| (old.generation, old.step) != (generation, step));
+            entry.mismatches.push_back(m.clone());
+            while entry.mismatches.len() > MISMATCHES_KEPT {
+                entry.mismatches.pop_front();
+            }
+        }
+        mismatch
+    }
+
+    /// The mismatches seen for `job` (the newest [`MISMATCHES_KEPT`]), oldest first.
+    pub fn mismatches(&self, job: &str) -> Vec<Mismatch> {
+        self.jobs.get(job).map(|j| j.mismatches.iter().cloned().collect()).unwrap_or_default()
+    }
+}
+
+/// Mismatches among members' last commits, given as `(generation, step, commit)` per member:
+/// the (generation, step) pairs at which two members' digests differ.
+pub fn among_last_commits(last: impl IntoIterator<Item = (u64, u64, Commit)>) -> Vec<Mismatch> {
+    let mut by_step: BTreeMap<(u64, u64), Vec<Commit>> = BTreeMap::new();
+    for (generation, step, commit) in last {
+        by_step.entry((generation, step)).or_default().push(commit);
+    }
+    by_step
+        .into_iter()
+        .filter(|(_, commits)| commits.iter().any(|c| c.digest != commits[0].digest))
+        .map(|((generation, step), mut commits)| {
+            commits.sort();
+            Mismatch { generation, step, commits }
+        })
+        .collect()
+}
+
+/// `a` and `b` as one list, ordered by (generation, step): mismatches of the same step are
+/// merged (a member's commit from `b` wins over `a`'s).
+pub fn merge(a: Vec<Mismatch>, b: Vec<Mismatch>) -> Vec<Mismatch> {
+    let mut merged: BTreeMap<(u64, u64), BTreeMap<String, String>> = BTreeMap::new();
+    for m in a.into_iter().chain(b) {
+        let commits = merged.entry((m.generation, m.step)).or_default();
+        for c in m.commits {
+            commits.insert(c.worker_id, c.digest);
+        }
+    }
+    merged
+        .into_iter()
+        .map(|((generation, step), commits)| Mismatch {
+            generation,
+            step,
+            commits: commits.into_iter().map(|(worker_id, digest)| Commit { worker_id, digest }).collect(),
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn c(w: &str, d: &str) -> Commit {
+        Commit { worker_id: w.into(), digest: d.into() }
+    }
+
+    #[test]
+    fn the_ledger_flags_a_different_digest_for_one_step_of_one_generation() {
+        let mut l = CommitLedger::default();
+        let now = Instant::now();
+        assert_eq!(l.record("j", 1, 5, "w0", "aa", now), None);
+        assert_eq!(l.record("j", 1, 5, "w1", "aa", now), None);
+        // The same step in another generation is not compared.
+        assert_eq!(l.record("j", 2, 5, "w2", "bb", now), None);
+        let m = l.record("j", 1, 5, "w2", "bb", now).expect("mismatch");
+        assert_eq!((m.generation, m.step), (1, 5));
+        assert_eq!(m.commits, vec![c("w0", "aa"), c("w1", "aa"), c("w2", "bb")]);
+        assert_eq!(l.mismatches("j"), vec![m]);
+        assert!(l.mismatches("other").is_empty());
+        // A member recommitting its own step (after a restore) is no mismatch by itself.
+        let mut l = CommitLedger::default();
+        assert_eq!(l.record("j", 1, 5, "w0", "aa", now), None);
+        assert_eq!(l.record("j", 1, 5, "w0", "bb", now), None);
+    }
+
+    #[test]
+    fn the_ledger_stays_bounded() {
+        let mut l = CommitLedger::default();
+        let now = Instant::now();
+        for step in 0..1000 {
+            l.record("j", 1, step, "w0", "aa", now);
+            l.record("j", 1, step, "w1", "bb", now);
+        }
+        assert_eq!(l.jobs["j"].steps.len(), STEPS_KEPT);
+        let kept = l.mismatches("j");
+        assert_eq!(kept.len(), MISMATCHES_KEPT);
+        assert_eq!(kept.last().map(|m| m.step), Some(999));
+    }
+
+    #[test]
+    fn last_commits_are_compared_per_generation_and_step_and_merged() {
+        let found = among_last_commits([
+            (3, 10, c("w1", "bb")),
+            (3, 10, c("w0", "aa")),
+            (3, 9, c("w2", "cc")),
+            (2, 10, c("w3", "dd")),
+            (3, 11, c("w4", "ee")),
+            (3, 11, c("w5", "ee")),
+        ]);
+        assert_eq!(found, vec![Mismatch { generation: 3, step: 10, commits: vec![c("w0", "aa"), c("w1", "bb")] }]);
+        let seen = vec![Mismatch { generation: 3, step: 10, commits: vec![c("w0", "aa"), c("w2", "aa")] }];
+        let merged = merge(seen, found);
+        assert_eq!(merged.len(), 1);
+        assert_eq!(merged[0].commits, vec![c("w0", "aa"), c("w1", "bb"), c("w2", "aa")]);
+    }
+}
