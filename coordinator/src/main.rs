@@ -170,6 +170,8 @@ enum CliError {
     Secret(String),
     #[error("{0}")]
     Flags(String),
+    #[error("job {0} does not exist here: no worker has joined it (or it ended and its record expired)")]
+    UnknownJob(String),
     #[error("store: {0}")]
     Store(#[from] cohort_coordinator::store::StoreError),
     #[error("{0}")]
@@ -474,6 +476,7 @@ fn status_json(s: &pb::StatusResponse) -> serde_json::Value {
         "revocation_cause": cause,
         "ended": ended,
         "leader": if s.leader.is_empty() { None } else { Some(&s.leader) },
+        "exists": !s.unknown_job,
         "members": members,
         "digest_mismatches": s.digest_mismatches.iter().map(|m| json!({
             "generation": m.generation,
@@ -552,6 +555,15 @@ async fn status(args: StatusArgs) -> Result<(), CliError> {
             format!("http://{raw}")
         };
         match tokio::time::timeout(args.timeout, status_once(url, &args, token.as_deref(), ca.as_deref())).await {
+            Ok(Ok(s)) if s.unknown_job => {
+                // Said plainly (exit 1), with the leader, which is known regardless.
+                if args.json {
+                    println!("{}", status_json(&s));
+                } else {
+                    println!("leader: {}", if s.leader.is_empty() { "(none)" } else { &s.leader });
+                }
+                return Err(CliError::UnknownJob(s.job));
+            }
             Ok(Ok(s)) => {
                 if args.json {
                     println!("{}", status_json(&s));

@@ -737,7 +737,9 @@ impl CoordinatorService {
 
     async fn do_status(&self, r: pb::StatusRequest) -> Result<pb::StatusResponse, Status> {
         validate::id("job", &r.job)?;
-        let state = self.read_job(&r.job).await?;
+        let (kvs, revision) = self.ctx.store.get_prefix(&keys::job_prefix(&r.job)).await.map_err(store_status)?;
+        let unknown_job = kvs.is_empty();
+        let state = JobState::from_kvs(&r.job, &kvs, revision);
         let leader = self.ctx.store.get(keys::LEADER).await.map_err(store_status)?;
         let settings = self.ctx.settings.for_job(&r.job);
         let g = state.current();
@@ -808,6 +810,7 @@ impl CoordinatorService {
         let digest_mismatches =
             digests::merge(seen, digests::among_last_commits(last_commits)).iter().map(|m| m.to_proto()).collect();
         Ok(pb::StatusResponse {
+            unknown_job,
             digest_mismatches,
             job: r.job.clone(),
             settings: Some(settings.to_proto()),

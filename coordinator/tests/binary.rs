@@ -38,6 +38,16 @@ async fn serve_status_and_sigterm() {
         let text = String::from_utf8_lossy(&out.stdout);
         assert!(text.contains("generation: 1 (1 members"), "{text}");
         assert!(text.contains("w0") && text.contains("host-w0"), "{text}");
+        // A job nobody joined: said so, exit 1 (not a status with default settings).
+        let endpoint = format!("http://{addr}");
+        let out = tokio::task::spawn_blocking(move || {
+            Command::new(BIN).args(["status", "--job", "nobody", "--endpoints", &endpoint]).output()
+        })
+        .await
+        .expect("status task")
+        .expect("run status");
+        assert!(!out.status.success());
+        assert!(String::from_utf8_lossy(&out.stderr).contains("job nobody does not exist here"), "{out:?}");
         assert!(text.contains("leader: "), "{text}");
         drop(w);
         let pid = running.0.id().to_string();

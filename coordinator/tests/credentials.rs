@@ -1,7 +1,7 @@
 //! Per-job credentials: a job's credential acts on its job only (every RPC about another job
 //! is refused and changes nothing there), the operator secret acts on every job, a forged or
 //! foreign credential is refused, and the previous secret keeps working while it is rotated
-//! out.
+//! out. `Status` of a job that does not exist says so.
 
 mod common;
 
@@ -140,6 +140,11 @@ async fn a_job_credential_acts_on_its_job_only() {
             assert_eq!(refused.code(), Code::Unauthenticated, "{token}");
         }
 
+        // A job nobody joined is said not to exist (with the leader, still known).
+        let nobody = c.status(authed(pb::StatusRequest { job: "nobody".into() }, OPERATOR)).await.expect("status");
+        assert!(nobody.into_inner().unknown_job);
+        let a = c.status(authed(pb::StatusRequest { job: "a".into() }, OPERATOR)).await.expect("status");
+        assert!(!a.into_inner().unknown_job);
         server.shutdown().await.expect("shutdown");
     })
     .await;
