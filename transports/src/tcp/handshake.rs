@@ -310,6 +310,12 @@ pub fn decode_prefix(p: &[u8; PREFIX_LEN]) -> Result<(u8, usize), String> {
     }
     let kind = p[5];
     let len = usize::from(u16::from_le_bytes([p[6], p[7]]));
+    check_body_len(kind, len)?;
+    Ok((kind, len))
+}
+
+/// Checks that a body of `len` bytes fits message `kind`.
+fn check_body_len(kind: u8, len: usize) -> Result<(), String> {
     let (min, max) = match kind {
         KIND_HELLO => (HELLO_FIXED + 1, HELLO_FIXED + MAX_JOB_LEN),
         KIND_PROOF => (PROOF_BODY, PROOF_BODY),
@@ -320,11 +326,13 @@ pub fn decode_prefix(p: &[u8; PREFIX_LEN]) -> Result<(u8, usize), String> {
     if len < min || len > max {
         return Err(format!("handshake message kind {kind} of {len} bytes (allowed {min}..={max})"));
     }
-    Ok((kind, len))
+    Ok(())
 }
 
-/// Decodes a message body of a validated kind.
+/// Decodes a message body of kind `kind`. The body's length is checked again here (as
+/// [`decode_prefix`] does), so no caller can make the decoder read out of bounds.
 pub fn decode_body(kind: u8, body: &[u8]) -> Result<Message, String> {
+    check_body_len(kind, body.len())?;
     let bad_verdict = |c: u8| format!("unknown verdict code {c}");
     match kind {
         KIND_HELLO => Hello::decode_body(body).map(Message::Hello),
