@@ -1,15 +1,19 @@
 //! `cohort-worker bench`: allreduce bandwidth and latency across local rank processes.
 //!
 //! The parent spawns N copies of itself (`cohort-worker bench-rank`), one per rank. Each
-//! binds a data-plane listener on 127.0.0.1:0 (TCP) or opens its RDMA device and bootstrap
-//! listener (`--transport rdma`) and prints its address; the parent hands the
+//! binds a data-plane listener on 127.0.0.1:0 (TCP), makes its shared-memory address
+//! (`--transport shm`; both with `auto`, the default, which then plans the mesh as the
+//! elastic runtime does: shared memory here, since every rank shares the host) or opens its
+//! RDMA device and bootstrap listener (`--transport rdma`) and prints its address; the parent hands the
 //! full address list back on every child's stdin; the ranks connect their mesh and, for each
 //! size, run warm-up iterations and then the timed ones, verifying every result. Each rank
 //! reports its median; the figure for a size is the slowest rank's median, as nccl-tests
 //! does. busbw = algbw x 2(n-1)/n.
 
+use crate::elastic::{plan_mesh, MemberInfo, MeshPlan, MeshTransport, MixedTransport};
 use crate::exact::{ExactElement, Pattern};
 use crate::{Algorithm, CommConfig, Communicator, ReduceOp};
+use cohort_transports::shm::{ShmAddress, ShmEndpoint, ShmMeshSpec, ShmOptions};
 use cohort_transports::tcp::{MeshSpec, TcpEndpoint, TcpOptions};
 use cohort_transports::{Deadlines, Transport};
 use std::io::{BufRead, BufReader, Write};
@@ -59,18 +63,25 @@ pub struct BenchConfig {
 /// The data-plane transport a benchmark runs over.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum BenchTransport {
-    /// TCP on loopback.
+    /// What `train` would choose: shared memory between ranks with one host identity (all of
+    /// them, here), TCP otherwise.
     #[default]
+    Auto,
+    /// TCP on loopback.
     Tcp,
+    /// Shared memory.
+    Shm,
     /// RDMA (cargo feature `rdma`): the first active device, or `COHORT_RDMA_DEVICE`.
     Rdma,
 }
 
 impl BenchTransport {
-    /// `tcp` or `rdma`.
+    /// `auto`, `tcp`, `shm` or `rdma`.
     pub fn name(self) -> &'static str {
         match self {
+            BenchTransport::Auto => "auto",
             BenchTransport::Tcp => "tcp",
+            BenchTransport::Shm => "shm",
             BenchTransport::Rdma => "rdma",
         }
     }
@@ -273,6 +284,28 @@ async fn rank_typed<E: ExactElement>(rank: u32, config: BenchConfig) -> Result<(
     }
     let comm_config = CommConfig { algorithm: config.algo, ..CommConfig::default() };
     match config.transport {
+        BenchTransport::Shm => {
+            let endpoint = ShmEndpoint::new(shm_options(&config)).map_err(|e| e.to_string())?;
+            println!("addr={}", endpoint.address().encode());
+            let peers = read_peer_list()?
+                .iter()
+                .map(|a| ShmAddress::decode(a).map(Some).map_err(|e| format!("bad shm address {a:?}: {e}")))
+                .collect::<Result<Vec<_>, _>>()?;
+            let spec = ShmMeshSpec {
+                job: "bench".into(),
+                generation: 1,
+                rank,
+                peers,
+                token: bench_token(),
+                deadlines: BENCH_DEADLINES,
+            };
+            let transport = endpoint.connect_mesh(spec).await.map_err(|e| e.to_string())?;
+            measure::<E, _>(rank, &config, Communicator::new(Arc::new(transport), comm_config)).await
+        }
+        BenchTransport::Auto => {
+            let transport = connect_auto(rank, &config).await?;
+            measure::<E, _>(rank, &config, Communicator::new(Arc::new(transport), comm_config)).await
+        }
         BenchTransport::Tcp => {
             let options = TcpOptions { busy_poll: config.busy_poll, ..TcpOptions::default() };
             let endpoint =
@@ -321,6 +354,62 @@ async fn rank_typed<E: ExactElement>(rank: u32, config: BenchConfig) -> Result<(
         #[cfg(not(feature = "rdma"))]
         BenchTransport::Rdma => Err("this cohort-worker was built without the `rdma` feature".into()),
     }
+}
+
+fn shm_options(config: &BenchConfig) -> ShmOptions {
+    ShmOptions { busy_poll: config.busy_poll, ..ShmOptions::default() }
+}
+
+/// `--transport auto`: each rank publishes `TCP|SHM` addresses and connects what the elastic
+/// runtime would plan from them (shared memory between ranks with one host identity).
+async fn connect_auto(rank: u32, config: &BenchConfig) -> Result<MeshTransport, String> {
+    let options = TcpOptions { busy_poll: config.busy_poll, ..TcpOptions::default() };
+    let tcp = TcpEndpoint::bind(SocketAddr::from(([127, 0, 0, 1], 0)), options).await.map_err(|e| e.to_string())?;
+    let shm = ShmEndpoint::new(shm_options(config)).map_err(|e| e.to_string())?;
+    println!("addr={}|{}", tcp.local_addr(), shm.address().encode());
+    let mut members = Vec::new();
+    for (i, entry) in read_peer_list()?.iter().enumerate() {
+        let (t, s) = entry.split_once('|').ok_or_else(|| format!("bad auto address {entry:?} (TCP|SHM)"))?;
+        members.push(MemberInfo {
+            rank: i as u32,
+            worker_id: format!("bench-{i}"),
+            host: String::new(),
+            tcp: t.parse().map_err(|e| format!("bad address {t:?}: {e}"))?,
+            rdma: None,
+            shm: Some(ShmAddress::decode(s).map_err(|e| format!("bad shm address {s:?}: {e}"))?),
+        });
+    }
+    let plan = plan_mesh(1, &members, rank, false).map_err(|e| e.to_string())?;
+    let tcp_spec = |peers| MeshSpec {
+        job: "bench".into(),
+        generation: 1,
+        rank,
+        peers,
+        token: bench_token(),
+        deadlines: BENCH_DEADLINES,
+    };
+    let shm_spec = |peers| ShmMeshSpec {
+        job: "bench".into(),
+        generation: 1,
+        rank,
+        peers,
+        token: bench_token(),
+        deadlines: BENCH_DEADLINES,
+    };
+    let e = |e: cohort_transports::TransportError| e.to_string();
+    Ok(match plan {
+        MeshPlan::Tcp { peers, .. } => MeshTransport::Tcp(tcp.connect_mesh(tcp_spec(peers)).await.map_err(e)?),
+        MeshPlan::Shm { peers } => {
+            MeshTransport::Shm(shm.connect_mesh(shm_spec(peers.into_iter().map(Some).collect())).await.map_err(e)?)
+        }
+        MeshPlan::Mixed { tcp: tcp_peers, shm: shm_peers } => {
+            let (s, t) = tokio::try_join!(shm.connect_mesh(shm_spec(shm_peers)), tcp.connect_mesh(tcp_spec(tcp_peers)))
+                .map_err(e)?;
+            MixedTransport::new(s, t).map_err(e)?.into()
+        }
+        #[cfg(feature = "rdma")]
+        MeshPlan::Rdma { .. } => return Err("rdma planned without rdma addresses".into()),
+    })
 }
 
 /// Warm-up and timed iterations of every size, each result verified; prints the medians.
