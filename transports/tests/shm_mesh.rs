@@ -254,3 +254,21 @@ fn out_of_range_options_are_refused() {
         assert!(matches!(e, TransportError::InvalidArgument(_)), "{e:?}");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn what_a_peer_sent_before_it_went_is_delivered_then_the_close_is_reported() {
+    timeout(LIMIT, async {
+        let mut t = mesh(2, small(), deadlines(Duration::from_secs(10))).await;
+        let t1 = t.pop().unwrap();
+        let t0 = t.pop().unwrap();
+        t1.send(0, Tag::new(0, 0, 1), &[5u8; 100]).await.unwrap();
+        drop(t1);
+        let mut buf = [0u8; 100];
+        t0.recv(1, Tag::new(0, 0, 1), &mut buf).await.unwrap();
+        assert_eq!(buf, [5u8; 100]);
+        let e = t0.recv(1, Tag::new(1, 0, 1), &mut buf).await.unwrap_err();
+        assert!(matches!(e, TransportError::PeerClosed { peer: 1, .. }), "{e:?}");
+    })
+    .await
+    .unwrap();
+}

@@ -202,21 +202,17 @@ impl ShmLink {
         }
     }
 
-    /// Reads doorbells until the socket is empty; end-of-stream or an error means the peer
-    /// is gone.
-    fn drain_doorbells(&self) -> Result<(), TransportError> {
+    /// Reads doorbells until the socket is empty. `Err` describes end-of-stream or a socket
+    /// error: the peer is gone (what it published before it went may still be read).
+    fn drain_doorbells(&self) -> Result<(), String> {
         let mut buf = [0u8; 64];
         loop {
             match self.sock.try_read(&mut buf) {
-                Ok(0) => {
-                    return Err(
-                        self.closed("the peer closed its shared-memory link (its process exited or aborted)".into())
-                    )
-                }
+                Ok(0) => return Err("the peer closed its shared-memory link (its process exited or aborted)".into()),
                 Ok(_) => {}
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(self.closed(format!("shared-memory link socket: {e}"))),
+                Err(e) => return Err(format!("shared-memory link socket: {e}")),
             }
         }
     }
@@ -263,10 +259,19 @@ impl ShmLink {
             self.check()?;
             tokio::select! {
                 r = self.sock.readable() => {
-                    if let Err(e) = r {
-                        return Err(self.closed(format!("shared-memory link socket: {e}")));
+                    let gone = match r {
+                        Ok(()) => self.drain_doorbells().err(),
+                        Err(e) => Some(format!("shared-memory link socket: {e}")),
+                    };
+                    if let Some(detail) = gone {
+                        // Whatever the peer published before it went is still delivered,
+                        // as TCP delivers the bytes before the end-of-stream.
+                        flag.store(0, Ordering::SeqCst);
+                        if ready()? {
+                            return Ok(());
+                        }
+                        return Err(self.closed(detail));
                     }
-                    self.drain_doorbells()?;
                 }
                 () = changed => {}
                 () = tokio::time::sleep_until(deadline) => {
