@@ -222,6 +222,24 @@ pub fn run_parent(config: &BenchConfig) -> Result<Vec<BenchRow>, String> {
         .collect())
 }
 
+/// Single-thread memcpy bandwidth of this machine in GB/s (bytes copied per second; each
+/// byte is read once and written once): the best of a few copies of 64 MiB. This is the
+/// limit a shared-memory transport works against (docs/benchmarks.md).
+pub fn memcpy_bandwidth() -> f64 {
+    const LEN: usize = 64 << 20;
+    let src = vec![1u8; LEN];
+    let mut dst = vec![0u8; LEN];
+    dst.copy_from_slice(&src); // fault the pages in
+    let mut best = f64::MAX;
+    for _ in 0..5 {
+        let started = Instant::now();
+        dst.copy_from_slice(std::hint::black_box(&src));
+        std::hint::black_box(&mut dst);
+        best = best.min(started.elapsed().as_secs_f64());
+    }
+    LEN as f64 / best / 1e9
+}
+
 /// Prints the nccl-tests-style table and the parseable lines.
 pub fn print_rows(config: &BenchConfig, rows: &[BenchRow]) {
     println!(
@@ -234,6 +252,7 @@ pub fn print_rows(config: &BenchConfig, rows: &[BenchRow]) {
         config.warmup,
         config.busy_poll
     );
+    println!("# memcpy_GBps={:.2} (one thread, 64 MiB, best of 5)", memcpy_bandwidth());
     println!("#{:>14} {:>12} {:>12} {:>12}", "size(B)", "time(us)", "algbw(GB/s)", "busbw(GB/s)");
     for r in rows {
         println!("{:>15} {:>12.1} {:>12.3} {:>12.3}", r.bytes, r.median_us, r.algbw(), r.busbw(config.ranks));
