@@ -58,6 +58,46 @@ pub struct BenchConfig {
     pub busy_poll: Duration,
     /// The data-plane transport.
     pub transport: BenchTransport,
+    /// Bind each rank process to its own CPU (see [`bind_to_cpu`]).
+    pub bind: bool,
+}
+
+/// The CPUs this process may run on, in order.
+fn allowed_cpus() -> Vec<usize> {
+    // SAFETY: a zeroed cpu_set_t is a valid empty set; sched_getaffinity fills it.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    // SAFETY: set is a valid cpu_set_t of the size passed.
+    if unsafe { libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) } != 0 {
+        return Vec::new();
+    }
+    // SAFETY: CPU_ISSET reads within the set for every index below CPU_SETSIZE.
+    (0..libc::CPU_SETSIZE as usize).filter(|&c| unsafe { libc::CPU_ISSET(c, &set) }).collect()
+}
+
+/// Whether `--bind auto` binds `ranks` rank processes: when each can have a CPU of its own
+/// (as Open MPI binds ranks to cores by default when they do not outnumber them).
+pub fn bind_by_default(ranks: u32) -> bool {
+    let cpus = allowed_cpus().len();
+    cpus > 1 && ranks as usize <= cpus
+}
+
+/// Binds the calling process to the `index`-th CPU it may run on. Left to itself, the
+/// scheduler often packs two ranks onto one CPU of a 2-CPU machine, and every hand-over
+/// between them then waits for the other to be scheduled (measured: 4 KiB allreduce 9 us
+/// instead of 2 us; docs/benchmarks.md).
+pub fn bind_to_cpu(index: usize) -> Result<(), String> {
+    let cpus = allowed_cpus();
+    let Some(&cpu) = cpus.get(index % cpus.len().max(1)) else { return Err("no CPU to bind to".into()) };
+    // SAFETY: a zeroed cpu_set_t is valid; CPU_SET writes within it for cpu < CPU_SETSIZE.
+    let rc = unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu, &mut set);
+        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set)
+    };
+    if rc != 0 {
+        return Err(format!("binding to CPU {cpu}: {}", std::io::Error::last_os_error()));
+    }
+    Ok(())
 }
 
 /// The data-plane transport a benchmark runs over.
@@ -145,6 +185,7 @@ pub fn run_parent(config: &BenchConfig) -> Result<Vec<BenchRow>, String> {
             .args(["--algo", algo_name(config.algo), "--dtype", &config.dtype])
             .args(["--busy-poll", &format!("{}us", config.busy_poll.as_micros())])
             .args(["--transport", config.transport.name()])
+            .args(["--bind", if config.bind { "core" } else { "none" }])
             .env("COHORT_BENCH_TOKEN", &token_hex)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
@@ -243,14 +284,15 @@ pub fn memcpy_bandwidth() -> f64 {
 /// Prints the nccl-tests-style table and the parseable lines.
 pub fn print_rows(config: &BenchConfig, rows: &[BenchRow]) {
     println!(
-        "# cohort allreduce: ranks={} dtype={} algo={} transport={} iters={} warmup={} busy_poll={:?}",
+        "# cohort allreduce: ranks={} dtype={} algo={} transport={} iters={} warmup={} busy_poll={:?} bind={}",
         config.ranks,
         config.dtype,
         algo_name(config.algo),
         config.transport.name(),
         config.iters,
         config.warmup,
-        config.busy_poll
+        config.busy_poll,
+        if config.bind { "core" } else { "none" }
     );
     println!("# memcpy_GBps={:.2} (one thread, 64 MiB, best of 5)", memcpy_bandwidth());
     println!("#{:>14} {:>12} {:>12} {:>12}", "size(B)", "time(us)", "algbw(GB/s)", "busbw(GB/s)");
@@ -272,6 +314,9 @@ pub fn print_rows(config: &BenchConfig, rows: &[BenchRow]) {
 /// One rank of the benchmark (the `bench-rank` subcommand). Talks to the parent over
 /// stdin/stdout as described in the module docs.
 pub async fn run_rank(rank: u32, config: BenchConfig) -> Result<(), String> {
+    if config.bind {
+        bind_to_cpu(rank as usize)?;
+    }
     match config.dtype.as_str() {
         "f32" => rank_typed::<f32>(rank, config).await,
         "f64" => rank_typed::<f64>(rank, config).await,

@@ -182,6 +182,10 @@ struct BenchArgs {
     /// Data-plane transport (auto: shared memory, as every rank runs on this host).
     #[arg(long, value_enum, default_value = "auto")]
     transport: TransportKind,
+    /// Bind rank r to the r-th allowed CPU: auto does when the ranks do not outnumber the
+    /// CPUs (as Open MPI binds to cores by default), core always, none never.
+    #[arg(long, value_enum, default_value = "auto")]
+    bind: BindArg,
     /// Receive busy-poll window: spin this long for the next frame before parking (0 = off).
     #[arg(long, value_parser = duration, default_value = "50us")]
     busy_poll: Duration,
@@ -207,6 +211,19 @@ struct BenchRankArgs {
     busy_poll: Duration,
     #[arg(long, value_enum, default_value = "tcp")]
     transport: TransportKind,
+    #[arg(long, value_enum, default_value = "none")]
+    bind: BindArg,
+}
+
+/// CPU binding of the benchmark's rank processes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum BindArg {
+    /// Bind when the ranks do not outnumber the CPUs.
+    Auto,
+    /// Bind rank r to the r-th allowed CPU.
+    Core,
+    /// Leave placement to the scheduler.
+    None,
 }
 
 fn bench_transport(kind: TransportKind) -> bench::BenchTransport {
@@ -411,6 +428,11 @@ fn run_bench(args: BenchArgs) -> ExitCode {
             dtype: args.dtype.name().to_string(),
             busy_poll: args.busy_poll,
             transport: bench_transport(args.transport),
+            bind: match args.bind {
+                BindArg::Auto => bench::bind_by_default(args.ranks),
+                BindArg::Core => true,
+                BindArg::None => false,
+            },
         };
         let rows = bench::run_parent(&config)?;
         bench::print_rows(&config, &rows);
@@ -436,6 +458,7 @@ fn run_bench_rank(args: BenchRankArgs) -> ExitCode {
             dtype: args.dtype.clone(),
             busy_poll: args.busy_poll,
             transport: bench_transport(args.transport),
+            bind: args.bind == BindArg::Core,
         };
         runtime()?.block_on(bench::run_rank(args.rank, config))
     })();
