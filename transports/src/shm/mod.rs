@@ -54,6 +54,9 @@ use tracing::Instrument;
 
 pub use setup::{MAX_SEGMENT_BYTES, MAX_SLOTS, MAX_SLOT_BYTES, MIN_SLOTS, MIN_SLOT_BYTES};
 
+/// Most connections a mesh set-up handshakes with at once; more are closed at once.
+pub const MAX_HANDSHAKING: usize = 64;
+
 /// Tuning of the shared-memory transport.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ShmOptions {
@@ -231,6 +234,12 @@ impl ShmEndpoint {
             tokio::select! {
                 inc = async { listener.as_ref().expect("guarded by the select condition").accept().await }, if listener.is_some() => {
                     match inc {
+                        // Any local process can connect to the abstract socket: bound the
+                        // handshakes in progress, as the TCP endpoint does.
+                        Ok((stream, _)) if accepts.len() >= MAX_HANDSHAKING => {
+                            drop(stream);
+                            note(&mut notes, format!("refused a connection: {MAX_HANDSHAKING} handshakes already in progress"));
+                        }
                         Ok((stream, _)) => { accepts.spawn(setup::accept(Arc::clone(&ctx), stream).instrument(span.clone())); }
                         Err(e) => return Err(TransportError::Io(format!("accepting on the shared-memory socket: {e}"))),
                     }
@@ -247,7 +256,7 @@ impl ShmEndpoint {
                     Ok(Accepted::Linked(peer, link)) => {
                         tracing::debug!(peer, "shm link up");
                         if !listed(peer) || peer <= rank {
-                            notes.push(format!("rank {peer} connected but is not expected over shared memory"));
+                            note(&mut notes, format!("rank {peer} connected but is not expected over shared memory"));
                         } else if links[peer as usize].replace(*link).is_none() {
                             missing -= 1;
                         }
@@ -257,7 +266,7 @@ impl ShmEndpoint {
                     }
                     Ok(Accepted::Failed { detail, .. }) => {
                         tracing::debug!("accepted shm connection failed its handshake: {detail}");
-                        notes.push(detail);
+                        note(&mut notes, detail);
                     }
                     Err(e) => return Err(TransportError::Io(format!("shm set-up task failed: {e}"))),
                 },
@@ -278,6 +287,14 @@ impl ShmEndpoint {
         tracing::debug!(world, "shm mesh up");
         Ok(ShmTransport { generation: spec.generation, rank, world, links, abort_tx, abort_rx, span })
     }
+}
+
+/// Keeps the newest few problems of a set-up for its deadline error.
+fn note(notes: &mut Vec<String>, detail: String) {
+    if notes.len() >= 16 {
+        notes.remove(0);
+    }
+    notes.push(detail);
 }
 
 /// A connected generation over shared memory (possibly only some of its peers). `Send +
