@@ -580,6 +580,11 @@ impl Cluster {
                 if let Some(t) = self.connect_timeout {
                     cmd.args(["--connect-timeout", &ms(t)]);
                 }
+                if hook.is_some() {
+                    // Proxied: the network faults act on TCP links only, and workers on one
+                    // host would otherwise link over shared memory, past the proxy.
+                    cmd.args(["--transport", "tcp"]);
+                }
                 if self.config.metrics {
                     cmd.args(["--metrics", &format!("{}:0", Self::host_of(listen))]);
                 }

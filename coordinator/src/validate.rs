@@ -127,7 +127,7 @@ pub fn addresses(addresses: &[TransportAddress]) -> Result<(), Status> {
         let field = format!("addresses[{i}].address");
         match a.transport.as_str() {
             "tcp" => tcp_address(&field, &a.address)?,
-            "rdma" => {
+            "rdma" | "shm" => {
                 if a.address.is_empty() {
                     return Err(Status::invalid_argument(format!("{field} is empty")));
                 }
@@ -142,7 +142,7 @@ pub fn addresses(addresses: &[TransportAddress]) -> Result<(), Status> {
             }
             other => {
                 return Err(Status::invalid_argument(format!(
-                    "addresses[{i}].transport {other:?} is unknown (tcp or rdma)"
+                    "addresses[{i}].transport {other:?} is unknown (tcp, shm or rdma)"
                 )))
             }
         }
@@ -225,6 +225,13 @@ mod tests {
         assert!(addresses(&rdma).is_ok());
         let empty_rdma = vec![TransportAddress { transport: "rdma".into(), address: String::new() }];
         assert!(addresses(&empty_rdma).is_err());
+        let shm = vec![
+            TransportAddress { transport: "tcp".into(), address: "h:1".into() },
+            TransportAddress { transport: "shm".into(), address: "shm1;host=boot=x:net=1:ipc=2;nonce=00ff00ff".into() },
+        ];
+        assert!(addresses(&shm).is_ok());
+        let bad_shm = vec![TransportAddress { transport: "shm".into(), address: "a\nb".into() }];
+        assert!(addresses(&bad_shm).is_err());
     }
 
     #[test]

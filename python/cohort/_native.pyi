@@ -53,7 +53,7 @@ class Communicator:
     rank: int
     size: int
     generation: int
-    transport: str  # "tcp" | "rdma"
+    transport: str  # "tcp" | "shm" | "shm+tcp" | "rdma"
     members: list[Member]
 
     def allreduce(self, buf: Buffer, op: ReduceOpName = "sum") -> None: ...

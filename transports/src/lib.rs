@@ -2,8 +2,9 @@
 //!
 //! A [`Transport`] connects the members of one generation of a job and moves tagged byte
 //! ranges between ranks, with deadlines and local abort. Collectives (in the `cohort` crate)
-//! are written against this trait only, so they run unchanged over TCP ([`tcp`]), RDMA
-//! (`rdma`, cargo feature `rdma`) or the in-memory simulated network ([`sim`]) that tests use.
+//! are written against this trait only, so they run unchanged over TCP ([`tcp`]), shared
+//! memory between ranks on one host ([`shm`]), RDMA (`rdma`, cargo feature `rdma`) or the
+//! in-memory simulated network ([`sim`]) that tests use.
 //!
 //! # Contract every implementation keeps
 //! - Messages are matched by `(peer, tag.seq, tag.step)`. Between one pair of ranks, messages
@@ -22,6 +23,7 @@
 pub mod error;
 #[cfg(feature = "rdma")]
 pub mod rdma;
+pub mod shm;
 pub mod sim;
 pub mod tcp;
 

@@ -1,16 +1,20 @@
 //! `cohort-worker bench`: allreduce bandwidth and latency across local rank processes.
 //!
 //! The parent spawns N copies of itself (`cohort-worker bench-rank`), one per rank. Each
-//! binds a data-plane listener on 127.0.0.1:0 (TCP) or opens its RDMA device and bootstrap
-//! listener (`--transport rdma`) and prints its address; the parent hands the
+//! binds a data-plane listener on 127.0.0.1:0 (TCP), makes its shared-memory address
+//! (`--transport shm`; both with `auto`, the default, which then plans the mesh as the
+//! elastic runtime does: shared memory here, since every rank shares the host) or opens its
+//! RDMA device and bootstrap listener (`--transport rdma`) and prints its address; the parent hands the
 //! full address list back on every child's stdin; the ranks connect their mesh and, for each
 //! size, run warm-up iterations and then the timed ones of the chosen operator (`--op`),
 //! verifying every result against [`OpPattern`]'s expected values. Each rank
 //! reports its median; the figure for a size is the slowest rank's median, as nccl-tests
 //! does. busbw = algbw x 2(n-1)/n.
 
+use crate::elastic::{plan_mesh, MemberInfo, MeshPlan, MeshTransport, MixedTransport};
 use crate::exact::{ExactElement, OpPattern};
 use crate::{Algorithm, CommConfig, Communicator, ReduceOp};
+use cohort_transports::shm::{ShmAddress, ShmEndpoint, ShmMeshSpec, ShmOptions};
 use cohort_transports::tcp::{MeshSpec, TcpEndpoint, TcpOptions};
 use cohort_transports::{Deadlines, Transport};
 use std::io::{BufRead, BufReader, Write};
@@ -57,23 +61,70 @@ pub struct BenchConfig {
     pub busy_poll: Duration,
     /// The data-plane transport.
     pub transport: BenchTransport,
+    /// Bind each rank process to its own CPU (see [`bind_to_cpu`]).
+    pub bind: bool,
+}
+
+/// The CPUs this process may run on, in order.
+fn allowed_cpus() -> Vec<usize> {
+    // SAFETY: a zeroed cpu_set_t is a valid empty set; sched_getaffinity fills it.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    // SAFETY: set is a valid cpu_set_t of the size passed.
+    if unsafe { libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) } != 0 {
+        return Vec::new();
+    }
+    // SAFETY: CPU_ISSET reads within the set for every index below CPU_SETSIZE.
+    (0..libc::CPU_SETSIZE as usize).filter(|&c| unsafe { libc::CPU_ISSET(c, &set) }).collect()
+}
+
+/// Whether `--bind auto` binds `ranks` rank processes: when each can have a CPU of its own
+/// (as Open MPI binds ranks to cores by default when they do not outnumber them).
+pub fn bind_by_default(ranks: u32) -> bool {
+    let cpus = allowed_cpus().len();
+    cpus > 1 && ranks as usize <= cpus
+}
+
+/// Binds the calling process to the `index`-th CPU it may run on. Left to itself, the
+/// scheduler often packs two ranks onto one CPU of a 2-CPU machine, and every hand-over
+/// between them then waits for the other to be scheduled (measured: 4 KiB allreduce 9 us
+/// instead of 2 us; docs/benchmarks.md).
+pub fn bind_to_cpu(index: usize) -> Result<(), String> {
+    let cpus = allowed_cpus();
+    let Some(&cpu) = cpus.get(index % cpus.len().max(1)) else { return Err("no CPU to bind to".into()) };
+    // SAFETY: a zeroed cpu_set_t is valid; CPU_SET writes within it for cpu < CPU_SETSIZE.
+    let rc = unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu, &mut set);
+        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set)
+    };
+    if rc != 0 {
+        return Err(format!("binding to CPU {cpu}: {}", std::io::Error::last_os_error()));
+    }
+    Ok(())
 }
 
 /// The data-plane transport a benchmark runs over.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum BenchTransport {
-    /// TCP on loopback.
+    /// What `train` would choose: shared memory between ranks with one host identity (all of
+    /// them, here), TCP otherwise.
     #[default]
+    Auto,
+    /// TCP on loopback.
     Tcp,
+    /// Shared memory.
+    Shm,
     /// RDMA (cargo feature `rdma`): the first active device, or `COHORT_RDMA_DEVICE`.
     Rdma,
 }
 
 impl BenchTransport {
-    /// `tcp` or `rdma`.
+    /// `auto`, `tcp`, `shm` or `rdma`.
     pub fn name(self) -> &'static str {
         match self {
+            BenchTransport::Auto => "auto",
             BenchTransport::Tcp => "tcp",
+            BenchTransport::Shm => "shm",
             BenchTransport::Rdma => "rdma",
         }
     }
@@ -153,6 +204,7 @@ pub fn run_parent(config: &BenchConfig) -> Result<Vec<BenchRow>, String> {
             .args(["--algo", algo_name(config.algo), "--dtype", &config.dtype, "--op", config.op.name()])
             .args(["--busy-poll", &format!("{}us", config.busy_poll.as_micros())])
             .args(["--transport", config.transport.name()])
+            .args(["--bind", if config.bind { "core" } else { "none" }])
             .env("COHORT_BENCH_TOKEN", &token_hex)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
@@ -230,10 +282,28 @@ pub fn run_parent(config: &BenchConfig) -> Result<Vec<BenchRow>, String> {
         .collect())
 }
 
+/// Single-thread memcpy bandwidth of this machine in GB/s (bytes copied per second; each
+/// byte is read once and written once): the best of a few copies of 64 MiB. This is the
+/// limit a shared-memory transport works against (docs/benchmarks.md).
+pub fn memcpy_bandwidth() -> f64 {
+    const LEN: usize = 64 << 20;
+    let src = vec![1u8; LEN];
+    let mut dst = vec![0u8; LEN];
+    dst.copy_from_slice(&src); // fault the pages in
+    let mut best = f64::MAX;
+    for _ in 0..5 {
+        let started = Instant::now();
+        dst.copy_from_slice(std::hint::black_box(&src));
+        std::hint::black_box(&mut dst);
+        best = best.min(started.elapsed().as_secs_f64());
+    }
+    LEN as f64 / best / 1e9
+}
+
 /// Prints the nccl-tests-style table and the parseable lines.
 pub fn print_rows(config: &BenchConfig, rows: &[BenchRow]) {
     println!(
-        "# cohort allreduce: ranks={} dtype={} op={} algo={} transport={} iters={} warmup={} busy_poll={:?}",
+        "# cohort allreduce: ranks={} dtype={} op={} algo={} transport={} iters={} warmup={} busy_poll={:?} bind={}",
         config.ranks,
         config.dtype,
         config.op,
@@ -241,8 +311,10 @@ pub fn print_rows(config: &BenchConfig, rows: &[BenchRow]) {
         config.transport.name(),
         config.iters,
         config.warmup,
-        config.busy_poll
+        config.busy_poll,
+        if config.bind { "core" } else { "none" }
     );
+    println!("# memcpy_GBps={:.2} (one thread, 64 MiB, best of 5)", memcpy_bandwidth());
     println!("#{:>14} {:>12} {:>12} {:>12}", "size(B)", "time(us)", "algbw(GB/s)", "busbw(GB/s)");
     for r in rows {
         println!("{:>15} {:>12.1} {:>12.3} {:>12.3}", r.bytes, r.median_us, r.algbw(), r.busbw(config.ranks));
@@ -262,6 +334,9 @@ pub fn print_rows(config: &BenchConfig, rows: &[BenchRow]) {
 /// One rank of the benchmark (the `bench-rank` subcommand). Talks to the parent over
 /// stdin/stdout as described in the module docs.
 pub async fn run_rank(rank: u32, config: BenchConfig) -> Result<(), String> {
+    if config.bind {
+        bind_to_cpu(rank as usize)?;
+    }
     match config.dtype.as_str() {
         "f32" => rank_typed::<f32>(rank, config).await,
         "f64" => rank_typed::<f64>(rank, config).await,
@@ -291,6 +366,28 @@ async fn rank_typed<E: ExactElement>(rank: u32, config: BenchConfig) -> Result<(
     OpPattern::new(config.op, 0, config.ranks).check_exact::<E>()?;
     let comm_config = CommConfig { algorithm: config.algo, ..CommConfig::default() };
     match config.transport {
+        BenchTransport::Shm => {
+            let endpoint = ShmEndpoint::new(shm_options(&config)).map_err(|e| e.to_string())?;
+            println!("addr={}", endpoint.address().encode());
+            let peers = read_peer_list()?
+                .iter()
+                .map(|a| ShmAddress::decode(a).map(Some).map_err(|e| format!("bad shm address {a:?}: {e}")))
+                .collect::<Result<Vec<_>, _>>()?;
+            let spec = ShmMeshSpec {
+                job: "bench".into(),
+                generation: 1,
+                rank,
+                peers,
+                token: bench_token(),
+                deadlines: BENCH_DEADLINES,
+            };
+            let transport = endpoint.connect_mesh(spec).await.map_err(|e| e.to_string())?;
+            measure::<E, _>(rank, &config, Communicator::new(Arc::new(transport), comm_config)).await
+        }
+        BenchTransport::Auto => {
+            let transport = connect_auto(rank, &config).await?;
+            measure::<E, _>(rank, &config, Communicator::new(Arc::new(transport), comm_config)).await
+        }
         BenchTransport::Tcp => {
             let options = TcpOptions { busy_poll: config.busy_poll, ..TcpOptions::default() };
             let endpoint =
@@ -339,6 +436,62 @@ async fn rank_typed<E: ExactElement>(rank: u32, config: BenchConfig) -> Result<(
         #[cfg(not(feature = "rdma"))]
         BenchTransport::Rdma => Err("this cohort-worker was built without the `rdma` feature".into()),
     }
+}
+
+fn shm_options(config: &BenchConfig) -> ShmOptions {
+    ShmOptions { busy_poll: config.busy_poll, ..ShmOptions::default() }
+}
+
+/// `--transport auto`: each rank publishes `TCP|SHM` addresses and connects what the elastic
+/// runtime would plan from them (shared memory between ranks with one host identity).
+async fn connect_auto(rank: u32, config: &BenchConfig) -> Result<MeshTransport, String> {
+    let options = TcpOptions { busy_poll: config.busy_poll, ..TcpOptions::default() };
+    let tcp = TcpEndpoint::bind(SocketAddr::from(([127, 0, 0, 1], 0)), options).await.map_err(|e| e.to_string())?;
+    let shm = ShmEndpoint::new(shm_options(config)).map_err(|e| e.to_string())?;
+    println!("addr={}|{}", tcp.local_addr(), shm.address().encode());
+    let mut members = Vec::new();
+    for (i, entry) in read_peer_list()?.iter().enumerate() {
+        let (t, s) = entry.split_once('|').ok_or_else(|| format!("bad auto address {entry:?} (TCP|SHM)"))?;
+        members.push(MemberInfo {
+            rank: i as u32,
+            worker_id: format!("bench-{i}"),
+            host: String::new(),
+            tcp: t.parse().map_err(|e| format!("bad address {t:?}: {e}"))?,
+            rdma: None,
+            shm: Some(ShmAddress::decode(s).map_err(|e| format!("bad shm address {s:?}: {e}"))?),
+        });
+    }
+    let plan = plan_mesh(1, &members, rank, false).map_err(|e| e.to_string())?;
+    let tcp_spec = |peers| MeshSpec {
+        job: "bench".into(),
+        generation: 1,
+        rank,
+        peers,
+        token: bench_token(),
+        deadlines: BENCH_DEADLINES,
+    };
+    let shm_spec = |peers| ShmMeshSpec {
+        job: "bench".into(),
+        generation: 1,
+        rank,
+        peers,
+        token: bench_token(),
+        deadlines: BENCH_DEADLINES,
+    };
+    let e = |e: cohort_transports::TransportError| e.to_string();
+    Ok(match plan {
+        MeshPlan::Tcp { peers, .. } => MeshTransport::Tcp(tcp.connect_mesh(tcp_spec(peers)).await.map_err(e)?),
+        MeshPlan::Shm { peers } => {
+            MeshTransport::Shm(shm.connect_mesh(shm_spec(peers.into_iter().map(Some).collect())).await.map_err(e)?)
+        }
+        MeshPlan::Mixed { tcp: tcp_peers, shm: shm_peers } => {
+            let (s, t) = tokio::try_join!(shm.connect_mesh(shm_spec(shm_peers)), tcp.connect_mesh(tcp_spec(tcp_peers)))
+                .map_err(e)?;
+            MixedTransport::new(s, t).map_err(e)?.into()
+        }
+        #[cfg(feature = "rdma")]
+        MeshPlan::Rdma { .. } => return Err("rdma planned without rdma addresses".into()),
+    })
 }
 
 /// Warm-up and timed iterations of every size, each result verified; prints the medians.

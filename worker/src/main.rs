@@ -34,8 +34,13 @@ enum Command {
 /// Data-plane transport.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum TransportKind {
-    /// TCP (tokio + socket2).
+    /// Shared memory between workers on one host (same boot id and namespaces), TCP between
+    /// hosts (RDMA when every member published an RDMA address, which only `rdma` does).
+    Auto,
+    /// TCP (tokio + socket2) only.
     Tcp,
+    /// Shared memory only: a generation with a member on another host is refused.
+    Shm,
     /// RDMA over libibverbs (cargo feature `rdma`).
     Rdma,
 }
@@ -109,10 +114,11 @@ struct TrainArgs {
     /// Element type of the gradient.
     #[arg(long, value_enum, default_value = "f32")]
     dtype: DTypeArg,
-    /// Data-plane transport. rdma: also open an RDMA endpoint (COHORT_RDMA_DEVICE, else the
-    /// first active port) and publish it; a generation runs over RDMA when every member
-    /// published one, over TCP otherwise.
-    #[arg(long, value_enum, default_value = "tcp")]
+    /// Data-plane transport. auto: shared memory to workers on this host, TCP to the others.
+    /// rdma: also open an RDMA endpoint (COHORT_RDMA_DEVICE, else the first active port) and
+    /// publish it; a generation runs over RDMA when every member published one, over TCP
+    /// otherwise.
+    #[arg(long, value_enum, default_value = "auto")]
     transport: TransportKind,
     /// This worker's stable id (default: HOSTNAME-PID).
     #[arg(long)]
@@ -176,9 +182,13 @@ struct BenchArgs {
     /// Reduction operator: sum, prod, min, max or avg (every result verified).
     #[arg(long, default_value = "sum")]
     op: cohort::ReduceOp,
-    /// Data-plane transport.
-    #[arg(long, value_enum, default_value = "tcp")]
+    /// Data-plane transport (auto: shared memory, as every rank runs on this host).
+    #[arg(long, value_enum, default_value = "auto")]
     transport: TransportKind,
+    /// Bind rank r to the r-th allowed CPU: auto does when the ranks do not outnumber the
+    /// CPUs (as Open MPI binds to cores by default), core always, none never.
+    #[arg(long, value_enum, default_value = "auto")]
+    bind: BindArg,
     /// Receive busy-poll window: spin this long for the next frame before parking (0 = off).
     #[arg(long, value_parser = duration, default_value = "50us")]
     busy_poll: Duration,
@@ -206,11 +216,26 @@ struct BenchRankArgs {
     busy_poll: Duration,
     #[arg(long, value_enum, default_value = "tcp")]
     transport: TransportKind,
+    #[arg(long, value_enum, default_value = "none")]
+    bind: BindArg,
+}
+
+/// CPU binding of the benchmark's rank processes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum BindArg {
+    /// Bind when the ranks do not outnumber the CPUs.
+    Auto,
+    /// Bind rank r to the r-th allowed CPU.
+    Core,
+    /// Leave placement to the scheduler.
+    None,
 }
 
 fn bench_transport(kind: TransportKind) -> bench::BenchTransport {
     match kind {
+        TransportKind::Auto => bench::BenchTransport::Auto,
         TransportKind::Tcp => bench::BenchTransport::Tcp,
+        TransportKind::Shm => bench::BenchTransport::Shm,
         TransportKind::Rdma => bench::BenchTransport::Rdma,
     }
 }
@@ -254,6 +279,10 @@ fn runtime() -> Result<tokio::runtime::Runtime, String> {
 fn check_transport(kind: TransportKind) -> Result<(), String> {
     match kind {
         TransportKind::Tcp => Ok(()),
+        TransportKind::Auto => Ok(()),
+        TransportKind::Shm => {
+            cohort_transports::shm::host_identity().map(|_| ()).map_err(|e| format!("--transport shm: {e}"))
+        }
         #[cfg(not(feature = "rdma"))]
         TransportKind::Rdma => Err("--transport rdma: this cohort-worker was built without the `rdma` feature \
                  (cargo build --release -p cohort --features rdma)"
@@ -335,6 +364,13 @@ fn train_main(args: TrainArgs) -> Result<TrainSummary, String> {
     config.exclusion_wait = args.exclusion_wait;
     config.comm.algorithm = args.algo;
     config.tcp.busy_poll = args.busy_poll;
+    config.shm = match args.transport {
+        TransportKind::Auto | TransportKind::Shm => {
+            Some(cohort_transports::shm::ShmOptions { busy_poll: args.busy_poll, ..Default::default() })
+        }
+        TransportKind::Tcp | TransportKind::Rdma => None,
+    };
+    config.shm_only = args.transport == TransportKind::Shm;
     // With rdma, the worker publishes an RDMA endpoint beside its TCP address; a generation
     // uses RDMA when every member did (docs/rdma.md). The bootstrap listener binds on the
     // --listen IP, any port. The progress task sleeps on the completion channel: a training
@@ -400,6 +436,11 @@ fn run_bench(args: BenchArgs) -> ExitCode {
             op: args.op,
             busy_poll: args.busy_poll,
             transport: bench_transport(args.transport),
+            bind: match args.bind {
+                BindArg::Auto => bench::bind_by_default(args.ranks),
+                BindArg::Core => true,
+                BindArg::None => false,
+            },
         };
         let rows = bench::run_parent(&config)?;
         bench::print_rows(&config, &rows);
@@ -426,6 +467,7 @@ fn run_bench_rank(args: BenchRankArgs) -> ExitCode {
             op: args.op,
             busy_poll: args.busy_poll,
             transport: bench_transport(args.transport),
+            bind: args.bind == BindArg::Core,
         };
         runtime()?.block_on(bench::run_rank(args.rank, config))
     })();

@@ -1,10 +1,14 @@
-//! The reference checks of `collectives_sim`, over real TCP on loopback: every collective on
-//! world sizes 1..=8, all ranks in this process, each with its own endpoint.
+//! The reference checks of `collectives_sim`, over the real transports: every collective on
+//! world sizes 1..=8, all ranks in this process, each with its own endpoints. Every suite runs
+//! three times (module per network): over TCP on loopback, over shared memory, and over a
+//! mixed mesh where even and odd ranks play two hosts (shared memory within, TCP across).
 
 mod common;
 
+use cohort::elastic::{MeshTransport, MixedTransport};
 use cohort::{Algorithm, CommConfig, Communicator, ReduceOp};
-use cohort_transports::tcp::{MeshSpec, TcpEndpoint, TcpOptions, TcpTransport};
+use cohort_transports::shm::{ShmAddress, ShmEndpoint, ShmMeshSpec, ShmOptions};
+use cohort_transports::tcp::{MeshSpec, TcpEndpoint, TcpOptions};
 use cohort_transports::Deadlines;
 use common::{check_results, matrix, run_all, Case, TestElem};
 use half::bf16;
@@ -14,80 +18,139 @@ use std::time::Duration;
 use tokio::time::timeout;
 
 const LIMIT: Duration = Duration::from_secs(240);
+const JOB: &str = "collectives";
+const TOKEN: &[u8] = b"test-token";
 
-/// Binds `n` endpoints on loopback and connects them into one generation.
-async fn mesh(n: u32, generation: u64) -> (Vec<TcpEndpoint>, Vec<TcpTransport>) {
+/// Which data plane a suite runs over.
+#[derive(Clone, Copy, Debug)]
+enum Net {
+    Tcp,
+    Shm,
+    /// Ranks of one parity share a "host".
+    Mixed,
+}
+
+fn deadlines() -> Deadlines {
+    Deadlines { no_progress: Duration::from_secs(20), connect: Duration::from_secs(20) }
+}
+
+/// Binds `n` TCP endpoints on loopback and connects them into one generation.
+async fn tcp_mesh(n: u32, generation: u64) -> (Vec<TcpEndpoint>, Vec<cohort_transports::tcp::TcpTransport>) {
     let mut endpoints = Vec::new();
     for _ in 0..n {
         let addr: SocketAddr = "127.0.0.1:0".parse().unwrap();
         endpoints.push(TcpEndpoint::bind(addr, TcpOptions::default()).await.expect("bind"));
     }
     let peers: Vec<SocketAddr> = endpoints.iter().map(|e| e.local_addr()).collect();
-    let deadlines = Deadlines { no_progress: Duration::from_secs(20), connect: Duration::from_secs(20) };
     let setups = endpoints.iter().enumerate().map(|(rank, e)| {
         e.connect_mesh(MeshSpec {
-            job: "collectives-tcp".into(),
+            job: JOB.into(),
             generation,
             rank: rank as u32,
             peers: peers.clone(),
-            token: b"test-token".to_vec(),
-            deadlines,
+            token: TOKEN.to_vec(),
+            deadlines: deadlines(),
         })
     });
-    let transports = futures::future::try_join_all(setups).await.expect("mesh set-up");
+    let transports = futures::future::try_join_all(setups).await.expect("tcp mesh set-up");
     (endpoints, transports)
 }
 
-async fn check_world<E: TestElem>(n: u32, config: CommConfig, cases: Vec<Case>) {
-    let (_endpoints, transports) = mesh(n, 1).await;
+/// Connects `n` shared-memory endpoints; rank `r` links to the ranks `same_host(r, j)` says.
+async fn shm_mesh(
+    n: u32,
+    generation: u64,
+    same_host: impl Fn(u32, u32) -> bool,
+) -> Vec<cohort_transports::shm::ShmTransport> {
+    // Small slots, so that the suites' messages span several slots and wrap the rings.
+    let options = ShmOptions { slots: 4, slot_bytes: 8192, ..ShmOptions::default() };
+    let endpoints: Vec<ShmEndpoint> = (0..n).map(|_| ShmEndpoint::new(options.clone()).expect("endpoint")).collect();
+    let addresses: Vec<ShmAddress> = endpoints.iter().map(|e| e.address().clone()).collect();
+    let setups = endpoints.iter().enumerate().map(|(rank, e)| {
+        let rank = rank as u32;
+        let peers = (0..n).map(|j| same_host(rank, j).then(|| addresses[j as usize].clone())).collect();
+        e.connect_mesh(ShmMeshSpec {
+            job: JOB.into(),
+            generation,
+            rank,
+            peers,
+            token: TOKEN.to_vec(),
+            deadlines: deadlines(),
+        })
+    });
+    futures::future::try_join_all(setups).await.expect("shm mesh set-up")
+}
+
+/// One generation of `n` ranks over `net`; the TCP endpoints must outlive the transports.
+async fn mesh(net: Net, n: u32, generation: u64) -> (Vec<TcpEndpoint>, Vec<MeshTransport>) {
+    match net {
+        Net::Tcp => {
+            let (endpoints, transports) = tcp_mesh(n, generation).await;
+            (endpoints, transports.into_iter().map(MeshTransport::from).collect())
+        }
+        Net::Shm => {
+            (Vec::new(), shm_mesh(n, generation, |_, _| true).await.into_iter().map(MeshTransport::from).collect())
+        }
+        Net::Mixed => {
+            let shm = shm_mesh(n, generation, |a, b| a % 2 == b % 2).await;
+            let (endpoints, tcp) = tcp_mesh(n, generation).await;
+            let mixed = shm
+                .into_iter()
+                .zip(tcp)
+                .map(|(s, t)| MixedTransport::new(s, t).expect("one generation").into())
+                .collect();
+            (endpoints, mixed)
+        }
+    }
+}
+
+async fn check_world<E: TestElem>(net: Net, n: u32, config: CommConfig, cases: Vec<Case>) {
+    let (_endpoints, transports) = mesh(net, n, 1).await;
     let handles: Vec<_> = transports
         .into_iter()
         .map(|t| tokio::spawn(run_all::<E, _>(Communicator::new(Arc::new(t), config.clone()), cases.clone())))
         .collect();
     let mut results = Vec::new();
+    let mut failures = Vec::new();
     for (rank, h) in handles.into_iter().enumerate() {
         match h.await.expect("rank task panicked") {
             Ok(r) => results.push(r),
-            Err((case, e)) => panic!("{:?} n={n} rank={rank} {case:?} failed: {e}", E::DTYPE),
+            Err((case, e)) => failures.push(format!("rank {rank} {case:?}: {e}")),
         }
     }
+    // Every rank's error: the first failure explains the others' (closed links).
+    assert!(failures.is_empty(), "{net:?} {:?} n={n} failed:\n{}", E::DTYPE, failures.join("\n"));
     check_results::<E>(n, &cases, &results);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn every_collective_over_tcp_f32_all_ops() {
+async fn every_collective_f32_all_ops(net: Net) {
     timeout(LIMIT, async {
         for n in 1..=8u32 {
             let cases = matrix(n, &[0, 1, 131, 1021], &ReduceOp::ALL, &Algorithm::CONCRETE);
             let config = CommConfig { segment_bytes: 1024, ..CommConfig::default() };
-            check_world::<f32>(n, config, cases).await;
+            check_world::<f32>(net, n, config, cases).await;
         }
     })
     .await
     .expect("suite timed out");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn every_collective_over_tcp_other_dtypes() {
+async fn every_collective_other_dtypes(net: Net) {
     timeout(LIMIT, async {
         for n in [2u32, 3, 5, 8] {
             let config = CommConfig { segment_bytes: 4096, ..CommConfig::default() };
-            check_world::<i64>(n, config.clone(), matrix(n, &[7, 1021], &[ReduceOp::Sum], &Algorithm::CONCRETE)).await;
-            check_world::<bf16>(
-                n,
-                config.clone(),
-                matrix(n, &[131], &[ReduceOp::Max, ReduceOp::Avg], &Algorithm::CONCRETE),
-            )
-            .await;
-            check_world::<u8>(n, config, matrix(n, &[1021], &[ReduceOp::Prod], &Algorithm::CONCRETE)).await;
+            let sum = matrix(n, &[7, 1021], &[ReduceOp::Sum], &Algorithm::CONCRETE);
+            check_world::<i64>(net, n, config.clone(), sum).await;
+            let max_avg = matrix(n, &[131], &[ReduceOp::Max, ReduceOp::Avg], &Algorithm::CONCRETE);
+            check_world::<bf16>(net, n, config.clone(), max_avg).await;
+            check_world::<u8>(net, n, config, matrix(n, &[1021], &[ReduceOp::Prod], &Algorithm::CONCRETE)).await;
         }
     })
     .await
     .expect("suite timed out");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn large_allreduce_over_tcp_with_default_segments() {
+async fn large_allreduce_with_default_segments(net: Net) {
     timeout(LIMIT, async {
         for n in [2u32, 4, 7] {
             let cases = matrix(n, &[1 << 20], &[ReduceOp::Sum], &[Algorithm::Ring, Algorithm::Bcube, Algorithm::Auto]);
@@ -95,9 +158,37 @@ async fn large_allreduce_over_tcp_with_default_segments() {
                 .into_iter()
                 .filter(|c| matches!(c.coll, common::Coll::Allreduce(_) | common::Coll::Broadcast(0)))
                 .collect();
-            check_world::<f32>(n, CommConfig::default(), cases).await;
+            check_world::<f32>(net, n, CommConfig::default(), cases).await;
         }
     })
     .await
     .expect("suite timed out");
 }
+
+/// The suites over one network, as a module of tests.
+macro_rules! suites_over {
+    ($module:ident, $net:expr) => {
+        mod $module {
+            use super::*;
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn every_collective_f32_all_ops() {
+                super::every_collective_f32_all_ops($net).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn every_collective_other_dtypes() {
+                super::every_collective_other_dtypes($net).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn large_allreduce_with_default_segments() {
+                super::large_allreduce_with_default_segments($net).await;
+            }
+        }
+    };
+}
+
+suites_over!(over_tcp, Net::Tcp);
+suites_over!(over_shm, Net::Shm);
+suites_over!(over_shm_and_tcp, Net::Mixed);

@@ -1,7 +1,7 @@
-//! Collectives with every rank in its own OS process, over real TCP on loopback, through the
-//! `cohort-worker` binary: verified allreduce across processes for each algorithm, a rank
-//! killed with SIGKILL in the middle of a large allreduce, and `--transport rdma` refusing at
-//! once where it cannot work.
+//! Collectives with every rank in its own OS process, over real TCP on loopback and over
+//! shared memory, through the `cohort-worker` binary: verified allreduce across processes for
+//! each algorithm, a rank killed with SIGKILL in the middle of a large allreduce, and
+//! `--transport rdma` refusing at once where it cannot work.
 
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, Command, Stdio};
@@ -22,15 +22,17 @@ impl Drop for Ranks {
     }
 }
 
-fn bench(ranks: u32, algo: &str, sizes: &str) -> String {
-    bench_with(ranks, algo, sizes, &[])
+fn bench(ranks: u32, algo: &str, sizes: &str, transport: &str) -> String {
+    bench_with(ranks, algo, sizes, transport, &[])
 }
 
 /// `cohort-worker bench` with `extra` arguments; its stdout (it must succeed within 120 s).
-fn bench_with(ranks: u32, algo: &str, sizes: &str, extra: &[&str]) -> String {
+fn bench_with(ranks: u32, algo: &str, sizes: &str, transport: &str, extra: &[&str]) -> String {
     let mut child = Command::new(WORKER)
         .args([
             "bench",
+            "--transport",
+            transport,
             "--ranks",
             &ranks.to_string(),
             "--sizes",
@@ -75,7 +77,7 @@ fn bench_verifies_every_op() {
     // (exact/OpPattern) and the bench fails on the first wrong one.
     for op in ["sum", "prod", "min", "max", "avg"] {
         for (ranks, algo, dtype) in [(3, "ring", "f32"), (4, "bcube", "i32"), (2, "rd", "f16")] {
-            let out = bench_with(ranks, algo, "4,4100,64K", &["--op", op, "--dtype", dtype]);
+            let out = bench_with(ranks, algo, "4,4100,64K", "auto", &["--op", op, "--dtype", dtype]);
             assert!(out.contains(&format!(" dtype={dtype} op={op} ")), "{out}");
             let lines =
                 out.lines().filter(|l| l.starts_with("peer=cohort ") && l.contains(&format!(" ranks={ranks} ")));
@@ -98,8 +100,14 @@ fn bench_refuses_at_once_an_op_its_type_cannot_hold_exactly() {
 #[test]
 fn allreduce_across_processes_is_verified_for_every_algorithm() {
     // Sizes: one element, a count not divisible by any world here (1025 f32), and 1 MiB.
-    for (ranks, algo) in [(3, "ring"), (4, "bcube"), (5, "auto"), (2, "rd")] {
-        let out = bench(ranks, algo, "4,4100,1M");
+    // `auto` (the default) links these ranks, all on one host, over shared memory.
+    for ((ranks, algo), transport) in [(3, "ring"), (4, "bcube"), (5, "auto"), (2, "rd")]
+        .into_iter()
+        .zip(["tcp", "auto"].into_iter().cycle())
+        .chain([((3, "auto"), "shm"), ((2, "ring"), "tcp")])
+    {
+        let out = bench(ranks, algo, "4,4100,1M", transport);
+        assert!(out.contains(&format!(" transport={transport} ")), "{out}");
         let lines: Vec<&str> = out.lines().filter(|l| l.starts_with("peer=cohort ")).collect();
         assert_eq!(lines.len(), 3, "one parseable line per size:\n{out}");
         for (line, bytes) in lines.iter().zip([4, 4100, 1 << 20]) {
@@ -112,18 +120,28 @@ fn allreduce_across_processes_is_verified_for_every_algorithm() {
 
 #[test]
 fn sigkill_mid_allreduce_fails_every_survivor_promptly_with_a_peer_error() {
+    sigkill_mid_allreduce("tcp", "64M", Duration::from_secs(5));
+}
+
+#[test]
+fn sigkill_mid_allreduce_over_shared_memory_fails_every_survivor_within_100ms() {
+    sigkill_mid_allreduce("shm", "4M", Duration::from_millis(100));
+}
+
+/// Kills rank 1 of 4 in the middle of allreduces of `size` over `transport`; every survivor must
+/// fail with a peer error within `prompt`. The bench ranks' no-progress deadline is 30 s:
+/// errors well before it come from the kernel closing the dead rank's sockets (EOF/reset),
+/// not from a timer.
+fn sigkill_mid_allreduce(transport: &str, size: &str, prompt: Duration) {
     const N: usize = 4;
     const VICTIM: usize = 1;
-    // The bench ranks' no-progress deadline is 30 s: errors well before it come from the
-    // kernel closing the dead rank's sockets (EOF/reset), not from a timer.
-    const PROMPT: Duration = Duration::from_secs(5);
     let mut ranks = Ranks(Vec::new());
     for rank in 0..N {
         let child = Command::new(WORKER)
-            .args(["bench-rank", "--rank", &rank.to_string(), "--ranks", &N.to_string()])
+            .args(["bench-rank", "--rank", &rank.to_string(), "--ranks", &N.to_string(), "--transport", transport])
             .args([
                 "--sizes",
-                "4K,64M",
+                &format!("4K,{size}"),
                 "--iters",
                 "1000",
                 "--warmup",
@@ -162,7 +180,7 @@ fn sigkill_mid_allreduce_fails_every_survivor_promptly_with_a_peer_error() {
     for child in &mut ranks.0 {
         child.stdin.as_mut().expect("stdin").write_all(list.as_bytes()).expect("send addresses");
     }
-    // Every rank finishing the 4 KiB size means all are now in the 64 MiB allreduce loop.
+    // Every rank finishing the 4 KiB size means all are now in the large allreduce loop.
     let mut past_small = 0;
     while past_small < N {
         let (rank, line, _) = rx.recv_timeout(Duration::from_secs(60)).expect("ranks reach the 64 MiB allreduce");
@@ -176,7 +194,7 @@ fn sigkill_mid_allreduce_fails_every_survivor_promptly_with_a_peer_error() {
     let mut errors = std::collections::BTreeMap::new();
     while errors.len() < N - 1 {
         let (rank, line, at) = rx
-            .recv_timeout(PROMPT * 2)
+            .recv_timeout(prompt.max(Duration::from_secs(5)) * 2)
             .unwrap_or_else(|_| panic!("survivors' errors so far: {errors:?}; the others hang"));
         if let Some(e) = line.strip_prefix("error ") {
             errors.insert(rank, (e.to_string(), at.duration_since(killed_at)));
@@ -188,7 +206,8 @@ fn sigkill_mid_allreduce_fails_every_survivor_promptly_with_a_peer_error() {
             error.contains("peer rank ") && error.contains(" failed"),
             "rank {rank}'s error is not PeerFailed: {error}"
         );
-        assert!(*after < PROMPT, "rank {rank} took {after:?} to fail: {error}");
+        eprintln!("{transport}: rank {rank} failed {after:?} after the kill: {error}");
+        assert!(*after < prompt, "rank {rank} took {after:?} to fail: {error}");
     }
     // Survivors exit non-zero; nothing is left running.
     for (rank, child) in ranks.0.iter_mut().enumerate() {

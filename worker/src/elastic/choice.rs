@@ -1,8 +1,10 @@
 //! The transport of a generation's mesh, chosen from the generation's member records alone,
 //! so that every member makes the same choice: RDMA if and only if every member published an
-//! RDMA address, otherwise TCP.
+//! RDMA address; otherwise shared memory between every two members that published the same
+//! host identity (in their `shm` addresses) and TCP between the others.
 
 use super::{ElasticError, MemberInfo, MeshKind};
+use cohort_transports::shm::ShmAddress;
 use std::net::SocketAddr;
 
 #[cfg(feature = "rdma")]
@@ -19,6 +21,18 @@ pub(crate) enum MeshPlan {
         /// The members that published no RDMA address (`worker (rank r)`), for the log.
         without_rdma: Vec<String>,
     },
+    /// Every member on this rank's host: a shared-memory mesh.
+    Shm {
+        /// Every member's shared-memory address.
+        peers: Vec<ShmAddress>,
+    },
+    /// Shared memory to the members on this rank's host, TCP to (and among) the others.
+    Mixed {
+        /// Every member's data-plane TCP address (the TCP mesh links every pair).
+        tcp: Vec<SocketAddr>,
+        /// `Some` for the members linked over shared memory.
+        shm: Vec<Option<ShmAddress>>,
+    },
     /// An RDMA mesh.
     #[cfg(feature = "rdma")]
     Rdma {
@@ -32,33 +46,59 @@ impl MeshPlan {
     pub(crate) fn kind(&self) -> MeshKind {
         match self {
             MeshPlan::Tcp { .. } => MeshKind::Tcp,
+            MeshPlan::Shm { .. } => MeshKind::Shm,
+            MeshPlan::Mixed { .. } => MeshKind::ShmTcp,
             #[cfg(feature = "rdma")]
             MeshPlan::Rdma { .. } => MeshKind::Rdma,
         }
     }
 
-    /// The members that published no RDMA address (`worker (rank r)`); empty for RDMA.
+    /// The members that published no RDMA address (`worker (rank r)`); empty unless TCP.
     pub(crate) fn without_rdma(&self) -> &[String] {
         match self {
             MeshPlan::Tcp { without_rdma, .. } => without_rdma,
-            #[cfg(feature = "rdma")]
-            MeshPlan::Rdma { .. } => &[],
+            _ => &[],
         }
     }
 }
 
-/// Chooses the transport of generation `number` from its `members` (ordered by rank).
+/// Splits a TCP-or-shared-memory generation by host: rank `rank` uses shared memory to every
+/// member whose `shm` address carries its own host identity, TCP to the rest.
+fn local_plan(members: &[MemberInfo], rank: usize, without_rdma: Vec<String>) -> MeshPlan {
+    let tcp: Vec<SocketAddr> = members.iter().map(|m| m.tcp).collect();
+    let own = members.get(rank).and_then(|m| m.shm.as_ref());
+    let Some(own) = own else { return MeshPlan::Tcp { peers: tcp, without_rdma } };
+    let shm: Vec<Option<ShmAddress>> =
+        members.iter().map(|m| m.shm.as_ref().filter(|a| a.host == own.host).cloned()).collect();
+    let linked = shm.iter().enumerate().filter(|(j, a)| *j != rank && a.is_some()).count();
+    if linked == 0 {
+        MeshPlan::Tcp { peers: tcp, without_rdma }
+    } else if shm.iter().all(Option::is_some) {
+        MeshPlan::Shm { peers: shm.into_iter().flatten().collect() }
+    } else {
+        MeshPlan::Mixed { tcp, shm }
+    }
+}
+
+/// Chooses the transport of generation `number` for `rank` from its `members` (ordered by
+/// rank).
 ///
-/// RDMA when every member published an RDMA address, TCP otherwise. `local_rdma` says whether
+/// RDMA when every member published an RDMA address; otherwise shared memory between members
+/// that published one host identity, TCP between the others (see [`MeshPlan`]). `local_rdma` says whether
 /// this worker has an RDMA endpoint; since its own record carries an RDMA address exactly when
 /// it has one, a record that claims one for a worker without it is a protocol violation, as is
 /// an RDMA address that does not decode (every member sees the same records, so every member
 /// fails the same way instead of half of them dialling RDMA and half TCP).
-pub(crate) fn plan_mesh(number: u64, members: &[MemberInfo], local_rdma: bool) -> Result<MeshPlan, ElasticError> {
+pub(crate) fn plan_mesh(
+    number: u64,
+    members: &[MemberInfo],
+    rank: u32,
+    local_rdma: bool,
+) -> Result<MeshPlan, ElasticError> {
     let without_rdma: Vec<String> =
         members.iter().filter(|m| m.rdma.is_none()).map(|m| format!("{} (rank {})", m.worker_id, m.rank)).collect();
     if members.is_empty() || !without_rdma.is_empty() {
-        return Ok(MeshPlan::Tcp { peers: members.iter().map(|m| m.tcp).collect(), without_rdma });
+        return Ok(local_plan(members, rank as usize, without_rdma));
     }
     if !local_rdma {
         return Err(ElasticError::Protocol(format!(
@@ -104,13 +144,48 @@ mod tests {
             host: format!("host-{rank}"),
             tcp: SocketAddr::from(([10, 0, 0, rank as u8 + 1], 7100)),
             rdma: rdma.map(str::to_string),
+            shm: None,
         }
+    }
+
+    fn on_host(mut m: MemberInfo, host: &str) -> MemberInfo {
+        m.shm = Some(ShmAddress { host: host.into(), nonce: format!("{:08x}", m.rank) });
+        m
+    }
+
+    #[test]
+    fn members_on_one_host_use_shared_memory() {
+        let members: Vec<MemberInfo> = (0..3).map(|r| on_host(member(r, None), "h1")).collect();
+        for rank in 0..3 {
+            let plan = plan_mesh(2, &members, rank, false).expect("a plan");
+            assert_eq!(plan.kind(), MeshKind::Shm);
+            let MeshPlan::Shm { peers } = plan else { panic!("{plan:?}") };
+            assert_eq!(peers, members.iter().map(|m| m.shm.clone().unwrap()).collect::<Vec<_>>());
+        }
+    }
+
+    #[test]
+    fn two_hosts_mix_shared_memory_within_and_tcp_across() {
+        let members = vec![
+            on_host(member(0, None), "a"),
+            on_host(member(1, None), "b"),
+            on_host(member(2, None), "a"),
+            member(3, None),
+        ];
+        let plan = plan_mesh(2, &members, 0, false).expect("a plan");
+        let MeshPlan::Mixed { tcp, shm } = &plan else { panic!("{plan:?}") };
+        assert_eq!(tcp.len(), 4);
+        assert_eq!(shm.iter().map(Option::is_some).collect::<Vec<_>>(), [true, false, true, false]);
+        // Rank 1 is alone on host b, rank 3 published no shm address: TCP only.
+        assert_eq!(plan_mesh(2, &members, 1, false).unwrap().kind(), MeshKind::Tcp);
+        assert_eq!(plan_mesh(2, &members, 3, false).unwrap().kind(), MeshKind::Tcp);
+        assert_eq!(plan_mesh(2, &members, 2, false).unwrap().kind(), MeshKind::ShmTcp);
     }
 
     #[test]
     fn one_member_without_rdma_means_tcp_and_names_it() {
         let members = [member(0, Some(EP)), member(1, None), member(2, Some(EP))];
-        let plan = plan_mesh(4, &members, true).expect("a plan");
+        let plan = plan_mesh(4, &members, 0, true).expect("a plan");
         assert_eq!(plan.kind(), MeshKind::Tcp);
         assert_eq!(plan.without_rdma(), ["w1 (rank 1)".to_string()]);
         assert_eq!(
@@ -122,17 +197,17 @@ mod tests {
     #[test]
     fn no_member_with_rdma_means_tcp() {
         let members = [member(0, None), member(1, None)];
-        let plan = plan_mesh(1, &members, false).expect("a plan");
+        let plan = plan_mesh(1, &members, 0, false).expect("a plan");
         assert_eq!(plan.kind(), MeshKind::Tcp);
         // A malformed rdma address is never decoded when TCP is chosen anyway.
         let members = [member(0, Some("garbage")), member(1, None)];
-        assert_eq!(plan_mesh(1, &members, true).expect("a plan").kind(), MeshKind::Tcp);
+        assert_eq!(plan_mesh(1, &members, 0, true).expect("a plan").kind(), MeshKind::Tcp);
     }
 
     #[test]
     fn every_member_with_rdma_but_no_local_endpoint_is_a_protocol_error() {
         let members = [member(0, Some(EP)), member(1, Some(EP))];
-        let e = plan_mesh(3, &members, false).expect_err("no local endpoint");
+        let e = plan_mesh(3, &members, 0, false).expect_err("no local endpoint");
         assert!(
             matches!(&e, ElasticError::Protocol(m) if m.contains("generation 3") && m.contains("no RDMA endpoint")),
             "{e}"
@@ -144,7 +219,7 @@ mod tests {
     fn every_member_with_rdma_means_rdma_in_rank_order() {
         let other = EP.replace("boot=10.0.0.5:45001", "boot=10.0.0.6:45002");
         let members = [member(0, Some(EP)), member(1, Some(&other))];
-        let plan = plan_mesh(2, &members, true).expect("a plan");
+        let plan = plan_mesh(2, &members, 0, true).expect("a plan");
         assert_eq!(plan.kind(), MeshKind::Rdma);
         let MeshPlan::Rdma { peers } = plan else { panic!("not an rdma plan: {plan:?}") };
         assert_eq!(peers.len(), 2);
@@ -164,7 +239,7 @@ mod tests {
             &EP.replace("4096", "4000"),
         ] {
             let members = [member(0, Some(EP)), member(1, Some(bad))];
-            let e = plan_mesh(5, &members, true).expect_err(bad);
+            let e = plan_mesh(5, &members, 0, true).expect_err(bad);
             let ElasticError::Protocol(message) = &e else { panic!("not a protocol error: {e}") };
             assert!(message.contains("member w1 (rank 1)") && message.contains("unusable rdma address"), "{message}");
         }

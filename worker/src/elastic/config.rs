@@ -2,6 +2,7 @@
 
 use crate::control::ControlConfig;
 use crate::CommConfig;
+use cohort_transports::shm::ShmOptions;
 use cohort_transports::tcp::TcpOptions;
 use cohort_transports::Deadlines;
 use std::net::SocketAddr;
@@ -38,6 +39,13 @@ pub struct ElasticConfig {
     /// host of the TCP advertised address with its bound port.
     #[cfg(feature = "rdma")]
     pub rdma: Option<cohort_transports::rdma::RdmaOptions>,
+    /// Shared-memory options; `Some` (the default) publishes a shared-memory address beside
+    /// the TCP one, so that members on one host (same boot id and namespaces) link over shared
+    /// memory; `None` keeps this worker on TCP (or RDMA).
+    pub shm: Option<ShmOptions>,
+    /// Refuse a generation in which a peer cannot be reached over shared memory
+    /// (`--transport shm`): connecting it fails with [`super::ElasticError::Protocol`].
+    pub shm_only: bool,
     /// Collective algorithm settings.
     pub comm: CommConfig,
     /// Longest single rendezvous long poll; the wait itself is unbounded only as long as the
@@ -67,6 +75,8 @@ impl ElasticConfig {
             tcp: TcpOptions::default(),
             #[cfg(feature = "rdma")]
             rdma: None,
+            shm: Some(ShmOptions::default()),
+            shm_only: false,
             comm: CommConfig::default(),
             rendezvous_poll: Duration::from_secs(10),
             root_cause_wait: Duration::from_millis(500),

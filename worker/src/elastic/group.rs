@@ -1,10 +1,12 @@
 //! [`ElasticGroup`]: membership, re-formation and failure handling for one worker.
 
 use super::choice::{plan_mesh, MeshPlan};
+use super::mesh::MixedTransport;
 use super::{ElasticConfig, ElasticError, MeshKind, MeshTransport};
 use crate::control::{ControlClient, ControlError};
 use crate::{CommConfig, CommError, Communicator, Revoker, RootCause};
 use cohort_proto::v1::{self as pb, job_ended, job_event, rendezvous_response};
+use cohort_transports::shm::{ShmAddress, ShmEndpoint, ShmMeshSpec};
 use cohort_transports::tcp::{MeshSpec, TcpEndpoint};
 use cohort_transports::TransportError;
 use std::net::SocketAddr;
@@ -32,6 +34,8 @@ pub struct MemberInfo {
     pub tcp: SocketAddr,
     /// The RDMA endpoint address it published (`EndpointAddress::encode`), if any.
     pub rdma: Option<String>,
+    /// Its shared-memory address (host identity and nonce), if it published a usable one.
+    pub shm: Option<ShmAddress>,
 }
 
 /// A formed generation and the communicator connected for it.
@@ -42,7 +46,9 @@ pub struct Generation {
     pub members: Vec<MemberInfo>,
     /// The communicator over this generation's mesh.
     pub comm: Communicator<MeshTransport>,
-    /// The transport of this generation's mesh (the same on every member).
+    /// The transport of this rank's links in this generation (`shm+tcp` on a rank that has
+    /// peers on its host and elsewhere, `tcp` on a rank alone on its host in the same
+    /// generation).
     pub transport: MeshKind,
     /// When the coordinator formed it (ms since the Unix epoch).
     pub formed_at_ms: u64,
@@ -127,6 +133,8 @@ pub struct ElasticGroup {
     client: ControlClient,
     endpoint: TcpEndpoint,
     advertised: String,
+    /// The shared-memory identity published at join (`None`: TCP or RDMA only).
+    shm: Option<ShmEndpoint>,
     /// The RDMA endpoint (when configured), kept across generations like the TCP listener.
     #[cfg(feature = "rdma")]
     rdma: Option<cohort_transports::rdma::RdmaEndpoint>,
@@ -162,6 +170,10 @@ impl ElasticGroup {
         let endpoint = TcpEndpoint::bind(config.listen, config.tcp.clone()).await?;
         let port = endpoint.local_addr().port();
         let advertised = advertised_address(&config.advertise, port);
+        let shm = match &config.shm {
+            Some(options) => Some(ShmEndpoint::new(options.clone())?),
+            None => None,
+        };
         #[cfg(feature = "rdma")]
         let rdma = match &config.rdma {
             Some(options) => Some(open_rdma(options, config.listen, &advertised).await?),
@@ -183,6 +195,7 @@ impl ElasticGroup {
             client,
             endpoint,
             advertised,
+            shm,
             #[cfg(feature = "rdma")]
             rdma,
             shared,
@@ -217,6 +230,11 @@ impl ElasticGroup {
         if let Some(rdma) = self.rdma_address() {
             addresses.push(pb::TransportAddress { transport: MeshKind::Rdma.name().into(), address: rdma });
             capabilities.push(format!("transport:{}", MeshKind::Rdma));
+        }
+        if let Some(shm) = &self.shm {
+            addresses
+                .push(pb::TransportAddress { transport: MeshKind::Shm.name().into(), address: shm.address().encode() });
+            capabilities.push(format!("transport:{}", MeshKind::Shm));
         }
         let request = pb::JoinRequest {
             job: self.config.job.clone(),
@@ -390,8 +408,21 @@ impl ElasticGroup {
             .find(|m| m.worker_id == self.config.worker_id && m.incarnation == incarnation)
             .map(|m| m.rank)
             .ok_or_else(|| ElasticError::Protocol(format!("generation {number} does not include this worker")))?;
-        let plan = plan_mesh(number, &members, self.has_rdma())?;
+        let plan = plan_mesh(number, &members, rank, self.has_rdma())?;
         let kind = plan.kind();
+        if self.config.shm_only && kind != MeshKind::Shm && members.len() > 1 {
+            let elsewhere: Vec<String> = members
+                .iter()
+                .filter(|m| {
+                    m.rank != rank && m.shm.as_ref().map(|a| &a.host) != self.shm.as_ref().map(|e| &e.address().host)
+                })
+                .map(|m| format!("{} (rank {}, host {})", m.worker_id, m.rank, m.host))
+                .collect();
+            return Err(ElasticError::Protocol(format!(
+                "generation {number}: shared memory only (--transport shm), but these members cannot be reached over it: {}",
+                elsewhere.join(", ")
+            )));
+        }
         if kind == MeshKind::Tcp && self.has_rdma() {
             warn!(parent: &span, without_rdma = %plan.without_rdma().join(", "),
                   "not every member published an rdma address: this generation uses tcp");
@@ -461,6 +492,26 @@ impl ElasticGroup {
                 };
                 self.endpoint.connect_mesh(spec).await.map(MeshTransport::Tcp)
             }
+            MeshPlan::Shm { peers } => {
+                let spec = self.shm_spec(number, rank, peers.into_iter().map(Some).collect());
+                self.shm_endpoint()?.connect_mesh(spec).await.map(MeshTransport::Shm)
+            }
+            MeshPlan::Mixed { tcp, shm } => {
+                let shm_spec = self.shm_spec(number, rank, shm);
+                let tcp_spec = MeshSpec {
+                    job: self.config.job.clone(),
+                    generation: number,
+                    rank,
+                    peers: tcp,
+                    token: self.config.token.clone(),
+                    deadlines: self.config.deadlines,
+                };
+                let (shm, tcp) = tokio::try_join!(
+                    self.shm_endpoint()?.connect_mesh(shm_spec),
+                    self.endpoint.connect_mesh(tcp_spec)
+                )?;
+                MixedTransport::new(shm, tcp).map(MeshTransport::from)
+            }
             #[cfg(feature = "rdma")]
             MeshPlan::Rdma { peers } => {
                 let Some(endpoint) = &self.rdma else {
@@ -480,6 +531,24 @@ impl ElasticGroup {
                 endpoint.connect_mesh(spec).await.map(MeshTransport::Rdma)
             }
         }
+    }
+
+    fn shm_spec(&self, number: u64, rank: u32, peers: Vec<Option<ShmAddress>>) -> ShmMeshSpec {
+        ShmMeshSpec {
+            job: self.config.job.clone(),
+            generation: number,
+            rank,
+            peers,
+            token: self.config.token.clone(),
+            deadlines: self.config.deadlines,
+        }
+    }
+
+    fn shm_endpoint(&self) -> Result<&ShmEndpoint, TransportError> {
+        // plan_mesh plans shared memory only when this worker published a shm address.
+        self.shm.as_ref().ok_or_else(|| {
+            TransportError::InvalidArgument("a shared-memory mesh was planned without a shm endpoint".into())
+        })
     }
 
     /// Turns a failed collective of `generation` into the generation's root cause (see
@@ -722,7 +791,17 @@ fn parse_members(generation: &pb::Generation) -> Result<Vec<MemberInfo>, Elastic
             ElasticError::Protocol(format!("member {} has an unusable address {:?}", m.worker_id, address.address))
         })?;
         let rdma = m.addresses.iter().find(|a| a.transport == "rdma").map(|a| a.address.clone());
-        members.push(MemberInfo { rank: m.rank, worker_id: m.worker_id.clone(), host: m.host.clone(), tcp, rdma });
+        // An unusable shm address only keeps that member on TCP; every member reads the same
+        // records, so all of them decide alike.
+        let shm =
+            m.addresses.iter().find(|a| a.transport == "shm").and_then(|a| match ShmAddress::decode(&a.address) {
+                Ok(address) => Some(address),
+                Err(e) => {
+                    warn!(worker = %m.worker_id, error = %e, "ignoring an unusable shm address");
+                    None
+                }
+            });
+        members.push(MemberInfo { rank: m.rank, worker_id: m.worker_id.clone(), host: m.host.clone(), tcp, rdma, shm });
     }
     Ok(members)
 }

@@ -1,6 +1,8 @@
 //! [`MeshTransport`]: one generation's data plane, over whichever transport the generation
-//! chose (TCP, or RDMA with the cargo feature `rdma`).
+//! chose: TCP, shared memory (every member on one host), both at once (shared memory between
+//! the members of each host, TCP between hosts), or RDMA with the cargo feature `rdma`.
 
+use cohort_transports::shm::ShmTransport;
 use cohort_transports::tcp::TcpTransport;
 use cohort_transports::{AbortReason, Rank, Tag, Transport, TransportError};
 
@@ -12,15 +14,22 @@ use cohort_transports::rdma::RdmaTransport;
 pub enum MeshKind {
     /// TCP (every member always publishes a TCP address).
     Tcp,
+    /// Shared memory: every member on one host.
+    Shm,
+    /// Shared memory between members on one host, TCP between hosts.
+    ShmTcp,
     /// RDMA (chosen only when every member published an RDMA address).
     Rdma,
 }
 
 impl MeshKind {
-    /// `tcp` or `rdma`, as published in join requests and printed in event lines.
+    /// `tcp`, `shm`, `shm+tcp` or `rdma`: the names published in join requests (`tcp`, `shm`,
+    /// `rdma`) and printed in event lines.
     pub fn name(self) -> &'static str {
         match self {
             MeshKind::Tcp => "tcp",
+            MeshKind::Shm => "shm",
+            MeshKind::ShmTcp => "shm+tcp",
             MeshKind::Rdma => "rdma",
         }
     }
@@ -32,11 +41,47 @@ impl std::fmt::Display for MeshKind {
     }
 }
 
+/// A generation whose members sit on several hosts: shared memory to the peers on this host,
+/// TCP to the others. Each call goes to the transport that links the peer; abort aborts both.
+pub struct MixedTransport {
+    shm: ShmTransport,
+    tcp: TcpTransport,
+}
+
+impl MixedTransport {
+    /// Combines the two meshes of one generation (the same rank, world and generation).
+    /// The TCP mesh links every peer; calls go to it for peers the shared-memory mesh does
+    /// not link.
+    pub fn new(shm: ShmTransport, tcp: TcpTransport) -> Result<Self, TransportError> {
+        if (shm.rank(), shm.world_size(), shm.generation()) != (tcp.rank(), tcp.world_size(), tcp.generation()) {
+            return Err(TransportError::InvalidArgument(format!(
+                "mixing meshes of different generations or ranks (shm: rank {} of {} in generation {}, tcp: rank {} of {} in generation {})",
+                shm.rank(),
+                shm.world_size(),
+                shm.generation(),
+                tcp.rank(),
+                tcp.world_size(),
+                tcp.generation()
+            )));
+        }
+        Ok(Self { shm, tcp })
+    }
+
+    /// Whether `peer` is reached over shared memory.
+    pub fn over_shm(&self, peer: Rank) -> bool {
+        self.shm.links_to(peer)
+    }
+}
+
 /// A connected mesh over one of the transports; it delegates every call to the inner one, so
 /// it keeps the same [`Transport`] contract.
 pub enum MeshTransport {
     /// The TCP mesh.
     Tcp(TcpTransport),
+    /// The shared-memory mesh (every member on one host).
+    Shm(ShmTransport),
+    /// Shared memory within a host, TCP across hosts.
+    Mixed(Box<MixedTransport>),
     /// The RDMA mesh (cargo feature `rdma`).
     #[cfg(feature = "rdma")]
     Rdma(RdmaTransport),
@@ -47,6 +92,8 @@ impl MeshTransport {
     pub fn kind(&self) -> MeshKind {
         match self {
             MeshTransport::Tcp(_) => MeshKind::Tcp,
+            MeshTransport::Shm(_) => MeshKind::Shm,
+            MeshTransport::Mixed(_) => MeshKind::ShmTcp,
             #[cfg(feature = "rdma")]
             MeshTransport::Rdma(_) => MeshKind::Rdma,
         }
@@ -70,6 +117,18 @@ impl From<TcpTransport> for MeshTransport {
     }
 }
 
+impl From<ShmTransport> for MeshTransport {
+    fn from(t: ShmTransport) -> Self {
+        MeshTransport::Shm(t)
+    }
+}
+
+impl From<MixedTransport> for MeshTransport {
+    fn from(t: MixedTransport) -> Self {
+        MeshTransport::Mixed(Box::new(t))
+    }
+}
+
 #[cfg(feature = "rdma")]
 impl From<RdmaTransport> for MeshTransport {
     fn from(t: RdmaTransport) -> Self {
@@ -77,70 +136,71 @@ impl From<RdmaTransport> for MeshTransport {
     }
 }
 
+/// Calls `$call` on the transport behind `$mesh` that reaches `$peer`.
+macro_rules! dispatch {
+    ($mesh:expr, $peer:expr, $t:ident => $call:expr) => {
+        match $mesh {
+            MeshTransport::Tcp($t) => $call,
+            MeshTransport::Shm($t) => $call,
+            MeshTransport::Mixed(m) if m.over_shm($peer) => {
+                let $t = &m.shm;
+                $call
+            }
+            MeshTransport::Mixed(m) => {
+                let $t = &m.tcp;
+                $call
+            }
+            #[cfg(feature = "rdma")]
+            MeshTransport::Rdma($t) => $call,
+        }
+    };
+}
+
 impl Transport for MeshTransport {
     fn rank(&self) -> Rank {
-        match self {
-            MeshTransport::Tcp(t) => t.rank(),
-            #[cfg(feature = "rdma")]
-            MeshTransport::Rdma(t) => t.rank(),
-        }
+        dispatch!(self, Rank::MAX, t => t.rank())
     }
 
     fn world_size(&self) -> u32 {
-        match self {
-            MeshTransport::Tcp(t) => t.world_size(),
-            #[cfg(feature = "rdma")]
-            MeshTransport::Rdma(t) => t.world_size(),
-        }
+        dispatch!(self, Rank::MAX, t => t.world_size())
     }
 
     fn generation(&self) -> u64 {
-        match self {
-            MeshTransport::Tcp(t) => t.generation(),
-            #[cfg(feature = "rdma")]
-            MeshTransport::Rdma(t) => t.generation(),
-        }
+        dispatch!(self, Rank::MAX, t => t.generation())
     }
 
-    /// Sends through the inner transport.
+    /// Sends through the inner transport that reaches `peer`.
     ///
     /// # Cancel safety
     /// Not cancel safe, like the inner transports: dropping the future part-way through a
     /// message breaks that link. Use [`Transport::abort`] to stop work on purpose.
     async fn send(&self, peer: Rank, tag: Tag, data: &[u8]) -> Result<(), TransportError> {
-        match self {
-            MeshTransport::Tcp(t) => t.send(peer, tag, data).await,
-            #[cfg(feature = "rdma")]
-            MeshTransport::Rdma(t) => t.send(peer, tag, data).await,
-        }
+        dispatch!(self, peer, t => t.send(peer, tag, data).await)
     }
 
-    /// Receives through the inner transport.
+    /// Receives through the inner transport that reaches `peer`.
     ///
     /// # Cancel safety
     /// Not cancel safe, like the inner transports: dropping the future after part of the
     /// message arrived breaks that link. Use [`Transport::abort`] to stop work on purpose.
     async fn recv(&self, peer: Rank, tag: Tag, buf: &mut [u8]) -> Result<(), TransportError> {
-        match self {
-            MeshTransport::Tcp(t) => t.recv(peer, tag, buf).await,
-            #[cfg(feature = "rdma")]
-            MeshTransport::Rdma(t) => t.recv(peer, tag, buf).await,
-        }
+        dispatch!(self, peer, t => t.recv(peer, tag, buf).await)
     }
 
     fn abort(&self, reason: AbortReason) {
         match self {
-            MeshTransport::Tcp(t) => t.abort(reason),
-            #[cfg(feature = "rdma")]
-            MeshTransport::Rdma(t) => t.abort(reason),
+            MeshTransport::Mixed(m) => {
+                m.shm.abort(reason.clone());
+                m.tcp.abort(reason);
+            }
+            other => dispatch!(other, Rank::MAX, t => t.abort(reason)),
         }
     }
 
     fn is_aborted(&self) -> bool {
         match self {
-            MeshTransport::Tcp(t) => t.is_aborted(),
-            #[cfg(feature = "rdma")]
-            MeshTransport::Rdma(t) => t.is_aborted(),
+            MeshTransport::Mixed(m) => m.shm.is_aborted() || m.tcp.is_aborted(),
+            other => dispatch!(other, Rank::MAX, t => t.is_aborted()),
         }
     }
 }

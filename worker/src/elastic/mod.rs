@@ -14,7 +14,9 @@
 //!   coordinator's rendezvous for the next generation, connects the data-plane mesh for it
 //!   (handshake with the job token) and returns its [`Generation`]. The mesh is RDMA when
 //!   every member published an RDMA address at join (see [`ElasticConfig`]'s `rdma`, cargo
-//!   feature `rdma`), TCP otherwise; [`MeshTransport`] carries either.
+//!   feature `rdma`); otherwise members that published the same host identity (in their
+//!   shared-memory address, see [`ElasticConfig`]'s `shm`) link over shared memory and the
+//!   others over TCP; [`MeshTransport`] carries any of these, [`MixedTransport`] the mix.
 //! - When a collective fails, [`ElasticGroup::on_failure`] reports it (first report wins) and
 //!   answers the generation's root cause, so every rank's error names the rank that failed
 //!   first, never a secondary "connection reset".
@@ -31,8 +33,9 @@ mod group;
 mod mesh;
 mod state;
 
+pub(crate) use choice::{plan_mesh, MeshPlan};
 pub use config::{local_hostname, ElasticConfig};
 pub use error::ElasticError;
 pub use group::{ElasticGroup, FailureReporter, Generation, MemberInfo, ReformReason};
-pub use mesh::{MeshKind, MeshTransport};
+pub use mesh::{MeshKind, MeshTransport, MixedTransport};
 pub use state::{Checkpoint, ElasticState, SyncError, SyncOutcome};

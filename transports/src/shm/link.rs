@@ -1,0 +1,473 @@
+//! One established shared-memory link to a peer: two rings in a shared segment (one per
+//! direction) and the Unix socket that carries doorbells and the peer's death notice.
+//!
+//! Sending copies the message into the outgoing ring slot by slot (a message larger than a
+//! slot is pipelined: the peer copies slot `k` out while this side fills slot `k + 1`).
+//! Receiving copies slots straight into the caller's buffer, releasing each slot as soon as
+//! it is copied. Matching, stashing of out-of-order messages (within the TCP link's budget),
+//! stale-tag and mismatch handling follow the TCP link exactly (see
+//! [`crate::tcp::link`]).
+//!
+//! Waiting: a side that finds no data (or no room) first polls the ring for the busy-poll
+//! window, yielding to the rest of its task (a collective's concurrent send) and to other
+//! processes between looks; then it raises its `sleeping` flag in the ring, looks once more,
+//! and sleeps on the socket. The other side lowers the flag and writes one doorbell byte after
+//! it publishes. The socket also wakes every sleeper when the peer's process dies (the kernel
+//! closes its end: end-of-stream), so a SIGKILLed peer fails waiting operations at once.
+//! Every wait is bounded by the no-progress deadline.
+//!
+//! Anything the peer wrote into shared memory is validated before use (see [`super::ring`]);
+//! a violation fails the link with a protocol error.
+
+use super::ring::{Ring, SlotHeader, KIND_CONT, KIND_FIRST};
+use super::segment::Mapping;
+use crate::tcp::frame::seq_older;
+use crate::tcp::link::{STASH_BUDGET, STASH_MAX_FRAMES};
+use crate::{AbortReason, Rank, Tag, TransportError};
+use std::io;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
+use tokio::net::UnixStream;
+use tokio::sync::Notify;
+use tokio::time::Instant;
+
+/// A message received ahead of the receiver that wants it.
+struct Stashed {
+    tag: Tag,
+    data: Vec<u8>,
+}
+
+#[derive(Default)]
+struct Stash {
+    frames: Vec<Stashed>,
+    bytes: usize,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// An established shared-memory link.
+pub(crate) struct ShmLink {
+    peer: Rank,
+    generation: u64,
+    max_message: u64,
+    no_progress: Duration,
+    busy_poll: Duration,
+    /// Keeps the rings' memory mapped.
+    _mapping: Arc<Mapping>,
+    tx: Ring,
+    rx: Ring,
+    /// Doorbells both ways; end-of-stream is the peer's death notice.
+    sock: UnixStream,
+    /// The producer's head of `tx` (the truth; the shared copy is for the peer).
+    writer: tokio::sync::Mutex<u64>,
+    /// The consumer's tail of `rx`.
+    reader: tokio::sync::Mutex<u64>,
+    stash: Mutex<Stash>,
+    /// Woken when a message is stashed or the link breaks.
+    changed: Notify,
+    /// `seq` of every receive waiting on this link (stale-tag detection).
+    waiting: Mutex<Vec<u32>>,
+    broken: OnceLock<TransportError>,
+    span: tracing::Span,
+}
+
+/// Marks the link broken if an operation is dropped part-way (see the TCP link's `Poison`:
+/// the socket stays open so that the peer does not blame this rank).
+struct Poison<'a> {
+    link: &'a ShmLink,
+    armed: bool,
+}
+
+impl Drop for Poison<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            self.link.break_quietly(TransportError::Aborted(AbortReason::new(
+                "an operation on this link was cancelled part-way through a message",
+            )));
+        }
+    }
+}
+
+struct Waiting<'a> {
+    link: &'a ShmLink,
+    seq: u32,
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        let mut w = lock(&self.link.waiting);
+        if let Some(i) = w.iter().position(|&s| s == self.seq) {
+            w.swap_remove(i);
+        }
+    }
+}
+
+/// What the link needs besides its rings.
+pub(crate) struct LinkParams {
+    pub(crate) peer: Rank,
+    pub(crate) generation: u64,
+    pub(crate) max_message: u64,
+    pub(crate) no_progress: Duration,
+    pub(crate) busy_poll: Duration,
+    pub(crate) span: tracing::Span,
+}
+
+impl ShmLink {
+    /// Wraps an established pair: `tx` and `rx` must lie in `mapping`.
+    pub(crate) fn new(p: LinkParams, mapping: Arc<Mapping>, tx: Ring, rx: Ring, sock: UnixStream) -> Self {
+        Self {
+            peer: p.peer,
+            generation: p.generation,
+            max_message: p.max_message,
+            no_progress: p.no_progress,
+            busy_poll: p.busy_poll,
+            _mapping: mapping,
+            tx,
+            rx,
+            sock,
+            writer: tokio::sync::Mutex::new(0),
+            reader: tokio::sync::Mutex::new(0),
+            stash: Mutex::new(Stash::default()),
+            changed: Notify::new(),
+            waiting: Mutex::new(Vec::new()),
+            broken: OnceLock::new(),
+            span: p.span,
+        }
+    }
+
+    /// The outgoing and incoming rings (tests play a hostile peer through them).
+    #[cfg(test)]
+    pub(crate) fn rings(&self) -> (Ring, Ring) {
+        (self.tx, self.rx)
+    }
+
+    /// The error that broke this link, if it is broken.
+    pub(crate) fn broken(&self) -> Option<&TransportError> {
+        self.broken.get()
+    }
+
+    fn check(&self) -> Result<(), TransportError> {
+        match self.broken.get() {
+            Some(e) => Err(e.clone()),
+            None => Ok(()),
+        }
+    }
+
+    /// Marks the link broken with `err` (first error wins), shuts the socket down so that the
+    /// peer sees end-of-stream at once, and wakes every waiter. Returns `err`.
+    pub(crate) fn fail(&self, err: TransportError) -> TransportError {
+        if self.broken.set(err.clone()).is_ok() {
+            self.span.in_scope(|| tracing::debug!(peer = self.peer, error = %err, "shm link down"));
+            self.shutdown();
+        }
+        err
+    }
+
+    fn break_quietly(&self, err: TransportError) {
+        if self.broken.set(err.clone()).is_ok() {
+            self.span.in_scope(|| tracing::debug!(peer = self.peer, error = %err, "shm link unusable (left open)"));
+            self.changed.notify_waiters();
+        }
+    }
+
+    /// Shuts the socket down both ways (the peer's waiters wake with end-of-stream) and wakes
+    /// local waiters.
+    pub(crate) fn shutdown(&self) {
+        // Errors (already disconnected) leave nothing to do.
+        let _ = socket2::SockRef::from(&self.sock).shutdown(std::net::Shutdown::Both);
+        self.changed.notify_waiters();
+    }
+
+    fn protocol(&self, detail: String) -> TransportError {
+        self.fail(TransportError::Protocol { peer: self.peer, detail })
+    }
+
+    fn closed(&self, detail: String) -> TransportError {
+        self.fail(TransportError::PeerClosed { peer: self.peer, detail })
+    }
+
+    /// Writes a doorbell byte. A full socket buffer already holds doorbells the peer has not
+    /// read, and a dead peer shows up on the next wait, so failures are ignored.
+    fn ring_doorbell(&self) {
+        let _ = self.sock.try_write(&[1]);
+    }
+
+    /// Wakes the peer if it sleeps on `flag`.
+    fn wake_peer(&self, flag: &AtomicU32) {
+        if flag.load(Ordering::SeqCst) != 0 && flag.swap(0, Ordering::SeqCst) != 0 {
+            self.ring_doorbell();
+        }
+    }
+
+    /// Reads doorbells until the socket is empty. `Err` describes end-of-stream or a socket
+    /// error: the peer is gone (what it published before it went may still be read).
+    fn drain_doorbells(&self) -> Result<(), String> {
+        let mut buf = [0u8; 64];
+        loop {
+            match self.sock.try_read(&mut buf) {
+                Ok(0) => return Err("the peer closed its shared-memory link (its process exited or aborted)".into()),
+                Ok(_) => {}
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(format!("shared-memory link socket: {e}")),
+            }
+        }
+    }
+
+    /// Waits until `ready` says so: busy-polls for the window, then sleeps on the socket
+    /// with `flag` raised. Fails on the peer's death, a broken link, a protocol violation
+    /// reported by `ready`, or the no-progress deadline.
+    async fn wait(
+        &self,
+        flag: &AtomicU32,
+        mut ready: impl FnMut() -> Result<bool, String>,
+    ) -> Result<(), TransportError> {
+        let mut ready = || ready().map_err(|e| self.protocol(e));
+        if ready()? {
+            return Ok(());
+        }
+        let started = Instant::now();
+        if !self.busy_poll.is_zero() {
+            loop {
+                self.check()?;
+                // Let other processes (the peer may share this core) and the rest of this
+                // task (a concurrent send) run between looks.
+                std::thread::yield_now();
+                tokio::task::yield_now().await;
+                if ready()? {
+                    return Ok(());
+                }
+                if started.elapsed() >= self.busy_poll {
+                    break;
+                }
+            }
+        }
+        let deadline = started + self.no_progress;
+        loop {
+            self.check()?;
+            let changed = self.changed.notified();
+            tokio::pin!(changed);
+            changed.as_mut().enable();
+            flag.store(1, Ordering::SeqCst);
+            if ready()? {
+                flag.store(0, Ordering::SeqCst);
+                return Ok(());
+            }
+            self.check()?;
+            tokio::select! {
+                r = self.sock.readable() => {
+                    let gone = match r {
+                        Ok(()) => self.drain_doorbells().err(),
+                        Err(e) => Some(format!("shared-memory link socket: {e}")),
+                    };
+                    if let Some(detail) = gone {
+                        // Whatever the peer published before it went is still delivered,
+                        // as TCP delivers the bytes before the end-of-stream.
+                        flag.store(0, Ordering::SeqCst);
+                        if ready()? {
+                            return Ok(());
+                        }
+                        return Err(self.closed(detail));
+                    }
+                }
+                () = changed => {}
+                () = tokio::time::sleep_until(deadline) => {
+                    flag.store(0, Ordering::SeqCst);
+                    if ready()? {
+                        return Ok(());
+                    }
+                    return Err(self.fail(TransportError::Timeout { peer: self.peer, after: self.no_progress }));
+                }
+            }
+        }
+    }
+
+    /// Sends one message, slot by slot.
+    pub(crate) async fn send(&self, tag: Tag, data: &[u8]) -> Result<(), TransportError> {
+        self.check()?;
+        let mut head = self.writer.lock().await;
+        self.check()?;
+        let mut poison = Poison { link: self, armed: true };
+        let (ring, slots, cap) = (self.tx, u64::from(self.tx.slots()), self.tx.capacity());
+        let mut offset = 0usize;
+        loop {
+            let h = *head;
+            self.wait(ring.producer_sleeping(), || {
+                let tail = ring.tail().load(Ordering::Acquire);
+                let used = h.wrapping_sub(tail);
+                if used > slots {
+                    return Err(format!(
+                        "the consumer's tail {tail} is out of range of the head {h} (ring of {slots})"
+                    ));
+                }
+                Ok(used < slots)
+            })
+            .await?;
+            let chunk = (data.len() - offset).min(cap);
+            let header = SlotHeader {
+                kind: if offset == 0 { KIND_FIRST } else { KIND_CONT },
+                tag,
+                chunk: chunk as u32,
+                total: data.len() as u64,
+                offset: offset as u64,
+            }
+            .encode(self.generation);
+            ring.write_slot(h, &header, &data[offset..offset + chunk]);
+            *head = h + 1;
+            ring.head().store(h + 1, Ordering::SeqCst);
+            self.wake_peer(ring.consumer_sleeping());
+            offset += chunk;
+            if offset >= data.len() {
+                break;
+            }
+        }
+        poison.armed = false;
+        Ok(())
+    }
+
+    fn take_stashed(&self, tag: Tag) -> Option<Stashed> {
+        let mut s = lock(&self.stash);
+        let i = s.frames.iter().position(|f| f.tag.seq == tag.seq && f.tag.step == tag.step)?;
+        let f = s.frames.swap_remove(i);
+        s.bytes -= f.data.len();
+        Some(f)
+    }
+
+    fn check_match(&self, want: Tag, len: usize, got: Tag, got_len: u64) -> Result<(), TransportError> {
+        let detail = if got.signature != want.signature {
+            format!(
+                "message seq {} step {}: signature {:#010x} received, {:#010x} expected",
+                want.seq, want.step, got.signature, want.signature
+            )
+        } else if got_len != len as u64 {
+            format!("message seq {} step {}: {got_len} bytes received, {len} expected", want.seq, want.step)
+        } else {
+            return Ok(());
+        };
+        Err(self.fail(TransportError::Mismatch { peer: self.peer, detail }))
+    }
+
+    fn deliver_stashed(&self, tag: Tag, f: Stashed, buf: &mut [u8]) -> Result<(), TransportError> {
+        self.check_match(tag, buf.len(), f.tag, f.data.len() as u64)?;
+        buf.copy_from_slice(&f.data);
+        Ok(())
+    }
+
+    fn oldest_waiting(&self) -> Option<u32> {
+        lock(&self.waiting).iter().copied().reduce(|a, b| if seq_older(b, a) { b } else { a })
+    }
+
+    /// Waits for slot `t` of the incoming ring and returns its validated header.
+    async fn next_header(&self, t: u64) -> Result<SlotHeader, TransportError> {
+        let (ring, slots) = (self.rx, u64::from(self.rx.slots()));
+        self.wait(ring.consumer_sleeping(), || {
+            let head = ring.head().load(Ordering::Acquire);
+            let avail = head.wrapping_sub(t);
+            if avail > slots {
+                return Err(format!("the producer's head {head} is out of range of the tail {t} (ring of {slots})"));
+            }
+            Ok(avail > 0)
+        })
+        .await?;
+        SlotHeader::decode(&ring.read_header(t), self.generation, self.max_message, ring.capacity())
+            .map_err(|e| self.protocol(e))
+    }
+
+    /// Copies the message whose first slot (at `*tail`) is `first` into `dst` (exactly
+    /// `first.total` bytes), releasing each slot once copied.
+    async fn read_message(&self, tail: &mut u64, first: SlotHeader, dst: &mut [u8]) -> Result<(), TransportError> {
+        let ring = self.rx;
+        let mut h = first;
+        loop {
+            // decode() bounded offset + chunk by total == dst.len() and chunk by the slot.
+            let (off, n) = (h.offset as usize, h.chunk as usize);
+            ring.read_payload(*tail, &mut dst[off..off + n]);
+            *tail += 1;
+            ring.tail().store(*tail, Ordering::SeqCst);
+            self.wake_peer(ring.producer_sleeping());
+            let done = (off + n) as u64;
+            if done >= h.total {
+                return Ok(());
+            }
+            let next = self.next_header(*tail).await?;
+            if next.kind != KIND_CONT || next.tag != h.tag || next.total != h.total || next.offset != done {
+                return Err(self.protocol(format!(
+                    "slot {} does not continue message seq {} step {} at offset {done} (got kind {} seq {} step {} offset {})",
+                    *tail, h.tag.seq, h.tag.step, next.kind, next.tag.seq, next.tag.step, next.offset
+                )));
+            }
+            h = next;
+        }
+    }
+
+    /// Receives the message tagged `tag` into `buf`.
+    pub(crate) async fn recv(&self, tag: Tag, buf: &mut [u8]) -> Result<(), TransportError> {
+        lock(&self.waiting).push(tag.seq);
+        let _waiting = Waiting { link: self, seq: tag.seq };
+        let mut tail = loop {
+            self.check()?;
+            let changed = self.changed.notified();
+            tokio::pin!(changed);
+            changed.as_mut().enable();
+            if let Some(f) = self.take_stashed(tag) {
+                return self.deliver_stashed(tag, f, buf);
+            }
+            self.check()?;
+            tokio::select! {
+                g = self.reader.lock() => break g,
+                () = changed => {}
+            }
+        };
+        self.check()?;
+        if let Some(f) = self.take_stashed(tag) {
+            return self.deliver_stashed(tag, f, buf);
+        }
+        let mut poison = Poison { link: self, armed: true };
+        loop {
+            let h = self.next_header(*tail).await?;
+            if h.kind != KIND_FIRST {
+                return Err(self.protocol(format!("slot {} continues a message where a new one should start", *tail)));
+            }
+            if h.tag.seq == tag.seq && h.tag.step == tag.step {
+                self.check_match(tag, buf.len(), h.tag, h.total)?;
+                self.read_message(&mut tail, h, buf).await?;
+                poison.armed = false;
+                return Ok(());
+            }
+            if let Some(oldest) = self.oldest_waiting() {
+                if seq_older(h.tag.seq, oldest) {
+                    return Err(self.protocol(format!(
+                        "stale message seq {} step {} (the oldest message still expected is seq {oldest})",
+                        h.tag.seq, h.tag.step
+                    )));
+                }
+            }
+            let len = {
+                let s = lock(&self.stash);
+                if s.frames.iter().any(|f| f.tag.seq == h.tag.seq && f.tag.step == h.tag.step) {
+                    return Err(self.protocol(format!("duplicate message seq {} step {}", h.tag.seq, h.tag.step)));
+                }
+                let len = usize::try_from(h.total).unwrap_or(usize::MAX);
+                if s.frames.len() >= STASH_MAX_FRAMES || len > STASH_BUDGET - s.bytes {
+                    return Err(self.protocol(format!(
+                        "out-of-order messages exceed the stash budget ({} messages, {} bytes held; {len} more arrived)",
+                        s.frames.len(),
+                        s.bytes
+                    )));
+                }
+                len
+            };
+            let mut data = vec![0u8; len];
+            self.read_message(&mut tail, h, &mut data).await?;
+            {
+                let mut s = lock(&self.stash);
+                s.bytes += data.len();
+                s.frames.push(Stashed { tag: h.tag, data });
+            }
+            self.changed.notify_waiters();
+        }
+    }
+}

@@ -1,0 +1,291 @@
+//! One direction of a pair: a single-producer/single-consumer ring of fixed-size slots in the
+//! shared segment, and the header every slot carries (pure layout and validation).
+//!
+//! Ring layout (offsets from the ring's start; each control word on its own cache line):
+//!
+//! | offset | size | field |
+//! |---|---|---|
+//! | 0   | 8 | `head`: slots published by the producer (written only by it) |
+//! | 64  | 8 | `tail`: slots consumed by the consumer (written only by it) |
+//! | 128 | 4 | `consumer_sleeping`: 1 while the consumer waits for a doorbell |
+//! | 192 | 4 | `producer_sleeping`: 1 while the producer waits for a doorbell |
+//! | 256 | `slots x slot_bytes` | the slots; slot `i` holds message chunk `i mod slots` |
+//!
+//! Slot header (64 bytes, little-endian; payload follows):
+//!
+//! | offset | size | field |
+//! |---|---|---|
+//! | 0  | 4 | magic `"CHSM"` |
+//! | 4  | 1 | version ([`VERSION`]) |
+//! | 5  | 1 | kind: 1 = first chunk of a message, 2 = continuation |
+//! | 6  | 2 | flags (0) |
+//! | 8  | 8 | generation |
+//! | 16 | 4 | tag seq |
+//! | 20 | 4 | tag step |
+//! | 24 | 4 | tag signature |
+//! | 28 | 4 | chunk length |
+//! | 32 | 8 | message length |
+//! | 40 | 8 | offset of this chunk in the message |
+//! | 48 | 16 | reserved (0) |
+//!
+//! Everything in the segment is written by the peer too, so it is untrusted: each side keeps
+//! its own counter (the producer its head, the consumer its tail) as the truth and only reads
+//! the other's, checking that the distance is within the ring; headers are copied out once and
+//! validated before any length from them is used; payload copies are bounded by the slot.
+
+use crate::Tag;
+use std::sync::atomic::{AtomicU32, AtomicU64};
+
+/// Bytes before the first slot.
+pub(crate) const CONTROL_BYTES: usize = 256;
+/// Size of a slot header.
+pub(crate) const SLOT_HEADER: usize = 64;
+/// Magic opening every slot header.
+pub(crate) const SLOT_MAGIC: u32 = u32::from_le_bytes(*b"CHSM");
+/// Layout version.
+pub(crate) const VERSION: u8 = 1;
+/// Slot kind: first chunk of a message.
+pub(crate) const KIND_FIRST: u8 = 1;
+/// Slot kind: a later chunk.
+pub(crate) const KIND_CONT: u8 = 2;
+
+/// Size of one ring with `slots` slots of `slot_bytes`.
+pub(crate) fn ring_bytes(slots: u32, slot_bytes: usize) -> usize {
+    CONTROL_BYTES + slots as usize * slot_bytes
+}
+
+/// A view of one ring inside a mapping. Copyable; the mapping must outlive it (the link
+/// holds both).
+#[derive(Clone, Copy)]
+pub(crate) struct Ring {
+    base: *mut u8,
+    slots: u32,
+    slot_bytes: usize,
+}
+
+// SAFETY: the ring points into a shared mapping that the owning link keeps alive; control
+// words are accessed atomically and slot bytes only by the single producer or consumer.
+unsafe impl Send for Ring {}
+// SAFETY: as above.
+unsafe impl Sync for Ring {}
+
+impl Ring {
+    /// # Safety
+    /// `base..base + ring_bytes(slots, slot_bytes)` must lie in a live, writable mapping that
+    /// outlives the ring, aligned to 64 bytes; `slot_bytes` must exceed [`SLOT_HEADER`] and be
+    /// a multiple of 64.
+    pub(crate) unsafe fn new(base: *mut u8, slots: u32, slot_bytes: usize) -> Self {
+        Self { base, slots, slot_bytes }
+    }
+
+    fn word64(&self, at: usize) -> &AtomicU64 {
+        // SAFETY: `at` is a 64-byte aligned offset inside the control block (see `new`).
+        unsafe { &*self.base.add(at).cast::<AtomicU64>() }
+    }
+
+    fn word32(&self, at: usize) -> &AtomicU32 {
+        // SAFETY: as in word64.
+        unsafe { &*self.base.add(at).cast::<AtomicU32>() }
+    }
+
+    /// Slots published by the producer.
+    pub(crate) fn head(&self) -> &AtomicU64 {
+        self.word64(0)
+    }
+
+    /// Slots consumed by the consumer.
+    pub(crate) fn tail(&self) -> &AtomicU64 {
+        self.word64(64)
+    }
+
+    /// Set while the consumer sleeps waiting for data.
+    pub(crate) fn consumer_sleeping(&self) -> &AtomicU32 {
+        self.word32(128)
+    }
+
+    /// Set while the producer sleeps waiting for room.
+    pub(crate) fn producer_sleeping(&self) -> &AtomicU32 {
+        self.word32(192)
+    }
+
+    /// Number of slots.
+    pub(crate) fn slots(&self) -> u32 {
+        self.slots
+    }
+
+    /// Payload bytes per slot.
+    pub(crate) fn capacity(&self) -> usize {
+        self.slot_bytes - SLOT_HEADER
+    }
+
+    /// Pointer to slot number `n` (taken modulo the slot count).
+    pub(crate) fn slot(&self, n: u64) -> *mut u8 {
+        let i = (n % u64::from(self.slots)) as usize;
+        // SAFETY: i < slots, so the slot lies inside the ring (see `new`).
+        unsafe { self.base.add(CONTROL_BYTES + i * self.slot_bytes) }
+    }
+
+    /// Copies slot `n`'s header out of shared memory.
+    pub(crate) fn read_header(&self, n: u64) -> [u8; SLOT_HEADER] {
+        let mut h = [0u8; SLOT_HEADER];
+        // SAFETY: the slot holds at least SLOT_HEADER bytes; h is a local buffer.
+        unsafe { std::ptr::copy_nonoverlapping(self.slot(n), h.as_mut_ptr(), SLOT_HEADER) };
+        h
+    }
+
+    /// Writes a header and `payload` (at most [`Ring::capacity`] bytes) into slot `n`.
+    pub(crate) fn write_slot(&self, n: u64, header: &[u8; SLOT_HEADER], payload: &[u8]) {
+        assert!(payload.len() <= self.capacity(), "chunk larger than a slot");
+        let p = self.slot(n);
+        // SAFETY: header and payload fit in the slot (checked above); only this side writes
+        // the slots of its outgoing ring.
+        unsafe {
+            std::ptr::copy_nonoverlapping(header.as_ptr(), p, SLOT_HEADER);
+            std::ptr::copy_nonoverlapping(payload.as_ptr(), p.add(SLOT_HEADER), payload.len());
+        }
+    }
+
+    /// Copies `dst.len()` (at most [`Ring::capacity`]) payload bytes out of slot `n`.
+    pub(crate) fn read_payload(&self, n: u64, dst: &mut [u8]) {
+        assert!(dst.len() <= self.capacity(), "chunk larger than a slot");
+        // SAFETY: dst.len() bytes of payload lie inside the slot (checked above).
+        unsafe { std::ptr::copy_nonoverlapping(self.slot(n).add(SLOT_HEADER), dst.as_mut_ptr(), dst.len()) };
+    }
+}
+
+/// A decoded slot header.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct SlotHeader {
+    /// [`KIND_FIRST`] or [`KIND_CONT`].
+    pub(crate) kind: u8,
+    /// The message's tag.
+    pub(crate) tag: Tag,
+    /// Bytes of payload in this slot.
+    pub(crate) chunk: u32,
+    /// Length of the whole message.
+    pub(crate) total: u64,
+    /// Offset of this chunk in the message.
+    pub(crate) offset: u64,
+}
+
+impl SlotHeader {
+    /// Encodes the header for `generation`.
+    pub(crate) fn encode(&self, generation: u64) -> [u8; SLOT_HEADER] {
+        let mut b = [0u8; SLOT_HEADER];
+        b[0..4].copy_from_slice(&SLOT_MAGIC.to_le_bytes());
+        b[4] = VERSION;
+        b[5] = self.kind;
+        b[8..16].copy_from_slice(&generation.to_le_bytes());
+        b[16..20].copy_from_slice(&self.tag.seq.to_le_bytes());
+        b[20..24].copy_from_slice(&self.tag.step.to_le_bytes());
+        b[24..28].copy_from_slice(&self.tag.signature.to_le_bytes());
+        b[28..32].copy_from_slice(&self.chunk.to_le_bytes());
+        b[32..40].copy_from_slice(&self.total.to_le_bytes());
+        b[40..48].copy_from_slice(&self.offset.to_le_bytes());
+        b
+    }
+
+    /// Decodes and validates a header copied out of shared memory: magic, version, kind,
+    /// zero flags and reserved bytes, the link's generation, a message length within
+    /// `max_message`, and a chunk that fits both the slot (`capacity`) and the message.
+    pub(crate) fn decode(
+        b: &[u8; SLOT_HEADER],
+        generation: u64,
+        max_message: u64,
+        capacity: usize,
+    ) -> Result<Self, String> {
+        let magic = u32_at(b, 0);
+        if magic != SLOT_MAGIC {
+            return Err(format!("bad slot magic {magic:#010x}"));
+        }
+        if b[4] != VERSION {
+            return Err(format!("unsupported slot version {} (ours {VERSION})", b[4]));
+        }
+        let kind = b[5];
+        if kind != KIND_FIRST && kind != KIND_CONT {
+            return Err(format!("unknown slot kind {kind}"));
+        }
+        if b[6] != 0 || b[7] != 0 || b[48..].iter().any(|&x| x != 0) {
+            return Err("reserved slot header bits set".into());
+        }
+        let theirs = u64_at(b, 8);
+        if theirs != generation {
+            return Err(format!("slot from generation {theirs} on a generation {generation} link"));
+        }
+        let tag = Tag { seq: u32_at(b, 16), step: u32_at(b, 20), signature: u32_at(b, 24) };
+        let chunk = u32_at(b, 28);
+        let total = u64_at(b, 32);
+        let offset = u64_at(b, 40);
+        if total > max_message {
+            return Err(format!("message length {total} exceeds the maximum of {max_message} bytes"));
+        }
+        // The chunk must be exactly what the sender's chunking produces: full slots until the
+        // last one. Anything else is nonsense, never a short read to wait out.
+        let expected = total.checked_sub(offset).map(|rest| rest.min(capacity as u64));
+        if expected != Some(u64::from(chunk)) || (chunk == 0 && total != 0) {
+            return Err(format!(
+                "slot chunk of {chunk} bytes at offset {offset} of a {total}-byte message (slot payload {capacity})"
+            ));
+        }
+        if (kind == KIND_FIRST) != (offset == 0) {
+            return Err(format!("slot kind {kind} at message offset {offset}"));
+        }
+        Ok(Self { kind, tag, chunk, total, offset })
+    }
+}
+
+fn u32_at(b: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
+}
+
+fn u64_at(b: &[u8], at: usize) -> u64 {
+    let mut x = [0u8; 8];
+    x.copy_from_slice(&b[at..at + 8]);
+    u64::from_le_bytes(x)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn first(total: u64, chunk: u32) -> SlotHeader {
+        SlotHeader { kind: KIND_FIRST, tag: Tag::new(3, 4, 5), chunk, total, offset: 0 }
+    }
+
+    #[test]
+    fn headers_round_trip() {
+        let h = first(100, 100);
+        assert_eq!(SlotHeader::decode(&h.encode(7), 7, 1 << 20, 4096), Ok(h));
+        let c = SlotHeader { kind: KIND_CONT, tag: Tag::new(3, 4, 5), chunk: 904, total: 5000, offset: 4096 };
+        assert_eq!(SlotHeader::decode(&c.encode(7), 7, 1 << 20, 4096), Ok(c));
+        let empty = first(0, 0);
+        assert_eq!(SlotHeader::decode(&empty.encode(7), 7, 1 << 20, 4096), Ok(empty));
+    }
+
+    #[test]
+    fn garbage_headers_are_refused() {
+        let good = first(5000, 4096).encode(7);
+        type Corrupt = Box<dyn Fn(&mut [u8; SLOT_HEADER])>;
+        let cases: Vec<(Corrupt, &str)> = vec![
+            (Box::new(|b| b[0] ^= 1), "magic"),
+            (Box::new(|b| b[4] = 9), "version"),
+            (Box::new(|b| b[5] = 3), "kind"),
+            (Box::new(|b| b[6] = 1), "reserved"),
+            (Box::new(|b| b[60] = 1), "reserved"),
+            (Box::new(|b| b[8] = 8), "generation"),
+            (Box::new(|b| b[32..40].copy_from_slice(&u64::MAX.to_le_bytes())), "exceeds"),
+            (Box::new(|b| b[28..32].copy_from_slice(&5000u32.to_le_bytes())), "chunk"),
+            (Box::new(|b| b[28..32].copy_from_slice(&100u32.to_le_bytes())), "chunk"),
+            (Box::new(|b| b[40..48].copy_from_slice(&6000u64.to_le_bytes())), "chunk"),
+            (Box::new(|b| b[40..48].copy_from_slice(&904u64.to_le_bytes())), "kind"),
+        ];
+        for (corrupt, what) in cases {
+            let mut b = good;
+            corrupt(&mut b);
+            let e = SlotHeader::decode(&b, 7, 1 << 20, 4096).expect_err(what);
+            assert!(e.contains(what), "{what}: {e}");
+        }
+        let rnd: [u8; SLOT_HEADER] = std::array::from_fn(|i| (i as u8).wrapping_mul(37));
+        assert!(SlotHeader::decode(&rnd, 7, 1 << 20, 4096).is_err());
+    }
+}
