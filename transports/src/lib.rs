@@ -20,6 +20,7 @@
 //! - [`Transport::abort`] is local and immediate: every in-flight and future operation returns
 //!   [`TransportError::Aborted`] at once; it never waits on a peer.
 
+mod abort;
 pub mod error;
 #[cfg(feature = "rdma")]
 pub mod rdma;

@@ -41,13 +41,12 @@ pub mod ring;
 mod segment;
 mod setup;
 
+use crate::abort::AbortLatch;
 use crate::{AbortReason, Deadlines, Rank, Tag, Transport, TransportError};
 use link::ShmLink;
 use setup::{Accepted, PairCtx};
-use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::sync::watch;
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tracing::Instrument;
@@ -283,9 +282,8 @@ impl ShmEndpoint {
                 }
             }
         }
-        let (abort_tx, abort_rx) = watch::channel(None);
         tracing::debug!(world, "shm mesh up");
-        Ok(ShmTransport { generation: spec.generation, rank, world, links, abort_tx, abort_rx, span })
+        Ok(ShmTransport { generation: spec.generation, rank, world, links, abort: AbortLatch::new(), span })
     }
 }
 
@@ -305,8 +303,7 @@ pub struct ShmTransport {
     world: u32,
     /// Indexed by rank; `None` for this rank and for peers not linked over shared memory.
     links: Vec<Option<ShmLink>>,
-    abort_tx: watch::Sender<Option<AbortReason>>,
-    abort_rx: watch::Receiver<Option<AbortReason>>,
+    abort: AbortLatch,
     span: tracing::Span,
 }
 
@@ -338,30 +335,6 @@ impl ShmTransport {
             }
         }
     }
-
-    fn abort_reason(&self) -> Option<AbortReason> {
-        self.abort_rx.borrow().clone()
-    }
-
-    /// Runs one link operation, racing it against abort.
-    async fn run<F>(&self, op: F) -> Result<(), TransportError>
-    where
-        F: Future<Output = Result<(), TransportError>>,
-    {
-        if let Some(r) = self.abort_reason() {
-            return Err(TransportError::Aborted(r));
-        }
-        let mut rx = self.abort_rx.clone();
-        let result = tokio::select! {
-            biased;
-            _ = rx.wait_for(Option::is_some) => Err(TransportError::Aborted(AbortReason::new("aborted"))),
-            r = op => r,
-        };
-        match (result, self.abort_reason()) {
-            (Err(_), Some(reason)) => Err(TransportError::Aborted(reason)),
-            (r, _) => r,
-        }
-    }
 }
 
 impl Transport for ShmTransport {
@@ -379,24 +352,16 @@ impl Transport for ShmTransport {
 
     async fn send(&self, peer: Rank, tag: Tag, data: &[u8]) -> Result<(), TransportError> {
         let link = self.link(peer)?;
-        self.run(link.send(tag, data)).await
+        self.abort.run(link.send(tag, data)).await
     }
 
     async fn recv(&self, peer: Rank, tag: Tag, buf: &mut [u8]) -> Result<(), TransportError> {
         let link = self.link(peer)?;
-        self.run(link.recv(tag, buf)).await
+        self.abort.run(link.recv(tag, buf)).await
     }
 
     fn abort(&self, reason: AbortReason) {
-        let first = self.abort_tx.send_if_modified(|cur| {
-            if cur.is_none() {
-                *cur = Some(reason.clone());
-                true
-            } else {
-                false
-            }
-        });
-        if first {
+        if self.abort.trip(&reason) {
             let _enter = self.span.enter();
             tracing::debug!(%reason, "shm transport aborted");
             for l in self.links.iter().flatten() {
@@ -406,7 +371,7 @@ impl Transport for ShmTransport {
     }
 
     fn is_aborted(&self) -> bool {
-        self.abort_rx.borrow().is_some() || self.links.iter().flatten().any(|l| l.broken().is_some())
+        self.abort.reason().is_some() || self.links.iter().flatten().any(|l| l.broken().is_some())
     }
 }
 

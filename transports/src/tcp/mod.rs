@@ -49,14 +49,14 @@ mod options;
 pub use endpoint::{HELLO_TIMEOUT, MAX_HANDSHAKING, MAX_PENDING, PENDING_HOLD};
 pub use options::{TcpOptions, DEFAULT_BUSY_POLL, KEEPALIVE_INTERVAL, KEEPALIVE_RETRIES};
 
+use crate::abort::AbortLatch;
 use crate::{AbortReason, Deadlines, Rank, Tag, Transport, TransportError};
 use endpoint::{Notes, Router};
 use link::Link;
 use mesh::{Done, MeshCtx};
-use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
-use tokio::sync::{mpsc, watch};
+use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tracing::Instrument;
@@ -209,7 +209,6 @@ impl TcpEndpoint {
                 None => None,
             });
         }
-        let (abort_tx, abort_rx) = watch::channel(None);
         tracing::debug!(world, "tcp mesh up");
         Ok(TcpTransport {
             job: spec.job.into(),
@@ -217,8 +216,7 @@ impl TcpEndpoint {
             rank,
             world,
             links,
-            abort_tx,
-            abort_rx,
+            abort: AbortLatch::new(),
             span,
         })
     }
@@ -250,8 +248,7 @@ pub struct TcpTransport {
     world: u32,
     /// Indexed by rank; `None` for this rank.
     links: Vec<Option<Link>>,
-    abort_tx: watch::Sender<Option<AbortReason>>,
-    abort_rx: watch::Receiver<Option<AbortReason>>,
+    abort: AbortLatch,
     span: tracing::Span,
 }
 
@@ -281,30 +278,6 @@ impl TcpTransport {
             }
         }
     }
-
-    fn abort_reason(&self) -> Option<AbortReason> {
-        self.abort_rx.borrow().clone()
-    }
-
-    /// Runs one link operation, racing it against abort.
-    async fn run<F>(&self, op: F) -> Result<(), TransportError>
-    where
-        F: Future<Output = Result<(), TransportError>>,
-    {
-        if let Some(r) = self.abort_reason() {
-            return Err(TransportError::Aborted(r));
-        }
-        let mut rx = self.abort_rx.clone();
-        let result = tokio::select! {
-            biased;
-            _ = rx.wait_for(Option::is_some) => Err(TransportError::Aborted(AbortReason::new("aborted"))),
-            r = op => r,
-        };
-        match (result, self.abort_reason()) {
-            (Err(_), Some(reason)) => Err(TransportError::Aborted(reason)),
-            (r, _) => r,
-        }
-    }
 }
 
 impl Transport for TcpTransport {
@@ -322,24 +295,16 @@ impl Transport for TcpTransport {
 
     async fn send(&self, peer: Rank, tag: Tag, data: &[u8]) -> Result<(), TransportError> {
         let link = self.link(peer)?;
-        self.run(link.send(tag, data)).await
+        self.abort.run(link.send(tag, data)).await
     }
 
     async fn recv(&self, peer: Rank, tag: Tag, buf: &mut [u8]) -> Result<(), TransportError> {
         let link = self.link(peer)?;
-        self.run(link.recv(tag, buf)).await
+        self.abort.run(link.recv(tag, buf)).await
     }
 
     fn abort(&self, reason: AbortReason) {
-        let first = self.abort_tx.send_if_modified(|cur| {
-            if cur.is_none() {
-                *cur = Some(reason.clone());
-                true
-            } else {
-                false
-            }
-        });
-        if first {
+        if self.abort.trip(&reason) {
             let _enter = self.span.enter();
             tracing::debug!(%reason, "tcp transport aborted");
             for l in self.links.iter().flatten() {
@@ -349,6 +314,6 @@ impl Transport for TcpTransport {
     }
 
     fn is_aborted(&self) -> bool {
-        self.abort_rx.borrow().is_some() || self.links.iter().flatten().any(|l| l.broken().is_some())
+        self.abort.reason().is_some() || self.links.iter().flatten().any(|l| l.broken().is_some())
     }
 }
