@@ -150,6 +150,9 @@ async fn abort_is_local_and_immediate_and_the_peer_sees_the_link_close() {
             let t1 = t[1].clone();
             tokio::spawn(async move { t1.recv(0, Tag::new(0, 0, 1), &mut [0u8; 8]).await })
         };
+        // Not synchronisation: the asserts hold whether the receives are already parked or
+        // not (an abort before a receive starts fails it the same way); the pause only makes
+        // the parked case, the one worth exercising, the usual one.
         tokio::time::sleep(Duration::from_millis(20)).await;
         let started = Instant::now();
         t[0].abort(AbortReason::new("test abort"));
