@@ -135,6 +135,8 @@ class Group:
         request_timeout: float = 5.0,
         retry_budget: float = 30.0,
         handle_sigterm: bool = True,
+        transport: str = "auto",  # "auto": shared memory with members on this host, TCP with
+                                  # the others; "tcp": TCP only; "shm": shared memory only
     ) -> None:
         """Joins (blocks; an excluded worker waits out its exclusion). SIGTERM while
         joining raises ``cohort.GracefulLeave`` (exit status 0 if uncaught)."""

@@ -118,7 +118,7 @@ impl Group {
         advertise="127.0.0.1", no_progress_timeout=10.0, connect_timeout=30.0, op_timeout=None,
         exclusion_wait=3600.0, rendezvous_poll=10.0, root_cause_wait=0.5, algorithm="auto",
         segment_bytes=1<<20, busy_poll=50e-6, tls_ca=None, request_timeout=5.0, retry_budget=30.0,
-        handle_sigterm=true
+        handle_sigterm=true, transport="auto"
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -143,6 +143,7 @@ impl Group {
         request_timeout: f64,
         retry_budget: f64,
         handle_sigterm: bool,
+        transport: &str,
     ) -> PyResult<Self> {
         if job.trim().is_empty() {
             return Err(invalid("job must be a non-empty id"));
@@ -175,6 +176,19 @@ impl Group {
         }
         config.comm.segment_bytes = segment_bytes;
         config.tcp.busy_poll = seconds("busy_poll", busy_poll)?;
+        // As `cohort-worker train --transport`: auto links members on this host over shared
+        // memory and the others over TCP; tcp never uses shared memory; shm refuses any other.
+        let shm = cohort_transports::shm::ShmOptions { busy_poll: config.tcp.busy_poll, ..Default::default() };
+        match transport {
+            "auto" => config.shm = Some(shm),
+            "tcp" => config.shm = None,
+            "shm" => {
+                cohort_transports::shm::host_identity().map_err(|e| invalid(format!("transport \"shm\": {e}")))?;
+                config.shm = Some(shm);
+                config.shm_only = true;
+            }
+            other => return Err(invalid(format!("transport {other:?}: use \"auto\", \"tcp\" or \"shm\""))),
+        }
         let (job, worker_id, host) = (config.job.clone(), config.worker_id.clone(), config.host.clone());
 
         let leaving = if handle_sigterm { Some(sigterm()?) } else { None };

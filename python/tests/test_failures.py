@@ -123,3 +123,21 @@ def test_another_jobs_credential_is_refused_before_joining(coordinator_factory):
         cohort.Group("this-job", coord.endpoint, "w0", token=other)
     assert raised.value.code == "permission_denied", raised.value
     assert "other-job" in str(raised.value)
+
+
+@pytest.mark.parametrize("transport,expected", [("auto", "shm"), ("tcp", "tcp"), ("shm", "shm")])
+def test_the_transport_argument_chooses_the_data_plane(coordinator_factory, spawn, transport, expected):
+    coord = coordinator_factory(2, 2)
+    workers = [spawn(f"w{r}", "transport.py", coord.endpoint, f"t-{transport}", f"w{r}", transport) for r in range(2)]
+    for w in workers:
+        assert w.wait(timeout=60) == 0, w.output()
+        line = json.loads([l for l in w.output().splitlines() if l.startswith("{")][-1])
+        assert line == {"transport": expected, "ok": True, "size": 2}, line
+
+
+def test_an_unknown_transport_is_refused_before_joining(coordinator_factory):
+    import cohort
+
+    coord = coordinator_factory(1)
+    with pytest.raises(cohort.InvalidArgumentError, match="auto"):
+        cohort.Group("j", coord.endpoint, "w0", transport="carrier-pigeon")
