@@ -22,6 +22,7 @@
 
 mod abort;
 pub mod error;
+mod link_guards;
 #[cfg(feature = "rdma")]
 pub mod rdma;
 pub mod shm;

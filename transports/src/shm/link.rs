@@ -21,9 +21,10 @@
 
 use super::ring::{Ring, SlotHeader, KIND_CONT, KIND_FIRST};
 use super::segment::Mapping;
+use crate::link_guards::{lock, BreakQuietly, Poison, Waiting};
 use crate::tcp::frame::seq_older;
 use crate::tcp::link::{STASH_BUDGET, STASH_MAX_FRAMES};
-use crate::{AbortReason, Rank, Tag, TransportError};
+use crate::{Rank, Tag, TransportError};
 use std::io;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -42,10 +43,6 @@ struct Stashed {
 struct Stash {
     frames: Vec<Stashed>,
     bytes: usize,
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// An established shared-memory link.
@@ -69,40 +66,9 @@ pub(crate) struct ShmLink {
     /// Woken when a message is stashed or the link breaks.
     changed: Notify,
     /// `seq` of every receive waiting on this link (stale-tag detection).
-    waiting: Mutex<Vec<u32>>,
+    waiting: Waiting,
     broken: OnceLock<TransportError>,
     span: tracing::Span,
-}
-
-/// Marks the link broken if an operation is dropped part-way (see the TCP link's `Poison`:
-/// the socket stays open so that the peer does not blame this rank).
-struct Poison<'a> {
-    link: &'a ShmLink,
-    armed: bool,
-}
-
-impl Drop for Poison<'_> {
-    fn drop(&mut self) {
-        if self.armed {
-            self.link.break_quietly(TransportError::Aborted(AbortReason::new(
-                "an operation on this link was cancelled part-way through a message",
-            )));
-        }
-    }
-}
-
-struct Waiting<'a> {
-    link: &'a ShmLink,
-    seq: u32,
-}
-
-impl Drop for Waiting<'_> {
-    fn drop(&mut self) {
-        let mut w = lock(&self.link.waiting);
-        if let Some(i) = w.iter().position(|&s| s == self.seq) {
-            w.swap_remove(i);
-        }
-    }
 }
 
 /// What the link needs besides its rings.
@@ -132,7 +98,7 @@ impl ShmLink {
             reader: tokio::sync::Mutex::new(0),
             stash: Mutex::new(Stash::default()),
             changed: Notify::new(),
-            waiting: Mutex::new(Vec::new()),
+            waiting: Waiting::default(),
             broken: OnceLock::new(),
             span: p.span,
         }
@@ -164,13 +130,6 @@ impl ShmLink {
             self.shutdown();
         }
         err
-    }
-
-    fn break_quietly(&self, err: TransportError) {
-        if self.broken.set(err.clone()).is_ok() {
-            self.span.in_scope(|| tracing::debug!(peer = self.peer, error = %err, "shm link unusable (left open)"));
-            self.changed.notify_waiters();
-        }
     }
 
     /// Shuts the socket down both ways (the peer's waiters wake with end-of-stream) and wakes
@@ -290,7 +249,7 @@ impl ShmLink {
         self.check()?;
         let mut head = self.writer.lock().await;
         self.check()?;
-        let mut poison = Poison { link: self, armed: true };
+        let mut poison = Poison::arm(self);
         let (ring, slots, cap) = (self.tx, u64::from(self.tx.slots()), self.tx.capacity());
         let mut offset = 0usize;
         loop {
@@ -324,7 +283,7 @@ impl ShmLink {
                 break;
             }
         }
-        poison.armed = false;
+        poison.disarm();
         Ok(())
     }
 
@@ -357,7 +316,7 @@ impl ShmLink {
     }
 
     fn oldest_waiting(&self) -> Option<u32> {
-        lock(&self.waiting).iter().copied().reduce(|a, b| if seq_older(b, a) { b } else { a })
+        self.waiting.oldest()
     }
 
     /// Waits for slot `t` of the incoming ring and returns its validated header.
@@ -405,8 +364,7 @@ impl ShmLink {
 
     /// Receives the message tagged `tag` into `buf`.
     pub(crate) async fn recv(&self, tag: Tag, buf: &mut [u8]) -> Result<(), TransportError> {
-        lock(&self.waiting).push(tag.seq);
-        let _waiting = Waiting { link: self, seq: tag.seq };
+        let _waiting = self.waiting.register(tag.seq);
         let mut tail = loop {
             self.check()?;
             let changed = self.changed.notified();
@@ -425,7 +383,7 @@ impl ShmLink {
         if let Some(f) = self.take_stashed(tag) {
             return self.deliver_stashed(tag, f, buf);
         }
-        let mut poison = Poison { link: self, armed: true };
+        let mut poison = Poison::arm(self);
         loop {
             let h = self.next_header(*tail).await?;
             if h.kind != KIND_FIRST {
@@ -434,7 +392,7 @@ impl ShmLink {
             if h.tag.seq == tag.seq && h.tag.step == tag.step {
                 self.check_match(tag, buf.len(), h.tag, h.total)?;
                 self.read_message(&mut tail, h, buf).await?;
-                poison.armed = false;
+                poison.disarm();
                 return Ok(());
             }
             if let Some(oldest) = self.oldest_waiting() {
@@ -467,6 +425,17 @@ impl ShmLink {
                 s.bytes += data.len();
                 s.frames.push(Stashed { tag: h.tag, data });
             }
+            self.changed.notify_waiters();
+        }
+    }
+}
+
+/// Marks the link broken with `err` (unless it already is) without shutting the socket down,
+/// and wakes its waiting receivers.
+impl BreakQuietly for ShmLink {
+    fn break_quietly(&self, err: TransportError) {
+        if self.broken.set(err.clone()).is_ok() {
+            self.span.in_scope(|| tracing::debug!(peer = self.peer, error = %err, "shm link unusable (left open)"));
             self.changed.notify_waiters();
         }
     }

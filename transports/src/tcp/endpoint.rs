@@ -87,10 +87,8 @@ pub(crate) struct Router {
     state: Mutex<RouterState>,
 }
 
-pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    // Every critical section leaves the data consistent, so a panic elsewhere does not matter.
-    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
-}
+// Every critical section leaves the data consistent, so a panic elsewhere does not matter.
+pub(crate) use crate::link_guards::lock;
 
 /// Deregisters a mesh set-up from the router when it ends.
 pub(crate) struct Registration {

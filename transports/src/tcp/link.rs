@@ -32,7 +32,8 @@
 //! while a peer that reads sees end-of-stream at once.)
 
 use super::frame::{seq_older, FrameHeader, HEADER_LEN};
-use crate::{AbortReason, Rank, Tag, TransportError};
+use crate::link_guards::{lock, BreakQuietly, Poison, Waiting};
+use crate::{Rank, Tag, TransportError};
 use std::future::Future;
 use std::io::{self, IoSlice};
 use std::net::Shutdown;
@@ -221,53 +222,12 @@ pub(crate) struct Link {
     /// Woken when a frame is stashed or the link breaks.
     stash_changed: Notify,
     /// `seq` of every receive currently waiting on this link (stale-tag detection).
-    waiting: Mutex<Vec<u32>>,
+    waiting: Waiting,
     broken: OnceLock<TransportError>,
     /// A duplicate of the socket, used to shut it down without touching the halves.
     sock: socket2::Socket,
     /// The owning transport's span (job, generation, rank).
     span: tracing::Span,
-}
-
-/// Marks the link broken if an operation is dropped part-way through a frame.
-struct Poison<'a> {
-    link: &'a Link,
-    armed: bool,
-}
-
-impl Drop for Poison<'_> {
-    fn drop(&mut self) {
-        if self.armed {
-            // The link is mid-frame and unusable, but the socket stays open: the peer did
-            // nothing wrong, and closing now would make it blame this rank for a failure
-            // elsewhere (this happens when a collective drops its send because its receive
-            // from another peer failed). The socket closes when the transport is aborted
-            // or dropped, which the caller does after it has reported the real failure.
-            self.link.break_quietly(TransportError::Aborted(AbortReason::new(
-                "an operation on this link was cancelled part-way through a frame",
-            )));
-        }
-    }
-}
-
-/// Removes a receive's `seq` from the link's waiting list when it ends.
-struct Waiting<'a> {
-    link: &'a Link,
-    seq: u32,
-}
-
-impl Drop for Waiting<'_> {
-    fn drop(&mut self) {
-        let mut w = lock(&self.link.waiting);
-        if let Some(i) = w.iter().position(|&s| s == self.seq) {
-            w.swap_remove(i);
-        }
-    }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    // The protected data stays consistent even if a holder panicked (plain pushes/removes).
-    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 impl Link {
@@ -304,7 +264,7 @@ impl Link {
             writer: tokio::sync::Mutex::new(w),
             stash: Mutex::new(Stash::default()),
             stash_changed: Notify::new(),
-            waiting: Mutex::new(Vec::new()),
+            waiting: Waiting::default(),
             broken: OnceLock::new(),
             sock,
             span,
@@ -334,15 +294,6 @@ impl Link {
         err
     }
 
-    /// Marks the link broken with `err` (unless it already is) without shutting the socket
-    /// down, and wakes receivers waiting on the stash.
-    fn break_quietly(&self, err: TransportError) {
-        if self.broken.set(err.clone()).is_ok() {
-            self.span.in_scope(|| tracing::debug!(peer = self.peer, error = %err, "tcp link unusable (left open)"));
-            self.stash_changed.notify_waiters();
-        }
-    }
-
     /// Shuts the socket down in both directions without waiting for the peer.
     pub(crate) fn shutdown(&self) {
         // Errors (e.g. already disconnected) leave nothing to do.
@@ -370,7 +321,7 @@ impl Link {
         let mut w = self.writer.lock().await;
         self.check()?;
         let header = FrameHeader { generation: self.generation, tag, len: data.len() as u64 }.encode();
-        let mut poison = Poison { link: self, armed: true };
+        let mut poison = Poison::arm(self);
         let sleep = tokio::time::sleep(self.no_progress);
         tokio::pin!(sleep);
         let mut wd = Watchdog { window: self.no_progress, last: Instant::now(), sleep };
@@ -396,7 +347,7 @@ impl Link {
                 }
             }
         }
-        poison.armed = false;
+        poison.disarm();
         result.map_err(|e| self.fail(self.io_error(e)))
     }
 
@@ -432,13 +383,12 @@ impl Link {
 
     /// The oldest `seq` any receiver waits for on this link.
     fn oldest_waiting(&self) -> Option<u32> {
-        lock(&self.waiting).iter().copied().reduce(|a, b| if seq_older(b, a) { b } else { a })
+        self.waiting.oldest()
     }
 
     /// Receives the frame tagged `tag` into `buf`.
     pub(crate) async fn recv(&self, tag: Tag, buf: &mut [u8]) -> Result<(), TransportError> {
-        lock(&self.waiting).push(tag.seq);
-        let _waiting = Waiting { link: self, seq: tag.seq };
+        let _waiting = self.waiting.register(tag.seq);
         // Wait for the reader lock, unless the frame shows up in the stash meanwhile.
         let mut reader = loop {
             self.check()?;
@@ -458,12 +408,12 @@ impl Link {
         if let Some(f) = self.take_stashed(tag) {
             return self.deliver_stashed(tag, f, buf);
         }
-        let mut poison = Poison { link: self, armed: true };
+        let mut poison = Poison::arm(self);
         let sleep = tokio::time::sleep(self.no_progress);
         tokio::pin!(sleep);
         let mut wd = Watchdog { window: self.no_progress, last: Instant::now(), sleep };
         let result = self.read_until(&mut reader, &mut wd, tag, buf).await;
-        poison.armed = false;
+        poison.disarm();
         result
     }
 
@@ -522,6 +472,17 @@ impl Link {
                 s.bytes += data.len();
                 s.frames.push(Stashed { tag: h.tag, data });
             }
+            self.stash_changed.notify_waiters();
+        }
+    }
+}
+
+/// Marks the link broken with `err` (unless it already is) without shutting the socket down,
+/// and wakes its waiting receivers.
+impl BreakQuietly for Link {
+    fn break_quietly(&self, err: TransportError) {
+        if self.broken.set(err.clone()).is_ok() {
+            self.span.in_scope(|| tracing::debug!(peer = self.peer, error = %err, "tcp link unusable (left open)"));
             self.stash_changed.notify_waiters();
         }
     }
