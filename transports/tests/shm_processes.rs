@@ -221,6 +221,8 @@ fn child_rank() {
             }
             _ => {
                 // Linked, but never reads: the parent's large send fills the ring and waits.
+                // This process only parks here until the parent kills it (the bound is a
+                // backstop, not synchronisation; the parent's test has its own limit).
                 println!("ready");
                 tokio::time::sleep(Duration::from_secs(600)).await;
                 drop(t);
