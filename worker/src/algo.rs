@@ -1,5 +1,6 @@
 //! Allreduce algorithms and the automatic choice between them.
 
+use crate::topology::HostLayout;
 use std::fmt;
 use std::str::FromStr;
 
@@ -20,6 +21,10 @@ pub const AUTO_RING_MIN_BYTES_TWO_RANKS: usize = 64 * 1024;
 /// moves in one round trip, the same order (256-384 KiB at 32 KiB per round trip).
 pub const AUTO_RING_MIN_BYTES: usize = 256 * 1024;
 
+/// On a world with several hosts of several ranks, messages of at least this many bytes go
+/// to [`Algorithm::Hierarchical`] under [`Algorithm::Auto`].
+pub const AUTO_HIERARCHICAL_MIN_BYTES: usize = AUTO_RING_MIN_BYTES;
+
 /// How an allreduce is scheduled.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
 pub enum Algorithm {
@@ -32,6 +37,10 @@ pub enum Algorithm {
     /// Recursive doubling with the usual fold for non-powers of two: log2(n) exchanges of the
     /// whole vector; best for small messages.
     RecursiveDoubling,
+    /// Two levels by host (see [`crate::topology::HostLayout`]): reduce-scatter within each
+    /// host, allreduce of each rank's block across hosts, allgather within each host. On a
+    /// layout without several hosts of several ranks it is a ring in host order.
+    Hierarchical,
     /// Chosen per call by message size and world size (see [`Algorithm::resolve`]).
     #[default]
     Auto,
@@ -39,7 +48,8 @@ pub enum Algorithm {
 
 impl Algorithm {
     /// Every concrete algorithm (not `Auto`).
-    pub const CONCRETE: [Algorithm; 3] = [Algorithm::Ring, Algorithm::Bcube, Algorithm::RecursiveDoubling];
+    pub const CONCRETE: [Algorithm; 4] =
+        [Algorithm::Ring, Algorithm::Bcube, Algorithm::RecursiveDoubling, Algorithm::Hierarchical];
 
     /// Resolves `Auto` for a message of `bytes` bytes on `world_size` ranks: recursive
     /// doubling below [`AUTO_RING_MIN_BYTES_TWO_RANKS`] (two ranks) or
@@ -55,12 +65,25 @@ impl Algorithm {
         }
     }
 
+    /// Resolves `Auto` as [`Algorithm::resolve`] does, and to [`Algorithm::Hierarchical`] for
+    /// messages of at least [`AUTO_HIERARCHICAL_MIN_BYTES`] on a `layout` with several hosts
+    /// of several ranks. Every rank holds the same layout, so all ranks resolve alike.
+    pub fn resolve_on(self, bytes: usize, layout: &HostLayout) -> Algorithm {
+        match self {
+            Algorithm::Auto if bytes >= AUTO_HIERARCHICAL_MIN_BYTES && layout.is_hierarchical() => {
+                Algorithm::Hierarchical
+            }
+            other => other.resolve(bytes, layout.world_size()),
+        }
+    }
+
     /// Lower-case name (`ring`, `bcube`, `recursive-doubling`, `auto`).
     pub fn name(self) -> &'static str {
         match self {
             Algorithm::Ring => "ring",
             Algorithm::Bcube => "bcube",
             Algorithm::RecursiveDoubling => "recursive-doubling",
+            Algorithm::Hierarchical => "hierarchical",
             Algorithm::Auto => "auto",
         }
     }
@@ -72,6 +95,7 @@ impl Algorithm {
             Algorithm::Bcube => 2,
             Algorithm::RecursiveDoubling => 3,
             Algorithm::Auto => 4,
+            Algorithm::Hierarchical => 5,
         }
     }
 }
@@ -84,7 +108,7 @@ impl fmt::Display for Algorithm {
 
 /// Error of [`Algorithm::from_str`].
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-#[error("unknown algorithm {0:?} (expected ring, bcube, recursive-doubling or auto)")]
+#[error("unknown algorithm {0:?} (expected ring, bcube, recursive-doubling, hierarchical or auto)")]
 pub struct ParseAlgorithmError(pub String);
 
 impl FromStr for Algorithm {
@@ -95,6 +119,7 @@ impl FromStr for Algorithm {
             "ring" => Ok(Algorithm::Ring),
             "bcube" => Ok(Algorithm::Bcube),
             "recursive-doubling" | "rd" | "recursive_doubling" => Ok(Algorithm::RecursiveDoubling),
+            "hierarchical" | "hier" => Ok(Algorithm::Hierarchical),
             "auto" => Ok(Algorithm::Auto),
             _ => Err(ParseAlgorithmError(s.to_owned())),
         }
@@ -118,5 +143,16 @@ mod tests {
         assert_eq!(Algorithm::Auto.resolve(1 << 30, 1), Algorithm::Ring, "one rank: nothing to exchange");
         assert_eq!(Algorithm::Bcube.resolve(1, 8), Algorithm::Bcube);
         assert_eq!("rd".parse::<Algorithm>().unwrap(), Algorithm::RecursiveDoubling);
+        assert_eq!("hierarchical".parse::<Algorithm>().unwrap(), Algorithm::Hierarchical);
+    }
+
+    #[test]
+    fn auto_goes_hierarchical_only_on_several_hosts_of_several_ranks() {
+        let two_by_two = HostLayout::blocks(4, 2);
+        assert_eq!(Algorithm::Auto.resolve_on(1 << 20, &two_by_two), Algorithm::Hierarchical);
+        assert_eq!(Algorithm::Auto.resolve_on(4096, &two_by_two), Algorithm::RecursiveDoubling);
+        assert_eq!(Algorithm::Auto.resolve_on(1 << 20, &HostLayout::flat(4)), Algorithm::Ring);
+        assert_eq!(Algorithm::Auto.resolve_on(1 << 20, &HostLayout::blocks(4, 1)), Algorithm::Ring);
+        assert_eq!(Algorithm::Ring.resolve_on(1 << 20, &two_by_two), Algorithm::Ring);
     }
 }

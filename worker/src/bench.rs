@@ -13,7 +13,7 @@
 
 use crate::elastic::{plan_mesh, MemberInfo, MeshPlan, MeshTransport, MixedTransport};
 use crate::exact::{ExactElement, OpPattern};
-use crate::{Algorithm, CommConfig, Communicator, ReduceOp};
+use crate::{Algorithm, CommConfig, Communicator, HostLayout, ReduceOp};
 use cohort_transports::shm::{ShmAddress, ShmEndpoint, ShmMeshSpec, ShmOptions};
 use cohort_transports::tcp::{MeshSpec, TcpEndpoint, TcpOptions};
 use cohort_transports::{Deadlines, Transport};
@@ -63,6 +63,10 @@ pub struct BenchConfig {
     pub transport: BenchTransport,
     /// Bind each rank process to its own CPU (see [`bind_to_cpu`]).
     pub bind: bool,
+    /// Emulated hosts: the ranks in `hosts` contiguous groups ([`HostLayout::blocks`]), shared
+    /// memory within a group and loopback TCP between groups (`--transport auto`; `tcp` keeps
+    /// TCP everywhere), and the communicator told the layout. 1: one host, as it is.
+    pub hosts: u32,
 }
 
 /// The CPUs this process may run on, in order.
@@ -158,6 +162,7 @@ fn algo_name(a: Algorithm) -> &'static str {
         Algorithm::Ring => "ring",
         Algorithm::Bcube => "bcube",
         Algorithm::RecursiveDoubling => "rd",
+        Algorithm::Hierarchical => "hierarchical",
         Algorithm::Auto => "auto",
     }
 }
@@ -205,6 +210,7 @@ pub fn run_parent(config: &BenchConfig) -> Result<Vec<BenchRow>, String> {
             .args(["--busy-poll", &format!("{}us", config.busy_poll.as_micros())])
             .args(["--transport", config.transport.name()])
             .args(["--bind", if config.bind { "core" } else { "none" }])
+            .args(["--hosts", &config.hosts.to_string()])
             .env("COHORT_BENCH_TOKEN", &token_hex)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
@@ -303,8 +309,9 @@ pub fn memcpy_bandwidth() -> f64 {
 /// Prints the nccl-tests-style table and the parseable lines.
 pub fn print_rows(config: &BenchConfig, rows: &[BenchRow]) {
     println!(
-        "# cohort allreduce: ranks={} dtype={} op={} algo={} transport={} iters={} warmup={} busy_poll={:?} bind={}",
+        "# cohort allreduce: ranks={} hosts={} dtype={} op={} algo={} transport={} iters={} warmup={} busy_poll={:?} bind={}",
         config.ranks,
+        config.hosts,
         config.dtype,
         config.op,
         algo_name(config.algo),
@@ -365,6 +372,10 @@ const BENCH_DEADLINES: Deadlines = Deadlines { no_progress: Duration::from_secs(
 async fn rank_typed<E: ExactElement>(rank: u32, config: BenchConfig) -> Result<(), String> {
     OpPattern::new(config.op, 0, config.ranks).check_exact::<E>()?;
     let comm_config = CommConfig { algorithm: config.algo, ..CommConfig::default() };
+    let layout = HostLayout::blocks(config.ranks, config.hosts);
+    if config.hosts > 1 && matches!(config.transport, BenchTransport::Shm | BenchTransport::Rdma) {
+        return Err(format!("--hosts {} needs --transport auto or tcp", config.hosts));
+    }
     match config.transport {
         BenchTransport::Shm => {
             let endpoint = ShmEndpoint::new(shm_options(&config)).map_err(|e| e.to_string())?;
@@ -382,11 +393,11 @@ async fn rank_typed<E: ExactElement>(rank: u32, config: BenchConfig) -> Result<(
                 deadlines: BENCH_DEADLINES,
             };
             let transport = endpoint.connect_mesh(spec).await.map_err(|e| e.to_string())?;
-            measure::<E, _>(rank, &config, Communicator::new(Arc::new(transport), comm_config)).await
+            measure::<E, _>(rank, &config, communicator(transport, &comm_config, &layout)?).await
         }
         BenchTransport::Auto => {
-            let transport = connect_auto(rank, &config).await?;
-            measure::<E, _>(rank, &config, Communicator::new(Arc::new(transport), comm_config)).await
+            let transport = connect_auto(rank, &config, &layout).await?;
+            measure::<E, _>(rank, &config, communicator(transport, &comm_config, &layout)?).await
         }
         BenchTransport::Tcp => {
             let options = TcpOptions { busy_poll: config.busy_poll, ..TcpOptions::default() };
@@ -406,7 +417,7 @@ async fn rank_typed<E: ExactElement>(rank: u32, config: BenchConfig) -> Result<(
                 deadlines: BENCH_DEADLINES,
             };
             let transport = endpoint.connect_mesh(spec).await.map_err(|e| e.to_string())?;
-            measure::<E, _>(rank, &config, Communicator::new(Arc::new(transport), comm_config)).await
+            measure::<E, _>(rank, &config, communicator(transport, &comm_config, &layout)?).await
         }
         #[cfg(feature = "rdma")]
         BenchTransport::Rdma => {
@@ -431,11 +442,22 @@ async fn rank_typed<E: ExactElement>(rank: u32, config: BenchConfig) -> Result<(
                 deadlines: BENCH_DEADLINES,
             };
             let transport = endpoint.connect_mesh(spec).await.map_err(|e| e.to_string())?;
-            measure::<E, _>(rank, &config, Communicator::new(Arc::new(transport), comm_config)).await
+            measure::<E, _>(rank, &config, communicator(transport, &comm_config, &layout)?).await
         }
         #[cfg(not(feature = "rdma"))]
         BenchTransport::Rdma => Err("this cohort-worker was built without the `rdma` feature".into()),
     }
+}
+
+/// A communicator over `transport` that knows the (emulated) host layout.
+fn communicator<T: Transport>(
+    transport: T,
+    config: &CommConfig,
+    layout: &HostLayout,
+) -> Result<Communicator<T>, String> {
+    let mut comm = Communicator::new(Arc::new(transport), config.clone());
+    comm.set_layout(layout.clone()).map_err(|e| e.to_string())?;
+    Ok(comm)
 }
 
 fn shm_options(config: &BenchConfig) -> ShmOptions {
@@ -443,8 +465,10 @@ fn shm_options(config: &BenchConfig) -> ShmOptions {
 }
 
 /// `--transport auto`: each rank publishes `TCP|SHM` addresses and connects what the elastic
-/// runtime would plan from them (shared memory between ranks with one host identity).
-async fn connect_auto(rank: u32, config: &BenchConfig) -> Result<MeshTransport, String> {
+/// runtime would plan from them (shared memory between ranks with one host identity). With
+/// emulated hosts, a rank drops the shared-memory addresses of the ranks on other hosts of
+/// `layout`, so it reaches them over TCP.
+async fn connect_auto(rank: u32, config: &BenchConfig, layout: &HostLayout) -> Result<MeshTransport, String> {
     let options = TcpOptions { busy_poll: config.busy_poll, ..TcpOptions::default() };
     let tcp = TcpEndpoint::bind(SocketAddr::from(([127, 0, 0, 1], 0)), options).await.map_err(|e| e.to_string())?;
     let shm = ShmEndpoint::new(shm_options(config)).map_err(|e| e.to_string())?;
@@ -458,7 +482,8 @@ async fn connect_auto(rank: u32, config: &BenchConfig) -> Result<MeshTransport, 
             host: String::new(),
             tcp: t.parse().map_err(|e| format!("bad address {t:?}: {e}"))?,
             rdma: None,
-            shm: Some(ShmAddress::decode(s).map_err(|e| format!("bad shm address {s:?}: {e}"))?),
+            shm: Some(ShmAddress::decode(s).map_err(|e| format!("bad shm address {s:?}: {e}"))?)
+                .filter(|_| layout.host_of(i) == layout.host_of(rank as usize)),
         });
     }
     let plan = plan_mesh(1, &members, rank, false).map_err(|e| e.to_string())?;

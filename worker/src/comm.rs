@@ -2,10 +2,11 @@
 //! revocation and poisoning.
 
 use crate::algo::Algorithm;
-use crate::collectives::{self, alltoall, barrier, bcube, recursive_doubling, ring, tree, Ctx};
+use crate::collectives::{self, alltoall, barrier, bcube, hierarchical, recursive_doubling, ring, tree, Ctx};
 use crate::dtype::{as_bytes, as_bytes_mut, from_bytes_mut, DType, Element, Scratch};
 use crate::error::{CommError, OpProgress, RootCause};
 use crate::reduce::ReduceOp;
+use crate::topology::HostLayout;
 use cohort_transports::{AbortReason, Transport, TransportError};
 use half::{bf16, f16};
 use std::fmt;
@@ -256,6 +257,10 @@ pub struct Communicator<T: Transport> {
     in_flight: bool,
     scratch: Scratch,
     bcube_dims: Arc<[u32]>,
+    /// Which host each rank is on (for the hierarchical allreduce).
+    layout: HostLayout,
+    /// The ranks of every host, from `layout`.
+    hosts: Arc<[Vec<usize>]>,
     /// Per peer: next point-to-point step to send with / to receive with.
     p2p_send: Vec<u64>,
     p2p_recv: Vec<u64>,
@@ -293,10 +298,35 @@ impl<T: Transport> Communicator<T> {
             in_flight: false,
             scratch: Scratch::default(),
             bcube_dims,
+            layout: HostLayout::flat(size),
+            hosts: HostLayout::flat(size).hosts().into(),
             p2p_send: vec![P2P_STEP_BASE; size as usize],
             p2p_recv: vec![P2P_STEP_BASE; size as usize],
             op_received: AtomicU64::new(0),
         }
+    }
+
+    /// Tells the communicator which host each rank is on, for
+    /// [`Algorithm::Hierarchical`] and its choice under [`Algorithm::Auto`] (until then every
+    /// rank counts as a host of its own). Every rank must set the same layout: the call
+    /// signature carries it, so ranks that disagree fail with a signature mismatch. Fails if
+    /// the layout's world size is not this communicator's.
+    pub fn set_layout(&mut self, layout: HostLayout) -> Result<(), CommError> {
+        if layout.world_size() != self.size {
+            return Err(CommError::InvalidArgument(format!(
+                "a host layout of {} ranks for a world of {}",
+                layout.world_size(),
+                self.size
+            )));
+        }
+        self.hosts = layout.hosts().into();
+        self.layout = layout;
+        Ok(())
+    }
+
+    /// The host layout (see [`Communicator::set_layout`]).
+    pub fn layout(&self) -> &HostLayout {
+        &self.layout
     }
 
     /// This rank.
@@ -521,16 +551,18 @@ impl<T: Transport> Communicator<T> {
         algo: Algorithm,
     ) -> Result<(), CommError> {
         let bytes = std::mem::size_of_val(data);
-        let algo = algo.resolve(bytes, self.size);
+        let algo = algo.resolve_on(bytes, &self.layout);
         let call = Call {
             dtype: Some(E::DTYPE),
             op: Some(op),
             count: data.len() as u64,
             algo: Some(algo),
+            extra: if algo == Algorithm::Hierarchical { self.layout.fingerprint() } else { 0 },
             ..Call::new(Kind::Allreduce)
         };
         let (len, n) = (data.len(), self.size as usize);
         let dims = self.bcube_dims.clone();
+        let hosts = self.hosts.clone();
         operation!(self, call, std::mem::size_of::<E>(), bytes, Ok(()), true, |ctx, scratch| {
             match algo {
                 Algorithm::Ring | Algorithm::Auto => {
@@ -544,6 +576,10 @@ impl<T: Transport> Communicator<T> {
                 Algorithm::Bcube => {
                     let s = scratch.get::<E>(bcube::allreduce_scratch(ctx.seg, len, &dims));
                     bcube::allreduce(&ctx, data, op, &dims, s).await
+                }
+                Algorithm::Hierarchical => {
+                    let s = scratch.get::<E>(hierarchical::allreduce_scratch(ctx.seg, len));
+                    hierarchical::allreduce(&ctx, data, op, &hosts, s).await
                 }
             }
         })
@@ -579,7 +615,7 @@ impl<T: Transport> Communicator<T> {
             work.copy_from_slice(input);
             let stride = ctx.nsegs(len.div_ceil(n));
             let blocks = |i| collectives::block_range(len, n, i);
-            ring::reduce_scatter_inplace(&ctx, work, blocks, op, seg, 0, stride).await?;
+            ring::reduce_scatter_inplace(&ctx, ring::RingOrder::world(&ctx), work, blocks, op, seg, 0, stride).await?;
             let result = &mut work[mine.clone()];
             crate::reduce::finish_avg(op, result, n as u32);
             output.copy_from_slice(result);
@@ -599,7 +635,8 @@ impl<T: Transport> Communicator<T> {
         let call = Call { dtype: Some(E::DTYPE), count: m as u64, ..Call::new(Kind::Allgather) };
         operation!(self, call, std::mem::size_of::<E>(), std::mem::size_of_val(output), valid, true, |ctx, scratch| {
             output[rank * m..(rank + 1) * m].copy_from_slice(input);
-            ring::allgather_inplace(&ctx, output, |i| i * m..(i + 1) * m, 0, ctx.nsegs(m)).await
+            ring::allgather_inplace(&ctx, ring::RingOrder::world(&ctx), output, |i| i * m..(i + 1) * m, 0, ctx.nsegs(m))
+                .await
         })
     }
 
@@ -636,7 +673,15 @@ impl<T: Transport> Communicator<T> {
             let offs = collectives::offsets(counts);
             output[offs[rank]..offs[rank] + counts[rank]].copy_from_slice(input);
             let stride = ctx.nsegs(counts.iter().copied().max().unwrap_or(0));
-            ring::allgather_inplace(&ctx, output, |i| offs[i]..offs[i] + counts[i], 0, stride).await
+            ring::allgather_inplace(
+                &ctx,
+                ring::RingOrder::world(&ctx),
+                output,
+                |i| offs[i]..offs[i] + counts[i],
+                0,
+                stride,
+            )
+            .await
         })
     }
 

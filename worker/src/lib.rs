@@ -1,6 +1,6 @@
 //! cohort: elastic, fault-tolerant collectives for data-parallel training.
 //!
-//! The [`Communicator`] runs collectives (allreduce with ring, BCube and recursive-doubling
+//! The [`Communicator`] runs collectives (allreduce with ring, BCube, recursive-doubling and hierarchical
 //! schedules, reduce-scatter, allgather(v), broadcast, reduce, gather, scatter, alltoall(v),
 //! barrier, send/recv) over any [`cohort_transports::Transport`], for the element types of
 //! [`DType`] and the operators of [`ReduceOp`]. Results are bit-exact across ranks. Every
@@ -18,6 +18,7 @@ pub mod error;
 pub mod exact;
 pub mod metrics;
 pub mod reduce;
+pub mod topology;
 pub mod train;
 pub mod trajectory;
 
@@ -27,3 +28,4 @@ pub use comm::{CommConfig, Communicator, Revoker};
 pub use dtype::{as_bytes, as_bytes_mut, DType, Element};
 pub use error::{CommError, OpProgress, RootCause};
 pub use reduce::ReduceOp;
+pub use topology::HostLayout;

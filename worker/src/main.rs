@@ -192,6 +192,10 @@ struct BenchArgs {
     /// Receive busy-poll window: spin this long for the next frame before parking (0 = off).
     #[arg(long, value_parser = duration, default_value = "50us")]
     busy_poll: Duration,
+    /// Emulate this many hosts: the ranks in contiguous groups, shared memory within a group
+    /// and loopback TCP between groups, and the layout given to the hierarchical allreduce.
+    #[arg(long, default_value_t = 1)]
+    hosts: u32,
 }
 
 #[derive(Args)]
@@ -218,6 +222,8 @@ struct BenchRankArgs {
     transport: TransportKind,
     #[arg(long, value_enum, default_value = "none")]
     bind: BindArg,
+    #[arg(long, default_value_t = 1)]
+    hosts: u32,
 }
 
 /// CPU binding of the benchmark's rank processes.
@@ -441,6 +447,7 @@ fn run_bench(args: BenchArgs) -> ExitCode {
                 BindArg::Core => true,
                 BindArg::None => false,
             },
+            hosts: args.hosts.max(1),
         };
         let rows = bench::run_parent(&config)?;
         bench::print_rows(&config, &rows);
@@ -468,6 +475,7 @@ fn run_bench_rank(args: BenchRankArgs) -> ExitCode {
             busy_poll: args.busy_poll,
             transport: bench_transport(args.transport),
             bind: args.bind == BindArg::Core,
+            hosts: args.hosts.max(1),
         };
         runtime()?.block_on(bench::run_rank(args.rank, config))
     })();

@@ -4,7 +4,7 @@
 
 mod common;
 
-use cohort::{Algorithm, CommConfig, CommError, Communicator, ReduceOp, RootCause};
+use cohort::{Algorithm, CommConfig, CommError, Communicator, HostLayout, ReduceOp, RootCause};
 use cohort_transports::sim::{SimNetwork, SimTransport};
 use cohort_transports::Deadlines;
 use common::{check_results, matrix, run_all, Case, TestElem};
@@ -96,6 +96,123 @@ async fn large_vectors_default_segments_and_bcube_bases() {
     })
     .await
     .expect("suite timed out");
+}
+
+/// Host layouts for the hierarchical allreduce: equal hosts (two levels), hosts whose ranks
+/// interleave, unequal hosts (through the leaders), one host, every rank alone.
+const LAYOUTS: [&[u32]; 10] = [
+    &[0, 0, 1, 1],
+    &[0, 1, 0, 1],
+    &[0, 0, 0, 1, 1, 1],
+    &[0, 0, 1, 1, 2, 2],
+    &[0, 1, 2, 0, 1, 2],
+    &[0, 0, 0, 1, 1],
+    &[0, 1, 1, 1, 2, 2],
+    &[0, 0, 1, 1, 1, 1, 2, 3],
+    &[0, 0, 0, 0],
+    &[0, 1, 2],
+];
+
+/// Runs `cases` on a world laid out on hosts as `keys` says, and checks them.
+async fn check_layout<E: TestElem>(keys: &[u32], config: CommConfig, cases: Vec<Case>) {
+    let n = keys.len() as u32;
+    let (_net, comms) = world(n, &config, 10_000);
+    let handles: Vec<_> = comms
+        .into_iter()
+        .map(|mut c| {
+            c.set_layout(HostLayout::from_keys(keys)).expect("layout of the world's size");
+            tokio::spawn(run_all::<E, _>(c, cases.clone()))
+        })
+        .collect();
+    let mut results = Vec::new();
+    for (rank, h) in handles.into_iter().enumerate() {
+        match h.await.expect("rank task panicked") {
+            Ok(r) => results.push(r),
+            Err((case, e)) => panic!("{:?} layout {keys:?} rank={rank} {case:?} failed: {e}", E::DTYPE),
+        }
+    }
+    check_results::<E>(n, &cases, &results);
+}
+
+#[tokio::test]
+async fn hierarchical_allreduce_on_every_host_layout() {
+    timeout(LIMIT, async {
+        for keys in LAYOUTS {
+            let n = keys.len() as u32;
+            let algos = [Algorithm::Hierarchical, Algorithm::Auto];
+            let small = CommConfig { segment_bytes: 64, ..CommConfig::default() };
+            check_layout::<f32>(keys, small.clone(), matrix(n, &LENS, &ReduceOp::ALL, &algos)).await;
+            check_layout::<bf16>(keys, small, matrix(n, &[1030], &ReduceOp::ALL, &algos)).await;
+            // Large enough for Auto to choose the hierarchical schedule.
+            let large = CommConfig { segment_bytes: 64 << 10, ..CommConfig::default() };
+            check_layout::<f32>(keys, large, matrix(n, &[300_007], &[ReduceOp::Sum, ReduceOp::Avg], &algos)).await;
+        }
+    })
+    .await
+    .expect("suite timed out");
+}
+
+#[tokio::test(start_paused = true)]
+async fn ranks_that_disagree_about_the_layout_fail_instead_of_waiting() {
+    let (_net, comms) = world(4, &CommConfig::default(), NO_PROGRESS.as_millis() as u64);
+    let handles: Vec<_> = comms
+        .into_iter()
+        .map(|mut c| {
+            let keys: &[u32] = if c.rank() == 1 { &[0, 1, 0, 1] } else { &[0, 0, 1, 1] };
+            c.set_layout(HostLayout::from_keys(keys)).unwrap();
+            tokio::spawn(async move {
+                let start = Instant::now();
+                let mut v = vec![1.0f32; 1000];
+                (c.allreduce_with(&mut v, ReduceOp::Sum, Algorithm::Hierarchical).await, start.elapsed())
+            })
+        })
+        .collect();
+    let mut invalid = 0;
+    for h in handles {
+        let (r, elapsed) = timeout(LIMIT, h).await.unwrap().unwrap();
+        let e = r.expect_err("ranks with different layouts cannot succeed");
+        assert!(elapsed <= NO_PROGRESS, "waited {elapsed:?}");
+        invalid += usize::from(matches!(e, CommError::InvalidArgument(_)));
+    }
+    assert!(invalid >= 1, "nobody named the disagreement");
+    let (_net, mut comms) = world(3, &CommConfig::default(), 1000);
+    let e = comms[0].set_layout(HostLayout::flat(4)).unwrap_err();
+    assert!(matches!(e, CommError::InvalidArgument(_)), "{e}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn crash_mid_hierarchical_allreduce_fails_every_survivor_promptly() {
+    for keys in [&[0u32, 0, 1, 1][..], &[0, 0, 0, 1, 1]] {
+        let (net, comms) =
+            world(keys.len() as u32, &CommConfig { segment_bytes: 1024, ..CommConfig::default() }, 10_000);
+        for p in (0..keys.len() as u32).filter(|&p| p != 2) {
+            net.delay(2, p, Duration::from_millis(20));
+        }
+        let handles: Vec<_> = comms
+            .into_iter()
+            .map(|mut c| {
+                c.set_layout(HostLayout::from_keys(keys)).unwrap();
+                tokio::spawn(async move {
+                    let start = Instant::now();
+                    let mut v = vec![1.0f32; 100_000];
+                    let r = c.allreduce_with(&mut v, ReduceOp::Sum, Algorithm::Hierarchical).await;
+                    (r, start.elapsed())
+                })
+            })
+            .collect();
+        // The hierarchical schedule has few rounds: rank 2 crashes while its first messages
+        // (delayed 20 ms) are still on the wire, so no rank can have its contribution yet.
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        net.crash(2);
+        for (rank, h) in handles.into_iter().enumerate() {
+            let (r, elapsed) = timeout(LIMIT, h).await.unwrap().unwrap();
+            let e = r.expect_err("no rank may succeed after a crash");
+            assert!(elapsed < NO_PROGRESS, "layout {keys:?} rank {rank} waited for the deadline: {elapsed:?}");
+            if rank != 2 {
+                assert!(matches!(e, CommError::PeerFailed { .. }), "layout {keys:?} rank {rank}: {e}");
+            }
+        }
+    }
 }
 
 /// Non-associative float inputs: results must be identical bytes on every rank.

@@ -87,6 +87,20 @@ fn bench_verifies_every_op() {
 }
 
 #[test]
+fn hierarchical_allreduce_across_emulated_hosts_over_shared_memory_and_tcp() {
+    // Two and three "hosts" (shared memory within, TCP between); equal hosts take the
+    // two-level schedule, 5 ranks on 2 hosts go through the leaders. Every result verified.
+    for (ranks, hosts) in [(4, "2"), (5, "2"), (6, "3")] {
+        for op in ["sum", "avg"] {
+            let out = bench_with(ranks, "hierarchical", "4,4100,1M", "auto", &["--hosts", hosts, "--op", op]);
+            assert!(out.contains(&format!("ranks={ranks} hosts={hosts} ")), "{out}");
+            let lines = out.lines().filter(|l| l.starts_with("peer=cohort "));
+            assert_eq!(lines.count(), 3, "{ranks} ranks on {hosts} hosts, {op}: one line per size:\n{out}");
+        }
+    }
+}
+
+#[test]
 fn bench_refuses_at_once_an_op_its_type_cannot_hold_exactly() {
     let out = Command::new(WORKER)
         .args(["bench", "--ranks", "16", "--sizes", "4K", "--dtype", "u8", "--op", "max"])

@@ -12,6 +12,7 @@
 pub(crate) mod alltoall;
 pub(crate) mod barrier;
 pub mod bcube;
+pub(crate) mod hierarchical;
 pub(crate) mod recursive_doubling;
 pub(crate) mod ring;
 pub(crate) mod tree;

@@ -18,12 +18,65 @@ use crate::reduce::{finish_avg, ReduceOp};
 use cohort_transports::{Transport, TransportError};
 use std::ops::Range;
 
-/// In-place ring reduce-scatter of `data` over the blocks `blocks(0..n)`: afterwards block
-/// `ctx.rank` holds the reduction (other blocks hold partial sums). Uses steps
-/// `step_base + r * stride + k`; `stride` must be at least the segment count of the largest
-/// block. `scratch` must hold at least one segment (`min(ctx.seg, largest block)`).
+/// The ring a schedule runs on: the member at position `i` sends to the one at `i + 1` and
+/// receives from the one at `i - 1` (mod the ring's length). The whole world in rank order,
+/// or a subset (the ranks of one host, or one rank of every host, for the hierarchical
+/// allreduce).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct RingOrder<'a> {
+    /// The members' ranks in ring order; `None`: ranks `0..len`.
+    members: Option<&'a [usize]>,
+    /// Number of members.
+    len: usize,
+    /// This rank's position.
+    pos: usize,
+}
+
+impl<'a> RingOrder<'a> {
+    /// Every rank of `ctx`'s world, in rank order.
+    pub(crate) fn world<T>(ctx: &Ctx<'_, T>) -> Self {
+        Self { members: None, len: ctx.size, pos: ctx.rank }
+    }
+
+    /// The ranks `members` in that order, this rank at position `pos`.
+    pub(crate) fn over(members: &'a [usize], pos: usize) -> Self {
+        Self { members: Some(members), len: members.len(), pos }
+    }
+
+    /// Number of members.
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    /// This rank's position (the block it ends a reduce-scatter owning).
+    pub(crate) fn pos(&self) -> usize {
+        self.pos
+    }
+
+    /// The rank at position `i` (mod the length).
+    fn rank_at(&self, i: usize) -> usize {
+        let i = i % self.len;
+        self.members.map_or(i, |m| m[i])
+    }
+
+    fn right(&self) -> usize {
+        self.rank_at(self.pos + 1)
+    }
+
+    fn left(&self) -> usize {
+        self.rank_at(self.pos + self.len - 1)
+    }
+}
+
+/// In-place ring reduce-scatter of `data` over the blocks `blocks(0..n)` (`n` the ring's
+/// length): afterwards block `ring.pos()` holds the reduction over the ring's members (other
+/// blocks hold partial sums). Uses steps `step_base + r * stride + k`; `stride` must be at
+/// least the segment count of the largest block. `scratch` must hold at least one segment
+/// (`min(ctx.seg, largest block)`).
+#[allow(clippy::too_many_arguments)]
 pub(crate) async fn reduce_scatter_inplace<T: Transport, E: Element>(
     ctx: &Ctx<'_, T>,
+    ring: RingOrder<'_>,
     data: &mut [E],
     blocks: impl Fn(usize) -> Range<usize>,
     op: ReduceOp,
@@ -31,8 +84,8 @@ pub(crate) async fn reduce_scatter_inplace<T: Transport, E: Element>(
     step_base: u64,
     stride: u64,
 ) -> Result<(), TransportError> {
-    let (n, rank) = (ctx.size, ctx.rank);
-    let (right, left) = ((rank + 1) % n, (rank + n - 1) % n);
+    let (n, rank) = (ring.len(), ring.pos());
+    let (right, left) = (ring.right(), ring.left());
     for r in 0..n.saturating_sub(1) {
         let send_block = (rank + 2 * n - r - 1) % n;
         let recv_block = (rank + 2 * n - r - 2) % n;
@@ -51,18 +104,19 @@ pub(crate) async fn reduce_scatter_inplace<T: Transport, E: Element>(
     Ok(())
 }
 
-/// In-place ring allgather: on entry block `ctx.rank` of `data` is this rank's contribution;
-/// afterwards every block holds its owner's contribution. Steps as in
+/// In-place ring allgather: on entry block `ring.pos()` of `data` is this rank's
+/// contribution; afterwards every block holds its owner's contribution. Steps as in
 /// [`reduce_scatter_inplace`].
 pub(crate) async fn allgather_inplace<T: Transport, E: Element>(
     ctx: &Ctx<'_, T>,
+    ring: RingOrder<'_>,
     data: &mut [E],
     blocks: impl Fn(usize) -> Range<usize>,
     step_base: u64,
     stride: u64,
 ) -> Result<(), TransportError> {
-    let (n, rank) = (ctx.size, ctx.rank);
-    let (right, left) = ((rank + 1) % n, (rank + n - 1) % n);
+    let (n, rank) = (ring.len(), ring.pos());
+    let (right, left) = (ring.right(), ring.left());
     for r in 0..n.saturating_sub(1) {
         let send_block = (rank + n - r) % n;
         let recv_block = (rank + 2 * n - r - 1) % n;
@@ -89,7 +143,8 @@ pub(crate) async fn allreduce<T: Transport, E: Element>(
     let (n, len) = (ctx.size, data.len());
     let blocks = |i| block_range(len, n, i);
     let stride = ctx.nsegs(len.div_ceil(n));
-    reduce_scatter_inplace(ctx, data, blocks, op, scratch, 0, stride).await?;
+    let ring = RingOrder::world(ctx);
+    reduce_scatter_inplace(ctx, ring, data, blocks, op, scratch, 0, stride).await?;
     finish_avg(op, &mut data[blocks(ctx.rank)], n as u32);
-    allgather_inplace(ctx, data, blocks, (n as u64 - 1) * stride, stride).await
+    allgather_inplace(ctx, ring, data, blocks, (n as u64 - 1) * stride, stride).await
 }

@@ -4,6 +4,7 @@
 //! host identity (in their `shm` addresses) and TCP between the others.
 
 use super::{ElasticError, MemberInfo, MeshKind};
+use crate::HostLayout;
 use cohort_transports::shm::ShmAddress;
 use std::net::SocketAddr;
 
@@ -78,6 +79,20 @@ fn local_plan(members: &[MemberInfo], rank: usize, without_rdma: Vec<String>) ->
     } else {
         MeshPlan::Mixed { tcp, shm }
     }
+}
+
+/// The host layout of a generation for the hierarchical allreduce: members that published
+/// one host identity (in their `shm` addresses) share a host; a member without one is a host
+/// of its own. Every member computes it from the same records, so all agree.
+pub(crate) fn host_layout(members: &[MemberInfo]) -> HostLayout {
+    let keys: Vec<String> = members
+        .iter()
+        .map(|m| match &m.shm {
+            Some(a) => format!("host {}", a.host),
+            None => format!("worker {}", m.worker_id),
+        })
+        .collect();
+    HostLayout::from_keys(&keys)
 }
 
 /// Chooses the transport of generation `number` for `rank` from its `members` (ordered by
@@ -180,6 +195,20 @@ mod tests {
         assert_eq!(plan_mesh(2, &members, 1, false).unwrap().kind(), MeshKind::Tcp);
         assert_eq!(plan_mesh(2, &members, 3, false).unwrap().kind(), MeshKind::Tcp);
         assert_eq!(plan_mesh(2, &members, 2, false).unwrap().kind(), MeshKind::ShmTcp);
+    }
+
+    #[test]
+    fn the_host_layout_groups_members_by_host_identity() {
+        let members = vec![
+            on_host(member(0, None), "a"),
+            on_host(member(1, None), "b"),
+            on_host(member(2, None), "a"),
+            member(3, None),
+            on_host(member(4, None), "b"),
+        ];
+        let layout = host_layout(&members);
+        assert_eq!(layout.hosts(), vec![vec![0, 2], vec![1, 4], vec![3]]);
+        assert!(layout.is_hierarchical());
     }
 
     #[test]

@@ -1,6 +1,6 @@
 //! [`ElasticGroup`]: membership, re-formation and failure handling for one worker.
 
-use super::choice::{plan_mesh, MeshPlan};
+use super::choice::{host_layout, plan_mesh, MeshPlan};
 use super::mesh::MixedTransport;
 use super::{ElasticConfig, ElasticError, MeshKind, MeshTransport};
 use crate::control::{ControlClient, ControlError};
@@ -461,7 +461,8 @@ impl ElasticGroup {
         // coordinator has the root cause (on_failure revokes, which aborts the transport), so
         // no peer blames this rank for links it closed because another rank died.
         let comm_config = CommConfig { abort_transport_on_error: false, ..self.config.comm.clone() };
-        let comm = Communicator::new(Arc::new(transport), comm_config);
+        let mut comm = Communicator::new(Arc::new(transport), comm_config);
+        comm.set_layout(host_layout(&members)).map_err(|e| ElasticError::Protocol(e.to_string()))?;
         {
             let mut current = self.shared.current.lock().unwrap_or_else(|e| e.into_inner());
             *current = Some((number, comm.revoker()));
