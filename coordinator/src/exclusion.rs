@@ -93,6 +93,16 @@ impl FailureHistory {
         self.excluded_until_ms.filter(|&until| until > now_ms)
     }
 
+    /// How long after `now_ms` the record still matters, the lease it is stored on: a
+    /// window past its last failure (they count that long), and past the end of an exclusion
+    /// in force another window (a worker that fails again that soon gets the doubled
+    /// cooldown). After it the record expires with its lease, so a long job whose workers
+    /// come and go under new names (a Deployment's pods) keeps a bounded number of them.
+    pub fn retention(&self, policy: &ExclusionPolicy, now_ms: u64) -> Duration {
+        let exclusion_left = self.excluded_until(now_ms).map_or(0, |until| until - now_ms);
+        policy.window.saturating_add(Duration::from_millis(exclusion_left)).max(Duration::from_secs(1))
+    }
+
     /// Failures counted in the window at `now_ms`.
     pub fn recent_failures(&self, policy: &ExclusionPolicy, now_ms: u64) -> usize {
         let window = policy.window.as_millis() as u64;
@@ -142,6 +152,11 @@ mod tests {
         h.record_failure(&p, 5 * MIN);
         assert_eq!(h.record_failure(&p, 10 * MIN), None, "the first failure is 10 min old");
         assert_eq!(h.recent_failures(&p, 10 * MIN), 2);
+        // Kept a window past now, and a window past an exclusion in force.
+        assert_eq!(h.retention(&p, 10 * MIN), p.window);
+        h.excluded_until_ms = Some(12 * MIN);
+        assert_eq!(h.retention(&p, 10 * MIN), p.window + Duration::from_millis(2 * MIN));
+        assert_eq!(h.retention(&p, 13 * MIN), p.window, "an exclusion that ended adds nothing");
     }
 
     #[test]

@@ -32,6 +32,8 @@ pub struct Metrics {
     rpcs: Mutex<BTreeMap<(&'static str, &'static str), u64>>,
     formation: Mutex<Histogram>,
     digest_mismatches: Mutex<BTreeMap<String, u64>>,
+    /// Keys under the jobs prefix at the last census (`None` before the first).
+    store_keys: Mutex<Option<u64>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -110,6 +112,11 @@ impl Metrics {
         }
     }
 
+    /// Records the number of keys under the jobs prefix (see `cohort_store_keys`).
+    pub fn set_store_keys(&self, keys: u64) {
+        *lock(&self.store_keys) = Some(keys);
+    }
+
     /// The generations formed so far by this replica.
     pub fn generations_formed(&self) -> u64 {
         self.generations_formed.load(Ordering::Relaxed)
@@ -172,7 +179,43 @@ impl Metrics {
         for (job, n) in lock(&self.digest_mismatches).iter() {
             let _ = writeln!(out, "cohort_digest_mismatches_total{{job=\"{job}\"}} {n}");
         }
+        if let Some(keys) = *lock(&self.store_keys) {
+            let _ = writeln!(
+                out,
+                "# HELP cohort_store_keys Keys under the store's jobs prefix at the last census (every 10 s).\n# TYPE cohort_store_keys gauge\ncohort_store_keys {keys}"
+            );
+        }
+        cohort_proto::process_metrics::render(&mut out);
         out
+    }
+}
+
+/// How often [`store_census`] counts the store's keys.
+pub const CENSUS_INTERVAL: Duration = Duration::from_secs(10);
+
+/// Counts the keys under the store's jobs prefix every [`CENSUS_INTERVAL`] into `metrics`
+/// (`cohort_store_keys`) until `stop` turns true; a failed count is skipped (the gauge keeps
+/// its last value). The key count is what the ended-job expiry (`--ended-ttl`) keeps
+/// bounded.
+///
+/// # Cancel safety
+/// Cancel safe: it holds nothing between counts.
+pub async fn store_census(
+    store: Arc<dyn crate::store::Store>,
+    metrics: Arc<Metrics>,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) {
+    loop {
+        let count = tokio::time::timeout(CENSUS_INTERVAL, store.get_prefix(crate::keys::JOBS)).await;
+        match count {
+            Ok(Ok((kvs, _))) => metrics.set_store_keys(kvs.len() as u64),
+            Ok(Err(e)) => tracing::debug!(error = %e, "store census failed"),
+            Err(_) => tracing::debug!("store census timed out"),
+        }
+        tokio::select! {
+            _ = stop.wait_for(|s| *s) => return,
+            _ = tokio::time::sleep(CENSUS_INTERVAL) => {}
+        }
     }
 }
 

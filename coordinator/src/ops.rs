@@ -130,15 +130,24 @@ pub async fn revoke_generation(
             failure: vec![],
         };
         let mut excluded_until = None;
+        let mut history_lease = None;
         if let Some((w, _)) = &suspect {
             let fkey = keys::worker_key(job, Kind::Failures, w);
             let fkv = ctx.store.get(&fkey).await?;
             let mut history: FailureHistory = fkv.as_ref().and_then(|kv| decode(&fkey, &kv.value)).unwrap_or_default();
             excluded_until = history.record_failure(&ctx.exclusion, now);
+            // The record lives on a lease as long as it matters, then leaves the store.
+            let lease = ctx.store.grant_lease(history.retention(&ctx.exclusion, now)).await?;
+            history_lease = Some(lease);
             txn.compares.push(compare_for(&fkey, fkv.as_ref()));
-            txn.success.push(TxnOp::Put { key: fkey, value: encode(&history), lease: None });
+            txn.success.push(TxnOp::Put { key: fkey, value: encode(&history), lease: Some(lease) });
         }
         if !ctx.store.txn(txn).await?.succeeded {
+            if let Some(lease) = history_lease {
+                if let Err(e) = ctx.store.revoke_lease(lease).await {
+                    tracing::debug!(%job, error = %e, "could not revoke an unused lease; it expires by itself");
+                }
+            }
             continue;
         }
         ctx.metrics.revoked();

@@ -236,10 +236,14 @@ pub async fn start(config: ServeConfig, listener: TcpListener) -> Result<ServerH
     let metrics_task = match config.metrics {
         Some(l) => {
             metrics_addr = Some(l.local_addr()?);
-            let mut stop = shutdown_rx.clone();
-            Some(tokio::spawn(metrics::serve_metrics(l, metrics.clone(), async move {
+            let (mut stop, census_stop) = (shutdown_rx.clone(), shutdown_rx.clone());
+            let serving = metrics::serve_metrics(l, metrics.clone(), async move {
                 let _ = stop.wait_for(|s| *s).await;
-            })))
+            });
+            let census = metrics::store_census(config.store.clone(), metrics.clone(), census_stop);
+            Some(tokio::spawn(async move {
+                tokio::join!(serving, census);
+            }))
         }
         None => None,
     };

@@ -5,6 +5,7 @@
 
 mod common;
 
+use cohort_coordinator::exclusion::ExclusionPolicy;
 use cohort_coordinator::keys;
 use common::*;
 use std::time::{Duration, Instant};
@@ -63,4 +64,62 @@ async fn ended_jobs_leave_nothing_behind_memory() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ended_jobs_leave_nothing_behind_etcd() {
     run(Backend::Etcd).await;
+}
+
+/// Workers that fail under names never seen again (a Deployment's replacement pods) leave
+/// failure histories; they expire a window after the failure (on a lease), while the job
+/// goes on, instead of accumulating for the life of the job.
+async fn failure_histories_expire(backend: Backend) {
+    bounded(async {
+        let backing = Backing::new(backend).await;
+        let mut settings = test_settings(backend);
+        settings.min_workers = 2;
+        let mut options = Options::new(settings);
+        options.exclusion = ExclusionPolicy { window: Duration::from_secs(1), ..ExclusionPolicy::default() };
+        let server = replica(backing.store.clone(), &options).await;
+        let addr = server.local_addr();
+        let failures_prefix = format!("{}failures/", keys::job_prefix("long"));
+        let failure_keys = || {
+            let store = backing.store.clone();
+            let prefix = failures_prefix.clone();
+            async move { store.get_prefix(&prefix).await.expect("read the store").0.len() }
+        };
+        let stay = Worker::join(addr, "long", "stay", Duration::from_millis(100)).await;
+        let mut after = 0;
+        const CHURNED: usize = 4;
+        for i in 0..CHURNED {
+            let name = format!("pod-{i}");
+            let churned = Worker::join(addr, "long", &name, Duration::from_millis(100)).await;
+            let gs = futures::future::join_all([stay.next_generation(after), churned.next_generation(0)]).await;
+            let g = gs[0].clone();
+            let rank = g.members.iter().position(|m| m.worker_id == name).expect("placed") as u32;
+            assert!(stay.report(g.number, Some(rank), "pod died").await.expect("report").accepted);
+            after = g.number;
+        }
+        assert!(failure_keys().await >= 1, "the failures were recorded");
+        let deadline = Instant::now() + Duration::from_secs(15);
+        loop {
+            let left = failure_keys().await;
+            if left == 0 {
+                break;
+            }
+            assert!(Instant::now() < deadline, "{left} failure histories still there 15 s after a 1 s window");
+            tokio::time::sleep(Duration::from_millis(100)).await; // polling the store, not synchronisation
+        }
+        // The job itself is untouched: `stay` is still a member.
+        let s = status(addr, "long").await;
+        assert!(s.members.iter().any(|m| m.worker_id == "stay"), "{s:?}");
+        server.shutdown().await.expect("shutdown");
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failure_histories_of_departed_workers_expire_memory() {
+    failure_histories_expire(Backend::Memory).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failure_histories_of_departed_workers_expire_etcd() {
+    failure_histories_expire(Backend::Etcd).await;
 }

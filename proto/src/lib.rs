@@ -11,6 +11,7 @@ pub mod v1 {
 }
 
 pub mod credentials;
+pub mod process_metrics;
 
 /// Protocol version this crate speaks; the coordinator refuses joins from other versions.
 pub const PROTOCOL_VERSION: u32 = 1;

@@ -34,6 +34,7 @@ pub fn render() -> String {
             value.load(Ordering::Relaxed)
         ));
     }
+    cohort_proto::process_metrics::render(&mut out);
     out
 }
 
