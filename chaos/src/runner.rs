@@ -613,29 +613,35 @@ impl Run<'_> {
         // route fault cuts whole hosts from each other, so both sides grow to their hosts.
         let mut peers = peers;
         if sc.ranks_per_host > 1 && matches!(f.kind, FaultKind::Isolate | FaultKind::Blackhole | FaultKind::Partition) {
-            let on_hosts = |hosts: &BTreeSet<&str>| -> Vec<(i64, String)> {
+            let host = |w: &String| self.cluster.worker_host(w).map(str::to_string);
+            let target_hosts: BTreeSet<String> = target_names.iter().filter_map(host).collect();
+            let mut peer_hosts: Vec<String> = Vec::new();
+            for h in peers.iter().filter_map(host) {
+                if !target_hosts.contains(&h) && !peer_hosts.contains(&h) {
+                    peer_hosts.push(h);
+                }
+            }
+            if f.random_peer_hosts > 0 {
+                peer_hosts.shuffle(&mut self.rng);
+                peer_hosts.truncate(f.random_peer_hosts as usize);
+            }
+            let on_hosts = |hosts: &[&String]| -> Vec<(i64, String)> {
                 self.view
                     .members
                     .get(&g)
                     .map(|m| {
                         m.iter()
-                            .filter(|(_, w)| self.cluster.worker_host(w).is_some_and(|h| hosts.contains(h)))
+                            .filter(|(_, w)| self.cluster.worker_host(w).is_some_and(|h| hosts.iter().any(|x| *x == h)))
                             .map(|(r, w)| (*r, w.clone()))
                             .collect()
                     })
                     .unwrap_or_default()
             };
-            let target_hosts: BTreeSet<&str> =
-                target_names.iter().filter_map(|w| self.cluster.worker_host(w)).collect();
-            let peer_hosts: BTreeSet<&str> = peers
-                .iter()
-                .filter_map(|w| self.cluster.worker_host(w))
-                .filter(|h| !target_hosts.contains(h))
-                .collect();
-            let mut grown = on_hosts(&target_hosts);
+            let mut grown = on_hosts(&target_hosts.iter().collect::<Vec<_>>());
             // The chosen target first (the mid-allreduce strike waits on it).
             grown.sort_by_key(|(r, w)| (!target_names.contains(w), *r));
-            let grown_peers: Vec<String> = on_hosts(&peer_hosts).into_iter().map(|(_, w)| w).collect();
+            let grown_peers: Vec<String> =
+                on_hosts(&peer_hosts.iter().collect::<Vec<_>>()).into_iter().map(|(_, w)| w).collect();
             targets = grown;
             target_names = targets.iter().map(|(_, w)| w.clone()).collect();
             if f.kind.link() {

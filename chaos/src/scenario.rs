@@ -427,6 +427,10 @@ pub struct FaultSpec {
     /// Kill: start as many replacement workers once the job has recovered.
     #[serde(default)]
     pub respawn: bool,
+    /// Route faults on hosts of several ranks (`ranks_per_host`): instead of every host of
+    /// the `peers`, this many of them, drawn at random (0: all).
+    #[serde(default)]
+    pub random_peer_hosts: u32,
     /// Bound on waiting for the job to recover (or to progress) after the fault.
     #[serde(default = "default_settle")]
     pub settle: Dur,
@@ -559,6 +563,9 @@ impl Scenario {
             if targets > self.max_workers {
                 return bad(format!("{at}: {targets} targets for at most {} workers", self.max_workers));
             }
+            if f.random_peer_hosts > 0 && !(f.kind.link() && self.ranks_per_host > 1) {
+                return bad(format!("{at}: random_peer_hosts is for blackhole and partition with ranks_per_host > 1"));
+            }
             if let Some(max) = f.after_steps_max {
                 if max < f.after_steps {
                     return bad(format!("{at}: after_steps_max {max} < after_steps {}", f.after_steps));
@@ -667,6 +674,13 @@ mod tests {
         let shm =
             Scenario::parse("x", "network = \"netns\"\nranks_per_host = 2\ntransport = \"auto\"\nalgorithm = \"ring\"");
         assert_eq!(shm.expect("several ranks per host").ranks_per_host, 2);
+        let peer_hosts = Scenario::parse(
+            "x",
+            "network = \"netns\"\n[[fault]]\nkind = \"blackhole\"\nranks = [0]\nrandom_peer_hosts = 1",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(peer_hosts.contains("ranks_per_host > 1"), "{peer_hosts}");
         let transport = Scenario::parse("x", "transport = \"carrier-pigeon\"").unwrap_err().to_string();
         assert!(transport.contains("auto, tcp, shm or rdma"), "{transport}");
         let proxied = Scenario::parse("x", "proxy = true\ntransport = \"shm\"").unwrap_err().to_string();
