@@ -994,6 +994,7 @@ impl Run<'_> {
                         let deadline = sc.no_progress.0 + sc.step_interval.0 + Duration::from_millis(1000);
                         if Duration::from_millis(r.duration_ms) > deadline {
                             checks.push(detection_check(r, kind, sc));
+                            checks.push(hang_timeout_check(r));
                         }
                     }
                     if let (true, Some(bound)) = (kind == "kill", sc.kill_errors_within) {
@@ -1405,6 +1406,25 @@ fn kill_errors_check(r: &FaultRecord, bound: Duration, hosts: &BTreeMap<String, 
     }
 }
 
+/// Check: a hung rank (stop fault `r`) is detected as a `Timeout` (the first survivor's
+/// error), and no survivor takes it for a death (`PeerFailed`): a stopped process's links
+/// stay open, so only the no-progress deadline can tell.
+fn hang_timeout_check(r: &FaultRecord) -> Check {
+    let first = r.errors.iter().min_by_key(|e| e.after_ms);
+    let dead: Vec<&str> = r.errors.iter().filter(|e| e.kind == "PeerFailed").map(|e| e.worker.as_str()).collect();
+    let kinds: BTreeSet<&str> = r.errors.iter().map(|e| e.kind.as_str()).collect();
+    Check {
+        what: format!("fault {} (stop): detected as a Timeout, by no survivor as a death", r.index),
+        ok: first.is_some_and(|e| e.kind == "Timeout") && dead.is_empty(),
+        detail: format!(
+            "first error {}; kinds seen {:?}{}",
+            first.map_or_else(|| "none".to_string(), |e| format!("{} at {} ms", e.kind, e.after_ms)),
+            kinds,
+            if dead.is_empty() { String::new() } else { format!(" -- PeerFailed at {}", dead.join(",")) }
+        ),
+    }
+}
+
 /// Check: a later generation verified a step after fault `r`.
 fn next_step_check(r: &FaultRecord, kind: &str) -> Check {
     Check {
@@ -1568,6 +1588,25 @@ mod tests {
         assert!(!c.ok && c.detail.ends_with("late or missing: w2"), "{}", c.detail);
         r.errors.truncate(1);
         assert!(!kill_errors_check(&r, Duration::from_millis(100), &hosts).ok, "a survivor without an error");
+    }
+
+    #[test]
+    fn a_hung_rank_must_be_a_timeout_and_never_a_death() {
+        let seen = |worker: &str, kind: &str, after_ms| ErrorSeen {
+            worker: worker.into(),
+            kind: kind.into(),
+            cause: "rank 2 (worker w2 on vm): timed out".into(),
+            after_ms,
+        };
+        let mut r = record(2, "stop", 3, 1000, &["w0", "w1"]);
+        r.errors = vec![seen("w1", "Revoked", 1510), seen("w0", "Timeout", 1501)];
+        let c = hang_timeout_check(&r);
+        assert!(c.ok, "{}", c.detail);
+        assert!(c.detail.starts_with("first error Timeout at 1501 ms"), "{}", c.detail);
+        r.errors = vec![seen("w0", "Timeout", 1501), seen("w1", "PeerFailed", 1502)];
+        assert!(!hang_timeout_check(&r).ok, "a stopped rank is no dead one");
+        r.errors.clear();
+        assert!(!hang_timeout_check(&r).ok, "no error at all");
     }
 
     #[test]
