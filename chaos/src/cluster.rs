@@ -3,6 +3,7 @@
 use crate::binaries::Binaries;
 use crate::events::WorkerEvent;
 use crate::netns::NetLab;
+use crate::placement::Placement;
 use crate::process::{now_ms, LineHook, ManagedProcess, OutputLine};
 use crate::proxy::Proxy;
 use cohort_coordinator::etcd_process::EtcdProcess;
@@ -145,10 +146,23 @@ pub struct Cluster {
     lines_rx: mpsc::UnboundedReceiver<OutputLine>,
     proxy: Option<Proxy>,
     connect_timeout: Option<Duration>,
+    /// `--transport` and `--algo` for `cohort-worker train` workers.
+    data_plane: DataPlaneFlags,
+    /// Which host each worker runs on (network namespaces only).
+    placement: Placement,
     /// Every worker event seen so far, in arrival order.
     pub events: Vec<WorkerEvent>,
     /// The namespaces, when `netns` is on (last: dropped after every process is killed).
     netlab: Option<NetLab>,
+}
+
+/// Data-plane flags of `cohort-worker train` (`None`: the worker's default).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct DataPlaneFlags {
+    /// `--transport` (auto, tcp, shm, rdma). Proxied workers always get tcp.
+    pub transport: Option<String>,
+    /// `--algo` (an allreduce algorithm name).
+    pub algorithm: Option<String>,
 }
 
 /// Errors of the launcher.
@@ -230,6 +244,8 @@ impl Cluster {
             lines_rx,
             proxy: None,
             connect_timeout: None,
+            data_plane: DataPlaneFlags::default(),
+            placement: Placement::new(1),
             events: Vec::new(),
             netlab,
         };
@@ -486,6 +502,33 @@ impl Cluster {
         self.connect_timeout = timeout;
     }
 
+    /// `--transport` and `--algo` for workers started from now on (`cohort-worker train` only;
+    /// a custom worker command takes its own flags).
+    pub fn set_data_plane(&mut self, flags: DataPlaneFlags) {
+        self.data_plane = flags;
+    }
+
+    /// Workers per host for workers started from now on (network namespaces only; before the
+    /// first worker starts). See [`crate::placement`].
+    pub fn set_ranks_per_host(&mut self, per_host: usize) {
+        self.placement = Placement::new(per_host);
+    }
+
+    /// The host worker `name` runs on: its network namespace's name in the lab (`None` on the
+    /// loopback, or for a worker never started).
+    pub fn worker_host(&self, name: &str) -> Option<&str> {
+        self.netlab.as_ref().and_then(|_| self.placement.host_of(name))
+    }
+
+    /// Every worker started so far with its host (empty on the loopback).
+    pub fn hosts(&self) -> BTreeMap<String, String> {
+        if self.netlab.is_some() {
+            self.placement.all().clone()
+        } else {
+            BTreeMap::new()
+        }
+    }
+
     /// Routes the data plane of workers started by [`Cluster::spawn_worker_proxied`] through
     /// a fault-injecting proxy (created on the first call); returns it.
     pub fn enable_proxy(&mut self) -> Proxy {
@@ -532,10 +575,16 @@ impl Cluster {
     }
 
     /// Starts a worker named `name` running `cohort-worker train`.
-    /// With network namespaces, the worker runs on a host of its own (see [`crate::netns`]).
+    /// With network namespaces, the worker runs on the host [`crate::placement`] gives it (a
+    /// host of its own with one rank per host; see [`crate::netns`]).
     pub fn spawn_worker(&mut self, name: &str, spec: &WorkerSpec) -> Result<(), ClusterError> {
         let host = match self.netlab.as_mut() {
-            Some(lab) => lab.add_host(name).map_err(|e| ClusterError::Setup(e.to_string()))?.to_string(),
+            Some(lab) => {
+                let live: std::collections::BTreeSet<String> =
+                    self.workers.iter_mut().filter_map(|(w, p)| p.try_exit().is_none().then(|| w.clone())).collect();
+                let host = self.placement.place(name, |w| live.contains(w));
+                lab.add_host(&host).map_err(|e| ClusterError::Setup(e.to_string()))?.to_string()
+            }
             None => "127.0.0.1".into(),
         };
         self.spawn_worker_with(name, spec, &format!("{host}:0"), &host, None)
@@ -549,7 +598,8 @@ impl Cluster {
         advertise: &str,
         hook: Option<LineHook>,
     ) -> Result<(), ClusterError> {
-        let host = self.netlab.as_ref().map(|_| name);
+        let placed = self.placement.host_of(name).unwrap_or(name).to_string();
+        let host = self.netlab.as_ref().map(|_| placed.as_str());
         let mut cmd = match &spec.command {
             Some(template) => {
                 let values = [
@@ -584,6 +634,11 @@ impl Cluster {
                     // Proxied: the network faults act on TCP links only, and workers on one
                     // host would otherwise link over shared memory, past the proxy.
                     cmd.args(["--transport", "tcp"]);
+                } else if let Some(t) = &self.data_plane.transport {
+                    cmd.args(["--transport", t]);
+                }
+                if let Some(a) = &self.data_plane.algorithm {
+                    cmd.args(["--algo", a]);
                 }
                 if self.config.metrics {
                     cmd.args(["--metrics", &format!("{}:0", Self::host_of(listen))]);

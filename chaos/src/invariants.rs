@@ -50,6 +50,56 @@ pub fn commits_never_lost(events: &[WorkerEvent]) -> Check {
     }
 }
 
+/// With workers placed on hosts (`hosts`: worker -> host), every member of every generation
+/// linked over shared memory to exactly the members on its host: its `generation` event says
+/// `shm` when every other member is on its host, `shm+tcp` when some are, `tcp` when none are.
+/// Generations whose members did not all print their event are not judged; at least one must
+/// be.
+pub fn transport_by_host(events: &[WorkerEvent], hosts: &BTreeMap<String, String>) -> Check {
+    // Generation -> (world, [(worker, transport)]).
+    type Members<'a> = (i64, Vec<(&'a str, &'a str)>);
+    let mut by_gen: BTreeMap<i64, Members<'_>> = BTreeMap::new();
+    for e in events.iter().filter(|e| e.kind == "generation") {
+        let entry = by_gen.entry(e.int("gen").unwrap_or(0)).or_insert((e.int("world").unwrap_or(0), Vec::new()));
+        entry.1.push((e.worker.as_str(), e.text("transport").unwrap_or("?")));
+    }
+    let mut judged = 0;
+    let mut shared = 0;
+    let mut wrong = Vec::new();
+    for (g, (world, members)) in &by_gen {
+        if *world < 2 || members.len() as i64 != *world {
+            continue;
+        }
+        judged += 1;
+        for (w, transport) in members {
+            let host = hosts.get(*w);
+            let mates = members.iter().filter(|(o, _)| o != w && hosts.get(*o) == host && host.is_some()).count();
+            let want = if mates == 0 {
+                "tcp"
+            } else if mates + 1 == members.len() {
+                "shm"
+            } else {
+                "shm+tcp"
+            };
+            if mates > 0 {
+                shared += 1;
+            }
+            if *transport != want {
+                wrong.push(format!("generation {g}: {w} used {transport}, expected {want} ({mates} on its host)"));
+            }
+        }
+    }
+    Check {
+        what: "each member used shared memory to the members on its host and TCP to the others".into(),
+        ok: judged > 0 && wrong.is_empty(),
+        detail: if wrong.is_empty() {
+            format!("{judged} generations, {shared} member-generations with a shared-memory peer")
+        } else {
+            wrong.join("; ")
+        },
+    }
+}
+
 /// No worker accepted a wrong result.
 pub fn no_wrong_results(events: &[WorkerEvent]) -> Check {
     let wrong: Vec<String> = events
@@ -230,6 +280,37 @@ mod tests {
 
     fn ev(worker: &str, line: &str) -> WorkerEvent {
         WorkerEvent::parse(worker, line, 0).unwrap()
+    }
+
+    #[test]
+    fn transport_by_host_wants_shared_memory_exactly_within_a_host() {
+        let hosts: BTreeMap<String, String> = [("a", "h0"), ("b", "h0"), ("c", "h1"), ("d", "h2")]
+            .iter()
+            .map(|(w, h)| (w.to_string(), h.to_string()))
+            .collect();
+        let good = [
+            ev("a", "event=generation gen=1 world=3 rank=0 transport=shm+tcp t_ms=1"),
+            ev("b", "event=generation gen=1 world=3 rank=1 transport=shm+tcp t_ms=1"),
+            ev("c", "event=generation gen=1 world=3 rank=2 transport=tcp t_ms=1"),
+            ev("a", "event=generation gen=2 world=2 rank=0 transport=shm t_ms=2"),
+            ev("b", "event=generation gen=2 world=2 rank=1 transport=shm t_ms=2"),
+            // Incomplete (d never printed): not judged.
+            ev("c", "event=generation gen=3 world=2 rank=0 transport=shm t_ms=3"),
+        ];
+        let c = transport_by_host(&good, &hosts);
+        assert!(c.ok, "{}", c.detail);
+        assert!(c.detail.starts_with("2 generations"), "{}", c.detail);
+        let mut bad = good.to_vec();
+        bad[2] = ev("c", "event=generation gen=1 world=3 rank=2 transport=shm+tcp t_ms=1");
+        bad[0] = ev("a", "event=generation gen=1 world=3 rank=0 transport=tcp t_ms=1");
+        let c = transport_by_host(&bad, &hosts);
+        assert!(!c.ok);
+        assert!(
+            c.detail.contains("a used tcp, expected shm+tcp") && c.detail.contains("c used shm+tcp"),
+            "{}",
+            c.detail
+        );
+        assert!(!transport_by_host(&good[5..], &hosts).ok, "nothing judged is no pass");
     }
 
     #[test]

@@ -8,6 +8,8 @@
 //!   committed steps never lost, ...).
 //! - [`demo`]: the README's main command.
 //! - [`scenario`]: scenarios as data (TOML files in `chaos/scenarios/`, seeded).
+//! - [`netns`]: network namespaces as hosts; [`placement`]: which host each worker runs on.
+//! - [`segments`]: the shared-memory segments and sockets a worker process still holds.
 //! - [`proxy`]: the fault-injecting TCP proxy the data plane is routed through.
 //! - [`runner`]: plays a scenario against a cluster and checks every invariant.
 //! - [`report`]: per-fault measurements, statistics, the table and the JSON report.
@@ -20,9 +22,11 @@ pub mod events;
 pub mod invariants;
 pub mod metrics;
 pub mod netns;
+pub mod placement;
 pub mod process;
 pub mod proxy;
 pub mod report;
 pub mod runner;
 pub mod scenario;
+pub mod segments;
 pub mod suite;

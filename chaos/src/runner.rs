@@ -7,7 +7,9 @@
 //! healing a link, restarting coordinators or etcd, the slow rank's duty cycle) fire while
 //! events are awaited.
 
-use crate::cluster::{Cluster, ClusterConfig, ClusterError, JobSettings, Network, StoreKind, WorkerSpec};
+use crate::cluster::{
+    Cluster, ClusterConfig, ClusterError, DataPlaneFlags, JobSettings, Network, StoreKind, WorkerSpec,
+};
 use crate::demo::Check;
 use crate::events::WorkerEvent;
 use crate::invariants;
@@ -50,7 +52,8 @@ pub enum RunError {
 #[derive(Clone, Debug)]
 enum Action {
     Signal(String, i32),
-    /// Clear the link faults on these directed pairs.
+    /// Clear the link faults on these directed pairs (hosts with network namespaces, workers
+    /// through the proxy).
     Heal(Vec<(String, String)>),
     /// Plug these hosts back into the network (network namespaces).
     Plug(Vec<String>),
@@ -127,6 +130,8 @@ struct Run<'a> {
     leaving: BTreeSet<String>,
     stopped: BTreeSet<String>,
     quiet: Vec<(u64, u64, usize)>,
+    /// Per disruptive fault: no survivor kept a dead generation's shared-memory objects.
+    segment_checks: Vec<Check>,
     verbose: bool,
     start_ms: u64,
 }
@@ -220,12 +225,15 @@ async fn run_inner(sc: &Scenario, seed: u64, log_dir: &std::path::Path, verbose:
         leaving: BTreeSet::new(),
         stopped: BTreeSet::new(),
         quiet: Vec::new(),
+        segment_checks: Vec::new(),
         verbose,
         start_ms: now_ms(),
     };
     if sc.needs_proxy() {
         run.cluster.enable_proxy();
     }
+    run.cluster.set_ranks_per_host(sc.ranks_per_host as usize);
+    run.cluster.set_data_plane(DataPlaneFlags { transport: sc.transport.clone(), algorithm: sc.algorithm.clone() });
     // A generation that includes a member which died before it formed can only fail its
     // mesh connection; bound that by the job's deadlines rather than the 30 s default.
     run.cluster.set_connect_timeout(Some((sc.no_progress.0 * 2).max(Duration::from_secs(4))));
@@ -263,6 +271,110 @@ impl Run<'_> {
         if self.verbose {
             println!("[{:>7.3}s] {}: {}", (now_ms() - self.start_ms) as f64 / 1e3, self.sc.name, text.as_ref());
         }
+    }
+
+    /// The hosts of `workers` (each once, in order); a worker's own name where it has no
+    /// host (the loopback, where no host fault applies).
+    fn hosts_of(&self, workers: &[String]) -> Vec<String> {
+        let mut hosts: Vec<String> = Vec::new();
+        for w in workers {
+            let h = self.cluster.worker_host(w).unwrap_or(w).to_string();
+            if !hosts.contains(&h) {
+                hosts.push(h);
+            }
+        }
+        hosts
+    }
+
+    /// Directed worker pairs as directed host pairs, each once, without the pairs inside one
+    /// host (a route cannot come between them).
+    fn host_pairs(&self, pairs: Vec<(String, String)>) -> Vec<(String, String)> {
+        let mut out: Vec<(String, String)> = Vec::new();
+        for (a, b) in pairs {
+            let (ha, hb) = (
+                self.cluster.worker_host(&a).unwrap_or(&a).to_string(),
+                self.cluster.worker_host(&b).unwrap_or(&b).to_string(),
+            );
+            if ha != hb && !out.contains(&(ha.clone(), hb.clone())) {
+                out.push((ha, hb));
+            }
+        }
+        out
+    }
+
+    /// Each worker's newest generation, from its events.
+    fn generation_of(&self, worker: &str) -> Option<i64> {
+        self.cluster
+            .events
+            .iter()
+            .rev()
+            .find(|e| e.worker == worker && e.kind == "generation")
+            .and_then(|e| e.int("gen"))
+    }
+
+    /// The shared-memory objects of generations older than its current one that each
+    /// running worker past generation `gen` still holds; how many workers were read; how many
+    /// objects of their current generations they hold (evidence that the reading sees them).
+    fn stale_shared_memory(&mut self, gen: i64) -> (Vec<String>, usize, usize) {
+        let mut stale = Vec::new();
+        let mut read = 0;
+        let mut current_held = 0;
+        for w in self.cluster.worker_names() {
+            if self.killed.contains(&w) || self.stopped.contains(&w) || self.cluster.worker_exit(&w).is_some() {
+                continue;
+            }
+            let Some(current) = self.generation_of(&w).filter(|c| *c > gen) else { continue };
+            let Some(pid) = self.cluster.worker_pid(&w) else { continue };
+            match crate::segments::held_by(pid) {
+                Ok(held) => {
+                    read += 1;
+                    current_held += held.iter().filter(|h| h.generation as i64 >= current).count();
+                    stale.extend(
+                        held.iter()
+                            .filter(|h| (h.generation as i64) < current)
+                            .map(|h| format!("{w} (in generation {current}) holds {}", h.name)),
+                    );
+                }
+                // Exited meanwhile: nothing held.
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound || self.cluster.worker_exit(&w).is_some() => {}
+                Err(e) => stale.push(format!("{w}: cannot read /proc/{pid}: {e}")),
+            }
+        }
+        (stale, read, current_held)
+    }
+
+    /// After disruptive fault `index` of generation `gen` settled: every running worker that
+    /// moved past `gen` let go of the older generations' shared-memory segments and sockets.
+    /// Polled for up to 2 s (a worker drops the old mesh as it leaves the generation, at no
+    /// moment the harness sees); recorded as a check.
+    async fn check_shared_memory_released(&mut self, index: usize, kind: FaultKind, gen: i64) {
+        let deadline = Instant::now() + Duration::from_secs(2);
+        let started = Instant::now();
+        let (stale, read, current) = loop {
+            let (stale, read, current) = self.stale_shared_memory(gen);
+            if stale.is_empty() || Instant::now() >= deadline {
+                break (stale, read, current);
+            }
+            self.pass_time(Instant::now() + Duration::from_millis(100)).await;
+        };
+        self.segment_checks.push(Check {
+            what: format!(
+                "fault {index} ({}): no running worker kept a shared-memory segment or socket of a generation it left",
+                kind.name()
+            ),
+            ok: stale.is_empty() && read > 0,
+            detail: if stale.is_empty() {
+                format!(
+                    "{read} workers past generation {gen} read in /proc, holding {current} segments and sockets of their current generations only ({})",
+                    match started.elapsed().as_millis() {
+                        0..=9 => "at the first look".to_string(),
+                        t => format!("after {t} ms"),
+                    }
+                )
+            } else {
+                stale.join("; ")
+            },
+        });
     }
 
     fn new_name(&mut self) -> String {
@@ -480,8 +592,8 @@ impl Run<'_> {
                 .await?;
             g = self.view.current();
         }
-        let targets = self.ranks_of(f, g)?;
-        let target_names: Vec<String> = targets.iter().map(|(_, w)| w.clone()).collect();
+        let mut targets = self.ranks_of(f, g)?;
+        let mut target_names: Vec<String> = targets.iter().map(|(_, w)| w.clone()).collect();
         let members: Vec<String> = self.view.members.get(&g).map(|m| m.values().cloned().collect()).unwrap_or_default();
         let peers: Vec<String> = if f.kind.link() {
             if f.peers.is_empty() {
@@ -497,8 +609,50 @@ impl Run<'_> {
         } else {
             Vec::new()
         };
+        // Several workers per host: a host fault cuts every member on the target's host, and a
+        // route fault cuts whole hosts from each other, so both sides grow to their hosts.
+        let mut peers = peers;
+        if sc.ranks_per_host > 1 && matches!(f.kind, FaultKind::Isolate | FaultKind::Blackhole | FaultKind::Partition) {
+            let host = |w: &String| self.cluster.worker_host(w).map(str::to_string);
+            let target_hosts: BTreeSet<String> = target_names.iter().filter_map(host).collect();
+            let mut peer_hosts: Vec<String> = Vec::new();
+            for h in peers.iter().filter_map(host) {
+                if !target_hosts.contains(&h) && !peer_hosts.contains(&h) {
+                    peer_hosts.push(h);
+                }
+            }
+            if f.random_peer_hosts > 0 {
+                peer_hosts.shuffle(&mut self.rng);
+                peer_hosts.truncate(f.random_peer_hosts as usize);
+            }
+            let on_hosts = |hosts: &[&String]| -> Vec<(i64, String)> {
+                self.view
+                    .members
+                    .get(&g)
+                    .map(|m| {
+                        m.iter()
+                            .filter(|(_, w)| self.cluster.worker_host(w).is_some_and(|h| hosts.iter().any(|x| *x == h)))
+                            .map(|(r, w)| (*r, w.clone()))
+                            .collect()
+                    })
+                    .unwrap_or_default()
+            };
+            let mut grown = on_hosts(&target_hosts.iter().collect::<Vec<_>>());
+            // The chosen target first (the mid-allreduce strike waits on it).
+            grown.sort_by_key(|(r, w)| (!target_names.contains(w), *r));
+            let grown_peers: Vec<String> =
+                on_hosts(&peer_hosts.iter().collect::<Vec<_>>()).into_iter().map(|(_, w)| w).collect();
+            targets = grown;
+            target_names = targets.iter().map(|(_, w)| w.clone()).collect();
+            if f.kind.link() {
+                peers = grown_peers;
+            }
+        }
         if f.kind.link() && peers.is_empty() {
-            return Err(RunError::Scenario(format!("fault {index} ({}): no peers", f.kind.name())));
+            return Err(RunError::Scenario(format!(
+                "fault {index} ({}): no peers (on another host than the targets)",
+                f.kind.name()
+            )));
         }
         // Strike mid-allreduce: wait for the first target to announce one.
         let mut mid = false;
@@ -574,14 +728,15 @@ impl Run<'_> {
                     .cluster
                     .netlab()
                     .ok_or_else(|| RunError::Scenario("isolate needs network = \"netns\"".into()))?;
-                for w in &target_names {
-                    lab.isolate(w, true).map_err(|e| RunError::Scenario(e.to_string()))?;
+                let hosts = self.hosts_of(&target_names);
+                for h in &hosts {
+                    lab.isolate(h, true).map_err(|e| RunError::Scenario(e.to_string()))?;
                 }
                 let plug_at = Instant::now() + if dur.is_zero() { settle } else { dur };
-                self.timers.push((plug_at, Action::Plug(target_names.clone())));
+                self.timers.push((plug_at, Action::Plug(hosts)));
             }
             FaultKind::Blackhole | FaultKind::Partition if self.cluster.netlab().is_some() => {
-                let pairs = directed_pairs(&target_names, &peers, f.kind == FaultKind::Partition);
+                let pairs = self.host_pairs(directed_pairs(&target_names, &peers, f.kind == FaultKind::Partition));
                 if let Some(lab) = self.cluster.netlab() {
                     for (a, b) in &pairs {
                         lab.drop_route(a, b, true).map_err(|e| RunError::Scenario(e.to_string()))?;
@@ -708,6 +863,7 @@ impl Run<'_> {
                     })
                     .await?;
                 }
+                self.check_shared_memory_released(index, f.kind, gen).await;
             }
             FaultKind::Isolate => {
                 // The survivors re-form without the cut-off hosts; then they are plugged back
@@ -729,6 +885,7 @@ impl Run<'_> {
                     })
                     .await?;
                 }
+                self.check_shared_memory_released(index, f.kind, gen).await;
             }
             FaultKind::JoinStorm => {
                 let want = (world + f.count as i64).min(sc.max_workers as i64);
@@ -833,6 +990,15 @@ impl Run<'_> {
                     checks.push(next_step_check(r, kind));
                     if kind == "stop" {
                         checks.extend(hung_rank_status_check(r, &events, sc));
+                        // A rank hung past the deadline is a silent fault like a cut link.
+                        let deadline = sc.no_progress.0 + sc.step_interval.0 + Duration::from_millis(1000);
+                        if Duration::from_millis(r.duration_ms) > deadline {
+                            checks.push(detection_check(r, kind, sc));
+                            checks.push(hang_timeout_check(r));
+                        }
+                    }
+                    if let (true, Some(bound)) = (kind == "kill", sc.kill_errors_within) {
+                        checks.push(kill_errors_check(r, bound.0, &self.cluster.hosts()));
                     }
                     if kind == "kill" && r.targets.len() > 1 {
                         // One report wins and evicts its suspect; the other dead ranks still
@@ -916,6 +1082,11 @@ impl Run<'_> {
                 }
                 _ => {}
             }
+        }
+        checks.extend(self.segment_checks.iter().cloned());
+        let auto = sc.transport.as_deref().is_none_or(|t| t == "auto");
+        if sc.network == NetworkChoice::Netns && auto && sc.worker_command.is_none() {
+            checks.push(invariants::transport_by_host(&events, &self.cluster.hosts()));
         }
         for &(from, to, index) in &self.quiet {
             let errs: Vec<String> = events
@@ -1200,6 +1371,60 @@ fn hung_rank_status_check(r: &FaultRecord, events: &[WorkerEvent], sc: &Scenario
     })
 }
 
+/// Check: every survivor of kill `r` got its error within `bound` of the SIGKILL; the detail
+/// gives each survivor's time, marking those on the killed rank's host (its shared-memory
+/// peers) with `shm`.
+fn kill_errors_check(r: &FaultRecord, bound: Duration, hosts: &BTreeMap<String, String>) -> Check {
+    let dead: Vec<&str> = r.targets.iter().map(|t| t.split('(').next().unwrap_or("")).collect();
+    let dead_hosts: BTreeSet<&str> = dead.iter().filter_map(|w| hosts.get(*w)).map(String::as_str).collect();
+    let limit = bound.as_millis() as i64;
+    let mut late = Vec::new();
+    let mut seen = Vec::new();
+    for w in &r.survivors {
+        let shm = hosts.get(w).is_some_and(|h| dead_hosts.contains(h.as_str()));
+        match r.errors.iter().find(|e| e.worker == *w) {
+            Some(e) => {
+                seen.push(format!("{w}{} {} ms", if shm { " (shm)" } else { "" }, e.after_ms));
+                if e.after_ms > limit {
+                    late.push(w.clone());
+                }
+            }
+            None => {
+                seen.push(format!("{w}{} none", if shm { " (shm)" } else { "" }));
+                late.push(w.clone());
+            }
+        }
+    }
+    Check {
+        what: format!("fault {} (kill): every survivor's error within {limit} ms", r.index),
+        ok: late.is_empty() && !r.survivors.is_empty(),
+        detail: format!(
+            "{}{}",
+            seen.join(", "),
+            if late.is_empty() { String::new() } else { format!(" -- late or missing: {}", late.join(",")) }
+        ),
+    }
+}
+
+/// Check: a hung rank (stop fault `r`) is detected as a `Timeout` (the first survivor's
+/// error), and no survivor takes it for a death (`PeerFailed`): a stopped process's links
+/// stay open, so only the no-progress deadline can tell.
+fn hang_timeout_check(r: &FaultRecord) -> Check {
+    let first = r.errors.iter().min_by_key(|e| e.after_ms);
+    let dead: Vec<&str> = r.errors.iter().filter(|e| e.kind == "PeerFailed").map(|e| e.worker.as_str()).collect();
+    let kinds: BTreeSet<&str> = r.errors.iter().map(|e| e.kind.as_str()).collect();
+    Check {
+        what: format!("fault {} (stop): detected as a Timeout, by no survivor as a death", r.index),
+        ok: first.is_some_and(|e| e.kind == "Timeout") && dead.is_empty(),
+        detail: format!(
+            "first error {}; kinds seen {:?}{}",
+            first.map_or_else(|| "none".to_string(), |e| format!("{} at {} ms", e.kind, e.after_ms)),
+            kinds,
+            if dead.is_empty() { String::new() } else { format!(" -- PeerFailed at {}", dead.join(",")) }
+        ),
+    }
+}
+
 /// Check: a later generation verified a step after fault `r`.
 fn next_step_check(r: &FaultRecord, kind: &str) -> Check {
     Check {
@@ -1338,6 +1563,50 @@ mod tests {
         assert!(out[0].extra().contains("x0.56"), "{}", out[0].extra());
         assert_eq!(out[1].next_step_ms, Some(100));
         assert_eq!(step_rate(&events, 0, 500), None, "before the first step");
+    }
+
+    #[test]
+    fn the_kill_bound_wants_every_survivor_in_time_and_marks_the_shared_memory_peers() {
+        let hosts: BTreeMap<String, String> = [("w0", "host0"), ("w1", "host0"), ("w2", "host1")]
+            .iter()
+            .map(|(w, h)| (w.to_string(), h.to_string()))
+            .collect();
+        let mut r = record(1, "kill", 1, 1000, &["w0", "w2"]);
+        r.targets = vec!["w1(rank 1)".into()];
+        let seen = |worker: &str, after_ms| ErrorSeen {
+            worker: worker.into(),
+            kind: "PeerFailed".into(),
+            cause: "rank 1 (worker w1 on vm): SIGKILL".into(),
+            after_ms,
+        };
+        r.errors = vec![seen("w0", 3), seen("w2", 40)];
+        let c = kill_errors_check(&r, Duration::from_millis(100), &hosts);
+        assert!(c.ok, "{}", c.detail);
+        assert_eq!(c.detail, "w0 (shm) 3 ms, w2 40 ms");
+        r.errors = vec![seen("w0", 3), seen("w2", 140)];
+        let c = kill_errors_check(&r, Duration::from_millis(100), &hosts);
+        assert!(!c.ok && c.detail.ends_with("late or missing: w2"), "{}", c.detail);
+        r.errors.truncate(1);
+        assert!(!kill_errors_check(&r, Duration::from_millis(100), &hosts).ok, "a survivor without an error");
+    }
+
+    #[test]
+    fn a_hung_rank_must_be_a_timeout_and_never_a_death() {
+        let seen = |worker: &str, kind: &str, after_ms| ErrorSeen {
+            worker: worker.into(),
+            kind: kind.into(),
+            cause: "rank 2 (worker w2 on vm): timed out".into(),
+            after_ms,
+        };
+        let mut r = record(2, "stop", 3, 1000, &["w0", "w1"]);
+        r.errors = vec![seen("w1", "Revoked", 1510), seen("w0", "Timeout", 1501)];
+        let c = hang_timeout_check(&r);
+        assert!(c.ok, "{}", c.detail);
+        assert!(c.detail.starts_with("first error Timeout at 1501 ms"), "{}", c.detail);
+        r.errors = vec![seen("w0", "Timeout", 1501), seen("w1", "PeerFailed", 1502)];
+        assert!(!hang_timeout_check(&r).ok, "a stopped rank is no dead one");
+        r.errors.clear();
+        assert!(!hang_timeout_check(&r).ok, "no error at all");
     }
 
     #[test]

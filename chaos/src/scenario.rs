@@ -341,9 +341,27 @@ pub struct Scenario {
     /// on the loopback).
     #[serde(default)]
     pub proxy: bool,
-    /// Loopback (default) or a network namespace per worker.
+    /// Loopback (default) or network namespaces ("hosts").
     #[serde(default)]
     pub network: NetworkChoice,
+    /// With `network = "netns"`: workers per host (one namespace shared by this many worker
+    /// processes, so that they share a host identity and link over shared memory, and reach
+    /// the other hosts over TCP). Workers are placed by name, not rank: see
+    /// [`crate::placement`]. Host faults (`isolate`) cut every worker of the target's host;
+    /// route faults (`blackhole`, `partition`) cut the routes between the targets' hosts
+    /// and the peers' hosts.
+    #[serde(default = "default_one")]
+    pub ranks_per_host: u32,
+    /// `cohort-worker train --transport` (auto, tcp, shm, rdma); `None`: the worker's default
+    /// (auto), or tcp where the data plane goes through the proxy.
+    #[serde(default)]
+    pub transport: Option<String>,
+    /// `cohort-worker train --algo` (an allreduce algorithm name the worker accepts).
+    #[serde(default)]
+    pub algorithm: Option<String>,
+    /// Kill faults: every survivor's error must come within this bound of the SIGKILL.
+    #[serde(default)]
+    pub kill_errors_within: Option<Dur>,
     /// The workers' command line instead of `cohort-worker train` (placeholders: see
     /// [`crate::cluster::expand_command`]); the program must print train's events.
     #[serde(default)]
@@ -409,6 +427,10 @@ pub struct FaultSpec {
     /// Kill: start as many replacement workers once the job has recovered.
     #[serde(default)]
     pub respawn: bool,
+    /// Route faults on hosts of several ranks (`ranks_per_host`): instead of every host of
+    /// the `peers`, this many of them, drawn at random (0: all).
+    #[serde(default)]
+    pub random_peer_hosts: u32,
     /// Bound on waiting for the job to recover (or to progress) after the fault.
     #[serde(default = "default_settle")]
     pub settle: Dur,
@@ -483,6 +505,30 @@ impl Scenario {
         if self.network == NetworkChoice::Netns && (self.store != StoreChoice::Memory || self.proxy) {
             return bad("network = \"netns\" works with the memory store and without the proxy".into());
         }
+        if self.ranks_per_host == 0 || self.ranks_per_host > 16 {
+            return bad(format!("ranks_per_host {} must be 1..=16", self.ranks_per_host));
+        }
+        if self.ranks_per_host > 1 && self.network != NetworkChoice::Netns {
+            return bad(
+                "ranks_per_host needs network = \"netns\" (on the loopback every worker shares one host)".into()
+            );
+        }
+        if let Some(t) = &self.transport {
+            if !["auto", "tcp", "shm", "rdma"].contains(&t.as_str()) {
+                return bad(format!("transport {t:?} must be auto, tcp, shm or rdma"));
+            }
+            if self.needs_proxy() && t != "tcp" {
+                return bad(format!("transport {t:?}: the proxy carries TCP only (use tcp or leave it out)"));
+            }
+        }
+        if let Some(a) = &self.algorithm {
+            if let Err(e) = a.parse::<cohort::Algorithm>() {
+                return bad(format!("algorithm: {e}"));
+            }
+        }
+        if self.worker_command.is_some() && (self.transport.is_some() || self.algorithm.is_some()) {
+            return bad("transport and algorithm are cohort-worker train flags; put them in worker_command".into());
+        }
         for (i, f) in self.faults.iter().enumerate() {
             let at = format!("fault {} ({})", i + 1, f.kind.name());
             if f.kind.control_plane() && self.store != StoreChoice::Etcd {
@@ -516,6 +562,9 @@ impl Scenario {
             }
             if targets > self.max_workers {
                 return bad(format!("{at}: {targets} targets for at most {} workers", self.max_workers));
+            }
+            if f.random_peer_hosts > 0 && !(f.kind.link() && self.ranks_per_host > 1) {
+                return bad(format!("{at}: random_peer_hosts is for blackhole and partition with ranks_per_host > 1"));
             }
             if let Some(max) = f.after_steps_max {
                 if max < f.after_steps {
@@ -618,6 +667,28 @@ mod tests {
         assert!(etcd.contains("memory store"), "{etcd}");
         let ok = Scenario::parse("x", "network = \"netns\"\n[[fault]]\nkind = \"isolate\"\nranks = [1]\n[[fault]]\nkind = \"partition\"\nranks = [0]\npeers = [1]").unwrap();
         assert!(!ok.needs_proxy(), "route faults need no proxy");
+        let hosts = Scenario::parse("x", "ranks_per_host = 2").unwrap_err().to_string();
+        assert!(hosts.contains("netns"), "{hosts}");
+        let hosts = Scenario::parse("x", "network = \"netns\"\nranks_per_host = 0").unwrap_err().to_string();
+        assert!(hosts.contains("1..=16"), "{hosts}");
+        let shm =
+            Scenario::parse("x", "network = \"netns\"\nranks_per_host = 2\ntransport = \"auto\"\nalgorithm = \"ring\"");
+        assert_eq!(shm.expect("several ranks per host").ranks_per_host, 2);
+        let peer_hosts = Scenario::parse(
+            "x",
+            "network = \"netns\"\n[[fault]]\nkind = \"blackhole\"\nranks = [0]\nrandom_peer_hosts = 1",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(peer_hosts.contains("ranks_per_host > 1"), "{peer_hosts}");
+        let transport = Scenario::parse("x", "transport = \"carrier-pigeon\"").unwrap_err().to_string();
+        assert!(transport.contains("auto, tcp, shm or rdma"), "{transport}");
+        let proxied = Scenario::parse("x", "proxy = true\ntransport = \"shm\"").unwrap_err().to_string();
+        assert!(proxied.contains("proxy carries TCP only"), "{proxied}");
+        let algo = Scenario::parse("x", "algorithm = \"bogo\"").unwrap_err().to_string();
+        assert!(algo.contains("bogo"), "{algo}");
+        let custom = Scenario::parse("x", "worker_command = [\"x\"]\ntransport = \"tcp\"").unwrap_err().to_string();
+        assert!(custom.contains("worker_command"), "{custom}");
         assert!(Scenario::parse("x", "workers = 9").is_err());
         assert!(Scenario::parse("x", "min_workers = 0").is_err());
         assert!(Scenario::parse("x", "size = \"3\"").is_err());

@@ -24,7 +24,13 @@ together and follow the project's rules:
     script's argparse parser accepts (read statically from the source: options, values,
     required options), OMP_NUM_THREADS is the container's CPU limit, and a script with a
     --threads option gets --threads $(OMP_NUM_THREADS);
-  * a memory-backed emptyDir (/dev/shm) has a sizeLimit within the memory limit.
+  * a memory-backed emptyDir (/dev/shm) has a sizeLimit within the memory limit;
+  * several ranks per worker pod (several `cohort-worker train` containers, which link over
+    shared memory): distinct data-plane and metrics ports and worker ids (each unique per
+    pod through $(POD_NAME)), every data port a port of its container and admitted between
+    workers by the workers' NetworkPolicy, no --transport tcp, each memory limit holding
+    its request plus the shared-memory segments (2 MiB per pod-mate), and min_workers
+    low enough that the job survives the loss of a whole pod; the job size is pods x ranks.
 
 Prints one line per problem, naming the resource, and exits 1 if there was any.
 """
@@ -69,6 +75,11 @@ CONFIG_DEFAULT_KEYS = (
 )
 VAR_REF = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
 PYTHON_EXE = re.compile(r"python(3(\.[0-9]+)?)?")
+# One shared-memory segment per pair of ranks in a pod with the transport's defaults
+# (transports/src/shm: 2 rings of 8 slots x 128 KiB, each with a 256-byte header;
+# docs/configuration.md). The memfd's pages are charged to the memory cgroup of the process
+# that touches them first: at worst all to one rank of the pair.
+SHM_SEGMENT_BYTES = 2 * (256 + 8 * 128 * 1024)
 # argparse actions that take no value.
 NO_VALUE_ACTIONS = {"store_true", "store_false", "store_const", "append_const", "count", "help", "version"}
 
@@ -602,8 +613,85 @@ class Checker:
                 self.fail(job, f"{key} {jdata.get(key)!r} is not a positive integer")
         limits = defaults | (cfg.get("jobs") or {}).get(job_id, {})
         replicas = workers["spec"].get("replicas", 1)
-        if not limits["min_workers"] <= replicas <= limits["max_workers"]:
-            self.fail(workers, f"replicas {replicas} outside [min_workers, max_workers] = [{limits['min_workers']}, {limits['max_workers']}] of job {job_id}")
+        per_pod = max(1, len(self.rank_containers(workers["spec"].get("template", {}))))
+        ranks = replicas * per_pod
+        if not limits["min_workers"] <= ranks <= limits["max_workers"]:
+            self.fail(workers, f"{ranks} ranks ({replicas} pods x {per_pod}) outside [min_workers, max_workers] = [{limits['min_workers']}, {limits['max_workers']}] of job {job_id}")
+        if per_pod > 1 and limits["min_workers"] > (replicas - 1) * per_pod:
+            self.fail(workers, f"min_workers {limits['min_workers']} > {(replicas - 1) * per_pod}: losing one pod "
+                               f"({per_pod} ranks at once: a node failure, an eviction) would end job {job_id}")
+        if per_pod > 1:
+            self.check_ranks_per_pod(workers, per_pod)
+
+    @staticmethod
+    def rank_containers(tpl: dict[str, Any]) -> list[dict[str, Any]]:
+        """The containers of a pod template that run `cohort-worker train` (one rank each)."""
+        return [
+            c for c in tpl.get("spec", {}).get("containers", []) or []
+            if (c.get("command") or [""])[0].rsplit("/", 1)[-1] == "cohort-worker" and (c.get("args") or [""])[0] == "train"
+        ]
+
+    def check_ranks_per_pod(self, workers: Resource, per_pod: int) -> None:
+        """Several ranks in one pod: they must not collide and must be able to reach the
+        other pods' ranks; their memory limits must hold the shared-memory segments."""
+        tpl = workers["spec"].get("template", {})
+        seen_listen: dict[int, str] = {}
+        seen_metrics: dict[int, str] = {}
+        seen_ids: dict[str, str] = {}
+        listen_ports = []
+        for c in self.rank_containers(tpl):
+            where = f"rank container {c.get('name')}"
+            flags = dict(flag_values(c.get("args") or []))
+            listen = flags.get("--listen", "0.0.0.0:0").rpartition(":")[2]
+            if not listen.isdigit() or int(listen) == 0:
+                self.fail(workers, f"{where}: --listen needs a fixed port (the NetworkPolicy admits fixed ports)")
+            else:
+                port = int(listen)
+                listen_ports.append(port)
+                if port in seen_listen:
+                    self.fail(workers, f"{where}: data port {port} is also {seen_listen[port]}'s (one network namespace per pod)")
+                seen_listen[port] = c.get("name")
+                if port not in {p.get("containerPort") for p in c.get("ports") or []}:
+                    self.fail(workers, f"{where}: data port {port} is not one of its containerPorts")
+            metrics = flags.get("--metrics", "").rpartition(":")[2]
+            if metrics.isdigit():
+                if int(metrics) in seen_metrics:
+                    self.fail(workers, f"{where}: metrics port {metrics} is also {seen_metrics[int(metrics)]}'s")
+                seen_metrics[int(metrics)] = c.get("name")
+            wid = flags.get("--worker-id", "")
+            if "$(POD_NAME)" not in wid:
+                self.fail(workers, f"{where}: --worker-id {wid!r} must contain $(POD_NAME) (ids unique across pods)")
+            if wid in seen_ids:
+                self.fail(workers, f"{where}: --worker-id {wid!r} is also {seen_ids[wid]}'s")
+            seen_ids[wid] = c.get("name")
+            if flags.get("--transport", "auto") == "tcp":
+                self.fail(workers, f"{where}: --transport tcp keeps the pod's ranks off shared memory")
+            res = c.get("resources") or {}
+            request = quantity((res.get("requests") or {}).get("memory"))
+            limit = quantity((res.get("limits") or {}).get("memory"))
+            need = (per_pod - 1) * SHM_SEGMENT_BYTES
+            if request is not None and limit is not None and limit - request < need:
+                self.fail(workers, f"{where}: memory limit {res['limits']['memory']} leaves less than {need >> 20} MiB "
+                                   f"above the request for the shared-memory segments ({per_pod - 1} pod-mates x 2 MiB)")
+        # Ranks of other pods dial every data port: the workers' policy must admit each one.
+        np = self.get("NetworkPolicy", "cohort-worker")
+        if np is not None:
+            def admitted(rules: list[dict[str, Any]], port: int) -> bool:
+                for rule in rules or []:
+                    peers = rule.get("from", rule.get("to", [])) or []
+                    if not any((p.get("podSelector") or {}).get("matchLabels", {}).get("app.kubernetes.io/name") == "cohort-worker"
+                               for p in peers):
+                        continue
+                    for rp in rule.get("ports") or []:
+                        lo = rp.get("port")
+                        if isinstance(lo, int) and lo <= port <= rp.get("endPort", lo):
+                            return True
+                return False
+
+            for port in listen_ports:
+                for direction in ("ingress", "egress"):
+                    if not admitted(np["spec"].get(direction), port):
+                        self.fail(np, f"{direction} between workers does not admit data port {port}")
 
     def find_configmap(self, base_name: str) -> Resource | None:
         """A generated ConfigMap by its name before kustomize's hash suffix."""
