@@ -18,6 +18,9 @@ OUT=${2:-$(mktemp -d /tmp/cohort-soak-leaks.XXXXXX)}
 SAMPLE=${SAMPLE:-15}
 WARMUP=${WARMUP:-60}
 ENDED_TTL=${ENDED_TTL:-30s}
+# Failure histories live a window past their last failure: a short one shows the plateau
+# within the run (the default of `serve` is 10 min).
+EXCLUSION_WINDOW=${EXCLUSION_WINDOW:-60s}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 BIN=${COHORT_BIN:-$ROOT/target/release}
 mkdir -p "$OUT"
@@ -48,7 +51,7 @@ wait_for_line() {
 
 "$BIN/cohort-coordinator" serve --store "${STORE:-memory}" --listen 127.0.0.1:0 --metrics 127.0.0.1:0 --token-file "$OUT/token" \
   --min-workers 2 --join-window 100ms --heartbeat-interval 200ms --lease-ttl 2s --ended-ttl "$ENDED_TTL" \
-  --exclusion-threshold 1000000 >"$OUT/coordinator.log" 2>&1 &
+  --exclusion-threshold 1000000 --exclusion-window "$EXCLUSION_WINDOW" >"$OUT/coordinator.log" 2>&1 &
 COORD_PID=$!
 PIDS+=("$COORD_PID")
 COORD=$(wait_for_line "$OUT/coordinator.log" "cohort-coordinator listening on" | awk '{print $NF}')
