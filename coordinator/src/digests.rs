@@ -50,11 +50,13 @@ impl Mismatch {
     }
 }
 
-/// Steps kept per job (the newest).
-const STEPS_KEPT: usize = 64;
+/// Steps kept per job (the newest): the commits of one step arrive within about a step of
+/// each other, so a few steps suffice to compare them.
+const STEPS_KEPT: usize = 16;
 /// Mismatches kept per job (the newest).
 const MISMATCHES_KEPT: usize = 16;
-/// Jobs kept before those idle longer than [`IDLE`] are forgotten.
+/// Jobs kept at most (those idle longer than [`IDLE`] go first, then the least recently
+/// committed).
 const JOBS_KEPT: usize = 1024;
 /// How long an idle job's commits are kept once there are many jobs.
 const IDLE: Duration = Duration::from_secs(600);
@@ -85,8 +87,8 @@ impl CommitLedger {
         digest: &str,
         now: Instant,
     ) -> Option<Mismatch> {
-        if self.jobs.len() >= JOBS_KEPT && !self.jobs.contains_key(job) {
-            self.jobs.retain(|_, j| now.duration_since(j.touched) < IDLE);
+        if !self.jobs.contains_key(job) {
+            crate::bounded::make_room(&mut self.jobs, JOBS_KEPT, IDLE, now, |j| j.touched);
         }
         let entry = self.jobs.entry(job.to_string()).or_insert_with(|| JobCommits {
             steps: BTreeMap::new(),
@@ -113,6 +115,11 @@ impl CommitLedger {
             }
         }
         mismatch
+    }
+
+    /// Forgets `job` (it ended).
+    pub fn forget(&mut self, job: &str) {
+        self.jobs.remove(job);
     }
 
     /// The mismatches seen for `job` (the newest [`MISMATCHES_KEPT`]), oldest first.
@@ -197,6 +204,19 @@ mod tests {
         let kept = l.mismatches("j");
         assert_eq!(kept.len(), MISMATCHES_KEPT);
         assert_eq!(kept.last().map(|m| m.step), Some(999));
+    }
+
+    #[test]
+    fn the_ledger_keeps_a_bounded_number_of_jobs_however_fast_they_come() {
+        let mut l = CommitLedger::default();
+        let now = Instant::now();
+        for j in 0..3 * JOBS_KEPT {
+            l.record(&format!("job-{j}"), 1, 1, "w0", "aa", now + Duration::from_millis(j as u64));
+        }
+        assert!(l.jobs.len() <= JOBS_KEPT, "{}", l.jobs.len());
+        assert!(l.jobs.contains_key(&format!("job-{}", 3 * JOBS_KEPT - 1)), "the newest is kept");
+        l.forget(&format!("job-{}", 3 * JOBS_KEPT - 1));
+        assert!(!l.jobs.contains_key(&format!("job-{}", 3 * JOBS_KEPT - 1)));
     }
 
     #[test]

@@ -11,6 +11,7 @@
 //! [`service`] (the RPCs), [`leader`] (election and timers), [`metrics`], [`server`].
 
 pub mod auth;
+mod bounded;
 pub mod config;
 pub mod digests;
 pub mod etcd_process;

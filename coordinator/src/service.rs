@@ -38,6 +38,9 @@ pub const MAX_RENDEZVOUS_WAIT: Duration = Duration::from_secs(30);
 /// Progress is written to the store at most this often per member.
 pub const PROGRESS_PERIOD: Duration = Duration::from_secs(1);
 
+/// Members whose progress a replica caches at most (the least recently heard go first).
+const PROGRESS_CACHE_CAP: usize = 4096;
+
 struct CachedProgress {
     record: ProgressRecord,
     written: Option<Instant>,
@@ -131,8 +134,8 @@ impl CoordinatorService {
         let now = Instant::now();
         let to_write = {
             let mut cache = self.progress.lock().unwrap_or_else(|e| e.into_inner());
-            if cache.len() > 4096 {
-                cache.retain(|_, c| now.duration_since(c.touched) < Duration::from_secs(600));
+            if !cache.contains_key(&(job.to_string(), worker.to_string())) {
+                crate::bounded::make_room(&mut cache, PROGRESS_CACHE_CAP, Duration::from_secs(600), now, |c| c.touched);
             }
             let entry = cache.entry((job.to_string(), worker.to_string())).or_insert_with(|| CachedProgress {
                 record: ProgressRecord { incarnation, ..Default::default() },
@@ -679,9 +682,12 @@ impl CoordinatorService {
                 let everyone_gone = g.members.iter().all(|m| g.departed(&m.worker_id, m.incarnation).is_some());
                 if finished && everyone_gone {
                     let reason = format!("all {} members of generation {} finished", g.members.len(), g.number);
-                    ops::end_job(&self.ctx, job, Outcome::Finished, &reason, Some(result.revision), &[])
+                    let ended = ops::end_job(&self.ctx, job, Outcome::Finished, &reason, Some(result.revision), &[])
                         .await
                         .map_err(store_status)?;
+                    if ended {
+                        self.commits.lock().unwrap_or_else(|e| e.into_inner()).forget(job);
+                    }
                 }
             }
             return Ok(pb::LeaveResponse {});
