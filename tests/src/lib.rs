@@ -35,6 +35,7 @@ pub fn test_worker(steps: u64, size: &str) -> WorkerSpec {
         size: size.into(),
         step_interval: Duration::from_millis(20),
         no_progress: Duration::from_secs(3),
+        fixed_deadlines: false,
         command: None,
     }
 }

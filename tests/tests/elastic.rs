@@ -111,6 +111,88 @@ async fn sigstopped_rank_is_caught_and_the_job_goes_on() {
     .expect("test bound");
 }
 
+/// SIGSTOPs one of three ranks mid-allreduce on a job with fast steps (256 KiB, 5 ms between
+/// steps, over shared memory as `--transport auto` picks on one host) and returns, per
+/// survivor, how long after the signal its error came. Then the stopped rank is killed and
+/// the survivors must finish the job as a generation of two.
+async fn stop_mid_allreduce(job: &str, fixed_deadlines: bool, no_progress: Duration) -> Vec<(String, u64)> {
+    let mut cluster = Cluster::start(test_cluster(job, StoreKind::Memory, 2)).await.expect("cluster");
+    let mut spec = test_worker(200, "256K");
+    spec.step_interval = Duration::from_millis(5);
+    spec.no_progress = no_progress;
+    spec.fixed_deadlines = fixed_deadlines;
+    for i in 0..3 {
+        cluster.spawn_worker(&format!("w{i}"), &spec).expect("spawn");
+    }
+    cluster
+        .wait_for("20 steps", Duration::from_secs(60), |e| e.kind == "step" && e.int("step").unwrap_or(0) >= 20)
+        .await
+        .expect("steps");
+    cluster
+        .wait_for("w1 in an allreduce", Duration::from_secs(30), |e| e.kind == "allreduce" && e.worker == "w1")
+        .await
+        .expect("allreduce");
+    let stopped_at = cluster.signal_worker("w1", libc::SIGSTOP).expect("stop");
+    let mut errors: Vec<(String, u64)> = Vec::new();
+    while errors.len() < 2 {
+        let seen: Vec<String> = errors.iter().map(|(w, _)| w.clone()).collect();
+        let e = cluster
+            .wait_for("the survivors' errors", Duration::from_secs(30), |e| {
+                e.kind == "error" && e.worker != "w1" && !seen.contains(&e.worker) && e.t_ms() >= stopped_at
+            })
+            .await
+            .expect("an error after the SIGSTOP");
+        let cause = e.text("cause").unwrap_or_default().to_string();
+        let w = e.worker.clone();
+        check(cause.contains("w1"), &format!("{w}'s error does not name the stopped w1: {cause:?}"), &cluster.events);
+        errors.push((w, e.t_ms() - stopped_at));
+    }
+    cluster.signal_worker("w1", libc::SIGKILL);
+    let codes = cluster.wait_workers(Duration::from_secs(90)).await;
+    let events = &cluster.events;
+    for w in ["w0", "w2"] {
+        check(codes.get(w) == Some(&Some(0)), &format!("{w} exit code {:?}", codes.get(w)), events);
+        let summary = of(events, w, "summary").last();
+        check(summary.and_then(|s| s.int("final_step")) == Some(200), &format!("{w} did not finish"), events);
+    }
+    check(invariants::no_wrong_results(events).ok, "wrong result", events);
+    // The deadline in force was reported, and learned (or fixed) as asked.
+    let reported = of(events, "w0", "deadlines").next().and_then(|e| e.text("peers")).unwrap_or_default().to_string();
+    let want = if fixed_deadlines { ":fixed" } else { ":floor" };
+    check(reported.contains(want), &format!("w0's deadlines {reported:?} do not say {want}"), events);
+    errors
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigstopped_rank_with_fast_steps_is_reported_within_a_second() {
+    tokio::time::timeout(BOUND, async {
+        let errors = stop_mid_allreduce("stop-learned", false, Duration::from_secs(10)).await;
+        eprintln!("learned deadlines (ceiling 10 s): errors after {errors:?} ms");
+        for (w, ms) in errors {
+            assert!(ms < 1000, "{w}'s error came {ms} ms after the SIGSTOP (learned deadlines: within 1 s)");
+        }
+    })
+    .await
+    .expect("test bound");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigstopped_rank_with_fixed_deadlines_waits_the_deadline() {
+    tokio::time::timeout(BOUND, async {
+        let ceiling = Duration::from_millis(1500);
+        let errors = stop_mid_allreduce("stop-fixed", true, ceiling).await;
+        eprintln!("fixed deadlines of {ceiling:?}: errors after {errors:?} ms");
+        for (w, ms) in errors {
+            assert!(
+                ms >= ceiling.as_millis() as u64 - 100,
+                "{w}'s error came {ms} ms after the SIGSTOP, before the fixed deadline of {ceiling:?}"
+            );
+        }
+    })
+    .await
+    .expect("test bound");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fifth_worker_joins_with_the_committed_state() {
     tokio::time::timeout(BOUND, async {

@@ -368,6 +368,7 @@ async fn rehearsal(kind: Pods) {
             size: "256K".into(),
             step_interval: Duration::from_millis(15),
             no_progress: Duration::from_secs(5),
+            fixed_deadlines: false,
             command: (kind == Pods::Python).then(python_pod_command),
         },
     };

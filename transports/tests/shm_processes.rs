@@ -27,7 +27,7 @@ fn spec(generation: u64, rank: u32, peers: [ShmAddress; 2], no_progress: Duratio
         rank,
         peers: peers.into_iter().map(Some).collect(),
         token: TOKEN.to_vec(),
-        deadlines: Deadlines { no_progress, connect: Duration::from_secs(20) },
+        deadlines: Deadlines { no_progress, connect: Duration::from_secs(20), learning: None },
     }
 }
 
