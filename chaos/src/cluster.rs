@@ -40,6 +40,8 @@ pub struct WorkerSpec {
     /// Workers run with `--fixed-deadlines` (no learned deadlines: every stall waits the
     /// full `no_progress`).
     pub fixed_deadlines: bool,
+    /// More `cohort-worker train` arguments (e.g. `--transport tcp`); not used with `command`.
+    pub extra_args: Vec<String>,
     /// The worker's command line, when it is not `cohort-worker train`: any program that
     /// speaks train's event protocol (`event=...` lines on stdout; docs/chaos.md), such as a
     /// Python training script on the `cohort` package. See [`expand_command`].
@@ -583,6 +585,7 @@ impl Cluster {
                 if spec.fixed_deadlines {
                     cmd.arg("--fixed-deadlines");
                 }
+                cmd.args(&spec.extra_args);
                 if let Some(t) = self.connect_timeout {
                     cmd.args(["--connect-timeout", &ms(t)]);
                 }

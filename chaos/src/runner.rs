@@ -204,6 +204,7 @@ async fn run_inner(sc: &Scenario, seed: u64, log_dir: &std::path::Path, verbose:
         step_interval: sc.step_interval.0,
         no_progress: sc.no_progress.0,
         fixed_deadlines: sc.fixed_deadlines,
+        extra_args: Vec::new(),
         command: sc.worker_command.clone(),
     };
     let mut run = Run {

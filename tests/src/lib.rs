@@ -36,6 +36,7 @@ pub fn test_worker(steps: u64, size: &str) -> WorkerSpec {
         step_interval: Duration::from_millis(20),
         no_progress: Duration::from_secs(3),
         fixed_deadlines: false,
+        extra_args: Vec::new(),
         command: None,
     }
 }
