@@ -92,3 +92,35 @@ pub async fn serve(addr: SocketAddr) -> std::io::Result<SocketAddr> {
     });
     Ok(local)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use cohort_transports::{DeadlineBasis, DeadlineInForce};
+    use std::time::Duration;
+
+    #[test]
+    fn the_deadline_in_force_is_a_gauge_per_peer() {
+        let d = DeadlineInForce {
+            value: Duration::from_millis(250),
+            basis: DeadlineBasis::Floor,
+            smoothed: Duration::ZERO,
+            variation: Duration::ZERO,
+            peak: Duration::ZERO,
+            samples: 9,
+        };
+        set_deadlines(&[
+            (1, d),
+            (3, DeadlineInForce { value: Duration::from_secs(10), basis: DeadlineBasis::Fixed, ..d }),
+        ]);
+        let text = render();
+        assert!(
+            text.contains("cohort_worker_no_progress_deadline_milliseconds{peer=\"1\",basis=\"floor\"} 250\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("cohort_worker_no_progress_deadline_milliseconds{peer=\"3\",basis=\"fixed\"} 10000\n"),
+            "{text}"
+        );
+    }
+}

@@ -440,6 +440,25 @@ mod tests {
     use crate::elastic::ElasticState;
 
     #[test]
+    fn deadlines_are_summed_up_per_link_and_in_brief() {
+        use cohort_transports::{DeadlineBasis, DeadlineInForce};
+        let d = |ms: u64, basis| DeadlineInForce {
+            value: Duration::from_millis(ms),
+            basis,
+            smoothed: Duration::ZERO,
+            variation: Duration::ZERO,
+            peak: Duration::ZERO,
+            samples: 0,
+        };
+        let same = [(1, d(250, DeadlineBasis::Floor)), (2, d(250, DeadlineBasis::Floor))];
+        assert_eq!(deadline_summary(&same), "1:250:floor,2:250:floor");
+        assert_eq!(deadline_brief(&same), "250 ms floor");
+        let mixed = [(0, d(480, DeadlineBasis::Learned)), (2, d(250, DeadlineBasis::Floor))];
+        assert_eq!(deadline_brief(&mixed), "250-480 ms floor/learned");
+        assert_eq!(deadline_brief(&[]), "");
+    }
+
+    #[test]
     fn a_restore_that_loads_the_previous_commit_fails_the_check() {
         let trajectory = Trajectory::new::<f32>(100);
         let mut params = Params(vec![0f32; 100]);
