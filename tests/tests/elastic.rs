@@ -146,8 +146,34 @@ async fn stop_mid_allreduce(run: &StopRun) -> Vec<(String, u64)> {
         .wait_for("20 steps", Duration::from_secs(60), |e| e.kind == "step" && e.int("step").unwrap_or(0) >= 20)
         .await
         .expect("steps");
+    // The coordinator's status shows the deadline in force per member (from heartbeats).
+    let want = if run.fixed_deadlines { "fixed" } else { "floor" };
+    let until = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let status = cluster.status_json(Duration::from_secs(2)).await;
+        let shown: Vec<String> = status
+            .as_ref()
+            .and_then(|s| s["members"].as_array().cloned())
+            .unwrap_or_default()
+            .iter()
+            .map(|m| m["deadlines"].as_str().unwrap_or_default().to_string())
+            .collect();
+        // A ring's link to its successor only sends, so it learns nothing and stays at the
+        // ceiling ("warming-up"); the links it receives on are at the floor.
+        if shown.len() == run.world as usize && shown.iter().all(|d| d.contains(want)) {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < until,
+            "status never showed every member's deadline as {want}: {shown:?} ({status:?})"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let now = process_now_ms();
     cluster
-        .wait_for("w1 in an allreduce", Duration::from_secs(30), |e| e.kind == "allreduce" && e.worker == "w1")
+        .wait_for("w1 in an allreduce", Duration::from_secs(30), |e| {
+            e.kind == "allreduce" && e.worker == "w1" && e.t_ms() >= now
+        })
         .await
         .expect("allreduce");
     let stopped_at = cluster.signal_worker("w1", libc::SIGSTOP).expect("stop");
