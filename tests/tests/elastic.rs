@@ -159,7 +159,7 @@ async fn stop_mid_allreduce(run: &StopRun) -> Vec<(String, u64)> {
             .map(|m| m["deadlines"].as_str().unwrap_or_default().to_string())
             .collect();
         // A ring's link to its successor only sends, so it learns nothing and stays at the
-        // ceiling ("warming-up"); the links it receives on are at the floor.
+        // ceiling ("unlearned"); the links it receives on are at the floor.
         if shown.len() == run.world as usize && shown.iter().all(|d| d.contains(want)) {
             break;
         }

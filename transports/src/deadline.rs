@@ -44,8 +44,9 @@ impl Default for Learning {
 pub enum DeadlineBasis {
     /// Learning is off: the configured deadline.
     Fixed,
-    /// Too few gaps seen yet ([`MIN_SAMPLES`]): the configured ceiling.
-    WarmingUp,
+    /// Too few gaps seen yet ([`MIN_SAMPLES`]; a link that only sends never sees any): the
+    /// configured ceiling.
+    Unlearned,
     /// The learned value was below the floor: the floor.
     Floor,
     /// Learned from the gaps seen (smoothed gap + 4 x variation, or twice the recent peak).
@@ -55,11 +56,11 @@ pub enum DeadlineBasis {
 }
 
 impl DeadlineBasis {
-    /// A short lower-case name (`fixed`, `warming-up`, `floor`, `learned`, `ceiling`).
+    /// A short lower-case name (`fixed`, `unlearned`, `floor`, `learned`, `ceiling`).
     pub fn name(self) -> &'static str {
         match self {
             Self::Fixed => "fixed",
-            Self::WarmingUp => "warming-up",
+            Self::Unlearned => "unlearned",
             Self::Floor => "floor",
             Self::Learned => "learned",
             Self::Ceiling => "ceiling",
@@ -137,7 +138,7 @@ impl ProgressEstimator {
     /// The deadline in force, between `floor` and `ceiling` (the ceiling wins if they cross).
     pub fn deadline(&self, floor: Duration, ceiling: Duration) -> DeadlineInForce {
         let (value, basis) = if self.samples < MIN_SAMPLES {
-            (ceiling, DeadlineBasis::WarmingUp)
+            (ceiling, DeadlineBasis::Unlearned)
         } else {
             let learned = (self.smoothed + self.variation * 4).max(self.peak * 2);
             if learned >= ceiling {
@@ -254,9 +255,9 @@ mod tests {
     #[test]
     fn warm_up_with_no_or_few_samples_is_the_ceiling() {
         let d = ProgressEstimator::new().deadline(FLOOR, CEILING);
-        assert_eq!((d.value, d.basis, d.samples), (CEILING, DeadlineBasis::WarmingUp, 0));
+        assert_eq!((d.value, d.basis, d.samples), (CEILING, DeadlineBasis::Unlearned, 0));
         let d = fed([us(100); MIN_SAMPLES as usize - 1]).deadline(FLOOR, CEILING);
-        assert_eq!((d.value, d.basis), (CEILING, DeadlineBasis::WarmingUp));
+        assert_eq!((d.value, d.basis), (CEILING, DeadlineBasis::Unlearned));
         let d = fed([us(100); MIN_SAMPLES as usize]).deadline(FLOOR, CEILING);
         assert_eq!((d.value, d.basis), (FLOOR, DeadlineBasis::Floor));
     }
@@ -336,7 +337,7 @@ mod tests {
         for _ in 0..20 {
             link.observe(7, ms(5000)); // waiting for a late peer: not learned
         }
-        assert_eq!(link.in_force().basis, DeadlineBasis::WarmingUp);
+        assert_eq!(link.in_force().basis, DeadlineBasis::Unlearned);
         link.saw(7);
         assert!(link.peer_in(7) && link.peer_in(6) && !link.peer_in(8));
         for _ in 0..20 {

@@ -55,7 +55,7 @@ async fn a_late_but_alive_peer_is_waited_for() {
         let (_eps, ts) = mesh(2, learned()).await;
         until_probed(&ts[0]).await;
         let before = ts[0].deadlines_in_force();
-        assert_eq!(before[0].1.basis, DeadlineBasis::WarmingUp, "{}", before[0].1);
+        assert_eq!(before[0].1.basis, DeadlineBasis::Unlearned, "{}", before[0].1);
         warm_up(&ts, 1, 40).await;
         let in_force = ts[0].deadlines_in_force()[0].1;
         assert_eq!((in_force.value, in_force.basis), (FLOOR, DeadlineBasis::Floor), "{in_force}");

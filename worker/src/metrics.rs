@@ -46,7 +46,7 @@ pub fn render() -> String {
     }
     let name = "cohort_worker_no_progress_deadline_milliseconds";
     out.push_str(&format!(
-        "# HELP {name} No-progress deadline in force on the link to each peer, and why (fixed, warming-up, floor, learned, ceiling)\n# TYPE {name} gauge\n"
+        "# HELP {name} No-progress deadline in force on the link to each peer, and why (fixed, unlearned, floor, learned, ceiling)\n# TYPE {name} gauge\n"
     ));
     for (peer, ms, basis) in DEADLINES.lock().unwrap_or_else(std::sync::PoisonError::into_inner).iter() {
         out.push_str(&format!("{name}{{peer=\"{peer}\",basis=\"{basis}\"}} {ms}\n"));
