@@ -36,8 +36,13 @@ pub struct WorkerSpec {
     pub size: String,
     /// Pause between steps.
     pub step_interval: Duration,
-    /// Data-plane no-progress deadline.
+    /// Data-plane no-progress deadline (the ceiling of the learned deadlines).
     pub no_progress: Duration,
+    /// Workers run with `--fixed-deadlines` (no learned deadlines: every stall waits the
+    /// full `no_progress`).
+    pub fixed_deadlines: bool,
+    /// More `cohort-worker train` arguments (e.g. `--transport tcp`); not used with `command`.
+    pub extra_args: Vec<String>,
     /// The worker's command line, when it is not `cohort-worker train`: any program that
     /// speaks train's event protocol (`event=...` lines on stdout; docs/chaos.md), such as a
     /// Python training script on the `cohort` package. See [`expand_command`].
@@ -627,6 +632,10 @@ impl Cluster {
                     .args(["--no-progress-timeout", &ms(spec.no_progress), "--step-interval", &ms(spec.step_interval)])
                     .arg("--token-file")
                     .arg(&self.job_credential_file);
+                if spec.fixed_deadlines {
+                    cmd.arg("--fixed-deadlines");
+                }
+                cmd.args(&spec.extra_args);
                 if let Some(t) = self.connect_timeout {
                     cmd.args(["--connect-timeout", &ms(t)]);
                 }

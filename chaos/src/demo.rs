@@ -83,6 +83,8 @@ pub async fn run(config: DemoConfig) -> Result<Vec<Check>, ClusterError> {
         size: config.size.clone(),
         step_interval: config.step_interval,
         no_progress: Duration::from_secs(5),
+        fixed_deadlines: false,
+        extra_args: Vec::new(),
         command: None,
     };
     for i in 0..config.workers {

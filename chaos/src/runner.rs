@@ -208,6 +208,8 @@ async fn run_inner(sc: &Scenario, seed: u64, log_dir: &std::path::Path, verbose:
         size: sc.size.clone(),
         step_interval: sc.step_interval.0,
         no_progress: sc.no_progress.0,
+        fixed_deadlines: sc.fixed_deadlines,
+        extra_args: Vec::new(),
         command: sc.worker_command.clone(),
     };
     let mut run = Run {
@@ -921,11 +923,18 @@ impl Run<'_> {
 
     /// Takes the coordinator's `status` while a rank is stopped: three heartbeat intervals
     /// after the SIGSTOP (its heartbeat age must stand out by then), and before the
-    /// no-progress deadline (before anybody times out and the rank is evicted). Kept in the
+    /// no-progress deadline (before anybody times out and the rank is evicted); only with
+    /// fixed deadlines (learned ones catch the rank sooner). Kept in the
     /// fault's record; checked in [`Run::checks`].
     async fn status_while_hung(&mut self, struck: Instant) {
         let sc = self.sc;
         let after = sc.heartbeat_interval.0 * 3;
+        if !sc.fixed_deadlines {
+            if let Some(r) = self.records.last_mut() {
+                r.note = "no status taken: learned deadlines catch the hung rank before its heartbeat age stands out (fixed_deadlines = true takes one)".into();
+            }
+            return;
+        }
         if after + Duration::from_millis(300) >= sc.no_progress.0 {
             if let Some(r) = self.records.last_mut() {
                 r.note = format!(

@@ -11,7 +11,8 @@
 //! workers = 4
 //! steps = 200
 //! size = "4M"
-//! no_progress = "2s"
+//! no_progress = "2s"        # ceiling of the learned no-progress deadlines
+//! fixed_deadlines = false    # true: workers run with --fixed-deadlines
 //!
 //! [[fault]]
 //! kind = "kill"          # see FaultKind
@@ -316,9 +317,13 @@ pub struct Scenario {
     /// Pause between steps.
     #[serde(default = "default_step_interval")]
     pub step_interval: Dur,
-    /// Data-plane no-progress deadline of the workers.
+    /// Data-plane no-progress deadline of the workers (the ceiling of the learned ones).
     #[serde(default = "default_no_progress")]
     pub no_progress: Dur,
+    /// Workers run with `--fixed-deadlines`: no learned deadlines, every stall waits the
+    /// full `no_progress` (default false: learned).
+    #[serde(default)]
+    pub fixed_deadlines: bool,
     /// Smallest world.
     #[serde(default = "default_min")]
     pub min_workers: u32,

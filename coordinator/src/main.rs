@@ -380,14 +380,24 @@ fn print_status(s: &pb::StatusResponse) {
     println!("leader: {}", if s.leader.is_empty() { "(none)" } else { &s.leader });
     println!();
     println!(
-        "{:>5}  {:<24} {:<20} {:>10} {:>6} {:>10} {:<16} {:>11} {:>7} {:>7}",
-        "RANK", "WORKER", "HOST", "HEARTBEAT", "GEN", "STEP", "ACTIVITY", "LAST COMMIT", "WAITING", "CONTROL"
+        "{:>5}  {:<24} {:<20} {:>10} {:>6} {:>10} {:<16} {:>11} {:>7} {:>7}  {:<8}",
+        "RANK",
+        "WORKER",
+        "HOST",
+        "HEARTBEAT",
+        "GEN",
+        "STEP",
+        "ACTIVITY",
+        "LAST COMMIT",
+        "WAITING",
+        "CONTROL",
+        "DEADLINE"
     );
     let mut members = s.members.clone();
     members.sort_by_key(|m| (m.rank.unwrap_or(u32::MAX), m.worker_id.clone()));
     for m in &members {
         println!(
-            "{:>5}  {:<24} {:<20} {:>10} {:>6} {:>10} {:<16} {:>11} {:>7} {:>7}",
+            "{:>5}  {:<24} {:<20} {:>10} {:>6} {:>10} {:<16} {:>11} {:>7} {:>7}  {}",
             m.rank.map_or_else(|| "-".to_string(), |r| r.to_string()),
             m.worker_id,
             m.host,
@@ -401,7 +411,8 @@ fn print_status(s: &pb::StatusResponse) {
                 Some(true) => "open",
                 Some(false) => "CLOSED",
                 None => "-",
-            }
+            },
+            if m.deadlines.is_empty() { "-" } else { &m.deadlines }
         );
     }
     for m in &s.digest_mismatches {
@@ -447,6 +458,7 @@ fn status_json(s: &pb::StatusResponse) -> serde_json::Value {
                 "generation": m.generation,
                 "step": m.step,
                 "activity": m.activity,
+                "deadlines": m.deadlines,
                 "last_commit_step": m.last_commit_step,
                 "last_commit_digest": m.last_commit_digest,
                 "waiting": m.waiting,

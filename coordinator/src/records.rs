@@ -94,6 +94,9 @@ pub struct ProgressRecord {
     pub step: u64,
     /// Its activity (e.g. `allreduce`, `rendezvous`).
     pub activity: String,
+    /// The no-progress deadline in force on its links, in brief (empty: not said).
+    #[serde(default)]
+    pub deadlines: String,
     /// Step of its last commit.
     pub last_commit_step: u64,
     /// Generation of its last commit.

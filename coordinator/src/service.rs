@@ -351,6 +351,7 @@ impl CoordinatorService {
         validate::id("worker_id", &r.worker_id)?;
         validate::incarnation(r.incarnation)?;
         validate::text("activity", &r.activity, validate::MAX_ACTIVITY_LEN)?;
+        validate::text("deadlines", &r.deadlines, validate::MAX_ACTIVITY_LEN)?;
         let hub = self.hub(&r.job).await?;
         let current = self.current_number(&hub, &r.job, r.generation).await?;
         validate::generation("generation", r.generation, current)?;
@@ -365,6 +366,7 @@ impl CoordinatorService {
             p.generation = r.generation;
             p.step = r.step;
             p.activity = r.activity.clone();
+            p.deadlines = r.deadlines.clone();
         })
         .await?;
         let state = hub.state();
@@ -790,6 +792,7 @@ impl CoordinatorService {
                     generation: p.map_or(0, |p| p.generation),
                     step: p.map_or(0, |p| p.step),
                     activity: p.map_or_else(String::new, |p| p.activity.clone()),
+                    deadlines: p.map_or_else(String::new, |p| p.deadlines.clone()),
                     last_commit_step: p.map_or(0, |p| p.last_commit_step),
                     last_commit_digest: p.map_or_else(String::new, |p| p.last_commit_digest.clone()),
                     waiting,

@@ -61,6 +61,7 @@ async fn malformed_requests_are_refused_without_state_change() {
                 generation: 1,
                 step: 0,
                 activity: String::new(),
+                deadlines: String::new(),
             };
             f(&mut r);
             let mut c = c.clone();
@@ -152,6 +153,7 @@ async fn malformed_requests_are_refused_without_state_change() {
             ("heartbeat: unknown worker", hb(&|r| r.worker_id = "ghost".into()), Code::NotFound),
             ("heartbeat: wrong incarnation", hb(&|r| r.incarnation = inc + 1000), Code::NotFound),
             ("heartbeat: activity too long", hb(&|r| r.activity = "a".repeat(300)), Code::InvalidArgument),
+            ("heartbeat: deadlines too long", hb(&|r| r.deadlines = "d".repeat(300)), Code::InvalidArgument),
             ("heartbeat: bad job", hb(&|r| r.job = "..".into()), Code::InvalidArgument),
             ("rendezvous: after a future generation", rdv(&|r| r.after_generation = 5), Code::InvalidArgument),
             ("rendezvous: bad worker id", rdv(&|r| r.worker_id = "w/0".into()), Code::InvalidArgument),

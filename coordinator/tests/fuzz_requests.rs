@@ -61,15 +61,10 @@ fn rpc() -> impl Strategy<Value = Rpc> {
             .prop_map(|(job, worker_id, host, addresses, capabilities, protocol_version)| Rpc::Join(
                 pb::JoinRequest { job, worker_id, host, addresses, capabilities, protocol_version }
             )),
-        (id(), id(), num(), num(), num(), any::<String>()).prop_map(
-            |(job, worker_id, incarnation, generation, step, activity)| Rpc::Heartbeat(pb::HeartbeatRequest {
-                job,
-                worker_id,
-                incarnation,
-                generation,
-                step,
-                activity
-            })
+        (id(), id(), num(), num(), num(), any::<String>(), any::<String>()).prop_map(
+            |(job, worker_id, incarnation, generation, step, activity, deadlines)| Rpc::Heartbeat(
+                pb::HeartbeatRequest { job, worker_id, incarnation, generation, step, activity, deadlines }
+            )
         ),
         (id(), id(), num(), num(), 0u64..300).prop_map(|(job, worker_id, incarnation, after_generation, wait_ms)| {
             Rpc::Rendezvous(pb::RendezvousRequest { job, worker_id, incarnation, after_generation, wait_ms })

@@ -137,6 +137,8 @@ class Group:
         handle_sigterm: bool = True,
         transport: str = "auto",  # "auto": shared memory with members on this host, TCP with
                                   # the others; "tcp": TCP only; "shm": shared memory only
+        fixed_deadlines: bool = False,  # True: no learned deadlines (no_progress_timeout as is)
+        no_progress_floor: float = 0.25,  # the learned no-progress deadline's floor (seconds)
     ) -> None:
         """Joins (blocks; an excluded worker waits out its exclusion). SIGTERM while
         joining raises ``cohort.GracefulLeave`` (exit status 0 if uncaught)."""

@@ -118,7 +118,7 @@ impl Group {
         advertise="127.0.0.1", no_progress_timeout=10.0, connect_timeout=30.0, op_timeout=None,
         exclusion_wait=3600.0, rendezvous_poll=10.0, root_cause_wait=0.5, algorithm="auto",
         segment_bytes=1<<20, busy_poll=50e-6, tls_ca=None, request_timeout=5.0, retry_budget=30.0,
-        handle_sigterm=true, transport="auto"
+        handle_sigterm=true, transport="auto", fixed_deadlines=false, no_progress_floor=0.25
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -144,6 +144,8 @@ impl Group {
         retry_budget: f64,
         handle_sigterm: bool,
         transport: &str,
+        fixed_deadlines: bool,
+        no_progress_floor: f64,
     ) -> PyResult<Self> {
         if job.trim().is_empty() {
             return Err(invalid("job must be a non-empty id"));
@@ -166,6 +168,8 @@ impl Group {
         config.advertise = advertise.to_string();
         config.deadlines.no_progress = seconds("no_progress_timeout", no_progress_timeout)?;
         config.deadlines.connect = seconds("connect_timeout", connect_timeout)?;
+        let floor = seconds("no_progress_floor", no_progress_floor)?;
+        config.deadlines.learning = (!fixed_deadlines).then_some(cohort_transports::Learning { floor });
         config.comm.op_timeout = op_timeout.map(|t| seconds("op_timeout", t)).transpose()?;
         config.exclusion_wait = seconds("exclusion_wait", exclusion_wait)?;
         config.rendezvous_poll = seconds("rendezvous_poll", rendezvous_poll)?;

@@ -35,6 +35,8 @@ pub fn test_worker(steps: u64, size: &str) -> WorkerSpec {
         size: size.into(),
         step_interval: Duration::from_millis(20),
         no_progress: Duration::from_secs(3),
+        fixed_deadlines: false,
+        extra_args: Vec::new(),
         command: None,
     }
 }

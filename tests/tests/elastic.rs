@@ -111,6 +111,217 @@ async fn sigstopped_rank_is_caught_and_the_job_goes_on() {
     .expect("test bound");
 }
 
+/// One SIGSTOP run: a job of `world` ranks stepping `size` allreduces `step_interval` apart.
+struct StopRun {
+    job: &'static str,
+    world: u32,
+    size: &'static str,
+    step_interval: Duration,
+    /// `--transport tcp` instead of `auto` (shared memory on one host).
+    tcp: bool,
+    fixed_deadlines: bool,
+    no_progress: Duration,
+    /// Let the survivors finish the job (checked) after the measurement.
+    finish: bool,
+}
+
+const STEPS: u64 = 200;
+
+/// SIGSTOPs rank w1 mid-allreduce and returns, per survivor, how long after the signal its
+/// error came (every error must name w1). With `finish`, w1 is then killed and the
+/// survivors must finish the job in a smaller generation, with no wrong result.
+async fn stop_mid_allreduce(run: &StopRun) -> Vec<(String, u64)> {
+    let mut cluster = Cluster::start(test_cluster(run.job, StoreKind::Memory, 2)).await.expect("cluster");
+    let mut spec = test_worker(STEPS, run.size);
+    spec.step_interval = run.step_interval;
+    spec.no_progress = run.no_progress;
+    spec.fixed_deadlines = run.fixed_deadlines;
+    if run.tcp {
+        spec.extra_args = vec!["--transport".into(), "tcp".into()];
+    }
+    for i in 0..run.world {
+        cluster.spawn_worker(&format!("w{i}"), &spec).expect("spawn");
+    }
+    cluster
+        .wait_for("20 steps", Duration::from_secs(60), |e| e.kind == "step" && e.int("step").unwrap_or(0) >= 20)
+        .await
+        .expect("steps");
+    // The coordinator's status shows the deadline in force per member (from heartbeats).
+    let want = if run.fixed_deadlines { "fixed" } else { "floor" };
+    let until = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let status = cluster.status_json(Duration::from_secs(2)).await;
+        let shown: Vec<String> = status
+            .as_ref()
+            .and_then(|s| s["members"].as_array().cloned())
+            .unwrap_or_default()
+            .iter()
+            .map(|m| m["deadlines"].as_str().unwrap_or_default().to_string())
+            .collect();
+        // A ring's link to its successor only sends, so it learns nothing and stays at the
+        // ceiling ("unlearned"); the links it receives on are at the floor.
+        if shown.len() == run.world as usize && shown.iter().all(|d| d.contains(want)) {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < until,
+            "status never showed every member's deadline as {want}: {shown:?} ({status:?})"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let now = process_now_ms();
+    cluster
+        .wait_for("w1 in an allreduce", Duration::from_secs(30), |e| {
+            e.kind == "allreduce" && e.worker == "w1" && e.t_ms() >= now
+        })
+        .await
+        .expect("allreduce");
+    let stopped_at = cluster.signal_worker("w1", libc::SIGSTOP).expect("stop");
+    let mut errors: Vec<(String, u64)> = Vec::new();
+    while errors.len() + 1 < run.world as usize {
+        let seen: Vec<String> = errors.iter().map(|(w, _)| w.clone()).collect();
+        let e = cluster
+            .wait_for("the survivors' errors", Duration::from_secs(30), |e| {
+                e.kind == "error" && e.worker != "w1" && !seen.contains(&e.worker) && e.t_ms() >= stopped_at
+            })
+            .await
+            .expect("an error after the SIGSTOP");
+        let cause = e.text("cause").unwrap_or_default().to_string();
+        let w = e.worker.clone();
+        check(cause.contains("w1"), &format!("{w}'s error does not name the stopped w1: {cause:?}"), &cluster.events);
+        errors.push((w, e.t_ms() - stopped_at));
+    }
+    let transport = if run.tcp { "tcp" } else { "shm" };
+    check(
+        cluster.events.iter().filter(|e| e.kind == "generation").all(|e| e.text("transport") == Some(transport)),
+        &format!("a generation does not say transport={transport}"),
+        &cluster.events,
+    );
+    // The deadline in force was reported, and learned (or fixed) as asked.
+    let reported =
+        of(&cluster.events, "w0", "deadlines").next().and_then(|e| e.text("peers")).unwrap_or_default().to_string();
+    let want = if run.fixed_deadlines { ":fixed" } else { ":floor" };
+    check(reported.contains(want), &format!("w0's deadlines {reported:?} do not say {want}"), &cluster.events);
+    cluster.signal_worker("w1", libc::SIGKILL);
+    if run.finish {
+        let codes = cluster.wait_workers(Duration::from_secs(90)).await;
+        let events = &cluster.events;
+        for (w, _) in &errors {
+            check(codes.get(w) == Some(&Some(0)), &format!("{w} exit code {:?}", codes.get(w)), events);
+            let summary = of(events, w, "summary").last();
+            check(
+                summary.and_then(|s| s.int("final_step")) == Some(STEPS as i64),
+                &format!("{w} did not finish"),
+                events,
+            );
+        }
+        check(invariants::no_wrong_results(events).ok, "wrong result", events);
+    }
+    errors
+}
+
+fn fast_steps(job: &'static str, tcp: bool, fixed_deadlines: bool, no_progress: Duration) -> StopRun {
+    StopRun {
+        job,
+        world: 3,
+        size: "256K",
+        step_interval: Duration::from_millis(5),
+        tcp,
+        fixed_deadlines,
+        no_progress,
+        finish: true,
+    }
+}
+
+/// The case: fast steps, default flags (learned deadlines under the 10 s ceiling),
+/// over shared memory (what `--transport auto` picks on one host): every survivor's error
+/// within 1 s of the SIGSTOP, naming the stopped rank.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigstopped_rank_with_fast_steps_is_reported_within_a_second() {
+    tokio::time::timeout(BOUND, async {
+        let errors = stop_mid_allreduce(&fast_steps("stop-learned", false, false, Duration::from_secs(10))).await;
+        eprintln!("shm, learned deadlines (ceiling 10 s): errors after {errors:?} ms");
+        for (w, ms) in errors {
+            assert!(ms < 1000, "{w}'s error came {ms} ms after the SIGSTOP (learned deadlines: within 1 s)");
+        }
+    })
+    .await
+    .expect("test bound");
+}
+
+/// The same over TCP (the liveness probe is a UDP datagram to the peer's endpoint).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigstopped_rank_over_tcp_is_reported_within_a_second() {
+    tokio::time::timeout(BOUND, async {
+        let errors = stop_mid_allreduce(&fast_steps("stop-learned-tcp", true, false, Duration::from_secs(10))).await;
+        eprintln!("tcp, learned deadlines (ceiling 10 s): errors after {errors:?} ms");
+        for (w, ms) in errors {
+            assert!(ms < 1000, "{w}'s error came {ms} ms after the SIGSTOP (learned deadlines: within 1 s)");
+        }
+    })
+    .await
+    .expect("test bound");
+}
+
+/// With learning off the stall waits the full fixed deadline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigstopped_rank_with_fixed_deadlines_waits_the_deadline() {
+    tokio::time::timeout(BOUND, async {
+        let ceiling = Duration::from_millis(1500);
+        let errors = stop_mid_allreduce(&fast_steps("stop-fixed", false, true, ceiling)).await;
+        eprintln!("shm, fixed deadlines of {ceiling:?}: errors after {errors:?} ms");
+        for (w, ms) in errors {
+            assert!(
+                ms >= ceiling.as_millis() as u64 - 100,
+                "{w}'s error came {ms} ms after the SIGSTOP, before the fixed deadline of {ceiling:?}"
+            );
+        }
+    })
+    .await
+    .expect("test bound");
+}
+
+/// Not a test: the detection-time table of docs/benchmarks.md (learned against fixed
+/// deadlines at several step times, sizes, worlds and transports). Run with
+/// `cargo test -p cohort-integration-tests --test elastic detection_time_table -- --ignored --nocapture`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a measurement (minutes), not a test"]
+async fn detection_time_table() {
+    let cases: [(&str, u32, Duration, bool); 6] = [
+        ("256K", 3, Duration::from_millis(5), false),
+        ("256K", 3, Duration::from_millis(5), true),
+        ("256K", 3, Duration::from_millis(200), false),
+        ("4M", 4, Duration::from_millis(5), false),
+        ("4M", 4, Duration::from_millis(200), true),
+        ("16M", 3, Duration::from_millis(50), false),
+    ];
+    println!("| size | world | step interval | transport | deadlines | survivors' errors after SIGSTOP (ms) |");
+    println!("| --- | --- | --- | --- | --- | --- |");
+    for (size, world, step_interval, tcp) in cases {
+        for fixed in [false, true] {
+            let run = StopRun {
+                job: "detect",
+                world,
+                size,
+                step_interval,
+                tcp,
+                fixed_deadlines: fixed,
+                no_progress: Duration::from_secs(10),
+                finish: false,
+            };
+            let errors = tokio::time::timeout(BOUND, stop_mid_allreduce(&run)).await.expect("run bound");
+            let ms: Vec<String> = errors.iter().map(|(_, ms)| ms.to_string()).collect();
+            println!(
+                "| {size} | {world} | {} ms | {} | {} | {} |",
+                step_interval.as_millis(),
+                if tcp { "tcp" } else { "shm" },
+                if fixed { "fixed 10 s" } else { "learned (ceiling 10 s)" },
+                ms.join(", ")
+            );
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fifth_worker_joins_with_the_committed_state() {
     tokio::time::timeout(BOUND, async {

@@ -368,6 +368,8 @@ async fn rehearsal(kind: Pods) {
             size: "256K".into(),
             step_interval: Duration::from_millis(15),
             no_progress: Duration::from_secs(5),
+            fixed_deadlines: false,
+            extra_args: Vec::new(),
             command: (kind == Pods::Python).then(python_pod_command),
         },
     };

@@ -21,6 +21,7 @@
 //!   [`TransportError::Aborted`] at once; it never waits on a peer.
 
 mod abort;
+pub mod deadline;
 pub mod error;
 mod link_guards;
 #[cfg(feature = "rdma")]
@@ -29,6 +30,7 @@ pub mod shm;
 pub mod sim;
 pub mod tcp;
 
+pub use deadline::{DeadlineBasis, DeadlineInForce, Learning};
 pub use error::TransportError;
 
 use std::future::Future;
@@ -65,15 +67,33 @@ impl Tag {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Deadlines {
     /// A link that moves no bytes for this long while an operation waits on it fails the
-    /// operation with [`TransportError::Timeout`].
+    /// operation with [`TransportError::Timeout`]. With [`Deadlines::learning`] on, this is
+    /// the ceiling: the deadline in force is learned per link and never exceeds it.
     pub no_progress: Duration,
     /// Bound on connection set-up (connect, accept and handshake of the whole mesh).
     pub connect: Duration,
+    /// Self-tuning no-progress deadlines ([`deadline`]); `None`: `no_progress` as it is.
+    /// Transports that cannot learn (shared memory, RDMA, the simulated network) use the
+    /// ceiling either way.
+    pub learning: Option<Learning>,
+}
+
+impl Deadlines {
+    /// Fixed deadlines: `no_progress` on every link, nothing learned.
+    pub fn fixed(no_progress: Duration, connect: Duration) -> Self {
+        Self { no_progress, connect, learning: None }
+    }
 }
 
 impl Default for Deadlines {
+    /// A 10 s no-progress ceiling with learning on (floor [`deadline::DEFAULT_FLOOR`]), 30 s
+    /// to connect.
     fn default() -> Self {
-        Self { no_progress: Duration::from_secs(10), connect: Duration::from_secs(30) }
+        Self {
+            no_progress: Duration::from_secs(10),
+            connect: Duration::from_secs(30),
+            learning: Some(Learning::default()),
+        }
     }
 }
 
@@ -130,4 +150,10 @@ pub trait Transport: Send + Sync + 'static {
 
     /// Whether [`Transport::abort`] has been called (or a link broke for good).
     fn is_aborted(&self) -> bool;
+
+    /// The no-progress deadline in force on the link to each peer, and why (see
+    /// [`deadline`]); empty for transports that apply [`Deadlines::no_progress`] as it is.
+    fn deadlines_in_force(&self) -> Vec<(Rank, DeadlineInForce)> {
+        Vec::new()
+    }
 }

@@ -433,7 +433,7 @@ mod tests {
     use super::*;
 
     fn dl(ms: u64) -> Deadlines {
-        Deadlines { no_progress: Duration::from_millis(ms), connect: Duration::from_secs(1) }
+        Deadlines { no_progress: Duration::from_millis(ms), connect: Duration::from_secs(1), learning: None }
     }
 
     fn tag(step: u32) -> Tag {

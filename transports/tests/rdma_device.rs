@@ -168,7 +168,8 @@ async fn three_rank_mesh_exchanges_messages_of_several_sizes() {
 async fn receive_times_out_when_peer_sends_nothing() {
     let dev = device_or_skip!();
     tokio::time::timeout(TEST_LIMIT, async {
-        let deadlines = Deadlines { no_progress: Duration::from_millis(300), connect: Duration::from_secs(30) };
+        let deadlines =
+            Deadlines { no_progress: Duration::from_millis(300), connect: Duration::from_secs(30), learning: None };
         let ts = mesh(&dev, 2, deadlines).await;
         let mut buf = [0u8; 16];
         let err = ts[0].recv(1, Tag::new(1, 0, 0), &mut buf).await.expect_err("nothing was sent");
@@ -182,7 +183,8 @@ async fn receive_times_out_when_peer_sends_nothing() {
 async fn abort_wakes_waiters_at_once() {
     let dev = device_or_skip!();
     tokio::time::timeout(TEST_LIMIT, async {
-        let deadlines = Deadlines { no_progress: Duration::from_secs(30), connect: Duration::from_secs(30) };
+        let deadlines =
+            Deadlines { no_progress: Duration::from_secs(30), connect: Duration::from_secs(30), learning: None };
         let ts = mesh(&dev, 2, deadlines).await;
         let t0 = ts[0].clone();
         let waiter = tokio::spawn(async move {

@@ -10,7 +10,7 @@ use tokio::time::{timeout, Instant};
 const LIMIT: Duration = Duration::from_secs(60);
 
 fn deadlines(no_progress: Duration) -> Deadlines {
-    Deadlines { no_progress, connect: Duration::from_secs(10) }
+    Deadlines { no_progress, connect: Duration::from_secs(10), learning: None }
 }
 
 fn pattern(seed: u8, len: usize) -> Vec<u8> {
@@ -172,7 +172,7 @@ async fn abort_is_local_and_immediate_and_the_peer_sees_the_link_close() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn wrong_token_or_generation_fails_the_set_up_with_a_clear_error() {
     timeout(LIMIT, async {
-        let d = Deadlines { no_progress: Duration::from_secs(5), connect: Duration::from_millis(800) };
+        let d = Deadlines { no_progress: Duration::from_secs(5), connect: Duration::from_millis(800), learning: None };
         let eps: Vec<ShmEndpoint> = (0..2).map(|_| ShmEndpoint::new(small()).unwrap()).collect();
         let peers: Vec<ShmAddress> = eps.iter().map(|e| e.address().clone()).collect();
         let (a, b) = tokio::join!(

@@ -1,13 +1,14 @@
 //! The shared-memory transport between real processes: a SIGKILLed peer fails the waiting
-//! rank within milliseconds, a SIGSTOPped one within the no-progress deadline, and nothing is
-//! left behind (no segment mapped, no socket listening). Each test uses its own generation, so
+//! rank within milliseconds, a SIGSTOPped one within the no-progress deadline (with learned
+//! deadlines: soon after the learned one, while a peer that pauses but runs is waited for),
+//! and nothing is left behind (no segment mapped, no socket listening). Each test uses its own generation, so
 //! the mapping checks of tests running in parallel do not see each other's segments.
 //!
 //! The peer is this test binary run again as a child (`child_rank` below, ignored unless run
 //! by the parent with `COHORT_SHM_CHILD` set).
 
 use cohort_transports::shm::{ShmAddress, ShmEndpoint, ShmMeshSpec, ShmOptions, ShmTransport};
-use cohort_transports::{Deadlines, Tag, Transport, TransportError};
+use cohort_transports::{Deadlines, Learning, Tag, Transport, TransportError};
 use std::io::{BufRead, BufReader};
 use std::process::{Child, ChildStdout, Command, Stdio};
 use std::time::Duration;
@@ -20,14 +21,27 @@ fn options() -> ShmOptions {
     ShmOptions { slots: 4, slot_bytes: 64 << 10, ..ShmOptions::default() }
 }
 
+/// The floor of the learned deadlines in the tests that learn.
+const FLOOR: Duration = Duration::from_millis(150);
+
 fn spec(generation: u64, rank: u32, peers: [ShmAddress; 2], no_progress: Duration) -> ShmMeshSpec {
+    learning_spec(generation, rank, peers, no_progress, None)
+}
+
+fn learning_spec(
+    generation: u64,
+    rank: u32,
+    peers: [ShmAddress; 2],
+    no_progress: Duration,
+    learning: Option<Learning>,
+) -> ShmMeshSpec {
     ShmMeshSpec {
         job: "shm-processes".into(),
         generation,
         rank,
         peers: peers.into_iter().map(Some).collect(),
         token: TOKEN.to_vec(),
-        deadlines: Deadlines { no_progress, connect: Duration::from_secs(20) },
+        deadlines: Deadlines { no_progress, connect: Duration::from_secs(20), learning },
     }
 }
 
@@ -198,6 +212,74 @@ async fn a_sigstopped_peer_is_a_timeout_within_the_no_progress_deadline() {
     .expect("test timed out");
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_learned_deadlines_a_sigstopped_peer_fails_soon_after_the_learned_one() {
+    timeout(LIMIT, async {
+        let generation = 104;
+        let ep = ShmEndpoint::new(options()).unwrap();
+        let (child, mut out, child_addr) = spawn_child("stream", generation, ep.address());
+        let ceiling = Duration::from_secs(10);
+        let peers = [ep.address().clone(), child_addr.clone()];
+        let learning = Some(Learning { floor: FLOOR });
+        let t = ep.connect_mesh(learning_spec(generation, 0, peers, ceiling, learning)).await.expect("mesh");
+        expect_line(&mut out, "streaming");
+        let mut buf = vec![0u8; 300_000];
+        let mut seq = 0u32;
+        let mut stopped_at = None;
+        let error = loop {
+            match t.recv(1, Tag::new(seq, 0, 1), &mut buf).await {
+                Ok(()) => {
+                    seq += 1;
+                    if seq == 20 {
+                        let in_force = t.deadlines_in_force()[0].1;
+                        assert_eq!(in_force.value, FLOOR, "{in_force}");
+                        signal(&child.0, libc::SIGSTOP);
+                        stopped_at = Some(Instant::now());
+                    }
+                }
+                Err(e) => break e,
+            }
+        };
+        let took = stopped_at.expect("failed before the stop").elapsed();
+        assert!(matches!(error, TransportError::Timeout { peer: 1, .. }), "{error:?}");
+        assert!(took >= FLOOR && took < Duration::from_secs(2), "timed out after {took:?} (ceiling {ceiling:?})");
+        signal(&child.0, libc::SIGKILL);
+        drop(child);
+        drop(t);
+    })
+    .await
+    .expect("test timed out");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_learned_deadlines_a_peer_that_pauses_but_runs_is_waited_for() {
+    timeout(LIMIT, async {
+        let generation = 105;
+        let ep = ShmEndpoint::new(options()).unwrap();
+        let (child, mut out, child_addr) = spawn_child("pause", generation, ep.address());
+        let peers = [ep.address().clone(), child_addr.clone()];
+        let learning = Some(Learning { floor: FLOOR });
+        let t = ep
+            .connect_mesh(learning_spec(generation, 0, peers, Duration::from_secs(10), learning))
+            .await
+            .expect("mesh");
+        expect_line(&mut out, "streaming");
+        let mut buf = vec![0u8; 300_000];
+        let start = Instant::now();
+        // The child sends 20 messages, runs without sending for 1 s (seven learned deadlines),
+        // then sends 20 more: every one arrives, none fails.
+        for seq in 0..40u32 {
+            t.recv(1, Tag::new(seq, 0, 1), &mut buf).await.unwrap_or_else(|e| panic!("message {seq}: {e}"));
+            assert!(buf.iter().all(|&b| b == seq as u8), "message {seq} corrupted");
+        }
+        assert!(start.elapsed() >= Duration::from_secs(1));
+        drop(child);
+        drop(t);
+    })
+    .await
+    .expect("test timed out");
+}
+
 /// The child side (rank 1). Runs only when started by the tests above.
 #[test]
 #[ignore = "the peer process of the tests in this file; they start it"]
@@ -210,8 +292,25 @@ fn child_rank() {
         let ep = ShmEndpoint::new(options()).unwrap();
         println!("addr={}", ep.address().encode());
         let peers = [parent, ep.address().clone()];
-        let t = ep.connect_mesh(spec(generation, 1, peers, Duration::from_secs(60))).await.expect("child mesh");
+        let learning = (mode == "pause").then_some(Learning { floor: FLOOR });
+        let t = ep
+            .connect_mesh(learning_spec(generation, 1, peers, Duration::from_secs(60), learning))
+            .await
+            .expect("child mesh");
         match mode.as_str() {
+            "pause" => {
+                println!("streaming");
+                for seq in 0u32..40 {
+                    if seq == 20 {
+                        // Running, not sending (a long step, a checkpoint).
+                        std::thread::sleep(Duration::from_secs(1));
+                    }
+                    let msg = vec![seq as u8; 300_000];
+                    t.send(0, Tag::new(seq, 0, 1), &msg).await.expect("child send");
+                }
+                // Park until the parent kills it (a backstop bound, not synchronisation).
+                tokio::time::sleep(Duration::from_secs(600)).await;
+            }
             "stream" => {
                 println!("streaming");
                 for seq in 0u32.. {

@@ -367,7 +367,8 @@ fn bench_token() -> Vec<u8> {
     std::env::var("COHORT_BENCH_TOKEN").unwrap_or_default().into_bytes()
 }
 
-const BENCH_DEADLINES: Deadlines = Deadlines { no_progress: Duration::from_secs(30), connect: Duration::from_secs(30) };
+const BENCH_DEADLINES: Deadlines =
+    Deadlines { no_progress: Duration::from_secs(30), connect: Duration::from_secs(30), learning: None };
 
 async fn rank_typed<E: ExactElement>(rank: u32, config: BenchConfig) -> Result<(), String> {
     OpPattern::new(config.op, 0, config.ranks).check_exact::<E>()?;

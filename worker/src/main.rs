@@ -135,9 +135,17 @@ struct TrainArgs {
     /// PEM of the CA that signed the coordinators' certificates (for https:// endpoints).
     #[arg(long)]
     tls_ca: Option<PathBuf>,
-    /// No-progress deadline per data-plane link (e.g. 5s).
+    /// No-progress deadline per data-plane link (e.g. 5s): the ceiling of the learned
+    /// deadlines, or the deadline itself with --fixed-deadlines.
     #[arg(long, value_parser = duration, default_value = "10s")]
     no_progress_timeout: Duration,
+    /// Turn deadline learning off: every link waits the full --no-progress-timeout before it
+    /// fails, whatever the peer's process does.
+    #[arg(long)]
+    fixed_deadlines: bool,
+    /// Floor of the learned no-progress deadlines (a link is never suspected sooner).
+    #[arg(long, value_parser = duration, default_value = "250ms")]
+    no_progress_floor: Duration,
     /// Bound on connecting one generation's mesh.
     #[arg(long, value_parser = duration, default_value = "30s")]
     connect_timeout: Duration,
@@ -366,6 +374,8 @@ fn train_main(args: TrainArgs) -> Result<TrainSummary, String> {
     config.listen = args.listen;
     config.advertise = args.advertise.clone();
     config.deadlines.no_progress = args.no_progress_timeout;
+    config.deadlines.learning =
+        (!args.fixed_deadlines).then_some(cohort_transports::Learning { floor: args.no_progress_floor });
     config.deadlines.connect = args.connect_timeout;
     config.exclusion_wait = args.exclusion_wait;
     config.comm.algorithm = args.algo;

@@ -17,6 +17,16 @@ pub static REFORMATIONS: AtomicU64 = AtomicU64::new(0);
 /// Time lost to failures, total milliseconds.
 pub static LOST_MS: AtomicU64 = AtomicU64::new(0);
 
+/// The no-progress deadline in force on each data-plane link: (peer rank, milliseconds, why).
+static DEADLINES: std::sync::Mutex<Vec<(u32, u64, &'static str)>> = std::sync::Mutex::new(Vec::new());
+
+/// Records the deadline in force per peer (see `cohort_transports::deadline`); replaces the
+/// previous generation's.
+pub fn set_deadlines(deadlines: &[(u32, cohort_transports::DeadlineInForce)]) {
+    let rows = deadlines.iter().map(|(peer, d)| (*peer, d.value.as_millis() as u64, d.basis.name())).collect();
+    *DEADLINES.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = rows;
+}
+
 /// Renders every metric.
 pub fn render() -> String {
     let rows: [(&str, &str, &str, &AtomicU64); 6] = [
@@ -33,6 +43,13 @@ pub fn render() -> String {
             "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {}\n",
             value.load(Ordering::Relaxed)
         ));
+    }
+    let name = "cohort_worker_no_progress_deadline_milliseconds";
+    out.push_str(&format!(
+        "# HELP {name} No-progress deadline in force on the link to each peer, and why (fixed, unlearned, floor, learned, ceiling)\n# TYPE {name} gauge\n"
+    ));
+    for (peer, ms, basis) in DEADLINES.lock().unwrap_or_else(std::sync::PoisonError::into_inner).iter() {
+        out.push_str(&format!("{name}{{peer=\"{peer}\",basis=\"{basis}\"}} {ms}\n"));
     }
     cohort_proto::process_metrics::render(&mut out);
     out
@@ -75,4 +92,36 @@ pub async fn serve(addr: SocketAddr) -> std::io::Result<SocketAddr> {
         }
     });
     Ok(local)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use cohort_transports::{DeadlineBasis, DeadlineInForce};
+    use std::time::Duration;
+
+    #[test]
+    fn the_deadline_in_force_is_a_gauge_per_peer() {
+        let d = DeadlineInForce {
+            value: Duration::from_millis(250),
+            basis: DeadlineBasis::Floor,
+            smoothed: Duration::ZERO,
+            variation: Duration::ZERO,
+            peak: Duration::ZERO,
+            samples: 9,
+        };
+        set_deadlines(&[
+            (1, d),
+            (3, DeadlineInForce { value: Duration::from_secs(10), basis: DeadlineBasis::Fixed, ..d }),
+        ]);
+        let text = render();
+        assert!(
+            text.contains("cohort_worker_no_progress_deadline_milliseconds{peer=\"1\",basis=\"floor\"} 250\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("cohort_worker_no_progress_deadline_milliseconds{peer=\"3\",basis=\"fixed\"} 10000\n"),
+            "{text}"
+        );
+    }
 }

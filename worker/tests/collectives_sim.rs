@@ -16,7 +16,7 @@ use tokio::time::{timeout, Instant};
 const LIMIT: Duration = Duration::from_secs(120);
 
 fn deadlines(ms: u64) -> Deadlines {
-    Deadlines { no_progress: Duration::from_millis(ms), connect: Duration::from_secs(5) }
+    Deadlines { no_progress: Duration::from_millis(ms), connect: Duration::from_secs(5), learning: None }
 }
 
 fn world(n: u32, config: &CommConfig, no_progress_ms: u64) -> (SimNetwork, Vec<Communicator<SimTransport>>) {

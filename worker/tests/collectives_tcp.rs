@@ -31,7 +31,7 @@ enum Net {
 }
 
 fn deadlines() -> Deadlines {
-    Deadlines { no_progress: Duration::from_secs(20), connect: Duration::from_secs(20) }
+    Deadlines { no_progress: Duration::from_secs(20), connect: Duration::from_secs(20), learning: None }
 }
 
 /// Binds `n` TCP endpoints on loopback and connects them into one generation.

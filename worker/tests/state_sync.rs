@@ -10,7 +10,7 @@ use std::time::Duration;
 const LIMIT: Duration = Duration::from_secs(30);
 
 fn world(n: u32) -> Vec<Communicator<SimTransport>> {
-    let deadlines = Deadlines { no_progress: Duration::from_secs(5), connect: Duration::from_secs(5) };
+    let deadlines = Deadlines { no_progress: Duration::from_secs(5), connect: Duration::from_secs(5), learning: None };
     let (_net, ts) = SimNetwork::new(n, 11, deadlines);
     ts.into_iter().map(|t| Communicator::new(Arc::new(t), CommConfig::default())).collect()
 }

@@ -187,6 +187,7 @@ impl Worker {
             generation: 0,
             step: 0,
             activity: "test".into(),
+            deadlines: String::new(),
         };
         self.heartbeat = Some(tokio::spawn(async move {
             let mut tick = tokio::time::interval(interval);

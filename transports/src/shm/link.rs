@@ -14,16 +14,23 @@
 //! and sleeps on the socket. The other side lowers the flag and writes one doorbell byte after
 //! it publishes. The socket also wakes every sleeper when the peer's process dies (the kernel
 //! closes its end: end-of-stream), so a SIGKILLed peer fails waiting operations at once.
-//! Every wait is bounded by the no-progress deadline.
+//! Every wait is bounded by the no-progress deadline. With learning on
+//! ([`crate::deadline`]), once the learned deadline passes with nothing moving, the link
+//! looks at the peer's process (same host: its pid, from the socket's credentials, in
+//! `/proc`; see [`crate::tcp::liveness`]): stopped (SIGSTOP, a debugger) throughout
+//! [`PROBE_WITHIN`] fails the wait at once with `Timeout`; running (late, or waiting on
+//! somebody else) extends it by another learned deadline, up to the configured ceiling.
 //!
 //! Anything the peer wrote into shared memory is validated before use (see [`super::ring`]);
 //! a violation fails the link with a protocol error.
 
 use super::ring::{Ring, SlotHeader, KIND_CONT, KIND_FIRST};
 use super::segment::Mapping;
+use crate::deadline::{DeadlineInForce, LinkProgress};
 use crate::link_guards::{lock, BreakQuietly, Poison, Waiting};
 use crate::tcp::frame::seq_older;
 use crate::tcp::link::{STASH_BUDGET, STASH_MAX_FRAMES};
+use crate::tcp::liveness::{self, Answer, PROBE_WITHIN};
 use crate::{Rank, Tag, TransportError};
 use std::io;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -50,7 +57,11 @@ pub(crate) struct ShmLink {
     peer: Rank,
     generation: u64,
     max_message: u64,
-    no_progress: Duration,
+    /// The deadline in force and what it learned.
+    progress: LinkProgress,
+    /// The peer's process id (from the socket's credentials), if learning is on and it is
+    /// visible from here.
+    peer_pid: Option<u32>,
     busy_poll: Duration,
     /// Keeps the rings' memory mapped.
     _mapping: Arc<Mapping>,
@@ -76,7 +87,7 @@ pub(crate) struct LinkParams {
     pub(crate) peer: Rank,
     pub(crate) generation: u64,
     pub(crate) max_message: u64,
-    pub(crate) no_progress: Duration,
+    pub(crate) deadlines: crate::Deadlines,
     pub(crate) busy_poll: Duration,
     pub(crate) span: tracing::Span,
 }
@@ -84,11 +95,19 @@ pub(crate) struct LinkParams {
 impl ShmLink {
     /// Wraps an established pair: `tx` and `rx` must lie in `mapping`.
     pub(crate) fn new(p: LinkParams, mapping: Arc<Mapping>, tx: Ring, rx: Ring, sock: UnixStream) -> Self {
+        let peer_pid = match sock.peer_cred() {
+            // 0 or absent: the peer lives in a pid namespace this process cannot see.
+            Ok(c) if p.deadlines.learning.is_some() => {
+                c.pid().and_then(|pid| u32::try_from(pid).ok()).filter(|&p| p > 0)
+            }
+            _ => None,
+        };
         Self {
             peer: p.peer,
             generation: p.generation,
             max_message: p.max_message,
-            no_progress: p.no_progress,
+            progress: LinkProgress::new(p.deadlines),
+            peer_pid,
             busy_poll: p.busy_poll,
             _mapping: mapping,
             tx,
@@ -108,6 +127,11 @@ impl ShmLink {
     #[cfg(test)]
     pub(crate) fn rings(&self) -> (Ring, Ring) {
         (self.tx, self.rx)
+    }
+
+    /// The no-progress deadline in force on this link, and why.
+    pub(crate) fn deadline_in_force(&self) -> DeadlineInForce {
+        self.progress.in_force()
     }
 
     /// The error that broke this link, if it is broken.
@@ -178,17 +202,37 @@ impl ShmLink {
 
     /// Waits until `ready` says so: busy-polls for the window, then sleeps on the socket
     /// with `flag` raised. Fails on the peer's death, a broken link, a protocol violation
-    /// reported by `ready`, or the no-progress deadline.
+    /// reported by `ready`, or the no-progress deadline. `seq` is the operation waited for;
+    /// with `learn`, the wait's length feeds the link's estimator (if the peer has been seen
+    /// in `seq`).
     async fn wait(
         &self,
+        seq: u32,
+        learn: bool,
         flag: &AtomicU32,
         mut ready: impl FnMut() -> Result<bool, String>,
     ) -> Result<(), TransportError> {
+        let started = Instant::now();
+        let learned = |r: Result<(), TransportError>| {
+            if learn && r.is_ok() {
+                self.progress.observe(seq, started.elapsed());
+            }
+            r
+        };
         let mut ready = || ready().map_err(|e| self.protocol(e));
         if ready()? {
-            return Ok(());
+            return learned(Ok(()));
         }
-        let started = Instant::now();
+        learned(self.wait_long(started, flag, &mut ready).await)
+    }
+
+    /// [`ShmLink::wait`] once the first look found nothing.
+    async fn wait_long(
+        &self,
+        started: Instant,
+        flag: &AtomicU32,
+        ready: &mut impl FnMut() -> Result<bool, TransportError>,
+    ) -> Result<(), TransportError> {
         if !self.busy_poll.is_zero() {
             loop {
                 self.check()?;
@@ -204,8 +248,10 @@ impl ShmLink {
                 }
             }
         }
-        let deadline = started + self.no_progress;
+        let ceiling = started + self.progress.ceiling();
+        let mut alive_at: Option<Instant> = None;
         loop {
+            let due = (alive_at.unwrap_or(started) + self.progress.in_force().value).min(ceiling);
             self.check()?;
             let changed = self.changed.notified();
             tokio::pin!(changed);
@@ -233,12 +279,38 @@ impl ShmLink {
                     }
                 }
                 () = changed => {}
-                () = tokio::time::sleep_until(deadline) => {
+                () = tokio::time::sleep_until(due) => {
                     flag.store(0, Ordering::SeqCst);
                     if ready()? {
                         return Ok(());
                     }
-                    return Err(self.fail(TransportError::Timeout { peer: self.peer, after: self.no_progress }));
+                    let now = Instant::now();
+                    if now >= ceiling {
+                        return Err(self.fail(TransportError::Timeout { peer: self.peer, after: self.progress.ceiling() }));
+                    }
+                    let Some(pid) = self.peer_pid else {
+                        alive_at = Some(ceiling);
+                        continue;
+                    };
+                    if liveness::probe_local_process(pid, PROBE_WITHIN).await == Answer::Silent {
+                        flag.store(0, Ordering::SeqCst);
+                        if ready()? {
+                            return Ok(());
+                        }
+                        let in_force = self.progress.in_force();
+                        self.span.in_scope(|| {
+                            tracing::warn!(
+                                peer = self.peer,
+                                pid,
+                                stalled_ms = started.elapsed().as_millis() as u64,
+                                deadline = %in_force,
+                                "no progress past the learned deadline and the peer's process is stopped"
+                            )
+                        });
+                        return Err(self.fail(TransportError::Timeout { peer: self.peer, after: started.elapsed() }));
+                    }
+                    // Running (late, or waiting on somebody else): another window.
+                    alive_at = Some(Instant::now());
                 }
             }
         }
@@ -254,7 +326,7 @@ impl ShmLink {
         let mut offset = 0usize;
         loop {
             let h = *head;
-            self.wait(ring.producer_sleeping(), || {
+            self.wait(tag.seq, false, ring.producer_sleeping(), || {
                 let tail = ring.tail().load(Ordering::Acquire);
                 let used = h.wrapping_sub(tail);
                 if used > slots {
@@ -319,10 +391,11 @@ impl ShmLink {
         self.waiting.oldest()
     }
 
-    /// Waits for slot `t` of the incoming ring and returns its validated header.
-    async fn next_header(&self, t: u64) -> Result<SlotHeader, TransportError> {
+    /// Waits for slot `t` of the incoming ring (for operation `seq`) and returns its
+    /// validated header.
+    async fn next_header(&self, seq: u32, t: u64) -> Result<SlotHeader, TransportError> {
         let (ring, slots) = (self.rx, u64::from(self.rx.slots()));
-        self.wait(ring.consumer_sleeping(), || {
+        self.wait(seq, true, ring.consumer_sleeping(), || {
             let head = ring.head().load(Ordering::Acquire);
             let avail = head.wrapping_sub(t);
             if avail > slots {
@@ -331,8 +404,10 @@ impl ShmLink {
             Ok(avail > 0)
         })
         .await?;
-        SlotHeader::decode(&ring.read_header(t), self.generation, self.max_message, ring.capacity())
-            .map_err(|e| self.protocol(e))
+        let h = SlotHeader::decode(&ring.read_header(t), self.generation, self.max_message, ring.capacity())
+            .map_err(|e| self.protocol(e))?;
+        self.progress.saw(h.tag.seq);
+        Ok(h)
     }
 
     /// Copies the message whose first slot (at `*tail`) is `first` into `dst` (exactly
@@ -351,7 +426,7 @@ impl ShmLink {
             if done >= h.total {
                 return Ok(());
             }
-            let next = self.next_header(*tail).await?;
+            let next = self.next_header(h.tag.seq, *tail).await?;
             if next.kind != KIND_CONT || next.tag != h.tag || next.total != h.total || next.offset != done {
                 return Err(self.protocol(format!(
                     "slot {} does not continue message seq {} step {} at offset {done} (got kind {} seq {} step {} offset {})",
@@ -385,7 +460,7 @@ impl ShmLink {
         }
         let mut poison = Poison::arm(self);
         loop {
-            let h = self.next_header(*tail).await?;
+            let h = self.next_header(tag.seq, *tail).await?;
             if h.kind != KIND_FIRST {
                 return Err(self.protocol(format!("slot {} continues a message where a new one should start", *tail)));
             }

@@ -212,7 +212,7 @@ impl ShmEndpoint {
             world,
             token: spec.token.clone(),
             options: self.options.clone(),
-            no_progress: spec.deadlines.no_progress,
+            deadlines: spec.deadlines,
             deadline,
             span: span.clone(),
         });
@@ -373,6 +373,14 @@ impl Transport for ShmTransport {
     fn is_aborted(&self) -> bool {
         self.abort.reason().is_some() || self.links.iter().flatten().any(|l| l.broken().is_some())
     }
+
+    fn deadlines_in_force(&self) -> Vec<(Rank, crate::DeadlineInForce)> {
+        self.links
+            .iter()
+            .enumerate()
+            .filter_map(|(peer, l)| l.as_ref().map(|l| (peer as Rank, l.deadline_in_force())))
+            .collect()
+    }
 }
 
 #[cfg(test)]
@@ -386,7 +394,7 @@ mod tests {
         let options = ShmOptions { slots: 4, slot_bytes: 4096, ..ShmOptions::default() };
         let (a, b) = (ShmEndpoint::new(options.clone()).unwrap(), ShmEndpoint::new(options).unwrap());
         let peers = vec![Some(a.address().clone()), Some(b.address().clone())];
-        let d = Deadlines { no_progress: Duration::from_secs(5), connect: Duration::from_secs(10) };
+        let d = Deadlines { no_progress: Duration::from_secs(5), connect: Duration::from_secs(10), learning: None };
         let spec = |rank| ShmMeshSpec {
             job: "hostile".into(),
             generation,

@@ -57,7 +57,7 @@ pub(crate) struct PairCtx {
     pub(crate) world: u32,
     pub(crate) token: Vec<u8>,
     pub(crate) options: ShmOptions,
-    pub(crate) no_progress: Duration,
+    pub(crate) deadlines: crate::Deadlines,
     pub(crate) deadline: Instant,
     pub(crate) span: tracing::Span,
 }
@@ -209,7 +209,7 @@ fn make_link(ctx: &PairCtx, peer: Rank, mapping: Mapping, slots: u32, slot_bytes
         peer,
         generation: ctx.generation,
         max_message: ctx.options.max_message,
-        no_progress: ctx.no_progress,
+        deadlines: ctx.deadlines,
         busy_poll: ctx.options.busy_poll,
         span: ctx.span.clone(),
     };

@@ -21,6 +21,11 @@
 //!
 //! Every read and write is bounded by the no-progress deadline: the timer restarts whenever
 //! bytes move, so a large transfer over a slow link is fine as long as it keeps moving.
+//! With learning on ([`crate::deadline`]), the link learns how long its gaps between
+//! progress normally are; when the learned deadline passes with nothing moving, it asks the
+//! peer's process whether it runs ([`super::liveness`]): no answer fails the operation at
+//! once with `Timeout`; an answer (the peer is late, or waits on somebody else) extends the
+//! wait by another learned deadline, asking again each time, up to the configured ceiling.
 //! Any failure marks the link broken (first error wins), shuts the socket down so the peer
 //! notices at once, and makes every later operation on the link fail fast with that error.
 //! The exception is an operation dropped part-way through a frame (a collective abandoning a
@@ -32,13 +37,17 @@
 //! while a peer that reads sees end-of-stream at once.)
 
 use super::frame::{seq_older, FrameHeader, HEADER_LEN};
+use super::liveness::{self, Answer, PROBE_WITHIN};
+use crate::deadline::{DeadlineInForce, LinkProgress};
 use crate::link_guards::{lock, BreakQuietly, Poison, Waiting};
-use crate::{Rank, Tag, TransportError};
+use crate::{Deadlines, Rank, Tag, TransportError};
 use std::future::Future;
 use std::io::{self, IoSlice};
 use std::net::Shutdown;
+use std::net::SocketAddr;
 use std::pin::Pin;
-use std::sync::{Mutex, OnceLock};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
@@ -55,23 +64,84 @@ pub const STASH_MAX_FRAMES: usize = 1024;
 
 /// Why a socket operation stopped.
 enum IoFail {
-    /// No bytes moved for the no-progress deadline.
-    Stalled,
+    /// No bytes moved for this long: the ceiling, or a learned deadline after which the
+    /// peer's process did not answer a liveness probe.
+    Stalled(Duration),
     /// The peer closed the connection (`what` says where in the frame).
     Eof(&'static str),
     /// The socket reported an error.
     Io(io::Error),
 }
 
-/// Restarts its deadline whenever bytes move. The timer is re-armed lazily: progress only
-/// records the time, and when the timer fires early it is pushed to `last + window`.
+/// Where a link asks whether its peer's process runs.
+struct PeerProbe {
+    /// The peer's endpoint address (its liveness responder listens on the same port, UDP).
+    target: SocketAddr,
+    /// Set once the responder answered after the link came up; until then a stall waits
+    /// for the ceiling (a silence proves nothing about a peer never heard).
+    verified: Arc<AtomicBool>,
+}
+
+/// Bounds one operation on a link by the no-progress deadline, restarted whenever bytes
+/// move. The timer is re-armed lazily: progress only records the time, and when the timer
+/// fires early it is pushed to the deadline then in force.
 struct Watchdog<'a> {
-    window: Duration,
+    link: &'a Link,
+    /// The operation waited for (gaps are learned only once the peer has been seen in it).
+    seq: u32,
+    /// Whether gaps of this operation feed the estimator (receives do, sends do not).
+    learn: bool,
     last: Instant,
+    /// When a liveness probe last found the peer alive during the current stall.
+    alive_at: Option<Instant>,
     sleep: Pin<&'a mut Sleep>,
 }
 
-impl Watchdog<'_> {
+/// What a fired timer means.
+enum Wake {
+    /// Not due yet: sleep until then.
+    Until(Instant),
+    /// The learned deadline passed: ask the peer.
+    Probe(SocketAddr),
+    /// Out of time.
+    Stalled(Duration),
+}
+
+impl<'a> Watchdog<'a> {
+    fn new(link: &'a Link, seq: u32, learn: bool, sleep: Pin<&'a mut Sleep>) -> Self {
+        let mut wd = Self { link, seq, learn, last: Instant::now(), alive_at: None, sleep };
+        let first = wd.last + wd.link.progress.in_force().value;
+        wd.sleep.as_mut().reset(first);
+        wd
+    }
+
+    /// Bytes moved just now.
+    fn progressed(&mut self) {
+        let now = Instant::now();
+        if self.learn {
+            self.link.progress.observe(self.seq, now - self.last);
+        }
+        self.last = now;
+        self.alive_at = None;
+    }
+
+    fn wake(&self) -> Wake {
+        let now = Instant::now();
+        let ceiling = self.last + self.link.progress.ceiling();
+        if now >= ceiling {
+            return Wake::Stalled(self.link.progress.ceiling());
+        }
+        let window = self.link.progress.in_force().value;
+        let due = self.alive_at.unwrap_or(self.last) + window;
+        if now < due {
+            return Wake::Until(due.min(ceiling));
+        }
+        match &self.link.probe {
+            Some(p) if self.link.progress.learning() && p.verified.load(Ordering::Relaxed) => Wake::Probe(p.target),
+            _ => Wake::Until(ceiling),
+        }
+    }
+
     /// Awaits one socket call under the no-progress deadline.
     async fn step<T>(&mut self, fut: impl Future<Output = io::Result<T>>) -> Result<T, IoFail> {
         tokio::pin!(fut);
@@ -79,15 +149,44 @@ impl Watchdog<'_> {
             tokio::select! {
                 biased;
                 r = &mut fut => {
-                    self.last = Instant::now();
+                    self.progressed();
                     return r.map_err(IoFail::Io);
                 }
-                () = self.sleep.as_mut() => {
-                    let due = self.last + self.window;
-                    if Instant::now() >= due {
-                        return Err(IoFail::Stalled);
+                () = self.sleep.as_mut() => {}
+            }
+            match self.wake() {
+                Wake::Until(t) => self.sleep.as_mut().reset(t),
+                Wake::Stalled(after) => return Err(IoFail::Stalled(after)),
+                Wake::Probe(target) => {
+                    let answer = tokio::select! {
+                        biased;
+                        r = &mut fut => {
+                            self.progressed();
+                            return r.map_err(IoFail::Io);
+                        }
+                        a = liveness::probe(target, PROBE_WITHIN) => a,
+                    };
+                    let now = Instant::now();
+                    if answer == Answer::Silent {
+                        let in_force = self.link.progress.in_force();
+                        self.link.span.in_scope(|| {
+                            tracing::warn!(
+                                peer = self.link.peer,
+                                stalled_ms = (now - self.last).as_millis() as u64,
+                                deadline = %in_force,
+                                "no progress past the learned deadline and the peer's process does not answer"
+                            )
+                        });
+                        return Err(IoFail::Stalled(now - self.last));
                     }
-                    self.sleep.as_mut().reset(due);
+                    // Alive (late, or waiting on somebody else): another window, then ask again.
+                    self.alive_at = Some(now);
+                    let next = self.wake();
+                    if let Wake::Until(t) = next {
+                        self.sleep.as_mut().reset(t);
+                    } else {
+                        self.sleep.as_mut().reset(now);
+                    }
                 }
             }
         }
@@ -166,7 +265,7 @@ impl ReadState {
             };
             let n = match spin {
                 Some(r) => {
-                    wd.last = Instant::now();
+                    wd.progressed();
                     r.map_err(IoFail::Io)?
                 }
                 None => wd.step(half.read(&mut buf[*end..])).await?,
@@ -215,7 +314,10 @@ pub(crate) struct Link {
     peer: Rank,
     generation: u64,
     max_frame: u64,
-    no_progress: Duration,
+    /// The deadline in force and what it learned.
+    progress: LinkProgress,
+    /// How to ask whether the peer's process runs (learning on, address known).
+    probe: Option<PeerProbe>,
     reader: tokio::sync::Mutex<ReadState>,
     writer: tokio::sync::Mutex<OwnedWriteHalf>,
     stash: Mutex<Stash>,
@@ -231,12 +333,16 @@ pub(crate) struct Link {
 }
 
 impl Link {
-    /// Wraps an authenticated stream (socket options already applied).
+    /// Wraps an authenticated stream (socket options already applied). With learning on,
+    /// `peer_addr` (the peer's endpoint) is where its liveness responder answers; it is asked
+    /// once now, in the background, so that later silences can be trusted.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
         peer: Rank,
         generation: u64,
         max_frame: u64,
-        no_progress: Duration,
+        deadlines: Deadlines,
+        peer_addr: Option<SocketAddr>,
         busy_poll: Duration,
         stream: TcpStream,
         span: tracing::Span,
@@ -249,11 +355,22 @@ impl Link {
         let sock = dup()?;
         let busy_poll = if busy_poll.is_zero() { None } else { Some(BusyPoll { sock: dup()?, window: busy_poll }) };
         let (r, w) = stream.into_split();
+        let probe = peer_addr.filter(|_| deadlines.learning.is_some()).map(|target| {
+            let verified = Arc::new(AtomicBool::new(false));
+            let flag = Arc::clone(&verified);
+            tokio::spawn(async move {
+                if liveness::verify(target).await {
+                    flag.store(true, Ordering::Relaxed);
+                }
+            });
+            PeerProbe { target, verified }
+        });
         Ok(Self {
             peer,
             generation,
             max_frame,
-            no_progress,
+            progress: LinkProgress::new(deadlines),
+            probe,
             reader: tokio::sync::Mutex::new(ReadState {
                 half: r,
                 buf: vec![0u8; READ_AHEAD].into_boxed_slice(),
@@ -269,6 +386,17 @@ impl Link {
             sock,
             span,
         })
+    }
+
+    /// The no-progress deadline in force on this link, and why.
+    pub(crate) fn deadline_in_force(&self) -> DeadlineInForce {
+        self.progress.in_force()
+    }
+
+    /// Whether the peer's liveness responder has answered (stalls past the learned deadline
+    /// are then settled by asking it).
+    pub(crate) fn peer_probed(&self) -> bool {
+        self.probe.as_ref().is_some_and(|p| p.verified.load(Ordering::Relaxed))
     }
 
     /// The error that broke this link, if it is broken.
@@ -303,7 +431,7 @@ impl Link {
 
     fn io_error(&self, e: IoFail) -> TransportError {
         match e {
-            IoFail::Stalled => TransportError::Timeout { peer: self.peer, after: self.no_progress },
+            IoFail::Stalled(after) => TransportError::Timeout { peer: self.peer, after },
             IoFail::Eof(at) => {
                 TransportError::PeerClosed { peer: self.peer, detail: format!("connection closed by peer {at}") }
             }
@@ -322,9 +450,9 @@ impl Link {
         self.check()?;
         let header = FrameHeader { generation: self.generation, tag, len: data.len() as u64 }.encode();
         let mut poison = Poison::arm(self);
-        let sleep = tokio::time::sleep(self.no_progress);
+        let sleep = tokio::time::sleep(Duration::ZERO);
         tokio::pin!(sleep);
-        let mut wd = Watchdog { window: self.no_progress, last: Instant::now(), sleep };
+        let mut wd = Watchdog::new(self, tag.seq, false, sleep);
         let total = HEADER_LEN + data.len();
         let mut done = 0;
         let mut result = Ok(());
@@ -409,9 +537,9 @@ impl Link {
             return self.deliver_stashed(tag, f, buf);
         }
         let mut poison = Poison::arm(self);
-        let sleep = tokio::time::sleep(self.no_progress);
+        let sleep = tokio::time::sleep(Duration::ZERO);
         tokio::pin!(sleep);
-        let mut wd = Watchdog { window: self.no_progress, last: Instant::now(), sleep };
+        let mut wd = Watchdog::new(self, tag.seq, true, sleep);
         let result = self.read_until(&mut reader, &mut wd, tag, buf).await;
         poison.disarm();
         result
@@ -434,6 +562,7 @@ impl Link {
             let raw = r.read_header(wd).await.map_err(|e| self.fail(self.io_error(e)))?;
             let h = FrameHeader::decode(&raw, self.generation, self.max_frame)
                 .map_err(|e| self.fail(self.protocol(e.to_string())))?;
+            self.progress.saw(h.tag.seq);
             if h.tag.seq == tag.seq && h.tag.step == tag.step {
                 self.check_match(tag, buf.len(), h.tag, h.len)?;
                 return r.read_payload(buf, wd).await.map_err(|e| self.fail(self.io_error(e)));

@@ -43,6 +43,7 @@ mod endpoint;
 pub mod frame;
 pub mod handshake;
 pub mod link;
+pub mod liveness;
 mod mesh;
 mod options;
 
@@ -50,7 +51,7 @@ pub use endpoint::{HELLO_TIMEOUT, MAX_HANDSHAKING, MAX_PENDING, PENDING_HOLD};
 pub use options::{TcpOptions, DEFAULT_BUSY_POLL, KEEPALIVE_INTERVAL, KEEPALIVE_RETRIES};
 
 use crate::abort::AbortLatch;
-use crate::{AbortReason, Deadlines, Rank, Tag, Transport, TransportError};
+use crate::{AbortReason, DeadlineInForce, Deadlines, Rank, Tag, Transport, TransportError};
 use endpoint::{Notes, Router};
 use link::Link;
 use mesh::{Done, MeshCtx};
@@ -86,6 +87,8 @@ pub struct TcpEndpoint {
     options: TcpOptions,
     router: Arc<Router>,
     accept_task: tokio::task::JoinHandle<()>,
+    /// Answers peers' liveness probes on UDP `local` ([`liveness`]).
+    _responder: Option<liveness::Responder>,
 }
 
 impl Drop for TcpEndpoint {
@@ -116,7 +119,8 @@ impl TcpEndpoint {
                 .instrument(tracing::debug_span!("tcp_endpoint", %local)),
         );
         tracing::debug!(%local, "tcp endpoint listening");
-        Ok(Self { local, options, router, accept_task })
+        let _responder = liveness::Responder::start(local);
+        Ok(Self { local, options, router, accept_task, _responder })
     }
 
     /// The address the endpoint listens on.
@@ -201,7 +205,8 @@ impl TcpEndpoint {
                     peer as Rank,
                     spec.generation,
                     self.options.max_frame,
-                    spec.deadlines.no_progress,
+                    spec.deadlines,
+                    spec.peers.get(peer).copied(),
                     self.options.busy_poll,
                     s,
                     span.clone(),
@@ -315,5 +320,21 @@ impl Transport for TcpTransport {
 
     fn is_aborted(&self) -> bool {
         self.abort.reason().is_some() || self.links.iter().flatten().any(|l| l.broken().is_some())
+    }
+
+    fn deadlines_in_force(&self) -> Vec<(Rank, DeadlineInForce)> {
+        self.links
+            .iter()
+            .enumerate()
+            .filter_map(|(peer, l)| l.as_ref().map(|l| (peer as Rank, l.deadline_in_force())))
+            .collect()
+    }
+}
+
+impl TcpTransport {
+    /// Whether the liveness responder of `peer`'s endpoint has answered since the link came
+    /// up (stalls past the learned deadline are settled by asking it; see [`liveness`]).
+    pub fn peer_probed(&self, peer: Rank) -> bool {
+        self.link(peer).is_ok_and(Link::peer_probed)
     }
 }

@@ -20,7 +20,7 @@ pub(crate) const TOKEN: &[u8] = b"test-token-0123456789";
 pub(crate) const TEST_LIMIT: Duration = Duration::from_secs(90);
 
 pub(crate) fn deadlines(no_progress: Duration, connect: Duration) -> Deadlines {
-    Deadlines { no_progress, connect }
+    Deadlines { no_progress, connect, learning: None }
 }
 
 pub(crate) fn loopback() -> SocketAddr {

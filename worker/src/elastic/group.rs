@@ -78,6 +78,8 @@ struct Shared {
     evicted: AtomicBool,
     ended: Mutex<Option<(&'static str, String)>>,
     progress: Mutex<(u64, u64, String)>,
+    /// The deadline in force, in brief ([`ElasticGroup::set_deadlines`]).
+    deadlines: Mutex<String>,
 }
 
 impl Shared {
@@ -189,6 +191,7 @@ impl ElasticGroup {
             evicted: AtomicBool::new(false),
             ended: Mutex::new(None),
             progress: Mutex::new((0, 0, "joining".into())),
+            deadlines: Mutex::new(String::new()),
         });
         let mut group = Self {
             config,
@@ -330,6 +333,12 @@ impl ElasticGroup {
     pub fn set_progress(&self, generation: u64, step: u64, activity: &str) {
         let mut progress = self.shared.progress.lock().unwrap_or_else(|e| e.into_inner());
         *progress = (generation, step, activity.to_string());
+    }
+
+    /// Records the no-progress deadline in force on this worker's links, in brief; sent
+    /// with the next heartbeat (for `status`).
+    pub fn set_deadlines(&self, brief: &str) {
+        *self.shared.deadlines.lock().unwrap_or_else(|e| e.into_inner()) = brief.to_string();
     }
 
     /// Waits for the next generation that includes this worker and connects its mesh.
@@ -834,6 +843,7 @@ async fn heartbeat_task(
             return; // a newer incarnation has its own task
         }
         let (generation, step, activity) = shared.progress.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let deadlines = shared.deadlines.lock().unwrap_or_else(|e| e.into_inner()).clone();
         let request = pb::HeartbeatRequest {
             job: job.clone(),
             worker_id: worker_id.clone(),
@@ -841,6 +851,7 @@ async fn heartbeat_task(
             generation,
             step,
             activity,
+            deadlines,
         };
         match client.heartbeat(request).await {
             Ok(response) => {

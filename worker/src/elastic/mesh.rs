@@ -203,4 +203,16 @@ impl Transport for MeshTransport {
             other => dispatch!(other, Rank::MAX, t => t.is_aborted()),
         }
     }
+
+    fn deadlines_in_force(&self) -> Vec<(Rank, cohort_transports::DeadlineInForce)> {
+        match self {
+            MeshTransport::Mixed(m) => {
+                let mut all: Vec<_> = m.shm.deadlines_in_force().into_iter().filter(|(p, _)| m.over_shm(*p)).collect();
+                all.extend(m.tcp.deadlines_in_force().into_iter().filter(|(p, _)| !m.over_shm(*p)));
+                all.sort_by_key(|(p, _)| *p);
+                all
+            }
+            other => dispatch!(other, Rank::MAX, t => t.deadlines_in_force()),
+        }
+    }
 }

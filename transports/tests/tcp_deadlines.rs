@@ -1,0 +1,135 @@
+//! Learned no-progress deadlines over real loopback sockets: a peer that is late but alive
+//! is waited for (its process answers the liveness probe), a peer whose process does not
+//! answer is failed soon after the learned deadline, long before the ceiling.
+
+mod tcp_support;
+
+use cohort_transports::tcp::liveness::PROBE_WITHIN;
+use cohort_transports::tcp::TcpTransport;
+use cohort_transports::{DeadlineBasis, Deadlines, Learning, Tag, Transport, TransportError};
+use std::sync::Arc;
+use std::time::Duration;
+use tcp_support::{mesh, TEST_LIMIT};
+use tokio::time::{timeout, Instant};
+
+const FLOOR: Duration = Duration::from_millis(150);
+const CEILING: Duration = Duration::from_secs(8);
+
+fn learned() -> Deadlines {
+    Deadlines { no_progress: CEILING, connect: Duration::from_secs(10), learning: Some(Learning { floor: FLOOR }) }
+}
+
+/// Waits (bounded) until rank 0's link to rank 1 has heard rank 1's liveness responder.
+async fn until_probed(t: &TcpTransport) {
+    let until = Instant::now() + Duration::from_secs(5);
+    while !t.peer_probed(1) {
+        assert!(Instant::now() < until, "the peer's liveness responder never answered");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// Rank 1 sends two 64 KiB messages per operation, rank 0 receives them: `ops` operations
+/// from `first`, so that rank 0's link learns its (fast) pace.
+async fn warm_up(ts: &[Arc<TcpTransport>], first: u32, ops: u32) {
+    let data = vec![7u8; 64 << 10];
+    let sender = Arc::clone(&ts[1]);
+    let send = tokio::spawn(async move {
+        for seq in first..first + ops {
+            for step in 0..2 {
+                sender.send(0, Tag::new(seq, step, 0), &data).await.unwrap();
+            }
+        }
+    });
+    let mut buf = vec![0u8; 64 << 10];
+    for seq in first..first + ops {
+        for step in 0..2 {
+            ts[0].recv(1, Tag::new(seq, step, 0), &mut buf).await.unwrap();
+        }
+    }
+    send.await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_but_alive_peer_is_waited_for() {
+    timeout(TEST_LIMIT, async {
+        let (_eps, ts) = mesh(2, learned()).await;
+        until_probed(&ts[0]).await;
+        let before = ts[0].deadlines_in_force();
+        assert_eq!(before[0].1.basis, DeadlineBasis::Unlearned, "{}", before[0].1);
+        warm_up(&ts, 1, 40).await;
+        let in_force = ts[0].deadlines_in_force()[0].1;
+        assert_eq!((in_force.value, in_force.basis), (FLOOR, DeadlineBasis::Floor), "{in_force}");
+
+        // Inside an operation: one message, then 1 s of silence (the peer computes), then the next.
+        let late = Duration::from_secs(1);
+        let sender = Arc::clone(&ts[1]);
+        let send = tokio::spawn(async move {
+            sender.send(0, Tag::new(41, 0, 0), b"first").await.unwrap();
+            tokio::time::sleep(late).await;
+            sender.send(0, Tag::new(41, 1, 0), b"second").await.unwrap();
+            // Late to the next operation altogether.
+            tokio::time::sleep(late).await;
+            sender.send(0, Tag::new(42, 0, 0), b"third").await.unwrap();
+        });
+        let mut buf = [0u8; 5];
+        ts[0].recv(1, Tag::new(41, 0, 0), &mut buf).await.unwrap();
+        let start = Instant::now();
+        let mut buf = [0u8; 6];
+        ts[0].recv(1, Tag::new(41, 1, 0), &mut buf).await.expect("a late but live peer is not cut");
+        assert!(start.elapsed() >= late - Duration::from_millis(50));
+        let mut buf = [0u8; 5];
+        ts[0].recv(1, Tag::new(42, 0, 0), &mut buf).await.expect("a peer late to an operation is not cut");
+        assert_eq!(&buf, b"third");
+        send.await.unwrap();
+        assert!(!ts[0].is_aborted());
+    })
+    .await
+    .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_whose_process_does_not_answer_is_failed_after_the_learned_deadline() {
+    timeout(TEST_LIMIT, async {
+        let (mut eps, ts) = mesh(2, learned()).await;
+        until_probed(&ts[0]).await;
+        warm_up(&ts, 1, 40).await;
+        assert_eq!(ts[0].deadlines_in_force()[0].1.value, FLOOR);
+        // Rank 1's process "freezes": its endpoint (and liveness responder) goes, and a socket
+        // that never answers takes the port, as a stopped process's would stay silent.
+        let port = eps[1].local_addr();
+        drop(eps.remove(1));
+        let until = Instant::now() + Duration::from_secs(5);
+        let _mute = loop {
+            match std::net::UdpSocket::bind(port) {
+                Ok(s) => break s,
+                Err(_) if Instant::now() < until => tokio::time::sleep(Duration::from_millis(20)).await,
+                Err(e) => panic!("the responder's port was never released: {e}"),
+            }
+        };
+        let start = Instant::now();
+        let e = ts[0].recv(1, Tag::new(41, 0, 0), &mut [0u8; 16]).await.unwrap_err();
+        let took = start.elapsed();
+        assert!(matches!(e, TransportError::Timeout { peer: 1, .. }), "{e:?}");
+        assert!(took >= FLOOR, "took {took:?}");
+        assert!(took < FLOOR + PROBE_WITHIN + Duration::from_millis(700), "took {took:?}, the ceiling is {CEILING:?}");
+    })
+    .await
+    .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_learning_off_the_fixed_deadline_holds() {
+    timeout(TEST_LIMIT, async {
+        let np = Duration::from_millis(600);
+        let (_eps, ts) = mesh(2, Deadlines::fixed(np, Duration::from_secs(10))).await;
+        warm_up(&ts, 1, 20).await;
+        let in_force = ts[0].deadlines_in_force()[0].1;
+        assert_eq!((in_force.value, in_force.basis), (np, DeadlineBasis::Fixed));
+        let start = Instant::now();
+        let e = ts[0].recv(1, Tag::new(21, 0, 0), &mut [0u8; 16]).await.unwrap_err();
+        assert!(matches!(e, TransportError::Timeout { peer: 1, after } if after == np), "{e:?}");
+        assert!(start.elapsed() >= np);
+    })
+    .await
+    .unwrap();
+}
