@@ -236,8 +236,9 @@ impl ControlClient {
             let client = CoordinatorClient::new(self.inner.channels[index].clone());
             let request = self.request(message.clone(), timeout);
             attempts += 1;
-            // The grpc-timeout header is enforced by the server; a replica that died (or a
-            // network that drops everything) never answers, so the bound is enforced here too.
+            // tonic enforces the request's deadline only once the channel is ready; a
+            // channel reconnecting to a host that died (nothing answers, not even the
+            // connect) never is, so the whole attempt is bounded here.
             let answer = match tokio::time::timeout(timeout, f(client, request)).await {
                 Ok(answer) => answer,
                 Err(_) => Err(Status::deadline_exceeded(format!("{rpc}: no answer within {timeout:?}"))),
@@ -388,6 +389,39 @@ mod tests {
         let mut status = Status::new(code, "worker w1 is excluded");
         status.metadata_mut().insert(cohort_proto::RETRY_AFTER_MS_HEADER, value.parse().expect("ascii"));
         status
+    }
+
+    /// A replica that accepts connections and then never answers must not hold a call past
+    /// its bounds (here tonic's own deadline fires; the client's bound covers a channel that
+    /// never becomes ready, which the control-plane simulation in sim/ exercises: a replica
+    /// host that died and answers nothing, not even the reconnect).
+    #[tokio::test]
+    async fn a_replica_that_never_answers_does_not_hold_a_call_past_its_timeout() {
+        let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let address = silent.local_addr().expect("address");
+        // Accept and keep the connections open without ever answering.
+        let holder = tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((stream, _)) = silent.accept().await {
+                held.push(stream);
+            }
+        });
+        let mut config = ControlConfig::new(vec![format!("http://{address}")]);
+        config.request_timeout = Duration::from_millis(300);
+        config.heartbeat_timeout = Duration::from_millis(200);
+        config.retry_budget = Duration::from_millis(600);
+        let client = ControlClient::new(config).expect("client");
+        let started = tokio::time::Instant::now();
+        let heartbeat = pb_heartbeat();
+        let outcome = tokio::time::timeout(Duration::from_secs(20), client.heartbeat(heartbeat)).await;
+        let error = outcome.expect("the heartbeat returned within its bounds").expect_err("nobody answered");
+        assert!(matches!(error, ControlError::Unreachable { .. }), "{error:?}");
+        assert!(started.elapsed() < Duration::from_secs(5), "took {:?}", started.elapsed());
+        holder.abort();
+    }
+
+    fn pb_heartbeat() -> HeartbeatRequest {
+        HeartbeatRequest { job: "j".into(), worker_id: "w".into(), incarnation: 1, ..Default::default() }
     }
 
     #[test]
