@@ -28,6 +28,9 @@ pub(crate) struct WorkerView {
     pub(crate) ended: Option<(u64, String)>,
     /// It left the job after finishing its work.
     pub(crate) finished: bool,
+    /// The coordinator refused its join until then (the exclusion policy): it was told why
+    /// it is in no generation.
+    pub(crate) excluded_until: u64,
 }
 
 /// A fault as it touched a party, for judging whether what happened to that party was
@@ -59,6 +62,10 @@ pub(crate) struct Ledger {
     pub(crate) silent: BTreeSet<(usize, usize)>,
     /// Data plane: (generation, step) -> ranks that arrived.
     pub(crate) arrivals: BTreeMap<(u64, u64), BTreeSet<u32>>,
+    /// Data plane: (generation, step) pairs that completed (every member arrived with no
+    /// fault on the ring): every member's step then completes, as in a ring whose last
+    /// messages were already on their way.
+    pub(crate) completed: BTreeSet<(u64, u64)>,
     /// Data plane: the newest step each worker index committed (its state survives crashes
     /// as a checkpoint would).
     pub(crate) committed: BTreeMap<usize, u64>,

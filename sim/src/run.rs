@@ -192,14 +192,18 @@ fn apply(sim: &mut turmoil::Sim<'_>, shared: &Shared, scenario: &Scenario, link:
                 Fault::StoreOutage(r) => {
                     link.outages.lock().unwrap_or_else(|e| e.into_inner()).insert(r);
                 }
+                // Partitions hold the messages and deliver them when they end, as TCP's
+                // retransmissions would once the network heals (turmoil's TCP drops what a
+                // partition takes and never retransmits, which would leave every
+                // connection that lost a segment stuck until HTTP/2 keep-alive noticed).
                 Fault::PartitionWorkerReplica(w, r) => {
-                    touch(w);
-                    sim.partition(worker_host(w), replica_host(r));
+                    // Not an excuse for an eviction: the worker still reaches the others.
+                    sim.hold(worker_host(w), replica_host(r));
                 }
                 Fault::IsolateWorker(w) => {
                     touch(w);
                     for r in 0..scenario.replicas {
-                        sim.partition(worker_host(w), replica_host(r));
+                        sim.hold(worker_host(w), replica_host(r));
                     }
                 }
                 Fault::SilentLink(a, b) => {
@@ -228,10 +232,10 @@ fn apply(sim: &mut turmoil::Sim<'_>, shared: &Shared, scenario: &Scenario, link:
                 Fault::StoreOutage(r) => {
                     link.outages.lock().unwrap_or_else(|e| e.into_inner()).remove(&r);
                 }
-                Fault::PartitionWorkerReplica(w, r) => sim.repair(worker_host(w), replica_host(r)),
+                Fault::PartitionWorkerReplica(w, r) => sim.release(worker_host(w), replica_host(r)),
                 Fault::IsolateWorker(w) => {
                     for r in 0..scenario.replicas {
-                        sim.repair(worker_host(w), replica_host(r));
+                        sim.release(worker_host(w), replica_host(r));
                     }
                 }
                 Fault::SilentLink(a, b) => {
@@ -288,7 +292,7 @@ fn convergence(shared: &Shared, now: u64) {
         let ledger = shared.lock();
         let newest = ledger.groups.keys().next_back().copied();
         for (w, view) in &ledger.workers {
-            if !view.up || view.finished || view.ended.is_some() {
+            if !view.up || view.finished || view.ended.is_some() || view.excluded_until > now {
                 continue;
             }
             match view.in_generation {

@@ -185,6 +185,8 @@ impl Worker {
                 Ok(r) => r,
                 Err(ControlError::Excluded { retry_after, .. }) => {
                     self.log(format!("join refused: excluded for {} ms", retry_after.as_millis()));
+                    let until = now_ms() + retry_after.as_millis() as u64;
+                    self.shared().lock().workers.entry(self.setup.index).or_default().excluded_until = until;
                     tokio::time::sleep(retry_after.min(Duration::from_secs(10))).await;
                     continue;
                 }
@@ -514,7 +516,10 @@ impl Worker {
                 return Collective::Interrupted;
             }
             let now = now_ms();
-            let ledger = self.shared().lock();
+            let mut ledger = self.shared().lock();
+            if ledger.completed.contains(&(g, step)) {
+                return Collective::Done;
+            }
             let arrived = ledger.arrivals.get(&(g, step)).map_or(0, |a| a.len());
             let faulty = |r: usize| -> (bool, bool) {
                 let (w, inc) = &members[r];
@@ -529,6 +534,7 @@ impl Worker {
                 dead || silent
             });
             if arrived == n && !ring_fault {
+                ledger.completed.insert((g, step));
                 return Collective::Done;
             }
             let (pred_dead, _) = faulty(pred);
