@@ -13,7 +13,8 @@
 //! the cache hold them (what `status` shows, whichever replica received them).
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use tokio::time::Instant;
 
 /// One member's commit of a step.
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]

@@ -13,8 +13,9 @@ use cohort_proto::v1 as pb;
 use futures::{FutureExt, StreamExt};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use tokio::sync::{broadcast, watch};
+use tokio::time::Instant;
 
 /// What a [`PrefixFollower`] saw next.
 #[derive(Debug)]

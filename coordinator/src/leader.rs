@@ -28,7 +28,8 @@ use futures::StreamExt;
 use std::collections::{BTreeSet, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use tokio::time::Instant;
 use tracing::Instrument;
 
 /// How soon a job is looked at again after a mutation that may not have landed.

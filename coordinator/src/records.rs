@@ -8,8 +8,23 @@ use cohort_proto::v1 as pb;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
-/// Milliseconds since the Unix epoch, now.
+/// The wall clock the coordinator reads, when not the system's: see [`set_wall_clock`].
+static WALL_CLOCK: std::sync::OnceLock<fn() -> u64> = std::sync::OnceLock::new();
+
+/// Replaces, for this whole process, the wall clock behind [`now_ms`] with `clock`
+/// (milliseconds since the Unix epoch). The deterministic simulation (`sim/`) sets it to the
+/// simulated clock; nothing else should. Returns `false` (and changes nothing) when a clock
+/// was already set.
+pub fn set_wall_clock(clock: fn() -> u64) -> bool {
+    WALL_CLOCK.set(clock).is_ok()
+}
+
+/// Milliseconds since the Unix epoch, now (the system clock unless [`set_wall_clock`]
+/// replaced it).
 pub fn now_ms() -> u64 {
+    if let Some(clock) = WALL_CLOCK.get() {
+        return clock();
+    }
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
 }
 

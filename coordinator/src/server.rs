@@ -8,7 +8,7 @@ use crate::exclusion::ExclusionPolicy;
 use crate::hub::Hubs;
 use crate::metrics::{self, Metrics};
 use crate::ops::Context;
-use crate::service::CoordinatorService;
+use crate::service::{CascadeScope, CoordinatorService};
 use crate::store::Store;
 use cohort_proto::v1::coordinator_server::CoordinatorServer;
 use std::net::SocketAddr;
@@ -74,6 +74,9 @@ pub struct ServeConfig {
     pub exclusion: ExclusionPolicy,
     /// How long an ended job's `ended` record is kept for late callers (default 10 min).
     pub ended_ttl: Duration,
+    /// Where timeout cascades are gathered (default [`CascadeScope::Store`]; the other
+    /// value restores a fixed bug, for the simulation's regression test only).
+    pub cascade_scope: CascadeScope,
 }
 
 impl ServeConfig {
@@ -90,6 +93,7 @@ impl ServeConfig {
             leader_ttl: Duration::from_secs(3),
             exclusion: ExclusionPolicy::default(),
             ended_ttl: crate::ops::ENDED_TTL,
+            cascade_scope: CascadeScope::Store,
         }
     }
 }
@@ -184,13 +188,33 @@ fn default_name(addr: SocketAddr) -> String {
 /// Cancel safe: before it returns nothing has been spawned that outlives it except tasks
 /// that stop when their channels close.
 pub async fn start(config: ServeConfig, listener: TcpListener) -> Result<ServerHandle, ServeError> {
+    let local_addr = listener.local_addr()?;
+    let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
+    start_with_incoming(config, incoming, local_addr).await
+}
+
+/// Starts a replica that serves the connections `incoming` yields (any byte stream tonic
+/// can serve, e.g. the simulated network's in `sim/`); `local_addr` is the address it is
+/// known by. Returns once it accepts connections. [`start`] is this over a TCP listener.
+///
+/// # Cancel safety
+/// Cancel safe, as [`start`].
+pub async fn start_with_incoming<I, IO, IE>(
+    config: ServeConfig,
+    incoming: I,
+    local_addr: SocketAddr,
+) -> Result<ServerHandle, ServeError>
+where
+    I: futures::Stream<Item = Result<IO, IE>> + Send + 'static,
+    IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + tonic::transport::server::Connected + Unpin + Send + 'static,
+    IE: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
     if config.leader_ttl < Duration::from_secs(1) || config.leader_ttl > Duration::from_secs(60) {
         return Err(ServeError::Config(format!(
             "leader TTL {:?} is outside 1s..=60s (store leases count whole seconds)",
             config.leader_ttl
         )));
     }
-    let local_addr = listener.local_addr()?;
     let (shutdown_tx, shutdown_rx) = watch::channel(false);
     let metrics = Arc::new(Metrics::default());
     let replica = config.replica_name.clone().unwrap_or_else(|| default_name(local_addr));
@@ -208,7 +232,7 @@ pub async fn start(config: ServeConfig, listener: TcpListener) -> Result<ServerH
     health.set_service_status("", tonic_health::ServingStatus::Serving).await;
     health.set_service_status(SERVICE_NAME, tonic_health::ServingStatus::Serving).await;
     let service = CoordinatorServer::with_interceptor(
-        CoordinatorService::new(ctx.clone()),
+        CoordinatorService::new(ctx.clone()).with_cascade_scope(config.cascade_scope),
         TokenCheck::new(&config.token.iter().chain(&config.previous_tokens).cloned().collect::<Vec<_>>()),
     );
     let mut builder = tonic::transport::Server::builder()
@@ -221,7 +245,6 @@ pub async fn start(config: ServeConfig, listener: TcpListener) -> Result<ServerH
             .map_err(|e| ServeError::Tls(e.to_string()))?;
     }
     let router = builder.add_service(health_service).add_service(service);
-    let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
     let mut stop = shutdown_rx.clone();
     let server = tokio::spawn(async move {
         router

@@ -28,7 +28,8 @@ use cohort_proto::v1 as pb;
 use cohort_proto::v1::job_event::Event;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use tokio::time::Instant;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 use tracing::Instrument;
@@ -47,12 +48,30 @@ struct CachedProgress {
     touched: Instant,
 }
 
+/// Where a replica gathers the timeout reports of one cascade before judging it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum CascadeScope {
+    /// In the store, so that every replica judges the whole cascade, whichever replica each
+    /// report reached (the behaviour since commit d99aa8c).
+    #[default]
+    Store,
+    /// Only the reports this replica received: the behaviour before d99aa8c, which could
+    /// evict a healthy rank when a cascade was split between replicas. Kept only so that
+    /// the deterministic simulation (`sim/`) can show that it catches this bug; never use
+    /// it otherwise.
+    Replica,
+}
+
 /// The coordinator service.
 #[derive(Clone)]
 pub struct CoordinatorService {
     ctx: Arc<Context>,
     progress: Arc<Mutex<HashMap<(String, String), CachedProgress>>>,
     commits: Arc<Mutex<CommitLedger>>,
+    cascade_scope: CascadeScope,
+    /// The timeout reports this replica received, `(job, generation, report)`: used only
+    /// with [`CascadeScope::Replica`].
+    own_timeouts: Arc<Mutex<Vec<(String, u64, revocation::TimeoutReport)>>>,
 }
 
 fn store_status(e: StoreError) -> Status {
@@ -75,7 +94,16 @@ impl CoordinatorService {
             ctx,
             progress: Arc::new(Mutex::new(HashMap::new())),
             commits: Arc::new(Mutex::new(CommitLedger::default())),
+            cascade_scope: CascadeScope::Store,
+            own_timeouts: Arc::new(Mutex::new(Vec::new())),
         }
+    }
+
+    /// The same service, gathering timeout cascades in `scope` (the default,
+    /// [`CascadeScope::Store`], is the only correct one).
+    pub fn with_cascade_scope(mut self, scope: CascadeScope) -> Self {
+        self.cascade_scope = scope;
+        self
     }
 
     async fn hub(&self, job: &str) -> Result<Arc<Hub>, Status> {
@@ -568,6 +596,12 @@ impl CoordinatorService {
         generation: u64,
         report: revocation::TimeoutReport,
     ) {
+        if self.cascade_scope == CascadeScope::Replica {
+            let mut own = self.own_timeouts.lock().unwrap_or_else(|e| e.into_inner());
+            own.retain(|(_, g, _)| *g + 16 > generation);
+            own.push((job.to_string(), generation, report));
+            return;
+        }
         let key = keys::worker_key(job, Kind::Timeout, worker);
         let record = TimeoutRecord {
             incarnation,
@@ -602,6 +636,19 @@ impl CoordinatorService {
         generation: u64,
         own: revocation::TimeoutReport,
     ) -> Vec<revocation::TimeoutReport> {
+        if self.cascade_scope == CascadeScope::Replica {
+            let own_reports = self.own_timeouts.lock().unwrap_or_else(|e| e.into_inner());
+            let mut chain: Vec<revocation::TimeoutReport> = Vec::new();
+            for (_, _, t) in own_reports.iter().filter(|(j, g, _)| j == job && *g == generation) {
+                if !chain.iter().any(|c| c.reporter == t.reporter) {
+                    chain.push(*t);
+                }
+            }
+            if !chain.iter().any(|c| c.reporter == own.reporter) {
+                chain.push(own);
+            }
+            return chain;
+        }
         let prefix = keys::kind_prefix(job, Kind::Timeout);
         let mut records: Vec<(i64, TimeoutRecord)> = match self.ctx.store.get_prefix(&prefix).await {
             Ok((kvs, _)) => kvs

@@ -26,6 +26,18 @@ pub struct ControlConfig {
     pub request_timeout: Duration,
     /// How long to keep retrying unreachable coordinators before giving up.
     pub retry_budget: Duration,
+    /// Bound on one heartbeat request (default 1 s, at most `request_timeout`): a heartbeat
+    /// stuck on a replica that died must fail over before the member's lease (3 s by
+    /// default) lapses; the deterministic simulation found healthy workers evicted when
+    /// heartbeats waited the whole request timeout (5 s) on a crashed replica.
+    pub heartbeat_timeout: Duration,
+    /// Randomisation of the retry backoff, 0.0..=1.0 (default 0.5: each wait is drawn from
+    /// 50% to 150% of the nominal one, so that clients do not retry in step). The
+    /// deterministic simulation sets 0 (the backoff's randomness is not seeded).
+    pub retry_jitter: f64,
+    /// The endpoint requests start at (an index into `endpoints`); `None` (the default)
+    /// draws one at random, so that a job's workers spread over the replicas.
+    pub first_endpoint: Option<usize>,
 }
 
 impl ControlConfig {
@@ -39,6 +51,9 @@ impl ControlConfig {
             connect_timeout: Duration::from_secs(2),
             request_timeout: Duration::from_secs(5),
             retry_budget: Duration::from_secs(30),
+            heartbeat_timeout: Duration::from_secs(1),
+            retry_jitter: 0.5,
+            first_endpoint: None,
         }
     }
 }
@@ -108,6 +123,13 @@ impl ControlClient {
     /// Fails only on a malformed configuration; unreachable coordinators are found out (and
     /// retried) per request.
     pub fn new(config: ControlConfig) -> Result<Self, ControlError> {
+        Self::with_connector(config, Endpoint::connect_lazy)
+    }
+
+    /// As [`Self::new`], with `connect` turning each endpoint (timeouts, keep-alive and TLS
+    /// set from `config`) into a channel: [`Endpoint::connect_lazy`] over TCP, or
+    /// [`Endpoint::connect_with_connector_lazy`] over another network (the simulation's).
+    pub fn with_connector(config: ControlConfig, connect: impl Fn(&Endpoint) -> Channel) -> Result<Self, ControlError> {
         if config.endpoints.is_empty() {
             return Err(ControlError::Config("no coordinator endpoint given".into()));
         }
@@ -142,7 +164,7 @@ impl ControlClient {
                 endpoint =
                     endpoint.tls_config(tls).map_err(|e| ControlError::Config(format!("TLS for {raw:?}: {e}")))?;
             }
-            channels.push(endpoint.connect_lazy());
+            channels.push(connect(&endpoint));
         }
         let auth = match &config.token {
             Some(token) => Some(
@@ -151,7 +173,8 @@ impl ControlClient {
             ),
             None => None,
         };
-        let preferred = AtomicUsize::new(rand::random::<u32>() as usize % channels.len());
+        let first = config.first_endpoint.unwrap_or_else(|| rand::random::<u32>() as usize);
+        let preferred = AtomicUsize::new(first % channels.len());
         Ok(Self { inner: Arc::new(Inner { config, channels, auth, preferred }) })
     }
 
@@ -183,21 +206,44 @@ impl ControlClient {
         F: Fn(CoordinatorClient<Channel>, Request<Req>) -> Fut,
         Fut: std::future::Future<Output = Result<tonic::Response<Resp>, Status>>,
     {
+        self.call_within(rpc, message, self.inner.config.request_timeout + extra, f).await
+    }
+
+    /// As [`Self::call`], each attempt bounded by `timeout`.
+    async fn call_within<Req, Resp, F, Fut>(
+        &self,
+        rpc: &'static str,
+        message: Req,
+        timeout: Duration,
+        f: F,
+    ) -> Result<Resp, ControlError>
+    where
+        Req: Clone,
+        F: Fn(CoordinatorClient<Channel>, Request<Req>) -> Fut,
+        Fut: std::future::Future<Output = Result<tonic::Response<Resp>, Status>>,
+    {
         let n = self.inner.channels.len();
         let mut backoff = backoff::ExponentialBackoffBuilder::new()
             .with_initial_interval(Duration::from_millis(50))
             .with_max_interval(Duration::from_secs(1))
             .with_multiplier(2.0)
-            .with_randomization_factor(0.5)
+            .with_randomization_factor(self.inner.config.retry_jitter.clamp(0.0, 1.0))
             .with_max_elapsed_time(Some(self.inner.config.retry_budget))
             .build();
         let mut attempts = 0u32;
         loop {
             let index = self.inner.preferred.load(Ordering::Relaxed) % n;
             let client = CoordinatorClient::new(self.inner.channels[index].clone());
-            let request = self.request(message.clone(), self.inner.config.request_timeout + extra);
+            let request = self.request(message.clone(), timeout);
             attempts += 1;
-            match f(client, request).await {
+            // tonic enforces the request's deadline only once the channel is ready; a
+            // channel reconnecting to a host that died (nothing answers, not even the
+            // connect) never is, so the whole attempt is bounded here.
+            let answer = match tokio::time::timeout(timeout, f(client, request)).await {
+                Ok(answer) => answer,
+                Err(_) => Err(Status::deadline_exceeded(format!("{rpc}: no answer within {timeout:?}"))),
+            };
+            match answer {
                 Ok(response) => return Ok(response.into_inner()),
                 Err(status) if is_transient(&status) => {
                     tracing::debug!(rpc, endpoint = %self.inner.config.endpoints[index], %status, "coordinator unreachable, failing over");
@@ -238,7 +284,8 @@ impl ControlClient {
     /// # Cancel safety
     /// Cancel safe (a heartbeat is idempotent).
     pub async fn heartbeat(&self, request: HeartbeatRequest) -> Result<HeartbeatResponse, ControlError> {
-        self.call("Heartbeat", request, Duration::ZERO, |mut c, r| async move { c.heartbeat(r).await }).await
+        let timeout = self.inner.config.heartbeat_timeout.min(self.inner.config.request_timeout);
+        self.call_within("Heartbeat", request, timeout, |mut c, r| async move { c.heartbeat(r).await }).await
     }
 
     /// Waits (long poll of `request.wait_ms`) for the next generation.
@@ -342,6 +389,39 @@ mod tests {
         let mut status = Status::new(code, "worker w1 is excluded");
         status.metadata_mut().insert(cohort_proto::RETRY_AFTER_MS_HEADER, value.parse().expect("ascii"));
         status
+    }
+
+    /// A replica that accepts connections and then never answers must not hold a call past
+    /// its bounds (here tonic's own deadline fires; the client's bound covers a channel that
+    /// never becomes ready, which the control-plane simulation in sim/ exercises: a replica
+    /// host that died and answers nothing, not even the reconnect).
+    #[tokio::test]
+    async fn a_replica_that_never_answers_does_not_hold_a_call_past_its_timeout() {
+        let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let address = silent.local_addr().expect("address");
+        // Accept and keep the connections open without ever answering.
+        let holder = tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((stream, _)) = silent.accept().await {
+                held.push(stream);
+            }
+        });
+        let mut config = ControlConfig::new(vec![format!("http://{address}")]);
+        config.request_timeout = Duration::from_millis(300);
+        config.heartbeat_timeout = Duration::from_millis(200);
+        config.retry_budget = Duration::from_millis(600);
+        let client = ControlClient::new(config).expect("client");
+        let started = tokio::time::Instant::now();
+        let heartbeat = pb_heartbeat();
+        let outcome = tokio::time::timeout(Duration::from_secs(20), client.heartbeat(heartbeat)).await;
+        let error = outcome.expect("the heartbeat returned within its bounds").expect_err("nobody answered");
+        assert!(matches!(error, ControlError::Unreachable { .. }), "{error:?}");
+        assert!(started.elapsed() < Duration::from_secs(5), "took {:?}", started.elapsed());
+        holder.abort();
+    }
+
+    fn pb_heartbeat() -> HeartbeatRequest {
+        HeartbeatRequest { job: "j".into(), worker_id: "w".into(), incarnation: 1, ..Default::default() }
     }
 
     #[test]

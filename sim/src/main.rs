@@ -1,0 +1,99 @@
+//! `cohort-sim`: replay one seed of the control-plane simulation, or explore many.
+
+use clap::{Parser, Subcommand};
+use cohort_sim::{run_seed, CascadeScope, FaultMix, Options};
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+#[derive(Parser)]
+#[command(about = "Deterministic simulation of cohort's control plane (see docs/testing.md)")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Runs one seed; prints its trace, its hash and the invariants it broke.
+    Replay {
+        /// The seed.
+        #[arg(long)]
+        seed: u64,
+        /// Judge timeout cascades per replica (the bug fixed in d99aa8c), to see it caught.
+        #[arg(long)]
+        per_replica_cascades: bool,
+        /// Draw only silent data links (timeout cascades).
+        #[arg(long)]
+        silent_links_only: bool,
+    },
+    /// Runs seeds from --first on until the duration is spent; reports the failing seeds.
+    Explore {
+        /// How long to run, e.g. 90s, 10m, 1h.
+        #[arg(long, value_parser = parse_duration)]
+        duration: Duration,
+        /// The first seed.
+        #[arg(long, default_value_t = 0)]
+        first: u64,
+    },
+}
+
+fn parse_duration(s: &str) -> Result<Duration, String> {
+    let (number, unit) = s.split_at(s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len()));
+    let n: u64 = number.parse().map_err(|_| format!("{s:?} is not a duration like 90s, 10m, 1h"))?;
+    match unit {
+        "" | "s" => Ok(Duration::from_secs(n)),
+        "m" => Ok(Duration::from_secs(n * 60)),
+        "h" => Ok(Duration::from_secs(n * 3600)),
+        _ => Err(format!("{s:?}: the unit is s, m or h")),
+    }
+}
+
+fn main() -> ExitCode {
+    match Cli::parse().command {
+        Command::Replay { seed, per_replica_cascades, silent_links_only } => {
+            let options = Options {
+                cascade_scope: if per_replica_cascades { CascadeScope::Replica } else { CascadeScope::Store },
+                mix: if silent_links_only { FaultMix::SilentLinks } else { FaultMix::All },
+            };
+            let report = run_seed(seed, &options);
+            for line in &report.lines {
+                println!("{line}");
+            }
+            println!("seed {seed}: {} faults, trace hash {:016x}", report.faults, report.hash);
+            if report.violations.is_empty() {
+                println!("every invariant held");
+                ExitCode::SUCCESS
+            } else {
+                for v in &report.violations {
+                    println!("VIOLATION {v}");
+                }
+                ExitCode::FAILURE
+            }
+        }
+        Command::Explore { duration, first } => {
+            let started = Instant::now();
+            let (mut seeds, mut faults, mut failing) = (0u64, 0usize, Vec::new());
+            let mut seed = first;
+            while started.elapsed() < duration {
+                let report = run_seed(seed, &Options::default());
+                seeds += 1;
+                faults += report.faults;
+                if !report.violations.is_empty() {
+                    println!("seed {seed} FAILED ({} violations): {}", report.violations.len(), report.violations[0]);
+                    failing.push(seed);
+                }
+                seed += 1;
+            }
+            println!(
+                "explored seeds {first}..{seed} ({seeds} seeds) in {:.0?}: {faults} faults injected, {} failing seeds {failing:?}",
+                started.elapsed(),
+                failing.len()
+            );
+            if failing.is_empty() {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::FAILURE
+            }
+        }
+    }
+}

@@ -1,0 +1,354 @@
+//! One seed, start to end: builds the simulated cluster, drives the fault schedule, and
+//! checks the invariants at the end.
+
+use crate::clock;
+use crate::ledger::{hash, Shared, Touch};
+use crate::net::{self, GRPC_PORT};
+use crate::scenario::{Fault, FaultMix, Scenario, Scheduled};
+use crate::store::{self, RemoteStore, StoreLink};
+use crate::worker::{self, WorkerSetup};
+use cohort_coordinator::config::{JobSettings, Settings};
+use cohort_coordinator::service::CascadeScope;
+use cohort_coordinator::ServeConfig;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, UNIX_EPOCH};
+
+/// How a run is set up beyond its seed.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Options {
+    /// Where the replicas gather timeout cascades ([`CascadeScope::Replica`] re-introduces
+    /// a fixed bug, to show that the simulation catches it).
+    pub cascade_scope: CascadeScope,
+    /// Which faults the seed draws from.
+    pub mix: FaultMix,
+}
+
+/// What one seed did.
+#[derive(Clone, Debug)]
+pub struct Report {
+    /// The seed.
+    pub seed: u64,
+    /// The trace: one line per event (simulated seconds, party, event).
+    pub lines: Vec<String>,
+    /// FNV-1a hash of the trace: equal hashes, equal runs.
+    pub hash: u64,
+    /// Faults injected.
+    pub faults: usize,
+    /// Invariants that did not hold (empty: the seed passed).
+    pub violations: Vec<String>,
+}
+
+/// The job's settings in every simulation.
+fn job_settings(scenario: &Scenario) -> JobSettings {
+    JobSettings {
+        min_workers: scenario.min_workers,
+        max_workers: scenario.workers as u32,
+        join_window: Duration::from_secs(1),
+        heartbeat_interval: Duration::from_millis(500),
+        lease_ttl: Duration::from_secs(3),
+        elastic_timeout: Duration::from_secs(8),
+    }
+}
+
+/// How long after falling below `min_workers` every survivor must have heard that the job
+/// failed: the elastic timeout, a lease TTL to notice the death, and a margin for the
+/// leader's timers and the news to travel.
+const BELOW_MIN_BOUND_MS: u64 = 8_000 + 3_000 + 10_000;
+/// Time the workers have to leave after being asked to finish.
+const FINISH_BOUND_MS: u64 = 25_000;
+
+async fn replica(
+    index: usize,
+    link: StoreLink,
+    settings: Settings,
+    scope: CascadeScope,
+    shared: Shared,
+) -> turmoil::Result {
+    let listener = turmoil::net::TcpListener::bind(("0.0.0.0", GRPC_PORT)).await?;
+    let mut config = ServeConfig::new(Arc::new(RemoteStore::new(link, index)), settings);
+    config.replica_name = Some(format!("replica-{index}"));
+    config.leader_ttl = Duration::from_secs(2);
+    config.cascade_scope = scope;
+    let address = SocketAddr::from(([0, 0, 0, 0], GRPC_PORT));
+    let _handle = cohort_coordinator::server::start_with_incoming(config, net::incoming(listener), address).await?;
+    shared.log(&format!("replica-{index}"), "serving");
+    std::future::pending::<()>().await;
+    Ok(())
+}
+
+enum Action {
+    Start(Scheduled),
+    Stop(Scheduled),
+    Shrink,
+    Finish,
+    Check,
+}
+
+/// Runs `seed` and checks every invariant.
+pub fn run_seed(seed: u64, options: &Options) -> Report {
+    clock::install();
+    clock::set_jump_ms(0);
+    let scenario = Scenario::draw(seed, options.mix);
+    let shared = Shared::default();
+    let mut rng = StdRng::seed_from_u64(seed ^ 0xd1ce);
+    let no_progress = Duration::from_millis(if rng.random_bool(0.5) { 1_500 } else { 4_000 });
+    let mut sim = turmoil::Builder::new()
+        .epoch(UNIX_EPOCH + Duration::from_secs(1_800_000_000))
+        .simulation_duration(Duration::from_secs(3_600))
+        .tick_duration(Duration::from_millis(1))
+        .min_message_latency(Duration::ZERO)
+        .max_message_latency(Duration::from_millis(scenario.max_latency_ms))
+        .rng_seed(seed)
+        .build();
+    shared.log_at(
+        0,
+        "SIM",
+        format!(
+            "seed {seed}: {} replicas, {} workers (min {}), latency <= {} ms, store latency <= {} ms, no-progress deadline {} ms, cascades judged per {:?}",
+            scenario.replicas,
+            scenario.workers,
+            scenario.min_workers,
+            scenario.max_latency_ms,
+            scenario.store_latency_ms,
+            no_progress.as_millis(),
+            options.cascade_scope
+        ),
+    );
+    let settings = match Settings::uniform(job_settings(&scenario)) {
+        Ok(s) => s,
+        Err(e) => {
+            return Report { seed, lines: vec![], hash: 0, faults: 0, violations: vec![format!("settings: {e}")] };
+        }
+    };
+    let (store_host, link) = store::store(seed, scenario.store_latency_ms);
+    sim.host("etcd", move || store_host.clone().serve());
+    for r in 0..scenario.replicas {
+        let (link, settings, shared) = (link.clone(), settings.clone(), shared.clone());
+        let scope = options.cascade_scope;
+        sim.host(format!("replica-{r}"), move || replica(r, link.clone(), settings.clone(), scope, shared.clone()));
+    }
+    for w in 0..scenario.workers {
+        let setup =
+            Arc::new(WorkerSetup { index: w, replicas: scenario.replicas, shared: shared.clone(), no_progress });
+        sim.host(format!("worker-{w}"), move || worker::run(setup.clone()));
+    }
+
+    let mut actions: Vec<(u64, Action)> = Vec::new();
+    for f in &scenario.faults {
+        actions.push((f.at_ms, Action::Start(f.clone())));
+        actions.push((f.at_ms + f.for_ms, Action::Stop(f.clone())));
+    }
+    let end_ms = match scenario.shrink_at_ms {
+        Some(at) => {
+            actions.push((at, Action::Shrink));
+            at + BELOW_MIN_BOUND_MS + 2_000
+        }
+        None => {
+            actions.push((scenario.finish_at_ms, Action::Check));
+            actions.push((scenario.finish_at_ms, Action::Finish));
+            scenario.finish_at_ms + FINISH_BOUND_MS
+        }
+    };
+    actions.sort_by_key(|(t, _)| *t);
+    let mut actions = actions.into_iter().peekable();
+    loop {
+        let now = sim.elapsed().as_millis() as u64;
+        if now >= end_ms {
+            break;
+        }
+        while let Some((_, action)) = actions.next_if(|(t, _)| *t <= now) {
+            apply(&mut sim, &shared, &scenario, &link, action, now);
+        }
+        if let Err(e) = sim.step() {
+            shared.violation(now, format!("a host failed: {e}"));
+            break;
+        }
+    }
+    final_checks(&mut sim, &shared, &scenario);
+    let lines = shared.lines();
+    let ledger = shared.lock();
+    Report { seed, hash: hash(&lines), lines, faults: ledger.faults, violations: ledger.violations.clone() }
+}
+
+fn worker_host(w: usize) -> String {
+    format!("worker-{w}")
+}
+
+fn replica_host(r: usize) -> String {
+    format!("replica-{r}")
+}
+
+fn apply(sim: &mut turmoil::Sim<'_>, shared: &Shared, scenario: &Scenario, link: &StoreLink, action: Action, now: u64) {
+    match action {
+        Action::Start(s) => {
+            shared.log_at(now, "FAULT", format!("{} for {} ms", s.fault, s.for_ms));
+            shared.lock().faults += 1;
+            let touch = |w: usize| shared.lock().touches.push(Touch { worker: w, from_ms: now, to_ms: now + s.for_ms });
+            match s.fault {
+                Fault::ReplicaCrash(r) => sim.crash(replica_host(r)),
+                Fault::StoreOutage(r) => {
+                    link.outages.lock().unwrap_or_else(|e| e.into_inner()).insert(r);
+                }
+                // Partitions hold the messages and deliver them when they end, as TCP's
+                // retransmissions would once the network heals (turmoil's TCP drops what a
+                // partition takes and never retransmits, which would leave every
+                // connection that lost a segment stuck until HTTP/2 keep-alive noticed).
+                Fault::PartitionWorkerReplica(w, r) => {
+                    // Not an excuse for an eviction: the worker still reaches the others.
+                    sim.hold(worker_host(w), replica_host(r));
+                }
+                Fault::IsolateWorker(w) => {
+                    touch(w);
+                    for r in 0..scenario.replicas {
+                        sim.hold(worker_host(w), replica_host(r));
+                    }
+                }
+                Fault::SilentLink(a, b) => {
+                    touch(a);
+                    shared.lock().silent.insert((a, b));
+                }
+                Fault::WorkerCrash(w) => {
+                    touch(w);
+                    crash_worker(sim, shared, w);
+                }
+                Fault::WorkerPause(w) => {
+                    touch(w);
+                    shared.lock().paused.insert(w);
+                    for r in 0..scenario.replicas {
+                        sim.hold(worker_host(w), replica_host(r));
+                    }
+                }
+                Fault::ClockJump(ms) => clock::set_jump_ms(ms),
+                Fault::LatencySpike(ms) => sim.set_max_message_latency(Duration::from_millis(ms)),
+            }
+        }
+        Action::Stop(s) => {
+            shared.log_at(now, "FAULT", format!("ends: {}", s.fault));
+            match s.fault {
+                Fault::ReplicaCrash(r) => sim.bounce(replica_host(r)),
+                Fault::StoreOutage(r) => {
+                    link.outages.lock().unwrap_or_else(|e| e.into_inner()).remove(&r);
+                }
+                Fault::PartitionWorkerReplica(w, r) => sim.release(worker_host(w), replica_host(r)),
+                Fault::IsolateWorker(w) => {
+                    for r in 0..scenario.replicas {
+                        sim.release(worker_host(w), replica_host(r));
+                    }
+                }
+                Fault::SilentLink(a, b) => {
+                    shared.lock().silent.remove(&(a, b));
+                }
+                Fault::WorkerCrash(w) => {
+                    let finished = shared.lock().workers.get(&w).is_some_and(|v| v.finished);
+                    if !finished {
+                        sim.bounce(worker_host(w));
+                    }
+                }
+                Fault::WorkerPause(w) => {
+                    shared.lock().paused.remove(&w);
+                    for r in 0..scenario.replicas {
+                        sim.release(worker_host(w), replica_host(r));
+                    }
+                }
+                Fault::ClockJump(_) => clock::set_jump_ms(0),
+                Fault::LatencySpike(_) => sim.set_max_message_latency(Duration::from_millis(scenario.max_latency_ms)),
+            }
+        }
+        Action::Shrink => {
+            let up: Vec<usize> = shared.lock().workers.iter().filter(|(_, v)| v.up).map(|(w, _)| *w).collect();
+            let keep = (scenario.min_workers as usize).saturating_sub(1);
+            shared.log_at(now, "FAULT", format!("shrink: crash workers for good until {keep} remain (below min)"));
+            for &w in up.iter().skip(keep) {
+                shared.lock().faults += 1;
+                crash_worker(sim, shared, w);
+            }
+        }
+        Action::Check => convergence(shared, now),
+        Action::Finish => {
+            shared.log_at(now, "SIM", "workers are asked to finish");
+            shared.lock().finish = true;
+        }
+    }
+}
+
+fn crash_worker(sim: &mut turmoil::Sim<'_>, shared: &Shared, w: usize) {
+    sim.crash(worker_host(w));
+    let mut ledger = shared.lock();
+    let view = ledger.workers.entry(w).or_default();
+    view.up = false;
+    view.incarnation = 0;
+    view.in_generation = None;
+}
+
+/// After the quiet time: every live worker works in the newest generation, which is not
+/// revoked (every member of a revoked generation heard it; every live worker is in a
+/// generation).
+fn convergence(shared: &Shared, now: u64) {
+    let mut problems = Vec::new();
+    {
+        let ledger = shared.lock();
+        let newest = ledger.groups.keys().next_back().copied();
+        for (w, view) in &ledger.workers {
+            if !view.up || view.finished || view.ended.is_some() || view.excluded_until > now {
+                continue;
+            }
+            match view.in_generation {
+                Some(g) if ledger.revoked.contains_key(&g) => problems.push(format!(
+                    "worker-{w} is still in generation {g}, revoked at {} ms (every member hears a revocation)",
+                    ledger.revoked[&g]
+                )),
+                Some(g) if Some(g) != newest => {
+                    problems.push(format!("worker-{w} is in generation {g}, not the newest ({newest:?})"))
+                }
+                Some(_) => {}
+                None => problems.push(format!(
+                    "worker-{w} (incarnation {}) is in no generation after the quiet time (every live worker is in a generation)",
+                    view.incarnation
+                )),
+            }
+        }
+    }
+    shared.log_at(now, "CHECK", format!("convergence: {} problems", problems.len()));
+    for p in problems {
+        shared.violation(now, p);
+    }
+}
+
+fn final_checks(sim: &mut turmoil::Sim<'_>, shared: &Shared, scenario: &Scenario) {
+    let now = sim.elapsed().as_millis() as u64;
+    let mut problems = Vec::new();
+    {
+        let ledger = shared.lock();
+        for (w, view) in &ledger.workers {
+            if !view.up {
+                continue;
+            }
+            match scenario.shrink_at_ms {
+                Some(at) => match &view.ended {
+                    Some((t, outcome)) if outcome == "FAILED" && *t <= at + BELOW_MIN_BOUND_MS => {}
+                    Some((t, outcome)) => problems.push(format!(
+                        "worker-{w} heard the job end {outcome} at {t} ms; below min from {at} ms it must fail within {BELOW_MIN_BOUND_MS} ms"
+                    )),
+                    None => problems.push(format!(
+                        "worker-{w} never heard that the job failed after it fell below min at {at} ms"
+                    )),
+                },
+                None => {
+                    if !view.finished && view.ended.is_none() {
+                        problems.push(format!(
+                            "worker-{w} had not left {FINISH_BOUND_MS} ms after being asked to finish (in generation {:?}; nothing waits forever)",
+                            view.in_generation
+                        ));
+                    }
+                }
+            }
+        }
+    }
+    shared.log_at(now, "CHECK", format!("end: {} problems", problems.len()));
+    for p in problems {
+        shared.violation(now, p);
+    }
+}
