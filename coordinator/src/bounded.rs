@@ -4,7 +4,8 @@
 
 use std::collections::HashMap;
 use std::hash::Hash;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use tokio::time::Instant;
 
 /// Makes room in `map` for one more entry under `cap`: drops the entries idle for `idle`
 /// (by `touched`), then, while still full, the least recently touched one. A map already

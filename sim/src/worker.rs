@@ -600,6 +600,7 @@ async fn heartbeat_task(worker: Arc<Worker>, incarnation: u64) {
             generation,
             step: 0,
             activity: "sim".into(),
+            deadlines: String::new(),
         };
         match bounded(
             worker.shared(),
