@@ -53,12 +53,20 @@ pub(crate) async fn allreduce<T: Transport, E: Element>(
     else {
         return Err(TransportError::InvalidArgument(format!("rank {} is on no host of the layout", ctx.rank)));
     };
-    let uniform = hosts.iter().all(|h| h.len() == hosts[host].len());
-    if uniform {
-        two_level(ctx, data, op, hosts, host, pos, scratch).await
+    let place = Place { hosts, host, pos };
+    if hosts.iter().all(|h| h.len() == hosts[host].len()) {
+        two_level(ctx, data, op, place, scratch).await
     } else {
-        through_leaders(ctx, data, op, hosts, host, pos, scratch).await
+        through_leaders(ctx, data, op, place, scratch).await
     }
+}
+
+/// Where this rank sits: every host's ranks, its host, its index there.
+#[derive(Clone, Copy)]
+struct Place<'h> {
+    hosts: &'h [Vec<usize>],
+    host: usize,
+    pos: usize,
 }
 
 /// Blocks of `len` elements split over `parts` (see [`block_range`]).
@@ -89,9 +97,7 @@ async fn two_level<T: Transport, E: Element>(
     ctx: &Ctx<'_, T>,
     data: &mut [E],
     op: ReduceOp,
-    hosts: &[Vec<usize>],
-    host: usize,
-    pos: usize,
+    Place { hosts, host, pos }: Place<'_>,
     scratch: &mut [E],
 ) -> Result<(), TransportError> {
     let (len, local) = (data.len(), hosts[host].len());
@@ -112,9 +118,7 @@ async fn through_leaders<T: Transport, E: Element>(
     ctx: &Ctx<'_, T>,
     data: &mut [E],
     op: ReduceOp,
-    hosts: &[Vec<usize>],
-    host: usize,
-    pos: usize,
+    Place { hosts, host, pos }: Place<'_>,
     scratch: &mut [E],
 ) -> Result<(), TransportError> {
     let (len, members) = (data.len(), &hosts[host]);

@@ -74,8 +74,10 @@ struct Shared {
     /// Woken when this worker joined again (a new incarnation).
     rejoined: Notify,
     reformation_pending: AtomicBool,
-    /// The coordinator no longer knows this incarnation (lease lapsed or evicted).
-    evicted: AtomicBool,
+    /// The incarnation the coordinator said it no longer knows (lease lapsed or evicted);
+    /// `u64::MAX` for none. A late answer about an older incarnation, arriving after the
+    /// worker joined again, names that older one and so does not mark the new one.
+    evicted: AtomicU64,
     ended: Mutex<Option<(&'static str, String)>>,
     progress: Mutex<(u64, u64, String)>,
     /// The deadline in force, in brief ([`ElasticGroup::set_deadlines`]).
@@ -83,6 +85,32 @@ struct Shared {
 }
 
 impl Shared {
+    /// The state of a worker that has not joined yet.
+    fn new() -> Self {
+        Shared {
+            incarnation: AtomicU64::new(0),
+            current: Mutex::new(None),
+            revoked: Mutex::new(Vec::new()),
+            revoked_changed: Notify::new(),
+            rejoined: Notify::new(),
+            reformation_pending: AtomicBool::new(false),
+            evicted: AtomicU64::new(u64::MAX),
+            ended: Mutex::new(None),
+            progress: Mutex::new((0, 0, "joining".into())),
+            deadlines: Mutex::new(String::new()),
+        }
+    }
+
+    /// Records that the coordinator no longer knows `incarnation`.
+    fn mark_evicted(&self, incarnation: u64) {
+        self.evicted.store(incarnation, Ordering::SeqCst);
+    }
+
+    /// Whether the current incarnation is no longer a member.
+    fn is_evicted(&self) -> bool {
+        self.evicted.load(Ordering::SeqCst) == self.incarnation.load(Ordering::SeqCst)
+    }
+
     fn cause_of(&self, generation: u64) -> Option<RootCause> {
         let revoked = self.revoked.lock().unwrap_or_else(|e| e.into_inner());
         revoked.iter().find(|(g, _)| *g == generation).map(|(_, c)| c.clone())
@@ -181,18 +209,7 @@ impl ElasticGroup {
             Some(options) => Some(open_rdma(options, config.listen, &advertised).await?),
             None => None,
         };
-        let shared = Arc::new(Shared {
-            incarnation: AtomicU64::new(0),
-            current: Mutex::new(None),
-            revoked: Mutex::new(Vec::new()),
-            revoked_changed: Notify::new(),
-            rejoined: Notify::new(),
-            reformation_pending: AtomicBool::new(false),
-            evicted: AtomicBool::new(false),
-            ended: Mutex::new(None),
-            progress: Mutex::new((0, 0, "joining".into())),
-            deadlines: Mutex::new(String::new()),
-        });
+        let shared = Arc::new(Shared::new());
         let mut group = Self {
             config,
             client,
@@ -265,7 +282,6 @@ impl ElasticGroup {
             }
         };
         self.shared.incarnation.store(response.incarnation, Ordering::SeqCst);
-        self.shared.evicted.store(false, Ordering::SeqCst);
         self.shared.rejoined.notify_waiters();
         self.heartbeat_interval = Duration::from_millis(response.heartbeat_interval_ms.clamp(10, 60_000));
         info!(job = %self.config.job, worker = %self.config.worker_id, incarnation = response.incarnation,
@@ -356,17 +372,18 @@ impl ElasticGroup {
             if let Some((outcome, reason)) = self.shared.ended.lock().unwrap_or_else(|e| e.into_inner()).clone() {
                 return Err(ElasticError::JobEnded { outcome, reason });
             }
-            if self.shared.evicted.load(Ordering::SeqCst) {
+            if self.shared.is_evicted() {
                 warn!(worker = %self.config.worker_id, "this incarnation is no longer a member; joining again");
                 self.register().await?;
             }
             self.set_progress(self.last_generation, 0, "rendezvous");
+            let incarnation = self.incarnation();
             let response = self
                 .client
                 .rendezvous(pb::RendezvousRequest {
                     job: self.config.job.clone(),
                     worker_id: self.config.worker_id.clone(),
-                    incarnation: self.incarnation(),
+                    incarnation,
                     after_generation: self.last_generation,
                     wait_ms: self.config.rendezvous_poll.as_millis() as u64,
                 })
@@ -374,7 +391,7 @@ impl ElasticGroup {
             let response = match response {
                 Ok(r) => r,
                 Err(e) if e.code() == Some(tonic::Code::NotFound) => {
-                    self.shared.evicted.store(true, Ordering::SeqCst);
+                    self.shared.mark_evicted(incarnation);
                     continue;
                 }
                 Err(e) => return Err(e.into()),
@@ -861,7 +878,7 @@ async fn heartbeat_task(
             }
             Err(e) if e.code() == Some(tonic::Code::NotFound) => {
                 warn!(%worker_id, incarnation, error = %e, "membership lost");
-                shared.evicted.store(true, Ordering::SeqCst);
+                shared.mark_evicted(incarnation);
                 return;
             }
             Err(e) => warn!(%worker_id, error = %e, "heartbeat failed"),
@@ -881,7 +898,7 @@ async fn commit_task(
 ) {
     while commits.changed().await.is_ok() {
         let Some(request) = commits.borrow_and_update().clone() else { continue };
-        let generation = request.generation;
+        let (generation, incarnation) = (request.generation, request.incarnation);
         match client.commit(request).await {
             Ok(answer) => {
                 let current = shared.current.lock().unwrap_or_else(|e| e.into_inner()).as_ref().map(|(g, _)| *g);
@@ -889,7 +906,7 @@ async fn commit_task(
                     shared.reformation_pending.store(true, Ordering::SeqCst);
                 }
             }
-            Err(e) if e.code() == Some(tonic::Code::NotFound) => shared.evicted.store(true, Ordering::SeqCst),
+            Err(e) if e.code() == Some(tonic::Code::NotFound) => shared.mark_evicted(incarnation),
             Err(e) => debug!(error = %e, "commit report failed; the next one supersedes it"),
         }
     }
@@ -997,6 +1014,23 @@ fn apply_event(shared: &Shared, event: pb::JobEvent) {
 #[cfg(test)]
 mod tests {
     use super::advertised_address;
+
+    #[test]
+    fn a_late_answer_about_an_older_incarnation_does_not_evict_the_new_one() {
+        use std::sync::atomic::Ordering;
+        let shared = super::Shared::new();
+        assert!(!shared.is_evicted(), "not joined yet is not evicted");
+        shared.incarnation.store(7, Ordering::SeqCst);
+        shared.mark_evicted(7);
+        assert!(shared.is_evicted());
+        // Joined again as incarnation 9; then a heartbeat sent as 7 comes back NOT_FOUND.
+        shared.incarnation.store(9, Ordering::SeqCst);
+        assert!(!shared.is_evicted(), "the new incarnation starts as a member");
+        shared.mark_evicted(7);
+        assert!(!shared.is_evicted(), "an answer about incarnation 7 says nothing about 9");
+        shared.mark_evicted(9);
+        assert!(shared.is_evicted());
+    }
 
     /// Without a usable device (none on this machine, or none by that name), join fails
     /// before contacting the coordinator, naming the device.
