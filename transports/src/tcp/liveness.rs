@@ -194,8 +194,14 @@ mod tests {
 
     #[tokio::test]
     async fn a_running_responder_answers_and_a_dropped_one_does_not() {
-        let addr = free_udp();
-        let r = Responder::start(addr).expect("responder");
+        // A port free a moment ago may be taken by another test's endpoint before the
+        // responder binds it (endpoints bind UDP on their TCP port number): try a few.
+        let (addr, r) = (0..20)
+            .find_map(|_| {
+                let addr = free_udp();
+                Responder::start(addr).map(|r| (addr, r))
+            })
+            .expect("a responder on one of 20 free ports");
         assert_eq!(probe(addr, Duration::from_secs(2)).await, Answer::Alive);
         assert!(verify(addr).await);
         drop(r);
@@ -220,8 +226,8 @@ mod tests {
         assert_eq!(probe(addr, Duration::from_millis(120)).await, Answer::Silent);
         assert!(t0.elapsed() >= Duration::from_millis(120));
         // Garbage and wrong nonces are no answer.
-        let addr2 = free_udp();
-        let held = UdpSocket::bind(addr2).unwrap();
+        let held = UdpSocket::bind("127.0.0.1:0").unwrap();
+        let addr2 = held.local_addr().unwrap();
         let liar = held.try_clone().unwrap();
         let echo = std::thread::spawn(move || {
             let mut b = [0u8; 64];
