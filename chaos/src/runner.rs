@@ -1417,10 +1417,18 @@ fn kill_errors_check(r: &FaultRecord, bound: Duration, hosts: &BTreeMap<String, 
 
 /// Check: a hung rank (stop fault `r`) is detected as a `Timeout` (the first survivor's
 /// error), and no survivor takes it for a death (`PeerFailed`): a stopped process's links
-/// stay open, so only the no-progress deadline can tell.
+/// stay open, so only the no-progress deadline can tell. A survivor whose link closed
+/// because a peer aborted on the revocation reports `PeerFailed` with the generation's root
+/// cause, the timeout: that is the verdict reaching it, not a death taken for the hang (with
+/// learned deadlines the revocation and those closes arrive within the same millisecond).
 fn hang_timeout_check(r: &FaultRecord) -> Check {
     let first = r.errors.iter().min_by_key(|e| e.after_ms);
-    let dead: Vec<&str> = r.errors.iter().filter(|e| e.kind == "PeerFailed").map(|e| e.worker.as_str()).collect();
+    let dead: Vec<&str> = r
+        .errors
+        .iter()
+        .filter(|e| e.kind == "PeerFailed" && !e.cause.contains("timed out"))
+        .map(|e| e.worker.as_str())
+        .collect();
     let kinds: BTreeSet<&str> = r.errors.iter().map(|e| e.kind.as_str()).collect();
     Check {
         what: format!("fault {} (stop): detected as a Timeout, by no survivor as a death", r.index),
