@@ -1620,7 +1620,10 @@ mod tests {
         let c = hang_timeout_check(&r);
         assert!(c.ok, "{}", c.detail);
         assert!(c.detail.starts_with("first error Timeout at 1501 ms"), "{}", c.detail);
+        // A survivor whose peer closed a link on the revocation carries the timeout verdict.
         r.errors = vec![seen("w0", "Timeout", 1501), seen("w1", "PeerFailed", 1502)];
+        assert!(hang_timeout_check(&r).ok, "{}", hang_timeout_check(&r).detail);
+        r.errors[1].cause = "rank 2 (worker w2 on vm): peer rank 2 failed: connection reset".into();
         assert!(!hang_timeout_check(&r).ok, "a stopped rank is no dead one");
         r.errors.clear();
         assert!(!hang_timeout_check(&r).ok, "no error at all");
