@@ -656,6 +656,11 @@ impl Cluster {
             }
         };
         cmd.env("RUST_LOG", std::env::var("COHORT_CHAOS_WORKER_LOG").unwrap_or_else(|_| "info".into()));
+        if let Some(host) = host {
+            // The emulated host is the worker's failure domain (every namespace shares the
+            // machine's host name).
+            cmd.env("COHORT_DOMAIN", host);
+        }
         let process = ManagedProcess::spawn_with_hook(name, cmd, &self.log_dir, self.lines_tx.clone(), hook)
             .map_err(|e| ClusterError::Setup(e.to_string()))?;
         self.workers.insert(name.to_string(), process);

@@ -1035,6 +1035,9 @@ impl Run<'_> {
                         ok: named == r.survivors.len() && !r.survivors.is_empty(),
                         detail: format!("{named} of {} survivors; causes: {}", r.survivors.len(), causes(r)),
                     });
+                    if sc.ranks_per_host > 1 && r.targets.len() > 1 {
+                        checks.push(domain_cause_check(r, &self.cluster.hosts()));
+                    }
                     checks.push(detection_check(r, kind, sc));
                     checks.push(next_step_check(r, kind));
                     let back: Vec<String> = culprits
@@ -1470,6 +1473,26 @@ fn o(v: Option<i64>) -> String {
     v.map_or_else(|| "-".into(), |x| x.to_string())
 }
 
+/// A host of several ranks cut off at once is one failure of its domain: every survivor's root
+/// cause names the host as the lost domain and counts all of its ranks (the coordinator's
+/// domain rule, `cohort_coordinator::domains`; the chaos harness publishes each emulated host
+/// as its workers' domain).
+fn domain_cause_check(r: &FaultRecord, hosts: &BTreeMap<String, String>) -> Check {
+    let worker = |t: &String| t.split('(').next().unwrap_or("").to_string();
+    let host = r.targets.first().map(worker).and_then(|w| hosts.get(&w).cloned()).unwrap_or_default();
+    let want = (format!("domain {host} lost: ranks "), format!("(all {} of its ranks)", r.targets.len()));
+    let named = r.errors.iter().filter(|e| e.cause.contains(&want.0) && e.cause.contains(&want.1)).count();
+    Check {
+        what: format!(
+            "fault {} (host {host} of {} ranks lost): one root cause naming the domain and all its ranks",
+            r.index,
+            r.targets.len()
+        ),
+        ok: !host.is_empty() && named == r.survivors.len() && !r.survivors.is_empty(),
+        detail: format!("{named} of {} survivors; causes: {}", r.survivors.len(), causes(r)),
+    }
+}
+
 /// Whether a root cause as a worker prints it (`rank 2 (worker w2 on host-a): SIGKILL
 /// (reported by w0)`, see `cohort::RootCause`'s Display) blames worker `name`: the id after
 /// "(worker " is compared exactly, so that `w1` matches neither `w10` nor a reporter's name.
@@ -1605,6 +1628,35 @@ mod tests {
         assert!(!c.ok && c.detail.ends_with("late or missing: w2"), "{}", c.detail);
         r.errors.truncate(1);
         assert!(!kill_errors_check(&r, Duration::from_millis(100), &hosts).ok, "a survivor without an error");
+    }
+
+    #[test]
+    fn a_lost_host_must_be_one_domain_cause_with_all_its_ranks() {
+        let hosts: BTreeMap<String, String> =
+            [("w0", "host0"), ("w1", "host0"), ("w2", "host0"), ("w3", "host1"), ("w4", "host1"), ("w5", "host1")]
+                .iter()
+                .map(|(w, h)| (w.to_string(), h.to_string()))
+                .collect();
+        let mut r = record(1, "isolate", 1, 1000, &["w0", "w1", "w2"]);
+        r.targets = vec!["w4(rank 4)".into(), "w3(rank 3)".into(), "w5(rank 5)".into()];
+        let seen = |worker: &str, cause: &str| ErrorSeen {
+            worker: worker.into(),
+            kind: "Timeout".into(),
+            cause: cause.into(),
+            after_ms: 500,
+        };
+        let domain = "rank 4 (worker w4 on vm): domain host1 lost: ranks 3-5 (all 3 of its ranks) failed together; first report: timed out";
+        r.errors = vec![seen("w0", domain), seen("w1", domain), seen("w2", domain)];
+        let c = domain_cause_check(&r, &hosts);
+        assert!(c.ok, "{}", c.detail);
+        assert!(c.what.contains("host host1 of 3 ranks"), "{}", c.what);
+        // One survivor heard a member's cause: the domain was not judged as one failure.
+        r.errors[2] = seen("w2", "rank 4 (worker w4 on vm): timed out");
+        assert!(!domain_cause_check(&r, &hosts).ok);
+        // Two of the three ranks counted: not the whole domain.
+        let partial = "rank 4 (worker w4 on vm): domain host1 lost: ranks 3-4 (all 2 of its ranks) failed together";
+        r.errors[2] = seen("w2", partial);
+        assert!(!domain_cause_check(&r, &hosts).ok);
     }
 
     #[test]

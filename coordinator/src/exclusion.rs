@@ -117,10 +117,10 @@ pub fn cooldown(policy: &ExclusionPolicy, n: u32) -> Duration {
 }
 
 /// The message a Join gets while the worker is excluded.
-pub fn refusal(worker: &str, until_ms: u64, now_ms: u64, policy: &ExclusionPolicy) -> String {
+pub fn refusal(who: &str, until_ms: u64, now_ms: u64, policy: &ExclusionPolicy) -> String {
     let left = Duration::from_millis(until_ms.saturating_sub(now_ms));
     format!(
-        "worker {worker} is excluded until {until_ms} ms since the epoch ({:.1} s from now) after {} failures in {} min",
+        "{who} is excluded until {until_ms} ms since the epoch ({:.1} s from now) after {} failures in {} min",
         left.as_secs_f64(),
         policy.threshold,
         policy.window.as_secs() / 60

@@ -428,7 +428,15 @@ mod tests {
     use pb::job_event::Event;
 
     fn cause() -> Cause {
-        Cause { rank: Some(1), worker_id: "b".into(), host: "h".into(), reason: "died".into(), reported_by: "a".into() }
+        Cause {
+            rank: Some(1),
+            worker_id: "b".into(),
+            host: "h".into(),
+            reason: "died".into(),
+            reported_by: "a".into(),
+            domain: String::new(),
+            lost_ranks: vec![],
+        }
     }
 
     fn kinds(events: &[pb::JobEvent]) -> Vec<String> {
@@ -446,7 +454,13 @@ mod tests {
 
     #[test]
     fn events_follow_the_generation_record() {
-        let members = vec![Placed { worker_id: "a".into(), incarnation: 1, host: String::new(), addresses: vec![] }];
+        let members = vec![Placed {
+            worker_id: "a".into(),
+            incarnation: 1,
+            host: String::new(),
+            addresses: vec![],
+            domain: String::new(),
+        }];
         let g1 = next_generation(None, members.clone(), 1);
         let empty = Headline::default();
         let h1 = Headline { generation: Some(g1.clone()), ended: None };
@@ -489,6 +503,7 @@ mod tests {
                 addresses: vec![],
                 capabilities: vec![],
                 joined_at_ms: now,
+                domain: String::new(),
             };
             store.put(&keys::worker_key(job, Kind::Member, w), encode(&member), Some(lease)).await.expect("put");
             incarnations.insert(w, lease);
@@ -498,6 +513,7 @@ mod tests {
             incarnation: incarnations["a"] as u64,
             host: "h".into(),
             addresses: vec![],
+            domain: String::new(),
         };
         store.put(&keys::generation(job), encode(&next_generation(None, vec![a], now)), None).await.expect("put");
         let wait = WaitingRecord { incarnation: incarnations["b"] as u64, after_generation: 0, since_ms: now };

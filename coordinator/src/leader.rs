@@ -335,8 +335,22 @@ async fn evaluate_job(ctx: &Context, state: &JobState) -> Result<Option<u64>, St
     }
     ctx.metrics.set_job(job, Some((state.members.len() as u64, state.current_number())));
     let settings = ctx.settings.for_job(job);
-    if let Some(cause) = revocation::lapsed(state, settings.lease_ttl.as_millis() as u64) {
+    if let Some(mut cause) = revocation::lapsed(state, settings.lease_ttl.as_millis() as u64) {
         let Some(g) = state.current() else { return Ok(retry) };
+        // Leases of a lost node's ranks lapse together: one cause for the domain.
+        if let Some(rank) = cause.rank {
+            let evidence = |r: u32| {
+                let m = &g.members[r as usize];
+                if !state.is_live(&m.worker_id, m.incarnation) || state.is_disconnected(&m.worker_id, m.incarnation) {
+                    crate::domains::Evidence::Lost
+                } else {
+                    crate::domains::Evidence::Unknown
+                }
+            };
+            if let Some(loss) = crate::domains::whole_domain_lost(g, rank, evidence) {
+                cause = crate::domains::domain_cause(cause, &loss);
+            }
+        }
         let suspect = cause.rank.and_then(|r| g.members.get(r as usize)).map(|m| (m.worker_id.clone(), m.incarnation));
         let outcome = ops::revoke_generation(ctx, job, g.number, cause, suspect, true).await?;
         tracing::debug!(accepted = outcome.accepted, "lease-lapse check");

@@ -14,6 +14,7 @@ pub mod auth;
 mod bounded;
 pub mod config;
 pub mod digests;
+pub mod domains;
 pub mod etcd_process;
 pub mod exclusion;
 pub mod hub;

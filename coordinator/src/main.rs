@@ -380,10 +380,11 @@ fn print_status(s: &pb::StatusResponse) {
     println!("leader: {}", if s.leader.is_empty() { "(none)" } else { &s.leader });
     println!();
     println!(
-        "{:>5}  {:<24} {:<20} {:>10} {:>6} {:>10} {:<16} {:>11} {:>7} {:>7}  {:<8}",
+        "{:>5}  {:<24} {:<20} {:<20} {:>10} {:>6} {:>10} {:<16} {:>11} {:>7} {:>7}  {:<8}",
         "RANK",
         "WORKER",
         "HOST",
+        "DOMAIN",
         "HEARTBEAT",
         "GEN",
         "STEP",
@@ -397,10 +398,11 @@ fn print_status(s: &pb::StatusResponse) {
     members.sort_by_key(|m| (m.rank.unwrap_or(u32::MAX), m.worker_id.clone()));
     for m in &members {
         println!(
-            "{:>5}  {:<24} {:<20} {:>10} {:>6} {:>10} {:<16} {:>11} {:>7} {:>7}  {}",
+            "{:>5}  {:<24} {:<20} {:<20} {:>10} {:>6} {:>10} {:<16} {:>11} {:>7} {:>7}  {}",
             m.rank.map_or_else(|| "-".to_string(), |r| r.to_string()),
             m.worker_id,
             m.host,
+            if m.domain.is_empty() { "-" } else { &m.domain },
             ago(now, m.last_heartbeat_ms),
             m.generation,
             m.step,
@@ -433,14 +435,15 @@ fn status_json(s: &pb::StatusResponse) -> serde_json::Value {
     use serde_json::json;
     let now = cohort_coordinator::records::now_ms();
     let cause = s.revocation_cause.as_ref().map(|c| {
-        json!({ "rank": c.rank, "worker_id": c.worker_id, "host": c.host, "reason": c.reason, "reported_by": c.reported_by })
+        json!({ "rank": c.rank, "worker_id": c.worker_id, "host": c.host, "reason": c.reason, "reported_by": c.reported_by,
+                "domain": c.domain, "lost_ranks": c.lost_ranks })
     });
     let generation = s.current.as_ref().map(|g| {
         json!({
             "number": g.number,
             "formed_at_ms": g.formed_at_ms,
             "revoked": s.current_revoked,
-            "members": g.members.iter().map(|m| json!({ "rank": m.rank, "worker_id": m.worker_id, "host": m.host })).collect::<Vec<_>>(),
+            "members": g.members.iter().map(|m| json!({ "rank": m.rank, "worker_id": m.worker_id, "host": m.host, "domain": m.domain })).collect::<Vec<_>>(),
         })
     });
     let mut members = s.members.clone();
@@ -452,6 +455,7 @@ fn status_json(s: &pb::StatusResponse) -> serde_json::Value {
                 "worker_id": m.worker_id,
                 "incarnation": m.incarnation,
                 "host": m.host,
+                "domain": m.domain,
                 "rank": m.rank,
                 "last_heartbeat_ms": m.last_heartbeat_ms,
                 "heartbeat_age_ms": now.saturating_sub(m.last_heartbeat_ms),

@@ -131,7 +131,14 @@ pub async fn revoke_generation(
         };
         let mut excluded_until = None;
         let mut history_lease = None;
-        if let Some((w, _)) = &suspect {
+        // A whole domain lost counts once, against the domain; any other failure against the
+        // suspect.
+        let counted = match (&suspect, cause.domain.as_str()) {
+            (Some(_), d) if !d.is_empty() => Some(crate::domains::domain_key(d)),
+            (Some((w, _)), _) => Some(w.clone()),
+            (None, _) => None,
+        };
+        if let Some(w) = &counted {
             let fkey = keys::worker_key(job, Kind::Failures, w);
             let fkv = ctx.store.get(&fkey).await?;
             let mut history: FailureHistory = fkv.as_ref().and_then(|kv| decode(&fkey, &kv.value)).unwrap_or_default();
@@ -154,10 +161,19 @@ pub async fn revoke_generation(
         tracing::info!(%job, generation = number, rank = ?cause.rank, suspect = %cause.worker_id,
                        reason = %cause.reason, reported_by = %cause.reported_by, "generation revoked");
         if let Some(until) = excluded_until {
-            tracing::warn!(%job, worker = %cause.worker_id, excluded_until_ms = until, "worker excluded after repeated failures");
+            tracing::warn!(%job, worker = %cause.worker_id, domain = %cause.domain, excluded_until_ms = until,
+                           "excluded after repeated failures");
         }
         if let Some((w, inc)) = &suspect {
             evict(ctx, job, w, *inc).await;
+        }
+        // A lost domain's other ranks go at once too: the survivors do not wait for leases.
+        for rank in &cause.lost_ranks {
+            if let Some(m) =
+                g.members.get(*rank as usize).filter(|m| Some(&m.worker_id) != suspect.as_ref().map(|s| &s.0))
+            {
+                evict(ctx, job, &m.worker_id, m.incarnation).await;
+            }
         }
         return Ok(Revoked { accepted: true, cause: Some(cause) });
     }

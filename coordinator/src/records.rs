@@ -83,6 +83,9 @@ pub struct MemberRecord {
     pub capabilities: Vec<String>,
     /// Join time, ms since the epoch.
     pub joined_at_ms: u64,
+    /// Failure domain as published (empty: the host; see [`effective_domain`]).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub domain: String,
 }
 
 /// `waiting/<worker>`: the member waits for a generation newer than `after_generation`.
@@ -170,6 +173,25 @@ pub struct Placed {
     pub host: String,
     /// Data-plane addresses.
     pub addresses: Vec<Address>,
+    /// Failure domain (never empty once placed: the host when none was published).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub domain: String,
+}
+
+impl Placed {
+    /// Its failure domain: the published one, else the host.
+    pub fn domain(&self) -> &str {
+        effective_domain(&self.domain, &self.host)
+    }
+}
+
+/// A worker's failure domain: `domain` if it published one, else its `host`.
+pub fn effective_domain<'a>(domain: &'a str, host: &'a str) -> &'a str {
+    if domain.is_empty() {
+        host
+    } else {
+        domain
+    }
 }
 
 /// The root cause of a revocation.
@@ -185,9 +207,28 @@ pub struct Cause {
     pub reason: String,
     /// Who reported it (`coordinator` for lease expiry).
     pub reported_by: String,
+    /// Set when every rank of `rank`'s failure domain was lost at once: the domain.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub domain: String,
+    /// With [`Cause::domain`]: every rank of the domain in the revoked generation.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub lost_ranks: Vec<u32>,
 }
 
 impl Cause {
+    /// A cause naming one member (no domain loss).
+    pub fn member(rank: Option<u32>, worker_id: &str, host: &str, reason: String, reported_by: &str) -> Self {
+        Self {
+            rank,
+            worker_id: worker_id.to_string(),
+            host: host.to_string(),
+            reason,
+            reported_by: reported_by.to_string(),
+            domain: String::new(),
+            lost_ranks: Vec::new(),
+        }
+    }
+
     /// As the protocol carries it.
     pub fn to_proto(&self) -> pb::RootCause {
         pb::RootCause {
@@ -196,6 +237,8 @@ impl Cause {
             host: self.host.clone(),
             reason: self.reason.clone(),
             reported_by: self.reported_by.clone(),
+            domain: self.domain.clone(),
+            lost_ranks: self.lost_ranks.clone(),
         }
     }
 }
@@ -268,6 +311,7 @@ impl GenerationRecord {
                     incarnation: m.incarnation,
                     host: m.host.clone(),
                     addresses: m.addresses.iter().map(Into::into).collect(),
+                    domain: m.domain().to_string(),
                 })
                 .collect(),
             formed_at_ms: self.formed_at_ms,
@@ -491,6 +535,7 @@ mod tests {
             addresses: vec![],
             capabilities: vec![],
             joined_at_ms: 1,
+            domain: String::new(),
         };
         let mk = keys::worker_key("j", Kind::Member, "w");
         let mut s = JobState::from_kvs("j", &[kv(mk.clone(), encode(&m), 3)], 3);

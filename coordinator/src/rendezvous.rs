@@ -63,9 +63,22 @@ pub struct Evaluation {
     pub ready: u32,
 }
 
-/// Workers excluded at `now_ms`.
+/// Workers excluded at `now_ms`: excluded themselves, or members of an excluded failure
+/// domain (see [`crate::domains`]).
 pub fn excluded(state: &JobState, now_ms: u64) -> BTreeSet<String> {
-    state.failures.iter().filter(|(_, h)| h.excluded_until(now_ms).is_some()).map(|(w, _)| w.clone()).collect()
+    let keys: BTreeSet<&String> =
+        state.failures.iter().filter(|(_, h)| h.excluded_until(now_ms).is_some()).map(|(k, _)| k).collect();
+    let mut out: BTreeSet<String> =
+        keys.iter().filter(|k| crate::domains::key_domain(k).is_none()).map(|k| k.to_string()).collect();
+    if keys.iter().any(|k| crate::domains::key_domain(k).is_some()) {
+        for m in state.members.values() {
+            let key = crate::domains::domain_key(crate::records::effective_domain(&m.domain, &m.host));
+            if keys.contains(&key) {
+                out.insert(m.worker_id.clone());
+            }
+        }
+    }
+    out
 }
 
 /// The current generation's number and members, for lookups in O(1) (an evaluation looks
@@ -220,10 +233,11 @@ pub fn evaluate(settings: &JobSettings, state: &JobState, now_ms: u64) -> Evalua
                     incarnation: m.incarnation,
                     host: m.host.clone(),
                     addresses: m.addresses.clone(),
+                    domain: crate::records::effective_domain(&m.domain, &m.host).to_string(),
                 })
             })
             .collect();
-        eval.action = Action::Form(placed);
+        eval.action = Action::Form(group_by_domain(placed));
     } else if n >= min && n > 0 && !cooperative {
         if let Some(t) = last_arrival {
             eval.next_deadline_ms =
@@ -231,6 +245,27 @@ pub fn evaluate(settings: &JobSettings, state: &JobState, now_ms: u64) -> Evalua
         }
     }
     eval
+}
+
+/// `members` with each failure domain's members next to each other: domains in the order
+/// of their first member, members of a domain in their order. A ring then crosses between
+/// domains once per domain, and the hierarchical allreduce finds each host contiguous.
+/// Survivors that already sat together keep their relative order.
+pub fn group_by_domain(members: Vec<Placed>) -> Vec<Placed> {
+    let mut domains: Vec<String> = Vec::new();
+    for m in &members {
+        if !domains.iter().any(|d| d == m.domain()) {
+            domains.push(m.domain().to_string());
+        }
+    }
+    let mut out = Vec::with_capacity(members.len());
+    let mut rest = members;
+    for d in &domains {
+        let (mine, others): (Vec<Placed>, Vec<Placed>) = rest.into_iter().partition(|m| m.domain() == d);
+        out.extend(mine);
+        rest = others;
+    }
+    out
 }
 
 fn min_opt(a: Option<u64>, b: u64) -> Option<u64> {
@@ -281,7 +316,7 @@ mod tests {
     }
 
     fn placed(w: &str, inc: u64) -> Placed {
-        Placed { worker_id: w.into(), incarnation: inc, host: "h".into(), addresses: vec![] }
+        Placed { worker_id: w.into(), incarnation: inc, host: "h".into(), addresses: vec![], domain: String::new() }
     }
 
     struct Job(JobState);
@@ -300,6 +335,7 @@ mod tests {
                     addresses: vec![],
                     capabilities: vec![],
                     joined_at_ms: 0,
+                    domain: String::new(),
                 },
             );
             self
@@ -322,6 +358,8 @@ mod tests {
                     host: String::new(),
                     reason: "r".into(),
                     reported_by: "t".into(),
+                    domain: String::new(),
+                    lost_ranks: Vec::new(),
                 });
                 g.revoked_at_ms = Some(0);
             }
@@ -523,6 +561,59 @@ mod tests {
     }
 
     #[test]
+    fn a_failure_domain_excluded_excludes_its_members() {
+        let mut job =
+            Job::new().member("a", 1).member("b", 1).member("c", 1).waits("a", 0, 0).waits("b", 0, 0).waits("c", 0, 0);
+        job.0.members.get_mut("a").expect("a").domain = "node-1".into();
+        job.0.members.get_mut("b").expect("b").domain = "node-1".into();
+        job.0.members.get_mut("c").expect("c").domain = "node-2".into();
+        job.0.failures.insert(
+            crate::domains::domain_key("node-1"),
+            FailureHistory { failures_ms: vec![], exclusions: 1, excluded_until_ms: Some(50_000) },
+        );
+        assert_eq!(excluded(&job.0, 1000).into_iter().collect::<Vec<_>>(), ["a", "b"]);
+        assert_eq!(formed(&evaluate(&settings(1, 8), &job.0, 1000)), ["c"]);
+        assert_eq!(formed(&evaluate(&settings(1, 8), &job.0, 50_000)).len(), 3, "the exclusion is over");
+    }
+
+    #[test]
+    fn members_of_a_domain_get_adjacent_ranks() {
+        let on = |w: &str, d: &str| Placed { domain: d.into(), ..placed(w, 1) };
+        let ranks = |v: Vec<Placed>| group_by_domain(v).into_iter().map(|p| p.worker_id).collect::<Vec<_>>();
+        // Arrival order interleaves the nodes; ranks group them, in order of first arrival.
+        let mixed = vec![on("a", "n1"), on("b", "n2"), on("c", "n1"), on("d", "n3"), on("e", "n2"), on("f", "n1")];
+        assert_eq!(ranks(mixed), ["a", "c", "f", "b", "e", "d"]);
+        // Already grouped: unchanged (survivors keep their ranks).
+        let grouped = vec![on("a", "n1"), on("b", "n1"), on("c", "n2"), on("d", "n2")];
+        assert_eq!(ranks(grouped), ["a", "b", "c", "d"]);
+        // No domain published: the host is the domain.
+        let hosts = vec![
+            Placed { host: "h1".into(), ..placed("a", 1) },
+            Placed { host: "h2".into(), ..placed("b", 1) },
+            Placed { host: "h1".into(), ..placed("c", 1) },
+        ];
+        assert_eq!(ranks(hosts), ["a", "c", "b"]);
+    }
+
+    #[test]
+    fn a_joiner_is_placed_beside_its_domain() {
+        // Generation 1 = [a, b] on n1 and [c] on n2, revoked; d (n1) joins: it takes the rank
+        // after b, and c moves up one.
+        let mut job = Job::new().member("a", 1).member("b", 1).member("c", 1).member("d", 1);
+        for (w, d) in [("a", "n1"), ("b", "n1"), ("c", "n2"), ("d", "n1")] {
+            job.0.members.get_mut(w).expect("member").domain = d.into();
+        }
+        let job = job
+            .generation(1, &["a", "b", "c"], true)
+            .waits("a", 1, 0)
+            .waits("b", 1, 0)
+            .waits("c", 1, 0)
+            .waits("d", 0, 10);
+        let e = evaluate(&settings(1, 4), &job.0, 1000);
+        assert_eq!(formed(&e), ["a", "b", "d", "c"]);
+    }
+
+    #[test]
     fn all_finished_ends_the_job() {
         let mut job = Job::new().generation(2, &["a", "b"], false);
         job.gen_mut().departed.push(Departure { worker_id: "a".into(), incarnation: 1, finished: true });
@@ -541,6 +632,8 @@ mod tests {
             host: String::new(),
             reason: "x".into(),
             reported_by: "a".into(),
+            domain: String::new(),
+            lost_ranks: Vec::new(),
         });
         let g2 = next_generation(Some(&g), vec![placed("a", 1)], 6);
         assert_eq!(g2.number, 2);

@@ -144,6 +144,8 @@ pub fn decide(current: Option<&GenerationRecord>, report: &Report<'_>) -> Result
         host: suspect.map(|m| m.host.clone()).unwrap_or_default(),
         reason: report.reason.to_string(),
         reported_by: report.worker_id.to_string(),
+        domain: String::new(),
+        lost_ranks: Vec::new(),
     }))
 }
 
@@ -203,6 +205,8 @@ pub fn arbitrate(
             report.reason
         ),
         reported_by: report.worker_id.to_string(),
+        domain: String::new(),
+        lost_ranks: Vec::new(),
     })
 }
 
@@ -235,6 +239,8 @@ pub fn lapsed(state: &JobState, lease_ttl_ms: u64) -> Option<Cause> {
             host: m.host.clone(),
             reason: format!("lease expired (no heartbeat for {lease_ttl_ms} ms)"),
             reported_by: "coordinator".into(),
+            domain: String::new(),
+            lost_ranks: Vec::new(),
         })
     })
 }
@@ -323,7 +329,13 @@ mod tests {
     fn gen(number: u64) -> GenerationRecord {
         let members = ["a", "b", "c"]
             .iter()
-            .map(|w| Placed { worker_id: w.to_string(), incarnation: 1, host: format!("host-{w}"), addresses: vec![] })
+            .map(|w| Placed {
+                worker_id: w.to_string(),
+                incarnation: 1,
+                host: format!("host-{w}"),
+                addresses: vec![],
+                domain: String::new(),
+            })
             .collect();
         let mut g = next_generation(None, members, 0);
         g.number = number;
@@ -366,7 +378,13 @@ mod tests {
     fn four() -> GenerationRecord {
         let members = ["a", "b", "c", "d"]
             .iter()
-            .map(|w| Placed { worker_id: w.to_string(), incarnation: 1, host: format!("host-{w}"), addresses: vec![] })
+            .map(|w| Placed {
+                worker_id: w.to_string(),
+                incarnation: 1,
+                host: format!("host-{w}"),
+                addresses: vec![],
+                domain: String::new(),
+            })
             .collect();
         let mut g = next_generation(None, members, 0);
         g.number = 4;
@@ -485,6 +503,7 @@ mod tests {
                     addresses: vec![],
                     capabilities: vec![],
                     joined_at_ms: 0,
+                    domain: String::new(),
                 },
             );
         }

@@ -39,6 +39,14 @@ pub const MAX_RENDEZVOUS_WAIT: Duration = Duration::from_secs(30);
 /// Progress is written to the store at most this often per member.
 pub const PROGRESS_PERIOD: Duration = Duration::from_secs(1);
 
+/// How many more holds a cascade whose end is a live member that has not reported waits for
+/// that report (see `CoordinatorService::await_live_chain_end`).
+pub const CHAIN_END_WAITS: usize = 3;
+
+/// How many times a failure report looks at the suspect's failure domain before judging it
+/// as a member's (see `CoordinatorService::domain_loss`).
+pub const DOMAIN_CHECKS: usize = 3;
+
 /// Members whose progress a replica caches at most (the least recently heard go first).
 const PROGRESS_CACHE_CAP: usize = 4096;
 
@@ -270,6 +278,7 @@ impl CoordinatorService {
         validate::id("job", &r.job)?;
         validate::id("worker_id", &r.worker_id)?;
         validate::text("host", &r.host, validate::MAX_HOST_LEN)?;
+        validate::text("domain", &r.domain, validate::MAX_HOST_LEN)?;
         validate::addresses(&r.addresses)?;
         validate::capabilities(&r.capabilities)?;
         let settings = self.ctx.settings.for_job(&r.job);
@@ -282,10 +291,15 @@ impl CoordinatorService {
             )));
         }
         let now = records::now_ms();
-        if let Some(until) = state.failures.get(worker).and_then(|h| h.excluded_until(now)) {
+        let domain = records::effective_domain(&r.domain, &r.host);
+        let own = state.failures.get(worker).and_then(|h| h.excluded_until(now));
+        let of_domain = state.failures.get(&crate::domains::domain_key(domain)).and_then(|h| h.excluded_until(now));
+        if let Some(until) = own.max(of_domain) {
             // The worker waits this long and joins again (it needs no clock of ours).
+            let who =
+                if of_domain == Some(until) { format!("failure domain {domain}") } else { format!("worker {worker}") };
             let mut status =
-                Status::failed_precondition(crate::exclusion::refusal(worker, until, now, &self.ctx.exclusion));
+                Status::failed_precondition(crate::exclusion::refusal(&who, until, now, &self.ctx.exclusion));
             if let Ok(left) = (until - now).to_string().parse() {
                 status.metadata_mut().insert(cohort_proto::RETRY_AFTER_MS_HEADER, left);
             }
@@ -304,6 +318,8 @@ impl CoordinatorService {
                         host: old.host.clone(),
                         reason: format!("worker restarted (incarnation {} replaced by {incarnation})", old.incarnation),
                         reported_by: "coordinator".into(),
+                        domain: String::new(),
+                        lost_ranks: Vec::new(),
                     };
                     let revoked = ops::revoke_generation(
                         &self.ctx,
@@ -328,6 +344,7 @@ impl CoordinatorService {
             addresses: r.addresses.iter().map(Into::into).collect(),
             capabilities: r.capabilities.clone(),
             joined_at_ms: now,
+            domain: r.domain.clone(),
         };
         let progress =
             ProgressRecord { incarnation, last_heartbeat_ms: now, activity: "joined".into(), ..Default::default() };
@@ -511,8 +528,9 @@ impl CoordinatorService {
                 self.record_timeout(job, &r.worker_id, r.incarnation, r.generation, own).await;
                 // The hold: the cascade's other reports arrive meanwhile, at any replica.
                 tokio::time::sleep(revocation::TIMEOUT_HOLD).await;
+                let mut chain = self.timeouts_of(job, r.generation, own).await;
+                chain = self.await_live_chain_end(job, r.generation, own, chain).await;
                 current = ops::read_generation(self.ctx.store.as_ref(), job).await.map_err(store_status)?;
-                let chain = self.timeouts_of(job, r.generation, own).await;
                 if let Some(root) = revocation::cascade_root(&chain).filter(|root| root.rank() != suspect) {
                     let reporters: Vec<u32> = chain.iter().map(|t| t.reporter).collect();
                     tracing::info!(
@@ -568,6 +586,12 @@ impl CoordinatorService {
                         }
                     }
                 }
+                if let (Some(g), Some(rank)) = (g, cause.rank) {
+                    if let Some(loss) = self.domain_loss(job, g, rank).await {
+                        tracing::info!(domain = %loss.domain, ranks = ?loss.ranks, "the suspect's whole failure domain is lost");
+                        cause = crate::domains::domain_cause(cause, &loss);
+                    }
+                }
                 let suspect = cause
                     .rank
                     .and_then(|rank| g.and_then(|g| g.members.get(rank as usize)))
@@ -578,6 +602,106 @@ impl CoordinatorService {
                 Ok(pb::FailureReportResponse { accepted: outcome.accepted, cause: outcome.cause.map(|c| c.to_proto()) })
             }
         }
+    }
+
+    /// Holds a cascade longer while its end is a member heard from within 2 x
+    /// `heartbeat_interval` that has not reported: up to [`CHAIN_END_WAITS`] more times
+    /// [`revocation::TIMEOUT_HOLD`], reading the chain again after each. In a lock-step ring
+    /// a silent link makes every rank time out within a millisecond or two, but on a loaded
+    /// machine one rank's report can arrive after the first hold; read without it, the cycle
+    /// looks like a chain whose end is that healthy, fresh rank, and the end-of-chain rule
+    /// would evict it. A hung or dead end (the case the rule is for) stops heartbeating, so
+    /// it is soon not fresh and costs at most the extra holds. Returns the chain as last read.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: reads only.
+    async fn await_live_chain_end(
+        &self,
+        job: &str,
+        generation: u64,
+        own: revocation::TimeoutReport,
+        mut chain: Vec<revocation::TimeoutReport>,
+    ) -> Vec<revocation::TimeoutReport> {
+        let limit = self.ctx.settings.for_job(job).heartbeat_interval * 2;
+        for _ in 0..CHAIN_END_WAITS {
+            let Some(revocation::CascadeRoot::ChainEnd(end)) = revocation::cascade_root(&chain) else { break };
+            let Ok(Some((g, _))) = ops::read_generation(self.ctx.store.as_ref(), job).await else { break };
+            if g.number != generation || g.revoked.is_some() {
+                break;
+            }
+            let Some(m) = g.members.get(end as usize) else { break };
+            let Ok(silences) = self.silences(job, &g).await else { break };
+            let fresh = silences.get(&(m.worker_id.clone(), m.incarnation)).is_some_and(|s| s.at_most < limit);
+            if !fresh {
+                break;
+            }
+            tracing::debug!(end, "the cascade's end is alive and has not reported yet: holding longer");
+            tokio::time::sleep(revocation::TIMEOUT_HOLD).await;
+            chain = self.timeouts_of(job, generation, own).await;
+        }
+        chain
+    }
+
+    /// Whether rank `suspect`'s whole failure domain is lost in `g` (see [`crate::domains`]),
+    /// by what this replica can learn: the job's records (process gone: control stream
+    /// closed or lease gone), heartbeat silences ([`Self::silences`]; longer than twice the
+    /// heartbeat interval for certain: lost; heard within it: alive) and the generation's
+    /// timeout reports (a member another timed out on: lost). While no other member of the
+    /// domain is known alive but some are not yet known lost, it looks again, up to
+    /// [`DOMAIN_CHECKS`] times [`revocation::TIMEOUT_HOLD`] apart (the closes of a node's
+    /// processes reach the coordinator a moment apart); a domain with a live member costs no
+    /// wait. Store errors make it `None` (the report is judged as a member's).
+    ///
+    /// # Cancel safety
+    /// Cancel safe: reads only.
+    async fn domain_loss(
+        &self,
+        job: &str,
+        g: &records::GenerationRecord,
+        suspect: u32,
+    ) -> Option<crate::domains::DomainLoss> {
+        use crate::domains::{whole_domain_lost, Evidence};
+        let domain = g.members.get(suspect as usize)?.domain();
+        if g.members.iter().filter(|m| m.domain() == domain).count() < 2 {
+            return None;
+        }
+        let limit = self.ctx.settings.for_job(job).heartbeat_interval * 2;
+        for check in 0..DOMAIN_CHECKS {
+            if check > 0 {
+                tokio::time::sleep(revocation::TIMEOUT_HOLD).await;
+            }
+            let state = self.read_job(job).await.ok()?;
+            let silences = self.silences(job, g).await.ok()?;
+            let chain = self
+                .timeouts_of(job, g.number, revocation::TimeoutReport { reporter: suspect, suspect, progress: None })
+                .await;
+            let mut any_alive = false;
+            let evidence = |rank: u32| {
+                let m = &g.members[rank as usize];
+                let silence = silences.get(&(m.worker_id.clone(), m.incarnation));
+                // A gone process first; then a recent heartbeat (a live member named in a
+                // cascade of timeouts is not lost); then certain silence or a peer's timeout.
+                if !state.is_live(&m.worker_id, m.incarnation) || state.is_disconnected(&m.worker_id, m.incarnation) {
+                    Evidence::Lost
+                } else if silence.is_some_and(|s| s.at_most < limit) {
+                    any_alive = true;
+                    Evidence::Alive
+                } else if silence.is_some_and(|s| s.at_least > limit)
+                    || chain.iter().any(|t| t.suspect == rank && t.reporter != rank)
+                {
+                    Evidence::Lost
+                } else {
+                    Evidence::Unknown
+                }
+            };
+            if let Some(loss) = whole_domain_lost(g, suspect, evidence) {
+                return Some(loss);
+            }
+            if any_alive {
+                return None;
+            }
+        }
+        None
     }
 
     /// Records a timeout report of `generation` in the store (`timeouts/<worker>`, on the
@@ -834,6 +958,7 @@ impl CoordinatorService {
                     worker_id: m.worker_id.clone(),
                     incarnation: m.incarnation,
                     host: m.host.clone(),
+                    domain: records::effective_domain(&m.domain, &m.host).to_string(),
                     rank: g.and_then(|g| g.rank_of(&m.worker_id, m.incarnation)),
                     last_heartbeat_ms: p.map_or(m.joined_at_ms, |p| p.last_heartbeat_ms),
                     generation: p.map_or(0, |p| p.generation),

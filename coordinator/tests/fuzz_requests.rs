@@ -56,10 +56,11 @@ fn rpc() -> impl Strategy<Value = Rpc> {
             any::<String>(),
             prop::collection::vec(address, 0..4),
             prop::collection::vec(any::<String>(), 0..4),
-            any::<u32>()
+            any::<u32>(),
+            any::<String>()
         )
-            .prop_map(|(job, worker_id, host, addresses, capabilities, protocol_version)| Rpc::Join(
-                pb::JoinRequest { job, worker_id, host, addresses, capabilities, protocol_version }
+            .prop_map(|(job, worker_id, host, addresses, capabilities, protocol_version, domain)| Rpc::Join(
+                pb::JoinRequest { job, worker_id, host, addresses, capabilities, protocol_version, domain }
             )),
         (id(), id(), num(), num(), num(), any::<String>(), any::<String>()).prop_map(
             |(job, worker_id, incarnation, generation, step, activity, deadlines)| Rpc::Heartbeat(

@@ -134,7 +134,13 @@ async fn two_leaders_race(backend: Backend) {
             ended_ttl: ops::ENDED_TTL,
         };
         let (a, b) = (ctx("a"), ctx("b"));
-        let placed = |w: &str| Placed { worker_id: w.into(), incarnation: 1, host: "h".into(), addresses: vec![] };
+        let placed = |w: &str| Placed {
+            worker_id: w.into(),
+            incarnation: 1,
+            host: "h".into(),
+            addresses: vec![],
+            domain: String::new(),
+        };
         let (ra, rb) = tokio::join!(
             ops::form_generation(&a, "race", None, None, vec![placed("x"), placed("y")]),
             ops::form_generation(&b, "race", None, None, vec![placed("y"), placed("x")]),

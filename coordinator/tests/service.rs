@@ -665,6 +665,101 @@ async fn different_commit_digests_are_flagged(backend: Backend) {
     server.shutdown().await.expect("shutdown");
 }
 
+/// A node of two ranks lost at once (`n1`: both silent), reported by a survivor: one cause
+/// naming the domain and both ranks, both evicted, and the failure counted once against the
+/// domain (threshold 1: every worker of `n1` is then refused, also one never blamed, while
+/// other domains join). Ranks group by domain whatever the join order.
+async fn a_lost_domain_is_one_failure_of_the_domain(backend: Backend) {
+    let backing = Backing::new(backend).await;
+    let mut settings = test_settings(backend);
+    // Long enough that the leader's lease-lapse check never races the report below.
+    settings.lease_ttl = Duration::from_secs(5);
+    settings.elastic_timeout = Duration::from_secs(60);
+    let mut options = Options::new(settings);
+    options.exclusion = ExclusionPolicy {
+        threshold: 1,
+        window: Duration::from_secs(600),
+        base_cooldown: Duration::from_secs(30),
+        max_cooldown: Duration::from_secs(1800),
+    };
+    let server = replica(backing.store.clone(), &options).await;
+    let addr = server.local_addr();
+    let on = |id: &str, domain: &str| pb::JoinRequest { domain: domain.into(), ..join_request("job-d", id) };
+    let mut workers = Vec::new();
+    for (id, domain) in [("a", "n1"), ("c", "n2"), ("b", "n1"), ("d", "n2")] {
+        workers.push(Worker::join_with(addr, on(id, domain), HB).await);
+    }
+    let gens = form_all(&workers, 0).await;
+    // The rendezvous arrival order is the join order here only by chance; whatever it is,
+    // each domain's ranks are adjacent.
+    let domains: Vec<&str> = gens[0].members.iter().map(|m| m.domain.as_str()).collect();
+    assert!(domains == ["n1", "n1", "n2", "n2"] || domains == ["n2", "n2", "n1", "n1"], "{domains:?}");
+    let rank_of = |id: &str| gens[0].members.iter().position(|m| m.worker_id == id).expect("member") as u32;
+    let st = status(addr, "job-d").await;
+    assert!(
+        st.members.iter().all(|m| m.domain == if m.worker_id.as_str() < "c" { "n1" } else { "n2" }),
+        "{:?}",
+        st.members
+    );
+
+    // n1 goes silent (both ranks); wait (bounded) until the coordinator has certainly not
+    // heard from either for longer than two heartbeat intervals.
+    workers[0].stop_heartbeats();
+    workers[2].stop_heartbeats();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let st = status(addr, "job-d").await;
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).expect("clock").as_millis() as u64;
+        let silent =
+            st.members.iter().filter(|m| m.domain == "n1" && now.saturating_sub(m.last_heartbeat_ms) > 1500).count();
+        if silent == 2 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "n1's members still heard from: {:?}", st.members);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let (ra, rb) = (rank_of("a"), rank_of("b"));
+    let answer = workers[1]
+        .report_kind(1, Some(rb), "peer closed the link", pb::failure_report::FailureKind::PeerClosed)
+        .await
+        .expect("report");
+    assert!(answer.accepted);
+    let cause = answer.cause.expect("cause");
+    let lost = [ra.min(rb), ra.max(rb)];
+    assert_eq!((cause.domain.as_str(), cause.lost_ranks.as_slice()), ("n1", &lost[..]), "{cause:?}");
+    assert_eq!(cause.rank, Some(rb), "the reported rank stays the cause's rank");
+    let named = format!("domain n1 lost: ranks {}, {} (all 2 of its ranks)", lost[0], lost[1]);
+    assert!(cause.reason.starts_with(&named), "{}", cause.reason);
+
+    // Both evicted at once: the one never reported too.
+    for w in [&workers[0], &workers[2]] {
+        let mut c = w.client.clone();
+        let hb = c
+            .heartbeat(pb::HeartbeatRequest {
+                job: "job-d".into(),
+                worker_id: w.id.clone(),
+                incarnation: w.incarnation,
+                ..Default::default()
+            })
+            .await;
+        assert_eq!(hb.map(|_| ()).map_err(|s| s.code()), Err(tonic::Code::NotFound), "{} evicted", w.id);
+    }
+    // Counted against the domain: any worker of n1 is refused, other domains are not.
+    let mut c = client(addr).await;
+    for id in ["a", "e"] {
+        let refused = c.join(on(id, "n1")).await.expect_err("n1 is excluded");
+        assert_eq!(refused.code(), tonic::Code::FailedPrecondition);
+        assert!(refused.message().contains("failure domain n1 is excluded"), "{}", refused.message());
+        assert!(refused.metadata().get(cohort_proto::RETRY_AFTER_MS_HEADER).is_some());
+    }
+    c.join(on("f", "n3")).await.expect("another domain joins");
+    // The survivors re-form at once, without waiting for n1's leases.
+    let survivors = [&workers[1], &workers[3]];
+    let (g2c, g2d) = tokio::join!(survivors[0].next_generation(1), survivors[1].next_generation(1));
+    assert_eq!(g2c, g2d);
+    assert!(g2c.members.iter().all(|m| m.domain != "n1"), "{:?}", g2c.members);
+}
+
 macro_rules! suite {
     ($($name:ident),* $(,)?) => {
         mod memory {
@@ -703,4 +798,5 @@ suite!(
     two_dead_at_once_reform_without_the_join_window,
     a_reopened_control_stream_counts_as_connected,
     different_commit_digests_are_flagged,
+    a_lost_domain_is_one_failure_of_the_domain,
 );

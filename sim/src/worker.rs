@@ -178,6 +178,7 @@ impl Worker {
                 }],
                 capabilities: vec!["transport:tcp".into()],
                 protocol_version: cohort_proto::PROTOCOL_VERSION,
+                domain: String::new(),
             };
             let joined =
                 bounded(self.shared(), &self.name, "Join", self.bound(Duration::ZERO), self.client.join(request)).await;

@@ -123,6 +123,11 @@ struct TrainArgs {
     /// This worker's stable id (default: HOSTNAME-PID).
     #[arg(long)]
     worker_id: Option<String>,
+    /// Failure domain: what fails together with this worker, e.g. the node name (on
+    /// Kubernetes, spec.nodeName through the downward API; also accepted: env COHORT_DOMAIN).
+    /// Default: the host name.
+    #[arg(long, default_value = "")]
+    domain: String,
     /// Data-plane listen address (port 0: any free port).
     #[arg(long, default_value = "0.0.0.0:0")]
     listen: SocketAddr,
@@ -371,6 +376,9 @@ fn train_main(args: TrainArgs) -> Result<TrainSummary, String> {
         .unwrap_or_else(|| format!("{}-{}", cohort::elastic::local_hostname(), std::process::id()));
     let mut config = ElasticConfig::new(args.job.clone(), worker_id, control);
     config.token = token.unwrap_or_default().into_bytes();
+    if !args.domain.is_empty() {
+        config.domain = args.domain.clone();
+    }
     config.listen = args.listen;
     config.advertise = args.advertise.clone();
     config.deadlines.no_progress = args.no_progress_timeout;

@@ -134,6 +134,7 @@ pub(crate) fn join_request(job: &str, worker: &str) -> pb::JoinRequest {
         addresses: vec![pb::TransportAddress { transport: "tcp".into(), address: "127.0.0.1:40000".into() }],
         capabilities: vec!["transport:tcp".into()],
         protocol_version: cohort_proto::PROTOCOL_VERSION,
+        domain: String::new(),
     }
 }
 

@@ -18,6 +18,11 @@ pub struct ElasticConfig {
     pub worker_id: String,
     /// Host name shown in status and root causes.
     pub host: String,
+    /// Failure domain: what fails together with this worker (a node name; on Kubernetes
+    /// `spec.nodeName` through the downward API). Empty: the coordinator takes the host. Ranks
+    /// of one domain get adjacent ranks; losing all of them at once is one failure.
+    /// [`ElasticConfig::new`] takes it from the environment variable `COHORT_DOMAIN`.
+    pub domain: String,
     /// How to reach the coordinator.
     pub control: ControlConfig,
     /// The job's credential, or the operator secret it derives from
@@ -67,6 +72,7 @@ impl ElasticConfig {
             job: job.into(),
             worker_id: worker_id.into(),
             host: local_hostname(),
+            domain: std::env::var("COHORT_DOMAIN").unwrap_or_default(),
             control,
             token: Vec::new(),
             listen: SocketAddr::from(([0, 0, 0, 0], 0)),

@@ -263,6 +263,7 @@ impl ElasticGroup {
             addresses,
             capabilities,
             protocol_version: cohort_proto::PROTOCOL_VERSION,
+            domain: self.config.domain.clone(),
         };
         let started = Instant::now();
         let response = loop {
