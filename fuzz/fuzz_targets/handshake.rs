@@ -1,7 +1,7 @@
 //! Handshake messages as the wire reads them (a prefix, then the body it announces), and any
 //! body for any kind: a message or a typed error, never a panic.
 #![no_main]
-use cohort_transports::tcp::handshake::{self, PREFIX_LEN};
+use cohort_transports::handshake::{self, PREFIX_LEN};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {

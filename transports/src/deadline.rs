@@ -207,7 +207,7 @@ impl LinkProgress {
     pub(crate) fn saw(&self, seq: u32) {
         use std::sync::atomic::Ordering;
         let _ = self.newest_seq.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |cur| {
-            let newer = cur == 0 || crate::tcp::frame::seq_older((cur - 1) as u32, seq);
+            let newer = cur == 0 || crate::wire::seq_older((cur - 1) as u32, seq);
             newer.then_some(u64::from(seq) + 1)
         });
     }
@@ -216,7 +216,7 @@ impl LinkProgress {
     pub(crate) fn peer_in(&self, seq: u32) -> bool {
         match self.newest_seq.load(std::sync::atomic::Ordering::Relaxed) {
             0 => false,
-            n => !crate::tcp::frame::seq_older((n - 1) as u32, seq),
+            n => !crate::wire::seq_older((n - 1) as u32, seq),
         }
     }
 

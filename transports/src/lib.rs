@@ -23,12 +23,14 @@
 mod abort;
 pub mod deadline;
 pub mod error;
+pub mod handshake;
 mod link_guards;
 #[cfg(feature = "rdma")]
 pub mod rdma;
 pub mod shm;
 pub mod sim;
 pub mod tcp;
+pub mod wire;
 
 pub use deadline::{DeadlineBasis, DeadlineInForce, Learning};
 pub use error::TransportError;

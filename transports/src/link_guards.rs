@@ -2,7 +2,7 @@
 //! flight (to tell a stale frame from an early one), the guard that marks a link unusable when
 //! an operation is dropped part-way, and a mutex lock that tolerates poisoning.
 
-use crate::tcp::frame::seq_older;
+use crate::wire::seq_older;
 use crate::{AbortReason, TransportError};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 

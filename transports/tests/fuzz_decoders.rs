@@ -8,8 +8,8 @@
 //! every run; those found while writing these tests stand below as plain regression tests.
 //! `PROPTEST_CASES=N` runs more cases (docs/testing.md reports a long run).
 
+use cohort_transports::handshake::{self, Hello, Message, PREFIX_LEN};
 use cohort_transports::tcp::frame::{FrameHeader, HEADER_LEN};
-use cohort_transports::tcp::handshake::{self, Hello, Message, PREFIX_LEN};
 use cohort_transports::Tag;
 use proptest::prelude::*;
 

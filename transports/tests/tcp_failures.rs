@@ -2,8 +2,8 @@
 
 mod tcp_support;
 
+use cohort_transports::handshake::{self, Message, Verdict};
 use cohort_transports::tcp::frame::{FrameHeader, HEADER_LEN};
-use cohort_transports::tcp::handshake::{self, Message, Verdict};
 use cohort_transports::tcp::{TcpEndpoint, TcpOptions, TcpTransport};
 use cohort_transports::{AbortReason, Deadlines, Rank, Tag, Transport, TransportError};
 use std::net::SocketAddr;

@@ -3,7 +3,7 @@
 //! Rank `i` dials the bootstrap listener of every rank `j < i` and accepts from every rank
 //! `j > i`. On each connection:
 //!
-//! 1. the TCP transport's handshake runs unchanged ([`crate::tcp::handshake`]): hellos
+//! 1. the TCP transport's handshake runs unchanged ([`crate::handshake`]): hellos
 //!    carrying job, generation, ranks, world size and nonces, then HMAC-SHA256 proofs over
 //!    both hellos keyed by the job token, then the acceptor's verdict;
 //! 2. each side sends a `QPINFO` message: magic `"CHRQ"`, text length (u16 LE), its encoded
@@ -21,7 +21,7 @@
 
 use super::address::{RdmaAddress, MAX_ADDRESS_LEN};
 use super::qp::{QpTiming, QueuePair};
-use crate::tcp::handshake::{self as hs, Hello, Message, Refusal, Verdict};
+use crate::handshake::{self as hs, Hello, Message, Refusal, Verdict};
 use crate::{Rank, TransportError};
 use hmac::{Hmac, Mac};
 use sha2::Sha256;

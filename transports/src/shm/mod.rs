@@ -203,7 +203,7 @@ impl ShmEndpoint {
         if rank >= world {
             return Err(TransportError::InvalidArgument(format!("rank {rank} out of range for a world of {world}")));
         }
-        crate::tcp::handshake::validate_job(&spec.job).map_err(TransportError::InvalidArgument)?;
+        crate::handshake::validate_job(&spec.job).map_err(TransportError::InvalidArgument)?;
         let deadline = Instant::now() + spec.deadlines.connect;
         let ctx = Arc::new(PairCtx {
             job: spec.job.clone(),

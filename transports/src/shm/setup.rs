@@ -6,7 +6,7 @@
 //! dials every shared-memory peer `j < i` at that peer's name, retrying until the peer listens
 //! or the connect deadline passes. The exchange on each connection (D = dialer, A = acceptor):
 //!
-//! 1. The hello / proof / proof / verdict exchange of [`crate::tcp::handshake`] (job,
+//! 1. The hello / proof / proof / verdict exchange of [`crate::handshake`] (job,
 //!    generation, ranks, world size, HMAC proofs of the job token).
 //! 2. D creates the pair's sealed segment (two rings) and sends a 16-byte descriptor (magic
 //!    `"CHSD"`, slot count u32, slot bytes u32, reserved u32) with the memfd attached
@@ -21,7 +21,7 @@ use super::link::{LinkParams, ShmLink};
 use super::ring::{ring_bytes, Ring, SLOT_HEADER};
 use super::segment::Mapping;
 use super::{ShmAddress, ShmOptions};
-use crate::tcp::handshake::{self, check_fields, Hello, HsIoError, Message, Verdict};
+use crate::handshake::{self, check_fields, Hello, HsIoError, Message, Verdict};
 use crate::{Rank, TransportError};
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};

@@ -1,7 +1,7 @@
 //! The long-lived listener and the routing of accepted connections to mesh set-ups.
 
-use super::handshake::{self, Hello, HsIoError, Message, Refusal, Verdict};
 use super::options::TcpOptions;
+use crate::handshake::{self, Hello, HsIoError, Message, Refusal, Verdict};
 use crate::{Rank, TransportError};
 use std::collections::HashMap;
 use std::net::SocketAddr;

@@ -36,10 +36,11 @@
 //! writes to a broken link sees its writes stall and fails on its own no-progress deadline,
 //! while a peer that reads sees end-of-stream at once.)
 
-use super::frame::{seq_older, FrameHeader, HEADER_LEN};
+use super::frame::{FrameHeader, HEADER_LEN};
 use super::liveness::{self, Answer, PROBE_WITHIN};
 use crate::deadline::{DeadlineInForce, LinkProgress};
 use crate::link_guards::{lock, BreakQuietly, Poison, Waiting};
+use crate::wire::{seq_older, STASH_BUDGET, STASH_MAX_FRAMES};
 use crate::{Deadlines, Rank, Tag, TransportError};
 use std::future::Future;
 use std::io::{self, IoSlice};
@@ -57,10 +58,6 @@ use tokio::time::{Instant, Sleep};
 
 /// Size of the per-link read-ahead buffer used for headers and small payloads.
 pub const READ_AHEAD: usize = 16 * 1024;
-/// Most bytes of out-of-order frames a link holds for receivers that have not asked yet.
-pub const STASH_BUDGET: usize = 64 << 20;
-/// Most out-of-order frames a link holds.
-pub const STASH_MAX_FRAMES: usize = 1024;
 
 /// Why a socket operation stopped.
 enum IoFail {

@@ -13,7 +13,7 @@
 //! The whole set-up is bounded by [`Deadlines::connect`].
 //!
 //! # Wire protocol (version 1, little-endian)
-//! **Handshake** — see [`handshake`] for the byte layout. The dialer sends a hello (magic,
+//! **Handshake** — see [`crate::handshake`] for the byte layout. The dialer sends a hello (magic,
 //! version, job id, generation, its rank, the rank it means to reach, world size, 32-byte
 //! nonce); the acceptor answers with its own hello and an HMAC-SHA256 proof over both hellos
 //! keyed by the job token; the dialer verifies it (constant time), checks the fields and
@@ -41,7 +41,6 @@
 
 mod endpoint;
 pub mod frame;
-pub mod handshake;
 pub mod link;
 pub mod liveness;
 mod mesh;
@@ -65,7 +64,7 @@ use tracing::Instrument;
 /// What one generation's mesh is made of.
 #[derive(Clone, Debug)]
 pub struct MeshSpec {
-    /// Job id (1..=[`handshake::MAX_JOB_LEN`] bytes).
+    /// Job id (1..=[`crate::handshake::MAX_JOB_LEN`] bytes).
     pub job: String,
     /// Generation being formed.
     pub generation: u64,
@@ -150,7 +149,7 @@ impl TcpEndpoint {
                 spec.rank
             )));
         }
-        handshake::validate_job(&spec.job).map_err(TransportError::InvalidArgument)?;
+        crate::handshake::validate_job(&spec.job).map_err(TransportError::InvalidArgument)?;
         let rank = spec.rank;
         let deadline = Instant::now() + spec.deadlines.connect;
         let mut streams: Vec<Option<tokio::net::TcpStream>> = (0..world).map(|_| None).collect();

@@ -1,7 +1,7 @@
 //! Helpers shared by the TCP transport tests.
 #![allow(dead_code)]
 
-use cohort_transports::tcp::handshake::{self, Hello, Message, Verdict};
+use cohort_transports::handshake::{self, Hello, Message, Verdict};
 use cohort_transports::tcp::{MeshSpec, TcpEndpoint, TcpOptions, TcpTransport};
 use cohort_transports::{Deadlines, Rank, TransportError};
 use std::future::Future;

@@ -1,4 +1,6 @@
-//! Connection handshake: message encoding (pure) and the two sides' procedures.
+//! The connection handshake every transport runs on its setup stream (a TCP link itself, the
+//! shared-memory setup socket, the RDMA bootstrap connection): message encoding (pure) and the
+//! two sides' procedures.
 //!
 //! Every handshake message starts with an 8-byte prefix: magic `"CHTH"` (u32 LE), version
 //! u8, kind u8, body length u16 LE. Bodies (little-endian):
@@ -34,7 +36,8 @@ use sha2::Sha256;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::time::Instant;
 
-use super::frame::VERSION;
+/// Version of the handshake messages (the prefix's version byte).
+pub const VERSION: u8 = 1;
 
 type HmacSha256 = Hmac<Sha256>;
 

@@ -1,0 +1,359 @@
+//! The per-process RDMA endpoint: device, protection domain, buffer pool and bootstrap
+//! listener, and the building of one generation's mesh from it ([`RdmaEndpoint::connect_mesh`]).
+
+use super::*;
+
+/// Configuration of an [`RdmaEndpoint`] and the transports it builds.
+#[derive(Clone, Debug)]
+pub struct RdmaOptions {
+    /// Device, port and GID selection.
+    pub device: DeviceConfig,
+    /// Where to bind the bootstrap listener (port 0 picks a free port).
+    pub bootstrap_bind: SocketAddr,
+    /// Bootstrap address to publish; defaults to the bound address (set it when binding a
+    /// wildcard address). Port 0 here means the port the listener was bound to.
+    pub advertise: Option<SocketAddr>,
+    /// Bytes per receive slot (header included). Default 256 KiB.
+    pub slot_bytes: u32,
+    /// Slots per peer ring. Default 16.
+    pub slots: u32,
+    /// Largest message accepted from a peer. Default 1 GiB.
+    pub max_message: u64,
+    /// Per peer: bytes of early messages copied out of the ring to wait for their receive.
+    /// Default 64 MiB.
+    pub max_unexpected_bytes: u64,
+    /// Poll the completion queue in a loop instead of sleeping on completion events.
+    pub busy_poll: bool,
+    /// RC timeouts and retry counts.
+    pub timing: QpTiming,
+    /// Idle registered memory the endpoint keeps for later generations. Default 256 MiB.
+    pub max_cached_bytes: usize,
+}
+
+impl Default for RdmaOptions {
+    fn default() -> Self {
+        Self {
+            device: DeviceConfig::default(),
+            bootstrap_bind: SocketAddr::from(([127, 0, 0, 1], 0)),
+            advertise: None,
+            slot_bytes: 256 << 10,
+            slots: 16,
+            max_message: 1 << 30,
+            max_unexpected_bytes: 64 << 20,
+            busy_poll: false,
+            timing: QpTiming::default(),
+            max_cached_bytes: 256 << 20,
+        }
+    }
+}
+
+/// What one generation's RDMA mesh is made of.
+#[derive(Clone, Debug)]
+pub struct RdmaMeshSpec {
+    /// Job id (1..=256 bytes).
+    pub job: String,
+    /// Generation being formed.
+    pub generation: u64,
+    /// This process's rank.
+    pub rank: Rank,
+    /// Endpoint address of every rank, indexed by rank (this rank's own entry is ignored).
+    pub peers: Vec<EndpointAddress>,
+    /// The job token; only HMAC proofs derived from it cross the wire.
+    pub token: Vec<u8>,
+    /// Connect and no-progress deadlines.
+    pub deadlines: Deadlines,
+}
+
+/// A worker's long-lived RDMA endpoint: device, protection domain, registered-memory pool
+/// and bootstrap listener.
+pub struct RdmaEndpoint {
+    // Field order is drop order: listener, pool (deregisters idle buffers), then device.
+    pub(super) listener: tokio::sync::Mutex<TcpListener>,
+    pub(super) pool: BufferPool,
+    pub(super) address: EndpointAddress,
+    pub(super) options: RdmaOptions,
+    pub(super) device: Arc<Device>,
+}
+
+impl std::fmt::Debug for RdmaEndpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RdmaEndpoint").field("address", &self.address).field("device", &self.device).finish()
+    }
+}
+
+pub(super) fn check_options(o: &RdmaOptions) -> Result<(), TransportError> {
+    let bad = |m: String| Err(TransportError::InvalidArgument(m));
+    if !(address::MIN_SLOT_BYTES..=address::MAX_SLOT_BYTES).contains(&o.slot_bytes) {
+        return bad(format!(
+            "slot_bytes {} outside {}..={}",
+            o.slot_bytes,
+            address::MIN_SLOT_BYTES,
+            address::MAX_SLOT_BYTES
+        ));
+    }
+    if o.slots == 0 || o.slots > address::MAX_SLOTS {
+        return bad(format!("slots {} outside 1..={}", o.slots, address::MAX_SLOTS));
+    }
+    if u64::from(o.slot_bytes) * u64::from(o.slots) > u64::from(u32::MAX) {
+        return bad("a ring of slots x slot_bytes must stay below 4 GiB".into());
+    }
+    Ok(())
+}
+
+/// The bootstrap address to publish: `advertise` (its port 0 replaced by the bound port), or
+/// the bound address `local`. A wildcard IP cannot be dialled, so it is refused.
+pub(super) fn bootstrap_address(
+    advertise: Option<SocketAddr>,
+    local: SocketAddr,
+) -> Result<SocketAddr, TransportError> {
+    let mut bootstrap = advertise.unwrap_or(local);
+    if bootstrap.port() == 0 {
+        bootstrap.set_port(local.port());
+    }
+    if bootstrap.ip().is_unspecified() {
+        return Err(TransportError::InvalidArgument(format!(
+            "bootstrap listener bound to {local}: set RdmaOptions::advertise to a reachable address"
+        )));
+    }
+    Ok(bootstrap)
+}
+
+impl RdmaEndpoint {
+    /// Opens the device and binds the bootstrap listener. Fails with
+    /// [`TransportError::Io`] naming what is missing when there is no usable device, and
+    /// with [`TransportError::InvalidArgument`] for impossible options.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: dropping the future releases whatever was opened.
+    pub async fn open(options: RdmaOptions) -> Result<Self, TransportError> {
+        check_options(&options)?;
+        let device = Arc::new(Device::open(&options.device)?);
+        let listener = TcpListener::bind(options.bootstrap_bind).await.map_err(|e| {
+            TransportError::Io(format!("binding the rdma bootstrap listener on {}: {e}", options.bootstrap_bind))
+        })?;
+        let local =
+            listener.local_addr().map_err(|e| TransportError::Io(format!("bootstrap listener address: {e}")))?;
+        let bootstrap = bootstrap_address(options.advertise, local)?;
+        let address = EndpointAddress { lid: device.lid(), gid: device.gid(), mtu: device.mtu(), bootstrap };
+        let pool = BufferPool::new(device.clone(), options.max_cached_bytes);
+        Ok(Self { listener: tokio::sync::Mutex::new(listener), pool, address, options, device })
+    }
+
+    /// The address to publish through the coordinator (`EndpointAddress::encode`).
+    pub fn address(&self) -> &EndpointAddress {
+        &self.address
+    }
+
+    /// Name of the device in use.
+    pub fn device_name(&self) -> &str {
+        self.device.name()
+    }
+
+    /// The options in force.
+    pub fn options(&self) -> &RdmaOptions {
+        &self.options
+    }
+
+    /// Connects this rank to every other rank of `spec.generation`: creates a queue pair and
+    /// receive ring per peer, exchanges their descriptions over the authenticated bootstrap
+    /// and brings every queue pair to RTS. Bounded by `spec.deadlines.connect`; one set-up at
+    /// a time per endpoint (a second waits for the first).
+    ///
+    /// # Cancel safety
+    /// Cancel safe: dropping the future stops the set-up tasks and frees the queue pairs.
+    pub async fn connect_mesh(&self, spec: RdmaMeshSpec) -> Result<RdmaTransport, TransportError> {
+        let span = tracing::info_span!("rdma_mesh", job = %spec.job, generation = spec.generation, rank = spec.rank);
+        self.connect_inner(spec).instrument(span).await
+    }
+
+    pub(super) async fn connect_inner(&self, spec: RdmaMeshSpec) -> Result<RdmaTransport, TransportError> {
+        let world =
+            u32::try_from(spec.peers.len()).map_err(|_| TransportError::InvalidArgument("too many peers".into()))?;
+        if spec.rank >= world {
+            return Err(TransportError::InvalidArgument(format!("rank {} outside a world of {world}", spec.rank)));
+        }
+        validate_job(&spec.job).map_err(TransportError::InvalidArgument)?;
+        let deadline = Instant::now() + spec.deadlines.connect;
+        let o = &self.options;
+        let peers_n = world.saturating_sub(1);
+        // Per QP: sends = data writes (peer's slots, assumed like ours) + credit sends.
+        let send_wr = 2 * o.slots + 8;
+        let recv_wr = 2 * o.slots + 8;
+        let cq_entries =
+            i32::try_from(u64::from(peers_n.max(1)) * u64::from(send_wr + recv_wr) + 64).unwrap_or(i32::MAX);
+        let cq = Arc::new(CompletionQueue::new(&self.device, cq_entries)?);
+        let mut pairs: Vec<Option<PairSetup>> = Vec::with_capacity(world as usize);
+        let mut rings: Vec<Option<PooledBuffer>> = Vec::with_capacity(world as usize);
+        for r in 0..world {
+            if r == spec.rank {
+                pairs.push(None);
+                rings.push(None);
+                continue;
+            }
+            let qp = Arc::new(QueuePair::new(&self.device, &cq, send_wr, recv_wr)?);
+            let ring = self.pool.get((o.slots * o.slot_bytes) as usize, true)?;
+            for _ in 0..recv_wr {
+                qp.post_recv(WR_RECV)?;
+            }
+            let mut psn_bytes = [0u8; 4];
+            getrandom::fill(&mut psn_bytes)
+                .map_err(|e| TransportError::Io(format!("no randomness for the PSN: {e}")))?;
+            let local = RdmaAddress {
+                lid: self.device.lid(),
+                gid: self.device.gid(),
+                qpn: qp.qpn(),
+                psn: u32::from_le_bytes(psn_bytes) & MAX_24BIT,
+                mtu: self.device.mtu(),
+                slot_bytes: o.slot_bytes,
+                ring: RecvRegion { addr: ring.addr(), rkey: ring.rkey(), len: o.slots * o.slot_bytes },
+            };
+            pairs.push(Some(PairSetup { qp, local }));
+            rings.push(Some(ring));
+        }
+        let ctx = Arc::new(MeshCtx {
+            job: spec.job.clone(),
+            generation: spec.generation,
+            rank: spec.rank,
+            world,
+            token: spec.token.clone(),
+            deadline,
+            timing: o.timing,
+            max_slots: o.slots,
+            pairs,
+            claimed: Mutex::new(vec![false; world as usize]),
+        });
+        let remotes = self.exchange(&ctx, &spec, world, deadline).await?;
+        let mut peers = Vec::with_capacity(world as usize);
+        let mut by_qpn = HashMap::new();
+        for ((r, pair), (ring, remote)) in ctx.pairs.iter().enumerate().zip(rings.into_iter().zip(remotes)) {
+            let (Some(pair), Some(ring), Some(remote)) = (pair, ring, remote) else {
+                peers.push(None);
+                continue;
+            };
+            let staging = self.pool.get((remote.slots() * remote.slot_bytes) as usize, false)?;
+            by_qpn.insert(pair.qp.qpn(), r as Rank);
+            let now = Instant::now();
+            peers.push(Some(Peer {
+                rank: r as Rank,
+                qp: pair.qp.clone(),
+                state: Mutex::new(PeerState {
+                    window: SendWindow::new(remote.slots()),
+                    ring: RecvRing::new(o.slots, (o.slots / 4).max(1)),
+                    inbound: HashMap::new(),
+                    broken: None,
+                    last_progress: now,
+                    staged_bytes: 0,
+                    staged_msgs: 0,
+                    credit_backlog: 0,
+                    credit_sends: 0,
+                }),
+                ring,
+                staging,
+                remote,
+                local_slot_bytes: o.slot_bytes,
+                wake: watch::channel(0).0,
+                send_lock: tokio::sync::Mutex::new(()),
+            }));
+        }
+        let (stop_tx, stop_rx) = watch::channel(false);
+        let inner = Arc::new(Inner {
+            peers,
+            by_qpn,
+            cq,
+            rank: spec.rank,
+            world,
+            generation: spec.generation,
+            deadlines: spec.deadlines,
+            max_message: o.max_message,
+            max_unexpected: o.max_unexpected_bytes,
+            abort: Mutex::new(None),
+            aborted: AtomicBool::new(false),
+        });
+        let span =
+            tracing::info_span!("rdma_progress", job = %spec.job, generation = spec.generation, rank = spec.rank);
+        let engine = tokio::spawn(progress(inner.clone(), stop_rx, o.busy_poll).instrument(span));
+        tracing::info!(world, "rdma mesh connected");
+        Ok(RdmaTransport { inner, stop: stop_tx, engine })
+    }
+
+    pub(super) async fn exchange(
+        &self,
+        ctx: &Arc<MeshCtx>,
+        spec: &RdmaMeshSpec,
+        world: u32,
+        deadline: Instant,
+    ) -> Result<Vec<Option<RdmaAddress>>, TransportError> {
+        let mut set: JoinSet<Result<Outcome, TransportError>> = JoinSet::new();
+        for j in 0..spec.rank {
+            set.spawn(setup::dial(ctx.clone(), j, spec.peers[j as usize].bootstrap));
+        }
+        let mut remotes: Vec<Option<RdmaAddress>> = vec![None; world as usize];
+        let mut missing = world - 1;
+        let mut to_accept = world - 1 - spec.rank;
+        let mut notes: Vec<String> = Vec::new();
+        let listener = match tokio::time::timeout_at(deadline, self.listener.lock()).await {
+            Ok(l) => l,
+            Err(_) => {
+                return Err(TransportError::Io("another connect_mesh held the endpoint past the deadline".into()))
+            }
+        };
+        while missing > 0 {
+            tokio::select! {
+                acc = listener.accept(), if to_accept > 0 => match acc {
+                    Ok((s, from)) => { set.spawn(setup::accept_one(ctx.clone(), s, from)); }
+                    Err(e) => notes.push(format!("accept failed: {e}")),
+                },
+                Some(res) = set.join_next(), if !set.is_empty() => match res {
+                    Ok(Ok(Outcome::Connected(r, remote))) => {
+                        if remotes[r as usize].replace(remote).is_none() {
+                            missing -= 1;
+                            if r > spec.rank {
+                                to_accept -= 1;
+                            }
+                        }
+                    }
+                    Ok(Ok(Outcome::Refused(note))) => {
+                        tracing::debug!(%note, "refused a bootstrap connection");
+                        if notes.len() < 8 {
+                            notes.push(note);
+                        }
+                    }
+                    Ok(Err(e)) => return Err(e),
+                    Err(e) => return Err(TransportError::Io(format!("set-up task failed: {e}"))),
+                },
+                _ = tokio::time::sleep_until(deadline) => {
+                    let first = (0..world).find(|&r| r != spec.rank && remotes[r as usize].is_none()).unwrap_or(0);
+                    let extra = if notes.is_empty() { String::new() } else { format!(" (refused: {})", notes.join("; ")) };
+                    return Err(TransportError::Handshake {
+                        peer: first,
+                        detail: format!("connect deadline of {:?} passed before rank {first} connected{extra}", spec.deadlines.connect),
+                    });
+                }
+            }
+        }
+        // Stop connections still being refused (strangers); they hold the set-up context.
+        set.shutdown().await;
+        Ok(remotes)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::bootstrap_address;
+    use std::net::SocketAddr;
+
+    fn a(s: &str) -> SocketAddr {
+        s.parse().expect("socket address")
+    }
+
+    #[test]
+    fn bootstrap_address_takes_the_bound_port_when_advertised_without_one() {
+        let local = a("0.0.0.0:45001");
+        assert_eq!(bootstrap_address(Some(a("10.0.0.5:0")), local).ok(), Some(a("10.0.0.5:45001")));
+        assert_eq!(bootstrap_address(Some(a("10.0.0.5:7000")), local).ok(), Some(a("10.0.0.5:7000")));
+        assert_eq!(bootstrap_address(Some(a("[fd00::5]:0")), a("[::]:45002")).ok(), Some(a("[fd00::5]:45002")));
+        assert_eq!(bootstrap_address(None, a("127.0.0.1:45003")).ok(), Some(a("127.0.0.1:45003")));
+        assert!(bootstrap_address(None, local).is_err());
+        assert!(bootstrap_address(Some(a("0.0.0.0:0")), local).is_err());
+    }
+}
