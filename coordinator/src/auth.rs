@@ -13,7 +13,7 @@ use tonic::{Request, Status};
 
 /// Who made a request, as its token shows.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Caller {
+pub(crate) enum Caller {
     /// No token is configured: everyone may do everything.
     Anyone,
     /// The operator secret: every job.
@@ -24,7 +24,7 @@ pub enum Caller {
 
 impl Caller {
     /// Refuses a request about `job` from a caller whose credential is for another job.
-    pub fn permits(&self, job: &str) -> Result<(), Status> {
+    pub(crate) fn permits(&self, job: &str) -> Result<(), Status> {
         match self {
             Caller::Job(own) if own != job => Err(Status::permission_denied(format!(
                 "this credential is for job {own:?}; the request is about job {job:?}"
@@ -36,7 +36,7 @@ impl Caller {
 
 /// A tonic interceptor that authenticates the token (or lets everything through without one).
 #[derive(Clone)]
-pub struct TokenCheck {
+pub(crate) struct TokenCheck {
     /// The operator secrets accepted: the current one first, then those being rotated out.
     secrets: Vec<Vec<u8>>,
 }
@@ -44,12 +44,12 @@ pub struct TokenCheck {
 impl TokenCheck {
     /// Accepts the operator secrets `secrets` and the job credentials derived from them;
     /// with none, requires nothing.
-    pub fn new(secrets: &[String]) -> Self {
+    pub(crate) fn new(secrets: &[String]) -> Self {
         Self { secrets: secrets.iter().map(|s| s.as_bytes().to_vec()).collect() }
     }
 
     /// Authenticates one request's token.
-    pub fn check<T>(&self, request: &Request<T>) -> Result<Caller, Status> {
+    pub(crate) fn check<T>(&self, request: &Request<T>) -> Result<Caller, Status> {
         if self.secrets.is_empty() {
             return Ok(Caller::Anyone);
         }

@@ -18,27 +18,27 @@ use tokio::time::Instant;
 
 /// One member's commit of a step.
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
-pub struct Commit {
+pub(crate) struct Commit {
     /// The member.
-    pub worker_id: String,
+    pub(crate) worker_id: String,
     /// Hex digest of its committed state.
-    pub digest: String,
+    pub(crate) digest: String,
 }
 
 /// Members of one generation that committed one step with different digests.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Mismatch {
+pub(crate) struct Mismatch {
     /// The generation.
-    pub generation: u64,
+    pub(crate) generation: u64,
     /// The step.
-    pub step: u64,
+    pub(crate) step: u64,
     /// Every commit of that step known, ordered by worker.
-    pub commits: Vec<Commit>,
+    pub(crate) commits: Vec<Commit>,
 }
 
 impl Mismatch {
     /// The mismatch as the status RPC returns it.
-    pub fn to_proto(&self) -> cohort_proto::v1::DigestMismatch {
+    pub(crate) fn to_proto(&self) -> cohort_proto::v1::DigestMismatch {
         cohort_proto::v1::DigestMismatch {
             generation: self.generation,
             step: self.step,
@@ -72,14 +72,14 @@ struct JobCommits {
 
 /// The recent commits a replica received, per job, in bounded memory.
 #[derive(Debug, Default)]
-pub struct CommitLedger {
+pub(crate) struct CommitLedger {
     jobs: HashMap<String, JobCommits>,
 }
 
 impl CommitLedger {
     /// Records `worker`'s commit of `step` in `generation` with `digest`. Returns the mismatch
     /// (every known commit of that step) when the digest differs from another member's.
-    pub fn record(
+    pub(crate) fn record(
         &mut self,
         job: &str,
         generation: u64,
@@ -119,19 +119,19 @@ impl CommitLedger {
     }
 
     /// Forgets `job` (it ended).
-    pub fn forget(&mut self, job: &str) {
+    pub(crate) fn forget(&mut self, job: &str) {
         self.jobs.remove(job);
     }
 
     /// The mismatches seen for `job` (the newest [`MISMATCHES_KEPT`]), oldest first.
-    pub fn mismatches(&self, job: &str) -> Vec<Mismatch> {
+    pub(crate) fn mismatches(&self, job: &str) -> Vec<Mismatch> {
         self.jobs.get(job).map(|j| j.mismatches.iter().cloned().collect()).unwrap_or_default()
     }
 }
 
 /// Mismatches among members' last commits, given as `(generation, step, commit)` per member:
 /// the (generation, step) pairs at which two members' digests differ.
-pub fn among_last_commits(last: impl IntoIterator<Item = (u64, u64, Commit)>) -> Vec<Mismatch> {
+pub(crate) fn among_last_commits(last: impl IntoIterator<Item = (u64, u64, Commit)>) -> Vec<Mismatch> {
     let mut by_step: BTreeMap<(u64, u64), Vec<Commit>> = BTreeMap::new();
     for (generation, step, commit) in last {
         by_step.entry((generation, step)).or_default().push(commit);
@@ -148,7 +148,7 @@ pub fn among_last_commits(last: impl IntoIterator<Item = (u64, u64, Commit)>) ->
 
 /// `a` and `b` as one list, ordered by (generation, step): mismatches of the same step are
 /// merged (a member's commit from `b` wins over `a`'s).
-pub fn merge(a: Vec<Mismatch>, b: Vec<Mismatch>) -> Vec<Mismatch> {
+pub(crate) fn merge(a: Vec<Mismatch>, b: Vec<Mismatch>) -> Vec<Mismatch> {
     let mut merged: BTreeMap<(u64, u64), BTreeMap<String, String>> = BTreeMap::new();
     for m in a.into_iter().chain(b) {
         let commits = merged.entry((m.generation, m.step)).or_default();

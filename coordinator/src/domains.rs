@@ -17,7 +17,7 @@ use crate::records::{Cause, GenerationRecord};
 /// The failure-history key of a domain (beside workers' ids in `failures/`): `@` and the
 /// domain with every character outside `[A-Za-z0-9._-]` replaced by `_`. `@` never starts a
 /// worker id, so the two never collide.
-pub fn domain_key(domain: &str) -> String {
+pub(crate) fn domain_key(domain: &str) -> String {
     let safe: String = domain
         .chars()
         .map(|c| if c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-') { c } else { '_' })
@@ -26,13 +26,13 @@ pub fn domain_key(domain: &str) -> String {
 }
 
 /// The domain a failure-history key is about, if it is a domain's.
-pub fn key_domain(key: &str) -> Option<&str> {
+pub(crate) fn key_domain(key: &str) -> Option<&str> {
     key.strip_prefix('@')
 }
 
 /// What the coordinator knows of one member when judging a domain.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Evidence {
+pub(crate) enum Evidence {
     /// Lost: its process is gone, it is certainly silent, or a peer timed out on it.
     Lost,
     /// Heard from recently: alive.
@@ -43,18 +43,18 @@ pub enum Evidence {
 
 /// A whole domain lost at once.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct DomainLoss {
+pub(crate) struct DomainLoss {
     /// The domain.
-    pub domain: String,
+    pub(crate) domain: String,
     /// Every rank of it in the generation, ascending.
-    pub ranks: Vec<u32>,
+    pub(crate) ranks: Vec<u32>,
 }
 
 /// Whether the domain of rank `suspect` in `g` is lost, by `evidence(rank)` for each of its
 /// other members that have not left `g` (the suspect itself is lost: it is the report's
 /// subject). `None` when the domain holds fewer than two such members or any of them is not
 /// known to be lost.
-pub fn whole_domain_lost(
+pub(crate) fn whole_domain_lost(
     g: &GenerationRecord,
     suspect: u32,
     mut evidence: impl FnMut(u32) -> Evidence,
@@ -76,7 +76,7 @@ pub fn whole_domain_lost(
 
 /// `cause` (about one member of the lost domain) as the domain's: it names the domain and
 /// its ranks, and keeps what was reported as the detail.
-pub fn domain_cause(cause: Cause, loss: &DomainLoss) -> Cause {
+pub(crate) fn domain_cause(cause: Cause, loss: &DomainLoss) -> Cause {
     let reason = format!(
         "domain {} lost: ranks {} (all {} of its ranks) failed together; first report: {}",
         loss.domain,
@@ -88,7 +88,7 @@ pub fn domain_cause(cause: Cause, loss: &DomainLoss) -> Cause {
 }
 
 /// Ranks as people write them: `3-5`, `1, 3, 4`, `0-1, 4`.
-pub fn ranks_text(ranks: &[u32]) -> String {
+pub(crate) fn ranks_text(ranks: &[u32]) -> String {
     let mut parts: Vec<String> = Vec::new();
     let mut i = 0;
     while i < ranks.len() {

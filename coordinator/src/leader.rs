@@ -41,7 +41,7 @@ const RETRY: Duration = Duration::from_millis(200);
 /// # Cancel safety
 /// Not meant to be cancelled: dropping it while leading leaves the leader key until its
 /// lease expires (which is how a crash looks to the other replicas, and is safe).
-pub async fn run(ctx: Arc<Context>, ttl: Duration, leading: Arc<AtomicBool>) {
+pub(crate) async fn run(ctx: Arc<Context>, ttl: Duration, leading: Arc<AtomicBool>) {
     let mut shutdown = ctx.shutdown.clone();
     let span = tracing::info_span!("leader", replica = %ctx.replica);
     async move {

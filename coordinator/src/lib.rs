@@ -10,21 +10,21 @@
 //! [`digests`] (pure decision logic), [`ops`] (CAS mutations), [`hub`] (per-job live views),
 //! [`service`] (the RPCs), [`leader`] (election and timers), [`metrics`], [`server`].
 
-pub mod auth;
+pub(crate) mod auth;
 mod bounded;
 pub mod config;
-pub mod digests;
-pub mod domains;
+pub(crate) mod digests;
+pub(crate) mod domains;
 pub mod etcd_process;
 pub mod exclusion;
 pub mod hub;
 pub mod keys;
-pub mod leader;
+pub(crate) mod leader;
 pub mod metrics;
 pub mod ops;
 pub mod records;
-pub mod rendezvous;
-pub mod revocation;
+pub(crate) mod rendezvous;
+pub(crate) mod revocation;
 pub mod server;
 pub mod service;
 pub mod store;

@@ -36,7 +36,7 @@ use std::collections::{BTreeSet, HashSet};
 
 /// What to do now.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Action {
+pub(crate) enum Action {
     /// Nothing to do now.
     Nothing,
     /// Form the next generation with these members, in rank order.
@@ -47,25 +47,25 @@ pub enum Action {
 
 /// The outcome of evaluating a job.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Evaluation {
+pub(crate) struct Evaluation {
     /// What to do now.
-    pub action: Action,
+    pub(crate) action: Action,
     /// The value the generation record's `below_min_since_ms` should have.
-    pub below_min_since_ms: Option<u64>,
+    pub(crate) below_min_since_ms: Option<u64>,
     /// When to evaluate again if nothing changes (ms since the epoch).
-    pub next_deadline_ms: Option<u64>,
+    pub(crate) next_deadline_ms: Option<u64>,
     /// Joiners that could be placed while the current generation is active.
-    pub pending_joiners: u32,
+    pub(crate) pending_joiners: u32,
     /// Whether the active generation should re-form at its next commit point (joiners can
     /// be placed, or a member left gracefully).
-    pub reformation_pending: bool,
+    pub(crate) reformation_pending: bool,
     /// Members ready for the next generation.
-    pub ready: u32,
+    pub(crate) ready: u32,
 }
 
 /// Workers excluded at `now_ms`: excluded themselves, or members of an excluded failure
 /// domain (see [`crate::domains`]).
-pub fn excluded(state: &JobState, now_ms: u64) -> BTreeSet<String> {
+pub(crate) fn excluded(state: &JobState, now_ms: u64) -> BTreeSet<String> {
     let keys: BTreeSet<&String> =
         state.failures.iter().filter(|(_, h)| h.excluded_until(now_ms).is_some()).map(|(k, _)| k).collect();
     let mut out: BTreeSet<String> =
@@ -112,7 +112,7 @@ fn is_ready(state: &JobState, current: Option<&Current<'_>>, excluded: &BTreeSet
 }
 
 /// Evaluates a job. Pure: the same inputs always give the same decision.
-pub fn evaluate(settings: &JobSettings, state: &JobState, now_ms: u64) -> Evaluation {
+pub(crate) fn evaluate(settings: &JobSettings, state: &JobState, now_ms: u64) -> Evaluation {
     let mut eval = Evaluation {
         action: Action::Nothing,
         below_min_since_ms: None,
@@ -251,7 +251,7 @@ pub fn evaluate(settings: &JobSettings, state: &JobState, now_ms: u64) -> Evalua
 /// of their first member, members of a domain in their order. A ring then crosses between
 /// domains once per domain, and the hierarchical allreduce finds each host contiguous.
 /// Survivors that already sat together keep their relative order.
-pub fn group_by_domain(members: Vec<Placed>) -> Vec<Placed> {
+pub(crate) fn group_by_domain(members: Vec<Placed>) -> Vec<Placed> {
     let mut domains: Vec<String> = Vec::new();
     for m in &members {
         if !domains.iter().any(|d| d == m.domain()) {
@@ -274,7 +274,11 @@ fn min_opt(a: Option<u64>, b: u64) -> Option<u64> {
 
 /// The record of generation `number` formed from `members`, carrying the previous record's
 /// revocation history forward.
-pub fn next_generation(previous: Option<&GenerationRecord>, members: Vec<Placed>, now_ms: u64) -> GenerationRecord {
+pub(crate) fn next_generation(
+    previous: Option<&GenerationRecord>,
+    members: Vec<Placed>,
+    now_ms: u64,
+) -> GenerationRecord {
     let mut history = previous.map(|g| g.history.clone()).unwrap_or_default();
     if let Some(g) = previous {
         if let Some(cause) = &g.revoked {

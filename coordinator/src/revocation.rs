@@ -22,7 +22,7 @@ use tonic::Status;
 
 /// What the reporter observed (the protocol's `FailureReport.FailureKind`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum FailureKind {
+pub(crate) enum FailureKind {
     /// Not said (older workers): taken as reported.
     #[default]
     Unspecified,
@@ -38,7 +38,7 @@ pub enum FailureKind {
 
 impl FailureKind {
     /// From the protocol's enum value (unknown values are `Unspecified`).
-    pub fn from_proto(value: i32) -> Self {
+    pub(crate) fn from_proto(value: i32) -> Self {
         use cohort_proto::v1::failure_report::FailureKind as K;
         match K::try_from(value) {
             Ok(K::PeerClosed) => Self::PeerClosed,
@@ -55,28 +55,28 @@ impl FailureKind {
 /// record written at most once a period). Both are measured on coordinator or store clocks,
 /// never a worker's.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Silence {
+pub(crate) struct Silence {
     /// The member has certainly been silent at least this long.
-    pub at_least: Duration,
+    pub(crate) at_least: Duration,
     /// The member was certainly heard from within this long.
-    pub at_most: Duration,
+    pub(crate) at_most: Duration,
 }
 
 impl Silence {
     /// Known exactly.
-    pub fn exactly(d: Duration) -> Self {
+    pub(crate) fn exactly(d: Duration) -> Self {
         Self { at_least: d, at_most: d }
     }
 
     /// The tighter of two observations of the same member.
-    pub fn and(self, other: Silence) -> Self {
+    pub(crate) fn and(self, other: Silence) -> Self {
         Self { at_least: self.at_least.max(other.at_least), at_most: self.at_most.min(other.at_most) }
     }
 }
 
 /// What a failure report does.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum ReportDecision {
+pub(crate) enum ReportDecision {
     /// Revoke the current generation with this cause; the suspect (if any) is `members[rank]`.
     Revoke(Cause),
     /// Already revoked, or about an older generation: nothing changes; the known cause.
@@ -85,19 +85,19 @@ pub enum ReportDecision {
 
 /// A failure report as the decision needs it.
 #[derive(Clone, Debug)]
-pub struct Report<'a> {
+pub(crate) struct Report<'a> {
     /// Reporter's worker id.
-    pub worker_id: &'a str,
+    pub(crate) worker_id: &'a str,
     /// Reporter's incarnation.
-    pub incarnation: u64,
+    pub(crate) incarnation: u64,
     /// The generation reported.
-    pub generation: u64,
+    pub(crate) generation: u64,
     /// The failed rank, if known.
-    pub failed_rank: Option<u32>,
+    pub(crate) failed_rank: Option<u32>,
     /// Why.
-    pub reason: &'a str,
+    pub(crate) reason: &'a str,
     /// What the reporter observed.
-    pub kind: FailureKind,
+    pub(crate) kind: FailureKind,
 }
 
 /// Decides a failure report against the current generation record.
@@ -105,7 +105,7 @@ pub struct Report<'a> {
 /// Errors (no state change): no generation yet or a generation from the future
 /// (INVALID_ARGUMENT), a failed rank outside the generation (INVALID_ARGUMENT), a reporter
 /// that is not a member of the generation (PERMISSION_DENIED).
-pub fn decide(current: Option<&GenerationRecord>, report: &Report<'_>) -> Result<ReportDecision, Status> {
+pub(crate) fn decide(current: Option<&GenerationRecord>, report: &Report<'_>) -> Result<ReportDecision, Status> {
     if report.generation == 0 {
         return Err(Status::invalid_argument("generation 0 does not exist (generations start at 1)"));
     }
@@ -150,7 +150,7 @@ pub fn decide(current: Option<&GenerationRecord>, report: &Report<'_>) -> Result
 }
 
 /// Observed silences by (worker id, incarnation).
-pub type Silences = std::collections::BTreeMap<(String, u64), Silence>;
+pub(crate) type Silences = std::collections::BTreeMap<(String, u64), Silence>;
 
 /// Arbitrates a TIMEOUT report that [`decide`] would revoke with: the cause to record
 /// instead, if the report's suspect is the wrong one.
@@ -164,7 +164,7 @@ pub type Silences = std::collections::BTreeMap<(String, u64), Silence>;
 /// reason says it was re-attributed. Otherwise (another kind, no suspect, S not known to be
 /// fresh, nobody stale: e.g. a real partition between two live workers) `None`: the report
 /// stands.
-pub fn arbitrate(
+pub(crate) fn arbitrate(
     g: &GenerationRecord,
     report: &Report<'_>,
     silence: &Silences,
@@ -211,7 +211,7 @@ pub fn arbitrate(
 }
 
 /// The generation record revoked with `cause` at `now_ms`.
-pub fn revoked(g: &GenerationRecord, cause: Cause, now_ms: u64) -> GenerationRecord {
+pub(crate) fn revoked(g: &GenerationRecord, cause: Cause, now_ms: u64) -> GenerationRecord {
     let mut g = g.clone();
     g.revoked = Some(cause);
     g.revoked_at_ms = Some(now_ms);
@@ -224,7 +224,7 @@ pub fn revoked(g: &GenerationRecord, cause: Cause, now_ms: u64) -> GenerationRec
 /// A restarted worker (a newer incarnation under the same id) is caught here too; Join
 /// revokes with a better cause ("worker restarted") before it replaces the member key, so
 /// this only fires for it if that revocation was lost.
-pub fn lapsed(state: &JobState, lease_ttl_ms: u64) -> Option<Cause> {
+pub(crate) fn lapsed(state: &JobState, lease_ttl_ms: u64) -> Option<Cause> {
     let g = state.current()?;
     if g.revoked.is_some() {
         return None;
@@ -249,23 +249,23 @@ pub fn lapsed(state: &JobState, lease_ttl_ms: u64) -> Option<Cause> {
 /// timeout reports of the same cascade are seen together (see [`cascade_root`]). A
 /// no-progress deadline is seconds; this adds little to it. Reports of a closed link (a dead
 /// process) are never held.
-pub const TIMEOUT_HOLD: std::time::Duration = std::time::Duration::from_millis(50);
+pub(crate) const TIMEOUT_HOLD: std::time::Duration = std::time::Duration::from_millis(50);
 
 /// One timeout report of a generation, as the coordinator keeps it for [`cascade_root`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct TimeoutReport {
+pub(crate) struct TimeoutReport {
     /// The rank that timed out.
-    pub reporter: u32,
+    pub(crate) reporter: u32,
     /// The rank it was waiting on.
-    pub suspect: u32,
+    pub(crate) suspect: u32,
     /// How far the reporter got in the failed operation, `(op seq, messages received)`, if
     /// it said (see `FailureReport.progress`).
-    pub progress: Option<(u32, u64)>,
+    pub(crate) progress: Option<(u32, u64)>,
 }
 
 /// The rank [`cascade_root`] blames, and why.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum CascadeRoot {
+pub(crate) enum CascadeRoot {
     /// The end of a chain: a suspect that did not itself time out (it is stopped, or it is
     /// the far end of a silent link and still hears from its own peers).
     ChainEnd(u32),
@@ -281,7 +281,7 @@ pub enum CascadeRoot {
 
 impl CascadeRoot {
     /// The blamed rank.
-    pub fn rank(self) -> u32 {
+    pub(crate) fn rank(self) -> u32 {
         match self {
             CascadeRoot::ChainEnd(rank) | CascadeRoot::LeastProgress { rank, .. } => rank,
         }
@@ -304,7 +304,7 @@ impl CascadeRoot {
 ///   its progress and the least is unique.
 ///
 /// `None` when neither applies: the earliest report stands.
-pub fn cascade_root(reports: &[TimeoutReport]) -> Option<CascadeRoot> {
+pub(crate) fn cascade_root(reports: &[TimeoutReport]) -> Option<CascadeRoot> {
     let chain_end = reports.iter().map(|r| r.suspect).find(|s| !reports.iter().any(|r| r.reporter == *s));
     if let Some(rank) = chain_end {
         return Some(CascadeRoot::ChainEnd(rank));
