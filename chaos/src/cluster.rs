@@ -6,7 +6,7 @@ use crate::netns::NetLab;
 use crate::placement::Placement;
 use crate::process::{now_ms, LineHook, ManagedProcess, OutputLine};
 use crate::proxy::Proxy;
-use cohort_coordinator::etcd_process::EtcdProcess;
+use cohort_testkit::etcd::EtcdProcess;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::Duration;

@@ -27,7 +27,7 @@
 mod common;
 
 use cohort_coordinator::config::JobSettings;
-use cohort_coordinator::etcd_process::EtcdProcess;
+use cohort_testkit::etcd::EtcdProcess;
 use cohort_coordinator::keys;
 use cohort_coordinator::store::{etcd::EtcdStore, memory::MemoryStore, Store};
 use cohort_proto::v1::job_event::Event;

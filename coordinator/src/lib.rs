@@ -15,7 +15,6 @@ mod bounded;
 pub mod config;
 pub(crate) mod digests;
 pub(crate) mod domains;
-pub mod etcd_process;
 pub mod exclusion;
 pub mod hub;
 pub mod keys;

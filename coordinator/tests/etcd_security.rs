@@ -7,7 +7,7 @@
 
 mod common;
 
-use cohort_coordinator::etcd_process::{EtcdProcess, EtcdServerTls};
+use cohort_testkit::etcd::{EtcdProcess, EtcdServerTls};
 use cohort_coordinator::store::etcd::{EtcdSecurity, EtcdStore};
 use cohort_coordinator::store::{Store, StoreError};
 use common::*;

@@ -9,7 +9,7 @@
 use std::sync::OnceLock;
 use std::time::Duration;
 
-use cohort_coordinator::etcd_process::EtcdProcess;
+use cohort_testkit::etcd::EtcdProcess;
 use cohort_coordinator::store::etcd::EtcdStore;
 use cohort_coordinator::store::memory::MemoryStore;
 use cohort_coordinator::store::{Compare, KeyValue, Store, StoreError, Txn, TxnOp, WatchEvent, WatchStream};

@@ -4,7 +4,7 @@
 //! ranges between ranks, with deadlines and local abort. Collectives (in the `cohort` crate)
 //! are written against this trait only, so they run unchanged over TCP ([`tcp`]), shared
 //! memory between ranks on one host ([`shm`]), RDMA (`rdma`, cargo feature `rdma`) or the
-//! in-memory simulated network ([`sim`]) that tests use.
+//! in-memory simulated network that tests use (`cohort_testkit::sim`, in tests/kit).
 //!
 //! # Contract every implementation keeps
 //! - Messages are matched by `(peer, tag.seq, tag.step)`. Between one pair of ranks, messages
@@ -28,7 +28,6 @@ mod link_guards;
 #[cfg(feature = "rdma")]
 pub mod rdma;
 pub mod shm;
-pub mod sim;
 pub mod tcp;
 pub mod wire;
 

@@ -5,7 +5,7 @@
 mod common;
 
 use cohort::{Algorithm, CommConfig, CommError, Communicator, HostLayout, ReduceOp, RootCause};
-use cohort_transports::sim::{SimNetwork, SimTransport};
+use cohort_testkit::sim::{SimNetwork, SimTransport};
 use cohort_transports::Deadlines;
 use common::{check_results, matrix, run_all, Case, TestElem};
 use half::{bf16, f16};

@@ -2,7 +2,7 @@
 
 use cohort::elastic::{Checkpoint, SyncError};
 use cohort::{CommConfig, Communicator};
-use cohort_transports::sim::{SimNetwork, SimTransport};
+use cohort_testkit::sim::{SimNetwork, SimTransport};
 use cohort_transports::Deadlines;
 use std::sync::Arc;
 use std::time::Duration;

@@ -5,7 +5,7 @@
 pub(crate) mod certs;
 
 use cohort_coordinator::config::{JobSettings, Settings};
-use cohort_coordinator::etcd_process::EtcdProcess;
+use cohort_testkit::etcd::EtcdProcess;
 use cohort_coordinator::exclusion::ExclusionPolicy;
 use cohort_coordinator::server::{ServeConfig, ServerHandle};
 use cohort_coordinator::store::{etcd::EtcdStore, memory::MemoryStore, Store};

@@ -27,7 +27,7 @@
 //!   are still delivered (a TCP close delivers data written before the FIN); once a peer needs
 //!   one that is not there, it gets [`TransportError::PeerClosed`].
 
-use crate::{AbortReason, Deadlines, Rank, Tag, Transport, TransportError};
+use cohort_transports::{AbortReason, Deadlines, Rank, Tag, Transport, TransportError};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
