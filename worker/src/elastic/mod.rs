@@ -30,6 +30,7 @@ mod choice;
 mod config;
 mod error;
 mod group;
+mod membership;
 mod mesh;
 mod state;
 
