@@ -775,7 +775,9 @@ async fn heartbeat_task(
             deadlines: progress.deadlines,
         };
         let answer = client.heartbeat(request).await;
-        shared.drive(|m| m.handle_heartbeat(incarnation, answer));
+        if !shared.drive(|m| m.handle_heartbeat(incarnation, answer)) {
+            return;
+        }
     }
 }
 

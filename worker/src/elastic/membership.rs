@@ -319,25 +319,35 @@ impl Membership {
     // ---- Heartbeat and commit reports -------------------------------------------------
 
     /// The heartbeat of `incarnation` to send now; `None` when a newer incarnation took over
-    /// (its own heartbeat runs) or this one is gone: the heartbeat stops.
+    /// (its own heartbeat runs): this one stops.
     pub(crate) fn heartbeat_request(&self, incarnation: u64) -> Option<Progress> {
-        (incarnation == self.incarnation && self.evicted != Some(incarnation)).then(|| self.progress.clone())
+        (incarnation == self.incarnation).then(|| self.progress.clone())
     }
 
-    /// The answer to a heartbeat sent as `incarnation`. NOT_FOUND: the coordinator no longer
-    /// knows that incarnation (a newer one is unaffected).
-    pub(crate) fn handle_heartbeat(&mut self, incarnation: u64, answer: Result<pb::HeartbeatResponse, ControlError>) {
+    /// The answer to a heartbeat sent as `incarnation`; whether that heartbeat goes on.
+    /// NOT_FOUND: the coordinator no longer knows that incarnation (a newer one is
+    /// unaffected), and its heartbeat stops.
+    pub(crate) fn handle_heartbeat(
+        &mut self,
+        incarnation: u64,
+        answer: Result<pb::HeartbeatResponse, ControlError>,
+    ) -> bool {
         match answer {
             Ok(response) => {
                 if response.reformation_pending {
                     self.reformation_pending = true;
                 }
+                true
             }
             Err(e) if e.code() == Some(tonic::Code::NotFound) => {
                 warn!(incarnation, error = %e, "membership lost");
                 self.evicted = Some(incarnation);
+                false
             }
-            Err(e) => warn!(error = %e, "heartbeat failed"),
+            Err(e) => {
+                warn!(error = %e, "heartbeat failed");
+                true
+            }
         }
     }
 
@@ -685,27 +695,32 @@ mod tests {
         machine.handle_join(now, joined(7)).unwrap();
         assert!(machine.heartbeat_request(7).is_some());
         // The lease lapsed (the process was stopped): the heartbeat hears NOT_FOUND.
-        machine.handle_heartbeat(7, Err(rejected(tonic::Code::NotFound)));
+        assert!(!machine.handle_heartbeat(7, Err(rejected(tonic::Code::NotFound))), "its heartbeat stops");
         assert!(machine.is_evicted());
-        assert_eq!(machine.heartbeat_request(7), None, "the heartbeat of a lost incarnation stops");
         assert_eq!(machine.next_step().unwrap(), Step::Join);
         machine.begin_join(now);
         machine.handle_join(now, joined(9)).unwrap();
         assert!(!machine.is_evicted(), "the new incarnation starts as a member");
         assert_eq!(machine.heartbeat_request(7), None, "incarnation 9 has its own heartbeat");
         // Answers to requests sent as 7 arrive late, NOT_FOUND: they say nothing about 9.
-        machine.handle_heartbeat(7, Err(rejected(tonic::Code::NotFound)));
+        assert!(!machine.handle_heartbeat(7, Err(rejected(tonic::Code::NotFound))));
         machine.handle_commit(1, 7, Err(rejected(tonic::Code::NotFound)));
         assert_eq!(machine.handle_rendezvous(7, Err(rejected(tonic::Code::NotFound))).unwrap(), None);
         assert!(!machine.is_evicted());
         assert_eq!(machine.next_step().unwrap(), Step::Rendezvous { incarnation: 9, after_generation: 0 });
-        // About 9 itself, they do.
-        assert_eq!(machine.handle_rendezvous(9, Err(rejected(tonic::Code::NotFound))).unwrap(), None);
+        // About 9 itself, they do; its heartbeat goes on until it hears NOT_FOUND itself.
+        machine.handle_commit(1, 9, Err(rejected(tonic::Code::NotFound)));
+        assert!(machine.is_evicted() && machine.heartbeat_request(9).is_some());
+        assert_eq!(machine.next_step().unwrap(), Step::Join);
+        machine.begin_join(now);
+        machine.handle_join(now, joined(10)).unwrap();
+        assert_eq!(machine.next_step().unwrap(), Step::Rendezvous { incarnation: 10, after_generation: 0 });
+        assert_eq!(machine.handle_rendezvous(10, Err(rejected(tonic::Code::NotFound))).unwrap(), None);
         assert!(machine.is_evicted());
         assert_eq!(machine.next_step().unwrap(), Step::Join);
         // Other rendezvous errors end the wait (the client has retried already).
         let unreachable = ControlError::Unreachable { endpoints: "x".into(), attempts: 3, last: "refused".into() };
-        assert!(matches!(machine.handle_rendezvous(9, Err(unreachable)), Err(ElasticError::Control(_))));
+        assert!(matches!(machine.handle_rendezvous(10, Err(unreachable)), Err(ElasticError::Control(_))));
     }
 
     #[test]
@@ -725,15 +740,15 @@ mod tests {
         );
         // "Current revoked" carries no cause: the cause comes with the watch's revocation.
         let revoked_only = pb::HeartbeatResponse { current_generation: 2, current_revoked: true, ..Default::default() };
-        machine.handle_heartbeat(1, Ok(revoked_only));
+        assert!(machine.handle_heartbeat(1, Ok(revoked_only)));
         assert_eq!(effects(&mut machine), []);
         assert_eq!(machine.stop_reason(2), None);
         assert!(!machine.reformation_pending());
         // A failed heartbeat changes nothing (the next one tries again).
-        machine.handle_heartbeat(1, Err(rejected(tonic::Code::Unavailable)));
+        assert!(machine.handle_heartbeat(1, Err(rejected(tonic::Code::Unavailable))), "it goes on");
         assert!(!machine.is_evicted() && machine.heartbeat_request(1).is_some());
         let pending = pb::HeartbeatResponse { current_generation: 2, reformation_pending: true, ..Default::default() };
-        machine.handle_heartbeat(1, Ok(pending));
+        assert!(machine.handle_heartbeat(1, Ok(pending)));
         assert!(machine.reformation_pending());
         // The rendezvous records its own progress.
         machine.next_step().unwrap();
