@@ -1,25 +1,21 @@
 //! [`ElasticGroup`]: membership, re-formation and failure handling for one worker.
 
 use super::choice::{host_layout, plan_mesh, MeshPlan};
+use super::membership::{cause_from_pb, Effect, JoinNext, Membership, Step, WatchNext};
 use super::mesh::MixedTransport;
 use super::{ElasticConfig, ElasticError, MeshKind, MeshTransport};
-use crate::control::{ControlClient, ControlError};
+use crate::control::ControlClient;
 use crate::{CommConfig, CommError, Communicator, Revoker, RootCause};
-use cohort_proto::v1::{self as pb, job_ended, job_event, rendezvous_response};
+use cohort_proto::v1 as pb;
 use cohort_transports::shm::{ShmAddress, ShmEndpoint, ShmMeshSpec};
 use cohort_transports::tcp::{MeshSpec, TcpEndpoint};
 use cohort_transports::TransportError;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 use tracing::{debug, info, info_span, warn, Instrument};
-
-/// How long past the end of its exclusion (as the coordinator counted it) an excluded worker
-/// asks to join again.
-const EXCLUSION_MARGIN: Duration = Duration::from_millis(50);
 
 /// One member of a generation, as the coordinator formed it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -63,95 +59,55 @@ pub enum ReformReason {
     Leave,
 }
 
-/// State shared with the background tasks.
+/// The membership machine, shared with the background tasks, and what its effects act on.
+/// Every decision is the machine's ([`Membership`]); this shell performs the calls it needs
+/// and the [`Effect`]s it queues.
 struct Shared {
-    incarnation: AtomicU64,
-    /// The current generation's number and its communicator's revoker.
-    current: Mutex<Option<(u64, Revoker)>>,
-    /// Root causes of revoked generations heard so far (only the newest few are kept).
-    revoked: Mutex<Vec<(u64, RootCause)>>,
-    revoked_changed: Notify,
-    /// Woken when this worker joined again (a new incarnation).
-    rejoined: Notify,
-    reformation_pending: AtomicBool,
-    /// The incarnation the coordinator said it no longer knows (lease lapsed or evicted);
-    /// `u64::MAX` for none. A late answer about an older incarnation, arriving after the
-    /// worker joined again, names that older one and so does not mark the new one.
-    evicted: AtomicU64,
-    ended: Mutex<Option<(&'static str, String)>>,
-    progress: Mutex<(u64, u64, String)>,
-    /// The deadline in force, in brief ([`ElasticGroup::set_deadlines`]).
-    deadlines: Mutex<String>,
+    machine: Mutex<Membership>,
+    /// The current generation's number and its communicator's revoker ([`Effect::Abort`]).
+    revoker: Mutex<Option<(u64, Revoker)>>,
+    /// Woken on [`Effect::Wake`]: by revocations, the job's end and a new incarnation.
+    changed: Notify,
 }
 
 impl Shared {
-    /// The state of a worker that has not joined yet.
-    fn new() -> Self {
+    /// The shell of a worker that has not joined yet.
+    fn new(exclusion_wait: Duration) -> Self {
         Shared {
-            incarnation: AtomicU64::new(0),
-            current: Mutex::new(None),
-            revoked: Mutex::new(Vec::new()),
-            revoked_changed: Notify::new(),
-            rejoined: Notify::new(),
-            reformation_pending: AtomicBool::new(false),
-            evicted: AtomicU64::new(u64::MAX),
-            ended: Mutex::new(None),
-            progress: Mutex::new((0, 0, "joining".into())),
-            deadlines: Mutex::new(String::new()),
+            machine: Mutex::new(Membership::new(exclusion_wait)),
+            revoker: Mutex::new(None),
+            changed: Notify::new(),
         }
     }
 
-    /// Records that the coordinator no longer knows `incarnation`.
-    fn mark_evicted(&self, incarnation: u64) {
-        self.evicted.store(incarnation, Ordering::SeqCst);
-    }
-
-    /// Whether the current incarnation is no longer a member.
-    fn is_evicted(&self) -> bool {
-        self.evicted.load(Ordering::SeqCst) == self.incarnation.load(Ordering::SeqCst)
-    }
-
-    fn cause_of(&self, generation: u64) -> Option<RootCause> {
-        let revoked = self.revoked.lock().unwrap_or_else(|e| e.into_inner());
-        revoked.iter().find(|(g, _)| *g == generation).map(|(_, c)| c.clone())
-    }
-
-    /// Records a revocation and aborts the current communicator if it is the revoked one.
-    fn revoke(&self, generation: u64, cause: RootCause) {
-        {
-            let mut revoked = self.revoked.lock().unwrap_or_else(|e| e.into_inner());
-            if revoked.iter().any(|(g, _)| *g == generation) {
-                return;
-            }
-            revoked.push((generation, cause.clone()));
-            let excess = revoked.len().saturating_sub(16);
-            revoked.drain(..excess);
-        }
-        let current = self.current.lock().unwrap_or_else(|e| e.into_inner()).clone();
-        if let Some((g, revoker)) = current {
-            if g == generation {
-                revoker.revoke(cause);
+    /// Feeds one input to the machine, then performs the effects it queued (outside the
+    /// machine's lock: aborting a transport runs its abort hook).
+    fn drive<T>(&self, input: impl FnOnce(&mut Membership) -> T) -> T {
+        let (output, effects) = {
+            let mut machine = self.machine.lock().unwrap_or_else(|e| e.into_inner());
+            let output = input(&mut machine);
+            (output, std::iter::from_fn(|| machine.poll_effect()).collect::<Vec<_>>())
+        };
+        for effect in effects {
+            match effect {
+                Effect::Abort { generation, cause } => {
+                    let current = self.revoker.lock().unwrap_or_else(|e| e.into_inner()).clone();
+                    if let Some((g, revoker)) = current {
+                        if g == generation {
+                            revoker.revoke(cause);
+                        }
+                    }
+                }
+                Effect::Wake => self.changed.notify_waiters(),
             }
         }
-        self.revoked_changed.notify_waiters();
+        output
     }
-}
 
-fn cause_from_pb(cause: Option<pb::RootCause>) -> RootCause {
-    let cause = cause.unwrap_or_default();
-    let mut reason = cause.reason;
-    if !cause.reported_by.is_empty() {
-        reason = format!("{reason} (reported by {})", cause.reported_by);
+    /// Reads the machine's state.
+    fn read<T>(&self, query: impl FnOnce(&Membership) -> T) -> T {
+        query(&self.machine.lock().unwrap_or_else(|e| e.into_inner()))
     }
-    RootCause { rank: cause.rank, worker_id: cause.worker_id, host: cause.host, reason }
-}
-
-fn ended_from_pb(ended: pb::JobEnded) -> (&'static str, String) {
-    let outcome = match job_ended::Outcome::try_from(ended.outcome) {
-        Ok(job_ended::Outcome::Finished) => "finished",
-        _ => "failed",
-    };
-    (outcome, ended.reason)
 }
 
 /// A worker's membership in an elastic job.
@@ -171,7 +127,6 @@ pub struct ElasticGroup {
     shared: Arc<Shared>,
     tasks: Vec<JoinHandle<()>>,
     heartbeat_interval: Duration,
-    last_generation: u64,
     /// The newest commit report, sent by the commit task (older unsent ones are superseded).
     commits: tokio::sync::watch::Sender<Option<pb::CommitRequest>>,
 }
@@ -209,7 +164,7 @@ impl ElasticGroup {
             Some(options) => Some(open_rdma(options, config.listen, &advertised).await?),
             None => None,
         };
-        let shared = Arc::new(Shared::new());
+        let shared = Arc::new(Shared::new(config.exclusion_wait));
         let mut group = Self {
             config,
             client,
@@ -221,7 +176,6 @@ impl ElasticGroup {
             shared,
             tasks: Vec::new(),
             heartbeat_interval: Duration::from_millis(500),
-            last_generation: 0,
             commits: tokio::sync::watch::channel(None).0,
         };
         group.register().await?;
@@ -265,27 +219,16 @@ impl ElasticGroup {
             protocol_version: cohort_proto::PROTOCOL_VERSION,
             domain: self.config.domain.clone(),
         };
-        let started = Instant::now();
-        let response = loop {
-            match self.client.join(request.clone()).await {
-                Ok(response) => break response,
-                Err(ControlError::Excluded { message, retry_after }) => {
-                    let (waited, limit) = (started.elapsed(), self.config.exclusion_wait);
-                    if waited + retry_after > limit {
-                        return Err(ElasticError::Excluded { message, retry_after, waited, limit });
-                    }
-                    warn!(worker = %self.config.worker_id, retry_after_ms = retry_after.as_millis() as u64, %message,
-                          "excluded by the coordinator; joining again when the exclusion ends");
-                    // A moment past the end, so that the coordinator's clock has passed it too.
-                    tokio::time::sleep(retry_after + EXCLUSION_MARGIN).await;
-                }
-                Err(e) => return Err(e.into()),
+        self.shared.drive(|m| m.begin_join(Instant::now()));
+        let (incarnation, heartbeat_interval) = loop {
+            let answer = self.client.join(request.clone()).await;
+            match self.shared.drive(|m| m.handle_join(Instant::now(), answer))? {
+                JoinNext::Joined { incarnation, heartbeat_interval } => break (incarnation, heartbeat_interval),
+                JoinNext::RetryAt(at) => tokio::time::sleep_until(at.into()).await,
             }
         };
-        self.shared.incarnation.store(response.incarnation, Ordering::SeqCst);
-        self.shared.rejoined.notify_waiters();
-        self.heartbeat_interval = Duration::from_millis(response.heartbeat_interval_ms.clamp(10, 60_000));
-        info!(job = %self.config.job, worker = %self.config.worker_id, incarnation = response.incarnation,
+        self.heartbeat_interval = heartbeat_interval;
+        info!(job = %self.config.job, worker = %self.config.worker_id, incarnation,
               address = %self.advertised, "joined");
         // An older incarnation's heartbeat task stops by itself (it sees the new incarnation).
         let heartbeat = tokio::spawn(heartbeat_task(
@@ -293,7 +236,7 @@ impl ElasticGroup {
             self.shared.clone(),
             self.config.job.clone(),
             self.config.worker_id.clone(),
-            response.incarnation,
+            incarnation,
             self.heartbeat_interval,
         ));
         self.tasks.retain(|task| !task.is_finished());
@@ -338,7 +281,7 @@ impl ElasticGroup {
 
     /// The current incarnation (changes when the worker had to join again).
     pub fn incarnation(&self) -> u64 {
-        self.shared.incarnation.load(Ordering::SeqCst)
+        self.shared.read(Membership::incarnation)
     }
 
     /// The coordinator client (for status queries).
@@ -348,14 +291,13 @@ impl ElasticGroup {
 
     /// Records what this worker is doing; sent with the next heartbeat (for `status`).
     pub fn set_progress(&self, generation: u64, step: u64, activity: &str) {
-        let mut progress = self.shared.progress.lock().unwrap_or_else(|e| e.into_inner());
-        *progress = (generation, step, activity.to_string());
+        self.shared.drive(|m| m.set_progress(generation, step, activity));
     }
 
     /// Records the no-progress deadline in force on this worker's links, in brief; sent
     /// with the next heartbeat (for `status`).
     pub fn set_deadlines(&self, brief: &str) {
-        *self.shared.deadlines.lock().unwrap_or_else(|e| e.into_inner()) = brief.to_string();
+        self.shared.drive(|m| m.set_deadlines(brief));
     }
 
     /// Waits for the next generation that includes this worker and connects its mesh.
@@ -370,53 +312,26 @@ impl ElasticGroup {
     /// Cancel safe: calling it again resumes the rendezvous.
     pub async fn next_generation(&mut self) -> Result<Generation, ElasticError> {
         loop {
-            if let Some((outcome, reason)) = self.shared.ended.lock().unwrap_or_else(|e| e.into_inner()).clone() {
-                return Err(ElasticError::JobEnded { outcome, reason });
-            }
-            if self.shared.is_evicted() {
-                warn!(worker = %self.config.worker_id, "this incarnation is no longer a member; joining again");
-                self.register().await?;
-            }
-            self.set_progress(self.last_generation, 0, "rendezvous");
-            let incarnation = self.incarnation();
-            let response = self
+            let (incarnation, after_generation) = match self.shared.drive(Membership::next_step)? {
+                Step::Join => {
+                    self.register().await?;
+                    continue;
+                }
+                Step::Rendezvous { incarnation, after_generation } => (incarnation, after_generation),
+            };
+            let answer = self
                 .client
                 .rendezvous(pb::RendezvousRequest {
                     job: self.config.job.clone(),
                     worker_id: self.config.worker_id.clone(),
                     incarnation,
-                    after_generation: self.last_generation,
+                    after_generation,
                     wait_ms: self.config.rendezvous_poll.as_millis() as u64,
                 })
                 .await;
-            let response = match response {
-                Ok(r) => r,
-                Err(e) if e.code() == Some(tonic::Code::NotFound) => {
-                    self.shared.mark_evicted(incarnation);
-                    continue;
-                }
-                Err(e) => return Err(e.into()),
-            };
-            match response.outcome {
-                Some(rendezvous_response::Outcome::Waiting(_)) => continue,
-                Some(rendezvous_response::Outcome::Ended(ended)) => {
-                    let (outcome, reason) = ended_from_pb(ended);
-                    *self.shared.ended.lock().unwrap_or_else(|e| e.into_inner()) = Some((outcome, reason.clone()));
-                    return Err(ElasticError::JobEnded { outcome, reason });
-                }
-                None => return Err(ElasticError::Protocol("rendezvous answer without an outcome".into())),
-                Some(rendezvous_response::Outcome::Formed(generation)) => {
-                    if generation.number <= self.last_generation {
-                        return Err(ElasticError::Protocol(format!(
-                            "rendezvous returned generation {} after {}",
-                            generation.number, self.last_generation
-                        )));
-                    }
-                    self.last_generation = generation.number;
-                    match self.connect(generation).await? {
-                        Some(formed) => return Ok(formed),
-                        None => continue,
-                    }
+            if let Some(generation) = self.shared.drive(|m| m.handle_rendezvous(incarnation, answer))? {
+                if let Some(formed) = self.connect(generation).await? {
+                    return Ok(formed);
                 }
             }
         }
@@ -454,7 +369,6 @@ impl ElasticGroup {
             warn!(parent: &span, without_rdma = %plan.without_rdma().join(", "),
                   "not every member published an rdma address: this generation uses tcp");
         }
-        self.set_progress(number, 0, "connecting");
         let started = Instant::now();
         // The generation may be revoked while its mesh connects (a member died before it
         // dialled): stop at once rather than wait out the connect deadline.
@@ -490,15 +404,9 @@ impl ElasticGroup {
         let comm_config = CommConfig { abort_transport_on_error: false, ..self.config.comm.clone() };
         let mut comm = Communicator::new(Arc::new(transport), comm_config);
         comm.set_layout(host_layout(&members)).map_err(|e| ElasticError::Protocol(e.to_string()))?;
-        {
-            let mut current = self.shared.current.lock().unwrap_or_else(|e| e.into_inner());
-            *current = Some((number, comm.revoker()));
-        }
-        // A revocation heard while connecting applies now.
-        if let Some(cause) = self.shared.cause_of(number) {
-            comm.revoker().revoke(cause);
-        }
-        self.shared.reformation_pending.store(false, Ordering::SeqCst);
+        // The revoker first, so that a revocation heard while connecting (or now) finds it.
+        *self.shared.revoker.lock().unwrap_or_else(|e| e.into_inner()) = Some((number, comm.revoker()));
+        self.shared.drive(|m| m.handle_connected(number));
         info!(parent: &span, rank, world = members.len(), transport = %kind, "generation formed");
         Ok(Some(Generation { number, members, comm, transport: kind, formed_at_ms: generation.formed_at_ms }))
     }
@@ -616,17 +524,17 @@ impl ElasticGroup {
             step,
             digest: digest.to_vec(),
         }));
-        self.shared.reformation_pending.load(Ordering::SeqCst)
+        self.shared.read(Membership::reformation_pending)
     }
 
     /// Whether the watch has announced joiners waiting for a re-formation.
     pub fn reformation_pending(&self) -> bool {
-        self.shared.reformation_pending.load(Ordering::SeqCst)
+        self.shared.read(Membership::reformation_pending)
     }
 
     /// The root cause of a revoked generation, if this worker has heard it.
     pub fn revocation_cause(&self, generation: u64) -> Option<RootCause> {
-        self.shared.cause_of(generation)
+        self.shared.read(|m| m.cause_of(generation))
     }
 
     /// Leaves the job: `finished` = the work is done; otherwise a graceful leave (no failure
@@ -679,12 +587,12 @@ impl std::fmt::Debug for FailureReporter {
 impl FailureReporter {
     /// The worker's current incarnation (changes when it had to join again).
     pub fn incarnation(&self) -> u64 {
-        self.shared.incarnation.load(Ordering::SeqCst)
+        self.shared.read(Membership::incarnation)
     }
 
     /// Whether the watch has announced joiners waiting for a re-formation.
     pub fn reformation_pending(&self) -> bool {
-        self.shared.reformation_pending.load(Ordering::SeqCst)
+        self.shared.read(Membership::reformation_pending)
     }
 
     /// Turns a failed collective of `generation` into the generation's root cause.
@@ -699,7 +607,7 @@ impl FailureReporter {
         if let CommError::Revoked { cause, .. } = error {
             return cause.clone();
         }
-        if let Some(cause) = self.shared.cause_of(generation) {
+        if let Some(cause) = self.shared.read(|m| m.cause_of(generation)) {
             return cause;
         }
         let failed_rank = match error {
@@ -710,7 +618,7 @@ impl FailureReporter {
         let report = pb::FailureReport {
             job: self.job.clone(),
             worker_id: self.worker_id.clone(),
-            incarnation: self.shared.incarnation.load(Ordering::SeqCst),
+            incarnation: self.incarnation(),
             generation,
             failed_rank,
             reason: error.to_string(),
@@ -731,7 +639,7 @@ impl FailureReporter {
         {
             Ok(Ok(response)) => {
                 let cause = cause_from_pb(response.cause);
-                self.shared.revoke(generation, cause.clone());
+                self.shared.drive(|m| m.handle_revoked(generation, cause.clone()));
                 cause
             }
             Ok(Err(e)) => {
@@ -751,7 +659,7 @@ impl FailureReporter {
     fn revoke_locally(&self, generation: u64, failed_rank: Option<u32>, error: &CommError) -> RootCause {
         let cause =
             RootCause { rank: failed_rank, worker_id: String::new(), host: String::new(), reason: error.to_string() };
-        self.shared.revoke(generation, cause.clone());
+        self.shared.drive(|m| m.handle_revoked(generation, cause.clone()));
         cause
     }
 }
@@ -843,8 +751,8 @@ fn resolve(address: &str) -> Option<SocketAddr> {
     address.to_socket_addrs().ok()?.next()
 }
 
-/// Keeps the membership's lease alive and reports progress; marks the group evicted when
-/// the coordinator no longer knows this incarnation.
+/// Keeps the membership's lease alive and reports progress, until a newer incarnation
+/// takes over or the coordinator no longer knows this one.
 async fn heartbeat_task(
     client: ControlClient,
     shared: Arc<Shared>,
@@ -857,38 +765,25 @@ async fn heartbeat_task(
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         ticker.tick().await;
-        if shared.incarnation.load(Ordering::SeqCst) != incarnation {
-            return; // a newer incarnation has its own task
-        }
-        let (generation, step, activity) = shared.progress.lock().unwrap_or_else(|e| e.into_inner()).clone();
-        let deadlines = shared.deadlines.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let Some(progress) = shared.read(|m| m.heartbeat_request(incarnation)) else { return };
         let request = pb::HeartbeatRequest {
             job: job.clone(),
             worker_id: worker_id.clone(),
             incarnation,
-            generation,
-            step,
-            activity,
-            deadlines,
+            generation: progress.generation,
+            step: progress.step,
+            activity: progress.activity,
+            deadlines: progress.deadlines,
         };
-        match client.heartbeat(request).await {
-            Ok(response) => {
-                if response.reformation_pending {
-                    shared.reformation_pending.store(true, Ordering::SeqCst);
-                }
-            }
-            Err(e) if e.code() == Some(tonic::Code::NotFound) => {
-                warn!(%worker_id, incarnation, error = %e, "membership lost");
-                shared.mark_evicted(incarnation);
-                return;
-            }
-            Err(e) => warn!(%worker_id, error = %e, "heartbeat failed"),
+        let answer = client.heartbeat(request).await;
+        if !shared.drive(|m| m.handle_heartbeat(incarnation, answer)) {
+            return;
         }
     }
 }
 
-/// Sends commit reports: whenever a newer one is recorded, sends the newest. An answer that
-/// says joiners are waiting counts only for the generation that is still current.
+/// Sends commit reports: whenever a newer one is recorded, sends the newest, and hands the
+/// answer to the machine.
 ///
 /// # Cancel safety
 /// Cancel safe: a report cut short is superseded by the next one.
@@ -900,69 +795,59 @@ async fn commit_task(
     while commits.changed().await.is_ok() {
         let Some(request) = commits.borrow_and_update().clone() else { continue };
         let (generation, incarnation) = (request.generation, request.incarnation);
-        match client.commit(request).await {
-            Ok(answer) => {
-                let current = shared.current.lock().unwrap_or_else(|e| e.into_inner()).as_ref().map(|(g, _)| *g);
-                if answer.reformation_pending && current == Some(generation) {
-                    shared.reformation_pending.store(true, Ordering::SeqCst);
-                }
-            }
-            Err(e) if e.code() == Some(tonic::Code::NotFound) => shared.mark_evicted(incarnation),
-            Err(e) => debug!(error = %e, "commit report failed; the next one supersedes it"),
-        }
+        let answer = client.commit(request).await;
+        shared.drive(|m| m.handle_commit(generation, incarnation, answer));
     }
 }
 
-/// Follows the job's event stream and applies revocations, reopening the stream when it
-/// breaks and when this worker joins again as a new incarnation. The open stream is also
-/// how the coordinator knows this process is alive: when the process dies, the stream's
-/// connection closes and the rendezvous stops waiting for it (before its lease lapses), so
-/// the stream is always opened for the current incarnation.
+/// Follows the job's event stream and hands its events to the machine, reopening the stream
+/// when it breaks (after the machine's backoff) and when this worker joins again as a new
+/// incarnation. The open stream is also how the coordinator knows this process is alive:
+/// when the process dies, the stream's connection closes and the rendezvous stops waiting
+/// for it (before its lease lapses), so the stream is always opened for the current
+/// incarnation.
 ///
 /// # Cancel safety
 /// Cancel safe: events are applied whole; a reopened stream starts with the current state.
 async fn watch_task(client: ControlClient, shared: Arc<Shared>, job: String, worker_id: String) {
-    let mut retry = Duration::from_millis(50);
     loop {
         // Register for the wake-up before reading the incarnation, so that a join in
         // between is not missed.
-        let rejoined = shared.rejoined.notified();
-        tokio::pin!(rejoined);
-        rejoined.as_mut().enable();
-        let incarnation = shared.incarnation.load(Ordering::SeqCst);
+        let changed = shared.changed.notified();
+        tokio::pin!(changed);
+        changed.as_mut().enable();
+        let incarnation = shared.read(Membership::incarnation);
         let request = pb::WatchRequest { job: job.clone(), worker_id: worker_id.clone(), incarnation };
         match client.watch(request).await {
             Ok(mut stream) => {
-                retry = Duration::from_millis(50);
+                shared.drive(Membership::handle_watch_opened);
                 loop {
                     tokio::select! {
                         message = stream.message() => match message {
-                            Ok(Some(event)) => apply_event(&shared, event),
+                            Ok(Some(event)) => shared.drive(|m| m.handle_event(event)),
                             Ok(None) => break,
                             Err(status) => {
                                 debug!(%status, "watch stream broke; reopening");
                                 break;
                             }
                         },
-                        _ = rejoined.as_mut() => {
-                            debug!(old = incarnation, "joined again; reopening the watch for the new incarnation");
-                            break;
+                        _ = changed.as_mut() => {
+                            changed.set(shared.changed.notified());
+                            changed.as_mut().enable();
+                            if shared.read(|m| m.watch_is_stale(incarnation)) {
+                                debug!(old = incarnation, "joined again; reopening the watch for the new incarnation");
+                                break;
+                            }
                         }
                     }
                 }
             }
             Err(e) => debug!(error = %e, "watch failed; retrying"),
         }
-        if shared.incarnation.load(Ordering::SeqCst) != incarnation {
-            continue; // a new incarnation: reopen at once
+        match shared.drive(|m| m.handle_watch_lost(incarnation, Instant::now(), rand::random())) {
+            WatchNext::Stop => return,
+            WatchNext::ReopenAt(at) => tokio::time::sleep_until(at.into()).await,
         }
-        if shared.ended.lock().unwrap_or_else(|e| e.into_inner()).is_some() {
-            return;
-        }
-        // Jittered backoff between reopen attempts (bounded at 1 s).
-        let jitter = Duration::from_millis(rand::random::<u64>() % (retry.as_millis() as u64 + 1));
-        tokio::time::sleep(retry / 2 + jitter / 2).await;
-        retry = (retry * 2).min(Duration::from_secs(1));
     }
 }
 
@@ -973,65 +858,19 @@ async fn watch_task(client: ControlClient, shared: Arc<Shared>, job: String, wor
 async fn revoked_or_ended(shared: &Shared, generation: u64) -> RootCause {
     loop {
         // Register for the wake-up before looking, so that a revocation in between is seen.
-        let notified = shared.revoked_changed.notified();
+        let notified = shared.changed.notified();
         tokio::pin!(notified);
         notified.as_mut().enable();
-        if let Some(cause) = shared.cause_of(generation) {
+        if let Some(cause) = shared.read(|m| m.stop_reason(generation)) {
             return cause;
         }
-        if let Some((_, reason)) = shared.ended.lock().unwrap_or_else(|e| e.into_inner()).clone() {
-            return RootCause::reason(format!("job ended: {reason}"));
-        }
         notified.await;
-    }
-}
-
-fn apply_event(shared: &Shared, event: pb::JobEvent) {
-    match event.event {
-        Some(job_event::Event::GenerationRevoked(revoked)) => {
-            let cause = cause_from_pb(revoked.cause);
-            info!(generation = revoked.generation, %cause, "generation revoked");
-            shared.revoke(revoked.generation, cause);
-        }
-        Some(job_event::Event::ReformationPending(_)) => shared.reformation_pending.store(true, Ordering::SeqCst),
-        Some(job_event::Event::JobEnded(ended)) => {
-            *shared.ended.lock().unwrap_or_else(|e| e.into_inner()) = Some(ended_from_pb(ended));
-            shared.revoked_changed.notify_waiters();
-            // Wake a rank blocked in a collective of a job that is over.
-            let current = shared.current.lock().unwrap_or_else(|e| e.into_inner()).clone();
-            if let Some((_, revoker)) = current {
-                revoker.revoke(RootCause {
-                    rank: None,
-                    worker_id: String::new(),
-                    host: String::new(),
-                    reason: "job ended".into(),
-                });
-            }
-        }
-        Some(job_event::Event::GenerationFormed(_)) | None => {}
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::advertised_address;
-
-    #[test]
-    fn a_late_answer_about_an_older_incarnation_does_not_evict_the_new_one() {
-        use std::sync::atomic::Ordering;
-        let shared = super::Shared::new();
-        assert!(!shared.is_evicted(), "not joined yet is not evicted");
-        shared.incarnation.store(7, Ordering::SeqCst);
-        shared.mark_evicted(7);
-        assert!(shared.is_evicted());
-        // Joined again as incarnation 9; then a heartbeat sent as 7 comes back NOT_FOUND.
-        shared.incarnation.store(9, Ordering::SeqCst);
-        assert!(!shared.is_evicted(), "the new incarnation starts as a member");
-        shared.mark_evicted(7);
-        assert!(!shared.is_evicted(), "an answer about incarnation 7 says nothing about 9");
-        shared.mark_evicted(9);
-        assert!(shared.is_evicted());
-    }
 
     /// Without a usable device (none on this machine, or none by that name), join fails
     /// before contacting the coordinator, naming the device.

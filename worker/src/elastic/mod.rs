@@ -9,7 +9,11 @@
 //!
 //! - [`ElasticGroup`] owns the worker's membership: its coordinator client, the heartbeat
 //!   task that keeps its lease, the watch task that hears revocations, and the data-plane
-//!   listener it keeps across generations.
+//!   listener it keeps across generations. It is a thin shell: every membership decision
+//!   (current incarnation, revoked generations, stale answers, exclusion waits, pending
+//!   re-formation, reopening the event stream) is made by a pure state machine
+//!   (`membership.rs`) that it feeds with the coordinator's answers and whose effects it
+//!   performs.
 //! - [`ElasticGroup::next_generation`] is re-formation in one call: it waits at the
 //!   coordinator's rendezvous for the next generation, connects the data-plane mesh for it
 //!   (handshake with the job token) and returns its [`Generation`]. The mesh is RDMA when
@@ -30,6 +34,7 @@ mod choice;
 mod config;
 mod error;
 mod group;
+mod membership;
 mod mesh;
 mod state;
 
