@@ -131,6 +131,7 @@ fn settings(n: usize) -> JobSettings {
         heartbeat_interval: Duration::from_secs(10),
         lease_ttl: Duration::from_secs(120),
         elastic_timeout: Duration::from_secs(120),
+        ..Default::default()
     }
 }
 

@@ -7,6 +7,11 @@
 //! [`cohort_proto::RETRY_AFTER_MS_HEADER`], so that the worker waits and joins again) and the
 //! worker is never placed in a generation, so a flapping peer cannot keep the job re-forming.
 //! The policy is set per replica (`serve --exclusion-*`).
+//!
+//! A straggler excluded by the job's straggler policy (`exclude`, see
+//! [`crate::stragglers`]) is refused the same way for the job's straggler cool-down
+//! ([`FailureHistory::exclude_straggler`]), but that is not a failure: it neither counts
+//! towards the threshold nor lengthens a later exclusion.
 
 use serde::{Deserialize, Serialize};
 use std::time::Duration;
@@ -88,6 +93,15 @@ impl FailureHistory {
         None
     }
 
+    /// Excludes the worker as a straggler for `cooldown` from `now_ms` (an exclusion in force
+    /// that ends later is kept); returns its end. Counts no failure and no exclusion.
+    pub fn exclude_straggler(&mut self, now_ms: u64, cooldown: Duration) -> u64 {
+        let until = now_ms.saturating_add(cooldown.as_millis() as u64);
+        let until = self.excluded_until(now_ms).map_or(until, |current| current.max(until));
+        self.excluded_until_ms = Some(until);
+        until
+    }
+
     /// The end of the exclusion in force at `now_ms`, if one is.
     pub fn excluded_until(&self, now_ms: u64) -> Option<u64> {
         self.excluded_until_ms.filter(|&until| until > now_ms)
@@ -157,6 +171,20 @@ mod tests {
         h.excluded_until_ms = Some(12 * MIN);
         assert_eq!(h.retention(&p, 10 * MIN), p.window + Duration::from_millis(2 * MIN));
         assert_eq!(h.retention(&p, 13 * MIN), p.window, "an exclusion that ended adds nothing");
+    }
+
+    #[test]
+    fn a_straggler_exclusion_counts_no_failure() {
+        let p = ExclusionPolicy::default();
+        let mut h = FailureHistory::default();
+        h.record_failure(&p, 0);
+        assert_eq!(h.exclude_straggler(1000, Duration::from_secs(5)), 6000);
+        assert_eq!(h.excluded_until(5999), Some(6000));
+        assert_eq!(h.excluded_until(6000), None);
+        assert_eq!((h.recent_failures(&p, 1000), h.exclusions), (1, 0), "no failure, no exclusion counted");
+        // A longer exclusion in force is kept.
+        h.excluded_until_ms = Some(100_000);
+        assert_eq!(h.exclude_straggler(7000, Duration::from_secs(5)), 100_000);
     }
 
     #[test]

@@ -120,6 +120,18 @@ pub struct ProgressRecord {
     pub last_commit_digest: String,
     /// Time of its last commit, ms since the epoch (0: none).
     pub last_commit_ms: u64,
+    /// Its last reported step timing (`None`: none yet).
+    #[serde(default)]
+    pub timing: Option<crate::stragglers::Timing>,
+    /// Its standing as a straggler (kept by the replica that serves its heartbeats).
+    #[serde(default)]
+    pub straggler: crate::stragglers::Standing,
+    /// What was done about it while named (`reported`, `excluded until ...`, or why not).
+    #[serde(default)]
+    pub straggler_action: String,
+    /// The end of its exclusion as a straggler, once excluded (it is asked to leave).
+    #[serde(default)]
+    pub straggler_excluded_until_ms: Option<u64>,
 }
 
 /// `control/<worker>`: the state of the member's control stream (its Watch), written by

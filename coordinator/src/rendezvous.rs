@@ -277,6 +277,7 @@ mod tests {
             heartbeat_interval: Duration::from_millis(100),
             lease_ttl: Duration::from_secs(1),
             elastic_timeout: Duration::from_secs(5),
+            ..Default::default()
         }
     }
 

@@ -601,6 +601,7 @@ async fn heartbeat_task(worker: Arc<Worker>, incarnation: u64) {
             step: 0,
             activity: "sim".into(),
             deadlines: String::new(),
+            timing: None,
         };
         match bounded(
             worker.shared(),

@@ -47,6 +47,7 @@ pub(crate) fn test_settings(backend: Backend) -> JobSettings {
             Backend::Etcd => Duration::from_secs(2),
         },
         elastic_timeout: Duration::from_secs(2),
+        ..Default::default()
     }
 }
 
@@ -188,6 +189,7 @@ impl Worker {
             step: 0,
             activity: "test".into(),
             deadlines: String::new(),
+            timing: None,
         };
         self.heartbeat = Some(tokio::spawn(async move {
             let mut tick = tokio::time::interval(interval);

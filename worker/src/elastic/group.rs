@@ -82,6 +82,10 @@ struct Shared {
     progress: Mutex<(u64, u64, String)>,
     /// The deadline in force, in brief ([`ElasticGroup::set_deadlines`]).
     deadlines: Mutex<String>,
+    /// Step times since the last heartbeat ([`ElasticGroup::record_step`]).
+    timing: Mutex<super::StepTimes>,
+    /// Why the coordinator asked this member to leave as a straggler (`None`: it did not).
+    straggler_leave: Mutex<Option<String>>,
 }
 
 impl Shared {
@@ -98,6 +102,8 @@ impl Shared {
             ended: Mutex::new(None),
             progress: Mutex::new((0, 0, "joining".into())),
             deadlines: Mutex::new(String::new()),
+            timing: Mutex::new(super::StepTimes::default()),
+            straggler_leave: Mutex::new(None),
         }
     }
 
@@ -355,6 +361,18 @@ impl ElasticGroup {
     /// with the next heartbeat (for `status`).
     pub fn set_deadlines(&self, brief: &str) {
         *self.shared.deadlines.lock().unwrap_or_else(|e| e.into_inner()) = brief.to_string();
+    }
+
+    /// Records one step's time outside and inside collectives, and the wait on each peer's
+    /// link now; their means are sent with the next heartbeat (straggler detection).
+    pub fn record_step(&self, compute: Duration, collective: Duration, peer_waits: Vec<(u32, Duration)>) {
+        self.shared.timing.lock().unwrap_or_else(|e| e.into_inner()).record(compute, collective, peer_waits);
+    }
+
+    /// Why the coordinator asked this member to leave as a straggler (job policy
+    /// `exclude`), if it did: it should leave gracefully at its next commit point.
+    pub fn straggler_leave(&self) -> Option<String> {
+        self.shared.straggler_leave.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
     /// Waits for the next generation that includes this worker and connects its mesh.
@@ -861,6 +879,7 @@ async fn heartbeat_task(
         }
         let (generation, step, activity) = shared.progress.lock().unwrap_or_else(|e| e.into_inner()).clone();
         let deadlines = shared.deadlines.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let timing = shared.timing.lock().unwrap_or_else(|e| e.into_inner()).take();
         let request = pb::HeartbeatRequest {
             job: job.clone(),
             worker_id: worker_id.clone(),
@@ -869,11 +888,16 @@ async fn heartbeat_task(
             step,
             activity,
             deadlines,
+            timing,
         };
         match client.heartbeat(request).await {
             Ok(response) => {
                 if response.reformation_pending {
                     shared.reformation_pending.store(true, Ordering::SeqCst);
+                }
+                if !response.leave_as_straggler.is_empty() {
+                    *shared.straggler_leave.lock().unwrap_or_else(|e| e.into_inner()) =
+                        Some(response.leave_as_straggler);
                 }
             }
             Err(e) if e.code() == Some(tonic::Code::NotFound) => {
