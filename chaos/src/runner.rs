@@ -1792,6 +1792,68 @@ mod tests {
         WorkerEvent::parse(worker, line, 0).unwrap()
     }
 
+    #[test]
+    fn straggler_checks_follow_the_policy() {
+        let scenario = |policy: &str| {
+            Scenario::parse(
+                "s",
+                &format!(
+                    "compute = \"8ms\"\nstraggler_policy = \"{policy}\"\nstraggler_cooldown = \"5s\"\n[[fault]]\nkind = \"straggler\"\nranks = [1]\nduration = \"5s\"\nstop_for = \"20ms\"\nrun_for = \"10ms\"\nname_within_steps = 50"
+                ),
+            )
+            .unwrap()
+        };
+        let record = |seen: StragglerSeen| FaultRecord {
+            index: 1,
+            kind: "straggler".into(),
+            generation: 1,
+            world: 3,
+            step: 100,
+            at_ms: 10_000,
+            steps_per_s_before: Some(40.0),
+            steps_per_s_during: Some(25.0),
+            straggler: Some(seen),
+            ..Default::default()
+        };
+        let named = StragglerSeen {
+            target: "w1".into(),
+            named: Some("w1".into()),
+            kind: "compute".into(),
+            named_after_steps: Some(20),
+            ..Default::default()
+        };
+        let failed = |checks: &[Check]| checks.iter().filter(|c| !c.ok).map(|c| c.what.clone()).collect::<Vec<_>>();
+        // Report: named in time, nothing excluded, nothing failed.
+        let report = StragglerSeen { policy: "report".into(), ..named.clone() };
+        let steps = [ev("w0", "event=step gen=1 world=3 rank=0 step=120 t_ms=11000")];
+        assert!(failed(&straggler_checks(&record(report.clone()), &steps, &scenario("report"))).is_empty());
+        // ... but named too late, or someone else named, or a timeout, or a leave: each fails.
+        let late = StragglerSeen { named_after_steps: Some(51), ..report.clone() };
+        assert_eq!(failed(&straggler_checks(&record(late), &steps, &scenario("report"))).len(), 1);
+        let other = StragglerSeen { others_named: vec!["w2".into()], ..report.clone() };
+        assert_eq!(failed(&straggler_checks(&record(other), &steps, &scenario("report"))).len(), 1);
+        let timeout = [ev("w0", "event=error gen=1 rank=0 step=121 kind=Timeout cause=x t_ms=11500")];
+        assert_eq!(failed(&straggler_checks(&record(report.clone()), &timeout, &scenario("report"))).len(), 1);
+        let leave = [ev("w1", "event=straggler_leave gen=1 rank=1 step=121 reason=x t_ms=11500")];
+        assert_eq!(failed(&straggler_checks(&record(report), &leave, &scenario("report"))).len(), 1);
+        // Exclude: a leave, the pace back to 0.9 of the fault-free rate, a return after the
+        // cool-down.
+        let excluded = StragglerSeen {
+            policy: "exclude".into(),
+            excluded_at_ms: Some(11_500),
+            rejoined_at_ms: Some(16_600),
+            steps_per_s_after: Some(37.0),
+            ..named
+        };
+        assert!(failed(&straggler_checks(&record(excluded.clone()), &leave, &scenario("exclude"))).is_empty());
+        let slow = StragglerSeen { steps_per_s_after: Some(35.0), ..excluded.clone() };
+        assert_eq!(failed(&straggler_checks(&record(slow), &leave, &scenario("exclude"))).len(), 1);
+        let early = StragglerSeen { rejoined_at_ms: Some(12_000), ..excluded.clone() };
+        assert_eq!(failed(&straggler_checks(&record(early), &leave, &scenario("exclude"))).len(), 1);
+        let stayed = StragglerSeen { excluded_at_ms: None, rejoined_at_ms: None, ..excluded };
+        assert!(failed(&straggler_checks(&record(stayed), &steps, &scenario("exclude"))).len() >= 2);
+    }
+
     fn record(index: usize, kind: &str, generation: i64, at_ms: u64, survivors: &[&str]) -> FaultRecord {
         FaultRecord {
             index,
