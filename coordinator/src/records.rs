@@ -134,6 +134,22 @@ pub struct ProgressRecord {
     pub straggler_excluded_until_ms: Option<u64>,
 }
 
+impl ProgressRecord {
+    /// The straggler verdict `status` and the event stream show (`None`: not named).
+    pub fn straggler_verdict(&self) -> Option<cohort_proto::v1::StragglerVerdict> {
+        let since_ms = self.straggler.named_since_ms?;
+        let finding = self.straggler.last.as_ref()?;
+        Some(cohort_proto::v1::StragglerVerdict {
+            kind: finding.kind.name().into(),
+            ratio: finding.ratio_pct as f64 / 100.0,
+            reports: self.straggler.streak,
+            reason: format!("{}; rule: {}", finding.reason, crate::stragglers::StragglerRule::default()),
+            since_ms,
+            action: self.straggler_action.clone(),
+        })
+    }
+}
+
 /// `control/<worker>`: the state of the member's control stream (its Watch), written by
 /// the replica that serves the stream. Written `connected` when the stream opens; replaced
 /// by `connected: false` when the client side goes away while the replica is not shutting

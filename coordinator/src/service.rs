@@ -418,6 +418,7 @@ impl CoordinatorService {
             round.push(own.clone());
             stragglers::judge(&stragglers::StragglerRule::default(), own.rank, &round)
         });
+        let policy = self.ctx.settings.for_job(&r.job).straggler_policy;
         let mut change = stragglers::Change::None;
         let mut standing = stragglers::Standing::default();
         let mut excluded_until = None;
@@ -430,6 +431,10 @@ impl CoordinatorService {
             if let Some(timing) = timing {
                 p.timing = Some(timing);
                 change = p.straggler.advance(&stragglers::StragglerRule::default(), finding, now);
+                if change == stragglers::Change::Named {
+                    // What will be done, until act_on_straggler records what was.
+                    p.straggler_action = format!("deciding (straggler policy: {})", policy.name());
+                }
                 if change == stragglers::Change::Cleared && p.straggler_excluded_until_ms.is_none() {
                     p.straggler_action.clear();
                 }
@@ -993,7 +998,7 @@ impl CoordinatorService {
                             .map(|&(rank, wait_us)| pb::PeerWait { rank, wait_us })
                             .collect(),
                     }),
-                    straggler: p.and_then(straggler_verdict),
+                    straggler: p.and_then(ProgressRecord::straggler_verdict),
                 }
             })
             .collect::<Vec<pb::MemberStatus>>();
@@ -1098,20 +1103,6 @@ impl CoordinatorService {
     }
 }
 
-/// The straggler verdict `status` shows for a member's progress (`None`: not named).
-fn straggler_verdict(p: &ProgressRecord) -> Option<pb::StragglerVerdict> {
-    let since_ms = p.straggler.named_since_ms?;
-    let finding = p.straggler.last.as_ref()?;
-    Some(pb::StragglerVerdict {
-        kind: finding.kind.name().into(),
-        ratio: finding.ratio_pct as f64 / 100.0,
-        reports: p.straggler.streak,
-        reason: format!("{}; rule: {}", finding.reason, stragglers::StragglerRule::default()),
-        since_ms,
-        action: p.straggler_action.clone(),
-    })
-}
-
 /// Why a watch stream ended.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum WatchEnd {
@@ -1183,6 +1174,8 @@ fn initial_events(state: &JobState, pending: Option<u32>) -> Vec<pb::JobEvent> {
 /// What a watch stream has sent, to drop repeats.
 #[derive(Default)]
 struct Sent {
+    /// Stragglers announced: (worker, named since).
+    stragglers: std::collections::HashSet<(String, u64)>,
     formed: u64,
     revoked: u64,
     pending: Option<(u64, u32)>,
@@ -1208,6 +1201,10 @@ impl Sent {
             Some(Event::JobEnded(_)) if !self.ended => {
                 self.ended = true;
                 true
+            }
+            Some(Event::StragglerNamed(n)) => {
+                let since = n.verdict.as_ref().map_or(0, |v| v.since_ms);
+                self.stragglers.insert((n.worker_id.clone(), since))
             }
             _ => false,
         }

@@ -703,6 +703,7 @@ async fn a_straggler_is_named_and_excluded(backend: Backend) {
     let server = replica(backing.store.clone(), &Options::new(settings)).await;
     let addr = server.local_addr();
     let workers = Worker::join_many(addr, "job-s", 3, HB).await;
+    let mut watch = workers[0].watch().await;
     let gs = futures::future::join_all(workers.iter().map(|w| w.next_generation(0))).await;
     let g = gs[0].clone();
     let slow_rank = 1usize;
@@ -735,6 +736,14 @@ async fn a_straggler_is_named_and_excluded(backend: Backend) {
             assert!(m.straggler.is_none(), "{} named: {:?}", m.worker_id, m.straggler);
         }
     }
+    // The event stream announces it (once its progress reached the store: within a second).
+    let named = wait_event(&mut watch, |e| match e {
+        Event::StragglerNamed(n) => Some(n.clone()),
+        _ => None,
+    })
+    .await;
+    assert_eq!((named.worker_id.as_str(), named.rank, named.generation), (slow.id.as_str(), Some(1), g.number));
+    assert_eq!(named.verdict.map(|v| v.kind), Some("compute".to_string()));
     let text = scrape(&server).await;
     assert!(text.contains("cohort_stragglers_named_total{job=\"job-s\",kind=\"compute\"} 1"), "{text}");
     assert!(text.contains("cohort_stragglers_excluded_total{job=\"job-s\"} 1"), "{text}");

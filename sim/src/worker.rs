@@ -703,7 +703,7 @@ impl Worker {
                 self.local.pending.fetch_max(p.generation, Ordering::SeqCst);
             }
             Some(Event::JobEnded(e)) => self.heard_end(&e),
-            Some(Event::GenerationFormed(_)) | None => {}
+            Some(Event::GenerationFormed(_) | Event::StragglerNamed(_)) | None => {}
         }
     }
 }

@@ -1031,6 +1031,9 @@ fn apply_event(shared: &Shared, event: pb::JobEvent) {
                 });
             }
         }
+        Some(job_event::Event::StragglerNamed(named)) => {
+            info!(worker = %named.worker_id, rank = ?named.rank, reason = ?named.verdict.map(|v| v.reason), "straggler named")
+        }
         Some(job_event::Event::GenerationFormed(_)) | None => {}
     }
 }
