@@ -68,6 +68,10 @@ pub struct FailureHistory {
     pub exclusions: u32,
     /// End of the current (or last) exclusion, ms since the epoch.
     pub excluded_until_ms: Option<u64>,
+    /// Why the current (or last) exclusion began, for `status` (empty: written by an older
+    /// coordinator).
+    #[serde(default)]
+    pub reason: String,
 }
 
 impl FailureHistory {
@@ -87,6 +91,12 @@ impl FailureHistory {
             let cooldown = cooldown(policy, self.exclusions);
             let until = now_ms.saturating_add(cooldown.as_millis() as u64);
             self.excluded_until_ms = Some(until);
+            self.reason = format!(
+                "{} failures within {} min (exclusion {})",
+                policy.threshold,
+                policy.window.as_secs() / 60,
+                self.exclusions
+            );
             self.failures_ms.clear();
             return Some(until);
         }
@@ -95,8 +105,11 @@ impl FailureHistory {
 
     /// Excludes the worker as a straggler for `cooldown` from `now_ms` (an exclusion in force
     /// that ends later is kept); returns its end. Counts no failure and no exclusion.
-    pub fn exclude_straggler(&mut self, now_ms: u64, cooldown: Duration) -> u64 {
+    pub fn exclude_straggler(&mut self, now_ms: u64, cooldown: Duration, reason: &str) -> u64 {
         let until = now_ms.saturating_add(cooldown.as_millis() as u64);
+        if self.excluded_until(now_ms).is_none_or(|current| current < until) {
+            self.reason = format!("straggler: {reason}");
+        }
         let until = self.excluded_until(now_ms).map_or(until, |current| current.max(until));
         self.excluded_until_ms = Some(until);
         until
@@ -178,13 +191,15 @@ mod tests {
         let p = ExclusionPolicy::default();
         let mut h = FailureHistory::default();
         h.record_failure(&p, 0);
-        assert_eq!(h.exclude_straggler(1000, Duration::from_secs(5)), 6000);
+        assert_eq!(h.exclude_straggler(1000, Duration::from_secs(5), "compute 3.0x"), 6000);
+        assert_eq!(h.reason, "straggler: compute 3.0x");
         assert_eq!(h.excluded_until(5999), Some(6000));
         assert_eq!(h.excluded_until(6000), None);
         assert_eq!((h.recent_failures(&p, 1000), h.exclusions), (1, 0), "no failure, no exclusion counted");
         // A longer exclusion in force is kept.
         h.excluded_until_ms = Some(100_000);
-        assert_eq!(h.exclude_straggler(7000, Duration::from_secs(5)), 100_000);
+        assert_eq!(h.exclude_straggler(7000, Duration::from_secs(5), "again"), 100_000);
+        assert_eq!(h.reason, "straggler: compute 3.0x", "the longer exclusion in force keeps its reason");
     }
 
     #[test]

@@ -572,7 +572,12 @@ mod tests {
             .put(&keys::worker_key(job, Kind::Waiting, "b"), encode(&wait), Some(incarnations["b"]))
             .await
             .expect("put");
-        let history = FailureHistory { failures_ms: vec![], exclusions: 1, excluded_until_ms: Some(now + 300) };
+        let history = FailureHistory {
+            failures_ms: vec![],
+            exclusions: 1,
+            excluded_until_ms: Some(now + 300),
+            ..Default::default()
+        };
         store.put(&keys::worker_key(job, Kind::Failures, "b"), encode(&history), None).await.expect("put");
 
         let settings = JobSettings { min_workers: 1, max_workers: 4, ..Default::default() };

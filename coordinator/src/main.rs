@@ -445,6 +445,15 @@ fn print_status(s: &pb::StatusResponse) {
             );
         }
     }
+    for x in &s.exclusions {
+        println!(
+            "EXCLUDED: worker {} until {} ({:.1}s from now): {}",
+            x.worker_id,
+            x.until_ms,
+            x.until_ms.saturating_sub(now) as f64 / 1000.0,
+            if x.reason.is_empty() { "-" } else { &x.reason }
+        );
+    }
     for m in &s.digest_mismatches {
         let commits: Vec<String> =
             m.commits.iter().map(|c| format!("{} {}", c.worker_id, c.digest.get(..12).unwrap_or(&c.digest))).collect();
@@ -536,6 +545,7 @@ fn status_json(s: &pb::StatusResponse) -> serde_json::Value {
         "leader": if s.leader.is_empty() { None } else { Some(&s.leader) },
         "exists": !s.unknown_job,
         "members": members,
+        "exclusions": s.exclusions.iter().map(|x| json!({ "worker_id": x.worker_id, "until_ms": x.until_ms, "reason": x.reason })).collect::<Vec<_>>(),
         "digest_mismatches": s.digest_mismatches.iter().map(|m| json!({
             "generation": m.generation,
             "step": m.step,

@@ -170,13 +170,19 @@ pub async fn revoke_generation(
 ///
 /// # Cancel safety
 /// Cancel safe: one transaction; a lease granted for one that never ran expires by itself.
-pub async fn exclude_straggler(ctx: &Context, job: &str, worker: &str, cooldown: Duration) -> Result<u64, StoreError> {
+pub async fn exclude_straggler(
+    ctx: &Context,
+    job: &str,
+    worker: &str,
+    cooldown: Duration,
+    reason: &str,
+) -> Result<u64, StoreError> {
     let fkey = keys::worker_key(job, Kind::Failures, worker);
     for _ in 0..CAS_ATTEMPTS {
         let now = records::now_ms();
         let fkv = ctx.store.get(&fkey).await?;
         let mut history: FailureHistory = fkv.as_ref().and_then(|kv| decode(&fkey, &kv.value)).unwrap_or_default();
-        let until = history.exclude_straggler(now, cooldown);
+        let until = history.exclude_straggler(now, cooldown, reason);
         let lease = ctx.store.grant_lease(history.retention(&ctx.exclusion, now)).await?;
         let txn = Txn {
             compares: vec![compare_for(&fkey, fkv.as_ref())],

@@ -515,9 +515,15 @@ mod tests {
     #[test]
     fn excluded_workers_are_never_placed() {
         let mut job = Job::new().member("a", 1).member("b", 1).waits("a", 0, 0).waits("b", 0, 0);
-        job.0
-            .failures
-            .insert("b".into(), FailureHistory { failures_ms: vec![], exclusions: 1, excluded_until_ms: Some(50_000) });
+        job.0.failures.insert(
+            "b".into(),
+            FailureHistory {
+                failures_ms: vec![],
+                exclusions: 1,
+                excluded_until_ms: Some(50_000),
+                ..Default::default()
+            },
+        );
         let e = evaluate(&settings(1, 8), &job.0, 1000);
         assert_eq!(formed(&e), ["a"]);
         assert_eq!(formed(&evaluate(&settings(1, 8), &job.0, 50_000)), ["a", "b"], "the exclusion is over");

@@ -518,7 +518,8 @@ impl CoordinatorService {
                 settings.min_workers
             ),
             stragglers::StragglerPolicy::Exclude => {
-                match ops::exclude_straggler(&self.ctx, job, worker, settings.straggler_cooldown).await {
+                let why = format!("{} slow: {}", finding.kind.name(), finding.reason);
+                match ops::exclude_straggler(&self.ctx, job, worker, settings.straggler_cooldown, &why).await {
                     Ok(end) => {
                         self.ctx.metrics.straggler_excluded(job);
                         until = Some(end);
@@ -1016,7 +1017,16 @@ impl CoordinatorService {
         let seen = self.commits.lock().unwrap_or_else(|e| e.into_inner()).mismatches(&r.job);
         let digest_mismatches =
             digests::merge(seen, digests::among_last_commits(last_commits)).iter().map(|m| m.to_proto()).collect();
+        let exclusions = state
+            .failures
+            .iter()
+            .filter_map(|(worker, h)| {
+                let until_ms = h.excluded_until(now)?;
+                Some(pb::Exclusion { worker_id: worker.clone(), until_ms, reason: h.reason.clone() })
+            })
+            .collect();
         Ok(pb::StatusResponse {
+            exclusions,
             unknown_job,
             digest_mismatches,
             job: r.job.clone(),

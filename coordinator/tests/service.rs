@@ -421,6 +421,12 @@ async fn repeated_failures_exclude(backend: Backend) {
         .and_then(|v| v.parse().ok())
         .unwrap_or_else(|| panic!("no {} on the refusal: {:?}", cohort_proto::RETRY_AFTER_MS_HEADER, err.metadata()));
     assert!((20_000..=30_000).contains(&retry_after), "retry after {retry_after} ms of a 30 s cool-down");
+    let s = status(addr, "job-f").await;
+    assert!(
+        s.exclusions.iter().any(|x| x.worker_id == "flaky" && x.reason.starts_with("3 failures within 10 min")),
+        "{:?}",
+        s.exclusions
+    );
     // A graceful leave never counts: the good worker can leave and come back.
     good.leave(false).await.expect("leave");
     let back = Worker::join(addr, "job-f", "good", HB).await;
@@ -752,6 +758,14 @@ async fn a_straggler_is_named_and_excluded(backend: Backend) {
     slow.leave(false).await.expect("leave");
     let s = status(addr, "job-s").await;
     assert!(!s.current_revoked, "a straggler's leave revokes nothing: {:?}", s.revocation_cause);
+    // Status still says why it is gone.
+    assert_eq!(s.exclusions.len(), 1, "{:?}", s.exclusions);
+    assert_eq!(s.exclusions[0].worker_id, slow.id);
+    assert!(
+        s.exclusions[0].reason.starts_with("straggler: compute slow: compute 30.0 ms"),
+        "{}",
+        s.exclusions[0].reason
+    );
     let mut c = client(addr).await;
     let err = c.join(join_request("job-s", &slow.id)).await.expect_err("excluded for the cool-down");
     assert_eq!(err.code(), tonic::Code::FailedPrecondition);
