@@ -290,6 +290,7 @@ impl Cluster {
             .args(["--min-workers", &s.min_workers.to_string(), "--max-workers", &s.max_workers.to_string()])
             .args(["--join-window", &ms(s.join_window), "--heartbeat-interval", &ms(s.heartbeat_interval)])
             .args(["--lease-ttl", &ms(s.lease_ttl), "--elastic-timeout", &ms(s.elastic_timeout)])
+            .args(["--straggler-policy", s.straggler_policy.name(), "--straggler-cooldown", &ms(s.straggler_cooldown)])
             .arg("--token-file")
             .arg(&self.token_file)
             .env("RUST_LOG", std::env::var("COHORT_CHAOS_COORDINATOR_LOG").unwrap_or_else(|_| "info".into()));

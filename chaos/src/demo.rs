@@ -62,6 +62,7 @@ pub async fn run(config: DemoConfig) -> Result<Vec<Check>, ClusterError> {
         heartbeat_interval: Duration::from_millis(200),
         lease_ttl: Duration::from_secs(2),
         elastic_timeout: Duration::from_secs(20),
+        ..Default::default()
     };
     let mut cluster = Cluster::start(ClusterConfig {
         job: "demo".into(),

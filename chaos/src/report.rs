@@ -119,13 +119,66 @@ pub struct FaultRecord {
     /// Hung rank: the coordinator's `status` taken while it was stopped, before anybody
     /// timed out (does it show which rank hung?).
     pub status: Option<StatusSeen>,
+    /// Straggler: what the coordinator said and did, and the job's pace around it.
+    pub straggler: Option<StragglerSeen>,
     /// Anything worth knowing.
     pub note: String,
+}
+
+/// A straggler fault as the harness saw it: the coordinator's verdict (from `status`), the
+/// straggler's leave and return (from its events), and the job's verified steps per second
+/// before the fault, while the straggler was a member, after it left, and after it returned.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct StragglerSeen {
+    /// The job's straggler policy (`report` or `exclude`).
+    pub policy: String,
+    /// The slowed worker.
+    pub target: String,
+    /// The worker `status` named first, if any.
+    pub named: Option<String>,
+    /// Other workers `status` ever named (false positives).
+    pub others_named: Vec<String>,
+    /// The verdict's kind (`compute` or `link`).
+    pub kind: String,
+    /// The verdict's explanation.
+    pub reason: String,
+    /// What the coordinator did about it.
+    pub action: String,
+    /// When `status` first named it (ms since the epoch).
+    pub named_at_ms: Option<u64>,
+    /// Verified steps of the job from the fault to the naming.
+    pub named_after_steps: Option<i64>,
+    /// Its `event=straggler_leave` (ms since the epoch).
+    pub excluded_at_ms: Option<u64>,
+    /// Its first verified step after it joined again (ms since the epoch).
+    pub rejoined_at_ms: Option<u64>,
+    /// Duty cycles the fault played.
+    pub cycles: u64,
+    /// Steps per second from the straggler's leave to its return (exclude).
+    pub steps_per_s_after: Option<f64>,
+    /// Steps per second in the 3 s after its return.
+    pub steps_per_s_rejoined: Option<f64>,
 }
 
 impl FaultRecord {
     /// The fault-specific measurement, for the table's last column.
     pub fn extra(&self) -> String {
+        if let (Some(s), Some(before), Some(during)) =
+            (&self.straggler, self.steps_per_s_before, self.steps_per_s_during)
+        {
+            let named = match (&s.named, s.named_after_steps) {
+                (Some(w), Some(n)) => format!("named {w} after {n} steps"),
+                _ => "never named".into(),
+            };
+            let mut text = format!("{named}; steps/s {before:.0} -> {during:.0}");
+            if let Some(after) = s.steps_per_s_after {
+                text.push_str(&format!(" -> {after:.0} excluded (x{:.2})", after / before.max(f64::MIN_POSITIVE)));
+            }
+            if let Some(back) = s.steps_per_s_rejoined {
+                text.push_str(&format!(" -> {back:.0} rejoined"));
+            }
+            return text;
+        }
         if let (Some(before), Some(during)) = (self.steps_per_s_before, self.steps_per_s_during) {
             let ratio = if before > 0.0 { format!(" (x{:.2})", during / before) } else { String::new() };
             return format!("steps/s {before:.0} -> {during:.0}{ratio}");

@@ -15,7 +15,7 @@ use crate::events::WorkerEvent;
 use crate::invariants;
 use crate::process::now_ms;
 use crate::proxy::LinkRule;
-use crate::report::{ErrorSeen, FaultRecord, RunReport, StatusSeen};
+use crate::report::{ErrorSeen, FaultRecord, RunReport, StatusSeen, StragglerSeen};
 use crate::scenario::{parse_bytes, Expect, FaultKind, FaultSpec, NetworkChoice, Scenario, StoreChoice};
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
@@ -193,6 +193,12 @@ async fn run_inner(sc: &Scenario, seed: u64, log_dir: &std::path::Path, verbose:
             heartbeat_interval: sc.heartbeat_interval.0,
             lease_ttl: sc.lease_ttl.0,
             elastic_timeout: sc.elastic_timeout.0,
+            straggler_policy: sc
+                .straggler_policy
+                .as_deref()
+                .and_then(|p| cohort_coordinator::stragglers::StragglerPolicy::parse(p).ok())
+                .unwrap_or_default(),
+            straggler_cooldown: sc.straggler_cooldown.map_or(JobSettings::default().straggler_cooldown, |d| d.0),
         },
         log_dir: Some(log_dir.to_path_buf()),
         exclusion: None,
@@ -209,7 +215,11 @@ async fn run_inner(sc: &Scenario, seed: u64, log_dir: &std::path::Path, verbose:
         step_interval: sc.step_interval.0,
         no_progress: sc.no_progress.0,
         fixed_deadlines: sc.fixed_deadlines,
-        extra_args: Vec::new(),
+        extra_args: if sc.compute.0.is_zero() {
+            Vec::new()
+        } else {
+            vec!["--compute".into(), format!("{}us", sc.compute.0.as_micros())]
+        },
         command: sc.worker_command.clone(),
     };
     let mut run = Run {
@@ -673,6 +683,7 @@ impl Run<'_> {
         let dur = f.duration.map(|d| d.0).unwrap_or(Duration::ZERO);
         let ranks_text: Vec<String> = targets.iter().map(|(r, w)| format!("{w}(rank {r})")).collect();
         let mut note = String::new();
+        let mut duty: Option<DutyCycle> = None;
         match f.kind {
             FaultKind::Kill => {
                 for w in &target_names {
@@ -692,6 +703,13 @@ impl Run<'_> {
                     self.signal(w, libc::SIGTERM);
                     self.leaving.insert(w.clone());
                 }
+            }
+            FaultKind::Straggler => {
+                // Its own thread keeps the duty cycle exact while the harness polls `status`.
+                let pid = target_names.first().and_then(|w| self.cluster.worker_pid(w));
+                duty = pid.map(|pid| {
+                    DutyCycle::start(pid, dur, f.stop_for.unwrap_or_default().0, f.run_for.unwrap_or_default().0)
+                });
             }
             FaultKind::Slow => {
                 let until = Instant::now() + dur;
@@ -896,6 +914,20 @@ impl Run<'_> {
                 })
                 .await?;
             }
+            FaultKind::Straggler => {
+                let target = target_names.first().cloned().unwrap_or_default();
+                let mut seen = self.follow_straggler(&target, gen, struck + dur, settle).await;
+                seen.cycles = duty.map_or(0, DutyCycle::finish);
+                if let Some(r) = self.records.last_mut() {
+                    r.straggler = Some(seen);
+                }
+                let target = self.view.max_step + 3;
+                self.pump(&format!("3 steps after fault {index}"), settle, |e, _| {
+                    e.kind == "step" && e.int("step").unwrap_or(0) >= target
+                })
+                .await?;
+                self.quiet.push((at_ms, now_ms(), index));
+            }
             FaultKind::Slow
             | FaultKind::Latency
             | FaultKind::Bandwidth
@@ -919,6 +951,75 @@ impl Run<'_> {
             }
         }
         Ok(())
+    }
+
+    /// Follows a straggler fault on `target` (struck in generation `gen`, its duty
+    /// cycle ending at `until`): polls `status` until the coordinator names it (or the cycle
+    /// ends), noting anybody else it names; under `exclude`, waits for its leave at a commit
+    /// point and, after the cycle, for its return after the cool-down. Failures to see any
+    /// of this are left to the checks (the run goes on).
+    async fn follow_straggler(&mut self, target: &str, gen: i64, until: Instant, settle: Duration) -> StragglerSeen {
+        let sc = self.sc;
+        let policy = sc.straggler_policy.clone().unwrap_or_else(|| "report".into());
+        let mut seen = StragglerSeen { policy: policy.clone(), target: target.to_string(), ..Default::default() };
+        let who = target.to_string();
+        let is_leave = move |e: &WorkerEvent| e.kind == "straggler_leave" && e.worker == who;
+        while Instant::now() < until && seen.named.is_none() && seen.excluded_at_ms.is_none() {
+            let leave = is_leave.clone();
+            if let Ok(e) = self.pump("", Duration::from_millis(100), move |e, _| leave(e)).await {
+                seen.excluded_at_ms = Some(e.t_ms());
+                break;
+            }
+            let Some(status) = self.cluster.status_json(Duration::from_millis(500)).await else { continue };
+            let members = status.get("members").and_then(|m| m.as_array()).cloned().unwrap_or_default();
+            for m in &members {
+                let Some(v) = m.get("straggler").filter(|v| !v.is_null()) else { continue };
+                let worker = m.get("worker_id").and_then(|w| w.as_str()).unwrap_or("?").to_string();
+                if worker == target && seen.named.is_none() {
+                    let text = |k: &str| v.get(k).and_then(|x| x.as_str()).unwrap_or("").to_string();
+                    seen.kind = text("kind");
+                    seen.reason = text("reason");
+                    seen.action = text("action");
+                    seen.named_at_ms = Some(now_ms());
+                    self.say(format!("status names {worker} a straggler: {} ({})", seen.reason, seen.action));
+                    seen.named = Some(worker);
+                } else if worker != target && !seen.others_named.contains(&worker) {
+                    seen.others_named.push(worker);
+                }
+            }
+        }
+        if policy == "exclude" && seen.excluded_at_ms.is_none() {
+            let bound = until.saturating_duration_since(Instant::now()) + settle;
+            let leave = is_leave.clone();
+            if let Ok(e) = self.pump(&format!("{target} to leave as a straggler"), bound, move |e, _| leave(e)).await {
+                seen.excluded_at_ms = Some(e.t_ms());
+            }
+        }
+        if let (None, Some(left)) = (&seen.named, seen.excluded_at_ms) {
+            // It left before a poll of `status` caught the verdict (named and excluded within
+            // one heartbeat): the leave carries the coordinator's verdict, named no later.
+            let event = self.cluster.events.iter().rev().find(|e| e.kind == "straggler_leave" && e.worker == target);
+            let reason = event.and_then(|e| e.text("reason")).unwrap_or("").to_string();
+            seen.kind = reason.strip_prefix("straggler (").and_then(|r| r.split(' ').next()).unwrap_or("").to_string();
+            seen.reason = reason;
+            seen.action = "excluded (from its straggler_leave event)".into();
+            seen.named_at_ms = Some(left);
+            seen.named = Some(target.to_string());
+        }
+        self.pass_time(until).await;
+        if seen.excluded_at_ms.is_some() {
+            let cooldown = sc.straggler_cooldown.map_or(Duration::from_secs(60), |d| d.0);
+            let who = target.to_string();
+            if let Ok(e) = self
+                .pump(&format!("{target} to return after its cool-down"), cooldown + settle, |e, _| {
+                    e.kind == "step" && e.worker == who && e.int("gen").unwrap_or(0) > gen
+                })
+                .await
+            {
+                seen.rejoined_at_ms = Some(e.t_ms());
+            }
+        }
+        seen
     }
 
     /// Takes the coordinator's `status` while a rank is stopped: three heartbeat intervals
@@ -1059,6 +1160,7 @@ impl Run<'_> {
                         },
                     });
                 }
+                "straggler" => checks.extend(straggler_checks(r, &events, sc)),
                 "join_storm" => {
                     let joiners: Vec<&str> =
                         r.note.strip_prefix("joined: ").map(|n| n.split(',').collect()).unwrap_or_default();
@@ -1278,11 +1380,151 @@ fn measure(records: &[FaultRecord], events: &[WorkerEvent]) -> Vec<FaultRecord> 
             r.steps_per_s_before = step_rate(events, at - d, at);
             r.steps_per_s_during = step_rate(events, at, at + d);
         }
+        if let Some(s) = r.straggler.as_mut() {
+            let highest = |t: u64| {
+                events.iter().filter(|e| e.kind == "step" && e.t_ms() <= t).filter_map(|e| e.int("step")).max()
+            };
+            s.named_after_steps = s.named_at_ms.and_then(highest).map(|n| n - r.step);
+            // Before: up to 3 s of the fault-free job; during: while the straggler was a
+            // member; after: from its leave (plus the re-formation) to its return.
+            r.steps_per_s_before = step_rate(events, at - (r.duration_ms as i64).min(3000), at);
+            let left = s.excluded_at_ms.map(|t| t as i64);
+            r.steps_per_s_during = step_rate(events, at, left.unwrap_or(at + r.duration_ms as i64));
+            if let Some(left) = left {
+                let back = s.rejoined_at_ms.map_or(at + r.duration_ms as i64, |t| t as i64);
+                s.steps_per_s_after = step_rate(events, left + 300, back);
+            }
+            if let Some(back) = s.rejoined_at_ms.map(|t| t as i64) {
+                s.steps_per_s_rejoined = step_rate(events, back + 300, back + 3300);
+            }
+        }
         if kind == Some(FaultKind::JoinStorm) {
             let joiners: Vec<&str> =
                 r.note.strip_prefix("joined: ").map(|n| n.split(',').collect()).unwrap_or_default();
             r.absorbed_ms = absorbed(events, r.generation, &joiners).map(|t| t as i64 - at);
         }
+    }
+    out
+}
+
+/// A CPU duty cycle on one process, played by a thread of its own (so that its stops last
+/// what the scenario says however busy the harness is): SIGSTOP for `stop_for`, SIGCONT for
+/// `run_for`, until `duration` has passed; it always ends with SIGCONT.
+struct DutyCycle {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: std::thread::JoinHandle<u64>,
+}
+
+impl DutyCycle {
+    fn start(pid: u32, duration: Duration, stop_for: Duration, run_for: Duration) -> Self {
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let flag = stop.clone();
+        let thread = std::thread::spawn(move || {
+            let until = std::time::Instant::now() + duration;
+            let mut cycles = 0;
+            let signal = |s| {
+                // SAFETY: kill(2) on a worker the cluster spawned and has not reaped (it reaps
+                // only when the run ends, after this thread is joined).
+                unsafe { libc::kill(pid as libc::pid_t, s) };
+            };
+            while std::time::Instant::now() < until && !flag.load(std::sync::atomic::Ordering::Relaxed) {
+                signal(libc::SIGSTOP);
+                std::thread::sleep(stop_for);
+                signal(libc::SIGCONT);
+                std::thread::sleep(run_for);
+                cycles += 1;
+            }
+            signal(libc::SIGCONT);
+            cycles
+        });
+        Self { stop, thread }
+    }
+
+    /// Ends the cycle (if still running) and answers how many it played.
+    fn finish(self) -> u64 {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        self.thread.join().unwrap_or(0)
+    }
+}
+
+/// Checks of straggler fault `r`: the slowed rank named (as a compute straggler) within the
+/// scenario's bound, nobody else named, no collective failed (no false timeout: the stops
+/// stay under the learned deadlines' floor); under `exclude` it left at a commit point, the
+/// job's pace recovered to 0.9 of the fault-free rate, and it came back after its cool-down;
+/// under `report` nothing was excluded.
+fn straggler_checks(r: &FaultRecord, events: &[WorkerEvent], sc: &Scenario) -> Vec<Check> {
+    let Some(s) = &r.straggler else { return Vec::new() };
+    let spec = sc.faults.get((r.index - 1) % sc.faults.len().max(1));
+    let within = spec.and_then(|f| f.name_within_steps).unwrap_or(0) as i64;
+    let i = r.index;
+    let mut out = vec![
+        Check {
+            what: format!("fault {i} (straggler): the coordinator named the slowed rank a compute straggler within {within} steps"),
+            ok: s.named.as_deref() == Some(s.target.as_str())
+                && s.kind == "compute"
+                && s.named_after_steps.is_some_and(|n| n <= within),
+            detail: format!(
+                "{} named after {} steps ({} ms): {}; action: {}",
+                s.named.as_deref().unwrap_or("nobody"),
+                o(s.named_after_steps),
+                o(s.named_at_ms.map(|t| t as i64 - r.at_ms as i64)),
+                s.reason,
+                s.action
+            ),
+        },
+        Check {
+            what: format!("fault {i} (straggler): no other member was named"),
+            ok: s.others_named.is_empty(),
+            detail: if s.others_named.is_empty() { "none".into() } else { s.others_named.join(",") },
+        },
+    ];
+    let errors: Vec<String> = events
+        .iter()
+        .filter(|e| e.kind == "error" && e.t_ms() >= r.at_ms)
+        .map(|e| format!("{}: {} {}", e.worker, e.text("kind").unwrap_or("?"), e.text("cause").unwrap_or("?")))
+        .collect();
+    out.push(Check {
+        what: format!("fault {i} (straggler): no false timeout (no collective failed from the fault to the end)"),
+        ok: errors.is_empty(),
+        detail: if errors.is_empty() { format!("{} duty cycles, none failed", s.cycles) } else { errors.join("; ") },
+    });
+    let leaves: Vec<&WorkerEvent> = events.iter().filter(|e| e.kind == "straggler_leave").collect();
+    if s.policy == "exclude" {
+        out.push(Check {
+            what: format!("fault {i} (straggler, exclude): the straggler left at a commit point"),
+            ok: s.excluded_at_ms.is_some() && leaves.iter().all(|e| e.worker == s.target),
+            detail: leaves
+                .first()
+                .map_or("no straggler_leave event".into(), |e| format!("{} at step {}", e.worker, o(e.int("step")))),
+        });
+        let (before, after) = (r.steps_per_s_before.unwrap_or(0.0), s.steps_per_s_after.unwrap_or(0.0));
+        out.push(Check {
+            what: format!("fault {i} (straggler, exclude): steps/s after the exclusion >= 0.9 of the fault-free rate"),
+            ok: before > 0.0 && after >= 0.9 * before,
+            detail: format!(
+                "before {before:.1}, with the straggler {:.1}, after its exclusion {after:.1} (x{:.2})",
+                r.steps_per_s_during.unwrap_or(0.0),
+                after / before.max(f64::MIN_POSITIVE)
+            ),
+        });
+        let cooldown = sc.straggler_cooldown.map_or(60_000, |d| d.0.as_millis() as i64);
+        let away = s.excluded_at_ms.zip(s.rejoined_at_ms).map(|(a, b)| b as i64 - a as i64);
+        out.push(Check {
+            what: format!("fault {i} (straggler, exclude): it came back after its cool-down ({cooldown} ms)"),
+            ok: away.is_some_and(|t| t >= cooldown - 200),
+            detail: format!("verified steps again {} ms after its leave", o(away)),
+        });
+    } else {
+        let shrank: Vec<i64> = events
+            .iter()
+            .filter(|e| e.kind == "generation" && e.t_ms() >= r.at_ms && e.int("world").unwrap_or(0) < r.world)
+            .filter_map(|e| e.int("gen"))
+            .collect();
+        out.push(Check {
+            what: format!("fault {i} (straggler, report): nothing was excluded"),
+            ok: leaves.is_empty() && shrank.is_empty(),
+            detail: format!("{} straggler leaves, smaller generations: {shrank:?}", leaves.len()),
+        });
     }
     out
 }
@@ -1571,6 +1813,68 @@ mod tests {
 
     fn ev(worker: &str, line: &str) -> WorkerEvent {
         WorkerEvent::parse(worker, line, 0).unwrap()
+    }
+
+    #[test]
+    fn straggler_checks_follow_the_policy() {
+        let scenario = |policy: &str| {
+            Scenario::parse(
+                "s",
+                &format!(
+                    "compute = \"8ms\"\nstraggler_policy = \"{policy}\"\nstraggler_cooldown = \"5s\"\n[[fault]]\nkind = \"straggler\"\nranks = [1]\nduration = \"5s\"\nstop_for = \"20ms\"\nrun_for = \"10ms\"\nname_within_steps = 50"
+                ),
+            )
+            .unwrap()
+        };
+        let record = |seen: StragglerSeen| FaultRecord {
+            index: 1,
+            kind: "straggler".into(),
+            generation: 1,
+            world: 3,
+            step: 100,
+            at_ms: 10_000,
+            steps_per_s_before: Some(40.0),
+            steps_per_s_during: Some(25.0),
+            straggler: Some(seen),
+            ..Default::default()
+        };
+        let named = StragglerSeen {
+            target: "w1".into(),
+            named: Some("w1".into()),
+            kind: "compute".into(),
+            named_after_steps: Some(20),
+            ..Default::default()
+        };
+        let failed = |checks: &[Check]| checks.iter().filter(|c| !c.ok).map(|c| c.what.clone()).collect::<Vec<_>>();
+        // Report: named in time, nothing excluded, nothing failed.
+        let report = StragglerSeen { policy: "report".into(), ..named.clone() };
+        let steps = [ev("w0", "event=step gen=1 world=3 rank=0 step=120 t_ms=11000")];
+        assert!(failed(&straggler_checks(&record(report.clone()), &steps, &scenario("report"))).is_empty());
+        // ... but named too late, or someone else named, or a timeout, or a leave: each fails.
+        let late = StragglerSeen { named_after_steps: Some(51), ..report.clone() };
+        assert_eq!(failed(&straggler_checks(&record(late), &steps, &scenario("report"))).len(), 1);
+        let other = StragglerSeen { others_named: vec!["w2".into()], ..report.clone() };
+        assert_eq!(failed(&straggler_checks(&record(other), &steps, &scenario("report"))).len(), 1);
+        let timeout = [ev("w0", "event=error gen=1 rank=0 step=121 kind=Timeout cause=x t_ms=11500")];
+        assert_eq!(failed(&straggler_checks(&record(report.clone()), &timeout, &scenario("report"))).len(), 1);
+        let leave = [ev("w1", "event=straggler_leave gen=1 rank=1 step=121 reason=x t_ms=11500")];
+        assert_eq!(failed(&straggler_checks(&record(report), &leave, &scenario("report"))).len(), 1);
+        // Exclude: a leave, the pace back to 0.9 of the fault-free rate, a return after the
+        // cool-down.
+        let excluded = StragglerSeen {
+            policy: "exclude".into(),
+            excluded_at_ms: Some(11_500),
+            rejoined_at_ms: Some(16_600),
+            steps_per_s_after: Some(37.0),
+            ..named
+        };
+        assert!(failed(&straggler_checks(&record(excluded.clone()), &leave, &scenario("exclude"))).is_empty());
+        let slow = StragglerSeen { steps_per_s_after: Some(35.0), ..excluded.clone() };
+        assert_eq!(failed(&straggler_checks(&record(slow), &leave, &scenario("exclude"))).len(), 1);
+        let early = StragglerSeen { rejoined_at_ms: Some(12_000), ..excluded.clone() };
+        assert_eq!(failed(&straggler_checks(&record(early), &leave, &scenario("exclude"))).len(), 1);
+        let stayed = StragglerSeen { excluded_at_ms: None, rejoined_at_ms: None, ..excluded };
+        assert!(failed(&straggler_checks(&record(stayed), &steps, &scenario("exclude"))).len() >= 2);
     }
 
     fn record(index: usize, kind: &str, generation: i64, at_ms: u64, survivors: &[&str]) -> FaultRecord {

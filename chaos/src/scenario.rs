@@ -105,6 +105,11 @@ pub enum FaultKind {
     Term,
     /// CPU starvation: SIGSTOP for `stop_for`, SIGCONT for `run_for`, repeated for `duration`.
     Slow,
+    /// A straggler: the same duty cycle as `slow` on a rank that computes (scenario
+    /// `compute`), which the coordinator must name within `name_within_steps` steps, and
+    /// under the job's `straggler_policy = "exclude"` make leave at a commit point (no
+    /// collective fails) and take back after its cool-down.
+    Straggler,
     /// `count` new workers started at once.
     JoinStorm,
     /// SIGKILL of the coordinator replica holding the leader key; restarted after `duration`.
@@ -142,6 +147,7 @@ impl FaultKind {
         matches!(
             self,
             Self::Slow
+                | Self::Straggler
                 | Self::Latency
                 | Self::Bandwidth
                 | Self::CoordinatorLeaderKill
@@ -172,6 +178,7 @@ impl FaultKind {
             Self::Stop => "stop",
             Self::Term => "term",
             Self::Slow => "slow",
+            Self::Straggler => "straggler",
             Self::JoinStorm => "join_storm",
             Self::CoordinatorLeaderKill => "coordinator_leader_kill",
             Self::CoordinatorsDown => "coordinators_down",
@@ -342,6 +349,15 @@ pub struct Scenario {
     /// How long a job below min_workers waits before failing.
     #[serde(default = "default_elastic")]
     pub elastic_timeout: Dur,
+    /// CPU time each step burns (`cohort-worker train --compute`; 0: none).
+    #[serde(default)]
+    pub compute: Dur,
+    /// The job's straggler policy (`report`, the default, or `exclude`).
+    #[serde(default)]
+    pub straggler_policy: Option<String>,
+    /// How long an excluded straggler's join is refused (default: the coordinator's, 60 s).
+    #[serde(default)]
+    pub straggler_cooldown: Option<Dur>,
     /// Route every data-plane link through the fault-injecting proxy (implied by link faults
     /// on the loopback).
     #[serde(default)]
@@ -420,6 +436,10 @@ pub struct FaultSpec {
     /// Slow: running part of each cycle.
     #[serde(default)]
     pub run_for: Option<Dur>,
+    /// Straggler: the coordinator must name the target within this many verified steps of
+    /// the fault.
+    #[serde(default)]
+    pub name_within_steps: Option<u64>,
     /// Latency added per chunk.
     #[serde(default)]
     pub latency: Option<Dur>,
@@ -531,6 +551,11 @@ impl Scenario {
                 return bad(format!("algorithm: {e}"));
             }
         }
+        if let Some(p) = &self.straggler_policy {
+            if let Err(e) = cohort_coordinator::stragglers::StragglerPolicy::parse(p) {
+                return bad(e);
+            }
+        }
         if self.worker_command.is_some() && (self.transport.is_some() || self.algorithm.is_some()) {
             return bad("transport and algorithm are cohort-worker train flags; put them in worker_command".into());
         }
@@ -547,6 +572,7 @@ impl Scenario {
                     | FaultKind::Stop
                     | FaultKind::Term
                     | FaultKind::Slow
+                    | FaultKind::Straggler
                     | FaultKind::Blackhole
                     | FaultKind::Reset
                     | FaultKind::Latency
@@ -588,6 +614,22 @@ impl Scenario {
                 }
                 FaultKind::Slow if f.duration.is_none() || f.stop_for.is_none() || f.run_for.is_none() => {
                     return bad(format!("{at}: needs duration, stop_for and run_for"));
+                }
+                FaultKind::Straggler
+                    if f.duration.is_none()
+                        || f.stop_for.is_none()
+                        || f.run_for.is_none()
+                        || f.name_within_steps.is_none() =>
+                {
+                    return bad(format!("{at}: needs duration, stop_for, run_for and name_within_steps"));
+                }
+                // A stop as long as the learned deadlines' floor would be a hang, not a
+                // straggler: the duty cycle must stay well under it.
+                FaultKind::Straggler if f.stop_for.is_some_and(|d| d.0 > Duration::from_millis(100)) => {
+                    return bad(format!("{at}: stop_for must be at most 100ms (well under the 250 ms deadline floor)"));
+                }
+                FaultKind::Straggler if self.compute.0.is_zero() => {
+                    return bad(format!("{at}: needs compute > 0 (a rank that computes, to slow down)"));
                 }
                 FaultKind::Latency if f.latency.is_none() => return bad(format!("{at}: needs latency")),
                 FaultKind::Bandwidth => match f.bandwidth.as_deref().map(parse_bytes) {
@@ -694,6 +736,20 @@ mod tests {
         assert!(algo.contains("bogo"), "{algo}");
         let custom = Scenario::parse("x", "worker_command = [\"x\"]\ntransport = \"tcp\"").unwrap_err().to_string();
         assert!(custom.contains("worker_command"), "{custom}");
+        let straggler =
+            "compute = \"10ms\"\n[[fault]]\nkind = \"straggler\"\nranks = [1]\nduration = \"2s\"\nrun_for = \"10ms\"";
+        let missing = Scenario::parse("x", &format!("{straggler}\nstop_for = \"20ms\"")).unwrap_err().to_string();
+        assert!(missing.contains("name_within_steps"), "{missing}");
+        let long = Scenario::parse("x", &format!("{straggler}\nstop_for = \"300ms\"\nname_within_steps = 50"))
+            .unwrap_err()
+            .to_string();
+        assert!(long.contains("250 ms deadline floor"), "{long}");
+        let ok = format!("{straggler}\nstop_for = \"20ms\"\nname_within_steps = 50");
+        assert!(Scenario::parse("x", &ok).is_ok());
+        let idle = Scenario::parse("x", &ok.replace("compute = \"10ms\"", "")).unwrap_err().to_string();
+        assert!(idle.contains("compute"), "{idle}");
+        let policy = Scenario::parse("x", "straggler_policy = \"kill\"").unwrap_err().to_string();
+        assert!(policy.contains("report"), "{policy}");
         assert!(Scenario::parse("x", "workers = 9").is_err());
         assert!(Scenario::parse("x", "min_workers = 0").is_err());
         assert!(Scenario::parse("x", "size = \"3\"").is_err());

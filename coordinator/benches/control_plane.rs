@@ -27,10 +27,10 @@
 mod common;
 
 use cohort_coordinator::config::JobSettings;
-use cohort_testkit::etcd::EtcdProcess;
 use cohort_coordinator::keys;
 use cohort_coordinator::store::{etcd::EtcdStore, memory::MemoryStore, Store};
 use cohort_proto::v1::job_event::Event;
+use cohort_testkit::etcd::EtcdProcess;
 use common::{form_all, replica, wait_event, Backend, Options, Worker};
 use std::future::Future;
 use std::net::SocketAddr;
@@ -131,6 +131,7 @@ fn settings(n: usize) -> JobSettings {
         heartbeat_interval: Duration::from_secs(10),
         lease_ttl: Duration::from_secs(120),
         elastic_timeout: Duration::from_secs(120),
+        ..Default::default()
     }
 }
 

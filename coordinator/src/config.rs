@@ -11,6 +11,10 @@
 //!   but still catches a hung (SIGSTOP, partitioned) worker within seconds.
 //! - `elastic_timeout = 60 s`: how long a job below `min_workers` waits for replacements
 //!   (a rescheduled pod typically needs tens of seconds) before it fails with a clear error.
+//! - `straggler_policy = "report"`: a straggler is named (status, metrics, logs), never acted
+//!   on unless the job asks for `"exclude"` (see [`crate::stragglers`]).
+//! - `straggler_cooldown = 60 s`: how long an excluded straggler's join is refused; long
+//!   enough that a job does not re-form every few seconds around a rank that stays slow.
 //!
 //! File format (every field optional):
 //! ```toml
@@ -25,6 +29,7 @@
 //! Precedence, lowest first: built-in defaults, the file's `[defaults]`, command-line flags,
 //! the file's `[jobs.<id>]` section for that job.
 
+use crate::stragglers::StragglerPolicy;
 use serde::Deserialize;
 use std::collections::HashMap;
 use std::path::Path;
@@ -74,6 +79,10 @@ pub struct JobSettings {
     pub lease_ttl: Duration,
     /// How long a job below `min_workers` waits before it fails.
     pub elastic_timeout: Duration,
+    /// What is done about a straggler: report it, or also exclude it.
+    pub straggler_policy: StragglerPolicy,
+    /// How long an excluded straggler's join is refused.
+    pub straggler_cooldown: Duration,
 }
 
 impl Default for JobSettings {
@@ -85,6 +94,8 @@ impl Default for JobSettings {
             heartbeat_interval: Duration::from_millis(500),
             lease_ttl: Duration::from_secs(3),
             elastic_timeout: Duration::from_secs(60),
+            straggler_policy: StragglerPolicy::Report,
+            straggler_cooldown: Duration::from_secs(60),
         }
     }
 }
@@ -125,6 +136,10 @@ impl JobSettings {
         if self.elastic_timeout > Duration::from_secs(7 * 24 * 3600) {
             return Err("elastic_timeout must be at most 7 days".into());
         }
+        if self.straggler_cooldown < Duration::from_secs(1) || self.straggler_cooldown > Duration::from_secs(24 * 3600)
+        {
+            return Err("straggler_cooldown must be between 1s and 24h".into());
+        }
         Ok(())
     }
 
@@ -137,6 +152,8 @@ impl JobSettings {
             heartbeat_interval_ms: ms(self.heartbeat_interval),
             lease_ttl_ms: ms(self.lease_ttl),
             elastic_timeout_ms: ms(self.elastic_timeout),
+            straggler_policy: self.straggler_policy.name().into(),
+            straggler_cooldown_ms: ms(self.straggler_cooldown),
         }
     }
 
@@ -146,7 +163,7 @@ impl JobSettings {
         Duration::from_secs(self.lease_ttl.as_millis().div_ceil(1000).max(1) as u64)
     }
 
-    fn apply(&mut self, o: &Overrides) {
+    fn apply(&mut self, o: &Overrides) -> Result<(), String> {
         if let Some(v) = o.min_workers {
             self.min_workers = v;
         }
@@ -165,6 +182,13 @@ impl JobSettings {
         if let Some(v) = o.elastic_timeout_ms {
             self.elastic_timeout = Duration::from_millis(v);
         }
+        if let Some(v) = &o.straggler_policy {
+            self.straggler_policy = StragglerPolicy::parse(v)?;
+        }
+        if let Some(v) = o.straggler_cooldown_ms {
+            self.straggler_cooldown = Duration::from_millis(v);
+        }
+        Ok(())
     }
 }
 
@@ -188,6 +212,10 @@ pub struct Overrides {
     pub lease_ttl_ms: Option<u64>,
     /// See [`JobSettings::elastic_timeout`], in milliseconds.
     pub elastic_timeout_ms: Option<u64>,
+    /// See [`JobSettings::straggler_policy`]: `report` or `exclude`.
+    pub straggler_policy: Option<String>,
+    /// See [`JobSettings::straggler_cooldown`], in milliseconds.
+    pub straggler_cooldown_ms: Option<u64>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -222,9 +250,10 @@ impl Settings {
             None => FileFormat::default(),
         };
         let mut defaults = JobSettings::default();
-        defaults.apply(&file.defaults);
-        defaults.apply(cli);
-        defaults.validate().map_err(|message| ConfigError::Invalid { scope: String::new(), message })?;
+        let invalid = |message| ConfigError::Invalid { scope: String::new(), message };
+        defaults.apply(&file.defaults).map_err(invalid)?;
+        defaults.apply(cli).map_err(invalid)?;
+        defaults.validate().map_err(invalid)?;
         let mut jobs = HashMap::new();
         for (job, overrides) in &file.jobs {
             crate::validate::id("jobs.<id>", job).map_err(|s| ConfigError::Invalid {
@@ -232,10 +261,9 @@ impl Settings {
                 message: s.message().to_string(),
             })?;
             let mut settings = defaults;
-            settings.apply(overrides);
-            settings
-                .validate()
-                .map_err(|message| ConfigError::Invalid { scope: format!(" for job {job}"), message })?;
+            let invalid = |message| ConfigError::Invalid { scope: format!(" for job {job}"), message };
+            settings.apply(overrides).map_err(invalid)?;
+            settings.validate().map_err(invalid)?;
             jobs.insert(job.clone(), settings);
         }
         Ok(Self { defaults, jobs })
@@ -306,6 +334,16 @@ mod tests {
     }
 
     #[test]
+    fn the_straggler_policy_is_set_per_job() {
+        let text = "[jobs.big]\nstraggler_policy = \"exclude\"\nstraggler_cooldown_ms = 5000\n";
+        let s = Settings::from_toml(Some(("t.toml", text)), &Overrides::default()).expect("valid");
+        assert_eq!(s.defaults().straggler_policy, StragglerPolicy::Report);
+        assert_eq!(s.for_job("big").straggler_policy, StragglerPolicy::Exclude);
+        assert_eq!(s.for_job("big").straggler_cooldown, Duration::from_secs(5));
+        assert_eq!(s.for_job("big").to_proto().straggler_policy, "exclude");
+    }
+
+    #[test]
     fn invalid_settings_are_refused() {
         for text in [
             "[defaults]\nmin_workers = 0\n",
@@ -313,6 +351,8 @@ mod tests {
             "[defaults]\nheartbeat_interval_ms = 1000\nlease_ttl_ms = 1500\n",
             "[defaults]\nbogus = 1\n",
             "[jobs.\"bad/id\"]\nmin_workers = 1\n",
+            "[defaults]\nstraggler_policy = \"kill\"\n",
+            "[jobs.a]\nstraggler_cooldown_ms = 10\n",
         ] {
             assert!(Settings::from_toml(Some(("t", text)), &Overrides::default()).is_err(), "{text}");
         }

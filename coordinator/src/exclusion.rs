@@ -7,6 +7,11 @@
 //! [`cohort_proto::RETRY_AFTER_MS_HEADER`], so that the worker waits and joins again) and the
 //! worker is never placed in a generation, so a flapping peer cannot keep the job re-forming.
 //! The policy is set per replica (`serve --exclusion-*`).
+//!
+//! A straggler excluded by the job's straggler policy (`exclude`, see
+//! [`crate::stragglers`]) is refused the same way for the job's straggler cool-down
+//! ([`FailureHistory::exclude_straggler`]), but that is not a failure: it neither counts
+//! towards the threshold nor lengthens a later exclusion.
 
 use serde::{Deserialize, Serialize};
 use std::time::Duration;
@@ -63,6 +68,10 @@ pub struct FailureHistory {
     pub exclusions: u32,
     /// End of the current (or last) exclusion, ms since the epoch.
     pub excluded_until_ms: Option<u64>,
+    /// Why the current (or last) exclusion began, for `status` (empty: written by an older
+    /// coordinator).
+    #[serde(default)]
+    pub reason: String,
 }
 
 impl FailureHistory {
@@ -82,10 +91,28 @@ impl FailureHistory {
             let cooldown = cooldown(policy, self.exclusions);
             let until = now_ms.saturating_add(cooldown.as_millis() as u64);
             self.excluded_until_ms = Some(until);
+            self.reason = format!(
+                "{} failures within {} min (exclusion {})",
+                policy.threshold,
+                policy.window.as_secs() / 60,
+                self.exclusions
+            );
             self.failures_ms.clear();
             return Some(until);
         }
         None
+    }
+
+    /// Excludes the worker as a straggler for `cooldown` from `now_ms` (an exclusion in force
+    /// that ends later is kept); returns its end. Counts no failure and no exclusion.
+    pub fn exclude_straggler(&mut self, now_ms: u64, cooldown: Duration, reason: &str) -> u64 {
+        let until = now_ms.saturating_add(cooldown.as_millis() as u64);
+        if self.excluded_until(now_ms).is_none_or(|current| current < until) {
+            self.reason = format!("straggler: {reason}");
+        }
+        let until = self.excluded_until(now_ms).map_or(until, |current| current.max(until));
+        self.excluded_until_ms = Some(until);
+        until
     }
 
     /// The end of the exclusion in force at `now_ms`, if one is.
@@ -117,14 +144,18 @@ pub fn cooldown(policy: &ExclusionPolicy, n: u32) -> Duration {
 }
 
 /// The message a Join gets while the worker is excluded.
-pub fn refusal(who: &str, until_ms: u64, now_ms: u64, policy: &ExclusionPolicy) -> String {
+///
+/// `who` names the excluded (`worker w3`, `failure domain node-7`), `reason` is the history's
+/// [`FailureHistory::reason`] (empty: a record of an older coordinator, then the policy says
+/// why).
+pub fn refusal(who: &str, until_ms: u64, now_ms: u64, reason: &str, policy: &ExclusionPolicy) -> String {
     let left = Duration::from_millis(until_ms.saturating_sub(now_ms));
-    format!(
-        "{who} is excluded until {until_ms} ms since the epoch ({:.1} s from now) after {} failures in {} min",
-        left.as_secs_f64(),
-        policy.threshold,
-        policy.window.as_secs() / 60
-    )
+    let why = if reason.is_empty() {
+        format!("{} failures within {} min", policy.threshold, policy.window.as_secs() / 60)
+    } else {
+        reason.to_string()
+    };
+    format!("{who} is excluded until {until_ms} ms since the epoch ({:.1} s from now): {why}", left.as_secs_f64())
 }
 
 #[cfg(test)]
@@ -157,6 +188,22 @@ mod tests {
         h.excluded_until_ms = Some(12 * MIN);
         assert_eq!(h.retention(&p, 10 * MIN), p.window + Duration::from_millis(2 * MIN));
         assert_eq!(h.retention(&p, 13 * MIN), p.window, "an exclusion that ended adds nothing");
+    }
+
+    #[test]
+    fn a_straggler_exclusion_counts_no_failure() {
+        let p = ExclusionPolicy::default();
+        let mut h = FailureHistory::default();
+        h.record_failure(&p, 0);
+        assert_eq!(h.exclude_straggler(1000, Duration::from_secs(5), "compute 3.0x"), 6000);
+        assert_eq!(h.reason, "straggler: compute 3.0x");
+        assert_eq!(h.excluded_until(5999), Some(6000));
+        assert_eq!(h.excluded_until(6000), None);
+        assert_eq!((h.recent_failures(&p, 1000), h.exclusions), (1, 0), "no failure, no exclusion counted");
+        // A longer exclusion in force is kept.
+        h.excluded_until_ms = Some(100_000);
+        assert_eq!(h.exclude_straggler(7000, Duration::from_secs(5), "again"), 100_000);
+        assert_eq!(h.reason, "straggler: compute 3.0x", "the longer exclusion in force keeps its reason");
     }
 
     #[test]

@@ -237,6 +237,31 @@ pub fn events_between(old: &Headline, new: &Headline) -> Vec<pb::JobEvent> {
     out
 }
 
+/// The event announcing that a member was just named a straggler, if `event` (about to be
+/// applied to `state`) is the write of a progress record that names it where the record in
+/// `state` did not (or named it since another time). O(1): only that record is looked at.
+pub fn straggler_named(state: &JobState, event: &WatchEvent) -> Option<pb::JobEvent> {
+    let WatchEvent::Put(kv) = event else { return None };
+    let Some(keys::Parsed::Worker { kind: keys::Kind::Progress, worker, .. }) = keys::parse(&kv.key) else {
+        return None;
+    };
+    let new: records::ProgressRecord = records::decode(&kv.key, &kv.value)?;
+    let since = new.straggler.named_since_ms?;
+    let old = state.progress.get(worker).filter(|o| o.incarnation == new.incarnation);
+    if old.is_some_and(|o| o.straggler.named_since_ms == Some(since)) {
+        return None;
+    }
+    let g = state.current();
+    Some(pb::JobEvent {
+        event: Some(pb::job_event::Event::StragglerNamed(pb::StragglerNamed {
+            generation: g.map_or(0, |g| g.number),
+            rank: g.and_then(|g| g.rank_of(worker, new.incarnation)),
+            worker_id: worker.to_string(),
+            verdict: new.straggler_verdict(),
+        })),
+    })
+}
+
 /// The event announcing a pending re-formation of generation `generation`.
 pub fn pending_event(generation: u64, joiners: u32) -> pb::JobEvent {
     pb::JobEvent {
@@ -304,6 +329,7 @@ async fn run_hub(
                     let mut touched = false;
                     while i < list.len() && event_revision(&list[i]) == rev {
                         touched |= !is_bookkeeping(&list[i]);
+                        out.extend(straggler_named(&state, &list[i]));
                         state.apply(&list[i]);
                         i += 1;
                     }
@@ -447,6 +473,7 @@ mod tests {
                 Some(Event::GenerationRevoked(r)) => format!("revoked {}", r.generation),
                 Some(Event::ReformationPending(p)) => format!("pending {}", p.generation),
                 Some(Event::JobEnded(_)) => "ended".into(),
+                Some(Event::StragglerNamed(n)) => format!("straggler {}", n.worker_id),
                 None => "none".into(),
             })
             .collect()
@@ -481,6 +508,58 @@ mod tests {
         assert_eq!(kinds(&events_between(&h2, &ended)), ["ended"]);
         // A new watcher of a revoked generation hears both.
         assert_eq!(kinds(&events_between(&empty, &h1r)), ["formed 1", "revoked 1"]);
+    }
+
+    #[test]
+    fn a_straggler_is_announced_once_per_naming() {
+        use crate::records::{encode, ProgressRecord};
+        use crate::store::KeyValue;
+        use crate::stragglers::{Finding, Slowness, Standing};
+        let members = vec![
+            Placed {
+                worker_id: "a".into(),
+                incarnation: 1,
+                host: String::new(),
+                addresses: vec![],
+                domain: String::new(),
+            },
+            Placed {
+                worker_id: "b".into(),
+                incarnation: 2,
+                host: String::new(),
+                addresses: vec![],
+                domain: String::new(),
+            },
+        ];
+        let g = next_generation(None, members, 1);
+        let key = keys::worker_key("j", keys::Kind::Progress, "b");
+        let put = |p: &ProgressRecord| {
+            WatchEvent::Put(KeyValue {
+                key: key.clone(),
+                value: encode(p),
+                create_revision: 1,
+                mod_revision: 2,
+                lease: Some(2),
+            })
+        };
+        let mut state = JobState { job: "j".into(), generation: Some((g, 1)), ..Default::default() };
+        let plain = ProgressRecord { incarnation: 2, ..Default::default() };
+        assert!(straggler_named(&state, &put(&plain)).is_none(), "not named: no event");
+        let finding = Finding { kind: Slowness::Compute, ratio_pct: 300, reason: "slow".into() };
+        let named = ProgressRecord {
+            straggler: Standing { streak: 3, last: Some(finding), named_since_ms: Some(77) },
+            ..plain.clone()
+        };
+        let event = straggler_named(&state, &put(&named)).expect("announced");
+        match event.event {
+            Some(Event::StragglerNamed(n)) => {
+                assert_eq!((n.worker_id.as_str(), n.rank, n.generation), ("b", Some(1), 1));
+                assert_eq!(n.verdict.map(|v| (v.kind, v.since_ms)), Some(("compute".to_string(), 77)));
+            }
+            other => panic!("{other:?}"),
+        }
+        state.apply(&put(&named));
+        assert!(straggler_named(&state, &put(&named)).is_none(), "the same naming again: no event");
     }
 
     #[tokio::test]
@@ -521,7 +600,12 @@ mod tests {
             .put(&keys::worker_key(job, Kind::Waiting, "b"), encode(&wait), Some(incarnations["b"]))
             .await
             .expect("put");
-        let history = FailureHistory { failures_ms: vec![], exclusions: 1, excluded_until_ms: Some(now + 300) };
+        let history = FailureHistory {
+            failures_ms: vec![],
+            exclusions: 1,
+            excluded_until_ms: Some(now + 300),
+            ..Default::default()
+        };
         store.put(&keys::worker_key(job, Kind::Failures, "b"), encode(&history), None).await.expect("put");
 
         let settings = JobSettings { min_workers: 1, max_workers: 4, ..Default::default() };

@@ -6,8 +6,8 @@
 //! formation timers and lease-lapse detection. Start one in-process with [`server::start`].
 //!
 //! Module map: [`config`] (settings), [`validate`] (request checks), [`keys`] and
-//! [`records`] (store layout and values), [`rendezvous`], [`revocation`], [`exclusion`] and
-//! [`digests`] (pure decision logic), [`ops`] (CAS mutations), [`hub`] (per-job live views),
+//! [`records`] (store layout and values), [`rendezvous`], [`revocation`], [`exclusion`],
+//! [`stragglers`] and [`digests`] (pure decision logic), [`ops`] (CAS mutations), [`hub`] (per-job live views),
 //! [`service`] (the RPCs), [`leader`] (election and timers), [`metrics`], [`server`].
 
 pub(crate) mod auth;
@@ -27,6 +27,7 @@ pub(crate) mod revocation;
 pub mod server;
 pub mod service;
 pub mod store;
+pub mod stragglers;
 pub mod validate;
 
 pub use config::{JobSettings, Settings};

@@ -94,6 +94,14 @@ struct ServeArgs {
     /// How long a job below min_workers waits before it fails.
     #[arg(long, value_parser = duration)]
     elastic_timeout: Option<Duration>,
+    /// What to do about a straggler (a member persistently slower than the others):
+    /// `report` (name it in status, metrics and logs) or `exclude` (also make it leave at
+    /// its next commit point and refuse its join for --straggler-cooldown).
+    #[arg(long)]
+    straggler_policy: Option<String>,
+    /// How long an excluded straggler's join is refused (e.g. 60s).
+    #[arg(long, value_parser = duration)]
+    straggler_cooldown: Option<Duration>,
     /// Leader lease TTL (replicas on etcd).
     #[arg(long, value_parser = duration, default_value = "3s")]
     leader_ttl: Duration,
@@ -274,6 +282,8 @@ async fn serve(args: ServeArgs) -> Result<(), CliError> {
         heartbeat_interval_ms: args.heartbeat_interval.map(|d| d.as_millis() as u64),
         lease_ttl_ms: args.lease_ttl.map(|d| d.as_millis() as u64),
         elastic_timeout_ms: args.elastic_timeout.map(|d| d.as_millis() as u64),
+        straggler_policy: args.straggler_policy.clone(),
+        straggler_cooldown_ms: args.straggler_cooldown.map(|d| d.as_millis() as u64),
     };
     let settings = Settings::from_file(args.config.as_deref(), &cli)?;
     let exclusion = cohort_coordinator::exclusion::ExclusionPolicy {
@@ -352,6 +362,11 @@ fn print_status(s: &pb::StatusResponse) {
             set.lease_ttl_ms,
             set.elastic_timeout_ms
         );
+        println!(
+            "straggler policy: {} (cool-down {} ms)",
+            if set.straggler_policy.is_empty() { "report" } else { &set.straggler_policy },
+            set.straggler_cooldown_ms
+        );
     }
     match &s.current {
         Some(g) => println!(
@@ -417,6 +432,30 @@ fn print_status(s: &pb::StatusResponse) {
             if m.deadlines.is_empty() { "-" } else { &m.deadlines }
         );
     }
+    for m in &members {
+        if let Some(v) = &m.straggler {
+            println!(
+                "STRAGGLER: rank {} worker {} ({} slow, {:.1}x, {} reports, named {} ago): {}; action: {}",
+                m.rank.map_or_else(|| "-".to_string(), |r| r.to_string()),
+                m.worker_id,
+                v.kind,
+                v.ratio,
+                v.reports,
+                ago(now, v.since_ms),
+                v.reason,
+                v.action
+            );
+        }
+    }
+    for x in &s.exclusions {
+        println!(
+            "EXCLUDED: worker {} until {} ({:.1}s from now): {}",
+            x.worker_id,
+            x.until_ms,
+            x.until_ms.saturating_sub(now) as f64 / 1000.0,
+            if x.reason.is_empty() { "-" } else { &x.reason }
+        );
+    }
     for m in &s.digest_mismatches {
         let commits: Vec<String> =
             m.commits.iter().map(|c| format!("{} {}", c.worker_id, c.digest.get(..12).unwrap_or(&c.digest))).collect();
@@ -467,6 +506,20 @@ fn status_json(s: &pb::StatusResponse) -> serde_json::Value {
                 "last_commit_digest": m.last_commit_digest,
                 "waiting": m.waiting,
                 "control_connected": m.control_connected,
+                "timing": m.timing.as_ref().map(|t| json!({
+                    "steps": t.steps,
+                    "compute_us": t.compute_us,
+                    "collective_us": t.collective_us,
+                    "peer_waits": t.peer_waits.iter().map(|w| json!({ "rank": w.rank, "wait_us": w.wait_us })).collect::<Vec<_>>(),
+                })),
+                "straggler": m.straggler.as_ref().map(|v| json!({
+                    "kind": v.kind,
+                    "ratio": v.ratio,
+                    "reports": v.reports,
+                    "reason": v.reason,
+                    "since_ms": v.since_ms,
+                    "action": v.action,
+                })),
             })
         })
         .collect();
@@ -482,6 +535,8 @@ fn status_json(s: &pb::StatusResponse) -> serde_json::Value {
             "heartbeat_interval_ms": set.heartbeat_interval_ms,
             "lease_ttl_ms": set.lease_ttl_ms,
             "elastic_timeout_ms": set.elastic_timeout_ms,
+            "straggler_policy": set.straggler_policy,
+            "straggler_cooldown_ms": set.straggler_cooldown_ms,
         })
     });
     json!({
@@ -494,6 +549,7 @@ fn status_json(s: &pb::StatusResponse) -> serde_json::Value {
         "leader": if s.leader.is_empty() { None } else { Some(&s.leader) },
         "exists": !s.unknown_job,
         "members": members,
+        "exclusions": s.exclusions.iter().map(|x| json!({ "worker_id": x.worker_id, "until_ms": x.until_ms, "reason": x.reason })).collect::<Vec<_>>(),
         "digest_mismatches": s.digest_mismatches.iter().map(|m| json!({
             "generation": m.generation,
             "step": m.step,

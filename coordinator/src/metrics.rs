@@ -32,6 +32,12 @@ pub struct Metrics {
     rpcs: Mutex<BTreeMap<(&'static str, &'static str), u64>>,
     formation: Mutex<Histogram>,
     digest_mismatches: Mutex<BTreeMap<String, u64>>,
+    /// Stragglers named, by job and kind (compute, link).
+    stragglers_named: Mutex<BTreeMap<(String, &'static str), u64>>,
+    /// Stragglers excluded, by job.
+    stragglers_excluded: Mutex<BTreeMap<String, u64>>,
+    /// Members named stragglers now, by job (as this replica saw their heartbeats).
+    stragglers_now: Mutex<BTreeMap<String, BTreeMap<String, ()>>>,
     /// Keys under the jobs prefix at the last census (`None` before the first).
     store_keys: Mutex<Option<u64>>,
 }
@@ -92,6 +98,28 @@ impl Metrics {
     /// Counts a commit whose digest differs from another member's for the same step.
     pub fn digest_mismatch(&self, job: &str) {
         *lock(&self.digest_mismatches).entry(job.to_string()).or_default() += 1;
+    }
+
+    /// Counts a straggler named (`kind`: compute or link) and marks it as one now.
+    pub fn straggler_named(&self, job: &str, worker: &str, kind: &'static str) {
+        *lock(&self.stragglers_named).entry((job.to_string(), kind)).or_default() += 1;
+        lock(&self.stragglers_now).entry(job.to_string()).or_default().insert(worker.to_string(), ());
+    }
+
+    /// Records that a member is no longer a straggler (it recovered, or left).
+    pub fn straggler_cleared(&self, job: &str, worker: &str) {
+        let mut now = lock(&self.stragglers_now);
+        if let Some(set) = now.get_mut(job) {
+            set.remove(worker);
+            if set.is_empty() {
+                now.remove(job);
+            }
+        }
+    }
+
+    /// Counts a straggler excluded.
+    pub fn straggler_excluded(&self, job: &str) {
+        *lock(&self.stragglers_excluded).entry(job.to_string()).or_default() += 1;
     }
 
     /// Records whether this replica leads.
@@ -178,6 +206,27 @@ impl Metrics {
         );
         for (job, n) in lock(&self.digest_mismatches).iter() {
             let _ = writeln!(out, "cohort_digest_mismatches_total{{job=\"{job}\"}} {n}");
+        }
+        let _ = writeln!(
+            out,
+            "# HELP cohort_stragglers Members named stragglers now (by the heartbeats this replica serves).\n# TYPE cohort_stragglers gauge"
+        );
+        for (job, set) in lock(&self.stragglers_now).iter() {
+            let _ = writeln!(out, "cohort_stragglers{{job=\"{job}\"}} {}", set.len());
+        }
+        let _ = writeln!(
+            out,
+            "# HELP cohort_stragglers_named_total Stragglers named by this replica, by kind (compute: slow steps; link: slow links).\n# TYPE cohort_stragglers_named_total counter"
+        );
+        for ((job, kind), n) in lock(&self.stragglers_named).iter() {
+            let _ = writeln!(out, "cohort_stragglers_named_total{{job=\"{job}\",kind=\"{kind}\"}} {n}");
+        }
+        let _ = writeln!(
+            out,
+            "# HELP cohort_stragglers_excluded_total Stragglers this replica asked to leave (straggler policy exclude).\n# TYPE cohort_stragglers_excluded_total counter"
+        );
+        for (job, n) in lock(&self.stragglers_excluded).iter() {
+            let _ = writeln!(out, "cohort_stragglers_excluded_total{{job=\"{job}\"}} {n}");
         }
         if let Some(keys) = *lock(&self.store_keys) {
             let _ = writeln!(
@@ -300,7 +349,15 @@ mod tests {
         m.set_job("j", Some((4, 2)));
         m.digest_mismatch("j");
         m.digest_mismatch("j");
+        m.straggler_named("j", "w1", "compute");
+        m.straggler_named("j", "w2", "link");
+        m.straggler_cleared("j", "w2");
+        m.straggler_excluded("j");
         let text = m.render();
+        assert!(text.contains("cohort_stragglers{job=\"j\"} 1"), "{text}");
+        assert!(text.contains("cohort_stragglers_named_total{job=\"j\",kind=\"compute\"} 1"), "{text}");
+        assert!(text.contains("cohort_stragglers_named_total{job=\"j\",kind=\"link\"} 1"), "{text}");
+        assert!(text.contains("cohort_stragglers_excluded_total{job=\"j\"} 1"), "{text}");
         assert!(text.contains("cohort_digest_mismatches_total{job=\"j\"} 2"), "{text}");
         assert!(text.contains("cohort_rpcs_total{method=\"Join\",code=\"OK\"} 2"), "{text}");
         assert!(text.contains("cohort_rpcs_total{method=\"Join\",code=\"INVALID_ARGUMENT\"} 1"));

@@ -180,6 +180,41 @@ pub async fn revoke_generation(
     Err(StoreError::Unavailable(format!("revoking generation {number} of {job}: too much contention")))
 }
 
+/// Excludes `worker` from `job` as a straggler for `cooldown` (see
+/// [`FailureHistory::exclude_straggler`]): a compare-and-swap on its failure record, which
+/// the rendezvous and Join then honour. Returns the end of the exclusion.
+///
+/// # Cancel safety
+/// Cancel safe: one transaction; a lease granted for one that never ran expires by itself.
+pub async fn exclude_straggler(
+    ctx: &Context,
+    job: &str,
+    worker: &str,
+    cooldown: Duration,
+    reason: &str,
+) -> Result<u64, StoreError> {
+    let fkey = keys::worker_key(job, Kind::Failures, worker);
+    for _ in 0..CAS_ATTEMPTS {
+        let now = records::now_ms();
+        let fkv = ctx.store.get(&fkey).await?;
+        let mut history: FailureHistory = fkv.as_ref().and_then(|kv| decode(&fkey, &kv.value)).unwrap_or_default();
+        let until = history.exclude_straggler(now, cooldown, reason);
+        let lease = ctx.store.grant_lease(history.retention(&ctx.exclusion, now)).await?;
+        let txn = Txn {
+            compares: vec![compare_for(&fkey, fkv.as_ref())],
+            success: vec![TxnOp::Put { key: fkey.clone(), value: encode(&history), lease: Some(lease) }],
+            failure: vec![],
+        };
+        if ctx.store.txn(txn).await?.succeeded {
+            return Ok(until);
+        }
+        if let Err(e) = ctx.store.revoke_lease(lease).await {
+            tracing::debug!(%job, error = %e, "could not revoke an unused lease; it expires by itself");
+        }
+    }
+    Err(StoreError::Unavailable(format!("excluding straggler {worker} of {job}: too much contention")))
+}
+
 /// Evicts one incarnation: revokes its lease (its keys go with it) if it is still the
 /// worker's member. Errors are logged: the lease expires by itself anyway.
 ///

@@ -123,6 +123,34 @@ pub struct ProgressRecord {
     pub last_commit_digest: String,
     /// Time of its last commit, ms since the epoch (0: none).
     pub last_commit_ms: u64,
+    /// Its last reported step timing (`None`: none yet).
+    #[serde(default)]
+    pub timing: Option<crate::stragglers::Timing>,
+    /// Its standing as a straggler (kept by the replica that serves its heartbeats).
+    #[serde(default)]
+    pub straggler: crate::stragglers::Standing,
+    /// What was done about it while named (`reported`, `excluded until ...`, or why not).
+    #[serde(default)]
+    pub straggler_action: String,
+    /// The end of its exclusion as a straggler, once excluded (it is asked to leave).
+    #[serde(default)]
+    pub straggler_excluded_until_ms: Option<u64>,
+}
+
+impl ProgressRecord {
+    /// The straggler verdict `status` and the event stream show (`None`: not named).
+    pub fn straggler_verdict(&self) -> Option<cohort_proto::v1::StragglerVerdict> {
+        let since_ms = self.straggler.named_since_ms?;
+        let finding = self.straggler.last.as_ref()?;
+        Some(cohort_proto::v1::StragglerVerdict {
+            kind: finding.kind.name().into(),
+            ratio: finding.ratio_pct as f64 / 100.0,
+            reports: self.straggler.streak,
+            reason: format!("{}; rule: {}", finding.reason, crate::stragglers::StragglerRule::default()),
+            since_ms,
+            action: self.straggler_action.clone(),
+        })
+    }
 }
 
 /// `control/<worker>`: the state of the member's control stream (its Watch), written by

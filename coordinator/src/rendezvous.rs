@@ -316,6 +316,7 @@ mod tests {
             heartbeat_interval: Duration::from_millis(100),
             lease_ttl: Duration::from_secs(1),
             elastic_timeout: Duration::from_secs(5),
+            ..Default::default()
         }
     }
 
@@ -556,9 +557,15 @@ mod tests {
     #[test]
     fn excluded_workers_are_never_placed() {
         let mut job = Job::new().member("a", 1).member("b", 1).waits("a", 0, 0).waits("b", 0, 0);
-        job.0
-            .failures
-            .insert("b".into(), FailureHistory { failures_ms: vec![], exclusions: 1, excluded_until_ms: Some(50_000) });
+        job.0.failures.insert(
+            "b".into(),
+            FailureHistory {
+                failures_ms: vec![],
+                exclusions: 1,
+                excluded_until_ms: Some(50_000),
+                ..Default::default()
+            },
+        );
         let e = evaluate(&settings(1, 8), &job.0, 1000);
         assert_eq!(formed(&e), ["a"]);
         assert_eq!(formed(&evaluate(&settings(1, 8), &job.0, 50_000)), ["a", "b"], "the exclusion is over");
@@ -573,7 +580,12 @@ mod tests {
         job.0.members.get_mut("c").expect("c").domain = "node-2".into();
         job.0.failures.insert(
             crate::domains::domain_key("node-1"),
-            FailureHistory { failures_ms: vec![], exclusions: 1, excluded_until_ms: Some(50_000) },
+            FailureHistory {
+                failures_ms: vec![],
+                exclusions: 1,
+                excluded_until_ms: Some(50_000),
+                reason: String::new(),
+            },
         );
         assert_eq!(excluded(&job.0, 1000).into_iter().collect::<Vec<_>>(), ["a", "b"]);
         assert_eq!(formed(&evaluate(&settings(1, 8), &job.0, 1000)), ["c"]);

@@ -23,6 +23,7 @@ use crate::records::{
 };
 use crate::revocation::{self, ReportDecision};
 use crate::store::{Compare, StoreError, Txn, TxnOp};
+use crate::stragglers;
 use crate::validate;
 use cohort_proto::v1 as pb;
 use cohort_proto::v1::job_event::Event;
@@ -292,14 +293,24 @@ impl CoordinatorService {
         }
         let now = records::now_ms();
         let domain = records::effective_domain(&r.domain, &r.host);
-        let own = state.failures.get(worker).and_then(|h| h.excluded_until(now));
-        let of_domain = state.failures.get(&crate::domains::domain_key(domain)).and_then(|h| h.excluded_until(now));
-        if let Some(until) = own.max(of_domain) {
+        let own = state.failures.get(worker).and_then(|h| h.excluded_until(now).map(|u| (u, h)));
+        let of_domain =
+            state.failures.get(&crate::domains::domain_key(domain)).and_then(|h| h.excluded_until(now).map(|u| (u, h)));
+        let exclusion = match (own, of_domain) {
+            (Some(w), Some(d)) if d.0 > w.0 => Some((format!("failure domain {domain}"), d)),
+            (Some(w), _) => Some((format!("worker {worker}"), w)),
+            (None, Some(d)) => Some((format!("failure domain {domain}"), d)),
+            (None, None) => None,
+        };
+        if let Some((who, (until, history))) = exclusion {
             // The worker waits this long and joins again (it needs no clock of ours).
-            let who =
-                if of_domain == Some(until) { format!("failure domain {domain}") } else { format!("worker {worker}") };
-            let mut status =
-                Status::failed_precondition(crate::exclusion::refusal(&who, until, now, &self.ctx.exclusion));
+            let mut status = Status::failed_precondition(crate::exclusion::refusal(
+                &who,
+                until,
+                now,
+                &history.reason,
+                &self.ctx.exclusion,
+            ));
             if let Ok(left) = (until - now).to_string().parse() {
                 status.metadata_mut().insert(cohort_proto::RETRY_AFTER_MS_HEADER, left);
             }
@@ -405,21 +416,160 @@ impl CoordinatorService {
             StoreError::LeaseNotFound(_) => not_member(&r.job, &r.worker_id, r.incarnation),
             other => store_status(other),
         })?;
+        if let Some(t) = &r.timing {
+            if t.peer_waits.len() > crate::config::MAX_WORKERS_LIMIT as usize {
+                return Err(Status::invalid_argument(format!(
+                    "timing.peer_waits has {} entries (at most {})",
+                    t.peer_waits.len(),
+                    crate::config::MAX_WORKERS_LIMIT
+                )));
+            }
+        }
         let now = records::now_ms();
+        let state = hub.state();
+        // The member's step timing, as a rank of the current generation (else not judged).
+        let timing = r.timing.as_ref().filter(|t| t.steps > 0).and_then(|t| {
+            let g = state.current().filter(|g| g.number == r.generation && g.revoked.is_none())?;
+            Some(stragglers::Timing {
+                generation: g.number,
+                rank: g.rank_of(&r.worker_id, r.incarnation)?,
+                steps: t.steps,
+                compute_us: t.compute_us,
+                collective_us: t.collective_us,
+                peer_waits: t.peer_waits.iter().map(|w| (w.rank, w.wait_us)).collect(),
+            })
+        });
+        let finding = timing.as_ref().and_then(|own| {
+            let mut round = self.latest_timings(&r.job, &state, own.generation);
+            round.retain(|t| t.rank != own.rank);
+            round.push(own.clone());
+            stragglers::judge(&stragglers::StragglerRule::default(), own.rank, &round)
+        });
+        let policy = self.ctx.settings.for_job(&r.job).straggler_policy;
+        let mut change = stragglers::Change::None;
+        let mut standing = stragglers::Standing::default();
+        let mut excluded_until = None;
         self.record_progress(&r.job, &r.worker_id, r.incarnation, |p| {
             p.last_heartbeat_ms = now;
             p.generation = r.generation;
             p.step = r.step;
             p.activity = r.activity.clone();
             p.deadlines = r.deadlines.clone();
+            if let Some(timing) = timing {
+                p.timing = Some(timing);
+                change = p.straggler.advance(&stragglers::StragglerRule::default(), finding, now);
+                if change == stragglers::Change::Named {
+                    // What will be done, until act_on_straggler records what was.
+                    p.straggler_action = format!("deciding (straggler policy: {})", policy.name());
+                }
+                if change == stragglers::Change::Cleared && p.straggler_excluded_until_ms.is_none() {
+                    p.straggler_action.clear();
+                }
+            }
+            standing = p.straggler.clone();
+            excluded_until = p.straggler_excluded_until_ms;
         })
         .await?;
-        let state = hub.state();
+        match change {
+            stragglers::Change::Named => {
+                excluded_until = self.act_on_straggler(&r.job, &r.worker_id, r.incarnation, &state, &standing).await;
+            }
+            stragglers::Change::Cleared => {
+                self.ctx.metrics.straggler_cleared(&r.job, &r.worker_id);
+                tracing::info!(job = %r.job, worker = %r.worker_id, "member is no longer a straggler");
+            }
+            stragglers::Change::None => {}
+        }
+        let leave_as_straggler = match (excluded_until, &standing.last) {
+            (Some(until), Some(f)) => {
+                format!("straggler ({} slow: {}); excluded until {until} ms since the epoch", f.kind.name(), f.reason)
+            }
+            (Some(until), None) => format!("straggler; excluded until {until} ms since the epoch"),
+            (None, _) => String::new(),
+        };
         Ok(pb::HeartbeatResponse {
             current_generation: state.current_number(),
             current_revoked: state.current().is_some_and(|g| g.revoked.is_some()),
             reformation_pending: hub.pending().is_some(),
+            leave_as_straggler,
         })
+    }
+
+    /// The latest step timing of every member of generation `generation`: this replica's
+    /// cache where it is newer than the store's view.
+    fn latest_timings(&self, job: &str, state: &JobState, generation: u64) -> Vec<stragglers::Timing> {
+        let cache = self.progress.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(g) = state.current().filter(|g| g.number == generation) else { return Vec::new() };
+        g.members
+            .iter()
+            .enumerate()
+            .filter_map(|(rank, m)| {
+                let cached = cache
+                    .get(&(job.to_string(), m.worker_id.clone()))
+                    .map(|c| &c.record)
+                    .filter(|p| p.incarnation == m.incarnation);
+                let stored = state.progress.get(&m.worker_id).filter(|p| p.incarnation == m.incarnation);
+                let newest = match (cached, stored) {
+                    (Some(c), Some(s)) if s.last_heartbeat_ms > c.last_heartbeat_ms => Some(s),
+                    (Some(c), _) => Some(c),
+                    (None, s) => s,
+                }?;
+                newest.timing.clone().filter(|t| t.generation == generation && t.rank as usize == rank)
+            })
+            .collect()
+    }
+
+    /// A member has just been named a straggler: logs it, counts it, and under the job's
+    /// `exclude` policy excludes it (when the generation can spare it). Records what was
+    /// done in its progress (for `status`); returns the end of its exclusion, if excluded.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: at most one store transaction and one progress update.
+    async fn act_on_straggler(
+        &self,
+        job: &str,
+        worker: &str,
+        incarnation: u64,
+        state: &JobState,
+        standing: &stragglers::Standing,
+    ) -> Option<u64> {
+        let settings = self.ctx.settings.for_job(job);
+        let Some(finding) = &standing.last else { return None };
+        self.ctx.metrics.straggler_named(job, worker, finding.kind.name());
+        let members = state.current().map_or(0, |g| g.members.len());
+        let mut until = None;
+        let action = match settings.straggler_policy {
+            stragglers::StragglerPolicy::Report => "reported (straggler policy: report)".to_string(),
+            stragglers::StragglerPolicy::Exclude if members <= settings.min_workers as usize => format!(
+                "not excluded: the generation has {members} members and min_workers is {}",
+                settings.min_workers
+            ),
+            stragglers::StragglerPolicy::Exclude => {
+                let why = format!("{} slow: {}", finding.kind.name(), finding.reason);
+                match ops::exclude_straggler(&self.ctx, job, worker, settings.straggler_cooldown, &why).await {
+                    Ok(end) => {
+                        self.ctx.metrics.straggler_excluded(job);
+                        until = Some(end);
+                        format!(
+                            "excluded until {end} ms since the epoch (cool-down {} ms): leaves at its next commit point",
+                            settings.straggler_cooldown.as_millis()
+                        )
+                    }
+                    Err(e) => format!("not excluded: the store refused ({e}); reported only"),
+                }
+            }
+        };
+        tracing::warn!(%job, %worker, incarnation, kind = finding.kind.name(), ratio = finding.ratio_pct as f64 / 100.0,
+                       reports = standing.streak, reason = %finding.reason, %action, "straggler named");
+        let _ = self
+            .record_progress(job, worker, incarnation, |p| {
+                p.straggler_action = action;
+                if until.is_some() {
+                    p.straggler_excluded_until_ms = until;
+                }
+            })
+            .await;
+        until
     }
 
     async fn do_rendezvous(&self, r: pb::RendezvousRequest) -> Result<pb::RendezvousResponse, Status> {
@@ -850,6 +1000,7 @@ impl CoordinatorService {
                 tracing::debug!(error = %e, "could not revoke the leaver's lease");
             }
             self.forget_progress(job, worker);
+            self.ctx.metrics.straggler_cleared(job, worker);
             tracing::info!(finished, "member left");
             if let Some(g) = updated {
                 let everyone_gone = g.members.iter().all(|m| g.departed(&m.worker_id, m.incarnation).is_some());
@@ -973,6 +1124,17 @@ impl CoordinatorService {
                         .get(&m.worker_id)
                         .filter(|c| c.incarnation == m.incarnation)
                         .map(|c| c.connected),
+                    timing: p.and_then(|p| p.timing.as_ref()).map(|t| pb::StepTiming {
+                        steps: t.steps,
+                        compute_us: t.compute_us,
+                        collective_us: t.collective_us,
+                        peer_waits: t
+                            .peer_waits
+                            .iter()
+                            .map(|&(rank, wait_us)| pb::PeerWait { rank, wait_us })
+                            .collect(),
+                    }),
+                    straggler: p.and_then(ProgressRecord::straggler_verdict),
                 }
             })
             .collect::<Vec<pb::MemberStatus>>();
@@ -990,7 +1152,16 @@ impl CoordinatorService {
         let seen = self.commits.lock().unwrap_or_else(|e| e.into_inner()).mismatches(&r.job);
         let digest_mismatches =
             digests::merge(seen, digests::among_last_commits(last_commits)).iter().map(|m| m.to_proto()).collect();
+        let exclusions = state
+            .failures
+            .iter()
+            .filter_map(|(worker, h)| {
+                let until_ms = h.excluded_until(now)?;
+                Some(pb::Exclusion { worker_id: worker.clone(), until_ms, reason: h.reason.clone() })
+            })
+            .collect();
         Ok(pb::StatusResponse {
+            exclusions,
             unknown_job,
             digest_mismatches,
             job: r.job.clone(),
@@ -1148,6 +1319,8 @@ fn initial_events(state: &JobState, pending: Option<u32>) -> Vec<pb::JobEvent> {
 /// What a watch stream has sent, to drop repeats.
 #[derive(Default)]
 struct Sent {
+    /// Stragglers announced: (worker, named since).
+    stragglers: std::collections::HashSet<(String, u64)>,
     formed: u64,
     revoked: u64,
     pending: Option<(u64, u32)>,
@@ -1173,6 +1346,10 @@ impl Sent {
             Some(Event::JobEnded(_)) if !self.ended => {
                 self.ended = true;
                 true
+            }
+            Some(Event::StragglerNamed(n)) => {
+                let since = n.verdict.as_ref().map_or(0, |v| v.since_ms);
+                self.stragglers.insert((n.worker_id.clone(), since))
             }
             _ => false,
         }

@@ -62,6 +62,7 @@ async fn malformed_requests_are_refused_without_state_change() {
                 step: 0,
                 activity: String::new(),
                 deadlines: String::new(),
+                timing: None,
             };
             f(&mut r);
             let mut c = c.clone();

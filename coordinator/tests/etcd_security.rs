@@ -7,9 +7,9 @@
 
 mod common;
 
-use cohort_testkit::etcd::{EtcdProcess, EtcdServerTls};
 use cohort_coordinator::store::etcd::{EtcdSecurity, EtcdStore};
 use cohort_coordinator::store::{Store, StoreError};
+use cohort_testkit::etcd::{EtcdProcess, EtcdServerTls};
 use common::*;
 use etcd_client::{Certificate, Client, ConnectOptions, Identity, Permission, TlsOptions};
 use std::path::Path;

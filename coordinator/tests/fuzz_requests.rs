@@ -64,7 +64,16 @@ fn rpc() -> impl Strategy<Value = Rpc> {
             )),
         (id(), id(), num(), num(), num(), any::<String>(), any::<String>()).prop_map(
             |(job, worker_id, incarnation, generation, step, activity, deadlines)| Rpc::Heartbeat(
-                pb::HeartbeatRequest { job, worker_id, incarnation, generation, step, activity, deadlines }
+                pb::HeartbeatRequest {
+                    job,
+                    worker_id,
+                    incarnation,
+                    generation,
+                    step,
+                    activity,
+                    deadlines,
+                    timing: None
+                }
             )
         ),
         (id(), id(), num(), num(), 0u64..300).prop_map(|(job, worker_id, incarnation, after_generation, wait_ms)| {

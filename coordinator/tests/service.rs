@@ -421,6 +421,12 @@ async fn repeated_failures_exclude(backend: Backend) {
         .and_then(|v| v.parse().ok())
         .unwrap_or_else(|| panic!("no {} on the refusal: {:?}", cohort_proto::RETRY_AFTER_MS_HEADER, err.metadata()));
     assert!((20_000..=30_000).contains(&retry_after), "retry after {retry_after} ms of a 30 s cool-down");
+    let s = status(addr, "job-f").await;
+    assert!(
+        s.exclusions.iter().any(|x| x.worker_id == "flaky" && x.reason.starts_with("3 failures within 10 min")),
+        "{:?}",
+        s.exclusions
+    );
     // A graceful leave never counts: the good worker can leave and come back.
     good.leave(false).await.expect("leave");
     let back = Worker::join(addr, "job-f", "good", HB).await;
@@ -760,6 +766,119 @@ async fn a_lost_domain_is_one_failure_of_the_domain(backend: Backend) {
     assert!(g2c.members.iter().all(|m| m.domain != "n1"), "{:?}", g2c.members);
 }
 
+/// One heartbeat of `w` in generation `g` carrying a step timing (compute and collective ms
+/// per step over 10 steps).
+async fn heartbeat_timing(w: &Worker, g: u64, compute_ms: u64, collective_ms: u64) -> pb::HeartbeatResponse {
+    let mut c = w.client.clone();
+    c.heartbeat(pb::HeartbeatRequest {
+        job: w.job.clone(),
+        worker_id: w.id.clone(),
+        incarnation: w.incarnation,
+        generation: g,
+        step: 10,
+        activity: "allreduce".into(),
+        deadlines: String::new(),
+        timing: Some(pb::StepTiming {
+            steps: 10,
+            compute_us: compute_ms * 1000,
+            collective_us: collective_ms * 1000,
+            peer_waits: Vec::new(),
+        }),
+    })
+    .await
+    .unwrap_or_else(|s| panic!("heartbeat {}: {s}", w.id))
+    .into_inner()
+}
+
+/// A member whose reported compute per step is 3x the others' is named a straggler after 3
+/// consecutive reports (not before), with its figures and the rule, in `status` and the
+/// metrics; under the `exclude` policy its heartbeat answer tells it to leave, its graceful
+/// leave revokes nothing, its join is refused for the cool-down (with a retry-after), and the
+/// others re-form without it.
+async fn a_straggler_is_named_and_excluded(backend: Backend) {
+    let backing = Backing::new(backend).await;
+    let mut settings = test_settings(backend);
+    settings.min_workers = 2;
+    settings.straggler_policy = cohort_coordinator::stragglers::StragglerPolicy::Exclude;
+    settings.straggler_cooldown = Duration::from_secs(5);
+    let server = replica(backing.store.clone(), &Options::new(settings)).await;
+    let addr = server.local_addr();
+    let workers = Worker::join_many(addr, "job-s", 3, HB).await;
+    let mut watch = workers[0].watch().await;
+    let gs = futures::future::join_all(workers.iter().map(|w| w.next_generation(0))).await;
+    let g = gs[0].clone();
+    let slow_rank = 1usize;
+    let slow = workers.iter().find(|w| w.id == g.members[slow_rank].worker_id).expect("rank 1's worker");
+    for round in 1..=3 {
+        for w in workers.iter().filter(|w| w.id != slow.id) {
+            let answer = heartbeat_timing(w, g.number, 10, 20).await;
+            assert!(answer.leave_as_straggler.is_empty(), "{} is no straggler", w.id);
+        }
+        let answer = heartbeat_timing(slow, g.number, 30, 1).await;
+        if round < 3 {
+            assert!(answer.leave_as_straggler.is_empty(), "named after {round} reports, before 3");
+            let s = status(addr, "job-s").await;
+            assert!(s.members.iter().all(|m| m.straggler.is_none()), "round {round}: {:?}", s.members);
+        } else {
+            assert!(answer.leave_as_straggler.contains("compute slow"), "{}", answer.leave_as_straggler);
+        }
+    }
+    let s = status(addr, "job-s").await;
+    for m in &s.members {
+        if m.worker_id == slow.id {
+            let v = m.straggler.as_ref().expect("the slow member is named");
+            assert_eq!((v.kind.as_str(), v.reports), ("compute", 3));
+            assert!((v.ratio - 3.0).abs() < 0.01, "{}", v.ratio);
+            assert!(v.reason.contains("compute 30.0 ms per step, 3.0x the median 10.0 ms"), "{}", v.reason);
+            assert!(v.reason.contains("rule: >= 1.5x"), "{}", v.reason);
+            assert!(v.action.starts_with("excluded until"), "{}", v.action);
+            assert_eq!(m.timing.as_ref().map(|t| t.compute_us), Some(30_000));
+        } else {
+            assert!(m.straggler.is_none(), "{} named: {:?}", m.worker_id, m.straggler);
+        }
+    }
+    // The event stream announces it (once its progress reached the store: within a second).
+    let named = wait_event(&mut watch, |e| match e {
+        Event::StragglerNamed(n) => Some(n.clone()),
+        _ => None,
+    })
+    .await;
+    assert_eq!((named.worker_id.as_str(), named.rank, named.generation), (slow.id.as_str(), Some(1), g.number));
+    assert_eq!(named.verdict.map(|v| v.kind), Some("compute".to_string()));
+    let text = scrape(&server).await;
+    assert!(text.contains("cohort_stragglers_named_total{job=\"job-s\",kind=\"compute\"} 1"), "{text}");
+    assert!(text.contains("cohort_stragglers_excluded_total{job=\"job-s\"} 1"), "{text}");
+    // It leaves gracefully at its commit point: nothing is revoked, its join is refused for
+    // the rest of the cool-down, and the others re-form without it.
+    slow.leave(false).await.expect("leave");
+    let s = status(addr, "job-s").await;
+    assert!(!s.current_revoked, "a straggler's leave revokes nothing: {:?}", s.revocation_cause);
+    // Status still says why it is gone.
+    assert_eq!(s.exclusions.len(), 1, "{:?}", s.exclusions);
+    assert_eq!(s.exclusions[0].worker_id, slow.id);
+    assert!(
+        s.exclusions[0].reason.starts_with("straggler: compute slow: compute 30.0 ms"),
+        "{}",
+        s.exclusions[0].reason
+    );
+    let mut c = client(addr).await;
+    let err = c.join(join_request("job-s", &slow.id)).await.expect_err("excluded for the cool-down");
+    assert_eq!(err.code(), tonic::Code::FailedPrecondition);
+    let retry_after: u64 = err
+        .metadata()
+        .get(cohort_proto::RETRY_AFTER_MS_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse().ok())
+        .expect("a retry-after on the refusal");
+    assert!((1..=5_000).contains(&retry_after), "retry after {retry_after} ms of a 5 s cool-down");
+    let rest: Vec<&Worker> = workers.iter().filter(|w| w.id != slow.id).collect();
+    let next = futures::future::join_all(rest.iter().map(|w| w.next_generation(g.number))).await;
+    assert_eq!(next[0], next[1]);
+    assert_eq!(next[0].members.len(), 2);
+    assert!(next[0].members.iter().all(|m| m.worker_id != slow.id));
+    server.shutdown().await.expect("shutdown");
+}
+
 macro_rules! suite {
     ($($name:ident),* $(,)?) => {
         mod memory {
@@ -799,4 +918,5 @@ suite!(
     a_reopened_control_stream_counts_as_connected,
     different_commit_digests_are_flagged,
     a_lost_domain_is_one_failure_of_the_domain,
+    a_straggler_is_named_and_excluded,
 );

@@ -9,10 +9,10 @@
 use std::sync::OnceLock;
 use std::time::Duration;
 
-use cohort_testkit::etcd::EtcdProcess;
 use cohort_coordinator::store::etcd::EtcdStore;
 use cohort_coordinator::store::memory::MemoryStore;
 use cohort_coordinator::store::{Compare, KeyValue, Store, StoreError, Txn, TxnOp, WatchEvent, WatchStream};
+use cohort_testkit::etcd::EtcdProcess;
 use futures::{FutureExt, StreamExt};
 use tokio::time::{timeout, Instant};
 

@@ -50,6 +50,7 @@ fn job_settings(scenario: &Scenario) -> JobSettings {
         heartbeat_interval: Duration::from_millis(500),
         lease_ttl: Duration::from_secs(3),
         elastic_timeout: Duration::from_secs(8),
+        ..Default::default()
     }
 }
 

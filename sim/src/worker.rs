@@ -602,6 +602,7 @@ async fn heartbeat_task(worker: Arc<Worker>, incarnation: u64) {
             step: 0,
             activity: "sim".into(),
             deadlines: String::new(),
+            timing: None,
         };
         match bounded(
             worker.shared(),
@@ -703,7 +704,7 @@ impl Worker {
                 self.local.pending.fetch_max(p.generation, Ordering::SeqCst);
             }
             Some(Event::JobEnded(e)) => self.heard_end(&e),
-            Some(Event::GenerationFormed(_)) | None => {}
+            Some(Event::GenerationFormed(_) | Event::StragglerNamed(_)) | None => {}
         }
     }
 }

@@ -21,6 +21,7 @@ pub fn test_cluster(job: &str, store: StoreKind, min_workers: u32) -> ClusterCon
             heartbeat_interval: Duration::from_millis(200),
             lease_ttl: Duration::from_secs(2),
             elastic_timeout: Duration::from_secs(4),
+            ..Default::default()
         },
         log_dir: None,
         exclusion: None,

@@ -351,6 +351,7 @@ async fn rehearsal(kind: Pods) {
             heartbeat_interval: Duration::from_millis(200),
             lease_ttl: Duration::from_secs(4),
             elastic_timeout: Duration::from_secs(30),
+            ..Default::default()
         },
         // COHORT_TEST_LOG_DIR keeps the processes' logs (default: a temporary directory).
         log_dir: std::env::var_os("COHORT_TEST_LOG_DIR").map(|d| std::path::PathBuf::from(d).join(&logs)),

@@ -164,6 +164,9 @@ struct TrainArgs {
     /// Pause between steps (0 = none).
     #[arg(long, value_parser = duration, default_value = "0ms")]
     step_interval: Duration,
+    /// CPU time each step burns before its allreduce (the model's compute; 0 = none).
+    #[arg(long, value_parser = duration, default_value = "0ms")]
+    compute: Duration,
     /// Serve Prometheus metrics on this address (`GET /metrics`).
     #[arg(long)]
     metrics: Option<SocketAddr>,
@@ -409,7 +412,12 @@ fn train_main(args: TrainArgs) -> Result<TrainSummary, String> {
             ..Default::default()
         });
     }
-    let train_config = TrainConfig { steps: args.steps, size_bytes: args.size, step_interval: args.step_interval };
+    let train_config = TrainConfig {
+        steps: args.steps,
+        size_bytes: args.size,
+        step_interval: args.step_interval,
+        compute: args.compute,
+    };
 
     let rt = runtime()?;
     rt.block_on(async move {

@@ -5,12 +5,15 @@
 //! against that target, adds it to the parameters, checks the parameters against the ones
 //! every worker expects after that many steps, commits, and agrees with the other ranks (one
 //! tiny allreduce) whether to re-form at this commit point (joiners waiting, or a member
-//! leaving on SIGTERM). The parameters are also checked after every sync and restore and at
-//! the end, so a wrong restore, a wrong sync or a lost step stops the worker. A SIGTERM
-//! before the worker is a member (while it joins, or waits out an exclusion) ends it at once.
+//! leaving on SIGTERM, or a straggler asked to leave by the coordinator). Each step can also
+//! burn a fixed amount of CPU time (`compute`, standing for the model's forward and backward
+//! pass), so that a rank whose CPU is slowed computes longer, as a slow GPU would. The
+//! parameters are also checked after every sync and restore and at the end, so a wrong
+//! restore, a wrong sync or a lost step stops the worker. A SIGTERM before the worker is a
+//! member (while it joins, or waits out an exclusion) ends it at once.
 //!
 //! Output: one `key=value` line per event on stdout (the chaos harness parses them):
-//! `event=joining|joined|generation|allreduce|step|error|restored|reform|leave|finished|summary|wrong_result|wrong_params`,
+//! `event=joining|joined|generation|allreduce|step|error|restored|reform|leave|straggler_leave|finished|summary|wrong_result|wrong_params`,
 //! each with `t_ms` (wall clock, ms since the Unix epoch). `finished` and `summary` carry
 //! `params_digest` (SHA-256 of the final parameters' bytes) and `expected_digest` (of the
 //! parameters expected after that many steps).
@@ -33,6 +36,9 @@ pub struct TrainConfig {
     pub size_bytes: usize,
     /// Pause between steps (0 = none), to make long demos readable.
     pub step_interval: Duration,
+    /// CPU time each step burns before its allreduce (0 = none): a fixed amount of work,
+    /// which takes longer in wall time on a slowed CPU.
+    pub compute: Duration,
 }
 
 /// What the loop did, printed at the end.
@@ -109,6 +115,8 @@ pub async fn run<E: ExactElement>(
     let width = std::mem::size_of::<E>();
     let count = train.size_bytes / width;
     let worker = config.worker_id.clone();
+    // A straggler asked to leave joins again with the same settings after its cool-down.
+    let rejoin_config = config.clone();
     // SIGTERM while joining (which includes waiting out an exclusion, possibly minutes): not
     // a member yet, so nobody waits on this worker and it stops at once. Later, inside a
     // generation or a re-formation, it leaves at the next commit point.
@@ -197,7 +205,9 @@ pub async fn run<E: ExactElement>(
                 group.leave(true).await?;
                 return Ok(summary);
             }
+            let step_started = Instant::now();
             trajectory.fill(&params.0, step, rank, world, &mut grad);
+            burn_cpu(train.compute);
             group.set_progress(g, step, "allreduce");
             let started = Instant::now();
             println!("event=allreduce gen={g} rank={rank} step={step} t_ms={}", now_ms());
@@ -235,6 +245,7 @@ pub async fn run<E: ExactElement>(
             summary.verified_steps += 1;
             crate::metrics::STEPS_VERIFIED.fetch_add(1, Ordering::Relaxed);
             let elapsed = started.elapsed();
+            let mut collective = elapsed;
             if let Some(t) = failed_at.take() {
                 summary.failures.push(t.elapsed());
                 crate::metrics::FAILURES.fetch_add(1, Ordering::Relaxed);
@@ -263,8 +274,17 @@ pub async fn run<E: ExactElement>(
             // Commit point: report, then agree with every rank on whether to re-form here.
             group.set_progress(g, step, "commit");
             let pending = group.commit(g, step, &checkpoint.digest());
-            let mut flags = [u8::from(pending), u8::from(*leaving.borrow())];
-            if let Err(e) = generation.comm.allreduce(&mut flags, ReduceOp::Max).await {
+            let straggler = group.straggler_leave();
+            let mut flags = [u8::from(pending), u8::from(*leaving.borrow() || straggler.is_some())];
+            let flags_started = Instant::now();
+            let agreed = generation.comm.allreduce(&mut flags, ReduceOp::Max).await;
+            collective += flags_started.elapsed();
+            if agreed.is_ok() {
+                let waits = cohort_transports::Transport::deadlines_in_force(generation.comm.transport().as_ref());
+                let peer_waits = waits.iter().filter(|(_, d)| d.samples > 0).map(|(p, d)| (*p, d.smoothed)).collect();
+                group.record_step(step_started.elapsed().saturating_sub(collective), collective, peer_waits);
+            }
+            if let Err(e) = agreed {
                 let cause = group.on_failure(g, &e).await;
                 println!(
                     "event=error gen={g} rank={rank} step={step} phase=commit kind={} cause={} t_ms={}",
@@ -289,6 +309,37 @@ pub async fn run<E: ExactElement>(
                 group.leave(false).await?;
                 return Ok(summary);
             }
+            if let (true, Some(why)) = (flags[1] != 0, &straggler) {
+                // Asked to leave as a straggler: a graceful leave at this commit point (the
+                // others re-form without it, nothing lost), then a join again, which waits
+                // out the cool-down (the coordinator refuses the join until it ends).
+                println!("event=straggler_leave gen={g} rank={rank} step={step} reason={} t_ms={}", q(why), now_ms());
+                summary.cooperative_reforms += 1;
+                crate::metrics::REFORMATIONS.fetch_add(1, Ordering::Relaxed);
+                drop(generation);
+                group.leave(false).await?;
+                println!("event=joining worker={worker} t_ms={}", now_ms());
+                group = tokio::select! {
+                    joined = ElasticGroup::join(rejoin_config.clone()) => joined?,
+                    () = sigterm(&mut leaving) => {
+                        println!("event=leave gen={g} step={step} joined=false t_ms={}", now_ms());
+                        let (digest, expected) = digests(&trajectory, &params.0, step);
+                        summary.params_digest = Some(digest);
+                        summary.expected_digest = Some(expected);
+                        summary.final_step = step;
+                        summary.left = true;
+                        return Ok(summary);
+                    }
+                };
+                println!(
+                    "event=joined worker={worker} incarnation={} addr={} listen={} t_ms={}",
+                    group.incarnation(),
+                    group.advertised_address(),
+                    group.listen_address(),
+                    now_ms()
+                );
+                continue 'generations;
+            }
             if flags[0] != 0 || flags[1] != 0 {
                 let why = if flags[1] != 0 { "leave" } else { "scale_up" };
                 println!("event=reform gen={g} rank={rank} step={step} reason={why} t_ms={}", now_ms());
@@ -308,6 +359,33 @@ pub async fn run<E: ExactElement>(
     summary.params_digest = Some(digest);
     summary.expected_digest = Some(expected);
     Ok(summary)
+}
+
+/// Burns `work` of this thread's CPU time (a fixed amount of work: on a slowed or shared
+/// CPU it takes longer in wall time). Zero returns at once.
+fn burn_cpu(work: Duration) {
+    if work.is_zero() {
+        return;
+    }
+    let start = thread_cpu_time();
+    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    while thread_cpu_time().saturating_sub(start) < work {
+        for _ in 0..1000 {
+            x = x.rotate_left(7) ^ x.wrapping_mul(0x2545_f491_4f6c_dd1d);
+        }
+        std::hint::black_box(x);
+    }
+}
+
+/// CPU time this thread has used.
+fn thread_cpu_time() -> Duration {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: clock_gettime writes one timespec to the valid pointer given.
+    let rc = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    if rc != 0 {
+        return Duration::ZERO;
+    }
+    Duration::new(ts.tv_sec.max(0) as u64, ts.tv_nsec.clamp(0, 999_999_999) as u32)
 }
 
 /// Checks the parameters against those every worker expects after `step` steps; a mismatch
@@ -456,6 +534,14 @@ mod tests {
         let mixed = [(0, d(480, DeadlineBasis::Learned)), (2, d(250, DeadlineBasis::Floor))];
         assert_eq!(deadline_brief(&mixed), "250-480 ms floor/learned");
         assert_eq!(deadline_brief(&[]), "");
+    }
+
+    #[test]
+    fn burning_cpu_takes_at_least_the_work_in_cpu_time() {
+        let before = thread_cpu_time();
+        burn_cpu(Duration::from_millis(20));
+        assert!(thread_cpu_time() - before >= Duration::from_millis(20));
+        burn_cpu(Duration::ZERO);
     }
 
     #[test]

@@ -5,12 +5,12 @@
 pub(crate) mod certs;
 
 use cohort_coordinator::config::{JobSettings, Settings};
-use cohort_testkit::etcd::EtcdProcess;
 use cohort_coordinator::exclusion::ExclusionPolicy;
 use cohort_coordinator::server::{ServeConfig, ServerHandle};
 use cohort_coordinator::store::{etcd::EtcdStore, memory::MemoryStore, Store};
 use cohort_proto::v1 as pb;
 use cohort_proto::v1::coordinator_client::CoordinatorClient;
+use cohort_testkit::etcd::EtcdProcess;
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::process::{Child, Command, Stdio};
@@ -47,6 +47,7 @@ pub(crate) fn test_settings(backend: Backend) -> JobSettings {
             Backend::Etcd => Duration::from_secs(2),
         },
         elastic_timeout: Duration::from_secs(2),
+        ..Default::default()
     }
 }
 
@@ -189,6 +190,7 @@ impl Worker {
             step: 0,
             activity: "test".into(),
             deadlines: String::new(),
+            timing: None,
         };
         self.heartbeat = Some(tokio::spawn(async move {
             let mut tick = tokio::time::interval(interval);

@@ -68,6 +68,8 @@ struct Shared {
     revoker: Mutex<Option<(u64, Revoker)>>,
     /// Woken on [`Effect::Wake`]: by revocations, the job's end and a new incarnation.
     changed: Notify,
+    /// Step times since the last heartbeat ([`ElasticGroup::record_step`]), sent with it.
+    timing: Mutex<super::StepTimes>,
 }
 
 impl Shared {
@@ -77,6 +79,7 @@ impl Shared {
             machine: Mutex::new(Membership::new(exclusion_wait)),
             revoker: Mutex::new(None),
             changed: Notify::new(),
+            timing: Mutex::new(super::StepTimes::default()),
         }
     }
 
@@ -298,6 +301,18 @@ impl ElasticGroup {
     /// with the next heartbeat (for `status`).
     pub fn set_deadlines(&self, brief: &str) {
         self.shared.drive(|m| m.set_deadlines(brief));
+    }
+
+    /// Records one step's time outside and inside collectives, and the wait on each peer's
+    /// link now; their means are sent with the next heartbeat (straggler detection).
+    pub fn record_step(&self, compute: Duration, collective: Duration, peer_waits: Vec<(u32, Duration)>) {
+        self.shared.timing.lock().unwrap_or_else(|e| e.into_inner()).record(compute, collective, peer_waits);
+    }
+
+    /// Why the coordinator asked this member to leave as a straggler (job policy
+    /// `exclude`), if it did: it should leave gracefully at its next commit point.
+    pub fn straggler_leave(&self) -> Option<String> {
+        self.shared.read(|m| m.straggler_leave().map(str::to_string))
     }
 
     /// Waits for the next generation that includes this worker and connects its mesh.
@@ -766,6 +781,7 @@ async fn heartbeat_task(
     loop {
         ticker.tick().await;
         let Some(progress) = shared.read(|m| m.heartbeat_request(incarnation)) else { return };
+        let timing = shared.timing.lock().unwrap_or_else(|e| e.into_inner()).take();
         let request = pb::HeartbeatRequest {
             job: job.clone(),
             worker_id: worker_id.clone(),
@@ -774,6 +790,7 @@ async fn heartbeat_task(
             step: progress.step,
             activity: progress.activity,
             deadlines: progress.deadlines,
+            timing,
         };
         let answer = client.heartbeat(request).await;
         if !shared.drive(|m| m.handle_heartbeat(incarnation, answer)) {

@@ -113,6 +113,9 @@ pub(crate) struct Membership {
     revoked: Vec<(u64, RootCause)>,
     /// Joiners or a leaver wait for the members to re-form at a commit point.
     reformation_pending: bool,
+    /// Why the coordinator asked this member to leave as a straggler (job policy `exclude`),
+    /// once it has: it leaves gracefully at its next commit point.
+    straggler_leave: Option<String>,
     /// How the job ended ("finished" or "failed", and the reason), once it has.
     ended: Option<(&'static str, String)>,
     /// The bound of the next wait before reopening the event stream.
@@ -133,6 +136,7 @@ impl Membership {
             current: None,
             revoked: Vec::new(),
             reformation_pending: false,
+            straggler_leave: None,
             ended: None,
             watch_retry: WATCH_RETRY_FIRST,
             progress: Progress { generation: 0, step: 0, activity: "joining".into(), deadlines: String::new() },
@@ -158,6 +162,11 @@ impl Membership {
     /// Whether joiners or a leaver wait for a re-formation, as far as this worker has heard.
     pub(crate) fn reformation_pending(&self) -> bool {
         self.reformation_pending
+    }
+
+    /// Why the coordinator asked this member to leave as a straggler, if it has.
+    pub(crate) fn straggler_leave(&self) -> Option<&str> {
+        self.straggler_leave.as_deref()
     }
 
     /// The root cause of a revoked generation, if heard.
@@ -337,6 +346,9 @@ impl Membership {
                 if response.reformation_pending {
                     self.reformation_pending = true;
                 }
+                if !response.leave_as_straggler.is_empty() {
+                    self.straggler_leave = Some(response.leave_as_straggler);
+                }
                 true
             }
             Err(e) if e.code() == Some(tonic::Code::NotFound) => {
@@ -397,6 +409,10 @@ impl Membership {
                 if let Some(generation) = self.current {
                     self.effects.push_back(Effect::Abort { generation, cause: RootCause::reason("job ended") });
                 }
+            }
+            Some(job_event::Event::StragglerNamed(named)) => {
+                let reason = named.verdict.map(|v| v.reason);
+                info!(worker = %named.worker_id, rank = ?named.rank, ?reason, "straggler named");
             }
             Some(job_event::Event::GenerationFormed(_)) | None => {}
         }

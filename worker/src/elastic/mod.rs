@@ -29,6 +29,9 @@
 //! - [`Checkpoint`] is the commit/restore/sync API: commit at step boundaries, restore after a
 //!   failure, and after re-formation broadcast the newest commit from the member holding it,
 //!   then check the state digest on every rank.
+//! - [`StepTimes`] gathers the step timing sent with the heartbeats, from which the
+//!   coordinator names stragglers; under the job's `exclude` policy it asks one to leave,
+//!   which [`ElasticGroup::straggler_leave`] tells the training loop.
 
 mod choice;
 mod config;
@@ -37,6 +40,7 @@ mod group;
 mod membership;
 mod mesh;
 mod state;
+mod timing;
 
 pub(crate) use choice::{plan_mesh, MeshPlan};
 pub use config::{local_hostname, ElasticConfig};
@@ -44,3 +48,4 @@ pub use error::ElasticError;
 pub use group::{ElasticGroup, FailureReporter, Generation, MemberInfo, ReformReason};
 pub use mesh::{MeshKind, MeshTransport, MixedTransport};
 pub use state::{Checkpoint, ElasticState, SyncError, SyncOutcome};
+pub use timing::StepTimes;
