@@ -1,6 +1,7 @@
 //! Reports: per-fault measurements, their statistics, a table for people and JSON.
 
 use crate::demo::Check;
+use crate::scenario::FaultKind;
 use serde::Serialize;
 
 /// One survivor's error as measured.
@@ -76,8 +77,8 @@ impl StatusSeen {
 pub struct FaultRecord {
     /// Position in the run (1-based).
     pub index: usize,
-    /// Fault kind name.
-    pub kind: String,
+    /// Fault kind (its name in reports).
+    pub kind: FaultKind,
     /// Target workers (with their ranks at the fault).
     pub targets: Vec<String>,
     /// Link faults: the other side.
@@ -273,13 +274,14 @@ pub struct KindStats {
 
 /// Per-kind statistics over `runs`.
 pub fn kind_stats(runs: &[RunReport]) -> Vec<KindStats> {
-    let mut kinds: Vec<String> = runs.iter().flat_map(|r| r.faults.iter().map(|f| f.kind.clone())).collect();
+    let mut kinds: Vec<String> = runs.iter().flat_map(|r| r.faults.iter().map(|f| f.kind.name().to_string())).collect();
     kinds.sort();
     kinds.dedup();
     kinds
         .into_iter()
         .map(|kind| {
-            let fs: Vec<&FaultRecord> = runs.iter().flat_map(|r| r.faults.iter()).filter(|f| f.kind == kind).collect();
+            let fs: Vec<&FaultRecord> =
+                runs.iter().flat_map(|r| r.faults.iter()).filter(|f| f.kind.name() == kind).collect();
             KindStats {
                 count: fs.len(),
                 mid_allreduce: fs.iter().filter(|f| f.mid_allreduce).count(),
@@ -335,7 +337,7 @@ pub fn render(runs: &[RunReport], targets: &[Check]) -> String {
             for f in &r.faults {
                 let line = format!(
                     "{:<22} {:>3} {:<24} {:>4} {:>5} {:>4} {:>9} {:>9} {:>9} {:>9}  {}",
-                    format!("{}/{}", truncate(&r.scenario, 10), f.kind),
+                    format!("{}/{}", truncate(&r.scenario, 10), f.kind.name()),
                     f.index,
                     truncate(&f.targets.join(",").to_string(), 24),
                     f.generation,
@@ -419,7 +421,8 @@ pub fn to_json(command: &str, runs: &[RunReport], targets: &[Check]) -> serde_js
 
 /// The soak's targets over every SIGKILL of `runs` (kills struck mid-allreduce or not).
 pub fn soak_targets(runs: &[RunReport]) -> Vec<Check> {
-    let kills: Vec<&FaultRecord> = runs.iter().flat_map(|r| r.faults.iter()).filter(|f| f.kind == "kill").collect();
+    let kills: Vec<&FaultRecord> =
+        runs.iter().flat_map(|r| r.faults.iter()).filter(|f| f.kind == FaultKind::Kill).collect();
     let mid = kills.iter().filter(|f| f.mid_allreduce).count();
     let errs = Stats::of(kills.iter().filter_map(|f| f.survivors_errors_ms));
     let next = Stats::of(kills.iter().filter_map(|f| f.next_step_ms));
@@ -486,7 +489,7 @@ mod tests {
                 .enumerate()
                 .map(|(i, &(e, n))| FaultRecord {
                     index: i + 1,
-                    kind: "kill".into(),
+                    kind: FaultKind::Kill,
                     mid_allreduce: true,
                     survivors_errors_ms: Some(e),
                     first_error_ms: Some(e / 2),

@@ -808,7 +808,7 @@ impl Run<'_> {
         ));
         self.records.push(FaultRecord {
             index,
-            kind: f.kind.name().into(),
+            kind: f.kind,
             targets: ranks_text,
             peers: peers.clone(),
             generation: g,
@@ -1079,15 +1079,15 @@ impl Run<'_> {
         // Per fault: disruptive ones reach every survivor with the root cause; quiet ones
         // fail no collective.
         for r in &records {
-            let kind = r.kind.as_str();
+            let kind = r.kind.name();
             let culprits: Vec<String> = r
                 .targets
                 .iter()
                 .map(|t| t.split('(').next().unwrap_or("").to_string())
                 .chain(r.peers.iter().cloned())
                 .collect();
-            match kind {
-                "kill" | "stop" => {
+            match r.kind {
+                FaultKind::Kill | FaultKind::Stop => {
                     if sc.expect == Expect::Fail {
                         continue;
                     }
@@ -1098,7 +1098,7 @@ impl Run<'_> {
                         detail: format!("{named} of {} survivors; causes: {}", r.survivors.len(), causes(r)),
                     });
                     checks.push(next_step_check(r, kind));
-                    if kind == "stop" {
+                    if r.kind == FaultKind::Stop {
                         checks.extend(hung_rank_status_check(r, &events, sc));
                         // A rank hung past the deadline is a silent fault like a cut link.
                         let deadline = sc.no_progress.0 + sc.step_interval.0 + Duration::from_millis(1000);
@@ -1107,10 +1107,10 @@ impl Run<'_> {
                             checks.push(hang_timeout_check(r));
                         }
                     }
-                    if let (true, Some(bound)) = (kind == "kill", sc.kill_errors_within) {
+                    if let (true, Some(bound)) = (r.kind == FaultKind::Kill, sc.kill_errors_within) {
                         checks.push(kill_errors_check(r, bound.0, &self.cluster.hosts()));
                     }
-                    if kind == "kill" && r.targets.len() > 1 {
+                    if r.kind == FaultKind::Kill && r.targets.len() > 1 {
                         // One report wins and evicts its suspect; the other dead ranks still
                         // hold live leases. Their control streams closed with them, so the
                         // survivors must not wait for them (the join window, or the leases).
@@ -1126,7 +1126,7 @@ impl Run<'_> {
                         });
                     }
                 }
-                "isolate" => {
+                FaultKind::Isolate => {
                     let named = r.errors.iter().filter(|e| culprits.iter().any(|c| cause_names(&e.cause, c))).count();
                     checks.push(Check {
                         what: format!(
@@ -1160,8 +1160,8 @@ impl Run<'_> {
                         },
                     });
                 }
-                "straggler" => checks.extend(straggler_checks(r, &events, sc)),
-                "join_storm" => {
+                FaultKind::Straggler => checks.extend(straggler_checks(r, &events, sc)),
+                FaultKind::JoinStorm => {
                     let joiners: Vec<&str> =
                         r.note.strip_prefix("joined: ").map(|n| n.split(',').collect()).unwrap_or_default();
                     let missing: Vec<&str> = joiners
@@ -1179,7 +1179,7 @@ impl Run<'_> {
                         },
                     });
                 }
-                "blackhole" | "partition" | "reset" => {
+                FaultKind::Blackhole | FaultKind::Partition | FaultKind::Reset => {
                     let named = r.errors.iter().filter(|e| culprits.iter().any(|c| cause_names(&e.cause, c))).count();
                     checks.push(Check {
                         what: format!(
@@ -1189,12 +1189,22 @@ impl Run<'_> {
                         ok: named == r.survivors.len() && !r.survivors.is_empty(),
                         detail: format!("{named} of {}; causes: {}", r.survivors.len(), causes(r)),
                     });
-                    if kind != "reset" {
+                    if r.kind != FaultKind::Reset {
                         checks.push(detection_check(r, kind, sc));
                     }
                     checks.push(next_step_check(r, kind));
                 }
-                _ => {}
+                // No per-fault check of their own: the quiet kinds get "no collective failed
+                // because of it" below, a graceful leave and the control-plane faults are
+                // judged by the run's invariants (no hang, no lost commit, the final
+                // parameters) and by the faults that follow them.
+                FaultKind::Term
+                | FaultKind::Slow
+                | FaultKind::Latency
+                | FaultKind::Bandwidth
+                | FaultKind::CoordinatorLeaderKill
+                | FaultKind::CoordinatorsDown
+                | FaultKind::EtcdRestart => {}
             }
         }
         checks.extend(self.segment_checks.iter().cloned());
@@ -1208,7 +1218,7 @@ impl Run<'_> {
                 .filter(|e| e.kind == "error" && e.t_ms() >= from && e.t_ms() <= to)
                 .map(|e| format!("{}: {}", e.worker, e.text("cause").unwrap_or("?")))
                 .collect();
-            let kind = records.iter().find(|r| r.index == index).map(|r| r.kind.clone()).unwrap_or_default();
+            let kind = records.iter().find(|r| r.index == index).map_or("?", |r| r.kind.name());
             checks.push(Check {
                 what: format!("fault {index} ({kind}): no collective failed because of it"),
                 ok: errs.is_empty(),
@@ -1365,7 +1375,7 @@ fn measure(records: &[FaultRecord], events: &[WorkerEvent]) -> Vec<FaultRecord> 
             r.revocation_ms = first.zip(last).map(|(a, b)| b - a);
         }
         r.errors = errors;
-        let kind = FaultKind::from_name(&r.kind);
+        let kind = Some(r.kind);
         if kind.is_some_and(|k| !k.quiet()) {
             if let Some(e) = events
                 .iter()
@@ -1828,7 +1838,7 @@ mod tests {
         };
         let record = |seen: StragglerSeen| FaultRecord {
             index: 1,
-            kind: "straggler".into(),
+            kind: FaultKind::Straggler,
             generation: 1,
             world: 3,
             step: 100,
@@ -1880,7 +1890,7 @@ mod tests {
     fn record(index: usize, kind: &str, generation: i64, at_ms: u64, survivors: &[&str]) -> FaultRecord {
         FaultRecord {
             index,
-            kind: kind.into(),
+            kind: FaultKind::from_name(kind).expect("a fault kind"),
             generation,
             at_ms,
             survivors: survivors.iter().map(|s| s.to_string()).collect(),

@@ -94,10 +94,16 @@ pub enum NetworkChoice {
 }
 
 /// The kinds of fault.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Hash, PartialOrd, Ord)]
+///
+/// Every place that treats kinds differently matches on this enum without a catch-all arm
+/// (the runner's injection, settling and per-fault checks), so a new kind does not compile
+/// until each of them says what it does with it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, Hash, PartialOrd, Ord)]
 #[serde(rename_all = "snake_case")]
 pub enum FaultKind {
-    /// SIGKILL of the target ranks (all at once).
+    /// SIGKILL of the target ranks (all at once). (The default only so that a
+    /// [`crate::report::FaultRecord`] can be built field by field.)
+    #[default]
     Kill,
     /// SIGSTOP of the target ranks, SIGCONT after `duration` (a hung rank that comes back).
     Stop,

@@ -108,7 +108,7 @@ pub async fn soak(
         o.seed = Some(seed + reports.len() as u64);
         o.log_dir = opts.log_dir.as_ref().map(|d| d.join(format!("{}-{}", scenario.name, seed + reports.len() as u64)));
         let r = runner::run(scenario, &o).await;
-        kills += r.faults.iter().filter(|f| f.kind == "kill").count();
+        kills += r.faults.iter().filter(|f| f.kind == crate::scenario::FaultKind::Kill).count();
         println!(
             "soak run {} (seed {}): {} in {:.1} s, {} faults, {kills} kills so far, {:.0} s elapsed{}",
             reports.len() + 1,
