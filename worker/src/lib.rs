@@ -19,7 +19,6 @@ pub mod exact;
 pub mod metrics;
 pub mod reduce;
 pub mod topology;
-pub mod train;
 pub mod trajectory;
 
 pub use algo::Algorithm;

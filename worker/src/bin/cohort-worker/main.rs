@@ -1,16 +1,18 @@
 //! `cohort-worker`: the elastic training worker (`train`) and the allreduce benchmark
 //! (`bench`, which spawns one `bench-rank` process per rank).
 
+mod train;
+
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use cohort::bench::{self, BenchConfig};
 use cohort::control::ControlConfig;
 use cohort::elastic::ElasticConfig;
-use cohort::train::{self, TrainConfig, TrainError, TrainSummary};
 use cohort::Algorithm;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
+use train::{TrainConfig, TrainError, TrainSummary};
 
 #[derive(Parser)]
 #[command(name = "cohort-worker", version, about = "cohort worker: elastic training loop and allreduce benchmark")]

@@ -1,7 +1,7 @@
 //! `cohort-worker train`: a synthetic data-parallel training loop on the elastic runtime.
 //!
 //! Each step allreduces a deterministic, integer-valued gradient (so sums are exact) whose sum
-//! depends on the parameters and the step ([`crate::trajectory`]), checks every element
+//! depends on the parameters and the step ([`cohort::trajectory`]), checks every element
 //! against that target, adds it to the parameters, checks the parameters against the ones
 //! every worker expects after that many steps, commits, and agrees with the other ranks (one
 //! tiny allreduce) whether to re-form at this commit point (joiners waiting, or a member
@@ -18,10 +18,10 @@
 //! `params_digest` (SHA-256 of the final parameters' bytes) and `expected_digest` (of the
 //! parameters expected after that many steps).
 
-use crate::elastic::{Checkpoint, ElasticConfig, ElasticError, ElasticGroup, Generation, SyncError};
-use crate::exact::ExactElement;
-use crate::trajectory::{params_digest, StepMismatch, Trajectory};
-use crate::{CommError, ReduceOp};
+use cohort::elastic::{Checkpoint, ElasticConfig, ElasticError, ElasticGroup, Generation, SyncError};
+use cohort::exact::ExactElement;
+use cohort::trajectory::{params_digest, StepMismatch, Trajectory};
+use cohort::{CommError, ReduceOp};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use tokio::sync::watch;
@@ -29,39 +29,39 @@ use tracing::{info_span, Instrument};
 
 /// Settings of the synthetic loop.
 #[derive(Clone, Debug)]
-pub struct TrainConfig {
+pub(crate) struct TrainConfig {
     /// Steps to run in all (the job's total, shared by every member).
-    pub steps: u64,
+    pub(crate) steps: u64,
     /// Gradient size in bytes.
-    pub size_bytes: usize,
+    pub(crate) size_bytes: usize,
     /// Pause between steps (0 = none), to make long demos readable.
-    pub step_interval: Duration,
+    pub(crate) step_interval: Duration,
     /// CPU time each step burns before its allreduce (0 = none): a fixed amount of work,
     /// which takes longer in wall time on a slowed CPU.
-    pub compute: Duration,
+    pub(crate) compute: Duration,
 }
 
 /// What the loop did, printed at the end.
 #[derive(Clone, Debug, Default)]
-pub struct TrainSummary {
+pub(crate) struct TrainSummary {
     /// Steps this worker ran and verified.
-    pub verified_steps: u64,
+    pub(crate) verified_steps: u64,
     /// The last committed step.
-    pub final_step: u64,
+    pub(crate) final_step: u64,
     /// Re-formations after failures, with the time lost to each (error to next verified step).
-    pub failures: Vec<Duration>,
+    pub(crate) failures: Vec<Duration>,
     /// Cooperative re-formations (scale-up, leaves).
-    pub cooperative_reforms: u64,
+    pub(crate) cooperative_reforms: u64,
     /// Whether this worker left early (SIGTERM).
-    pub left: bool,
+    pub(crate) left: bool,
     /// SHA-256 (hex) of the parameters at the end (`None`: never a member).
-    pub params_digest: Option<String>,
+    pub(crate) params_digest: Option<String>,
     /// SHA-256 (hex) of the parameters expected after `final_step` steps.
-    pub expected_digest: Option<String>,
+    pub(crate) expected_digest: Option<String>,
 }
 
 /// Milliseconds since the Unix epoch.
-pub fn now_ms() -> u64 {
+pub(crate) fn now_ms() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
 }
 
@@ -76,16 +76,16 @@ fn kind_of(e: &CommError) -> &'static str {
 }
 
 /// Quotes a value for a `key=value` line (inner double quotes become single quotes).
-pub fn q(s: &str) -> String {
+pub(crate) fn q(s: &str) -> String {
     format!("\"{}\"", s.replace('\\', "\\\\").replace('"', "'"))
 }
 
-/// The parameters as an [`crate::elastic::ElasticState`].
+/// The parameters as an [`cohort::elastic::ElasticState`].
 struct Params<E>(Vec<E>);
 
-impl<E: ExactElement> crate::elastic::ElasticState for Params<E> {
+impl<E: ExactElement> cohort::elastic::ElasticState for Params<E> {
     fn save(&self, out: &mut Vec<u8>) {
-        out.extend_from_slice(crate::dtype::as_bytes(&self.0));
+        out.extend_from_slice(cohort::dtype::as_bytes(&self.0));
     }
     fn load(&mut self, snapshot: &[u8]) -> Result<(), String> {
         let width = std::mem::size_of::<E>();
@@ -97,7 +97,7 @@ impl<E: ExactElement> crate::elastic::ElasticState for Params<E> {
                 width
             ));
         }
-        crate::dtype::as_bytes_mut(&mut self.0).copy_from_slice(snapshot);
+        cohort::dtype::as_bytes_mut(&mut self.0).copy_from_slice(snapshot);
         Ok(())
     }
 }
@@ -107,7 +107,7 @@ impl<E: ExactElement> crate::elastic::ElasticState for Params<E> {
 ///
 /// # Cancel safety
 /// Not cancel safe: dropping it abandons the membership (the lease expires).
-pub async fn run<E: ExactElement>(
+pub(crate) async fn run<E: ExactElement>(
     config: ElasticConfig,
     train: TrainConfig,
     mut leaving: watch::Receiver<bool>,
@@ -162,8 +162,8 @@ pub async fn run<E: ExactElement>(
             generation.transport,
             now_ms()
         );
-        crate::metrics::GENERATION.store(g, Ordering::Relaxed);
-        crate::metrics::WORLD_SIZE.store(world as u64, Ordering::Relaxed);
+        cohort::metrics::GENERATION.store(g, Ordering::Relaxed);
+        cohort::metrics::WORLD_SIZE.store(world as u64, Ordering::Relaxed);
 
         // Every member (joiners included) takes the newest commit.
         group.set_progress(g, checkpoint.step().unwrap_or(0), "sync");
@@ -243,13 +243,13 @@ pub async fn run<E: ExactElement>(
             step += 1;
             checkpoint.commit(&params, step);
             summary.verified_steps += 1;
-            crate::metrics::STEPS_VERIFIED.fetch_add(1, Ordering::Relaxed);
+            cohort::metrics::STEPS_VERIFIED.fetch_add(1, Ordering::Relaxed);
             let elapsed = started.elapsed();
             let mut collective = elapsed;
             if let Some(t) = failed_at.take() {
                 summary.failures.push(t.elapsed());
-                crate::metrics::FAILURES.fetch_add(1, Ordering::Relaxed);
-                crate::metrics::LOST_MS.fetch_add(t.elapsed().as_millis() as u64, Ordering::Relaxed);
+                cohort::metrics::FAILURES.fetch_add(1, Ordering::Relaxed);
+                cohort::metrics::LOST_MS.fetch_add(t.elapsed().as_millis() as u64, Ordering::Relaxed);
                 println!(
                     "event=recovered gen={g} rank={rank} step={step} lost_ms={} t_ms={}",
                     t.elapsed().as_millis(),
@@ -315,7 +315,7 @@ pub async fn run<E: ExactElement>(
                 // out the cool-down (the coordinator refuses the join until it ends).
                 println!("event=straggler_leave gen={g} rank={rank} step={step} reason={} t_ms={}", q(why), now_ms());
                 summary.cooperative_reforms += 1;
-                crate::metrics::REFORMATIONS.fetch_add(1, Ordering::Relaxed);
+                cohort::metrics::REFORMATIONS.fetch_add(1, Ordering::Relaxed);
                 drop(generation);
                 group.leave(false).await?;
                 println!("event=joining worker={worker} t_ms={}", now_ms());
@@ -344,7 +344,7 @@ pub async fn run<E: ExactElement>(
                 let why = if flags[1] != 0 { "leave" } else { "scale_up" };
                 println!("event=reform gen={g} rank={rank} step={step} reason={why} t_ms={}", now_ms());
                 summary.cooperative_reforms += 1;
-                crate::metrics::REFORMATIONS.fetch_add(1, Ordering::Relaxed);
+                cohort::metrics::REFORMATIONS.fetch_add(1, Ordering::Relaxed);
                 continue 'generations;
             }
             if !train.step_interval.is_zero() {
@@ -403,14 +403,14 @@ fn report_deadlines(
     deadlines: &[(u32, cohort_transports::DeadlineInForce)],
     group: &ElasticGroup,
 ) {
-    crate::metrics::set_deadlines(deadlines);
+    cohort::metrics::set_deadlines(deadlines);
     let peers = deadline_summary(deadlines);
     group.set_deadlines(&deadline_brief(deadlines));
     println!("event=deadlines gen={g} rank={rank} step={step} peers={peers} t_ms={}", now_ms());
 }
 
 /// `PEER:MS:BASIS` per link, comma separated (`1:250:floor,2:250:floor`).
-pub fn deadline_summary(deadlines: &[(u32, cohort_transports::DeadlineInForce)]) -> String {
+pub(crate) fn deadline_summary(deadlines: &[(u32, cohort_transports::DeadlineInForce)]) -> String {
     let parts: Vec<String> =
         deadlines.iter().map(|(p, d)| format!("{p}:{}:{}", d.value.as_millis(), d.basis.name())).collect();
     parts.join(",")
@@ -418,7 +418,7 @@ pub fn deadline_summary(deadlines: &[(u32, cohort_transports::DeadlineInForce)])
 
 /// The deadlines in force in brief, for `status`: `250 ms floor` when every link agrees,
 /// else the range and the reasons (`250-480 ms floor/learned`); empty with no links.
-pub fn deadline_brief(deadlines: &[(u32, cohort_transports::DeadlineInForce)]) -> String {
+pub(crate) fn deadline_brief(deadlines: &[(u32, cohort_transports::DeadlineInForce)]) -> String {
     let Some(lo) = deadlines.iter().map(|(_, d)| d.value).min() else { return String::new() };
     let hi = deadlines.iter().map(|(_, d)| d.value).max().unwrap_or(lo);
     let mut bases: Vec<&str> = deadlines.iter().map(|(_, d)| d.basis.name()).collect();
@@ -477,7 +477,7 @@ async fn sigterm(leaving: &mut watch::Receiver<bool>) {
 
 /// Why `train` stopped with a failure.
 #[derive(Debug, thiserror::Error)]
-pub enum TrainError {
+pub(crate) enum TrainError {
     /// An allreduce result differed from the expected sum: the one thing that must never happen.
     #[error("WRONG RESULT in generation {generation}, step {step}, element {index}")]
     WrongResult {
@@ -515,7 +515,7 @@ pub enum TrainError {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::elastic::ElasticState;
+    use cohort::elastic::ElasticState;
 
     #[test]
     fn deadlines_are_summed_up_per_link_and_in_brief() {
