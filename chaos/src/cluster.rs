@@ -1,7 +1,7 @@
 //! A local cluster of real processes: optional etcd, coordinator replicas, workers.
 
 use crate::binaries::Binaries;
-use crate::events::WorkerEvent;
+use crate::events::{EventKind, EventParseError, WorkerEvent};
 use crate::netns::NetLab;
 use crate::placement::Placement;
 use crate::process::{now_ms, LineHook, ManagedProcess, OutputLine};
@@ -333,7 +333,7 @@ impl Cluster {
                     } else if let Some(addr) = line.line.strip_prefix("cohort-coordinator listening on ") {
                         return Some(addr.trim().to_string());
                     }
-                } else if let Some(e) = WorkerEvent::parse(&line.name, &line.line, line.read_ms) {
+                } else if let Some(e) = event_of(&line) {
                     self.events.push(e);
                 }
             }
@@ -374,7 +374,11 @@ impl Cluster {
     /// The metrics endpoint (`HOST:PORT`) of worker `name`, from its `event=metrics` line,
     /// when the cluster serves metrics and the worker has started serving them.
     pub fn worker_metrics(&self, name: &str) -> Option<&str> {
-        self.events.iter().rev().find(|e| e.worker == name && e.kind == "metrics").and_then(|e| e.text("address"))
+        self.events
+            .iter()
+            .rev()
+            .find(|e| e.worker == name && e.kind == EventKind::Metrics)
+            .and_then(|e| e.text("address"))
     }
 
     /// Number of coordinator replicas (running or not).
@@ -693,7 +697,7 @@ impl Cluster {
         let deadline = tokio::time::Instant::now() + timeout;
         loop {
             let line = tokio::time::timeout_at(deadline, self.lines_rx.recv()).await.ok()??;
-            if let Some(e) = WorkerEvent::parse(&line.name, &line.line, line.read_ms) {
+            if let Some(e) = event_of(&line) {
                 self.events.push(e.clone());
                 return Some(e);
             }
@@ -755,7 +759,7 @@ impl Cluster {
             w.drained(Duration::from_secs(2)).await;
         }
         while let Ok(line) = self.lines_rx.try_recv() {
-            if let Some(e) = WorkerEvent::parse(&line.name, &line.line, line.read_ms) {
+            if let Some(e) = event_of(&line) {
                 self.events.push(e);
             }
         }
@@ -769,6 +773,21 @@ fn bound_address(line: &str) -> Option<std::net::SocketAddr> {
         return None;
     }
     line.split_whitespace().find_map(|kv| kv.strip_prefix("listen=")).and_then(|a| a.parse().ok())
+}
+
+/// The worker event on an output line, if it is one. Other output (logs) is skipped; a line
+/// that claims to be an event but has an unknown kind or does not parse is logged as a warning,
+/// since the worker and the harness then disagree on the protocol.
+fn event_of(line: &OutputLine) -> Option<WorkerEvent> {
+    match WorkerEvent::parse(&line.name, &line.line, line.read_ms) {
+        Ok(e) => Some(e),
+        Err(EventParseError::NotAnEvent) => None,
+        Err(EventParseError::Malformed(_)) if !line.line.trim_start().starts_with("event=") => None,
+        Err(error) => {
+            tracing::warn!(worker = %line.name, line = %line.line, %error, "skipping an event line the harness cannot read");
+            None
+        }
+    }
 }
 
 #[cfg(test)]

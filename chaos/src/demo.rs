@@ -6,7 +6,7 @@
 //! survivor's error named the root cause, and that no committed step was lost.
 
 use crate::cluster::{Cluster, ClusterConfig, ClusterError, JobSettings, StoreKind, WorkerSpec};
-use crate::events::WorkerEvent;
+use crate::events::{EventKind, WorkerEvent};
 use crate::process::now_ms;
 use std::time::Duration;
 
@@ -99,7 +99,7 @@ pub async fn run(config: DemoConfig) -> Result<Vec<Check>, ClusterError> {
     // Generation 1 with every worker.
     let formed = cluster
         .wait_for("generation 1", Duration::from_secs(60), |e| {
-            e.kind == "generation" && e.int("world") == Some(config.workers as i64)
+            e.kind == EventKind::Generation && e.int("world") == Some(config.workers as i64)
         })
         .await?;
     let g1 = formed.int("gen").unwrap_or(1);
@@ -108,12 +108,14 @@ pub async fn run(config: DemoConfig) -> Result<Vec<Check>, ClusterError> {
     // Let it train a while, then kill a rank in the middle of an allreduce.
     let victim = format!("w{}", config.workers / 2);
     let warm = cluster
-        .wait_for("10 steps", Duration::from_secs(60), |e| e.kind == "step" && e.int("step").unwrap_or(0) >= 10)
+        .wait_for("10 steps", Duration::from_secs(60), |e| {
+            e.kind == EventKind::Step && e.int("step").unwrap_or(0) >= 10
+        })
         .await?;
     tl.say(warm.t_ms(), "10 steps verified");
     let started = cluster
         .wait_for("an allreduce of the victim", Duration::from_secs(30), |e| {
-            e.kind == "allreduce" && e.worker == victim
+            e.kind == EventKind::Allreduce && e.worker == victim
         })
         .await?;
     let kill_ms = cluster.signal_worker(&victim, libc::SIGKILL).unwrap_or_else(now_ms);
@@ -135,8 +137,8 @@ pub async fn run(config: DemoConfig) -> Result<Vec<Check>, ClusterError> {
                 after: deadline,
             });
         };
-        match e.kind.as_str() {
-            "error" if survivors.contains(&e.worker) && !errors.iter().any(|x| x.worker == e.worker) => {
+        match e.kind {
+            EventKind::Error if survivors.contains(&e.worker) && !errors.iter().any(|x| x.worker == e.worker) => {
                 tl.say(
                     e.t_ms(),
                     format!(
@@ -149,7 +151,7 @@ pub async fn run(config: DemoConfig) -> Result<Vec<Check>, ClusterError> {
                 );
                 errors.push(e);
             }
-            "generation" if g2.is_none() && e.int("gen").unwrap_or(0) > g1 => {
+            EventKind::Generation if g2.is_none() && e.int("gen").unwrap_or(0) > g1 => {
                 tl.say(
                     e.t_ms(),
                     format!(
@@ -161,7 +163,7 @@ pub async fn run(config: DemoConfig) -> Result<Vec<Check>, ClusterError> {
                 );
                 g2 = Some(e);
             }
-            "recovered" => {
+            EventKind::Recovered => {
                 tl.say(
                     e.t_ms(),
                     format!(
@@ -180,14 +182,18 @@ pub async fn run(config: DemoConfig) -> Result<Vec<Check>, ClusterError> {
     // Scale up: a new worker joins at a commit point.
     let progress = cluster
         .wait_for("10 more steps", Duration::from_secs(60), |e| {
-            e.kind == "step" && e.int("gen") == Some(g2_number) && e.int("step").unwrap_or(0) >= victim_step + 10
+            e.kind == EventKind::Step
+                && e.int("gen") == Some(g2_number)
+                && e.int("step").unwrap_or(0) >= victim_step + 10
         })
         .await?;
     let joiner = format!("w{}", config.workers);
     cluster.spawn_worker(&joiner, &spec)?;
     tl.say(progress.t_ms(), format!("started {joiner}: it waits; the members re-form at their next commit point"));
     let joined = cluster
-        .wait_for("the joiner's generation", Duration::from_secs(60), |e| e.kind == "generation" && e.worker == joiner)
+        .wait_for("the joiner's generation", Duration::from_secs(60), |e| {
+            e.kind == EventKind::Generation && e.worker == joiner
+        })
         .await?;
     tl.say(
         joined.t_ms(),
@@ -198,7 +204,9 @@ pub async fn run(config: DemoConfig) -> Result<Vec<Check>, ClusterError> {
         ),
     );
     let restored = cluster
-        .wait_for("the joiner's state sync", Duration::from_secs(30), |e| e.kind == "restored" && e.worker == joiner)
+        .wait_for("the joiner's state sync", Duration::from_secs(30), |e| {
+            e.kind == EventKind::Restored && e.worker == joiner
+        })
         .await?;
     tl.say(
         restored.t_ms(),
@@ -212,7 +220,7 @@ pub async fn run(config: DemoConfig) -> Result<Vec<Check>, ClusterError> {
     tl.say(now_ms(), "training to the end ...");
     let codes = cluster.wait_workers(Duration::from_secs(180)).await;
     let events = &cluster.events;
-    for e in events.iter().filter(|e| e.kind == "summary") {
+    for e in events.iter().filter(|e| e.kind == EventKind::Summary) {
         tl.say(
             e.t_ms(),
             format!(
@@ -227,7 +235,7 @@ pub async fn run(config: DemoConfig) -> Result<Vec<Check>, ClusterError> {
     }
 
     let mut checks = Vec::new();
-    let wrong: Vec<_> = events.iter().filter(|e| e.kind == "wrong_result").collect();
+    let wrong: Vec<_> = events.iter().filter(|e| e.kind == EventKind::WrongResult).collect();
     checks.push(Check {
         what: "no wrong result was ever accepted".into(),
         ok: wrong.is_empty(),
@@ -265,8 +273,11 @@ pub async fn run(config: DemoConfig) -> Result<Vec<Check>, ClusterError> {
     let mut detail = String::new();
     for (name, code) in &codes {
         let expect_ok = *name != victim;
-        let final_step =
-            events.iter().rev().find(|e| e.worker == *name && e.kind == "summary").and_then(|e| e.int("final_step"));
+        let final_step = events
+            .iter()
+            .rev()
+            .find(|e| e.worker == *name && e.kind == EventKind::Summary)
+            .and_then(|e| e.int("final_step"));
         if expect_ok && (*code != Some(0) || final_step != Some(config.steps as i64)) {
             finished_ok = false;
         }

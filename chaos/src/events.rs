@@ -1,44 +1,36 @@
-//! Parsing of the `key=value` event lines that `cohort-worker train` prints.
+//! The harness's view of the event lines that `cohort-worker train` prints: each line is parsed
+//! through the shared protocol type [`cohort::events::EventLine`], so the worker's printer and
+//! this parser agree on every kind name, and a comparison such as
+//! `e.kind == EventKind::Step` is checked by the compiler.
+//!
+//! A line whose `event=` value names no [`EventKind`] (a worker program speaking another
+//! protocol) is rejected with [`EventParseError::UnknownKind`]; the cluster logs it as a
+//! warning instead of recording it.
 
 use std::collections::BTreeMap;
+
+use cohort::events::EventLine;
+pub use cohort::events::{EventKind, EventParseError};
 
 /// One event line of a worker.
 #[derive(Clone, Debug, PartialEq)]
 pub struct WorkerEvent {
     /// Which process printed it.
     pub worker: String,
-    /// `event=` value: joined, generation, restored, allreduce, step, error, recovered,
-    /// reform, leave, finished, summary, wrong_result, fatal, sigterm, job_ended, metrics, joining.
-    pub kind: String,
-    /// Every other field.
+    /// The `event=` value.
+    pub kind: EventKind,
+    /// Every other field, unquoted.
     pub fields: BTreeMap<String, String>,
     /// When the harness read the line (ms since the Unix epoch).
     pub read_ms: u64,
 }
 
 impl WorkerEvent {
-    /// Parses a line; `None` if it is not an event line.
-    pub fn parse(worker: &str, line: &str, read_ms: u64) -> Option<Self> {
-        let mut fields = BTreeMap::new();
-        let mut rest = line.trim();
-        while !rest.is_empty() {
-            let eq = rest.find('=')?;
-            let key = rest[..eq].to_string();
-            rest = &rest[eq + 1..];
-            let value;
-            if let Some(stripped) = rest.strip_prefix('"') {
-                let end = stripped.find('"')?;
-                value = stripped[..end].to_string();
-                rest = stripped[end + 1..].trim_start();
-            } else {
-                let end = rest.find(' ').unwrap_or(rest.len());
-                value = rest[..end].to_string();
-                rest = rest[end..].trim_start();
-            }
-            fields.insert(key, value);
-        }
-        let kind = fields.remove("event")?;
-        Some(Self { worker: worker.to_string(), kind, fields, read_ms })
+    /// Parses a line; an error if it is not an event line of a known kind.
+    pub fn parse(worker: &str, line: &str, read_ms: u64) -> Result<Self, EventParseError> {
+        let line: EventLine = line.parse()?;
+        let fields = line.fields().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        Ok(Self { worker: worker.to_string(), kind: line.kind(), fields, read_ms })
     }
 
     /// A field parsed as an integer.
@@ -69,11 +61,15 @@ mod tests {
             5,
         )
         .unwrap();
-        assert_eq!(e.kind, "error");
+        assert_eq!(e.kind, EventKind::Error);
         assert_eq!(e.int("gen"), Some(3));
         assert_eq!(e.text("cause"), Some("rank 2 (worker w2 on h): peer closed"));
         assert_eq!(e.t_ms(), 17);
-        assert!(WorkerEvent::parse("w1", "not an event", 0).is_none());
-        assert!(WorkerEvent::parse("w1", "gen=3 rank=1", 0).is_none());
+        assert!(WorkerEvent::parse("w1", "not an event", 0).is_err());
+        assert_eq!(WorkerEvent::parse("w1", "gen=3 rank=1", 0), Err(EventParseError::NotAnEvent));
+        assert_eq!(
+            WorkerEvent::parse("w1", "event=teleported t_ms=1", 0),
+            Err(EventParseError::UnknownKind("teleported".into()))
+        );
     }
 }

@@ -1,14 +1,14 @@
 //! Invariants checked on every chaos run, from the workers' own event records.
 
 use crate::demo::Check;
-use crate::events::WorkerEvent;
+use crate::events::{EventKind, WorkerEvent};
 use std::collections::{BTreeMap, BTreeSet};
 
 /// No worker ever saw a generation number go down.
 pub fn generations_increase(events: &[WorkerEvent]) -> Check {
     let mut last: BTreeMap<&str, i64> = BTreeMap::new();
     let mut violations = Vec::new();
-    for e in events.iter().filter(|e| e.kind == "generation") {
+    for e in events.iter().filter(|e| e.kind == EventKind::Generation) {
         let g = e.int("gen").unwrap_or(0);
         if let Some(prev) = last.insert(&e.worker, g) {
             if g <= prev {
@@ -28,11 +28,11 @@ pub fn commits_never_lost(events: &[WorkerEvent]) -> Check {
     let mut committed: BTreeMap<&str, i64> = BTreeMap::new();
     let mut violations = Vec::new();
     for e in events {
-        match e.kind.as_str() {
-            "step" => {
+        match e.kind {
+            EventKind::Step => {
                 committed.insert(&e.worker, e.int("step").unwrap_or(0));
             }
-            "restored" => {
+            EventKind::Restored => {
                 let restored = e.int("step").unwrap_or(-1);
                 if let Some(&c) = committed.get(e.worker.as_str()) {
                     if restored < c {
@@ -59,7 +59,7 @@ pub fn transport_by_host(events: &[WorkerEvent], hosts: &BTreeMap<String, String
     // Generation -> (world, [(worker, transport)]).
     type Members<'a> = (i64, Vec<(&'a str, &'a str)>);
     let mut by_gen: BTreeMap<i64, Members<'_>> = BTreeMap::new();
-    for e in events.iter().filter(|e| e.kind == "generation") {
+    for e in events.iter().filter(|e| e.kind == EventKind::Generation) {
         let entry = by_gen.entry(e.int("gen").unwrap_or(0)).or_insert((e.int("world").unwrap_or(0), Vec::new()));
         entry.1.push((e.worker.as_str(), e.text("transport").unwrap_or("?")));
     }
@@ -104,7 +104,7 @@ pub fn transport_by_host(events: &[WorkerEvent], hosts: &BTreeMap<String, String
 pub fn no_wrong_results(events: &[WorkerEvent]) -> Check {
     let wrong: Vec<String> = events
         .iter()
-        .filter(|e| e.kind == "wrong_result")
+        .filter(|e| e.kind == EventKind::WrongResult)
         .map(|e| format!("{} step {:?}", e.worker, e.int("step")))
         .collect();
     Check {
@@ -127,7 +127,7 @@ pub fn no_hang(events: &[WorkerEvent], signalled: &BTreeMap<String, Vec<u64>>, b
     let mut longest = 0u64;
     for (w, evs) in &by_worker {
         for (i, e) in evs.iter().enumerate() {
-            if e.kind != "allreduce" {
+            if e.kind != EventKind::Allreduce {
                 continue;
             }
             let start = e.t_ms();
@@ -162,7 +162,7 @@ pub fn errors_typed(events: &[WorkerEvent]) -> Check {
     const TYPED: [&str; 4] = ["PeerFailed", "Timeout", "Revoked", "Transport"];
     let mut bad = Vec::new();
     let mut n = 0;
-    for e in events.iter().filter(|e| e.kind == "error") {
+    for e in events.iter().filter(|e| e.kind == EventKind::Error) {
         n += 1;
         let kind = e.text("kind").unwrap_or("");
         let cause = e.text("cause").unwrap_or("");
@@ -202,7 +202,7 @@ pub enum ExpectedParams<'a> {
 pub fn final_params(events: &[WorkerEvent], expected: ExpectedParams<'_>) -> Check {
     let mut bad: Vec<String> = events
         .iter()
-        .filter(|e| e.kind == "wrong_params")
+        .filter(|e| e.kind == EventKind::WrongParams)
         .map(|e| {
             format!(
                 "{} wrong parameters after {} at step {:?}, element {:?}",
@@ -213,7 +213,7 @@ pub fn final_params(events: &[WorkerEvent], expected: ExpectedParams<'_>) -> Che
             )
         })
         .collect();
-    let finished: Vec<&WorkerEvent> = events.iter().filter(|e| e.kind == "finished").collect();
+    let finished: Vec<&WorkerEvent> = events.iter().filter(|e| e.kind == EventKind::Finished).collect();
     let what = "the final parameters are the expected ones on every worker that finished".to_string();
     let reporting = finished.iter().filter(|e| e.text("params_digest").is_some()).count();
     if expected == ExpectedParams::Reported && reporting == 0 && bad.is_empty() {

@@ -5,7 +5,7 @@
 //! real etcd that the launcher starts on a free loopback port.
 
 use cohort_chaos::cluster::{ClusterConfig, JobSettings, StoreKind, WorkerSpec};
-use cohort_chaos::events::WorkerEvent;
+use cohort_chaos::events::{EventKind, WorkerEvent};
 use std::time::Duration;
 
 /// A cluster configuration with short timers for tests.
@@ -43,7 +43,11 @@ pub fn test_worker(steps: u64, size: &str) -> WorkerSpec {
 }
 
 /// The events of `worker` of kind `kind`.
-pub fn of<'a>(events: &'a [WorkerEvent], worker: &'a str, kind: &'a str) -> impl Iterator<Item = &'a WorkerEvent> + 'a {
+pub fn of<'a>(
+    events: &'a [WorkerEvent],
+    worker: &'a str,
+    kind: EventKind,
+) -> impl Iterator<Item = &'a WorkerEvent> + 'a {
     events.iter().filter(move |e| e.worker == worker && e.kind == kind)
 }
 

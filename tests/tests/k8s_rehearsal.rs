@@ -32,7 +32,7 @@
 
 use cohort_chaos::binaries::Binaries;
 use cohort_chaos::cluster::{Cluster, ClusterConfig, JobSettings, StoreKind, WorkerSpec};
-use cohort_chaos::events::WorkerEvent;
+use cohort_chaos::events::{EventKind, WorkerEvent};
 use cohort_chaos::invariants;
 use cohort_chaos::metrics::{scrape, Samples};
 use cohort_chaos::process::now_ms;
@@ -113,7 +113,7 @@ impl StatefulSet {
         for p in &leaving {
             cluster.signal_worker(p, libc::SIGTERM).expect("SIGTERM a pod");
         }
-        let exited = |e: &WorkerEvent| e.kind == "summary" || e.kind == "fatal";
+        let exited = |e: &WorkerEvent| e.kind == EventKind::Summary || e.kind == EventKind::Fatal;
         let mut pending: BTreeSet<String> = leaving.iter().cloned().collect();
         for e in &cluster.events[seen_before..] {
             if exited(e) {
@@ -206,13 +206,13 @@ fn replica_index(cluster: &Cluster, leader: &str) -> usize {
 
 /// Highest step any worker has reported so far.
 fn max_step(events: &[WorkerEvent]) -> i64 {
-    events.iter().filter(|e| e.kind == "step").filter_map(|e| e.int("step")).max().unwrap_or(0)
+    events.iter().filter(|e| e.kind == EventKind::Step).filter_map(|e| e.int("step")).max().unwrap_or(0)
 }
 
 /// Waits until every worker in `pods` has reported `n` steps in a generation of `world`
 /// members, counting only steps taken at or after `since_ms` (ms since the epoch).
 async fn wait_steps(cluster: &mut Cluster, pods: &[String], world: i64, since_ms: u64, n: usize, what: &str) {
-    let counts = |e: &WorkerEvent| e.kind == "step" && e.int("world") == Some(world) && e.t_ms() >= since_ms;
+    let counts = |e: &WorkerEvent| e.kind == EventKind::Step && e.int("world") == Some(world) && e.t_ms() >= since_ms;
     let mut seen: BTreeMap<String, usize> = pods.iter().map(|p| (p.clone(), 0)).collect();
     for e in &cluster.events {
         if counts(e) {
@@ -393,7 +393,8 @@ async fn rehearsal(kind: Pods) {
     sts.scale_up(&mut cluster, 6);
     wait_steps(&mut cluster, &all, 6, 0, 5, "6 pods to step together").await;
     for p in &all[4..] {
-        let restored = of(&cluster.events, p, "restored").next().map(|e| e.int("step").unwrap_or(-1)).unwrap_or(-1);
+        let restored =
+            of(&cluster.events, p, EventKind::Restored).next().map(|e| e.int("step").unwrap_or(-1)).unwrap_or(-1);
         check(
             restored >= before_join,
             &format!("joiner {p} restored step {restored}, not the committed state"),
@@ -488,14 +489,14 @@ async fn rehearsal(kind: Pods) {
         // (its leave and summary below show it).
         if kind == Pods::Rust {
             check(
-                of(events, &t.pod, "sigterm").next().is_some(),
+                of(events, &t.pod, EventKind::Sigterm).next().is_some(),
                 &format!("{} did not see its SIGTERM", t.pod),
                 events,
             );
         }
-        let finished_first = of(events, &t.pod, "finished").next().is_some();
+        let finished_first = of(events, &t.pod, EventKind::Finished).next().is_some();
         check(
-            of(events, &t.pod, "leave").next().is_some(),
+            of(events, &t.pod, EventKind::Leave).next().is_some(),
             &format!(
                 "{} did not leave gracefully{}",
                 t.pod,
@@ -503,7 +504,7 @@ async fn rehearsal(kind: Pods) {
             ),
             events,
         );
-        let summary = of(events, &t.pod, "summary").last();
+        let summary = of(events, &t.pod, EventKind::Summary).last();
         check(
             summary.and_then(|s| s.text("left")) == Some("true"),
             &format!("{} has no summary with left=true", t.pod),
@@ -511,14 +512,14 @@ async fn rehearsal(kind: Pods) {
         );
     }
     for p in &all[..3] {
-        let summary = of(events, p, "summary").last();
+        let summary = of(events, p, EventKind::Summary).last();
         check(
             summary.and_then(|s| s.int("final_step")) == Some(STEPS as i64),
             &format!("{p} did not finish all {STEPS} steps"),
             events,
         );
         check(
-            of(events, p, "generation").any(|e| e.int("world") == Some(3)),
+            of(events, p, EventKind::Generation).any(|e| e.int("world") == Some(3)),
             &format!("{p} never stepped in the generation of 3"),
             events,
         );
@@ -528,12 +529,12 @@ async fn rehearsal(kind: Pods) {
     }
     let errors: Vec<String> = events
         .iter()
-        .filter(|e| e.kind == "error" || e.kind == "fatal")
+        .filter(|e| e.kind == EventKind::Error || e.kind == EventKind::Fatal)
         .map(|e| format!("{} {:?}", e.worker, e.fields))
         .collect();
     check(errors.is_empty(), &format!("scaling and coordinator restarts must not cause failures: {errors:?}"), events);
     for p in &all {
-        let failures = of(events, p, "summary").last().and_then(|s| s.int("failures"));
+        let failures = of(events, p, EventKind::Summary).last().and_then(|s| s.int("failures"));
         check(failures == Some(0), &format!("{p} recorded failures: {failures:?}"), events);
     }
     for c in [

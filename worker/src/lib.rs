@@ -15,6 +15,7 @@ pub mod control;
 pub mod dtype;
 pub mod elastic;
 pub mod error;
+pub mod events;
 pub mod exact;
 pub mod metrics;
 pub mod reduce;

@@ -96,7 +96,7 @@ impl Run<'_> {
                         .iter()
                         .filter(|w| {
                             !events.iter().any(|e| {
-                                e.kind == "step" && e.worker == **w && e.int("gen").unwrap_or(0) > r.generation
+                                e.kind == EventKind::Step && e.worker == **w && e.int("gen").unwrap_or(0) > r.generation
                             })
                         })
                         .cloned()
@@ -118,7 +118,7 @@ impl Run<'_> {
                     let missing: Vec<&str> = joiners
                         .iter()
                         .copied()
-                        .filter(|w| !events.iter().any(|e| e.kind == "step" && e.worker == *w))
+                        .filter(|w| !events.iter().any(|e| e.kind == EventKind::Step && e.worker == *w))
                         .collect();
                     checks.push(Check {
                         what: format!("fault {} ({kind}): every joiner verified steps", r.index),
@@ -166,7 +166,7 @@ impl Run<'_> {
         for &(from, to, index) in &self.quiet {
             let errs: Vec<String> = events
                 .iter()
-                .filter(|e| e.kind == "error" && e.t_ms() >= from && e.t_ms() <= to)
+                .filter(|e| e.kind == EventKind::Error && e.t_ms() >= from && e.t_ms() <= to)
                 .map(|e| format!("{}: {}", e.worker, e.text("cause").unwrap_or("?")))
                 .collect();
             let kind = records.iter().find(|r| r.index == index).map_or("?", |r| r.kind.name());
@@ -184,8 +184,8 @@ impl Run<'_> {
                     if self.killed.contains(w) {
                         continue;
                     }
-                    let summary = events.iter().rev().find(|e| e.worker == *w && e.kind == "summary");
-                    let fatal = events.iter().rev().find(|e| e.worker == *w && e.kind == "fatal");
+                    let summary = events.iter().rev().find(|e| e.worker == *w && e.kind == EventKind::Summary);
+                    let fatal = events.iter().rev().find(|e| e.worker == *w && e.kind == EventKind::Fatal);
                     if self.leaving.contains(w) {
                         if *code != Some(0) || summary.and_then(|s| s.text("left")) != Some("true") {
                             bad.push(format!("{w} (SIGTERM) exit {code:?} without a graceful leave"));
@@ -221,7 +221,7 @@ impl Run<'_> {
                     let fatal = events
                         .iter()
                         .rev()
-                        .find(|e| e.worker == *w && e.kind == "fatal")
+                        .find(|e| e.worker == *w && e.kind == EventKind::Fatal)
                         .and_then(|f| f.text("error"))
                         .unwrap_or("");
                     if *code == Some(0) || !fatal.contains("min_workers") {
@@ -256,21 +256,21 @@ pub(super) fn struck_mid_allreduce(r: &FaultRecord, events: &[WorkerEvent]) -> b
     let gen = Some(r.generation);
     let Some(step) = events
         .iter()
-        .filter(|e| e.kind == "allreduce" && e.worker == target && e.int("gen") == gen && e.t_ms() <= at)
+        .filter(|e| e.kind == EventKind::Allreduce && e.worker == target && e.int("gen") == gen && e.t_ms() <= at)
         .filter_map(|e| e.int("step"))
         .max()
     else {
         return false;
     };
     let completed = events.iter().any(|e| {
-        e.kind == "step"
+        e.kind == EventKind::Step
             && e.worker == target
             && e.int("gen") == gen
             && e.int("step") == Some(step + 1)
             && e.t_ms() <= at
     });
     let in_flight_error = events.iter().any(|e| {
-        e.kind == "error"
+        e.kind == EventKind::Error
             && r.survivors.contains(&e.worker)
             && e.int("gen") == gen
             && e.int("step") == Some(step)
@@ -294,7 +294,10 @@ pub(super) fn measure(records: &[FaultRecord], events: &[WorkerEvent]) -> Vec<Fa
         let mut errors: Vec<ErrorSeen> = Vec::new();
         for w in &r.survivors {
             let seen = events.iter().find(|e| {
-                e.kind == "error" && e.worker == *w && e.int("gen") == Some(r.generation) && e.t_ms() as i64 >= at - 5
+                e.kind == EventKind::Error
+                    && e.worker == *w
+                    && e.int("gen") == Some(r.generation)
+                    && e.t_ms() as i64 >= at - 5
             });
             if let Some(e) = seen.filter(|e| (e.t_ms() as i64) < until) {
                 errors.push(ErrorSeen {
@@ -317,10 +320,9 @@ pub(super) fn measure(records: &[FaultRecord], events: &[WorkerEvent]) -> Vec<Fa
         r.errors = errors;
         let kind = Some(r.kind);
         if kind.is_some_and(|k| !k.quiet()) {
-            if let Some(e) = events
-                .iter()
-                .find(|e| e.kind == "step" && e.int("gen").unwrap_or(0) > r.generation && e.t_ms() as i64 >= at)
-            {
+            if let Some(e) = events.iter().find(|e| {
+                e.kind == EventKind::Step && e.int("gen").unwrap_or(0) > r.generation && e.t_ms() as i64 >= at
+            }) {
                 r.next_step_ms = Some(e.t_ms() as i64 - at);
                 r.next_generation = e.int("gen");
             }
@@ -332,7 +334,7 @@ pub(super) fn measure(records: &[FaultRecord], events: &[WorkerEvent]) -> Vec<Fa
         }
         if let Some(s) = r.straggler.as_mut() {
             let highest = |t: u64| {
-                events.iter().filter(|e| e.kind == "step" && e.t_ms() <= t).filter_map(|e| e.int("step")).max()
+                events.iter().filter(|e| e.kind == EventKind::Step && e.t_ms() <= t).filter_map(|e| e.int("step")).max()
             };
             s.named_after_steps = s.named_at_ms.and_then(highest).map(|n| n - r.step);
             // Before: up to 3 s of the fault-free job; during: while the straggler was a
@@ -390,7 +392,7 @@ pub(super) fn straggler_checks(r: &FaultRecord, events: &[WorkerEvent], sc: &Sce
     ];
     let errors: Vec<String> = events
         .iter()
-        .filter(|e| e.kind == "error" && e.t_ms() >= r.at_ms)
+        .filter(|e| e.kind == EventKind::Error && e.t_ms() >= r.at_ms)
         .map(|e| format!("{}: {} {}", e.worker, e.text("kind").unwrap_or("?"), e.text("cause").unwrap_or("?")))
         .collect();
     out.push(Check {
@@ -398,7 +400,7 @@ pub(super) fn straggler_checks(r: &FaultRecord, events: &[WorkerEvent], sc: &Sce
         ok: errors.is_empty(),
         detail: if errors.is_empty() { format!("{} duty cycles, none failed", s.cycles) } else { errors.join("; ") },
     });
-    let leaves: Vec<&WorkerEvent> = events.iter().filter(|e| e.kind == "straggler_leave").collect();
+    let leaves: Vec<&WorkerEvent> = events.iter().filter(|e| e.kind == EventKind::StragglerLeave).collect();
     if s.policy == "exclude" {
         out.push(Check {
             what: format!("fault {i} (straggler, exclude): the straggler left at a commit point"),
@@ -427,7 +429,7 @@ pub(super) fn straggler_checks(r: &FaultRecord, events: &[WorkerEvent], sc: &Sce
     } else {
         let shrank: Vec<i64> = events
             .iter()
-            .filter(|e| e.kind == "generation" && e.t_ms() >= r.at_ms && e.int("world").unwrap_or(0) < r.world)
+            .filter(|e| e.kind == EventKind::Generation && e.t_ms() >= r.at_ms && e.int("world").unwrap_or(0) < r.world)
             .filter_map(|e| e.int("gen"))
             .collect();
         out.push(Check {
@@ -443,7 +445,7 @@ pub(super) fn straggler_checks(r: &FaultRecord, events: &[WorkerEvent], sc: &Sce
 /// highest verified step at `to` less the highest at `from`, over the time between. The
 /// window starts no earlier than the job's first verified step; `None` if nothing is left.
 pub(super) fn step_rate(events: &[WorkerEvent], from: i64, to: i64) -> Option<f64> {
-    let steps = || events.iter().filter(|e| e.kind == "step");
+    let steps = || events.iter().filter(|e| e.kind == EventKind::Step);
     let first = steps().map(|e| e.t_ms() as i64).min()?;
     let from = from.max(first);
     if to <= from {
@@ -460,11 +462,11 @@ pub(super) fn absorbed(events: &[WorkerEvent], after: i64, joiners: &[&str]) -> 
         return None;
     }
     let mut members: BTreeMap<i64, BTreeSet<&str>> = BTreeMap::new();
-    for e in events.iter().filter(|e| e.kind == "generation") {
+    for e in events.iter().filter(|e| e.kind == EventKind::Generation) {
         members.entry(e.int("gen").unwrap_or(0)).or_default().insert(e.worker.as_str());
     }
     let full = members.iter().find(|(g, m)| **g > after && joiners.iter().all(|j| m.contains(j))).map(|(g, _)| *g)?;
-    events.iter().filter(|e| e.kind == "step" && e.int("gen") == Some(full)).map(WorkerEvent::t_ms).min()
+    events.iter().filter(|e| e.kind == EventKind::Step && e.int("gen") == Some(full)).map(WorkerEvent::t_ms).min()
 }
 
 /// Check: while the ranks of stop fault `r` were hung, the coordinator's `status` showed
@@ -494,7 +496,10 @@ pub(super) fn hung_rank_status_check(r: &FaultRecord, events: &[WorkerEvent], sc
         let printed = events
             .iter()
             .filter(|e| {
-                e.worker == *w && e.kind == "allreduce" && e.int("gen") == Some(r.generation) && e.t_ms() <= r.at_ms
+                e.worker == *w
+                    && e.kind == EventKind::Allreduce
+                    && e.int("gen") == Some(r.generation)
+                    && e.t_ms() <= r.at_ms
             })
             .filter_map(|e| e.int("step"))
             .max();

@@ -82,7 +82,7 @@ impl Run<'_> {
         let target_step = self.view.max_step + steps;
         if steps > 0 {
             self.pump(&format!("step {target_step} before fault {index}"), settle, |e, _| {
-                e.kind == "step" && e.int("step").unwrap_or(0) >= target_step
+                e.kind == EventKind::Step && e.int("step").unwrap_or(0) >= target_step
             })
             .await?;
         }
@@ -160,7 +160,7 @@ impl Run<'_> {
             let t0 = target_names[0].clone();
             let gen = g;
             self.pump(&format!("an allreduce of {t0}"), Duration::from_secs(20), |e, _| {
-                e.kind == "allreduce" && e.worker == t0 && e.int("gen") == Some(gen)
+                e.kind == EventKind::Allreduce && e.worker == t0 && e.int("gen") == Some(gen)
             })
             .await?;
             mid = true;
@@ -328,7 +328,7 @@ impl Run<'_> {
                     // latest at its duration (the timer set above).
                     let seen = self
                         .pump("an error after the link fault", sc.no_progress.0 * 3 + Duration::from_secs(5), |e, _| {
-                            e.kind == "error" && e.int("gen") == Some(gen)
+                            e.kind == EventKind::Error && e.int("gen") == Some(gen)
                         })
                         .await;
                     if let Some(pos) = self.timers.iter().position(|(_, a)| matches!(a, Action::Heal(_))) {
@@ -350,7 +350,7 @@ impl Run<'_> {
                     .map(|(t, _)| *t)
                     .max();
                 self.pump(&format!("the first verified step after fault {index}"), settle, |e, _| {
-                    e.kind == "step" && e.int("gen").unwrap_or(0) > gen
+                    e.kind == EventKind::Step && e.int("gen").unwrap_or(0) > gen
                 })
                 .await?;
                 if let Some(t) = cont_at {
@@ -359,7 +359,7 @@ impl Run<'_> {
                     let back: Vec<String> = target_names.clone();
                     let _ = self
                         .pump("the continued rank to react", Duration::from_secs(10) + sc.no_progress.0, |e, _| {
-                            back.contains(&e.worker) && e.kind != "allreduce"
+                            back.contains(&e.worker) && e.kind != EventKind::Allreduce
                         })
                         .await;
                 }
@@ -367,7 +367,7 @@ impl Run<'_> {
                     let names = self.spawn(target_names.len() as u32).await?;
                     let last = names.last().cloned().unwrap_or_default();
                     self.pump(&format!("replacement {last} to join"), settle, |e, _| {
-                        e.kind == "step" && e.worker == last
+                        e.kind == EventKind::Step && e.worker == last
                     })
                     .await?;
                 }
@@ -378,7 +378,7 @@ impl Run<'_> {
                 // (at the latest at their duration) and must find their way back in.
                 let recovered = self
                     .pump(&format!("the first verified step after fault {index}"), settle, |e, _| {
-                        e.kind == "step" && e.int("gen").unwrap_or(0) > gen
+                        e.kind == EventKind::Step && e.int("gen").unwrap_or(0) > gen
                     })
                     .await;
                 if let Some(pos) = self.timers.iter().position(|(_, a)| matches!(a, Action::Plug(_))) {
@@ -389,7 +389,7 @@ impl Run<'_> {
                 for w in &target_names {
                     let who = w.clone();
                     self.pump(&format!("{w} to rejoin after it was plugged back"), settle, |e, _| {
-                        e.kind == "step" && e.worker == who && e.int("gen").unwrap_or(0) > gen
+                        e.kind == EventKind::Step && e.worker == who && e.int("gen").unwrap_or(0) > gen
                     })
                     .await?;
                 }
@@ -398,7 +398,7 @@ impl Run<'_> {
             FaultKind::JoinStorm => {
                 let want = (world + f.count as i64).min(sc.max_workers as i64);
                 self.pump(&format!("a generation of {want} after the join storm"), settle, |e, _| {
-                    e.kind == "step" && e.int("world") == Some(want)
+                    e.kind == EventKind::Step && e.int("world") == Some(want)
                 })
                 .await?;
             }
@@ -411,7 +411,7 @@ impl Run<'_> {
                 }
                 let target = self.view.max_step + 3;
                 self.pump(&format!("3 steps after fault {index}"), settle, |e, _| {
-                    e.kind == "step" && e.int("step").unwrap_or(0) >= target
+                    e.kind == EventKind::Step && e.int("step").unwrap_or(0) >= target
                 })
                 .await?;
                 self.quiet.push((at_ms, now_ms(), index));
@@ -427,7 +427,7 @@ impl Run<'_> {
                 self.fire_due().await;
                 let target = self.view.max_step + 3;
                 self.pump(&format!("3 steps after fault {index}"), settle, |e, _| {
-                    e.kind == "step" && e.int("step").unwrap_or(0) >= target
+                    e.kind == EventKind::Step && e.int("step").unwrap_or(0) >= target
                 })
                 .await?;
                 if matches!(
@@ -457,7 +457,7 @@ impl Run<'_> {
         let policy = sc.straggler_policy.clone().unwrap_or_else(|| "report".into());
         let mut seen = StragglerSeen { policy: policy.clone(), target: target.to_string(), ..Default::default() };
         let who = target.to_string();
-        let is_leave = move |e: &WorkerEvent| e.kind == "straggler_leave" && e.worker == who;
+        let is_leave = move |e: &WorkerEvent| e.kind == EventKind::StragglerLeave && e.worker == who;
         while Instant::now() < until && seen.named.is_none() && seen.excluded_at_ms.is_none() {
             let leave = is_leave.clone();
             if let Ok(e) = self.pump("", Duration::from_millis(100), move |e, _| leave(e)).await {
@@ -492,7 +492,8 @@ impl Run<'_> {
         if let (None, Some(left)) = (&seen.named, seen.excluded_at_ms) {
             // It left before a poll of `status` caught the verdict (named and excluded within
             // one heartbeat): the leave carries the coordinator's verdict, named no later.
-            let event = self.cluster.events.iter().rev().find(|e| e.kind == "straggler_leave" && e.worker == target);
+            let event =
+                self.cluster.events.iter().rev().find(|e| e.kind == EventKind::StragglerLeave && e.worker == target);
             let reason = event.and_then(|e| e.text("reason")).unwrap_or("").to_string();
             seen.kind = reason.strip_prefix("straggler (").and_then(|r| r.split(' ').next()).unwrap_or("").to_string();
             seen.reason = reason;
@@ -506,7 +507,7 @@ impl Run<'_> {
             let who = target.to_string();
             if let Ok(e) = self
                 .pump(&format!("{target} to return after its cool-down"), cooldown + settle, |e, _| {
-                    e.kind == "step" && e.worker == who && e.int("gen").unwrap_or(0) > gen
+                    e.kind == EventKind::Step && e.worker == who && e.int("gen").unwrap_or(0) > gen
                 })
                 .await
             {

@@ -11,7 +11,7 @@ use crate::cluster::{
     Cluster, ClusterConfig, ClusterError, DataPlaneFlags, JobSettings, Network, StoreKind, WorkerSpec,
 };
 use crate::demo::Check;
-use crate::events::WorkerEvent;
+use crate::events::{EventKind, WorkerEvent};
 use crate::invariants;
 use crate::process::now_ms;
 use crate::proxy::LinkRule;
@@ -82,23 +82,23 @@ struct View {
     members: BTreeMap<i64, BTreeMap<i64, String>>,
     worlds: BTreeMap<i64, i64>,
     max_step: i64,
-    last: BTreeMap<String, String>,
+    last: BTreeMap<String, EventKind>,
 }
 
 impl View {
     fn see(&mut self, e: &WorkerEvent) {
-        match e.kind.as_str() {
-            "generation" => {
+        match e.kind {
+            EventKind::Generation => {
                 let g = e.int("gen").unwrap_or(0);
                 if let (Some(r), Some(w)) = (e.int("rank"), e.int("world")) {
                     self.members.entry(g).or_default().insert(r, e.worker.clone());
                     self.worlds.insert(g, w);
                 }
             }
-            "step" => self.max_step = self.max_step.max(e.int("step").unwrap_or(0)),
+            EventKind::Step => self.max_step = self.max_step.max(e.int("step").unwrap_or(0)),
             _ => {}
         }
-        self.last.insert(e.worker.clone(), e.kind.clone());
+        self.last.insert(e.worker.clone(), e.kind);
     }
 
     fn current(&self) -> i64 {
@@ -323,7 +323,7 @@ impl Run<'_> {
             .events
             .iter()
             .rev()
-            .find(|e| e.worker == worker && e.kind == "generation")
+            .find(|e| e.worker == worker && e.kind == EventKind::Generation)
             .and_then(|e| e.int("gen"))
     }
 
@@ -476,7 +476,7 @@ impl Run<'_> {
         self.say(format!("started {} workers", sc.workers));
         let n = sc.workers as i64;
         self.pump("the first generation with every worker", Duration::from_secs(60), |e, _| {
-            e.kind == "generation" && e.int("world") == Some(n)
+            e.kind == EventKind::Generation && e.int("world") == Some(n)
         })
         .await?;
         let mut index = 0;

@@ -7,6 +7,7 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use cohort::bench::{self, BenchConfig};
 use cohort::control::ControlConfig;
 use cohort::elastic::ElasticConfig;
+use cohort::events::{EventKind, EventLine};
 use cohort::Algorithm;
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -347,22 +348,21 @@ fn run_train(args: TrainArgs) -> ExitCode {
     match train_main(args) {
         Ok(summary) => {
             let lost: Vec<String> = summary.failures.iter().map(|d| d.as_millis().to_string()).collect();
-            println!(
-                "event=summary verified_steps={} final_step={} failures={} lost_ms={} cooperative_reforms={} left={} params_digest={} expected_digest={} t_ms={}",
-                summary.verified_steps,
-                summary.final_step,
-                summary.failures.len(),
-                if lost.is_empty() { "-".into() } else { lost.join(",") },
-                summary.cooperative_reforms,
-                summary.left,
-                summary.params_digest.as_deref().unwrap_or("-"),
-                summary.expected_digest.as_deref().unwrap_or("-"),
-                train::now_ms()
-            );
+            EventLine::new(EventKind::Summary)
+                .field("verified_steps", summary.verified_steps)
+                .field("final_step", summary.final_step)
+                .field("failures", summary.failures.len())
+                .field("lost_ms", if lost.is_empty() { "-".into() } else { lost.join(",") })
+                .field("cooperative_reforms", summary.cooperative_reforms)
+                .field("left", summary.left)
+                .field("params_digest", summary.params_digest.as_deref().unwrap_or("-"))
+                .field("expected_digest", summary.expected_digest.as_deref().unwrap_or("-"))
+                .field("t_ms", train::now_ms())
+                .print();
             ExitCode::SUCCESS
         }
         Err(e) => {
-            println!("event=fatal error={} t_ms={}", train::q(&e), train::now_ms());
+            EventLine::new(EventKind::Fatal).text("error", &e).field("t_ms", train::now_ms()).print();
             eprintln!("cohort-worker train: {e}");
             ExitCode::FAILURE
         }
@@ -426,7 +426,7 @@ fn train_main(args: TrainArgs) -> Result<TrainSummary, String> {
         if let Some(addr) = args.metrics {
             let bound = cohort::metrics::serve(addr).await.map_err(|e| format!("metrics endpoint {addr}: {e}"))?;
             tracing::info!(%bound, "serving metrics");
-            println!("event=metrics address={bound} t_ms={}", train::now_ms());
+            EventLine::new(EventKind::Metrics).field("address", bound).field("t_ms", train::now_ms()).print();
         }
         // SIGTERM: finish the current step, leave gracefully, let the others re-form (or, not
         // yet a member, stop joining).
@@ -436,7 +436,7 @@ fn train_main(args: TrainArgs) -> Result<TrainSummary, String> {
                 .map_err(|e| format!("installing the SIGTERM handler: {e}"))?;
             tokio::spawn(async move {
                 if term.recv().await.is_some() {
-                    println!("event=sigterm t_ms={}", train::now_ms());
+                    EventLine::new(EventKind::Sigterm).field("t_ms", train::now_ms()).print();
                     let _ = sigterm.send(true);
                 }
             });

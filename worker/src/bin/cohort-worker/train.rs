@@ -12,13 +12,13 @@
 //! restore, a wrong sync or a lost step stops the worker. A SIGTERM before the worker is a
 //! member (while it joins, or waits out an exclusion) ends it at once.
 //!
-//! Output: one `key=value` line per event on stdout (the chaos harness parses them):
-//! `event=joining|joined|generation|allreduce|step|error|restored|reform|leave|straggler_leave|finished|summary|wrong_result|wrong_params`,
-//! each with `t_ms` (wall clock, ms since the Unix epoch). `finished` and `summary` carry
+//! Output: one `key=value` line per event on stdout, printed through [`cohort::events`] (the
+//! chaos harness and the integration tests parse them with the same type), each with `t_ms` (wall clock, ms since the Unix epoch). `finished` and `summary` carry
 //! `params_digest` (SHA-256 of the final parameters' bytes) and `expected_digest` (of the
 //! parameters expected after that many steps).
 
 use cohort::elastic::{Checkpoint, ElasticConfig, ElasticError, ElasticGroup, Generation, SyncError};
+use cohort::events::{EventKind, EventLine};
 use cohort::exact::ExactElement;
 use cohort::trajectory::{params_digest, StepMismatch, Trajectory};
 use cohort::{CommError, ReduceOp};
@@ -65,6 +65,17 @@ pub(crate) fn now_ms() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
 }
 
+/// Prints `event=joined` for the member `group` just became.
+fn print_joined(worker: &str, group: &ElasticGroup) {
+    EventLine::new(EventKind::Joined)
+        .field("worker", worker)
+        .field("incarnation", group.incarnation())
+        .field("addr", group.advertised_address())
+        .field("listen", group.listen_address())
+        .field("t_ms", now_ms())
+        .print();
+}
+
 fn kind_of(e: &CommError) -> &'static str {
     match e {
         CommError::PeerFailed { .. } => "PeerFailed",
@@ -73,11 +84,6 @@ fn kind_of(e: &CommError) -> &'static str {
         CommError::Transport(_) => "Transport",
         CommError::InvalidArgument(_) => "InvalidArgument",
     }
-}
-
-/// Quotes a value for a `key=value` line (inner double quotes become single quotes).
-pub(crate) fn q(s: &str) -> String {
-    format!("\"{}\"", s.replace('\\', "\\\\").replace('"', "'"))
 }
 
 /// The parameters as an [`cohort::elastic::ElasticState`].
@@ -120,21 +126,15 @@ pub(crate) async fn run<E: ExactElement>(
     // SIGTERM while joining (which includes waiting out an exclusion, possibly minutes): not
     // a member yet, so nobody waits on this worker and it stops at once. Later, inside a
     // generation or a re-formation, it leaves at the next commit point.
-    println!("event=joining worker={worker} t_ms={}", now_ms());
+    EventLine::new(EventKind::Joining).field("worker", &worker).field("t_ms", now_ms()).print();
     let mut group = tokio::select! {
         joined = ElasticGroup::join(config) => joined?,
         () = sigterm(&mut leaving) => {
-            println!("event=leave gen=0 step=0 joined=false t_ms={}", now_ms());
+            EventLine::new(EventKind::Leave).field("gen", 0).field("step", 0).field("joined", false).field("t_ms", now_ms()).print();
             return Ok(TrainSummary { left: true, ..TrainSummary::default() });
         }
     };
-    println!(
-        "event=joined worker={worker} incarnation={} addr={} listen={} t_ms={}",
-        group.incarnation(),
-        group.advertised_address(),
-        group.listen_address(),
-        now_ms()
-    );
+    print_joined(&worker, &group);
 
     let trajectory = Trajectory::new::<E>(count);
     let mut params = Params(vec![E::from_small(0); count]);
@@ -147,7 +147,11 @@ pub(crate) async fn run<E: ExactElement>(
         let mut generation: Generation = match group.next_generation().await {
             Ok(g) => g,
             Err(ElasticError::JobEnded { outcome: "finished", reason }) => {
-                println!("event=job_ended outcome=finished reason={} t_ms={}", q(&reason), now_ms());
+                EventLine::new(EventKind::JobEnded)
+                    .field("outcome", "finished")
+                    .text("reason", &reason)
+                    .field("t_ms", now_ms())
+                    .print();
                 break 'generations;
             }
             Err(e) => return Err(e.into()),
@@ -157,32 +161,37 @@ pub(crate) async fn run<E: ExactElement>(
         let rank = generation.comm.rank();
         let span = info_span!("train", job = %group.job(), generation = g, rank);
         Trajectory::check_exact::<E>(world).map_err(TrainError::Setup)?;
-        println!(
-            "event=generation gen={g} world={world} rank={rank} transport={} t_ms={}",
-            generation.transport,
-            now_ms()
-        );
+        EventLine::new(EventKind::Generation)
+            .field("gen", g)
+            .field("world", world)
+            .field("rank", rank)
+            .field("transport", generation.transport)
+            .field("t_ms", now_ms())
+            .print();
         cohort::metrics::GENERATION.store(g, Ordering::Relaxed);
         cohort::metrics::WORLD_SIZE.store(world as u64, Ordering::Relaxed);
 
         // Every member (joiners included) takes the newest commit.
         group.set_progress(g, checkpoint.step().unwrap_or(0), "sync");
         match checkpoint.sync(&mut generation.comm, &mut params).instrument(span.clone()).await {
-            Ok(outcome) => println!(
-                "event=restored gen={g} rank={rank} step={} source={} changed={} t_ms={}",
-                outcome.step.map_or(-1, |s| s as i64),
-                outcome.source,
-                outcome.changed,
-                now_ms()
-            ),
+            Ok(outcome) => EventLine::new(EventKind::Restored)
+                .field("gen", g)
+                .field("rank", rank)
+                .field("step", outcome.step.map_or(-1, |s| s as i64))
+                .field("source", outcome.source)
+                .field("changed", outcome.changed)
+                .field("t_ms", now_ms())
+                .print(),
             Err(SyncError::Comm(e)) => {
                 let cause = group.on_failure(g, &e).await;
-                println!(
-                    "event=error gen={g} rank={rank} phase=sync kind={} cause={} t_ms={}",
-                    kind_of(&e),
-                    q(&cause.to_string()),
-                    now_ms()
-                );
+                EventLine::new(EventKind::Error)
+                    .field("gen", g)
+                    .field("rank", rank)
+                    .field("phase", "sync")
+                    .field("kind", kind_of(&e))
+                    .text("cause", &cause)
+                    .field("t_ms", now_ms())
+                    .print();
                 failed_at.get_or_insert_with(Instant::now);
                 continue 'generations;
             }
@@ -195,10 +204,14 @@ pub(crate) async fn run<E: ExactElement>(
             if step >= train.steps {
                 check_params(&trajectory, &params.0, g, rank, step, "end")?;
                 let (digest, expected) = digests(&trajectory, &params.0, step);
-                println!(
-                    "event=finished gen={g} rank={rank} step={step} params_digest={digest} expected_digest={expected} t_ms={}",
-                    now_ms()
-                );
+                EventLine::new(EventKind::Finished)
+                    .field("gen", g)
+                    .field("rank", rank)
+                    .field("step", step)
+                    .field("params_digest", &digest)
+                    .field("expected_digest", &expected)
+                    .field("t_ms", now_ms())
+                    .print();
                 summary.params_digest = Some(digest);
                 summary.expected_digest = Some(expected);
                 summary.final_step = step;
@@ -210,15 +223,26 @@ pub(crate) async fn run<E: ExactElement>(
             burn_cpu(train.compute);
             group.set_progress(g, step, "allreduce");
             let started = Instant::now();
-            println!("event=allreduce gen={g} rank={rank} step={step} t_ms={}", now_ms());
+            EventLine::new(EventKind::Allreduce)
+                .field("gen", g)
+                .field("rank", rank)
+                .field("step", step)
+                .field("t_ms", now_ms())
+                .print();
             let result = generation.comm.allreduce(&mut grad, ReduceOp::Sum).instrument(span.clone()).await;
             if let Err(e) = result {
                 let errored_ms = now_ms();
                 let cause = group.on_failure(g, &e).await;
-                println!(
-                    "event=error gen={g} rank={rank} step={step} kind={} detail={} cause={} t_ms={errored_ms} cause_t_ms={}",
-                    kind_of(&e), q(&e.to_string()), q(&cause.to_string()), now_ms()
-                );
+                EventLine::new(EventKind::Error)
+                    .field("gen", g)
+                    .field("rank", rank)
+                    .field("step", step)
+                    .field("kind", kind_of(&e))
+                    .text("detail", &e)
+                    .text("cause", &cause)
+                    .field("t_ms", errored_ms)
+                    .field("cause_t_ms", now_ms())
+                    .print();
                 checkpoint.restore(&mut params)?;
                 check_params(&trajectory, &params.0, g, rank, checkpoint.step().unwrap_or(0), "restore")?;
                 failed_at.get_or_insert_with(Instant::now);
@@ -229,11 +253,15 @@ pub(crate) async fn run<E: ExactElement>(
             match trajectory.apply(&mut params.0, &grad, step) {
                 Ok(()) => {}
                 Err(StepMismatch::Sum { index: j, expected }) => {
-                    println!(
-                        "event=wrong_result gen={g} rank={rank} step={step} index={j} got={} expected={expected:?} t_ms={}",
-                        grad.get(j).map_or_else(|| "-".to_string(), |x| format!("{x:?}")),
-                        now_ms()
-                    );
+                    EventLine::new(EventKind::WrongResult)
+                        .field("gen", g)
+                        .field("rank", rank)
+                        .field("step", step)
+                        .field("index", j)
+                        .field("got", grad.get(j).map_or_else(|| "-".to_string(), |x| format!("{x:?}")))
+                        .field("expected", format!("{expected:?}"))
+                        .field("t_ms", now_ms())
+                        .print();
                     return Err(TrainError::WrongResult { generation: g, step, index: j });
                 }
                 Err(StepMismatch::Params { index, expected }) => {
@@ -250,17 +278,22 @@ pub(crate) async fn run<E: ExactElement>(
                 summary.failures.push(t.elapsed());
                 cohort::metrics::FAILURES.fetch_add(1, Ordering::Relaxed);
                 cohort::metrics::LOST_MS.fetch_add(t.elapsed().as_millis() as u64, Ordering::Relaxed);
-                println!(
-                    "event=recovered gen={g} rank={rank} step={step} lost_ms={} t_ms={}",
-                    t.elapsed().as_millis(),
-                    now_ms()
-                );
+                EventLine::new(EventKind::Recovered)
+                    .field("gen", g)
+                    .field("rank", rank)
+                    .field("step", step)
+                    .field("lost_ms", t.elapsed().as_millis())
+                    .field("t_ms", now_ms())
+                    .print();
             }
-            println!(
-                "event=step gen={g} world={world} rank={rank} step={step} ms={:.3} t_ms={}",
-                elapsed.as_secs_f64() * 1e3,
-                now_ms()
-            );
+            EventLine::new(EventKind::Step)
+                .field("gen", g)
+                .field("world", world)
+                .field("rank", rank)
+                .field("step", step)
+                .field("ms", format!("{:.3}", elapsed.as_secs_f64() * 1e3))
+                .field("t_ms", now_ms())
+                .print();
             if step % DEADLINES_EVERY == 0 {
                 report_deadlines(
                     g,
@@ -286,21 +319,28 @@ pub(crate) async fn run<E: ExactElement>(
             }
             if let Err(e) = agreed {
                 let cause = group.on_failure(g, &e).await;
-                println!(
-                    "event=error gen={g} rank={rank} step={step} phase=commit kind={} cause={} t_ms={}",
-                    kind_of(&e),
-                    q(&cause.to_string()),
-                    now_ms()
-                );
+                EventLine::new(EventKind::Error)
+                    .field("gen", g)
+                    .field("rank", rank)
+                    .field("step", step)
+                    .field("phase", "commit")
+                    .field("kind", kind_of(&e))
+                    .text("cause", &cause)
+                    .field("t_ms", now_ms())
+                    .print();
                 failed_at.get_or_insert_with(Instant::now);
                 continue 'generations;
             }
             if flags[1] != 0 && *leaving.borrow() {
                 let (digest, expected) = digests(&trajectory, &params.0, step);
-                println!(
-                    "event=leave gen={g} rank={rank} step={step} params_digest={digest} expected_digest={expected} t_ms={}",
-                    now_ms()
-                );
+                EventLine::new(EventKind::Leave)
+                    .field("gen", g)
+                    .field("rank", rank)
+                    .field("step", step)
+                    .field("params_digest", &digest)
+                    .field("expected_digest", &expected)
+                    .field("t_ms", now_ms())
+                    .print();
                 summary.params_digest = Some(digest);
                 summary.expected_digest = Some(expected);
                 summary.final_step = step;
@@ -313,16 +353,27 @@ pub(crate) async fn run<E: ExactElement>(
                 // Asked to leave as a straggler: a graceful leave at this commit point (the
                 // others re-form without it, nothing lost), then a join again, which waits
                 // out the cool-down (the coordinator refuses the join until it ends).
-                println!("event=straggler_leave gen={g} rank={rank} step={step} reason={} t_ms={}", q(why), now_ms());
+                EventLine::new(EventKind::StragglerLeave)
+                    .field("gen", g)
+                    .field("rank", rank)
+                    .field("step", step)
+                    .text("reason", why)
+                    .field("t_ms", now_ms())
+                    .print();
                 summary.cooperative_reforms += 1;
                 cohort::metrics::REFORMATIONS.fetch_add(1, Ordering::Relaxed);
                 drop(generation);
                 group.leave(false).await?;
-                println!("event=joining worker={worker} t_ms={}", now_ms());
+                EventLine::new(EventKind::Joining).field("worker", &worker).field("t_ms", now_ms()).print();
                 group = tokio::select! {
                     joined = ElasticGroup::join(rejoin_config.clone()) => joined?,
                     () = sigterm(&mut leaving) => {
-                        println!("event=leave gen={g} step={step} joined=false t_ms={}", now_ms());
+                        EventLine::new(EventKind::Leave)
+                            .field("gen", g)
+                            .field("step", step)
+                            .field("joined", false)
+                            .field("t_ms", now_ms())
+                            .print();
                         let (digest, expected) = digests(&trajectory, &params.0, step);
                         summary.params_digest = Some(digest);
                         summary.expected_digest = Some(expected);
@@ -331,18 +382,18 @@ pub(crate) async fn run<E: ExactElement>(
                         return Ok(summary);
                     }
                 };
-                println!(
-                    "event=joined worker={worker} incarnation={} addr={} listen={} t_ms={}",
-                    group.incarnation(),
-                    group.advertised_address(),
-                    group.listen_address(),
-                    now_ms()
-                );
+                print_joined(&worker, &group);
                 continue 'generations;
             }
             if flags[0] != 0 || flags[1] != 0 {
                 let why = if flags[1] != 0 { "leave" } else { "scale_up" };
-                println!("event=reform gen={g} rank={rank} step={step} reason={why} t_ms={}", now_ms());
+                EventLine::new(EventKind::Reform)
+                    .field("gen", g)
+                    .field("rank", rank)
+                    .field("step", step)
+                    .field("reason", why)
+                    .field("t_ms", now_ms())
+                    .print();
                 summary.cooperative_reforms += 1;
                 cohort::metrics::REFORMATIONS.fetch_add(1, Ordering::Relaxed);
                 continue 'generations;
@@ -406,7 +457,13 @@ fn report_deadlines(
     cohort::metrics::set_deadlines(deadlines);
     let peers = deadline_summary(deadlines);
     group.set_deadlines(&deadline_brief(deadlines));
-    println!("event=deadlines gen={g} rank={rank} step={step} peers={peers} t_ms={}", now_ms());
+    EventLine::new(EventKind::Deadlines)
+        .field("gen", g)
+        .field("rank", rank)
+        .field("step", step)
+        .field("peers", peers)
+        .field("t_ms", now_ms())
+        .print();
 }
 
 /// `PEER:MS:BASIS` per link, comma separated (`1:250:floor,2:250:floor`).
@@ -452,11 +509,16 @@ fn wrong_params<E: ExactElement>(
     got: Option<&E>,
     expected: E,
 ) -> TrainError {
-    println!(
-        "event=wrong_params gen={generation} rank={rank} step={step} phase={phase} index={index} got={} expected={expected:?} t_ms={}",
-        got.map_or_else(|| "-".to_string(), |p| format!("{p:?}")),
-        now_ms()
-    );
+    EventLine::new(EventKind::WrongParams)
+        .field("gen", generation)
+        .field("rank", rank)
+        .field("step", step)
+        .field("phase", phase)
+        .field("index", index)
+        .field("got", got.map_or_else(|| "-".to_string(), |p| format!("{p:?}")))
+        .field("expected", format!("{expected:?}"))
+        .field("t_ms", now_ms())
+        .print();
     TrainError::WrongParams { generation, step, phase, index }
 }
 
