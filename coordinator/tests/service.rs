@@ -722,7 +722,7 @@ async fn a_lost_domain_is_one_failure_of_the_domain(backend: Backend) {
             break;
         }
         assert!(Instant::now() < deadline, "n1's members still heard from: {:?}", st.members);
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        tokio::time::sleep(Duration::from_millis(50)).await; // polling status until the deadline above
     }
     let (ra, rb) = (rank_of("a"), rank_of("b"));
     let answer = workers[1]

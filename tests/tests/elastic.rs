@@ -180,7 +180,7 @@ async fn stop_mid_allreduce(run: &StopRun) -> Vec<(String, u64)> {
             tokio::time::Instant::now() < until,
             "status never showed every member's deadline as {want}: {shown:?} ({status:?})"
         );
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        tokio::time::sleep(Duration::from_millis(100)).await; // polling status until `until`
     }
     let now = process_now_ms();
     cluster
