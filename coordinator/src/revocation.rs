@@ -326,8 +326,9 @@ mod tests {
     use crate::records::{MemberRecord, Placed};
     use crate::rendezvous::next_generation;
 
-    fn gen(number: u64) -> GenerationRecord {
-        let members = ["a", "b", "c"]
+    /// Members named `names`, each on a host of its own (`host-<name>`), incarnation 1.
+    fn each_on_own_host(names: &[&str]) -> Vec<Placed> {
+        names
             .iter()
             .map(|w| Placed {
                 worker_id: w.to_string(),
@@ -336,8 +337,11 @@ mod tests {
                 addresses: vec![],
                 domain: String::new(),
             })
-            .collect();
-        let mut g = next_generation(None, members, 0);
+            .collect()
+    }
+
+    fn gen(number: u64) -> GenerationRecord {
+        let mut g = next_generation(None, each_on_own_host(&["a", "b", "c"]), 0);
         g.number = number;
         g
     }
@@ -376,17 +380,7 @@ mod tests {
     }
 
     fn four() -> GenerationRecord {
-        let members = ["a", "b", "c", "d"]
-            .iter()
-            .map(|w| Placed {
-                worker_id: w.to_string(),
-                incarnation: 1,
-                host: format!("host-{w}"),
-                addresses: vec![],
-                domain: String::new(),
-            })
-            .collect();
-        let mut g = next_generation(None, members, 0);
+        let mut g = next_generation(None, each_on_own_host(&["a", "b", "c", "d"]), 0);
         g.number = 4;
         g
     }
