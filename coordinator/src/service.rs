@@ -822,6 +822,8 @@ impl CoordinatorService {
             }
             let state = self.read_job(job).await.ok()?;
             let silences = self.silences(job, g).await.ok()?;
+            // `timeouts_of` always includes the caller's own report; this placeholder names
+            // only the suspect itself, which the evidence below never asks about.
             let chain = self
                 .timeouts_of(job, g.number, revocation::TimeoutReport { reporter: suspect, suspect, progress: None })
                 .await;

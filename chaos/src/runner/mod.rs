@@ -554,6 +554,8 @@ impl DutyCycle {
                 unsafe { libc::kill(pid as libc::pid_t, s) };
             };
             while std::time::Instant::now() < until && !flag.load(std::sync::atomic::Ordering::Relaxed) {
+                // The duty cycle itself (the fault), not synchronisation: stopped for
+                // `stop_for`, running for `run_for`.
                 signal(libc::SIGSTOP);
                 std::thread::sleep(stop_for);
                 signal(libc::SIGCONT);
