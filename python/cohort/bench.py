@@ -3,7 +3,8 @@
 ``python -m cohort.bench --ranks 2 --sizes 4K,16M --iters 200 --rounds 3`` starts a
 coordinator and N rank processes of this module. Each rank joins a job (``cohort.Group``),
 and for every size runs warm-up and timed iterations: fill the buffer, barrier, time one
-``Communicator.allreduce`` (in place on a float32 NumPy array), verify every element. A rank
+``Communicator.allreduce`` (in place on a float32 NumPy array), barrier, verify every element
+(the second barrier keeps one rank's verification out of another's timed call). A rank
 reports its median; a size's figure is the slowest rank's median (the nccl-tests convention,
 as the Rust bench). Each round runs ``cohort-worker bench`` with the same arguments and then
 the Python ranks, so both see the same machine; the last lines compare them:
@@ -61,6 +62,7 @@ def rank_main(coordinator: str, job: str, rank_name: str, sizes: list[int], iter
             started = time.perf_counter()
             comm.allreduce(buf)
             took = time.perf_counter() - started
+            comm.barrier()
             want = value * world * (world + 1) / 2
             if buf.size and not (buf[0] == want and (buf == want).all()):
                 raise SystemExit(f"WRONG RESULT at {size} bytes, iteration {it}")

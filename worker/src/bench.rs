@@ -539,6 +539,12 @@ async fn measure<E: ExactElement, T: Transport>(
             let started = Instant::now();
             comm.allreduce(&mut buf, config.op).await.map_err(|e| e.to_string())?;
             let took = started.elapsed();
+            // And again before checking: a rank that finished first must not verify (a pass
+            // over the whole buffer) while a rank that shares its CPU is still inside its timed
+            // collective. With more ranks than CPUs that overlap took most of the CPU and
+            // inflated the slowest rank's time (docs/benchmarks.md); Open MPI's and Gloo's
+            // scripts time the collective alone, and so does this loop.
+            comm.barrier().await.map_err(|e| e.to_string())?;
             if let Some(j) = pattern.first_mismatch(&buf) {
                 let msg = format!("WRONG RESULT of {} at {bytes} bytes, iteration {iter}, element {j}", config.op);
                 println!("error {msg}");
