@@ -11,8 +11,11 @@ the Python ranks, so both see the same machine; the last lines compare them:
 
     ratio bytes=B python_us=P rust_us=R overhead_us=P-R python_vs_rust=P/R
 
-(medians over the rounds). ``--no-rust`` times Python alone. Binaries come from
-``$COHORT_BIN_DIR``, else target/release of the checkout.
+(medians over the rounds). ``--no-rust`` times Python alone. ``--bind auto`` (the default)
+binds rank r to the r-th allowed CPU when the ranks do not outnumber the CPUs, in both the
+Rust and the Python ranks, as ``cohort-worker bench --bind auto`` does; ``--bind none`` leaves
+both to the scheduler. Binaries come from ``$COHORT_BIN_DIR``, else target/release of the
+checkout.
 """
 
 from __future__ import annotations
@@ -41,6 +44,15 @@ def bin_dir() -> Path:
     if os.environ.get("COHORT_BIN_DIR"):
         return Path(os.environ["COHORT_BIN_DIR"])
     return Path(__file__).resolve().parents[2] / "target" / "release"
+
+
+def bind_rank(rank: int, ranks: int) -> None:
+    """Binds this process to the ``rank``-th allowed CPU when ``ranks`` fit one CPU each (the
+    Rust bench's ``--bind auto``). Done before the extension starts any thread, so that its
+    threads inherit the binding."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if ranks <= len(cpus):
+        os.sched_setaffinity(0, {cpus[rank]})
 
 
 def rank_main(coordinator: str, job: str, rank_name: str, sizes: list[int], iters: int, warmup: int) -> None:
@@ -74,7 +86,7 @@ def rank_main(coordinator: str, job: str, rank_name: str, sizes: list[int], iter
     group.leave(finished=True)
 
 
-def run_python(ranks: int, sizes_arg: str, iters: int, warmup: int, timeout: float) -> dict[int, float]:
+def run_python(ranks: int, sizes_arg: str, iters: int, warmup: int, timeout: float, bind: str) -> dict[int, float]:
     """Starts a coordinator and the rank processes; returns bytes -> slowest rank's median."""
     coord = subprocess.Popen(
         [str(bin_dir() / "cohort-coordinator"), "serve", "--listen", "127.0.0.1:0",
@@ -96,7 +108,8 @@ def run_python(ranks: int, sizes_arg: str, iters: int, warmup: int, timeout: flo
         job = f"bench-{os.getpid()}-{time.monotonic_ns()}"
         procs = [
             subprocess.Popen([sys.executable, "-m", "cohort.bench", "--rank-of", endpoint, job, f"r{r}",
-                              "--sizes", sizes_arg, "--iters", str(iters), "--warmup", str(warmup)],
+                              "--sizes", sizes_arg, "--iters", str(iters), "--warmup", str(warmup),
+                              "--ranks", str(ranks), "--bind", bind],
                              stdout=subprocess.PIPE, text=True)
             for r in range(ranks)
         ]
@@ -113,10 +126,10 @@ def run_python(ranks: int, sizes_arg: str, iters: int, warmup: int, timeout: flo
         coord.wait(timeout=10)
 
 
-def run_rust(ranks: int, sizes_arg: str, iters: int, warmup: int, timeout: float) -> dict[int, float]:
+def run_rust(ranks: int, sizes_arg: str, iters: int, warmup: int, timeout: float, bind: str) -> dict[int, float]:
     out = subprocess.run(
         [str(bin_dir() / "cohort-worker"), "bench", "--ranks", str(ranks), "--sizes", sizes_arg,
-         "--iters", str(iters), "--warmup", str(warmup), "--dtype", "f32"],
+         "--iters", str(iters), "--warmup", str(warmup), "--dtype", "f32", "--bind", bind],
         capture_output=True, text=True, timeout=timeout, check=True,
     ).stdout
     return {int(b): float(t) for b, t in re.findall(r"^peer=cohort ranks=\d+ bytes=(\d+) median_us=([\d.]+)", out, re.M)}
@@ -131,18 +144,22 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--rounds", type=int, default=3, help="alternate Rust and Python this many times")
     ap.add_argument("--no-rust", action="store_true", help="time Python only")
     ap.add_argument("--timeout", type=float, default=600.0)
+    ap.add_argument("--bind", choices=["auto", "none"], default="auto",
+                    help="auto: one CPU per rank when they fit, for Rust and Python alike")
     ap.add_argument("--rank-of", nargs=3, metavar=("COORDINATOR", "JOB", "NAME"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     sizes = parse_sizes(args.sizes)
     if args.rank_of:
+        if args.bind == "auto":
+            bind_rank(int(args.rank_of[2].lstrip("r")), args.ranks)
         rank_main(*args.rank_of, sizes=sizes, iters=args.iters, warmup=args.warmup)
         return
     py_rounds: list[dict[int, float]] = []
     rust_rounds: list[dict[int, float]] = []
     for _ in range(max(1, args.rounds)):
         if not args.no_rust:
-            rust_rounds.append(run_rust(args.ranks, args.sizes, args.iters, args.warmup, args.timeout))
-        py_rounds.append(run_python(args.ranks, args.sizes, args.iters, args.warmup, args.timeout))
+            rust_rounds.append(run_rust(args.ranks, args.sizes, args.iters, args.warmup, args.timeout, args.bind))
+        py_rounds.append(run_python(args.ranks, args.sizes, args.iters, args.warmup, args.timeout, args.bind))
     for size in sizes:
         py = statistics.median(r[size] for r in py_rounds)
         busbw = size / (py * 1e-6) / 1e9 * (2 * (args.ranks - 1) / args.ranks if args.ranks > 1 else 1)
