@@ -8,7 +8,6 @@
 //! [`Revoker`] aborts in-flight operations at once with the generation's [`RootCause`].
 
 pub mod algo;
-pub mod bench;
 pub mod collectives;
 pub mod comm;
 pub mod control;

@@ -1,14 +1,14 @@
 //! [`ElasticGroup`]: membership, re-formation and failure handling for one worker.
 
 use super::choice::{host_layout, plan_mesh, MeshPlan};
+use super::connect::{connect_planned, LocalEndpoints, MeshScope};
 use super::membership::{cause_from_pb, Effect, JoinNext, Membership, Step, WatchNext};
-use super::mesh::MixedTransport;
 use super::{ElasticConfig, ElasticError, MeshKind, MeshTransport};
 use crate::control::ControlClient;
 use crate::{CommConfig, CommError, Communicator, Revoker, RootCause};
 use cohort_proto::v1 as pb;
-use cohort_transports::shm::{ShmAddress, ShmEndpoint, ShmMeshSpec};
-use cohort_transports::tcp::{MeshSpec, TcpEndpoint};
+use cohort_transports::shm::{ShmAddress, ShmEndpoint};
+use cohort_transports::tcp::TcpEndpoint;
 use cohort_transports::TransportError;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
@@ -269,11 +269,7 @@ impl ElasticGroup {
 
     /// Whether this worker has an RDMA endpoint.
     fn has_rdma(&self) -> bool {
-        #[cfg(feature = "rdma")]
-        if self.rdma.is_some() {
-            return true;
-        }
-        false
+        self.local_endpoints().has_rdma()
     }
 
     /// The address the data-plane listener is bound to (differs from
@@ -429,77 +425,23 @@ impl ElasticGroup {
     /// Connects this rank's mesh of generation `number` over the planned transport.
     ///
     /// # Cancel safety
-    /// Cancel safe, like both transports' mesh set-up: dropping it abandons the set-up.
+    /// Cancel safe, like every transport's mesh set-up: dropping it abandons the set-up.
     async fn connect_mesh(&self, number: u64, rank: u32, plan: MeshPlan) -> Result<MeshTransport, TransportError> {
-        match plan {
-            MeshPlan::Tcp { peers, .. } => {
-                let spec = MeshSpec {
-                    job: self.config.job.clone(),
-                    generation: number,
-                    rank,
-                    peers,
-                    token: self.config.token.clone(),
-                    deadlines: self.config.deadlines,
-                };
-                self.endpoint.connect_mesh(spec).await.map(MeshTransport::Tcp)
-            }
-            MeshPlan::Shm { peers } => {
-                let spec = self.shm_spec(number, rank, peers.into_iter().map(Some).collect());
-                self.shm_endpoint()?.connect_mesh(spec).await.map(MeshTransport::Shm)
-            }
-            MeshPlan::Mixed { tcp, shm } => {
-                let shm_spec = self.shm_spec(number, rank, shm);
-                let tcp_spec = MeshSpec {
-                    job: self.config.job.clone(),
-                    generation: number,
-                    rank,
-                    peers: tcp,
-                    token: self.config.token.clone(),
-                    deadlines: self.config.deadlines,
-                };
-                let (shm, tcp) = tokio::try_join!(
-                    self.shm_endpoint()?.connect_mesh(shm_spec),
-                    self.endpoint.connect_mesh(tcp_spec)
-                )?;
-                MixedTransport::new(shm, tcp).map(MeshTransport::from)
-            }
-            #[cfg(feature = "rdma")]
-            MeshPlan::Rdma { peers } => {
-                let Some(endpoint) = &self.rdma else {
-                    // plan_mesh chooses rdma only when this worker has an endpoint.
-                    return Err(TransportError::InvalidArgument(
-                        "an rdma mesh was planned without an rdma endpoint".into(),
-                    ));
-                };
-                let spec = cohort_transports::rdma::RdmaMeshSpec {
-                    job: self.config.job.clone(),
-                    generation: number,
-                    rank,
-                    peers,
-                    token: self.config.token.clone(),
-                    deadlines: self.config.deadlines,
-                };
-                endpoint.connect_mesh(spec).await.map(MeshTransport::Rdma)
-            }
-        }
-    }
-
-    fn shm_spec(&self, number: u64, rank: u32, peers: Vec<Option<ShmAddress>>) -> ShmMeshSpec {
-        ShmMeshSpec {
+        let scope = MeshScope {
             job: self.config.job.clone(),
             generation: number,
-            rank,
-            peers,
             token: self.config.token.clone(),
             deadlines: self.config.deadlines,
-        }
+        };
+        connect_planned(&scope, rank, plan, self.local_endpoints()).await
     }
 
-    fn shm_endpoint(&self) -> Result<&ShmEndpoint, TransportError> {
-        // plan_mesh plans shared memory only when this worker published a shm address.
-        self.shm.as_ref().ok_or_else(|| {
-            TransportError::InvalidArgument("a shared-memory mesh was planned without a shm endpoint".into())
-        })
+    /// This worker's data-plane endpoints.
+    fn local_endpoints(&self) -> LocalEndpoints<'_> {
+        let local = LocalEndpoints::new(&self.endpoint).with_shm(self.shm.as_ref());
+        #[cfg(feature = "rdma")]
+        let local = local.with_rdma(self.rdma.as_ref());
+        local
     }
 
     /// Turns a failed collective of `generation` into the generation's root cause (see

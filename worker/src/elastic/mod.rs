@@ -35,6 +35,7 @@
 
 mod choice;
 mod config;
+mod connect;
 mod error;
 mod group;
 mod membership;
@@ -42,8 +43,8 @@ mod mesh;
 mod state;
 mod timing;
 
-pub(crate) use choice::{plan_mesh, MeshPlan};
 pub use config::{local_hostname, ElasticConfig};
+pub use connect::{connect_members, LocalEndpoints, MeshScope};
 pub use error::ElasticError;
 pub use group::{ElasticGroup, FailureReporter, Generation, MemberInfo, ReformReason};
 pub use mesh::{MeshKind, MeshTransport, MixedTransport};

@@ -1,10 +1,11 @@
 //! `cohort-worker`: the elastic training worker (`train`) and the allreduce benchmark
 //! (`bench`, which spawns one `bench-rank` process per rank).
 
+mod bench;
 mod train;
 
+use bench::BenchConfig;
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use cohort::bench::{self, BenchConfig};
 use cohort::control::ControlConfig;
 use cohort::elastic::ElasticConfig;
 use cohort::events::{EventKind, EventLine};

@@ -11,9 +11,9 @@
 //! reports its median; the figure for a size is the slowest rank's median, as nccl-tests
 //! does. busbw = algbw x 2(n-1)/n.
 
-use crate::elastic::{plan_mesh, MemberInfo, MeshPlan, MeshTransport, MixedTransport};
-use crate::exact::{ExactElement, OpPattern};
-use crate::{Algorithm, CommConfig, Communicator, HostLayout, ReduceOp};
+use cohort::elastic::{connect_members, LocalEndpoints, MemberInfo, MeshScope, MeshTransport};
+use cohort::exact::{ExactElement, OpPattern};
+use cohort::{Algorithm, CommConfig, Communicator, HostLayout, ReduceOp};
 use cohort_transports::shm::{ShmAddress, ShmEndpoint, ShmMeshSpec, ShmOptions};
 use cohort_transports::tcp::{MeshSpec, TcpEndpoint, TcpOptions};
 use cohort_transports::{Deadlines, Transport};
@@ -24,7 +24,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Parses sizes like `4K,64K,1M,16M,64M` or `4096` (K, M, G are powers of 1024).
-pub fn parse_sizes(s: &str) -> Result<Vec<usize>, String> {
+pub(crate) fn parse_sizes(s: &str) -> Result<Vec<usize>, String> {
     s.split(',')
         .filter(|p| !p.trim().is_empty())
         .map(|p| {
@@ -42,31 +42,31 @@ pub fn parse_sizes(s: &str) -> Result<Vec<usize>, String> {
 
 /// What one bench run measures.
 #[derive(Clone, Debug)]
-pub struct BenchConfig {
+pub(crate) struct BenchConfig {
     /// Number of rank processes.
-    pub ranks: u32,
+    pub(crate) ranks: u32,
     /// Message sizes in bytes.
-    pub sizes: Vec<usize>,
+    pub(crate) sizes: Vec<usize>,
     /// Timed iterations per size.
-    pub iters: u32,
+    pub(crate) iters: u32,
     /// Untimed warm-up iterations per size.
-    pub warmup: u32,
+    pub(crate) warmup: u32,
     /// Allreduce algorithm.
-    pub algo: Algorithm,
+    pub(crate) algo: Algorithm,
     /// Element type name (f32, f64, f16, bf16, i32, i64, u8).
-    pub dtype: String,
+    pub(crate) dtype: String,
     /// The reduction operator (every result is verified for it).
-    pub op: ReduceOp,
+    pub(crate) op: ReduceOp,
     /// Receive busy-poll window of the TCP links ([`TcpOptions::busy_poll`]).
-    pub busy_poll: Duration,
+    pub(crate) busy_poll: Duration,
     /// The data-plane transport.
-    pub transport: BenchTransport,
+    pub(crate) transport: BenchTransport,
     /// Bind each rank process to its own CPU (see [`bind_to_cpu`]).
-    pub bind: bool,
+    pub(crate) bind: bool,
     /// Emulated hosts: the ranks in `hosts` contiguous groups ([`HostLayout::blocks`]), shared
     /// memory within a group and loopback TCP between groups (`--transport auto`; `tcp` keeps
     /// TCP everywhere), and the communicator told the layout. 1: one host, as it is.
-    pub hosts: u32,
+    pub(crate) hosts: u32,
 }
 
 /// The CPUs this process may run on, in order.
@@ -83,7 +83,7 @@ fn allowed_cpus() -> Vec<usize> {
 
 /// Whether `--bind auto` binds `ranks` rank processes: when each can have a CPU of its own
 /// (as Open MPI binds ranks to cores by default when they do not outnumber them).
-pub fn bind_by_default(ranks: u32) -> bool {
+pub(crate) fn bind_by_default(ranks: u32) -> bool {
     let cpus = allowed_cpus().len();
     cpus > 1 && ranks as usize <= cpus
 }
@@ -92,7 +92,7 @@ pub fn bind_by_default(ranks: u32) -> bool {
 /// scheduler often packs two ranks onto one CPU of a 2-CPU machine, and every hand-over
 /// between them then waits for the other to be scheduled (measured: 4 KiB allreduce 9 us
 /// instead of 2 us; docs/benchmarks.md).
-pub fn bind_to_cpu(index: usize) -> Result<(), String> {
+pub(crate) fn bind_to_cpu(index: usize) -> Result<(), String> {
     let cpus = allowed_cpus();
     let Some(&cpu) = cpus.get(index % cpus.len().max(1)) else { return Err("no CPU to bind to".into()) };
     // SAFETY: a zeroed cpu_set_t is valid; CPU_SET writes within it for cpu < CPU_SETSIZE.
@@ -109,7 +109,7 @@ pub fn bind_to_cpu(index: usize) -> Result<(), String> {
 
 /// The data-plane transport a benchmark runs over.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
-pub enum BenchTransport {
+pub(crate) enum BenchTransport {
     /// What `train` would choose: shared memory between ranks with one host identity (all of
     /// them, here), TCP otherwise.
     #[default]
@@ -124,7 +124,7 @@ pub enum BenchTransport {
 
 impl BenchTransport {
     /// `auto`, `tcp`, `shm` or `rdma`.
-    pub fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             BenchTransport::Auto => "auto",
             BenchTransport::Tcp => "tcp",
@@ -136,23 +136,23 @@ impl BenchTransport {
 
 /// One size's result (slowest rank's median).
 #[derive(Clone, Debug)]
-pub struct BenchRow {
+pub(crate) struct BenchRow {
     /// Bytes per rank.
-    pub bytes: usize,
+    pub(crate) bytes: usize,
     /// Slowest rank's median, in microseconds.
-    pub median_us: f64,
+    pub(crate) median_us: f64,
 }
 
 impl BenchRow {
     /// Algorithm bandwidth, GB/s (bytes / time).
-    pub fn algbw(&self) -> f64 {
+    pub(crate) fn algbw(&self) -> f64 {
         if self.median_us <= 0.0 {
             return 0.0;
         }
         self.bytes as f64 / (self.median_us * 1e-6) / 1e9
     }
     /// Bus bandwidth, GB/s (algbw x 2(n-1)/n).
-    pub fn busbw(&self, ranks: u32) -> f64 {
+    pub(crate) fn busbw(&self, ranks: u32) -> f64 {
         self.algbw() * 2.0 * (ranks as f64 - 1.0) / ranks as f64
     }
 }
@@ -180,7 +180,7 @@ impl Drop for Children {
 }
 
 /// Whether the element type named `dtype` holds `op`'s verified values exactly over `ranks`.
-pub fn check_exact(dtype: &str, op: ReduceOp, ranks: u32) -> Result<(), String> {
+pub(crate) fn check_exact(dtype: &str, op: ReduceOp, ranks: u32) -> Result<(), String> {
     let pattern = OpPattern::new(op, 0, ranks);
     match dtype {
         "f32" => pattern.check_exact::<f32>(),
@@ -195,7 +195,7 @@ pub fn check_exact(dtype: &str, op: ReduceOp, ranks: u32) -> Result<(), String> 
 }
 
 /// Runs the benchmark: spawns the ranks, collects, returns one row per size.
-pub fn run_parent(config: &BenchConfig) -> Result<Vec<BenchRow>, String> {
+pub(crate) fn run_parent(config: &BenchConfig) -> Result<Vec<BenchRow>, String> {
     check_exact(&config.dtype, config.op, config.ranks)?;
     let exe = std::env::current_exe().map_err(|e| format!("locating cohort-worker: {e}"))?;
     let sizes = config.sizes.iter().map(|s| s.to_string()).collect::<Vec<_>>().join(",");
@@ -291,7 +291,7 @@ pub fn run_parent(config: &BenchConfig) -> Result<Vec<BenchRow>, String> {
 /// Single-thread memcpy bandwidth of this machine in GB/s (bytes copied per second; each
 /// byte is read once and written once): the best of a few copies of 64 MiB. This is the
 /// limit a shared-memory transport works against (docs/benchmarks.md).
-pub fn memcpy_bandwidth() -> f64 {
+pub(crate) fn memcpy_bandwidth() -> f64 {
     const LEN: usize = 64 << 20;
     let src = vec![1u8; LEN];
     let mut dst = vec![0u8; LEN];
@@ -307,7 +307,7 @@ pub fn memcpy_bandwidth() -> f64 {
 }
 
 /// Prints the nccl-tests-style table and the parseable lines.
-pub fn print_rows(config: &BenchConfig, rows: &[BenchRow]) {
+pub(crate) fn print_rows(config: &BenchConfig, rows: &[BenchRow]) {
     println!(
         "# cohort allreduce: ranks={} hosts={} dtype={} op={} algo={} transport={} iters={} warmup={} busy_poll={:?} bind={}",
         config.ranks,
@@ -340,7 +340,7 @@ pub fn print_rows(config: &BenchConfig, rows: &[BenchRow]) {
 
 /// One rank of the benchmark (the `bench-rank` subcommand). Talks to the parent over
 /// stdin/stdout as described in the module docs.
-pub async fn run_rank(rank: u32, config: BenchConfig) -> Result<(), String> {
+pub(crate) async fn run_rank(rank: u32, config: BenchConfig) -> Result<(), String> {
     if config.bind {
         bind_to_cpu(rank as usize)?;
     }
@@ -487,37 +487,9 @@ async fn connect_auto(rank: u32, config: &BenchConfig, layout: &HostLayout) -> R
                 .filter(|_| layout.host_of(i) == layout.host_of(rank as usize)),
         });
     }
-    let plan = plan_mesh(1, &members, rank, false).map_err(|e| e.to_string())?;
-    let tcp_spec = |peers| MeshSpec {
-        job: "bench".into(),
-        generation: 1,
-        rank,
-        peers,
-        token: bench_token(),
-        deadlines: BENCH_DEADLINES,
-    };
-    let shm_spec = |peers| ShmMeshSpec {
-        job: "bench".into(),
-        generation: 1,
-        rank,
-        peers,
-        token: bench_token(),
-        deadlines: BENCH_DEADLINES,
-    };
-    let e = |e: cohort_transports::TransportError| e.to_string();
-    Ok(match plan {
-        MeshPlan::Tcp { peers, .. } => MeshTransport::Tcp(tcp.connect_mesh(tcp_spec(peers)).await.map_err(e)?),
-        MeshPlan::Shm { peers } => {
-            MeshTransport::Shm(shm.connect_mesh(shm_spec(peers.into_iter().map(Some).collect())).await.map_err(e)?)
-        }
-        MeshPlan::Mixed { tcp: tcp_peers, shm: shm_peers } => {
-            let (s, t) = tokio::try_join!(shm.connect_mesh(shm_spec(shm_peers)), tcp.connect_mesh(tcp_spec(tcp_peers)))
-                .map_err(e)?;
-            MixedTransport::new(s, t).map_err(e)?.into()
-        }
-        #[cfg(feature = "rdma")]
-        MeshPlan::Rdma { .. } => return Err("rdma planned without rdma addresses".into()),
-    })
+    let scope = MeshScope { job: "bench".into(), generation: 1, token: bench_token(), deadlines: BENCH_DEADLINES };
+    let local = LocalEndpoints::new(&tcp).with_shm(Some(&shm));
+    connect_members(&scope, &members, rank, local).await.map_err(|e| e.to_string())
 }
 
 /// Warm-up and timed iterations of every size, each result verified; prints the medians.
