@@ -19,10 +19,10 @@ use tokio::sync::mpsc;
 pub use cohort_coordinator::store::StoreKind;
 use cohort_coordinator::store::StoreSpec;
 
+/// When repeated failures exclude a worker (as `serve --exclusion-*` flags).
+pub use cohort_coordinator::config::ExclusionPolicy;
 /// Job settings passed to the coordinators (as `serve` flags): the coordinator's own type.
 pub use cohort_coordinator::config::JobSettings;
-/// When repeated failures exclude a worker (as `serve --exclusion-*` flags).
-pub use cohort_coordinator::exclusion::ExclusionPolicy;
 
 /// What every worker of the cluster runs.
 #[derive(Clone, Debug)]

@@ -551,7 +551,7 @@ impl Scenario {
             }
         }
         if let Some(p) = &self.straggler_policy {
-            if let Err(e) = cohort_coordinator::stragglers::StragglerPolicy::parse(p) {
+            if let Err(e) = cohort_coordinator::config::StragglerPolicy::parse(p) {
                 return bad(e);
             }
         }

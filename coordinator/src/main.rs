@@ -266,7 +266,7 @@ async fn serve(args: ServeArgs) -> Result<(), CliError> {
         straggler_cooldown_ms: args.straggler_cooldown.map(|d| d.as_millis() as u64),
     };
     let settings = Settings::from_file(args.config.as_deref(), &cli)?;
-    let exclusion = cohort_coordinator::exclusion::ExclusionPolicy {
+    let exclusion = cohort_coordinator::ExclusionPolicy {
         threshold: args.exclusion_threshold,
         window: args.exclusion_window,
         base_cooldown: args.exclusion_cooldown,
@@ -329,8 +329,13 @@ fn ago(now_ms: u64, then_ms: u64) -> String {
     }
 }
 
+/// Milliseconds since the Unix epoch, now (the ages `status` prints are relative to it).
+fn now_ms() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
+}
+
 fn print_status(s: &pb::StatusResponse) {
-    let now = cohort_coordinator::records::now_ms();
+    let now = now_ms();
     println!("job: {}", s.job);
     if let Some(set) = &s.settings {
         println!(
@@ -452,7 +457,7 @@ fn print_status(s: &pb::StatusResponse) {
 /// ages the table shows (`heartbeat_age_ms`), so that scripts need no clock of their own.
 fn status_json(s: &pb::StatusResponse) -> serde_json::Value {
     use serde_json::json;
-    let now = cohort_coordinator::records::now_ms();
+    let now = now_ms();
     let cause = s.revocation_cause.as_ref().map(|c| {
         json!({ "rank": c.rank, "worker_id": c.worker_id, "host": c.host, "reason": c.reason, "reported_by": c.reported_by,
                 "domain": c.domain, "lost_ranks": c.lost_ranks })
@@ -634,7 +639,7 @@ async fn status(args: StatusArgs) -> Result<(), CliError> {
 
 /// Prints the credential of `args.job`.
 fn credential(args: CredentialArgs) -> Result<(), CliError> {
-    cohort_coordinator::validate::id("job", &args.job).map_err(|s| CliError::Flags(s.message().to_string()))?;
+    cohort_coordinator::check_id("job", &args.job).map_err(|s| CliError::Flags(s.message().to_string()))?;
     let Some(secret) = read_token(args.token_file.as_ref())? else {
         return Err(CliError::Flags("no operator secret: give --token-file (or COHORT_TOKEN)".into()));
     };

@@ -197,7 +197,7 @@ async fn run_inner(sc: &Scenario, seed: u64, log_dir: &std::path::Path, verbose:
             straggler_policy: sc
                 .straggler_policy
                 .as_deref()
-                .and_then(|p| cohort_coordinator::stragglers::StragglerPolicy::parse(p).ok())
+                .and_then(|p| cohort_coordinator::config::StragglerPolicy::parse(p).ok())
                 .unwrap_or_default(),
             straggler_cooldown: sc.straggler_cooldown.map_or(JobSettings::default().straggler_cooldown, |d| d.0),
         },
