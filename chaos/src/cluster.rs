@@ -13,19 +13,16 @@ use std::time::Duration;
 use tokio::process::Command;
 use tokio::sync::mpsc;
 
-/// Which store the coordinators use.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum StoreKind {
-    /// One coordinator with the embedded store.
-    Memory,
-    /// A real etcd started by the harness; any number of coordinator replicas.
-    Etcd,
-}
+/// Which store the coordinators use: the coordinator's own type. The cluster provisions it
+/// (starts an etcd for `Etcd`) and passes the coordinators its [`StoreSpec`]; a store that
+/// replicas cannot share runs one coordinator.
+pub use cohort_coordinator::store::StoreKind;
+use cohort_coordinator::store::StoreSpec;
 
+/// When repeated failures exclude a worker (as `serve --exclusion-*` flags).
+pub use cohort_coordinator::config::ExclusionPolicy;
 /// Job settings passed to the coordinators (as `serve` flags): the coordinator's own type.
 pub use cohort_coordinator::config::JobSettings;
-/// When repeated failures exclude a worker (as `serve --exclusion-*` flags).
-pub use cohort_coordinator::exclusion::ExclusionPolicy;
 
 /// What every worker of the cluster runs.
 #[derive(Clone, Debug)]
@@ -254,7 +251,7 @@ impl Cluster {
             events: Vec::new(),
             netlab,
         };
-        let n = if cluster.config.store == StoreKind::Memory { 1 } else { cluster.config.coordinators.max(1) };
+        let n = if cluster.config.store.shared_by_replicas() { cluster.config.coordinators.max(1) } else { 1 };
         let listen = match &cluster.netlab {
             Some(lab) => format!("{}:0", lab.hub_address()),
             None => "127.0.0.1:0".into(),
@@ -271,11 +268,13 @@ impl Cluster {
         &self.log_dir
     }
 
+    /// The coordinators' `--store` value: the store this cluster provisioned.
     fn store_arg(&self) -> String {
-        match &self.etcd {
-            Some(e) => format!("etcd://{}", e.endpoint().trim_start_matches("http://")),
-            None => "memory".into(),
-        }
+        let spec = match &self.etcd {
+            Some(e) => StoreSpec::Etcd { endpoints: vec![e.endpoint().trim_start_matches("http://").to_string()] },
+            None => StoreSpec::Memory,
+        };
+        spec.to_string()
     }
 
     /// The host part of a `HOST:PORT` listen address.

@@ -38,7 +38,7 @@ use std::collections::BTreeMap;
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
@@ -106,13 +106,14 @@ struct Inner {
     bytes: AtomicU64,
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
-
 impl Inner {
     fn rule(&self, from: &str, to: &str) -> LinkRule {
-        lock(&self.rules).get(&(from.to_string(), to.to_string())).copied().unwrap_or_default()
+        self.rules
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(&(from.to_string(), to.to_string()))
+            .copied()
+            .unwrap_or_default()
     }
 
     fn bump(&self) {
@@ -206,25 +207,25 @@ impl Proxy {
                 tokio::spawn(serve(inner.clone(), client, from, to.clone(), upstream.clone()));
             }
         });
-        lock(&self.tasks).push(task);
+        self.tasks.lock().unwrap_or_else(PoisonError::into_inner).push(task);
         Ok((local, UpstreamSetter(set_tx)))
     }
 
     /// Tells the proxy that process `pid` is worker `name` (for source identification).
     pub fn register_pid(&self, pid: u32, name: &str) {
-        lock(&self.inner.pids).insert(pid, name.to_string());
+        self.inner.pids.lock().unwrap_or_else(PoisonError::into_inner).insert(pid, name.to_string());
     }
 
     /// Tells the proxy that connections from local port `port` come from `name` (checked
     /// before the `/proc` lookup; used by tests that dial from one process).
     pub fn register_port(&self, port: u16, name: &str) {
-        lock(&self.inner.ports).insert(port, name.to_string());
+        self.inner.ports.lock().unwrap_or_else(PoisonError::into_inner).insert(port, name.to_string());
     }
 
     /// Sets the rule for bytes from `from` to `to` (a clear rule removes it).
     pub fn set_rule(&self, from: &str, to: &str, rule: LinkRule) {
         {
-            let mut rules = lock(&self.inner.rules);
+            let mut rules = self.inner.rules.lock().unwrap_or_else(PoisonError::into_inner);
             let key = (from.to_string(), to.to_string());
             if rule.is_clear() {
                 rules.remove(&key);
@@ -243,14 +244,14 @@ impl Proxy {
 
     /// Removes every rule.
     pub fn heal_all(&self) {
-        lock(&self.inner.rules).clear();
+        self.inner.rules.lock().unwrap_or_else(PoisonError::into_inner).clear();
         self.inner.bump();
     }
 
     /// Resets (RST) every open connection between `a` and `b` (either direction); returns
     /// how many.
     pub fn reset_pair(&self, a: &str, b: &str) -> usize {
-        let mut conns = lock(&self.inner.conns);
+        let mut conns = self.inner.conns.lock().unwrap_or_else(PoisonError::into_inner);
         conns.retain(|c| !c.abort.is_closed());
         let mut n = 0;
         for c in conns.iter() {
@@ -275,7 +276,7 @@ impl Proxy {
 
     /// Stops every listener (open connections end when their endpoints close them).
     pub fn shutdown(&self) {
-        for t in lock(&self.tasks).drain(..) {
+        for t in self.tasks.lock().unwrap_or_else(PoisonError::into_inner).drain(..) {
             t.abort();
         }
     }
@@ -283,10 +284,11 @@ impl Proxy {
 
 /// Who dialed: a registered port, else the registered process owning the dialer's socket.
 fn identify(inner: &Inner, peer: SocketAddr, local: SocketAddr) -> String {
-    if let Some(name) = lock(&inner.ports).get(&peer.port()) {
+    if let Some(name) = inner.ports.lock().unwrap_or_else(PoisonError::into_inner).get(&peer.port()) {
         return name.clone();
     }
-    let pids: Vec<(u32, String)> = lock(&inner.pids).iter().map(|(p, n)| (*p, n.clone())).collect();
+    let pids: Vec<(u32, String)> =
+        inner.pids.lock().unwrap_or_else(PoisonError::into_inner).iter().map(|(p, n)| (*p, n.clone())).collect();
     if pids.is_empty() {
         return UNKNOWN.to_string();
     }
@@ -383,7 +385,11 @@ async fn serve(
     let _ = server.set_nodelay(true);
     let (cfd, sfd) = (client.as_raw_fd(), server.as_raw_fd());
     let (abort_tx, mut abort_rx) = watch::channel(false);
-    lock(&inner.conns).push(Conn { from: from.clone(), to: to.clone(), abort: abort_tx.clone() });
+    inner.conns.lock().unwrap_or_else(PoisonError::into_inner).push(Conn {
+        from: from.clone(),
+        to: to.clone(),
+        abort: abort_tx.clone(),
+    });
     let (mut cr, mut cw) = client.into_split();
     let (mut sr, mut sw) = server.into_split();
     let failed = abort_tx.clone();

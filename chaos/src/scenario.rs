@@ -57,16 +57,9 @@ pub enum ScenarioError {
     },
 }
 
-/// Which store the coordinators use.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
-#[serde(rename_all = "lowercase")]
-pub enum StoreChoice {
-    /// Embedded store, one coordinator.
-    #[default]
-    Memory,
-    /// A real etcd started by the harness; any number of replicas.
-    Etcd,
-}
+/// Which store the coordinators use (`store = "memory"` or `"etcd"`): the coordinator's own
+/// type, which says whether replicas can share it.
+pub use cohort_coordinator::store::StoreKind;
 
 /// How the job must end.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
@@ -314,7 +307,7 @@ pub struct Scenario {
     pub quick: bool,
     /// Coordinator store.
     #[serde(default)]
-    pub store: StoreChoice,
+    pub store: StoreKind,
     /// Coordinator replicas (etcd store only; memory runs one).
     #[serde(default = "default_one")]
     pub coordinators: u32,
@@ -527,13 +520,13 @@ impl Scenario {
         if self.repeat == 0 || self.repeat > 1000 {
             return bad(format!("repeat {} must be 1..=1000", self.repeat));
         }
-        if self.store == StoreChoice::Memory && self.coordinators != 1 {
-            return bad("the memory store runs exactly one coordinator".into());
+        if !self.store.shared_by_replicas() && self.coordinators != 1 {
+            return bad(format!("the {} store runs exactly one coordinator", self.store));
         }
         if self.coordinators == 0 || self.coordinators > 5 {
             return bad(format!("coordinators {} must be 1..=5", self.coordinators));
         }
-        if self.network == NetworkChoice::Netns && (self.store != StoreChoice::Memory || self.proxy) {
+        if self.network == NetworkChoice::Netns && (self.store != StoreKind::Memory || self.proxy) {
             return bad("network = \"netns\" works with the memory store and without the proxy".into());
         }
         if self.ranks_per_host == 0 || self.ranks_per_host > 16 {
@@ -558,7 +551,7 @@ impl Scenario {
             }
         }
         if let Some(p) = &self.straggler_policy {
-            if let Err(e) = cohort_coordinator::stragglers::StragglerPolicy::parse(p) {
+            if let Err(e) = cohort_coordinator::config::StragglerPolicy::parse(p) {
                 return bad(e);
             }
         }
@@ -567,9 +560,9 @@ impl Scenario {
         }
         for (i, f) in self.faults.iter().enumerate() {
             let at = format!("fault {} ({})", i + 1, f.kind.name());
-            if f.kind.control_plane() && self.store != StoreChoice::Etcd {
+            if f.kind.control_plane() && !self.store.shared_by_replicas() {
                 return bad(format!(
-                    "{at}: needs store = \"etcd\" (the memory store loses its state with its coordinator)"
+                    "{at}: needs a store the replicas share, such as store = \"etcd\" (the {} store loses its state with its coordinator)", self.store
                 ));
             }
             let needs_targets = matches!(

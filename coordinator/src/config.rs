@@ -12,7 +12,7 @@
 //! - `elastic_timeout = 60 s`: how long a job below `min_workers` waits for replacements
 //!   (a rescheduled pod typically needs tens of seconds) before it fails with a clear error.
 //! - `straggler_policy = "report"`: a straggler is named (status, metrics, logs), never acted
-//!   on unless the job asks for `"exclude"` (see [`crate::stragglers`]).
+//!   on unless the job asks for `"exclude"` (see [`StragglerPolicy`]).
 //! - `straggler_cooldown = 60 s`: how long an excluded straggler's join is refused; long
 //!   enough that a job does not re-form every few seconds around a rank that stays slow.
 //!
@@ -29,7 +29,8 @@
 //! Precedence, lowest first: built-in defaults, the file's `[defaults]`, command-line flags,
 //! the file's `[jobs.<id>]` section for that job.
 
-use crate::stragglers::StragglerPolicy;
+pub use crate::exclusion::ExclusionPolicy;
+pub use crate::stragglers::StragglerPolicy;
 use serde::Deserialize;
 use std::collections::HashMap;
 use std::path::Path;

@@ -5,30 +5,84 @@
 //! own: any replica serves any RPC, and one leader (elected on the store) runs the
 //! formation timers and lease-lapse detection. Start one in-process with [`server::start`].
 //!
-//! Module map: [`config`] (settings), [`validate`] (request checks), [`keys`] and
-//! [`records`] (store layout and values), [`rendezvous`], [`revocation`], [`exclusion`],
-//! [`stragglers`] and [`digests`] (pure decision logic), [`ops`] (CAS mutations), [`hub`] (per-job live views),
-//! [`service`] (the RPCs), [`leader`] (election and timers), [`metrics`], [`server`].
+//! # Public surface
+//!
+//! What an embedding program needs: [`server`] ([`start`], [`serve`], [`ServeConfig`]),
+//! [`config`] (job settings and the policies they name) and [`store`] (the [`store::Store`]
+//! trait, its memory and etcd backends, and [`store::StoreSpec`], the `--store` flag).
+//!
+//! # Internals and the `test-support` feature
+//!
+//! The other modules are the coordinator's implementation: `validate` (request checks),
+//! `keys` and `records` (store layout and values), `rendezvous`, `revocation`,
+//! `exclusion`, `stragglers` and `digests` (pure decision logic), `ops` (CAS mutations),
+//! `hub` (per-job live views), `service` (the RPCs), `leader` (election and timers),
+//! `metrics`. They are private unless the `test-support` feature is on, which makes the
+//! ones the coordinator's own tests, benchmarks and the simulation (`cohort-sim`) reach into
+//! public, as tokio's `test-util` does. That feature is not part of the stable API: anything
+//! under it may change in any release, and nothing outside this workspace should enable it.
 
 pub(crate) mod auth;
 mod bounded;
 pub mod config;
 pub(crate) mod digests;
 pub(crate) mod domains;
-pub mod exclusion;
-pub mod hub;
-pub mod keys;
 pub(crate) mod leader;
-pub mod metrics;
-pub mod ops;
-pub mod records;
 pub(crate) mod rendezvous;
 pub(crate) mod revocation;
 pub mod server;
-pub mod service;
 pub mod store;
-pub mod stragglers;
-pub mod validate;
 
-pub use config::{JobSettings, Settings};
+// The internals: public under `test-support` (see the crate documentation), private otherwise.
+// Their items are `pub` for the feature's sake, so without it some are unused outside tests.
+
+#[cfg(feature = "test-support")]
+pub mod exclusion;
+#[cfg(not(feature = "test-support"))]
+#[allow(dead_code, unreachable_pub)]
+mod exclusion;
+#[cfg(feature = "test-support")]
+pub mod hub;
+#[cfg(not(feature = "test-support"))]
+#[allow(dead_code, unreachable_pub)]
+mod hub;
+#[cfg(feature = "test-support")]
+pub mod keys;
+#[cfg(not(feature = "test-support"))]
+#[allow(dead_code, unreachable_pub)]
+mod keys;
+#[cfg(feature = "test-support")]
+pub mod metrics;
+#[cfg(not(feature = "test-support"))]
+#[allow(dead_code, unreachable_pub)]
+mod metrics;
+#[cfg(feature = "test-support")]
+pub mod ops;
+#[cfg(not(feature = "test-support"))]
+#[allow(dead_code, unreachable_pub)]
+mod ops;
+#[cfg(feature = "test-support")]
+pub mod records;
+#[cfg(not(feature = "test-support"))]
+#[allow(dead_code, unreachable_pub)]
+mod records;
+#[cfg(feature = "test-support")]
+pub mod service;
+#[cfg(not(feature = "test-support"))]
+#[allow(dead_code, unreachable_pub)]
+mod service;
+#[cfg(feature = "test-support")]
+pub mod stragglers;
+#[cfg(not(feature = "test-support"))]
+#[allow(dead_code, unreachable_pub)]
+mod stragglers;
+#[cfg(feature = "test-support")]
+pub mod validate;
+#[cfg(not(feature = "test-support"))]
+#[allow(dead_code, unreachable_pub)]
+mod validate;
+
+pub use config::{ExclusionPolicy, JobSettings, Settings, StragglerPolicy};
 pub use server::{serve, start, ServeConfig, ServeError, ServerHandle};
+/// Checks a job or worker id as the coordinator does (1..=128 characters of `[A-Za-z0-9._-]`).
+pub use validate::id as check_id;

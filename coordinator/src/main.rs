@@ -4,13 +4,12 @@
 use clap::{Args, Parser, Subcommand};
 use cohort_coordinator::config::{parse_duration, Overrides, Settings};
 use cohort_coordinator::server::{ServeConfig, TlsFiles};
-use cohort_coordinator::store::etcd::{EtcdSecurity, EtcdStore, DEFAULT_REQUEST_TIMEOUT};
-use cohort_coordinator::store::{memory::MemoryStore, Store};
+use cohort_coordinator::store::etcd::EtcdSecurity;
+use cohort_coordinator::store::{OpenStoreError, StoreSpec};
 use cohort_proto::v1 as pb;
 use std::io::Write as _;
 use std::path::PathBuf;
 use std::process::ExitCode;
-use std::sync::Arc;
 use std::time::Duration;
 
 #[derive(Parser)]
@@ -57,7 +56,7 @@ struct ServeArgs {
     listen: String,
     /// `memory` (embedded, one replica) or `etcd://HOST:PORT[,HOST:PORT...]`.
     #[arg(long, default_value = "memory")]
-    store: String,
+    store: StoreSpec,
     /// PEM file of the CA that signed etcd's client certificates: speak TLS to etcd.
     #[arg(long)]
     etcd_ca: Option<PathBuf>,
@@ -172,16 +171,14 @@ enum CliError {
     Config(#[from] cohort_coordinator::config::ConfigError),
     #[error("reading {path}: {source}")]
     Read { path: String, source: std::io::Error },
-    #[error("bad --store {0:?}: use memory or etcd://HOST:PORT[,HOST:PORT...]")]
-    StoreSpec(String),
     #[error("etcd password: {0}")]
     Secret(String),
     #[error("{0}")]
     Flags(String),
     #[error("job {0} does not exist here: no worker has joined it (or it ended and its record expired)")]
     UnknownJob(String),
-    #[error("store: {0}")]
-    Store(#[from] cohort_coordinator::store::StoreError),
+    #[error("{0}")]
+    Store(#[from] OpenStoreError),
     #[error("{0}")]
     Serve(#[from] cohort_coordinator::ServeError),
     #[error("binding {addr}: {source}")]
@@ -229,23 +226,6 @@ fn etcd_security(args: &ServeArgs) -> Result<EtcdSecurity, CliError> {
     Ok(EtcdSecurity { ca_pem: args.etcd_ca.as_ref().map(read).transpose()?, client_identity, user })
 }
 
-async fn open_store(spec: &str, security: &EtcdSecurity) -> Result<Arc<dyn Store>, CliError> {
-    let etcd_flags = security.ca_pem.is_some() || security.user.is_some();
-    if spec == "memory" {
-        if etcd_flags {
-            return Err(CliError::Flags("the --etcd-* flags need --store etcd://HOST:PORT[,...]".into()));
-        }
-        return Ok(Arc::new(MemoryStore::new()));
-    }
-    let Some(list) = spec.strip_prefix("etcd://") else { return Err(CliError::StoreSpec(spec.into())) };
-    let scheme = if security.ca_pem.is_some() { "https" } else { "http" };
-    let endpoints: Vec<String> = list.split(',').filter(|s| !s.is_empty()).map(|s| format!("{scheme}://{s}")).collect();
-    if endpoints.is_empty() {
-        return Err(CliError::StoreSpec(spec.into()));
-    }
-    Ok(Arc::new(EtcdStore::connect_secured(&endpoints, DEFAULT_REQUEST_TIMEOUT, security).await?))
-}
-
 async fn bind(addr: &str) -> Result<tokio::net::TcpListener, CliError> {
     tokio::net::TcpListener::bind(addr).await.map_err(|source| CliError::Bind { addr: addr.into(), source })
 }
@@ -286,7 +266,7 @@ async fn serve(args: ServeArgs) -> Result<(), CliError> {
         straggler_cooldown_ms: args.straggler_cooldown.map(|d| d.as_millis() as u64),
     };
     let settings = Settings::from_file(args.config.as_deref(), &cli)?;
-    let exclusion = cohort_coordinator::exclusion::ExclusionPolicy {
+    let exclusion = cohort_coordinator::ExclusionPolicy {
         threshold: args.exclusion_threshold,
         window: args.exclusion_window,
         base_cooldown: args.exclusion_cooldown,
@@ -298,7 +278,7 @@ async fn serve(args: ServeArgs) -> Result<(), CliError> {
         (Some(c), Some(k)) => Some(TlsFiles { cert_pem: read(c)?, key_pem: read(k)? }),
         _ => None,
     };
-    let store = open_store(&args.store, &etcd_security(&args)?).await?;
+    let store = args.store.open(&etcd_security(&args)?).await?;
     let listener = bind(&args.listen).await?;
     let metrics = match &args.metrics {
         Some(a) => Some(bind(a).await?),
@@ -349,8 +329,13 @@ fn ago(now_ms: u64, then_ms: u64) -> String {
     }
 }
 
+/// Milliseconds since the Unix epoch, now (the ages `status` prints are relative to it).
+fn now_ms() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
+}
+
 fn print_status(s: &pb::StatusResponse) {
-    let now = cohort_coordinator::records::now_ms();
+    let now = now_ms();
     println!("job: {}", s.job);
     if let Some(set) = &s.settings {
         println!(
@@ -472,7 +457,7 @@ fn print_status(s: &pb::StatusResponse) {
 /// ages the table shows (`heartbeat_age_ms`), so that scripts need no clock of their own.
 fn status_json(s: &pb::StatusResponse) -> serde_json::Value {
     use serde_json::json;
-    let now = cohort_coordinator::records::now_ms();
+    let now = now_ms();
     let cause = s.revocation_cause.as_ref().map(|c| {
         json!({ "rank": c.rank, "worker_id": c.worker_id, "host": c.host, "reason": c.reason, "reported_by": c.reported_by,
                 "domain": c.domain, "lost_ranks": c.lost_ranks })
@@ -654,7 +639,7 @@ async fn status(args: StatusArgs) -> Result<(), CliError> {
 
 /// Prints the credential of `args.job`.
 fn credential(args: CredentialArgs) -> Result<(), CliError> {
-    cohort_coordinator::validate::id("job", &args.job).map_err(|s| CliError::Flags(s.message().to_string()))?;
+    cohort_coordinator::check_id("job", &args.job).map_err(|s| CliError::Flags(s.message().to_string()))?;
     let Some(secret) = read_token(args.token_file.as_ref())? else {
         return Err(CliError::Flags("no operator secret: give --token-file (or COHORT_TOKEN)".into()));
     };

@@ -7,7 +7,7 @@
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
@@ -42,10 +42,6 @@ pub struct Metrics {
     store_keys: Mutex<Option<u64>>,
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
 /// The canonical name of a gRPC code (as in the gRPC spec).
 pub fn code_name(code: tonic::Code) -> &'static str {
     use tonic::Code::*;
@@ -73,14 +69,14 @@ pub fn code_name(code: tonic::Code) -> &'static str {
 impl Metrics {
     /// Counts one RPC by method and result code.
     pub fn rpc(&self, method: &'static str, code: tonic::Code) {
-        *lock(&self.rpcs).entry((method, code_name(code))).or_default() += 1;
+        *self.rpcs.lock().unwrap_or_else(PoisonError::into_inner).entry((method, code_name(code))).or_default() += 1;
     }
 
     /// Counts a formed generation and its latency (first arrival to formation).
     pub fn formed(&self, latency: Duration) {
         self.generations_formed.fetch_add(1, Ordering::Relaxed);
         let s = latency.as_secs_f64();
-        let mut h = lock(&self.formation);
+        let mut h = self.formation.lock().unwrap_or_else(PoisonError::into_inner);
         for (i, bound) in BUCKETS.iter().enumerate() {
             if s <= *bound {
                 h.counts[i] += 1;
@@ -97,18 +93,28 @@ impl Metrics {
 
     /// Counts a commit whose digest differs from another member's for the same step.
     pub fn digest_mismatch(&self, job: &str) {
-        *lock(&self.digest_mismatches).entry(job.to_string()).or_default() += 1;
+        *self.digest_mismatches.lock().unwrap_or_else(PoisonError::into_inner).entry(job.to_string()).or_default() += 1;
     }
 
     /// Counts a straggler named (`kind`: compute or link) and marks it as one now.
     pub fn straggler_named(&self, job: &str, worker: &str, kind: &'static str) {
-        *lock(&self.stragglers_named).entry((job.to_string(), kind)).or_default() += 1;
-        lock(&self.stragglers_now).entry(job.to_string()).or_default().insert(worker.to_string(), ());
+        *self
+            .stragglers_named
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .entry((job.to_string(), kind))
+            .or_default() += 1;
+        self.stragglers_now
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .entry(job.to_string())
+            .or_default()
+            .insert(worker.to_string(), ());
     }
 
     /// Records that a member is no longer a straggler (it recovered, or left).
     pub fn straggler_cleared(&self, job: &str, worker: &str) {
-        let mut now = lock(&self.stragglers_now);
+        let mut now = self.stragglers_now.lock().unwrap_or_else(PoisonError::into_inner);
         if let Some(set) = now.get_mut(job) {
             set.remove(worker);
             if set.is_empty() {
@@ -119,7 +125,8 @@ impl Metrics {
 
     /// Counts a straggler excluded.
     pub fn straggler_excluded(&self, job: &str) {
-        *lock(&self.stragglers_excluded).entry(job.to_string()).or_default() += 1;
+        *self.stragglers_excluded.lock().unwrap_or_else(PoisonError::into_inner).entry(job.to_string()).or_default() +=
+            1;
     }
 
     /// Records whether this replica leads.
@@ -129,7 +136,7 @@ impl Metrics {
 
     /// Records a job's member count and generation; `None` forgets the job.
     pub fn set_job(&self, job: &str, value: Option<(u64, u64)>) {
-        let mut jobs = lock(&self.jobs);
+        let mut jobs = self.jobs.lock().unwrap_or_else(PoisonError::into_inner);
         match value {
             Some(v) => {
                 jobs.insert(job.to_string(), v);
@@ -142,7 +149,7 @@ impl Metrics {
 
     /// Records the number of keys under the jobs prefix (see `cohort_store_keys`).
     pub fn set_store_keys(&self, keys: u64) {
-        *lock(&self.store_keys) = Some(keys);
+        *self.store_keys.lock().unwrap_or_else(PoisonError::into_inner) = Some(keys);
     }
 
     /// The generations formed so far by this replica.
@@ -153,7 +160,7 @@ impl Metrics {
     /// Renders every metric in the Prometheus text format.
     pub fn render(&self) -> String {
         let mut out = String::new();
-        let jobs = lock(&self.jobs).clone();
+        let jobs = self.jobs.lock().unwrap_or_else(PoisonError::into_inner).clone();
         let _ = writeln!(out, "# HELP cohort_members Live members of the job.\n# TYPE cohort_members gauge");
         for (job, (members, _)) in &jobs {
             let _ = writeln!(out, "cohort_members{{job=\"{job}\"}} {members}");
@@ -181,7 +188,7 @@ impl Metrics {
             u8::from(self.is_leader.load(Ordering::Relaxed))
         );
         {
-            let h = lock(&self.formation);
+            let h = self.formation.lock().unwrap_or_else(PoisonError::into_inner);
             let _ = writeln!(
                 out,
                 "# HELP cohort_formation_latency_seconds From the first waiting arrival to formation.\n# TYPE cohort_formation_latency_seconds histogram"
@@ -197,38 +204,38 @@ impl Metrics {
             out,
             "# HELP cohort_rpcs_total RPCs answered, by method and code.\n# TYPE cohort_rpcs_total counter"
         );
-        for ((method, code), n) in lock(&self.rpcs).iter() {
+        for ((method, code), n) in self.rpcs.lock().unwrap_or_else(PoisonError::into_inner).iter() {
             let _ = writeln!(out, "cohort_rpcs_total{{method=\"{method}\",code=\"{code}\"}} {n}");
         }
         let _ = writeln!(
             out,
             "# HELP cohort_digest_mismatches_total Commits received by this replica whose state digest differs from another member's for the same step.\n# TYPE cohort_digest_mismatches_total counter"
         );
-        for (job, n) in lock(&self.digest_mismatches).iter() {
+        for (job, n) in self.digest_mismatches.lock().unwrap_or_else(PoisonError::into_inner).iter() {
             let _ = writeln!(out, "cohort_digest_mismatches_total{{job=\"{job}\"}} {n}");
         }
         let _ = writeln!(
             out,
             "# HELP cohort_stragglers Members named stragglers now (by the heartbeats this replica serves).\n# TYPE cohort_stragglers gauge"
         );
-        for (job, set) in lock(&self.stragglers_now).iter() {
+        for (job, set) in self.stragglers_now.lock().unwrap_or_else(PoisonError::into_inner).iter() {
             let _ = writeln!(out, "cohort_stragglers{{job=\"{job}\"}} {}", set.len());
         }
         let _ = writeln!(
             out,
             "# HELP cohort_stragglers_named_total Stragglers named by this replica, by kind (compute: slow steps; link: slow links).\n# TYPE cohort_stragglers_named_total counter"
         );
-        for ((job, kind), n) in lock(&self.stragglers_named).iter() {
+        for ((job, kind), n) in self.stragglers_named.lock().unwrap_or_else(PoisonError::into_inner).iter() {
             let _ = writeln!(out, "cohort_stragglers_named_total{{job=\"{job}\",kind=\"{kind}\"}} {n}");
         }
         let _ = writeln!(
             out,
             "# HELP cohort_stragglers_excluded_total Stragglers this replica asked to leave (straggler policy exclude).\n# TYPE cohort_stragglers_excluded_total counter"
         );
-        for (job, n) in lock(&self.stragglers_excluded).iter() {
+        for (job, n) in self.stragglers_excluded.lock().unwrap_or_else(PoisonError::into_inner).iter() {
             let _ = writeln!(out, "cohort_stragglers_excluded_total{{job=\"{job}\"}} {n}");
         }
-        if let Some(keys) = *lock(&self.store_keys) {
+        if let Some(keys) = *self.store_keys.lock().unwrap_or_else(PoisonError::into_inner) {
             let _ = writeln!(
                 out,
                 "# HELP cohort_store_keys Keys under the store's jobs prefix at the last census (every 10 s).\n# TYPE cohort_store_keys gauge\ncohort_store_keys {keys}"

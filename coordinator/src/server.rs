@@ -3,12 +3,14 @@
 //! and benchmarks can run replicas in-process on free ports).
 
 use crate::auth::TokenCheck;
+use crate::config::ExclusionPolicy;
 use crate::config::Settings;
-use crate::exclusion::ExclusionPolicy;
 use crate::hub::Hubs;
 use crate::metrics::{self, Metrics};
 use crate::ops::Context;
-use crate::service::{CascadeScope, CoordinatorService};
+/// Where a replica gathers timeout cascades (a field of [`ServeConfig`]).
+pub use crate::service::CascadeScope;
+use crate::service::CoordinatorService;
 use crate::store::Store;
 use cohort_proto::v1::coordinator_server::CoordinatorServer;
 use std::net::SocketAddr;

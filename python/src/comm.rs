@@ -18,17 +18,13 @@ use cohort::elastic::{FailureReporter, MemberInfo, MeshTransport};
 use cohort::{CommError, Communicator as RustCommunicator};
 use pyo3::prelude::*;
 use std::sync::mpsc;
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 pub(crate) type Comm = Box<RustCommunicator<MeshTransport>>;
 
 /// A queued call, as the collectives thread runs it.
 type Job = Box<dyn FnOnce() + Send>;
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
 
 /// Where the communicator is: ready, lent to a running call, or closed.
 enum Slot {
@@ -82,7 +78,7 @@ pub(crate) struct Core {
 impl Core {
     /// Lends the communicator to one call.
     fn take(&self) -> Result<Comm, Failure> {
-        let mut slot = lock(&self.slot);
+        let mut slot = self.slot.lock().unwrap_or_else(PoisonError::into_inner);
         match std::mem::replace(&mut *slot, Slot::Busy) {
             Slot::Ready(comm) => Ok(comm),
             Slot::Busy => Err(Failure::Invalid(
@@ -97,7 +93,7 @@ impl Core {
 
     /// Returns a lent communicator (unless it was closed meanwhile).
     pub(crate) fn give_back(&self, comm: Comm) {
-        let mut slot = lock(&self.slot);
+        let mut slot = self.slot.lock().unwrap_or_else(PoisonError::into_inner);
         if matches!(*slot, Slot::Busy) {
             *slot = Slot::Ready(comm);
         }
@@ -129,7 +125,7 @@ impl Core {
 
     /// Waits (GIL released) until every queued call has finished.
     fn drain(&self, py: Python<'_>) -> PyResult<()> {
-        let tail = lock(&self.tail).clone();
+        let tail = self.tail.lock().unwrap_or_else(PoisonError::into_inner).clone();
         if let Some(tail) = tail {
             tail.wait_interruptibly(py, None)?;
         }
@@ -177,7 +173,7 @@ impl Core {
                 completion.complete(result);
             }) as Job
         };
-        let mut queue = lock(&self.queue);
+        let mut queue = self.queue.lock().unwrap_or_else(PoisonError::into_inner);
         if queue.is_none() {
             let (tx, rx) = mpsc::channel::<Job>();
             std::thread::Builder::new()
@@ -190,7 +186,7 @@ impl Core {
                 .map_err(|e| crate::errors::cohort_error(format!("starting the collectives thread: {e}")))?;
             *queue = Some(tx);
         }
-        *lock(&self.tail) = Some(Arc::clone(&completion));
+        *self.tail.lock().unwrap_or_else(PoisonError::into_inner) = Some(Arc::clone(&completion));
         let sent = queue.as_ref().map(|tx| tx.send(job));
         if !matches!(sent, Some(Ok(()))) {
             return Err(crate::errors::cohort_error("the collectives thread is gone".into()));
@@ -208,12 +204,12 @@ pub(crate) struct Completion {
 
 impl Completion {
     fn complete(&self, result: Result<(), Failure>) {
-        *lock(&self.result) = Some(result);
+        *self.result.lock().unwrap_or_else(PoisonError::into_inner) = Some(result);
         self.done.notify_all();
     }
 
     fn is_done(&self) -> bool {
-        lock(&self.result).is_some()
+        self.result.lock().unwrap_or_else(PoisonError::into_inner).is_some()
     }
 
     /// Waits until done or `timeout` passes (GIL released; signals checked every 50 ms on
@@ -227,9 +223,9 @@ impl Completion {
             let step = Duration::from_millis(50);
             let step = deadline.map_or(step, |d| d.saturating_duration_since(Instant::now()).min(step));
             let done = py.detach(|| {
-                let guard = lock(&self.result);
+                let guard = self.result.lock().unwrap_or_else(PoisonError::into_inner);
                 let (guard, _) =
-                    self.done.wait_timeout_while(guard, step, |r| r.is_none()).unwrap_or_else(|e| e.into_inner());
+                    self.done.wait_timeout_while(guard, step, |r| r.is_none()).unwrap_or_else(PoisonError::into_inner);
                 guard.is_some()
             });
             if done {
@@ -269,12 +265,18 @@ impl Work {
         if !self.completion.wait_interruptibly(py, timeout)? {
             return Ok(false);
         }
-        lock(&self.bufs).clear();
-        let mut error = lock(&self.error);
+        self.bufs.lock().unwrap_or_else(PoisonError::into_inner).clear();
+        let mut error = self.error.lock().unwrap_or_else(PoisonError::into_inner);
         if let Some(e) = error.as_ref() {
             return Err(e.clone_ref(py));
         }
-        let failure = lock(&self.completion.result).as_mut().and_then(|r| std::mem::replace(r, Ok(())).err());
+        let failure = self
+            .completion
+            .result
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .as_mut()
+            .and_then(|r| std::mem::replace(r, Ok(())).err());
         match failure {
             None => Ok(true),
             Some(failure) => {
@@ -298,7 +300,7 @@ impl Drop for Work {
             let completion = Arc::clone(&self.completion);
             Python::attach(|py| {
                 py.detach(|| {
-                    let guard = lock(&completion.result);
+                    let guard = completion.result.lock().unwrap_or_else(PoisonError::into_inner);
                     drop(completion.done.wait_while(guard, |r| r.is_none()));
                 })
             });
@@ -519,7 +521,7 @@ impl Communicator {
     /// to the next generation, or at once when the generation was revoked.
     fn close(&self, py: Python<'_>) -> PyResult<()> {
         self.core.drain(py)?;
-        let old = std::mem::replace(&mut *lock(&self.core.slot), Slot::Closed);
+        let old = std::mem::replace(&mut *self.core.slot.lock().unwrap_or_else(PoisonError::into_inner), Slot::Closed);
         if let Ok(rt) = runtime() {
             let _entered = rt.enter();
             drop(old);

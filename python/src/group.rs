@@ -9,7 +9,7 @@ use cohort::Algorithm;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyString};
 use std::net::SocketAddr;
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
 
 /// Where the membership is: idle, lent to a blocking call, or gone.
@@ -17,10 +17,6 @@ enum Slot {
     Idle(Box<ElasticGroup>),
     Busy,
     Closed,
-}
-
-fn lock(m: &Mutex<Slot>) -> MutexGuard<'_, Slot> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// This worker's membership in an elastic job (see the stub for the Python contract).
@@ -70,7 +66,7 @@ fn token_of(token: Option<&Bound<'_, PyAny>>) -> PyResult<Option<String>> {
 impl Group {
     /// Lends the membership to one blocking call.
     fn take(&self) -> PyResult<Box<ElasticGroup>> {
-        let mut slot = lock(&self.slot);
+        let mut slot = self.slot.lock().unwrap_or_else(PoisonError::into_inner);
         match std::mem::replace(&mut *slot, Slot::Busy) {
             Slot::Idle(g) => Ok(g),
             Slot::Busy => {
@@ -84,14 +80,14 @@ impl Group {
     }
 
     fn give_back(&self, group: Box<ElasticGroup>) {
-        let mut slot = lock(&self.slot);
+        let mut slot = self.slot.lock().unwrap_or_else(PoisonError::into_inner);
         if matches!(*slot, Slot::Busy) {
             *slot = Slot::Idle(group);
         }
     }
 
     fn with_idle<T>(&self, f: impl FnOnce(&ElasticGroup) -> T) -> PyResult<T> {
-        match &*lock(&self.slot) {
+        match &*self.slot.lock().unwrap_or_else(PoisonError::into_inner) {
             Slot::Idle(g) => Ok(f(g)),
             Slot::Busy => Err(invalid("another call is using this group")),
             Slot::Closed => Err(invalid("the group is closed (it left the job)")),
@@ -293,14 +289,14 @@ impl Group {
     #[pyo3(signature = (finished=false))]
     fn leave(&self, py: Python<'_>, finished: bool) -> PyResult<()> {
         let group = self.take()?;
-        *lock(&self.slot) = Slot::Closed;
+        *self.slot.lock().unwrap_or_else(PoisonError::into_inner) = Slot::Closed;
         let result = wait(py, async move { (*group).leave(finished).await })?;
         result.map_err(|e| Failure::Elastic(e).into())
     }
 
     /// Stops the background tasks without a leave (the lease expires). Idempotent.
     fn close(&self) {
-        let old = std::mem::replace(&mut *lock(&self.slot), Slot::Closed);
+        let old = std::mem::replace(&mut *self.slot.lock().unwrap_or_else(PoisonError::into_inner), Slot::Closed);
         if let Slot::Idle(group) = old {
             Self::drop_group(group);
         }
@@ -319,7 +315,7 @@ impl Group {
         _exc: Option<&Bound<'_, PyAny>>,
         _tb: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
-        let open = matches!(&*lock(&self.slot), Slot::Idle(_));
+        let open = matches!(&*self.slot.lock().unwrap_or_else(PoisonError::into_inner), Slot::Idle(_));
         if exc_type.is_none() && open {
             return self.leave(py, false);
         }
@@ -334,7 +330,7 @@ impl Group {
 
 impl Drop for Group {
     fn drop(&mut self) {
-        let old = std::mem::replace(&mut *lock(&self.slot), Slot::Closed);
+        let old = std::mem::replace(&mut *self.slot.lock().unwrap_or_else(PoisonError::into_inner), Slot::Closed);
         if let Slot::Idle(group) = old {
             Self::drop_group(group);
         }

@@ -22,6 +22,6 @@ mod scenario;
 mod store;
 mod worker;
 
-pub use cohort_coordinator::service::CascadeScope;
+pub use cohort_coordinator::server::CascadeScope;
 pub use run::{run_seed, Options, Report};
 pub use scenario::{Fault, FaultMix, Scenario, Scheduled};

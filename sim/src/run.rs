@@ -8,7 +8,7 @@ use crate::scenario::{Fault, FaultMix, Scenario, Scheduled};
 use crate::store::{self, RemoteStore, StoreLink};
 use crate::worker::{self, WorkerSetup};
 use cohort_coordinator::config::{JobSettings, Settings};
-use cohort_coordinator::service::CascadeScope;
+use cohort_coordinator::server::CascadeScope;
 use cohort_coordinator::ServeConfig;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};

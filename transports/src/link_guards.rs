@@ -1,6 +1,6 @@
 //! What the TCP and shared-memory links share around one operation: the list of receives in
 //! flight (to tell a stale frame from an early one), the guard that marks a link unusable when
-//! an operation is dropped part-way, and a mutex lock that tolerates poisoning.
+//! an operation is dropped part-way, and the crate's one mutex lock that tolerates poisoning.
 
 use crate::wire::seq_older;
 use crate::{AbortReason, TransportError};

@@ -1,14 +1,20 @@
 //! The [`Communicator`]: collectives of one generation over a [`Transport`], with deadlines,
 //! revocation and poisoning.
+//!
+//! This module is the machinery every call goes through: the call signature (`Call`,
+//! `CallKind`), sequence numbers, the whole-op bound, cancellation, poisoning and
+//! revocation (`Communicator::run`). The collective methods themselves (`allreduce`,
+//! `broadcast`, ...) live beside their schedules in `crate::collectives`, one file per
+//! collective or family.
 
 use crate::algo::Algorithm;
-use crate::collectives::{self, alltoall, barrier, bcube, hierarchical, recursive_doubling, ring, tree, Ctx};
-use crate::dtype::{as_bytes, as_bytes_mut, from_bytes_mut, DType, Element, Scratch};
+use crate::collectives::p2p::P2P_STEP_BASE;
+use crate::collectives::{bcube, Ctx};
+use crate::dtype::{DType, Scratch};
 use crate::error::{CommError, OpProgress, RootCause};
 use crate::reduce::ReduceOp;
 use crate::topology::HostLayout;
 use cohort_transports::{AbortReason, Transport, TransportError};
-use half::{bf16, f16};
 use std::fmt;
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -101,56 +107,44 @@ impl fmt::Debug for Revoker {
     }
 }
 
-/// Which collective a call is (part of the signature and the span).
-#[derive(Clone, Copy, Debug)]
-enum Kind {
-    Allreduce,
-    ReduceScatter,
-    Allgather,
-    Allgatherv,
-    Broadcast,
-    Reduce,
-    Gather,
-    Scatter,
-    Alltoall,
-    Alltoallv,
-    Barrier,
-    P2p,
-}
-
-impl Kind {
-    fn name(self) -> &'static str {
-        match self {
-            Kind::Allreduce => "allreduce",
-            Kind::ReduceScatter => "reduce_scatter",
-            Kind::Allgather => "allgather",
-            Kind::Allgatherv => "allgatherv",
-            Kind::Broadcast => "broadcast",
-            Kind::Reduce => "reduce",
-            Kind::Gather => "gather",
-            Kind::Scatter => "scatter",
-            Kind::Alltoall => "alltoall",
-            Kind::Alltoallv => "alltoallv",
-            Kind::Barrier => "barrier",
-            Kind::P2p => "p2p",
-        }
-    }
+/// Which collective a call is: its name (in errors and the tracing span) and the code that
+/// goes into the call signature every message carries, so that ranks calling different
+/// collectives fail with a mismatch instead of exchanging garbage.
+///
+/// Each collective declares its own in its file under `collectives/` (for example
+/// `collectives::barrier::BARRIER`); `CALLS` in the tests of `collectives` lists them all, and a unit test
+/// checks that no two share a code or a name. The codes of the collectives that existed when
+/// they moved out of a central enum are that enum's discriminants, so signatures did not
+/// change; a new collective takes the next free code.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct CallKind {
+    /// The collective's name, as the method is called.
+    pub(crate) name: &'static str,
+    /// Its byte in the call signature; unique among all collectives (a unit test of `collectives` checks).
+    pub(crate) code: u8,
 }
 
 /// What a call was made with; hashed into the signature every message carries.
-struct Call {
-    kind: Kind,
-    dtype: Option<DType>,
-    op: Option<ReduceOp>,
-    count: u64,
-    root: Option<u32>,
-    algo: Option<Algorithm>,
-    /// Hash of further arguments all ranks share (allgatherv counts).
-    extra: u64,
+pub(crate) struct Call {
+    /// Which collective.
+    pub(crate) kind: CallKind,
+    /// The element type, if the call has one.
+    pub(crate) dtype: Option<DType>,
+    /// The reduction, if the call reduces.
+    pub(crate) op: Option<ReduceOp>,
+    /// The element count that all ranks agree on.
+    pub(crate) count: u64,
+    /// The root of a rooted collective.
+    pub(crate) root: Option<u32>,
+    /// The allreduce algorithm, once resolved.
+    pub(crate) algo: Option<Algorithm>,
+    /// Hash of further arguments all ranks share (allgatherv counts, the host layout).
+    pub(crate) extra: u64,
 }
 
 impl Call {
-    fn new(kind: Kind) -> Self {
+    /// A call of `kind` with no arguments yet.
+    pub(crate) fn new(kind: CallKind) -> Self {
         Self { kind, dtype: None, op: None, count: 0, root: None, algo: None, extra: 0 }
     }
 
@@ -158,7 +152,7 @@ impl Call {
     fn signature(&self) -> u32 {
         let mut h = Fnv::new();
         h.bytes(&[
-            self.kind as u8,
+            self.kind.code,
             self.dtype.map_or(0, DType::code),
             self.op.map_or(0, ReduceOp::code),
             self.algo.map_or(0, Algorithm::code),
@@ -184,16 +178,14 @@ impl Fnv {
     }
 }
 
-fn hash_counts(counts: &[usize]) -> u64 {
+/// Hash of a list of counts, for [`Call::extra`].
+pub(crate) fn hash_counts(counts: &[usize]) -> u64 {
     let mut h = Fnv::new();
     for &c in counts {
         h.bytes(&(c as u64).to_le_bytes());
     }
     u64::from(h.0)
 }
-
-/// First step of point-to-point messages; collectives use the steps below it.
-const P2P_STEP_BASE: u64 = 1 << 31;
 
 /// Why a driven operation stopped.
 enum Failure {
@@ -256,14 +248,16 @@ pub struct Communicator<T: Transport> {
     poisoned: Option<CommError>,
     in_flight: bool,
     scratch: Scratch,
-    bcube_dims: Arc<[u32]>,
+    /// The BCube group sizes (for the BCube allreduce).
+    pub(crate) bcube_dims: Arc<[u32]>,
     /// Which host each rank is on (for the hierarchical allreduce).
     layout: HostLayout,
     /// The ranks of every host, from `layout`.
-    hosts: Arc<[Vec<usize>]>,
+    pub(crate) hosts: Arc<[Vec<usize>]>,
     /// Per peer: next point-to-point step to send with / to receive with.
-    p2p_send: Vec<u64>,
-    p2p_recv: Vec<u64>,
+    pub(crate) p2p_send: Vec<u64>,
+    /// See `p2p_send`.
+    pub(crate) p2p_recv: Vec<u64>,
     /// Messages received in the operation in flight (reset when one starts).
     op_received: AtomicU64,
 }
@@ -400,7 +394,7 @@ impl<T: Transport> Communicator<T> {
 
     /// Poisons the communicator with `err` and, unless configured otherwise
     /// ([`CommConfig::abort_transport_on_error`]), aborts the transport.
-    fn poison(&mut self, err: CommError) -> CommError {
+    pub(crate) fn poison(&mut self, err: CommError) -> CommError {
         tracing::debug!(generation = self.generation, rank = self.rank, error = %err, "communicator poisoned");
         self.poisoned = Some(err.clone());
         if self.config.abort_transport_on_error {
@@ -438,7 +432,7 @@ impl<T: Transport> Communicator<T> {
             return Err(self.poison(e));
         }
         if let Err(msg) = valid {
-            return Err(self.poison(CommError::InvalidArgument(format!("{}: {msg}", call.kind.name()))));
+            return Err(self.poison(CommError::InvalidArgument(format!("{}: {msg}", call.kind.name))));
         }
         let seq = self.next_seq;
         if advance {
@@ -455,7 +449,7 @@ impl<T: Transport> Communicator<T> {
         self.op_received.store(0, Ordering::Relaxed);
         let span = tracing::debug_span!(
             "collective",
-            kind = call.kind.name(),
+            kind = call.kind.name,
             generation = self.generation,
             rank = self.rank,
             seq,
@@ -496,30 +490,44 @@ async fn drive<F: Future<Output = Result<(), TransportError>>>(limit: Option<Dur
     }
 }
 
-/// Runs one operation: `begin`, the body with a [`Ctx`] and the scratch, `finish`.
-macro_rules! operation {
-    ($self:ident, $call:expr, $elem:expr, $bytes:expr, $valid:expr, $advance:expr, |$ctx:ident, $scratch:ident| $body:expr) => {{
-        let call = $call;
-        let started = $self.begin(&call, $elem, $bytes, $valid, $advance)?;
+impl<T: Transport> Communicator<T> {
+    /// Runs one operation: refuses it if poisoned or revoked, checks `valid`, takes a sequence
+    /// number (unless `advance` is false: point-to-point), runs `body` with a [`Ctx`] and the
+    /// scratch under the whole-op bound, then records the outcome (a failure poisons).
+    ///
+    /// `elem_size` sets the segment in elements; `bytes` is what the tracing span reports.
+    /// Every collective method builds its [`Call`] and runs its schedule through this.
+    pub(crate) async fn run<B>(
+        &mut self,
+        call: Call,
+        elem_size: usize,
+        bytes: usize,
+        valid: Result<(), String>,
+        advance: bool,
+        body: B,
+    ) -> Result<(), CommError>
+    where
+        B: AsyncFnOnce(Ctx<'_, T>, &mut Scratch) -> Result<(), TransportError>,
+    {
+        let started = self.begin(&call, elem_size, bytes, valid, advance)?;
         let res = {
-            let $ctx = Ctx {
-                t: &*$self.transport,
-                received: &$self.op_received,
-                rank: $self.rank as usize,
-                size: $self.size as usize,
+            let ctx = Ctx {
+                t: &*self.transport,
+                received: &self.op_received,
+                rank: self.rank as usize,
+                size: self.size as usize,
                 seq: started.seq,
                 sig: started.sig,
                 seg: started.seg,
             };
-            #[allow(unused_variables)]
-            let $scratch = &mut $self.scratch;
-            drive($self.config.op_timeout, async { $body }).instrument(started.span.clone()).await
+            drive(self.config.op_timeout, body(ctx, &mut self.scratch)).instrument(started.span.clone()).await
         };
-        $self.finish(started, res)
-    }};
+        self.finish(started, res)
+    }
 }
 
-fn check(cond: bool, msg: impl FnOnce() -> String) -> Result<(), String> {
+/// `Ok` if `cond`, else the message `msg` builds (an argument check of a collective).
+pub(crate) fn check(cond: bool, msg: impl FnOnce() -> String) -> Result<(), String> {
     if cond {
         Ok(())
     } else {
@@ -527,407 +535,18 @@ fn check(cond: bool, msg: impl FnOnce() -> String) -> Result<(), String> {
     }
 }
 
-impl<T: Transport> Communicator<T> {
-    /// Allreduce `data` in place with the configured algorithm: afterwards every rank holds
-    /// the element-wise reduction of all ranks' `data`, with identical bytes on every rank.
-    ///
-    /// # Cancel safety
-    /// Not cancel safe: dropping the future mid-flight aborts the transport and poisons the
-    /// communicator (use the [`Revoker`] or `op_timeout` to stop an operation on purpose).
-    pub async fn allreduce<E: Element>(&mut self, data: &mut [E], op: ReduceOp) -> Result<(), CommError> {
-        let algo = self.config.algorithm;
-        self.allreduce_with(data, op, algo).await
-    }
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::collectives::{barrier::BARRIER, tree::BROADCAST};
 
-    /// Allreduce with an explicit algorithm (`Auto` resolves by message size, see
-    /// [`Algorithm::resolve`]). All ranks must pass the same algorithm.
-    ///
-    /// # Cancel safety
-    /// Not cancel safe; see [`Communicator::allreduce`].
-    pub async fn allreduce_with<E: Element>(
-        &mut self,
-        data: &mut [E],
-        op: ReduceOp,
-        algo: Algorithm,
-    ) -> Result<(), CommError> {
-        let bytes = std::mem::size_of_val(data);
-        let algo = algo.resolve_on(bytes, &self.layout);
-        let call = Call {
-            dtype: Some(E::DTYPE),
-            op: Some(op),
-            count: data.len() as u64,
-            algo: Some(algo),
-            extra: if algo == Algorithm::Hierarchical { self.layout.fingerprint() } else { 0 },
-            ..Call::new(Kind::Allreduce)
-        };
-        let (len, n) = (data.len(), self.size as usize);
-        let dims = self.bcube_dims.clone();
-        let hosts = self.hosts.clone();
-        operation!(self, call, std::mem::size_of::<E>(), bytes, Ok(()), true, |ctx, scratch| {
-            match algo {
-                Algorithm::Ring | Algorithm::Auto => {
-                    let s = scratch.get::<E>(ring::allreduce_scratch(ctx.seg, len, n));
-                    ring::allreduce(&ctx, data, op, s).await
-                }
-                Algorithm::RecursiveDoubling => {
-                    let s = scratch.get::<E>(recursive_doubling::allreduce_scratch(ctx.seg, len));
-                    recursive_doubling::allreduce(&ctx, data, op, s).await
-                }
-                Algorithm::Bcube => {
-                    let s = scratch.get::<E>(bcube::allreduce_scratch(ctx.seg, len, &dims));
-                    bcube::allreduce(&ctx, data, op, &dims, s).await
-                }
-                Algorithm::Hierarchical => {
-                    let s = scratch.get::<E>(hierarchical::allreduce_scratch(ctx.seg, len));
-                    hierarchical::allreduce(&ctx, data, op, &hosts, s).await
-                }
-            }
-        })
-    }
-
-    /// Reduce-scatter: reduces all ranks' `input` element-wise and leaves this rank's block of
-    /// the result in `output`. Blocks follow [`crate::counts_for`]`(input.len(), size)`: the first
-    /// `input.len() % size` ranks get one element more; `output.len()` must equal this rank's
-    /// block. Ring schedule; `input` is copied once into scratch.
-    ///
-    /// # Cancel safety
-    /// Not cancel safe; see [`Communicator::allreduce`].
-    pub async fn reduce_scatter<E: Element>(
-        &mut self,
-        input: &[E],
-        output: &mut [E],
-        op: ReduceOp,
-    ) -> Result<(), CommError> {
-        let (len, n, rank) = (input.len(), self.size as usize, self.rank as usize);
-        let mine = collectives::block_range(len, n, rank);
-        let valid = check(output.len() == mine.len(), || {
-            format!(
-                "output has {} elements, rank {rank}'s block of {len} over {n} ranks has {}",
-                output.len(),
-                mine.len()
-            )
-        });
-        let call = Call { dtype: Some(E::DTYPE), op: Some(op), count: len as u64, ..Call::new(Kind::ReduceScatter) };
-        operation!(self, call, std::mem::size_of::<E>(), std::mem::size_of_val(input), valid, true, |ctx, scratch| {
-            let seg_need = ctx.seg.min(len.div_ceil(n));
-            let all = scratch.get::<E>(len + seg_need);
-            let (work, seg) = all.split_at_mut(len);
-            work.copy_from_slice(input);
-            let stride = ctx.nsegs(len.div_ceil(n));
-            let blocks = |i| collectives::block_range(len, n, i);
-            ring::reduce_scatter_inplace(&ctx, ring::RingOrder::world(&ctx), work, blocks, op, seg, 0, stride).await?;
-            let result = &mut work[mine.clone()];
-            crate::reduce::finish_avg(op, result, n as u32);
-            output.copy_from_slice(result);
-            Ok(())
-        })
-    }
-
-    /// Allgather: `output` (of `input.len() * size` elements) gets rank `i`'s `input` as block
-    /// `i`, on every rank. Ring schedule, in place in `output`.
-    ///
-    /// # Cancel safety
-    /// Not cancel safe; see [`Communicator::allreduce`].
-    pub async fn allgather<E: Element>(&mut self, input: &[E], output: &mut [E]) -> Result<(), CommError> {
-        let (m, n, rank) = (input.len(), self.size as usize, self.rank as usize);
-        let valid =
-            check(output.len() == m * n, || format!("output has {} elements, expected {m} x {n}", output.len()));
-        let call = Call { dtype: Some(E::DTYPE), count: m as u64, ..Call::new(Kind::Allgather) };
-        operation!(self, call, std::mem::size_of::<E>(), std::mem::size_of_val(output), valid, true, |ctx, scratch| {
-            output[rank * m..(rank + 1) * m].copy_from_slice(input);
-            ring::allgather_inplace(&ctx, ring::RingOrder::world(&ctx), output, |i| i * m..(i + 1) * m, 0, ctx.nsegs(m))
-                .await
-        })
-    }
-
-    /// Allgather with per-rank sizes: rank `i` contributes `counts[i]` elements (its `input`),
-    /// and `output` (of `sum(counts)` elements) gets them concatenated in rank order. `counts`
-    /// must be the same on every rank.
-    ///
-    /// # Cancel safety
-    /// Not cancel safe; see [`Communicator::allreduce`].
-    pub async fn allgatherv<E: Element>(
-        &mut self,
-        input: &[E],
-        output: &mut [E],
-        counts: &[usize],
-    ) -> Result<(), CommError> {
-        let (n, rank) = (self.size as usize, self.rank as usize);
-        let total: usize = counts.iter().sum();
-        let valid = check(counts.len() == n, || format!("{} counts for {n} ranks", counts.len()))
-            .and_then(|_| {
-                check(counts[rank] == input.len(), || {
-                    format!("counts[{rank}] = {} but input has {} elements", counts[rank], input.len())
-                })
-            })
-            .and_then(|_| {
-                check(output.len() == total, || format!("output has {} elements, counts sum to {total}", output.len()))
-            });
-        let call = Call {
-            dtype: Some(E::DTYPE),
-            count: total as u64,
-            extra: hash_counts(counts),
-            ..Call::new(Kind::Allgatherv)
-        };
-        operation!(self, call, std::mem::size_of::<E>(), std::mem::size_of_val(output), valid, true, |ctx, scratch| {
-            let offs = collectives::offsets(counts);
-            output[offs[rank]..offs[rank] + counts[rank]].copy_from_slice(input);
-            let stride = ctx.nsegs(counts.iter().copied().max().unwrap_or(0));
-            ring::allgather_inplace(
-                &ctx,
-                ring::RingOrder::world(&ctx),
-                output,
-                |i| offs[i]..offs[i] + counts[i],
-                0,
-                stride,
-            )
-            .await
-        })
-    }
-
-    /// Broadcast `data` from `root` to every rank (binomial tree, pipelined by segment).
-    ///
-    /// # Cancel safety
-    /// Not cancel safe; see [`Communicator::allreduce`].
-    pub async fn broadcast<E: Element>(&mut self, data: &mut [E], root: u32) -> Result<(), CommError> {
-        let n = self.size;
-        let valid = check(root < n, || format!("root {root} out of range for {n} ranks"));
-        let call =
-            Call { dtype: Some(E::DTYPE), count: data.len() as u64, root: Some(root), ..Call::new(Kind::Broadcast) };
-        operation!(self, call, std::mem::size_of::<E>(), std::mem::size_of_val(data), valid, true, |ctx, scratch| {
-            tree::broadcast(&ctx, data, root as usize).await
-        })
-    }
-
-    /// Reduce to `root`: afterwards the root's `data` holds the element-wise reduction; other
-    /// ranks' `data` is left unchanged (binomial tree, pipelined by segment).
-    ///
-    /// # Cancel safety
-    /// Not cancel safe; see [`Communicator::allreduce`].
-    pub async fn reduce<E: Element>(&mut self, data: &mut [E], op: ReduceOp, root: u32) -> Result<(), CommError> {
-        let n = self.size;
-        let valid = check(root < n, || format!("root {root} out of range for {n} ranks"));
-        let len = data.len();
-        let call = Call {
-            dtype: Some(E::DTYPE),
-            op: Some(op),
-            count: len as u64,
-            root: Some(root),
-            ..Call::new(Kind::Reduce)
-        };
-        operation!(self, call, std::mem::size_of::<E>(), std::mem::size_of_val(data), valid, true, |ctx, scratch| {
-            let s = scratch.get::<E>(tree::reduce_scratch(ctx.seg, len));
-            tree::reduce(&ctx, data, op, root as usize, s).await
-        })
-    }
-
-    /// Gather every rank's `input` (same length everywhere) into `output` on `root`, block `i`
-    /// from rank `i`. `output` must hold `input.len() * size` elements on the root and is not
-    /// touched (may be empty) elsewhere.
-    ///
-    /// # Cancel safety
-    /// Not cancel safe; see [`Communicator::allreduce`].
-    pub async fn gather<E: Element>(&mut self, input: &[E], output: &mut [E], root: u32) -> Result<(), CommError> {
-        let (n, m) = (self.size as usize, input.len());
-        let on_root = root == self.rank;
-        let valid = check(root < self.size, || format!("root {root} out of range for {n} ranks")).and_then(|_| {
-            check(!on_root || output.len() == m * n, || {
-                format!("output has {} elements, expected {m} x {n}", output.len())
-            })
-        });
-        let call = Call { dtype: Some(E::DTYPE), count: m as u64, root: Some(root), ..Call::new(Kind::Gather) };
-        operation!(self, call, std::mem::size_of::<E>(), std::mem::size_of_val(input), valid, true, |ctx, scratch| {
-            tree::gather(&ctx, input, output, root as usize).await
-        })
-    }
-
-    /// Scatter block `i` of the root's `input` (`output.len() * size` elements; ignored and may
-    /// be empty elsewhere) to rank `i`'s `output`.
-    ///
-    /// # Cancel safety
-    /// Not cancel safe; see [`Communicator::allreduce`].
-    pub async fn scatter<E: Element>(&mut self, input: &[E], output: &mut [E], root: u32) -> Result<(), CommError> {
-        let (n, m) = (self.size as usize, output.len());
-        let on_root = root == self.rank;
-        let valid = check(root < self.size, || format!("root {root} out of range for {n} ranks")).and_then(|_| {
-            check(!on_root || input.len() == m * n, || {
-                format!("input has {} elements, expected {m} x {n}", input.len())
-            })
-        });
-        let call = Call { dtype: Some(E::DTYPE), count: m as u64, root: Some(root), ..Call::new(Kind::Scatter) };
-        operation!(self, call, std::mem::size_of::<E>(), std::mem::size_of_val(output), valid, true, |ctx, scratch| {
-            tree::scatter(&ctx, input, output, root as usize).await
-        })
-    }
-
-    /// All-to-all: `input` and `output` hold `size` equal blocks; block `j` of rank `i`'s
-    /// input becomes block `i` of rank `j`'s output.
-    ///
-    /// # Cancel safety
-    /// Not cancel safe; see [`Communicator::allreduce`].
-    pub async fn alltoall<E: Element>(&mut self, input: &[E], output: &mut [E]) -> Result<(), CommError> {
-        let n = self.size as usize;
-        let valid = check(input.len() == output.len(), || {
-            format!("input has {} elements, output {}", input.len(), output.len())
-        })
-        .and_then(|_| {
-            check(input.len() % n == 0, || format!("{} elements do not split into {n} equal blocks", input.len()))
-        });
-        let m = input.len() / n;
-        let call = Call { dtype: Some(E::DTYPE), count: input.len() as u64, ..Call::new(Kind::Alltoall) };
-        let counts = vec![m; n];
-        operation!(self, call, std::mem::size_of::<E>(), std::mem::size_of_val(input), valid, true, |ctx, scratch| {
-            alltoall::alltoallv(&ctx, input, &counts, output, &counts).await
-        })
-    }
-
-    /// All-to-all with sizes: this rank sends `send_counts[j]` elements (consecutive in
-    /// `input`, in rank order) to rank `j` and receives `recv_counts[i]` elements from rank `i`
-    /// into `output` (consecutive, in rank order). Counts must agree pairwise across ranks
-    /// (a disagreement is a length mismatch: [`CommError::InvalidArgument`]).
-    ///
-    /// # Cancel safety
-    /// Not cancel safe; see [`Communicator::allreduce`].
-    pub async fn alltoallv<E: Element>(
-        &mut self,
-        input: &[E],
-        send_counts: &[usize],
-        output: &mut [E],
-        recv_counts: &[usize],
-    ) -> Result<(), CommError> {
-        let (n, rank) = (self.size as usize, self.rank as usize);
-        let valid = check(send_counts.len() == n && recv_counts.len() == n, || {
-            format!("{} send counts and {} receive counts for {n} ranks", send_counts.len(), recv_counts.len())
-        })
-        .and_then(|_| {
-            check(send_counts.iter().sum::<usize>() == input.len(), || {
-                format!("send counts do not sum to the input's {} elements", input.len())
-            })
-        })
-        .and_then(|_| {
-            check(recv_counts.iter().sum::<usize>() == output.len(), || {
-                format!("receive counts do not sum to the output's {} elements", output.len())
-            })
-        })
-        .and_then(|_| {
-            check(send_counts[rank] == recv_counts[rank], || format!("send_counts[{rank}] != recv_counts[{rank}]"))
-        });
-        let call = Call { dtype: Some(E::DTYPE), ..Call::new(Kind::Alltoallv) };
-        operation!(self, call, std::mem::size_of::<E>(), std::mem::size_of_val(input), valid, true, |ctx, scratch| {
-            alltoall::alltoallv(&ctx, input, send_counts, output, recv_counts).await
-        })
-    }
-
-    /// Barrier: returns once every rank has entered it (dissemination, `ceil(log2 n)` rounds).
-    ///
-    /// # Cancel safety
-    /// Not cancel safe; see [`Communicator::allreduce`].
-    pub async fn barrier(&mut self) -> Result<(), CommError> {
-        operation!(self, Call::new(Kind::Barrier), 1, 0, Ok(()), true, |ctx, scratch| barrier::barrier(&ctx).await)
-    }
-
-    /// Sends `data` to `peer`, which must post a matching [`Communicator::recv`] (same dtype
-    /// and length) between the same two collectives: point-to-point messages are ordered per
-    /// pair and do not consume a collective sequence number.
-    ///
-    /// # Cancel safety
-    /// Not cancel safe; see [`Communicator::allreduce`].
-    pub async fn send<E: Element>(&mut self, data: &[E], peer: u32) -> Result<(), CommError> {
-        let valid = self.check_peer(peer);
-        let call = Call { dtype: Some(E::DTYPE), count: data.len() as u64, ..Call::new(Kind::P2p) };
-        let step0 = self.p2p_send.get(peer as usize).copied().unwrap_or(P2P_STEP_BASE);
-        let res = operation!(
-            self,
-            call,
-            std::mem::size_of::<E>(),
-            std::mem::size_of_val(data),
-            valid,
-            false,
-            |ctx, scratch| ctx.send_segs(peer as usize, step0, data).await
-        );
-        if res.is_ok() {
-            let segs = data.len().div_ceil((self.config.segment_bytes / std::mem::size_of::<E>()).max(1)) as u64;
-            self.p2p_send[peer as usize] = step0 + segs;
-        }
-        res
-    }
-
-    /// Receives into `data` (exactly `data.len()` elements) the matching
-    /// [`Communicator::send`] from `peer`.
-    ///
-    /// # Cancel safety
-    /// Not cancel safe; see [`Communicator::allreduce`].
-    pub async fn recv<E: Element>(&mut self, data: &mut [E], peer: u32) -> Result<(), CommError> {
-        let valid = self.check_peer(peer);
-        let call = Call { dtype: Some(E::DTYPE), count: data.len() as u64, ..Call::new(Kind::P2p) };
-        let step0 = self.p2p_recv.get(peer as usize).copied().unwrap_or(P2P_STEP_BASE);
-        let len = data.len();
-        let res = operation!(
-            self,
-            call,
-            std::mem::size_of::<E>(),
-            std::mem::size_of_val(data),
-            valid,
-            false,
-            |ctx, scratch| ctx.recv_segs(peer as usize, step0, data).await
-        );
-        if res.is_ok() {
-            let segs = len.div_ceil((self.config.segment_bytes / std::mem::size_of::<E>()).max(1)) as u64;
-            self.p2p_recv[peer as usize] = step0 + segs;
-        }
-        res
-    }
-
-    fn check_peer(&self, peer: u32) -> Result<(), String> {
-        check(peer < self.size && peer != self.rank, || {
-            format!("peer {peer} is not another rank of {} (this is rank {})", self.size, self.rank)
-        })
-    }
-
-    /// Allreduce over raw bytes holding elements of `dtype` (native byte order): the untyped
-    /// entry for the CLI and benchmarks. A buffer that is not aligned for `dtype` is reduced
-    /// through an aligned copy.
-    ///
-    /// # Cancel safety
-    /// Not cancel safe; see [`Communicator::allreduce`].
-    pub async fn allreduce_bytes(&mut self, data: &mut [u8], dtype: DType, op: ReduceOp) -> Result<(), CommError> {
-        match dtype {
-            DType::F32 => self.allreduce_bytes_as::<f32>(data, op).await,
-            DType::F64 => self.allreduce_bytes_as::<f64>(data, op).await,
-            DType::F16 => self.allreduce_bytes_as::<f16>(data, op).await,
-            DType::BF16 => self.allreduce_bytes_as::<bf16>(data, op).await,
-            DType::I32 => self.allreduce_bytes_as::<i32>(data, op).await,
-            DType::I64 => self.allreduce_bytes_as::<i64>(data, op).await,
-            DType::U8 => self.allreduce_bytes_as::<u8>(data, op).await,
-        }
-    }
-
-    async fn allreduce_bytes_as<E: Element>(&mut self, data: &mut [u8], op: ReduceOp) -> Result<(), CommError> {
-        let size = std::mem::size_of::<E>();
-        if data.len() % size != 0 {
-            if let Some(e) = &self.poisoned {
-                return Err(e.clone());
-            }
-            let msg = format!("allreduce_bytes: {} bytes are not a whole number of {} elements", data.len(), E::DTYPE);
-            return Err(self.poison(CommError::InvalidArgument(msg)));
-        }
-        match from_bytes_mut::<E>(data) {
-            Some(view) => self.allreduce(view, op).await,
-            None => {
-                let mut aligned = vec![E::default(); data.len() / size];
-                as_bytes_mut(&mut aligned).copy_from_slice(data);
-                self.allreduce(&mut aligned, op).await?;
-                data.copy_from_slice(as_bytes(&aligned));
-                Ok(())
-            }
-        }
-    }
-
-    /// Broadcast raw bytes from `root` (see [`Communicator::broadcast`]).
-    ///
-    /// # Cancel safety
-    /// Not cancel safe; see [`Communicator::allreduce`].
-    pub async fn broadcast_bytes(&mut self, data: &mut [u8], root: u32) -> Result<(), CommError> {
-        self.broadcast(data, root).await
+    /// The signature bytes are what ranks of different builds compare: these values were
+    /// computed from the layout before the call kinds moved into the collectives' files
+    /// (kind code, dtype, op, algorithm, count, root, extra), and must not change by accident.
+    #[test]
+    fn call_signatures_are_stable() {
+        assert_eq!(Call::new(BARRIER).signature(), 0x11de_b48b);
+        let broadcast = Call { dtype: Some(DType::F32), count: 7, root: Some(2), ..Call::new(BROADCAST) };
+        assert_eq!(broadcast.signature(), 0xaf26_0333);
     }
 }

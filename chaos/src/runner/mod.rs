@@ -7,16 +7,14 @@
 //! healing a link, restarting coordinators or etcd, the slow rank's duty cycle) fire while
 //! events are awaited.
 
-use crate::cluster::{
-    Cluster, ClusterConfig, ClusterError, DataPlaneFlags, JobSettings, Network, StoreKind, WorkerSpec,
-};
+use crate::cluster::{Cluster, ClusterConfig, ClusterError, DataPlaneFlags, JobSettings, Network, WorkerSpec};
 use crate::demo::Check;
 use crate::events::{EventKind, WorkerEvent};
 use crate::invariants;
 use crate::process::now_ms;
 use crate::proxy::LinkRule;
 use crate::report::{ErrorSeen, FaultRecord, RunReport, StatusSeen, StragglerSeen};
-use crate::scenario::{parse_bytes, Expect, FaultKind, FaultSpec, NetworkChoice, Scenario, StoreChoice};
+use crate::scenario::{parse_bytes, Expect, FaultKind, FaultSpec, NetworkChoice, Scenario};
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
@@ -187,7 +185,7 @@ type Outcome = (Vec<FaultRecord>, Vec<Check>, Option<crate::proxy::ProxyStats>, 
 async fn run_inner(sc: &Scenario, seed: u64, log_dir: &std::path::Path, verbose: bool) -> Outcome {
     let config = ClusterConfig {
         job: format!("chaos-{}-{seed}", sc.name).replace('_', "-"),
-        store: if sc.store == StoreChoice::Etcd { StoreKind::Etcd } else { StoreKind::Memory },
+        store: sc.store,
         coordinators: sc.coordinators as usize,
         settings: JobSettings {
             min_workers: sc.min_workers,
@@ -199,7 +197,7 @@ async fn run_inner(sc: &Scenario, seed: u64, log_dir: &std::path::Path, verbose:
             straggler_policy: sc
                 .straggler_policy
                 .as_deref()
-                .and_then(|p| cohort_coordinator::stragglers::StragglerPolicy::parse(p).ok())
+                .and_then(|p| cohort_coordinator::config::StragglerPolicy::parse(p).ok())
                 .unwrap_or_default(),
             straggler_cooldown: sc.straggler_cooldown.map_or(JobSettings::default().straggler_cooldown, |d| d.0),
         },

@@ -10,11 +10,25 @@
 //! - [`etcd::EtcdStore`]: a real etcd v3 cluster through the `etcd-client` crate.
 //!
 //! Both pass the same behavioural suite (`tests/store_suite.rs`).
+//!
+//! # Choosing and opening a backend
+//!
+//! [`StoreSpec`] is the coordinator's `--store` flag (`memory`, or
+//! `etcd://HOST:PORT[,HOST:PORT...]`): the binary parses and opens it, and the launchers that
+//! start coordinators (the chaos harness, the integration tests) build one and pass its text
+//! form. [`StoreKind`] is the backend without its address: what a launcher must provision
+//! before it can name a spec. A new backend is its module (with its `mod` line here), a
+//! variant in both enums with its arms below, and its run of `tests/store_suite.rs`.
 
 pub mod etcd;
 pub mod memory;
 
+use etcd::{EtcdSecurity, EtcdStore, DEFAULT_REQUEST_TIMEOUT};
+use memory::MemoryStore;
+use std::fmt;
 use std::pin::Pin;
+use std::str::FromStr;
+use std::sync::Arc;
 use std::time::Duration;
 
 /// An etcd-style lease id. `0` is never a valid lease.
@@ -207,4 +221,165 @@ pub(crate) fn ttl_seconds(ttl: Duration) -> Result<u64, StoreError> {
         return Err(StoreError::Invalid(format!("lease TTL {secs} s exceeds {MAX_LEASE_TTL_SECS} s")));
     }
     Ok(secs)
+}
+
+/// A store backend, without where it is.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum StoreKind {
+    /// The in-process store ([`MemoryStore`]): nothing else to run, one replica only.
+    #[default]
+    Memory,
+    /// An etcd v3 cluster ([`EtcdStore`]): any number of replicas share it.
+    Etcd,
+}
+
+impl StoreKind {
+    /// Every backend.
+    pub const ALL: [StoreKind; 2] = [StoreKind::Memory, StoreKind::Etcd];
+
+    /// The backend's name: the `--store` value or URL scheme, and its name in scenario files.
+    pub fn name(self) -> &'static str {
+        match self {
+            StoreKind::Memory => "memory",
+            StoreKind::Etcd => "etcd",
+        }
+    }
+
+    /// Whether several coordinator replicas can share one store of this kind. The memory store
+    /// lives inside one process, so a deployment on it runs exactly one coordinator.
+    pub fn shared_by_replicas(self) -> bool {
+        match self {
+            StoreKind::Memory => false,
+            StoreKind::Etcd => true,
+        }
+    }
+}
+
+impl fmt::Display for StoreKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// A store and where it is, as the coordinator's `--store` flag names it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum StoreSpec {
+    /// `memory`: the in-process store.
+    Memory,
+    /// `etcd://HOST:PORT[,HOST:PORT...]`: an etcd cluster. The endpoints are `HOST:PORT`
+    /// without a scheme; [`StoreSpec::open`] dials them with https when TLS is configured.
+    Etcd {
+        /// The cluster's client endpoints, at least one.
+        endpoints: Vec<String>,
+    },
+}
+
+/// A `--store` value that names no backend.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("bad store {0:?}: use memory or etcd://HOST:PORT[,HOST:PORT...]")]
+pub struct StoreSpecError(pub String);
+
+/// Why [`StoreSpec::open`] failed.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum OpenStoreError {
+    /// etcd security settings given for a store that is not etcd (they would be ignored).
+    #[error("the etcd TLS and user settings need an etcd store, not {0}")]
+    SecurityWithoutEtcd(StoreKind),
+    /// The backend refused or could not be reached.
+    #[error("store: {0}")]
+    Store(#[from] StoreError),
+}
+
+impl StoreSpec {
+    /// The backend this spec names.
+    pub fn kind(&self) -> StoreKind {
+        match self {
+            StoreSpec::Memory => StoreKind::Memory,
+            StoreSpec::Etcd { .. } => StoreKind::Etcd,
+        }
+    }
+
+    /// Opens the store. `etcd` holds the TLS and user settings of an etcd store (the default
+    /// is none); settings for a store that is not etcd are refused rather than ignored.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: dropping the future drops the connection being made; nothing else
+    /// happens.
+    pub async fn open(&self, etcd: &EtcdSecurity) -> Result<Arc<dyn Store>, OpenStoreError> {
+        let etcd_settings = etcd.ca_pem.is_some() || etcd.client_identity.is_some() || etcd.user.is_some();
+        match self {
+            StoreSpec::Memory if etcd_settings => Err(OpenStoreError::SecurityWithoutEtcd(self.kind())),
+            StoreSpec::Memory => Ok(Arc::new(MemoryStore::new())),
+            StoreSpec::Etcd { endpoints } => {
+                let scheme = if etcd.ca_pem.is_some() { "https" } else { "http" };
+                let urls: Vec<String> = endpoints.iter().map(|e| format!("{scheme}://{e}")).collect();
+                Ok(Arc::new(EtcdStore::connect_secured(&urls, DEFAULT_REQUEST_TIMEOUT, etcd).await?))
+            }
+        }
+    }
+}
+
+impl FromStr for StoreSpec {
+    type Err = StoreSpecError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        if s == StoreKind::Memory.name() {
+            return Ok(StoreSpec::Memory);
+        }
+        let list = s.strip_prefix("etcd://").ok_or_else(|| StoreSpecError(s.into()))?;
+        let endpoints: Vec<String> = list.split(',').filter(|e| !e.is_empty()).map(str::to_string).collect();
+        if endpoints.is_empty() {
+            return Err(StoreSpecError(s.into()));
+        }
+        Ok(StoreSpec::Etcd { endpoints })
+    }
+}
+
+impl fmt::Display for StoreSpec {
+    /// The `--store` value that parses back to this spec.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            StoreSpec::Memory => f.write_str("memory"),
+            StoreSpec::Etcd { endpoints } => write!(f, "etcd://{}", endpoints.join(",")),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn specs_parse_and_print_back() {
+        for text in ["memory", "etcd://127.0.0.1:2379", "etcd://a:1,b:2,c:3"] {
+            let spec: StoreSpec = text.parse().expect(text);
+            assert_eq!(spec.to_string(), text);
+        }
+        assert_eq!("etcd://a:1,,b:2,".parse(), Ok(StoreSpec::Etcd { endpoints: vec!["a:1".into(), "b:2".into()] }));
+        for bad in ["", "etcd", "etcd://", "etcd://,", "Memory", "redis://x:1", "memory://"] {
+            assert_eq!(bad.parse::<StoreSpec>(), Err(StoreSpecError(bad.into())), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn kinds_name_their_specs() {
+        assert_eq!(StoreSpec::Memory.kind(), StoreKind::Memory);
+        assert_eq!(StoreSpec::Etcd { endpoints: vec!["a:1".into()] }.kind(), StoreKind::Etcd);
+        for kind in StoreKind::ALL {
+            assert_eq!(kind.to_string(), kind.name());
+        }
+        assert!(!StoreKind::Memory.shared_by_replicas());
+        assert!(StoreKind::Etcd.shared_by_replicas());
+    }
+
+    #[tokio::test]
+    async fn etcd_settings_on_the_memory_store_are_refused() {
+        let etcd = EtcdSecurity { user: Some(("u".into(), "p".into())), ..EtcdSecurity::default() };
+        assert!(matches!(
+            StoreSpec::Memory.open(&etcd).await,
+            Err(OpenStoreError::SecurityWithoutEtcd(StoreKind::Memory))
+        ));
+        assert!(StoreSpec::Memory.open(&EtcdSecurity::default()).await.is_ok());
+    }
 }

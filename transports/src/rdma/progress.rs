@@ -99,7 +99,8 @@ impl Inner {
         peer.wake();
     }
 
-    /// Waits for a change on `peer` or the no-progress deadline.
+    /// Waits for a change on `peer` or the no-progress deadline; when the deadline passes,
+    /// fails the link (so every other waiter on it stops too) and returns the timeout.
     pub(super) async fn wait(
         &self,
         peer: &Peer,
@@ -115,7 +116,7 @@ impl Inner {
                 Err(_) => {
                     if peer.lock().last_progress.max(started) + self.deadlines.no_progress <= Instant::now() {
                         let e = TransportError::Timeout { peer: peer.rank, after: self.deadlines.no_progress };
-                        return Err(e);
+                        return Err(peer.fail(&mut peer.lock(), e));
                     }
                 }
             }

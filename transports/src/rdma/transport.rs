@@ -110,15 +110,7 @@ impl RdmaTransport {
                         break;
                     }
                 }
-                if let Err(e) = inner.wait(peer, &mut rx, started).await {
-                    return Err(match e {
-                        TransportError::Timeout { .. } => {
-                            let mut st = peer.lock();
-                            peer.fail(&mut st, e)
-                        }
-                        e => e,
-                    });
-                }
+                inner.wait(peer, &mut rx, started).await?;
             }
         }
         Ok(())
@@ -200,15 +192,7 @@ impl RdmaTransport {
                     }
                 }
             }
-            if let Err(e) = inner.wait(peer, &mut rx, started).await {
-                return Err(match e {
-                    TransportError::Timeout { .. } => {
-                        let mut st = peer.lock();
-                        peer.fail(&mut st, e)
-                    }
-                    e => e,
-                });
-            }
+            inner.wait(peer, &mut rx, started).await?;
         }
     }
 }

@@ -2,6 +2,7 @@
 
 use super::options::TcpOptions;
 use crate::handshake::{self, Hello, HsIoError, Message, Refusal, Verdict};
+use crate::link_guards::lock;
 use crate::{Rank, TransportError};
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -86,9 +87,6 @@ struct RouterState {
 pub(crate) struct Router {
     state: Mutex<RouterState>,
 }
-
-// Every critical section leaves the data consistent, so a panic elsewhere does not matter.
-pub(crate) use crate::link_guards::lock;
 
 /// Deregisters a mesh set-up from the router when it ends.
 pub(crate) struct Registration {

@@ -1,8 +1,9 @@
 //! Mesh set-up: dialing lower ranks, completing handshakes of accepted connections.
 
-use super::endpoint::{lock, Incoming, SharedNotes};
+use super::endpoint::{Incoming, SharedNotes};
 use super::options::TcpOptions;
 use crate::handshake::{self, check_fields, Hello, HsIoError, Message, Verdict};
+use crate::link_guards::lock;
 use crate::{Rank, TransportError};
 use std::net::SocketAddr;
 use std::sync::Arc;

@@ -228,7 +228,7 @@ impl TcpEndpoint {
 
 fn deadline_error(ctx: &MeshCtx, streams: &[Option<tokio::net::TcpStream>], deadlines: Deadlines) -> TransportError {
     let missing: Vec<Rank> = (0..ctx.world).filter(|&r| r != ctx.rank && streams[r as usize].is_none()).collect();
-    let notes = endpoint::lock(&ctx.notes);
+    let notes = crate::link_guards::lock(&ctx.notes);
     let mut detail = format!(
         "mesh not complete within the connect deadline of {:?}; no link to ranks {missing:?}",
         deadlines.connect

@@ -4,7 +4,12 @@
 //! rank has (transitively) heard from every other, so nobody leaves before everybody entered.
 
 use super::Ctx;
+use crate::comm::{Call, CallKind, Communicator};
+use crate::error::CommError;
 use cohort_transports::{Transport, TransportError};
+
+/// The barrier call.
+pub(crate) const BARRIER: CallKind = CallKind { name: "barrier", code: 10 };
 
 /// Runs the barrier.
 pub(crate) async fn barrier<T: Transport>(ctx: &Ctx<'_, T>) -> Result<(), TransportError> {
@@ -20,4 +25,14 @@ pub(crate) async fn barrier<T: Transport>(ctx: &Ctx<'_, T>) -> Result<(), Transp
         round += 1;
     }
     Ok(())
+}
+
+impl<T: Transport> Communicator<T> {
+    /// Barrier: returns once every rank has entered it (dissemination, `ceil(log2 n)` rounds).
+    ///
+    /// # Cancel safety
+    /// Not cancel safe; see [`Communicator::allreduce`].
+    pub async fn barrier(&mut self) -> Result<(), CommError> {
+        self.run(Call::new(BARRIER), 1, 0, Ok(()), true, async |ctx, _scratch| barrier(&ctx).await).await
+    }
 }

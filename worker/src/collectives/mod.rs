@@ -1,4 +1,9 @@
-//! Collective schedules: pure message patterns over a [`Transport`].
+//! The collectives: each file holds a schedule (a pure message pattern over a [`Transport`])
+//! and the `Communicator` methods that run it, with the `CallKind` (name and signature code)
+//! of each collective it implements. A new collective is a new file here, its `mod` line and
+//! its entry in `CALLS` (in this module's tests); the machinery every call goes through (`Communicator::run`: the
+//! call signature, sequence numbers, poisoning, deadlines, revocation) is in `crate::comm`.
+//! The allreduce methods, which choose among several schedules, are in `allreduce.rs`.
 //!
 //! Each schedule takes a `Ctx` (the transport, this rank, the world, the operation's `seq`
 //! and call signature, the segment size) and the caller's buffers, and either completes or
@@ -9,11 +14,15 @@
 //! Steps: every message of an operation between an ordered pair of ranks gets a distinct
 //! `step`, computed from the schedule alone so that sender and receiver agree on it.
 
+pub(crate) mod allgather;
+pub(crate) mod allreduce;
 pub(crate) mod alltoall;
 pub(crate) mod barrier;
 pub mod bcube;
 pub(crate) mod hierarchical;
+pub(crate) mod p2p;
 pub(crate) mod recursive_doubling;
+pub(crate) mod reduce_scatter;
 pub(crate) mod ring;
 pub(crate) mod tree;
 
@@ -140,6 +149,24 @@ pub(crate) fn offsets(counts: &[usize]) -> Vec<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::comm::CallKind;
+
+    /// Every collective's call kind; no two may share a code or a name (a unit test checks).
+    /// The next free code is 12.
+    const CALLS: &[CallKind] = &[
+        allreduce::ALLREDUCE,
+        reduce_scatter::REDUCE_SCATTER,
+        allgather::ALLGATHER,
+        allgather::ALLGATHERV,
+        tree::BROADCAST,
+        tree::REDUCE,
+        tree::GATHER,
+        tree::SCATTER,
+        alltoall::ALLTOALL,
+        alltoall::ALLTOALLV,
+        barrier::BARRIER,
+        p2p::P2P,
+    ];
 
     #[test]
     fn blocks_cover_the_vector() {
@@ -152,5 +179,15 @@ mod tests {
         let (r, w) = split_rw(&mut v, 3..5, 0..2);
         w[0] = r[1];
         assert_eq!(v[0], 4);
+    }
+
+    #[test]
+    fn call_kinds_are_distinct() {
+        for (i, a) in CALLS.iter().enumerate() {
+            for b in &CALLS[i + 1..] {
+                assert_ne!(a.code, b.code, "{} and {} share a signature code", a.name, b.name);
+                assert_ne!(a.name, b.name, "two collectives are named {}", a.name);
+            }
+        }
     }
 }

@@ -11,10 +11,21 @@
 //! serves the others.
 
 use super::Ctx;
+use crate::comm::{check, Call, CallKind, Communicator};
 use crate::dtype::{as_bytes, as_bytes_mut, Element};
+use crate::error::CommError;
 use crate::reduce::{finish_avg, ReduceOp};
 use cohort_transports::{Transport, TransportError};
 use futures::future::try_join_all;
+
+/// The broadcast call.
+pub(crate) const BROADCAST: CallKind = CallKind { name: "broadcast", code: 4 };
+/// The reduce call.
+pub(crate) const REDUCE: CallKind = CallKind { name: "reduce", code: 5 };
+/// The gather call.
+pub(crate) const GATHER: CallKind = CallKind { name: "gather", code: 6 };
+/// The scatter call.
+pub(crate) const SCATTER: CallKind = CallKind { name: "scatter", code: 7 };
 
 fn vrank(rank: usize, root: usize, n: usize) -> usize {
     (rank + n - root) % n
@@ -135,6 +146,89 @@ pub(crate) async fn scatter<T: Transport, E: Element>(
     output.copy_from_slice(&input[root * m..(root + 1) * m]);
     let sends = input.chunks(m).enumerate().filter(|(i, _)| *i != root).map(|(i, b)| ctx.send_segs(i, 0, b));
     try_join_all(sends).await.map(|_| ())
+}
+
+impl<T: Transport> Communicator<T> {
+    /// Broadcast `data` from `root` to every rank (binomial tree, pipelined by segment).
+    ///
+    /// # Cancel safety
+    /// Not cancel safe; see [`Communicator::allreduce`].
+    pub async fn broadcast<E: Element>(&mut self, data: &mut [E], root: u32) -> Result<(), CommError> {
+        let n = self.size();
+        let valid = check(root < n, || format!("root {root} out of range for {n} ranks"));
+        let call = Call { dtype: Some(E::DTYPE), count: data.len() as u64, root: Some(root), ..Call::new(BROADCAST) };
+        self.run(call, std::mem::size_of::<E>(), std::mem::size_of_val(data), valid, true, async |ctx, _scratch| {
+            broadcast(&ctx, data, root as usize).await
+        })
+        .await
+    }
+
+    /// Reduce to `root`: afterwards the root's `data` holds the element-wise reduction; other
+    /// ranks' `data` is left unchanged (binomial tree, pipelined by segment).
+    ///
+    /// # Cancel safety
+    /// Not cancel safe; see [`Communicator::allreduce`].
+    pub async fn reduce<E: Element>(&mut self, data: &mut [E], op: ReduceOp, root: u32) -> Result<(), CommError> {
+        let n = self.size();
+        let valid = check(root < n, || format!("root {root} out of range for {n} ranks"));
+        let len = data.len();
+        let call =
+            Call { dtype: Some(E::DTYPE), op: Some(op), count: len as u64, root: Some(root), ..Call::new(REDUCE) };
+        self.run(call, std::mem::size_of::<E>(), std::mem::size_of_val(data), valid, true, async |ctx, scratch| {
+            let s = scratch.get::<E>(reduce_scratch(ctx.seg, len));
+            reduce(&ctx, data, op, root as usize, s).await
+        })
+        .await
+    }
+
+    /// Gather every rank's `input` (same length everywhere) into `output` on `root`, block `i`
+    /// from rank `i`. `output` must hold `input.len() * size` elements on the root and is not
+    /// touched (may be empty) elsewhere.
+    ///
+    /// # Cancel safety
+    /// Not cancel safe; see [`Communicator::allreduce`].
+    pub async fn gather<E: Element>(&mut self, input: &[E], output: &mut [E], root: u32) -> Result<(), CommError> {
+        let (n, m) = (self.size() as usize, input.len());
+        let on_root = root == self.rank();
+        let valid = check(root < self.size(), || format!("root {root} out of range for {n} ranks")).and_then(|_| {
+            check(!on_root || output.len() == m * n, || {
+                format!("output has {} elements, expected {m} x {n}", output.len())
+            })
+        });
+        let call = Call { dtype: Some(E::DTYPE), count: m as u64, root: Some(root), ..Call::new(GATHER) };
+        self.run(call, std::mem::size_of::<E>(), std::mem::size_of_val(input), valid, true, async |ctx, _scratch| {
+            gather(&ctx, input, output, root as usize).await
+        })
+        .await
+    }
+
+    /// Scatter block `i` of the root's `input` (`output.len() * size` elements; ignored and may
+    /// be empty elsewhere) to rank `i`'s `output`.
+    ///
+    /// # Cancel safety
+    /// Not cancel safe; see [`Communicator::allreduce`].
+    pub async fn scatter<E: Element>(&mut self, input: &[E], output: &mut [E], root: u32) -> Result<(), CommError> {
+        let (n, m) = (self.size() as usize, output.len());
+        let on_root = root == self.rank();
+        let valid = check(root < self.size(), || format!("root {root} out of range for {n} ranks")).and_then(|_| {
+            check(!on_root || input.len() == m * n, || {
+                format!("input has {} elements, expected {m} x {n}", input.len())
+            })
+        });
+        let call = Call { dtype: Some(E::DTYPE), count: m as u64, root: Some(root), ..Call::new(SCATTER) };
+        self.run(call, std::mem::size_of::<E>(), std::mem::size_of_val(output), valid, true, async |ctx, _scratch| {
+            scatter(&ctx, input, output, root as usize).await
+        })
+        .await
+    }
+
+    /// Broadcast raw bytes from `root` (see [`Communicator::broadcast`]).
+    ///
+    /// # Cancel safety
+    /// Not cancel safe; see [`Communicator::allreduce`].
+    pub async fn broadcast_bytes(&mut self, data: &mut [u8], root: u32) -> Result<(), CommError> {
+        self.broadcast(data, root).await
+    }
 }
 
 #[cfg(test)]
