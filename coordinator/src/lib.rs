@@ -33,54 +33,20 @@ pub(crate) mod revocation;
 pub mod server;
 pub mod store;
 
-// The internals: public under `test-support` (see the crate documentation), private otherwise.
-// Their items are `pub` for the feature's sake, so without it some are unused outside tests.
+/// Declares the internal modules: public under `test-support` (see the crate documentation),
+/// private otherwise. Their items are `pub` for the feature's sake, so without it some are
+/// unused outside tests.
+macro_rules! internal_modules {
+    ($($name:ident),* $(,)?) => {$(
+        #[cfg(feature = "test-support")]
+        pub mod $name;
+        #[cfg(not(feature = "test-support"))]
+        #[allow(dead_code, unreachable_pub)]
+        mod $name;
+    )*};
+}
 
-#[cfg(feature = "test-support")]
-pub mod exclusion;
-#[cfg(not(feature = "test-support"))]
-#[allow(dead_code, unreachable_pub)]
-mod exclusion;
-#[cfg(feature = "test-support")]
-pub mod hub;
-#[cfg(not(feature = "test-support"))]
-#[allow(dead_code, unreachable_pub)]
-mod hub;
-#[cfg(feature = "test-support")]
-pub mod keys;
-#[cfg(not(feature = "test-support"))]
-#[allow(dead_code, unreachable_pub)]
-mod keys;
-#[cfg(feature = "test-support")]
-pub mod metrics;
-#[cfg(not(feature = "test-support"))]
-#[allow(dead_code, unreachable_pub)]
-mod metrics;
-#[cfg(feature = "test-support")]
-pub mod ops;
-#[cfg(not(feature = "test-support"))]
-#[allow(dead_code, unreachable_pub)]
-mod ops;
-#[cfg(feature = "test-support")]
-pub mod records;
-#[cfg(not(feature = "test-support"))]
-#[allow(dead_code, unreachable_pub)]
-mod records;
-#[cfg(feature = "test-support")]
-pub mod service;
-#[cfg(not(feature = "test-support"))]
-#[allow(dead_code, unreachable_pub)]
-mod service;
-#[cfg(feature = "test-support")]
-pub mod stragglers;
-#[cfg(not(feature = "test-support"))]
-#[allow(dead_code, unreachable_pub)]
-mod stragglers;
-#[cfg(feature = "test-support")]
-pub mod validate;
-#[cfg(not(feature = "test-support"))]
-#[allow(dead_code, unreachable_pub)]
-mod validate;
+internal_modules!(exclusion, hub, keys, metrics, ops, records, service, stragglers, validate);
 
 pub use config::{ExclusionPolicy, JobSettings, Settings, StragglerPolicy};
 pub use server::{serve, start, ServeConfig, ServeError, ServerHandle};
