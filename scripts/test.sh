@@ -11,11 +11,14 @@ export CARGO_TERM_COLOR=never
 export RUST_BACKTRACE=1
 
 # The style gate: formatting (rustfmt.toml) and clippy with warnings as errors, the rdma
-# feature included (the workspace lints are in Cargo.toml).
-echo "== fmt and clippy"
+# feature included (the workspace lints are in Cargo.toml), and the API docs with rustdoc's
+# warnings as errors (a broken or private intra-doc link, an unclosed HTML tag).
+echo "== fmt, clippy and docs"
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
 cargo clippy -p cohort -p cohort-transports --features cohort/rdma --all-targets --locked -- -D warnings
+RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --locked
+RUSTDOCFLAGS="-D warnings" cargo doc -p cohort -p cohort-transports --features cohort/rdma --no-deps --locked
 
 echo "== build"
 cargo build --workspace --all-targets --locked

@@ -160,7 +160,7 @@ impl ProgressRecord {
 /// meanwhile, on any replica, wins). A worker process that dies closes its connection at
 /// once (the kernel sends FIN or RST), long before its lease lapses, so this is the
 /// coordinator's fast, though not certain, sign of death: the rendezvous stops waiting for
-/// such a member (see [`crate::rendezvous`]). A live worker whose connection broke reopens
+/// such a member (see `crate::rendezvous`). A live worker whose connection broke reopens
 /// its watch and is `connected` again.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ControlRecord {
@@ -174,7 +174,7 @@ pub struct ControlRecord {
 
 /// `timeouts/<worker>`: the member's latest timeout report, kept in the store so that every
 /// replica reads a cascade whole, whichever replica each report reached (see
-/// [`crate::revocation::cascade_root`]). On the member's lease; one per member, replaced by
+/// `crate::revocation::cascade_root`). On the member's lease; one per member, replaced by
 /// its next report. Nothing else reads it: it decides no rendezvous.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TimeoutRecord {

@@ -1,8 +1,8 @@
 //! `cohort._native`: the Python extension over the `cohort` crate (PyO3, stable ABI 3.11+).
 //!
 //! A thin layer: collectives, rendezvous, revocation and state sync are the crate's; this
-//! crate views Python buffers in place ([`buffer`]), releases the GIL while Rust works
-//! ([`runtime`]), and turns typed errors into the exceptions of `cohort.errors` ([`errors`]).
+//! crate views Python buffers in place (`buffer`), releases the GIL while Rust works
+//! (`runtime`), and turns typed errors into the exceptions of `cohort.errors` (`errors`).
 //! The Python contract is python/cohort/_native.pyi.
 
 mod buffer;

@@ -10,7 +10,7 @@
 //!
 //! Beside the segment each pair keeps a connected Unix stream socket. It carries the set-up
 //! (the TCP transport's authenticated handshake, then the memfd itself with `SCM_RIGHTS`; see
-//! [`setup`]), then only doorbells: a side that found nothing to read (or no room to write)
+//! `setup`), then only doorbells: a side that found nothing to read (or no room to write)
 //! busy-polls the ring for [`ShmOptions::busy_poll`], then raises a flag in the ring and
 //! sleeps on the socket; the other side writes one byte when it sees the flag. When a peer's
 //! process dies the kernel closes its end, so every sleeper wakes at once with end-of-stream

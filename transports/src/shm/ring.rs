@@ -16,7 +16,7 @@
 //! | offset | size | field |
 //! |---|---|---|
 //! | 0  | 4 | magic `"CHSM"` |
-//! | 4  | 1 | version ([`VERSION`]) |
+//! | 4  | 1 | version (`VERSION`, 1) |
 //! | 5  | 1 | kind: 1 = first chunk of a message, 2 = continuation |
 //! | 6  | 2 | flags (0) |
 //! | 8  | 8 | generation |

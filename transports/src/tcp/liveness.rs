@@ -15,7 +15,7 @@
 //! so it amplifies nothing). A probe refused by the peer's host (no socket on that port) is
 //! not taken as a death: the link then waits up to the ceiling, as with learning off. A
 //! link's target is only probed for a failure once it has answered once, right after the
-//! link came up ([`verify`]), so a foreign socket on that port never makes a live peer look
+//! link came up (`verify`), so a foreign socket on that port never makes a live peer look
 //! dead.
 
 use std::net::{SocketAddr, UdpSocket};
