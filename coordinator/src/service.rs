@@ -96,6 +96,21 @@ fn not_member(job: &str, worker: &str, incarnation: u64) -> Status {
     ))
 }
 
+/// `Status` of a job with no key in the store: NOT_FOUND (gRPC's convention for a named
+/// resource that does not exist), with the leader, which is known regardless, in the
+/// [`cohort_proto::LEADER_HEADER`] metadata.
+fn unknown_job(job: &str, leader: &str) -> Status {
+    let mut status = Status::not_found(format!(
+        "job {job} does not exist here: no worker has joined it, or it ended and its record expired"
+    ));
+    if let Ok(value) = leader.parse() {
+        if !leader.is_empty() {
+            status.metadata_mut().insert(cohort_proto::LEADER_HEADER, value);
+        }
+    }
+    status
+}
+
 impl CoordinatorService {
     /// A service over a replica's shared context.
     pub fn new(ctx: Arc<Context>) -> Self {
@@ -1070,9 +1085,12 @@ impl CoordinatorService {
     async fn do_status(&self, r: pb::StatusRequest) -> Result<pb::StatusResponse, Status> {
         validate::id("job", &r.job)?;
         let (kvs, revision) = self.ctx.store.get_prefix(&keys::job_prefix(&r.job)).await.map_err(store_status)?;
-        let unknown_job = kvs.is_empty();
-        let state = JobState::from_kvs(&r.job, &kvs, revision);
         let leader = self.ctx.store.get(keys::LEADER).await.map_err(store_status)?;
+        let leader = leader.map(|kv| String::from_utf8_lossy(&kv.value).into_owned()).unwrap_or_default();
+        if kvs.is_empty() {
+            return Err(unknown_job(&r.job, &leader));
+        }
+        let state = JobState::from_kvs(&r.job, &kvs, revision);
         let settings = self.ctx.settings.for_job(&r.job);
         let g = state.current();
         let now = records::now_ms();
@@ -1164,7 +1182,6 @@ impl CoordinatorService {
             .collect();
         Ok(pb::StatusResponse {
             exclusions,
-            unknown_job,
             digest_mismatches,
             job: r.job.clone(),
             settings: Some(settings.to_proto()),
@@ -1173,7 +1190,7 @@ impl CoordinatorService {
             revocation_cause: g.and_then(|g| g.revoked.as_ref()).map(|c| c.to_proto()),
             members,
             ended: state.ended.as_ref().map(|e| e.to_proto()),
-            leader: leader.map(|kv| String::from_utf8_lossy(&kv.value).into_owned()).unwrap_or_default(),
+            leader,
         })
     }
 

@@ -23,5 +23,9 @@ pub const AUTHORIZATION_HEADER: &str = "authorization";
 /// exclusion ends (decimal). A worker waits that long and joins again.
 pub const RETRY_AFTER_MS_HEADER: &str = "cohort-retry-after-ms";
 
+/// The metadata key on a `Status` answered NOT_FOUND (the job does not exist): the name of
+/// the replica that leads now (absent when none does).
+pub const LEADER_HEADER: &str = "cohort-leader";
+
 pub use v1::coordinator_client::CoordinatorClient;
 pub use v1::coordinator_server::{Coordinator, CoordinatorServer};
