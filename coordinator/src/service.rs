@@ -551,18 +551,18 @@ impl CoordinatorService {
         let settings = self.ctx.settings.for_job(job);
         let Some(finding) = &standing.last else { return None };
         self.ctx.metrics.straggler_named(job, worker, finding.kind.name());
-        let members = state.current().map_or(0, |g| g.members.len());
+        let members: Vec<String> =
+            state.current().map_or_else(Vec::new, |g| g.members.iter().map(|m| m.worker_id.clone()).collect());
         let mut until = None;
         let action = match settings.straggler_policy {
             stragglers::StragglerPolicy::Report => "reported (straggler policy: report)".to_string(),
-            stragglers::StragglerPolicy::Exclude if members <= settings.min_workers as usize => format!(
-                "not excluded: the generation has {members} members and min_workers is {}",
-                settings.min_workers
-            ),
             stragglers::StragglerPolicy::Exclude => {
                 let why = format!("{} slow: {}", finding.kind.name(), finding.reason);
-                match ops::exclude_straggler(&self.ctx, job, worker, settings.straggler_cooldown, &why).await {
-                    Ok(end) => {
+                let min = settings.min_workers as usize;
+                let cooldown = settings.straggler_cooldown;
+                match ops::exclude_straggler(&self.ctx, job, worker, &members, min, cooldown, &why).await {
+                    Ok(ops::StragglerExclusion::Refused(why)) => format!("not excluded: {why}"),
+                    Ok(ops::StragglerExclusion::Excluded(end)) => {
                         self.ctx.metrics.straggler_excluded(job);
                         until = Some(end);
                         format!(

@@ -879,6 +879,49 @@ async fn a_straggler_is_named_and_excluded(backend: Backend) {
     server.shutdown().await.expect("shutdown");
 }
 
+/// Three rounds of heartbeats with `slow` at 30 ms of compute per step and the others at
+/// 10 ms; the last answer to `slow`.
+async fn slow_rounds(workers: &[Worker], slow: &Worker, generation: u64) -> pb::HeartbeatResponse {
+    let mut last = None;
+    for _ in 0..3 {
+        for w in workers.iter().filter(|w| w.id != slow.id) {
+            heartbeat_timing(w, generation, 10, 20).await;
+        }
+        last = Some(heartbeat_timing(slow, generation, 30, 1).await);
+    }
+    last.expect("three rounds")
+}
+
+/// Exclusions in force count against `min_workers`: with three members and `min_workers` 2,
+/// a first straggler is excluded (it stays a member until its commit point), and a second one
+/// named in the same generation is not, so the job never falls below `min_workers`.
+async fn a_second_straggler_is_not_excluded_below_min_workers(backend: Backend) {
+    let backing = Backing::new(backend).await;
+    let mut settings = test_settings(backend);
+    settings.min_workers = 2;
+    settings.straggler_policy = cohort_coordinator::stragglers::StragglerPolicy::Exclude;
+    settings.straggler_cooldown = Duration::from_secs(60);
+    let server = replica(backing.store.clone(), &Options::new(settings)).await;
+    let addr = server.local_addr();
+    let workers = Worker::join_many(addr, "job-s2", 3, HB).await;
+    let gs = futures::future::join_all(workers.iter().map(|w| w.next_generation(0))).await;
+    let g = gs[0].clone();
+    let by_rank = |rank: usize| workers.iter().find(|w| w.id == g.members[rank].worker_id).expect("a member");
+    let (first, second) = (by_rank(0), by_rank(1));
+    let answer = slow_rounds(&workers, first, g.number).await;
+    assert!(answer.leave_as_straggler.contains("compute slow"), "the first is excluded: {answer:?}");
+    // The first has not left yet (its exclusion is in force); now the second is slow.
+    let answer = slow_rounds(&workers, second, g.number).await;
+    assert!(answer.leave_as_straggler.is_empty(), "the second must stay: {answer:?}");
+    let s = status(addr, "job-s2").await;
+    let m = s.members.iter().find(|m| m.worker_id == second.id).expect("the second is a member");
+    let v = m.straggler.as_ref().expect("the second is named");
+    assert!(v.action.contains("not excluded") && v.action.contains("1 of them excluded already"), "{}", v.action);
+    assert_eq!(s.exclusions.len(), 1, "only the first is excluded: {:?}", s.exclusions);
+    assert_eq!(s.exclusions[0].worker_id, first.id);
+    server.shutdown().await.expect("shutdown");
+}
+
 macro_rules! suite {
     ($($name:ident),* $(,)?) => {
         mod memory {
@@ -919,4 +962,5 @@ suite!(
     different_commit_digests_are_flagged,
     a_lost_domain_is_one_failure_of_the_domain,
     a_straggler_is_named_and_excluded,
+    a_second_straggler_is_not_excluded_below_min_workers,
 );
