@@ -374,7 +374,7 @@ pub async fn end_job(
             tracing::debug!(%job, incarnation = inc, error = %e, "could not revoke a member lease of an ended job");
         }
     }
-    ctx.metrics.set_job(job, None);
+    ctx.metrics.forget_job(job);
     Ok(true)
 }
 
