@@ -13,6 +13,21 @@ pub enum ControlError {
         /// The last error seen.
         last: String,
     },
+    /// Every endpoint refused the connection from the first attempt on, for the client's
+    /// `first_contact_wait`, and no coordinator has ever answered: most likely a wrong address.
+    #[error(
+        "nothing listens at {endpoints}: every connection was refused for {waited:.1?} ({last}); check the \
+         coordinator address, or wait longer for a coordinator that starts later (cohort-worker \
+         --coordinator-wait, Python coordinator_wait)"
+    )]
+    NothingListening {
+        /// The endpoints tried, comma separated.
+        endpoints: String,
+        /// How long the client tried.
+        waited: std::time::Duration,
+        /// The last error seen.
+        last: String,
+    },
     /// The coordinator answered with an error status (not retried).
     #[error("coordinator refused {rpc}: {code:?}: {message}")]
     Rejected {
