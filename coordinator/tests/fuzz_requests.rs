@@ -60,7 +60,16 @@ fn rpc() -> impl Strategy<Value = Rpc> {
             any::<String>()
         )
             .prop_map(|(job, worker_id, host, addresses, capabilities, protocol_version, domain)| Rpc::Join(
-                pb::JoinRequest { job, worker_id, host, addresses, capabilities, protocol_version, domain }
+                pb::JoinRequest {
+                    job,
+                    worker_id,
+                    host,
+                    addresses,
+                    capabilities,
+                    protocol_version,
+                    domain,
+                    replaces: 0
+                }
             )),
         (id(), id(), num(), num(), num(), any::<String>(), any::<String>()).prop_map(
             |(job, worker_id, incarnation, generation, step, activity, deadlines)| Rpc::Heartbeat(

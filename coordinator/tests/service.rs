@@ -484,7 +484,12 @@ async fn restart_revokes(backend: Backend) {
     let workers = vec![Worker::join(addr, "job-h", "w0", HB).await, Worker::join(addr, "job-h", "w1", HB).await];
     form_all(&workers, 0).await;
     let mut watch = workers[0].watch().await;
-    let again = Worker::join(addr, "job-h", "w1", HB).await;
+    // w1's process dies (its heartbeats stop) and a new one starts with its id at once: it is
+    // refused while the predecessor may still be alive, told when it counts as gone, and
+    // joins then.
+    let mut workers = workers;
+    workers[1].stop_heartbeats();
+    let again = join_after_silent_predecessor(addr, join_request("job-h", "w1")).await;
     assert_ne!(again.incarnation, workers[1].incarnation);
     let revoked = wait_event(&mut watch, |e| match e {
         Event::GenerationRevoked(r) => Some(r.clone()),
@@ -499,6 +504,62 @@ async fn restart_revokes(backend: Backend) {
     let gs = futures::future::join_all([workers[0].next_generation(1), again.next_generation(0)]).await;
     assert_eq!(gs[0], gs[1]);
     assert_eq!(gs[0].number, 2);
+    server.shutdown().await.expect("shutdown");
+}
+
+/// Joins with `request`, whose worker id a process that has died (stopped heartbeating) may
+/// still hold: on ALREADY_EXISTS it asks again when the coordinator says the holder counts as
+/// gone (at most twice), as the worker's own join does.
+async fn join_after_silent_predecessor(addr: std::net::SocketAddr, request: pb::JoinRequest) -> Worker {
+    for _ in 0..3 {
+        match Worker::try_join_with(addr, request.clone(), HB).await {
+            Ok(w) => return w,
+            Err(s) if s.code() == tonic::Code::AlreadyExists => {
+                let wait: u64 = s
+                    .metadata()
+                    .get(cohort_proto::RETRY_AFTER_MS_HEADER)
+                    .and_then(|v| v.to_str().ok())
+                    .and_then(|v| v.parse().ok())
+                    .unwrap_or_else(|| panic!("ALREADY_EXISTS without a retry-after: {s:?}"));
+                assert!(wait <= 2_000, "a silent holder counts as gone within 2 s here, not {wait} ms");
+                // The coordinator's answer says when to ask again: waiting for it is the protocol.
+                tokio::time::sleep(Duration::from_millis(wait + 50)).await;
+            }
+            Err(s) => panic!("join {}: {s}", request.worker_id),
+        }
+    }
+    panic!("{} was refused three times after its predecessor stopped", request.worker_id)
+}
+
+/// A second process joining with the id of a live member is refused at once with
+/// ALREADY_EXISTS naming the holder's host (and changes nothing: the holder stays, nothing is
+/// revoked); the holder's own re-join, naming the incarnation it replaces, is accepted.
+async fn a_live_worker_id_is_refused_to_a_second_process(backend: Backend) {
+    let backing = Backing::new(backend).await;
+    let server = replica(backing.store.clone(), &Options::new(test_settings(backend))).await;
+    let addr = server.local_addr();
+    // Both heartbeat throughout (they live until the end of the test).
+    let workers = Worker::join_many(addr, "job-dup", 2, HB).await;
+    let g = form_all(&workers, 0).await.remove(0);
+    let holder_incarnation = g.members.iter().find(|m| m.worker_id == "w0").expect("w0").incarnation;
+    let mut second = join_request("job-dup", "w0");
+    second.host = "second-host".into();
+    let mut c = client(addr).await;
+    for _ in 0..3 {
+        let refused = c.join(second.clone()).await.expect_err("a live holder keeps its id");
+        assert_eq!(refused.code(), tonic::Code::AlreadyExists, "{refused:?}");
+        assert!(refused.message().contains("held by a live process on host host-w0"), "{}", refused.message());
+        assert!(refused.message().contains(&format!("incarnation {holder_incarnation}")), "{}", refused.message());
+        assert!(refused.metadata().get(cohort_proto::RETRY_AFTER_MS_HEADER).is_some(), "{refused:?}");
+    }
+    let s = status(addr, "job-dup").await;
+    assert!(!s.current_revoked, "a refused join revokes nothing: {:?}", s.revocation_cause);
+    let m = s.members.iter().find(|m| m.worker_id == "w0").expect("w0 is a member");
+    assert_eq!(m.incarnation, holder_incarnation, "the holder keeps its incarnation");
+    // The holder itself joins again (as after an eviction it did not see yet): accepted.
+    let own = pb::JoinRequest { replaces: holder_incarnation, ..join_request("job-dup", "w0") };
+    let again = c.join(own).await.expect("the holder's own re-join").into_inner();
+    assert_ne!(again.incarnation, holder_incarnation);
     server.shutdown().await.expect("shutdown");
 }
 
@@ -963,4 +1024,5 @@ suite!(
     a_lost_domain_is_one_failure_of_the_domain,
     a_straggler_is_named_and_excluded,
     a_second_straggler_is_not_excluded_below_min_workers,
+    a_live_worker_id_is_refused_to_a_second_process,
 );

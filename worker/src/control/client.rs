@@ -100,8 +100,9 @@ fn normalise(endpoint: &str, tls: bool) -> String {
     }
 }
 
-/// The error for a status that is not retried: [`ControlError::Excluded`] when the
-/// coordinator says when to come back, else [`ControlError::Rejected`].
+/// The error for a status that is not retried: [`ControlError::Excluded`] or
+/// [`ControlError::IdInUse`] when the coordinator says when to come back, else
+/// [`ControlError::Rejected`].
 fn refusal(rpc: &'static str, status: &Status) -> ControlError {
     let retry_after = status
         .metadata()
@@ -111,6 +112,9 @@ fn refusal(rpc: &'static str, status: &Status) -> ControlError {
     match retry_after {
         Some(ms) if status.code() == Code::FailedPrecondition => {
             ControlError::Excluded { message: status.message().to_string(), retry_after: Duration::from_millis(ms) }
+        }
+        Some(ms) if status.code() == Code::AlreadyExists => {
+            ControlError::IdInUse { message: status.message().to_string(), retry_after: Duration::from_millis(ms) }
         }
         _ => ControlError::Rejected { rpc, code: status.code(), message: status.message().to_string() },
     }

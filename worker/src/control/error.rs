@@ -47,6 +47,16 @@ pub enum ControlError {
         /// Until the exclusion ends, as the coordinator counted it.
         retry_after: std::time::Duration,
     },
+    /// The coordinator refused a Join because a live process holds this worker id (two
+    /// processes were given one id). A holder that stays silent for `retry_after` counts as
+    /// gone (this process restarted after its predecessor died): then the join succeeds.
+    #[error("coordinator refused Join: {message}")]
+    IdInUse {
+        /// The coordinator's message (the holder's host and incarnation).
+        message: String,
+        /// When a silent holder would count as gone.
+        retry_after: std::time::Duration,
+    },
     /// The client configuration is unusable (bad endpoint URL, unreadable CA file, ...).
     #[error("invalid control-plane configuration: {0}")]
     Config(String),
@@ -58,6 +68,7 @@ impl ControlError {
         match self {
             Self::Rejected { code, .. } => Some(*code),
             Self::Excluded { .. } => Some(tonic::Code::FailedPrecondition),
+            Self::IdInUse { .. } => Some(tonic::Code::AlreadyExists),
             _ => None,
         }
     }
