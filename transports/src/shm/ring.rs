@@ -45,9 +45,9 @@ pub(crate) const SLOT_MAGIC: u32 = u32::from_le_bytes(*b"CHSM");
 /// Layout version.
 pub(crate) const VERSION: u8 = 1;
 /// Slot kind: first chunk of a message.
-pub(crate) const KIND_FIRST: u8 = 1;
+pub const KIND_FIRST: u8 = 1;
 /// Slot kind: a later chunk.
-pub(crate) const KIND_CONT: u8 = 2;
+pub const KIND_CONT: u8 = 2;
 
 /// Size of one ring with `slots` slots of `slot_bytes`.
 pub(crate) fn ring_bytes(slots: u32, slot_bytes: usize) -> usize {
@@ -158,15 +158,15 @@ impl Ring {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SlotHeader {
     /// [`KIND_FIRST`] or [`KIND_CONT`].
-    pub(crate) kind: u8,
+    pub kind: u8,
     /// The message's tag.
-    pub(crate) tag: Tag,
+    pub tag: Tag,
     /// Bytes of payload in this slot.
-    pub(crate) chunk: u32,
+    pub chunk: u32,
     /// Length of the whole message.
-    pub(crate) total: u64,
+    pub total: u64,
     /// Offset of this chunk in the message.
-    pub(crate) offset: u64,
+    pub offset: u64,
 }
 
 impl SlotHeader {
