@@ -875,7 +875,7 @@ mod tests {
         let release = target.join("release");
         std::fs::create_dir_all(release.join("deps")).expect("dirs");
         let exe = release.join("cohort-chaos");
-        let never = || panic!("python3 is asked only when no venv is found");
+        let never = || -> bool { panic!("python3 is asked only when no venv is found") };
         // COHORT_PYTHON first.
         assert_eq!(find_python(Some("/opt/py".into()), Some(&exe), root.path(), never), Ok("/opt/py".into()));
         // No venv, and python3 without the package: one line that says what to run.

@@ -3,7 +3,7 @@
 use cohort_transports::handshake::{self, PREFIX_LEN};
 
 /// One input: a prefix and what follows it.
-pub fn run(data: &[u8]) {
+pub(crate) fn run(data: &[u8]) {
     if data.len() < PREFIX_LEN + 1 {
         return;
     }

@@ -3,7 +3,7 @@
 use cohort_transports::rdma::address::{EndpointAddress, RdmaAddress};
 
 /// One input: the address text (not UTF-8: nothing to decode).
-pub fn run(data: &[u8]) {
+pub(crate) fn run(data: &[u8]) {
     let Ok(text) = std::str::from_utf8(data) else { return };
     if let Ok(a) = EndpointAddress::decode(text) {
         assert_eq!(EndpointAddress::decode(&a.encode()).unwrap(), a);

@@ -4,7 +4,7 @@ use std::path::{Path, PathBuf};
 
 /// Runs `body` over every file in `fuzz/seeds/<target>/` (there must be some); a panic names
 /// the file that caused it.
-pub fn replay(target: &str, body: fn(&[u8])) {
+pub(crate) fn replay(target: &str, body: fn(&[u8])) {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fuzz/seeds").join(target);
     let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
         .unwrap_or_else(|e| panic!("the seed corpus of {target} ({}): {e}", dir.display()))

@@ -2,7 +2,7 @@
 use cohort_coordinator::config::{Overrides, Settings};
 
 /// One input: the file's text (not UTF-8: nothing to parse).
-pub fn run(data: &[u8]) {
+pub(crate) fn run(data: &[u8]) {
     let Ok(text) = std::str::from_utf8(data) else { return };
     if let Ok(settings) = Settings::from_toml(Some(("fuzz", text)), &Overrides::default()) {
         let _ = settings.for_job("any-job");

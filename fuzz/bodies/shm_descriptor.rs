@@ -3,7 +3,7 @@
 use cohort_transports::shm::{self, DESC_LEN};
 
 /// One input: the descriptor's 16 bytes.
-pub fn run(data: &[u8]) {
+pub(crate) fn run(data: &[u8]) {
     let Some(desc) = data.get(..DESC_LEN) else { return };
     let desc: [u8; DESC_LEN] = desc.try_into().unwrap();
     if let Ok((slots, slot_bytes)) = shm::decode_descriptor(&desc) {

@@ -6,7 +6,7 @@ use cohort_transports::shm::ring::{SlotHeader, SLOT_HEADER};
 
 /// One input: 64 header bytes, then the link's generation and largest message (u64 LE each)
 /// and the slot's payload capacity (u32 LE).
-pub fn run(data: &[u8]) {
+pub(crate) fn run(data: &[u8]) {
     if data.len() < SLOT_HEADER + 20 {
         return;
     }

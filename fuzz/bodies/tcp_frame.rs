@@ -3,7 +3,7 @@
 use cohort_transports::tcp::frame::{FrameHeader, HEADER_LEN};
 
 /// One input: 40 header bytes, then the link's generation and largest frame (u64 LE each).
-pub fn run(data: &[u8]) {
+pub(crate) fn run(data: &[u8]) {
     if data.len() < HEADER_LEN + 16 {
         return;
     }
