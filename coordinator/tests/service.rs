@@ -479,6 +479,9 @@ async fn restart_revokes(backend: Backend) {
     let mut settings = test_settings(backend);
     settings.min_workers = 2;
     settings.elastic_timeout = Duration::from_secs(60);
+    // A lease longer than the 1.2 s after which a silent holder counts as gone: the restart,
+    // not the lease's lapse, is what replaces the dead incarnation.
+    settings.lease_ttl = Duration::from_secs(5);
     let server = replica(backing.store.clone(), &Options::new(settings)).await;
     let addr = server.local_addr();
     let workers = vec![Worker::join(addr, "job-h", "w0", HB).await, Worker::join(addr, "job-h", "w1", HB).await];
