@@ -27,7 +27,7 @@ for t in "${targets[@]}"; do
   RUSTC_BOOTSTRAP=1 cargo fuzz run --sanitizer none "$t" "fuzz/corpus/$t" "fuzz/seeds/$t" -- \
     -max_total_time="$seconds" -rss_limit_mb=2048 -print_final_stats=1 >"$log" 2>&1 || rc=$?
   # The summary (grep finds nothing in a log without one: not an error here).
-  grep -E '^(#[0-9]+ +DONE|Done|stat::|INFO: Loaded|==[0-9]+== ERROR|SUMMARY|artifact_prefix|Test unit written)|panicked' "$log" || true
+  grep -E '^(#[0-9]+[[:space:]]+DONE|Done|stat::|INFO: Loaded|==[0-9]+== ERROR|SUMMARY|artifact_prefix|Test unit written)|panicked' "$log" || true
   if [ "$rc" -ne 0 ]; then
     echo "FUZZ FAILURE: $t exited $rc; the last lines of its log:"
     tail -n 30 "$log"
