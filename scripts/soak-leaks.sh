@@ -4,7 +4,8 @@
 # over the run) and a stream of short jobs beside it (hundreds, each two workers that train
 # and finish). Every SAMPLE seconds it records, from the processes' /metrics, the
 # coordinator's and the three long-lived workers' resident memory, open descriptors and
-# live tokio tasks, and the store's key count; at the end it compares the last sample with
+# live tokio tasks, the store's key count and the coordinator's metric series that carry a job
+# label; at the end it compares the last sample with
 # the first one after the warm-up and fails if anything grew beyond the allowance.
 #
 #   bash scripts/soak-leaks.sh [DURATION_SECONDS] [OUT_DIR]
@@ -120,8 +121,11 @@ PIDS+=("$!")
 metric() { # ADDR NAME -> value or -
   curl -s --max-time 5 "http://$1/metrics" 2>/dev/null | awk -v n="$2" '$1 == n {print $2; found=1} END {if (!found) print "-"}'
 }
+job_series() { # ADDR -> how many metric series carry a job label (they must not pile up)
+  curl -s --max-time 5 "http://$1/metrics" 2>/dev/null | grep -c 'job="' || true
+}
 
-printf '%6s %8s %9s %6s %6s %6s %6s %9s %6s %6s %7s %7s\n' t_s gens coord_kb c_fds c_tasks keys jobs w0_kb w0_fds w0_tsk w1_kb w2_kb \
+printf '%6s %8s %9s %6s %6s %6s %6s %9s %6s %6s %7s %7s %7s\n' t_s gens coord_kb c_fds c_tasks keys jobs w0_kb w0_fds w0_tsk w1_kb w2_kb series \
   | tee "$OUT/samples.txt"
 START=$SECONDS
 while ((SECONDS - START < DURATION)); do
@@ -137,7 +141,8 @@ while ((SECONDS - START < DURATION)); do
   w0_rss=$(metric "${LONG_METRICS[0]}" process_resident_memory_bytes)
   row+=("$((w0_rss / 1024))" "$(metric "${LONG_METRICS[0]}" process_open_fds)" "$(metric "${LONG_METRICS[0]}" cohort_runtime_alive_tasks)")
   for i in 1 2; do row+=("$(($(metric "${LONG_METRICS[$i]}" process_resident_memory_bytes) / 1024))"); done
-  printf '%6s %8s %9s %6s %6s %6s %6s %9s %6s %6s %7s %7s\n' "${row[@]}" | tee -a "$OUT/samples.txt"
+  row+=("$(job_series "$COORD_METRICS")")
+  printf '%6s %8s %9s %6s %6s %6s %6s %9s %6s %6s %7s %7s %7s\n' "${row[@]}" | tee -a "$OUT/samples.txt"
 done
 
 churns=$(cat "$OUT/churn.count" 2>/dev/null || echo 0)
@@ -155,12 +160,14 @@ base = next((r for r in rows if int(r[0]) >= int(sys.argv[2])), None)
 last = rows[-1] if rows else None
 if base is None or last is base:
     print("not enough samples after the warm-up for a verdict"); sys.exit(1)
-cols = {"coord_kb": 2, "c_fds": 3, "c_tasks": 4, "keys": 5, "w0_kb": 7, "w0_fds": 8, "w0_tsk": 9, "w1_kb": 10, "w2_kb": 11}
+cols = {"coord_kb": 2, "c_fds": 3, "c_tasks": 4, "keys": 5, "w0_kb": 7, "w0_fds": 8, "w0_tsk": 9, "w1_kb": 10, "w2_kb": 11,
+        "series": 12}
 # Allowances: memory may settle (allocator arenas, buffers sized by the largest message)
 # but not grow with time; descriptors and tasks vary by the connections and calls in flight.
 allow = {"coord_kb": lambda b: b * 1.25 + 8192, "w0_kb": lambda b: b * 1.25 + 8192, "w1_kb": lambda b: b * 1.25 + 8192,
          "w2_kb": lambda b: b * 1.25 + 8192, "c_fds": lambda b: b + 16, "c_tasks": lambda b: b + 32,
-         "w0_fds": lambda b: b + 16, "w0_tsk": lambda b: b + 32, "keys": lambda b: b + 64}
+         "w0_fds": lambda b: b + 16, "w0_tsk": lambda b: b + 32, "keys": lambda b: b + 64,
+         "series": lambda b: b + 64}
 bad = []
 for name, i in cols.items():
     try:

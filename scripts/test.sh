@@ -22,6 +22,10 @@ RUSTDOCFLAGS="-D warnings" cargo doc -p cohort -p cohort-transports --features c
 
 echo "== build"
 cargo build --workspace --all-targets --locked
+# The coverage-guided fuzz targets (fuzz/, not a workspace member) must build; uninstrumented,
+# into the workspace's target directory, so the dependencies built above are reused. Their
+# seed corpus (fuzz/seeds/) is replayed by the tests below; `bash scripts/fuzz.sh` fuzzes.
+cargo build --manifest-path fuzz/Cargo.toml --bins --locked --target-dir target
 
 echo "== deploy manifests (kustomize render, offline schema validation, yamllint, CLI flags)"
 bash scripts/validate-deploy.sh --require-cli

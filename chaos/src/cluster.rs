@@ -8,7 +8,7 @@ use crate::process::{now_ms, LineHook, ManagedProcess, OutputLine};
 use crate::proxy::Proxy;
 use cohort_testkit::etcd::EtcdProcess;
 use std::collections::BTreeMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 use tokio::process::Command;
 use tokio::sync::mpsc;
@@ -46,15 +46,71 @@ pub struct WorkerSpec {
     pub command: Option<Vec<String>>,
 }
 
+/// The venv `scripts/python-env.sh` makes, relative to a cargo target directory.
+const PYENV_PYTHON: &str = "pyenv/bin/python";
+
+/// The Python interpreter that has the `cohort` package, for `{python}`: `COHORT_PYTHON`
+/// (`env`) when set; else the venv `scripts/python-env.sh` makes, `target/pyenv`, found
+/// from the harness's own executable (`exe`, in `target/<profile>/` or its `deps/`) or the
+/// workspace (`workspace/target`); else `python3` when `python3_has_cohort` says it imports
+/// the package (`pip install ./python`). Otherwise an error that says, in one line, what
+/// to run.
+pub fn find_python(
+    env: Option<String>,
+    exe: Option<&Path>,
+    workspace: &Path,
+    python3_has_cohort: impl FnOnce() -> bool,
+) -> Result<String, String> {
+    if let Some(p) = env.filter(|p| !p.trim().is_empty()) {
+        return Ok(p);
+    }
+    let from_exe = exe.and_then(Path::parent).into_iter().flat_map(|d| d.ancestors().take(3));
+    let from_workspace = std::iter::once(workspace.join("target"));
+    for dir in from_exe.map(Path::to_path_buf).chain(from_workspace) {
+        let python = dir.join(PYENV_PYTHON);
+        if python.is_file() {
+            return Ok(python.display().to_string());
+        }
+    }
+    if python3_has_cohort() {
+        return Ok("python3".into());
+    }
+    Err("no Python with the cohort package: run `bash scripts/python-env.sh` (it builds target/pyenv, which \
+         the harness finds by itself), or set COHORT_PYTHON to an interpreter that imports cohort"
+        .into())
+}
+
+/// [`find_python`] for this process (its environment, executable and workspace), looked up
+/// once.
+fn python() -> Result<String, String> {
+    static FOUND: std::sync::OnceLock<Result<String, String>> = std::sync::OnceLock::new();
+    FOUND
+        .get_or_init(|| {
+            let exe = std::env::current_exe().ok();
+            let workspace = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap_or(Path::new("."));
+            find_python(std::env::var("COHORT_PYTHON").ok(), exe.as_deref(), workspace, || {
+                std::process::Command::new("python3")
+                    .args(["-c", "import cohort._native"])
+                    .stdin(std::process::Stdio::null())
+                    .stdout(std::process::Stdio::null())
+                    .stderr(std::process::Stdio::null())
+                    .status()
+                    .is_ok_and(|s| s.success())
+            })
+        })
+        .clone()
+}
+
 /// The worker command with its placeholders filled: `{coordinator}` (comma-separated
 /// endpoints), `{job}`, `{worker_id}`, `{listen}`, `{advertise}`, `{token_file}` (the job's
 /// credential), `{steps}`, `{size}`, `{no_progress_ms}`, `{step_interval_ms}`, and `{python}`
-/// (`$COHORT_PYTHON`, else `python3`). An unknown `{name}` is an error, not a silent literal.
+/// ([`find_python`]: `$COHORT_PYTHON`, else `target/pyenv`, else a `python3` that has the
+/// package, else an error saying what to run). An unknown `{name}` is an error, not a
+/// silent literal.
 pub fn expand_command(template: &[String], values: &[(&str, String)]) -> Result<Vec<String>, String> {
     if template.is_empty() {
         return Err("worker_command is empty".into());
     }
-    let python = std::env::var("COHORT_PYTHON").unwrap_or_else(|_| "python3".into());
     template
         .iter()
         .map(|arg| {
@@ -66,7 +122,7 @@ pub fn expand_command(template: &[String], values: &[(&str, String)]) -> Result<
                     rest[open..].find('}').ok_or_else(|| format!("unclosed {{ in worker_command argument {arg:?}"))?;
                 let key = &rest[open + 1..open + close];
                 let value = if key == "python" {
-                    python.clone()
+                    python()?
                 } else {
                     values
                         .iter()
@@ -807,6 +863,35 @@ mod tests {
         assert!(expand_command(&bad, &values).unwrap_err().contains("unknown placeholder {nope}"));
         assert!(expand_command(&["{job".to_string()], &values).unwrap_err().contains("unclosed"));
         assert!(expand_command(&[], &values).is_err());
+    }
+
+    use super::find_python;
+    use std::path::Path;
+
+    #[test]
+    fn the_python_venv_is_found_from_the_binary_or_the_workspace_or_named() {
+        let root = tempfile::tempdir().expect("tempdir");
+        let target = root.path().join("target");
+        let release = target.join("release");
+        std::fs::create_dir_all(release.join("deps")).expect("dirs");
+        let exe = release.join("cohort-chaos");
+        let never = || -> bool { panic!("python3 is asked only when no venv is found") };
+        // COHORT_PYTHON first.
+        assert_eq!(find_python(Some("/opt/py".into()), Some(&exe), root.path(), never), Ok("/opt/py".into()));
+        // No venv, and python3 without the package: one line that says what to run.
+        let err = find_python(None, Some(&exe), root.path(), || false).unwrap_err();
+        assert!(err.contains("bash scripts/python-env.sh") && !err.contains('\n'), "{err}");
+        assert_eq!(find_python(None, Some(&exe), root.path(), || true), Ok("python3".into()));
+        // target/pyenv, from the release binary, from a test binary in deps/, and from the
+        // workspace when the binary lives elsewhere.
+        let venv = target.join("pyenv/bin");
+        std::fs::create_dir_all(&venv).expect("venv");
+        std::fs::write(venv.join("python"), "").expect("python");
+        let want = Ok(venv.join("python").display().to_string());
+        assert_eq!(find_python(None, Some(&exe), Path::new("/nonexistent"), never), want);
+        assert_eq!(find_python(Some(String::new()), Some(&release.join("deps/t")), Path::new("/x"), never), want);
+        assert_eq!(find_python(None, Some(Path::new("/usr/bin/cohort-chaos")), root.path(), never), want);
+        assert_eq!(find_python(None, None, root.path(), never), want);
     }
 
     use super::bound_address;

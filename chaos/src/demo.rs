@@ -293,7 +293,11 @@ pub async fn run(config: DemoConfig) -> Result<Vec<Check>, ClusterError> {
     let expected = crate::scenario::parse_bytes(&config.size)
         .map(|bytes| crate::invariants::expected_params_digest(bytes, config.steps))
         .map_err(|e| ClusterError::Setup(format!("the demo's size: {e}")))?;
-    checks.push(crate::invariants::final_params(events, crate::invariants::ExpectedParams::Computed(&expected)));
+    checks.push(crate::invariants::final_params(
+        events,
+        crate::invariants::ExpectedParams::Computed(&expected),
+        crate::scenario::Expect::Finish,
+    ));
     Ok(checks)
 }
 

@@ -2,6 +2,7 @@
 
 use crate::demo::Check;
 use crate::events::{EventKind, WorkerEvent};
+use crate::scenario::Expect;
 use std::collections::{BTreeMap, BTreeSet};
 
 /// No worker ever saw a generation number go down.
@@ -198,8 +199,9 @@ pub enum ExpectedParams<'a> {
 /// The trained parameters are right: no worker printed `event=wrong_params`, every worker that
 /// finished reports the same `params_digest`, and it is the expected one. A worker program
 /// that reports no digest at all is skipped, visibly (said in the detail); the built-in worker
-/// must report one.
-pub fn final_params(events: &[WorkerEvent], expected: ExpectedParams<'_>) -> Check {
+/// must report one. When the run's `outcome` is [`Expect::Finish`], at least one worker must
+/// have finished: a run where none did compared nothing and fails the check.
+pub fn final_params(events: &[WorkerEvent], expected: ExpectedParams<'_>, outcome: Expect) -> Check {
     let mut bad: Vec<String> = events
         .iter()
         .filter(|e| e.kind == EventKind::WrongParams)
@@ -215,6 +217,10 @@ pub fn final_params(events: &[WorkerEvent], expected: ExpectedParams<'_>) -> Che
         .collect();
     let finished: Vec<&WorkerEvent> = events.iter().filter(|e| e.kind == EventKind::Finished).collect();
     let what = "the final parameters are the expected ones on every worker that finished".to_string();
+    if finished.is_empty() && outcome == Expect::Finish {
+        // Nothing was compared: a run whose workers should finish proves nothing here.
+        bad.push("no worker finished, so no final parameters were checked".into());
+    }
     let reporting = finished.iter().filter(|e| e.text("params_digest").is_some()).count();
     if expected == ExpectedParams::Reported && reporting == 0 && bad.is_empty() {
         return Check {
@@ -370,25 +376,36 @@ mod tests {
             ev(w, &format!("event=finished step=9 params_digest={d} expected_digest={x} t_ms=1"))
         };
         let good = [fin("a", "d1", "d1"), fin("b", "d1", "d1")];
-        assert!(final_params(&good, ExpectedParams::Computed("d1")).ok);
-        assert!(final_params(&good, ExpectedParams::Reported).ok);
+        assert!(final_params(&good, ExpectedParams::Computed("d1"), Expect::Finish).ok);
+        assert!(final_params(&good, ExpectedParams::Reported, Expect::Finish).ok);
         // The harness expects other parameters than both workers hold (and claim).
-        assert!(!final_params(&good, ExpectedParams::Computed("d2")).ok);
+        assert!(!final_params(&good, ExpectedParams::Computed("d2"), Expect::Finish).ok);
         // One worker ended with other parameters.
         let split = [fin("a", "d1", "d1"), fin("b", "d2", "d1")];
-        let c = final_params(&split, ExpectedParams::Computed("d1"));
+        let c = final_params(&split, ExpectedParams::Computed("d1"), Expect::Finish);
         assert!(!c.ok && c.detail.contains("differ"), "{}", c.detail);
-        assert!(!final_params(&split, ExpectedParams::Reported).ok);
+        assert!(!final_params(&split, ExpectedParams::Reported, Expect::Finish).ok);
         // Workers that agree with each other but not with their own expectation.
-        assert!(!final_params(&[fin("a", "d2", "d1"), fin("b", "d2", "d1")], ExpectedParams::Reported).ok);
+        assert!(
+            !final_params(&[fin("a", "d2", "d1"), fin("b", "d2", "d1")], ExpectedParams::Reported, Expect::Finish).ok
+        );
         // A wrong_params event fails the run even if nobody finished.
         let wrong = [ev("a", "event=wrong_params step=4 phase=sync index=0 t_ms=1")];
-        assert!(!final_params(&wrong, ExpectedParams::Computed("d1")).ok);
-        assert!(!final_params(&wrong, ExpectedParams::Reported).ok);
+        assert!(!final_params(&wrong, ExpectedParams::Computed("d1"), Expect::Finish).ok);
+        assert!(!final_params(&wrong, ExpectedParams::Reported, Expect::Finish).ok);
         // The built-in worker must report a digest; a worker program that reports none is skipped, visibly.
         let bare = [ev("a", "event=finished step=9 t_ms=1")];
-        assert!(!final_params(&bare, ExpectedParams::Computed("d1")).ok);
-        let skipped = final_params(&bare, ExpectedParams::Reported);
+        assert!(!final_params(&bare, ExpectedParams::Computed("d1"), Expect::Finish).ok);
+        let skipped = final_params(&bare, ExpectedParams::Reported, Expect::Finish);
         assert!(skipped.ok && skipped.detail.starts_with("SKIPPED"), "{}", skipped.detail);
+        // Nobody finished: nothing was compared, which fails a run whose workers should finish
+        // and is what a run expected to fail does.
+        let started = [ev("a", "event=generation generation=1 rank=0 size=1 t_ms=1")];
+        for expected in [ExpectedParams::Computed("d1"), ExpectedParams::Reported] {
+            let c = final_params(&started, expected, Expect::Finish);
+            assert!(!c.ok && c.detail.contains("no worker finished"), "{expected:?}: {}", c.detail);
+            assert!(final_params(&started, expected, Expect::Fail).ok, "{expected:?}");
+        }
+        assert!(final_params(&[], ExpectedParams::Computed("d1"), Expect::Fail).ok);
     }
 }

@@ -89,6 +89,10 @@ struct Common {
     /// Print each run's progress.
     #[arg(long, short)]
     verbose: bool,
+    /// Accept skipped scenarios (network namespaces need root): without it a skip fails the
+    /// verdict. Each skip's reason is printed in the summary either way.
+    #[arg(long)]
+    allow_skip: bool,
 }
 
 impl Common {
@@ -123,11 +127,22 @@ async fn interruptible(fut: impl std::future::Future<Output = ExitCode>) -> Exit
     }
 }
 
-fn verdict(runs: &[cohort_chaos::report::RunReport], targets: &[cohort_chaos::demo::Check]) -> ExitCode {
-    if !runs.is_empty() && runs.iter().all(|r| r.passed) && targets.iter().all(|c| c.ok) {
-        println!("PASS");
+fn verdict(
+    runs: &[cohort_chaos::report::RunReport],
+    targets: &[cohort_chaos::demo::Check],
+    allow_skip: bool,
+) -> ExitCode {
+    let skipped = runs.iter().filter(|r| r.skipped.is_some()).count();
+    if suite::verdict(runs, targets, allow_skip) {
+        println!(
+            "PASS{}",
+            if skipped > 0 { format!(" ({skipped} skipped, allowed by --allow-skip)") } else { String::new() }
+        );
         ExitCode::SUCCESS
     } else {
+        if skipped > 0 && !allow_skip {
+            println!("{skipped} scenario(s) skipped: a skip fails the verdict (--allow-skip accepts skips)");
+        }
         println!("FAIL");
         ExitCode::FAILURE
     }
@@ -171,7 +186,7 @@ fn main() -> ExitCode {
                 opts.verbose = true;
                 let runs = suite::run_all(std::slice::from_ref(&sc), &opts).await;
                 suite::publish("run", &runs, &[], common.json.as_deref());
-                verdict(&runs, &[])
+                verdict(&runs, &[], common.allow_skip)
             }))
         }
         Cmd::Suite { quick, seed, common } => {
@@ -192,7 +207,7 @@ fn main() -> ExitCode {
                 let runs = suite::run_all(&scenarios, &opts).await;
                 suite::publish(if quick { "suite --quick" } else { "suite" }, &runs, &[], common.json.as_deref());
                 println!("suite took {:.1} s", t.elapsed().as_secs_f64());
-                verdict(&runs, &[])
+                verdict(&runs, &[], common.allow_skip)
             }))
         }
         Cmd::Soak { duration, scenario, seed, max_runs, common } => {
@@ -213,7 +228,7 @@ fn main() -> ExitCode {
                     &targets,
                     common.json.as_deref(),
                 );
-                verdict(&runs, &targets)
+                verdict(&runs, &targets, common.allow_skip)
             }))
         }
     }

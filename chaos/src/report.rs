@@ -251,6 +251,27 @@ pub struct RunReport {
     pub log_dir: Option<String>,
     /// Proxy counters, when the data plane went through it.
     pub proxy: Option<crate::proxy::ProxyStats>,
+    /// Why the scenario was not run (network namespaces cannot be made here, ...): a skipped
+    /// run has not passed; the verdict accepts it only when asked to (`--allow-skip`).
+    pub skipped: Option<String>,
+}
+
+impl RunReport {
+    /// The report of a scenario that was not run, and why.
+    pub fn skipped(scenario: &str, seed: u64, reason: String) -> Self {
+        Self {
+            scenario: scenario.to_string(),
+            seed,
+            passed: false,
+            error: None,
+            checks: Vec::new(),
+            faults: Vec::new(),
+            wall_ms: 0,
+            log_dir: None,
+            proxy: None,
+            skipped: Some(reason),
+        }
+    }
 }
 
 /// Statistics per fault kind and measurement.
@@ -313,9 +334,20 @@ pub fn render(runs: &[RunReport], targets: &[Check]) -> String {
             r.seed,
             r.faults.len(),
             r.wall_ms as f64 / 1e3,
-            if r.passed { "pass" } else { "FAIL" },
+            if r.skipped.is_some() {
+                "SKIPPED"
+            } else if r.passed {
+                "pass"
+            } else {
+                "FAIL"
+            },
             r.log_dir.as_deref().unwrap_or("-")
         ));
+    }
+    for r in runs {
+        if let Some(why) = &r.skipped {
+            out.push_str(&format!("SKIPPED {}: {why}\n", r.scenario));
+        }
     }
     out.push('\n');
     if runs.iter().map(|r| r.faults.len()).sum::<usize>() <= 60 {
@@ -500,6 +532,7 @@ mod tests {
             wall_ms: 1000,
             log_dir: None,
             proxy: None,
+            skipped: None,
         }
     }
 

@@ -44,8 +44,8 @@ pub fn load_dir(dir: &Path, quick: bool) -> Result<Vec<Scenario>, ScenarioError>
 }
 
 /// Runs `scenarios` one after the other, printing a line per run. A scenario on network
-/// namespaces is skipped, with the reason printed, where they cannot be made (not root, no
-/// iproute2).
+/// namespaces is skipped where they cannot be made (not root, no iproute2): its report says
+/// why ([`RunReport::skipped`]), and it fails the [`verdict`] unless skips are allowed.
 ///
 /// # Cancel safety
 /// Cancel safe: dropping it kills the current run's processes.
@@ -56,7 +56,9 @@ pub async fn run_all(scenarios: &[Scenario], opts: &RunOptions) -> Vec<RunReport
         println!("== {} (seed {}): {}", s.name, opts.seed.unwrap_or(s.seed), s.description);
         if s.network == NetworkChoice::Netns {
             if let Err(why) = NetLab::probe() {
-                println!("   SKIPPED: network namespaces are unavailable here: {why}");
+                let why = format!("network namespaces are unavailable here: {why}");
+                println!("   SKIPPED: {why}");
+                reports.push(RunReport::skipped(&s.name, opts.seed.unwrap_or(s.seed), why));
                 continue;
             }
         }
@@ -75,9 +77,18 @@ pub async fn run_all(scenarios: &[Scenario], opts: &RunOptions) -> Vec<RunReport
     reports
 }
 
-/// Prints a failed run's failed checks and error (nothing for a passing run).
+/// Whether `runs` and `targets` make a PASS: at least one run, every run passed (a skipped
+/// one only when `allow_skip`), every target met. A skipped scenario fails by default: a
+/// suite that could not run part of itself has not shown that part holds.
+pub fn verdict(runs: &[RunReport], targets: &[crate::demo::Check], allow_skip: bool) -> bool {
+    !runs.is_empty()
+        && runs.iter().all(|r| r.passed || (allow_skip && r.skipped.is_some()))
+        && targets.iter().all(|c| c.ok)
+}
+
+/// Prints a failed run's failed checks and error (nothing for a passing or skipped run).
 fn print_failures(r: &RunReport) {
-    if r.passed {
+    if r.passed || r.skipped.is_some() {
         return;
     }
     for c in r.checks.iter().filter(|c| !c.ok) {
@@ -140,4 +151,36 @@ pub fn publish(command: &str, runs: &[RunReport], targets: &[crate::demo::Check]
         }
     }
     table
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::demo::Check;
+
+    fn passed(name: &str) -> RunReport {
+        let mut r = RunReport::skipped(name, 1, String::new());
+        r.skipped = None;
+        r.passed = true;
+        r
+    }
+
+    #[test]
+    fn a_skipped_scenario_fails_the_verdict_unless_skips_are_allowed() {
+        let skipped = RunReport::skipped("netns", 3, "network namespaces are unavailable here: not root".into());
+        let runs = vec![passed("kills"), skipped];
+        assert!(!verdict(&runs, &[], false), "a skip is a failure by default");
+        assert!(verdict(&runs, &[], true), "--allow-skip accepts it");
+        assert!(verdict(&runs[..1], &[], false));
+        assert!(!verdict(&[], &[], true), "no run is no pass");
+        let missed = Check { what: "a target".into(), ok: false, detail: String::new() };
+        assert!(!verdict(&runs, &[missed], true));
+        // A failed run is a failure whatever the flag.
+        let mut failed = passed("hang");
+        failed.passed = false;
+        assert!(!verdict(&[failed], &[], true));
+        // The summary names the skipped scenario and why.
+        let table = crate::report::render(&runs, &[]);
+        assert!(table.contains("SKIPPED netns: network namespaces are unavailable here: not root"), "{table}");
+    }
 }

@@ -300,7 +300,7 @@ async fn work(ctx: Arc<Context>) {
                     states.retain(|job, s| {
                         let keep = !s.is_empty();
                         if !keep {
-                            ctx.metrics.set_job(job, None);
+                            ctx.metrics.forget_job(job);
                         }
                         keep
                     });
@@ -330,7 +330,7 @@ async fn evaluate_job(ctx: &Context, state: &JobState) -> Result<Option<u64>, St
     let job = state.job.as_str();
     let retry = Some(records::now_ms() + RETRY.as_millis() as u64);
     if state.ended.is_some() {
-        ctx.metrics.set_job(job, None);
+        ctx.metrics.forget_job(job);
         return Ok(None);
     }
     ctx.metrics.set_job(job, Some((state.members.len() as u64, state.current_number())));

@@ -532,7 +532,7 @@ fn status_json(s: &pb::StatusResponse) -> serde_json::Value {
         "revocation_cause": cause,
         "ended": ended,
         "leader": if s.leader.is_empty() { None } else { Some(&s.leader) },
-        "exists": !s.unknown_job,
+        "exists": true,
         "members": members,
         "exclusions": s.exclusions.iter().map(|x| json!({ "worker_id": x.worker_id, "until_ms": x.until_ms, "reason": x.reason })).collect::<Vec<_>>(),
         "digest_mismatches": s.digest_mismatches.iter().map(|m| json!({
@@ -548,6 +548,9 @@ enum Attempt {
     Unreachable(String),
     /// The coordinator answered with an error: stop.
     Refused(String),
+    /// The coordinator answered NOT_FOUND: the job does not exist (with the leader's name,
+    /// empty when none leads).
+    UnknownJob(String),
 }
 
 async fn status_once(
@@ -590,6 +593,9 @@ async fn status_once(
         {
             Err(Attempt::Unreachable(format!("{:?}: {}", s.code(), s.message())))
         }
+        Err(s) if s.code() == tonic::Code::NotFound => Err(Attempt::UnknownJob(
+            s.metadata().get(cohort_proto::LEADER_HEADER).and_then(|v| v.to_str().ok()).unwrap_or_default().to_string(),
+        )),
         Err(s) => Err(Attempt::Refused(format!("{:?}: {}", s.code(), s.message()))),
     }
 }
@@ -612,14 +618,15 @@ async fn status(args: StatusArgs) -> Result<(), CliError> {
             format!("http://{raw}")
         };
         match tokio::time::timeout(args.timeout, status_once(url, &args, token.as_deref(), ca.as_deref())).await {
-            Ok(Ok(s)) if s.unknown_job => {
+            Ok(Err(Attempt::UnknownJob(leader))) => {
                 // Said plainly (exit 1), with the leader, which is known regardless.
                 if args.json {
-                    println!("{}", status_json(&s));
+                    let leader = if leader.is_empty() { None } else { Some(&leader) };
+                    println!("{}", json!({ "job": args.job, "exists": false, "leader": leader }));
                 } else {
-                    println!("leader: {}", if s.leader.is_empty() { "(none)" } else { &s.leader });
+                    println!("leader: {}", if leader.is_empty() { "(none)" } else { &leader });
                 }
-                return Err(CliError::UnknownJob(s.job));
+                return Err(CliError::UnknownJob(args.job.clone()));
             }
             Ok(Ok(s)) => {
                 if args.json {

@@ -4,7 +4,7 @@
 //! Job gauges (`cohort_members`, `cohort_generation`) are kept by the leading replica,
 //! which evaluates every job; counters count what this replica did.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -147,6 +147,33 @@ impl Metrics {
         }
     }
 
+    /// Forgets every series of `job` (its gauges and its counters): the job has ended, so a
+    /// long-lived coordinator does not keep one series per job it ever served.
+    pub fn forget_job(&self, job: &str) {
+        self.jobs.lock().unwrap_or_else(PoisonError::into_inner).remove(job);
+        self.digest_mismatches.lock().unwrap_or_else(PoisonError::into_inner).remove(job);
+        self.stragglers_named.lock().unwrap_or_else(PoisonError::into_inner).retain(|(j, _), _| j != job);
+        self.stragglers_excluded.lock().unwrap_or_else(PoisonError::into_inner).remove(job);
+        self.stragglers_now.lock().unwrap_or_else(PoisonError::into_inner).remove(job);
+    }
+
+    /// Keeps the series of the jobs in `live` only (job → its members now: the jobs with keys
+    /// in the store that have not ended), and in the stragglers gauge only members still in
+    /// their job. Whatever path a job's end or a member's departure took (a lapsed lease, an
+    /// eviction, a replica that was not told), the census sweeps its series away.
+    pub fn retain_live(&self, live: &HashMap<String, HashSet<String>>) {
+        self.jobs.lock().unwrap_or_else(PoisonError::into_inner).retain(|j, _| live.contains_key(j));
+        self.digest_mismatches.lock().unwrap_or_else(PoisonError::into_inner).retain(|j, _| live.contains_key(j));
+        self.stragglers_named.lock().unwrap_or_else(PoisonError::into_inner).retain(|(j, _), _| live.contains_key(j));
+        self.stragglers_excluded.lock().unwrap_or_else(PoisonError::into_inner).retain(|j, _| live.contains_key(j));
+        let mut now = self.stragglers_now.lock().unwrap_or_else(PoisonError::into_inner);
+        now.retain(|j, workers| {
+            let Some(members) = live.get(j) else { return false };
+            workers.retain(|w, _| members.contains(w));
+            !workers.is_empty()
+        });
+    }
+
     /// Records the number of keys under the jobs prefix (see `cohort_store_keys`).
     pub fn set_store_keys(&self, keys: u64) {
         *self.store_keys.lock().unwrap_or_else(PoisonError::into_inner) = Some(keys);
@@ -246,6 +273,30 @@ impl Metrics {
     }
 }
 
+/// The jobs that have keys and have not ended, with their members, in `kvs` (the jobs
+/// prefix).
+fn live_jobs(kvs: &[crate::store::KeyValue]) -> HashMap<String, HashSet<String>> {
+    use crate::keys::{parse, Kind, Parsed};
+    let mut live: HashMap<String, HashSet<String>> = HashMap::new();
+    let mut ended = HashSet::new();
+    for kv in kvs {
+        match parse(&kv.key) {
+            Some(Parsed::Ended { job }) => {
+                ended.insert(job.to_string());
+            }
+            Some(Parsed::Worker { job, kind: Kind::Member, worker }) => {
+                live.entry(job.to_string()).or_default().insert(worker.to_string());
+            }
+            Some(Parsed::Worker { job, .. } | Parsed::Generation { job }) => {
+                live.entry(job.to_string()).or_default();
+            }
+            None => {}
+        }
+    }
+    live.retain(|job, _| !ended.contains(job));
+    live
+}
+
 /// How often [`store_census`] counts the store's keys.
 pub const CENSUS_INTERVAL: Duration = Duration::from_secs(10);
 
@@ -264,7 +315,10 @@ pub async fn store_census(
     loop {
         let count = tokio::time::timeout(CENSUS_INTERVAL, store.get_prefix(crate::keys::JOBS)).await;
         match count {
-            Ok(Ok((kvs, _))) => metrics.set_store_keys(kvs.len() as u64),
+            Ok(Ok((kvs, _))) => {
+                metrics.set_store_keys(kvs.len() as u64);
+                metrics.retain_live(&live_jobs(&kvs));
+            }
             Ok(Err(e)) => tracing::debug!(error = %e, "store census failed"),
             Err(_) => tracing::debug!("store census timed out"),
         }
@@ -373,5 +427,45 @@ mod tests {
         assert!(text.contains("cohort_members{job=\"j\"} 4"));
         assert!(text.contains("cohort_generation{job=\"j\"} 2"));
         assert!(text.contains("cohort_generations_formed_total 1"));
+        // The job ends: none of its series is left.
+        m.forget_job("j");
+        let text = m.render();
+        assert!(!text.contains("job=\"j\""), "{text}");
+    }
+
+    #[test]
+    fn the_census_keeps_live_jobs_and_members_only() {
+        let kv = |key: String| crate::store::KeyValue {
+            key,
+            value: Vec::new(),
+            create_revision: 1,
+            mod_revision: 1,
+            lease: None,
+        };
+        let m = Metrics::default();
+        for job in ["live", "ended", "gone"] {
+            m.set_job(job, Some((2, 1)));
+            m.digest_mismatch(job);
+            m.straggler_named(job, "w1", "compute");
+            m.straggler_excluded(job);
+        }
+        // w2 of the live job was named, then evicted (no member key any more).
+        m.straggler_named("live", "w2", "link");
+        let kvs = vec![
+            kv(crate::keys::generation("live")),
+            kv(crate::keys::worker_key("live", crate::keys::Kind::Member, "w1")),
+            kv(crate::keys::worker_key("live", crate::keys::Kind::Progress, "w2")),
+            kv(crate::keys::generation("ended")),
+            kv(crate::keys::ended("ended")),
+        ];
+        m.retain_live(&live_jobs(&kvs));
+        let text = m.render();
+        for job in ["ended", "gone"] {
+            assert!(!text.contains(&format!("job=\"{job}\"")), "{job}: {text}");
+        }
+        assert!(text.contains("cohort_stragglers{job=\"live\"} 1"), "only w1 is still a member: {text}");
+        assert!(text.contains("cohort_stragglers_named_total{job=\"live\",kind=\"link\"} 1"), "{text}");
+        assert!(text.contains("cohort_digest_mismatches_total{job=\"live\"} 1"), "{text}");
+        assert!(text.contains("cohort_members{job=\"live\"} 2"), "{text}");
     }
 }

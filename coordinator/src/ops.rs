@@ -180,9 +180,27 @@ pub async fn revoke_generation(
     Err(StoreError::Unavailable(format!("revoking generation {number} of {job}: too much contention")))
 }
 
+/// What [`exclude_straggler`] did.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum StragglerExclusion {
+    /// Excluded until this time (ms since the epoch).
+    Excluded(u64),
+    /// Not excluded: the generation cannot spare it (why, for `status` and the logs).
+    Refused(String),
+}
+
+/// The most failure records of members whose revisions one exclusion compares (etcd's
+/// default limit is 128 operations a transaction). Larger generations compare the suspect's
+/// record and those of the exclusions in force only.
+const MAX_GUARDED_MEMBERS: usize = 100;
+
 /// Excludes `worker` from `job` as a straggler for `cooldown` (see
 /// [`FailureHistory::exclude_straggler`]): a compare-and-swap on its failure record, which
-/// the rendezvous and Join then honour. Returns the end of the exclusion.
+/// the rendezvous and Join then honour. `members` are the worker ids of the current
+/// generation: the exclusion is refused when it would leave fewer than `min_workers` of them
+/// that are not excluded (counting the exclusions in force, read in the same pass), and the
+/// transaction compares the failure records of the members, so that two replicas excluding
+/// two members at once cannot both pass the count.
 ///
 /// # Cancel safety
 /// Cancel safe: one transaction; a lease granted for one that never ran expires by itself.
@@ -190,23 +208,55 @@ pub async fn exclude_straggler(
     ctx: &Context,
     job: &str,
     worker: &str,
+    members: &[String],
+    min_workers: usize,
     cooldown: Duration,
     reason: &str,
-) -> Result<u64, StoreError> {
+) -> Result<StragglerExclusion, StoreError> {
     let fkey = keys::worker_key(job, Kind::Failures, worker);
     for _ in 0..CAS_ATTEMPTS {
         let now = records::now_ms();
-        let fkv = ctx.store.get(&fkey).await?;
-        let mut history: FailureHistory = fkv.as_ref().and_then(|kv| decode(&fkey, &kv.value)).unwrap_or_default();
+        let (kvs, _) = ctx.store.get_prefix(&keys::kind_prefix(job, Kind::Failures)).await?;
+        let records: std::collections::HashMap<&str, &KeyValue> = kvs.iter().map(|kv| (kv.key.as_str(), kv)).collect();
+        let member_keys: Vec<String> = members.iter().map(|m| keys::worker_key(job, Kind::Failures, m)).collect();
+        let in_force = member_keys
+            .iter()
+            .filter(|k| **k != fkey)
+            .filter(|k| {
+                records
+                    .get(k.as_str())
+                    .and_then(|kv| decode::<FailureHistory>(k, &kv.value))
+                    .is_some_and(|h| h.excluded_until(now).is_some())
+            })
+            .count();
+        let staying = members.len().saturating_sub(in_force);
+        if staying <= min_workers {
+            return Ok(StragglerExclusion::Refused(format!(
+                "the generation has {} members, {in_force} of them excluded already, and min_workers is {min_workers}",
+                members.len()
+            )));
+        }
+        let fkv = records.get(fkey.as_str()).copied();
+        let mut history: FailureHistory = fkv.and_then(|kv| decode(&fkey, &kv.value)).unwrap_or_default();
         let until = history.exclude_straggler(now, cooldown, reason);
         let lease = ctx.store.grant_lease(history.retention(&ctx.exclusion, now)).await?;
+        let mut compares = vec![compare_for(&fkey, fkv)];
+        for k in member_keys.iter().filter(|k| **k != fkey) {
+            let kv = records.get(k.as_str()).copied();
+            let excluded = kv
+                .and_then(|kv| decode::<FailureHistory>(k, &kv.value))
+                .is_some_and(|h| h.excluded_until(now).is_some());
+            if members.len() <= MAX_GUARDED_MEMBERS || excluded {
+                compares.push(compare_for(k, kv));
+            }
+        }
         let txn = Txn {
-            compares: vec![compare_for(&fkey, fkv.as_ref())],
+            compares,
             success: vec![TxnOp::Put { key: fkey.clone(), value: encode(&history), lease: Some(lease) }],
             failure: vec![],
         };
         if ctx.store.txn(txn).await?.succeeded {
-            return Ok(until);
+            return Ok(StragglerExclusion::Excluded(until));
         }
         if let Err(e) = ctx.store.revoke_lease(lease).await {
             tracing::debug!(%job, error = %e, "could not revoke an unused lease; it expires by itself");
@@ -324,7 +374,7 @@ pub async fn end_job(
             tracing::debug!(%job, incarnation = inc, error = %e, "could not revoke a member lease of an ended job");
         }
     }
-    ctx.metrics.set_job(job, None);
+    ctx.metrics.forget_job(job);
     Ok(true)
 }
 

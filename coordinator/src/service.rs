@@ -96,6 +96,39 @@ fn not_member(job: &str, worker: &str, incarnation: u64) -> Status {
     ))
 }
 
+/// A Join for a worker id that a live process holds: ALREADY_EXISTS, naming the holder's
+/// host, with the time after which a holder that stays silent counts as gone in the
+/// [`cohort_proto::RETRY_AFTER_MS_HEADER`] metadata (a restarted process joins then).
+fn id_in_use(job: &str, holder: &MemberRecord, silent_for: Duration, left: Duration) -> Status {
+    let mut status = Status::already_exists(format!(
+        "worker id {} of job {job} is held by a live process on host {} (incarnation {}, heard from {} ms ago): \
+         two processes cannot share a worker id; give each its own (--worker-id), or stop the other one",
+        holder.worker_id,
+        if holder.host.is_empty() { "?" } else { &holder.host },
+        holder.incarnation,
+        silent_for.as_millis()
+    ));
+    if let Ok(value) = (left.as_millis() as u64).max(1).to_string().parse() {
+        status.metadata_mut().insert(cohort_proto::RETRY_AFTER_MS_HEADER, value);
+    }
+    status
+}
+
+/// `Status` of a job with no key in the store: NOT_FOUND (gRPC's convention for a named
+/// resource that does not exist), with the leader, which is known regardless, in the
+/// [`cohort_proto::LEADER_HEADER`] metadata.
+fn unknown_job(job: &str, leader: &str) -> Status {
+    let mut status = Status::not_found(format!(
+        "job {job} does not exist here: no worker has joined it, or it ended and its record expired"
+    ));
+    if let Ok(value) = leader.parse() {
+        if !leader.is_empty() {
+            status.metadata_mut().insert(cohort_proto::LEADER_HEADER, value);
+        }
+    }
+    status
+}
+
 impl CoordinatorService {
     /// A service over a replica's shared context.
     pub fn new(ctx: Arc<Context>) -> Self {
@@ -201,6 +234,31 @@ impl CoordinatorService {
             })?;
         }
         Ok(())
+    }
+
+    /// At most how long `holder` (a member record of `job`) has gone without a heartbeat: the
+    /// tightest of its progress record in the store, this replica's cache of it, and its
+    /// store lease's time to live (a lease that is gone: a whole TTL).
+    ///
+    /// # Cancel safety
+    /// Cancel safe (read only).
+    async fn silent_for(&self, job: &str, holder: &MemberRecord, state: &JobState) -> Result<Duration, StoreError> {
+        let granted = self.ctx.settings.for_job(job).lease_ttl_for_store();
+        let mut silent = match self.ctx.store.lease_time_to_live(holder.incarnation as i64).await? {
+            None => return Ok(granted),
+            Some(left) => granted.saturating_sub(left),
+        };
+        if let Some(p) = state.progress.get(&holder.worker_id).filter(|p| p.incarnation == holder.incarnation) {
+            silent = silent.min(Duration::from_millis(records::now_ms().saturating_sub(p.last_heartbeat_ms)));
+        }
+        let cache = self.progress.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(c) = cache
+            .get(&(job.to_string(), holder.worker_id.clone()))
+            .filter(|c| c.record.incarnation == holder.incarnation)
+        {
+            silent = silent.min(Instant::now().duration_since(c.touched));
+        }
+        Ok(silent)
     }
 
     /// How long each member of `g` has gone without a heartbeat, as bounds, for
@@ -315,6 +373,16 @@ impl CoordinatorService {
                 status.metadata_mut().insert(cohort_proto::RETRY_AFTER_MS_HEADER, left);
             }
             return Err(status);
+        }
+        // Two processes with one worker id would evict each other without end: a live holder
+        // keeps the id (another process gets ALREADY_EXISTS), a silent one is replaced (a
+        // restart after a crash). The process that holds the id names it in `replaces`.
+        if let Some(holder) = state.members.get(worker).filter(|m| m.incarnation != r.replaces) {
+            let silent_for = self.silent_for(job, holder, &state).await.map_err(store_status)?;
+            let live_window = PROGRESS_PERIOD + 2 * settings.heartbeat_interval;
+            if silent_for < live_window {
+                return Err(id_in_use(job, holder, silent_for, live_window - silent_for));
+            }
         }
         let lease = self.ctx.store.grant_lease(settings.lease_ttl_for_store()).await.map_err(store_status)?;
         let incarnation = lease as u64;
@@ -536,18 +604,18 @@ impl CoordinatorService {
         let settings = self.ctx.settings.for_job(job);
         let Some(finding) = &standing.last else { return None };
         self.ctx.metrics.straggler_named(job, worker, finding.kind.name());
-        let members = state.current().map_or(0, |g| g.members.len());
+        let members: Vec<String> =
+            state.current().map_or_else(Vec::new, |g| g.members.iter().map(|m| m.worker_id.clone()).collect());
         let mut until = None;
         let action = match settings.straggler_policy {
             stragglers::StragglerPolicy::Report => "reported (straggler policy: report)".to_string(),
-            stragglers::StragglerPolicy::Exclude if members <= settings.min_workers as usize => format!(
-                "not excluded: the generation has {members} members and min_workers is {}",
-                settings.min_workers
-            ),
             stragglers::StragglerPolicy::Exclude => {
                 let why = format!("{} slow: {}", finding.kind.name(), finding.reason);
-                match ops::exclude_straggler(&self.ctx, job, worker, settings.straggler_cooldown, &why).await {
-                    Ok(end) => {
+                let min = settings.min_workers as usize;
+                let cooldown = settings.straggler_cooldown;
+                match ops::exclude_straggler(&self.ctx, job, worker, &members, min, cooldown, &why).await {
+                    Ok(ops::StragglerExclusion::Refused(why)) => format!("not excluded: {why}"),
+                    Ok(ops::StragglerExclusion::Excluded(end)) => {
                         self.ctx.metrics.straggler_excluded(job);
                         until = Some(end);
                         format!(
@@ -1070,9 +1138,12 @@ impl CoordinatorService {
     async fn do_status(&self, r: pb::StatusRequest) -> Result<pb::StatusResponse, Status> {
         validate::id("job", &r.job)?;
         let (kvs, revision) = self.ctx.store.get_prefix(&keys::job_prefix(&r.job)).await.map_err(store_status)?;
-        let unknown_job = kvs.is_empty();
-        let state = JobState::from_kvs(&r.job, &kvs, revision);
         let leader = self.ctx.store.get(keys::LEADER).await.map_err(store_status)?;
+        let leader = leader.map(|kv| String::from_utf8_lossy(&kv.value).into_owned()).unwrap_or_default();
+        if kvs.is_empty() {
+            return Err(unknown_job(&r.job, &leader));
+        }
+        let state = JobState::from_kvs(&r.job, &kvs, revision);
         let settings = self.ctx.settings.for_job(&r.job);
         let g = state.current();
         let now = records::now_ms();
@@ -1164,7 +1235,6 @@ impl CoordinatorService {
             .collect();
         Ok(pb::StatusResponse {
             exclusions,
-            unknown_job,
             digest_mismatches,
             job: r.job.clone(),
             settings: Some(settings.to_proto()),
@@ -1173,7 +1243,7 @@ impl CoordinatorService {
             revocation_cause: g.and_then(|g| g.revoked.as_ref()).map(|c| c.to_proto()),
             members,
             ended: state.ended.as_ref().map(|e| e.to_proto()),
-            leader: leader.map(|kv| String::from_utf8_lossy(&kv.value).into_owned()).unwrap_or_default(),
+            leader,
         })
     }
 

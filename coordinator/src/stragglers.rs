@@ -157,11 +157,24 @@ fn pct(ratio: f64) -> u32 {
     (ratio * 100.0).round().min(u32::MAX as f64) as u32
 }
 
-/// The compute outlier among `timings` at `rank`, if it is one.
+/// Whether `fast` of `of` is a clear (strict) majority.
+fn clear_majority(fast: usize, of: usize) -> bool {
+    fast * 2 > of
+}
+
+/// The compute outlier among `timings` at `rank`, if it is one: slow against the others'
+/// median, and a clear majority of the generation's reporting members (the suspect counted
+/// among them) fast against it. With three members the others' median is the mean of two, so
+/// in 40/40/10 ms each 40 is 1.6x "the median" of the other two; only one member is fast,
+/// so neither is named.
 fn compute_finding(rule: &StragglerRule, rank: u32, timings: &[&Timing]) -> Option<Finding> {
     let own = timings.iter().find(|t| t.rank == rank)?;
     let mut others: Vec<u64> = timings.iter().filter(|t| t.rank != rank).map(|t| t.compute_us).collect();
     let n = others.len();
+    let fast = others.iter().filter(|&&c| outlier(rule, own.compute_us, c).is_some()).count();
+    if !clear_majority(fast, timings.len()) {
+        return None;
+    }
     let med = median(&mut others)?;
     let ratio = outlier(rule, own.compute_us, med)?;
     Some(Finding {
@@ -209,6 +222,10 @@ pub fn judge(rule: &StragglerRule, rank: u32, timings: &[Timing]) -> Option<Find
         .flat_map(|t| t.peer_waits.iter().filter(|(p, _)| *p != rank).map(|(_, w)| *w))
         .collect();
     let n = elsewhere.len();
+    // As for compute: a clear majority of the other links must be fast against it.
+    if !clear_majority(elsewhere.iter().filter(|&&w| outlier(rule, on_suspect, w).is_some()).count(), n) {
+        return None;
+    }
     let med = median(&mut elsewhere)?;
     let ratio = outlier(rule, on_suspect, med)?;
     let own = live.iter().find(|t| t.rank == rank).map_or(0, |t| t.compute_us);
@@ -322,6 +339,38 @@ mod tests {
         for other in [0, 1, 3] {
             assert_eq!(judge(&rule, other, &slow_compute_round()), None, "rank {other}");
         }
+    }
+
+    #[test]
+    fn a_straggler_is_named_only_when_a_clear_majority_is_fast() {
+        let rule = StragglerRule::default();
+        // Three members at 40/40/10 ms: each 40 is 1.6x the mean of the other two, but only
+        // one member of three is fast. Naming both would exclude a majority.
+        let round = vec![t(0, 40, 2, &[]), t(1, 40, 2, &[]), t(2, 10, 32, &[])];
+        for rank in 0..3 {
+            assert_eq!(judge(&rule, rank, &round), None, "rank {rank}");
+        }
+        // 30/10/10: two of three are fast, the slow one is named.
+        let round = vec![t(0, 30, 2, &[]), t(1, 10, 22, &[]), t(2, 10, 22, &[])];
+        assert_eq!(judge(&rule, 0, &round).map(|f| f.kind), Some(Slowness::Compute));
+        // Two members: one fast of two is no majority.
+        let pair = vec![t(0, 30, 2, &[]), t(1, 10, 22, &[])];
+        assert_eq!(judge(&rule, 0, &pair), None);
+        // Four members, two slow (40/40/10/10): half is not a clear majority.
+        let half = vec![t(0, 40, 2, &[]), t(1, 40, 2, &[]), t(2, 10, 32, &[]), t(3, 10, 32, &[])];
+        for rank in 0..4 {
+            assert_eq!(judge(&rule, rank, &half), None, "rank {rank}");
+        }
+        // Links: judged against the links the suspect does not report on. Rank 0's link is
+        // slow (40 ms) against two others of which one is as slow: the median (the mean of
+        // 40 and 5) would name it, the majority rule does not.
+        let links = vec![
+            t(0, 10, 45, &[(3, 5)]),
+            t(1, 10, 45, &[(0, 40)]),
+            t(2, 10, 45, &[(1, 40)]),
+            t(3, 10, 45, &[(2, 5)]),
+        ];
+        assert_eq!(judge(&rule, 0, &links), None);
     }
 
     #[test]

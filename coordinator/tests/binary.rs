@@ -106,6 +106,38 @@ async fn status_names_members_that_committed_one_step_with_different_digests() {
     .await;
 }
 
+/// `status` of a job nobody joined (the coordinator answers NOT_FOUND) says so in words and
+/// exits 1, with the leader; `--json` prints `"exists": false` and the leader.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_of_an_unknown_job_says_it_does_not_exist() {
+    bounded(async {
+        let (_running, addr) = spawn(&["--listen", "127.0.0.1:0", "--store", "memory"]);
+        let status = |json: bool| {
+            let endpoint = format!("http://{addr}");
+            tokio::task::spawn_blocking(move || {
+                let mut cmd = Command::new(BIN);
+                cmd.args(["status", "--job", "nobody", "--endpoints", &endpoint]);
+                if json {
+                    cmd.arg("--json");
+                }
+                cmd.output()
+            })
+        };
+        let out = status(false).await.expect("status task").expect("run status");
+        assert!(!out.status.success(), "an unknown job is a failure: {out:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("job nobody does not exist here"), "{err}");
+        assert!(String::from_utf8_lossy(&out.stdout).starts_with("leader: "), "{out:?}");
+        let out = status(true).await.expect("status task").expect("run status");
+        assert!(!out.status.success(), "{out:?}");
+        let json: serde_json::Value = serde_json::from_slice(&out.stdout).expect("status --json is JSON");
+        assert_eq!(json["exists"], false, "{json}");
+        assert_eq!(json["job"], "nobody", "{json}");
+        assert!(json.get("leader").is_some(), "the leader (null while none leads): {json}");
+    })
+    .await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn status_of_an_unreachable_coordinator_fails() {
     bounded(async {

@@ -140,11 +140,15 @@ async fn a_job_credential_acts_on_its_job_only() {
             assert_eq!(refused.code(), Code::Unauthenticated, "{token}");
         }
 
-        // A job nobody joined is said not to exist (with the leader, still known).
-        let nobody = c.status(authed(pb::StatusRequest { job: "nobody".into() }, OPERATOR)).await.expect("status");
-        assert!(nobody.into_inner().unknown_job);
+        // A job nobody joined does not exist: NOT_FOUND, with the leader (still known) in
+        // the metadata.
         let a = c.status(authed(pb::StatusRequest { job: "a".into() }, OPERATOR)).await.expect("status");
-        assert!(!a.into_inner().unknown_job);
+        let nobody =
+            c.status(authed(pb::StatusRequest { job: "nobody".into() }, OPERATOR)).await.expect_err("no such job");
+        assert_eq!(nobody.code(), Code::NotFound, "{nobody:?}");
+        assert!(nobody.message().contains("job nobody does not exist here"), "{nobody:?}");
+        let leader = nobody.metadata().get(cohort_proto::LEADER_HEADER).and_then(|v| v.to_str().ok());
+        assert_eq!(leader.unwrap_or_default(), a.into_inner().leader, "the leader is named: {nobody:?}");
         server.shutdown().await.expect("shutdown");
     })
     .await;

@@ -60,7 +60,16 @@ fn rpc() -> impl Strategy<Value = Rpc> {
             any::<String>()
         )
             .prop_map(|(job, worker_id, host, addresses, capabilities, protocol_version, domain)| Rpc::Join(
-                pb::JoinRequest { job, worker_id, host, addresses, capabilities, protocol_version, domain }
+                pb::JoinRequest {
+                    job,
+                    worker_id,
+                    host,
+                    addresses,
+                    capabilities,
+                    protocol_version,
+                    domain,
+                    replaces: 0
+                }
             )),
         (id(), id(), num(), num(), num(), any::<String>(), any::<String>()).prop_map(
             |(job, worker_id, incarnation, generation, step, activity, deadlines)| Rpc::Heartbeat(
@@ -145,9 +154,31 @@ async fn victim_keys(store: &dyn cohort_coordinator::store::Store) -> Vec<(Strin
     kvs.into_iter().map(|kv| (kv.key, kv.value, kv.mod_revision)).collect()
 }
 
+/// How many batches of 24 requests to run: `PROPTEST_CASES` (the knob every property test
+/// of the workspace takes) when set, else 24 (each case starts a replica, so fewer than
+/// proptest's default of 256).
+fn batches(proptest_cases: Option<&str>) -> u32 {
+    match proptest_cases {
+        None => 24,
+        Some(v) => v.trim().parse().unwrap_or_else(|_| panic!("PROPTEST_CASES={v:?} is not a number of cases")),
+    }
+}
+
+#[test]
+fn proptest_cases_sets_the_number_of_batches() {
+    assert_eq!(batches(None), 24);
+    assert_eq!(batches(Some("500")), 500);
+    assert_eq!(batches(Some("1")), 1);
+}
+
 proptest! {
-    // Each case starts a replica; the cases (and PROPTEST_CASES) count batches of 24 requests.
-    #![proptest_config(ProptestConfig { cases: 24, failure_persistence: None, ..ProptestConfig::default() })]
+    // Each case starts a replica; the cases (PROPTEST_CASES, else 24) count batches of 24
+    // requests.
+    #![proptest_config(ProptestConfig {
+        cases: batches(std::env::var("PROPTEST_CASES").ok().as_deref()),
+        failure_persistence: None,
+        ..ProptestConfig::default()
+    })]
 
     #[test]
     fn arbitrary_requests_are_answered_and_leave_other_jobs_alone(batch in prop::collection::vec(rpc(), 24)) {

@@ -1,7 +1,8 @@
 //! Nothing accumulates in the store: many jobs run to their end on one replica, and then the
 //! store holds one `ended` record per job and nothing else (no member, waiting, progress,
-//! timeout or generation key), and after the configured `ended_ttl` not even those. On the
-//! memory store and on a real etcd.
+//! timeout or generation key), and after the configured `ended_ttl` not even those. Nor in
+//! the replica's metrics: an ended job's series are gone. On the memory store and on a real
+//! etcd.
 
 mod common;
 
@@ -32,14 +33,27 @@ async fn run(backend: Backend) {
             let job = format!("job-{i}");
             let workers = Worker::join_many(addr, &job, 2, Duration::from_millis(100)).await;
             let g = form_all(&workers, 0).await.remove(0);
-            for w in &workers {
-                w.commit(g.number, 1).await.expect("commit");
+            // Different digests: the replica counts a mismatch, a metric series of the job.
+            for (i, w) in workers.iter().enumerate() {
+                w.commit_digest(g.number, 1, vec![i as u8; 32]).await.expect("commit");
             }
+            assert!(scrape(&server).await.contains(&format!("cohort_digest_mismatches_total{{job=\"{job}\"}} 1")));
             for w in &workers {
                 w.leave(true).await.expect("leave finished");
             }
-            // The job has ended: its `ended` record is all that is left of it.
+            // The job has ended: its `ended` record is all that is left of it, and no metric
+            // series of it is left on the replica.
             assert_eq!(keys_under(keys::job_prefix(&job)).await, vec![keys::ended(&job)], "{job}");
+            // The leader may have been evaluating the job as it ended: poll, bounded.
+            let deadline = Instant::now() + Duration::from_secs(10);
+            loop {
+                let text = scrape(&server).await;
+                if !text.contains(&format!("job=\"{job}\"")) {
+                    break;
+                }
+                assert!(Instant::now() < deadline, "{job} ended 10 s ago, its series are still there:\n{text}");
+                tokio::time::sleep(Duration::from_millis(50)).await; // polling the metrics, not synchronisation
+            }
         }
         // The records expire with their lease: poll the store (bounded), nothing else to wait on.
         let deadline = Instant::now() + Duration::from_secs(15);
@@ -54,6 +68,16 @@ async fn run(backend: Backend) {
         server.shutdown().await.expect("shutdown");
     })
     .await;
+}
+
+/// The replica's `/metrics` text.
+async fn scrape(server: &cohort_coordinator::server::ServerHandle) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut conn = tokio::net::TcpStream::connect(server.metrics_addr().expect("metrics")).await.expect("connect");
+    conn.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n").await.expect("write");
+    let mut body = String::new();
+    conn.read_to_string(&mut body).await.expect("read");
+    body
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -479,12 +479,20 @@ async fn restart_revokes(backend: Backend) {
     let mut settings = test_settings(backend);
     settings.min_workers = 2;
     settings.elastic_timeout = Duration::from_secs(60);
+    // A lease longer than the 1.2 s after which a silent holder counts as gone: the restart,
+    // not the lease's lapse, is what replaces the dead incarnation.
+    settings.lease_ttl = Duration::from_secs(5);
     let server = replica(backing.store.clone(), &Options::new(settings)).await;
     let addr = server.local_addr();
     let workers = vec![Worker::join(addr, "job-h", "w0", HB).await, Worker::join(addr, "job-h", "w1", HB).await];
     form_all(&workers, 0).await;
     let mut watch = workers[0].watch().await;
-    let again = Worker::join(addr, "job-h", "w1", HB).await;
+    // w1's process dies (its heartbeats stop) and a new one starts with its id at once: it is
+    // refused while the predecessor may still be alive, told when it counts as gone, and
+    // joins then.
+    let mut workers = workers;
+    workers[1].stop_heartbeats();
+    let again = join_after_silent_predecessor(addr, join_request("job-h", "w1")).await;
     assert_ne!(again.incarnation, workers[1].incarnation);
     let revoked = wait_event(&mut watch, |e| match e {
         Event::GenerationRevoked(r) => Some(r.clone()),
@@ -499,6 +507,62 @@ async fn restart_revokes(backend: Backend) {
     let gs = futures::future::join_all([workers[0].next_generation(1), again.next_generation(0)]).await;
     assert_eq!(gs[0], gs[1]);
     assert_eq!(gs[0].number, 2);
+    server.shutdown().await.expect("shutdown");
+}
+
+/// Joins with `request`, whose worker id a process that has died (stopped heartbeating) may
+/// still hold: on ALREADY_EXISTS it asks again when the coordinator says the holder counts as
+/// gone (at most twice), as the worker's own join does.
+async fn join_after_silent_predecessor(addr: std::net::SocketAddr, request: pb::JoinRequest) -> Worker {
+    for _ in 0..3 {
+        match Worker::try_join_with(addr, request.clone(), HB).await {
+            Ok(w) => return w,
+            Err(s) if s.code() == tonic::Code::AlreadyExists => {
+                let wait: u64 = s
+                    .metadata()
+                    .get(cohort_proto::RETRY_AFTER_MS_HEADER)
+                    .and_then(|v| v.to_str().ok())
+                    .and_then(|v| v.parse().ok())
+                    .unwrap_or_else(|| panic!("ALREADY_EXISTS without a retry-after: {s:?}"));
+                assert!(wait <= 2_000, "a silent holder counts as gone within 2 s here, not {wait} ms");
+                // The coordinator's answer says when to ask again: waiting for it is the protocol.
+                tokio::time::sleep(Duration::from_millis(wait + 50)).await;
+            }
+            Err(s) => panic!("join {}: {s}", request.worker_id),
+        }
+    }
+    panic!("{} was refused three times after its predecessor stopped", request.worker_id)
+}
+
+/// A second process joining with the id of a live member is refused at once with
+/// ALREADY_EXISTS naming the holder's host (and changes nothing: the holder stays, nothing is
+/// revoked); the holder's own re-join, naming the incarnation it replaces, is accepted.
+async fn a_live_worker_id_is_refused_to_a_second_process(backend: Backend) {
+    let backing = Backing::new(backend).await;
+    let server = replica(backing.store.clone(), &Options::new(test_settings(backend))).await;
+    let addr = server.local_addr();
+    // Both heartbeat throughout (they live until the end of the test).
+    let workers = Worker::join_many(addr, "job-dup", 2, HB).await;
+    let g = form_all(&workers, 0).await.remove(0);
+    let holder_incarnation = g.members.iter().find(|m| m.worker_id == "w0").expect("w0").incarnation;
+    let mut second = join_request("job-dup", "w0");
+    second.host = "second-host".into();
+    let mut c = client(addr).await;
+    for _ in 0..3 {
+        let refused = c.join(second.clone()).await.expect_err("a live holder keeps its id");
+        assert_eq!(refused.code(), tonic::Code::AlreadyExists, "{refused:?}");
+        assert!(refused.message().contains("held by a live process on host host-w0"), "{}", refused.message());
+        assert!(refused.message().contains(&format!("incarnation {holder_incarnation}")), "{}", refused.message());
+        assert!(refused.metadata().get(cohort_proto::RETRY_AFTER_MS_HEADER).is_some(), "{refused:?}");
+    }
+    let s = status(addr, "job-dup").await;
+    assert!(!s.current_revoked, "a refused join revokes nothing: {:?}", s.revocation_cause);
+    let m = s.members.iter().find(|m| m.worker_id == "w0").expect("w0 is a member");
+    assert_eq!(m.incarnation, holder_incarnation, "the holder keeps its incarnation");
+    // The holder itself joins again (as after an eviction it did not see yet): accepted.
+    let own = pb::JoinRequest { replaces: holder_incarnation, ..join_request("job-dup", "w0") };
+    let again = c.join(own).await.expect("the holder's own re-join").into_inner();
+    assert_ne!(again.incarnation, holder_incarnation);
     server.shutdown().await.expect("shutdown");
 }
 
@@ -879,6 +943,49 @@ async fn a_straggler_is_named_and_excluded(backend: Backend) {
     server.shutdown().await.expect("shutdown");
 }
 
+/// Three rounds of heartbeats with `slow` at 30 ms of compute per step and the others at
+/// 10 ms; the last answer to `slow`.
+async fn slow_rounds(workers: &[Worker], slow: &Worker, generation: u64) -> pb::HeartbeatResponse {
+    let mut last = None;
+    for _ in 0..3 {
+        for w in workers.iter().filter(|w| w.id != slow.id) {
+            heartbeat_timing(w, generation, 10, 20).await;
+        }
+        last = Some(heartbeat_timing(slow, generation, 30, 1).await);
+    }
+    last.expect("three rounds")
+}
+
+/// Exclusions in force count against `min_workers`: with three members and `min_workers` 2,
+/// a first straggler is excluded (it stays a member until its commit point), and a second one
+/// named in the same generation is not, so the job never falls below `min_workers`.
+async fn a_second_straggler_is_not_excluded_below_min_workers(backend: Backend) {
+    let backing = Backing::new(backend).await;
+    let mut settings = test_settings(backend);
+    settings.min_workers = 2;
+    settings.straggler_policy = cohort_coordinator::stragglers::StragglerPolicy::Exclude;
+    settings.straggler_cooldown = Duration::from_secs(60);
+    let server = replica(backing.store.clone(), &Options::new(settings)).await;
+    let addr = server.local_addr();
+    let workers = Worker::join_many(addr, "job-s2", 3, HB).await;
+    let gs = futures::future::join_all(workers.iter().map(|w| w.next_generation(0))).await;
+    let g = gs[0].clone();
+    let by_rank = |rank: usize| workers.iter().find(|w| w.id == g.members[rank].worker_id).expect("a member");
+    let (first, second) = (by_rank(0), by_rank(1));
+    let answer = slow_rounds(&workers, first, g.number).await;
+    assert!(answer.leave_as_straggler.contains("compute slow"), "the first is excluded: {answer:?}");
+    // The first has not left yet (its exclusion is in force); now the second is slow.
+    let answer = slow_rounds(&workers, second, g.number).await;
+    assert!(answer.leave_as_straggler.is_empty(), "the second must stay: {answer:?}");
+    let s = status(addr, "job-s2").await;
+    let m = s.members.iter().find(|m| m.worker_id == second.id).expect("the second is a member");
+    let v = m.straggler.as_ref().expect("the second is named");
+    assert!(v.action.contains("not excluded") && v.action.contains("1 of them excluded already"), "{}", v.action);
+    assert_eq!(s.exclusions.len(), 1, "only the first is excluded: {:?}", s.exclusions);
+    assert_eq!(s.exclusions[0].worker_id, first.id);
+    server.shutdown().await.expect("shutdown");
+}
+
 macro_rules! suite {
     ($($name:ident),* $(,)?) => {
         mod memory {
@@ -919,4 +1026,6 @@ suite!(
     different_commit_digests_are_flagged,
     a_lost_domain_is_one_failure_of_the_domain,
     a_straggler_is_named_and_excluded,
+    a_second_straggler_is_not_excluded_below_min_workers,
+    a_live_worker_id_is_refused_to_a_second_process,
 );

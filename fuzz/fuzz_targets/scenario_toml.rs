@@ -1,8 +1,9 @@
-//! Chaos scenario files: a checked scenario, or a typed error.
+//! libFuzzer's entry for the `scenario_toml` target; the body (shared with the seed-corpus replay
+//! that `cargo test` runs) is in `fuzz/bodies/scenario_toml.rs`.
 #![no_main]
-use cohort_chaos::scenario::Scenario;
 use libfuzzer_sys::fuzz_target;
 
-fuzz_target!(|text: &str| {
-    let _ = Scenario::parse("fuzz", text);
-});
+#[path = "../bodies/scenario_toml.rs"]
+mod body;
+
+fuzz_target!(|data: &[u8]| body::run(data));

@@ -1,10 +1,9 @@
-//! The coordinator's job settings file (`--config`): settings that validate, or a typed error.
+//! libFuzzer's entry for the `settings_toml` target; the body (shared with the seed-corpus replay
+//! that `cargo test` runs) is in `fuzz/bodies/settings_toml.rs`.
 #![no_main]
-use cohort_coordinator::config::{Overrides, Settings};
 use libfuzzer_sys::fuzz_target;
 
-fuzz_target!(|text: &str| {
-    if let Ok(settings) = Settings::from_toml(Some(("fuzz", text)), &Overrides::default()) {
-        let _ = settings.for_job("any-job");
-    }
-});
+#[path = "../bodies/settings_toml.rs"]
+mod body;
+
+fuzz_target!(|data: &[u8]| body::run(data));

@@ -1,20 +1,9 @@
-//! The TCP frame header: any 40 bytes (and the link's generation and limit from the input)
-//! decode to a header that re-encodes to them, or to a typed error.
+//! libFuzzer's entry for the `tcp_frame` target; the body (shared with the seed-corpus replay
+//! that `cargo test` runs) is in `fuzz/bodies/tcp_frame.rs`.
 #![no_main]
-use cohort_transports::tcp::frame::{FrameHeader, HEADER_LEN};
 use libfuzzer_sys::fuzz_target;
 
-fuzz_target!(|data: &[u8]| {
-    if data.len() < HEADER_LEN + 16 {
-        return;
-    }
-    let header: [u8; HEADER_LEN] = data[..HEADER_LEN].try_into().unwrap();
-    let generation = u64::from_le_bytes(data[HEADER_LEN..HEADER_LEN + 8].try_into().unwrap());
-    let max = u64::from_le_bytes(data[HEADER_LEN + 8..HEADER_LEN + 16].try_into().unwrap());
-    for ours in [generation, u64::from_le_bytes(header[8..16].try_into().unwrap())] {
-        if let Ok(h) = FrameHeader::decode(&header, ours, max) {
-            assert_eq!(h.encode(), header);
-            assert!(h.len <= max);
-        }
-    }
-});
+#[path = "../bodies/tcp_frame.rs"]
+mod body;
+
+fuzz_target!(|data: &[u8]| body::run(data));

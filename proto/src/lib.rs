@@ -19,9 +19,15 @@ pub const PROTOCOL_VERSION: u32 = 1;
 /// The metadata key carrying the job token (`Bearer <token>`).
 pub const AUTHORIZATION_HEADER: &str = "authorization";
 
-/// The metadata key on a refused `Join` of an excluded worker: milliseconds until its
-/// exclusion ends (decimal). A worker waits that long and joins again.
+/// The metadata key on a refused `Join` of an excluded worker (FAILED_PRECONDITION):
+/// milliseconds until its exclusion ends (decimal). A worker waits that long and joins
+/// again. On a `Join` refused because a live process holds the worker id (ALREADY_EXISTS):
+/// how long until that holder, if it stays silent, counts as gone.
 pub const RETRY_AFTER_MS_HEADER: &str = "cohort-retry-after-ms";
+
+/// The metadata key on a `Status` answered NOT_FOUND (the job does not exist): the name of
+/// the replica that leads now (absent when none does).
+pub const LEADER_HEADER: &str = "cohort-leader";
 
 pub use v1::coordinator_client::CoordinatorClient;
 pub use v1::coordinator_server::{Coordinator, CoordinatorServer};

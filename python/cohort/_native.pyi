@@ -134,6 +134,8 @@ class Group:
         tls_ca: Optional[str] = None,
         request_timeout: float = 5.0,
         retry_budget: float = 30.0,
+        coordinator_wait: float = 3.0,  # while every endpoint refuses the first connection
+                                        # (a wrong address?); raise it for late coordinators
         handle_sigterm: bool = True,
         transport: str = "auto",  # "auto": shared memory with members on this host, TCP with
                                   # the others; "tcp": TCP only; "shm": shared memory only

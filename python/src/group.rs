@@ -114,7 +114,7 @@ impl Group {
         advertise="127.0.0.1", no_progress_timeout=10.0, connect_timeout=30.0, op_timeout=None,
         exclusion_wait=3600.0, rendezvous_poll=10.0, root_cause_wait=0.5, algorithm="auto",
         segment_bytes=1<<20, busy_poll=50e-6, tls_ca=None, request_timeout=5.0, retry_budget=30.0,
-        handle_sigterm=true, transport="auto", fixed_deadlines=false, no_progress_floor=0.25
+        coordinator_wait=3.0, handle_sigterm=true, transport="auto", fixed_deadlines=false, no_progress_floor=0.25
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -138,6 +138,7 @@ impl Group {
         tls_ca: Option<std::path::PathBuf>,
         request_timeout: f64,
         retry_budget: f64,
+        coordinator_wait: f64,
         handle_sigterm: bool,
         transport: &str,
         fixed_deadlines: bool,
@@ -152,6 +153,7 @@ impl Group {
         control.tls_ca = tls_ca;
         control.request_timeout = seconds("request_timeout", request_timeout)?;
         control.retry_budget = seconds("retry_budget", retry_budget)?;
+        control.first_contact_wait = seconds("coordinator_wait", coordinator_wait)?;
         let worker_id =
             worker_id.unwrap_or_else(|| format!("{}-{}", cohort::elastic::local_hostname(), std::process::id()));
         let mut config = ElasticConfig::new(job, worker_id, control);

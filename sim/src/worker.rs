@@ -179,6 +179,9 @@ impl Worker {
                 capabilities: vec!["transport:tcp".into()],
                 protocol_version: cohort_proto::PROTOCOL_VERSION,
                 domain: String::new(),
+                // The incarnation this process held (0 until its first join): its own
+                // re-join after an eviction is never taken for a second process.
+                replaces: self.local.incarnation.load(Ordering::SeqCst),
             };
             let joined =
                 bounded(self.shared(), &self.name, "Join", self.bound(Duration::ZERO), self.client.join(request)).await;

@@ -605,3 +605,34 @@ async fn sigterm_ends_a_worker_that_waits_out_its_exclusion() {
     .await
     .expect("test bound");
 }
+
+/// SIGTERM to a worker between generations (here: joined, alone, waiting at the rendezvous
+/// for a second worker that never comes) ends it at once with a graceful leave. Before, it
+/// was ignored until a generation formed, and a worker in an eviction loop (two processes
+/// with one worker id, issue 28) ran on for over 10 s after SIGTERM.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_ends_a_worker_between_generations() {
+    tokio::time::timeout(BOUND, async {
+        let mut cluster = Cluster::start(test_cluster("between-term", StoreKind::Memory, 2)).await.expect("cluster");
+        cluster.spawn_worker("w0", &test_worker(60, "256K")).expect("spawn");
+        cluster
+            .wait_for("w0 joined", Duration::from_secs(30), |e| e.kind == EventKind::Joined && e.worker == "w0")
+            .await
+            .expect("joined");
+        let termed_at = cluster.signal_worker("w0", libc::SIGTERM).expect("SIGTERM");
+        let summary = cluster
+            .wait_for("w0 to stop", Duration::from_secs(10), |e| e.kind == EventKind::Summary && e.worker == "w0")
+            .await
+            .expect("w0 stopped on SIGTERM instead of waiting at the rendezvous");
+        let codes = cluster.wait_workers(Duration::from_secs(30)).await;
+        let events = &cluster.events;
+        check(summary.text("left") == Some("true"), &format!("w0's summary: {:?}", summary.fields), events);
+        check(summary.t_ms() < termed_at + 5_000, "w0 took more than 5 s to stop", events);
+        check(of(events, "w0", EventKind::Generation).next().is_none(), "w0 was placed alone", events);
+        for (w, code) in &codes {
+            check(*code == Some(0), &format!("{w} exited {code:?}"), events);
+        }
+    })
+    .await
+    .expect("test bound");
+}

@@ -26,6 +26,7 @@ impl Run<'_> {
         checks.push(invariants::final_params(
             &events,
             computed.as_deref().map_or(invariants::ExpectedParams::Reported, invariants::ExpectedParams::Computed),
+            sc.expect,
         ));
         // Per fault: disruptive ones reach every survivor with the root cause; quiet ones
         // fail no collective.

@@ -159,6 +159,7 @@ pub async fn run(scenario: &Scenario, opts: &RunOptions) -> RunReport {
         wall_ms: 0,
         log_dir: Some(log_dir.display().to_string()),
         proxy: None,
+        skipped: None,
     };
     let bound = scenario.timeout.0;
     match tokio::time::timeout(bound + Duration::from_secs(30), run_inner(scenario, seed, &log_dir, opts.verbose)).await

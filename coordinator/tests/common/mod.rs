@@ -136,6 +136,7 @@ pub(crate) fn join_request(job: &str, worker: &str) -> pb::JoinRequest {
         capabilities: vec!["transport:tcp".into()],
         protocol_version: cohort_proto::PROTOCOL_VERSION,
         domain: String::new(),
+        replaces: 0,
     }
 }
 
@@ -172,12 +173,22 @@ impl Worker {
 
     /// Joins with `request` (its job and worker id) and starts heartbeating every `interval`.
     pub(crate) async fn join_with(addr: SocketAddr, request: pb::JoinRequest, interval: Duration) -> Worker {
+        let id = request.worker_id.clone();
+        Worker::try_join_with(addr, request, interval).await.unwrap_or_else(|s| panic!("join {id}: {s}"))
+    }
+
+    /// As [`Worker::join_with`], the refusal returned.
+    pub(crate) async fn try_join_with(
+        addr: SocketAddr,
+        request: pb::JoinRequest,
+        interval: Duration,
+    ) -> Result<Worker, tonic::Status> {
         let mut client = client(addr).await;
         let (job, id) = (request.job.clone(), request.worker_id.clone());
-        let response = client.join(request).await.unwrap_or_else(|s| panic!("join {id}: {s}")).into_inner();
+        let response = client.join(request).await?.into_inner();
         let mut w = Worker { client, job, id, incarnation: response.incarnation, heartbeat: None };
         w.start_heartbeats(interval);
-        w
+        Ok(w)
     }
 
     pub(crate) fn start_heartbeats(&mut self, interval: Duration) {

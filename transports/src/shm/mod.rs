@@ -51,7 +51,10 @@ use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tracing::Instrument;
 
-pub use setup::{MAX_SEGMENT_BYTES, MAX_SLOTS, MAX_SLOT_BYTES, MIN_SLOTS, MIN_SLOT_BYTES};
+pub use setup::{
+    decode_descriptor, encode_descriptor, DESC_LEN, MAX_SEGMENT_BYTES, MAX_SLOTS, MAX_SLOT_BYTES, MIN_SLOTS,
+    MIN_SLOT_BYTES,
+};
 
 /// Most connections a mesh set-up handshakes with at once; more are closed at once.
 pub const MAX_HANDSHAKING: usize = 64;

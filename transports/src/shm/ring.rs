@@ -39,15 +39,15 @@ use std::sync::atomic::{AtomicU32, AtomicU64};
 /// Bytes before the first slot.
 pub(crate) const CONTROL_BYTES: usize = 256;
 /// Size of a slot header.
-pub(crate) const SLOT_HEADER: usize = 64;
+pub const SLOT_HEADER: usize = 64;
 /// Magic opening every slot header.
 pub(crate) const SLOT_MAGIC: u32 = u32::from_le_bytes(*b"CHSM");
 /// Layout version.
 pub(crate) const VERSION: u8 = 1;
 /// Slot kind: first chunk of a message.
-pub(crate) const KIND_FIRST: u8 = 1;
+pub const KIND_FIRST: u8 = 1;
 /// Slot kind: a later chunk.
-pub(crate) const KIND_CONT: u8 = 2;
+pub const KIND_CONT: u8 = 2;
 
 /// Size of one ring with `slots` slots of `slot_bytes`.
 pub(crate) fn ring_bytes(slots: u32, slot_bytes: usize) -> usize {
@@ -153,24 +153,25 @@ impl Ring {
     }
 }
 
-/// A decoded slot header.
+/// A decoded slot header. Public for the fuzz targets (`fuzz/bodies/shm_slot_header.rs`):
+/// the header is read from memory the peer process writes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct SlotHeader {
+pub struct SlotHeader {
     /// [`KIND_FIRST`] or [`KIND_CONT`].
-    pub(crate) kind: u8,
+    pub kind: u8,
     /// The message's tag.
-    pub(crate) tag: Tag,
+    pub tag: Tag,
     /// Bytes of payload in this slot.
-    pub(crate) chunk: u32,
+    pub chunk: u32,
     /// Length of the whole message.
-    pub(crate) total: u64,
+    pub total: u64,
     /// Offset of this chunk in the message.
-    pub(crate) offset: u64,
+    pub offset: u64,
 }
 
 impl SlotHeader {
     /// Encodes the header for `generation`.
-    pub(crate) fn encode(&self, generation: u64) -> [u8; SLOT_HEADER] {
+    pub fn encode(&self, generation: u64) -> [u8; SLOT_HEADER] {
         let mut b = [0u8; SLOT_HEADER];
         b[0..4].copy_from_slice(&SLOT_MAGIC.to_le_bytes());
         b[4] = VERSION;
@@ -188,12 +189,7 @@ impl SlotHeader {
     /// Decodes and validates a header copied out of shared memory: magic, version, kind,
     /// zero flags and reserved bytes, the link's generation, a message length within
     /// `max_message`, and a chunk that fits both the slot (`capacity`) and the message.
-    pub(crate) fn decode(
-        b: &[u8; SLOT_HEADER],
-        generation: u64,
-        max_message: u64,
-        capacity: usize,
-    ) -> Result<Self, String> {
+    pub fn decode(b: &[u8; SLOT_HEADER], generation: u64, max_message: u64, capacity: usize) -> Result<Self, String> {
         let magic = u32_at(b, 0);
         if magic != SLOT_MAGIC {
             return Err(format!("bad slot magic {magic:#010x}"));

@@ -34,7 +34,8 @@ use tokio::time::Instant;
 
 /// Magic of the segment descriptor.
 const DESC_MAGIC: u32 = u32::from_le_bytes(*b"CHSD");
-const DESC_LEN: usize = 16;
+/// Length of the segment descriptor: magic, slots per ring, slot bytes, reserved (0).
+pub const DESC_LEN: usize = 16;
 /// Fewest slots per ring a descriptor may announce.
 pub const MIN_SLOTS: u32 = 2;
 /// Most slots per ring a descriptor may announce.
@@ -173,10 +174,7 @@ async fn dial_pair(ctx: &PairCtx, peer: Rank, s: &mut UnixStream) -> Result<Make
     let ring = ring_bytes(slots, slot_bytes);
     let name = format!("cohort-shm-g{}-r{}-r{}", ctx.generation, peer, ctx.rank);
     let (mapping, fd) = Mapping::create(&name, 2 * ring)?;
-    let mut desc = [0u8; DESC_LEN];
-    desc[0..4].copy_from_slice(&DESC_MAGIC.to_le_bytes());
-    desc[4..8].copy_from_slice(&slots.to_le_bytes());
-    desc[8..12].copy_from_slice(&(slot_bytes as u32).to_le_bytes());
+    let desc = encode_descriptor(slots, slot_bytes);
     let raw = s.as_raw_fd();
     let sent =
         tokio::time::timeout_at(deadline, s.async_io(Interest::WRITABLE, || send_with_fd(raw, &desc, fd.as_raw_fd())))
@@ -296,8 +294,10 @@ async fn accept_pair(ctx: &PairCtx, s: &mut UnixStream) -> Result<(Rank, MakeLin
     Ok((claimed, make_link(ctx, claimed, mapping, slots, slot_bytes)))
 }
 
-/// Validates a received descriptor and its segment and maps it.
-fn check_descriptor(desc: &[u8; DESC_LEN], fd: Option<OwnedFd>) -> Result<(Mapping, u32, usize), String> {
+/// Decodes a segment descriptor received from the peer (untrusted): the magic, zero reserved
+/// bits and a geometry within the limits ([`MIN_SLOTS`]..., [`MAX_SEGMENT_BYTES`]). Returns
+/// the slots per ring and the slot size.
+pub fn decode_descriptor(desc: &[u8; DESC_LEN]) -> Result<(u32, usize), String> {
     let word = |at: usize| u32::from_le_bytes([desc[at], desc[at + 1], desc[at + 2], desc[at + 3]]);
     if word(0) != DESC_MAGIC {
         return Err(format!("bad segment descriptor magic {:#010x}", word(0)));
@@ -307,6 +307,21 @@ fn check_descriptor(desc: &[u8; DESC_LEN], fd: Option<OwnedFd>) -> Result<(Mappi
     }
     let (slots, slot_bytes) = (word(4), word(8) as usize);
     check_geometry(slots, slot_bytes).map_err(|e| format!("segment descriptor: {e}"))?;
+    Ok((slots, slot_bytes))
+}
+
+/// Encodes the segment descriptor of a pair's segment.
+pub fn encode_descriptor(slots: u32, slot_bytes: usize) -> [u8; DESC_LEN] {
+    let mut desc = [0u8; DESC_LEN];
+    desc[0..4].copy_from_slice(&DESC_MAGIC.to_le_bytes());
+    desc[4..8].copy_from_slice(&slots.to_le_bytes());
+    desc[8..12].copy_from_slice(&(slot_bytes as u32).to_le_bytes());
+    desc
+}
+
+/// Validates a received descriptor and its segment and maps it.
+fn check_descriptor(desc: &[u8; DESC_LEN], fd: Option<OwnedFd>) -> Result<(Mapping, u32, usize), String> {
+    let (slots, slot_bytes) = decode_descriptor(desc)?;
     let fd = fd.ok_or("the segment descriptor came without a memory file")?;
     let mapping = Mapping::open(&fd, 2 * ring_bytes(slots, slot_bytes))?;
     Ok((mapping, slots, slot_bytes))

@@ -3,7 +3,7 @@
 use super::ControlError;
 use cohort_proto::v1::coordinator_client::CoordinatorClient;
 use cohort_proto::v1::*;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use tonic::metadata::MetadataValue;
@@ -26,6 +26,14 @@ pub struct ControlConfig {
     pub request_timeout: Duration,
     /// How long to keep retrying unreachable coordinators before giving up.
     pub retry_budget: Duration,
+    /// How long to keep retrying while no coordinator has ever answered this client and every
+    /// endpoint refuses the connection (default 3 s): nothing listening at any address from
+    /// the start is usually a wrong address, said in a few seconds instead of after the
+    /// whole `retry_budget`. Raise it for coordinators that start after their workers
+    /// (`cohort-worker train --coordinator-wait`). Once a coordinator has answered, an
+    /// outage is retried for `retry_budget`, as are failures other than a refused connection
+    /// (a timeout, a replica that is not ready).
+    pub first_contact_wait: Duration,
     /// Bound on one heartbeat request (default 1 s, at most `request_timeout`): a heartbeat
     /// stuck on a replica that died must fail over before the member's lease (3 s by
     /// default) lapses; the deterministic simulation found healthy workers evicted when
@@ -42,7 +50,7 @@ pub struct ControlConfig {
 
 impl ControlConfig {
     /// A configuration with the given endpoints and default timeouts: connect 2 s,
-    /// request 5 s, retry budget 30 s.
+    /// request 5 s, retry budget 30 s, 3 s while every endpoint refuses the first contact.
     pub fn new(endpoints: Vec<String>) -> Self {
         Self {
             endpoints,
@@ -51,6 +59,7 @@ impl ControlConfig {
             connect_timeout: Duration::from_secs(2),
             request_timeout: Duration::from_secs(5),
             retry_budget: Duration::from_secs(30),
+            first_contact_wait: Duration::from_secs(3),
             heartbeat_timeout: Duration::from_secs(1),
             retry_jitter: 0.5,
             first_endpoint: None,
@@ -74,6 +83,9 @@ struct Inner {
     /// random endpoint, so that a job's workers spread over the replicas (as they do behind
     /// one Kubernetes Service) instead of all loading the first one.
     preferred: AtomicUsize,
+    /// Whether any coordinator has answered this client (a response or a status of its
+    /// own): from then on, connection failures are an outage to wait out, not a wrong address.
+    contacted: AtomicBool,
 }
 
 /// The URL of an endpoint: as given when it names a scheme, else `https://` when a CA is
@@ -88,8 +100,9 @@ fn normalise(endpoint: &str, tls: bool) -> String {
     }
 }
 
-/// The error for a status that is not retried: [`ControlError::Excluded`] when the
-/// coordinator says when to come back, else [`ControlError::Rejected`].
+/// The error for a status that is not retried: [`ControlError::Excluded`] or
+/// [`ControlError::IdInUse`] when the coordinator says when to come back, else
+/// [`ControlError::Rejected`].
 fn refusal(rpc: &'static str, status: &Status) -> ControlError {
     let retry_after = status
         .metadata()
@@ -100,8 +113,23 @@ fn refusal(rpc: &'static str, status: &Status) -> ControlError {
         Some(ms) if status.code() == Code::FailedPrecondition => {
             ControlError::Excluded { message: status.message().to_string(), retry_after: Duration::from_millis(ms) }
         }
+        Some(ms) if status.code() == Code::AlreadyExists => {
+            ControlError::IdInUse { message: status.message().to_string(), retry_after: Duration::from_millis(ms) }
+        }
         _ => ControlError::Rejected { rpc, code: status.code(), message: status.message().to_string() },
     }
+}
+
+/// Whether a status is a refused connection: nothing listens at the endpoint's address.
+fn is_refused(status: &Status) -> bool {
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(status);
+    while let Some(e) = source {
+        if e.downcast_ref::<std::io::Error>().is_some_and(|io| io.kind() == std::io::ErrorKind::ConnectionRefused) {
+            return true;
+        }
+        source = e.source();
+    }
+    status.message().contains("Connection refused")
 }
 
 /// Whether a status means "this endpoint is not serving now": retry elsewhere.
@@ -175,7 +203,8 @@ impl ControlClient {
         };
         let first = config.first_endpoint.unwrap_or_else(|| rand::random::<u32>() as usize);
         let preferred = AtomicUsize::new(first % channels.len());
-        Ok(Self { inner: Arc::new(Inner { config, channels, auth, preferred }) })
+        let contacted = AtomicBool::new(false);
+        Ok(Self { inner: Arc::new(Inner { config, channels, auth, preferred, contacted }) })
     }
 
     /// The configuration this client was built with.
@@ -231,6 +260,9 @@ impl ControlClient {
             .with_max_elapsed_time(Some(self.inner.config.retry_budget))
             .build();
         let mut attempts = 0u32;
+        let started = tokio::time::Instant::now();
+        // Whether every attempt of this call was a refused connection.
+        let mut refused_only = true;
         loop {
             let index = self.inner.preferred.load(Ordering::Relaxed) % n;
             let client = CoordinatorClient::new(self.inner.channels[index].clone());
@@ -244,9 +276,25 @@ impl ControlClient {
                 Err(_) => Err(Status::deadline_exceeded(format!("{rpc}: no answer within {timeout:?}"))),
             };
             match answer {
-                Ok(response) => return Ok(response.into_inner()),
+                Ok(response) => {
+                    self.inner.contacted.store(true, Ordering::Relaxed);
+                    return Ok(response.into_inner());
+                }
                 Err(status) if is_transient(&status) => {
                     tracing::debug!(rpc, endpoint = %self.inner.config.endpoints[index], %status, "coordinator unreachable, failing over");
+                    refused_only &= is_refused(&status);
+                    let waited = started.elapsed();
+                    if refused_only
+                        && !self.inner.contacted.load(Ordering::Relaxed)
+                        && waited >= self.inner.config.first_contact_wait
+                        && attempts as usize >= n
+                    {
+                        return Err(ControlError::NothingListening {
+                            endpoints: self.inner.config.endpoints.join(","),
+                            waited,
+                            last: status.message().to_string(),
+                        });
+                    }
                     // Try the next endpoint next time.
                     let _ = self.inner.preferred.compare_exchange(
                         index,
@@ -265,7 +313,10 @@ impl ControlClient {
                         }
                     }
                 }
-                Err(status) => return Err(refusal(rpc, &status)),
+                Err(status) => {
+                    self.inner.contacted.store(true, Ordering::Relaxed);
+                    return Err(refusal(rpc, &status));
+                }
             }
         }
     }
@@ -418,6 +469,53 @@ mod tests {
         assert!(matches!(error, ControlError::Unreachable { .. }), "{error:?}");
         assert!(started.elapsed() < Duration::from_secs(5), "took {:?}", started.elapsed());
         holder.abort();
+    }
+
+    /// A port nothing listens on: bound, noted, closed.
+    fn closed_port() -> std::net::SocketAddr {
+        std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("address")
+    }
+
+    /// A wrong address (every connection refused from the start) fails after
+    /// `first_contact_wait`, not the whole retry budget, naming the address and the knob.
+    #[tokio::test]
+    async fn a_refused_first_contact_fails_fast_naming_the_address() {
+        let address = closed_port();
+        let mut config = ControlConfig::new(vec![format!("http://{address}")]);
+        config.first_contact_wait = Duration::from_millis(300);
+        assert_eq!(config.retry_budget, Duration::from_secs(30), "the default budget stays long");
+        let client = ControlClient::new(config).expect("client");
+        let join = JoinRequest { job: "j".into(), worker_id: "w".into(), ..Default::default() };
+        let error = tokio::time::timeout(Duration::from_secs(20), client.join(join))
+            .await
+            .expect("the join returned within its bounds")
+            .expect_err("nothing listens");
+        match &error {
+            ControlError::NothingListening { endpoints, waited, .. } => {
+                assert_eq!(endpoints, &format!("http://{address}"));
+                assert!(*waited >= Duration::from_millis(300), "{waited:?}");
+            }
+            other => panic!("not NothingListening: {other:?}"),
+        }
+        let text = error.to_string();
+        assert!(text.contains(&format!("nothing listens at http://{address}")), "{text}");
+        assert!(text.contains("--coordinator-wait"), "{text}");
+    }
+
+    /// A first-contact wait at least as long as the retry budget leaves the budget in charge:
+    /// coordinators that start after their workers are waited for as before.
+    #[tokio::test]
+    async fn a_long_first_contact_wait_keeps_retrying_for_the_budget() {
+        let address = closed_port();
+        let mut config = ControlConfig::new(vec![format!("http://{address}")]);
+        config.retry_budget = Duration::from_millis(400);
+        config.first_contact_wait = Duration::from_secs(60);
+        let client = ControlClient::new(config).expect("client");
+        let error = tokio::time::timeout(Duration::from_secs(20), client.heartbeat(pb_heartbeat()))
+            .await
+            .expect("the heartbeat returned within its bounds")
+            .expect_err("nothing listens");
+        assert!(matches!(error, ControlError::Unreachable { .. }), "{error:?}");
     }
 
     fn pb_heartbeat() -> HeartbeatRequest {

@@ -13,6 +13,21 @@ pub enum ControlError {
         /// The last error seen.
         last: String,
     },
+    /// Every endpoint refused the connection from the first attempt on, for the client's
+    /// `first_contact_wait`, and no coordinator has ever answered: most likely a wrong address.
+    #[error(
+        "nothing listens at {endpoints}: every connection was refused for {waited:.1?} ({last}); check the \
+         coordinator address, or wait longer for a coordinator that starts later (cohort-worker \
+         --coordinator-wait, Python coordinator_wait)"
+    )]
+    NothingListening {
+        /// The endpoints tried, comma separated.
+        endpoints: String,
+        /// How long the client tried.
+        waited: std::time::Duration,
+        /// The last error seen.
+        last: String,
+    },
     /// The coordinator answered with an error status (not retried).
     #[error("coordinator refused {rpc}: {code:?}: {message}")]
     Rejected {
@@ -32,6 +47,16 @@ pub enum ControlError {
         /// Until the exclusion ends, as the coordinator counted it.
         retry_after: std::time::Duration,
     },
+    /// The coordinator refused a Join because a live process holds this worker id (two
+    /// processes were given one id). A holder that stays silent for `retry_after` counts as
+    /// gone (this process restarted after its predecessor died): then the join succeeds.
+    #[error("coordinator refused Join: {message}")]
+    IdInUse {
+        /// The coordinator's message (the holder's host and incarnation).
+        message: String,
+        /// When a silent holder would count as gone.
+        retry_after: std::time::Duration,
+    },
     /// The client configuration is unusable (bad endpoint URL, unreadable CA file, ...).
     #[error("invalid control-plane configuration: {0}")]
     Config(String),
@@ -43,6 +68,7 @@ impl ControlError {
         match self {
             Self::Rejected { code, .. } => Some(*code),
             Self::Excluded { .. } => Some(tonic::Code::FailedPrecondition),
+            Self::IdInUse { .. } => Some(tonic::Code::AlreadyExists),
             _ => None,
         }
     }

@@ -221,6 +221,9 @@ impl ElasticGroup {
             capabilities,
             protocol_version: cohort_proto::PROTOCOL_VERSION,
             domain: self.config.domain.clone(),
+            // The incarnation this process held (0 before its first join): its own re-join
+            // replaces it, where another process's join for the id is refused.
+            replaces: self.incarnation(),
         };
         self.shared.drive(|m| m.begin_join(Instant::now()));
         let (incarnation, heartbeat_interval) = loop {
@@ -325,6 +328,14 @@ impl ElasticGroup {
         loop {
             let (incarnation, after_generation) = match self.shared.drive(Membership::next_step)? {
                 Step::Join => {
+                    // Evicted again before a generation connected: back off (an eviction
+                    // loop, e.g. against another process with this worker id, must not spin).
+                    let wait = self.shared.read(Membership::rejoin_backoff);
+                    if !wait.is_zero() {
+                        warn!(job = %self.config.job, worker = %self.config.worker_id, wait_ms = wait.as_millis() as u64,
+                              "evicted again before a generation connected; backing off before joining again");
+                        tokio::time::sleep(wait).await;
+                    }
                     self.register().await?;
                     continue;
                 }

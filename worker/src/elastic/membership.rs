@@ -21,6 +21,16 @@ use tracing::{info, warn};
 /// asks to join again, so that the coordinator's clock has passed it too.
 pub(crate) const EXCLUSION_MARGIN: Duration = Duration::from_millis(50);
 
+/// How many times one join asks again after "a live process holds this worker id"
+/// (ALREADY_EXISTS): once is what a restart after a crash needs (the coordinator says when its
+/// silent predecessor counts as gone); refused again, the holder is alive and this process
+/// gives up rather than fight it for the id.
+const ID_IN_USE_RETRIES: u32 = 2;
+
+/// The first and the longest wait before joining again after repeated evictions.
+const REJOIN_BACKOFF_FIRST: Duration = Duration::from_millis(100);
+const REJOIN_BACKOFF_MAX: Duration = Duration::from_secs(5);
+
 /// How many revoked generations' root causes are remembered (the newest).
 const REVOKED_KEPT: usize = 16;
 
@@ -105,6 +115,10 @@ pub(crate) struct Membership {
     evicted: Option<u64>,
     /// When the join under way started (its exclusion waits count from there).
     join_started: Option<Instant>,
+    /// ALREADY_EXISTS refusals of the join under way.
+    id_in_use_refusals: u32,
+    /// Joins after an eviction since this worker last connected a generation.
+    rejoins: u32,
     /// The newest generation this worker has seen formed.
     last_generation: u64,
     /// The generation whose communicator is connected now.
@@ -132,6 +146,8 @@ impl Membership {
             incarnation: 0,
             evicted: None,
             join_started: None,
+            id_in_use_refusals: 0,
+            rejoins: 0,
             last_generation: 0,
             current: None,
             revoked: Vec::new(),
@@ -205,6 +221,18 @@ impl Membership {
     /// A join starts at `now`: its exclusion waits count from here.
     pub(crate) fn begin_join(&mut self, now: Instant) {
         self.join_started = Some(now);
+        self.id_in_use_refusals = 0;
+    }
+
+    /// How long to wait before the next join: nothing for a first join or a first re-join,
+    /// then 100 ms doubling up to 5 s for each further eviction before a generation connects
+    /// (an incarnation evicted again and again, e.g. by another process with this worker
+    /// id, backs off instead of joining in a tight loop).
+    pub(crate) fn rejoin_backoff(&self) -> Duration {
+        match self.rejoins {
+            0 | 1 => Duration::ZERO,
+            n => REJOIN_BACKOFF_FIRST.saturating_mul(1 << (n - 2).min(16)).min(REJOIN_BACKOFF_MAX),
+        }
     }
 
     /// The answer to a Join sent at or after [`Membership::begin_join`]. An exclusion is
@@ -235,6 +263,12 @@ impl Membership {
                       "excluded by the coordinator; joining again when the exclusion ends");
                 Ok(JoinNext::RetryAt(now + retry_after + EXCLUSION_MARGIN))
             }
+            Err(ControlError::IdInUse { message, retry_after }) if self.id_in_use_refusals < ID_IN_USE_RETRIES => {
+                self.id_in_use_refusals += 1;
+                warn!(retry_after_ms = retry_after.as_millis() as u64, %message,
+                      "this worker id is held by another incarnation; asking again once it counts as gone");
+                Ok(JoinNext::RetryAt(now + retry_after + EXCLUSION_MARGIN))
+            }
             Err(e) => {
                 self.join_started = None;
                 Err(e.into())
@@ -251,7 +285,12 @@ impl Membership {
             return Err(ended);
         }
         if self.is_evicted() {
-            warn!(incarnation = self.incarnation, "this incarnation is no longer a member; joining again");
+            self.rejoins = self.rejoins.saturating_add(1);
+            warn!(
+                incarnation = self.incarnation,
+                rejoins = self.rejoins,
+                "this incarnation is no longer a member; joining again"
+            );
             return Ok(Step::Join);
         }
         self.set_progress(self.last_generation, 0, "rendezvous");
@@ -300,6 +339,7 @@ impl Membership {
     /// [`Effect::Abort`]); a pending re-formation is the one this generation made.
     pub(crate) fn handle_connected(&mut self, generation: u64) {
         self.current = Some(generation);
+        self.rejoins = 0;
         self.reformation_pending = false;
         if let Some(cause) = self.cause_of(generation) {
             self.effects.push_back(Effect::Abort { generation, cause });
@@ -583,6 +623,68 @@ mod tests {
         machine.begin_join(t3);
         let refused = machine.handle_join(t3, Err(rejected(tonic::Code::PermissionDenied)));
         assert!(matches!(refused, Err(ElasticError::Control(_))), "{refused:?}");
+    }
+
+    fn id_in_use(retry_after: Duration) -> ControlError {
+        ControlError::IdInUse { message: "worker id w1 is held by a live process on host h2".into(), retry_after }
+    }
+
+    #[test]
+    fn a_worker_id_held_by_a_live_process_is_given_up_after_one_retry() {
+        let t0 = Instant::now();
+        let mut machine = Membership::new(LIMIT);
+        machine.begin_join(t0);
+        let left = Duration::from_millis(800);
+        // A restart after a crash: the predecessor's silence ends its hold; asked again, joined.
+        assert_eq!(
+            machine.handle_join(t0, Err(id_in_use(left))).unwrap(),
+            JoinNext::RetryAt(t0 + left + EXCLUSION_MARGIN)
+        );
+        let next = machine.handle_join(t0 + left, joined(4)).unwrap();
+        assert!(matches!(next, JoinNext::Joined { incarnation: 4, .. }), "{next:?}");
+        // Another live process holds the id: refused again and again, it gives up with the
+        // coordinator's words instead of joining (and evicting) in a loop.
+        let mut other = Membership::new(LIMIT);
+        other.begin_join(t0);
+        let mut t = t0;
+        for _ in 0..ID_IN_USE_RETRIES {
+            assert!(matches!(other.handle_join(t, Err(id_in_use(left))), Ok(JoinNext::RetryAt(_))));
+            t += left + EXCLUSION_MARGIN;
+        }
+        match other.handle_join(t, Err(id_in_use(left))) {
+            Err(ElasticError::Control(ControlError::IdInUse { message, .. })) => {
+                assert!(message.contains("held by a live process on host h2"), "{message}")
+            }
+            refused => panic!("expected the refusal, got {refused:?}"),
+        }
+        // A later join (after a graceful leave, say) counts its own refusals.
+        other.begin_join(t);
+        assert!(matches!(other.handle_join(t, Err(id_in_use(left))), Ok(JoinNext::RetryAt(_))));
+    }
+
+    #[test]
+    fn repeated_evictions_back_off_until_a_generation_connects() {
+        let now = Instant::now();
+        let mut machine = connected(1, 1, now);
+        assert_eq!(machine.rejoin_backoff(), Duration::ZERO);
+        let mut waits = Vec::new();
+        for incarnation in 1..=9 {
+            machine.handle_commit(1, incarnation, Err(rejected(tonic::Code::NotFound)));
+            assert_eq!(machine.next_step().unwrap(), Step::Join);
+            waits.push(machine.rejoin_backoff());
+            machine.begin_join(now);
+            machine.handle_join(now, joined(incarnation + 1)).unwrap();
+        }
+        let ms: Vec<u128> = waits.iter().map(Duration::as_millis).collect();
+        // The first re-join is at once; then 100 ms doubling, at most 5 s.
+        assert_eq!(ms, [0, 100, 200, 400, 800, 1600, 3200, 5000, 5000]);
+        // A generation connected: the next eviction re-joins at once again.
+        let Step::Rendezvous { incarnation, .. } = machine.next_step().unwrap() else { panic!("a member") };
+        machine.handle_rendezvous(incarnation, formed(2)).unwrap();
+        machine.handle_connected(2);
+        machine.handle_commit(2, incarnation, Err(rejected(tonic::Code::NotFound)));
+        assert_eq!(machine.next_step().unwrap(), Step::Join);
+        assert_eq!(machine.rejoin_backoff(), Duration::ZERO);
     }
 
     #[test]

@@ -144,6 +144,11 @@ struct TrainArgs {
     /// PEM of the CA that signed the coordinators' certificates (for https:// endpoints).
     #[arg(long)]
     tls_ca: Option<PathBuf>,
+    /// How long to retry while every coordinator endpoint refuses the first connection
+    /// (nothing listens: usually a wrong address). Raise it when the coordinators may start
+    /// after the workers; once a coordinator has answered, outages are retried for 30 s.
+    #[arg(long, value_parser = duration, default_value = "3s")]
+    coordinator_wait: Duration,
     /// No-progress deadline per data-plane link (e.g. 5s): the ceiling of the learned
     /// deadlines, or the deadline itself with --fixed-deadlines.
     #[arg(long, value_parser = duration, default_value = "10s")]
@@ -376,6 +381,7 @@ fn train_main(args: TrainArgs) -> Result<TrainSummary, String> {
     let mut control = ControlConfig::new(args.coordinator.clone());
     control.token = token.clone();
     control.tls_ca = args.tls_ca.clone();
+    control.first_contact_wait = args.coordinator_wait;
     let worker_id = args
         .worker_id
         .clone()

@@ -142,9 +142,40 @@ pub(crate) async fn run<E: ExactElement>(
     let mut checkpoint = Checkpoint::new();
     let mut summary = TrainSummary::default();
     let mut failed_at: Option<Instant> = None;
+    let mut last_generation = 0;
 
     'generations: loop {
-        let mut generation: Generation = match group.next_generation().await {
+        // Between generations (waiting at the rendezvous, joining again after an eviction,
+        // connecting) this worker is in no generation that needs it: SIGTERM leaves at once,
+        // gracefully, with the last commit's parameters.
+        let next = tokio::select! {
+            next = group.next_generation() => Some(next),
+            () = sigterm(&mut leaving) => None,
+        };
+        let Some(next) = next else {
+            let step = checkpoint.step().unwrap_or(0);
+            let (digest, expected) = digests(&trajectory, &params.0, step);
+            EventLine::new(EventKind::Leave)
+                .field("gen", last_generation)
+                .field("step", step)
+                .field("params_digest", &digest)
+                .field("expected_digest", &expected)
+                .field("joined", false)
+                .field("t_ms", now_ms())
+                .print();
+            summary.params_digest = Some(digest);
+            summary.expected_digest = Some(expected);
+            summary.final_step = step;
+            summary.left = true;
+            // Best effort and bounded: an unfinished leave expires with the lease.
+            match tokio::time::timeout(LEAVE_BOUND, group.leave(false)).await {
+                Ok(Err(e)) => tracing::warn!(error = %e, "leaving on SIGTERM failed; the lease expires by itself"),
+                Err(_) => tracing::warn!("leaving on SIGTERM took too long; the lease expires by itself"),
+                Ok(Ok(())) => {}
+            }
+            return Ok(summary);
+        };
+        let mut generation: Generation = match next {
             Ok(g) => g,
             Err(ElasticError::JobEnded { outcome: "finished", reason }) => {
                 EventLine::new(EventKind::JobEnded)
@@ -157,6 +188,7 @@ pub(crate) async fn run<E: ExactElement>(
             Err(e) => return Err(e.into()),
         };
         let g = generation.number;
+        last_generation = g;
         let world = generation.comm.size();
         let rank = generation.comm.rank();
         let span = info_span!("train", job = %group.job(), generation = g, rank);
@@ -526,6 +558,9 @@ fn wrong_params<E: ExactElement>(
 fn digests<E: ExactElement>(trajectory: &Trajectory, params: &[E], step: u64) -> (String, String) {
     (params_digest(params), params_digest(&trajectory.expected_params::<E>(step)))
 }
+
+/// The longest a leave on SIGTERM between generations waits for the coordinator.
+const LEAVE_BOUND: Duration = Duration::from_secs(5);
 
 /// Resolves once SIGTERM has been received (never, if the signal task is gone without one).
 ///

@@ -1,0 +1,9 @@
+//! libFuzzer's entry for the `shm_descriptor` target; the body (shared with the seed-corpus replay
+//! that `cargo test` runs) is in `fuzz/bodies/shm_descriptor.rs`.
+#![no_main]
+use libfuzzer_sys::fuzz_target;
+
+#[path = "../bodies/shm_descriptor.rs"]
+mod body;
+
+fuzz_target!(|data: &[u8]| body::run(data));
