@@ -56,7 +56,8 @@ bash scripts/demo.sh
 # The Python package's tests (the extension, the elastic layers, the PyTorch backend and
 # example), against the release binaries: real coordinator and worker processes on loopback.
 echo "== python"
-COHORT_BIN_DIR="$PWD/target/release" "$py" -m pytest -q -p no:cacheprovider python/tests
+# COHORT_REQUIRE_PYTHON: a missing torch fails the PyTorch tests instead of skipping them.
+COHORT_REQUIRE_PYTHON=1 COHORT_BIN_DIR="$PWD/target/release" "$py" -m pytest -q -p no:cacheprovider python/tests
 
 # The RDMA transport (feature `rdma`): its device-free tests run everywhere; the device
 # tests run when a device is present and otherwise say, visibly, that they were skipped.

@@ -96,6 +96,10 @@ class Checkpoint:
         """Makes every member hold the newest commit (digests compared). ``current`` is
         this member's state, used when nobody has committed yet. Returns the snapshot to
         load. Raises a collective error (re-form and call again) or ``DivergedError``."""
+    def agree(self, comm: Communicator, flags: bytes) -> bytes:
+        """A commit point's agreement: ``flags`` max-reduced over the members, in the same
+        small allreduce that checks that every member committed the same step with the same
+        state. Raises a collective error (re-form) or ``DivergedError`` on every rank."""
 
 class Group:
     """This worker's membership in an elastic job (``ElasticGroup``). Joining happens in

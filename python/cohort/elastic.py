@@ -41,8 +41,6 @@ import io
 import pickle
 from typing import Any, Callable, Optional, TypeVar
 
-import numpy as np
-
 from cohort._native import Checkpoint, Communicator, Group
 from cohort.errors import CollectiveError, GracefulLeave, JobEndedError, MembershipChanged
 
@@ -112,7 +110,9 @@ class State:
         ``step`` defaults to the next commit number (the last one plus one).
         Raises :class:`MembershipChanged` (after committing) when the members agreed to
         re-form, :class:`GracefulLeave` on the rank that got SIGTERM (after leaving the job),
-        and a :class:`CollectiveError` if a peer failed during the agreement.
+        a :class:`CollectiveError` if a peer failed during the agreement, and
+        :class:`DivergedError` on every rank if the members committed different steps or
+        different state.
         """
         comm = self._comm()
         if step is None:
@@ -120,8 +120,9 @@ class State:
         self.checkpoint.commit(self.save(), step)
         pending = self.group.commit(comm.generation, step, self.checkpoint.digest)
         leaving = self.group.leaving
-        flags = np.array([pending, leaving], dtype=np.uint8)
-        comm.allreduce(flags, "max")
+        # One small allreduce: the flags, and (in-band) the check that every member committed
+        # this step with the same state; DivergedError on every rank if not.
+        flags = self.checkpoint.agree(comm, bytes([pending, leaving]))
         if flags[1] and leaving:
             comm.close()
             self.comm = None

@@ -12,6 +12,7 @@ The hierarchy mirrors the crate's typed errors::
     ├── ExcludedError             the coordinator excluded this worker for longer than it waits
     ├── DivergedError             members hold different state for the same commit
     ├── ControlError              the coordinator was unreachable or refused a request
+    ├── MismatchError             ranks called different collectives (also a ValueError); re-form
     └── InvalidArgumentError      bad arguments (also a ValueError); nothing was changed
 
     MembershipChanged             (not an error) the members agreed to re-form at a commit point
@@ -43,6 +44,7 @@ __all__ = [
     "DivergedError",
     "ControlError",
     "InvalidArgumentError",
+    "MismatchError",
     "MembershipChanged",
     "GracefulLeave",
 ]
@@ -173,7 +175,16 @@ class ControlError(CohortError):
 
 class InvalidArgumentError(CohortError, ValueError):
     """The call was malformed (dtype, sizes, root, a non-contiguous tensor, a closed
-    communicator) or the ranks disagree about it. Nothing was changed."""
+    communicator), found on this rank before anything was sent. Nothing was changed."""
+
+
+class MismatchError(CohortError, ValueError):
+    """The ranks called different collectives, or the same one with different arguments: the
+    message names both calls and what differs (collective, dtype, op, count, root or
+    algorithm). A bug in the program, not a failure: it is not a ``CollectiveError``, so
+    ``cohort.elastic.run`` does not retry it. Messages may have been exchanged already, so the
+    communicator is unusable afterwards (every later call raises it again): re-form or build a
+    new one. Attributes: ``generation``, ``peer`` (the rank whose message differed), ``cause``."""
 
 
 class MembershipChanged(Exception):

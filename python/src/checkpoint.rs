@@ -3,7 +3,7 @@
 use crate::comm::Communicator;
 use crate::errors::{to_pyerr, Failure};
 use crate::runtime::wait;
-use cohort::elastic::{Checkpoint as RustCheckpoint, SyncError};
+use cohort::elastic::{Checkpoint as RustCheckpoint, CommitError, SyncError};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 use std::sync::{Mutex, MutexGuard};
@@ -101,6 +101,25 @@ impl Checkpoint {
             PyBytes::new(py, &state),
             SyncOutcome { step: outcome.step, source: outcome.source, changed: outcome.changed },
         ))
+    }
+
+    /// A commit point's agreement (the crate's `Checkpoint::agree`): returns `flags` max-reduced
+    /// over the members; raises `DivergedError` on every rank when the members' commits differ.
+    fn agree<'py>(&self, py: Python<'py>, comm: &Communicator, flags: Vec<u8>) -> PyResult<Bound<'py, PyBytes>> {
+        let core = comm.core.clone();
+        let mut rust_comm = core.lend(py)?;
+        let checkpoint = self.inner().clone();
+        let result = wait(py, async {
+            let mut flags = flags;
+            match checkpoint.agree(&mut rust_comm, &mut flags).await {
+                Ok(()) => Ok(flags),
+                Err(CommitError::Comm(error)) => Err(core.failure(error).await),
+                Err(e @ CommitError::Diverged { .. }) => Err(Failure::Diverged(e.to_string())),
+            }
+        });
+        core.give_back(rust_comm);
+        let flags = result?.map_err(|f| to_pyerr(py, f))?;
+        Ok(PyBytes::new(py, &flags))
     }
 
     fn __repr__(&self) -> String {

@@ -128,6 +128,7 @@ fn comm_error(py: Python<'_>, error: CommError, generation: u64, cause: Option<R
         CommError::Revoked { .. } => ("RevokedError", None, None),
         CommError::Transport(_) => ("TransportError", None, None),
         CommError::InvalidArgument(_) => return build(py, "InvalidArgumentError", message, |_| Ok(())),
+        CommError::Mismatch { rank, .. } => ("MismatchError", Some(*rank), None),
     };
     build(py, class, message, |kw| {
         kw.set_item("generation", generation)?;

@@ -77,6 +77,41 @@ async fn kill9_one_of_four_etcd_store() {
     tokio::time::timeout(BOUND, kill_one_of_four(StoreKind::Etcd, "kill9-etcd")).await.expect("test bound");
 }
 
+/// A training step longer than the lease (5 s of compute per step against the 2 s lease)
+/// evicts nobody: `train --compute` burns its CPU off the runtime thread that heartbeats, so
+/// the job runs in its first generation with no error. (With the compute on the runtime's
+/// thread, each worker's lease lapsed mid-step and the generation was revoked.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn steps_longer_than_the_lease_evict_nobody() {
+    tokio::time::timeout(BOUND, async {
+        let mut cluster = Cluster::start(test_cluster("long-steps", StoreKind::Memory, 2)).await.expect("cluster");
+        let mut spec = test_worker(2, "64K");
+        // A peer still computing is late, not dead: the no-progress ceiling is above the step.
+        spec.no_progress = Duration::from_secs(60);
+        spec.extra_args = vec!["--compute".into(), "5s".into()];
+        for i in 0..2 {
+            cluster.spawn_worker(&format!("w{i}"), &spec).expect("spawn");
+        }
+        let codes = cluster.wait_workers(Duration::from_secs(120)).await;
+        let events = &cluster.events;
+        for w in ["w0", "w1"] {
+            check(codes.get(w) == Some(&Some(0)), &format!("{w} exit code {:?}", codes.get(w)), events);
+            let summary = of(events, w, EventKind::Summary).last();
+            check(summary.and_then(|s| s.int("final_step")) == Some(2), &format!("{w} did not finish"), events);
+            let errors: Vec<_> = of(events, w, EventKind::Error).collect();
+            check(errors.is_empty(), &format!("{w} failed a step: {errors:?}"), events);
+        }
+        check(
+            events.iter().filter(|e| e.kind == EventKind::Generation).all(|e| e.int("gen") == Some(1)),
+            "the job re-formed (a lease lapsed during a long step)",
+            events,
+        );
+        check(invariants::no_wrong_results(events).ok, "wrong result", events);
+    })
+    .await
+    .expect("test bound");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigstopped_rank_is_caught_and_the_job_goes_on() {
     tokio::time::timeout(BOUND, async {

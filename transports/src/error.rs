@@ -15,12 +15,14 @@ pub enum TransportError {
         detail: String,
     },
     /// No bytes moved on the link to `peer` for the no-progress deadline.
-    #[error("no progress on the link to rank {peer} for {after:?}")]
+    #[error("no progress on the link to rank {peer} for {after:?}{}", silence.suffix())]
     Timeout {
         /// The rank at the other end.
         peer: Rank,
         /// The deadline that elapsed.
         after: Duration,
+        /// What the waiting side found out about the peer's process before giving up.
+        silence: Silence,
     },
     /// The transport was aborted locally (revocation, shutdown).
     #[error("aborted: {0}")]
@@ -40,6 +42,9 @@ pub enum TransportError {
         peer: Rank,
         /// What differs (expected vs received length or signature).
         detail: String,
+        /// The two call signatures, when they differ (the layer above decodes them into
+        /// the two calls).
+        signatures: Option<Signatures>,
     },
     /// Connection set-up failed: refused handshake (wrong job, generation, rank or token),
     /// unreachable peer, or the connect deadline passed.
@@ -56,6 +61,52 @@ pub enum TransportError {
     /// Any other local I/O error (bind, socket options, ...).
     #[error("i/o error: {0}")]
     Io(String),
+}
+
+/// The call signatures of a [`TransportError::Mismatch`]: the peer's (carried by the message
+/// that arrived) and this rank's (the receive's).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Signatures {
+    /// The signature the peer's message carried.
+    pub received: u32,
+    /// The signature this rank's receive expected.
+    pub expected: u32,
+}
+
+/// What a link found out about a silent peer's process before it gave up on it (see
+/// [`TransportError::Timeout`]): the difference between "the deadline passed" and "the peer's
+/// process is stopped", which the error and the root cause built from it say.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Silence {
+    /// Nothing was asked (the ceiling passed, learning is off, or the peer has no liveness
+    /// responder): only the deadline is known.
+    Unprobed,
+    /// The peer's process, on this host, was found stopped (SIGSTOP, a debugger).
+    ProcessStopped,
+    /// The peer's process, on this host, is gone (exited, a zombie) while its link is open.
+    ProcessGone,
+    /// The peer's process, on another host, did not answer the liveness probe (stopped,
+    /// frozen host, or the path is cut).
+    NoAnswer,
+}
+
+impl Silence {
+    /// What it says about the peer, as a short phrase (empty for [`Silence::Unprobed`]).
+    pub fn describe(self) -> &'static str {
+        match self {
+            Self::Unprobed => "",
+            Self::ProcessStopped => "process stopped",
+            Self::ProcessGone => "process gone",
+            Self::NoAnswer => "process does not answer liveness probes",
+        }
+    }
+
+    fn suffix(self) -> String {
+        match self {
+            Self::Unprobed => String::new(),
+            other => format!(" ({})", other.describe()),
+        }
+    }
 }
 
 impl TransportError {

@@ -32,7 +32,7 @@ pub mod tcp;
 pub mod wire;
 
 pub use deadline::{DeadlineBasis, DeadlineInForce, Learning};
-pub use error::TransportError;
+pub use error::{Signatures, Silence, TransportError};
 
 use std::future::Future;
 use std::sync::Arc;

@@ -108,13 +108,13 @@ async fn length_and_signature_disagreements_are_mismatches() {
         let (s, r) = tokio::join!(t[0].send(1, Tag::new(0, 0, 1), &[1u8; 64]), t[1].recv(0, Tag::new(0, 0, 2), &mut buf));
         s.unwrap();
         let e = r.unwrap_err();
-        assert!(matches!(&e, TransportError::Mismatch { peer: 0, detail } if detail.contains("signature")), "{e:?}");
+        assert!(matches!(&e, TransportError::Mismatch { peer: 0, detail, .. } if detail.contains("signature")), "{e:?}");
         let t = mesh(2, small(), deadlines(Duration::from_secs(10))).await;
         let mut buf = [0u8; 65];
         let (s, r) = tokio::join!(t[0].send(1, Tag::new(0, 0, 1), &[1u8; 64]), t[1].recv(0, Tag::new(0, 0, 1), &mut buf));
         s.unwrap();
         let e = r.unwrap_err();
-        assert!(matches!(&e, TransportError::Mismatch { peer: 0, detail } if detail.contains("64 bytes received, 65 expected")), "{e:?}");
+        assert!(matches!(&e, TransportError::Mismatch { peer: 0, detail, .. } if detail.contains("64 bytes received, 65 expected")), "{e:?}");
     })
     .await
     .unwrap();

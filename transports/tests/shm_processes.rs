@@ -8,7 +8,7 @@
 //! by the parent with `COHORT_SHM_CHILD` set).
 
 use cohort_transports::shm::{ShmAddress, ShmEndpoint, ShmMeshSpec, ShmOptions, ShmTransport};
-use cohort_transports::{Deadlines, Learning, Tag, Transport, TransportError};
+use cohort_transports::{Deadlines, Learning, Silence, Tag, Transport, TransportError};
 use std::io::{BufRead, BufReader};
 use std::process::{Child, ChildStdout, Command, Stdio};
 use std::time::Duration;
@@ -201,7 +201,8 @@ async fn a_sigstopped_peer_is_a_timeout_within_the_no_progress_deadline() {
             }
         };
         let took = stopped_at.expect("failed before the stop").elapsed();
-        assert!(matches!(error, TransportError::Timeout { peer: 1, .. }), "{error:?}");
+        // Nothing was asked (fixed deadlines): the error claims no more than the deadline.
+        assert!(matches!(error, TransportError::Timeout { peer: 1, silence: Silence::Unprobed, .. }), "{error:?}");
         assert!(took >= no_progress && took < no_progress + Duration::from_secs(1), "timed out after {took:?}");
         signal(&child.0, libc::SIGKILL);
         drop(child);
@@ -241,7 +242,12 @@ async fn with_learned_deadlines_a_sigstopped_peer_fails_soon_after_the_learned_o
             }
         };
         let took = stopped_at.expect("failed before the stop").elapsed();
-        assert!(matches!(error, TransportError::Timeout { peer: 1, .. }), "{error:?}");
+        // The error says what the probe found: the peer's process is stopped.
+        assert!(
+            matches!(error, TransportError::Timeout { peer: 1, silence: Silence::ProcessStopped, .. }),
+            "{error:?}"
+        );
+        assert!(error.to_string().contains("(process stopped)"), "{error}");
         assert!(took >= FLOOR && took < Duration::from_secs(2), "timed out after {took:?} (ceiling {ceiling:?})");
         signal(&child.0, libc::SIGKILL);
         drop(child);

@@ -138,7 +138,7 @@ async fn signature_mismatch_is_reported() {
         ts[0].send(1, Tag::new(1, 0, 0xaaaa), &[1u8; 100]).await.unwrap();
         let e = ts[1].recv(0, Tag::new(1, 0, 0xbbbb), &mut [0u8; 100]).await.unwrap_err();
         match &e {
-            TransportError::Mismatch { peer: 0, detail } => {
+            TransportError::Mismatch { peer: 0, detail, .. } => {
                 assert!(detail.contains("signature"), "{detail}")
             }
             e => panic!("expected a mismatch, got {e:?}"),
@@ -162,7 +162,7 @@ async fn length_mismatch_is_reported() {
         ts[0].send(1, Tag::new(1, 0, 7), &[1u8; 100]).await.unwrap();
         let e = ts[1].recv(0, Tag::new(1, 0, 7), &mut [0u8; 99]).await.unwrap_err();
         match &e {
-            TransportError::Mismatch { peer: 0, detail } => {
+            TransportError::Mismatch { peer: 0, detail, .. } => {
                 assert!(detail.contains("100 bytes received, 99 expected"), "{detail}")
             }
             e => panic!("expected a mismatch, got {e:?}"),

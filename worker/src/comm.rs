@@ -14,7 +14,7 @@ use crate::dtype::{DType, Scratch};
 use crate::error::{CommError, OpProgress, RootCause};
 use crate::reduce::ReduceOp;
 use crate::topology::HostLayout;
-use cohort_transports::{AbortReason, Transport, TransportError};
+use cohort_transports::{AbortReason, Silence, Transport, TransportError};
 use std::fmt;
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -125,6 +125,7 @@ pub(crate) struct CallKind {
 }
 
 /// What a call was made with; hashed into the signature every message carries.
+#[derive(Clone, Copy)]
 pub(crate) struct Call {
     /// Which collective.
     pub(crate) kind: CallKind,
@@ -148,20 +149,76 @@ impl Call {
         Self { kind, dtype: None, op: None, count: 0, root: None, algo: None, extra: 0 }
     }
 
-    /// 32-bit FNV-1a over the arguments.
+    /// The call signature: readable where it can be, hashed where it cannot. Bits 31-27 are
+    /// the collective's code, 26-24 the dtype's (0: none), 23-21 the op's, 20-18 the
+    /// algorithm's, and 17-0 an 18-bit FNV-1a of the rest (count, root, further arguments).
+    /// So a mismatch can say which collective, dtype, op and algorithm the peer called
+    /// ([`describe_mismatch`]); two calls differing only in count, root or layout are told
+    /// apart by the hash (a 2^-18 chance of a collision, and a count mismatch also shows in
+    /// the message lengths).
     fn signature(&self) -> u32 {
         let mut h = Fnv::new();
-        h.bytes(&[
-            self.kind.code,
-            self.dtype.map_or(0, DType::code),
-            self.op.map_or(0, ReduceOp::code),
-            self.algo.map_or(0, Algorithm::code),
-        ]);
         h.bytes(&self.count.to_le_bytes());
         h.bytes(&self.root.map_or(u32::MAX, |r| r).to_le_bytes());
         h.bytes(&self.extra.to_le_bytes());
-        h.0
+        let rest = (h.0 ^ (h.0 >> 18)) & REST_MASK;
+        (u32::from(self.kind.code & 0x1f) << 27)
+            | (u32::from(self.dtype.map_or(0, DType::code) & 7) << 24)
+            | (u32::from(self.op.map_or(0, ReduceOp::code) & 7) << 21)
+            | (u32::from(self.algo.map_or(0, Algorithm::code) & 7) << 18)
+            | rest
     }
+
+    /// `allreduce(count 1000, f32, sum, ring)`: the call as a user would recognise it.
+    fn describe(&self) -> String {
+        let mut parts = vec![format!("count {}", self.count)];
+        parts.extend(self.dtype.map(|d| d.name().to_string()));
+        parts.extend(self.op.map(|o| o.name().to_string()));
+        parts.extend(self.root.map(|r| format!("root {r}")));
+        parts.extend(self.algo.map(|a| a.name().to_string()));
+        format!("{}({})", self.kind.name, parts.join(", "))
+    }
+}
+
+/// Bits of the signature hashed from the arguments that cannot be shown (count, root, ...).
+const REST_MASK: u32 = (1 << 18) - 1;
+
+/// What differs between this rank's call `ours` and the call behind the peer's signature
+/// `theirs`: the peer's call as far as its signature shows it (collective, dtype, op,
+/// algorithm), this rank's in full, and the list of what differs.
+fn describe_mismatch(ours: &Call, theirs: u32) -> String {
+    let field = |shift: u32| ((theirs >> shift) & 7) as u8;
+    let kind = crate::collectives::CALLS.iter().find(|k| u32::from(k.code) == theirs >> 27);
+    let dtype = DType::ALL.into_iter().find(|d| d.code() == field(24));
+    let op = ReduceOp::ALL.into_iter().find(|o| o.code() == field(21));
+    let algo = Algorithm::CONCRETE.into_iter().chain([Algorithm::Auto]).find(|a| a.code() == field(18));
+    let mut theirs_parts = Vec::new();
+    theirs_parts.extend(dtype.map(|d| d.name().to_string()));
+    theirs_parts.extend(op.map(|o| o.name().to_string()));
+    theirs_parts.extend(algo.map(|a| a.name().to_string()));
+    let their_call = format!(
+        "{}({})",
+        kind.map_or_else(|| format!("an unknown collective (code {})", theirs >> 27), |k| k.name.to_string()),
+        theirs_parts.join(", ")
+    );
+    let mut differ = Vec::new();
+    if kind.map(|k| k.code) != Some(ours.kind.code) {
+        differ.push("collective");
+    }
+    if field(24) != ours.dtype.map_or(0, DType::code) {
+        differ.push("dtype");
+    }
+    if field(21) != ours.op.map_or(0, ReduceOp::code) {
+        differ.push("op");
+    }
+    if field(18) != ours.algo.map_or(0, Algorithm::code) {
+        differ.push("algorithm");
+    }
+    if theirs & REST_MASK != ours.signature() & REST_MASK {
+        differ.push("count, root or layout");
+    }
+    let differ = if differ.is_empty() { "the signatures".to_string() } else { differ.join(", ") };
+    format!("it called {their_call} where this rank called {}: they differ in {differ}", ours.describe())
 }
 
 struct Fnv(u32);
@@ -213,6 +270,7 @@ impl<T: Transport> Drop for CancelGuard<T> {
 
 /// A started operation.
 struct Started<T: Transport> {
+    call: Call,
     seq: u32,
     sig: u32,
     seg: usize,
@@ -226,10 +284,12 @@ struct Started<T: Transport> {
 /// - Every call takes the next sequence number; all ranks must issue the same collectives in
 ///   the same order with agreeing arguments. Every message carries a signature of the call
 ///   (kind, dtype, op, element count, root, algorithm), so ranks that disagree fail with
-///   [`CommError::InvalidArgument`] when their messages meet, instead of combining garbage.
-///   (A disagreement no message crosses, such as two ranks that both think they are the root
-///   of a broadcast, cannot be seen; peers still waiting fail by deadline or when this
-///   communicator aborts.)
+///   [`CommError::Mismatch`], naming both calls and what differs, as soon as any message of
+///   the other call reaches them (whatever its step: links report a message of the same
+///   operation under another signature at once instead of holding it for later), instead of
+///   combining garbage or waiting for a message that never comes. (A disagreement no message
+///   crosses, such as two ranks that both think they are the root of a broadcast, cannot be
+///   seen; peers still waiting fail by deadline or when this communicator aborts.)
 /// - A call either succeeds on this rank with the complete result, or returns an error. After
 ///   any error the communicator is poisoned: every later call returns the same error, and
 ///   (unless [`CommConfig::abort_transport_on_error`] is off) it aborts its transport so that
@@ -367,25 +427,31 @@ impl<T: Transport> Communicator<T> {
         self.revoke.cause.get().map(|cause| CommError::Revoked { generation: self.generation, cause: cause.clone() })
     }
 
-    fn classify(&self, failure: Failure, progress: OpProgress) -> CommError {
+    fn classify(&self, failure: Failure, progress: OpProgress, call: &Call) -> CommError {
         if let Some(e) = self.revoked_error() {
             return e;
         }
         match failure {
-            Failure::WholeOpDeadline(after) => CommError::Timeout { rank: None, after, progress: Some(progress) },
+            Failure::WholeOpDeadline(after) => {
+                CommError::Timeout { rank: None, after, progress: Some(progress), silence: Silence::Unprobed }
+            }
             Failure::Transport(e) => match e {
                 TransportError::PeerClosed { peer, detail } | TransportError::Protocol { peer, detail } => {
                     CommError::PeerFailed { rank: peer, detail }
                 }
-                TransportError::Timeout { peer, after } => {
-                    CommError::Timeout { rank: Some(peer), after, progress: Some(progress) }
+                TransportError::Timeout { peer, after, silence } => {
+                    CommError::Timeout { rank: Some(peer), after, progress: Some(progress), silence }
                 }
                 TransportError::Aborted(reason) => {
                     CommError::Revoked { generation: self.generation, cause: RootCause::reason(reason.to_string()) }
                 }
-                TransportError::Mismatch { peer, detail } => {
-                    CommError::InvalidArgument(format!("rank {peer} disagrees about the call: {detail}"))
-                }
+                TransportError::Mismatch { peer, detail, signatures } => CommError::Mismatch {
+                    rank: peer,
+                    detail: match signatures {
+                        Some(sig) => describe_mismatch(call, sig.received),
+                        None => format!("{detail} (in {})", call.describe()),
+                    },
+                },
                 TransportError::InvalidArgument(msg) => CommError::InvalidArgument(msg),
                 other => CommError::Transport(other),
             },
@@ -456,6 +522,7 @@ impl<T: Transport> Communicator<T> {
             bytes
         );
         Ok(Started {
+            call: *call,
             seq,
             sig: call.signature(),
             seg: (self.config.segment_bytes / elem_size.max(1)).max(1),
@@ -472,7 +539,7 @@ impl<T: Transport> Communicator<T> {
             Ok(()) => Ok(()),
             Err(f) => {
                 let progress = OpProgress { seq: started.seq, received: self.op_received.load(Ordering::Relaxed) };
-                let e = self.classify(f, progress);
+                let e = self.classify(f, progress, &started.call);
                 Err(self.poison(e))
             }
         }
@@ -538,15 +605,53 @@ pub(crate) fn check(cond: bool, msg: impl FnOnce() -> String) -> Result<(), Stri
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::collectives::{barrier::BARRIER, tree::BROADCAST};
+    use crate::collectives::{allreduce::ALLREDUCE, barrier::BARRIER, tree::BROADCAST};
 
-    /// The signature bytes are what ranks of different builds compare: these values were
-    /// computed from the layout before the call kinds moved into the collectives' files
-    /// (kind code, dtype, op, algorithm, count, root, extra), and must not change by accident.
+    /// The signature bits are what ranks of different builds compare, so their layout must not
+    /// change by accident: the collective's code in the top 5 bits, then dtype, op and
+    /// algorithm codes in 3 bits each, then an 18-bit hash of count, root and extra.
     #[test]
     fn call_signatures_are_stable() {
-        assert_eq!(Call::new(BARRIER).signature(), 0x11de_b48b);
+        assert_eq!(Call::new(BARRIER).signature() >> 18, 10 << 9);
         let broadcast = Call { dtype: Some(DType::F32), count: 7, root: Some(2), ..Call::new(BROADCAST) };
-        assert_eq!(broadcast.signature(), 0xaf26_0333);
+        assert_eq!(broadcast.signature() >> 18, (4 << 9) | (1 << 6));
+        let allreduce = Call {
+            dtype: Some(DType::U8),
+            op: Some(ReduceOp::Avg),
+            algo: Some(Algorithm::Hierarchical),
+            count: 7,
+            ..Call::new(ALLREDUCE)
+        };
+        assert_eq!(allreduce.signature() >> 18, (7 << 6) | (5 << 3) | 5);
+        let other_count = Call { count: 8, ..allreduce };
+        assert_ne!(other_count.signature(), allreduce.signature());
+        assert_eq!(other_count.signature() >> 18, allreduce.signature() >> 18);
+    }
+
+    /// A mismatch names both calls and says what differs (the user's complaint: a bare
+    /// "signature 0x.. received, 0x.. expected" said nothing).
+    #[test]
+    fn a_mismatch_names_both_calls_and_what_differs() {
+        let ours = Call { dtype: Some(DType::F32), op: Some(ReduceOp::Sum), count: 1000, ..Call::new(ALLREDUCE) };
+        let theirs = Call { dtype: Some(DType::U8), count: 1000, root: Some(1), ..Call::new(BROADCAST) };
+        assert_eq!(
+            describe_mismatch(&ours, theirs.signature()),
+            "it called broadcast(u8) where this rank called allreduce(count 1000, f32, sum): \
+             they differ in collective, dtype, op, count, root or layout"
+        );
+        let f64s = Call { dtype: Some(DType::F64), ..ours };
+        assert_eq!(
+            describe_mismatch(&ours, f64s.signature()),
+            "it called allreduce(f64, sum) where this rank called allreduce(count 1000, f32, sum): they differ in dtype"
+        );
+        let max = Call { op: Some(ReduceOp::Max), ..ours };
+        assert!(describe_mismatch(&ours, max.signature()).ends_with("they differ in op"));
+        let fewer = Call { count: 999, ..ours };
+        assert!(describe_mismatch(&ours, fewer.signature()).ends_with("they differ in count, root or layout"));
+        // A classified transport mismatch is its own error, not an invalid argument.
+        let sig = cohort_transports::Signatures { received: theirs.signature(), expected: ours.signature() };
+        let e = TransportError::Mismatch { peer: 1, detail: String::new(), signatures: Some(sig) };
+        assert_eq!(describe_mismatch(&ours, sig.received), describe_mismatch(&ours, theirs.signature()));
+        assert!(matches!(e, TransportError::Mismatch { peer: 1, .. }));
     }
 }

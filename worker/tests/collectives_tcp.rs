@@ -6,7 +6,7 @@
 mod common;
 
 use cohort::elastic::{MeshTransport, MixedTransport};
-use cohort::{Algorithm, CommConfig, Communicator, ReduceOp};
+use cohort::{Algorithm, CommConfig, CommError, Communicator, ReduceOp};
 use cohort_transports::shm::{ShmAddress, ShmEndpoint, ShmMeshSpec, ShmOptions};
 use cohort_transports::tcp::{MeshSpec, TcpEndpoint, TcpOptions};
 use cohort_transports::Deadlines;
@@ -165,6 +165,41 @@ async fn large_allreduce_with_default_segments(net: Net) {
     .expect("suite timed out");
 }
 
+/// Rank 0 calls allreduce while rank 1 calls broadcast (the case, with either root):
+/// a rank that receives a message of the other call fails with `CommError::Mismatch` naming
+/// both calls and what differs, at once. The no-progress deadline is 20 s and this test's
+/// bound 10 s, so falling back to waiting for a message that never comes fails the test; the
+/// other rank either finished (a root only sends) or saw its link closed by the first.
+async fn mismatched_collectives(net: Net) {
+    for root in [0u32, 1] {
+        let (_endpoints, transports) = mesh(net, 2, 1).await;
+        let mut comms: Vec<_> =
+            transports.into_iter().map(|t| Communicator::new(Arc::new(t), CommConfig::default())).collect();
+        let (mut c1, mut c0) = (comms.pop().expect("rank 1"), comms.pop().expect("rank 0"));
+        let a = tokio::spawn(async move {
+            let mut x = vec![1f32; 1000];
+            c0.allreduce(&mut x, ReduceOp::Sum).await
+        });
+        let b = tokio::spawn(async move {
+            let mut x = vec![1u8; 1000];
+            c1.broadcast(&mut x, root).await
+        });
+        let (ra, rb) = timeout(Duration::from_secs(10), async { (a.await.expect("rank 0"), b.await.expect("rank 1")) })
+            .await
+            .unwrap_or_else(|_| panic!("{net:?} root {root}: no mismatch reported within 10 s"));
+        let errors: Vec<CommError> = [ra, rb].into_iter().filter_map(Result::err).collect();
+        let Some(mismatch) = errors.iter().find(|e| matches!(e, CommError::Mismatch { .. })) else {
+            panic!("{net:?} root {root}: no mismatch among {errors:?}")
+        };
+        let text = mismatch.to_string();
+        assert!(
+            text.contains("allreduce(") && text.contains("broadcast(") && text.contains("differ in collective, dtype"),
+            "{net:?} root {root}: {text}"
+        );
+        assert!(errors.iter().all(|e| !matches!(e, CommError::Timeout { .. })), "{net:?} root {root}: {errors:?}");
+    }
+}
+
 /// The suites over one network, as a module of tests.
 macro_rules! suites_over {
     ($module:ident, $net:expr) => {
@@ -184,6 +219,11 @@ macro_rules! suites_over {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn large_allreduce_with_default_segments() {
                 super::large_allreduce_with_default_segments($net).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn mismatched_collectives_fail_with_a_mismatch_naming_both_calls() {
+                super::mismatched_collectives($net).await;
             }
         }
     };

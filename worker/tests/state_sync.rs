@@ -1,6 +1,6 @@
 //! `Checkpoint`: commit, restore and the post-re-formation sync, over the simulated network.
 
-use cohort::elastic::{Checkpoint, SyncError};
+use cohort::elastic::{Checkpoint, CommitError, SyncError};
 use cohort::{CommConfig, Communicator};
 use cohort_testkit::sim::{SimNetwork, SimTransport};
 use cohort_transports::Deadlines;
@@ -119,5 +119,70 @@ async fn a_member_behind_and_a_joiner_are_not_a_divergence() {
         assert_eq!((outcome.source, outcome.step), (2, Some(7)));
         assert_eq!(state, b"seven");
         assert_eq!(cp.step(), Some(7));
+    }
+}
+
+/// Runs `agree` on every rank with the given checkpoints and flags; returns what each got.
+async fn agree_all(checkpoints: Vec<Checkpoint>, flags: Vec<[u8; 2]>) -> Vec<Result<[u8; 2], CommitError>> {
+    let comms = world(checkpoints.len() as u32);
+    let tasks: Vec<_> = comms
+        .into_iter()
+        .zip(checkpoints.into_iter().zip(flags))
+        .map(|(mut comm, (cp, mut flags))| {
+            tokio::spawn(async move { cp.agree(&mut comm, &mut flags).await.map(|()| flags) })
+        })
+        .collect();
+    let mut out = Vec::new();
+    for t in tasks {
+        out.push(tokio::time::timeout(LIMIT, t).await.expect("agree bounded").expect("rank task"));
+    }
+    out
+}
+
+fn committed(state: &[u8], step: u64) -> Checkpoint {
+    let mut cp = Checkpoint::new();
+    cp.commit(&state.to_vec(), step);
+    cp
+}
+
+#[tokio::test]
+async fn members_agreeing_at_a_commit_point_get_the_flags_of_all() {
+    let results =
+        agree_all(vec![committed(b"s9", 9), committed(b"s9", 9), committed(b"s9", 9)], vec![[0, 0], [1, 0], [0, 0]])
+            .await;
+    for (rank, r) in results.into_iter().enumerate() {
+        assert_eq!(r.unwrap_or_else(|e| panic!("rank {rank}: {e}")), [1, 0], "rank {rank}");
+    }
+}
+
+/// The commit point catches a divergence on every rank, at the commit that caused it: one
+/// member of three holds other state under the same step (a difference in the last byte
+/// of the snapshot, so only the digest can show it).
+#[tokio::test]
+async fn a_member_committing_other_state_fails_every_rank_at_that_commit() {
+    let results = agree_all(
+        vec![committed(b"s9-a", 9), committed(b"s9-a", 9), committed(b"s9-b", 9)],
+        vec![[0, 0], [0, 0], [0, 0]],
+    )
+    .await;
+    for (rank, r) in results.into_iter().enumerate() {
+        match r {
+            Err(e @ CommitError::Diverged { generation: 11, step: Some(9), .. }) => {
+                assert!(e.to_string().contains("step 9") && e.to_string().contains("different state"), "{e}")
+            }
+            other => panic!("rank {rank}: {other:?}"),
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_member_committing_another_step_fails_every_rank_at_that_commit() {
+    // The same bytes under another step (a lost or repeated step).
+    let results = agree_all(vec![committed(b"s", 9), committed(b"s", 8)], vec![[0, 1], [0, 0]]).await;
+    for (rank, r) in results.into_iter().enumerate() {
+        match r {
+            Err(e @ CommitError::Diverged { .. }) => assert!(e.to_string().contains("different steps"), "{e}"),
+            other => panic!("rank {rank}: {other:?}"),
+        }
     }
 }

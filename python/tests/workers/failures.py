@@ -41,7 +41,7 @@ if mode == "loop":
         except cohort.CollectiveError as e:
             report("error", cls=type(e).__name__, generation=e.generation, peer=e.peer,
                    cause_rank=e.rank, cause_worker=e.worker_id, cause_host=e.host, reason=e.reason,
-                   is_timeout=isinstance(e, TimeoutError), message=str(e))
+                   is_timeout=isinstance(e, TimeoutError), message=str(e), after=getattr(e, "after", None))
             break
         assert data[0] == sum(range(1, comm.size + 1)), data[:4]
         step += 1
@@ -152,6 +152,11 @@ elif mode == "diverge":
     # Both ranks claim commit 5 with different state: the sync must refuse, on every rank.
     checkpoint = cohort.Checkpoint()
     checkpoint.commit(f"state of {worker_id}".encode(), 5)
+    # The commit point's agreement (what State.commit runs) sees it first, on every rank.
+    try:
+        checkpoint.agree(comm, bytes([0, 0]))
+    except cohort.DivergedError as e:
+        report("commit_diverged", message=str(e))
     try:
         checkpoint.sync(comm, b"current")
     except cohort.DivergedError as e:

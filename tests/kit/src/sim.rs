@@ -329,6 +329,7 @@ impl SimTransport {
                     "seq {} step {}: signature {:#010x} expected, {:#010x} received",
                     tag.seq, tag.step, tag.signature, msg.signature
                 ),
+                signatures: Some(cohort_transports::Signatures { received: msg.signature, expected: tag.signature }),
             });
         }
         if msg.data.len() != buf.len() {
@@ -341,6 +342,7 @@ impl SimTransport {
                     buf.len(),
                     msg.data.len()
                 ),
+                signatures: None,
             });
         }
         buf.copy_from_slice(&msg.data);
@@ -381,7 +383,11 @@ impl SimTransport {
                 }
                 let deadline = start.max(st.progress[bi]) + sh.deadlines.no_progress;
                 if now >= deadline {
-                    return Err(TransportError::Timeout { peer, after: sh.deadlines.no_progress });
+                    return Err(TransportError::Timeout {
+                        peer,
+                        after: sh.deadlines.no_progress,
+                        silence: cohort_transports::Silence::Unprobed,
+                    });
                 }
                 ready_at.map_or(deadline, |r| r.min(deadline))
             };
@@ -491,7 +497,7 @@ mod tests {
         let start = Instant::now();
         let mut buf = [0u8; 1];
         let err = t[1].recv(0, tag(0), &mut buf).await.unwrap_err();
-        assert!(matches!(err, TransportError::Timeout { peer: 0, after } if after == Duration::from_millis(500)));
+        assert!(matches!(err, TransportError::Timeout { peer: 0, after, .. } if after == Duration::from_millis(500)));
         assert_eq!(start.elapsed(), Duration::from_millis(500));
     }
 

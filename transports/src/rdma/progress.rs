@@ -115,7 +115,11 @@ impl Inner {
                 Ok(Err(_)) => return Err(TransportError::Io("transport shut down".into())),
                 Err(_) => {
                     if peer.lock().last_progress.max(started) + self.deadlines.no_progress <= Instant::now() {
-                        let e = TransportError::Timeout { peer: peer.rank, after: self.deadlines.no_progress };
+                        let e = TransportError::Timeout {
+                            peer: peer.rank,
+                            after: self.deadlines.no_progress,
+                            silence: crate::Silence::Unprobed,
+                        };
                         return Err(peer.fail(&mut peer.lock(), e));
                     }
                 }

@@ -70,7 +70,11 @@ impl RdmaTransport {
         let mut rx = peer.wake.subscribe();
         let _order = tokio::time::timeout_at(started + inner.deadlines.no_progress, peer.send_lock.lock())
             .await
-            .map_err(|_| TransportError::Timeout { peer: peer_rank, after: inner.deadlines.no_progress })?;
+            .map_err(|_| TransportError::Timeout {
+                peer: peer_rank,
+                after: inner.deadlines.no_progress,
+                silence: crate::Silence::Unprobed,
+            })?;
         let rsb = peer.remote.slot_bytes;
         for (off, len) in segments(data.len() as u64, rsb - HDR) {
             loop {
@@ -155,7 +159,9 @@ impl RdmaTransport {
                             entry.reasm.total(),
                             entry.signature
                         );
-                        return Err(peer.fail(st, TransportError::Mismatch { peer: peer_rank, detail: d }));
+                        let signatures = (entry.signature != tag.signature)
+                            .then_some(crate::Signatures { received: entry.signature, expected: tag.signature });
+                        return Err(peer.fail(st, TransportError::Mismatch { peer: peer_rank, detail: d, signatures }));
                     }
                     if let Some(heap) = &entry.heap {
                         let (a, b) = (entry.heap_copied as usize, entry.heap_len as usize);

@@ -28,10 +28,10 @@ use super::ring::{Ring, SlotHeader, KIND_CONT, KIND_FIRST};
 use super::segment::Mapping;
 use crate::deadline::{DeadlineInForce, LinkProgress};
 use crate::link_guards::{lock, BreakQuietly, Poison, Waiting};
-use crate::tcp::liveness::{self, Answer, PROBE_WITHIN};
-use crate::wire::seq_older;
+use crate::tcp::liveness::{self, PROBE_WITHIN};
+use crate::wire::{other_call, seq_older};
 use crate::wire::{STASH_BUDGET, STASH_MAX_FRAMES};
-use crate::{Rank, Tag, TransportError};
+use crate::{Rank, Signatures, Silence, Tag, TransportError};
 use std::io;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -286,13 +286,17 @@ impl ShmLink {
                     }
                     let now = Instant::now();
                     if now >= ceiling {
-                        return Err(self.fail(TransportError::Timeout { peer: self.peer, after: self.progress.ceiling() }));
+                        return Err(self.fail(TransportError::Timeout {
+                            peer: self.peer,
+                            after: self.progress.ceiling(),
+                            silence: Silence::Unprobed,
+                        }));
                     }
                     let Some(pid) = self.peer_pid else {
                         alive_at = Some(ceiling);
                         continue;
                     };
-                    if liveness::probe_local_process(pid, PROBE_WITHIN).await == Answer::Silent {
+                    if let Some(silence) = liveness::probe_local_process(pid, PROBE_WITHIN).await.silence() {
                         flag.store(0, Ordering::SeqCst);
                         if ready()? {
                             return Ok(());
@@ -307,7 +311,11 @@ impl ShmLink {
                                 "no progress past the learned deadline and the peer's process is stopped"
                             )
                         });
-                        return Err(self.fail(TransportError::Timeout { peer: self.peer, after: started.elapsed() }));
+                        return Err(self.fail(TransportError::Timeout {
+                            peer: self.peer,
+                            after: started.elapsed(),
+                            silence,
+                        }));
                     }
                     // Running (late, or waiting on somebody else): another window.
                     alive_at = Some(Instant::now());
@@ -361,24 +369,29 @@ impl ShmLink {
 
     fn take_stashed(&self, tag: Tag) -> Option<Stashed> {
         let mut s = lock(&self.stash);
-        let i = s.frames.iter().position(|f| f.tag.seq == tag.seq && f.tag.step == tag.step)?;
+        // A message of another call in this operation is taken too: delivering it reports the mismatch.
+        let i =
+            s.frames.iter().position(|f| (f.tag.seq == tag.seq && f.tag.step == tag.step) || other_call(tag, f.tag))?;
         let f = s.frames.swap_remove(i);
         s.bytes -= f.data.len();
         Some(f)
     }
 
     fn check_match(&self, want: Tag, len: usize, got: Tag, got_len: u64) -> Result<(), TransportError> {
-        let detail = if got.signature != want.signature {
-            format!(
-                "message seq {} step {}: signature {:#010x} received, {:#010x} expected",
-                want.seq, want.step, got.signature, want.signature
+        let (detail, signatures) = if got.signature != want.signature {
+            (
+                format!(
+                    "message seq {} step {}: signature {:#010x} received (step {}), {:#010x} expected",
+                    want.seq, want.step, got.signature, got.step, want.signature
+                ),
+                Some(Signatures { received: got.signature, expected: want.signature }),
             )
         } else if got_len != len as u64 {
-            format!("message seq {} step {}: {got_len} bytes received, {len} expected", want.seq, want.step)
+            (format!("message seq {} step {}: {got_len} bytes received, {len} expected", want.seq, want.step), None)
         } else {
             return Ok(());
         };
-        Err(self.fail(TransportError::Mismatch { peer: self.peer, detail }))
+        Err(self.fail(TransportError::Mismatch { peer: self.peer, detail, signatures }))
     }
 
     fn deliver_stashed(&self, tag: Tag, f: Stashed, buf: &mut [u8]) -> Result<(), TransportError> {
@@ -464,7 +477,8 @@ impl ShmLink {
             if h.kind != KIND_FIRST {
                 return Err(self.protocol(format!("slot {} continues a message where a new one should start", *tail)));
             }
-            if h.tag.seq == tag.seq && h.tag.step == tag.step {
+            // A message of another call in this operation fails the match (a mismatch, at once).
+            if (h.tag.seq == tag.seq && h.tag.step == tag.step) || other_call(tag, h.tag) {
                 self.check_match(tag, buf.len(), h.tag, h.total)?;
                 self.read_message(&mut tail, h, buf).await?;
                 poison.disarm();

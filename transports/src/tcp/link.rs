@@ -37,11 +37,11 @@
 //! while a peer that reads sees end-of-stream at once.)
 
 use super::frame::{FrameHeader, HEADER_LEN};
-use super::liveness::{self, Answer, PROBE_WITHIN};
+use super::liveness::{self, PROBE_WITHIN};
 use crate::deadline::{DeadlineInForce, LinkProgress};
 use crate::link_guards::{lock, BreakQuietly, Poison, Waiting};
-use crate::wire::{seq_older, STASH_BUDGET, STASH_MAX_FRAMES};
-use crate::{Deadlines, Rank, Tag, TransportError};
+use crate::wire::{other_call, seq_older, STASH_BUDGET, STASH_MAX_FRAMES};
+use crate::{Deadlines, Rank, Signatures, Silence, Tag, TransportError};
 use std::future::Future;
 use std::io::{self, IoSlice};
 use std::net::Shutdown;
@@ -62,8 +62,8 @@ pub const READ_AHEAD: usize = 16 * 1024;
 /// Why a socket operation stopped.
 enum IoFail {
     /// No bytes moved for this long: the ceiling, or a learned deadline after which the
-    /// peer's process did not answer a liveness probe.
-    Stalled(Duration),
+    /// peer's process did not answer a liveness probe (what was found out about it).
+    Stalled(Duration, Silence),
     /// The peer closed the connection (`what` says where in the frame).
     Eof(&'static str),
     /// The socket reported an error.
@@ -153,7 +153,7 @@ impl<'a> Watchdog<'a> {
             }
             match self.wake() {
                 Wake::Until(t) => self.sleep.as_mut().reset(t),
-                Wake::Stalled(after) => return Err(IoFail::Stalled(after)),
+                Wake::Stalled(after) => return Err(IoFail::Stalled(after, Silence::Unprobed)),
                 Wake::Probe(target) => {
                     let answer = tokio::select! {
                         biased;
@@ -164,7 +164,7 @@ impl<'a> Watchdog<'a> {
                         a = liveness::probe(target, PROBE_WITHIN) => a,
                     };
                     let now = Instant::now();
-                    if answer == Answer::Silent {
+                    if let Some(silence) = answer.silence() {
                         let in_force = self.link.progress.in_force();
                         self.link.span.in_scope(|| {
                             tracing::warn!(
@@ -174,9 +174,10 @@ impl<'a> Watchdog<'a> {
                                 "no progress past the learned deadline and the peer's process does not answer"
                             )
                         });
-                        return Err(IoFail::Stalled(now - self.last));
+                        return Err(IoFail::Stalled(now - self.last, silence));
                     }
-                    // Alive (late, or waiting on somebody else): another window, then ask again.
+                    // Alive (late, or waiting on somebody else), or no verdict (nobody on that port, a
+                    // local failure to probe): another window, then ask again.
                     self.alive_at = Some(now);
                     let next = self.wake();
                     if let Wake::Until(t) = next {
@@ -428,7 +429,7 @@ impl Link {
 
     fn io_error(&self, e: IoFail) -> TransportError {
         match e {
-            IoFail::Stalled(after) => TransportError::Timeout { peer: self.peer, after },
+            IoFail::Stalled(after, silence) => TransportError::Timeout { peer: self.peer, after, silence },
             IoFail::Eof(at) => {
                 TransportError::PeerClosed { peer: self.peer, detail: format!("connection closed by peer {at}") }
             }
@@ -478,7 +479,9 @@ impl Link {
 
     fn take_stashed(&self, tag: Tag) -> Option<Stashed> {
         let mut s = lock(&self.stash);
-        let i = s.frames.iter().position(|f| f.tag.seq == tag.seq && f.tag.step == tag.step)?;
+        // A frame of another call in this operation is taken too: delivering it reports the mismatch.
+        let i =
+            s.frames.iter().position(|f| (f.tag.seq == tag.seq && f.tag.step == tag.step) || other_call(tag, f.tag))?;
         let f = s.frames.swap_remove(i);
         s.bytes -= f.data.len();
         Some(f)
@@ -489,9 +492,10 @@ impl Link {
             return Err(self.fail(TransportError::Mismatch {
                 peer: self.peer,
                 detail: format!(
-                    "message seq {} step {}: signature {:#010x} received, {:#010x} expected",
-                    want.seq, want.step, got.signature, want.signature
+                    "message seq {} step {}: signature {:#010x} received (step {}), {:#010x} expected",
+                    want.seq, want.step, got.signature, got.step, want.signature
                 ),
+                signatures: Some(Signatures { received: got.signature, expected: want.signature }),
             }));
         }
         if got_len != len as u64 {
@@ -501,6 +505,7 @@ impl Link {
                     "message seq {} step {}: {got_len} bytes received, {len} expected",
                     want.seq, want.step
                 ),
+                signatures: None,
             }));
         }
         Ok(())
@@ -560,7 +565,8 @@ impl Link {
             let h = FrameHeader::decode(&raw, self.generation, self.max_frame)
                 .map_err(|e| self.fail(self.protocol(e.to_string())))?;
             self.progress.saw(h.tag.seq);
-            if h.tag.seq == tag.seq && h.tag.step == tag.step {
+            // A frame of another call in this operation fails the match (a mismatch, at once).
+            if (h.tag.seq == tag.seq && h.tag.step == tag.step) || other_call(tag, h.tag) {
                 self.check_match(tag, buf.len(), h.tag, h.len)?;
                 return r.read_payload(buf, wd).await.map_err(|e| self.fail(self.io_error(e)));
             }

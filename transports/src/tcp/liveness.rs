@@ -13,7 +13,10 @@
 //! The answer proves nothing but that the process runs and the path carries packets; it
 //! carries no data and needs no authentication (a reply is exactly as large as the request,
 //! so it amplifies nothing). A probe refused by the peer's host (no socket on that port) is
-//! not taken as a death: the link then waits up to the ceiling, as with learning off. A
+//! not taken as a death: the link then waits up to the ceiling, as with learning off. Nor is a
+//! local failure to send the probe at all (no socket to bind: out of file descriptors; a
+//! refused connect; no randomness for the nonce): that says nothing about the peer, so it is
+//! no verdict either, and the link keeps waiting and asks again later. A
 //! link's target is only probed for a failure once it has answered once, right after the
 //! link came up (`verify`), so a foreign socket on that port never makes a live peer look
 //! dead.
@@ -41,6 +44,13 @@ pub(crate) enum Answer {
     Silent,
     /// The peer's host said nobody listens on that port: no verdict.
     NoResponder,
+    /// The peer's process, on this host, is stopped (SIGSTOP, a debugger).
+    Stopped,
+    /// The peer's process, on this host, is gone (exited, a zombie).
+    Gone,
+    /// The probe could not be sent from here (bind, connect or the nonce failed locally,
+    /// e.g. this process is out of file descriptors): no verdict about the peer.
+    LocalFailure,
 }
 
 /// The echo thread of one endpoint; stops (within [`RESPONDER_POLL`]) when dropped.
@@ -106,13 +116,17 @@ pub(crate) async fn probe(target: SocketAddr, within: Duration) -> Answer {
     } else {
         (std::net::Ipv6Addr::UNSPECIFIED, 0).into()
     };
-    let Ok(sock) = tokio::net::UdpSocket::bind(unspecified).await else { return Answer::Silent };
-    if sock.connect(target).await.is_err() {
-        return Answer::Silent;
+    // A failure here is this process's, not the peer's: never read it as the peer's death.
+    let sock = match tokio::net::UdpSocket::bind(unspecified).await {
+        Ok(s) => s,
+        Err(e) => return local_failure(target, "bind", &e),
+    };
+    if let Err(e) = sock.connect(target).await {
+        return local_failure(target, "connect", &e);
     }
     let mut nonce = [0u8; 8];
-    if getrandom::fill(&mut nonce).is_err() {
-        return Answer::Silent;
+    if let Err(e) = getrandom::fill(&mut nonce) {
+        return local_failure(target, "draw a nonce", &e);
     }
     let mut request = [0u8; LEN];
     request[..4].copy_from_slice(REQUEST);
@@ -145,33 +159,58 @@ pub(crate) async fn probe(target: SocketAddr, within: Duration) -> Answer {
     }
 }
 
+fn local_failure(target: SocketAddr, what: &str, error: &dyn std::fmt::Display) -> Answer {
+    tracing::warn!(%target, error = %error, "could not {what} for a liveness probe; no verdict about the peer");
+    Answer::LocalFailure
+}
+
+impl Answer {
+    /// What a failing link reports about the peer (see [`crate::Silence`]), or `None` when
+    /// the answer is no reason to give up (alive, or no verdict).
+    pub(crate) fn silence(self) -> Option<crate::Silence> {
+        match self {
+            Self::Silent => Some(crate::Silence::NoAnswer),
+            Self::Stopped => Some(crate::Silence::ProcessStopped),
+            Self::Gone => Some(crate::Silence::ProcessGone),
+            Self::Alive | Self::NoResponder | Self::LocalFailure => None,
+        }
+    }
+}
+
 /// Whether the process `pid` on this host runs: it is looked up in `/proc` every few
 /// milliseconds for up to `within`; `Alive` as soon as it is seen in any state but stopped
-/// (`T`, SIGSTOP) or traced-stopped (`t`, a debugger), `Silent` if it stays stopped, or
-/// is gone or a zombie, throughout. For peers on the same host (shared memory), where no
-/// datagram is needed.
+/// (`T`, SIGSTOP) or traced-stopped (`t`, a debugger); else, at the end, `Stopped` if it was
+/// stopped at the last look, `Gone` if it was gone or a zombie. For peers on the same host
+/// (shared memory), where no datagram is needed.
 ///
 /// # Cancel safety
 /// Cancel safe: it holds nothing.
 pub(crate) async fn probe_local_process(pid: u32, within: Duration) -> Answer {
     let until = tokio::time::Instant::now() + within;
     loop {
-        if process_runs(pid) {
-            return Answer::Alive;
-        }
-        if tokio::time::Instant::now() >= until {
-            return Answer::Silent;
+        let state = process_state(pid);
+        if state == Answer::Alive || tokio::time::Instant::now() >= until {
+            return state;
         }
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
 }
 
-/// One look at `/proc/PID/stat`: false if the process is stopped, traced, a zombie or gone.
-fn process_runs(pid: u32) -> bool {
-    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { return false };
+/// One look at `/proc/PID/stat`: `Alive`, `Stopped` (stopped or traced) or `Gone` (a
+/// zombie, or no such process).
+fn process_state(pid: u32) -> Answer {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { return Answer::Gone };
     // "PID (COMM) STATE ...": COMM may hold spaces and parentheses; the state follows the last ')'.
-    let state = stat.rfind(')').and_then(|i| stat[i + 1..].trim_start().chars().next());
-    !matches!(state, Some('T' | 't' | 'Z' | 'X' | 'x') | None)
+    match stat.rfind(')').and_then(|i| stat[i + 1..].trim_start().chars().next()) {
+        Some('T' | 't') => Answer::Stopped,
+        Some('Z' | 'X' | 'x') | None => Answer::Gone,
+        Some(_) => Answer::Alive,
+    }
+}
+
+#[cfg(test)]
+fn process_runs(pid: u32) -> bool {
+    process_state(pid) == Answer::Alive
 }
 
 /// Probes `target` once, with a generous bound, right after its link came up: true if the
@@ -258,14 +297,27 @@ mod tests {
             std::thread::yield_now();
         }
         let t0 = std::time::Instant::now();
-        assert_eq!(probe_local_process(pid, Duration::from_millis(100)).await, Answer::Silent);
+        assert_eq!(probe_local_process(pid, Duration::from_millis(100)).await, Answer::Stopped);
         assert!(t0.elapsed() >= Duration::from_millis(100));
         // SAFETY: as above.
         unsafe { libc::kill(pid as i32, libc::SIGCONT) };
         assert_eq!(probe_local_process(pid, Duration::from_secs(5)).await, Answer::Alive);
         child.kill().unwrap();
         child.wait().unwrap();
-        assert_eq!(probe_local_process(pid, Duration::from_millis(20)).await, Answer::Silent, "a reaped process");
+        assert_eq!(probe_local_process(pid, Duration::from_millis(20)).await, Answer::Gone, "a reaped process");
+        assert_eq!(Answer::Stopped.silence(), Some(crate::Silence::ProcessStopped));
+        assert_eq!(Answer::Silent.silence(), Some(crate::Silence::NoAnswer));
+        assert_eq!(Answer::LocalFailure.silence(), None);
+    }
+
+    /// A probe this process cannot even send (here: a UDP connect to the broadcast address
+    /// without SO_BROADCAST, which the local kernel refuses with EACCES, as it would refuse a
+    /// bind with EMFILE when out of file descriptors) is no verdict, not a silent peer.
+    #[tokio::test]
+    async fn a_local_failure_to_probe_is_no_verdict() {
+        let broadcast: SocketAddr = "255.255.255.255:9".parse().unwrap();
+        assert_eq!(probe(broadcast, Duration::from_millis(100)).await, Answer::LocalFailure);
+        assert!(!verify(broadcast).await);
     }
 
     async fn verify_within(target: SocketAddr, within: Duration) -> bool {

@@ -146,27 +146,27 @@ pub(crate) fn offsets(counts: &[usize]) -> Vec<usize> {
         .collect()
 }
 
+/// Every collective's call kind; no two may share a code or a name (a unit test checks), and
+/// every code fits the 5 bits the call signature gives it (below 32). A mismatch error decodes
+/// the peer's call kind from its signature through this list. The next free code is 12.
+pub(crate) const CALLS: &[crate::comm::CallKind] = &[
+    allreduce::ALLREDUCE,
+    reduce_scatter::REDUCE_SCATTER,
+    allgather::ALLGATHER,
+    allgather::ALLGATHERV,
+    tree::BROADCAST,
+    tree::REDUCE,
+    tree::GATHER,
+    tree::SCATTER,
+    alltoall::ALLTOALL,
+    alltoall::ALLTOALLV,
+    barrier::BARRIER,
+    p2p::P2P,
+];
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::comm::CallKind;
-
-    /// Every collective's call kind; no two may share a code or a name (a unit test checks).
-    /// The next free code is 12.
-    const CALLS: &[CallKind] = &[
-        allreduce::ALLREDUCE,
-        reduce_scatter::REDUCE_SCATTER,
-        allgather::ALLGATHER,
-        allgather::ALLGATHERV,
-        tree::BROADCAST,
-        tree::REDUCE,
-        tree::GATHER,
-        tree::SCATTER,
-        alltoall::ALLTOALL,
-        alltoall::ALLTOALLV,
-        barrier::BARRIER,
-        p2p::P2P,
-    ];
 
     #[test]
     fn blocks_cover_the_vector() {
@@ -184,6 +184,7 @@ mod tests {
     #[test]
     fn call_kinds_are_distinct() {
         for (i, a) in CALLS.iter().enumerate() {
+            assert!(a.code < 32, "{}'s code {} does not fit the signature's 5 bits", a.name, a.code);
             for b in &CALLS[i + 1..] {
                 assert_ne!(a.code, b.code, "{} and {} share a signature code", a.name, b.name);
                 assert_ne!(a.name, b.name, "two collectives are named {}", a.name);

@@ -13,7 +13,7 @@ use cohort_transports::Transport;
 pub(crate) const P2P: CallKind = CallKind { name: "p2p", code: 11 };
 
 /// First step of point-to-point messages; collectives use the steps below it.
-pub(crate) const P2P_STEP_BASE: u64 = 1 << 31;
+pub(crate) const P2P_STEP_BASE: u64 = cohort_transports::wire::P2P_STEP_BASE as u64;
 
 impl<T: Transport> Communicator<T> {
     /// Sends `data` to `peer`, which must post a matching [`Communicator::recv`] (same dtype

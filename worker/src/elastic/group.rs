@@ -589,7 +589,7 @@ impl FailureReporter {
             incarnation: self.incarnation(),
             generation,
             failed_rank,
-            reason: error.to_string(),
+            reason: error.failure_reason(),
             kind: match error {
                 CommError::PeerFailed { .. } => pb::failure_report::FailureKind::PeerClosed,
                 CommError::Timeout { .. } => pb::failure_report::FailureKind::Timeout,
@@ -625,8 +625,12 @@ impl FailureReporter {
     /// closes the generation's links (which stayed open for the report) so that peers stop
     /// waiting on this rank.
     fn revoke_locally(&self, generation: u64, failed_rank: Option<u32>, error: &CommError) -> RootCause {
-        let cause =
-            RootCause { rank: failed_rank, worker_id: String::new(), host: String::new(), reason: error.to_string() };
+        let cause = RootCause {
+            rank: failed_rank,
+            worker_id: String::new(),
+            host: String::new(),
+            reason: error.failure_reason(),
+        };
         self.shared.drive(|m| m.handle_revoked(generation, cause.clone()));
         cause
     }

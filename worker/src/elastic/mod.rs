@@ -48,5 +48,5 @@ pub use connect::{connect_members, LocalEndpoints, MeshScope};
 pub use error::ElasticError;
 pub use group::{ElasticGroup, FailureReporter, Generation, MemberInfo, ReformReason};
 pub use mesh::{MeshKind, MeshTransport, MixedTransport};
-pub use state::{Checkpoint, ElasticState, SyncError, SyncOutcome};
+pub use state::{Checkpoint, CommitError, ElasticState, SyncError, SyncOutcome};
 pub use timing::StepTimes;

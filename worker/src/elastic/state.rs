@@ -4,10 +4,13 @@
 //! in something that implements [`ElasticState`]; at step boundaries it calls
 //! [`Checkpoint::commit`]; after a failed step it calls [`Checkpoint::restore`]; after every
 //! re-formation it calls [`Checkpoint::sync`], which makes every member (joiners included)
-//! hold the newest commit any member has, and checks that they all agree.
+//! hold the newest commit any member has, and checks that they all agree. At each commit point
+//! [`Checkpoint::agree`] checks in-band, in the one small allreduce the commit point runs anyway
+//! (the members' flags: re-form here or not), that every member committed the same step with
+//! the same state: a divergence is caught on every rank at the commit that caused it.
 
 use super::ElasticError;
-use crate::{CommError, Communicator};
+use crate::{CommError, Communicator, ReduceOp};
 use cohort_transports::Transport;
 use sha2::{Digest, Sha256};
 
@@ -181,6 +184,81 @@ impl Checkpoint {
         self.digest = digest;
         Ok(SyncOutcome { step, source, changed })
     }
+}
+
+/// Bytes of a commit's identity that [`Checkpoint::agree`] compares: the step (8, little
+/// endian; `u64::MAX` before any commit) and the first 16 bytes of the digest (which covers the
+/// step and the whole snapshot).
+const IDENTITY: usize = 8 + 16;
+
+impl Checkpoint {
+    /// A commit point's agreement, in-band: every member's `flags` are max-reduced in place
+    /// (a flag set on any rank is set on all: "re-form here", "a member leaves"), and in the
+    /// same allreduce every member learns whether all of them committed the same step with the
+    /// same state.
+    ///
+    /// One allreduce (max over bytes) of `flags`, this member's commit identity (step and a
+    /// 16-byte digest prefix) and the bitwise complement of that identity: the maximum of the
+    /// complement is the complement of the minimum, so each byte's minimum and maximum come
+    /// back together, and they are equal on every byte exactly when every member holds the
+    /// same identity. It costs no extra round: the commit point's flags travel in the same
+    /// message (48 bytes in all for two flags).
+    ///
+    /// On a difference every rank gets [`CommitError::Diverged`], at the commit that caused
+    /// it, saying whether the steps or the states differ; the checkpoint and `flags` are
+    /// left as they were. A collective failure is [`CommitError::Comm`] (re-form as after
+    /// any failed step).
+    ///
+    /// # Cancel safety
+    /// Not cancel safe (it runs a collective); cancelling it poisons the communicator like any
+    /// collective, and the checkpoint is unchanged either way.
+    pub async fn agree<T: Transport>(&self, comm: &mut Communicator<T>, flags: &mut [u8]) -> Result<(), CommitError> {
+        let n = flags.len();
+        let mut identity = [0u8; IDENTITY];
+        identity[..8].copy_from_slice(&self.step.unwrap_or(u64::MAX).to_le_bytes());
+        identity[8..].copy_from_slice(&self.digest[..16]);
+        let mut buf = Vec::with_capacity(n + 2 * IDENTITY);
+        buf.extend_from_slice(flags);
+        buf.extend_from_slice(&identity);
+        buf.extend(identity.iter().map(|b| !b));
+        comm.allreduce(&mut buf, ReduceOp::Max).await?;
+        let (max, min_complement) = buf[n..].split_at(IDENTITY);
+        let agree = |range: std::ops::Range<usize>| range.clone().all(|i| max[i] == !min_complement[i]);
+        let (steps_agree, states_agree) = (agree(0..8), agree(8..IDENTITY));
+        if !(steps_agree && states_agree) {
+            let what = if steps_agree {
+                "every member committed this step, but with different state (their digests differ)".to_string()
+            } else {
+                "the members committed different steps".to_string()
+            };
+            tracing::error!(generation = comm.generation(), rank = comm.rank(), step = ?self.step, "{what}");
+            return Err(CommitError::Diverged { generation: comm.generation(), step: self.step, detail: what });
+        }
+        flags.copy_from_slice(&buf[..n]);
+        Ok(())
+    }
+}
+
+/// Why [`Checkpoint::agree`] failed.
+#[derive(Debug, thiserror::Error)]
+pub enum CommitError {
+    /// The allreduce failed (handle it like any failed step: re-form).
+    #[error(transparent)]
+    Comm(#[from] CommError),
+    /// The members' commits differ: not the same step, or the same step with different
+    /// state. Every member gets this at the same commit point.
+    #[error(
+        "state diverged at the commit of {} in generation {generation}: {detail}",
+        step.map_or_else(|| "no step (nothing committed)".to_string(), |s| format!("step {s}"))
+    )]
+    Diverged {
+        /// The generation of the commit point.
+        generation: u64,
+        /// This member's committed step.
+        step: Option<u64>,
+        /// What differs.
+        detail: String,
+    },
 }
 
 /// Why [`Checkpoint::sync`] failed.

@@ -293,7 +293,8 @@ fn init_tracing() {
 /// against a 2-worker multi-thread runtime, because every message wake-up stays on the thread
 /// that polls the socket instead of hopping between workers. Heartbeats, the watch stream
 /// and revocation run as tasks on the same thread and make progress whenever a collective
-/// awaits its sockets. `COHORT_RUNTIME=multi` selects a 2-worker multi-thread runtime.
+/// awaits its sockets; nothing long may run on it (`train --compute` burns its CPU on a
+/// blocking-pool thread). `COHORT_RUNTIME=multi` selects a 2-worker multi-thread runtime.
 fn runtime() -> Result<tokio::runtime::Runtime, String> {
     let mut builder = if std::env::var("COHORT_RUNTIME").as_deref() == Ok("multi") {
         let mut b = tokio::runtime::Builder::new_multi_thread();

@@ -17,7 +17,7 @@
 //! `params_digest` (SHA-256 of the final parameters' bytes) and `expected_digest` (of the
 //! parameters expected after that many steps).
 
-use cohort::elastic::{Checkpoint, ElasticConfig, ElasticError, ElasticGroup, Generation, SyncError};
+use cohort::elastic::{Checkpoint, CommitError, ElasticConfig, ElasticError, ElasticGroup, Generation, SyncError};
 use cohort::events::{EventKind, EventLine};
 use cohort::exact::ExactElement;
 use cohort::trajectory::{params_digest, StepMismatch, Trajectory};
@@ -83,27 +83,51 @@ fn kind_of(e: &CommError) -> &'static str {
         CommError::Revoked { .. } => "Revoked",
         CommError::Transport(_) => "Transport",
         CommError::InvalidArgument(_) => "InvalidArgument",
+        CommError::Mismatch { .. } => "Mismatch",
     }
 }
 
-/// The parameters as an [`cohort::elastic::ElasticState`].
-struct Params<E>(Vec<E>);
+/// The parameters and the exact number of steps that made them, as an
+/// [`cohort::elastic::ElasticState`]: the snapshot is the step (8 bytes, little endian) then the
+/// parameters' bytes.
+///
+/// The step travels inside the snapshot because the parameters alone cannot name it: their
+/// modulus is small for the narrow types (32 values for bf16, 256 for u8 and f16), so the
+/// parameters of two steps can be equal (for bf16 a commit 32 steps old often equals the
+/// current one), and a stale snapshot restored or synced under a newer step would pass the
+/// parameter check. [`check_params`] compares this counter first.
+struct Params<E> {
+    /// Steps applied to `values` (0 for the initial parameters).
+    step: u64,
+    values: Vec<E>,
+}
+
+impl<E: ExactElement> Params<E> {
+    fn new(step: u64, values: Vec<E>) -> Self {
+        Self { step, values }
+    }
+}
 
 impl<E: ExactElement> cohort::elastic::ElasticState for Params<E> {
     fn save(&self, out: &mut Vec<u8>) {
-        out.extend_from_slice(cohort::dtype::as_bytes(&self.0));
+        out.extend_from_slice(&self.step.to_le_bytes());
+        out.extend_from_slice(cohort::dtype::as_bytes(&self.values));
     }
     fn load(&mut self, snapshot: &[u8]) -> Result<(), String> {
         let width = std::mem::size_of::<E>();
-        if snapshot.len() != self.0.len() * width {
+        let want = 8 + self.values.len() * width;
+        let (Some(step), true) = (snapshot.get(..8), snapshot.len() == want) else {
             return Err(format!(
-                "snapshot of {} bytes for {} elements of {} bytes",
+                "snapshot of {} bytes for a step counter and {} elements of {} bytes ({want} bytes)",
                 snapshot.len(),
-                self.0.len(),
+                self.values.len(),
                 width
             ));
-        }
-        cohort::dtype::as_bytes_mut(&mut self.0).copy_from_slice(snapshot);
+        };
+        let mut counter = [0u8; 8];
+        counter.copy_from_slice(step);
+        self.step = u64::from_le_bytes(counter);
+        cohort::dtype::as_bytes_mut(&mut self.values).copy_from_slice(&snapshot[8..]);
         Ok(())
     }
 }
@@ -137,7 +161,7 @@ pub(crate) async fn run<E: ExactElement>(
     print_joined(&worker, &group);
 
     let trajectory = Trajectory::new::<E>(count);
-    let mut params = Params(vec![E::from_small(0); count]);
+    let mut params = Params::new(0, vec![E::from_small(0); count]);
     let mut grad = vec![E::from_small(0); count];
     let mut checkpoint = Checkpoint::new();
     let mut summary = TrainSummary::default();
@@ -227,15 +251,17 @@ pub(crate) async fn run<E: ExactElement>(
                 failed_at.get_or_insert_with(Instant::now);
                 continue 'generations;
             }
-            Err(SyncError::Diverged(detail)) => return Err(TrainError::Diverged(detail)),
+            Err(SyncError::Diverged(detail)) => {
+                return Err(TrainError::Diverged(format!("state diverged after restore: {detail}")))
+            }
         }
         let mut step = checkpoint.step().unwrap_or(0);
-        check_params(&trajectory, &params.0, g, rank, step, "sync")?;
+        check_params(&trajectory, &params, g, rank, step, "sync")?;
 
         loop {
             if step >= train.steps {
-                check_params(&trajectory, &params.0, g, rank, step, "end")?;
-                let (digest, expected) = digests(&trajectory, &params.0, step);
+                check_params(&trajectory, &params, g, rank, step, "end")?;
+                let (digest, expected) = digests(&trajectory, &params.values, step);
                 EventLine::new(EventKind::Finished)
                     .field("gen", g)
                     .field("rank", rank)
@@ -251,8 +277,8 @@ pub(crate) async fn run<E: ExactElement>(
                 return Ok(summary);
             }
             let step_started = Instant::now();
-            trajectory.fill(&params.0, step, rank, world, &mut grad);
-            burn_cpu(train.compute);
+            trajectory.fill(&params.values, step, rank, world, &mut grad);
+            compute(train.compute).await?;
             group.set_progress(g, step, "allreduce");
             let started = Instant::now();
             EventLine::new(EventKind::Allreduce)
@@ -276,13 +302,13 @@ pub(crate) async fn run<E: ExactElement>(
                     .field("cause_t_ms", now_ms())
                     .print();
                 checkpoint.restore(&mut params)?;
-                check_params(&trajectory, &params.0, g, rank, checkpoint.step().unwrap_or(0), "restore")?;
+                check_params(&trajectory, &params, g, rank, checkpoint.step().unwrap_or(0), "restore")?;
                 failed_at.get_or_insert_with(Instant::now);
                 continue 'generations;
             }
             // One pass: every element of the sum against its target, added, and the new
             // parameter against the one expected after step + 1 (the commit's check).
-            match trajectory.apply(&mut params.0, &grad, step) {
+            match trajectory.apply(&mut params.values, &grad, step) {
                 Ok(()) => {}
                 Err(StepMismatch::Sum { index: j, expected }) => {
                     EventLine::new(EventKind::WrongResult)
@@ -297,10 +323,11 @@ pub(crate) async fn run<E: ExactElement>(
                     return Err(TrainError::WrongResult { generation: g, step, index: j });
                 }
                 Err(StepMismatch::Params { index, expected }) => {
-                    return Err(wrong_params(g, rank, step + 1, "commit", index, params.0.get(index), expected));
+                    return Err(wrong_params(g, rank, step + 1, "commit", index, params.values.get(index), expected));
                 }
             }
             step += 1;
+            params.step = step;
             checkpoint.commit(&params, step);
             summary.verified_steps += 1;
             cohort::metrics::STEPS_VERIFIED.fetch_add(1, Ordering::Relaxed);
@@ -342,7 +369,13 @@ pub(crate) async fn run<E: ExactElement>(
             let straggler = group.straggler_leave();
             let mut flags = [u8::from(pending), u8::from(*leaving.borrow() || straggler.is_some())];
             let flags_started = Instant::now();
-            let agreed = generation.comm.allreduce(&mut flags, ReduceOp::Max).await;
+            // The flags' allreduce also checks, in-band, that every member committed this
+            // step with the same state: a divergence stops every rank here.
+            let agreed = match checkpoint.agree(&mut generation.comm, &mut flags).await {
+                Ok(()) => Ok(()),
+                Err(CommitError::Comm(e)) => Err(e),
+                Err(e @ CommitError::Diverged { .. }) => return Err(TrainError::Diverged(e.to_string())),
+            };
             collective += flags_started.elapsed();
             if agreed.is_ok() {
                 let waits = cohort_transports::Transport::deadlines_in_force(generation.comm.transport().as_ref());
@@ -364,7 +397,7 @@ pub(crate) async fn run<E: ExactElement>(
                 continue 'generations;
             }
             if flags[1] != 0 && *leaving.borrow() {
-                let (digest, expected) = digests(&trajectory, &params.0, step);
+                let (digest, expected) = digests(&trajectory, &params.values, step);
                 EventLine::new(EventKind::Leave)
                     .field("gen", g)
                     .field("rank", rank)
@@ -406,7 +439,7 @@ pub(crate) async fn run<E: ExactElement>(
                             .field("joined", false)
                             .field("t_ms", now_ms())
                             .print();
-                        let (digest, expected) = digests(&trajectory, &params.0, step);
+                        let (digest, expected) = digests(&trajectory, &params.values, step);
                         summary.params_digest = Some(digest);
                         summary.expected_digest = Some(expected);
                         summary.final_step = step;
@@ -437,11 +470,27 @@ pub(crate) async fn run<E: ExactElement>(
     }
     summary.final_step = checkpoint.step().unwrap_or(0);
     // The parameters are the last commit's here (every way into next_generation leaves them so).
-    check_params(&trajectory, &params.0, 0, 0, summary.final_step, "end")?;
-    let (digest, expected) = digests(&trajectory, &params.0, summary.final_step);
+    check_params(&trajectory, &params, 0, 0, summary.final_step, "end")?;
+    let (digest, expected) = digests(&trajectory, &params.values, summary.final_step);
     summary.params_digest = Some(digest);
     summary.expected_digest = Some(expected);
     Ok(summary)
+}
+
+/// The step's compute (`work` of CPU time) on a blocking-pool thread, never on the runtime's
+/// thread: the runtime is current-thread, and the heartbeats, the coordinator's watch and the
+/// transports' tasks run on it, so a step that burned the CPU there would silence them for the
+/// whole step, and one longer than the lease would get a healthy worker evicted.
+///
+/// # Cancel safety
+/// Cancel safe: dropping it leaves the burn to finish on its own thread, touching nothing.
+async fn compute(work: Duration) -> Result<(), TrainError> {
+    if work.is_zero() {
+        return Ok(());
+    }
+    tokio::task::spawn_blocking(move || burn_cpu(work))
+        .await
+        .map_err(|e| TrainError::Setup(format!("the compute thread failed: {e}")))
 }
 
 /// Burns `work` of this thread's CPU time (a fixed amount of work: on a slowed or shared
@@ -517,17 +566,33 @@ pub(crate) fn deadline_brief(deadlines: &[(u32, cohort_transports::DeadlineInFor
     format!("{range} ms {}", bases.join("/"))
 }
 
+/// Checks the parameters against those every worker expects after `step` steps: first their
+/// step counter (exact, whatever the type), then every value; a mismatch prints
+/// `event=wrong_params` and is an error.
 fn check_params<E: ExactElement>(
     trajectory: &Trajectory,
-    params: &[E],
+    params: &Params<E>,
     generation: u64,
     rank: u32,
     step: u64,
     phase: &'static str,
 ) -> Result<(), TrainError> {
-    match trajectory.first_param_mismatch(params, step) {
+    if params.step != step {
+        EventLine::new(EventKind::WrongParams)
+            .field("gen", generation)
+            .field("rank", rank)
+            .field("step", step)
+            .field("phase", phase)
+            .field("held_step", params.step)
+            .field("t_ms", now_ms())
+            .print();
+        return Err(TrainError::WrongStep { generation, step, phase, held: params.step });
+    }
+    match trajectory.first_param_mismatch(&params.values, step) {
         None => Ok(()),
-        Some((index, expected)) => Err(wrong_params(generation, rank, step, phase, index, params.get(index), expected)),
+        Some((index, expected)) => {
+            Err(wrong_params(generation, rank, step, phase, index, params.values.get(index), expected))
+        }
     }
 }
 
@@ -598,8 +663,23 @@ pub(crate) enum TrainError {
         /// First wrong element.
         index: usize,
     },
-    /// Ranks disagree about the restored state.
-    #[error("state diverged after restore: {0}")]
+    /// The parameters were made by another number of steps than the `step` they are checked
+    /// for (a stale commit restored or synced as a newer one), whatever their values.
+    #[error(
+        "WRONG PARAMETERS in generation {generation} at step {step} (after {phase}): they are those of step {held}"
+    )]
+    WrongStep {
+        /// Generation of the check.
+        generation: u64,
+        /// The step the parameters are checked for.
+        step: u64,
+        /// Where the check ran: sync, restore or end.
+        phase: &'static str,
+        /// The step counter the parameters carry.
+        held: u64,
+    },
+    /// Ranks disagree about the synced or committed state.
+    #[error("{0}")]
     Diverged(String),
     /// The elastic runtime gave up (job failed, coordinator unreachable, ...).
     #[error(transparent)]
@@ -644,34 +724,66 @@ mod tests {
     #[test]
     fn a_restore_that_loads_the_previous_commit_fails_the_check() {
         let trajectory = Trajectory::new::<f32>(100);
-        let mut params = Params(vec![0f32; 100]);
+        let mut params = Params::new(0, vec![0f32; 100]);
         // A checkpoint whose commit of step 5 holds the parameters of step 4.
         let mut checkpoint = Checkpoint::new();
-        checkpoint.commit(&Params(trajectory.expected_params::<f32>(4)), 5);
+        checkpoint.commit(&Params::new(5, trajectory.expected_params::<f32>(4)), 5);
         checkpoint.restore(&mut params).unwrap();
-        let err = check_params(&trajectory, &params.0, 2, 0, 5, "restore").unwrap_err();
+        let err = check_params(&trajectory, &params, 2, 0, 5, "restore").unwrap_err();
         assert!(matches!(err, TrainError::WrongParams { step: 5, phase: "restore", generation: 2, .. }), "{err}");
         // The right commit passes.
-        checkpoint.commit(&Params(trajectory.expected_params::<f32>(5)), 5);
+        checkpoint.commit(&Params::new(5, trajectory.expected_params::<f32>(5)), 5);
         checkpoint.restore(&mut params).unwrap();
-        check_params(&trajectory, &params.0, 2, 0, 5, "restore").unwrap();
+        check_params(&trajectory, &params, 2, 0, 5, "restore").unwrap();
     }
 
     #[test]
     fn a_wrong_snapshot_loaded_by_a_sync_fails_the_check() {
         let trajectory = Trajectory::new::<i32>(64);
-        let mut params = Params(vec![0i32; 64]);
+        let mut params = Params::new(0, vec![0i32; 64]);
         // A snapshot of the right length with one element off (a corrupted or mixed-up state).
         let mut wrong = trajectory.expected_params::<i32>(9);
         wrong[17] = wrong[17].wrapping_add(1);
         let mut bytes = Vec::new();
-        Params(wrong).save(&mut bytes);
+        Params::new(9, wrong).save(&mut bytes);
         params.load(&bytes).unwrap();
-        let err = check_params(&trajectory, &params.0, 3, 1, 9, "sync").unwrap_err();
+        let err = check_params(&trajectory, &params, 3, 1, 9, "sync").unwrap_err();
         assert!(matches!(err, TrainError::WrongParams { index: 17, phase: "sync", .. }), "{err}");
         // A joiner's zeros claimed as step 9 (a sync that skipped it).
-        let zeros = vec![0i32; 64];
+        let zeros = Params::new(0, vec![0i32; 64]);
         assert!(check_params(&trajectory, &zeros, 3, 2, 9, "sync").is_err());
         assert!(check_params(&trajectory, &zeros, 3, 2, 0, "sync").is_ok());
+        // A snapshot of another length, or without its step counter, is refused.
+        assert!(params.load(&bytes[8..]).is_err());
+        assert!(params.load(&bytes[..bytes.len() - 4]).is_err());
+    }
+
+    /// bf16 parameters take 32 values, so the parameters of an old step can equal the current
+    /// ones: a commit 32 steps old restored as the current one passes a check of the values
+    /// alone. The step counter in the snapshot catches it.
+    #[test]
+    fn a_stale_bf16_commit_with_the_current_values_fails_the_check() {
+        use half::bf16;
+        let trajectory = Trajectory::new::<bf16>(64);
+        // Steps whose parameters are equal (the narrow modulus makes them repeat).
+        let (old, now) = (1..200u64)
+            .flat_map(|s| [32, 64, 128].map(|k| (s, s + k)))
+            .find(|&(a, b)| trajectory.expected_params::<bf16>(a) == trajectory.expected_params::<bf16>(b))
+            .expect("bf16 parameters repeat within a few hundred steps");
+        assert_eq!(trajectory.first_param_mismatch(&trajectory.expected_params::<bf16>(old), now), None);
+        // The commit of `old` restored as the commit of `now` ...
+        let mut checkpoint = Checkpoint::new();
+        checkpoint.commit(&Params::new(old, trajectory.expected_params::<bf16>(old)), now);
+        let mut params = Params::new(0, vec![bf16::ZERO; 64]);
+        checkpoint.restore(&mut params).unwrap();
+        let err = check_params(&trajectory, &params, 4, 1, now, "restore").unwrap_err();
+        assert!(
+            matches!(err, TrainError::WrongStep { step, held, phase: "restore", .. } if step == now && held == old),
+            "{err}"
+        );
+        // ... while the real commit of `now` passes.
+        checkpoint.commit(&Params::new(now, trajectory.expected_params::<bf16>(now)), now);
+        checkpoint.restore(&mut params).unwrap();
+        check_params(&trajectory, &params, 4, 1, now, "restore").unwrap();
     }
 }
