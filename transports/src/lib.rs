@@ -28,6 +28,7 @@ mod link_guards;
 #[cfg(feature = "rdma")]
 pub mod rdma;
 pub mod shm;
+mod spin;
 pub mod tcp;
 pub mod wire;
 

@@ -9,10 +9,15 @@
 //! [`crate::tcp::link`]).
 //!
 //! Waiting: a side that finds no data (or no room) first polls the ring for the busy-poll
-//! window, yielding to the rest of its task (a collective's concurrent send) and to other
-//! processes between looks; then it raises its `sleeping` flag in the ring, looks once more,
-//! and sleeps on the socket. The other side lowers the flag and writes one doorbell byte after
-//! it publishes. The socket also wakes every sleeper when the peer's process dies (the kernel
+//! window, letting the rest of its task (a collective's concurrent send) run between looks
+//! and keeping the CPU, unless the host runs more ranks of the mesh than it has CPUs or the
+//! peer last ran on this CPU, in which case it yields it ([`crate::spin`]: each side
+//! publishes its CPU in the ring at every wait and every publish); then it asks for
+//! a short scheduler slice (once per thread, so that its wake-up preempts a CPU-bound
+//! neighbour), raises its `sleeping` flag in the ring, looks once more, and sleeps on the
+//! socket. The other side lowers the flag and writes one doorbell byte after it publishes
+//! (the flag and the counters form a store-buffering handshake, ordered by `SeqCst` fences:
+//! [`super::ring::raise_sleeping`]). The socket also wakes every sleeper when the peer's process dies (the kernel
 //! closes its end: end-of-stream), so a SIGKILLed peer fails waiting operations at once.
 //! Every wait is bounded by the no-progress deadline. With learning on
 //! ([`crate::deadline`]), once the learned deadline passes with nothing moving, the link
@@ -24,10 +29,11 @@
 //! Anything the peer wrote into shared memory is validated before use (see [`super::ring`]);
 //! a violation fails the link with a protocol error.
 
-use super::ring::{Ring, SlotHeader, KIND_CONT, KIND_FIRST};
+use super::ring::{raise_sleeping, take_sleeper, Ring, SlotHeader, KIND_CONT, KIND_FIRST};
 use super::segment::Mapping;
 use crate::deadline::{DeadlineInForce, LinkProgress};
 use crate::link_guards::{lock, BreakQuietly, Poison, Waiting};
+use crate::spin;
 use crate::tcp::liveness::{self, PROBE_WITHIN};
 use crate::wire::{other_call, seq_older};
 use crate::wire::{STASH_BUDGET, STASH_MAX_FRAMES};
@@ -63,6 +69,8 @@ pub(crate) struct ShmLink {
     /// visible from here.
     peer_pid: Option<u32>,
     busy_poll: Duration,
+    /// More ranks on this host than CPUs: every turn of a spin yields ([`spin::spin_or_yield`]).
+    oversubscribed: bool,
     /// Keeps the rings' memory mapped.
     _mapping: Arc<Mapping>,
     tx: Ring,
@@ -89,6 +97,7 @@ pub(crate) struct LinkParams {
     pub(crate) max_message: u64,
     pub(crate) deadlines: crate::Deadlines,
     pub(crate) busy_poll: Duration,
+    pub(crate) oversubscribed: bool,
     pub(crate) span: tracing::Span,
 }
 
@@ -109,6 +118,7 @@ impl ShmLink {
             progress: LinkProgress::new(p.deadlines),
             peer_pid,
             busy_poll: p.busy_poll,
+            oversubscribed: p.oversubscribed,
             _mapping: mapping,
             tx,
             rx,
@@ -178,10 +188,22 @@ impl ShmLink {
         let _ = self.sock.try_write(&[1]);
     }
 
-    /// Wakes the peer if it sleeps on `flag`.
+    /// Wakes the peer if it sleeps on `flag` (after this side stored the counter it waits
+    /// on: see [`take_sleeper`] for the ordering).
     fn wake_peer(&self, flag: &AtomicU32) {
-        if flag.load(Ordering::SeqCst) != 0 && flag.swap(0, Ordering::SeqCst) != 0 {
+        if take_sleeper(flag) {
             self.ring_doorbell();
+        }
+    }
+
+    /// Publishes the CPU this thread runs on in the two words the peer reads when it waits
+    /// on this side (as the producer of `tx`, as the consumer of `rx`), if it changed.
+    fn note_cpu(&self) {
+        let mine = spin::encode_cpu(spin::this_cpu());
+        for word in [self.tx.producer_cpu(), self.rx.consumer_cpu()] {
+            if word.load(Ordering::Relaxed) != mine {
+                word.store(mine, Ordering::Relaxed);
+            }
         }
     }
 
@@ -200,19 +222,22 @@ impl ShmLink {
         }
     }
 
-    /// Waits until `ready` says so: busy-polls for the window, then sleeps on the socket
-    /// with `flag` raised. Fails on the peer's death, a broken link, a protocol violation
-    /// reported by `ready`, or the no-progress deadline. `seq` is the operation waited for;
-    /// with `learn`, the wait's length feeds the link's estimator (if the peer has been seen
-    /// in `seq`).
+    /// Waits until `ready` says so: busy-polls for the window (spinning, or yielding when
+    /// `peer_cpu` says the peer last ran on this CPU: [`spin::turn`]), then sleeps on the
+    /// socket with `flag` raised. Fails on the peer's death, a broken link, a protocol
+    /// violation reported by `ready`, or the no-progress deadline. `seq` is the operation
+    /// waited for; with `learn`, the wait's length feeds the link's estimator (if the peer
+    /// has been seen in `seq`).
     async fn wait(
         &self,
         seq: u32,
         learn: bool,
         flag: &AtomicU32,
+        peer_cpu: &AtomicU32,
         mut ready: impl FnMut() -> Result<bool, String>,
     ) -> Result<(), TransportError> {
         let started = Instant::now();
+        self.note_cpu();
         let learned = |r: Result<(), TransportError>| {
             if learn && r.is_ok() {
                 self.progress.observe(seq, started.elapsed());
@@ -223,7 +248,7 @@ impl ShmLink {
         if ready()? {
             return learned(Ok(()));
         }
-        learned(self.wait_long(started, flag, &mut ready).await)
+        learned(self.wait_long(started, flag, peer_cpu, &mut ready).await)
     }
 
     /// [`ShmLink::wait`] once the first look found nothing.
@@ -231,14 +256,16 @@ impl ShmLink {
         &self,
         started: Instant,
         flag: &AtomicU32,
+        peer_cpu: &AtomicU32,
         ready: &mut impl FnMut() -> Result<bool, TransportError>,
     ) -> Result<(), TransportError> {
         if !self.busy_poll.is_zero() {
             loop {
                 self.check()?;
-                // Let other processes (the peer may share this core) and the rest of this
-                // task (a concurrent send) run between looks.
-                std::thread::yield_now();
+                // Keep the CPU unless the peer is known to wait for it (see crate::spin);
+                // let the rest of this task (a concurrent send) run between looks.
+                let peer = spin::decode_cpu(peer_cpu.load(Ordering::Relaxed));
+                spin::spend(spin::spin_or_yield(self.oversubscribed, peer, spin::this_cpu()));
                 tokio::task::yield_now().await;
                 if ready()? {
                     return Ok(());
@@ -248,6 +275,8 @@ impl ShmLink {
                 }
             }
         }
+        // Parking: let the doorbell's wake-up preempt a CPU-bound neighbour (crate::spin).
+        spin::prefer_short_slice();
         let ceiling = started + self.progress.ceiling();
         let mut alive_at: Option<Instant> = None;
         loop {
@@ -256,7 +285,7 @@ impl ShmLink {
             let changed = self.changed.notified();
             tokio::pin!(changed);
             changed.as_mut().enable();
-            flag.store(1, Ordering::SeqCst);
+            raise_sleeping(flag);
             if ready()? {
                 flag.store(0, Ordering::SeqCst);
                 return Ok(());
@@ -334,7 +363,7 @@ impl ShmLink {
         let mut offset = 0usize;
         loop {
             let h = *head;
-            self.wait(tag.seq, false, ring.producer_sleeping(), || {
+            self.wait(tag.seq, false, ring.producer_sleeping(), ring.consumer_cpu(), || {
                 let tail = ring.tail().load(Ordering::Acquire);
                 let used = h.wrapping_sub(tail);
                 if used > slots {
@@ -356,8 +385,9 @@ impl ShmLink {
             .encode(self.generation);
             ring.write_slot(h, &header, &data[offset..offset + chunk]);
             *head = h + 1;
-            ring.head().store(h + 1, Ordering::SeqCst);
+            ring.head().store(h + 1, Ordering::Release);
             self.wake_peer(ring.consumer_sleeping());
+            self.note_cpu();
             offset += chunk;
             if offset >= data.len() {
                 break;
@@ -408,7 +438,7 @@ impl ShmLink {
     /// validated header.
     async fn next_header(&self, seq: u32, t: u64) -> Result<SlotHeader, TransportError> {
         let (ring, slots) = (self.rx, u64::from(self.rx.slots()));
-        self.wait(seq, true, ring.consumer_sleeping(), || {
+        self.wait(seq, true, ring.consumer_sleeping(), ring.producer_cpu(), || {
             let head = ring.head().load(Ordering::Acquire);
             let avail = head.wrapping_sub(t);
             if avail > slots {
@@ -433,8 +463,9 @@ impl ShmLink {
             let (off, n) = (h.offset as usize, h.chunk as usize);
             ring.read_payload(*tail, &mut dst[off..off + n]);
             *tail += 1;
-            ring.tail().store(*tail, Ordering::SeqCst);
+            ring.tail().store(*tail, Ordering::Release);
             self.wake_peer(ring.producer_sleeping());
+            self.note_cpu();
             let done = (off + n) as u64;
             if done >= h.total {
                 return Ok(());

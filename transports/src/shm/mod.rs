@@ -208,6 +208,8 @@ impl ShmEndpoint {
         }
         crate::handshake::validate_job(&spec.job).map_err(TransportError::InvalidArgument)?;
         let deadline = Instant::now() + spec.deadlines.connect;
+        let listed = |r: Rank| r != rank && spec.peers[r as usize].is_some();
+        let local_ranks = (0..world).filter(|&r| listed(r)).count() + 1;
         let ctx = Arc::new(PairCtx {
             job: spec.job.clone(),
             generation: spec.generation,
@@ -217,9 +219,9 @@ impl ShmEndpoint {
             options: self.options.clone(),
             deadlines: spec.deadlines,
             deadline,
+            oversubscribed: crate::spin::oversubscribed(local_ranks),
             span: span.clone(),
         });
-        let listed = |r: Rank| r != rank && spec.peers[r as usize].is_some();
         let expect_accepts = (rank + 1..world).filter(|&r| listed(r)).count();
         let listener = if expect_accepts > 0 { Some(setup::listen(&self.address, spec.generation)?) } else { None };
         let mut links: Vec<Option<ShmLink>> = (0..world).map(|_| None).collect();

@@ -60,6 +60,8 @@ pub(crate) struct PairCtx {
     pub(crate) options: ShmOptions,
     pub(crate) deadlines: crate::Deadlines,
     pub(crate) deadline: Instant,
+    /// More ranks of this mesh on this host than CPUs to run them ([`crate::spin::oversubscribed`]).
+    pub(crate) oversubscribed: bool,
     pub(crate) span: tracing::Span,
 }
 
@@ -209,6 +211,7 @@ fn make_link(ctx: &PairCtx, peer: Rank, mapping: Mapping, slots: u32, slot_bytes
         max_message: ctx.options.max_message,
         deadlines: ctx.deadlines,
         busy_poll: ctx.options.busy_poll,
+        oversubscribed: ctx.oversubscribed,
         span: ctx.span.clone(),
     };
     Box::new(move |sock| ShmLink::new(params, mapping, tx, rx, sock))

@@ -40,6 +40,7 @@ use super::frame::{FrameHeader, HEADER_LEN};
 use super::liveness::{self, PROBE_WITHIN};
 use crate::deadline::{DeadlineInForce, LinkProgress};
 use crate::link_guards::{lock, BreakQuietly, Poison, Waiting};
+use crate::spin;
 use crate::wire::{other_call, seq_older, STASH_BUDGET, STASH_MAX_FRAMES};
 use crate::{Deadlines, Rank, Signatures, Silence, Tag, TransportError};
 use std::future::Future;
@@ -106,6 +107,8 @@ enum Wake {
 
 impl<'a> Watchdog<'a> {
     fn new(link: &'a Link, seq: u32, learn: bool, sleep: Pin<&'a mut Sleep>) -> Self {
+        // An operation may park on the socket: let its wake-up preempt a CPU-bound neighbour.
+        spin::prefer_short_slice();
         let mut wd = Self { link, seq, learn, last: Instant::now(), alive_at: None, sleep };
         let first = wd.last + wd.link.progress.in_force().value;
         wd.sleep.as_mut().reset(first);
@@ -214,7 +217,9 @@ struct BusyPoll {
 
 impl BusyPoll {
     /// Non-blocking reads into `dst` for up to the window: `Some` once bytes (or EOF, or an
-    /// error) came, `None` if the window passed with nothing to read.
+    /// error) came, `None` if the window passed with nothing to read. Between reads the thread
+    /// keeps the CPU (a yield would hand it to a CPU-bound neighbour for a whole slice; see
+    /// [`crate::spin`]).
     fn read(&self, dst: &mut [u8]) -> Option<io::Result<usize>> {
         let until = std::time::Instant::now() + self.window;
         loop {
@@ -227,8 +232,7 @@ impl BusyPoll {
             if std::time::Instant::now() >= until {
                 return None;
             }
-            // Hand the core over if anything else wants it (the peer rank may share it).
-            std::thread::yield_now();
+            spin::spend(spin::Turn::Spin);
         }
     }
 }

@@ -67,6 +67,49 @@ pub(crate) struct BenchConfig {
     /// memory within a group and loopback TCP between groups (`--transport auto`; `tcp` keeps
     /// TCP everywhere), and the communicator told the layout. 1: one host, as it is.
     pub(crate) hosts: u32,
+    /// CPU-bound neighbours to run beside the ranks (`--load N`): the sizes are timed quiet,
+    /// then again beside N spinning threads ([`CpuLoad`]). 0: quiet only.
+    pub(crate) load: u32,
+}
+
+/// N CPU-bound threads, standing for DataLoader workers, intra-op threads or another job on
+/// the same cores: each spins on arithmetic, never sleeps and never yields, until dropped.
+pub(crate) struct CpuLoad {
+    stop: Arc<std::sync::atomic::AtomicBool>,
+    threads: Vec<std::thread::JoinHandle<()>>,
+}
+
+impl CpuLoad {
+    /// Starts `n` spinning threads (unbound: the scheduler places them).
+    pub(crate) fn start(n: u32) -> Result<Self, String> {
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let mut load = Self { stop: stop.clone(), threads: Vec::new() };
+        for i in 0..n {
+            let stop = stop.clone();
+            let t = std::thread::Builder::new()
+                .name(format!("cpu-load-{i}"))
+                .spawn(move || {
+                    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+                    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                        for _ in 0..10_000 {
+                            x = std::hint::black_box(x.rotate_left(5) ^ x.wrapping_mul(31));
+                        }
+                    }
+                })
+                .map_err(|e| format!("starting load thread {i}: {e}"))?;
+            load.threads.push(t);
+        }
+        Ok(load)
+    }
+}
+
+impl Drop for CpuLoad {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
 }
 
 /// The CPUs this process may run on, in order.
@@ -306,10 +349,12 @@ pub(crate) fn memcpy_bandwidth() -> f64 {
     LEN as f64 / best / 1e9
 }
 
-/// Prints the nccl-tests-style table and the parseable lines.
-pub(crate) fn print_rows(config: &BenchConfig, rows: &[BenchRow]) {
+/// Prints the nccl-tests-style table and the parseable lines; with `loaded` (the same sizes
+/// timed beside `config.load` CPU-bound threads), the two side by side, and one more
+/// parseable line per size for the loaded time (`load=N` at its end).
+pub(crate) fn print_rows(config: &BenchConfig, rows: &[BenchRow], loaded: Option<&[BenchRow]>) {
     println!(
-        "# cohort allreduce: ranks={} hosts={} dtype={} op={} algo={} transport={} iters={} warmup={} busy_poll={:?} bind={}",
+        "# cohort allreduce: ranks={} hosts={} dtype={} op={} algo={} transport={} iters={} warmup={} busy_poll={:?} bind={} load={}",
         config.ranks,
         config.hosts,
         config.dtype,
@@ -319,12 +364,35 @@ pub(crate) fn print_rows(config: &BenchConfig, rows: &[BenchRow]) {
         config.iters,
         config.warmup,
         config.busy_poll,
-        if config.bind { "core" } else { "none" }
+        if config.bind { "core" } else { "none" },
+        config.load
     );
     println!("# memcpy_GBps={:.2} (one thread, 64 MiB, best of 5)", memcpy_bandwidth());
-    println!("#{:>14} {:>12} {:>12} {:>12}", "size(B)", "time(us)", "algbw(GB/s)", "busbw(GB/s)");
-    for r in rows {
-        println!("{:>15} {:>12.1} {:>12.3} {:>12.3}", r.bytes, r.median_us, r.algbw(), r.busbw(config.ranks));
+    match loaded {
+        None => {
+            println!("#{:>14} {:>12} {:>12} {:>12}", "size(B)", "time(us)", "algbw(GB/s)", "busbw(GB/s)");
+            for r in rows {
+                println!("{:>15} {:>12.1} {:>12.3} {:>12.3}", r.bytes, r.median_us, r.algbw(), r.busbw(config.ranks));
+            }
+        }
+        Some(loaded) => {
+            let load = format!("load={}(us)", config.load);
+            println!(
+                "#{:>14} {:>12} {:>14} {:>12} {:>14}",
+                "size(B)", "quiet(us)", load, "loaded/quiet", "loaded busbw"
+            );
+            for (q, l) in rows.iter().zip(loaded) {
+                let ratio = if q.median_us > 0.0 { l.median_us / q.median_us } else { 0.0 };
+                println!(
+                    "{:>15} {:>12.1} {:>14.1} {:>12.2} {:>14.3}",
+                    q.bytes,
+                    q.median_us,
+                    l.median_us,
+                    ratio,
+                    l.busbw(config.ranks)
+                );
+            }
+        }
     }
     for r in rows {
         println!(
@@ -334,6 +402,17 @@ pub(crate) fn print_rows(config: &BenchConfig, rows: &[BenchRow]) {
             r.median_us,
             r.algbw(),
             r.busbw(config.ranks)
+        );
+    }
+    for r in loaded.unwrap_or_default() {
+        println!(
+            "peer=cohort ranks={} bytes={} median_us={:.1} algbw_GBps={:.3} busbw_GBps={:.3} load={}",
+            config.ranks,
+            r.bytes,
+            r.median_us,
+            r.algbw(),
+            r.busbw(config.ranks),
+            config.load
         );
     }
 }
@@ -543,6 +622,14 @@ mod tests {
         assert_eq!(parse_sizes("4K,64K,1M,16M,64M").unwrap(), vec![4096, 65536, 1 << 20, 16 << 20, 64 << 20]);
         assert_eq!(parse_sizes("4096,1").unwrap(), vec![4096, 1]);
         assert!(parse_sizes("4X").is_err());
+    }
+
+    #[test]
+    fn the_load_threads_spin_until_dropped() {
+        let load = CpuLoad::start(2).unwrap();
+        assert_eq!(load.threads.len(), 2);
+        assert!(load.threads.iter().all(|t| !t.is_finished()));
+        drop(load); // joins: a thread that ignored the stop flag would hang the test here
     }
 
     #[test]

@@ -221,6 +221,10 @@ struct BenchArgs {
     /// and loopback TCP between groups, and the layout given to the hierarchical allreduce.
     #[arg(long, default_value_t = 1)]
     hosts: u32,
+    /// Time every size twice, quiet and then beside N CPU-bound threads (as DataLoader
+    /// workers or intra-op threads would run), and print the two side by side (0 = quiet only).
+    #[arg(long, default_value_t = 0)]
+    load: u32,
 }
 
 #[derive(Args)]
@@ -484,9 +488,16 @@ fn run_bench(args: BenchArgs) -> ExitCode {
                 BindArg::None => false,
             },
             hosts: args.hosts.max(1),
+            load: args.load,
         };
         let rows = bench::run_parent(&config)?;
-        bench::print_rows(&config, &rows);
+        let loaded = if config.load > 0 {
+            let _load = bench::CpuLoad::start(config.load)?;
+            Some(bench::run_parent(&config)?)
+        } else {
+            None
+        };
+        bench::print_rows(&config, &rows, loaded.as_deref());
         Ok(())
     })();
     match result {
@@ -512,6 +523,7 @@ fn run_bench_rank(args: BenchRankArgs) -> ExitCode {
             transport: bench_transport(args.transport),
             bind: args.bind == BindArg::Core,
             hosts: args.hosts.max(1),
+            load: 0,
         };
         runtime()?.block_on(bench::run_rank(args.rank, config))
     })();
