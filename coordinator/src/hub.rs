@@ -143,6 +143,8 @@ pub struct Hub {
     state: watch::Receiver<Arc<JobState>>,
     /// [`pending`] of the state, evaluated once per change rather than per request.
     pending: watch::Receiver<Option<u32>>,
+    /// What long polls and new watchers wait on, re-sent only when it changes.
+    signal: watch::Receiver<Arc<Signal>>,
     events: broadcast::Sender<pb::JobEvent>,
     task: tokio::task::JoinHandle<()>,
 }
@@ -159,9 +161,22 @@ impl Hub {
         self.state.borrow().clone()
     }
 
-    /// A receiver of state changes (for long polls).
+    /// A receiver of state changes (every change that is not bookkeeping).
     pub fn subscribe_state(&self) -> watch::Receiver<Arc<JobState>> {
         self.state.clone()
+    }
+
+    /// The job's [`Signal`] now.
+    pub fn signal(&self) -> Arc<Signal> {
+        self.signal.borrow().clone()
+    }
+
+    /// A receiver of [`Signal`] changes (for long polls): it wakes only when a generation
+    /// forms, is revoked, the job ends or a member leaves, not on every join or wait, so a
+    /// thousand waiting members cost a thousand wake-ups per formation rather than per
+    /// arrival.
+    pub fn subscribe_signal(&self) -> watch::Receiver<Arc<Signal>> {
+        self.signal.clone()
     }
 
     /// `Some(joiners)` when the active generation should re-form at its next commit point
@@ -177,6 +192,86 @@ impl Hub {
     /// ended), in order.
     pub fn subscribe_events(&self) -> broadcast::Receiver<pb::JobEvent> {
         self.events.subscribe()
+    }
+}
+
+/// The newest generation as long polls need it, built once per generation rather than once
+/// per waiting member: its protocol form and an index of its ranks by worker.
+#[derive(Debug)]
+pub struct Formed {
+    /// The generation number.
+    pub number: u64,
+    /// As the protocol carries it.
+    pub proto: pb::Generation,
+    /// Worker id to (incarnation, rank).
+    ranks: HashMap<String, (u64, u32)>,
+}
+
+impl Formed {
+    /// The index of generation `g`.
+    pub fn of(g: &GenerationRecord) -> Self {
+        let ranks =
+            g.members.iter().enumerate().map(|(r, m)| (m.worker_id.clone(), (m.incarnation, r as u32))).collect();
+        Self { number: g.number, proto: g.to_proto(), ranks }
+    }
+
+    /// The rank of `(worker, incarnation)`, if a member. O(1).
+    pub fn rank_of(&self, worker: &str, incarnation: u64) -> Option<u32> {
+        self.ranks.get(worker).filter(|(inc, _)| *inc == incarnation).map(|(_, r)| *r)
+    }
+}
+
+/// What a job's long polls and new watchers wait on: the newest generation, the events that
+/// describe the job to a new watcher, the end record, and a counter of member departures.
+/// The hub re-sends it only when one of them changes.
+#[derive(Debug, Default)]
+pub struct Signal {
+    /// The newest generation (`None`: none yet, or the job ended).
+    pub formed: Option<Arc<Formed>>,
+    /// The events describing the job's state to a new watcher (`events_between` the empty
+    /// headline and the current one), built once per change.
+    pub initial: Vec<pb::JobEvent>,
+    /// The end record, once the job ended.
+    pub ended: Option<EndedRecord>,
+    /// Member keys deleted so far (evictions, expiries, leaves): a long poll wakes to see
+    /// whether it was its own.
+    pub departures: u64,
+}
+
+impl Signal {
+    fn of(headline: &Headline, previous: Option<&Signal>, departures: u64) -> Self {
+        let formed = match (&headline.generation, previous.and_then(|p| p.formed.as_ref())) {
+            (Some(g), Some(f)) if f.number == g.number => Some(f.clone()),
+            (Some(g), _) => Some(Arc::new(Formed::of(g))),
+            (None, _) => None,
+        };
+        Self {
+            formed,
+            initial: events_between(&Headline::default(), headline),
+            ended: headline.ended.clone(),
+            departures,
+        }
+    }
+}
+
+/// What of a headline decides its events: a new generation, a revocation, the end. Cheap to
+/// compare (the generation record itself is O(members)).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct HeadKey {
+    number: Option<u64>,
+    revoked: bool,
+    ended: bool,
+}
+
+impl HeadKey {
+    fn of_state(state: &JobState) -> Self {
+        let g = state.current();
+        Self { number: g.map(|g| g.number), revoked: g.is_some_and(|g| g.revoked.is_some()), ended: state.ended.is_some() }
+    }
+
+    fn of(h: &Headline) -> Self {
+        let g = h.generation.as_ref();
+        Self { number: g.map(|g| g.number), revoked: g.is_some_and(|g| g.revoked.is_some()), ended: h.ended.is_some() }
     }
 }
 
@@ -281,6 +376,12 @@ struct Pending {
 
 impl Pending {
     fn of(settings: &JobSettings, state: &JobState) -> Self {
+        // Only an active generation can have a pending re-formation (the rendezvous decides
+        // cooperatively only then): skip the evaluation, O(members), otherwise. Nothing but a
+        // write makes a generation active, so no recheck is needed either.
+        if state.ended.is_some() || state.current().is_none_or(|g| g.revoked.is_some()) {
+            return Self { joiners: None, recheck_at_ms: None };
+        }
         let e = rendezvous::evaluate(settings, state, records::now_ms());
         Self { joiners: e.reformation_pending.then_some(e.pending_joiners), recheck_at_ms: e.next_deadline_ms }
     }
@@ -297,6 +398,7 @@ async fn sleep_until_ms(at_ms: Option<u64>) {
     }
 }
 
+#[allow(clippy::too_many_arguments)] // the view's parts and the channels that publish them
 async fn run_hub(
     mut follower: PrefixFollower,
     mut state: JobState,
@@ -304,9 +406,11 @@ async fn run_hub(
     tx: watch::Sender<Arc<JobState>>,
     mut pending: Pending,
     pending_tx: watch::Sender<Option<u32>>,
+    signal_tx: watch::Sender<Arc<Signal>>,
     events: broadcast::Sender<pb::JobEvent>,
 ) {
     let mut headline = Headline::of(&state);
+    let mut departures = 0u64;
     loop {
         // A pending re-formation can also begin with no write at all (a waiting worker's
         // exclusion ends): evaluate again when the last evaluation said it might.
@@ -319,6 +423,7 @@ async fn run_hub(
         let mut out = Vec::new();
         let mut relevant = false;
         let mut recheck = false;
+        let mut signal_changed = false;
         match batch {
             None => recheck = true,
             Some(Batch::Events(list)) => {
@@ -329,17 +434,22 @@ async fn run_hub(
                     let mut touched = false;
                     while i < list.len() && event_revision(&list[i]) == rev {
                         touched |= !is_bookkeeping(&list[i]);
+                        if is_member_delete(&list[i]) {
+                            departures += 1;
+                            signal_changed = true;
+                        }
                         out.extend(straggler_named(&state, &list[i]));
                         state.apply(&list[i]);
                         i += 1;
                     }
                     relevant |= touched;
-                    if touched {
+                    // Compared by key, not by record: a copy of the generation per write
+                    // would make every join and wait cost O(members).
+                    if touched && HeadKey::of_state(&state) != HeadKey::of(&headline) {
                         let now = Headline::of(&state);
-                        if now != headline {
-                            out.extend(events_between(&headline, &now));
-                            headline = now;
-                        }
+                        out.extend(events_between(&headline, &now));
+                        headline = now;
+                        signal_changed = true;
                     }
                 }
             }
@@ -349,6 +459,8 @@ async fn run_hub(
                 out.extend(events_between(&headline, &now));
                 headline = now;
                 relevant = true;
+                departures += 1;
+                signal_changed = true;
             }
         }
         if relevant || recheck {
@@ -367,21 +479,35 @@ async fn run_hub(
         if relevant {
             tx.send_replace(Arc::new(state.clone()));
         }
+        if signal_changed {
+            let previous = signal_tx.borrow().clone();
+            signal_tx.send_replace(Arc::new(Signal::of(&headline, Some(&previous), departures)));
+        }
         for e in out {
             let _ = events.send(e);
         }
     }
 }
 
+/// Whether `event` deletes a member key (a member left, was evicted or expired).
+fn is_member_delete(event: &WatchEvent) -> bool {
+    matches!(event, WatchEvent::Delete { key, .. }
+        if matches!(keys::parse(key), Some(keys::Parsed::Worker { kind: keys::Kind::Member, .. })))
+}
+
 /// Bookkeeping writes change nothing that events or decisions use: progress (heartbeats,
-/// commits: most writes of a running job) and timeout reports (read by failure reports
-/// straight from the store).
+/// commits: most writes of a running job), timeout reports (read by failure reports
+/// straight from the store) and generation shards (written before the generation record
+/// that publishes them, which is what counts).
 pub fn is_bookkeeping(event: &WatchEvent) -> bool {
     let key = match event {
         WatchEvent::Put(kv) => kv.key.as_str(),
         WatchEvent::Delete { key, .. } => key.as_str(),
     };
-    matches!(keys::parse(key), Some(keys::Parsed::Worker { kind: keys::Kind::Progress | keys::Kind::Timeout, .. }))
+    matches!(
+        keys::parse(key),
+        Some(keys::Parsed::Worker { kind: keys::Kind::Progress | keys::Kind::Timeout, .. } | keys::Parsed::Shard { .. })
+    )
 }
 
 struct Entry {
@@ -427,9 +553,20 @@ impl Hubs {
         let (tx, rx) = watch::channel(Arc::new(state.clone()));
         let pending = Pending::of(settings, &state);
         let (pending_tx, pending_rx) = watch::channel(pending.joiners);
+        let (signal_tx, signal_rx) = watch::channel(Arc::new(Signal::of(&Headline::of(&state), None, 0)));
         let (events, _) = broadcast::channel(256);
-        let task = tokio::spawn(run_hub(follower, state, *settings, tx, pending, pending_tx, events.clone()));
-        let hub = Arc::new(Hub { job: job.to_string(), state: rx, pending: pending_rx, events, task });
+        let task = tokio::spawn(run_hub(
+            follower,
+            state,
+            *settings,
+            tx,
+            pending,
+            pending_tx,
+            signal_tx,
+            events.clone(),
+        ));
+        let hub =
+            Arc::new(Hub { job: job.to_string(), state: rx, pending: pending_rx, signal: signal_rx, events, task });
         hubs.insert(job.to_string(), Entry { hub: hub.clone(), last_used: now });
         *self.count.lock().unwrap_or_else(|e| e.into_inner()) = hubs.len();
         Ok(hub)
@@ -560,6 +697,61 @@ mod tests {
         }
         state.apply(&put(&named));
         assert!(straggler_named(&state, &put(&named)).is_none(), "the same naming again: no event");
+    }
+
+    #[tokio::test]
+    async fn long_polls_wake_on_formations_and_departures_not_on_arrivals() {
+        // The signal long polls wait on must not change per join or wait (N arrivals would
+        // wake N waiters each: O(N²)), and must change when a generation forms, is revoked,
+        // or a member key goes.
+        use crate::keys::Kind;
+        use crate::records::{encode, MemberRecord, WaitingRecord};
+        let store = Arc::new(crate::store::memory::MemoryStore::new());
+        let job = "j";
+        let settings = JobSettings { min_workers: 1, max_workers: 64, ..Default::default() };
+        let hubs = Hubs::new(store.clone());
+        let hub = hubs.get(job, &settings).await.expect("hub");
+        let mut signal = hub.subscribe_signal();
+        let mut state = hub.subscribe_state();
+        drop(signal.borrow_and_update());
+        let within = Duration::from_secs(10);
+        let mut placed = Vec::new();
+        for i in 0..20 {
+            let w = format!("w{i}");
+            let lease = store.grant_lease(Duration::from_secs(60)).await.expect("lease");
+            let member = MemberRecord {
+                worker_id: w.clone(),
+                incarnation: lease as u64,
+                host: "h".into(),
+                addresses: vec![],
+                capabilities: vec![],
+                joined_at_ms: 1,
+                domain: String::new(),
+            };
+            store.put(&keys::worker_key(job, Kind::Member, &w), encode(&member), Some(lease)).await.expect("put");
+            let wait = WaitingRecord { incarnation: lease as u64, after_generation: 0, since_ms: 1 };
+            let rev = store.put(&keys::worker_key(job, Kind::Waiting, &w), encode(&wait), Some(lease)).await.expect("put");
+            // The view follows every arrival...
+            tokio::time::timeout(within, state.wait_for(|s| s.revision >= rev)).await.expect("view").expect("hub");
+            placed.push(Placed { worker_id: w, incarnation: lease as u64, host: "h".into(), addresses: vec![], domain: String::new() });
+        }
+        // ...and the signal has not changed once.
+        assert!(!signal.has_changed().expect("hub"), "arrivals wake no long poll");
+        assert!(hub.signal().formed.is_none());
+        let g1 = next_generation(None, placed.clone(), 2);
+        store.put(&keys::generation(job), encode(&g1), None).await.expect("put");
+        tokio::time::timeout(within, signal.changed()).await.expect("a formation wakes long polls").expect("hub");
+        let formed = hub.signal().formed.clone().expect("formed");
+        assert_eq!(formed.number, 1);
+        assert_eq!(formed.rank_of("w7", placed[7].incarnation), Some(7));
+        assert_eq!(formed.rank_of("w7", placed[7].incarnation + 1000), None, "another incarnation has no rank");
+        assert_eq!(formed.proto, g1.to_proto());
+        assert_eq!(hub.signal().initial.len(), 1, "a new watcher hears the formation");
+        // A member key deleted (lease revoked) wakes them too.
+        store.revoke_lease(placed[3].incarnation as i64).await.expect("revoke");
+        tokio::time::timeout(within, signal.changed()).await.expect("a departure wakes long polls").expect("hub");
+        assert_eq!(hub.signal().departures, 1);
+        assert!(Arc::ptr_eq(&formed, hub.signal().formed.as_ref().expect("formed")), "the index is built once per generation");
     }
 
     #[tokio::test]

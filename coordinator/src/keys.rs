@@ -7,7 +7,8 @@
 //! | `progress/<worker>` | the member's | last heartbeat, step, activity, last commit |
 //! | `control/<worker>` | the member's | whether its control stream (Watch) is open |
 //! | `timeouts/<worker>` | the member's | its latest timeout report (generation, ranks, progress) |
-//! | `generation` | none | the current generation: number, ordered members, revocation |
+//! | `generation` | none | the current generation: number, ordered members (or, for a large generation, the name of its shard set), revocation |
+//! | `shards/<set>/<index>` | none | one shard of a large generation's ordered members (see [`crate::records::ShardSet`]) |
 //! | `failures/<worker>` | none | failure history for exclusion |
 //! | `ended` | a lease of `--ended-ttl` (10 min) | outcome and reason (kept so late callers are told) |
 //!
@@ -76,6 +77,22 @@ pub fn generation(job: &str) -> String {
     format!("{JOBS}{job}/generation")
 }
 
+/// Prefix of every shard of every generation of a job.
+pub fn shards_prefix(job: &str) -> String {
+    format!("{JOBS}{job}/shards/")
+}
+
+/// Prefix of the shards of one shard set (`<generation>-<nonce>`) of a job.
+pub fn shard_set_prefix(job: &str, set: &str) -> String {
+    format!("{JOBS}{job}/shards/{set}/")
+}
+
+/// One shard of a shard set: its index, zero-padded so that a prefix read returns the
+/// shards in order.
+pub fn shard(job: &str, set: &str, index: u32) -> String {
+    format!("{JOBS}{job}/shards/{set}/{index:06}")
+}
+
 /// The job's end record.
 pub fn ended(job: &str) -> String {
     format!("{JOBS}{job}/ended")
@@ -103,6 +120,15 @@ pub enum Parsed<'a> {
         /// The job.
         job: &'a str,
     },
+    /// One shard of a large generation's members.
+    Shard {
+        /// The job.
+        job: &'a str,
+        /// The shard set (`<generation>-<nonce>`).
+        set: &'a str,
+        /// The shard's index in the set.
+        index: u32,
+    },
 }
 
 /// Parses a key under [`JOBS`]; `None` for anything else.
@@ -116,6 +142,13 @@ pub fn parse(key: &str) -> Option<Parsed<'_>> {
         "generation" => return Some(Parsed::Generation { job }),
         "ended" => return Some(Parsed::Ended { job }),
         _ => {}
+    }
+    if let Some(shard) = rest.strip_prefix("shards/") {
+        let (set, index) = shard.split_once('/')?;
+        if set.is_empty() || index.is_empty() || !index.bytes().all(|b| b.is_ascii_digit()) {
+            return None;
+        }
+        return Some(Parsed::Shard { job, set, index: index.parse().ok()? });
     }
     for kind in Kind::ALL {
         if let Some(worker) = rest.strip_prefix(kind.dir()) {
@@ -144,6 +177,12 @@ mod tests {
         assert_eq!(parse(&k), Some(Parsed::Worker { job: "j-1", kind: Kind::Waiting, worker: "w.2" }));
         assert_eq!(parse(&generation("j")), Some(Parsed::Generation { job: "j" }));
         assert_eq!(parse(&ended("j")), Some(Parsed::Ended { job: "j" }));
+        let sk = shard("j", "7-ab", 12);
+        assert_eq!(sk, "/cohort/v1/jobs/j/shards/7-ab/000012");
+        assert_eq!(parse(&sk), Some(Parsed::Shard { job: "j", set: "7-ab", index: 12 }));
+        assert!(sk.starts_with(&shard_set_prefix("j", "7-ab")) && sk.starts_with(&shards_prefix("j")));
+        assert_eq!(parse("/cohort/v1/jobs/j/shards/7-ab/x1"), None);
+        assert_eq!(parse("/cohort/v1/jobs/j/shards//1"), None);
         assert_eq!(parse("/cohort/v1/jobs/j/other"), None);
         assert_eq!(parse(LEADER), None);
         assert_eq!(job_of(&k), Some("j-1"));

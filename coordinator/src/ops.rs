@@ -58,17 +58,45 @@ fn compare_for(key: &str, kv: Option<&KeyValue>) -> Compare {
     }
 }
 
-/// Reads and decodes the generation record.
+/// Reads and decodes the generation record, with its members (read from its shards when it
+/// has them, see [`records::ShardSet`]). The returned key-value is the record's own (its
+/// `mod_revision` is what a compare-and-swap compares).
 ///
 /// # Cancel safety
 /// Cancel safe (read only).
 pub async fn read_generation(store: &dyn Store, job: &str) -> Result<Option<(GenerationRecord, KeyValue)>, StoreError> {
     let key = keys::generation(job);
     let Some(kv) = store.get(&key).await? else { return Ok(None) };
-    match decode::<GenerationRecord>(&key, &kv.value) {
-        Some(g) => Ok(Some((g, kv))),
-        None => Err(StoreError::Invalid(format!("{key} holds a record this coordinator cannot read"))),
+    let Some(mut g) = decode::<GenerationRecord>(&key, &kv.value) else {
+        return Err(StoreError::Invalid(format!("{key} holds a record this coordinator cannot read")));
+    };
+    if let Some(set) = &g.shards {
+        // The shards were written before the record and stay until the next formation.
+        let (kvs, _) = store.get_prefix(&keys::shard_set_prefix(job, &set.set)).await?;
+        let shards = kvs
+            .iter()
+            .filter_map(|s| match keys::parse(&s.key) {
+                Some(keys::Parsed::Shard { index, .. }) => decode::<Vec<Placed>>(&s.key, &s.value).map(|m| (index, m)),
+                _ => None,
+            })
+            .collect();
+        g.members = records::assemble(set, &shards).ok_or_else(|| {
+            StoreError::Invalid(format!("{key} names shard set {} whose shards are not all there", set.set))
+        })?;
     }
+    Ok(Some((g, kv)))
+}
+
+/// A name for a formation attempt's shard set: `<generation>-<nonce>`, the nonce unique to
+/// this attempt (replica, process, time and a counter), so that concurrent attempts on any
+/// replicas never write the same shard keys.
+fn shard_set_name(replica: &str, number: u64) -> String {
+    use std::hash::{Hash, Hasher};
+    static ATTEMPTS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    (replica, std::process::id(), records::now_ms(), ATTEMPTS.fetch_add(1, std::sync::atomic::Ordering::Relaxed))
+        .hash(&mut h);
+    format!("{number}-{:016x}", h.finish())
 }
 
 /// Reads and decodes a member record.
@@ -126,7 +154,7 @@ pub async fn revoke_generation(
         let new = revocation::revoked(&g, cause.clone(), now);
         let mut txn = Txn {
             compares: vec![Compare::ModRevision(gen_key.clone(), gkv.mod_revision)],
-            success: vec![TxnOp::Put { key: gen_key.clone(), value: encode(&new), lease: None }],
+            success: vec![TxnOp::Put { key: gen_key.clone(), value: records::encode_generation(&new), lease: None }],
             failure: vec![],
         };
         let mut excluded_until = None;
@@ -287,8 +315,15 @@ pub async fn evict(ctx: &Context, job: &str, worker: &str, incarnation: u64) {
 /// Publishes the next generation if the generation key still has revision `expected`
 /// (`None`: absent). Returns the record, or `None` if another change came first.
 ///
+/// A large generation's members go to shards first ([`records::ShardSet`]: plain writes
+/// under a set name unique to this attempt, which nothing reads until a generation record
+/// names it); the publication itself is always the one compare-and-swap of the generation
+/// record, which also deletes the previous generation's shards. An attempt that loses the
+/// compare-and-swap deletes its own shards.
+///
 /// # Cancel safety
-/// Cancel safe: one transaction.
+/// Cancel safe: the publication is one transaction. Dropped between writing shards and
+/// publishing, the shards stay unread until the job ends (its end deletes every shard).
 pub async fn form_generation(
     ctx: &Context,
     job: &str,
@@ -297,17 +332,53 @@ pub async fn form_generation(
     members: Vec<Placed>,
 ) -> Result<Option<GenerationRecord>, StoreError> {
     let key = keys::generation(job);
-    let record = crate::rendezvous::next_generation(previous, members, records::now_ms());
+    let mut record = crate::rendezvous::next_generation(previous, members, records::now_ms());
     let compare = match expected {
         Some(rev) => Compare::ModRevision(key.clone(), rev),
         None => Compare::Absent(key.clone()),
     };
-    let txn = Txn {
-        compares: vec![compare, Compare::Absent(keys::ended(job))],
-        success: vec![TxnOp::Put { key, value: encode(&record), lease: None }],
-        failure: vec![],
+    let set_name = shard_set_name(&ctx.replica, record.number);
+    if let Some((set, shards)) = records::shard_members(&set_name, &record.members) {
+        let writes = shards.into_iter().enumerate().map(|(i, value)| {
+            let shard_key = keys::shard(job, &set.set, i as u32);
+            async move { ctx.store.put(&shard_key, value, None).await }
+        });
+        let written = futures::future::join_all(writes).await;
+        if let Some(Err(e)) = written.into_iter().find(Result::is_err) {
+            delete_shards(ctx, job, &set.set).await;
+            return Err(e);
+        }
+        record.shards = Some(set);
+    }
+    let mut success = vec![TxnOp::Put { key, value: records::encode_generation(&record), lease: None }];
+    if let Some(old) = previous.and_then(|p| p.shards.as_ref()) {
+        success.push(TxnOp::DeletePrefix(keys::shard_set_prefix(job, &old.set)));
+    }
+    let txn = Txn { compares: vec![compare, Compare::Absent(keys::ended(job))], success, failure: vec![] };
+    let published = match ctx.store.txn(txn).await {
+        Ok(r) => r.succeeded,
+        Err(e) => {
+            // Whether it landed is unknown: its shards stay (the next formation or the job's
+            // end deletes them if the record names them, the end if it does not).
+            return Err(e);
+        }
     };
-    Ok(ctx.store.txn(txn).await?.succeeded.then_some(record))
+    if !published {
+        if let Some(set) = &record.shards {
+            delete_shards(ctx, job, &set.set).await;
+        }
+    }
+    Ok(published.then_some(record))
+}
+
+/// Deletes one shard set (best effort: the job's end deletes what is left).
+///
+/// # Cancel safety
+/// Cancel safe: one deletion.
+async fn delete_shards(ctx: &Context, job: &str, set: &str) {
+    if let Err(e) = ctx.store.delete_prefix(&keys::shard_set_prefix(job, set)).await {
+        tracing::debug!(%job, set, error = %e, "could not delete an unpublished shard set; the job's end will");
+    }
 }
 
 /// Replaces the generation record (same generation, e.g. a new `below_min_since_ms`) if its
@@ -324,7 +395,7 @@ pub async fn update_generation(
     let key = keys::generation(job);
     let txn = Txn {
         compares: vec![Compare::ModRevision(key.clone(), expected)],
-        success: vec![TxnOp::Put { key, value: encode(record), lease: None }],
+        success: vec![TxnOp::Put { key, value: records::encode_generation(record), lease: None }],
         failure: vec![],
     };
     Ok(ctx.store.txn(txn).await?.succeeded)
@@ -352,6 +423,7 @@ pub async fn end_job(
     for kind in keys::Kind::ALL {
         success.push(TxnOp::DeletePrefix(keys::kind_prefix(job, kind)));
     }
+    success.push(TxnOp::DeletePrefix(keys::shards_prefix(job)));
     success.push(TxnOp::Delete(gen_key.clone()));
     let compare = match expected {
         Some(rev) => Compare::ModRevision(gen_key, rev),

@@ -285,6 +285,86 @@ pub struct Departure {
 /// How many revocations of older generations the record remembers (for late reports).
 pub const HISTORY: usize = 8;
 
+/// A generation whose members encode to more than this many bytes keeps them in shards
+/// (see [`ShardSet`]); a smaller one keeps them inline, in the generation record itself.
+pub const INLINE_MEMBERS_MAX_BYTES: usize = 256 * 1024;
+
+/// A shard holds members until it reaches this many bytes (a member encodes to 5 KiB at
+/// most, see `crate::validate`), so every shard stays far below etcd's 1.5 MiB request limit.
+pub const SHARD_MAX_BYTES: usize = 512 * 1024;
+
+/// Where a large generation's members are: shards `shards/<set>/<index>` (index
+/// `0..count`), each a JSON array of [`Placed`] in rank order, written before the generation
+/// record that names them. The set is named `<generation>-<nonce>`, unique per formation
+/// attempt, so an attempt that loses the compare-and-swap on the generation key never
+/// touches the winner's shards: publishing a generation stays one compare-and-swap of one
+/// small record, whatever its size.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ShardSet {
+    /// The set's name, `<generation>-<nonce>`.
+    pub set: String,
+    /// How many shards.
+    pub count: u32,
+    /// How many members in all.
+    pub members: u32,
+}
+
+/// The shards of `members` under set `set`, or `None` when they fit inline (at most
+/// [`INLINE_MEMBERS_MAX_BYTES`]). Members are packed in rank order, a shard closing once it
+/// reaches [`SHARD_MAX_BYTES`].
+pub fn shard_members(set: &str, members: &[Placed]) -> Option<(ShardSet, Vec<Vec<u8>>)> {
+    let encoded: Vec<Vec<u8>> = members.iter().map(encode).collect();
+    let total: usize = encoded.iter().map(|e| e.len() + 1).sum();
+    if total <= INLINE_MEMBERS_MAX_BYTES {
+        return None;
+    }
+    let mut shards = Vec::new();
+    let mut shard = b"[".to_vec();
+    for e in encoded {
+        if shard.len() > 1 && shard.len() + e.len() + 1 > SHARD_MAX_BYTES {
+            shard.push(b']');
+            shards.push(std::mem::replace(&mut shard, b"[".to_vec()));
+        }
+        if shard.len() > 1 {
+            shard.push(b',');
+        }
+        shard.extend_from_slice(&e);
+    }
+    shard.push(b']');
+    shards.push(shard);
+    let set = ShardSet { set: set.to_string(), count: shards.len() as u32, members: members.len() as u32 };
+    Some((set, shards))
+}
+
+/// The members of shard set `set` from its decoded shards (index to members), in rank
+/// order; `None` unless every shard is there and the count of members matches.
+pub fn assemble(set: &ShardSet, shards: &BTreeMap<u32, Vec<Placed>>) -> Option<Vec<Placed>> {
+    let mut members = Vec::with_capacity(set.members as usize);
+    for index in 0..set.count {
+        members.extend(shards.get(&index)?.iter().cloned());
+    }
+    (members.len() == set.members as usize).then_some(members)
+}
+
+/// Encodes a generation record for its key: without its members when they live in shards.
+pub fn encode_generation(g: &GenerationRecord) -> Vec<u8> {
+    if g.shards.is_none() {
+        return encode(g);
+    }
+    let head = GenerationRecord {
+        number: g.number,
+        members: Vec::new(),
+        formed_at_ms: g.formed_at_ms,
+        revoked: g.revoked.clone(),
+        revoked_at_ms: g.revoked_at_ms,
+        departed: g.departed.clone(),
+        below_min_since_ms: g.below_min_since_ms,
+        history: g.history.clone(),
+        shards: g.shards.clone(),
+    };
+    encode(&head)
+}
+
 /// `generation`: the job's newest generation.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct GenerationRecord {
@@ -304,6 +384,10 @@ pub struct GenerationRecord {
     pub below_min_since_ms: Option<u64>,
     /// Root causes of the most recent older revoked generations, newest last.
     pub history: Vec<(u64, Cause)>,
+    /// Where the members are stored when not inline (a large generation); `members` is then
+    /// filled in from the shards when the record is read.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shards: Option<ShardSet>,
 }
 
 impl GenerationRecord {
@@ -399,13 +483,22 @@ pub struct JobState {
     pub generation: Option<(GenerationRecord, i64)>,
     /// The end record, once the job ended.
     pub ended: Option<EndedRecord>,
+    /// Shards of large generations not yet assembled into a generation record, by set and
+    /// index (a set's shards are written before the record naming it, and dropped from here
+    /// once assembled).
+    pub shards: BTreeMap<String, BTreeMap<u32, Vec<Placed>>>,
 }
 
 impl JobState {
     /// Decodes a job's keys (from a prefix read at `revision`).
     pub fn from_kvs(job: &str, kvs: &[KeyValue], revision: i64) -> Self {
         let mut state = JobState { job: job.to_string(), revision, ..Default::default() };
-        for kv in kvs {
+        // The generation record last: a prefix read lists it before its shards.
+        let is_generation = |kv: &&KeyValue| matches!(keys::parse(&kv.key), Some(Parsed::Generation { .. }));
+        for kv in kvs.iter().filter(|kv| !is_generation(kv)) {
+            state.put(kv);
+        }
+        for kv in kvs.iter().filter(is_generation) {
             state.put(kv);
         }
         state.revision = revision;
@@ -476,8 +569,18 @@ impl JobState {
                 }
             }
             Some(Parsed::Generation { job }) if job == self.job => {
-                // An undecodable generation keeps its revision so that a CAS can replace it.
-                self.generation = decode::<GenerationRecord>(&kv.key, &kv.value).map(|g| (g, kv.mod_revision));
+                let previous = self.generation.take();
+                self.generation = decode::<GenerationRecord>(&kv.key, &kv.value).and_then(|mut g| {
+                    if let Some(set) = g.shards.clone() {
+                        g.members = self.members_of(&set, previous)?;
+                    }
+                    Some((g, kv.mod_revision))
+                });
+            }
+            Some(Parsed::Shard { job, set, index }) if job == self.job => {
+                if let Some(members) = decode::<Vec<Placed>>(&kv.key, &kv.value) {
+                    self.shards.entry(set.to_string()).or_default().insert(index, members);
+                }
             }
             Some(Parsed::Ended { job }) if job == self.job => {
                 self.ended = decode(&kv.key, &kv.value);
@@ -500,7 +603,36 @@ impl JobState {
             }
             Some(Parsed::Generation { job }) if job == self.job => self.generation = None,
             Some(Parsed::Ended { job }) if job == self.job => self.ended = None,
+            Some(Parsed::Shard { job, set, index }) if job == self.job => {
+                if let Some(shards) = self.shards.get_mut(set) {
+                    shards.remove(&index);
+                    if shards.is_empty() {
+                        self.shards.remove(set);
+                    }
+                }
+            }
             _ => {}
+        }
+    }
+
+    /// The members of a sharded generation record: the previous record's when it named the
+    /// same set (a revocation or departure rewrites the record, not the members), else
+    /// assembled from the shards (then dropped from [`JobState::shards`]). `None`, with a
+    /// warning, when shards are missing.
+    fn members_of(&mut self, set: &ShardSet, previous: Option<(GenerationRecord, i64)>) -> Option<Vec<Placed>> {
+        if let Some((g, _)) = previous.filter(|(g, _)| g.shards.as_ref().is_some_and(|s| s.set == set.set)) {
+            return Some(g.members);
+        }
+        let members = self.shards.get(&set.set).and_then(|shards| assemble(set, shards));
+        match members {
+            Some(m) => {
+                self.shards.remove(&set.set);
+                Some(m)
+            }
+            None => {
+                tracing::warn!(job = %self.job, set = %set.set, "a generation record names shards that are not all there");
+                None
+            }
         }
     }
 
@@ -534,6 +666,7 @@ impl JobState {
             && self.control.is_empty()
             && self.generation.is_none()
             && self.ended.is_none()
+            && self.shards.is_empty()
     }
 }
 
@@ -578,6 +711,7 @@ mod tests {
             departed: vec![],
             below_min_since_ms: None,
             history: vec![],
+            shards: None,
         };
         s.apply(&WatchEvent::Put(kv(keys::generation("j"), encode(&g), 4)));
         assert_eq!(s.generation.as_ref().map(|(g, r)| (g.number, *r)), Some((1, 4)));

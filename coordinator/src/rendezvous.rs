@@ -298,6 +298,7 @@ pub(crate) fn next_generation(
         departed: Vec::new(),
         below_min_since_ms: None,
         history,
+        shards: None,
     }
 }
 

@@ -157,6 +157,45 @@ impl CoordinatorService {
         Ok(JobState::from_kvs(job, &kvs, revision))
     }
 
+    /// The part of a job's state a Join decides on, read key by key: the end record, the
+    /// worker's member record, its own and its failure domain's failure records, and the
+    /// generation record, with the newest generation number. A join must not read the whole
+    /// job (N joins would read it N times, O(N²) in all). The generation record, O(members)
+    /// itself, is read from the store only when an older incarnation of the worker may be in
+    /// it; otherwise the state has none and the number comes from this replica's view.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: reads only.
+    async fn read_join_view(&self, job: &str, worker: &str, domain: &str) -> Result<(JobState, u64), Status> {
+        let store = self.ctx.store.as_ref();
+        let (ended_key, member_key) = (keys::ended(job), keys::worker_key(job, Kind::Member, worker));
+        let own_key = keys::worker_key(job, Kind::Failures, worker);
+        let domain_id = crate::domains::domain_key(domain);
+        let domain_key = keys::worker_key(job, Kind::Failures, &domain_id);
+        let (ended, member, own, of_domain) =
+            tokio::try_join!(store.get(&ended_key), store.get(&member_key), store.get(&own_key), store.get(&domain_key))
+                .map_err(store_status)?;
+        let mut state = JobState { job: job.to_string(), ..Default::default() };
+        state.ended = ended.and_then(|kv| decode(&ended_key, &kv.value));
+        if let Some(m) = member.and_then(|kv| decode::<MemberRecord>(&member_key, &kv.value)) {
+            state.members.insert(worker.to_string(), m);
+            state.generation =
+                ops::read_generation(store, job).await.map_err(store_status)?.map(|(g, kv)| (g, kv.mod_revision));
+        }
+        let current = match state.current() {
+            Some(g) => g.number,
+            None if state.ended.is_none() => self.hub(job).await?.state().current_number(),
+            None => 0,
+        };
+        if let Some(h) = own.and_then(|kv| decode(&own_key, &kv.value)) {
+            state.failures.insert(worker.to_string(), h);
+        }
+        if let Some(h) = of_domain.and_then(|kv| decode(&domain_key, &kv.value)) {
+            state.failures.insert(domain_id, h);
+        }
+        Ok((state, current))
+    }
+
     /// Confirms that `(worker, incarnation)` is a live member: the hub's view first, the
     /// store when the view disagrees (it may lag a change by milliseconds).
     async fn require_member(
@@ -276,7 +315,15 @@ impl CoordinatorService {
     ///   (NTP); workers' clocks are never used;
     /// - this replica's own cache of the member's last heartbeat, commit or rendezvous
     ///   (monotonic clock; only an upper bound, since the member may talk to another replica).
-    async fn silences(&self, job: &str, g: &records::GenerationRecord) -> Result<revocation::Silences, StoreError> {
+    ///
+    /// Only the members `wanted` selects are looked up (one lease lookup each): a check of
+    /// one member or one failure domain costs that many, not one per member of the job.
+    async fn silences(
+        &self,
+        job: &str,
+        g: &records::GenerationRecord,
+        wanted: impl Fn(&records::Placed) -> bool,
+    ) -> Result<revocation::Silences, StoreError> {
         use revocation::Silence;
         let store = self.ctx.store.as_ref();
         let granted = self.ctx.settings.for_job(job).lease_ttl_for_store();
@@ -293,13 +340,14 @@ impl CoordinatorService {
             .collect();
         // One round trip per member, all at once (only timeout reports that find the
         // generation not yet revoked get here: normally the first one or few).
+        let members: Vec<&records::Placed> = g.members.iter().filter(|m| wanted(m)).collect();
         let leases =
-            futures::future::join_all(g.members.iter().map(|m| store.lease_time_to_live(m.incarnation as i64))).await;
+            futures::future::join_all(members.iter().map(|m| store.lease_time_to_live(m.incarnation as i64))).await;
         let now_ms = records::now_ms();
         let now = Instant::now();
         let cache = self.progress.lock().unwrap_or_else(|e| e.into_inner());
         let mut out = revocation::Silences::new();
-        for (m, lease) in g.members.iter().zip(leases) {
+        for (m, lease) in members.into_iter().zip(leases) {
             let mut seen: Option<Silence> = match lease? {
                 None => Some(Silence::exactly(granted)),
                 Some(left) => {
@@ -342,7 +390,8 @@ impl CoordinatorService {
         validate::capabilities(&r.capabilities)?;
         let settings = self.ctx.settings.for_job(&r.job);
         let (job, worker) = (r.job.as_str(), r.worker_id.as_str());
-        let state = self.read_job(job).await?;
+        let (state, current_generation) =
+            self.read_join_view(job, worker, records::effective_domain(&r.domain, &r.host)).await?;
         if let Some(ended) = &state.ended {
             return Err(Status::failed_precondition(format!(
                 "job {job} has ended ({:?}: {}); start a new job id",
@@ -465,7 +514,7 @@ impl CoordinatorService {
             incarnation,
             heartbeat_interval_ms: settings.heartbeat_interval.as_millis() as u64,
             lease_ttl_ms: settings.lease_ttl.as_millis() as u64,
-            current_generation: state.current_number(),
+            current_generation,
             settings: Some(settings.to_proto()),
         })
     }
@@ -652,20 +701,25 @@ impl CoordinatorService {
         validate::generation("after_generation", r.after_generation, current)?;
         let wait = Duration::from_millis(r.wait_ms).min(MAX_RENDEZVOUS_WAIT);
         let deadline = tokio::time::Instant::now() + wait;
-        let mut rx = hub.subscribe_state();
-        let answer = |state: &JobState| -> Option<O> {
-            if let Some(ended) = &state.ended {
+        // Long polls wait on the hub's signal, which changes once per formation, revocation,
+        // end or departure (not per arrival), and answer from its prebuilt generation: a
+        // formation of N members costs N answers, not N wake-ups per arrival and a search of
+        // N members per answer.
+        let mut rx = hub.subscribe_signal();
+        let answer = |signal: &hub::Signal| -> Option<O> {
+            if let Some(ended) = &signal.ended {
                 return Some(O::Ended(ended.to_proto()));
             }
             // A generation revoked before this member saw it is still its answer: the member
             // learns of the revocation (watch, failed connection) and rendezvous again after
             // it. Withholding it would leave the member waiting after an older generation,
             // which never counts as ready for the next one.
-            let g = state.current()?;
-            (g.number > r.after_generation && g.rank_of(worker, incarnation).is_some()).then(|| O::Formed(g.to_proto()))
+            let g = signal.formed.as_ref()?;
+            (g.number > r.after_generation && g.rank_of(worker, incarnation).is_some())
+                .then(|| O::Formed(g.proto.clone()))
         };
-        let state = rx.borrow_and_update().clone();
-        if let Some(o) = answer(&state) {
+        let signal = rx.borrow_and_update().clone();
+        if let Some(o) = answer(&signal) {
             return Ok(pb::RendezvousResponse { outcome: Some(o) });
         }
         self.require_member(&hub, job, worker, incarnation).await?;
@@ -694,10 +748,11 @@ impl CoordinatorService {
             .await;
         let mut shutdown = self.ctx.shutdown.clone();
         loop {
-            let state = rx.borrow_and_update().clone();
-            if let Some(o) = answer(&state) {
+            let signal = rx.borrow_and_update().clone();
+            if let Some(o) = answer(&signal) {
                 return Ok(pb::RendezvousResponse { outcome: Some(o) });
             }
+            let state = hub.state();
             if state.revision >= written_at && !state.is_live(worker, incarnation) {
                 // The view includes our wait, and we are gone: evicted or expired.
                 self.require_member(&hub, job, worker, incarnation).await?;
@@ -709,7 +764,7 @@ impl CoordinatorService {
                     }
                 }
                 _ = tokio::time::sleep_until(deadline) => {
-                    let state = rx.borrow().clone();
+                    let state = hub.state();
                     return Ok(pb::RendezvousResponse {
                         outcome: Some(O::Waiting(pb::Waiting {
                             waiting_members: state.waiting.len() as u32,
@@ -789,7 +844,7 @@ impl CoordinatorService {
             ReportDecision::Revoke(mut cause) => {
                 if let (Some(g), revocation::FailureKind::Timeout, Some(_)) = (g, report.kind, failed_rank) {
                     let settings = self.ctx.settings.for_job(job);
-                    match self.silences(job, g).await {
+                    match self.silences(job, g, |_| true).await {
                         Ok(silences) => {
                             if let Some(blamed) =
                                 revocation::arbitrate(g, &report, &silences, settings.heartbeat_interval)
@@ -848,7 +903,7 @@ impl CoordinatorService {
                 break;
             }
             let Some(m) = g.members.get(end as usize) else { break };
-            let Ok(silences) = self.silences(job, &g).await else { break };
+            let Ok(silences) = self.silences(job, &g, |x| x.worker_id == m.worker_id).await else { break };
             let fresh = silences.get(&(m.worker_id.clone(), m.incarnation)).is_some_and(|s| s.at_most < limit);
             if !fresh {
                 break;
@@ -889,7 +944,7 @@ impl CoordinatorService {
                 tokio::time::sleep(revocation::TIMEOUT_HOLD).await;
             }
             let state = self.read_job(job).await.ok()?;
-            let silences = self.silences(job, g).await.ok()?;
+            let silences = self.silences(job, g, |m| m.domain() == domain).await.ok()?;
             // `timeouts_of` always includes the caller's own report; this placeholder names
             // only the suspect itself, which the evidence below never asks about.
             let chain = self
@@ -1056,7 +1111,11 @@ impl CoordinatorService {
                     if g.rank_of(worker, incarnation).is_some() && g.departed(worker, incarnation).is_none() {
                         let mut g = g.clone();
                         g.departed.push(Departure { worker_id: worker.to_string(), incarnation, finished });
-                        txn.success.push(TxnOp::Put { key: gen_key.clone(), value: encode(&g), lease: None });
+                        txn.success.push(TxnOp::Put {
+                            key: gen_key.clone(),
+                            value: records::encode_generation(&g),
+                            lease: None,
+                        });
                         updated = Some(g);
                     }
                 }
@@ -1343,7 +1402,7 @@ async fn stream_events(
 ) -> WatchEnd {
     let mut events = hub.subscribe_events();
     let mut sent = Sent::default();
-    let mut batch = initial_events(&hub.state(), hub.pending());
+    let mut batch = initial_events(&hub.signal(), hub.state().current(), hub.pending());
     loop {
         for e in batch {
             if !sent.admit(&e) {
@@ -1369,7 +1428,7 @@ async fn stream_events(
             Ok(e) => vec![e],
             Err(tokio::sync::broadcast::error::RecvError::Lagged(n)) => {
                 tracing::debug!(skipped = n, "watch fell behind; resending the current state");
-                initial_events(&hub.state(), hub.pending())
+                initial_events(&hub.signal(), hub.state().current(), hub.pending())
             }
             Err(tokio::sync::broadcast::error::RecvError::Closed) => {
                 let _ = tx.send(Err(Status::unavailable("coordinator view of the job stopped; watch again"))).await;
@@ -1379,10 +1438,15 @@ async fn stream_events(
     }
 }
 
-/// The events describing a job's current state, for a new watcher.
-fn initial_events(state: &JobState, pending: Option<u32>) -> Vec<pb::JobEvent> {
-    let mut out = hub::events_between(&hub::Headline::default(), &hub::Headline::of(state));
-    if let (Some(joiners), Some(g)) = (pending, state.current()) {
+/// The events describing a job's current state, for a new watcher: the hub's prebuilt ones
+/// (built once per change, not once per watcher) and a pending re-formation of `current`.
+fn initial_events(
+    signal: &hub::Signal,
+    current: Option<&records::GenerationRecord>,
+    pending: Option<u32>,
+) -> Vec<pb::JobEvent> {
+    let mut out = signal.initial.clone();
+    if let (Some(joiners), Some(g)) = (pending, current) {
         out.push(hub::pending_event(g.number, joiners));
     }
     out

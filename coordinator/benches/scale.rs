@@ -1,0 +1,627 @@
+//! Scale harness of the control plane: N members against real `cohort-coordinator` replica
+//! processes, on the memory store or on a real etcd (a private `etcd` on free loopback
+//! ports, with two replicas sharing it).
+//!
+//! Members are simulated cheaply: each is a few futures in this process, and
+//! [`MEMBERS_PER_CONNECTION`] of them share one HTTP/2 connection (a host's ranks sharing a
+//! channel), the connections spread over the replicas. A member joins, long-polls the
+//! rendezvous, watches the job, reports failures and re-forms exactly as a worker does,
+//! through the public gRPC API; it just has no data plane.
+//!
+//! One run, per store:
+//!
+//! 1. **formation**: every member joins (at most [`JOIN_CONCURRENCY`] joins in flight) and
+//!    rendezvous; `join_to_formed_ms` runs from the first join to the last member holding
+//!    generation 1 (`max_workers` = N, so it forms as soon as every member waits);
+//! 2. **watch**: every member opens its watch stream and hears generation 1 (untimed set-up);
+//! 3. **failure**: rank 0 reports the last rank failed; `revoked_p50/p99/max_ms` are the
+//!    times from the report until each member's watch delivers the revocation. One more
+//!    member (rank 1) dies *during the re-formation*: on hearing the revocation it closes
+//!    its watch and never rendezvous again (the coordinator sees its control stream close);
+//! 4. **re-formation**: the other survivors rendezvous after generation 1;
+//!    `reformed_ms` runs from the report until every one of them holds generation 2, which
+//!    must leave out both the failed rank and the one that died meanwhile;
+//! 5. **steady** (optional, `--steady-secs`): every survivor heartbeats at the default
+//!    interval (500 ms) for that long; `heartbeats_per_s` is the rate achieved.
+//!
+//! For each phase it prints the coordinators' CPU time (`/proc/PID/stat`, all replicas
+//! together), and at the end their peak resident memory (`VmHWM`) and, on etcd, what etcd
+//! wrote (`etcd_disk_wal_write_bytes_total`, puts, proposals, gRPC bytes received, from its
+//! `/metrics`). Output lines are `key=value`, e.g.
+//!
+//! ```text
+//! scale store=etcd members=1024 replicas=2 join_to_formed_ms=.. revoked_p50_ms=.. revoked_p99_ms=.. reformed_ms=.. ...
+//! ```
+//!
+//! Run it with `cargo bench -p cohort-coordinator --bench scale -- --members 1024`
+//! (`--stores memory,etcd`, `--replicas 2`, `--steady-secs 5`; release build). Without
+//! `--bench` on its command line (`cargo test --benches`) it runs a 32-member smoke version
+//! on the memory store. Targets are reported in docs/benchmarks.md ("Scale"), never
+//! asserted here; every wait has a deadline (`--bound-secs`, default 300), so a stuck
+//! coordinator fails the run instead of hanging it. `COHORT_SCALE_LOG=PREFIX` keeps each
+//! replica's log (at `info`) in `PREFIX.0`, `PREFIX.1`, ...
+
+use cohort_proto::v1 as pb;
+use cohort_proto::v1::coordinator_client::CoordinatorClient;
+use cohort_testkit::etcd::EtcdProcess;
+use futures::StreamExt;
+use pb::job_event::Event;
+use std::io::{BufRead, Read, Write};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tonic::transport::Channel;
+
+/// Members that share one HTTP/2 connection (each holds at most two streams at once, a
+/// watch and a rendezvous long poll, well under a server's usual 200-stream limit).
+const MEMBERS_PER_CONNECTION: usize = 64;
+/// Joins in flight at once.
+const JOIN_CONCURRENCY: usize = 256;
+/// Bound on starting a coordinator or etcd.
+const START_BOUND: Duration = Duration::from_secs(60);
+/// The coordinators' default heartbeat interval (`JobSettings::default`).
+const DEFAULT_HEARTBEAT: Duration = Duration::from_millis(500);
+/// The job.
+const JOB: &str = "scale";
+
+/// What to run.
+#[derive(Clone, Debug)]
+struct Plan {
+    members: usize,
+    stores: Vec<String>,
+    replicas: usize,
+    steady: Duration,
+    bound: Duration,
+}
+
+impl Plan {
+    fn from_args() -> Result<Self, String> {
+        let args: Vec<String> = std::env::args().skip(1).collect();
+        let full = args.iter().any(|a| a == "--bench");
+        let mut plan = if full {
+            Plan {
+                members: 1024,
+                stores: vec!["memory".into(), "etcd".into()],
+                replicas: 2,
+                steady: Duration::ZERO,
+                bound: Duration::from_secs(300),
+            }
+        } else {
+            Plan {
+                members: 32,
+                stores: vec!["memory".into()],
+                replicas: 1,
+                steady: Duration::ZERO,
+                bound: Duration::from_secs(60),
+            }
+        };
+        let mut it = args.iter();
+        while let Some(a) = it.next() {
+            let mut value = |name: &str| it.next().cloned().ok_or_else(|| format!("{name} needs a value"));
+            match a.as_str() {
+                "--members" => plan.members = value(a)?.parse().map_err(|e| format!("--members: {e}"))?,
+                "--stores" => plan.stores = value(a)?.split(',').map(str::to_string).collect(),
+                "--replicas" => plan.replicas = value(a)?.parse().map_err(|e| format!("--replicas: {e}"))?,
+                "--steady-secs" => {
+                    plan.steady = Duration::from_secs(value(a)?.parse().map_err(|e| format!("--steady-secs: {e}"))?)
+                }
+                "--bound-secs" => {
+                    plan.bound = Duration::from_secs(value(a)?.parse().map_err(|e| format!("--bound-secs: {e}"))?)
+                }
+                _ => {}
+            }
+        }
+        if plan.members < 4 {
+            return Err("--members must be at least 4".into());
+        }
+        if plan.replicas == 0 {
+            return Err("--replicas must be at least 1".into());
+        }
+        for s in &plan.stores {
+            if s != "memory" && s != "etcd" {
+                return Err(format!("unknown store {s:?}: memory or etcd"));
+            }
+        }
+        Ok(plan)
+    }
+}
+
+/// Awaits `f` for at most `bound`, failing with `what` when it takes longer.
+async fn within<T>(bound: Duration, what: &str, f: impl std::future::Future<Output = T>) -> Result<T, String> {
+    tokio::time::timeout(bound, f).await.map_err(|_| format!("{what}: no result within {bound:?}"))
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+/// Nearest-rank percentile (`p` in 0..=100) of sorted samples.
+fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    let rank = ((p / 100.0) * sorted.len() as f64).ceil() as usize;
+    sorted.get(rank.clamp(1, sorted.len().max(1)) - 1).copied().unwrap_or_default()
+}
+
+/// A `cohort-coordinator` process; killed when dropped.
+struct Coordinator {
+    child: std::process::Child,
+    addr: SocketAddr,
+}
+
+impl Drop for Coordinator {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Coordinator {
+    fn start(store: &str, members: usize, index: usize) -> Result<Self, String> {
+        let max = members.to_string();
+        // COHORT_SCALE_LOG=PREFIX keeps each replica's log (RUST_LOG=info) in PREFIX.<index>.
+        let (log, stderr) = match std::env::var("COHORT_SCALE_LOG") {
+            Ok(prefix) => {
+                let file = std::fs::File::create(format!("{prefix}.{index}")).map_err(|e| format!("log file: {e}"))?;
+                ("info", std::process::Stdio::from(file))
+            }
+            Err(_) => ("warn", std::process::Stdio::null()),
+        };
+        let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_cohort-coordinator"))
+            .args(["serve", "--listen", "127.0.0.1:0", "--store", store])
+            .args(["--min-workers", "1", "--max-workers", &max, "--join-window", "60s"])
+            // Members send no heartbeats outside the steady phase: a 10 s interval keeps the
+            // coordinator from judging their silence (a failed rank's host-mates would look
+            // lost with it, see `crate::domains`). The steady phase beats at the default rate.
+            .args(["--heartbeat-interval", "10s", "--lease-ttl", "120s", "--elastic-timeout", "120s"])
+            .env("RUST_LOG", log)
+            .stdout(std::process::Stdio::piped())
+            .stderr(stderr)
+            .spawn()
+            .map_err(|e| format!("starting cohort-coordinator: {e}"))?;
+        let stdout = child.stdout.take().ok_or("no stdout")?;
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in std::io::BufReader::new(stdout).lines().map_while(Result::ok) {
+                let _ = tx.send(line);
+            }
+        });
+        let line = rx.recv_timeout(START_BOUND).map_err(|_| "cohort-coordinator printed no address".to_string())?;
+        let addr = line
+            .strip_prefix("cohort-coordinator listening on ")
+            .and_then(|a| a.trim().parse().ok())
+            .ok_or_else(|| format!("unexpected first line {line:?}"))?;
+        Ok(Self { child, addr })
+    }
+
+    /// CPU time used so far (user + system), from `/proc/PID/stat`.
+    fn cpu(&self) -> Duration {
+        cpu_of(self.child.id())
+    }
+
+    /// Peak resident memory, bytes (`VmHWM` of `/proc/PID/status`).
+    fn peak_rss(&self) -> u64 {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id())).unwrap_or_default();
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmHWM:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+            .map_or(0, |kb| kb * 1024)
+    }
+}
+
+/// CPU time a process has used (user + system).
+fn cpu_of(pid: u32) -> Duration {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { return Duration::ZERO };
+    let Some(close) = stat.rfind(')') else { return Duration::ZERO };
+    let fields: Vec<u64> = stat[close + 2..].split_whitespace().map(|f| f.parse().unwrap_or(0)).collect();
+    // SAFETY: sysconf with a valid name has no preconditions.
+    let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
+    Duration::from_micros((fields.get(11).unwrap_or(&0) + fields.get(12).unwrap_or(&0)) * 1_000_000 / ticks)
+}
+
+/// The metrics of interest from etcd's `/metrics` (plain HTTP on its client port).
+fn etcd_counters(endpoint: &str) -> Result<Vec<(String, f64)>, String> {
+    let hostport = endpoint.trim_start_matches("http://");
+    let mut s = std::net::TcpStream::connect(hostport).map_err(|e| format!("etcd metrics: {e}"))?;
+    s.set_read_timeout(Some(Duration::from_secs(10))).map_err(|e| e.to_string())?;
+    write!(s, "GET /metrics HTTP/1.0\r\nHost: {hostport}\r\n\r\n").map_err(|e| e.to_string())?;
+    let mut body = String::new();
+    s.read_to_string(&mut body).map_err(|e| format!("etcd metrics: {e}"))?;
+    const WANTED: [&str; 4] = [
+        "etcd_disk_wal_write_bytes_total",
+        "etcd_mvcc_put_total",
+        "etcd_server_proposals_committed_total",
+        "etcd_network_client_grpc_received_bytes_total",
+    ];
+    Ok(WANTED
+        .iter()
+        .map(|name| {
+            let v = body
+                .lines()
+                .filter_map(|l| l.strip_prefix(name))
+                .filter_map(|rest| rest.rsplit(' ').next()?.parse::<f64>().ok())
+                .sum();
+            (name.to_string(), v)
+        })
+        .collect())
+}
+
+/// One simulated member.
+struct Member {
+    client: CoordinatorClient<Channel>,
+    id: String,
+    incarnation: u64,
+}
+
+impl Member {
+    async fn join(client: CoordinatorClient<Channel>, i: usize) -> Result<Self, String> {
+        let id = format!("m{i:05}");
+        // Hosts of 8 ranks, as a GPU node has.
+        let host = format!("host{:04}", i / 8);
+        let request = pb::JoinRequest {
+            job: JOB.into(),
+            worker_id: id.clone(),
+            host,
+            addresses: vec![pb::TransportAddress {
+                transport: "tcp".into(),
+                address: format!("10.{}.{}.{}:{}", (i >> 16) & 255, (i >> 8) & 255, i & 255, 40000 + i % 1000),
+            }],
+            capabilities: vec!["transport:tcp".into()],
+            protocol_version: cohort_proto::PROTOCOL_VERSION,
+            domain: String::new(),
+        };
+        let mut c = client.clone();
+        let r = c.join(request).await.map_err(|s| format!("join {id}: {s}"))?.into_inner();
+        Ok(Self { client, id, incarnation: r.incarnation })
+    }
+
+    /// Long polls until a generation newer than `after` that includes this member forms.
+    async fn formed(&self, after: u64) -> Result<pb::Generation, String> {
+        loop {
+            let mut c = self.client.clone();
+            let r = c
+                .rendezvous(pb::RendezvousRequest {
+                    job: JOB.into(),
+                    worker_id: self.id.clone(),
+                    incarnation: self.incarnation,
+                    after_generation: after,
+                    wait_ms: 20_000,
+                })
+                .await
+                .map_err(|s| format!("rendezvous {}: {s}", self.id))?
+                .into_inner();
+            match r.outcome {
+                Some(pb::rendezvous_response::Outcome::Formed(g)) => return Ok(g),
+                Some(pb::rendezvous_response::Outcome::Waiting(_)) => continue,
+                other => return Err(format!("{}: unexpected rendezvous outcome {other:?}", self.id)),
+            }
+        }
+    }
+
+    async fn watch(&self) -> Result<tonic::Streaming<pb::JobEvent>, String> {
+        let mut c = self.client.clone();
+        let s = c
+            .watch(pb::WatchRequest { job: JOB.into(), worker_id: self.id.clone(), incarnation: self.incarnation })
+            .await
+            .map_err(|s| format!("watch {}: {s}", self.id))?;
+        Ok(s.into_inner())
+    }
+
+    async fn heartbeat(&self, generation: u64) -> Result<(), tonic::Status> {
+        let mut c = self.client.clone();
+        c.heartbeat(pb::HeartbeatRequest {
+            job: JOB.into(),
+            worker_id: self.id.clone(),
+            incarnation: self.incarnation,
+            generation,
+            step: 1,
+            activity: "train".into(),
+            deadlines: String::new(),
+            timing: None,
+        })
+        .await
+        .map(|_| ())
+    }
+}
+
+/// Reads a watch stream until `pick` matches.
+async fn wait_for<T>(
+    stream: &mut tonic::Streaming<pb::JobEvent>,
+    mut pick: impl FnMut(&Event) -> Option<T>,
+) -> Result<T, String> {
+    loop {
+        match stream.message().await {
+            Ok(Some(pb::JobEvent { event: Some(e) })) => {
+                if let Some(t) = pick(&e) {
+                    return Ok(t);
+                }
+            }
+            Ok(Some(_)) => {}
+            Ok(None) => return Err("watch stream ended".into()),
+            Err(s) => return Err(format!("watch stream: {s}")),
+        }
+    }
+}
+
+/// CPU time of every coordinator, together.
+fn cpu_all(cs: &[Coordinator]) -> Duration {
+    cs.iter().map(Coordinator::cpu).sum()
+}
+
+async fn run(plan: &Plan, store: &str) -> Result<(), String> {
+    let n = plan.members;
+    let etcd = if store == "etcd" {
+        Some(
+            tokio::task::spawn_blocking(EtcdProcess::start)
+                .await
+                .map_err(|e| format!("etcd start task: {e}"))?
+                .map_err(|e| e.to_string())?,
+        )
+    } else {
+        None
+    };
+    let spec = match &etcd {
+        Some(e) => format!("etcd://{}", e.endpoint().trim_start_matches("http://")),
+        None => "memory".into(),
+    };
+    let replicas = if etcd.is_some() { plan.replicas } else { 1 };
+    let coordinators =
+        (0..replicas).map(|i| Coordinator::start(&spec, n, i)).collect::<Result<Vec<Coordinator>, String>>()?;
+    let etcd_before = match &etcd {
+        Some(e) => etcd_counters(&e.endpoint())?,
+        None => Vec::new(),
+    };
+    let connections = n.div_ceil(MEMBERS_PER_CONNECTION);
+    let mut channels = Vec::with_capacity(connections);
+    for c in 0..connections {
+        let addr = coordinators[c % coordinators.len()].addr;
+        let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+            .map_err(|e| e.to_string())?
+            .connect_timeout(Duration::from_secs(10))
+            .connect()
+            .await
+            .map_err(|e| format!("connecting to {addr}: {e}"))?;
+        channels.push(CoordinatorClient::new(channel).max_decoding_message_size(64 << 20));
+    }
+    let bound = plan.bound;
+
+    // 1. Formation: join and rendezvous.
+    let cpu0 = cpu_all(&coordinators);
+    let started = Instant::now();
+    let admit = Arc::new(tokio::sync::Semaphore::new(JOIN_CONCURRENCY));
+    let joined: Vec<(Member, pb::Generation)> = within(bound, "joining and forming generation 1", async {
+        futures::stream::iter(0..n)
+            .map(|i| {
+                let client = channels[i / MEMBERS_PER_CONNECTION].clone();
+                let admit = admit.clone();
+                async move {
+                    let m = {
+                        let _permit = admit.acquire().await.map_err(|e| e.to_string())?;
+                        Member::join(client, i).await?
+                    };
+                    let g = m.formed(0).await?;
+                    Ok::<_, String>((m, g))
+                }
+            })
+            .buffer_unordered(n)
+            .collect::<Vec<_>>()
+            .await
+            .into_iter()
+            .collect::<Result<Vec<_>, String>>()
+    })
+    .await??;
+    let join_to_formed = started.elapsed();
+    let cpu_formation = cpu_all(&coordinators) - cpu0;
+    let g1 = joined[0].1.clone();
+    if g1.number != 1 || g1.members.len() != n || joined.iter().any(|(_, g)| *g != g1) {
+        return Err(format!("generation 1 is not the same {n} members everywhere"));
+    }
+    // Members in rank order.
+    let mut members: Vec<Member> = joined.into_iter().map(|(m, _)| m).collect();
+    let rank: std::collections::HashMap<String, usize> =
+        g1.members.iter().map(|m| (m.worker_id.clone(), m.rank as usize)).collect();
+    members.sort_by_key(|m| rank[&m.id]);
+    let members: Vec<Arc<Member>> = members.into_iter().map(Arc::new).collect();
+
+    // 2. Watches (untimed).
+    let cpu0 = cpu_all(&coordinators);
+    let watch_started = Instant::now();
+    let mut streams = within(bound, "opening the watches", async {
+        futures::stream::iter(members.iter())
+            .map(|m| async move {
+                let mut s = m.watch().await?;
+                wait_for(&mut s, |e| matches!(e, Event::GenerationFormed(g) if g.number == 1).then_some(())).await?;
+                Ok::<_, String>(s)
+            })
+            .buffered(JOIN_CONCURRENCY)
+            .collect::<Vec<_>>()
+            .await
+            .into_iter()
+            .collect::<Result<Vec<_>, String>>()
+    })
+    .await??;
+    let watches = watch_started.elapsed();
+    let cpu_watches = cpu_all(&coordinators) - cpu0;
+
+    // 3 and 4. One failure (the last rank), a second during the re-formation (rank 1).
+    let (failed, dies_meanwhile) = (n - 1, 1);
+    drop(streams.pop()); // the failed member's process is gone: its watch closes
+    let cpu0 = cpu_all(&coordinators);
+    let sent = Instant::now();
+    let tasks: Vec<_> = streams
+        .into_iter()
+        .enumerate()
+        .map(|(r, mut s)| {
+            let m = members[r].clone();
+            tokio::spawn(async move {
+                wait_for(&mut s, |e| matches!(e, Event::GenerationRevoked(x) if x.generation == 1).then_some(()))
+                    .await?;
+                let revoked = Instant::now();
+                if r == dies_meanwhile {
+                    drop(s);
+                    return Ok::<_, String>((revoked, None));
+                }
+                let g = m.formed(1).await?;
+                Ok((revoked, Some((Instant::now(), g, s))))
+            })
+        })
+        .collect();
+    let report = {
+        let mut c = members[0].client.clone();
+        c.report_failure(pb::FailureReport {
+            job: JOB.into(),
+            worker_id: members[0].id.clone(),
+            incarnation: members[0].incarnation,
+            generation: 1,
+            failed_rank: Some(failed as u32),
+            reason: "scale harness: peer failed".into(),
+            kind: pb::failure_report::FailureKind::Unspecified as i32,
+            progress: None,
+        })
+        .await
+        .map_err(|s| format!("report: {s}"))?
+        .into_inner()
+    };
+    if !report.accepted {
+        return Err("the failure report did not revoke generation 1".into());
+    }
+    let results = within(bound, "revocation and re-formation", futures::future::join_all(tasks)).await?;
+    let mut revoked = Vec::with_capacity(n);
+    let mut reformed = Duration::ZERO;
+    let mut g2: Option<pb::Generation> = None;
+    let mut survivors_streams = Vec::new();
+    for r in results {
+        let (at, formed) = r.map_err(|e| format!("member task: {e}"))??;
+        revoked.push(at.duration_since(sent));
+        if let Some((at, g, s)) = formed {
+            reformed = reformed.max(at.duration_since(sent));
+            if g2.as_ref().is_some_and(|x| *x != g) {
+                return Err("survivors hold different generations 2".into());
+            }
+            g2 = Some(g);
+            survivors_streams.push(s);
+        }
+    }
+    let cpu_failure = cpu_all(&coordinators) - cpu0;
+    let g2 = g2.ok_or("no survivor re-formed")?;
+    let left_out = [&members[failed].id, &members[dies_meanwhile].id];
+    if g2.number != 2 || g2.members.len() != n - 2 || g2.members.iter().any(|m| left_out.contains(&&m.worker_id)) {
+        return Err(format!(
+            "generation 2 has number {} and {} members; expected 2 and {} without {left_out:?}",
+            g2.number,
+            g2.members.len(),
+            n - 2
+        ));
+    }
+    revoked.sort();
+
+    // 5. Steady state: heartbeats at the default interval.
+    let mut steady = String::new();
+    if !plan.steady.is_zero() {
+        let live: Vec<Arc<Member>> = members
+            .iter()
+            .enumerate()
+            .filter(|(r, _)| *r != failed && *r != dies_meanwhile)
+            .map(|(_, m)| m.clone())
+            .collect();
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let sent_count = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let beats: Vec<_> = live
+            .iter()
+            .enumerate()
+            .map(|(i, m)| {
+                let (m, stop, count) = (m.clone(), stop.clone(), sent_count.clone());
+                tokio::spawn(async move {
+                    // Spread the members over the interval, as independent processes are.
+                    let offset = DEFAULT_HEARTBEAT * (i as u32 % 64) / 64;
+                    let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + offset, DEFAULT_HEARTBEAT);
+                    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                        tick.tick().await;
+                        if m.heartbeat(2).await.is_ok() {
+                            count.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        }
+                    }
+                })
+            })
+            .collect();
+        // A stretch of wall time is what is measured here (not a synchronisation).
+        tokio::time::sleep(DEFAULT_HEARTBEAT * 2).await;
+        let (cpu0, c0, t0) =
+            (cpu_all(&coordinators), sent_count.load(std::sync::atomic::Ordering::Relaxed), Instant::now());
+        tokio::time::sleep(plan.steady).await;
+        let (cpu1, c1, dt) =
+            (cpu_all(&coordinators), sent_count.load(std::sync::atomic::Ordering::Relaxed), t0.elapsed());
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        for b in beats {
+            b.abort();
+        }
+        steady = format!(
+            " steady_secs={:.1} heartbeats_per_s={:.0} steady_cpu_pct={:.1}",
+            dt.as_secs_f64(),
+            (c1 - c0) as f64 / dt.as_secs_f64(),
+            100.0 * (cpu1 - cpu0).as_secs_f64() / dt.as_secs_f64()
+        );
+    }
+    drop(survivors_streams);
+
+    let mut etcd_out = String::new();
+    if let Some(e) = &etcd {
+        let after = etcd_counters(&e.endpoint())?;
+        for ((name, a), (_, b)) in after.iter().zip(&etcd_before) {
+            let short = name.trim_start_matches("etcd_").trim_end_matches("_total");
+            etcd_out.push_str(&format!(" etcd_{short}={:.0}", a - b));
+        }
+    }
+    let rss: Vec<String> =
+        coordinators.iter().map(|c| format!("{:.0}", c.peak_rss() as f64 / (1 << 20) as f64)).collect();
+    println!(
+        "scale store={store} members={n} replicas={replicas} connections={connections} \
+         join_to_formed_ms={:.0} formation_cpu_s={:.2} watches_ms={:.0} watches_cpu_s={:.2} \
+         revoked_p50_ms={:.1} revoked_p99_ms={:.1} revoked_max_ms={:.1} reformed_ms={:.0} failure_cpu_s={:.2}{steady} \
+         peak_rss_mib={}{etcd_out}",
+        ms(join_to_formed),
+        cpu_formation.as_secs_f64(),
+        ms(watches),
+        cpu_watches.as_secs_f64(),
+        ms(percentile(&revoked, 50.0)),
+        ms(percentile(&revoked, 99.0)),
+        ms(revoked.last().copied().unwrap_or_default()),
+        ms(reformed),
+        cpu_failure.as_secs_f64(),
+        rss.join("+"),
+    );
+    Ok(())
+}
+
+fn main() {
+    let plan = match Plan::from_args() {
+        Ok(p) => p,
+        Err(e) => {
+            eprintln!("scale: {e}");
+            std::process::exit(2);
+        }
+    };
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("tokio runtime");
+    let mut failed = false;
+    runtime.block_on(async {
+        eprintln!(
+            "scale harness: {} members, stores {:?}, {} CPUs",
+            plan.members,
+            plan.stores,
+            std::thread::available_parallelism().map_or(0, |n| n.get())
+        );
+        for store in &plan.stores {
+            let t = Instant::now();
+            match run(&plan, store).await {
+                Ok(()) => eprintln!("scale store={store}: done in {:.1} s", t.elapsed().as_secs_f64()),
+                Err(e) => {
+                    println!("scale store={store} members={} failed=\"{}\"", plan.members, e.replace(['"', '\n'], " "));
+                    failed = true;
+                }
+            }
+        }
+    });
+    if failed {
+        std::process::exit(1);
+    }
+}
