@@ -21,13 +21,16 @@ def test_every_torch_distributed_call_matches_the_local_answer(world, coordinato
         outputs.append(w.output())
     for out in outputs:
         assert re.search(r"^done \d+$", out, re.M), out
-        assert "ok send/recv" in out and "ok barrier" in out
-        assert re.search(r"^unsupported send with a tag: .*tag 7", out, re.M), out
+        assert "ok barrier" in out
+        if world > 1:
+            assert "ok send/recv" in out
+            assert re.search(r"^unsupported send with a tag: .*tag 7", out, re.M), out
+            assert re.search(r"^unsupported recv with a tag: .*tag 7", out, re.M), out
         if "torch=2." in out:
             for name in ("all_gather_into_tensor", "reduce_scatter_tensor", "all_gather_into_tensor coalesced",
                          "reduce_scatter_tensor coalesced", "all_reduce_coalesced", "all_to_all_single",
                          "all_to_all", "scatter", "device mesh"):
                 assert f"ok {name}" in out, (name, out)
-    # Every rank ran the same checks (rank 0 has the root's extra ones: reduce, gather).
-    counts = [int(re.search(r"^done (\d+)$", out, re.M).group(1)) for out in outputs]
-    assert len(set(counts[1:])) <= 1 and counts[0] >= max(counts), counts
+    # Every rank ran the same checks, but rank 0 (whichever worker it is) has the root's extra ones.
+    counts = sorted(int(re.search(r"^done (\d+)$", out, re.M).group(1)) for out in outputs)
+    assert len(set(counts[:-1])) <= 1, counts
