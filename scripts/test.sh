@@ -59,6 +59,14 @@ echo "== python"
 # COHORT_REQUIRE_PYTHON: a missing torch fails the PyTorch tests instead of skipping them.
 COHORT_REQUIRE_PYTHON=1 COHORT_BIN_DIR="$PWD/target/release" "$py" -m pytest -q -p no:cacheprovider python/tests
 
+# The PyTorch tests again under PyPI's torch 2.x (the supported torch; Debian's 1.13 above keeps
+# working): target/pyenv-torch2 holds the same cohort package. Made once per checkout; the
+# CUDA-laden wheels are downloaded once into a wheelhouse (scripts/python-env-torch2.sh).
+echo "== python, torch 2.x"
+py2=$(bash scripts/python-env-torch2.sh | tail -n 1)
+COHORT_BIN_DIR="$PWD/target/release" "$py2" -m pytest -q -p no:cacheprovider \
+  python/tests/test_torch_backend.py python/tests/test_fsdp2.py python/tests/test_training.py
+
 # The RDMA transport (feature `rdma`): its device-free tests run everywhere; the device
 # tests run when a device is present and otherwise say, visibly, that they were skipped.
 echo "== rdma feature"

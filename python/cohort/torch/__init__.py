@@ -16,12 +16,17 @@ re-formations):
    nothing to do; when the size changes, call :func:`init_process_group` again (a reset
    callback) and wrap the model in a new DDP (DDP caches the world size it divides by).
 
-Supported ``ProcessGroup`` calls (torch 1.13): ``allreduce`` (SUM, PRODUCT, MIN, MAX, AVG;
-asynchronous), ``broadcast`` (asynchronous), ``allgather``, ``reduce_scatter``, ``barrier``,
-``send``, ``recv``, ``reduce``. Not supported (they raise ``RuntimeError``): ``gather``,
-``scatter``, ``alltoall`` with uneven splits, coalesced variants, ``recv_anysource``,
-``monitored_barrier``. CPU tensors only, contiguous, dtypes float32/float64/float16/bfloat16/
-int32/int64/uint8.
+The backend (:class:`CohortBackend`) is registered for the CPU device. On torch 2.x it is a
+``c10d.Backend`` inside torch's own ``ProcessGroup`` (group names, ``DeviceMesh``, DTensor and
+FSDP2's ``fully_shard`` work); on torch 1.13 it is the ``ProcessGroup``. Supported:
+``all_reduce`` (SUM, PRODUCT, MIN, MAX, AVG), ``all_reduce_coalesced``, ``broadcast``,
+``all_gather_into_tensor`` and ``reduce_scatter_tensor`` (alone or coalesced), ``all_gather``,
+``reduce_scatter``, ``all_to_all_single`` (equal splits), ``all_to_all`` (equal sizes),
+``gather``, ``scatter``, ``reduce``, ``barrier``, ``send``/``recv`` (tag 0). The rest raises an
+error naming the call: tags, uneven all-to-all, ``recv`` from any source,
+``monitored_barrier``, sparse tensors, ``new_group`` over a subset of ranks (a cohort group
+spans the generation). CPU tensors only, dtypes float32/float64/float16/bfloat16/int32/int64/
+uint8. docs/python.md has the table of torch calls and cohort collectives.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ from torch.futures import Future
 from cohort._native import Communicator, Group, Work
 from cohort.errors import InvalidArgumentError
 
-__all__ = ["GradientAverager", "CohortProcessGroup", "init_process_group", "BACKEND"]
+__all__ = ["GradientAverager", "CohortBackend", "CohortProcessGroup", "init_process_group", "BACKEND", "TORCH2"]
 
 BACKEND = "cohort"
 """The name of the ``torch.distributed`` backend."""
@@ -189,34 +194,47 @@ if hasattr(dist.ReduceOp, "AVG"):
     _REDUCE_OPS[dist.ReduceOp.AVG] = "avg"
 
 
-def _op_name(op: Any) -> str:
+def _op_name(call: str, opts: Any) -> str:
+    op = getattr(opts, "reduceOp", None) if opts is not None else None
+    if op is None:
+        return "sum"
     for key, name in _REDUCE_OPS.items():
         if op == key:
             return name
-    raise RuntimeError(f"cohort backend: reduce op {op} is not supported (sum, product, min, max, avg)")
+    raise RuntimeError(f"cohort backend: {call}: reduce op {op} is not supported (sum, product, min, max, avg)")
 
 
 class _Completer:
     """Completes torch futures from cohort Works on one thread, in issue order."""
 
     def __init__(self) -> None:
-        self._queue: "queue.Queue[tuple[Work, Future, Any]]" = queue.Queue()
+        self._queue: "queue.Queue[tuple[list[Work], Future, Any, Optional[Callable[[], None]]]]" = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="cohort-torch-completer", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         while True:
-            work, fut, result = self._queue.get()
-            try:
-                work.wait()
-            except BaseException as e:  # noqa: BLE001 - handed to the future's waiter
-                fut.set_exception(e)
+            works, fut, result, then = self._queue.get()
+            error: Optional[BaseException] = None
+            for work in works:  # every Work is waited for (its buffers stay alive until then)
+                try:
+                    work.wait()
+                except BaseException as e:  # noqa: BLE001 - handed to the future's waiter
+                    error = error or e
+            if error is None and then is not None:
+                try:
+                    then()
+                except BaseException as e:  # noqa: BLE001 - handed to the future's waiter
+                    error = e
+            if error is not None:
+                fut.set_exception(error)
             else:
                 fut.set_result(result)
 
-    def submit(self, work: Work, result: Any) -> Any:
+    def submit(self, works: list[Work], result: Any, then: Optional[Callable[[], None]] = None) -> Any:
+        """A torch ``Work`` that completes once every one of ``works`` has, after ``then``."""
         fut: Future = Future()
-        self._queue.put((work, fut, result))
+        self._queue.put((works, fut, result, then))
         return _create_work_from_future(fut)
 
 
@@ -229,9 +247,50 @@ def _done(result: Any) -> Any:
     return _create_work_from_future(fut)
 
 
-class CohortProcessGroup(ProcessGroup):
-    """A ``torch.distributed`` process group over the current cohort communicator of
-    ``source`` (see the module docs for the supported calls)."""
+_C10D = torch._C._distributed_c10d
+TORCH2 = hasattr(_C10D, "Backend")
+"""True on torch 2.x: the process group is torch's own, with :class:`CohortBackend` registered
+as its CPU backend (torch routes every collective to it); on torch 1.13 the backend *is* the
+process group (1.13's ``ProcessGroup`` is subclassed)."""
+
+_Base: Any = _C10D.Backend if TORCH2 else ProcessGroup
+
+
+def _input(call: str, t: torch.Tensor) -> torch.Tensor:
+    if t.device.type != "cpu":
+        raise InvalidArgumentError(f"cohort backend: {call}: a tensor is on {t.device}; cohort runs CPU tensors")
+    return t.contiguous()
+
+
+def _output(call: str, t: torch.Tensor) -> torch.Tensor:
+    if t.device.type != "cpu":
+        raise InvalidArgumentError(f"cohort backend: {call}: a tensor is on {t.device}; cohort runs CPU tensors")
+    if not t.is_contiguous():
+        raise InvalidArgumentError(f"cohort backend: {call}: the output tensor must be contiguous")
+    return t
+
+
+def _equal_splits(call: str, splits: Any, numel: int, size: int) -> None:
+    if splits and len(set(splits)) > 1:
+        raise RuntimeError(
+            f"cohort backend: {call} with uneven splits {list(splits)} is not supported "
+            "(cohort's alltoall exchanges equal blocks)"
+        )
+    if numel % size:
+        raise InvalidArgumentError(f"cohort backend: {call}: {numel} elements do not split over {size} ranks")
+
+
+class CohortBackend(_Base):  # type: ignore[misc, valid-type]
+    """The ``"cohort"`` backend of ``torch.distributed`` over the current cohort communicator of
+    ``source`` (see the module docs for the calls it supports).
+
+    On torch 2.x it is a ``c10d.Backend`` that torch registers for the CPU device of its own
+    ``ProcessGroup`` (so group names, ``DeviceMesh``, DTensor and FSDP2 see an ordinary group);
+    on torch 1.13 it is the ``ProcessGroup`` itself. Each method keeps torch's name and
+    signature and forwards to one of the communicator's collectives (queued ones where cohort
+    has them, completed in issue order); anything cohort cannot run raises an error naming the
+    call.
+    """
 
     def __init__(self, source: Source, rank: int, size: int) -> None:
         super().__init__(rank, size)
@@ -252,40 +311,64 @@ class CohortProcessGroup(ProcessGroup):
         return comm
 
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
+        """The backend's name, ``"cohort"``."""
         return BACKEND
 
+    def _get_backend_name(self) -> str:
+        return BACKEND
+
+    # -- reductions ------------------------------------------------------------------------
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
-        op = _op_name(opts.reduceOp) if opts is not None else "sum"
+        """Element-wise reduction of each tensor over the ranks, in place (queued)."""
+        op = _op_name("allreduce", opts)
         comm = self._comm()
-        if len(tensors) == 1:
-            return self._completer.submit(comm.allreduce_async(tensors[0], op), tensors)
+        works = [comm.allreduce_async(_output("allreduce", t), op) for t in tensors]
+        return self._completer.submit(works, tensors)
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        """:meth:`allreduce` of several tensors, one work for all."""
+        op = _op_name("allreduce_coalesced", opts)
+        comm = self._comm()
+        works = [comm.allreduce_async(_output("allreduce_coalesced", t), op) for t in tensors]
+        return self._completer.submit(works, tensors)
+
+    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        """The root's tensor receives the reduction over the ranks."""
+        op = _op_name("reduce", opts)
+        comm = self._comm()
         for t in tensors:
-            comm.allreduce(t, op)
+            comm.reduce(_output("reduce", t), opts.rootRank if opts is not None else 0, op)
         return _done(tensors)
 
-    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
-        root = opts.rootRank if opts is not None else 0
-        comm = self._comm()
-        if len(tensors) == 1:
-            return self._completer.submit(comm.broadcast_async(tensors[0], root), tensors)
-        for t in tensors:
-            comm.broadcast(t, root)
-        return _done(tensors)
+    def _reduce_scatter_one(self, call: str, comm: Communicator, out: torch.Tensor, inp: torch.Tensor,
+                            op: str) -> Work:
+        return comm.reduce_scatter_async(_input(call, inp), _output(call, out), op)
 
-    def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
-                  opts: Any = None) -> Any:
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:  # noqa: A002
+        """Rank r receives the reduction of every rank's block r of ``input`` (queued); torch
+        2.x's name for ``_reduce_scatter_base`` (``dist.reduce_scatter_tensor``)."""
         comm = self._comm()
-        for outputs, inp in zip(output_tensors, input_tensors):
-            src = inp.contiguous()
-            flat = torch.empty(src.numel() * comm.size, dtype=src.dtype)
-            comm.allgather(src, flat)
-            for r, out in enumerate(outputs):
-                out.copy_(flat[r * src.numel():(r + 1) * src.numel()].view_as(out))
-        return _done(output_tensors)
+        op = _op_name("reduce_scatter_tensor", opts)
+        return self._completer.submit([self._reduce_scatter_one("reduce_scatter_tensor", comm, output, input, op)],
+                                      [output])
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                                        opts: Any = None) -> Any:
+        """:meth:`reduce_scatter_single` of several tensor pairs, one work for all."""
+        comm = self._comm()
+        op = _op_name("reduce_scatter_tensor_coalesced", opts)
+        works = [self._reduce_scatter_one("reduce_scatter_tensor_coalesced", comm, o, i, op)
+                 for o, i in zip(outputs, inputs)]
+        return self._completer.submit(works, outputs)
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
     def reduce_scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
                        opts: Any = None) -> Any:
-        op = _op_name(opts.reduceOp) if opts is not None else "sum"
+        """Rank r receives the reduction of every rank's ``input_tensors[.][r]``."""
+        op = _op_name("reduce_scatter", opts)
         comm = self._comm()
         for out, inputs in zip(output_tensors, input_tensors):
             flat = torch.cat([t.reshape(-1) for t in inputs])
@@ -294,66 +377,217 @@ class CohortProcessGroup(ProcessGroup):
             out.copy_(result.view_as(out))
         return _done(output_tensors)
 
-    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
-        op = _op_name(opts.reduceOp) if opts is not None else "sum"
+    # -- gathers and scatters ----------------------------------------------------------------
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:  # noqa: A002
+        """``output`` holds every rank's ``input``, by rank (queued); torch 2.x's name for
+        ``_allgather_base`` (``dist.all_gather_into_tensor``)."""
         comm = self._comm()
-        for t in tensors:
-            comm.reduce(t, opts.rootRank if opts is not None else 0, op)
-        return _done(tensors)
+        work = comm.allgather_async(_input("all_gather_into_tensor", input), _output("all_gather_into_tensor", output))
+        return self._completer.submit([work], [output])
+
+    _allgather_base = all_gather_single
+
+    def all_gather_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                                    opts: Any = None) -> Any:
+        """:meth:`all_gather_single` of several tensor pairs, one work for all."""
+        comm = self._comm()
+        call = "all_gather_into_tensor_coalesced"
+        works = [comm.allgather_async(_input(call, i), _output(call, o)) for o, i in zip(outputs, inputs)]
+        return self._completer.submit(works, outputs)
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+
+    def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
+                  opts: Any = None) -> Any:
+        """``output_tensors[.][r]`` receives rank r's input."""
+        comm = self._comm()
+        for outputs, inp in zip(output_tensors, input_tensors):
+            src = _input("allgather", inp)
+            flat = torch.empty(src.numel() * comm.size, dtype=src.dtype)
+            comm.allgather(src, flat)
+            for r, out in enumerate(outputs):
+                out.copy_(flat[r * src.numel():(r + 1) * src.numel()].view_as(out))
+        return _done(output_tensors)
+
+    def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], input_list: list[torch.Tensor],
+                            opts: Any = None) -> Any:
+        """:meth:`allgather` of several tensors."""
+        return self.allgather(output_lists, input_list, opts)
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        """Copies the root's tensors to every rank (queued)."""
+        root = opts.rootRank if opts is not None else 0
+        comm = self._comm()
+        works = [comm.broadcast_async(_output("broadcast", t), root) for t in tensors]
+        return self._completer.submit(works, tensors)
+
+    def gather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
+               opts: Any = None) -> Any:
+        """The root's ``output_tensors[0][r]`` receives rank r's input."""
+        comm = self._comm()
+        root = opts.rootRank if opts is not None else 0
+        if len(input_tensors) != 1:
+            raise InvalidArgumentError(f"cohort backend: gather takes one input tensor, got {len(input_tensors)}")
+        src = _input("gather", input_tensors[0])
+        flat = torch.empty(src.numel() * comm.size, dtype=src.dtype) if comm.rank == root else None
+        comm.gather(src, flat, root)
+        if flat is not None:
+            for r, out in enumerate(output_tensors[0]):
+                out.copy_(flat[r * src.numel():(r + 1) * src.numel()].view_as(out))
+        return _done(output_tensors)
+
+    def gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:  # noqa: A002
+        """The root's ``output`` holds every rank's ``input``, by rank."""
+        comm = self._comm()
+        root = opts.rootRank if opts is not None else 0
+        comm.gather(_input("gather_into_tensor", input),
+                    _output("gather_into_tensor", output) if comm.rank == root else None, root)
+        return _done([output])
+
+    def scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
+                opts: Any = None) -> Any:
+        """Rank r's ``output_tensors[0]`` receives the root's ``input_tensors[0][r]``."""
+        comm = self._comm()
+        root = opts.rootRank if opts is not None else 0
+        if len(output_tensors) != 1:
+            raise InvalidArgumentError(f"cohort backend: scatter takes one output tensor, got {len(output_tensors)}")
+        out = _output("scatter", output_tensors[0])
+        flat = torch.cat([t.reshape(-1) for t in input_tensors[0]]) if comm.rank == root else None
+        comm.scatter(flat, out, root)
+        return _done(output_tensors)
+
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: Any = None,  # noqa: A002
+                          input_split_sizes: Any = None, opts: Any = None) -> Any:
+        """Block j of this rank's ``input`` lands in block (this rank) of rank j's ``output``
+        (``dist.all_to_all_single``; equal splits only); torch 2.x's name for ``alltoall_base``."""
+        comm = self._comm()
+        for splits in (output_split_sizes, input_split_sizes):
+            _equal_splits("all_to_all_single", splits, input.numel(), comm.size)
+        comm.alltoall(_input("all_to_all_single", input), _output("all_to_all_single", output))
+        return _done([output])
+
+    alltoall_base = all_to_all_single
+
+    def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor],
+                 opts: Any = None) -> Any:
+        """``output_tensors[j]`` receives rank j's ``input_tensors[this rank]`` (equal sizes)."""
+        comm = self._comm()
+        sizes = {t.numel() for t in [*input_tensors, *output_tensors]}
+        if len(sizes) > 1:
+            raise RuntimeError(f"cohort backend: all_to_all with tensors of different sizes {sorted(sizes)} is not "
+                               "supported (cohort's alltoall exchanges equal blocks)")
+        flat_in = torch.cat([t.reshape(-1) for t in input_tensors])
+        flat_out = torch.empty_like(flat_in)
+        comm.alltoall(flat_in, flat_out)
+        n = flat_in.numel() // max(comm.size, 1)
+        for r, out in enumerate(output_tensors):
+            out.copy_(flat_out[r * n:(r + 1) * n].view_as(out))
+        return _done(output_tensors)
 
     def barrier(self, opts: Any = None) -> Any:
+        """Returns once every rank has entered it."""
         self._comm().barrier()
         return _done([])
 
+    # -- point to point ----------------------------------------------------------------------
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> Any:
+        """Sends to rank ``dst``, matched in order with its :meth:`recv` (tag 0 only)."""
+        _no_tag("send", tag)
         comm = self._comm()
         for t in tensors:
-            comm.send(t, dst)
+            comm.send(_input("send", t), dst)
         return _done(tensors)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> Any:
+        """Receives from rank ``src``, matched in order with its :meth:`send` (tag 0 only)."""
+        _no_tag("recv", tag)
         comm = self._comm()
         for t in tensors:
-            comm.recv(t, src)
+            comm.recv(_output("recv", t), src)
         return _done(tensors)
 
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> Any:
+        """Not supported: raises, naming the call."""
+        raise RuntimeError("cohort backend: recv from any source is not supported (name the source rank)")
 
-def _create(store: Any, rank: int, size: int, timeout: Any) -> CohortProcessGroup:
+    def monitored_barrier(self, opts: Any = None, wait_all_ranks: bool = False) -> Any:
+        """Not supported: raises, naming the call (cohort's :meth:`barrier` already fails with
+        the root cause, naming the rank, when a rank is missing)."""
+        raise RuntimeError("cohort backend: monitored_barrier is not supported; use barrier(), which fails "
+                           "naming the rank that failed first")
+
+    def allreduce_sparse(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        """Not supported: raises, naming the call."""
+        raise RuntimeError("cohort backend: allreduce of sparse tensors is not supported")
+
+
+CohortProcessGroup = CohortBackend
+"""The name of :class:`CohortBackend` before torch 2.x support (on torch 1.13 it is the process
+group)."""
+
+
+def _no_tag(call: str, tag: int) -> None:
+    if tag != 0:
+        raise RuntimeError(f"cohort backend: {call} with tag {tag}: tags are not supported; cohort matches "
+                           "sends and receives between two ranks in order (use tag 0)")
+
+
+def _create(store: Any, rank: int, size: int, timeout: Any) -> CohortBackend:
     if _pending_source is None:
         raise RuntimeError("use cohort.torch.init_process_group(state) to start the cohort backend")
-    return CohortProcessGroup(_pending_source, rank, size)
+    comm = _current(_pending_source)
+    if size != comm.size or rank != comm.rank:
+        raise RuntimeError(
+            f"cohort backend: new_group of {size} ranks (this worker as rank {rank}) is not supported: a cohort "
+            f"process group spans the whole generation ({comm.size} ranks, this worker as rank {comm.rank}); "
+            "a DeviceMesh with more than one dimension needs sub-groups"
+        )
+    return CohortBackend(_pending_source, rank, size)
 
 
 _pending_source: Optional[Source] = None
 _registered = False
 
 
-def init_process_group(source: Union[Source, Group]) -> CohortProcessGroup:
+def _register() -> None:
+    global _registered
+    if _registered:
+        return
+    if TORCH2:
+        # The CPU device, so that torch neither warns nor guesses (and routes CPU tensors here).
+        dist.Backend.register_backend(BACKEND, _create, devices=["cpu"])
+    else:
+        dist.Backend.register_backend(BACKEND, _create)
+    _registered = True
+
+
+def init_process_group(source: Union[Source, Group]) -> Any:
     """Makes the ``"cohort"`` backend the default ``torch.distributed`` group for the current
-    generation of ``source`` (an elastic state or a communicator), replacing any earlier one.
+    generation of ``source`` (an elastic state or a communicator), replacing any earlier one,
+    and returns that group.
 
     No address, port or store to configure: cohort's rendezvous already formed the group.
-    Afterwards ``dist.get_rank()``, ``dist.all_reduce`` and ``DistributedDataParallel(model)``
-    work as with any backend.
+    ``source`` must have a current generation: inside a function run by
+    :func:`cohort.elastic.run` (or in its reset callbacks), or after ``state.reform()`` or
+    ``group.next_generation()``. Afterwards ``dist.get_rank()``, ``dist.all_reduce``,
+    ``DistributedDataParallel(model)``, ``init_device_mesh("cpu", (world,))`` and FSDP2's
+    ``fully_shard`` work as with any backend.
     """
-    global _pending_source, _registered
     if isinstance(source, Group):
         raise InvalidArgumentError("pass the elastic state or the communicator (group.next_generation())")
     comm = _current(source)
-    if not _registered:
-        dist.Backend.register_backend(BACKEND, _create)
-        _registered = True
+    _register()
     if dist.is_initialized():
         dist.destroy_process_group()
+    global _pending_source
     _pending_source = source
     store = dist.HashStore()
-    # torch 1.13's init_process_group ends with a barrier that counts the ranks in a store
-    # they share; cohort's rendezvous already formed the group and each rank's store is
-    # private, so tell it every other rank arrived.
     from torch.distributed import distributed_c10d as c10d
 
-    store.add(f"{c10d.STORE_BASED_BARRIER_PREFIX}:{c10d._group_count + 1}", comm.size - 1)
+    if not TORCH2:
+        # torch 1.13's init_process_group ends with a barrier that counts the ranks in a store
+        # they share; cohort's rendezvous already formed the group and each rank's store is
+        # private, so tell it every other rank arrived.
+        store.add(f"{c10d.STORE_BASED_BARRIER_PREFIX}:{c10d._group_count + 1}", comm.size - 1)
     dist.init_process_group(BACKEND, store=store, rank=comm.rank, world_size=comm.size)
-    pg = c10d._get_default_group()
-    assert isinstance(pg, CohortProcessGroup)
-    return pg
+    return c10d._get_default_group()
