@@ -32,12 +32,12 @@ if mode == "rebuild":
     def train(state):
         first = cohort.torch.GradientAverager(net, state, bucket_bytes=256)
         averager = cohort.torch.GradientAverager(net, state, bucket_bytes=256)  # the rebuild
-        assert not first.active and averager.active
         x = torch.full((4, 8), float(state.rank + 1))
         net.zero_grad()
         net(x).sum().backward()
         launched = [b.work is not None for b in first._buckets]
         assert first._next_launch == 0 and not any(launched), "the replaced averager launched a bucket"
+        assert not first.active and averager.active
         averager.synchronize()
         # Every rank's gradient is a function of its rank: the mean, computed here on the same model.
         torch.manual_seed(0)
