@@ -155,9 +155,11 @@ class Group:
         """Reports a commit point (in the background); returns ``reformation_pending``."""
     def set_progress(self, generation: int, step: int, activity: str) -> None: ...
     def leave(self, finished: bool = False) -> None:
-        """Leaves the job (``finished``: the work is done; otherwise a graceful leave)."""
+        """Leaves the job (``finished``: the work is done; otherwise a graceful leave). The
+        communicators it made are closed first."""
     def close(self) -> None:
-        """Stops the background tasks without a leave (the lease expires). Idempotent."""
+        """Stops the background tasks without a leave (the lease expires), and closes the
+        communicators it made (they raise ``InvalidArgumentError`` afterwards). Idempotent."""
     def __enter__(self) -> "Group": ...
     def __exit__(self, *exc: Any) -> None: ...
 

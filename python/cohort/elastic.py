@@ -10,7 +10,7 @@
     def train(state):
         for state.epoch in range(state.epoch, epochs):
             for ...:
-                loss.backward(); averager.synchronize(state.comm); opt.step()
+                loss.backward(); averager.synchronize(); opt.step()
                 state.batch += 1
                 state.commit()          # a commit point: may raise MembershipChanged
 
@@ -103,6 +103,10 @@ class State:
         exception carries the root cause), before the restore."""
         self._failure_callbacks.extend(callbacks)
 
+    def _reformed(self) -> None:
+        """Runs after every re-formation and sync, before the reset callbacks (subclasses
+        re-deal what depends on the world: :class:`TorchState` resets its sampler)."""
+
     # -- commit, restore, sync ------------------------------------------------------------
     def commit(self, step: Optional[int] = None) -> None:
         """A commit point: snapshot the state, report it, and agree on re-forming here.
@@ -157,6 +161,7 @@ class State:
                 continue
             break
         self.reformations += 1
+        self._reformed()
         for callback in self._reset_callbacks:
             callback()
 
@@ -191,6 +196,8 @@ class TorchState(ObjectState):
         state = TorchState(group, model=net, optimizer=opt, sampler=sampler, epoch=0)
 
     The model and optimizer are saved with ``torch.save`` into memory and loaded in place.
+    After every re-formation (the first one, when training starts, included) the sampler is
+    reset to the new world, ``sampler.reset(rank, size)``, before the reset callbacks run.
     """
 
     def __init__(self, group: Group, model: Any = None, optimizer: Any = None, sampler: Any = None,
@@ -199,6 +206,10 @@ class TorchState(ObjectState):
         self.model = model
         self.optimizer = optimizer
         self.sampler = sampler
+
+    def _reformed(self) -> None:
+        if self.sampler is not None and hasattr(self.sampler, "reset"):
+            self.sampler.reset(self.rank, self.size)
 
     def save(self) -> bytes:
         import torch

@@ -123,6 +123,18 @@ impl Core {
         Failure::comm(error, self.generation, cause)
     }
 
+    /// Waits for the queued calls, then closes the communicator: later calls raise
+    /// `InvalidArgumentError` ("the communicator is closed"). Idempotent.
+    pub(crate) fn close(&self, py: Python<'_>) -> PyResult<()> {
+        self.drain(py)?;
+        let old = std::mem::replace(&mut *self.slot.lock().unwrap_or_else(PoisonError::into_inner), Slot::Closed);
+        if let Ok(rt) = runtime() {
+            let _entered = rt.enter();
+            drop(old);
+        }
+        Ok(())
+    }
+
     /// Waits (GIL released) until every queued call has finished.
     fn drain(&self, py: Python<'_>) -> PyResult<()> {
         let tail = self.tail.lock().unwrap_or_else(PoisonError::into_inner).clone();
@@ -520,13 +532,7 @@ impl Communicator {
     /// Releases this rank's communicator (idempotent). The links close when the group moves
     /// to the next generation, or at once when the generation was revoked.
     fn close(&self, py: Python<'_>) -> PyResult<()> {
-        self.core.drain(py)?;
-        let old = std::mem::replace(&mut *self.core.slot.lock().unwrap_or_else(PoisonError::into_inner), Slot::Closed);
-        if let Ok(rt) = runtime() {
-            let _entered = rt.enter();
-            drop(old);
-        }
-        Ok(())
+        self.core.close(py)
     }
 
     fn __repr__(&self) -> String {

@@ -1,6 +1,6 @@
 //! `Group`: a worker's membership in an elastic job, over the crate's `ElasticGroup`.
 
-use crate::comm::Communicator;
+use crate::comm::{Communicator, Core};
 use crate::errors::{invalid, Failure};
 use crate::runtime::{runtime, sigterm, sigterm_received, wait};
 use cohort::control::ControlConfig;
@@ -9,7 +9,7 @@ use cohort::Algorithm;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyString};
 use std::net::SocketAddr;
-use std::sync::{Mutex, PoisonError};
+use std::sync::{Mutex, PoisonError, Weak};
 use std::time::Duration;
 
 /// Where the membership is: idle, lent to a blocking call, or gone.
@@ -29,6 +29,8 @@ pub(crate) struct Group {
     host: String,
     address: String,
     handle_sigterm: bool,
+    /// The communicators this membership made that may still be open: closed with it.
+    comms: Mutex<Vec<Weak<Core>>>,
 }
 
 fn seconds(name: &str, value: f64) -> PyResult<Duration> {
@@ -222,6 +224,7 @@ impl Group {
             host,
             address,
             handle_sigterm,
+            comms: Mutex::new(Vec::new()),
         })
     }
 
@@ -274,7 +277,21 @@ impl Group {
         self.give_back(group);
         let generation = result?.map_err(Failure::Elastic)?;
         let transport = generation.transport.name();
-        Ok(Communicator::new(generation.comm, Some(self.reporter.clone()), &generation.members, transport))
+        let comm = Communicator::new(generation.comm, Some(self.reporter.clone()), &generation.members, transport);
+        let mut comms = self.comms.lock().unwrap_or_else(PoisonError::into_inner);
+        comms.retain(|c| c.strong_count() > 0);
+        comms.push(std::sync::Arc::downgrade(&comm.core));
+        Ok(comm)
+    }
+
+    /// Closes every communicator this membership made (a closed group's communicators refuse
+    /// work, as the group itself does).
+    fn close_comms(&self, py: Python<'_>) -> PyResult<()> {
+        let comms = std::mem::take(&mut *self.comms.lock().unwrap_or_else(PoisonError::into_inner));
+        for core in comms.iter().filter_map(Weak::upgrade) {
+            core.close(py)?;
+        }
+        Ok(())
     }
 
     /// Reports a commit point (in the background); returns whether a re-formation is pending.
@@ -290,18 +307,22 @@ impl Group {
     /// Leaves the job: `finished` = the work is done; otherwise a graceful leave.
     #[pyo3(signature = (finished=false))]
     fn leave(&self, py: Python<'_>, finished: bool) -> PyResult<()> {
+        self.close_comms(py)?;
         let group = self.take()?;
         *self.slot.lock().unwrap_or_else(PoisonError::into_inner) = Slot::Closed;
         let result = wait(py, async move { (*group).leave(finished).await })?;
         result.map_err(|e| Failure::Elastic(e).into())
     }
 
-    /// Stops the background tasks without a leave (the lease expires). Idempotent.
-    fn close(&self) {
+    /// Stops the background tasks without a leave (the lease expires), and closes the
+    /// communicators it made. Idempotent.
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        self.close_comms(py)?;
         let old = std::mem::replace(&mut *self.slot.lock().unwrap_or_else(PoisonError::into_inner), Slot::Closed);
         if let Slot::Idle(group) = old {
             Self::drop_group(group);
         }
+        Ok(())
     }
 
     fn __enter__(slf: Py<Self>) -> Py<Self> {
@@ -321,8 +342,7 @@ impl Group {
         if exc_type.is_none() && open {
             return self.leave(py, false);
         }
-        self.close();
-        Ok(())
+        self.close(py)
     }
 
     fn __repr__(&self) -> String {

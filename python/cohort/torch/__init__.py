@@ -52,6 +52,10 @@ Source = Union[Communicator, Any]
 """A communicator, or anything with a ``comm`` attribute (a :class:`cohort.elastic.State`)."""
 
 
+_AVERAGER_ATTR = "_cohort_gradient_averager"
+"""Where a model keeps its current :class:`GradientAverager`."""
+
+
 def _current(source: Source) -> Communicator:
     comm = source if isinstance(source, Communicator) else getattr(source, "comm", None)
     if comm is None:
@@ -69,6 +73,10 @@ class GradientAverager:
     After ``synchronize()`` each parameter's ``.grad`` is a view into its bucket, so the next
     backward accumulates in place and no copy is needed (``zero_grad()`` keeps the views;
     ``set_to_none=True`` only costs one copy per parameter).
+
+    A model has at most one averager: building another one for the same model (in the function
+    that :func:`cohort.elastic.run` calls again after a failure, say) first removes the earlier
+    one's hooks, so that no bucket is ever launched twice.
     """
 
     def __init__(self, model: torch.nn.Module, source: Source, bucket_bytes: int = 4 << 20, op: str = "avg") -> None:
@@ -76,6 +84,9 @@ class GradientAverager:
             raise ValueError("bucket_bytes must be positive")
         if op not in ("avg", "sum"):
             raise ValueError("op must be 'avg' (mean over ranks) or 'sum' (the loss is already scaled)")
+        previous = model.__dict__.get(_AVERAGER_ATTR)
+        if previous is not None:
+            previous.remove()
         self.source = source
         self.op = op
         params = [p for p in model.parameters() if p.requires_grad]
@@ -103,6 +114,9 @@ class GradientAverager:
             # The AccumulateGrad node of p: its post-hook runs once p.grad holds the gradient.
             accumulator = p.expand_as(p).grad_fn.next_functions[0][0]
             self._hooks.append((accumulator, accumulator.register_hook(self._hook_for(p))))
+        # Not an nn.Module attribute (no state_dict entry): the model's plain __dict__.
+        model.__dict__[_AVERAGER_ATTR] = self
+        self._model = model
 
     def _hook_for(self, p: torch.nn.Parameter) -> Callable[..., None]:
         def hook(*_: Any) -> None:
@@ -121,10 +135,18 @@ class GradientAverager:
             self._next_launch += 1
 
     def remove(self) -> None:
-        """Removes the autograd hooks (before making another averager for the same model)."""
+        """Removes the autograd hooks: the averager no longer launches anything (idempotent;
+        a new averager for the same model calls it)."""
         for _accumulator, handle in self._hooks:
             handle.remove()
         self._hooks.clear()
+        if self._model.__dict__.get(_AVERAGER_ATTR) is self:
+            del self._model.__dict__[_AVERAGER_ATTR]
+
+    @property
+    def active(self) -> bool:
+        """True until :meth:`remove` (or a newer averager for the same model) removed the hooks."""
+        return bool(self._hooks)
 
     @property
     def buckets(self) -> int:
