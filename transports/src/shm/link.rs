@@ -17,8 +17,9 @@
 //! neighbour), raises its `sleeping` flag in the ring, looks once more, and sleeps on the
 //! socket. The other side lowers the flag and writes one doorbell byte after it publishes
 //! (the flag and the counters form a store-buffering handshake, ordered by `SeqCst` fences:
-//! [`super::ring::raise_sleeping`]). The socket also wakes every sleeper when the peer's process dies (the kernel
-//! closes its end: end-of-stream), so a SIGKILLed peer fails waiting operations at once.
+//! [`super::ring::raise_sleeping`]). The socket also wakes every sleeper when the peer's
+//! process dies (the kernel closes its end: end-of-stream), so a SIGKILLed peer fails
+//! waiting operations at once.
 //! Every wait is bounded by the no-progress deadline. With learning on
 //! ([`crate::deadline`]), once the learned deadline passes with nothing moving, the link
 //! looks at the peer's process (same host: its pid, from the socket's credentials, in
