@@ -168,10 +168,11 @@ impl Coordinator {
         let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_cohort-coordinator"))
             .args(["serve", "--listen", "127.0.0.1:0", "--store", store])
             .args(["--min-workers", "1", "--max-workers", &max, "--join-window", "60s"])
-            // Members send no heartbeats outside the steady phase: a 10 s interval keeps the
-            // coordinator from judging their silence (a failed rank's host-mates would look
-            // lost with it, see `crate::domains`). The steady phase beats at the default rate.
-            .args(["--heartbeat-interval", "10s", "--lease-ttl", "120s", "--elastic-timeout", "120s"])
+            // Members send no heartbeats outside the steady phase: a 60 s interval keeps the
+            // coordinator from judging their silence (after 2 intervals, a failed rank's
+            // host-mates would look lost with it, see `crate::domains`), also when a loaded
+            // machine makes a run long. The steady phase beats at the default rate.
+            .args(["--heartbeat-interval", "60s", "--lease-ttl", "300s", "--elastic-timeout", "300s"])
             .env("RUST_LOG", log)
             .stdout(std::process::Stdio::piped())
             .stderr(stderr)

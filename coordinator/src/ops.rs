@@ -355,14 +355,9 @@ pub async fn form_generation(
         success.push(TxnOp::DeletePrefix(keys::shard_set_prefix(job, &old.set)));
     }
     let txn = Txn { compares: vec![compare, Compare::Absent(keys::ended(job))], success, failure: vec![] };
-    let published = match ctx.store.txn(txn).await {
-        Ok(r) => r.succeeded,
-        Err(e) => {
-            // Whether it landed is unknown: its shards stay (the next formation or the job's
-            // end deletes them if the record names them, the end if it does not).
-            return Err(e);
-        }
-    };
+    // On an error, whether it landed is unknown: its shards stay (the next formation or the
+    // job's end deletes them if the record names them, the end if it does not).
+    let published = ctx.store.txn(txn).await?.succeeded;
     if !published {
         if let Some(set) = &record.shards {
             delete_shards(ctx, job, &set.set).await;
