@@ -264,11 +264,12 @@ impl Member {
             host,
             addresses: vec![pb::TransportAddress {
                 transport: "tcp".into(),
-                address: format!("10.{}.{}.{}:{}", (i >> 16) & 255, (i >> 8) & 255, i & 255, 40000 + i % 1000),
+                address: format!("127.{}.{}.{}:{}", (i >> 16) & 255, (i >> 8) & 255, i & 255, 40000 + i % 1000),
             }],
             capabilities: vec!["transport:tcp".into()],
             protocol_version: cohort_proto::PROTOCOL_VERSION,
             domain: String::new(),
+            replaces: 0,
         };
         let mut c = client.clone();
         let r = c.join(request).await.map_err(|s| format!("join {id}: {s}"))?.into_inner();

@@ -622,7 +622,7 @@ async fn status(args: StatusArgs) -> Result<(), CliError> {
                 // Said plainly (exit 1), with the leader, which is known regardless.
                 if args.json {
                     let leader = if leader.is_empty() { None } else { Some(&leader) };
-                    println!("{}", json!({ "job": args.job, "exists": false, "leader": leader }));
+                    println!("{}", serde_json::json!({ "job": args.job, "exists": false, "leader": leader }));
                 } else {
                     println!("leader: {}", if leader.is_empty() { "(none)" } else { &leader });
                 }

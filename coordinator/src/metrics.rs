@@ -287,7 +287,9 @@ fn live_jobs(kvs: &[crate::store::KeyValue]) -> HashMap<String, HashSet<String>>
             Some(Parsed::Worker { job, kind: Kind::Member, worker }) => {
                 live.entry(job.to_string()).or_default().insert(worker.to_string());
             }
-            Some(Parsed::Worker { job, .. } | Parsed::Generation { job }) => {
+            Some(
+                Parsed::Worker { job, .. } | Parsed::Generation { job } | Parsed::Shard { job, .. },
+            ) => {
                 live.entry(job.to_string()).or_default();
             }
             None => {}

@@ -40,7 +40,7 @@ fn members(n: usize, tag: &str) -> Vec<Placed> {
             host: format!("node-{:05}.cluster.example", i / 8),
             addresses: vec![Address {
                 transport: "tcp".into(),
-                address: format!("10.{}.{}.{}:40000", i >> 16, (i >> 8) & 255, i & 255),
+                address: format!("127.{}.{}.{}:40000", i >> 16, (i >> 8) & 255, i & 255),
             }],
             domain: format!("node-{:05}.cluster.example", i / 8),
         })

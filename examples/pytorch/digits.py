@@ -106,7 +106,8 @@ def elastic(args: argparse.Namespace) -> None:
 
     token = open(args.token_file).read().strip() if args.token_file else None
     group = cohort.Group(args.job, args.coordinator, args.worker_id, token=token, listen=args.listen,
-                         advertise=args.advertise, no_progress_timeout=args.no_progress_timeout)
+                         advertise=args.advertise, no_progress_timeout=args.no_progress_timeout,
+                         coordinator_wait=args.coordinator_wait)
     (xtr, ytr), (xte, yte) = data(args.seed)
     net = model(args.hidden, args.seed)
     opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
@@ -190,6 +191,8 @@ def elastic(args: argparse.Namespace) -> None:
 def main(argv: Optional[list[str]] = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--coordinator", help="coordinator endpoints (comma separated)")
+    ap.add_argument("--coordinator-wait", type=float, default=3.0,
+                    help="seconds to retry a first contact while every endpoint refuses (a wrong address)")
     ap.add_argument("--job", default="digits")
     ap.add_argument("--worker-id", default=None)
     ap.add_argument("--token-file", default=None)

@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 
-torch = pytest.importorskip("torch")
+from conftest import import_torch
+
+torch = import_torch()
 if int(torch.__version__.split(".")[0]) < 2:
     pytest.skip(f"FSDP2 needs torch 2.x (this is {torch.__version__})", allow_module_level=True)
 

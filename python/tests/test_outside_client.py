@@ -4,7 +4,7 @@ after a failure) launches no bucket twice, ``TorchState`` deals its sampler over
 a closed group's communicator refuses work."""
 import re
 
-import pytest
+from conftest import import_torch
 
 
 def run_mode(coordinator_factory, spawn, mode, world, timeout=120):
@@ -17,13 +17,13 @@ def run_mode(coordinator_factory, spawn, mode, world, timeout=120):
 
 
 def test_a_rebuilt_gradient_averager_replaces_the_earlier_hooks(coordinator_factory, spawn):
-    pytest.importorskip("torch")
+    import_torch()
     for out in run_mode(coordinator_factory, spawn, "rebuild", 2):
         assert "ok rebuild" in out, out
 
 
 def test_torch_state_deals_its_sampler_over_the_generation(coordinator_factory, spawn):
-    pytest.importorskip("torch")
+    import_torch()
     outs = run_mode(coordinator_factory, spawn, "sampler", 2)
     ranks = sorted(int(re.search(r"ok sampler rank=(\d+) size=2", out).group(1)) for out in outs)
     assert ranks == [0, 1], outs
@@ -33,6 +33,6 @@ def test_torch_state_deals_its_sampler_over_the_generation(coordinator_factory, 
 
 
 def test_a_closed_groups_communicator_refuses_work(coordinator_factory, spawn):
-    pytest.importorskip("torch")
+    import_torch()
     (out,) = run_mode(coordinator_factory, spawn, "closed", 1)
     assert re.search(r"^ok closed: .*closed", out, re.M), out

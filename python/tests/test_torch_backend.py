@@ -7,7 +7,9 @@ import re
 
 import pytest
 
-torch = pytest.importorskip("torch")
+from conftest import import_torch
+
+torch = import_torch()
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])

@@ -1,18 +1,16 @@
 """The PyTorch example on real processes: the high-level API, DDP on the "cohort" backend,
 and SIGKILLed workers replaced mid-training."""
-import os
 import re
 import sys
 from pathlib import Path
 
 import pytest
 
-# Debian's python3-torch, installed by scripts/ensure-deps.sh. Without it these tests skip, unless
-# COHORT_REQUIRE_PYTHON is set (scripts/test.sh sets it): then a missing torch fails the run.
-if os.environ.get("COHORT_REQUIRE_PYTHON"):
-    import torch
-else:
-    torch = pytest.importorskip("torch")
+from conftest import import_torch
+
+# Debian's python3-torch, installed by scripts/ensure-deps.sh (or PyPI's torch 2.x in
+# target/pyenv-torch2). Without it these tests skip, unless COHORT_REQUIRE_PYTHON is set.
+torch = import_torch()
 
 EXAMPLE = str(Path(__file__).resolve().parents[2] / "examples" / "pytorch" / "digits.py")
 

@@ -61,7 +61,11 @@ async fn kill_one_of_four(store: StoreKind, job: &str) {
         invariants::no_wrong_results(events),
         invariants::generations_increase(events),
         invariants::commits_never_lost(events),
-        invariants::final_params(events, invariants::ExpectedParams::Computed(&expected)),
+        invariants::final_params(
+            events,
+            invariants::ExpectedParams::Computed(&expected),
+            cohort_chaos::scenario::Expect::Finish,
+        ),
     ] {
         check(c.ok, &format!("{}: {}", c.what, c.detail), events);
     }

@@ -178,7 +178,7 @@ pub(crate) async fn run<E: ExactElement>(
         };
         let Some(next) = next else {
             let step = checkpoint.step().unwrap_or(0);
-            let (digest, expected) = digests(&trajectory, &params.0, step);
+            let (digest, expected) = digests(&trajectory, &params.values, step);
             EventLine::new(EventKind::Leave)
                 .field("gen", last_generation)
                 .field("step", step)
