@@ -41,7 +41,6 @@ async fn leader_failover_mid_rendezvous_and_full_restart() {
         let followers: Vec<usize> = (0..3).filter(|i| *i != leader).collect();
         let addr_of = |i: usize| replicas[i].as_ref().map(|r| r.local_addr()).expect("running");
         let status_addr = addr_of(followers[0]);
-        assert_eq!(status(status_addr, "ha").await.leader, format!("replica-{leader}"));
 
         // Workers talk to the followers only.
         let mut workers = Vec::new();
@@ -49,6 +48,8 @@ async fn leader_failover_mid_rendezvous_and_full_restart() {
             let addr = addr_of(followers[i % followers.len()]);
             workers.push(Worker::join(addr, "ha", &format!("w{i}"), Duration::from_millis(100)).await);
         }
+        // A follower names the leader (the job exists now: Status of an unknown job is NOT_FOUND).
+        assert_eq!(status(status_addr, "ha").await.leader, format!("replica-{leader}"));
         let workers = std::sync::Arc::new(workers);
         let polls: Vec<_> = (0..3)
             .map(|i| {

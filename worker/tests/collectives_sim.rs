@@ -172,7 +172,7 @@ async fn ranks_that_disagree_about_the_layout_fail_instead_of_waiting() {
         let (r, elapsed) = timeout(LIMIT, h).await.unwrap().unwrap();
         let e = r.expect_err("ranks with different layouts cannot succeed");
         assert!(elapsed <= NO_PROGRESS, "waited {elapsed:?}");
-        invalid += usize::from(matches!(e, CommError::InvalidArgument(_)));
+        invalid += usize::from(matches!(e, CommError::Mismatch { .. }));
     }
     assert!(invalid >= 1, "nobody named the disagreement");
     let (_net, mut comms) = world(3, &CommConfig::default(), 1000);
@@ -476,7 +476,7 @@ async fn revoke_aborts_waiting_ranks_at_once_with_the_cause() {
 }
 
 #[tokio::test(start_paused = true)]
-async fn disagreeing_lengths_are_invalid_argument() {
+async fn disagreeing_lengths_are_a_mismatch_naming_the_count() {
     // Two ranks: both see the other's signature.
     let (_net, comms) = world(2, &CommConfig::default(), NO_PROGRESS.as_millis() as u64);
     let handles: Vec<_> = comms
@@ -488,7 +488,7 @@ async fn disagreeing_lengths_are_invalid_argument() {
         .collect();
     for h in handles {
         let (r, _, elapsed) = timeout(LIMIT, h).await.unwrap().unwrap();
-        assert!(matches!(r, Err(CommError::InvalidArgument(_))), "{r:?}");
+        assert!(matches!(&r, Err(CommError::Mismatch { detail, .. }) if detail.contains("count")), "{r:?}");
         assert!(elapsed < NO_PROGRESS);
     }
     // Five ranks, one disagrees: nobody succeeds, nobody hangs past the deadline, and the
@@ -508,7 +508,7 @@ async fn disagreeing_lengths_are_invalid_argument() {
         for h in handles {
             let r = timeout(LIMIT, h).await.unwrap().unwrap();
             let e = r.expect_err("disagreeing ranks cannot succeed");
-            invalid += usize::from(matches!(e, CommError::InvalidArgument(_)));
+            invalid += usize::from(matches!(e, CommError::Mismatch { .. }));
         }
         assert!(invalid >= 1, "{algo:?}: nobody reported the disagreement");
     }

@@ -587,7 +587,9 @@ pub(super) fn hang_timeout_check(r: &FaultRecord) -> Check {
     let dead: Vec<&str> = r
         .errors
         .iter()
-        .filter(|e| e.kind == "PeerFailed" && !e.cause.contains("timed out"))
+        // A timeout's root cause reads "timed out after ..." or, when the peer's process was
+        // probed, what was found: "process stopped, no progress for N ms".
+        .filter(|e| e.kind == "PeerFailed" && !e.cause.contains("timed out") && !e.cause.contains("no progress for"))
         .map(|e| e.worker.as_str())
         .collect();
     let kinds: BTreeSet<&str> = r.errors.iter().map(|e| e.kind.as_str()).collect();
