@@ -122,6 +122,15 @@ pub(crate) async fn probe(target: SocketAddr, within: Duration) -> Answer {
         Err(e) => return local_failure(target, "bind", &e),
     };
     if let Err(e) = sock.connect(target).await {
+        // A route that cuts the path (a blackhole route answers a connect with EINVAL, an
+        // unreachable one with ENETUNREACH or EHOSTUNREACH) says that the peer cannot be
+        // reached from here: no answer, as a probe sent into the cut would get. Any other
+        // error (out of descriptors or buffers, a refused broadcast) is this process's own.
+        use std::io::ErrorKind::{HostUnreachable, InvalidInput, NetworkUnreachable};
+        if matches!(e.kind(), InvalidInput | NetworkUnreachable | HostUnreachable) {
+            tracing::debug!(%target, error = %e, "liveness probe: no route to the peer");
+            return Answer::Silent;
+        }
         return local_failure(target, "connect", &e);
     }
     let mut nonce = [0u8; 8];
