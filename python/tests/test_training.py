@@ -13,6 +13,7 @@ from conftest import import_torch
 torch = import_torch()
 
 EXAMPLE = str(Path(__file__).resolve().parents[2] / "examples" / "pytorch" / "digits.py")
+LOADER = str(Path(__file__).resolve().parents[2] / "examples" / "pytorch" / "ddp_loader.py")
 
 
 def summary(worker):
@@ -48,6 +49,20 @@ def test_two_workers_high_level_and_ddp_give_the_same_parameters(coordinator_fac
     # Averaging in cohort's buckets and through DDP's reducer on the cohort backend compute
     # the same bits (halving is exact, so the division's place does not matter at 2 ranks).
     assert results["api"]["param_sha256"] == results["ddp"]["param_sha256"], results
+
+
+def test_ddp_fed_by_a_dataloader_with_workers_matches_gloo(spawn):
+    # The busy-cores benchmark's job (docs/benchmarks.md): DDP with DataLoader(num_workers=2)
+    # on each backend, one epoch; both must end with the same parameters.
+    lines = {}
+    for backend in ("gloo", "cohort"):
+        w = spawn(f"loader-{backend}", [sys.executable, "-u", LOADER], "--backend", backend, "--world", "2",
+                  "--loader-workers", "2", "--epochs", "1", "--timeout", "150")
+        assert w.wait(timeout=180) == 0, w.output()
+        m = w.wait_for_line(r"^peer=.*$", timeout=5)
+        lines[backend] = dict(kv.split("=", 1) for kv in m.group(0).split())
+    assert lines["cohort"]["steps"] == "23", lines
+    assert lines["cohort"]["param_sha256"] == lines["gloo"]["param_sha256"], lines
 
 
 def test_four_workers_match_one_process_with_the_same_global_batch(coordinator_factory, spawn):
