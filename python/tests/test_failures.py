@@ -94,16 +94,35 @@ def test_the_gil_is_released_during_collectives(coordinator_factory, spawn):
         assert all(increments > 1000 for increments, _seconds in during), during
 
 
+def wait_until_asleep(pid: int, steady: float, timeout: float) -> None:
+    """Returns once the main thread of `pid` has been in interruptible sleep (state S) at every
+    look for `steady` seconds; fails after `timeout`."""
+    deadline = time.monotonic() + timeout
+    asleep_since = None
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+        now = time.monotonic()
+        if state != "S":
+            asleep_since = None
+        elif asleep_since is None:
+            asleep_since = now
+        elif now - asleep_since >= steady:
+            return
+        time.sleep(0.002)
+    raise AssertionError(f"process {pid} never settled asleep in its call within {timeout} s")
+
+
 def test_ctrl_c_interrupts_a_blocked_collective(coordinator_factory, spawn):
     coord = coordinator_factory(2)
     blocked = spawn("w0", "failures.py", "interrupt", coord.endpoint, "intr", "w0")
     idle = spawn("w1", "failures.py", "idle", coord.endpoint, "intr", "w1", stdin=True)
     try:
         blocked.wait_for_line('"event": "blocking"', timeout=60)
-        # The allreduce is entered right after the line; a moment later it is surely blocked.
-        deadline = time.monotonic() + 0.3
-        while time.monotonic() < deadline:
-            pass
+        # The allreduce is entered right after the line; its main thread then parks in the
+        # call (state S) for the whole no-progress window. Send the signal once it has been
+        # seen asleep for 50 ms in a row: then the KeyboardInterrupt must come from the wait.
+        wait_until_asleep(blocked.process.pid, steady=0.05, timeout=20)
         sent = time.time()
         blocked.signal(signal.SIGINT)
         got = wait_event(blocked, "interrupted", timeout=10)

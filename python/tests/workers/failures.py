@@ -141,9 +141,13 @@ elif mode == "gil":
 
 elif mode == "interrupt":
     data = np.ones(1000, dtype=np.float32)
-    report("blocking")
     try:
+        # Inside the try: a SIGINT that lands before the call (a loaded machine can hold this
+        # process between the line and the call) is still this test's KeyboardInterrupt, and
+        # the test waits until the main thread sleeps in the call before it sends one.
+        report("blocking")
         comm.allreduce(data)
+        report("returned")
     except KeyboardInterrupt:
         report("interrupted", at=time.time())
     group.close()
