@@ -74,6 +74,7 @@ def main() -> None:
     ap.add_argument("--max-steps", type=int, default=0, help="stop after this many steps (0: every epoch)")
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--save", metavar="PATH", help="rank 0 saves the full parameters here (torch.save, a list)")
     args = ap.parse_args()
     torch.set_num_threads(1)
 
@@ -105,8 +106,11 @@ def main() -> None:
     with torch.no_grad():
         acc = (net(xte).argmax(1) == yte).float().mean().item()
     h = hashlib.sha256()
-    for p in net.parameters():
-        h.update(p.full_tensor().detach().numpy().tobytes())
+    full = [p.full_tensor().detach() for p in net.parameters()]
+    for p in full:
+        h.update(p.numpy().tobytes())
+    if args.save and rank == 0:
+        torch.save(full, args.save)
     print(f"event=summary backend={backend} world={world} steps={len(times)} "
           f"step_ms_median={statistics.median(times) * 1e3:.3f} test_accuracy={acc:.4f} "
           f"param_sha256={h.hexdigest()[:16]}", flush=True)
