@@ -9,15 +9,51 @@
 //!   by 1/64 per sample), so one burst of slow progress is remembered for a while instead of
 //!   being averaged away;
 //! - bounds: never below [`Learning::floor`] (clear of scheduler hiccups on a loaded machine),
-//!   never above the configured ceiling ([`crate::Deadlines::no_progress`]); until
+//!   never above the configured ceiling ([`Deadlines::no_progress`]); until
 //!   [`MIN_SAMPLES`] gaps have been seen, the ceiling itself.
 //!
 //! What a learned deadline *does* is up to the transport: the TCP transport, when it passes,
-//! asks the peer's process whether it is alive ([`crate::tcp::liveness`]); a peer that does
+//! asks the peer's process whether it is alive ([`crate::liveness`]); a peer that does
 //! not answer is failed at once, one that answers (it is merely late, or waits on somebody
 //! else) is waited for up to the ceiling.
 
+use crate::wire::seq_older;
+use std::sync::PoisonError;
 use std::time::Duration;
+
+/// Deadlines applied by a transport to every wait.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Deadlines {
+    /// A link that moves no bytes for this long while an operation waits on it fails the
+    /// operation with [`crate::TransportError::Timeout`]. With [`Deadlines::learning`] on, this is
+    /// the ceiling: the deadline in force is learned per link and never exceeds it.
+    pub no_progress: Duration,
+    /// Bound on connection set-up (connect, accept and handshake of the whole mesh).
+    pub connect: Duration,
+    /// Self-tuning no-progress deadlines (this module); `None`: `no_progress` as it is.
+    /// Transports that cannot learn (RDMA, the simulated network) use the ceiling either
+    /// way.
+    pub learning: Option<Learning>,
+}
+
+impl Deadlines {
+    /// Fixed deadlines: `no_progress` on every link, nothing learned.
+    pub fn fixed(no_progress: Duration, connect: Duration) -> Self {
+        Self { no_progress, connect, learning: None }
+    }
+}
+
+impl Default for Deadlines {
+    /// A 10 s no-progress ceiling with learning on (floor [`DEFAULT_FLOOR`]), 30 s
+    /// to connect.
+    fn default() -> Self {
+        Self {
+            no_progress: Duration::from_secs(10),
+            connect: Duration::from_secs(30),
+            learning: Some(Learning::default()),
+        }
+    }
+}
 
 /// Gaps needed before the learned value replaces the ceiling.
 pub const MIN_SAMPLES: u32 = 8;
@@ -25,7 +61,7 @@ pub const MIN_SAMPLES: u32 = 8;
 /// The default floor of learned deadlines.
 pub const DEFAULT_FLOOR: Duration = Duration::from_millis(250);
 
-/// How deadlines are learned, when they are ([`crate::Deadlines::learning`]).
+/// How deadlines are learned, when they are ([`Deadlines::learning`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Learning {
     /// The learned deadline is never shorter than this.
@@ -175,7 +211,7 @@ pub(crate) struct LinkProgress {
 
 impl LinkProgress {
     /// A link with nothing learned yet.
-    pub(crate) fn new(deadlines: crate::Deadlines) -> Self {
+    pub(crate) fn new(deadlines: Deadlines) -> Self {
         Self {
             ceiling: deadlines.no_progress,
             learning: deadlines.learning,
@@ -196,7 +232,7 @@ impl LinkProgress {
 
     /// The deadline in force and why.
     pub(crate) fn in_force(&self) -> DeadlineInForce {
-        let e = *crate::link_guards::lock(&self.estimator);
+        let e = *self.estimator.lock().unwrap_or_else(PoisonError::into_inner);
         match self.learning {
             Some(l) => e.deadline(l.floor, self.ceiling),
             None => DeadlineInForce { basis: DeadlineBasis::Fixed, ..e.deadline(self.ceiling, self.ceiling) },
@@ -207,7 +243,7 @@ impl LinkProgress {
     pub(crate) fn saw(&self, seq: u32) {
         use std::sync::atomic::Ordering;
         let _ = self.newest_seq.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |cur| {
-            let newer = cur == 0 || crate::wire::seq_older((cur - 1) as u32, seq);
+            let newer = cur == 0 || seq_older((cur - 1) as u32, seq);
             newer.then_some(u64::from(seq) + 1)
         });
     }
@@ -216,7 +252,7 @@ impl LinkProgress {
     pub(crate) fn peer_in(&self, seq: u32) -> bool {
         match self.newest_seq.load(std::sync::atomic::Ordering::Relaxed) {
             0 => false,
-            n => !crate::wire::seq_older((n - 1) as u32, seq),
+            n => !seq_older((n - 1) as u32, seq),
         }
     }
 
@@ -224,7 +260,7 @@ impl LinkProgress {
     /// seen in it (else the gap may be the peer's lateness, not the link's pace).
     pub(crate) fn observe(&self, seq: u32, gap: Duration) {
         if self.learning.is_some() && self.peer_in(seq) {
-            crate::link_guards::lock(&self.estimator).observe(gap);
+            self.estimator.lock().unwrap_or_else(PoisonError::into_inner).observe(gap);
         }
     }
 }
@@ -332,7 +368,7 @@ mod tests {
 
     #[test]
     fn a_link_learns_only_inside_operations_the_peer_entered() {
-        let d = crate::Deadlines::default();
+        let d = Deadlines::default();
         let link = LinkProgress::new(d);
         for _ in 0..20 {
             link.observe(7, ms(5000)); // waiting for a late peer: not learned
@@ -346,7 +382,7 @@ mod tests {
         assert_eq!(link.in_force().value, DEFAULT_FLOOR);
         link.saw(3); // an older frame does not move it back
         assert!(link.peer_in(7));
-        let fixed = LinkProgress::new(crate::Deadlines::fixed(ms(1500), ms(100)));
+        let fixed = LinkProgress::new(Deadlines::fixed(ms(1500), ms(100)));
         fixed.saw(1);
         fixed.observe(1, us(10));
         assert_eq!((fixed.in_force().value, fixed.in_force().basis), (ms(1500), DeadlineBasis::Fixed));

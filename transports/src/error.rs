@@ -1,7 +1,25 @@
 //! Typed errors of the data plane.
 
-use crate::{AbortReason, Rank};
+use crate::wire::Rank;
+use std::sync::Arc;
 use std::time::Duration;
+
+/// Why a transport was aborted; carried by every [`TransportError::Aborted`] it returns.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AbortReason(pub Arc<str>);
+
+impl AbortReason {
+    /// Wraps a human-readable reason.
+    pub fn new(reason: impl Into<Arc<str>>) -> Self {
+        Self(reason.into())
+    }
+}
+
+impl std::fmt::Display for AbortReason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
 
 /// What can go wrong moving bytes between ranks.
 #[derive(Debug, Clone, thiserror::Error)]

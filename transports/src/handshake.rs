@@ -1,6 +1,6 @@
 //! The connection handshake every transport runs on its setup stream (a TCP link itself, the
 //! shared-memory setup socket, the RDMA bootstrap connection): message encoding (pure) and the
-//! two sides' procedures.
+//! two sides' procedures ([`dial`], [`accept`]), written once and generic over the stream.
 //!
 //! Every handshake message starts with an 8-byte prefix: magic `"CHTH"` (u32 LE), version
 //! u8, kind u8, body length u16 LE. Bodies (little-endian):
@@ -30,9 +30,10 @@
 //! token never crosses the wire; fresh nonces on both sides make every proof single-use.
 //! Every read is bounded in size (no message body exceeds [`MAX_BODY`]) and in time.
 
-use crate::Rank;
+use crate::wire::{u32_at, u64_at, Rank};
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
+use std::net::SocketAddr;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::time::Instant;
 
@@ -191,10 +192,10 @@ impl Hello {
         nonce.copy_from_slice(&body[20..52]);
         Ok(Self {
             job: job.to_owned(),
-            generation: u64::from_le_bytes(arr(&body[0..8])),
-            sender: u32::from_le_bytes(arr(&body[8..12])),
-            receiver: u32::from_le_bytes(arr(&body[12..16])),
-            world: u32::from_le_bytes(arr(&body[16..20])),
+            generation: u64_at(body, 0),
+            sender: u32_at(body, 8),
+            receiver: u32_at(body, 12),
+            world: u32_at(body, 16),
             nonce,
         })
     }
@@ -304,7 +305,7 @@ fn arr<const N: usize>(s: &[u8]) -> [u8; N] {
 
 /// Validates a message prefix; returns (kind, body length).
 pub fn decode_prefix(p: &[u8; PREFIX_LEN]) -> Result<(u8, usize), String> {
-    let magic = u32::from_le_bytes(arr(&p[0..4]));
+    let magic = u32_at(p, 0);
     if magic != HS_MAGIC {
         return Err(format!("bad handshake magic {magic:#010x} (not a cohort peer?)"));
     }
@@ -350,8 +351,8 @@ pub fn decode_body(kind: u8, body: &[u8]) -> Result<Message, String> {
             Ok(Message::Refuse(Refusal {
                 code,
                 retriable: body[1] != 0,
-                ours: u64::from_le_bytes(arr(&body[4..12])),
-                theirs: u64::from_le_bytes(arr(&body[12..20])),
+                ours: u64_at(body, 4),
+                theirs: u64_at(body, 12),
                 text,
             }))
         }
@@ -450,6 +451,196 @@ pub fn check_fields(ours: &Hello, theirs: &Hello) -> Verdict {
     }
 }
 
+/// The acceptor's checks of a dialer's hello: the fields ([`check_fields`]), and a dialer
+/// from a rank above this one (rank `i` accepts only from `i + 1..world`). `ours` is the
+/// acceptor's hello to that dialer.
+pub(crate) fn check_dialer(ours: &Hello, theirs: &Hello) -> Verdict {
+    match check_fields(ours, theirs) {
+        Verdict::Ok if theirs.sender <= ours.sender || theirs.sender >= ours.world => Verdict::RankUnexpected,
+        v => v,
+    }
+}
+
+/// One side of a connection being set up: what it forms and proves, and when it gives up.
+pub(crate) struct Session<'a> {
+    /// Job id (already validated).
+    pub(crate) job: &'a str,
+    /// Generation being formed.
+    pub(crate) generation: u64,
+    /// This side's rank.
+    pub(crate) rank: Rank,
+    /// World size of the generation.
+    pub(crate) world: u32,
+    /// The job token; only MACs derived from it cross the wire.
+    pub(crate) token: &'a [u8],
+    /// Every read and write of the exchange is bounded by it.
+    pub(crate) deadline: Instant,
+}
+
+impl Session<'_> {
+    fn hello_to(&self, peer: Rank) -> Result<Hello, String> {
+        Hello::new(self.job, self.generation, self.rank, peer, self.world)
+    }
+}
+
+/// The two encoded hellos of an agreed exchange, to which later messages of the set-up may
+/// bind (the RDMA queue-pair descriptions do).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Transcript {
+    /// The dialer's hello as sent.
+    pub dialer: Vec<u8>,
+    /// The acceptor's hello as sent.
+    pub acceptor: Vec<u8>,
+}
+
+/// Why [`dial`] failed.
+#[derive(Debug)]
+pub(crate) enum DialError {
+    /// Worth another attempt until the deadline (the connection failed or timed out, the
+    /// acceptor was not ready or busy).
+    Retry(String),
+    /// Final: the peer disagrees, refused for good, or broke the protocol.
+    Fatal(String),
+}
+
+impl DialError {
+    /// The explanation, whichever kind.
+    pub(crate) fn into_detail(self) -> String {
+        match self {
+            Self::Retry(d) | Self::Fatal(d) => d,
+        }
+    }
+}
+
+fn dial_io(e: HsIoError) -> DialError {
+    match e {
+        HsIoError::Malformed(m) => DialError::Fatal(format!("peer sent an invalid handshake message: {m}")),
+        e => DialError::Retry(e.to_string()),
+    }
+}
+
+/// The dialer's side of the exchange on a connected stream to `peer`: hello, the acceptor's
+/// hello and proof, our verdict and proof, the acceptor's verdict. Succeeds only when the
+/// acceptor proved the token and its hello matches ours ([`check_fields`]), and it accepted
+/// ours.
+///
+/// # Cancel safety
+/// Not cancel safe: dropping it leaves the stream mid-exchange; drop the stream too.
+pub(crate) async fn dial<S: AsyncRead + AsyncWrite + Unpin>(
+    s: &mut S,
+    me: &Session<'_>,
+    peer: Rank,
+) -> Result<Transcript, DialError> {
+    let deadline = me.deadline;
+    let ours = me.hello_to(peer).map_err(DialError::Fatal)?;
+    let our_bytes = ours.encode();
+    write_all(s, &our_bytes, deadline).await.map_err(dial_io)?;
+    let theirs = match read_message(s, deadline).await.map_err(dial_io)? {
+        Message::Hello(h) => h,
+        Message::Refuse(r) if r.retriable => return Err(DialError::Retry(r.describe_for_dialer())),
+        Message::Refuse(r) => return Err(DialError::Fatal(r.describe_for_dialer())),
+        m => return Err(DialError::Fatal(format!("expected a hello, got {m:?}"))),
+    };
+    let their_bytes = theirs.encode();
+    let their_mac = match read_message(s, deadline).await.map_err(dial_io)? {
+        Message::Proof { mac, .. } => mac,
+        m => return Err(DialError::Fatal(format!("expected a proof, got {m:?}"))),
+    };
+    let authentic = verify(me.token, false, &our_bytes, &their_bytes, &their_mac);
+    let verdict = if authentic { check_fields(&ours, &theirs) } else { Verdict::AuthFailed };
+    let mac = proof(me.token, true, &our_bytes, &their_bytes)
+        .ok_or_else(|| DialError::Fatal("HMAC rejected the job token".into()))?;
+    write_all(s, &encode_proof(verdict, &mac), deadline).await.map_err(dial_io)?;
+    let their_verdict = match read_message(s, deadline).await {
+        Ok(Message::Verdict(v)) => v,
+        Ok(m) => return Err(DialError::Fatal(format!("expected a verdict, got {m:?}"))),
+        // Our own verdict explains a failure better than the acceptor closing on us.
+        Err(_) if verdict != Verdict::Ok => return Err(DialError::Fatal(verdict.describe(&ours, &theirs))),
+        Err(e) => return Err(dial_io(e)),
+    };
+    if verdict != Verdict::Ok {
+        return Err(DialError::Fatal(verdict.describe(&ours, &theirs)));
+    }
+    if their_verdict != Verdict::Ok {
+        return Err(DialError::Fatal(format!("peer refused: {}", their_verdict.describe(&ours, &theirs))));
+    }
+    Ok(Transcript { dialer: our_bytes, acceptor: their_bytes })
+}
+
+/// Why [`accept`] turned a connection down.
+#[derive(Debug)]
+pub(crate) struct Refused {
+    /// The rank the dialer's hello claimed.
+    pub(crate) claimed: Rank,
+    /// What went wrong, naming the connection.
+    pub(crate) detail: String,
+    /// Both sides proved the token, so this is a real disagreement that fails the set-up;
+    /// otherwise it is only noted (an unauthenticated stranger cannot fail a set-up).
+    pub(crate) fatal: bool,
+}
+
+/// The acceptor's side of the exchange, once the dialer's hello (`theirs`) has been read and
+/// routed here: our hello and proof, the dialer's verdict and proof, our verdict. The dialer
+/// is accepted when its MAC verifies, its hello passes [`check_dialer`], it accepted ours,
+/// and `admit(rank)` agrees (called only then; `false` refuses it as [`Verdict::Busy`], a
+/// rank already linked). `from` names the connection in explanations.
+///
+/// # Cancel safety
+/// Not cancel safe: dropping it leaves the stream mid-exchange; drop the stream too.
+pub(crate) async fn accept<S: AsyncRead + AsyncWrite + Unpin>(
+    s: &mut S,
+    me: &Session<'_>,
+    theirs: Hello,
+    from: Option<SocketAddr>,
+    admit: impl FnOnce(Rank) -> bool,
+) -> Result<Transcript, Refused> {
+    let deadline = me.deadline;
+    let claimed = theirs.sender;
+    let (conn, who) = match from {
+        Some(a) => (format!("connection from {a} claiming rank {claimed}"), format!("rank {claimed} at {a}")),
+        None => (format!("connection claiming rank {claimed}"), format!("rank {claimed}")),
+    };
+    let noted = |detail: String| Refused { claimed, detail: format!("{conn}: {detail}"), fatal: false };
+    let ours = me.hello_to(claimed).map_err(noted)?;
+    let our_bytes = ours.encode();
+    let their_bytes = theirs.encode();
+    let mac =
+        proof(me.token, false, &their_bytes, &our_bytes).ok_or_else(|| noted("HMAC rejected the job token".into()))?;
+    let mut reply = our_bytes.clone();
+    reply.extend_from_slice(&encode_proof(Verdict::Ok, &mac));
+    write_all(s, &reply, deadline).await.map_err(|e| noted(e.to_string()))?;
+    let (their_verdict, their_mac) = match read_message(s, deadline).await.map_err(|e| noted(e.to_string()))? {
+        Message::Proof { verdict, mac } => (verdict, mac),
+        m => return Err(noted(format!("expected a proof, got {m:?}"))),
+    };
+    let authentic = verify(me.token, true, &their_bytes, &our_bytes, &their_mac);
+    let mut verdict = if authentic { check_dialer(&ours, &theirs) } else { Verdict::AuthFailed };
+    if verdict == Verdict::Ok && their_verdict == Verdict::Ok && !admit(claimed) {
+        verdict = Verdict::Busy;
+    }
+    // Best effort: a failure to deliver the verdict shows up on the dialer's side.
+    let _ = write_all(s, &encode_verdict(verdict), deadline).await;
+    if verdict != Verdict::Ok {
+        let detail = match verdict {
+            Verdict::RankUnexpected => format!(
+                "{who} dialed rank {}, but rank {} accepts only from ranks {}..{}",
+                theirs.receiver,
+                me.rank,
+                me.rank + 1,
+                me.world
+            ),
+            Verdict::Busy => format!("{who} is already linked"),
+            v => format!("{who}: {}", v.describe(&ours, &theirs)),
+        };
+        return Err(Refused { claimed, detail, fatal: authentic && verdict != Verdict::Busy });
+    }
+    if their_verdict != Verdict::Ok {
+        let detail = format!("{who}: peer refused: {}", their_verdict.describe(&ours, &theirs));
+        return Err(Refused { claimed, detail, fatal: true });
+    }
+    Ok(Transcript { dialer: their_bytes, acceptor: our_bytes })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -512,6 +703,78 @@ mod tests {
         assert!(!verify(b"other", true, &d, &a, &mac));
         assert!(!verify(b"secret", false, &d, &a, &mac));
         assert!(!verify(b"secret", true, &a, &d, &mac));
+    }
+
+    fn session(rank: Rank, generation: u64, token: &[u8]) -> Session<'_> {
+        Session {
+            job: "job-1",
+            generation,
+            rank,
+            world: 3,
+            token,
+            deadline: Instant::now() + std::time::Duration::from_secs(10),
+        }
+    }
+
+    /// Runs the dialer `d` against the acceptor `a` over an in-memory stream.
+    async fn exchange(
+        d: Session<'_>,
+        a: Session<'_>,
+        to: Rank,
+        admit: bool,
+    ) -> (Result<Transcript, DialError>, Result<Transcript, Refused>) {
+        let (mut ds, mut as_) = tokio::io::duplex(4096);
+        let dialer = async {
+            let r = dial(&mut ds, &d, to).await;
+            drop(ds);
+            r
+        };
+        let acceptor = async {
+            let theirs = match read_message(&mut as_, a.deadline).await {
+                Ok(Message::Hello(h)) => h,
+                m => panic!("expected a hello, got {m:?}"),
+            };
+            let r = accept(&mut as_, &a, theirs, None, |_| admit).await;
+            drop(as_);
+            r
+        };
+        tokio::join!(dialer, acceptor)
+    }
+
+    #[tokio::test]
+    async fn dial_and_accept_agree_on_one_transcript() {
+        let (d, a) = exchange(session(2, 4, b"tok"), session(0, 4, b"tok"), 0, true).await;
+        let (d, a) = (d.unwrap(), a.unwrap());
+        assert_eq!((d.dialer, d.acceptor), (a.dialer, a.acceptor));
+    }
+
+    #[tokio::test]
+    async fn a_wrong_token_fails_both_sides_and_a_stranger_is_only_noted() {
+        let (d, a) = exchange(session(2, 4, b"tok"), session(0, 4, b"evil"), 0, true).await;
+        assert!(matches!(&d, Err(DialError::Fatal(m)) if m.contains("wrong job token")), "{d:?}");
+        let a = a.unwrap_err();
+        assert!(!a.fatal && a.claimed == 2 && a.detail.contains("wrong job token"), "{a:?}");
+    }
+
+    #[tokio::test]
+    async fn a_dialer_from_below_is_refused_and_a_busy_rank_is_not_fatal() {
+        // Rank 0 dialing rank 2: the acceptor takes only higher ranks.
+        let (d, a) = exchange(session(0, 4, b"tok"), session(2, 4, b"tok"), 2, true).await;
+        assert!(matches!(&d, Err(DialError::Fatal(m)) if m.contains("peer refused: unexpected ranks")), "{d:?}");
+        let a = a.unwrap_err();
+        assert!(a.fatal && a.detail.contains("accepts only from ranks 3..3"), "{a:?}");
+        let (d, a) = exchange(session(2, 4, b"tok"), session(0, 4, b"tok"), 0, false).await;
+        assert!(matches!(&d, Err(DialError::Fatal(m)) if m.contains("endpoint busy")), "{d:?}");
+        let a = a.unwrap_err();
+        assert!(!a.fatal && a.detail.contains("already linked"), "{a:?}");
+    }
+
+    #[tokio::test]
+    async fn a_generation_mismatch_names_both_numbers_on_both_sides() {
+        let (d, a) = exchange(session(2, 3, b"tok"), session(0, 4, b"tok"), 0, true).await;
+        assert!(matches!(&d, Err(DialError::Fatal(m)) if m == "generation mismatch (ours 3, theirs 4)"), "{d:?}");
+        let a = a.unwrap_err();
+        assert!(a.fatal && a.detail == "rank 2: generation mismatch (ours 4, theirs 3)", "{a:?}");
     }
 
     #[test]

@@ -24,7 +24,8 @@ mod abort;
 pub mod deadline;
 pub mod error;
 pub mod handshake;
-mod link_guards;
+mod links;
+pub mod liveness;
 #[cfg(feature = "rdma")]
 pub mod rdma;
 pub mod shm;
@@ -32,89 +33,11 @@ mod spin;
 pub mod tcp;
 pub mod wire;
 
-pub use deadline::{DeadlineBasis, DeadlineInForce, Learning};
-pub use error::{Signatures, Silence, TransportError};
+pub use deadline::{DeadlineBasis, DeadlineInForce, Deadlines, Learning};
+pub use error::{AbortReason, Signatures, Silence, TransportError};
+pub use wire::{Rank, Tag};
 
 use std::future::Future;
-use std::sync::Arc;
-use std::time::Duration;
-
-/// A rank within one generation: `0..world_size`.
-pub type Rank = u32;
-
-/// Identifies one message between a pair of ranks.
-///
-/// `seq` is the communicator's operation sequence number (one per collective call, increasing);
-/// `step` numbers the messages within that operation; `signature` is a hash of what the
-/// collective was called with (kind, dtype, op, count, root) so that ranks that disagree are
-/// told so instead of reducing garbage.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct Tag {
-    /// Operation sequence number on the communicator.
-    pub seq: u32,
-    /// Message number within the operation.
-    pub step: u32,
-    /// Hash of the collective's arguments; must match on both sides.
-    pub signature: u32,
-}
-
-impl Tag {
-    /// A tag for message `step` of operation `seq` with the given call signature.
-    pub fn new(seq: u32, step: u32, signature: u32) -> Self {
-        Self { seq, step, signature }
-    }
-}
-
-/// Deadlines applied by a transport to every wait.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Deadlines {
-    /// A link that moves no bytes for this long while an operation waits on it fails the
-    /// operation with [`TransportError::Timeout`]. With [`Deadlines::learning`] on, this is
-    /// the ceiling: the deadline in force is learned per link and never exceeds it.
-    pub no_progress: Duration,
-    /// Bound on connection set-up (connect, accept and handshake of the whole mesh).
-    pub connect: Duration,
-    /// Self-tuning no-progress deadlines ([`deadline`]); `None`: `no_progress` as it is.
-    /// Transports that cannot learn (shared memory, RDMA, the simulated network) use the
-    /// ceiling either way.
-    pub learning: Option<Learning>,
-}
-
-impl Deadlines {
-    /// Fixed deadlines: `no_progress` on every link, nothing learned.
-    pub fn fixed(no_progress: Duration, connect: Duration) -> Self {
-        Self { no_progress, connect, learning: None }
-    }
-}
-
-impl Default for Deadlines {
-    /// A 10 s no-progress ceiling with learning on (floor [`deadline::DEFAULT_FLOOR`]), 30 s
-    /// to connect.
-    fn default() -> Self {
-        Self {
-            no_progress: Duration::from_secs(10),
-            connect: Duration::from_secs(30),
-            learning: Some(Learning::default()),
-        }
-    }
-}
-
-/// Why a transport was aborted; carried by every [`TransportError::Aborted`] it returns.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct AbortReason(pub Arc<str>);
-
-impl AbortReason {
-    /// Wraps a human-readable reason.
-    pub fn new(reason: impl Into<Arc<str>>) -> Self {
-        Self(reason.into())
-    }
-}
-
-impl std::fmt::Display for AbortReason {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0)
-    }
-}
 
 /// Moves tagged byte ranges between the ranks of one generation.
 ///

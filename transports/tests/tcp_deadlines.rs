@@ -4,7 +4,7 @@
 
 mod tcp_support;
 
-use cohort_transports::tcp::liveness::PROBE_WITHIN;
+use cohort_transports::liveness::PROBE_WITHIN;
 use cohort_transports::tcp::TcpTransport;
 use cohort_transports::{DeadlineBasis, Deadlines, Learning, Tag, Transport, TransportError};
 use std::sync::Arc;

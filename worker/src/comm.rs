@@ -8,7 +8,6 @@
 //! collective or family.
 
 use crate::algo::Algorithm;
-use crate::collectives::p2p::P2P_STEP_BASE;
 use crate::collectives::{bcube, Ctx};
 use crate::dtype::{DType, Scratch};
 use crate::error::{CommError, OpProgress, RootCause};
@@ -182,6 +181,10 @@ impl Call {
 
 /// Bits of the signature hashed from the arguments that cannot be shown (count, root, ...).
 const REST_MASK: u32 = (1 << 18) - 1;
+
+/// First step of point-to-point messages (`collectives/p2p.rs`); collectives use the steps
+/// below it.
+pub(crate) const P2P_STEP_BASE: u64 = cohort_transports::wire::P2P_STEP_BASE as u64;
 
 /// What differs between this rank's call `ours` and the call behind the peer's signature
 /// `theirs`: the peer's call as far as its signature shows it (collective, dtype, op,

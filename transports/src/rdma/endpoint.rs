@@ -1,7 +1,27 @@
 //! The per-process RDMA endpoint: device, protection domain, buffer pool and bootstrap
 //! listener, and the building of one generation's mesh from it ([`RdmaEndpoint::connect_mesh`]).
 
-use super::*;
+use super::address::{self, EndpointAddress, RdmaAddress, RecvRegion, MAX_24BIT};
+use super::cq::CompletionQueue;
+use super::credits::{RecvRing, SendWindow};
+use super::device::{Device, DeviceConfig};
+use super::memory::{BufferPool, PooledBuffer};
+use super::peer::{Peer, PeerState, WR_RECV};
+use super::progress::{progress, Inner};
+use super::qp::{QpTiming, QueuePair};
+use super::setup::{self, MeshCtx, Outcome, PairSetup};
+use super::transport::RdmaTransport;
+use crate::handshake::validate_job;
+use crate::{Deadlines, Rank, TransportError};
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::AtomicBool;
+use std::sync::{Arc, Mutex};
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tokio::task::JoinSet;
+use tokio::time::Instant;
+use tracing::Instrument;
 
 /// Configuration of an [`RdmaEndpoint`] and the transports it builds.
 #[derive(Clone, Debug)]

@@ -41,14 +41,14 @@
 //! # Failures
 //! Identical to TCP: an error completion or QP failure closes the link to that peer
 //! ([`status`] maps statuses: retries exhausted and remote errors are
-//! [`TransportError::PeerClosed`], local errors [`TransportError::Io`]); a bad header,
+//! [`crate::TransportError::PeerClosed`], local errors [`crate::TransportError::Io`]); a bad header,
 //! another generation, an oversize message, a stale tag or a credit violation is
-//! [`TransportError::Protocol`]; a length or signature disagreement is
-//! [`TransportError::Mismatch`] and closes the link; no completion on a link for
-//! [`Deadlines::no_progress`] while an operation waits is [`TransportError::Timeout`].
-//! [`Transport::abort`] is local and immediate: it moves every QP to the error state
+//! [`crate::TransportError::Protocol`]; a length or signature disagreement is
+//! [`crate::TransportError::Mismatch`] and closes the link; no completion on a link for
+//! [`crate::Deadlines::no_progress`] while an operation waits is [`crate::TransportError::Timeout`].
+//! [`crate::Transport::abort`] is local and immediate: it moves every QP to the error state
 //! (flushing outstanding work requests, never waiting on a peer) and wakes every waiter with
-//! [`TransportError::Aborted`].
+//! [`crate::TransportError::Aborted`].
 //!
 //! Resources are freed in order on drop: queue pairs, then registered buffers (back to the
 //! pool), completion queue and channel; the endpoint's pool, protection domain and device
@@ -69,43 +69,8 @@ mod peer;
 mod progress;
 mod transport;
 
-pub use endpoint::{RdmaEndpoint, RdmaMeshSpec, RdmaOptions};
-use peer::{Inbound, Peer, PeerState};
-use progress::{progress, Inner};
-pub use transport::RdmaTransport;
-
 pub use address::{EndpointAddress, Mtu, RdmaAddress, RecvRegion};
 pub use device::{device_names, DeviceConfig};
+pub use endpoint::{RdmaEndpoint, RdmaMeshSpec, RdmaOptions};
 pub use qp::QpTiming;
-
-use crate::handshake::validate_job;
-use crate::wire::seq_older;
-use crate::{AbortReason, Deadlines, Rank, Tag, Transport, TransportError};
-use address::MAX_24BIT;
-use cq::{Completion, CompletionQueue};
-use credits::{segments, Reassembly, RecvRing, SendWindow};
-use device::Device;
-use memory::{BufferPool, PooledBuffer};
-use qp::QueuePair;
-use rdma_sys::ibv_wc_opcode as op;
-use setup::{MeshCtx, Outcome, PairSetup};
-use std::collections::HashMap;
-use std::future::Future;
-use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
-use tokio::net::TcpListener;
-use tokio::sync::watch;
-use tokio::task::JoinSet;
-use tokio::time::Instant;
-use tracing::Instrument;
-use wire::{DataImm, SegmentHeader, SEGMENT_HEADER_LEN};
-
-const HDR: u32 = SEGMENT_HEADER_LEN as u32;
-const WR_RECV: u64 = 1 << 56;
-const WR_WRITE: u64 = 2 << 56;
-const WR_CREDIT: u64 = 3 << 56;
-const WR_KIND_MASK: u64 = 0xff << 56;
-/// Per peer: most early messages copied out of the ring at once (bounds the bookkeeping of
-/// empty messages, which cost no bytes).
-const MAX_STAGED_MESSAGES: u32 = 4096;
+pub use transport::RdmaTransport;

@@ -1,7 +1,28 @@
 //! One peer of a mesh: its queue pair, receive ring and send staging, and what arrives on
 //! the link (segments, reassembly, early messages, credits).
 
-use super::*;
+use super::address::RdmaAddress;
+use super::credits::{Reassembly, RecvRing, SendWindow};
+use super::memory::PooledBuffer;
+use super::qp::QueuePair;
+use super::wire::{DataImm, SegmentHeader, SEGMENT_HEADER_LEN};
+use crate::wire::seq_older;
+use crate::{Rank, TransportError};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+use tokio::sync::watch;
+use tokio::time::Instant;
+
+/// The segment header's length, as work requests count bytes.
+pub(super) const HDR: u32 = SEGMENT_HEADER_LEN as u32;
+/// Work request ids: the kind in the top byte, the slot (for writes) below.
+pub(super) const WR_RECV: u64 = 1 << 56;
+pub(super) const WR_WRITE: u64 = 2 << 56;
+pub(super) const WR_CREDIT: u64 = 3 << 56;
+pub(super) const WR_KIND_MASK: u64 = 0xff << 56;
+/// Per peer: most early messages copied out of the ring at once (bounds the bookkeeping of
+/// empty messages, which cost no bytes).
+const MAX_STAGED_MESSAGES: u32 = 4096;
 
 /// A message (or part of one) that arrived for a tag.
 #[derive(Debug)]

@@ -1,6 +1,15 @@
 //! The progress engine: the completion-queue task and the handling of each completion.
 
-use super::*;
+use super::cq::{Completion, CompletionQueue};
+use super::peer::{Peer, PeerState, WR_CREDIT, WR_KIND_MASK, WR_RECV, WR_WRITE};
+use super::status;
+use crate::{AbortReason, Deadlines, Rank, TransportError};
+use rdma_sys::ibv_wc_opcode as op;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use tokio::sync::watch;
+use tokio::time::Instant;
 
 pub(super) struct Inner {
     // Declared first: peers (QPs, then buffers) go before the CQ they use.

@@ -21,7 +21,7 @@
 
 use super::address::{RdmaAddress, MAX_ADDRESS_LEN};
 use super::qp::{QpTiming, QueuePair};
-use crate::handshake::{self as hs, Hello, Message, Refusal, Verdict};
+use crate::handshake::{self as hs, DialError, Hello, Message, Refusal, Refused, Session, Verdict};
 use crate::{Rank, TransportError};
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
@@ -63,6 +63,19 @@ pub(crate) struct MeshCtx {
     pub pairs: Vec<Option<PairSetup>>,
     /// Ranks whose accepted connection has authenticated (a second one is refused).
     pub claimed: Mutex<Vec<bool>>,
+}
+
+impl MeshCtx {
+    fn session(&self) -> Session<'_> {
+        Session {
+            job: &self.job,
+            generation: self.generation,
+            rank: self.rank,
+            world: self.world,
+            token: &self.token,
+            deadline: self.deadline,
+        }
+    }
 }
 
 /// What one connection attempt produced.
@@ -191,49 +204,21 @@ pub(crate) async fn dial(ctx: Arc<MeshCtx>, peer: Rank, addr: SocketAddr) -> Res
             return Err(hs_err(format!("connect deadline passed (last attempt: {last})")));
         }
         let attempt = async {
-            let mut s = timed(ctx.deadline, TcpStream::connect(addr)).await.map_err(|e| (true, e))?;
+            let mut s = timed(ctx.deadline, TcpStream::connect(addr)).await.map_err(DialError::Retry)?;
             let _ = s.set_nodelay(true);
-            let hello = Hello::new(&ctx.job, ctx.generation, ctx.rank, peer, ctx.world).map_err(|e| (false, e))?;
-            let hello_d = hello.encode();
-            hs::write_all(&mut s, &hello_d, ctx.deadline).await.map_err(|e| (true, io_note(e)))?;
-            let theirs = match hs::read_message(&mut s, ctx.deadline).await.map_err(|e| (true, io_note(e)))? {
-                Message::Hello(h) => h,
-                Message::Refuse(r) => return Err((r.retriable, r.describe_for_dialer())),
-                m => return Err((false, format!("unexpected handshake message {m:?}"))),
-            };
-            let hello_a = theirs.encode();
-            let mac = match hs::read_message(&mut s, ctx.deadline).await.map_err(|e| (true, io_note(e)))? {
-                Message::Proof { mac, .. } => mac,
-                m => return Err((false, format!("unexpected handshake message {m:?}"))),
-            };
-            let mut verdict = hs::check_fields(&hello, &theirs);
-            if !hs::verify(&ctx.token, false, &hello_d, &hello_a, &mac) {
-                verdict = Verdict::AuthFailed;
-            }
-            let ours = hs::proof(&ctx.token, true, &hello_d, &hello_a).unwrap_or([0; 32]);
-            hs::write_all(&mut s, &hs::encode_proof(verdict, &ours), ctx.deadline)
-                .await
-                .map_err(|e| (true, io_note(e)))?;
-            if verdict != Verdict::Ok {
-                return Err((false, verdict.describe(&hello, &theirs)));
-            }
-            match hs::read_message(&mut s, ctx.deadline).await.map_err(|e| (true, io_note(e)))? {
-                Message::Verdict(Verdict::Ok) => {}
-                Message::Verdict(v) => return Err((false, format!("peer refused: {}", v.describe(&hello, &theirs)))),
-                m => return Err((false, format!("unexpected handshake message {m:?}"))),
-            }
-            Ok((s, hello_d, hello_a))
+            let transcript = hs::dial(&mut s, &ctx.session(), peer).await?;
+            Ok::<_, DialError>((s, transcript))
         };
         match attempt.await {
-            Ok((mut s, hello_d, hello_a)) => {
-                let remote = finish_pair(&ctx, &mut s, peer, true, &hello_d, &hello_a).await?;
+            Ok((mut s, t)) => {
+                let remote = finish_pair(&ctx, &mut s, peer, true, &t.dialer, &t.acceptor).await?;
                 return Ok(Outcome::Connected(peer, remote));
             }
-            Err((true, why)) => {
+            Err(DialError::Retry(why)) => {
                 last = why;
                 tokio::time::sleep_until((Instant::now() + RETRY_PAUSE).min(ctx.deadline)).await;
             }
-            Err((false, why)) => return Err(hs_err(why)),
+            Err(DialError::Fatal(why)) => return Err(hs_err(why)),
         }
     }
 }
@@ -252,13 +237,11 @@ pub(crate) async fn accept_one(
         Ok(m) => return Ok(refuse_note(format!("expected a hello, got {m:?}"))),
         Err(e) => return Ok(refuse_note(io_note(e))),
     };
+    // Screened before anything is proven, so a dialer of another generation hears why (and
+    // one that is ahead retries until this endpoint forms its generation).
     let sender = theirs.sender;
-    let valid_sender = sender > ctx.rank && sender < ctx.world;
     let ours = Hello::new(&ctx.job, ctx.generation, ctx.rank, sender, ctx.world).map_err(TransportError::Io)?;
-    let mut verdict = hs::check_fields(&ours, &theirs);
-    if verdict == Verdict::Ok && !valid_sender {
-        verdict = Verdict::RankUnexpected;
-    }
+    let verdict = hs::check_dialer(&ours, &theirs);
     if verdict != Verdict::Ok {
         let retriable = verdict == Verdict::GenerationMismatch && theirs.generation > ctx.generation;
         let r = Refusal {
@@ -271,43 +254,19 @@ pub(crate) async fn accept_one(
         let _ = hs::write_all(&mut s, &r.encode(), hello_deadline).await;
         return Ok(refuse_note(r.text));
     }
-    let hello_d = theirs.encode();
-    let hello_a = ours.encode();
-    let mac = hs::proof(&ctx.token, false, &hello_d, &hello_a).unwrap_or([0; 32]);
-    let mut out = hello_a.clone();
-    out.extend_from_slice(&hs::encode_proof(Verdict::Ok, &mac));
-    if let Err(e) = hs::write_all(&mut s, &out, ctx.deadline).await {
-        return Ok(refuse_note(io_note(e)));
-    }
-    let (their_verdict, their_mac) = match hs::read_message(&mut s, ctx.deadline).await {
-        Ok(Message::Proof { verdict, mac }) => (verdict, mac),
-        Ok(m) => return Ok(refuse_note(format!("expected a proof, got {m:?}"))),
-        Err(e) => return Ok(refuse_note(io_note(e))),
-    };
-    if !hs::verify(&ctx.token, true, &hello_d, &hello_a, &their_mac) {
-        let _ = hs::write_all(&mut s, &hs::encode_verdict(Verdict::AuthFailed), ctx.deadline).await;
-        return Ok(refuse_note(format!("rank {sender}: {}", Verdict::AuthFailed.describe(&ours, &theirs))));
-    }
-    if their_verdict != Verdict::Ok {
-        // Authenticated peer that disagrees: the set-up cannot succeed.
-        return Err(TransportError::Handshake {
-            peer: sender,
-            detail: format!("peer refused: {}", their_verdict.describe(&ours, &theirs)),
-        });
-    }
-    let dup = {
+    // A second authenticated connection of a rank already linked is refused as busy.
+    let admit = |rank: Rank| {
         let mut claimed = ctx.claimed.lock().unwrap_or_else(|e| e.into_inner());
-        let slot = &mut claimed[sender as usize];
-        std::mem::replace(slot, true)
+        claimed.get_mut(rank as usize).is_some_and(|c| !std::mem::replace(c, true))
     };
-    if dup {
-        let _ = hs::write_all(&mut s, &hs::encode_verdict(Verdict::Busy), ctx.deadline).await;
-        return Ok(refuse_note(format!("rank {sender} is already connected")));
-    }
-    if let Err(e) = hs::write_all(&mut s, &hs::encode_verdict(Verdict::Ok), ctx.deadline).await {
-        return Err(TransportError::Handshake { peer: sender, detail: io_note(e) });
-    }
-    let remote = finish_pair(&ctx, &mut s, sender, false, &hello_d, &hello_a).await?;
+    let t = match hs::accept(&mut s, &ctx.session(), theirs, Some(from), admit).await {
+        Ok(t) => t,
+        Err(Refused { claimed, detail, fatal: true }) => {
+            return Err(TransportError::Handshake { peer: claimed, detail });
+        }
+        Err(Refused { detail, .. }) => return Ok(Outcome::Refused(detail)),
+    };
+    let remote = finish_pair(&ctx, &mut s, sender, false, &t.dialer, &t.acceptor).await?;
     Ok(Outcome::Connected(sender, remote))
 }
 

@@ -1,6 +1,15 @@
 //! [`RdmaTransport`]: the [`Transport`] operations over a connected mesh.
 
-use super::*;
+use super::credits::segments;
+use super::peer::{Inbound, Peer, HDR, WR_WRITE};
+use super::progress::Inner;
+use super::wire::{DataImm, SegmentHeader, SEGMENT_HEADER_LEN};
+use crate::{AbortReason, Rank, Tag, Transport, TransportError};
+use std::future::Future;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use tokio::sync::watch;
+use tokio::time::Instant;
 
 /// An RDMA mesh for one generation; see the module docs.
 pub struct RdmaTransport {

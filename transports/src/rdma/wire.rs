@@ -25,6 +25,7 @@
 //! header does not match its immediate was overwritten or torn and closes the link. Credit
 //! returns are zero-length sends with immediate whose immediate is the number of credits.
 
+use crate::wire::{put_tag, tag_at, u32_at, u64_at};
 use crate::Tag;
 
 /// Size of the header at the front of every slot.
@@ -104,16 +105,6 @@ pub enum SegmentError {
     },
 }
 
-fn u32_at(b: &[u8], at: usize) -> u32 {
-    u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
-}
-
-fn u64_at(b: &[u8], at: usize) -> u64 {
-    let mut x = [0u8; 8];
-    x.copy_from_slice(&b[at..at + 8]);
-    u64::from_le_bytes(x)
-}
-
 impl SegmentHeader {
     /// Encodes the header.
     pub fn encode(&self) -> [u8; SEGMENT_HEADER_LEN] {
@@ -122,9 +113,7 @@ impl SegmentHeader {
         b[4] = WIRE_VERSION;
         b[5] = KIND_SEGMENT;
         b[8..16].copy_from_slice(&self.generation.to_le_bytes());
-        b[16..20].copy_from_slice(&self.tag.seq.to_le_bytes());
-        b[20..24].copy_from_slice(&self.tag.step.to_le_bytes());
-        b[24..28].copy_from_slice(&self.tag.signature.to_le_bytes());
+        put_tag(&mut b, 16, self.tag);
         b[28..32].copy_from_slice(&self.seg_len.to_le_bytes());
         b[32..40].copy_from_slice(&self.total.to_le_bytes());
         b[40..48].copy_from_slice(&self.offset.to_le_bytes());
@@ -161,7 +150,7 @@ impl SegmentHeader {
         }
         let h = Self {
             generation: theirs,
-            tag: Tag { seq: u32_at(b, 16), step: u32_at(b, 20), signature: u32_at(b, 24) },
+            tag: tag_at(b, 16),
             seg_len: u32_at(b, 28),
             total: u64_at(b, 32),
             offset: u64_at(b, 40),

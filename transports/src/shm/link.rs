@@ -4,9 +4,8 @@
 //! Sending copies the message into the outgoing ring slot by slot (a message larger than a
 //! slot is pipelined: the peer copies slot `k` out while this side fills slot `k + 1`).
 //! Receiving copies slots straight into the caller's buffer, releasing each slot as soon as
-//! it is copied. Matching, stashing of out-of-order messages (within the TCP link's budget),
-//! stale-tag and mismatch handling follow the TCP link exactly (see
-//! [`crate::tcp::link`]).
+//! it is copied. Matching, stashing of out-of-order messages, stale-tag and mismatch handling
+//! are every link's (`crate::links`, shared with the TCP link).
 //!
 //! Waiting: a side that finds no data (or no room) first polls the ring for the busy-poll
 //! window, letting the rest of its task (a collective's concurrent send) run between looks
@@ -23,7 +22,7 @@
 //! Every wait is bounded by the no-progress deadline. With learning on
 //! ([`crate::deadline`]), once the learned deadline passes with nothing moving, the link
 //! looks at the peer's process (same host: its pid, from the socket's credentials, in
-//! `/proc`; see [`crate::tcp::liveness`]): stopped (SIGSTOP, a debugger) throughout
+//! `/proc`; see [`crate::liveness`]): stopped (SIGSTOP, a debugger) throughout
 //! [`PROBE_WITHIN`] fails the wait at once with `Timeout`; running (late, or waiting on
 //! somebody else) extends it by another learned deadline, up to the configured ceiling.
 //!
@@ -32,40 +31,23 @@
 
 use super::ring::{raise_sleeping, take_sleeper, Ring, SlotHeader, KIND_CONT, KIND_FIRST};
 use super::segment::Mapping;
-use crate::deadline::{DeadlineInForce, LinkProgress};
-use crate::link_guards::{lock, BreakQuietly, Poison, Waiting};
+use crate::links::{self, Arrival, LinkCore, Poison};
+use crate::liveness::{self, PROBE_WITHIN};
 use crate::spin;
-use crate::tcp::liveness::{self, PROBE_WITHIN};
-use crate::wire::{other_call, seq_older};
-use crate::wire::{STASH_BUDGET, STASH_MAX_FRAMES};
-use crate::{Rank, Signatures, Silence, Tag, TransportError};
+use crate::{Rank, Silence, Tag, TransportError};
 use std::io;
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::Arc;
 use std::time::Duration;
 use tokio::net::UnixStream;
-use tokio::sync::Notify;
 use tokio::time::Instant;
-
-/// A message received ahead of the receiver that wants it.
-struct Stashed {
-    tag: Tag,
-    data: Vec<u8>,
-}
-
-#[derive(Default)]
-struct Stash {
-    frames: Vec<Stashed>,
-    bytes: usize,
-}
 
 /// An established shared-memory link.
 pub(crate) struct ShmLink {
-    peer: Rank,
+    /// The stash, the broken state and the deadline every link keeps.
+    core: LinkCore,
     generation: u64,
     max_message: u64,
-    /// The deadline in force and what it learned.
-    progress: LinkProgress,
     /// The peer's process id (from the socket's credentials), if learning is on and it is
     /// visible from here.
     peer_pid: Option<u32>,
@@ -82,13 +64,6 @@ pub(crate) struct ShmLink {
     writer: tokio::sync::Mutex<u64>,
     /// The consumer's tail of `rx`.
     reader: tokio::sync::Mutex<u64>,
-    stash: Mutex<Stash>,
-    /// Woken when a message is stashed or the link breaks.
-    changed: Notify,
-    /// `seq` of every receive waiting on this link (stale-tag detection).
-    waiting: Waiting,
-    broken: OnceLock<TransportError>,
-    span: tracing::Span,
 }
 
 /// What the link needs besides its rings.
@@ -103,8 +78,15 @@ pub(crate) struct LinkParams {
 }
 
 impl ShmLink {
-    /// Wraps an established pair: `tx` and `rx` must lie in `mapping`.
-    pub(crate) fn new(p: LinkParams, mapping: Arc<Mapping>, tx: Ring, rx: Ring, sock: UnixStream) -> Self {
+    /// Wraps an established pair: `tx` and `rx` must lie in `mapping`. Fails only if the
+    /// socket cannot be duplicated (out of descriptors).
+    pub(crate) fn new(
+        p: LinkParams,
+        mapping: Arc<Mapping>,
+        tx: Ring,
+        rx: Ring,
+        sock: UnixStream,
+    ) -> Result<Self, TransportError> {
         let peer_pid = match sock.peer_cred() {
             // 0 or absent: the peer lives in a pid namespace this process cannot see.
             Ok(c) if p.deadlines.learning.is_some() => {
@@ -112,11 +94,13 @@ impl ShmLink {
             }
             _ => None,
         };
-        Self {
-            peer: p.peer,
+        let dup = socket2::SockRef::from(&sock)
+            .try_clone()
+            .map_err(|e| TransportError::Io(format!("duplicating the shared-memory socket to rank {}: {e}", p.peer)))?;
+        Ok(Self {
+            core: LinkCore::new(p.peer, "shm", "message", p.deadlines, dup, p.span),
             generation: p.generation,
             max_message: p.max_message,
-            progress: LinkProgress::new(p.deadlines),
             peer_pid,
             busy_poll: p.busy_poll,
             oversubscribed: p.oversubscribed,
@@ -126,12 +110,7 @@ impl ShmLink {
             sock,
             writer: tokio::sync::Mutex::new(0),
             reader: tokio::sync::Mutex::new(0),
-            stash: Mutex::new(Stash::default()),
-            changed: Notify::new(),
-            waiting: Waiting::default(),
-            broken: OnceLock::new(),
-            span: p.span,
-        }
+        })
     }
 
     /// The outgoing and incoming rings (tests play a hostile peer through them).
@@ -140,47 +119,8 @@ impl ShmLink {
         (self.tx, self.rx)
     }
 
-    /// The no-progress deadline in force on this link, and why.
-    pub(crate) fn deadline_in_force(&self) -> DeadlineInForce {
-        self.progress.in_force()
-    }
-
-    /// The error that broke this link, if it is broken.
-    pub(crate) fn broken(&self) -> Option<&TransportError> {
-        self.broken.get()
-    }
-
-    fn check(&self) -> Result<(), TransportError> {
-        match self.broken.get() {
-            Some(e) => Err(e.clone()),
-            None => Ok(()),
-        }
-    }
-
-    /// Marks the link broken with `err` (first error wins), shuts the socket down so that the
-    /// peer sees end-of-stream at once, and wakes every waiter. Returns `err`.
-    pub(crate) fn fail(&self, err: TransportError) -> TransportError {
-        if self.broken.set(err.clone()).is_ok() {
-            self.span.in_scope(|| tracing::debug!(peer = self.peer, error = %err, "shm link down"));
-            self.shutdown();
-        }
-        err
-    }
-
-    /// Shuts the socket down both ways (the peer's waiters wake with end-of-stream) and wakes
-    /// local waiters.
-    pub(crate) fn shutdown(&self) {
-        // Errors (already disconnected) leave nothing to do.
-        let _ = socket2::SockRef::from(&self.sock).shutdown(std::net::Shutdown::Both);
-        self.changed.notify_waiters();
-    }
-
-    fn protocol(&self, detail: String) -> TransportError {
-        self.fail(TransportError::Protocol { peer: self.peer, detail })
-    }
-
     fn closed(&self, detail: String) -> TransportError {
-        self.fail(TransportError::PeerClosed { peer: self.peer, detail })
+        self.core.fail(TransportError::PeerClosed { peer: self.core.peer(), detail })
     }
 
     /// Writes a doorbell byte. A full socket buffer already holds doorbells the peer has not
@@ -241,11 +181,11 @@ impl ShmLink {
         self.note_cpu();
         let learned = |r: Result<(), TransportError>| {
             if learn && r.is_ok() {
-                self.progress.observe(seq, started.elapsed());
+                self.core.progress.observe(seq, started.elapsed());
             }
             r
         };
-        let mut ready = || ready().map_err(|e| self.protocol(e));
+        let mut ready = || ready().map_err(|e| self.core.fail_protocol(e));
         if ready()? {
             return learned(Ok(()));
         }
@@ -262,7 +202,7 @@ impl ShmLink {
     ) -> Result<(), TransportError> {
         if !self.busy_poll.is_zero() {
             loop {
-                self.check()?;
+                self.core.check()?;
                 // Keep the CPU unless the peer is known to wait for it (see crate::spin);
                 // let the rest of this task (a concurrent send) run between looks.
                 let peer = spin::decode_cpu(peer_cpu.load(Ordering::Relaxed));
@@ -278,12 +218,12 @@ impl ShmLink {
         }
         // Parking: let the doorbell's wake-up preempt a CPU-bound neighbour (crate::spin).
         spin::prefer_short_slice();
-        let ceiling = started + self.progress.ceiling();
+        let ceiling = started + self.core.progress.ceiling();
         let mut alive_at: Option<Instant> = None;
         loop {
-            let due = (alive_at.unwrap_or(started) + self.progress.in_force().value).min(ceiling);
-            self.check()?;
-            let changed = self.changed.notified();
+            let due = (alive_at.unwrap_or(started) + self.core.progress.in_force().value).min(ceiling);
+            self.core.check()?;
+            let changed = self.core.changed().notified();
             tokio::pin!(changed);
             changed.as_mut().enable();
             raise_sleeping(flag);
@@ -291,7 +231,7 @@ impl ShmLink {
                 flag.store(0, Ordering::SeqCst);
                 return Ok(());
             }
-            self.check()?;
+            self.core.check()?;
             tokio::select! {
                 r = self.sock.readable() => {
                     let gone = match r {
@@ -316,9 +256,9 @@ impl ShmLink {
                     }
                     let now = Instant::now();
                     if now >= ceiling {
-                        return Err(self.fail(TransportError::Timeout {
-                            peer: self.peer,
-                            after: self.progress.ceiling(),
+                        return Err(self.core.fail(TransportError::Timeout {
+                            peer: self.core.peer(),
+                            after: self.core.progress.ceiling(),
                             silence: Silence::Unprobed,
                         }));
                     }
@@ -331,18 +271,18 @@ impl ShmLink {
                         if ready()? {
                             return Ok(());
                         }
-                        let in_force = self.progress.in_force();
-                        self.span.in_scope(|| {
+                        let in_force = self.core.progress.in_force();
+                        self.core.span.in_scope(|| {
                             tracing::warn!(
-                                peer = self.peer,
+                                peer = self.core.peer(),
                                 pid,
                                 stalled_ms = started.elapsed().as_millis() as u64,
                                 deadline = %in_force,
                                 "no progress past the learned deadline and the peer's process is stopped"
                             )
                         });
-                        return Err(self.fail(TransportError::Timeout {
-                            peer: self.peer,
+                        return Err(self.core.fail(TransportError::Timeout {
+                            peer: self.core.peer(),
                             after: started.elapsed(),
                             silence,
                         }));
@@ -354,12 +294,65 @@ impl ShmLink {
         }
     }
 
+    /// Waits for slot `t` of the incoming ring (for operation `seq`) and returns its
+    /// validated header.
+    async fn next_header(&self, seq: u32, t: u64) -> Result<SlotHeader, TransportError> {
+        let (ring, slots) = (self.rx, u64::from(self.rx.slots()));
+        self.wait(seq, true, ring.consumer_sleeping(), ring.producer_cpu(), || {
+            let head = ring.head().load(Ordering::Acquire);
+            let avail = head.wrapping_sub(t);
+            if avail > slots {
+                return Err(format!("the producer's head {head} is out of range of the tail {t} (ring of {slots})"));
+            }
+            Ok(avail > 0)
+        })
+        .await?;
+        let h = SlotHeader::decode(&ring.read_header(t), self.generation, self.max_message, ring.capacity())
+            .map_err(|e| self.core.fail_protocol(e))?;
+        self.core.progress.saw(h.tag.seq);
+        Ok(h)
+    }
+
+    /// Copies the message whose first slot (at `*tail`) is `first` into `dst` (exactly
+    /// `first.total` bytes), releasing each slot once copied.
+    async fn read_message(&self, tail: &mut u64, first: SlotHeader, dst: &mut [u8]) -> Result<(), TransportError> {
+        let ring = self.rx;
+        let mut h = first;
+        loop {
+            // decode() bounded offset + chunk by total == dst.len() and chunk by the slot.
+            let (off, n) = (h.offset as usize, h.chunk as usize);
+            ring.read_payload(*tail, &mut dst[off..off + n]);
+            *tail += 1;
+            ring.tail().store(*tail, Ordering::Release);
+            self.wake_peer(ring.producer_sleeping());
+            self.note_cpu();
+            let done = (off + n) as u64;
+            if done >= h.total {
+                return Ok(());
+            }
+            let next = self.next_header(h.tag.seq, *tail).await?;
+            if next.kind != KIND_CONT || next.tag != h.tag || next.total != h.total || next.offset != done {
+                return Err(self.core.fail_protocol(format!(
+                    "slot {} does not continue message seq {} step {} at offset {done} (got kind {} seq {} step {} offset {})",
+                    *tail, h.tag.seq, h.tag.step, next.kind, next.tag.seq, next.tag.step, next.offset
+                )));
+            }
+            h = next;
+        }
+    }
+}
+
+impl links::Link for ShmLink {
+    fn core(&self) -> &LinkCore {
+        &self.core
+    }
+
     /// Sends one message, slot by slot.
-    pub(crate) async fn send(&self, tag: Tag, data: &[u8]) -> Result<(), TransportError> {
-        self.check()?;
+    async fn send(&self, tag: Tag, data: &[u8]) -> Result<(), TransportError> {
+        self.core.check()?;
         let mut head = self.writer.lock().await;
-        self.check()?;
-        let mut poison = Poison::arm(self);
+        self.core.check()?;
+        let mut poison = Poison::arm(&self.core);
         let (ring, slots, cap) = (self.tx, u64::from(self.tx.slots()), self.tx.capacity());
         let mut offset = 0usize;
         loop {
@@ -398,166 +391,32 @@ impl ShmLink {
         Ok(())
     }
 
-    fn take_stashed(&self, tag: Tag) -> Option<Stashed> {
-        let mut s = lock(&self.stash);
-        // A message of another call in this operation is taken too: delivering it reports the mismatch.
-        let i =
-            s.frames.iter().position(|f| (f.tag.seq == tag.seq && f.tag.step == tag.step) || other_call(tag, f.tag))?;
-        let f = s.frames.swap_remove(i);
-        s.bytes -= f.data.len();
-        Some(f)
-    }
-
-    fn check_match(&self, want: Tag, len: usize, got: Tag, got_len: u64) -> Result<(), TransportError> {
-        let (detail, signatures) = if got.signature != want.signature {
-            (
-                format!(
-                    "message seq {} step {}: signature {:#010x} received (step {}), {:#010x} expected",
-                    want.seq, want.step, got.signature, got.step, want.signature
-                ),
-                Some(Signatures { received: got.signature, expected: want.signature }),
-            )
-        } else if got_len != len as u64 {
-            (format!("message seq {} step {}: {got_len} bytes received, {len} expected", want.seq, want.step), None)
-        } else {
+    /// Receives the message tagged `tag` into `buf`.
+    async fn recv(&self, tag: Tag, buf: &mut [u8]) -> Result<(), TransportError> {
+        let _waiting = self.core.register(tag.seq);
+        let Some(mut tail) = self.core.reader_or_stashed(&self.reader, tag, buf).await? else {
             return Ok(());
         };
-        Err(self.fail(TransportError::Mismatch { peer: self.peer, detail, signatures }))
-    }
-
-    fn deliver_stashed(&self, tag: Tag, f: Stashed, buf: &mut [u8]) -> Result<(), TransportError> {
-        self.check_match(tag, buf.len(), f.tag, f.data.len() as u64)?;
-        buf.copy_from_slice(&f.data);
-        Ok(())
-    }
-
-    fn oldest_waiting(&self) -> Option<u32> {
-        self.waiting.oldest()
-    }
-
-    /// Waits for slot `t` of the incoming ring (for operation `seq`) and returns its
-    /// validated header.
-    async fn next_header(&self, seq: u32, t: u64) -> Result<SlotHeader, TransportError> {
-        let (ring, slots) = (self.rx, u64::from(self.rx.slots()));
-        self.wait(seq, true, ring.consumer_sleeping(), ring.producer_cpu(), || {
-            let head = ring.head().load(Ordering::Acquire);
-            let avail = head.wrapping_sub(t);
-            if avail > slots {
-                return Err(format!("the producer's head {head} is out of range of the tail {t} (ring of {slots})"));
-            }
-            Ok(avail > 0)
-        })
-        .await?;
-        let h = SlotHeader::decode(&ring.read_header(t), self.generation, self.max_message, ring.capacity())
-            .map_err(|e| self.protocol(e))?;
-        self.progress.saw(h.tag.seq);
-        Ok(h)
-    }
-
-    /// Copies the message whose first slot (at `*tail`) is `first` into `dst` (exactly
-    /// `first.total` bytes), releasing each slot once copied.
-    async fn read_message(&self, tail: &mut u64, first: SlotHeader, dst: &mut [u8]) -> Result<(), TransportError> {
-        let ring = self.rx;
-        let mut h = first;
-        loop {
-            // decode() bounded offset + chunk by total == dst.len() and chunk by the slot.
-            let (off, n) = (h.offset as usize, h.chunk as usize);
-            ring.read_payload(*tail, &mut dst[off..off + n]);
-            *tail += 1;
-            ring.tail().store(*tail, Ordering::Release);
-            self.wake_peer(ring.producer_sleeping());
-            self.note_cpu();
-            let done = (off + n) as u64;
-            if done >= h.total {
-                return Ok(());
-            }
-            let next = self.next_header(h.tag.seq, *tail).await?;
-            if next.kind != KIND_CONT || next.tag != h.tag || next.total != h.total || next.offset != done {
-                return Err(self.protocol(format!(
-                    "slot {} does not continue message seq {} step {} at offset {done} (got kind {} seq {} step {} offset {})",
-                    *tail, h.tag.seq, h.tag.step, next.kind, next.tag.seq, next.tag.step, next.offset
-                )));
-            }
-            h = next;
-        }
-    }
-
-    /// Receives the message tagged `tag` into `buf`.
-    pub(crate) async fn recv(&self, tag: Tag, buf: &mut [u8]) -> Result<(), TransportError> {
-        let _waiting = self.waiting.register(tag.seq);
-        let mut tail = loop {
-            self.check()?;
-            let changed = self.changed.notified();
-            tokio::pin!(changed);
-            changed.as_mut().enable();
-            if let Some(f) = self.take_stashed(tag) {
-                return self.deliver_stashed(tag, f, buf);
-            }
-            self.check()?;
-            tokio::select! {
-                g = self.reader.lock() => break g,
-                () = changed => {}
-            }
-        };
-        self.check()?;
-        if let Some(f) = self.take_stashed(tag) {
-            return self.deliver_stashed(tag, f, buf);
-        }
-        let mut poison = Poison::arm(self);
+        let mut poison = Poison::arm(&self.core);
         loop {
             let h = self.next_header(tag.seq, *tail).await?;
             if h.kind != KIND_FIRST {
-                return Err(self.protocol(format!("slot {} continues a message where a new one should start", *tail)));
+                return Err(self
+                    .core
+                    .fail_protocol(format!("slot {} continues a message where a new one should start", *tail)));
             }
-            // A message of another call in this operation fails the match (a mismatch, at once).
-            if (h.tag.seq == tag.seq && h.tag.step == tag.step) || other_call(tag, h.tag) {
-                self.check_match(tag, buf.len(), h.tag, h.total)?;
-                self.read_message(&mut tail, h, buf).await?;
-                poison.disarm();
-                return Ok(());
-            }
-            if let Some(oldest) = self.oldest_waiting() {
-                if seq_older(h.tag.seq, oldest) {
-                    return Err(self.protocol(format!(
-                        "stale message seq {} step {} (the oldest message still expected is seq {oldest})",
-                        h.tag.seq, h.tag.step
-                    )));
+            match self.core.arrived(tag, buf.len(), h.tag, h.total)? {
+                Arrival::Wanted => {
+                    self.read_message(&mut tail, h, buf).await?;
+                    poison.disarm();
+                    return Ok(());
+                }
+                Arrival::Early(len) => {
+                    let mut data = vec![0u8; len];
+                    self.read_message(&mut tail, h, &mut data).await?;
+                    self.core.stash(h.tag, data);
                 }
             }
-            let len = {
-                let s = lock(&self.stash);
-                if s.frames.iter().any(|f| f.tag.seq == h.tag.seq && f.tag.step == h.tag.step) {
-                    return Err(self.protocol(format!("duplicate message seq {} step {}", h.tag.seq, h.tag.step)));
-                }
-                let len = usize::try_from(h.total).unwrap_or(usize::MAX);
-                if s.frames.len() >= STASH_MAX_FRAMES || len > STASH_BUDGET - s.bytes {
-                    return Err(self.protocol(format!(
-                        "out-of-order messages exceed the stash budget ({} messages, {} bytes held; {len} more arrived)",
-                        s.frames.len(),
-                        s.bytes
-                    )));
-                }
-                len
-            };
-            let mut data = vec![0u8; len];
-            self.read_message(&mut tail, h, &mut data).await?;
-            {
-                let mut s = lock(&self.stash);
-                s.bytes += data.len();
-                s.frames.push(Stashed { tag: h.tag, data });
-            }
-            self.changed.notify_waiters();
-        }
-    }
-}
-
-/// Marks the link broken with `err` (unless it already is) without shutting the socket down,
-/// and wakes its waiting receivers.
-impl BreakQuietly for ShmLink {
-    fn break_quietly(&self, err: TransportError) {
-        if self.broken.set(err.clone()).is_ok() {
-            self.span.in_scope(|| tracing::debug!(peer = self.peer, error = %err, "shm link unusable (left open)"));
-            self.changed.notify_waiters();
         }
     }
 }

@@ -41,8 +41,8 @@ pub mod ring;
 mod segment;
 mod setup;
 
-use crate::abort::AbortLatch;
-use crate::{AbortReason, Deadlines, Rank, Tag, Transport, TransportError};
+use crate::links::Links;
+use crate::{AbortReason, DeadlineInForce, Deadlines, Rank, Tag, Transport, TransportError};
 use link::ShmLink;
 use setup::{Accepted, PairCtx};
 use std::sync::Arc;
@@ -216,20 +216,24 @@ impl ShmEndpoint {
             rank,
             world,
             token: spec.token.clone(),
-            options: self.options.clone(),
+            slots: self.options.slots,
+            slot_bytes: self.options.slot_bytes,
+            max_message: self.options.max_message,
+            busy_poll: self.options.busy_poll,
             deadlines: spec.deadlines,
             deadline,
             oversubscribed: crate::spin::oversubscribed(local_ranks),
             span: span.clone(),
         });
         let expect_accepts = (rank + 1..world).filter(|&r| listed(r)).count();
-        let listener = if expect_accepts > 0 { Some(setup::listen(&self.address, spec.generation)?) } else { None };
+        let listener =
+            if expect_accepts > 0 { Some(setup::listen(&self.address.nonce, spec.generation)?) } else { None };
         let mut links: Vec<Option<ShmLink>> = (0..world).map(|_| None).collect();
         let mut missing = (0..world).filter(|&r| listed(r)).count();
         let mut dials = JoinSet::new();
         for (peer, addr) in spec.peers.iter().enumerate().take(rank as usize) {
             if let Some(addr) = addr {
-                dials.spawn(setup::dial(Arc::clone(&ctx), peer as Rank, addr.clone()).instrument(span.clone()));
+                dials.spawn(setup::dial(Arc::clone(&ctx), peer as Rank, addr.nonce.clone()).instrument(span.clone()));
             }
         }
         let mut accepts = JoinSet::new();
@@ -288,7 +292,7 @@ impl ShmEndpoint {
             }
         }
         tracing::debug!(world, "shm mesh up");
-        Ok(ShmTransport { generation: spec.generation, rank, world, links, abort: AbortLatch::new(), span })
+        Ok(ShmTransport { links: Links::new("shared memory", spec.generation, rank, links, span) })
     }
 }
 
@@ -303,21 +307,16 @@ fn note(notes: &mut Vec<String>, detail: String) {
 /// A connected generation over shared memory (possibly only some of its peers). `Send +
 /// Sync`; share it behind `Arc`.
 pub struct ShmTransport {
-    generation: u64,
-    rank: Rank,
-    world: u32,
     /// Indexed by rank; `None` for this rank and for peers not linked over shared memory.
-    links: Vec<Option<ShmLink>>,
-    abort: AbortLatch,
-    span: tracing::Span,
+    links: Links<ShmLink>,
 }
 
 impl std::fmt::Debug for ShmTransport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ShmTransport")
-            .field("generation", &self.generation)
-            .field("rank", &self.rank)
-            .field("world", &self.world)
+            .field("generation", &self.links.generation)
+            .field("rank", &self.links.rank)
+            .field("world", &self.links.world)
             .finish_non_exhaustive()
     }
 }
@@ -325,66 +324,41 @@ impl std::fmt::Debug for ShmTransport {
 impl ShmTransport {
     /// Whether `peer` is linked over shared memory.
     pub fn links_to(&self, peer: Rank) -> bool {
-        matches!(self.links.get(peer as usize), Some(Some(_)))
-    }
-
-    fn link(&self, peer: Rank) -> Result<&ShmLink, TransportError> {
-        match self.links.get(peer as usize) {
-            Some(Some(l)) => Ok(l),
-            Some(None) if peer == self.rank => {
-                Err(TransportError::InvalidArgument(format!("rank {peer} is this rank")))
-            }
-            Some(None) => Err(TransportError::InvalidArgument(format!("rank {peer} is not linked over shared memory"))),
-            None => {
-                Err(TransportError::InvalidArgument(format!("rank {peer} out of range for a world of {}", self.world)))
-            }
-        }
+        self.links.get(peer).is_some()
     }
 }
 
 impl Transport for ShmTransport {
     fn rank(&self) -> Rank {
-        self.rank
+        self.links.rank
     }
 
     fn world_size(&self) -> u32 {
-        self.world
+        self.links.world
     }
 
     fn generation(&self) -> u64 {
-        self.generation
+        self.links.generation
     }
 
     async fn send(&self, peer: Rank, tag: Tag, data: &[u8]) -> Result<(), TransportError> {
-        let link = self.link(peer)?;
-        self.abort.run(link.send(tag, data)).await
+        self.links.send(peer, tag, data).await
     }
 
     async fn recv(&self, peer: Rank, tag: Tag, buf: &mut [u8]) -> Result<(), TransportError> {
-        let link = self.link(peer)?;
-        self.abort.run(link.recv(tag, buf)).await
+        self.links.recv(peer, tag, buf).await
     }
 
     fn abort(&self, reason: AbortReason) {
-        if self.abort.trip(&reason) {
-            let _enter = self.span.enter();
-            tracing::debug!(%reason, "shm transport aborted");
-            for l in self.links.iter().flatten() {
-                l.shutdown();
-            }
-        }
+        self.links.abort(reason);
     }
 
     fn is_aborted(&self) -> bool {
-        self.abort.reason().is_some() || self.links.iter().flatten().any(|l| l.broken().is_some())
+        self.links.is_aborted()
     }
 
-    fn deadlines_in_force(&self) -> Vec<(Rank, crate::DeadlineInForce)> {
-        self.links
-            .iter()
-            .enumerate()
-            .filter_map(|(peer, l)| l.as_ref().map(|l| (peer as Rank, l.deadline_in_force())))
-            .collect()
+    fn deadlines_in_force(&self) -> Vec<(Rank, DeadlineInForce)> {
+        self.links.deadlines_in_force()
     }
 }
 
@@ -415,7 +389,7 @@ mod tests {
     /// Rank 1 waits for a message; "rank 0" scribbles into its outgoing ring with `attack`.
     async fn attack(attack: impl FnOnce(ring::Ring), needle: &str) {
         let (t0, t1) = pair(5).await;
-        let (tx, _) = t0.links[1].as_ref().unwrap().rings();
+        let (tx, _) = t0.links.get(1).unwrap().rings();
         attack(tx);
         let mut buf = vec![0u8; 10_000];
         let e = tokio::time::timeout(Duration::from_secs(10), t1.recv(0, Tag::new(1, 0, 9), &mut buf))
@@ -496,7 +470,7 @@ mod tests {
     async fn a_tail_beyond_the_head_fails_the_sender() {
         let (t0, t1) = pair(6).await;
         // "Rank 0" moves the tail of rank 1's outgoing ring (it consumes that ring).
-        let (_, rx) = t0.links[1].as_ref().unwrap().rings();
+        let (_, rx) = t0.links.get(1).unwrap().rings();
         rx.tail().store(77, Ordering::SeqCst);
         let e = t1.send(0, Tag::new(0, 0, 0), &[1u8; 100]).await.unwrap_err();
         assert!(matches!(&e, TransportError::Protocol { peer: 0, detail } if detail.contains("tail")), "{e:?}");

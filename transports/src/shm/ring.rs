@@ -35,6 +35,7 @@
 //! the other's, checking that the distance is within the ring; headers are copied out once and
 //! validated before any length from them is used; payload copies are bounded by the slot.
 
+use crate::wire::{put_tag, tag_at, u32_at, u64_at};
 use crate::Tag;
 use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
 
@@ -214,9 +215,7 @@ impl SlotHeader {
         b[4] = VERSION;
         b[5] = self.kind;
         b[8..16].copy_from_slice(&generation.to_le_bytes());
-        b[16..20].copy_from_slice(&self.tag.seq.to_le_bytes());
-        b[20..24].copy_from_slice(&self.tag.step.to_le_bytes());
-        b[24..28].copy_from_slice(&self.tag.signature.to_le_bytes());
+        put_tag(&mut b, 16, self.tag);
         b[28..32].copy_from_slice(&self.chunk.to_le_bytes());
         b[32..40].copy_from_slice(&self.total.to_le_bytes());
         b[40..48].copy_from_slice(&self.offset.to_le_bytes());
@@ -245,7 +244,7 @@ impl SlotHeader {
         if theirs != generation {
             return Err(format!("slot from generation {theirs} on a generation {generation} link"));
         }
-        let tag = Tag { seq: u32_at(b, 16), step: u32_at(b, 20), signature: u32_at(b, 24) };
+        let tag = tag_at(b, 16);
         let chunk = u32_at(b, 28);
         let total = u64_at(b, 32);
         let offset = u64_at(b, 40);
@@ -265,16 +264,6 @@ impl SlotHeader {
         }
         Ok(Self { kind, tag, chunk, total, offset })
     }
-}
-
-fn u32_at(b: &[u8], at: usize) -> u32 {
-    u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
-}
-
-fn u64_at(b: &[u8], at: usize) -> u64 {
-    let mut x = [0u8; 8];
-    x.copy_from_slice(&b[at..at + 8]);
-    u64::from_le_bytes(x)
 }
 
 #[cfg(test)]

@@ -20,8 +20,8 @@
 use super::link::{LinkParams, ShmLink};
 use super::ring::{ring_bytes, Ring, SLOT_HEADER};
 use super::segment::Mapping;
-use super::{ShmAddress, ShmOptions};
-use crate::handshake::{self, check_fields, Hello, HsIoError, Message, Verdict};
+use crate::handshake::{self, HsIoError, Message, Refused, Session, Verdict};
+use crate::wire::u32_at;
 use crate::{Rank, TransportError};
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
@@ -57,12 +57,31 @@ pub(crate) struct PairCtx {
     pub(crate) rank: Rank,
     pub(crate) world: u32,
     pub(crate) token: Vec<u8>,
-    pub(crate) options: ShmOptions,
+    /// Slots per ring and bytes per slot of the segments this side creates.
+    pub(crate) slots: u32,
+    pub(crate) slot_bytes: usize,
+    /// Longest message accepted from the peer.
+    pub(crate) max_message: u64,
+    /// How long a waiting side polls its ring before it sleeps.
+    pub(crate) busy_poll: Duration,
     pub(crate) deadlines: crate::Deadlines,
     pub(crate) deadline: Instant,
     /// More ranks of this mesh on this host than CPUs to run them ([`crate::spin::oversubscribed`]).
     pub(crate) oversubscribed: bool,
     pub(crate) span: tracing::Span,
+}
+
+impl PairCtx {
+    fn session(&self) -> Session<'_> {
+        Session {
+            job: &self.job,
+            generation: self.generation,
+            rank: self.rank,
+            world: self.world,
+            token: &self.token,
+            deadline: self.deadline,
+        }
+    }
 }
 
 /// Checks slot geometry (from our options or a peer's descriptor).
@@ -93,8 +112,8 @@ fn abstract_addr(name: &str) -> io::Result<std::os::unix::net::SocketAddr> {
 }
 
 /// Binds this worker's listener for `generation`.
-pub(crate) fn listen(own: &ShmAddress, generation: u64) -> Result<UnixListener, TransportError> {
-    let name = socket_name(&own.nonce, generation);
+pub(crate) fn listen(nonce: &str, generation: u64) -> Result<UnixListener, TransportError> {
+    let name = socket_name(nonce, generation);
     let io = |e: io::Error| TransportError::Io(format!("binding the shared-memory socket @{name}: {e}"));
     let addr = abstract_addr(&name).map_err(io)?;
     let std_listener = std::os::unix::net::UnixListener::bind_addr(&addr).map_err(io)?;
@@ -106,9 +125,10 @@ fn hs(peer: Rank, detail: impl Into<String>) -> TransportError {
     TransportError::Handshake { peer, detail: detail.into() }
 }
 
-/// Dials `peer` (its address `to`) until connected and linked, or the deadline passes.
-pub(crate) async fn dial(ctx: Arc<PairCtx>, peer: Rank, to: ShmAddress) -> Result<(Rank, ShmLink), TransportError> {
-    let name = socket_name(&to.nonce, ctx.generation);
+/// Dials `peer` (the nonce of its address) until connected and linked, or the deadline
+/// passes.
+pub(crate) async fn dial(ctx: Arc<PairCtx>, peer: Rank, nonce: String) -> Result<(Rank, ShmLink), TransportError> {
+    let name = socket_name(&nonce, ctx.generation);
     let mut backoff = DIAL_BACKOFF_MIN;
     let stream = loop {
         let attempt = abstract_addr(&name).and_then(|a| std::os::unix::net::UnixStream::connect_addr(&a));
@@ -130,10 +150,10 @@ pub(crate) async fn dial(ctx: Arc<PairCtx>, peer: Rank, to: ShmAddress) -> Resul
     stream.set_nonblocking(true).map_err(io)?;
     let mut stream = UnixStream::from_std(stream).map_err(io)?;
     let link = dial_pair(&ctx, peer, &mut stream).await.map_err(|d| hs(peer, d))?;
-    Ok((peer, link(stream)))
+    Ok((peer, link(stream)?))
 }
 
-type MakeLink = Box<dyn FnOnce(UnixStream) -> ShmLink + Send>;
+type MakeLink = Box<dyn FnOnce(UnixStream) -> Result<ShmLink, TransportError> + Send>;
 
 fn hs_err(e: HsIoError) -> String {
     e.to_string()
@@ -141,37 +161,10 @@ fn hs_err(e: HsIoError) -> String {
 
 async fn dial_pair(ctx: &PairCtx, peer: Rank, s: &mut UnixStream) -> Result<MakeLink, String> {
     let deadline = ctx.deadline;
-    let ours = Hello::new(&ctx.job, ctx.generation, ctx.rank, peer, ctx.world)?;
-    let our_bytes = ours.encode();
-    handshake::write_all(s, &our_bytes, deadline).await.map_err(hs_err)?;
-    let theirs = match handshake::read_message(s, deadline).await.map_err(hs_err)? {
-        Message::Hello(h) => h,
-        Message::Refuse(r) => return Err(r.describe_for_dialer()),
-        m => return Err(format!("expected a hello, got {m:?}")),
-    };
-    let their_bytes = theirs.encode();
-    let their_mac = match handshake::read_message(s, deadline).await.map_err(hs_err)? {
-        Message::Proof { mac, .. } => mac,
-        m => return Err(format!("expected a proof, got {m:?}")),
-    };
-    let authentic = handshake::verify(&ctx.token, false, &our_bytes, &their_bytes, &their_mac);
-    let verdict = if authentic { check_fields(&ours, &theirs) } else { Verdict::AuthFailed };
-    let mac = handshake::proof(&ctx.token, true, &our_bytes, &their_bytes).ok_or("HMAC rejected the job token")?;
-    handshake::write_all(s, &handshake::encode_proof(verdict, &mac), deadline).await.map_err(hs_err)?;
-    let their_verdict = match handshake::read_message(s, deadline).await {
-        Ok(Message::Verdict(v)) => v,
-        Ok(m) => return Err(format!("expected a verdict, got {m:?}")),
-        Err(_) if verdict != Verdict::Ok => return Err(verdict.describe(&ours, &theirs)),
-        Err(e) => return Err(e.to_string()),
-    };
-    if verdict != Verdict::Ok {
-        return Err(verdict.describe(&ours, &theirs));
-    }
-    if their_verdict != Verdict::Ok {
-        return Err(format!("peer refused: {}", their_verdict.describe(&ours, &theirs)));
-    }
+    // Any failure is final here: the peer's listener exists only while its set-up waits.
+    handshake::dial(s, &ctx.session(), peer).await.map_err(handshake::DialError::into_detail)?;
     // Authenticated: create and hand over the pair's segment.
-    let (slots, slot_bytes) = (ctx.options.slots, ctx.options.slot_bytes);
+    let (slots, slot_bytes) = (ctx.slots, ctx.slot_bytes);
     check_geometry(slots, slot_bytes)?;
     let ring = ring_bytes(slots, slot_bytes);
     let name = format!("cohort-shm-g{}-r{}-r{}", ctx.generation, peer, ctx.rank);
@@ -208,9 +201,9 @@ fn make_link(ctx: &PairCtx, peer: Rank, mapping: Mapping, slots: u32, slot_bytes
     let params = LinkParams {
         peer,
         generation: ctx.generation,
-        max_message: ctx.options.max_message,
+        max_message: ctx.max_message,
         deadlines: ctx.deadlines,
-        busy_poll: ctx.options.busy_poll,
+        busy_poll: ctx.busy_poll,
         oversubscribed: ctx.oversubscribed,
         span: ctx.span.clone(),
     };
@@ -229,7 +222,10 @@ pub(crate) enum Accepted {
 /// Completes the set-up of an accepted connection.
 pub(crate) async fn accept(ctx: Arc<PairCtx>, mut s: UnixStream) -> Accepted {
     match accept_pair(&ctx, &mut s).await {
-        Ok((peer, make)) => Accepted::Linked(peer, Box::new(make(s))),
+        Ok((peer, make)) => match make(s) {
+            Ok(link) => Accepted::Linked(peer, Box::new(link)),
+            Err(e) => Accepted::Failed { claimed: Some(peer), detail: e.to_string(), fatal: true },
+        },
         Err((claimed, detail, fatal)) => Accepted::Failed { claimed, detail, fatal },
     }
 }
@@ -242,40 +238,9 @@ async fn accept_pair(ctx: &PairCtx, s: &mut UnixStream) -> Result<(Rank, MakeLin
         m => return Err(quiet(format!("expected a hello, got {m:?}"))),
     };
     let claimed = theirs.sender;
-    let noted = |d: String| (Some(claimed), format!("connection claiming rank {claimed}: {d}"), false);
-    let ours = Hello::new(&ctx.job, ctx.generation, ctx.rank, claimed, ctx.world).map_err(noted)?;
-    let our_bytes = ours.encode();
-    let their_bytes = theirs.encode();
-    let mac = handshake::proof(&ctx.token, false, &their_bytes, &our_bytes)
-        .ok_or_else(|| noted("HMAC rejected the job token".into()))?;
-    let mut reply = our_bytes.clone();
-    reply.extend_from_slice(&handshake::encode_proof(Verdict::Ok, &mac));
-    handshake::write_all(s, &reply, deadline).await.map_err(|e| noted(e.to_string()))?;
-    let (their_verdict, their_mac) =
-        match handshake::read_message(s, deadline).await.map_err(|e| noted(e.to_string()))? {
-            Message::Proof { verdict, mac } => (verdict, mac),
-            m => return Err(noted(format!("expected a proof, got {m:?}"))),
-        };
-    let authentic = handshake::verify(&ctx.token, true, &their_bytes, &our_bytes, &their_mac);
-    let verdict = if !authentic {
-        Verdict::AuthFailed
-    } else {
-        match check_fields(&ours, &theirs) {
-            Verdict::Ok if claimed <= ctx.rank || claimed >= ctx.world => Verdict::RankUnexpected,
-            v => v,
-        }
-    };
-    let _ = handshake::write_all(s, &handshake::encode_verdict(verdict), deadline).await;
-    if verdict != Verdict::Ok {
-        return Err((Some(claimed), format!("rank {claimed}: {}", verdict.describe(&ours, &theirs)), authentic));
-    }
-    if their_verdict != Verdict::Ok {
-        return Err((
-            Some(claimed),
-            format!("rank {claimed}: peer refused: {}", their_verdict.describe(&ours, &theirs)),
-            true,
-        ));
-    }
+    handshake::accept(s, &ctx.session(), theirs, None, |_| true)
+        .await
+        .map_err(|Refused { claimed, detail, fatal }| (Some(claimed), detail, fatal))?;
     // The segment.
     let fatal = |d: String| (Some(claimed), format!("rank {claimed}: {d}"), true);
     let mut desc = [0u8; DESC_LEN];
@@ -301,7 +266,7 @@ async fn accept_pair(ctx: &PairCtx, s: &mut UnixStream) -> Result<(Rank, MakeLin
 /// bits and a geometry within the limits ([`MIN_SLOTS`]..., [`MAX_SEGMENT_BYTES`]). Returns
 /// the slots per ring and the slot size.
 pub fn decode_descriptor(desc: &[u8; DESC_LEN]) -> Result<(u32, usize), String> {
-    let word = |at: usize| u32::from_le_bytes([desc[at], desc[at + 1], desc[at + 2], desc[at + 3]]);
+    let word = |at: usize| u32_at(desc, at);
     if word(0) != DESC_MAGIC {
         return Err(format!("bad segment descriptor magic {:#010x}", word(0)));
     }

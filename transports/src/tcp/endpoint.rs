@@ -2,7 +2,7 @@
 
 use super::options::TcpOptions;
 use crate::handshake::{self, Hello, HsIoError, Message, Refusal, Verdict};
-use crate::link_guards::lock;
+use crate::links::lock;
 use crate::{Rank, TransportError};
 use std::collections::HashMap;
 use std::net::SocketAddr;

@@ -15,6 +15,7 @@
 //! | 28     | 4    | reserved (must be 0)                    |
 //! | 32     | 8    | payload length                          |
 
+use crate::wire::{put_tag, tag_at, u32_at, u64_at};
 use crate::Tag;
 
 /// Size of an encoded [`FrameHeader`].
@@ -84,9 +85,7 @@ impl FrameHeader {
         b[5] = KIND_DATA;
         // flags (6..8) and reserved (28..32) stay zero.
         b[8..16].copy_from_slice(&self.generation.to_le_bytes());
-        b[16..20].copy_from_slice(&self.tag.seq.to_le_bytes());
-        b[20..24].copy_from_slice(&self.tag.step.to_le_bytes());
-        b[24..28].copy_from_slice(&self.tag.signature.to_le_bytes());
+        put_tag(&mut b, 16, self.tag);
         b[32..40].copy_from_slice(&self.len.to_le_bytes());
         b
     }
@@ -116,19 +115,9 @@ impl FrameHeader {
         if len > max_frame {
             return Err(FrameError::TooLong { len, max: max_frame });
         }
-        let tag = Tag { seq: u32_at(b, 16), step: u32_at(b, 20), signature: u32_at(b, 24) };
+        let tag = tag_at(b, 16);
         Ok(Self { generation: theirs, tag, len })
     }
-}
-
-fn u32_at(b: &[u8], at: usize) -> u32 {
-    u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
-}
-
-fn u64_at(b: &[u8], at: usize) -> u64 {
-    let mut x = [0u8; 8];
-    x.copy_from_slice(&b[at..at + 8]);
-    u64::from_le_bytes(x)
 }
 
 #[cfg(test)]

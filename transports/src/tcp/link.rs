@@ -4,15 +4,16 @@
 //! receive on the same link (and operations on different links) run concurrently.
 //!
 //! Receiving: a receiver reads the 40-byte header, then the payload straight into the
-//! caller's buffer. Headers are read through a small read-ahead buffer ([`READ_AHEAD`]
+//! caller's buffer (the stash, matching and stale-tag rules below are every link's:
+//! `crate::links`). Headers are read through a small read-ahead buffer ([`READ_AHEAD`]
 //! bytes) so that a small frame costs one system call; whatever payload bytes were read ahead
 //! are copied out of it, everything beyond goes from the socket directly into the caller's
 //! buffer. A frame for another tag than the one being waited for is
 //! - a protocol error if its `seq` is older than the oldest `seq` any receiver is waiting for
 //!   on this link (a stale tag: nothing will ever consume it);
 //! - otherwise stashed (copied) for the receiver that will ask for it, within a budget of
-//!   [`STASH_BUDGET`] bytes and [`STASH_MAX_FRAMES`] frames per link; beyond it the link fails
-//!   with a protocol error. Receivers look in the stash without taking the reader lock, so a
+//!   [`crate::wire::STASH_BUDGET`] bytes and [`crate::wire::STASH_MAX_FRAMES`] frames per
+//!   link; beyond it the link fails with a protocol error. Receivers look in the stash without taking the reader lock, so a
 //!   receiver whose frame was stashed never waits behind one still reading.
 //!
 //! A frame whose tag matches but whose signature or length differs fails the receive with
@@ -23,7 +24,7 @@
 //! bytes move, so a large transfer over a slow link is fine as long as it keeps moving.
 //! With learning on ([`crate::deadline`]), the link learns how long its gaps between
 //! progress normally are; when the learned deadline passes with nothing moving, it asks the
-//! peer's process whether it runs ([`super::liveness`]): no answer fails the operation at
+//! peer's process whether it runs ([`crate::liveness`]): no answer fails the operation at
 //! once with `Timeout`; an answer (the peer is late, or waits on somebody else) extends the
 //! wait by another learned deadline, asking again each time, up to the configured ceiling.
 //! Any failure marks the link broken (first error wins), shuts the socket down so the peer
@@ -37,24 +38,20 @@
 //! while a peer that reads sees end-of-stream at once.)
 
 use super::frame::{FrameHeader, HEADER_LEN};
-use super::liveness::{self, PROBE_WITHIN};
-use crate::deadline::{DeadlineInForce, LinkProgress};
-use crate::link_guards::{lock, BreakQuietly, Poison, Waiting};
+use crate::links::{self, Arrival, LinkCore, Poison};
+use crate::liveness::{self, PROBE_WITHIN};
 use crate::spin;
-use crate::wire::{other_call, seq_older, STASH_BUDGET, STASH_MAX_FRAMES};
-use crate::{Deadlines, Rank, Signatures, Silence, Tag, TransportError};
+use crate::{Deadlines, Rank, Silence, Tag, TransportError};
 use std::future::Future;
 use std::io::{self, IoSlice};
-use std::net::Shutdown;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::Arc;
 use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
-use tokio::sync::Notify;
 use tokio::time::{Instant, Sleep};
 
 /// Size of the per-link read-ahead buffer used for headers and small payloads.
@@ -84,7 +81,7 @@ struct PeerProbe {
 /// move. The timer is re-armed lazily: progress only records the time, and when the timer
 /// fires early it is pushed to the deadline then in force.
 struct Watchdog<'a> {
-    link: &'a Link,
+    link: &'a TcpLink,
     /// The operation waited for (gaps are learned only once the peer has been seen in it).
     seq: u32,
     /// Whether gaps of this operation feed the estimator (receives do, sends do not).
@@ -106,11 +103,11 @@ enum Wake {
 }
 
 impl<'a> Watchdog<'a> {
-    fn new(link: &'a Link, seq: u32, learn: bool, sleep: Pin<&'a mut Sleep>) -> Self {
+    fn new(link: &'a TcpLink, seq: u32, learn: bool, sleep: Pin<&'a mut Sleep>) -> Self {
         // An operation may park on the socket: let its wake-up preempt a CPU-bound neighbour.
         spin::prefer_short_slice();
         let mut wd = Self { link, seq, learn, last: Instant::now(), alive_at: None, sleep };
-        let first = wd.last + wd.link.progress.in_force().value;
+        let first = wd.last + wd.link.core.progress.in_force().value;
         wd.sleep.as_mut().reset(first);
         wd
     }
@@ -119,7 +116,7 @@ impl<'a> Watchdog<'a> {
     fn progressed(&mut self) {
         let now = Instant::now();
         if self.learn {
-            self.link.progress.observe(self.seq, now - self.last);
+            self.link.core.progress.observe(self.seq, now - self.last);
         }
         self.last = now;
         self.alive_at = None;
@@ -127,17 +124,19 @@ impl<'a> Watchdog<'a> {
 
     fn wake(&self) -> Wake {
         let now = Instant::now();
-        let ceiling = self.last + self.link.progress.ceiling();
+        let ceiling = self.last + self.link.core.progress.ceiling();
         if now >= ceiling {
-            return Wake::Stalled(self.link.progress.ceiling());
+            return Wake::Stalled(self.link.core.progress.ceiling());
         }
-        let window = self.link.progress.in_force().value;
+        let window = self.link.core.progress.in_force().value;
         let due = self.alive_at.unwrap_or(self.last) + window;
         if now < due {
             return Wake::Until(due.min(ceiling));
         }
         match &self.link.probe {
-            Some(p) if self.link.progress.learning() && p.verified.load(Ordering::Relaxed) => Wake::Probe(p.target),
+            Some(p) if self.link.core.progress.learning() && p.verified.load(Ordering::Relaxed) => {
+                Wake::Probe(p.target)
+            }
             _ => Wake::Until(ceiling),
         }
     }
@@ -168,10 +167,10 @@ impl<'a> Watchdog<'a> {
                     };
                     let now = Instant::now();
                     if let Some(silence) = answer.silence() {
-                        let in_force = self.link.progress.in_force();
-                        self.link.span.in_scope(|| {
+                        let in_force = self.link.core.progress.in_force();
+                        self.link.core.span.in_scope(|| {
                             tracing::warn!(
-                                peer = self.link.peer,
+                                peer = self.link.core.peer(),
                                 stalled_ms = (now - self.last).as_millis() as u64,
                                 deadline = %in_force,
                                 "no progress past the learned deadline and the peer's process does not answer"
@@ -192,18 +191,6 @@ impl<'a> Watchdog<'a> {
             }
         }
     }
-}
-
-/// A frame received ahead of the receiver that wants it.
-struct Stashed {
-    tag: Tag,
-    data: Vec<u8>,
-}
-
-#[derive(Default)]
-struct Stash {
-    frames: Vec<Stashed>,
-    bytes: usize,
 }
 
 /// Spinning before parking: see [`super::TcpOptions::busy_poll`].
@@ -312,29 +299,18 @@ impl ReadState {
 }
 
 /// An established, authenticated connection to one peer.
-pub(crate) struct Link {
-    peer: Rank,
+pub(crate) struct TcpLink {
+    /// The stash, the broken state and the deadline every link keeps.
+    core: LinkCore,
     generation: u64,
     max_frame: u64,
-    /// The deadline in force and what it learned.
-    progress: LinkProgress,
     /// How to ask whether the peer's process runs (learning on, address known).
     probe: Option<PeerProbe>,
     reader: tokio::sync::Mutex<ReadState>,
     writer: tokio::sync::Mutex<OwnedWriteHalf>,
-    stash: Mutex<Stash>,
-    /// Woken when a frame is stashed or the link breaks.
-    stash_changed: Notify,
-    /// `seq` of every receive currently waiting on this link (stale-tag detection).
-    waiting: Waiting,
-    broken: OnceLock<TransportError>,
-    /// A duplicate of the socket, used to shut it down without touching the halves.
-    sock: socket2::Socket,
-    /// The owning transport's span (job, generation, rank).
-    span: tracing::Span,
 }
 
-impl Link {
+impl TcpLink {
     /// Wraps an authenticated stream (socket options already applied). With learning on,
     /// `peer_addr` (the peer's endpoint) is where its liveness responder answers; it is asked
     /// once now, in the background, so that later silences can be trusted.
@@ -368,10 +344,9 @@ impl Link {
             PeerProbe { target, verified }
         });
         Ok(Self {
-            peer,
+            core: LinkCore::new(peer, "tcp", "frame", deadlines, sock, span),
             generation,
             max_frame,
-            progress: LinkProgress::new(deadlines),
             probe,
             reader: tokio::sync::Mutex::new(ReadState {
                 half: r,
@@ -381,18 +356,7 @@ impl Link {
                 busy_poll,
             }),
             writer: tokio::sync::Mutex::new(w),
-            stash: Mutex::new(Stash::default()),
-            stash_changed: Notify::new(),
-            waiting: Waiting::default(),
-            broken: OnceLock::new(),
-            sock,
-            span,
         })
-    }
-
-    /// The no-progress deadline in force on this link, and why.
-    pub(crate) fn deadline_in_force(&self) -> DeadlineInForce {
-        self.progress.in_force()
     }
 
     /// Whether the peer's liveness responder has answered (stalls past the learned deadline
@@ -401,57 +365,56 @@ impl Link {
         self.probe.as_ref().is_some_and(|p| p.verified.load(Ordering::Relaxed))
     }
 
-    /// The error that broke this link, if it is broken.
-    pub(crate) fn broken(&self) -> Option<&TransportError> {
-        self.broken.get()
-    }
-
-    fn check(&self) -> Result<(), TransportError> {
-        match self.broken.get() {
-            Some(e) => Err(e.clone()),
-            None => Ok(()),
-        }
-    }
-
-    /// Marks the link broken with `err` (unless it already is), shuts the socket down and
-    /// wakes receivers waiting on the stash. Returns `err` for the failing operation.
-    pub(crate) fn fail(&self, err: TransportError) -> TransportError {
-        if self.broken.set(err.clone()).is_ok() {
-            self.span.in_scope(|| tracing::debug!(peer = self.peer, error = %err, "tcp link down"));
-            self.shutdown();
-            self.stash_changed.notify_waiters();
-        }
-        err
-    }
-
-    /// Shuts the socket down in both directions without waiting for the peer.
-    pub(crate) fn shutdown(&self) {
-        // Errors (e.g. already disconnected) leave nothing to do.
-        let _ = self.sock.shutdown(Shutdown::Both);
-        self.stash_changed.notify_waiters();
-    }
-
     fn io_error(&self, e: IoFail) -> TransportError {
+        let peer = self.core.peer();
         match e {
-            IoFail::Stalled(after, silence) => TransportError::Timeout { peer: self.peer, after, silence },
-            IoFail::Eof(at) => {
-                TransportError::PeerClosed { peer: self.peer, detail: format!("connection closed by peer {at}") }
-            }
-            IoFail::Io(e) => TransportError::PeerClosed { peer: self.peer, detail: e.to_string() },
+            IoFail::Stalled(after, silence) => TransportError::Timeout { peer, after, silence },
+            IoFail::Eof(at) => TransportError::PeerClosed { peer, detail: format!("connection closed by peer {at}") },
+            IoFail::Io(e) => TransportError::PeerClosed { peer, detail: e.to_string() },
         }
     }
 
-    fn protocol(&self, detail: String) -> TransportError {
-        TransportError::Protocol { peer: self.peer, detail }
+    /// Fails the link with the error `e` stands for.
+    fn io_fail(&self, e: IoFail) -> TransportError {
+        self.core.fail(self.io_error(e))
+    }
+
+    async fn read_until(
+        &self,
+        r: &mut ReadState,
+        wd: &mut Watchdog<'_>,
+        tag: Tag,
+        buf: &mut [u8],
+    ) -> Result<(), TransportError> {
+        loop {
+            let raw = r.read_header(wd).await.map_err(|e| self.io_fail(e))?;
+            let h = FrameHeader::decode(&raw, self.generation, self.max_frame)
+                .map_err(|e| self.core.fail_protocol(e.to_string()))?;
+            self.core.progress.saw(h.tag.seq);
+            match self.core.arrived(tag, buf.len(), h.tag, h.len)? {
+                Arrival::Wanted => return r.read_payload(buf, wd).await.map_err(|e| self.io_fail(e)),
+                Arrival::Early(len) => {
+                    let mut data = vec![0u8; len];
+                    r.read_payload(&mut data, wd).await.map_err(|e| self.io_fail(e))?;
+                    self.core.stash(h.tag, data);
+                }
+            }
+        }
+    }
+}
+
+impl links::Link for TcpLink {
+    fn core(&self) -> &LinkCore {
+        &self.core
     }
 
     /// Sends one frame: header and payload, straight from `data`.
-    pub(crate) async fn send(&self, tag: Tag, data: &[u8]) -> Result<(), TransportError> {
-        self.check()?;
+    async fn send(&self, tag: Tag, data: &[u8]) -> Result<(), TransportError> {
+        self.core.check()?;
         let mut w = self.writer.lock().await;
-        self.check()?;
+        self.core.check()?;
         let header = FrameHeader { generation: self.generation, tag, len: data.len() as u64 }.encode();
-        let mut poison = Poison::arm(self);
+        let mut poison = Poison::arm(&self.core);
         let sleep = tokio::time::sleep(Duration::ZERO);
         tokio::pin!(sleep);
         let mut wd = Watchdog::new(self, tag.seq, false, sleep);
@@ -478,148 +441,21 @@ impl Link {
             }
         }
         poison.disarm();
-        result.map_err(|e| self.fail(self.io_error(e)))
-    }
-
-    fn take_stashed(&self, tag: Tag) -> Option<Stashed> {
-        let mut s = lock(&self.stash);
-        // A frame of another call in this operation is taken too: delivering it reports the mismatch.
-        let i =
-            s.frames.iter().position(|f| (f.tag.seq == tag.seq && f.tag.step == tag.step) || other_call(tag, f.tag))?;
-        let f = s.frames.swap_remove(i);
-        s.bytes -= f.data.len();
-        Some(f)
-    }
-
-    fn check_match(&self, want: Tag, len: usize, got: Tag, got_len: u64) -> Result<(), TransportError> {
-        if got.signature != want.signature {
-            return Err(self.fail(TransportError::Mismatch {
-                peer: self.peer,
-                detail: format!(
-                    "message seq {} step {}: signature {:#010x} received (step {}), {:#010x} expected",
-                    want.seq, want.step, got.signature, got.step, want.signature
-                ),
-                signatures: Some(Signatures { received: got.signature, expected: want.signature }),
-            }));
-        }
-        if got_len != len as u64 {
-            return Err(self.fail(TransportError::Mismatch {
-                peer: self.peer,
-                detail: format!(
-                    "message seq {} step {}: {got_len} bytes received, {len} expected",
-                    want.seq, want.step
-                ),
-                signatures: None,
-            }));
-        }
-        Ok(())
-    }
-
-    /// The oldest `seq` any receiver waits for on this link.
-    fn oldest_waiting(&self) -> Option<u32> {
-        self.waiting.oldest()
+        result.map_err(|e| self.io_fail(e))
     }
 
     /// Receives the frame tagged `tag` into `buf`.
-    pub(crate) async fn recv(&self, tag: Tag, buf: &mut [u8]) -> Result<(), TransportError> {
-        let _waiting = self.waiting.register(tag.seq);
-        // Wait for the reader lock, unless the frame shows up in the stash meanwhile.
-        let mut reader = loop {
-            self.check()?;
-            let changed = self.stash_changed.notified();
-            tokio::pin!(changed);
-            changed.as_mut().enable();
-            if let Some(f) = self.take_stashed(tag) {
-                return self.deliver_stashed(tag, f, buf);
-            }
-            self.check()?;
-            tokio::select! {
-                g = self.reader.lock() => break g,
-                () = changed => {}
-            }
+    async fn recv(&self, tag: Tag, buf: &mut [u8]) -> Result<(), TransportError> {
+        let _waiting = self.core.register(tag.seq);
+        let Some(mut reader) = self.core.reader_or_stashed(&self.reader, tag, buf).await? else {
+            return Ok(());
         };
-        self.check()?;
-        if let Some(f) = self.take_stashed(tag) {
-            return self.deliver_stashed(tag, f, buf);
-        }
-        let mut poison = Poison::arm(self);
+        let mut poison = Poison::arm(&self.core);
         let sleep = tokio::time::sleep(Duration::ZERO);
         tokio::pin!(sleep);
         let mut wd = Watchdog::new(self, tag.seq, true, sleep);
         let result = self.read_until(&mut reader, &mut wd, tag, buf).await;
         poison.disarm();
         result
-    }
-
-    fn deliver_stashed(&self, tag: Tag, f: Stashed, buf: &mut [u8]) -> Result<(), TransportError> {
-        self.check_match(tag, buf.len(), f.tag, f.data.len() as u64)?;
-        buf.copy_from_slice(&f.data);
-        Ok(())
-    }
-
-    async fn read_until(
-        &self,
-        r: &mut ReadState,
-        wd: &mut Watchdog<'_>,
-        tag: Tag,
-        buf: &mut [u8],
-    ) -> Result<(), TransportError> {
-        loop {
-            let raw = r.read_header(wd).await.map_err(|e| self.fail(self.io_error(e)))?;
-            let h = FrameHeader::decode(&raw, self.generation, self.max_frame)
-                .map_err(|e| self.fail(self.protocol(e.to_string())))?;
-            self.progress.saw(h.tag.seq);
-            // A frame of another call in this operation fails the match (a mismatch, at once).
-            if (h.tag.seq == tag.seq && h.tag.step == tag.step) || other_call(tag, h.tag) {
-                self.check_match(tag, buf.len(), h.tag, h.len)?;
-                return r.read_payload(buf, wd).await.map_err(|e| self.fail(self.io_error(e)));
-            }
-            if let Some(oldest) = self.oldest_waiting() {
-                if seq_older(h.tag.seq, oldest) {
-                    return Err(self.fail(self.protocol(format!(
-                        "stale frame seq {} step {} (the oldest message still expected is seq {oldest})",
-                        h.tag.seq, h.tag.step
-                    ))));
-                }
-            }
-            // Reserve stash room before reading, so the allocation is bounded by the budget.
-            let len = {
-                let s = lock(&self.stash);
-                if s.frames.iter().any(|f| f.tag.seq == h.tag.seq && f.tag.step == h.tag.step) {
-                    return Err(
-                        self.fail(self.protocol(format!("duplicate frame seq {} step {}", h.tag.seq, h.tag.step)))
-                    );
-                }
-                // h.len <= max_frame was checked; it may still exceed usize on 32-bit targets.
-                let len = usize::try_from(h.len).unwrap_or(usize::MAX);
-                if s.frames.len() >= STASH_MAX_FRAMES || len > STASH_BUDGET - s.bytes {
-                    return Err(self.fail(self.protocol(format!(
-                        "out-of-order frames exceed the stash budget ({} frames, {} bytes held; {len} more arrived)",
-                        s.frames.len(),
-                        s.bytes
-                    ))));
-                }
-                len
-            };
-            let mut data = vec![0u8; len];
-            r.read_payload(&mut data, wd).await.map_err(|e| self.fail(self.io_error(e)))?;
-            {
-                let mut s = lock(&self.stash);
-                s.bytes += data.len();
-                s.frames.push(Stashed { tag: h.tag, data });
-            }
-            self.stash_changed.notify_waiters();
-        }
-    }
-}
-
-/// Marks the link broken with `err` (unless it already is) without shutting the socket down,
-/// and wakes its waiting receivers.
-impl BreakQuietly for Link {
-    fn break_quietly(&self, err: TransportError) {
-        if self.broken.set(err.clone()).is_ok() {
-            self.span.in_scope(|| tracing::debug!(peer = self.peer, error = %err, "tcp link unusable (left open)"));
-            self.stash_changed.notify_waiters();
-        }
     }
 }

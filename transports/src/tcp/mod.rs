@@ -42,17 +42,17 @@
 mod endpoint;
 pub mod frame;
 pub mod link;
-pub mod liveness;
 mod mesh;
 mod options;
 
 pub use endpoint::{HELLO_TIMEOUT, MAX_HANDSHAKING, MAX_PENDING, PENDING_HOLD};
 pub use options::{TcpOptions, DEFAULT_BUSY_POLL, KEEPALIVE_INTERVAL, KEEPALIVE_RETRIES};
 
-use crate::abort::AbortLatch;
+use crate::links::Links;
+use crate::liveness;
 use crate::{AbortReason, DeadlineInForce, Deadlines, Rank, Tag, Transport, TransportError};
 use endpoint::{Notes, Router};
-use link::Link;
+use link::TcpLink;
 use mesh::{Done, MeshCtx};
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
@@ -200,7 +200,7 @@ impl TcpEndpoint {
         let mut links = Vec::with_capacity(world as usize);
         for (peer, s) in streams.into_iter().enumerate() {
             links.push(match s {
-                Some(s) => Some(Link::new(
+                Some(s) => Some(TcpLink::new(
                     peer as Rank,
                     spec.generation,
                     self.options.max_frame,
@@ -214,21 +214,13 @@ impl TcpEndpoint {
             });
         }
         tracing::debug!(world, "tcp mesh up");
-        Ok(TcpTransport {
-            job: spec.job.into(),
-            generation: spec.generation,
-            rank,
-            world,
-            links,
-            abort: AbortLatch::new(),
-            span,
-        })
+        Ok(TcpTransport { job: spec.job.into(), links: Links::new("TCP", spec.generation, rank, links, span) })
     }
 }
 
 fn deadline_error(ctx: &MeshCtx, streams: &[Option<tokio::net::TcpStream>], deadlines: Deadlines) -> TransportError {
     let missing: Vec<Rank> = (0..ctx.world).filter(|&r| r != ctx.rank && streams[r as usize].is_none()).collect();
-    let notes = crate::link_guards::lock(&ctx.notes);
+    let notes = crate::links::lock(&ctx.notes);
     let mut detail = format!(
         "mesh not complete within the connect deadline of {:?}; no link to ranks {missing:?}",
         deadlines.connect
@@ -247,22 +239,17 @@ fn deadline_error(ctx: &MeshCtx, streams: &[Option<tokio::net::TcpStream>], dead
 /// A connected generation over TCP: one link per peer. `Send + Sync`; share it behind `Arc`.
 pub struct TcpTransport {
     job: Arc<str>,
-    generation: u64,
-    rank: Rank,
-    world: u32,
     /// Indexed by rank; `None` for this rank.
-    links: Vec<Option<Link>>,
-    abort: AbortLatch,
-    span: tracing::Span,
+    links: Links<TcpLink>,
 }
 
 impl std::fmt::Debug for TcpTransport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("TcpTransport")
             .field("job", &self.job)
-            .field("generation", &self.generation)
-            .field("rank", &self.rank)
-            .field("world", &self.world)
+            .field("generation", &self.links.generation)
+            .field("rank", &self.links.rank)
+            .field("world", &self.links.world)
             .finish_non_exhaustive()
     }
 }
@@ -273,67 +260,43 @@ impl TcpTransport {
         &self.job
     }
 
-    fn link(&self, peer: Rank) -> Result<&Link, TransportError> {
-        match self.links.get(peer as usize) {
-            Some(Some(l)) => Ok(l),
-            Some(None) => Err(TransportError::InvalidArgument(format!("rank {peer} is this rank"))),
-            None => {
-                Err(TransportError::InvalidArgument(format!("rank {peer} out of range for a world of {}", self.world)))
-            }
-        }
+    /// Whether the liveness responder of `peer`'s endpoint has answered since the link came
+    /// up (stalls past the learned deadline are settled by asking it; see [`liveness`]).
+    pub fn peer_probed(&self, peer: Rank) -> bool {
+        self.links.get(peer).is_some_and(TcpLink::peer_probed)
     }
 }
 
 impl Transport for TcpTransport {
     fn rank(&self) -> Rank {
-        self.rank
+        self.links.rank
     }
 
     fn world_size(&self) -> u32 {
-        self.world
+        self.links.world
     }
 
     fn generation(&self) -> u64 {
-        self.generation
+        self.links.generation
     }
 
     async fn send(&self, peer: Rank, tag: Tag, data: &[u8]) -> Result<(), TransportError> {
-        let link = self.link(peer)?;
-        self.abort.run(link.send(tag, data)).await
+        self.links.send(peer, tag, data).await
     }
 
     async fn recv(&self, peer: Rank, tag: Tag, buf: &mut [u8]) -> Result<(), TransportError> {
-        let link = self.link(peer)?;
-        self.abort.run(link.recv(tag, buf)).await
+        self.links.recv(peer, tag, buf).await
     }
 
     fn abort(&self, reason: AbortReason) {
-        if self.abort.trip(&reason) {
-            let _enter = self.span.enter();
-            tracing::debug!(%reason, "tcp transport aborted");
-            for l in self.links.iter().flatten() {
-                l.shutdown();
-            }
-        }
+        self.links.abort(reason);
     }
 
     fn is_aborted(&self) -> bool {
-        self.abort.reason().is_some() || self.links.iter().flatten().any(|l| l.broken().is_some())
+        self.links.is_aborted()
     }
 
     fn deadlines_in_force(&self) -> Vec<(Rank, DeadlineInForce)> {
-        self.links
-            .iter()
-            .enumerate()
-            .filter_map(|(peer, l)| l.as_ref().map(|l| (peer as Rank, l.deadline_in_force())))
-            .collect()
-    }
-}
-
-impl TcpTransport {
-    /// Whether the liveness responder of `peer`'s endpoint has answered since the link came
-    /// up (stalls past the learned deadline are settled by asking it; see [`liveness`]).
-    pub fn peer_probed(&self, peer: Rank) -> bool {
-        self.link(peer).is_ok_and(Link::peer_probed)
+        self.links.deadlines_in_force()
     }
 }

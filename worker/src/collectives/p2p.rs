@@ -4,16 +4,13 @@
 //! above every collective's steps) and do not consume a collective sequence number: a send
 //! and its receive happen between the same two collectives on both ranks.
 
-use crate::comm::{check, Call, CallKind, Communicator};
+use crate::comm::{check, Call, CallKind, Communicator, P2P_STEP_BASE};
 use crate::dtype::Element;
 use crate::error::CommError;
 use cohort_transports::Transport;
 
 /// Point-to-point messages (both directions share it).
 pub(crate) const P2P: CallKind = CallKind { name: "p2p", code: 11 };
-
-/// First step of point-to-point messages; collectives use the steps below it.
-pub(crate) const P2P_STEP_BASE: u64 = cohort_transports::wire::P2P_STEP_BASE as u64;
 
 impl<T: Transport> Communicator<T> {
     /// Sends `data` to `peer`, which must post a matching [`Communicator::recv`] (same dtype

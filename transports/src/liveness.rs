@@ -1,5 +1,6 @@
-//! Is the peer's process alive? A UDP echo beside every TCP endpoint, and the probe that asks
-//! it.
+//! Is the peer's process alive? A UDP echo beside every TCP endpoint and the probe that asks
+//! it, and the look at a same-host peer's process in `/proc` that the shared-memory links
+//! take instead.
 //!
 //! A stalled link has two very different causes: the peer's process does not run (SIGSTOP,
 //! a frozen host, a cut path), or it runs but is not sending yet (it computes a longer step,
