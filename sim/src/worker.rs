@@ -174,6 +174,7 @@ pub(crate) async fn run(setup: Arc<WorkerSetup>) -> turmoil::Result {
         view.incarnation = 0;
         view.in_generation = None;
         view.last_formed = 0;
+        view.excluded_until = 0;
     }
     worker.log("process starts");
     if let Err(e) = worker.process().await {
@@ -343,6 +344,14 @@ impl Worker {
         self.drive("", |m| m.begin_join(now()));
         loop {
             self.paused().await;
+            let until = self.shared().lock().workers.get(&self.setup.index).map_or(0, |v| v.excluded_until);
+            if now_ms() < until {
+                let what = format!(
+                    "{} asked to join before the end of its exclusion at {until} ms (an excluded worker waits it out)",
+                    self.name
+                );
+                self.shared().violation(now_ms(), what);
+            }
             let answer = bounded(
                 self.shared(),
                 &self.name,
