@@ -18,7 +18,6 @@
 
 use crate::records::{Cause, GenerationRecord, JobState};
 use std::time::Duration;
-use tonic::Status;
 
 /// What the reporter observed (the protocol's `FailureReport.FailureKind`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -83,6 +82,51 @@ pub(crate) enum ReportDecision {
     Ignore(Option<Cause>),
 }
 
+/// Why a failure report is refused (nothing changes). The service answers the first four
+/// with INVALID_ARGUMENT and [`ReportError::NotMember`] with PERMISSION_DENIED.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub(crate) enum ReportError {
+    /// Generation 0 was named.
+    #[error("generation 0 does not exist (generations start at 1)")]
+    GenerationZero,
+    /// The job has no generation yet.
+    #[error("generation {reported} is in the future (the job has no generation yet)")]
+    NoGeneration {
+        /// The generation reported.
+        reported: u64,
+    },
+    /// A generation newer than the job's newest was named.
+    #[error("generation {reported} is in the future (the job's newest generation is {newest})")]
+    Future {
+        /// The generation reported.
+        reported: u64,
+        /// The job's newest generation.
+        newest: u64,
+    },
+    /// The failed rank is not a rank of the generation.
+    #[error("failed_rank {rank} is not a rank of generation {generation} (size {size})")]
+    RankOutside {
+        /// The rank reported.
+        rank: u32,
+        /// The generation.
+        generation: u64,
+        /// Its size.
+        size: usize,
+    },
+    /// The reporter is not a member of the generation.
+    #[error(
+        "worker {worker_id} (incarnation {incarnation}) is not a member of generation {generation} and cannot report its failure"
+    )]
+    NotMember {
+        /// The reporter's worker id.
+        worker_id: String,
+        /// The reporter's incarnation.
+        incarnation: u64,
+        /// The generation.
+        generation: u64,
+    },
+}
+
 /// A failure report as the decision needs it.
 #[derive(Clone, Debug)]
 pub(crate) struct Report<'a> {
@@ -102,37 +146,33 @@ pub(crate) struct Report<'a> {
 
 /// Decides a failure report against the current generation record.
 ///
-/// Errors (no state change): no generation yet or a generation from the future
-/// (INVALID_ARGUMENT), a failed rank outside the generation (INVALID_ARGUMENT), a reporter
-/// that is not a member of the generation (PERMISSION_DENIED).
-pub(crate) fn decide(current: Option<&GenerationRecord>, report: &Report<'_>) -> Result<ReportDecision, Status> {
+/// Errors (no state change, see [`ReportError`]): generation 0, no generation yet or a
+/// generation from the future, a failed rank outside the generation, a reporter that is not
+/// a member of the generation.
+pub(crate) fn decide(current: Option<&GenerationRecord>, report: &Report<'_>) -> Result<ReportDecision, ReportError> {
     if report.generation == 0 {
-        return Err(Status::invalid_argument("generation 0 does not exist (generations start at 1)"));
+        return Err(ReportError::GenerationZero);
     }
     let Some(g) = current else {
-        return Err(Status::invalid_argument(format!(
-            "generation {} is in the future (the job has no generation yet)",
-            report.generation
-        )));
+        return Err(ReportError::NoGeneration { reported: report.generation });
     };
-    crate::validate::generation("generation", report.generation, g.number)?;
+    if report.generation > g.number {
+        return Err(ReportError::Future { reported: report.generation, newest: g.number });
+    }
     if report.generation < g.number {
         return Ok(ReportDecision::Ignore(g.cause_of(report.generation).cloned()));
     }
     if let Some(rank) = report.failed_rank {
         if rank as usize >= g.members.len() {
-            return Err(Status::invalid_argument(format!(
-                "failed_rank {rank} is not a rank of generation {} (size {})",
-                g.number,
-                g.members.len()
-            )));
+            return Err(ReportError::RankOutside { rank, generation: g.number, size: g.members.len() });
         }
     }
     if g.rank_of(report.worker_id, report.incarnation).is_none() {
-        return Err(Status::permission_denied(format!(
-            "worker {} (incarnation {}) is not a member of generation {} and cannot report its failure",
-            report.worker_id, report.incarnation, g.number
-        )));
+        return Err(ReportError::NotMember {
+            worker_id: report.worker_id.to_string(),
+            incarnation: report.incarnation,
+            generation: g.number,
+        });
     }
     if let Some(cause) = &g.revoked {
         return Ok(ReportDecision::Ignore(Some(cause.clone())));
@@ -477,11 +517,18 @@ mod tests {
     fn older_generation_is_ignored_and_bad_reports_refused() {
         let g = gen(4);
         assert_eq!(decide(Some(&g), &report(3, Some(0))).expect("valid"), ReportDecision::Ignore(None));
-        assert_eq!(decide(Some(&g), &report(5, None)).expect_err("future").code(), tonic::Code::InvalidArgument);
-        assert_eq!(decide(Some(&g), &report(4, Some(3))).expect_err("rank").code(), tonic::Code::InvalidArgument);
-        assert_eq!(decide(None, &report(1, None)).expect_err("none").code(), tonic::Code::InvalidArgument);
+        assert_eq!(decide(Some(&g), &report(5, None)), Err(ReportError::Future { reported: 5, newest: 4 }));
+        assert_eq!(
+            decide(Some(&g), &report(4, Some(3))),
+            Err(ReportError::RankOutside { rank: 3, generation: 4, size: 3 })
+        );
+        assert_eq!(decide(None, &report(1, None)), Err(ReportError::NoGeneration { reported: 1 }));
+        assert_eq!(decide(Some(&g), &report(0, None)), Err(ReportError::GenerationZero));
         let stranger = Report { worker_id: "z", ..report(4, None) };
-        assert_eq!(decide(Some(&g), &stranger).expect_err("stranger").code(), tonic::Code::PermissionDenied);
+        assert_eq!(
+            decide(Some(&g), &stranger),
+            Err(ReportError::NotMember { worker_id: "z".into(), incarnation: 1, generation: 4 })
+        );
     }
 
     #[test]

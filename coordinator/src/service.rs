@@ -96,6 +96,17 @@ fn not_member(job: &str, worker: &str, incarnation: u64) -> Status {
     ))
 }
 
+/// A refused failure report ([`revocation::decide`]): PERMISSION_DENIED for a reporter that
+/// is not a member of the generation, INVALID_ARGUMENT for the rest.
+impl From<revocation::ReportError> for Status {
+    fn from(e: revocation::ReportError) -> Self {
+        match e {
+            revocation::ReportError::NotMember { .. } => Status::permission_denied(e.to_string()),
+            _ => Status::invalid_argument(e.to_string()),
+        }
+    }
+}
+
 /// A Join for a worker id that a live process holds: ALREADY_EXISTS, naming the holder's
 /// host, with the time after which a holder that stays silent counts as gone in the
 /// [`cohort_proto::RETRY_AFTER_MS_HEADER`] metadata (a restarted process joins then).

@@ -66,6 +66,10 @@ pub(crate) struct Ledger {
     /// fault on the ring): every member's step then completes, as in a ring whose last
     /// messages were already on their way.
     pub(crate) completed: BTreeSet<(u64, u64)>,
+    /// Data plane: (generation, step) pairs a member arrived at with a re-formation pending:
+    /// every member leaves the generation after that step (the flag the ranks agree on at a
+    /// commit point).
+    pub(crate) reform: BTreeSet<(u64, u64)>,
     /// Data plane: the newest step each worker index committed (its state survives crashes
     /// as a checkpoint would).
     pub(crate) committed: BTreeMap<usize, u64>,

@@ -4,7 +4,8 @@
 //! ([`cohort_coordinator::server::start_with_incoming`]) over the real gRPC stack (tonic,
 //! hyper, h2) on turmoil's simulated network; they share one memory store as they would
 //! share etcd, on the simulated clock; simulated workers speak the real protocol through
-//! the real client ([`cohort::control::ControlClient`]): they join, heartbeat, watch,
+//! the real client ([`cohort::control::ControlClient`]) and decide through the worker's real
+//! membership machine (`cohort::elastic::membership`): they join, heartbeat, watch,
 //! rendezvous, commit, report failures and leave, over a model of the data plane. A seed
 //! decides everything: the cluster's shape, latencies, and a schedule of faults (replica
 //! crash and restart, partitions, store outages and latency, worker crash and SIGSTOP-like
@@ -17,6 +18,7 @@
 mod clock;
 mod ledger;
 mod net;
+mod ring;
 mod run;
 mod scenario;
 mod store;

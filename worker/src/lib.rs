@@ -6,6 +6,13 @@
 //! [`DType`] and the operators of [`ReduceOp`]. Results are bit-exact across ranks. Every
 //! operation either completes or fails with a typed [`CommError`] on every live rank; a
 //! [`Revoker`] aborts in-flight operations at once with the generation's [`RootCause`].
+//!
+//! # The `test-support` feature
+//!
+//! It makes `elastic::membership`, the worker's membership state machine (no I/O, time passed
+//! in), public, so that the deterministic simulation (`cohort-sim`) drives the same machine
+//! as [`elastic::ElasticGroup`]. It is not part of the stable API: anything under it may
+//! change in any release, and nothing outside this workspace should enable it.
 
 pub mod algo;
 pub mod collectives;

@@ -2,9 +2,9 @@
 
 use super::choice::{host_layout, plan_mesh, MeshPlan};
 use super::connect::{connect_planned, LocalEndpoints, MeshScope};
-use super::membership::{cause_from_pb, Effect, JoinNext, Membership, Step, WatchNext};
+use super::membership::{CallError, Effect, JoinNext, Membership, Step, WatchNext};
 use super::{ElasticConfig, ElasticError, MeshKind, MeshTransport};
-use crate::control::ControlClient;
+use crate::control::{ControlClient, ControlError};
 use crate::{CommConfig, CommError, Communicator, Revoker, RootCause};
 use cohort_proto::v1 as pb;
 use cohort_transports::shm::{ShmAddress, ShmEndpoint};
@@ -57,6 +57,20 @@ pub enum ReformReason {
     ScaleUp,
     /// A member is leaving gracefully (SIGTERM, scale-down).
     Leave,
+}
+
+/// The gRPC client's errors, as the membership machine tells them apart: NOT_FOUND is the
+/// coordinator saying it no longer knows the incarnation that called; the client's typed
+/// refusals of a join (excluded, worker id in use) keep their time to come back.
+impl From<ControlError> for CallError {
+    fn from(e: ControlError) -> Self {
+        match e {
+            ControlError::Excluded { message, retry_after } => CallError::Excluded { message, retry_after },
+            ControlError::IdInUse { message, retry_after } => CallError::IdInUse { message, retry_after },
+            e if e.code() == Some(tonic::Code::NotFound) => CallError::NotMember(e),
+            e => CallError::Failed(e),
+        }
+    }
 }
 
 /// The membership machine, shared with the background tasks, and what its effects act on.
@@ -227,7 +241,7 @@ impl ElasticGroup {
         };
         self.shared.drive(|m| m.begin_join(Instant::now()));
         let (incarnation, heartbeat_interval) = loop {
-            let answer = self.client.join(request.clone()).await;
+            let answer = self.client.join(request.clone()).await.map_err(CallError::from);
             match self.shared.drive(|m| m.handle_join(Instant::now(), answer))? {
                 JoinNext::Joined { incarnation, heartbeat_interval } => break (incarnation, heartbeat_interval),
                 JoinNext::RetryAt(at) => tokio::time::sleep_until(at.into()).await,
@@ -350,7 +364,8 @@ impl ElasticGroup {
                     after_generation,
                     wait_ms: self.config.rendezvous_poll.as_millis() as u64,
                 })
-                .await;
+                .await
+                .map_err(CallError::from);
             if let Some(generation) = self.shared.drive(|m| m.handle_rendezvous(incarnation, answer))? {
                 if let Some(formed) = self.connect(generation).await? {
                     return Ok(formed);
@@ -602,37 +617,32 @@ impl FailureReporter {
                 _ => None,
             },
         };
-        match tokio::time::timeout(self.root_cause_wait.max(Duration::from_secs(2)), self.client.report_failure(report))
-            .await
+        let answer = match tokio::time::timeout(
+            self.root_cause_wait.max(Duration::from_secs(2)),
+            self.client.report_failure(report),
+        )
+        .await
         {
-            Ok(Ok(response)) => {
-                let cause = cause_from_pb(response.cause);
-                self.shared.drive(|m| m.handle_revoked(generation, cause.clone()));
-                cause
-            }
+            Ok(Ok(response)) => Some(response),
             Ok(Err(e)) => {
                 warn!(error = %e, "could not report the failure; using the local error as the cause");
-                self.revoke_locally(generation, failed_rank, error)
+                None
             }
             Err(_) => {
                 warn!("no answer to the failure report in time; using the local error as the cause");
-                self.revoke_locally(generation, failed_rank, error)
+                None
             }
-        }
-    }
-
-    /// Without the coordinator's record, the local error is the cause; revoking with it
-    /// closes the generation's links (which stayed open for the report) so that peers stop
-    /// waiting on this rank.
-    fn revoke_locally(&self, generation: u64, failed_rank: Option<u32>, error: &CommError) -> RootCause {
-        let cause = RootCause {
+        };
+        // Without the coordinator's record, the local error is the cause; revoking with it
+        // closes the generation's links (which stayed open for the report) so that peers stop
+        // waiting on this rank.
+        let local = RootCause {
             rank: failed_rank,
             worker_id: String::new(),
             host: String::new(),
             reason: error.failure_reason(),
         };
-        self.shared.drive(|m| m.handle_revoked(generation, cause.clone()));
-        cause
+        self.shared.drive(|m| m.handle_report(generation, answer, local))
     }
 }
 
@@ -749,7 +759,7 @@ async fn heartbeat_task(
             deadlines: progress.deadlines,
             timing,
         };
-        let answer = client.heartbeat(request).await;
+        let answer = client.heartbeat(request).await.map_err(CallError::from);
         if !shared.drive(|m| m.handle_heartbeat(incarnation, answer)) {
             return;
         }
@@ -769,7 +779,7 @@ async fn commit_task(
     while commits.changed().await.is_ok() {
         let Some(request) = commits.borrow_and_update().clone() else { continue };
         let (generation, incarnation) = (request.generation, request.incarnation);
-        let answer = client.commit(request).await;
+        let answer = client.commit(request).await.map_err(CallError::from);
         shared.drive(|m| m.handle_commit(generation, incarnation, answer));
     }
 }
@@ -871,6 +881,25 @@ mod tests {
         );
         let message = error.to_string();
         assert!(message.contains("cohort-no-such-device") && message.contains("RDMA device"), "{message}");
+    }
+
+    /// The gRPC shell's classification of the client's errors for the membership machine.
+    #[test]
+    fn control_errors_are_classified_for_the_membership_machine() {
+        use super::{CallError, ControlError};
+        use std::time::Duration;
+        let rejected = |code| ControlError::Rejected { rpc: "Heartbeat", code, message: format!("{code:?}") };
+        assert!(matches!(CallError::from(rejected(tonic::Code::NotFound)), CallError::NotMember(_)));
+        for code in [tonic::Code::Unavailable, tonic::Code::FailedPrecondition, tonic::Code::PermissionDenied] {
+            assert!(matches!(CallError::from(rejected(code)), CallError::Failed(_)), "{code:?}");
+        }
+        let unreachable = ControlError::Unreachable { endpoints: "x".into(), attempts: 3, last: "refused".into() };
+        assert!(matches!(CallError::from(unreachable), CallError::Failed(ControlError::Unreachable { .. })));
+        let left = Duration::from_millis(2500);
+        let excluded = ControlError::Excluded { message: "failed 3 times".into(), retry_after: left };
+        assert!(matches!(CallError::from(excluded), CallError::Excluded { retry_after, .. } if retry_after == left));
+        let in_use = ControlError::IdInUse { message: "held".into(), retry_after: left };
+        assert!(matches!(CallError::from(in_use), CallError::IdInUse { retry_after, .. } if retry_after == left));
     }
 
     #[test]

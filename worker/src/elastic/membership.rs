@@ -1,13 +1,19 @@
 //! [`Membership`]: every decision of a worker's membership, as a pure state machine.
 //!
 //! The machine does no I/O, spawns nothing and never waits, in the manner of quinn-proto's
-//! `Connection` and raft-rs's `RawNode`: the shell in [`super::group`] performs the calls to
-//! the coordinator and hands their answers in (`handle_*`, with the time `now` where time
-//! matters), asks what to do next ([`Membership::next_step`], the `*_request` methods), and
+//! `Connection` and raft-rs's `RawNode`: the shell ([`super::ElasticGroup`]) performs the
+//! calls to the coordinator and hands their answers in (`handle_*`, with the time `now` where
+//! time matters), asks what to do next ([`Membership::next_step`], the `*_request` methods), and
 //! performs the [`Effect`]s the machine queues ([`Membership::poll_effect`]). The machine
 //! alone decides which incarnation is current, which generations are revoked and why,
 //! whether an answer is stale, when an excluded worker asks again, whether a re-formation is
 //! pending, and when the job's event stream is reopened.
+//!
+//! The machine never reads a transport's status codes: the shell classifies each failed call
+//! into a [`CallError`] (for the gRPC client, `From<ControlError>` in the shell), and time and
+//! randomness come in as arguments. So the same machine runs in the worker, under tokio, and
+//! in the deterministic simulation (`cohort-sim`, through the `test-support` feature), under
+//! simulated time.
 
 use super::ElasticError;
 use crate::control::ControlError;
@@ -19,7 +25,7 @@ use tracing::{info, warn};
 
 /// How long past the end of its exclusion (as the coordinator counted it) an excluded worker
 /// asks to join again, so that the coordinator's clock has passed it too.
-pub(crate) const EXCLUSION_MARGIN: Duration = Duration::from_millis(50);
+pub const EXCLUSION_MARGIN: Duration = Duration::from_millis(50);
 
 /// How many times one join asks again after "a live process holds this worker id"
 /// (ALREADY_EXISTS): once is what a restart after a crash needs (the coordinator says when its
@@ -38,9 +44,53 @@ const REVOKED_KEPT: usize = 16;
 const WATCH_RETRY_FIRST: Duration = Duration::from_millis(50);
 const WATCH_RETRY_MAX: Duration = Duration::from_secs(1);
 
+/// A coordinator call that brought no answer, as the machine tells failures apart. The shell
+/// classifies its client's errors into it (the gRPC shell: `From<ControlError>`, NOT_FOUND
+/// being [`CallError::NotMember`]); the machine decides on the class alone.
+#[derive(Clone, Debug, thiserror::Error)]
+pub enum CallError {
+    /// The coordinator no longer knows the incarnation that called (its lease lapsed, it was
+    /// evicted, or its job is gone): the worker joins again.
+    #[error("no longer a member: {0}")]
+    NotMember(ControlError),
+    /// A join refused while this worker is excluded (its failures repeated), until
+    /// `retry_after` from now as the coordinator counts it.
+    #[error("excluded: {message} (retry after {retry_after:?})")]
+    Excluded {
+        /// The coordinator's message (failures, cool-down).
+        message: String,
+        /// Until the exclusion ends.
+        retry_after: Duration,
+    },
+    /// A join refused because a live process holds this worker id; a holder that stays
+    /// silent for `retry_after` counts as gone.
+    #[error("worker id in use: {message} (retry after {retry_after:?})")]
+    IdInUse {
+        /// The coordinator's message (the holder's host and incarnation).
+        message: String,
+        /// When a silent holder would count as gone.
+        retry_after: Duration,
+    },
+    /// Any other failure (unreachable, refused for another reason): a join or a rendezvous
+    /// fails with it, a heartbeat or a commit report is tried again later.
+    #[error(transparent)]
+    Failed(ControlError),
+}
+
+impl CallError {
+    /// The error a worker stops with when this failure ends a join or a rendezvous.
+    fn into_error(self) -> ElasticError {
+        match self {
+            CallError::NotMember(e) | CallError::Failed(e) => e.into(),
+            CallError::Excluded { message, retry_after } => ControlError::Excluded { message, retry_after }.into(),
+            CallError::IdInUse { message, retry_after } => ControlError::IdInUse { message, retry_after }.into(),
+        }
+    }
+}
+
 /// Something the shell performs for the machine.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub(crate) enum Effect {
+pub enum Effect {
     /// Abort the communicator of `generation`, the one connected now, with `cause`.
     Abort {
         /// The generation whose communicator is aborted.
@@ -55,7 +105,7 @@ pub(crate) enum Effect {
 
 /// What [`super::ElasticGroup::next_generation`] does next.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub(crate) enum Step {
+pub enum Step {
     /// Join again: the coordinator no longer knows the current incarnation.
     Join,
     /// Ask the rendezvous for the generation after `after_generation`, as `incarnation`.
@@ -69,7 +119,7 @@ pub(crate) enum Step {
 
 /// What follows a Join answer.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub(crate) enum JoinNext {
+pub enum JoinNext {
     /// Joined as `incarnation`; its heartbeat runs every `heartbeat_interval`.
     Joined {
         /// The new incarnation.
@@ -83,7 +133,7 @@ pub(crate) enum JoinNext {
 
 /// What the event-stream task does after its stream ended or could not be opened.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum WatchNext {
+pub enum WatchNext {
     /// Open the stream again at this time (for [`Membership::incarnation`]).
     ReopenAt(Instant),
     /// The job is over: stop following it.
@@ -92,20 +142,20 @@ pub(crate) enum WatchNext {
 
 /// A heartbeat's content: what this worker is doing.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub(crate) struct Progress {
+pub struct Progress {
     /// The generation it works in (or the newest it has seen).
-    pub(crate) generation: u64,
+    pub generation: u64,
     /// Its step.
-    pub(crate) step: u64,
+    pub step: u64,
     /// What it is doing ("rendezvous", "connecting", "training", ...).
-    pub(crate) activity: String,
+    pub activity: String,
     /// The no-progress deadline in force on its links, in brief.
-    pub(crate) deadlines: String,
+    pub deadlines: String,
 }
 
 /// One worker's membership in an elastic job, without I/O (see the module documentation).
 #[derive(Debug)]
-pub(crate) struct Membership {
+pub struct Membership {
     /// How long in all a join waits out exclusions ([`super::ElasticConfig::exclusion_wait`]).
     exclusion_wait: Duration,
     /// The current incarnation; 0 before the first join.
@@ -140,7 +190,7 @@ pub(crate) struct Membership {
 
 impl Membership {
     /// The membership of a worker that has not joined yet.
-    pub(crate) fn new(exclusion_wait: Duration) -> Self {
+    pub fn new(exclusion_wait: Duration) -> Self {
         Membership {
             exclusion_wait,
             incarnation: 0,
@@ -161,43 +211,43 @@ impl Membership {
     }
 
     /// The next effect for the shell to perform, oldest first.
-    pub(crate) fn poll_effect(&mut self) -> Option<Effect> {
+    pub fn poll_effect(&mut self) -> Option<Effect> {
         self.effects.pop_front()
     }
 
     /// The current incarnation (0 before the first join).
-    pub(crate) fn incarnation(&self) -> u64 {
+    pub fn incarnation(&self) -> u64 {
         self.incarnation
     }
 
     /// Whether the coordinator no longer knows the current incarnation.
-    pub(crate) fn is_evicted(&self) -> bool {
+    pub fn is_evicted(&self) -> bool {
         self.evicted == Some(self.incarnation)
     }
 
     /// Whether joiners or a leaver wait for a re-formation, as far as this worker has heard.
-    pub(crate) fn reformation_pending(&self) -> bool {
+    pub fn reformation_pending(&self) -> bool {
         self.reformation_pending
     }
 
     /// Why the coordinator asked this member to leave as a straggler, if it has.
-    pub(crate) fn straggler_leave(&self) -> Option<&str> {
+    pub fn straggler_leave(&self) -> Option<&str> {
         self.straggler_leave.as_deref()
     }
 
     /// The root cause of a revoked generation, if heard.
-    pub(crate) fn cause_of(&self, generation: u64) -> Option<RootCause> {
+    pub fn cause_of(&self, generation: u64) -> Option<RootCause> {
         self.revoked.iter().find(|(g, _)| *g == generation).map(|(_, c)| c.clone())
     }
 
     /// How the job ended, once it has.
-    pub(crate) fn ended(&self) -> Option<ElasticError> {
+    pub fn ended(&self) -> Option<ElasticError> {
         self.ended.clone().map(|(outcome, reason)| ElasticError::JobEnded { outcome, reason })
     }
 
     /// Why a generation being connected (or in use) must be given up: its revocation, or the
     /// end of the job. `None` while it stands.
-    pub(crate) fn stop_reason(&self, generation: u64) -> Option<RootCause> {
+    pub fn stop_reason(&self, generation: u64) -> Option<RootCause> {
         if let Some(cause) = self.cause_of(generation) {
             return Some(cause);
         }
@@ -205,21 +255,21 @@ impl Membership {
     }
 
     /// Records what this worker is doing (sent with the next heartbeat).
-    pub(crate) fn set_progress(&mut self, generation: u64, step: u64, activity: &str) {
+    pub fn set_progress(&mut self, generation: u64, step: u64, activity: &str) {
         self.progress.generation = generation;
         self.progress.step = step;
         activity.clone_into(&mut self.progress.activity);
     }
 
     /// Records the no-progress deadline in force, in brief (sent with the next heartbeat).
-    pub(crate) fn set_deadlines(&mut self, brief: &str) {
+    pub fn set_deadlines(&mut self, brief: &str) {
         brief.clone_into(&mut self.progress.deadlines);
     }
 
     // ---- Join -------------------------------------------------------------------------
 
     /// A join starts at `now`: its exclusion waits count from here.
-    pub(crate) fn begin_join(&mut self, now: Instant) {
+    pub fn begin_join(&mut self, now: Instant) {
         self.join_started = Some(now);
         self.id_in_use_refusals = 0;
     }
@@ -228,7 +278,7 @@ impl Membership {
     /// then 100 ms doubling up to 5 s for each further eviction before a generation connects
     /// (an incarnation evicted again and again, e.g. by another process with this worker
     /// id, backs off instead of joining in a tight loop).
-    pub(crate) fn rejoin_backoff(&self) -> Duration {
+    pub fn rejoin_backoff(&self) -> Duration {
         match self.rejoins {
             0 | 1 => Duration::ZERO,
             n => REJOIN_BACKOFF_FIRST.saturating_mul(1 << (n - 2).min(16)).min(REJOIN_BACKOFF_MAX),
@@ -238,10 +288,10 @@ impl Membership {
     /// The answer to a Join sent at or after [`Membership::begin_join`]. An exclusion is
     /// waited out (a margin past its end) as long as the whole join stays within
     /// `exclusion_wait`; past that, or on any other error, the join fails.
-    pub(crate) fn handle_join(
+    pub fn handle_join(
         &mut self,
         now: Instant,
-        answer: Result<pb::JoinResponse, ControlError>,
+        answer: Result<pb::JoinResponse, CallError>,
     ) -> Result<JoinNext, ElasticError> {
         let started = *self.join_started.get_or_insert(now);
         match answer {
@@ -253,7 +303,7 @@ impl Membership {
                 let heartbeat_interval = Duration::from_millis(response.heartbeat_interval_ms.clamp(10, 60_000));
                 Ok(JoinNext::Joined { incarnation: response.incarnation, heartbeat_interval })
             }
-            Err(ControlError::Excluded { message, retry_after }) => {
+            Err(CallError::Excluded { message, retry_after }) => {
                 let (waited, limit) = (now.saturating_duration_since(started), self.exclusion_wait);
                 if waited + retry_after > limit {
                     self.join_started = None;
@@ -263,7 +313,7 @@ impl Membership {
                       "excluded by the coordinator; joining again when the exclusion ends");
                 Ok(JoinNext::RetryAt(now + retry_after + EXCLUSION_MARGIN))
             }
-            Err(ControlError::IdInUse { message, retry_after }) if self.id_in_use_refusals < ID_IN_USE_RETRIES => {
+            Err(CallError::IdInUse { message, retry_after }) if self.id_in_use_refusals < ID_IN_USE_RETRIES => {
                 self.id_in_use_refusals += 1;
                 warn!(retry_after_ms = retry_after.as_millis() as u64, %message,
                       "this worker id is held by another incarnation; asking again once it counts as gone");
@@ -271,7 +321,7 @@ impl Membership {
             }
             Err(e) => {
                 self.join_started = None;
-                Err(e.into())
+                Err(e.into_error())
             }
         }
     }
@@ -280,7 +330,7 @@ impl Membership {
 
     /// What the worker waiting for its next generation does now; an error when the job is
     /// over.
-    pub(crate) fn next_step(&mut self) -> Result<Step, ElasticError> {
+    pub fn next_step(&mut self) -> Result<Step, ElasticError> {
         if let Some(ended) = self.ended() {
             return Err(ended);
         }
@@ -300,18 +350,18 @@ impl Membership {
     /// The rendezvous' answer to a request sent as `incarnation`: the generation to connect,
     /// `None` to ask again (still waiting, or this incarnation is gone and must join again),
     /// or why the worker stops.
-    pub(crate) fn handle_rendezvous(
+    pub fn handle_rendezvous(
         &mut self,
         incarnation: u64,
-        answer: Result<pb::RendezvousResponse, ControlError>,
+        answer: Result<pb::RendezvousResponse, CallError>,
     ) -> Result<Option<pb::Generation>, ElasticError> {
         let response = match answer {
             Ok(response) => response,
-            Err(e) if e.code() == Some(tonic::Code::NotFound) => {
+            Err(CallError::NotMember(_)) => {
                 self.evicted = Some(incarnation);
                 return Ok(None);
             }
-            Err(e) => return Err(e.into()),
+            Err(e) => return Err(e.into_error()),
         };
         match response.outcome {
             Some(rendezvous_response::Outcome::Waiting(_)) => Ok(None),
@@ -337,7 +387,7 @@ impl Membership {
     /// The communicator of `generation` is connected and its revoker in the shell's hands:
     /// it becomes the current one. A revocation heard while it connected applies now (an
     /// [`Effect::Abort`]); a pending re-formation is the one this generation made.
-    pub(crate) fn handle_connected(&mut self, generation: u64) {
+    pub fn handle_connected(&mut self, generation: u64) {
         self.current = Some(generation);
         self.rejoins = 0;
         self.reformation_pending = false;
@@ -352,7 +402,7 @@ impl Membership {
     /// report, or a local detection). The first cause heard stays; the current
     /// communicator is aborted when it is the revoked one. An older generation's late
     /// revocation is recorded (its cause is still asked for) and aborts nothing.
-    pub(crate) fn handle_revoked(&mut self, generation: u64, cause: RootCause) {
+    pub fn handle_revoked(&mut self, generation: u64, cause: RootCause) {
         if self.revoked.iter().any(|(g, _)| *g == generation) {
             return;
         }
@@ -365,22 +415,37 @@ impl Membership {
         self.effects.push_back(Effect::Wake);
     }
 
+    /// The coordinator's answer to this rank's failure report of `generation`, or `None` when
+    /// none came (the call failed, or took too long): the cause is the answer's (the first
+    /// report of a generation, which every rank shares), else `local`, the failure as this
+    /// rank saw it. The generation is revoked with it ([`Membership::handle_revoked`]), which
+    /// aborts the current communicator: links left open for the report close now.
+    pub fn handle_report(
+        &mut self,
+        generation: u64,
+        answer: Option<pb::FailureReportResponse>,
+        local: RootCause,
+    ) -> RootCause {
+        let cause = match answer {
+            Some(response) => cause_from_pb(response.cause),
+            None => local,
+        };
+        self.handle_revoked(generation, cause.clone());
+        cause
+    }
+
     // ---- Heartbeat and commit reports -------------------------------------------------
 
     /// The heartbeat of `incarnation` to send now; `None` when a newer incarnation took over
     /// (its own heartbeat runs): this one stops.
-    pub(crate) fn heartbeat_request(&self, incarnation: u64) -> Option<Progress> {
+    pub fn heartbeat_request(&self, incarnation: u64) -> Option<Progress> {
         (incarnation == self.incarnation).then(|| self.progress.clone())
     }
 
     /// The answer to a heartbeat sent as `incarnation`; whether that heartbeat goes on.
     /// NOT_FOUND: the coordinator no longer knows that incarnation (a newer one is
     /// unaffected), and its heartbeat stops.
-    pub(crate) fn handle_heartbeat(
-        &mut self,
-        incarnation: u64,
-        answer: Result<pb::HeartbeatResponse, ControlError>,
-    ) -> bool {
+    pub fn handle_heartbeat(&mut self, incarnation: u64, answer: Result<pb::HeartbeatResponse, CallError>) -> bool {
         match answer {
             Ok(response) => {
                 if response.reformation_pending {
@@ -391,7 +456,7 @@ impl Membership {
                 }
                 true
             }
-            Err(e) if e.code() == Some(tonic::Code::NotFound) => {
+            Err(CallError::NotMember(e)) => {
                 warn!(incarnation, error = %e, "membership lost");
                 self.evicted = Some(incarnation);
                 false
@@ -405,19 +470,14 @@ impl Membership {
 
     /// The answer to a commit report of `generation` sent as `incarnation`. Joiners waiting
     /// count only for the generation that is still current.
-    pub(crate) fn handle_commit(
-        &mut self,
-        generation: u64,
-        incarnation: u64,
-        answer: Result<pb::CommitResponse, ControlError>,
-    ) {
+    pub fn handle_commit(&mut self, generation: u64, incarnation: u64, answer: Result<pb::CommitResponse, CallError>) {
         match answer {
             Ok(answer) => {
                 if answer.reformation_pending && self.current == Some(generation) {
                     self.reformation_pending = true;
                 }
             }
-            Err(e) if e.code() == Some(tonic::Code::NotFound) => self.evicted = Some(incarnation),
+            Err(CallError::NotMember(_)) => self.evicted = Some(incarnation),
             Err(e) => tracing::debug!(error = %e, "commit report failed; the next one supersedes it"),
         }
     }
@@ -425,17 +485,17 @@ impl Membership {
     // ---- The job's event stream -------------------------------------------------------
 
     /// The stream was opened: the next break waits the shortest time again.
-    pub(crate) fn handle_watch_opened(&mut self) {
+    pub fn handle_watch_opened(&mut self) {
         self.watch_retry = WATCH_RETRY_FIRST;
     }
 
     /// Whether a stream opened for `opened_for` must be reopened for a newer incarnation.
-    pub(crate) fn watch_is_stale(&self, opened_for: u64) -> bool {
+    pub fn watch_is_stale(&self, opened_for: u64) -> bool {
         opened_for != self.incarnation
     }
 
     /// One event from the job's stream.
-    pub(crate) fn handle_event(&mut self, event: pb::JobEvent) {
+    pub fn handle_event(&mut self, event: pb::JobEvent) {
         match event.event {
             Some(job_event::Event::GenerationRevoked(revoked)) => {
                 let cause = cause_from_pb(revoked.cause);
@@ -461,7 +521,7 @@ impl Membership {
     /// The stream opened for `opened_for` ended or could not be opened, at `now`; `entropy`
     /// is a random number that spreads the workers' reopen attempts. A new incarnation
     /// reopens at once; otherwise the wait is jittered and doubles up to a second.
-    pub(crate) fn handle_watch_lost(&mut self, opened_for: u64, now: Instant, entropy: u64) -> WatchNext {
+    pub fn handle_watch_lost(&mut self, opened_for: u64, now: Instant, entropy: u64) -> WatchNext {
         if self.watch_is_stale(opened_for) {
             return WatchNext::ReopenAt(now);
         }
@@ -485,7 +545,7 @@ impl Membership {
 }
 
 /// A root cause as the coordinator sent it.
-pub(crate) fn cause_from_pb(cause: Option<pb::RootCause>) -> RootCause {
+pub fn cause_from_pb(cause: Option<pb::RootCause>) -> RootCause {
     let cause = cause.unwrap_or_default();
     let mut reason = cause.reason;
     if !cause.reported_by.is_empty() {
@@ -502,24 +562,30 @@ mod tests {
 
     const LIMIT: Duration = Duration::from_secs(5);
 
-    fn rejected(code: tonic::Code) -> ControlError {
-        ControlError::Rejected { rpc: "test", code, message: format!("{code:?}") }
+    /// The coordinator no longer knows the incarnation that called.
+    fn not_member() -> CallError {
+        CallError::NotMember(ControlError::Config("not a member (test)".into()))
     }
 
-    fn excluded(retry_after: Duration) -> ControlError {
-        ControlError::Excluded { message: "failed 3 times".into(), retry_after }
+    /// Any other failure.
+    fn failed() -> CallError {
+        CallError::Failed(ControlError::Config("failed (test)".into()))
     }
 
-    fn joined(incarnation: u64) -> Result<pb::JoinResponse, ControlError> {
+    fn excluded(retry_after: Duration) -> CallError {
+        CallError::Excluded { message: "failed 3 times".into(), retry_after }
+    }
+
+    fn joined(incarnation: u64) -> Result<pb::JoinResponse, CallError> {
         Ok(pb::JoinResponse { incarnation, heartbeat_interval_ms: 200, ..Default::default() })
     }
 
-    fn formed(number: u64) -> Result<pb::RendezvousResponse, ControlError> {
+    fn formed(number: u64) -> Result<pb::RendezvousResponse, CallError> {
         let generation = pb::Generation { number, ..Default::default() };
         Ok(pb::RendezvousResponse { outcome: Some(rendezvous_response::Outcome::Formed(generation)) })
     }
 
-    fn waiting() -> Result<pb::RendezvousResponse, ControlError> {
+    fn waiting() -> Result<pb::RendezvousResponse, CallError> {
         Ok(pb::RendezvousResponse { outcome: Some(rendezvous_response::Outcome::Waiting(pb::Waiting::default())) })
     }
 
@@ -621,12 +687,12 @@ mod tests {
         assert_eq!(machine.incarnation(), 3);
         // Any other refusal fails the join at once.
         machine.begin_join(t3);
-        let refused = machine.handle_join(t3, Err(rejected(tonic::Code::PermissionDenied)));
+        let refused = machine.handle_join(t3, Err(failed()));
         assert!(matches!(refused, Err(ElasticError::Control(_))), "{refused:?}");
     }
 
-    fn id_in_use(retry_after: Duration) -> ControlError {
-        ControlError::IdInUse { message: "worker id w1 is held by a live process on host h2".into(), retry_after }
+    fn id_in_use(retry_after: Duration) -> CallError {
+        CallError::IdInUse { message: "worker id w1 is held by a live process on host h2".into(), retry_after }
     }
 
     #[test]
@@ -669,7 +735,7 @@ mod tests {
         assert_eq!(machine.rejoin_backoff(), Duration::ZERO);
         let mut waits = Vec::new();
         for incarnation in 1..=9 {
-            machine.handle_commit(1, incarnation, Err(rejected(tonic::Code::NotFound)));
+            machine.handle_commit(1, incarnation, Err(not_member()));
             assert_eq!(machine.next_step().unwrap(), Step::Join);
             waits.push(machine.rejoin_backoff());
             machine.begin_join(now);
@@ -682,7 +748,7 @@ mod tests {
         let Step::Rendezvous { incarnation, .. } = machine.next_step().unwrap() else { panic!("a member") };
         machine.handle_rendezvous(incarnation, formed(2)).unwrap();
         machine.handle_connected(2);
-        machine.handle_commit(2, incarnation, Err(rejected(tonic::Code::NotFound)));
+        machine.handle_commit(2, incarnation, Err(not_member()));
         assert_eq!(machine.next_step().unwrap(), Step::Join);
         assert_eq!(machine.rejoin_backoff(), Duration::ZERO);
     }
@@ -695,7 +761,7 @@ mod tests {
         machine.handle_commit(1, 1, Ok(pb::CommitResponse { reformation_pending: true }));
         assert!(!machine.reformation_pending(), "a stale commit answer");
         // A failed report changes nothing; the next one supersedes it.
-        machine.handle_commit(2, 1, Err(rejected(tonic::Code::Unavailable)));
+        machine.handle_commit(2, 1, Err(failed()));
         assert!(!machine.reformation_pending() && !machine.is_evicted());
         // A member leaves (SIGTERM): the watch says the members re-form at the commit point.
         let pending = pb::ReformationPending { generation: 2, joiners: 0 };
@@ -741,6 +807,30 @@ mod tests {
         machine.handle_event(pb::JobEvent { event: None });
         let _ = effects(&mut machine);
         assert_eq!(machine.next_step().unwrap(), Step::Rendezvous { incarnation: 1, after_generation: 3 });
+    }
+
+    #[test]
+    fn a_failure_reports_answer_is_the_cause_and_without_one_the_local_error_is() {
+        let mut machine = connected(1, 4, Instant::now());
+        let local = RootCause::reason("peer closed");
+        let first = pb::RootCause {
+            rank: Some(2),
+            worker_id: "w2".into(),
+            reason: "SIGKILL".into(),
+            reported_by: "w0".into(),
+            ..Default::default()
+        };
+        let answer = pb::FailureReportResponse { accepted: false, cause: Some(first) };
+        let cause = machine.handle_report(4, Some(answer), local.clone());
+        assert_eq!((cause.rank, cause.reason.as_str()), (Some(2), "SIGKILL (reported by w0)"));
+        assert_eq!(effects(&mut machine), [Effect::Abort { generation: 4, cause: cause.clone() }, Effect::Wake]);
+        assert_eq!(machine.cause_of(4), Some(cause));
+        // No answer in time: the local error is the cause, and the links close all the same.
+        let Step::Rendezvous { incarnation, .. } = machine.next_step().unwrap() else { panic!("a member") };
+        machine.handle_rendezvous(incarnation, formed(5)).unwrap();
+        machine.handle_connected(5);
+        assert_eq!(machine.handle_report(5, None, local.clone()), local);
+        assert_eq!(effects(&mut machine), [Effect::Abort { generation: 5, cause: local.clone() }, Effect::Wake]);
     }
 
     #[test]
@@ -813,7 +903,7 @@ mod tests {
         machine.handle_join(now, joined(7)).unwrap();
         assert!(machine.heartbeat_request(7).is_some());
         // The lease lapsed (the process was stopped): the heartbeat hears NOT_FOUND.
-        assert!(!machine.handle_heartbeat(7, Err(rejected(tonic::Code::NotFound))), "its heartbeat stops");
+        assert!(!machine.handle_heartbeat(7, Err(not_member())), "its heartbeat stops");
         assert!(machine.is_evicted());
         assert_eq!(machine.next_step().unwrap(), Step::Join);
         machine.begin_join(now);
@@ -821,24 +911,25 @@ mod tests {
         assert!(!machine.is_evicted(), "the new incarnation starts as a member");
         assert_eq!(machine.heartbeat_request(7), None, "incarnation 9 has its own heartbeat");
         // Answers to requests sent as 7 arrive late, NOT_FOUND: they say nothing about 9.
-        assert!(!machine.handle_heartbeat(7, Err(rejected(tonic::Code::NotFound))));
-        machine.handle_commit(1, 7, Err(rejected(tonic::Code::NotFound)));
-        assert_eq!(machine.handle_rendezvous(7, Err(rejected(tonic::Code::NotFound))).unwrap(), None);
+        assert!(!machine.handle_heartbeat(7, Err(not_member())));
+        machine.handle_commit(1, 7, Err(not_member()));
+        assert_eq!(machine.handle_rendezvous(7, Err(not_member())).unwrap(), None);
         assert!(!machine.is_evicted());
         assert_eq!(machine.next_step().unwrap(), Step::Rendezvous { incarnation: 9, after_generation: 0 });
         // About 9 itself, they do; its heartbeat goes on until it hears NOT_FOUND itself.
-        machine.handle_commit(1, 9, Err(rejected(tonic::Code::NotFound)));
+        machine.handle_commit(1, 9, Err(not_member()));
         assert!(machine.is_evicted() && machine.heartbeat_request(9).is_some());
         assert_eq!(machine.next_step().unwrap(), Step::Join);
         machine.begin_join(now);
         machine.handle_join(now, joined(10)).unwrap();
         assert_eq!(machine.next_step().unwrap(), Step::Rendezvous { incarnation: 10, after_generation: 0 });
-        assert_eq!(machine.handle_rendezvous(10, Err(rejected(tonic::Code::NotFound))).unwrap(), None);
+        assert_eq!(machine.handle_rendezvous(10, Err(not_member())).unwrap(), None);
         assert!(machine.is_evicted());
         assert_eq!(machine.next_step().unwrap(), Step::Join);
         // Other rendezvous errors end the wait (the client has retried already).
         let unreachable = ControlError::Unreachable { endpoints: "x".into(), attempts: 3, last: "refused".into() };
-        assert!(matches!(machine.handle_rendezvous(10, Err(unreachable)), Err(ElasticError::Control(_))));
+        let stopped = machine.handle_rendezvous(10, Err(CallError::Failed(unreachable)));
+        assert!(matches!(stopped, Err(ElasticError::Control(ControlError::Unreachable { .. }))), "{stopped:?}");
     }
 
     #[test]
@@ -863,7 +954,7 @@ mod tests {
         assert_eq!(machine.stop_reason(2), None);
         assert!(!machine.reformation_pending());
         // A failed heartbeat changes nothing (the next one tries again).
-        assert!(machine.handle_heartbeat(1, Err(rejected(tonic::Code::Unavailable))), "it goes on");
+        assert!(machine.handle_heartbeat(1, Err(failed())), "it goes on");
         assert!(!machine.is_evicted() && machine.heartbeat_request(1).is_some());
         let pending = pb::HeartbeatResponse { current_generation: 2, reformation_pending: true, ..Default::default() };
         assert!(machine.handle_heartbeat(1, Ok(pending)));

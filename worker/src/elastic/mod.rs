@@ -38,6 +38,13 @@ mod config;
 mod connect;
 mod error;
 mod group;
+/// The membership state machine, public under the `test-support` feature for the
+/// deterministic simulation (`cohort-sim`), which drives it as [`ElasticGroup`] does. Not part
+/// of the stable API.
+#[cfg(feature = "test-support")]
+pub mod membership;
+#[cfg(not(feature = "test-support"))]
+#[allow(dead_code, unreachable_pub)]
 mod membership;
 mod mesh;
 mod state;
