@@ -142,7 +142,8 @@ class Group:
                                         # (a wrong address?); raise it for late coordinators
         handle_sigterm: bool = True,
         transport: str = "auto",  # "auto": shared memory with members on this host, TCP with
-                                  # the others; "tcp": TCP only; "shm": shared memory only
+                                  # the others; "tcp": TCP only; "shm": shared memory only;
+                                  # "rdma": RDMA when every member has it (rdma feature)
         fixed_deadlines: bool = False,  # True: no learned deadlines (no_progress_timeout as is)
         no_progress_floor: float = 0.25,  # the learned no-progress deadline's floor (seconds)
     ) -> None:

@@ -4,7 +4,7 @@ use crate::comm::{Communicator, Core};
 use crate::errors::{invalid, Failure};
 use crate::runtime::{runtime, sigterm, sigterm_received, wait};
 use cohort::control::ControlConfig;
-use cohort::elastic::{ElasticConfig, ElasticGroup, FailureReporter};
+use cohort::elastic::{ElasticConfig, ElasticGroup, FailureReporter, TransportChoice};
 use cohort::Algorithm;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyString};
@@ -180,19 +180,11 @@ impl Group {
         }
         config.comm.segment_bytes = segment_bytes;
         config.tcp.busy_poll = seconds("busy_poll", busy_poll)?;
-        // As `cohort-worker train --transport`: auto links members on this host over shared
-        // memory and the others over TCP; tcp never uses shared memory; shm refuses any other.
-        let shm = cohort_transports::shm::ShmOptions { busy_poll: config.tcp.busy_poll, ..Default::default() };
-        match transport {
-            "auto" => config.shm = Some(shm),
-            "tcp" => config.shm = None,
-            "shm" => {
-                cohort_transports::shm::host_identity().map_err(|e| invalid(format!("transport \"shm\": {e}")))?;
-                config.shm = Some(shm);
-                config.shm_only = true;
-            }
-            other => return Err(invalid(format!("transport {other:?}: use \"auto\", \"tcp\" or \"shm\""))),
-        }
+        config.shm.busy_poll = config.tcp.busy_poll;
+        // As `cohort-worker train --transport`: one TransportChoice, checked here (shm needs a
+        // host identity; rdma the `rdma` feature and a device) so that it fails before joining.
+        config.transport = transport.parse::<TransportChoice>().map_err(|e| invalid(e.to_string()))?;
+        config.transport.check().map_err(|e| invalid(e.to_string()))?;
         let (job, worker_id, host) = (config.job.clone(), config.worker_id.clone(), config.host.clone());
 
         let leaving = if handle_sigterm { Some(sigterm()?) } else { None };
