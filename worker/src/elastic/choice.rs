@@ -69,7 +69,8 @@ impl TransportChoice {
 
 #[cfg(feature = "rdma")]
 fn rdma_available() -> Result<(), TransportUnavailable> {
-    let devices = cohort_transports::rdma::device_names().map_err(|e| TransportUnavailable::RdmaDevices(e.to_string()))?;
+    let devices =
+        cohort_transports::rdma::device_names().map_err(|e| TransportUnavailable::RdmaDevices(e.to_string()))?;
     if devices.is_empty() {
         return Err(TransportUnavailable::NoRdmaDevice);
     }
@@ -333,7 +334,10 @@ mod tests {
         let e = plan_mesh(7, &members, 0, TransportChoice::Shm).expect_err("ranks 1 and 2 are elsewhere");
         let ElasticError::Protocol(message) = &e else { panic!("not a protocol error: {e}") };
         assert!(message.contains("generation 7") && message.contains("shared memory only"), "{message}");
-        assert!(message.contains("w1 (rank 1, host host-1)") && message.contains("w2 (rank 2, host host-2)"), "{message}");
+        assert!(
+            message.contains("w1 (rank 1, host host-1)") && message.contains("w2 (rank 2, host host-2)"),
+            "{message}"
+        );
         assert!(!message.contains("w0"), "{message}");
         // One host: accepted; alone in its generation: accepted (nothing to reach).
         let one_host: Vec<MemberInfo> = (0..2).map(|r| on_host(member(r, None), "a")).collect();
