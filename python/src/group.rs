@@ -113,7 +113,8 @@ fn elastic_config(config: &Bound<'_, PyAny>) -> PyResult<(ElasticConfig, bool)> 
     let floor = seconds_of(config, "no_progress_floor")?;
     let fixed: bool = field(config, "fixed_deadlines")?;
     elastic.deadlines.learning = (!fixed).then_some(cohort_transports::Learning { floor });
-    elastic.comm.op_timeout = field::<Option<f64>>(config, "op_timeout")?.map(|t| seconds("op_timeout", t)).transpose()?;
+    elastic.comm.op_timeout =
+        field::<Option<f64>>(config, "op_timeout")?.map(|t| seconds("op_timeout", t)).transpose()?;
     elastic.exclusion_wait = seconds_of(config, "exclusion_wait")?;
     elastic.rendezvous_poll = seconds_of(config, "rendezvous_poll")?;
     elastic.root_cause_wait = seconds_of(config, "root_cause_wait")?;
