@@ -11,10 +11,13 @@ export CARGO_TERM_COLOR=never
 export RUST_BACKTRACE=1
 
 # The style gate: formatting (rustfmt.toml) and clippy with warnings as errors, the rdma
-# feature included (the workspace lints are in Cargo.toml), and the API docs with rustdoc's
-# warnings as errors (a broken or private intra-doc link, an unclosed HTML tag).
+# feature included (the workspace lints are in Cargo.toml), the API docs with rustdoc's
+# warnings as errors (a broken or private intra-doc link, an unclosed HTML tag), and ruff's
+# lint and format check of python/ and examples/ (pinned in scripts/python-lint.sh, settings in
+# python/pyproject.toml).
 echo "== fmt, clippy and docs"
 cargo fmt --all -- --check
+bash scripts/python-lint.sh
 cargo clippy --workspace --all-targets --locked -- -D warnings
 cargo clippy -p cohort -p cohort-transports --features cohort/rdma --all-targets --locked -- -D warnings
 RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --locked
@@ -55,6 +58,8 @@ bash scripts/demo.sh
 
 # The Python package's tests (the extension, the elastic layers, the PyTorch backend and
 # example), against the release binaries: real coordinator and worker processes on loopback.
+# test_stub.py checks python/cohort/_native.pyi against the built extension (names and
+# signatures, as mypy's stubtest would).
 echo "== python"
 # COHORT_REQUIRE_PYTHON: a missing torch fails the PyTorch tests instead of skipping them.
 COHORT_REQUIRE_PYTHON=1 COHORT_BIN_DIR="$PWD/target/release" "$py" -m pytest -q -p no:cacheprovider python/tests

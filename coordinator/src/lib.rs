@@ -14,7 +14,7 @@
 //! # Internals and the `test-support` feature
 //!
 //! The other modules are the coordinator's implementation: `validate` (request checks),
-//! `keys` and `records` (store layout and values), `rendezvous`, `revocation`,
+//! `keys` and `records` (store layout and values), `rendezvous`, `revocation`, `report`,
 //! `exclusion`, `stragglers` and `digests` (pure decision logic), `ops` (CAS mutations),
 //! `hub` (per-job live views), `service` (the RPCs), `leader` (election and timers),
 //! `metrics`. They are private unless the `test-support` feature is on, which makes the
@@ -29,6 +29,7 @@ pub(crate) mod digests;
 pub(crate) mod domains;
 pub(crate) mod leader;
 pub(crate) mod rendezvous;
+pub(crate) mod report;
 pub(crate) mod revocation;
 pub mod server;
 pub mod store;

@@ -51,9 +51,12 @@ def data(seed: int) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tens
 def model(hidden: int, seed: int) -> torch.nn.Module:
     torch.manual_seed(seed)
     return torch.nn.Sequential(
-        torch.nn.Linear(64, hidden), torch.nn.ReLU(),
-        torch.nn.Linear(hidden, hidden), torch.nn.ReLU(),
-        torch.nn.Linear(hidden, 10))
+        torch.nn.Linear(64, hidden),
+        torch.nn.ReLU(),
+        torch.nn.Linear(hidden, hidden),
+        torch.nn.ReLU(),
+        torch.nn.Linear(hidden, 10),
+    )
 
 
 def epoch_order(seed: int, epoch: int, n: int) -> torch.Tensor:
@@ -74,8 +77,10 @@ def accuracy(net: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
 
 
 def emit(event: str, /, **fields: object) -> None:
-    print(" ".join([f"event={event}"] + [f"{k}={v}" for k, v in fields.items()] + [f"t_ms={int(time.time() * 1000)}"]),
-          flush=True)
+    print(
+        " ".join([f"event={event}"] + [f"{k}={v}" for k, v in fields.items()] + [f"t_ms={int(time.time() * 1000)}"]),
+        flush=True,
+    )
 
 
 def single_process(args: argparse.Namespace) -> None:
@@ -87,16 +92,23 @@ def single_process(args: argparse.Namespace) -> None:
     for epoch in range(args.epochs):
         order = epoch_order(args.seed, epoch, len(xtr))
         for start in range(0, len(order) - GLOBAL_BATCH + 1, GLOBAL_BATCH):
-            idx = order[start:start + GLOBAL_BATCH]
+            idx = order[start : start + GLOBAL_BATCH]
             t0 = time.perf_counter()
             opt.zero_grad()
             loss = torch.nn.functional.cross_entropy(net(xtr[idx]), ytr[idx])
             loss.backward()
             opt.step()
             times.append(time.perf_counter() - t0)
-    emit("summary", world=1, steps=len(times), step_ms_median=f"{statistics.median(times) * 1e3:.3f}",
-         test_accuracy=f"{accuracy(net, xte, yte):.4f}", final_loss=f"{loss.item():.4f}", param_sha256=digest(net),
-         reformations=0)
+    emit(
+        "summary",
+        world=1,
+        steps=len(times),
+        step_ms_median=f"{statistics.median(times) * 1e3:.3f}",
+        test_accuracy=f"{accuracy(net, xte, yte):.4f}",
+        final_loss=f"{loss.item():.4f}",
+        param_sha256=digest(net),
+        reformations=0,
+    )
 
 
 def elastic(args: argparse.Namespace) -> None:
@@ -105,9 +117,17 @@ def elastic(args: argparse.Namespace) -> None:
     import cohort.torch
 
     token = open(args.token_file).read().strip() if args.token_file else None
-    group = cohort.Group(args.job, args.coordinator, args.worker_id, token=token, listen=args.listen,
-                         advertise=args.advertise, no_progress_timeout=args.no_progress_timeout,
-                         coordinator_wait=args.coordinator_wait)
+    config = cohort.GroupConfig(
+        args.job,
+        args.coordinator,
+        args.worker_id,
+        token=token,
+        listen=args.listen,
+        advertise=args.advertise,
+        no_progress_timeout=args.no_progress_timeout,
+        coordinator_wait=args.coordinator_wait,
+    )
+    group = cohort.Group(config)
     (xtr, ytr), (xte, yte) = data(args.seed)
     net = model(args.hidden, args.seed)
     opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
@@ -128,16 +148,20 @@ def elastic(args: argparse.Namespace) -> None:
         else:
             if "averager" in trainer:
                 trainer["averager"].remove()
-            trainer["averager"] = cohort.torch.GradientAverager(net, state, bucket_bytes=args.bucket_bytes,
-                                                                op="avg" if even else "sum")
+            trainer["averager"] = cohort.torch.GradientAverager(
+                net, state, bucket_bytes=args.bucket_bytes, op="avg" if even else "sum"
+            )
         trainer["even"] = even
         emit("generation", gen=state.generation, world=state.size, rank=state.rank, step=state.steps)
 
     state.register_reset_callbacks([on_reform])
-    state.register_failure_callbacks([
-        lambda e: emit("error", gen=e.generation, kind=type(e).__name__, cause_worker=e.worker_id or "-",
-                       cause=f'"{e.cause}"')
-    ])
+    state.register_failure_callbacks(
+        [
+            lambda e: emit(
+                "error", gen=e.generation, kind=type(e).__name__, cause_worker=e.worker_id or "-", cause=f'"{e.cause}"'
+            )
+        ]
+    )
 
     @cohort.elastic.run
     def train(state: cohort.elastic.TorchState) -> None:
@@ -150,7 +174,7 @@ def elastic(args: argparse.Namespace) -> None:
             order = epoch_order(args.seed, state.epoch, len(xtr))
             while state.step_in_epoch < steps_per_epoch:
                 start = state.step_in_epoch * GLOBAL_BATCH
-                idx = order[start + lo:start + hi]
+                idx = order[start + lo : start + hi]
                 t0 = time.perf_counter()
                 opt.zero_grad()
                 out = forward(xtr[idx])
@@ -167,7 +191,14 @@ def elastic(args: argparse.Namespace) -> None:
                 state.step_in_epoch += 1
                 state.steps += 1
                 trainer["loss"] = loss.item()
-                emit("step", gen=state.generation, world=world, rank=rank, step=state.steps, loss=f"{trainer['loss']:.4f}")
+                emit(
+                    "step",
+                    gen=state.generation,
+                    world=world,
+                    rank=rank,
+                    step=state.steps,
+                    loss=f"{trainer['loss']:.4f}",
+                )
                 if state.steps % args.commit_every == 0 or state.step_in_epoch == steps_per_epoch:
                     state.commit(step=state.steps)
             state.epoch += 1
@@ -176,12 +207,22 @@ def elastic(args: argparse.Namespace) -> None:
         mine = torch.tensor(list(bytes.fromhex(digest(net))), dtype=torch.uint8)
         every = torch.empty(len(mine) * world, dtype=torch.uint8)
         state.comm.allgather(mine, every)
-        agreed = all(bytes(every[r * len(mine):(r + 1) * len(mine)].tolist()) == bytes(mine.tolist()) for r in range(world))
+        agreed = all(
+            bytes(every[r * len(mine) : (r + 1) * len(mine)].tolist()) == bytes(mine.tolist()) for r in range(world)
+        )
         if rank == 0 or args.all_ranks_summary:
-            emit("summary", world=world, steps=state.steps,
-                 step_ms_median=f"{statistics.median(times) * 1e3:.3f}" if times else "nan",
-                 test_accuracy=f"{accuracy(net, xte, yte):.4f}", final_loss=f"{trainer['loss']:.4f}",
-                 param_sha256=digest(net), reformations=state.reformations, ranks_agree=agreed, rank=rank)
+            emit(
+                "summary",
+                world=world,
+                steps=state.steps,
+                step_ms_median=f"{statistics.median(times) * 1e3:.3f}" if times else "nan",
+                test_accuracy=f"{accuracy(net, xte, yte):.4f}",
+                final_loss=f"{trainer['loss']:.4f}",
+                param_sha256=digest(net),
+                reformations=state.reformations,
+                ranks_agree=agreed,
+                rank=rank,
+            )
         if not agreed:
             raise SystemExit("the ranks' final parameters differ")
 
@@ -191,8 +232,12 @@ def elastic(args: argparse.Namespace) -> None:
 def main(argv: Optional[list[str]] = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--coordinator", help="coordinator endpoints (comma separated)")
-    ap.add_argument("--coordinator-wait", type=float, default=3.0,
-                    help="seconds to retry a first contact while every endpoint refuses (a wrong address)")
+    ap.add_argument(
+        "--coordinator-wait",
+        type=float,
+        default=3.0,
+        help="seconds to retry a first contact while every endpoint refuses (a wrong address)",
+    )
     ap.add_argument("--job", default="digits")
     ap.add_argument("--worker-id", default=None)
     ap.add_argument("--token-file", default=None)

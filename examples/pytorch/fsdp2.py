@@ -47,7 +47,7 @@ def start(args: argparse.Namespace) -> tuple[int, int, str]:
     import cohort
     import cohort.torch
 
-    group = cohort.Group(args.job, args.coordinator, args.worker_id)
+    group = cohort.Group(cohort.GroupConfig(args.job, args.coordinator, args.worker_id))
     comm = group.next_generation()
     cohort.torch.init_process_group(comm)
     args._cohort = (group, comm)
@@ -97,7 +97,7 @@ def main() -> None:
         for start_at in range(0, len(order) - GLOBAL_BATCH + 1, GLOBAL_BATCH):
             if args.max_steps and len(times) == args.max_steps:
                 break
-            idx = order[start_at + rank * per_rank:start_at + (rank + 1) * per_rank]
+            idx = order[start_at + rank * per_rank : start_at + (rank + 1) * per_rank]
             t0 = time.perf_counter()
             opt.zero_grad()
             torch.nn.functional.cross_entropy(net(xtr[idx]), ytr[idx]).backward()
@@ -111,9 +111,12 @@ def main() -> None:
         h.update(p.numpy().tobytes())
     if args.save and rank == 0:
         torch.save(full, args.save)
-    print(f"event=summary backend={backend} world={world} steps={len(times)} "
-          f"step_ms_median={statistics.median(times) * 1e3:.3f} test_accuracy={acc:.4f} "
-          f"param_sha256={h.hexdigest()[:16]}", flush=True)
+    print(
+        f"event=summary backend={backend} world={world} steps={len(times)} "
+        f"step_ms_median={statistics.median(times) * 1e3:.3f} test_accuracy={acc:.4f} "
+        f"param_sha256={h.hexdigest()[:16]}",
+        flush=True,
+    )
     finish(args)
 
 

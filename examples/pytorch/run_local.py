@@ -34,9 +34,22 @@ REPO = HERE.parents[1]
 
 def start_coordinator(workers: int, log: Path) -> tuple[subprocess.Popen, str]:
     bins = Path(os.environ.get("COHORT_BIN_DIR", REPO / "target" / "release"))
-    proc = subprocess.Popen([str(bins / "cohort-coordinator"), "serve", "--listen", "127.0.0.1:0",
-                             "--min-workers", str(workers), "--max-workers", str(workers),
-                             "--elastic-timeout", "60s"], stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [
+            str(bins / "cohort-coordinator"),
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--min-workers",
+            str(workers),
+            "--max-workers",
+            str(workers),
+            "--elastic-timeout",
+            "60s",
+        ],
+        stdout=open(log, "w"),
+        stderr=subprocess.STDOUT,
+    )
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         m = re.search(r"listening on (\S+)", log.read_text())
@@ -51,9 +64,23 @@ def start_coordinator(workers: int, log: Path) -> tuple[subprocess.Popen, str]:
 
 def worker(name: str, coordinator: str, job: str, epochs: int, logdir: Path) -> tuple[subprocess.Popen, Path]:
     log = logdir / f"{job}-{name}.log"
-    proc = subprocess.Popen([sys.executable, "-u", str(HERE / "digits.py"), "--coordinator", coordinator, "--job", job,
-                             "--worker-id", name, "--epochs", str(epochs)],
-                            stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-u",
+            str(HERE / "digits.py"),
+            "--coordinator",
+            coordinator,
+            "--job",
+            job,
+            "--worker-id",
+            name,
+            "--epochs",
+            str(epochs),
+        ],
+        stdout=open(log, "w"),
+        stderr=subprocess.STDOUT,
+    )
     return proc, log
 
 
@@ -88,8 +115,11 @@ def job(name: str, workers: int, epochs: int, kill_at: int | None, logdir: Path,
             cause = wait_line(procs[0][1], r"^event=error .*$", 60).group(0)
             gen = wait_line(procs[0][1], r"^event=generation gen=([2-9]|\d\d+) .*$", 120).group(0)
             step = wait_line(procs[0][1], rf"^event=step gen={gen.split()[1].split('=')[1]} .* t_ms=(\d+)$", 120)
-            extra = {"killed": "w1", "survivor_error": cause.split("event=error ")[1].rsplit(" t_ms", 1)[0],
-                     "kill_to_next_step_ms": str(int(step.group(1)) - int(killed_at * 1000))}
+            extra = {
+                "killed": "w1",
+                "survivor_error": cause.split("event=error ")[1].rsplit(" t_ms", 1)[0],
+                "kill_to_next_step_ms": str(int(step.group(1)) - int(killed_at * 1000)),
+            }
         for proc, log in procs:
             if proc.wait(timeout=600) != 0:
                 raise SystemExit(f"a worker failed: {log.read_text()[-2000:]}")
@@ -108,17 +138,24 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--epochs", type=int, default=10)
     ap.add_argument("--kill-at", type=int, default=60, help="the step whose allreduce the kill interrupts")
-    ap.add_argument("--cold-replacement", action="store_true",
-                    help="start the replacement after the kill (default: a hot spare waiting at the rendezvous)")
+    ap.add_argument(
+        "--cold-replacement",
+        action="store_true",
+        help="start the replacement after the kill (default: a hot spare waiting at the rendezvous)",
+    )
     args = ap.parse_args()
     logdir = Path(tempfile.mkdtemp(prefix="cohort-digits-"))
     print(f"logs in {logdir}")
     clean = job("fault-free", args.workers, args.epochs, None, logdir)
     faulty = job("with-kill", args.workers, args.epochs, args.kill_at, logdir, spare=not args.cold_replacement)
-    print(f"fault-free : test_accuracy={clean['test_accuracy']} steps={clean['steps']} param_sha256={clean['param_sha256']} "
-          f"step_ms_median={clean['step_ms_median']}")
-    print(f"with a kill: test_accuracy={faulty['test_accuracy']} steps={faulty['steps']} param_sha256={faulty['param_sha256']} "
-          f"reformations={faulty['reformations']}")
+    print(
+        f"fault-free : test_accuracy={clean['test_accuracy']} steps={clean['steps']} "
+        f"param_sha256={clean['param_sha256']} step_ms_median={clean['step_ms_median']}"
+    )
+    print(
+        f"with a kill: test_accuracy={faulty['test_accuracy']} steps={faulty['steps']} "
+        f"param_sha256={faulty['param_sha256']} reformations={faulty['reformations']}"
+    )
     print(f"  the survivor's error: {faulty['survivor_error']}")
     print(f"  kill -9 to the next training step (state synced to the replacement): {faulty['kill_to_next_step_ms']} ms")
     same = clean["param_sha256"] == faulty["param_sha256"]

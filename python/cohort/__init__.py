@@ -3,8 +3,9 @@
 A thin layer over the Rust crate ``cohort`` (no collective, rendezvous or failure logic is
 written in Python):
 
-- :class:`Group` joins an elastic job; :meth:`Group.next_generation` returns the
-  :class:`Communicator` of the next generation (re-formation in one call);
+- :class:`Group` joins an elastic job as a :class:`GroupConfig` says;
+  :meth:`Group.next_generation` returns the :class:`Communicator` of the next generation
+  (re-formation in one call);
 - :class:`Communicator` runs collectives in place on NumPy arrays, buffers and CPU torch
   tensors, with the GIL released;
 - :class:`Checkpoint` commits, restores and syncs state across re-formations;
@@ -16,11 +17,13 @@ torch is never imported by ``import cohort``.
 """
 
 from cohort._native import Checkpoint, Communicator, Group, Member, SyncOutcome, Work, __version__, init_logging
+from cohort.config import GroupConfig
 from cohort.errors import *  # noqa: F401,F403
 from cohort.errors import __all__ as _errors_all
 
 __all__ = [
     "Group",
+    "GroupConfig",
     "Communicator",
     "Checkpoint",
     "Member",

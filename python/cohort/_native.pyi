@@ -21,6 +21,8 @@ unusable, as after any failure).
 
 from typing import Any, Optional, Sequence, Union
 
+from cohort.config import GroupConfig
+
 Buffer = Any  # numpy.ndarray | torch.Tensor | bytearray | memoryview
 ReduceOpName = str  # "sum" | "prod" | "min" | "max" | "avg"
 
@@ -61,6 +63,7 @@ class Communicator:
     def reduce_scatter(self, input: Buffer, output: Buffer, op: ReduceOpName = "sum") -> None:
         """``input`` holds ``size`` equal blocks of ``len(output)`` elements; rank r gets
         the reduction of every rank's block r in ``output``."""
+    def reduce_scatter_async(self, input: Buffer, output: Buffer, op: ReduceOpName = "sum") -> Work: ...
     def allgather(self, input: Buffer, output: Buffer) -> None:
         """``output`` holds ``size`` blocks of ``len(input)`` elements; block r is rank r's
         input. ``input`` may be the rank's own block of ``output`` (in place)."""
@@ -104,9 +107,8 @@ class Checkpoint:
 class Group:
     """This worker's membership in an elastic job (``ElasticGroup``). Joining happens in
     the constructor; heartbeats and the watch stream run in the background until
-    ``leave()``/``close()``.
-
-    Defaults are ``cohort-worker train``'s."""
+    ``leave()``/``close()``. Its configuration is a ``cohort.GroupConfig`` (defaults are
+    ``cohort-worker train``'s)."""
 
     job: str
     worker_id: str
@@ -116,38 +118,21 @@ class Group:
     leaving: bool  # SIGTERM received (when handle_sigterm): leave at the next commit point
     reformation_pending: bool  # joiners waiting (as far as this worker has heard)
 
+    config: GroupConfig  # what it joined with
+
     def __init__(
         self,
-        job: str,
-        coordinator: Union[str, Sequence[str]],
+        config: Union[GroupConfig, str],
+        coordinator: Optional[Union[str, Sequence[str]]] = None,
         worker_id: Optional[str] = None,
-        *,
-        token: Optional[Union[str, bytes]] = None,
-        host: Optional[str] = None,
-        listen: str = "0.0.0.0:0",
-        advertise: str = "127.0.0.1",
-        no_progress_timeout: float = 10.0,
-        connect_timeout: float = 30.0,
-        op_timeout: Optional[float] = None,
-        exclusion_wait: float = 3600.0,
-        rendezvous_poll: float = 10.0,
-        root_cause_wait: float = 0.5,
-        algorithm: str = "auto",
-        segment_bytes: int = 1 << 20,
-        busy_poll: float = 50e-6,
-        tls_ca: Optional[str] = None,
-        request_timeout: float = 5.0,
-        retry_budget: float = 30.0,
-        coordinator_wait: float = 3.0,  # while every endpoint refuses the first connection
-                                        # (a wrong address?); raise it for late coordinators
-        handle_sigterm: bool = True,
-        transport: str = "auto",  # "auto": shared memory with members on this host, TCP with
-                                  # the others; "tcp": TCP only; "shm": shared memory only
-        fixed_deadlines: bool = False,  # True: no learned deadlines (no_progress_timeout as is)
-        no_progress_floor: float = 0.25,  # the learned no-progress deadline's floor (seconds)
+        **options: Any,
     ) -> None:
-        """Joins (blocks; an excluded worker waits out its exclusion). SIGTERM while
-        joining raises ``cohort.GracefulLeave`` (exit status 0 if uncaught)."""
+        """Joins (blocks; an excluded worker waits out its exclusion) as ``config`` says.
+        ``Group(job, coordinator, worker_id, **options)`` is shorthand for
+        ``Group(GroupConfig(job, coordinator, worker_id, **options))`` (the options are
+        ``GroupConfig``'s keywords). A bad value raises ``InvalidArgumentError`` before
+        anything is sent. SIGTERM while joining raises ``cohort.GracefulLeave`` (exit status 0
+        if uncaught)."""
     def next_generation(self) -> Communicator:
         """Waits at the rendezvous for the next generation and connects its mesh (blocks,
         GIL released). Raises ``JobEndedError`` when the job ended."""
@@ -161,7 +146,7 @@ class Group:
         """Stops the background tasks without a leave (the lease expires), and closes the
         communicators it made (they raise ``InvalidArgumentError`` afterwards). Idempotent."""
     def __enter__(self) -> "Group": ...
-    def __exit__(self, *exc: Any) -> None: ...
+    def __exit__(self, exc_type: Any, _exc: Any, _tb: Any) -> None: ...
 
 def init_logging(level: str = "warn") -> None:
     """Routes the crate's tracing to stderr (``COHORT_LOG`` overrides). Called at import."""

@@ -61,7 +61,7 @@ def rank_main(coordinator: str, job: str, rank_name: str, sizes: list[int], iter
 
     import cohort
 
-    group = cohort.Group(job, coordinator, rank_name)
+    group = cohort.Group(cohort.GroupConfig(job, coordinator, rank_name))
     comm = group.next_generation()
     world = comm.size
     for size in sizes:
@@ -89,9 +89,19 @@ def rank_main(coordinator: str, job: str, rank_name: str, sizes: list[int], iter
 def run_python(ranks: int, sizes_arg: str, iters: int, warmup: int, timeout: float, bind: str) -> dict[int, float]:
     """Starts a coordinator and the rank processes; returns bytes -> slowest rank's median."""
     coord = subprocess.Popen(
-        [str(bin_dir() / "cohort-coordinator"), "serve", "--listen", "127.0.0.1:0",
-         "--min-workers", str(ranks), "--max-workers", str(ranks)],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        [
+            str(bin_dir() / "cohort-coordinator"),
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--min-workers",
+            str(ranks),
+            "--max-workers",
+            str(ranks),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
     )
     try:
         seen = []
@@ -107,10 +117,29 @@ def run_python(ranks: int, sizes_arg: str, iters: int, warmup: int, timeout: flo
         endpoint = f"http://{m.group(1)}"
         job = f"bench-{os.getpid()}-{time.monotonic_ns()}"
         procs = [
-            subprocess.Popen([sys.executable, "-m", "cohort.bench", "--rank-of", endpoint, job, f"r{r}",
-                              "--sizes", sizes_arg, "--iters", str(iters), "--warmup", str(warmup),
-                              "--ranks", str(ranks), "--bind", bind],
-                             stdout=subprocess.PIPE, text=True)
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "cohort.bench",
+                    "--rank-of",
+                    endpoint,
+                    job,
+                    f"r{r}",
+                    "--sizes",
+                    sizes_arg,
+                    "--iters",
+                    str(iters),
+                    "--warmup",
+                    str(warmup),
+                    "--ranks",
+                    str(ranks),
+                    "--bind",
+                    bind,
+                ],
+                stdout=subprocess.PIPE,
+                text=True,
+            )
             for r in range(ranks)
         ]
         medians: dict[int, float] = {}
@@ -128,11 +157,30 @@ def run_python(ranks: int, sizes_arg: str, iters: int, warmup: int, timeout: flo
 
 def run_rust(ranks: int, sizes_arg: str, iters: int, warmup: int, timeout: float, bind: str) -> dict[int, float]:
     out = subprocess.run(
-        [str(bin_dir() / "cohort-worker"), "bench", "--ranks", str(ranks), "--sizes", sizes_arg,
-         "--iters", str(iters), "--warmup", str(warmup), "--dtype", "f32", "--bind", bind],
-        capture_output=True, text=True, timeout=timeout, check=True,
+        [
+            str(bin_dir() / "cohort-worker"),
+            "bench",
+            "--ranks",
+            str(ranks),
+            "--sizes",
+            sizes_arg,
+            "--iters",
+            str(iters),
+            "--warmup",
+            str(warmup),
+            "--dtype",
+            "f32",
+            "--bind",
+            bind,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=True,
     ).stdout
-    return {int(b): float(t) for b, t in re.findall(r"^peer=cohort ranks=\d+ bytes=(\d+) median_us=([\d.]+)", out, re.M)}
+    return {
+        int(b): float(t) for b, t in re.findall(r"^peer=cohort ranks=\d+ bytes=(\d+) median_us=([\d.]+)", out, re.M)
+    }
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -144,8 +192,12 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--rounds", type=int, default=3, help="alternate Rust and Python this many times")
     ap.add_argument("--no-rust", action="store_true", help="time Python only")
     ap.add_argument("--timeout", type=float, default=600.0)
-    ap.add_argument("--bind", choices=["auto", "none"], default="auto",
-                    help="auto: one CPU per rank when they fit, for Rust and Python alike")
+    ap.add_argument(
+        "--bind",
+        choices=["auto", "none"],
+        default="auto",
+        help="auto: one CPU per rank when they fit, for Rust and Python alike",
+    )
     ap.add_argument("--rank-of", nargs=3, metavar=("COORDINATOR", "JOB", "NAME"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     sizes = parse_sizes(args.sizes)
@@ -166,8 +218,10 @@ def main(argv: Optional[list[str]] = None) -> None:
         print(f"peer=cohort-python ranks={args.ranks} bytes={size} median_us={py:.1f} busbw_GBps={busbw:.3f}")
         if rust_rounds:
             rust = statistics.median(r[size] for r in rust_rounds)
-            print(f"ratio bytes={size} python_us={py:.1f} rust_us={rust:.1f} overhead_us={py - rust:.1f} "
-                  f"python_vs_rust={py / rust:.3f}")
+            print(
+                f"ratio bytes={size} python_us={py:.1f} rust_us={rust:.1f} overhead_us={py - rust:.1f} "
+                f"python_vs_rust={py / rust:.3f}"
+            )
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 
 ::
 
-    group = cohort.Group("job", "http://coordinator:7470")
+    group = cohort.Group(cohort.GroupConfig("job", "http://coordinator:7470"))
     state = cohort.elastic.TorchState(group, model=model, optimizer=opt, epoch=0, batch=0)
 
     @cohort.elastic.run
@@ -169,8 +169,8 @@ class State:
 class ObjectState(State):
     """User values (epoch, batch, anything picklable) as attributes::
 
-        state = ObjectState(group, epoch=0, batch=0)
-        state.epoch += 1
+    state = ObjectState(group, epoch=0, batch=0)
+    state.epoch += 1
     """
 
     def __init__(self, group: Group, **values: Any) -> None:
@@ -200,8 +200,9 @@ class TorchState(ObjectState):
     reset to the new world, ``sampler.reset(rank, size)``, before the reset callbacks run.
     """
 
-    def __init__(self, group: Group, model: Any = None, optimizer: Any = None, sampler: Any = None,
-                 **values: Any) -> None:
+    def __init__(
+        self, group: Group, model: Any = None, optimizer: Any = None, sampler: Any = None, **values: Any
+    ) -> None:
         super().__init__(group, **values)
         self.model = model
         self.optimizer = optimizer

@@ -99,8 +99,15 @@ class CollectiveError(CohortError):
     cause: Optional[RootCause]
     peer: Optional[int]
 
-    def __init__(self, message: str, *, generation: int, cause: Optional[RootCause] = None,
-                 peer: Optional[int] = None, **facts: object) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        generation: int,
+        cause: Optional[RootCause] = None,
+        peer: Optional[int] = None,
+        **facts: object,
+    ) -> None:
         super().__init__(message, generation=generation, cause=cause, peer=peer, **facts)
 
     @property

@@ -78,14 +78,14 @@ class ElasticSampler:
         return self.processed
 
     def _remaining(self) -> np.ndarray:
-        rest = self._order[self.processed:]
+        rest = self._order[self.processed :]
         if self.drop_last:
             rest = rest[: len(rest) - len(rest) % self.size]
         return rest
 
     def indices(self) -> np.ndarray:
         """This rank's share of the remaining samples, in order."""
-        return self._remaining()[self.rank::self.size]
+        return self._remaining()[self.rank :: self.size]
 
     def __iter__(self) -> Iterator[int]:
         return iter(self.indices().tolist())
@@ -95,8 +95,13 @@ class ElasticSampler:
 
     def state_dict(self) -> dict[str, Any]:
         """Progress to commit (the world is not part of it: it is set by ``reset``)."""
-        return {"epoch": self.epoch, "processed": self.processed, "length": self.length, "seed": self.seed,
-                "shuffle": self.shuffle}
+        return {
+            "epoch": self.epoch,
+            "processed": self.processed,
+            "length": self.length,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restores progress saved by :meth:`state_dict`."""

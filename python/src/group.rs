@@ -4,10 +4,11 @@ use crate::comm::{Communicator, Core};
 use crate::errors::{invalid, Failure};
 use crate::runtime::{runtime, sigterm, sigterm_received, wait};
 use cohort::control::ControlConfig;
-use cohort::elastic::{ElasticConfig, ElasticGroup, FailureReporter};
+use cohort::elastic::{ElasticConfig, ElasticGroup, FailureReporter, TransportChoice};
 use cohort::Algorithm;
+use pyo3::conversion::FromPyObjectOwned;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyString};
+use pyo3::types::{PyBytes, PyDict, PyString};
 use std::net::SocketAddr;
 use std::sync::{Mutex, PoisonError, Weak};
 use std::time::Duration;
@@ -29,6 +30,8 @@ pub(crate) struct Group {
     host: String,
     address: String,
     handle_sigterm: bool,
+    /// The `cohort.GroupConfig` it joined with.
+    config: Py<PyAny>,
     /// The communicators this membership made that may still be open: closed with it.
     comms: Mutex<Vec<Weak<Core>>>,
 }
@@ -63,6 +66,73 @@ fn token_of(token: Option<&Bound<'_, PyAny>>) -> PyResult<Option<String>> {
         token.extract::<String>().map_err(|_| invalid("token must be str or bytes"))?
     };
     Ok(Some(text.trim().to_string()).filter(|t| !t.is_empty()))
+}
+
+/// One field of a `cohort.GroupConfig`, of the type the join needs.
+fn field<'py, T: FromPyObjectOwned<'py>>(config: &Bound<'py, PyAny>, name: &str) -> PyResult<T> {
+    let value = config.getattr(name)?;
+    value.extract::<T>().map_err(|e| {
+        let e: PyErr = e.into();
+        invalid(format!("GroupConfig.{name}: {e}"))
+    })
+}
+
+/// A number of seconds in `GroupConfig.<name>`.
+fn seconds_of(config: &Bound<'_, PyAny>, name: &str) -> PyResult<Duration> {
+    seconds(name, field(config, name)?)
+}
+
+/// The crate's configuration from a `cohort.GroupConfig`, every value checked (a bad one
+/// raises `InvalidArgumentError` before anything is bound or sent), and whether to handle
+/// SIGTERM.
+fn elastic_config(config: &Bound<'_, PyAny>) -> PyResult<(ElasticConfig, bool)> {
+    let job: String = field(config, "job")?;
+    if job.trim().is_empty() {
+        return Err(invalid("job must be a non-empty id"));
+    }
+    let token = token_of(Some(&config.getattr("token")?).filter(|t| !t.is_none()))?;
+    let mut control = ControlConfig::new(endpoints(&config.getattr("coordinator")?)?);
+    control.token = token.clone();
+    control.tls_ca = field(config, "tls_ca")?;
+    control.request_timeout = seconds_of(config, "request_timeout")?;
+    control.retry_budget = seconds_of(config, "retry_budget")?;
+    control.first_contact_wait = seconds_of(config, "coordinator_wait")?;
+    let worker_id = field::<Option<String>>(config, "worker_id")?
+        .unwrap_or_else(|| format!("{}-{}", cohort::elastic::local_hostname(), std::process::id()));
+    let mut elastic = ElasticConfig::new(job, worker_id, control);
+    if let Some(host) = field::<Option<String>>(config, "host")? {
+        elastic.host = host;
+    }
+    elastic.token = token.unwrap_or_default().into_bytes();
+    let listen: String = field(config, "listen")?;
+    elastic.listen =
+        listen.parse::<SocketAddr>().map_err(|e| invalid(format!("listen {listen:?}: {e} (e.g. 0.0.0.0:0)")))?;
+    elastic.advertise = field(config, "advertise")?;
+    elastic.deadlines.no_progress = seconds_of(config, "no_progress_timeout")?;
+    elastic.deadlines.connect = seconds_of(config, "connect_timeout")?;
+    let floor = seconds_of(config, "no_progress_floor")?;
+    let fixed: bool = field(config, "fixed_deadlines")?;
+    elastic.deadlines.learning = (!fixed).then_some(cohort_transports::Learning { floor });
+    elastic.comm.op_timeout =
+        field::<Option<f64>>(config, "op_timeout")?.map(|t| seconds("op_timeout", t)).transpose()?;
+    elastic.exclusion_wait = seconds_of(config, "exclusion_wait")?;
+    elastic.rendezvous_poll = seconds_of(config, "rendezvous_poll")?;
+    elastic.root_cause_wait = seconds_of(config, "root_cause_wait")?;
+    let algorithm: String = field(config, "algorithm")?;
+    elastic.comm.algorithm = algorithm.parse::<Algorithm>().map_err(|e| invalid(e.to_string()))?;
+    let segment_bytes: usize = field(config, "segment_bytes")?;
+    if segment_bytes == 0 {
+        return Err(invalid("segment_bytes must be positive"));
+    }
+    elastic.comm.segment_bytes = segment_bytes;
+    elastic.tcp.busy_poll = seconds_of(config, "busy_poll")?;
+    elastic.shm.busy_poll = elastic.tcp.busy_poll;
+    // As `cohort-worker train --transport`: one TransportChoice, checked here (shm needs a
+    // host identity; rdma the `rdma` feature and a device) so that it fails before joining.
+    let transport: String = field(config, "transport")?;
+    elastic.transport = transport.parse::<TransportChoice>().map_err(|e| invalid(e.to_string()))?;
+    elastic.transport.check().map_err(|e| invalid(e.to_string()))?;
+    Ok((elastic, field(config, "handle_sigterm")?))
 }
 
 impl Group {
@@ -110,94 +180,40 @@ impl Group {
 
 #[pymethods]
 impl Group {
+    /// Joins with a `cohort.GroupConfig`, or with the arguments of one
+    /// (`Group(job, coordinator, worker_id, **options)`).
     #[new]
-    #[pyo3(signature = (
-        job, coordinator, worker_id=None, *, token=None, host=None, listen="0.0.0.0:0",
-        advertise="127.0.0.1", no_progress_timeout=10.0, connect_timeout=30.0, op_timeout=None,
-        exclusion_wait=3600.0, rendezvous_poll=10.0, root_cause_wait=0.5, algorithm="auto",
-        segment_bytes=1<<20, busy_poll=50e-6, tls_ca=None, request_timeout=5.0, retry_budget=30.0,
-        coordinator_wait=3.0, handle_sigterm=true, transport="auto", fixed_deadlines=false, no_progress_floor=0.25
-    ))]
-    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (config, coordinator=None, worker_id=None, **options))]
     fn new(
         py: Python<'_>,
-        job: String,
-        coordinator: &Bound<'_, PyAny>,
-        worker_id: Option<String>,
-        token: Option<&Bound<'_, PyAny>>,
-        host: Option<String>,
-        listen: &str,
-        advertise: &str,
-        no_progress_timeout: f64,
-        connect_timeout: f64,
-        op_timeout: Option<f64>,
-        exclusion_wait: f64,
-        rendezvous_poll: f64,
-        root_cause_wait: f64,
-        algorithm: &str,
-        segment_bytes: usize,
-        busy_poll: f64,
-        tls_ca: Option<std::path::PathBuf>,
-        request_timeout: f64,
-        retry_budget: f64,
-        coordinator_wait: f64,
-        handle_sigterm: bool,
-        transport: &str,
-        fixed_deadlines: bool,
-        no_progress_floor: f64,
+        config: &Bound<'_, PyAny>,
+        coordinator: Option<&Bound<'_, PyAny>>,
+        worker_id: Option<&Bound<'_, PyAny>>,
+        options: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Self> {
-        if job.trim().is_empty() {
-            return Err(invalid("job must be a non-empty id"));
-        }
-        let token = token_of(token)?;
-        let mut control = ControlConfig::new(endpoints(coordinator)?);
-        control.token = token.clone();
-        control.tls_ca = tls_ca;
-        control.request_timeout = seconds("request_timeout", request_timeout)?;
-        control.retry_budget = seconds("retry_budget", retry_budget)?;
-        control.first_contact_wait = seconds("coordinator_wait", coordinator_wait)?;
-        let worker_id =
-            worker_id.unwrap_or_else(|| format!("{}-{}", cohort::elastic::local_hostname(), std::process::id()));
-        let mut config = ElasticConfig::new(job, worker_id, control);
-        if let Some(host) = host {
-            config.host = host;
-        }
-        config.token = token.unwrap_or_default().into_bytes();
-        config.listen =
-            listen.parse::<SocketAddr>().map_err(|e| invalid(format!("listen {listen:?}: {e} (e.g. 0.0.0.0:0)")))?;
-        config.advertise = advertise.to_string();
-        config.deadlines.no_progress = seconds("no_progress_timeout", no_progress_timeout)?;
-        config.deadlines.connect = seconds("connect_timeout", connect_timeout)?;
-        let floor = seconds("no_progress_floor", no_progress_floor)?;
-        config.deadlines.learning = (!fixed_deadlines).then_some(cohort_transports::Learning { floor });
-        config.comm.op_timeout = op_timeout.map(|t| seconds("op_timeout", t)).transpose()?;
-        config.exclusion_wait = seconds("exclusion_wait", exclusion_wait)?;
-        config.rendezvous_poll = seconds("rendezvous_poll", rendezvous_poll)?;
-        config.root_cause_wait = seconds("root_cause_wait", root_cause_wait)?;
-        config.comm.algorithm = algorithm.parse::<Algorithm>().map_err(|e| invalid(e.to_string()))?;
-        if segment_bytes == 0 {
-            return Err(invalid("segment_bytes must be positive"));
-        }
-        config.comm.segment_bytes = segment_bytes;
-        config.tcp.busy_poll = seconds("busy_poll", busy_poll)?;
-        // As `cohort-worker train --transport`: auto links members on this host over shared
-        // memory and the others over TCP; tcp never uses shared memory; shm refuses any other.
-        let shm = cohort_transports::shm::ShmOptions { busy_poll: config.tcp.busy_poll, ..Default::default() };
-        match transport {
-            "auto" => config.shm = Some(shm),
-            "tcp" => config.shm = None,
-            "shm" => {
-                cohort_transports::shm::host_identity().map_err(|e| invalid(format!("transport \"shm\": {e}")))?;
-                config.shm = Some(shm);
-                config.shm_only = true;
+        let class = PyModule::import(py, "cohort.config")?.getattr("GroupConfig")?;
+        let config = if config.is_instance(&class)? {
+            let extra = options.map_or(0, |o| o.len());
+            if coordinator.is_some() || worker_id.is_some() || extra > 0 {
+                return Err(invalid("Group(config) takes no other arguments: set them in the GroupConfig"));
             }
-            other => return Err(invalid(format!("transport {other:?}: use \"auto\", \"tcp\" or \"shm\""))),
-        }
-        let (job, worker_id, host) = (config.job.clone(), config.worker_id.clone(), config.host.clone());
+            config.clone()
+        } else {
+            let kwargs = options.map_or_else(|| Ok(PyDict::new(py)), |o| o.copy())?;
+            if let Some(coordinator) = coordinator {
+                kwargs.set_item("coordinator", coordinator)?;
+            }
+            if let Some(worker_id) = worker_id {
+                kwargs.set_item("worker_id", worker_id)?;
+            }
+            class.call((config,), Some(&kwargs))?
+        };
+        let (elastic, handle_sigterm) = elastic_config(&config)?;
+        let (job, worker_id, host) = (elastic.job.clone(), elastic.worker_id.clone(), elastic.host.clone());
 
         let leaving = if handle_sigterm { Some(sigterm()?) } else { None };
         let joined = wait(py, async move {
-            let join = ElasticGroup::join(config);
+            let join = ElasticGroup::join(elastic);
             match leaving {
                 Some(mut leaving) => tokio::select! {
                     joined = join => Some(joined),
@@ -224,8 +240,15 @@ impl Group {
             host,
             address,
             handle_sigterm,
+            config: config.unbind(),
             comms: Mutex::new(Vec::new()),
         })
+    }
+
+    /// The `GroupConfig` this group joined with.
+    #[getter]
+    fn config(&self, py: Python<'_>) -> Py<PyAny> {
+        self.config.clone_ref(py)
     }
 
     /// The job id.

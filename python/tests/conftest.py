@@ -27,6 +27,8 @@ def import_torch():
 
         return torch
     return pytest.importorskip("torch")
+
+
 WORKERS = Path(__file__).resolve().parent / "workers"
 
 
@@ -63,7 +65,9 @@ def start_coordinator(tmp: Path, *args: str, timeout: float = 20.0) -> Coordinat
     out = open(log, "w")
     proc = subprocess.Popen(
         [str(binary("cohort-coordinator")), "serve", "--listen", "127.0.0.1:0", *args],
-        stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
     )
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -83,8 +87,16 @@ def coordinator_factory(tmp_path: Path) -> Iterator:
     started: list[Coordinator] = []
 
     def make(min_workers: int, max_workers: Optional[int] = None, *extra: str) -> Coordinator:
-        c = start_coordinator(tmp_path, "--min-workers", str(min_workers),
-                              "--max-workers", str(max_workers or min_workers), "--join-window", "200ms", *extra)
+        c = start_coordinator(
+            tmp_path,
+            "--min-workers",
+            str(min_workers),
+            "--max-workers",
+            str(max_workers or min_workers),
+            "--join-window",
+            "200ms",
+            *extra,
+        )
         started.append(c)
         return c
 
@@ -111,7 +123,7 @@ class Worker:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait(timeout=10)
-            raise AssertionError(f"worker {self.name} did not finish in {timeout}s; output:\n{self.output()}")
+            raise AssertionError(f"worker {self.name} did not finish in {timeout}s; output:\n{self.output()}") from None
 
     def wait_for_line(self, pattern: str, timeout: float) -> re.Match:
         """Polls the worker's output for a line matching `pattern` (bounded)."""
@@ -125,7 +137,9 @@ class Worker:
                 m = rx.search(self.output())
                 if m:
                     return m
-                raise AssertionError(f"worker {self.name} exited ({self.process.returncode}) before {pattern!r}:\n{self.output()}")
+                raise AssertionError(
+                    f"worker {self.name} exited ({self.process.returncode}) before {pattern!r}:\n{self.output()}"
+                )
             time.sleep(0.01)
         raise AssertionError(f"worker {self.name}: no {pattern!r} in {timeout}s; output:\n{self.output()}")
 
@@ -143,11 +157,23 @@ def spawn(tmp_path: Path) -> Iterator:
     it a pipe: closing `worker.process.stdin` is its cue); every one killed at the end."""
     workers: list[Worker] = []
 
-    def start(name: str, script: str | Sequence[str], *args: str, env: Optional[dict] = None, stdin: bool = False) -> Worker:
-        argv = [sys.executable, "-u", str(WORKERS / script), *args] if isinstance(script, str) else list(script) + list(args)
+    def start(
+        name: str, script: str | Sequence[str], *args: str, env: Optional[dict] = None, stdin: bool = False
+    ) -> Worker:
+        argv = (
+            [sys.executable, "-u", str(WORKERS / script), *args]
+            if isinstance(script, str)
+            else list(script) + list(args)
+        )
         log = tmp_path / f"{name}.log"
-        proc = subprocess.Popen(argv, stdout=open(log, "w"), stderr=subprocess.STDOUT, cwd=str(REPO),
-                                env={**os.environ, **(env or {})}, stdin=subprocess.PIPE if stdin else subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            argv,
+            stdout=open(log, "w"),
+            stderr=subprocess.STDOUT,
+            cwd=str(REPO),
+            env={**os.environ, **(env or {})},
+            stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
+        )
         w = Worker(name, proc, log)
         workers.append(w)
         return w

@@ -1,5 +1,6 @@
 """Every collective, dtype and reduce op from Python against NumPy's answer, over real
 processes and sockets, on worlds of 1, 2 and 3 ranks."""
+
 import pytest
 
 

@@ -1,5 +1,6 @@
 """Failure paths from Python, over real processes: a SIGKILLed or SIGSTOPped peer, bad
 arguments, the GIL, Ctrl-C and SIGTERM."""
+
 import json
 import signal
 import time
@@ -8,7 +9,8 @@ import pytest
 
 
 def events(worker, kind):
-    return [e for e in (json.loads(l) for l in worker.output().splitlines() if l.startswith("{")) if e["event"] == kind]
+    lines = worker.output().splitlines()
+    return [e for e in (json.loads(line) for line in lines if line.startswith("{")) if e["event"] == kind]
 
 
 def wait_event(worker, kind, timeout):
@@ -18,7 +20,9 @@ def wait_event(worker, kind, timeout):
 
 def start_loop(coordinator_factory, spawn, world, *extra_coord, no_progress="10"):
     coord = coordinator_factory(world - 1, world, *extra_coord)
-    workers = [spawn(f"w{r}", "failures.py", "loop", coord.endpoint, "loop", f"w{r}", no_progress) for r in range(world)]
+    workers = [
+        spawn(f"w{r}", "failures.py", "loop", coord.endpoint, "loop", f"w{r}", no_progress) for r in range(world)
+    ]
     for w in workers:
         w.wait_for_line(r'"step": 3\b', timeout=60)
     return workers
@@ -173,7 +177,7 @@ def test_the_transport_argument_chooses_the_data_plane(coordinator_factory, spaw
     workers = [spawn(f"w{r}", "transport.py", coord.endpoint, f"t-{transport}", f"w{r}", transport) for r in range(2)]
     for w in workers:
         assert w.wait(timeout=60) == 0, w.output()
-        line = json.loads([l for l in w.output().splitlines() if l.startswith("{")][-1])
+        line = json.loads([text for text in w.output().splitlines() if text.startswith("{")][-1])
         assert line == {"transport": expected, "ok": True, "size": 2}, line
 
 

@@ -1,12 +1,12 @@
 """FSDP2 (``fully_shard`` on a one-dimensional DeviceMesh) trains to the same parameters on the
 "cohort" backend as on gloo: examples/pytorch/fsdp2.py, the same script, on real processes.
 Needs torch 2.x (the test command runs it under PyPI's torch; Debian's 1.13 has no FSDP2)."""
+
 import re
 import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import import_torch
 
 torch = import_torch()
@@ -28,11 +28,35 @@ def summaries(workers, timeout=240):
 
 def test_fully_shard_on_cohort_matches_gloo_at_two_ranks(coordinator_factory, spawn, tmp_path):
     world = 2
-    gloo = [spawn(f"gloo-{r}", [sys.executable, "-u", EXAMPLE], "--gloo", str(tmp_path / "gloo-init"),
-                  "--rank", str(r), "--world", str(world), *STEPS) for r in range(world)]
+    gloo = [
+        spawn(
+            f"gloo-{r}",
+            [sys.executable, "-u", EXAMPLE],
+            "--gloo",
+            str(tmp_path / "gloo-init"),
+            "--rank",
+            str(r),
+            "--world",
+            str(world),
+            *STEPS,
+        )
+        for r in range(world)
+    ]
     coord = coordinator_factory(world)
-    ours = [spawn(f"cohort-{r}", [sys.executable, "-u", EXAMPLE], "--coordinator", coord.endpoint, "--job", "fsdp",
-                  "--worker-id", f"w{r}", *STEPS) for r in range(world)]
+    ours = [
+        spawn(
+            f"cohort-{r}",
+            [sys.executable, "-u", EXAMPLE],
+            "--coordinator",
+            coord.endpoint,
+            "--job",
+            "fsdp",
+            "--worker-id",
+            f"w{r}",
+            *STEPS,
+        )
+        for r in range(world)
+    ]
     reference, got = summaries(gloo), summaries(ours)
     assert {s["backend"] for s in got} == {"cohort"} and {s["backend"] for s in reference} == {"gloo"}
     assert all(s["steps"] == "12" for s in got + reference)

@@ -2,6 +2,7 @@
 and worker processes: a GradientAverager rebuilt for the same model (the doc's ``run`` snippet
 after a failure) launches no bucket twice, ``TorchState`` deals its sampler over the world, and
 a closed group's communicator refuses work."""
+
 import re
 
 from conftest import import_torch
@@ -9,8 +10,10 @@ from conftest import import_torch
 
 def run_mode(coordinator_factory, spawn, mode, world, timeout=120):
     coord = coordinator_factory(world)
-    workers = [spawn(f"{mode}-w{r}", "outside_client.py", coord.endpoint, f"client-{mode}", f"w{r}", mode)
-               for r in range(world)]
+    workers = [
+        spawn(f"{mode}-w{r}", "outside_client.py", coord.endpoint, f"client-{mode}", f"w{r}", mode)
+        for r in range(world)
+    ]
     for w in workers:
         assert w.wait(timeout=timeout) == 0, w.output()
     return [w.output() for w in workers]

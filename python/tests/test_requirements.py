@@ -2,6 +2,7 @@
 COHORT_REQUIRE_PYTHON (which scripts/test.sh sets, so that CI never passes with the PyTorch
 tests silently skipped). A nested pytest runs test_training.py in a fresh interpreter in
 which `import torch` raises ImportError."""
+
 import os
 import subprocess
 import sys
@@ -21,8 +22,14 @@ def collect_without_torch(require: bool) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "COHORT_REQUIRE_PYTHON"}
     if require:
         env["COHORT_REQUIRE_PYTHON"] = "1"
-    return subprocess.run([sys.executable, "-c", WITHOUT_TORCH, str(TESTS / "test_training.py")], env=env,
-                          cwd=str(TESTS), capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-c", WITHOUT_TORCH, str(TESTS / "test_training.py")],
+        env=env,
+        cwd=str(TESTS),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_missing_torch_skips_by_default():

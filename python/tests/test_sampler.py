@@ -1,4 +1,5 @@
 """ElasticSampler: every sample of an epoch exactly once, whatever the re-formations."""
+
 import numpy as np
 import pytest
 

@@ -1,10 +1,8 @@
 """The PyTorch example on real processes: the high-level API, DDP on the "cohort" backend,
 and SIGKILLed workers replaced mid-training."""
-import re
+
 import sys
 from pathlib import Path
-
-import pytest
 
 from conftest import import_torch
 
@@ -23,8 +21,21 @@ def summary(worker):
 
 def run_job(coordinator_factory, spawn, world, *args, job="digits"):
     coord = coordinator_factory(world, world, "--elastic-timeout", "60s")
-    workers = [spawn(f"{job}-w{r}", [sys.executable, "-u", EXAMPLE], "--coordinator", coord.endpoint, "--job", job,
-                     "--worker-id", f"w{r}", "--all-ranks-summary", *args) for r in range(world)]
+    workers = [
+        spawn(
+            f"{job}-w{r}",
+            [sys.executable, "-u", EXAMPLE],
+            "--coordinator",
+            coord.endpoint,
+            "--job",
+            job,
+            "--worker-id",
+            f"w{r}",
+            "--all-ranks-summary",
+            *args,
+        )
+        for r in range(world)
+    ]
     return coord, workers
 
 
@@ -37,8 +48,9 @@ def single(spawn, *args):
 def test_two_workers_high_level_and_ddp_give_the_same_parameters(coordinator_factory, spawn):
     results = {}
     for mode in ("api", "ddp"):
-        _, workers = run_job(coordinator_factory, spawn, 2, "--epochs", "2", *(["--ddp"] if mode == "ddp" else []),
-                             job=f"pair-{mode}")
+        _, workers = run_job(
+            coordinator_factory, spawn, 2, "--epochs", "2", *(["--ddp"] if mode == "ddp" else []), job=f"pair-{mode}"
+        )
         sums = []
         for w in workers:
             assert w.wait(timeout=180) == 0, w.output()
@@ -94,8 +106,20 @@ def test_kills_mid_allreduce_with_replacements_change_nothing(coordinator_factor
         victim.wait_for_line(rf"^event=allreduce gen=\d+ rank=\d+ step={at_step}\b", timeout=180)
         victim.kill()
         live.remove(victim)
-        live.append(spawn(replacement, [sys.executable, "-u", EXAMPLE], "--coordinator", coord.endpoint, "--job",
-                          "faulty", "--worker-id", replacement, "--all-ranks-summary", *epochs))
+        live.append(
+            spawn(
+                replacement,
+                [sys.executable, "-u", EXAMPLE],
+                "--coordinator",
+                coord.endpoint,
+                "--job",
+                "faulty",
+                "--worker-id",
+                replacement,
+                "--all-ranks-summary",
+                *epochs,
+            )
+        )
         killed = victim.process.args[victim.process.args.index("--worker-id") + 1]
         for w in live[:-1]:
             m = w.wait_for_line(rf"^event=error .*cause_worker={killed}\b.*$", timeout=60)

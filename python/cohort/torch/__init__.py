@@ -92,7 +92,9 @@ class GradientAverager:
         params = [p for p in model.parameters() if p.requires_grad]
         for p in params:
             if p.device.type != "cpu":
-                raise InvalidArgumentError(f"GradientAverager: a parameter is on {p.device}; cohort averages CPU tensors")
+                raise InvalidArgumentError(
+                    f"GradientAverager: a parameter is on {p.device}; cohort averages CPU tensors"
+                )
         self._buckets: list[_Bucket] = []
         current: list[torch.nn.Parameter] = []
         size = 0
@@ -181,7 +183,7 @@ class _Bucket:
         self.views = []
         offset = 0
         for p in params:
-            self.views.append(self.flat[offset:offset + p.numel()].view_as(p))
+            self.views.append(self.flat[offset : offset + p.numel()].view_as(p))
             offset += p.numel()
         self.ready = [False] * len(params)
         self.pending = len(params)
@@ -362,8 +364,7 @@ class CohortBackend(_Base):  # type: ignore[misc, valid-type]
             comm.reduce(_output("reduce", t), opts.rootRank if opts is not None else 0, op)
         return _done(tensors)
 
-    def _reduce_scatter_one(self, call: str, comm: Communicator, out: torch.Tensor, inp: torch.Tensor,
-                            op: str) -> Work:
+    def _reduce_scatter_one(self, call: str, comm: Communicator, out: torch.Tensor, inp: torch.Tensor, op: str) -> Work:
         return comm.reduce_scatter_async(_input(call, inp), _output(call, out), op)
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:  # noqa: A002
@@ -371,24 +372,28 @@ class CohortBackend(_Base):  # type: ignore[misc, valid-type]
         2.x's name for ``_reduce_scatter_base`` (``dist.reduce_scatter_tensor``)."""
         comm = self._comm()
         op = _op_name("reduce_scatter_tensor", opts)
-        return self._completer.submit([self._reduce_scatter_one("reduce_scatter_tensor", comm, output, input, op)],
-                                      [output])
+        return self._completer.submit(
+            [self._reduce_scatter_one("reduce_scatter_tensor", comm, output, input, op)], [output]
+        )
 
     _reduce_scatter_base = reduce_scatter_single
 
-    def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
-                                        opts: Any = None) -> Any:
+    def reduce_scatter_single_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> Any:
         """:meth:`reduce_scatter_single` of several tensor pairs, one work for all."""
         comm = self._comm()
         op = _op_name("reduce_scatter_tensor_coalesced", opts)
-        works = [self._reduce_scatter_one("reduce_scatter_tensor_coalesced", comm, o, i, op)
-                 for o, i in zip(outputs, inputs)]
+        works = [
+            self._reduce_scatter_one("reduce_scatter_tensor_coalesced", comm, o, i, op) for o, i in zip(outputs, inputs)
+        ]
         return self._completer.submit(works, outputs)
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
-    def reduce_scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
-                       opts: Any = None) -> Any:
+    def reduce_scatter(
+        self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]], opts: Any = None
+    ) -> Any:
         """Rank r receives the reduction of every rank's ``input_tensors[.][r]``."""
         op = _op_name("reduce_scatter", opts)
         comm = self._comm()
@@ -409,8 +414,9 @@ class CohortBackend(_Base):  # type: ignore[misc, valid-type]
 
     _allgather_base = all_gather_single
 
-    def all_gather_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
-                                    opts: Any = None) -> Any:
+    def all_gather_single_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> Any:
         """:meth:`all_gather_single` of several tensor pairs, one work for all."""
         comm = self._comm()
         call = "all_gather_into_tensor_coalesced"
@@ -419,8 +425,9 @@ class CohortBackend(_Base):  # type: ignore[misc, valid-type]
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
-    def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
-                  opts: Any = None) -> Any:
+    def allgather(
+        self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: Any = None
+    ) -> Any:
         """``output_tensors[.][r]`` receives rank r's input."""
         comm = self._comm()
         for outputs, inp in zip(output_tensors, input_tensors):
@@ -428,11 +435,12 @@ class CohortBackend(_Base):  # type: ignore[misc, valid-type]
             flat = torch.empty(src.numel() * comm.size, dtype=src.dtype)
             comm.allgather(src, flat)
             for r, out in enumerate(outputs):
-                out.copy_(flat[r * src.numel():(r + 1) * src.numel()].view_as(out))
+                out.copy_(flat[r * src.numel() : (r + 1) * src.numel()].view_as(out))
         return _done(output_tensors)
 
-    def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], input_list: list[torch.Tensor],
-                            opts: Any = None) -> Any:
+    def allgather_coalesced(
+        self, output_lists: list[list[torch.Tensor]], input_list: list[torch.Tensor], opts: Any = None
+    ) -> Any:
         """:meth:`allgather` of several tensors."""
         return self.allgather(output_lists, input_list, opts)
 
@@ -443,8 +451,9 @@ class CohortBackend(_Base):  # type: ignore[misc, valid-type]
         works = [comm.broadcast_async(_output("broadcast", t), root) for t in tensors]
         return self._completer.submit(works, tensors)
 
-    def gather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
-               opts: Any = None) -> Any:
+    def gather(
+        self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: Any = None
+    ) -> Any:
         """The root's ``output_tensors[0][r]`` receives rank r's input."""
         comm = self._comm()
         root = opts.rootRank if opts is not None else 0
@@ -455,19 +464,23 @@ class CohortBackend(_Base):  # type: ignore[misc, valid-type]
         comm.gather(src, flat, root)
         if flat is not None:
             for r, out in enumerate(output_tensors[0]):
-                out.copy_(flat[r * src.numel():(r + 1) * src.numel()].view_as(out))
+                out.copy_(flat[r * src.numel() : (r + 1) * src.numel()].view_as(out))
         return _done(output_tensors)
 
     def gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:  # noqa: A002
         """The root's ``output`` holds every rank's ``input``, by rank."""
         comm = self._comm()
         root = opts.rootRank if opts is not None else 0
-        comm.gather(_input("gather_into_tensor", input),
-                    _output("gather_into_tensor", output) if comm.rank == root else None, root)
+        comm.gather(
+            _input("gather_into_tensor", input),
+            _output("gather_into_tensor", output) if comm.rank == root else None,
+            root,
+        )
         return _done([output])
 
-    def scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
-                opts: Any = None) -> Any:
+    def scatter(
+        self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]], opts: Any = None
+    ) -> Any:
         """Rank r's ``output_tensors[0]`` receives the root's ``input_tensors[0][r]``."""
         comm = self._comm()
         root = opts.rootRank if opts is not None else 0
@@ -478,8 +491,14 @@ class CohortBackend(_Base):  # type: ignore[misc, valid-type]
         comm.scatter(flat, out, root)
         return _done(output_tensors)
 
-    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: Any = None,  # noqa: A002
-                          input_split_sizes: Any = None, opts: Any = None) -> Any:
+    def all_to_all_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: Any = None,  # noqa: A002
+        input_split_sizes: Any = None,
+        opts: Any = None,
+    ) -> Any:
         """Block j of this rank's ``input`` lands in block (this rank) of rank j's ``output``
         (``dist.all_to_all_single``; equal splits only); torch 2.x's name for ``alltoall_base``."""
         comm = self._comm()
@@ -490,20 +509,21 @@ class CohortBackend(_Base):  # type: ignore[misc, valid-type]
 
     alltoall_base = all_to_all_single
 
-    def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor],
-                 opts: Any = None) -> Any:
+    def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor], opts: Any = None) -> Any:
         """``output_tensors[j]`` receives rank j's ``input_tensors[this rank]`` (equal sizes)."""
         comm = self._comm()
         sizes = {t.numel() for t in [*input_tensors, *output_tensors]}
         if len(sizes) > 1:
-            raise RuntimeError(f"cohort backend: all_to_all with tensors of different sizes {sorted(sizes)} is not "
-                               "supported (cohort's alltoall exchanges equal blocks)")
+            raise RuntimeError(
+                f"cohort backend: all_to_all with tensors of different sizes {sorted(sizes)} is not "
+                "supported (cohort's alltoall exchanges equal blocks)"
+            )
         flat_in = torch.cat([t.reshape(-1) for t in input_tensors])
         flat_out = torch.empty_like(flat_in)
         comm.alltoall(flat_in, flat_out)
         n = flat_in.numel() // max(comm.size, 1)
         for r, out in enumerate(output_tensors):
-            out.copy_(flat_out[r * n:(r + 1) * n].view_as(out))
+            out.copy_(flat_out[r * n : (r + 1) * n].view_as(out))
         return _done(output_tensors)
 
     def barrier(self, opts: Any = None) -> Any:
@@ -535,8 +555,10 @@ class CohortBackend(_Base):  # type: ignore[misc, valid-type]
     def monitored_barrier(self, opts: Any = None, wait_all_ranks: bool = False) -> Any:
         """Not supported: raises, naming the call (cohort's :meth:`barrier` already fails with
         the root cause, naming the rank, when a rank is missing)."""
-        raise RuntimeError("cohort backend: monitored_barrier is not supported; use barrier(), which fails "
-                           "naming the rank that failed first")
+        raise RuntimeError(
+            "cohort backend: monitored_barrier is not supported; use barrier(), which fails "
+            "naming the rank that failed first"
+        )
 
     def allreduce_sparse(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         """Not supported: raises, naming the call."""
@@ -550,8 +572,10 @@ group)."""
 
 def _no_tag(call: str, tag: int) -> None:
     if tag != 0:
-        raise RuntimeError(f"cohort backend: {call} with tag {tag}: tags are not supported; cohort matches "
-                           "sends and receives between two ranks in order (use tag 0)")
+        raise RuntimeError(
+            f"cohort backend: {call} with tag {tag}: tags are not supported; cohort matches "
+            "sends and receives between two ranks in order (use tag 0)"
+        )
 
 
 def _create(store: Any, rank: int, size: int, timeout: Any) -> CohortBackend:

@@ -4,6 +4,7 @@ argv: COORDINATOR JOB WORKER_ID. Inputs are deterministic functions of (rank, in
 integers so that every dtype's result is exact; each rank computes every rank's input and so
 the expected result. Prints `ok CHECKS` at the end; any mismatch raises (exit status 1).
 """
+
 import sys
 
 import numpy as np
@@ -63,7 +64,7 @@ for dtype in DTYPES:
         out = np.empty(block, dtype=dtype)
         comm.reduce_scatter(inputs(rank, block * size, dtype, op), out, op)
         whole = expected(block * size, dtype, op)
-        check(f"reduce_scatter {dtype} {op}", out, whole[rank * block:(rank + 1) * block])
+        check(f"reduce_scatter {dtype} {op}", out, whole[rank * block : (rank + 1) * block])
         buf = inputs(rank, block, dtype, op)
         comm.reduce(buf, root=size - 1, op=op)
         if rank == size - 1:
@@ -74,8 +75,8 @@ for dtype in DTYPES:
     check(f"allgather {dtype}", out, np.concatenate([inputs(r, 333, dtype, "sum") for r in range(size)]))
     # In place: the input is this rank's own block of the output.
     out2 = np.zeros(333 * size, dtype=dtype)
-    out2[rank * 333:(rank + 1) * 333] = mine
-    comm.allgather(out2[rank * 333:(rank + 1) * 333], out2)
+    out2[rank * 333 : (rank + 1) * 333] = mine
+    comm.allgather(out2[rank * 333 : (rank + 1) * 333], out2)
     check(f"allgather in place {dtype}", out2, out)
     root = 1 % size
     buf = inputs(rank, 4099, dtype, "sum") if rank == root else np.zeros(4099, dtype=dtype)
@@ -88,7 +89,7 @@ for dtype in DTYPES:
     s_in = inputs(0, 60 * size, dtype, "sum") if rank == 0 else None
     s_out = np.empty(60, dtype=dtype)
     comm.scatter(s_in, s_out, root=0)
-    check(f"scatter {dtype}", s_out, inputs(0, 60 * size, dtype, "sum")[rank * 60:(rank + 1) * 60])
+    check(f"scatter {dtype}", s_out, inputs(0, 60 * size, dtype, "sum")[rank * 60 : (rank + 1) * 60])
     a_in = np.concatenate([np.full(5, rank * 10 + j, dtype=dtype) for j in range(size)])
     a_out = np.empty_like(a_in)
     comm.alltoall(a_in, a_out)

@@ -76,8 +76,12 @@ def parse_size(text: str) -> int:
 
 
 def kind_of(e: cohort.CollectiveError) -> str:
-    return {"PeerFailedError": "PeerFailed", "TimeoutError": "Timeout", "RevokedError": "Revoked",
-            "TransportError": "Transport"}.get(type(e).__name__, type(e).__name__)
+    return {
+        "PeerFailedError": "PeerFailed",
+        "TimeoutError": "Timeout",
+        "RevokedError": "Revoked",
+        "TransportError": "Transport",
+    }.get(type(e).__name__, type(e).__name__)
 
 
 def cause_of(e: cohort.CollectiveError) -> str:
@@ -103,8 +107,15 @@ def main() -> int:
 
     emit("joining", worker=args.worker_id)
     try:
-        group = cohort.Group(args.job, args.coordinator, args.worker_id, token=token, listen=args.listen,
-                             advertise=args.advertise, no_progress_timeout=args.no_progress_ms / 1000)
+        group = cohort.Group(
+            args.job,
+            args.coordinator,
+            args.worker_id,
+            token=token,
+            listen=args.listen,
+            advertise=args.advertise,
+            no_progress_timeout=args.no_progress_ms / 1000,
+        )
     except cohort.GracefulLeave:
         emit("leave", gen=0, step=0, joined=False)
         return 0
@@ -134,20 +145,41 @@ def main() -> int:
         params = np.frombuffer(state, dtype=np.float64).copy() if state else np.zeros(count)
         step = outcome.step or 0
         expected = expected_params(idx, step)
-        emit("restored", gen=g, rank=rank, step=outcome.step if outcome.step is not None else -1,
-             source=outcome.source, changed=outcome.changed)
+        emit(
+            "restored",
+            gen=g,
+            rank=rank,
+            step=outcome.step if outcome.step is not None else -1,
+            source=outcome.source,
+            changed=outcome.changed,
+        )
         if not np.array_equal(params, expected):
             j = first_difference(params, expected)
-            emit("wrong_params", gen=g, rank=rank, step=step, phase="sync", index=j, got=params[j], expected=expected[j])
+            emit(
+                "wrong_params", gen=g, rank=rank, step=step, phase="sync", index=j, got=params[j], expected=expected[j]
+            )
             emit("fatal", error=f"parameters after the sync are not those of step {step}")
             return 1
         while True:
             if step >= args.steps:
-                emit("finished", gen=g, rank=rank, step=step, params_digest=digest(params),
-                     expected_digest=digest(expected_params(idx, step)))
+                emit(
+                    "finished",
+                    gen=g,
+                    rank=rank,
+                    step=step,
+                    params_digest=digest(params),
+                    expected_digest=digest(expected_params(idx, step)),
+                )
                 group.leave(finished=True)
-                emit("summary", verified_steps=verified, final_step=step, failures=len(failures),
-                     lost_ms=",".join(str(x) for x in failures) or "-", cooperative_reforms=reforms, left=False)
+                emit(
+                    "summary",
+                    verified_steps=verified,
+                    final_step=step,
+                    failures=len(failures),
+                    lost_ms=",".join(str(x) for x in failures) or "-",
+                    cooperative_reforms=reforms,
+                    left=False,
+                )
                 return 0
             grad[:] = f(idx, step) + (rank - (world - 1) / 2) * h(idx, step)
             started = time.monotonic()
@@ -179,8 +211,16 @@ def main() -> int:
             emit("step", gen=g, world=world, rank=rank, step=step, ms=f"{(time.monotonic() - started) * 1e3:.3f}")
             if not np.array_equal(params, expected):
                 j = first_difference(params, expected)
-                emit("wrong_params", gen=g, rank=rank, step=step, phase="commit", index=j, got=params[j],
-                     expected=expected[j])
+                emit(
+                    "wrong_params",
+                    gen=g,
+                    rank=rank,
+                    step=step,
+                    phase="commit",
+                    index=j,
+                    got=params[j],
+                    expected=expected[j],
+                )
                 emit("fatal", error=f"parameters at step {step} differ from the expected ones")
                 return 1
             pending = group.commit(g, step, checkpoint.digest)
@@ -195,8 +235,15 @@ def main() -> int:
                 emit("leave", gen=g, rank=rank, step=step)
                 comm.close()
                 group.leave(finished=False)
-                emit("summary", verified_steps=verified, final_step=step, failures=len(failures),
-                     lost_ms=",".join(str(x) for x in failures) or "-", cooperative_reforms=reforms, left=True)
+                emit(
+                    "summary",
+                    verified_steps=verified,
+                    final_step=step,
+                    failures=len(failures),
+                    lost_ms=",".join(str(x) for x in failures) or "-",
+                    cooperative_reforms=reforms,
+                    left=True,
+                )
                 return 0
             if flags[0] or flags[1]:
                 emit("reform", gen=g, rank=rank, step=step, reason="leave" if flags[1] else "scale_up")
@@ -205,8 +252,15 @@ def main() -> int:
             if args.step_interval_ms:
                 time.sleep(args.step_interval_ms / 1000)  # pacing of the demo job, not synchronisation
         comm.close()
-    emit("summary", verified_steps=verified, final_step=checkpoint.step or 0, failures=len(failures),
-         lost_ms=",".join(str(x) for x in failures) or "-", cooperative_reforms=reforms, left=False)
+    emit(
+        "summary",
+        verified_steps=verified,
+        final_step=checkpoint.step or 0,
+        failures=len(failures),
+        lost_ms=",".join(str(x) for x in failures) or "-",
+        cooperative_reforms=reforms,
+        left=False,
+    )
     return 0
 
 

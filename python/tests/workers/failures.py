@@ -10,6 +10,7 @@ Modes:
   idle       joins, prints `joined`, then waits on stdin (the peer that never calls).
   sigterm    prints `joined`, then polls group.leaving until SIGTERM sets it.
 """
+
 import json
 import sys
 import threading
@@ -39,9 +40,19 @@ if mode == "loop":
         try:
             comm.allreduce(data)
         except cohort.CollectiveError as e:
-            report("error", cls=type(e).__name__, generation=e.generation, peer=e.peer,
-                   cause_rank=e.rank, cause_worker=e.worker_id, cause_host=e.host, reason=e.reason,
-                   is_timeout=isinstance(e, TimeoutError), message=str(e), after=getattr(e, "after", None))
+            report(
+                "error",
+                cls=type(e).__name__,
+                generation=e.generation,
+                peer=e.peer,
+                cause_rank=e.rank,
+                cause_worker=e.worker_id,
+                cause_host=e.host,
+                reason=e.reason,
+                is_timeout=isinstance(e, TimeoutError),
+                message=str(e),
+                after=getattr(e, "after", None),
+            )
             break
         assert data[0] == sum(range(1, comm.size + 1)), data[:4]
         step += 1
@@ -80,6 +91,7 @@ elif mode == "badargs":
     }
     try:
         import torch
+
         cases["non-contiguous tensor"] = lambda: comm.allreduce(torch.ones(4, 4).t())
         cases["complex tensor"] = lambda: comm.allreduce(torch.ones(4, dtype=torch.complex64))
     except ImportError:

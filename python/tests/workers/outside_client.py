@@ -11,6 +11,7 @@ argv: COORDINATOR JOB WORKER_ID MODE. MODE:
 - ``closed``: after ``group.close()`` the last communicator refuses a collective; prints
   ``ok closed: MESSAGE``.
 """
+
 import sys
 
 import torch

@@ -6,6 +6,7 @@ index), small integers so that every result is exact; each rank computes every r
 and so the expected result. Prints `ok NAME` per check, `unsupported NAME: MESSAGE` for calls
 that must raise, and `done CHECKS` at the end; a wrong result raises (exit status 1).
 """
+
 import sys
 import warnings
 
@@ -44,7 +45,7 @@ def must_raise(name: str, fn, *words: str) -> None:
         message = str(e)
         missing = [w for w in words if w not in message]
         if missing:
-            raise AssertionError(f"rank {rank}: {name}: the error does not say {missing}: {message!r}")
+            raise AssertionError(f"rank {rank}: {name}: the error does not say {missing}: {message!r}") from e
         checks += 1
         print(f"unsupported {name}: {message.splitlines()[0]}", flush=True)
         return
@@ -131,15 +132,17 @@ if TORCH2:
         dist.all_gather_into_tensor(outs[0], data(rank, n))
         dist.all_gather_into_tensor(outs[1], data(rank + 1, 3))
     cm.wait()
-    check("all_gather_into_tensor coalesced", outs[1],
-          torch.stack([data(r + 1, 3) for r in range(size)]).reshape(-1))
+    check("all_gather_into_tensor coalesced", outs[1], torch.stack([data(r + 1, 3) for r in range(size)]).reshape(-1))
     outs = [torch.empty(n // size), torch.empty(2)]
     with dist._coalescing_manager(async_ops=True) as cm:
         dist.reduce_scatter_tensor(outs[0], data(rank, n))
         dist.reduce_scatter_tensor(outs[1], data(rank, 2 * size))
     cm.wait()
-    check("reduce_scatter_tensor coalesced", outs[1],
-          torch.stack([data(r, 2 * size) for r in range(size)]).sum(0).chunk(size)[rank])
+    check(
+        "reduce_scatter_tensor coalesced",
+        outs[1],
+        torch.stack([data(r, 2 * size) for r in range(size)]).sum(0).chunk(size)[rank],
+    )
 
     import torch.distributed._functional_collectives as funcol
 
@@ -179,9 +182,14 @@ if TORCH2:
 
     # Calls cohort cannot run raise, naming the call.
     if size > 1:
-        must_raise("all_to_all_single uneven", lambda: dist.all_to_all_single(
-            torch.empty(size + 1), torch.empty(size + 1), [1] * (size - 1) + [2], [1] * (size - 1) + [2]),
-            "all_to_all_single", "uneven")
+        must_raise(
+            "all_to_all_single uneven",
+            lambda: dist.all_to_all_single(
+                torch.empty(size + 1), torch.empty(size + 1), [1] * (size - 1) + [2], [1] * (size - 1) + [2]
+            ),
+            "all_to_all_single",
+            "uneven",
+        )
         if rank == 0:  # the members of a new group build its backend; the others get no group
             must_raise("new_group subset", lambda: dist.new_group([0]), "new_group")
         else:

@@ -3,6 +3,7 @@ generation used and whether the sum was right (one JSON line).
 
     transport.py COORDINATOR JOB WORKER_ID TRANSPORT
 """
+
 import json
 import sys
 

@@ -1,7 +1,9 @@
-//! The transport of a generation's mesh, chosen from the generation's member records alone,
-//! so that every member makes the same choice: RDMA if and only if every member published an
-//! RDMA address; otherwise shared memory between every two members that published the same
-//! host identity (in their `shm` addresses) and TCP between the others.
+//! The transport of a generation's mesh: what the worker asked for ([`TransportChoice`], from
+//! `--transport`, Python's `GroupConfig.transport` or [`super::ElasticConfig::transport`]) and
+//! what a generation then uses, chosen from its member records alone so that every member
+//! makes the same choice: RDMA if and only if every member published an RDMA address;
+//! otherwise shared memory between every two members that published the same host identity
+//! (in their `shm` addresses) and TCP between the others.
 
 use super::{ElasticError, MemberInfo, MeshKind};
 use crate::HostLayout;
@@ -10,6 +12,114 @@ use std::net::SocketAddr;
 
 #[cfg(feature = "rdma")]
 use cohort_transports::rdma::EndpointAddress;
+
+/// The data-plane transport a worker asks for: what it publishes at join, and what it accepts
+/// a generation to use. The one definition behind `cohort-worker --transport`, Python's
+/// `GroupConfig.transport` and [`super::ElasticConfig::transport`]; the names are `auto`,
+/// `tcp`, `shm` and `rdma`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum TransportChoice {
+    /// Publish a shared-memory address beside the TCP one: members with one host identity link
+    /// over shared memory, the others over TCP.
+    #[default]
+    Auto,
+    /// TCP only (no shared-memory address is published).
+    Tcp,
+    /// Shared memory only: a generation with a member this worker cannot reach over it fails
+    /// with [`ElasticError::Protocol`].
+    Shm,
+    /// Also open an RDMA endpoint and publish it (cargo feature `rdma`): a generation runs over
+    /// RDMA when every member published one, over TCP otherwise.
+    Rdma,
+}
+
+impl TransportChoice {
+    /// Every choice, in the order `--help` lists them.
+    pub const ALL: [TransportChoice; 4] =
+        [TransportChoice::Auto, TransportChoice::Tcp, TransportChoice::Shm, TransportChoice::Rdma];
+
+    /// `auto`, `tcp`, `shm` or `rdma`.
+    pub fn name(self) -> &'static str {
+        match self {
+            TransportChoice::Auto => "auto",
+            TransportChoice::Tcp => "tcp",
+            TransportChoice::Shm => "shm",
+            TransportChoice::Rdma => "rdma",
+        }
+    }
+
+    /// Whether the worker publishes a shared-memory address at join (`auto` and `shm`).
+    pub fn publishes_shm(self) -> bool {
+        matches!(self, TransportChoice::Auto | TransportChoice::Shm)
+    }
+
+    /// Checks, before anything is bound or sent, that this choice can be used here: `shm`
+    /// needs this process's host identity, `rdma` a build with the `rdma` feature and an RDMA
+    /// device. `auto` and `tcp` always can.
+    pub fn check(self) -> Result<(), TransportUnavailable> {
+        match self {
+            TransportChoice::Auto | TransportChoice::Tcp => Ok(()),
+            TransportChoice::Shm => {
+                cohort_transports::shm::host_identity().map(|_| ()).map_err(TransportUnavailable::NoHostIdentity)
+            }
+            TransportChoice::Rdma => rdma_available(),
+        }
+    }
+}
+
+#[cfg(feature = "rdma")]
+fn rdma_available() -> Result<(), TransportUnavailable> {
+    let devices =
+        cohort_transports::rdma::device_names().map_err(|e| TransportUnavailable::RdmaDevices(e.to_string()))?;
+    if devices.is_empty() {
+        return Err(TransportUnavailable::NoRdmaDevice);
+    }
+    Ok(())
+}
+
+#[cfg(not(feature = "rdma"))]
+fn rdma_available() -> Result<(), TransportUnavailable> {
+    Err(TransportUnavailable::RdmaNotBuilt)
+}
+
+impl std::fmt::Display for TransportChoice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for TransportChoice {
+    type Err = UnknownTransport;
+
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        TransportChoice::ALL.into_iter().find(|c| c.name() == text).ok_or_else(|| UnknownTransport(text.to_string()))
+    }
+}
+
+/// A transport name that is not one of [`TransportChoice::ALL`].
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("transport {0:?}: use \"auto\", \"tcp\", \"shm\" or \"rdma\"")]
+pub struct UnknownTransport(pub String);
+
+/// Why a [`TransportChoice`] cannot be used on this machine or in this build.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum TransportUnavailable {
+    /// `shm`: this process's host identity (boot id, namespaces) cannot be read.
+    #[error("transport shm: {0}")]
+    NoHostIdentity(String),
+    /// `rdma` in a build without the `rdma` cargo feature.
+    #[error(
+        "transport rdma: this build of cohort lacks the `rdma` feature \
+         (cargo build --release -p cohort --features rdma; the Python package: maturin with --features rdma)"
+    )]
+    RdmaNotBuilt,
+    /// `rdma`: the device list could not be read.
+    #[error("transport rdma: {0}")]
+    RdmaDevices(String),
+    /// `rdma`: no RDMA device is present.
+    #[error("transport rdma: no RDMA device found (is an InfiniBand/RoCE NIC present and its driver loaded?)")]
+    NoRdmaDevice,
+}
 
 /// What a rank connects for one generation: the transport and every member's address on it,
 /// indexed by rank.
@@ -96,31 +206,52 @@ pub(crate) fn host_layout(members: &[MemberInfo]) -> HostLayout {
 }
 
 /// Chooses the transport of generation `number` for `rank` from its `members` (ordered by
-/// rank).
+/// rank), for a worker that asked for `choice`.
 ///
 /// RDMA when every member published an RDMA address; otherwise shared memory between members
-/// that published one host identity, TCP between the others (see [`MeshPlan`]). `local_rdma` says whether
-/// this worker has an RDMA endpoint; since its own record carries an RDMA address exactly when
-/// it has one, a record that claims one for a worker without it is a protocol violation, as is
-/// an RDMA address that does not decode (every member sees the same records, so every member
-/// fails the same way instead of half of them dialling RDMA and half TCP).
+/// that published one host identity, TCP between the others (see [`MeshPlan`]). A worker's own
+/// record carries an RDMA address exactly when it chose [`TransportChoice::Rdma`] (and so
+/// opened an endpoint), so RDMA everywhere for a worker that chose anything else is a protocol
+/// violation, as is an RDMA address that does not decode (every member sees the same records,
+/// so every member fails the same way instead of half of them dialling RDMA and half TCP).
+/// [`TransportChoice::Shm`] refuses, with [`ElasticError::Protocol`] naming them, a generation
+/// with members it cannot reach over shared memory.
 pub(crate) fn plan_mesh(
     number: u64,
     members: &[MemberInfo],
     rank: u32,
-    local_rdma: bool,
+    choice: TransportChoice,
 ) -> Result<MeshPlan, ElasticError> {
     let without_rdma: Vec<String> =
         members.iter().filter(|m| m.rdma.is_none()).map(|m| format!("{} (rank {})", m.worker_id, m.rank)).collect();
     if members.is_empty() || !without_rdma.is_empty() {
-        return Ok(local_plan(members, rank as usize, without_rdma));
+        let plan = local_plan(members, rank as usize, without_rdma);
+        if choice == TransportChoice::Shm && plan.kind() != MeshKind::Shm && members.len() > 1 {
+            return Err(shm_unreachable(number, members, rank));
+        }
+        return Ok(plan);
     }
-    if !local_rdma {
+    if choice != TransportChoice::Rdma {
         return Err(ElasticError::Protocol(format!(
             "generation {number}: every member has an rdma address in the record, but this worker has no RDMA endpoint"
         )));
     }
     rdma_plan(number, members)
+}
+
+/// The refusal of a generation by a worker that chose shared memory only: the members it
+/// cannot reach over shared memory (another host identity, or none published).
+fn shm_unreachable(number: u64, members: &[MemberInfo], rank: u32) -> ElasticError {
+    let own = members.get(rank as usize).and_then(|m| m.shm.as_ref()).map(|a| &a.host);
+    let elsewhere: Vec<String> = members
+        .iter()
+        .filter(|m| m.rank != rank && (own.is_none() || m.shm.as_ref().map(|a| &a.host) != own))
+        .map(|m| format!("{} (rank {}, host {})", m.worker_id, m.rank, m.host))
+        .collect();
+    ElasticError::Protocol(format!(
+        "generation {number}: shared memory only (--transport shm), but these members cannot be reached over it: {}",
+        elsewhere.join(", ")
+    ))
 }
 
 #[cfg(feature = "rdma")]
@@ -172,7 +303,7 @@ mod tests {
     fn members_on_one_host_use_shared_memory() {
         let members: Vec<MemberInfo> = (0..3).map(|r| on_host(member(r, None), "h1")).collect();
         for rank in 0..3 {
-            let plan = plan_mesh(2, &members, rank, false).expect("a plan");
+            let plan = plan_mesh(2, &members, rank, TransportChoice::Auto).expect("a plan");
             assert_eq!(plan.kind(), MeshKind::Shm);
             let MeshPlan::Shm { peers } = plan else { panic!("{plan:?}") };
             assert_eq!(peers, members.iter().map(|m| m.shm.clone().unwrap()).collect::<Vec<_>>());
@@ -187,14 +318,58 @@ mod tests {
             on_host(member(2, None), "a"),
             member(3, None),
         ];
-        let plan = plan_mesh(2, &members, 0, false).expect("a plan");
+        let plan = plan_mesh(2, &members, 0, TransportChoice::Auto).expect("a plan");
         let MeshPlan::Mixed { tcp, shm } = &plan else { panic!("{plan:?}") };
         assert_eq!(tcp.len(), 4);
         assert_eq!(shm.iter().map(Option::is_some).collect::<Vec<_>>(), [true, false, true, false]);
         // Rank 1 is alone on host b, rank 3 published no shm address: TCP only.
-        assert_eq!(plan_mesh(2, &members, 1, false).unwrap().kind(), MeshKind::Tcp);
-        assert_eq!(plan_mesh(2, &members, 3, false).unwrap().kind(), MeshKind::Tcp);
-        assert_eq!(plan_mesh(2, &members, 2, false).unwrap().kind(), MeshKind::ShmTcp);
+        assert_eq!(plan_mesh(2, &members, 1, TransportChoice::Auto).unwrap().kind(), MeshKind::Tcp);
+        assert_eq!(plan_mesh(2, &members, 3, TransportChoice::Auto).unwrap().kind(), MeshKind::Tcp);
+        assert_eq!(plan_mesh(2, &members, 2, TransportChoice::Auto).unwrap().kind(), MeshKind::ShmTcp);
+    }
+
+    #[test]
+    fn shared_memory_only_refuses_a_member_it_cannot_reach_and_names_it() {
+        let members = vec![on_host(member(0, None), "a"), on_host(member(1, None), "b"), member(2, None)];
+        let e = plan_mesh(7, &members, 0, TransportChoice::Shm).expect_err("ranks 1 and 2 are elsewhere");
+        let ElasticError::Protocol(message) = &e else { panic!("not a protocol error: {e}") };
+        assert!(message.contains("generation 7") && message.contains("shared memory only"), "{message}");
+        assert!(
+            message.contains("w1 (rank 1, host host-1)") && message.contains("w2 (rank 2, host host-2)"),
+            "{message}"
+        );
+        assert!(!message.contains("w0"), "{message}");
+        // One host: accepted; alone in its generation: accepted (nothing to reach).
+        let one_host: Vec<MemberInfo> = (0..2).map(|r| on_host(member(r, None), "a")).collect();
+        assert_eq!(plan_mesh(7, &one_host, 1, TransportChoice::Shm).unwrap().kind(), MeshKind::Shm);
+        assert_eq!(plan_mesh(7, &members[..1], 0, TransportChoice::Shm).unwrap().kind(), MeshKind::Tcp);
+        // auto plans the same generation as a mix, tcp-only ranks stay on TCP.
+        assert_eq!(plan_mesh(7, &members, 0, TransportChoice::Auto).unwrap().kind(), MeshKind::Tcp);
+    }
+
+    #[test]
+    fn transport_choices_parse_from_their_names_and_nothing_else() {
+        for choice in TransportChoice::ALL {
+            assert_eq!(choice.name().parse::<TransportChoice>(), Ok(choice));
+            assert_eq!(choice.to_string(), choice.name());
+        }
+        assert_eq!(TransportChoice::default(), TransportChoice::Auto);
+        for bad in ["", "TCP", "shm+tcp", "carrier-pigeon", " auto"] {
+            let e = bad.parse::<TransportChoice>().expect_err(bad);
+            assert!(e.to_string().contains("\"auto\", \"tcp\", \"shm\" or \"rdma\""), "{e}");
+        }
+        assert!(TransportChoice::Auto.publishes_shm() && TransportChoice::Shm.publishes_shm());
+        assert!(!TransportChoice::Tcp.publishes_shm() && !TransportChoice::Rdma.publishes_shm());
+        assert_eq!(TransportChoice::Tcp.check(), Ok(()));
+        assert_eq!(TransportChoice::Auto.check(), Ok(()));
+    }
+
+    #[cfg(not(feature = "rdma"))]
+    #[test]
+    fn rdma_without_the_feature_is_a_clear_error() {
+        let e = TransportChoice::Rdma.check().expect_err("no rdma feature");
+        assert_eq!(e, TransportUnavailable::RdmaNotBuilt);
+        assert!(e.to_string().contains("--features rdma"), "{e}");
     }
 
     #[test]
@@ -214,7 +389,7 @@ mod tests {
     #[test]
     fn one_member_without_rdma_means_tcp_and_names_it() {
         let members = [member(0, Some(EP)), member(1, None), member(2, Some(EP))];
-        let plan = plan_mesh(4, &members, 0, true).expect("a plan");
+        let plan = plan_mesh(4, &members, 0, TransportChoice::Rdma).expect("a plan");
         assert_eq!(plan.kind(), MeshKind::Tcp);
         assert_eq!(plan.without_rdma(), ["w1 (rank 1)".to_string()]);
         assert_eq!(
@@ -226,17 +401,17 @@ mod tests {
     #[test]
     fn no_member_with_rdma_means_tcp() {
         let members = [member(0, None), member(1, None)];
-        let plan = plan_mesh(1, &members, 0, false).expect("a plan");
+        let plan = plan_mesh(1, &members, 0, TransportChoice::Auto).expect("a plan");
         assert_eq!(plan.kind(), MeshKind::Tcp);
         // A malformed rdma address is never decoded when TCP is chosen anyway.
         let members = [member(0, Some("garbage")), member(1, None)];
-        assert_eq!(plan_mesh(1, &members, 0, true).expect("a plan").kind(), MeshKind::Tcp);
+        assert_eq!(plan_mesh(1, &members, 0, TransportChoice::Rdma).expect("a plan").kind(), MeshKind::Tcp);
     }
 
     #[test]
     fn every_member_with_rdma_but_no_local_endpoint_is_a_protocol_error() {
         let members = [member(0, Some(EP)), member(1, Some(EP))];
-        let e = plan_mesh(3, &members, 0, false).expect_err("no local endpoint");
+        let e = plan_mesh(3, &members, 0, TransportChoice::Auto).expect_err("no local endpoint");
         assert!(
             matches!(&e, ElasticError::Protocol(m) if m.contains("generation 3") && m.contains("no RDMA endpoint")),
             "{e}"
@@ -248,7 +423,7 @@ mod tests {
     fn every_member_with_rdma_means_rdma_in_rank_order() {
         let other = EP.replace("boot=10.0.0.5:45001", "boot=10.0.0.6:45002");
         let members = [member(0, Some(EP)), member(1, Some(&other))];
-        let plan = plan_mesh(2, &members, 0, true).expect("a plan");
+        let plan = plan_mesh(2, &members, 0, TransportChoice::Rdma).expect("a plan");
         assert_eq!(plan.kind(), MeshKind::Rdma);
         let MeshPlan::Rdma { peers } = plan else { panic!("not an rdma plan: {plan:?}") };
         assert_eq!(peers.len(), 2);
@@ -268,7 +443,7 @@ mod tests {
             &EP.replace("4096", "4000"),
         ] {
             let members = [member(0, Some(EP)), member(1, Some(bad))];
-            let e = plan_mesh(5, &members, 0, true).expect_err(bad);
+            let e = plan_mesh(5, &members, 0, TransportChoice::Rdma).expect_err(bad);
             let ElasticError::Protocol(message) = &e else { panic!("not a protocol error: {e}") };
             assert!(message.contains("member w1 (rank 1)") && message.contains("unusable rdma address"), "{message}");
         }

@@ -1,5 +1,6 @@
 //! Configuration of an elastic worker.
 
+use super::TransportChoice;
 use crate::control::ControlConfig;
 use crate::CommConfig;
 use cohort_transports::shm::ShmOptions;
@@ -37,20 +38,26 @@ pub struct ElasticConfig {
     pub deadlines: Deadlines,
     /// Socket options of the data plane.
     pub tcp: TcpOptions,
-    /// RDMA endpoint options; `Some` opens an RDMA endpoint at join and publishes its address
-    /// beside the TCP one (a generation uses RDMA when every member published one). The
-    /// bootstrap listener binds on the IP of [`ElasticConfig::listen`] (the port of
-    /// `bootstrap_bind` is kept, 0 = any), and unless `advertise` is set it advertises the
-    /// host of the TCP advertised address with its bound port.
+    /// The data-plane transport this worker asks for (`--transport`): what it publishes at
+    /// join (a shared-memory address with `auto` and `shm`, an RDMA endpoint with `rdma`) and
+    /// what it accepts a generation to use (see [`TransportChoice`]). [`super::ElasticGroup::join`]
+    /// refuses `rdma` in a build without the `rdma` feature with
+    /// [`super::ElasticError::TransportUnavailable`]; [`TransportChoice::check`] tells before
+    /// anything is bound whether the choice can be used here.
+    pub transport: TransportChoice,
+    /// Shared-memory options, used when [`ElasticConfig::transport`] publishes a
+    /// shared-memory address (`auto`, `shm`).
+    pub shm: ShmOptions,
+    /// RDMA endpoint options, used with [`TransportChoice::Rdma`]: the endpoint is opened at
+    /// join and its address published beside the TCP one (a generation uses RDMA when every
+    /// member published one). The bootstrap listener binds on the IP of
+    /// [`ElasticConfig::listen`] (the port of `bootstrap_bind` is kept, 0 = any), and unless
+    /// `advertise` is set it advertises the host of the TCP advertised address with its bound
+    /// port. [`ElasticConfig::new`] takes the device from the environment variable
+    /// `COHORT_RDMA_DEVICE` (unset or empty: the first device with an active port) and lets
+    /// the progress task sleep on the completion channel (`busy_poll: false`).
     #[cfg(feature = "rdma")]
-    pub rdma: Option<cohort_transports::rdma::RdmaOptions>,
-    /// Shared-memory options; `Some` (the default) publishes a shared-memory address beside
-    /// the TCP one, so that members on one host (same boot id and namespaces) link over shared
-    /// memory; `None` keeps this worker on TCP (or RDMA).
-    pub shm: Option<ShmOptions>,
-    /// Refuse a generation in which a peer cannot be reached over shared memory
-    /// (`--transport shm`): connecting it fails with [`super::ElasticError::Protocol`].
-    pub shm_only: bool,
+    pub rdma: cohort_transports::rdma::RdmaOptions,
     /// Collective algorithm settings.
     pub comm: CommConfig,
     /// Longest single rendezvous long poll; the wait itself is unbounded only as long as the
@@ -79,10 +86,17 @@ impl ElasticConfig {
             advertise: "127.0.0.1".into(),
             deadlines: Deadlines::default(),
             tcp: TcpOptions::default(),
+            transport: TransportChoice::Auto,
+            shm: ShmOptions::default(),
             #[cfg(feature = "rdma")]
-            rdma: None,
-            shm: Some(ShmOptions::default()),
-            shm_only: false,
+            rdma: cohort_transports::rdma::RdmaOptions {
+                device: cohort_transports::rdma::DeviceConfig {
+                    name: std::env::var("COHORT_RDMA_DEVICE").ok().filter(|d| !d.is_empty()),
+                    ..Default::default()
+                },
+                busy_poll: false,
+                ..Default::default()
+            },
             comm: CommConfig::default(),
             rendezvous_poll: Duration::from_secs(10),
             root_cause_wait: Duration::from_millis(500),

@@ -7,7 +7,7 @@
 
 use super::choice::{plan_mesh, MeshPlan};
 use super::mesh::MixedTransport;
-use super::{ElasticError, MemberInfo, MeshTransport};
+use super::{ElasticError, MemberInfo, MeshTransport, TransportChoice};
 use cohort_transports::shm::{ShmAddress, ShmEndpoint, ShmMeshSpec};
 use cohort_transports::tcp::{MeshSpec, TcpEndpoint};
 use cohort_transports::{Deadlines, TransportError};
@@ -83,7 +83,10 @@ pub async fn connect_members(
     rank: u32,
     local: LocalEndpoints<'_>,
 ) -> Result<MeshTransport, ElasticError> {
-    let plan = plan_mesh(scope.generation, members, rank, local.has_rdma())?;
+    // The endpoints given are what this rank published: RDMA with an RDMA endpoint, else
+    // whatever the records plan.
+    let choice = if local.has_rdma() { TransportChoice::Rdma } else { TransportChoice::Auto };
+    let plan = plan_mesh(scope.generation, members, rank, choice)?;
     Ok(connect_planned(scope, rank, plan, local).await?)
 }
 

@@ -24,6 +24,10 @@ pub enum ElasticError {
         #[source]
         source: TransportError,
     },
+    /// The transport asked for cannot be used in this build (`rdma` without the `rdma`
+    /// feature): the worker does not join.
+    #[error(transparent)]
+    TransportUnavailable(#[from] super::TransportUnavailable),
     /// This worker stayed excluded (its failures repeated) for longer than
     /// [`super::ElasticConfig::exclusion_wait`] allows it to wait.
     #[error("excluded by the coordinator for longer than this worker waits ({waited:?} waited, {retry_after:?} left, limit {limit:?}): {message}")]

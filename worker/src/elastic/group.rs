@@ -3,7 +3,7 @@
 use super::choice::{host_layout, plan_mesh, MeshPlan};
 use super::connect::{connect_planned, LocalEndpoints, MeshScope};
 use super::membership::{CallError, Effect, JoinNext, Membership, Step, WatchNext};
-use super::{ElasticConfig, ElasticError, MeshKind, MeshTransport};
+use super::{ElasticConfig, ElasticError, MeshKind, MeshTransport, TransportChoice};
 use crate::control::{ControlClient, ControlError};
 use crate::{CommConfig, CommError, Communicator, Revoker, RootCause};
 use cohort_proto::v1 as pb;
@@ -157,14 +157,20 @@ impl Drop for ElasticGroup {
 }
 
 impl ElasticGroup {
-    /// Binds the data-plane listener, opens the RDMA endpoint when configured (failing at
-    /// once, before joining, when its device cannot be opened), joins the job and starts the
-    /// heartbeat and watch tasks. An excluded worker waits out its exclusion first (at most
-    /// [`ElasticConfig::exclusion_wait`], else [`ElasticError::Excluded`]).
+    /// Binds the data-plane listener, opens the shared-memory endpoint and, with
+    /// [`TransportChoice::Rdma`], the RDMA endpoint (failing at once, before joining, when its
+    /// device cannot be opened, or with [`ElasticError::TransportUnavailable`] in a build
+    /// without the `rdma` feature), joins the job and starts the heartbeat and watch tasks. An
+    /// excluded worker waits out its exclusion first (at most [`ElasticConfig::exclusion_wait`],
+    /// else [`ElasticError::Excluded`]).
     ///
     /// # Cancel safety
     /// Cancel safe: a join left half done expires with its lease.
     pub async fn join(mut config: ElasticConfig) -> Result<Self, ElasticError> {
+        #[cfg(not(feature = "rdma"))]
+        if config.transport == TransportChoice::Rdma {
+            return Err(super::TransportUnavailable::RdmaNotBuilt.into());
+        }
         // The data plane is keyed by the job's credential, whether this worker was given it
         // or the operator secret it derives from; another job's credential stops here.
         config.token = cohort_proto::credentials::data_plane_secret(&config.token, &config.job)?;
@@ -172,14 +178,11 @@ impl ElasticGroup {
         let endpoint = TcpEndpoint::bind(config.listen, config.tcp.clone()).await?;
         let port = endpoint.local_addr().port();
         let advertised = advertised_address(&config.advertise, port);
-        let shm = match &config.shm {
-            Some(options) => Some(ShmEndpoint::new(options.clone())?),
-            None => None,
-        };
+        let shm = if config.transport.publishes_shm() { Some(ShmEndpoint::new(config.shm.clone())?) } else { None };
         #[cfg(feature = "rdma")]
-        let rdma = match &config.rdma {
-            Some(options) => Some(open_rdma(options, config.listen, &advertised).await?),
-            None => None,
+        let rdma = match config.transport {
+            TransportChoice::Rdma => Some(open_rdma(&config.rdma, config.listen, &advertised).await?),
+            _ => None,
         };
         let shared = Arc::new(Shared::new(config.exclusion_wait));
         let mut group = Self {
@@ -284,11 +287,6 @@ impl ElasticGroup {
         None
     }
 
-    /// Whether this worker has an RDMA endpoint.
-    fn has_rdma(&self) -> bool {
-        self.local_endpoints().has_rdma()
-    }
-
     /// The address the data-plane listener is bound to (differs from
     /// [`ElasticGroup::advertised_address`] behind NAT, a proxy or a wildcard bind).
     pub fn listen_address(&self) -> SocketAddr {
@@ -387,22 +385,9 @@ impl ElasticGroup {
             .find(|m| m.worker_id == self.config.worker_id && m.incarnation == incarnation)
             .map(|m| m.rank)
             .ok_or_else(|| ElasticError::Protocol(format!("generation {number} does not include this worker")))?;
-        let plan = plan_mesh(number, &members, rank, self.has_rdma())?;
+        let plan = plan_mesh(number, &members, rank, self.config.transport)?;
         let kind = plan.kind();
-        if self.config.shm_only && kind != MeshKind::Shm && members.len() > 1 {
-            let elsewhere: Vec<String> = members
-                .iter()
-                .filter(|m| {
-                    m.rank != rank && m.shm.as_ref().map(|a| &a.host) != self.shm.as_ref().map(|e| &e.address().host)
-                })
-                .map(|m| format!("{} (rank {}, host {})", m.worker_id, m.rank, m.host))
-                .collect();
-            return Err(ElasticError::Protocol(format!(
-                "generation {number}: shared memory only (--transport shm), but these members cannot be reached over it: {}",
-                elsewhere.join(", ")
-            )));
-        }
-        if kind == MeshKind::Tcp && self.has_rdma() {
+        if kind == MeshKind::Tcp && self.config.transport == TransportChoice::Rdma {
             warn!(parent: &span, without_rdma = %plan.without_rdma().join(", "),
                   "not every member published an rdma address: this generation uses tcp");
         }
@@ -868,7 +853,8 @@ mod tests {
         let mut config = ElasticConfig::new("job", "w0", ControlConfig::new(vec!["http://127.0.0.1:1".into()]));
         config.listen = std::net::SocketAddr::from(([127, 0, 0, 1], 0));
         let device = DeviceConfig { name: Some("cohort-no-such-device".into()), ..DeviceConfig::default() };
-        config.rdma = Some(RdmaOptions { device, ..RdmaOptions::default() });
+        config.transport = super::TransportChoice::Rdma;
+        config.rdma = RdmaOptions { device, ..RdmaOptions::default() };
         let started = std::time::Instant::now();
         let error = match ElasticGroup::join(config).await {
             Ok(_) => panic!("joined with a device that does not exist"),

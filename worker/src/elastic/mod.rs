@@ -17,10 +17,11 @@
 //! - [`ElasticGroup::next_generation`] is re-formation in one call: it waits at the
 //!   coordinator's rendezvous for the next generation, connects the data-plane mesh for it
 //!   (handshake with the job token) and returns its [`Generation`]. The mesh is RDMA when
-//!   every member published an RDMA address at join (see [`ElasticConfig`]'s `rdma`, cargo
+//!   every member published an RDMA address at join ([`TransportChoice::Rdma`], cargo
 //!   feature `rdma`); otherwise members that published the same host identity (in their
-//!   shared-memory address, see [`ElasticConfig`]'s `shm`) link over shared memory and the
-//!   others over TCP; [`MeshTransport`] carries any of these, [`MixedTransport`] the mix.
+//!   shared-memory address, [`TransportChoice::Auto`] and [`TransportChoice::Shm`]) link over
+//!   shared memory and the others over TCP; [`MeshTransport`] carries any of these,
+//!   [`MixedTransport`] the mix.
 //! - When a collective fails, [`ElasticGroup::on_failure`] reports it (first report wins) and
 //!   answers the generation's root cause, so every rank's error names the rank that failed
 //!   first, never a secondary "connection reset".
@@ -50,6 +51,7 @@ mod mesh;
 mod state;
 mod timing;
 
+pub use choice::{TransportChoice, TransportUnavailable, UnknownTransport};
 pub use config::{local_hostname, ElasticConfig};
 pub use connect::{connect_members, LocalEndpoints, MeshScope};
 pub use error::ElasticError;

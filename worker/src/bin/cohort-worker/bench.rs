@@ -11,7 +11,7 @@
 //! reports its median; the figure for a size is the slowest rank's median, as nccl-tests
 //! does. busbw = algbw x 2(n-1)/n.
 
-use cohort::elastic::{connect_members, LocalEndpoints, MemberInfo, MeshScope, MeshTransport};
+use cohort::elastic::{connect_members, LocalEndpoints, MemberInfo, MeshScope, MeshTransport, TransportChoice};
 use cohort::exact::{ExactElement, OpPattern};
 use cohort::{Algorithm, CommConfig, Communicator, HostLayout, ReduceOp};
 use cohort_transports::shm::{ShmAddress, ShmEndpoint, ShmMeshSpec, ShmOptions};
@@ -60,7 +60,7 @@ pub(crate) struct BenchConfig {
     /// Receive busy-poll window of the TCP links ([`TcpOptions::busy_poll`]).
     pub(crate) busy_poll: Duration,
     /// The data-plane transport.
-    pub(crate) transport: BenchTransport,
+    pub(crate) transport: TransportChoice,
     /// Bind each rank process to its own CPU (see [`bind_to_cpu`]).
     pub(crate) bind: bool,
     /// Emulated hosts: the ranks in `hosts` contiguous groups ([`HostLayout::blocks`]), shared
@@ -148,33 +148,6 @@ pub(crate) fn bind_to_cpu(index: usize) -> Result<(), String> {
         return Err(format!("binding to CPU {cpu}: {}", std::io::Error::last_os_error()));
     }
     Ok(())
-}
-
-/// The data-plane transport a benchmark runs over.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
-pub(crate) enum BenchTransport {
-    /// What `train` would choose: shared memory between ranks with one host identity (all of
-    /// them, here), TCP otherwise.
-    #[default]
-    Auto,
-    /// TCP on loopback.
-    Tcp,
-    /// Shared memory.
-    Shm,
-    /// RDMA (cargo feature `rdma`): the first active device, or `COHORT_RDMA_DEVICE`.
-    Rdma,
-}
-
-impl BenchTransport {
-    /// `auto`, `tcp`, `shm` or `rdma`.
-    pub(crate) fn name(self) -> &'static str {
-        match self {
-            BenchTransport::Auto => "auto",
-            BenchTransport::Tcp => "tcp",
-            BenchTransport::Shm => "shm",
-            BenchTransport::Rdma => "rdma",
-        }
-    }
 }
 
 /// One size's result (slowest rank's median).
@@ -453,11 +426,11 @@ async fn rank_typed<E: ExactElement>(rank: u32, config: BenchConfig) -> Result<(
     OpPattern::new(config.op, 0, config.ranks).check_exact::<E>()?;
     let comm_config = CommConfig { algorithm: config.algo, ..CommConfig::default() };
     let layout = HostLayout::blocks(config.ranks, config.hosts);
-    if config.hosts > 1 && matches!(config.transport, BenchTransport::Shm | BenchTransport::Rdma) {
+    if config.hosts > 1 && matches!(config.transport, TransportChoice::Shm | TransportChoice::Rdma) {
         return Err(format!("--hosts {} needs --transport auto or tcp", config.hosts));
     }
     match config.transport {
-        BenchTransport::Shm => {
+        TransportChoice::Shm => {
             let endpoint = ShmEndpoint::new(shm_options(&config)).map_err(|e| e.to_string())?;
             println!("addr={}", endpoint.address().encode());
             let peers = read_peer_list()?
@@ -475,11 +448,11 @@ async fn rank_typed<E: ExactElement>(rank: u32, config: BenchConfig) -> Result<(
             let transport = endpoint.connect_mesh(spec).await.map_err(|e| e.to_string())?;
             measure::<E, _>(rank, &config, communicator(transport, &comm_config, &layout)?).await
         }
-        BenchTransport::Auto => {
+        TransportChoice::Auto => {
             let transport = connect_auto(rank, &config, &layout).await?;
             measure::<E, _>(rank, &config, communicator(transport, &comm_config, &layout)?).await
         }
-        BenchTransport::Tcp => {
+        TransportChoice::Tcp => {
             let options = TcpOptions { busy_poll: config.busy_poll, ..TcpOptions::default() };
             let endpoint =
                 TcpEndpoint::bind(SocketAddr::from(([127, 0, 0, 1], 0)), options).await.map_err(|e| e.to_string())?;
@@ -500,7 +473,7 @@ async fn rank_typed<E: ExactElement>(rank: u32, config: BenchConfig) -> Result<(
             measure::<E, _>(rank, &config, communicator(transport, &comm_config, &layout)?).await
         }
         #[cfg(feature = "rdma")]
-        BenchTransport::Rdma => {
+        TransportChoice::Rdma => {
             use cohort_transports::rdma::{DeviceConfig, EndpointAddress, RdmaEndpoint, RdmaMeshSpec, RdmaOptions};
             let device = DeviceConfig {
                 name: std::env::var("COHORT_RDMA_DEVICE").ok().filter(|d| !d.is_empty()),
@@ -525,7 +498,7 @@ async fn rank_typed<E: ExactElement>(rank: u32, config: BenchConfig) -> Result<(
             measure::<E, _>(rank, &config, communicator(transport, &comm_config, &layout)?).await
         }
         #[cfg(not(feature = "rdma"))]
-        BenchTransport::Rdma => Err("this cohort-worker was built without the `rdma` feature".into()),
+        TransportChoice::Rdma => Err("this cohort-worker was built without the `rdma` feature".into()),
     }
 }
 

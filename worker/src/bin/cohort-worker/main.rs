@@ -5,9 +5,10 @@ mod bench;
 mod train;
 
 use bench::BenchConfig;
+use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use cohort::control::ControlConfig;
-use cohort::elastic::ElasticConfig;
+use cohort::elastic::{ElasticConfig, TransportChoice};
 use cohort::events::{EventKind, EventLine};
 use cohort::Algorithm;
 use std::net::SocketAddr;
@@ -35,18 +36,21 @@ enum Command {
     BenchRank(BenchRankArgs),
 }
 
-/// Data-plane transport.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-enum TransportKind {
-    /// Shared memory between workers on one host (same boot id and namespaces), TCP between
-    /// hosts (RDMA when every member published an RDMA address, which only `rdma` does).
-    Auto,
-    /// TCP (tokio + socket2) only.
-    Tcp,
-    /// Shared memory only: a generation with a member on another host is refused.
-    Shm,
-    /// RDMA over libibverbs (cargo feature `rdma`).
-    Rdma,
+/// `--transport`: the names of the library's [`TransportChoice`], each listed in `--help`
+/// with what it does.
+fn transport() -> impl TypedValueParser<Value = TransportChoice> {
+    let values = TransportChoice::ALL.map(|choice| {
+        PossibleValue::new(choice.name()).help(match choice {
+            TransportChoice::Auto => {
+                "Shared memory between workers on one host (same boot id and namespaces), TCP between hosts \
+                 (RDMA when every member published an RDMA address, which only `rdma` does)"
+            }
+            TransportChoice::Tcp => "TCP (tokio + socket2) only",
+            TransportChoice::Shm => "Shared memory only: a generation with a member on another host is refused",
+            TransportChoice::Rdma => "RDMA over libibverbs (cargo feature `rdma`)",
+        })
+    });
+    PossibleValuesParser::new(values).try_map(|name| name.parse::<TransportChoice>())
 }
 
 /// Element type of the gradient / benchmark buffer.
@@ -122,8 +126,8 @@ struct TrainArgs {
     /// rdma: also open an RDMA endpoint (COHORT_RDMA_DEVICE, else the first active port) and
     /// publish it; a generation runs over RDMA when every member published one, over TCP
     /// otherwise.
-    #[arg(long, value_enum, default_value = "auto")]
-    transport: TransportKind,
+    #[arg(long, value_parser = transport(), default_value = "auto")]
+    transport: TransportChoice,
     /// This worker's stable id (default: HOSTNAME-PID).
     #[arg(long)]
     worker_id: Option<String>,
@@ -208,8 +212,8 @@ struct BenchArgs {
     #[arg(long, default_value = "sum")]
     op: cohort::ReduceOp,
     /// Data-plane transport (auto: shared memory, as every rank runs on this host).
-    #[arg(long, value_enum, default_value = "auto")]
-    transport: TransportKind,
+    #[arg(long, value_parser = transport(), default_value = "auto")]
+    transport: TransportChoice,
     /// Bind rank r to the r-th allowed CPU: auto does when the ranks do not outnumber the
     /// CPUs (as Open MPI binds to cores by default), core always, none never.
     #[arg(long, value_enum, default_value = "auto")]
@@ -247,8 +251,8 @@ struct BenchRankArgs {
     op: cohort::ReduceOp,
     #[arg(long, value_parser = duration)]
     busy_poll: Duration,
-    #[arg(long, value_enum, default_value = "tcp")]
-    transport: TransportKind,
+    #[arg(long, value_parser = transport(), default_value = "tcp")]
+    transport: TransportChoice,
     #[arg(long, value_enum, default_value = "none")]
     bind: BindArg,
     #[arg(long, default_value_t = 1)]
@@ -264,15 +268,6 @@ enum BindArg {
     Core,
     /// Leave placement to the scheduler.
     None,
-}
-
-fn bench_transport(kind: TransportKind) -> bench::BenchTransport {
-    match kind {
-        TransportKind::Auto => bench::BenchTransport::Auto,
-        TransportKind::Tcp => bench::BenchTransport::Tcp,
-        TransportKind::Shm => bench::BenchTransport::Shm,
-        TransportKind::Rdma => bench::BenchTransport::Rdma,
-    }
 }
 
 fn main() -> ExitCode {
@@ -310,39 +305,11 @@ fn runtime() -> Result<tokio::runtime::Runtime, String> {
     builder.enable_all().build().map_err(|e| format!("starting the runtime: {e}"))
 }
 
-/// Fails at once, with a clear message, when the chosen transport cannot be used here: the
-/// `rdma` feature is missing, or no RDMA device is present (`train` and `bench` alike).
-fn check_transport(kind: TransportKind) -> Result<(), String> {
-    match kind {
-        TransportKind::Tcp => Ok(()),
-        TransportKind::Auto => Ok(()),
-        TransportKind::Shm => {
-            cohort_transports::shm::host_identity().map(|_| ()).map_err(|e| format!("--transport shm: {e}"))
-        }
-        #[cfg(not(feature = "rdma"))]
-        TransportKind::Rdma => Err("--transport rdma: this cohort-worker was built without the `rdma` feature \
-                 (cargo build --release -p cohort --features rdma)"
-            .into()),
-        #[cfg(feature = "rdma")]
-        TransportKind::Rdma => {
-            let devices = cohort_transports::rdma::device_names().map_err(|e| format!("--transport rdma: {e}"))?;
-            if devices.is_empty() {
-                return Err(
-                    "--transport rdma: no RDMA device found (is an InfiniBand/RoCE NIC present and its driver loaded?)"
-                        .into(),
-                );
-            }
-            Ok(())
-        }
-    }
-}
-
-/// The RDMA device chosen by `COHORT_RDMA_DEVICE` (unset or empty: the first device with an
-/// active port), as `bench --transport rdma` picks it.
-#[cfg(feature = "rdma")]
-fn rdma_device() -> cohort_transports::rdma::DeviceConfig {
-    let name = std::env::var("COHORT_RDMA_DEVICE").ok().filter(|d| !d.is_empty());
-    cohort_transports::rdma::DeviceConfig { name, ..Default::default() }
+/// Fails at once, with a clear message, when the chosen transport cannot be used here (no
+/// host identity for `shm`; for `rdma` the feature missing or no device present), `train`
+/// and `bench` alike.
+fn check_transport(choice: TransportChoice) -> Result<(), String> {
+    choice.check().map_err(|e| format!("--{e}"))
 }
 
 fn read_token(file: Option<&PathBuf>) -> Result<Option<String>, String> {
@@ -405,27 +372,14 @@ fn train_main(args: TrainArgs) -> Result<TrainSummary, String> {
     config.exclusion_wait = args.exclusion_wait;
     config.comm.algorithm = args.algo;
     config.tcp.busy_poll = args.busy_poll;
-    config.shm = match args.transport {
-        TransportKind::Auto | TransportKind::Shm => {
-            Some(cohort_transports::shm::ShmOptions { busy_poll: args.busy_poll, ..Default::default() })
-        }
-        TransportKind::Tcp | TransportKind::Rdma => None,
-    };
-    config.shm_only = args.transport == TransportKind::Shm;
+    config.transport = args.transport;
+    config.shm.busy_poll = args.busy_poll;
     // With rdma, the worker publishes an RDMA endpoint beside its TCP address; a generation
-    // uses RDMA when every member did (docs/rdma.md). The bootstrap listener binds on the
-    // --listen IP, any port. The progress task sleeps on the completion channel: a training
-    // process computes between collectives, and a CQ polled forever would spin a core it
-    // needs (bench polls, for latency).
-    #[cfg(feature = "rdma")]
-    if args.transport == TransportKind::Rdma {
-        config.rdma = Some(cohort_transports::rdma::RdmaOptions {
-            device: rdma_device(),
-            bootstrap_bind: SocketAddr::new(args.listen.ip(), 0),
-            busy_poll: false,
-            ..Default::default()
-        });
-    }
+    // uses RDMA when every member did (docs/rdma.md). ElasticConfig's defaults are train's:
+    // the device from COHORT_RDMA_DEVICE, the bootstrap listener on the --listen IP, any port,
+    // and a progress task that sleeps on the completion channel (a training process computes
+    // between collectives, and a CQ polled forever would spin a core it needs; bench polls,
+    // for latency).
     let train_config = TrainConfig {
         steps: args.steps,
         size_bytes: args.size,
@@ -481,7 +435,7 @@ fn run_bench(args: BenchArgs) -> ExitCode {
             dtype: args.dtype.name().to_string(),
             op: args.op,
             busy_poll: args.busy_poll,
-            transport: bench_transport(args.transport),
+            transport: args.transport,
             bind: match args.bind {
                 BindArg::Auto => bench::bind_by_default(args.ranks),
                 BindArg::Core => true,
@@ -520,7 +474,7 @@ fn run_bench_rank(args: BenchRankArgs) -> ExitCode {
             dtype: args.dtype.clone(),
             op: args.op,
             busy_poll: args.busy_poll,
-            transport: bench_transport(args.transport),
+            transport: args.transport,
             bind: args.bind == BindArg::Core,
             hosts: args.hosts.max(1),
             load: 0,
