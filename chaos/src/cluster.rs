@@ -245,11 +245,18 @@ fn ms(d: Duration) -> String {
 
 impl Cluster {
     /// Starts etcd (if asked) and the coordinators on the loopback; no workers yet.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: as [`Cluster::start_on`].
     pub async fn start(config: ClusterConfig) -> Result<Self, ClusterError> {
         Self::start_on(config, Network::Loopback).await
     }
 
     /// Starts etcd (if asked) and the coordinators on `network`; no workers yet.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: dropping it drops what it built so far, which kills etcd and the
+    /// replicas started, removes the network namespaces and the temporary log directory.
     pub async fn start_on(config: ClusterConfig, network: Network) -> Result<Self, ClusterError> {
         let bins = Binaries::locate().map_err(ClusterError::Setup)?;
         let (tempdir, log_dir) = match &config.log_dir {
@@ -438,6 +445,10 @@ impl Cluster {
 
     /// Number of coordinator replicas (running or not).
     pub fn coordinator_count(&self) -> usize {
+    ///
+    /// # Cancel safety
+    /// Cancel safe: the replica's process is taken out of the cluster before the signal, and
+    /// dropping it (with the future) kills it, so the replica ends dead either way.
         self.coordinators.len()
     }
 
@@ -460,12 +471,20 @@ impl Cluster {
     pub async fn stop_coordinator(&mut self, index: usize, grace: Duration) -> Option<i32> {
         let mut p = self.coordinators.get_mut(index)?.process.take()?;
         p.signal(libc::SIGTERM);
+    ///
+    /// # Cancel safety
+    /// Not cancel safe as a whole: dropped after the kill, the replica stays down until
+    /// [`Cluster::start_coordinator_again`] starts it.
         p.wait(grace).await
     }
 
     /// Restarts coordinator `index` on its old address (SIGKILL, then start).
     pub async fn restart_coordinator(&mut self, index: usize) -> Result<(), ClusterError> {
         self.kill_coordinator(index).await;
+    ///
+    /// # Cancel safety
+    /// Cancel safe: a replica still starting is killed with the future, and its slot stays
+    /// empty, so a later call starts it again.
         self.start_coordinator_again(index).await
     }
 
@@ -778,6 +797,10 @@ impl Cluster {
                 None => return Err(ClusterError::Timeout { what: what.to_string(), after: timeout }),
             }
         }
+    ///
+    /// # Cancel safety
+    /// Cancel safe: it only polls the workers and reads their output; dropped, the workers run
+    /// on, the events read so far stay recorded and the rest wait in the channel.
     }
 
     /// Waits for every worker to exit (bounded; stragglers are killed) and returns their

@@ -54,6 +54,9 @@ impl Timeline {
 }
 
 /// Runs the demo; returns the checks (all must hold).
+///
+/// # Cancel safety
+/// Cancel safe: dropping it drops the cluster, which kills every process it started.
 pub async fn run(config: DemoConfig) -> Result<Vec<Check>, ClusterError> {
     let settings = JobSettings {
         min_workers: 2,
