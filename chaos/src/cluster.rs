@@ -1,7 +1,7 @@
 //! A local cluster of real processes: optional etcd, coordinator replicas, workers.
 
 use crate::binaries::Binaries;
-use crate::events::{EventKind, EventParseError, WorkerEvent};
+use crate::events::{self as ev, Event, EventParseError, WorkerEvent};
 use crate::netns::NetLab;
 use crate::placement::Placement;
 use crate::process::{now_ms, LineHook, ManagedProcess, OutputLine};
@@ -245,11 +245,18 @@ fn ms(d: Duration) -> String {
 
 impl Cluster {
     /// Starts etcd (if asked) and the coordinators on the loopback; no workers yet.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: as [`Cluster::start_on`].
     pub async fn start(config: ClusterConfig) -> Result<Self, ClusterError> {
         Self::start_on(config, Network::Loopback).await
     }
 
     /// Starts etcd (if asked) and the coordinators on `network`; no workers yet.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: dropping it drops what it built so far, which kills etcd and the
+    /// replicas started, removes the network namespaces and the temporary log directory.
     pub async fn start_on(config: ClusterConfig, network: Network) -> Result<Self, ClusterError> {
         let bins = Binaries::locate().map_err(ClusterError::Setup)?;
         let (tempdir, log_dir) = match &config.log_dir {
@@ -428,12 +435,8 @@ impl Cluster {
 
     /// The metrics endpoint (`HOST:PORT`) of worker `name`, from its `event=metrics` line,
     /// when the cluster serves metrics and the worker has started serving them.
-    pub fn worker_metrics(&self, name: &str) -> Option<&str> {
-        self.events
-            .iter()
-            .rev()
-            .find(|e| e.worker == name && e.kind == EventKind::Metrics)
-            .and_then(|e| e.text("address"))
+    pub fn worker_metrics(&self, name: &str) -> Option<std::net::SocketAddr> {
+        self.events.iter().rev().filter(|e| e.worker == name).find_map(|e| e.get::<ev::Metrics>()).map(|m| m.address)
     }
 
     /// Number of coordinator replicas (running or not).
@@ -442,6 +445,10 @@ impl Cluster {
     }
 
     /// Kills coordinator `index` with SIGKILL (it can be restarted on the same address).
+    ///
+    /// # Cancel safety
+    /// Cancel safe: the replica's process is taken out of the cluster before the signal, and
+    /// dropping it (with the future) kills it, so the replica ends dead either way.
     pub async fn kill_coordinator(&mut self, index: usize) {
         if let Some(c) = self.coordinators.get_mut(index) {
             if let Some(mut p) = c.process.take() {
@@ -464,12 +471,20 @@ impl Cluster {
     }
 
     /// Restarts coordinator `index` on its old address (SIGKILL, then start).
+    ///
+    /// # Cancel safety
+    /// Not cancel safe as a whole: dropped after the kill, the replica stays down until
+    /// [`Cluster::start_coordinator_again`] starts it.
     pub async fn restart_coordinator(&mut self, index: usize) -> Result<(), ClusterError> {
         self.kill_coordinator(index).await;
         self.start_coordinator_again(index).await
     }
 
     /// Starts coordinator `index` again on its old address, after it was stopped or killed.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: a replica still starting is killed with the future, and its slot stays
+    /// empty, so a later call starts it again.
     pub async fn start_coordinator_again(&mut self, index: usize) -> Result<(), ClusterError> {
         let listen = self
             .coordinators
@@ -782,6 +797,10 @@ impl Cluster {
 
     /// Waits for every worker to exit (bounded; stragglers are killed) and returns their
     /// exit codes (`None`: killed by a signal). Events printed meanwhile are recorded.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: it only polls the workers and reads their output; dropped, the workers run
+    /// on, the events read so far stay recorded and the rest wait in the channel.
     pub async fn wait_workers(&mut self, timeout: Duration) -> BTreeMap<String, Option<i32>> {
         let deadline = tokio::time::Instant::now() + timeout;
         let mut codes = BTreeMap::new();
@@ -824,10 +843,7 @@ impl Cluster {
 
 /// The data-plane address a worker bound, from its `event=joined ... listen=ADDR` line.
 fn bound_address(line: &str) -> Option<std::net::SocketAddr> {
-    if !line.starts_with("event=joined ") {
-        return None;
-    }
-    line.split_whitespace().find_map(|kv| kv.strip_prefix("listen=")).and_then(|a| a.parse().ok())
+    line.parse::<Event>().ok()?.get::<ev::Joined>()?.listen
 }
 
 /// The worker event on an output line, if it is one. Other output (logs) is skipped; a line

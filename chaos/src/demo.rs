@@ -6,7 +6,7 @@
 //! survivor's error named the root cause, and that no committed step was lost.
 
 use crate::cluster::{Cluster, ClusterConfig, ClusterError, JobSettings, StoreKind, WorkerSpec};
-use crate::events::{EventKind, WorkerEvent};
+use crate::events::{self as ev, Event, WorkerEvent};
 use crate::process::now_ms;
 use std::time::Duration;
 
@@ -54,6 +54,9 @@ impl Timeline {
 }
 
 /// Runs the demo; returns the checks (all must hold).
+///
+/// # Cancel safety
+/// Cancel safe: dropping it drops the cluster, which kills every process it started.
 pub async fn run(config: DemoConfig) -> Result<Vec<Check>, ClusterError> {
     let settings = JobSettings {
         min_workers: 2,
@@ -99,32 +102,30 @@ pub async fn run(config: DemoConfig) -> Result<Vec<Check>, ClusterError> {
     // Generation 1 with every worker.
     let formed = cluster
         .wait_for("generation 1", Duration::from_secs(60), |e| {
-            e.kind == EventKind::Generation && e.int("world") == Some(config.workers as i64)
+            e.get::<ev::Generation>().is_some_and(|g| g.world == u64::from(config.workers))
         })
         .await?;
-    let g1 = formed.int("gen").unwrap_or(1);
+    let g1 = formed.get::<ev::Generation>().map_or(1, |g| g.gen);
     tl.say(formed.t_ms(), format!("generation {g1} formed: world {}", config.workers));
 
     // Let it train a while, then kill a rank in the middle of an allreduce.
     let victim = format!("w{}", config.workers / 2);
     let warm = cluster
-        .wait_for("10 steps", Duration::from_secs(60), |e| {
-            e.kind == EventKind::Step && e.int("step").unwrap_or(0) >= 10
-        })
+        .wait_for("10 steps", Duration::from_secs(60), |e| e.get::<ev::Step>().is_some_and(|s| s.step >= 10))
         .await?;
     tl.say(warm.t_ms(), "10 steps verified");
     let started = cluster
         .wait_for("an allreduce of the victim", Duration::from_secs(30), |e| {
-            e.kind == EventKind::Allreduce && e.worker == victim
+            e.get::<ev::Allreduce>().is_some() && e.worker == victim
         })
         .await?;
     let kill_ms = cluster.signal_worker(&victim, libc::SIGKILL).unwrap_or_else(now_ms);
-    let victim_step = started.int("step").unwrap_or(-1);
+    let victim_step = started.get::<ev::Allreduce>().map_or(0, |a| a.step);
     tl.say(kill_ms, format!("SIGKILL {victim} during its allreduce of step {victim_step}"));
 
     // Survivors' errors and the next generation.
     let survivors: Vec<String> = (0..config.workers).map(|i| format!("w{i}")).filter(|w| *w != victim).collect();
-    let mut errors: Vec<WorkerEvent> = Vec::new();
+    let mut errors: Vec<(String, ev::Error)> = Vec::new();
     let mut recovered_ms = None;
     let mut g2 = None;
     let deadline = Duration::from_secs(30);
@@ -137,38 +138,38 @@ pub async fn run(config: DemoConfig) -> Result<Vec<Check>, ClusterError> {
                 after: deadline,
             });
         };
-        match e.kind {
-            EventKind::Error if survivors.contains(&e.worker) && !errors.iter().any(|x| x.worker == e.worker) => {
+        match &e.event {
+            Event::Error(error) if survivors.contains(&e.worker) && !errors.iter().any(|(x, _)| *x == e.worker) => {
                 tl.say(
                     e.t_ms(),
                     format!(
                         "{} error after {} ms: {} — root cause: {}",
                         e.worker,
                         e.t_ms() as i64 - kill_ms as i64,
-                        e.text("kind").unwrap_or("?"),
-                        e.text("cause").unwrap_or("?")
+                        error.kind,
+                        error.cause
                     ),
                 );
-                errors.push(e);
+                errors.push((e.worker.clone(), error.clone()));
             }
-            EventKind::Generation if g2.is_none() && e.int("gen").unwrap_or(0) > g1 => {
+            Event::Generation(g) if g2.is_none() && g.gen > g1 => {
                 tl.say(
                     e.t_ms(),
                     format!(
                         "generation {} formed: world {} (+{} ms after the kill)",
-                        e.int("gen").unwrap_or(0),
-                        e.int("world").unwrap_or(0),
+                        g.gen,
+                        g.world,
                         e.t_ms() as i64 - kill_ms as i64
                     ),
                 );
-                g2 = Some(e);
+                g2 = Some(g.clone());
             }
-            EventKind::Recovered => {
+            Event::Recovered(r) => {
                 tl.say(
                     e.t_ms(),
                     format!(
                         "first verified step of the new generation: step {} (+{} ms after the kill)",
-                        e.int("step").unwrap_or(0),
+                        r.step,
                         e.t_ms() as i64 - kill_ms as i64
                     ),
                 );
@@ -177,14 +178,12 @@ pub async fn run(config: DemoConfig) -> Result<Vec<Check>, ClusterError> {
             _ => {}
         }
     }
-    let g2_number = g2.as_ref().and_then(|e| e.int("gen")).unwrap_or(0);
+    let g2_number = g2.as_ref().map_or(0, |g| g.gen);
 
     // Scale up: a new worker joins at a commit point.
     let progress = cluster
         .wait_for("10 more steps", Duration::from_secs(60), |e| {
-            e.kind == EventKind::Step
-                && e.int("gen") == Some(g2_number)
-                && e.int("step").unwrap_or(0) >= victim_step + 10
+            e.get::<ev::Step>().is_some_and(|s| s.gen == g2_number && s.step >= victim_step + 10)
         })
         .await?;
     let joiner = format!("w{}", config.workers);
@@ -192,62 +191,49 @@ pub async fn run(config: DemoConfig) -> Result<Vec<Check>, ClusterError> {
     tl.say(progress.t_ms(), format!("started {joiner}: it waits; the members re-form at their next commit point"));
     let joined = cluster
         .wait_for("the joiner's generation", Duration::from_secs(60), |e| {
-            e.kind == EventKind::Generation && e.worker == joiner
+            e.get::<ev::Generation>().is_some() && e.worker == joiner
         })
         .await?;
-    tl.say(
-        joined.t_ms(),
-        format!(
-            "{joiner} is in: generation {} with world {}",
-            joined.int("gen").unwrap_or(0),
-            joined.int("world").unwrap_or(0)
-        ),
-    );
+    let (joined_gen, joined_world) = joined.get::<ev::Generation>().map_or((0, 0), |g| (g.gen, g.world));
+    tl.say(joined.t_ms(), format!("{joiner} is in: generation {joined_gen} with world {joined_world}"));
     let restored = cluster
         .wait_for("the joiner's state sync", Duration::from_secs(30), |e| {
-            e.kind == EventKind::Restored && e.worker == joiner
+            e.get::<ev::Restored>().is_some() && e.worker == joiner
         })
         .await?;
+    let (restored_step, source) = restored.get::<ev::Restored>().map_or((-1, 0), |r| (r.step, r.source));
     tl.say(
         restored.t_ms(),
-        format!(
-            "{joiner} received the committed state of step {} from rank {}",
-            restored.int("step").unwrap_or(-1),
-            restored.int("source").unwrap_or(-1)
-        ),
+        format!("{joiner} received the committed state of step {restored_step} from rank {source}"),
     );
 
     tl.say(now_ms(), "training to the end ...");
     let codes = cluster.wait_workers(Duration::from_secs(180)).await;
     let events = &cluster.events;
-    for e in events.iter().filter(|e| e.kind == EventKind::Summary) {
+    for (e, s) in events.iter().filter_map(|e| Some((e, e.get::<ev::Summary>()?))) {
         tl.say(
             e.t_ms(),
             format!(
                 "{} done: {} verified steps, failures {}, re-formations {}, time lost {} ms",
-                e.worker,
-                e.int("verified_steps").unwrap_or(0),
-                e.int("failures").unwrap_or(0),
-                e.int("cooperative_reforms").unwrap_or(0),
-                e.text("lost_ms").unwrap_or("[]")
+                e.worker, s.verified_steps, s.failures, s.cooperative_reforms, s.lost_ms
             ),
         );
     }
 
     let mut checks = Vec::new();
-    let wrong: Vec<_> = events.iter().filter(|e| e.kind == EventKind::WrongResult).collect();
+    let wrong: Vec<_> = events.iter().filter_map(WorkerEvent::get::<ev::WrongResult>).collect();
     checks.push(Check {
         what: "no wrong result was ever accepted".into(),
         ok: wrong.is_empty(),
         detail: format!("{} wrong results", wrong.len()),
     });
-    let named = errors.iter().filter(|e| e.text("cause").is_some_and(|c| c.contains(&victim))).count();
+    let named = errors.iter().filter(|(_, e)| e.cause.contains(&victim)).count();
     checks.push(Check {
         what: format!("every survivor got an error naming the root cause ({victim})"),
         ok: named == survivors.len(),
         detail: format!("{named} of {} survivors", survivors.len()),
     });
-    let worst = errors.iter().map(|e| e.t_ms() as i64 - kill_ms as i64).max().unwrap_or(-1);
+    let worst = errors.iter().map(|(_, e)| e.t_ms as i64 - kill_ms as i64).max().unwrap_or(-1);
     checks.push(Check {
         what: "survivors' errors within 1 s of the kill (target 100 ms)".into(),
         ok: (0..1000).contains(&worst),
@@ -261,13 +247,13 @@ pub async fn run(config: DemoConfig) -> Result<Vec<Check>, ClusterError> {
     });
     checks.push(Check {
         what: format!("generation {g2_number} formed with the {} survivors", survivors.len()),
-        ok: g2.as_ref().and_then(|e| e.int("world")) == Some(survivors.len() as i64),
-        detail: format!("world {:?}", g2.as_ref().and_then(|e| e.int("world"))),
+        ok: g2.as_ref().map(|g| g.world) == Some(survivors.len() as u64),
+        detail: format!("world {:?}", g2.as_ref().map(|g| g.world)),
     });
     checks.push(Check {
         what: format!("{joiner} joined a later generation with {} members", config.workers),
-        ok: joined.int("gen").unwrap_or(0) > g2_number && joined.int("world") == Some(config.workers as i64),
-        detail: format!("generation {:?} world {:?}", joined.int("gen"), joined.int("world")),
+        ok: joined_gen > g2_number && joined_world == u64::from(config.workers),
+        detail: format!("generation {joined_gen} world {joined_world}"),
     });
     let mut finished_ok = true;
     let mut detail = String::new();
@@ -276,9 +262,10 @@ pub async fn run(config: DemoConfig) -> Result<Vec<Check>, ClusterError> {
         let final_step = events
             .iter()
             .rev()
-            .find(|e| e.worker == *name && e.kind == EventKind::Summary)
-            .and_then(|e| e.int("final_step"));
-        if expect_ok && (*code != Some(0) || final_step != Some(config.steps as i64)) {
+            .filter(|e| e.worker == *name)
+            .find_map(|e| e.get::<ev::Summary>())
+            .map(|s| s.final_step);
+        if expect_ok && (*code != Some(0) || final_step != Some(config.steps)) {
             finished_ok = false;
         }
         detail.push_str(&format!("{name}: exit {code:?} final step {final_step:?}; "));

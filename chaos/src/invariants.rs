@@ -1,16 +1,15 @@
 //! Invariants checked on every chaos run, from the workers' own event records.
 
 use crate::demo::Check;
-use crate::events::{EventKind, WorkerEvent};
+use crate::events::{self as ev, WorkerEvent};
 use crate::scenario::Expect;
 use std::collections::{BTreeMap, BTreeSet};
 
 /// No worker ever saw a generation number go down.
 pub fn generations_increase(events: &[WorkerEvent]) -> Check {
-    let mut last: BTreeMap<&str, i64> = BTreeMap::new();
+    let mut last: BTreeMap<&str, u64> = BTreeMap::new();
     let mut violations = Vec::new();
-    for e in events.iter().filter(|e| e.kind == EventKind::Generation) {
-        let g = e.int("gen").unwrap_or(0);
+    for (e, g) in events.iter().filter_map(|e| Some((e, e.get::<ev::Generation>()?.gen))) {
         if let Some(prev) = last.insert(&e.worker, g) {
             if g <= prev {
                 violations.push(format!("{}: {prev} then {g}", e.worker));
@@ -29,12 +28,12 @@ pub fn commits_never_lost(events: &[WorkerEvent]) -> Check {
     let mut committed: BTreeMap<&str, i64> = BTreeMap::new();
     let mut violations = Vec::new();
     for e in events {
-        match e.kind {
-            EventKind::Step => {
-                committed.insert(&e.worker, e.int("step").unwrap_or(0));
+        match &e.event {
+            ev::Event::Step(s) => {
+                committed.insert(&e.worker, s.step as i64);
             }
-            EventKind::Restored => {
-                let restored = e.int("step").unwrap_or(-1);
+            ev::Event::Restored(r) => {
+                let restored = r.step;
                 if let Some(&c) = committed.get(e.worker.as_str()) {
                     if restored < c {
                         violations.push(format!("{} restored step {restored} after committing {c}", e.worker));
@@ -58,17 +57,17 @@ pub fn commits_never_lost(events: &[WorkerEvent]) -> Check {
 /// be.
 pub fn transport_by_host(events: &[WorkerEvent], hosts: &BTreeMap<String, String>) -> Check {
     // Generation -> (world, [(worker, transport)]).
-    type Members<'a> = (i64, Vec<(&'a str, &'a str)>);
-    let mut by_gen: BTreeMap<i64, Members<'_>> = BTreeMap::new();
-    for e in events.iter().filter(|e| e.kind == EventKind::Generation) {
-        let entry = by_gen.entry(e.int("gen").unwrap_or(0)).or_insert((e.int("world").unwrap_or(0), Vec::new()));
-        entry.1.push((e.worker.as_str(), e.text("transport").unwrap_or("?")));
+    type Members<'a> = (u64, Vec<(&'a str, &'a str)>);
+    let mut by_gen: BTreeMap<u64, Members<'_>> = BTreeMap::new();
+    for (e, g) in events.iter().filter_map(|e| Some((e, e.get::<ev::Generation>()?))) {
+        let entry = by_gen.entry(g.gen).or_insert((g.world, Vec::new()));
+        entry.1.push((e.worker.as_str(), g.transport.as_str()));
     }
     let mut judged = 0;
     let mut shared = 0;
     let mut wrong = Vec::new();
     for (g, (world, members)) in &by_gen {
-        if *world < 2 || members.len() as i64 != *world {
+        if *world < 2 || members.len() as u64 != *world {
             continue;
         }
         judged += 1;
@@ -105,8 +104,8 @@ pub fn transport_by_host(events: &[WorkerEvent], hosts: &BTreeMap<String, String
 pub fn no_wrong_results(events: &[WorkerEvent]) -> Check {
     let wrong: Vec<String> = events
         .iter()
-        .filter(|e| e.kind == EventKind::WrongResult)
-        .map(|e| format!("{} step {:?}", e.worker, e.int("step")))
+        .filter_map(|e| Some((e, e.get::<ev::WrongResult>()?)))
+        .map(|(e, w)| format!("{} step {}", e.worker, w.step))
         .collect();
     Check {
         what: "no wrong result was ever accepted".into(),
@@ -128,9 +127,7 @@ pub fn no_hang(events: &[WorkerEvent], signalled: &BTreeMap<String, Vec<u64>>, b
     let mut longest = 0u64;
     for (w, evs) in &by_worker {
         for (i, e) in evs.iter().enumerate() {
-            if e.kind != EventKind::Allreduce {
-                continue;
-            }
+            let Some(a) = e.get::<ev::Allreduce>() else { continue };
             let start = e.t_ms();
             let done = evs.get(i + 1).map(|n| n.t_ms()).unwrap_or(end_ms);
             let took = done.saturating_sub(start);
@@ -142,9 +139,9 @@ pub fn no_hang(events: &[WorkerEvent], signalled: &BTreeMap<String, Vec<u64>>, b
             longest = longest.max(took);
             if took > bound_ms {
                 violations.push(format!(
-                    "{w}: allreduce of step {:?} (gen {:?}) {} after {took} ms",
-                    e.int("step"),
-                    e.int("gen"),
+                    "{w}: allreduce of step {} (gen {}) {} after {took} ms",
+                    a.step,
+                    a.gen,
                     if i + 1 < evs.len() { "returned" } else { "never returned" }
                 ));
             }
@@ -163,12 +160,11 @@ pub fn errors_typed(events: &[WorkerEvent]) -> Check {
     const TYPED: [&str; 4] = ["PeerFailed", "Timeout", "Revoked", "Transport"];
     let mut bad = Vec::new();
     let mut n = 0;
-    for e in events.iter().filter(|e| e.kind == EventKind::Error) {
+    for (e, error) in events.iter().filter_map(|e| Some((e, e.get::<ev::Error>()?))) {
         n += 1;
-        let kind = e.text("kind").unwrap_or("");
-        let cause = e.text("cause").unwrap_or("");
+        let (kind, cause) = (error.kind.as_str(), &*error.cause);
         if !TYPED.contains(&kind) || cause.trim().is_empty() {
-            bad.push(format!("{} gen {:?}: kind {kind:?} cause {cause:?}", e.worker, e.int("gen")));
+            bad.push(format!("{} gen {}: kind {kind:?} cause {cause:?}", e.worker, error.gen));
         }
     }
     Check {
@@ -204,24 +200,19 @@ pub enum ExpectedParams<'a> {
 pub fn final_params(events: &[WorkerEvent], expected: ExpectedParams<'_>, outcome: Expect) -> Check {
     let mut bad: Vec<String> = events
         .iter()
-        .filter(|e| e.kind == EventKind::WrongParams)
-        .map(|e| {
-            format!(
-                "{} wrong parameters after {} at step {:?}, element {:?}",
-                e.worker,
-                e.text("phase").unwrap_or("?"),
-                e.int("step"),
-                e.int("index")
-            )
+        .filter_map(|e| Some((e, e.get::<ev::WrongParams>()?)))
+        .map(|(e, w)| {
+            format!("{} wrong parameters after {} at step {}, element {:?}", e.worker, w.phase, w.step, w.index)
         })
         .collect();
-    let finished: Vec<&WorkerEvent> = events.iter().filter(|e| e.kind == EventKind::Finished).collect();
+    let finished: Vec<(&WorkerEvent, &ev::Finished)> =
+        events.iter().filter_map(|e| Some((e, e.get::<ev::Finished>()?))).collect();
     let what = "the final parameters are the expected ones on every worker that finished".to_string();
     if finished.is_empty() && outcome == Expect::Finish {
         // Nothing was compared: a run whose workers should finish proves nothing here.
         bad.push("no worker finished, so no final parameters were checked".into());
     }
-    let reporting = finished.iter().filter(|e| e.text("params_digest").is_some()).count();
+    let reporting = finished.iter().filter(|(_, f)| f.params_digest.is_some()).count();
     if expected == ExpectedParams::Reported && reporting == 0 && bad.is_empty() {
         return Check {
             what,
@@ -230,15 +221,15 @@ pub fn final_params(events: &[WorkerEvent], expected: ExpectedParams<'_>, outcom
         };
     }
     let mut digests: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
-    for e in &finished {
-        let Some(digest) = e.text("params_digest") else {
+    for (e, f) in &finished {
+        let Some(digest) = f.params_digest.as_deref() else {
             bad.push(format!("{} finished without a params_digest", e.worker));
             continue;
         };
         digests.entry(digest).or_default().push(&e.worker);
         let want = match expected {
             ExpectedParams::Computed(d) => Some(d),
-            ExpectedParams::Reported => e.text("expected_digest"),
+            ExpectedParams::Reported => f.expected_digest.as_deref(),
         };
         if want != Some(digest) {
             bad.push(format!("{}: params {} expected {}", e.worker, short(digest), want.map_or("none", short)));
@@ -249,7 +240,7 @@ pub fn final_params(events: &[WorkerEvent], expected: ExpectedParams<'_>, outcom
         bad.push(format!("workers differ: {}", groups.join("; ")));
     }
     if expected == ExpectedParams::Reported {
-        let claimed: BTreeSet<&str> = finished.iter().filter_map(|e| e.text("expected_digest")).collect();
+        let claimed: BTreeSet<&str> = finished.iter().filter_map(|(_, f)| f.expected_digest.as_deref()).collect();
         if claimed.len() > 1 {
             bad.push(format!("workers expect different parameters: {}", claimed.len()));
         }
@@ -322,37 +313,49 @@ mod tests {
     #[test]
     fn generations_must_increase_per_worker() {
         let ok = [
-            ev("a", "event=generation gen=1 t_ms=1"),
-            ev("b", "event=generation gen=1 t_ms=1"),
-            ev("a", "event=generation gen=3 t_ms=2"),
+            ev("a", "event=generation gen=1 world=2 rank=0 transport=tcp t_ms=1"),
+            ev("b", "event=generation gen=1 world=2 rank=0 transport=tcp t_ms=1"),
+            ev("a", "event=generation gen=3 world=2 rank=0 transport=tcp t_ms=2"),
         ];
         assert!(generations_increase(&ok).ok);
-        let bad = [ev("a", "event=generation gen=3 t_ms=1"), ev("a", "event=generation gen=2 t_ms=2")];
+        let bad = [
+            ev("a", "event=generation gen=3 world=2 rank=0 transport=tcp t_ms=1"),
+            ev("a", "event=generation gen=2 world=2 rank=0 transport=tcp t_ms=2"),
+        ];
         assert!(!generations_increase(&bad).ok);
     }
 
     #[test]
     fn a_restore_behind_a_commit_is_caught() {
-        let ok = [ev("a", "event=step step=5 t_ms=1"), ev("a", "event=restored step=5 t_ms=2")];
+        let ok = [
+            ev("a", "event=step gen=1 world=1 rank=0 step=5 ms=1.000 t_ms=1"),
+            ev("a", "event=restored gen=2 rank=0 step=5 source=0 changed=false t_ms=2"),
+        ];
         assert!(commits_never_lost(&ok).ok);
-        let bad = [ev("a", "event=step step=5 t_ms=1"), ev("a", "event=restored step=4 t_ms=2")];
+        let bad = [
+            ev("a", "event=step gen=1 world=1 rank=0 step=5 ms=1.000 t_ms=1"),
+            ev("a", "event=restored gen=2 rank=0 step=4 source=0 changed=true t_ms=2"),
+        ];
         assert!(!commits_never_lost(&bad).ok);
-        assert!(!no_wrong_results(&[ev("a", "event=wrong_result step=3 t_ms=1")]).ok);
+        assert!(
+            !no_wrong_results(&[ev("a", "event=wrong_result gen=1 rank=0 step=3 index=0 got=1.0 expected=2.0 t_ms=1")])
+                .ok
+        );
     }
 
     #[test]
     fn hangs_are_found_unless_the_harness_stopped_the_worker() {
         let events = [
-            ev("a", "event=allreduce gen=1 step=1 t_ms=1000"),
-            ev("a", "event=step gen=1 step=2 t_ms=1050"),
-            ev("a", "event=allreduce gen=1 step=2 t_ms=1100"),
-            ev("a", "event=error gen=1 step=2 kind=Timeout cause=x t_ms=9100"),
-            ev("b", "event=allreduce gen=1 step=2 t_ms=1100"),
+            ev("a", "event=allreduce gen=1 rank=0 step=1 t_ms=1000"),
+            ev("a", "event=step gen=1 world=2 rank=0 step=2 ms=50.000 t_ms=1050"),
+            ev("a", "event=allreduce gen=1 rank=0 step=2 t_ms=1100"),
+            ev("a", "event=error gen=1 rank=0 step=2 kind=Timeout cause=x t_ms=9100"),
+            ev("b", "event=allreduce gen=1 rank=0 step=2 t_ms=1100"),
         ];
         let none = BTreeMap::new();
         let c = no_hang(&events, &none, 3000, 20_000);
         assert!(!c.ok);
-        assert!(c.detail.contains("a: allreduce of step Some(2)") && c.detail.contains("b: allreduce"), "{}", c.detail);
+        assert!(c.detail.contains("a: allreduce of step 2") && c.detail.contains("b: allreduce"), "{}", c.detail);
         let mut stopped = BTreeMap::new();
         stopped.insert("a".to_string(), vec![1200]);
         stopped.insert("b".to_string(), vec![2000]);
@@ -363,17 +366,20 @@ mod tests {
     #[test]
     fn untyped_or_unnamed_errors_are_caught() {
         assert!(
-            errors_typed(&[ev("a", r#"event=error kind=Revoked cause="rank 1 (worker w1 on h): peer closed" t_ms=1"#)])
-                .ok
+            errors_typed(&[ev(
+                "a",
+                r#"event=error gen=1 rank=0 kind=Revoked cause="rank 1 (worker w1 on h): peer closed" t_ms=1"#
+            )])
+            .ok
         );
-        assert!(!errors_typed(&[ev("a", "event=error kind=Weird cause=x t_ms=1")]).ok);
-        assert!(!errors_typed(&[ev("a", "event=error kind=Timeout t_ms=1")]).ok);
+        assert!(!errors_typed(&[ev("a", "event=error gen=1 rank=0 kind=Weird cause=x t_ms=1")]).ok);
+        assert!(!errors_typed(&[ev("a", r#"event=error gen=1 rank=0 kind=Timeout cause="" t_ms=1"#)]).ok);
     }
 
     #[test]
     fn final_params_must_agree_with_each_other_and_the_expected() {
         let fin = |w: &str, d: &str, x: &str| {
-            ev(w, &format!("event=finished step=9 params_digest={d} expected_digest={x} t_ms=1"))
+            ev(w, &format!("event=finished gen=1 rank=0 step=9 params_digest={d} expected_digest={x} t_ms=1"))
         };
         let good = [fin("a", "d1", "d1"), fin("b", "d1", "d1")];
         assert!(final_params(&good, ExpectedParams::Computed("d1"), Expect::Finish).ok);
@@ -390,17 +396,17 @@ mod tests {
             !final_params(&[fin("a", "d2", "d1"), fin("b", "d2", "d1")], ExpectedParams::Reported, Expect::Finish).ok
         );
         // A wrong_params event fails the run even if nobody finished.
-        let wrong = [ev("a", "event=wrong_params step=4 phase=sync index=0 t_ms=1")];
+        let wrong = [ev("a", "event=wrong_params gen=1 rank=0 step=4 phase=sync index=0 t_ms=1")];
         assert!(!final_params(&wrong, ExpectedParams::Computed("d1"), Expect::Finish).ok);
         assert!(!final_params(&wrong, ExpectedParams::Reported, Expect::Finish).ok);
         // The built-in worker must report a digest; a worker program that reports none is skipped, visibly.
-        let bare = [ev("a", "event=finished step=9 t_ms=1")];
+        let bare = [ev("a", "event=finished gen=1 rank=0 step=9 t_ms=1")];
         assert!(!final_params(&bare, ExpectedParams::Computed("d1"), Expect::Finish).ok);
         let skipped = final_params(&bare, ExpectedParams::Reported, Expect::Finish);
         assert!(skipped.ok && skipped.detail.starts_with("SKIPPED"), "{}", skipped.detail);
         // Nobody finished: nothing was compared, which fails a run whose workers should finish
         // and is what a run expected to fail does.
-        let started = [ev("a", "event=generation generation=1 rank=0 size=1 t_ms=1")];
+        let started = [ev("a", "event=generation gen=1 world=1 rank=0 transport=tcp t_ms=1")];
         for expected in [ExpectedParams::Computed("d1"), ExpectedParams::Reported] {
             let c = final_params(&started, expected, Expect::Finish);
             assert!(!c.ok && c.detail.contains("no worker finished"), "{expected:?}: {}", c.detail);

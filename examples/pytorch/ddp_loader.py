@@ -37,7 +37,6 @@ sys.path.insert(0, str(HERE))
 def rank_main(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
-
     from digits import GLOBAL_BATCH, accuracy, data, digest, epoch_order, model
 
     torch.set_num_threads(1)
@@ -61,7 +60,7 @@ def rank_main(args: argparse.Namespace) -> None:
 
     def batches(epoch: int) -> list[list[int]]:
         order = epoch_order(args.seed, epoch, len(xtr))
-        return [order[s + lo:s + hi].tolist() for s in range(0, len(order) - GLOBAL_BATCH + 1, GLOBAL_BATCH)]
+        return [order[s + lo : s + hi].tolist() for s in range(0, len(order) - GLOBAL_BATCH + 1, GLOBAL_BATCH)]
 
     dataset = torch.utils.data.TensorDataset(xtr, ytr)
     step_times: list[float] = []
@@ -81,10 +80,13 @@ def rank_main(args: argparse.Namespace) -> None:
             t_iter = t1
     # The first epoch's first steps include the loader's start-up; the medians ignore it.
     if rank == 0:
-        print(f"peer={args.backend} world={world} loader_workers={args.loader_workers} load={args.load} "
-              f"steps={len(step_times)} step_ms_median={statistics.median(step_times) * 1e3:.3f} "
-              f"iter_ms_median={statistics.median(iter_times) * 1e3:.3f} "
-              f"test_accuracy={accuracy(net, xte, yte):.4f} param_sha256={digest(net)}", flush=True)
+        print(
+            f"peer={args.backend} world={world} loader_workers={args.loader_workers} load={args.load} "
+            f"steps={len(step_times)} step_ms_median={statistics.median(step_times) * 1e3:.3f} "
+            f"iter_ms_median={statistics.median(iter_times) * 1e3:.3f} "
+            f"test_accuracy={accuracy(net, xte, yte):.4f} param_sha256={digest(net)}",
+            flush=True,
+        )
     dist.destroy_process_group()
     if closer:
         group, comm = closer
@@ -105,11 +107,15 @@ def job_main(args: argparse.Namespace) -> int:
                 extra = ["--coordinator", endpoint, "--job", f"ddp-loader-{os.getpid()}"]
             else:
                 extra = ["--init-file", str(Path(tmp) / "init")]
-            common = ["--backend", args.backend, "--world", str(args.world), "--loader-workers", str(args.loader_workers),
-                      "--epochs", str(args.epochs), "--load", str(args.load), "--hidden", str(args.hidden),
-                      "--seed", str(args.seed)] + extra
-            ranks = [subprocess.Popen([sys.executable, "-u", __file__, "--rank", str(r)] + common)
-                     for r in range(args.world)]
+            common = [
+                *("--backend", args.backend, "--world", str(args.world)),
+                *("--loader-workers", str(args.loader_workers), "--epochs", str(args.epochs)),
+                *("--load", str(args.load), "--hidden", str(args.hidden), "--seed", str(args.seed)),
+                *extra,
+            ]
+            ranks = [
+                subprocess.Popen([sys.executable, "-u", __file__, "--rank", str(r)] + common) for r in range(args.world)
+            ]
             deadline = time.monotonic() + args.timeout
             failed = 0
             for p in ranks:
@@ -118,7 +124,7 @@ def job_main(args: argparse.Namespace) -> int:
                 except subprocess.TimeoutExpired:
                     for q in ranks:
                         q.kill()
-                    raise SystemExit(f"the job did not finish in {args.timeout} s")
+                    raise SystemExit(f"the job did not finish in {args.timeout} s") from None
             return 1 if failed else 0
     finally:
         for h in hogs:

@@ -76,11 +76,12 @@ def accuracy(net: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
         return (net(x).argmax(1) == y).float().mean().item()
 
 
-def emit(event: str, /, **fields: object) -> None:
-    print(
-        " ".join([f"event={event}"] + [f"{k}={v}" for k, v in fields.items()] + [f"t_ms={int(time.time() * 1000)}"]),
-        flush=True,
-    )
+def emit(event: str, /, *, extra: Optional[dict[str, object]] = None, **fields: object) -> None:
+    """Prints an event line through the package's formatter (the keys of the worker protocol,
+    checked against the Rust definitions; this example's own in ``extra``)."""
+    from cohort.events import emit as emit_line
+
+    emit_line(event, extra=extra, **fields)
 
 
 def single_process(args: argparse.Namespace) -> None:
@@ -101,13 +102,15 @@ def single_process(args: argparse.Namespace) -> None:
             times.append(time.perf_counter() - t0)
     emit(
         "summary",
-        world=1,
-        steps=len(times),
-        step_ms_median=f"{statistics.median(times) * 1e3:.3f}",
-        test_accuracy=f"{accuracy(net, xte, yte):.4f}",
-        final_loss=f"{loss.item():.4f}",
-        param_sha256=digest(net),
-        reformations=0,
+        extra=dict(
+            world=1,
+            steps=len(times),
+            step_ms_median=f"{statistics.median(times) * 1e3:.3f}",
+            test_accuracy=f"{accuracy(net, xte, yte):.4f}",
+            final_loss=f"{loss.item():.4f}",
+            param_sha256=digest(net),
+            reformations=0,
+        ),
     )
 
 
@@ -152,13 +155,17 @@ def elastic(args: argparse.Namespace) -> None:
                 net, state, bucket_bytes=args.bucket_bytes, op="avg" if even else "sum"
             )
         trainer["even"] = even
-        emit("generation", gen=state.generation, world=state.size, rank=state.rank, step=state.steps)
+        emit("generation", gen=state.generation, world=state.size, rank=state.rank, extra=dict(step=state.steps))
 
     state.register_reset_callbacks([on_reform])
     state.register_failure_callbacks(
         [
             lambda e: emit(
-                "error", gen=e.generation, kind=type(e).__name__, cause_worker=e.worker_id or "-", cause=f'"{e.cause}"'
+                "error",
+                gen=e.generation,
+                kind=type(e).__name__,
+                cause=str(e.cause),
+                extra=dict(cause_worker=e.worker_id or "-"),
             )
         ]
     )
@@ -197,7 +204,7 @@ def elastic(args: argparse.Namespace) -> None:
                     world=world,
                     rank=rank,
                     step=state.steps,
-                    loss=f"{trainer['loss']:.4f}",
+                    extra=dict(loss=f"{trainer['loss']:.4f}"),
                 )
                 if state.steps % args.commit_every == 0 or state.step_in_epoch == steps_per_epoch:
                     state.commit(step=state.steps)
@@ -213,15 +220,17 @@ def elastic(args: argparse.Namespace) -> None:
         if rank == 0 or args.all_ranks_summary:
             emit(
                 "summary",
-                world=world,
-                steps=state.steps,
-                step_ms_median=f"{statistics.median(times) * 1e3:.3f}" if times else "nan",
-                test_accuracy=f"{accuracy(net, xte, yte):.4f}",
-                final_loss=f"{trainer['loss']:.4f}",
-                param_sha256=digest(net),
-                reformations=state.reformations,
-                ranks_agree=agreed,
-                rank=rank,
+                extra=dict(
+                    world=world,
+                    steps=state.steps,
+                    step_ms_median=f"{statistics.median(times) * 1e3:.3f}" if times else "nan",
+                    test_accuracy=f"{accuracy(net, xte, yte):.4f}",
+                    final_loss=f"{trainer['loss']:.4f}",
+                    param_sha256=digest(net),
+                    reformations=state.reformations,
+                    ranks_agree=agreed,
+                    rank=rank,
+                ),
             )
         if not agreed:
             raise SystemExit("the ranks' final parameters differ")

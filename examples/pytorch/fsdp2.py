@@ -16,8 +16,8 @@ differs:
     python examples/pytorch/fsdp2.py --gloo /tmp/fsdp-init --rank 0 --world 2 &
     python examples/pytorch/fsdp2.py --gloo /tmp/fsdp-init --rank 1 --world 2
 
-Prints, on every rank, at the end:
-    event=summary backend=B world=N steps=S step_ms_median=T test_accuracy=A param_sha256=H
+Prints, on every rank, at the end (through ``cohort.events``):
+    event=summary backend=B world=N steps=S step_ms_median=T test_accuracy=A param_sha256=H t_ms=T
 where ``param_sha256`` hashes the full (unsharded) parameters, gathered with
 ``DTensor.full_tensor()``. Not elastic: a failure ends the run (sharded state is not a
 cohort commit yet; see docs/python.md).
@@ -106,16 +106,20 @@ def main() -> None:
     with torch.no_grad():
         acc = (net(xte).argmax(1) == yte).float().mean().item()
     h = hashlib.sha256()
-    full = [p.full_tensor().detach() for p in net.parameters()]
-    for p in full:
-        h.update(p.numpy().tobytes())
-    if args.save and rank == 0:
-        torch.save(full, args.save)
-    print(
-        f"event=summary backend={backend} world={world} steps={len(times)} "
-        f"step_ms_median={statistics.median(times) * 1e3:.3f} test_accuracy={acc:.4f} "
-        f"param_sha256={h.hexdigest()[:16]}",
-        flush=True,
+    for p in net.parameters():
+        h.update(p.full_tensor().detach().numpy().tobytes())
+    from cohort.events import emit
+
+    emit(
+        "summary",
+        extra=dict(
+            backend=backend,
+            world=world,
+            steps=len(times),
+            step_ms_median=f"{statistics.median(times) * 1e3:.3f}",
+            test_accuracy=f"{acc:.4f}",
+            param_sha256=h.hexdigest()[:16],
+        ),
     )
     finish(args)
 

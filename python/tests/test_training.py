@@ -56,7 +56,7 @@ def test_two_workers_high_level_and_ddp_give_the_same_parameters(coordinator_fac
             assert w.wait(timeout=180) == 0, w.output()
             sums.append(summary(w))
         assert sums[0]["param_sha256"] == sums[1]["param_sha256"], sums
-        assert all(s["ranks_agree"] == "True" for s in sums)
+        assert all(s["ranks_agree"] == "true" for s in sums)
         results[mode] = sums[0]
     # Averaging in cohort's buckets and through DDP's reducer on the cohort backend compute
     # the same bits (halving is exact, so the division's place does not matter at 2 ranks).
@@ -68,8 +68,20 @@ def test_ddp_fed_by_a_dataloader_with_workers_matches_gloo(spawn):
     # on each backend, one epoch; both must end with the same parameters.
     lines = {}
     for backend in ("gloo", "cohort"):
-        w = spawn(f"loader-{backend}", [sys.executable, "-u", LOADER], "--backend", backend, "--world", "2",
-                  "--loader-workers", "2", "--epochs", "1", "--timeout", "150")
+        w = spawn(
+            f"loader-{backend}",
+            [sys.executable, "-u", LOADER],
+            "--backend",
+            backend,
+            "--world",
+            "2",
+            "--loader-workers",
+            "2",
+            "--epochs",
+            "1",
+            "--timeout",
+            "150",
+        )
         assert w.wait(timeout=180) == 0, w.output()
         m = w.wait_for_line(r"^peer=.*$", timeout=5)
         lines[backend] = dict(kv.split("=", 1) for kv in m.group(0).split())

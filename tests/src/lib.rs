@@ -5,7 +5,7 @@
 //! real etcd that the launcher starts on a free loopback port.
 
 use cohort_chaos::cluster::{ClusterConfig, JobSettings, StoreKind, WorkerSpec};
-use cohort_chaos::events::{EventKind, WorkerEvent};
+use cohort_chaos::events::{EventBody, WorkerEvent};
 use std::time::Duration;
 
 /// A cluster configuration with short timers for tests.
@@ -42,13 +42,9 @@ pub fn test_worker(steps: u64, size: &str) -> WorkerSpec {
     }
 }
 
-/// The events of `worker` of kind `kind`.
-pub fn of<'a>(
-    events: &'a [WorkerEvent],
-    worker: &'a str,
-    kind: EventKind,
-) -> impl Iterator<Item = &'a WorkerEvent> + 'a {
-    events.iter().filter(move |e| e.worker == worker && e.kind == kind)
+/// The events of `worker` of kind `T` (`of::<Summary>(events, "w1")`).
+pub fn of<'a, T: EventBody + 'a>(events: &'a [WorkerEvent], worker: &'a str) -> impl Iterator<Item = &'a T> + 'a {
+    events.iter().filter(move |e| e.worker == worker).filter_map(WorkerEvent::get::<T>)
 }
 
 /// Panics with the worker logs' tails when `ok` is false.
@@ -60,7 +56,6 @@ pub fn check(ok: bool, what: &str, events: &[WorkerEvent]) {
 
 /// Fails the test with `what` and the last events seen.
 pub fn fail(what: &str, events: &[WorkerEvent]) -> ! {
-    let tail: Vec<String> =
-        events.iter().rev().take(40).rev().map(|e| format!("{} {} {:?}", e.worker, e.kind, e.fields)).collect();
+    let tail: Vec<String> = events.iter().rev().take(40).rev().map(|e| format!("{} {}", e.worker, e.event)).collect();
     panic!("{what}\nlast events:\n{}", tail.join("\n"));
 }

@@ -4,7 +4,7 @@
 //! injects one fault, and checks what the workers printed. Every test is bounded.
 
 use cohort_chaos::cluster::{Cluster, ExclusionPolicy, StoreKind};
-use cohort_chaos::events::EventKind;
+use cohort_chaos::events as ev;
 use cohort_chaos::invariants;
 use cohort_chaos::process::now_ms as process_now_ms;
 use cohort_integration_tests::{check, of, test_cluster, test_worker};
@@ -20,39 +20,41 @@ async fn kill_one_of_four(store: StoreKind, job: &str) {
     }
     cluster
         .wait_for("generation of 4", Duration::from_secs(60), |e| {
-            e.kind == EventKind::Generation && e.int("world") == Some(4)
+            e.get::<ev::Generation>().is_some_and(|g| g.world == 4)
         })
         .await
         .expect("formed");
     cluster
-        .wait_for("5 steps", Duration::from_secs(60), |e| e.kind == EventKind::Step && e.int("step").unwrap_or(0) >= 5)
+        .wait_for("5 steps", Duration::from_secs(60), |e| e.get::<ev::Step>().is_some_and(|s| s.step >= 5))
         .await
         .expect("steps");
     cluster
-        .wait_for("w1 in an allreduce", Duration::from_secs(30), |e| e.kind == EventKind::Allreduce && e.worker == "w1")
+        .wait_for("w1 in an allreduce", Duration::from_secs(30), |e| {
+            e.get::<ev::Allreduce>().is_some() && e.worker == "w1"
+        })
         .await
         .expect("allreduce");
     let killed_at = cluster.signal_worker("w1", libc::SIGKILL).expect("kill");
     let codes = cluster.wait_workers(Duration::from_secs(120)).await;
     let events = &cluster.events;
     for w in ["w0", "w2", "w3"] {
-        let error = of(events, w, EventKind::Error).find(|e| e.t_ms() >= killed_at);
+        let error = of::<ev::Error>(events, w).find(|e| e.t_ms >= killed_at);
         check(error.is_some(), &format!("{w} saw no error after the kill"), events);
-        let cause = error.and_then(|e| e.text("cause")).unwrap_or_default();
+        let cause = error.map_or("", |e| &*e.cause);
         check(cause.contains("w1"), &format!("{w}'s error does not name the root cause w1: {cause:?}"), events);
         check(codes.get(w) == Some(&Some(0)), &format!("{w} exit code {:?}", codes.get(w)), events);
-        let summary = of(events, w, EventKind::Summary).last();
-        check(summary.and_then(|s| s.int("final_step")) == Some(40), &format!("{w} did not finish all steps"), events);
+        let summary = of::<ev::Summary>(events, w).last();
+        check(summary.map(|s| s.final_step) == Some(40), &format!("{w} did not finish all steps"), events);
     }
     check(
-        events.iter().any(|e| e.kind == EventKind::Generation && e.int("world") == Some(3)),
+        events.iter().any(|e| e.get::<ev::Generation>().is_some_and(|g| g.world == 3)),
         "no generation of 3 formed",
         events,
     );
     check(
         // Every worker runs on this host: `--transport auto` (the default) links them over
         // shared memory, and the kill is detected and attributed exactly as over TCP.
-        events.iter().filter(|e| e.kind == EventKind::Generation).all(|e| e.text("transport") == Some("shm")),
+        events.iter().filter_map(|e| e.get::<ev::Generation>()).all(|g| g.transport == "shm"),
         "a generation does not say transport=shm",
         events,
     );
@@ -100,13 +102,13 @@ async fn steps_longer_than_the_lease_evict_nobody() {
         let events = &cluster.events;
         for w in ["w0", "w1"] {
             check(codes.get(w) == Some(&Some(0)), &format!("{w} exit code {:?}", codes.get(w)), events);
-            let summary = of(events, w, EventKind::Summary).last();
-            check(summary.and_then(|s| s.int("final_step")) == Some(2), &format!("{w} did not finish"), events);
-            let errors: Vec<_> = of(events, w, EventKind::Error).collect();
+            let summary = of::<ev::Summary>(events, w).last();
+            check(summary.map(|s| s.final_step) == Some(2), &format!("{w} did not finish"), events);
+            let errors: Vec<_> = of::<ev::Error>(events, w).collect();
             check(errors.is_empty(), &format!("{w} failed a step: {errors:?}"), events);
         }
         check(
-            events.iter().filter(|e| e.kind == EventKind::Generation).all(|e| e.int("gen") == Some(1)),
+            events.iter().filter_map(|e| e.get::<ev::Generation>()).all(|g| g.gen == 1),
             "the job re-formed (a lease lapsed during a long step)",
             events,
         );
@@ -125,9 +127,7 @@ async fn sigstopped_rank_is_caught_and_the_job_goes_on() {
             cluster.spawn_worker(&format!("w{i}"), &spec).expect("spawn");
         }
         cluster
-            .wait_for("5 steps", Duration::from_secs(60), |e| {
-                e.kind == EventKind::Step && e.int("step").unwrap_or(0) >= 5
-            })
+            .wait_for("5 steps", Duration::from_secs(60), |e| e.get::<ev::Step>().is_some_and(|s| s.step >= 5))
             .await
             .expect("steps");
         let stopped_at = cluster.signal_worker("w2", libc::SIGSTOP).expect("stop");
@@ -136,22 +136,22 @@ async fn sigstopped_rank_is_caught_and_the_job_goes_on() {
         while finished < 3 {
             let e = cluster
                 .wait_for("survivors to finish", Duration::from_secs(100), |e| {
-                    e.kind == EventKind::Summary && e.worker != "w2"
+                    e.get::<ev::Summary>().is_some() && e.worker != "w2"
                 })
                 .await
                 .expect("finish");
-            assert_eq!(e.int("final_step"), Some(40), "{} stopped early", e.worker);
+            assert_eq!(e.get::<ev::Summary>().map(|s| s.final_step), Some(40), "{} stopped early", e.worker);
             finished += 1;
         }
         cluster.signal_worker("w2", libc::SIGKILL);
         cluster.wait_workers(Duration::from_secs(10)).await;
         let events = &cluster.events;
         for w in ["w0", "w1", "w3"] {
-            let error = of(events, w, EventKind::Error).find(|e| e.t_ms() >= stopped_at);
+            let error = of::<ev::Error>(events, w).find(|e| e.t_ms >= stopped_at);
             check(error.is_some(), &format!("{w} saw no error after the SIGSTOP"), events);
         }
         check(
-            events.iter().any(|e| e.kind == EventKind::Generation && e.int("world") == Some(3)),
+            events.iter().any(|e| e.get::<ev::Generation>().is_some_and(|g| g.world == 3)),
             "no generation of 3",
             events,
         );
@@ -193,9 +193,7 @@ async fn stop_mid_allreduce(run: &StopRun) -> Vec<(String, u64)> {
         cluster.spawn_worker(&format!("w{i}"), &spec).expect("spawn");
     }
     cluster
-        .wait_for("20 steps", Duration::from_secs(60), |e| {
-            e.kind == EventKind::Step && e.int("step").unwrap_or(0) >= 20
-        })
+        .wait_for("20 steps", Duration::from_secs(60), |e| e.get::<ev::Step>().is_some_and(|s| s.step >= 20))
         .await
         .expect("steps");
     // The coordinator's status shows the deadline in force per member (from heartbeats).
@@ -224,7 +222,7 @@ async fn stop_mid_allreduce(run: &StopRun) -> Vec<(String, u64)> {
     let now = process_now_ms();
     cluster
         .wait_for("w1 in an allreduce", Duration::from_secs(30), |e| {
-            e.kind == EventKind::Allreduce && e.worker == "w1" && e.t_ms() >= now
+            e.get::<ev::Allreduce>().is_some() && e.worker == "w1" && e.t_ms() >= now
         })
         .await
         .expect("allreduce");
@@ -234,31 +232,26 @@ async fn stop_mid_allreduce(run: &StopRun) -> Vec<(String, u64)> {
         let seen: Vec<String> = errors.iter().map(|(w, _)| w.clone()).collect();
         let e = cluster
             .wait_for("the survivors' errors", Duration::from_secs(30), |e| {
-                e.kind == EventKind::Error && e.worker != "w1" && !seen.contains(&e.worker) && e.t_ms() >= stopped_at
+                e.get::<ev::Error>().is_some()
+                    && e.worker != "w1"
+                    && !seen.contains(&e.worker)
+                    && e.t_ms() >= stopped_at
             })
             .await
             .expect("an error after the SIGSTOP");
-        let cause = e.text("cause").unwrap_or_default().to_string();
+        let cause = e.get::<ev::Error>().map(|x| x.cause.to_string()).unwrap_or_default();
         let w = e.worker.clone();
         check(cause.contains("w1"), &format!("{w}'s error does not name the stopped w1: {cause:?}"), &cluster.events);
         errors.push((w, e.t_ms() - stopped_at));
     }
     let transport = if run.tcp { "tcp" } else { "shm" };
     check(
-        cluster
-            .events
-            .iter()
-            .filter(|e| e.kind == EventKind::Generation)
-            .all(|e| e.text("transport") == Some(transport)),
+        cluster.events.iter().filter_map(|e| e.get::<ev::Generation>()).all(|g| g.transport == transport),
         &format!("a generation does not say transport={transport}"),
         &cluster.events,
     );
     // The deadline in force was reported, and learned (or fixed) as asked.
-    let reported = of(&cluster.events, "w0", EventKind::Deadlines)
-        .next()
-        .and_then(|e| e.text("peers"))
-        .unwrap_or_default()
-        .to_string();
+    let reported = of::<ev::Deadlines>(&cluster.events, "w0").next().map(|d| d.peers.clone()).unwrap_or_default();
     let want = if run.fixed_deadlines { ":fixed" } else { ":floor" };
     check(reported.contains(want), &format!("w0's deadlines {reported:?} do not say {want}"), &cluster.events);
     cluster.signal_worker("w1", libc::SIGKILL);
@@ -267,12 +260,8 @@ async fn stop_mid_allreduce(run: &StopRun) -> Vec<(String, u64)> {
         let events = &cluster.events;
         for (w, _) in &errors {
             check(codes.get(w) == Some(&Some(0)), &format!("{w} exit code {:?}", codes.get(w)), events);
-            let summary = of(events, w, EventKind::Summary).last();
-            check(
-                summary.and_then(|s| s.int("final_step")) == Some(STEPS as i64),
-                &format!("{w} did not finish"),
-                events,
-            );
+            let summary = of::<ev::Summary>(events, w).last();
+            check(summary.map(|s| s.final_step) == Some(STEPS), &format!("{w} did not finish"), events);
         }
         check(invariants::no_wrong_results(events).ok, "wrong result", events);
     }
@@ -391,31 +380,34 @@ async fn fifth_worker_joins_with_the_committed_state() {
         }
         cluster
             .wait_for("10 steps", Duration::from_secs(60), |e| {
-                e.kind == EventKind::Step && e.int("world") == Some(4) && e.int("step").unwrap_or(0) >= 10
+                e.get::<ev::Step>().is_some_and(|s| s.world == 4 && s.step >= 10)
             })
             .await
             .expect("steps");
         cluster.spawn_worker("w4", &spec).expect("spawn joiner");
         let joined = cluster
             .wait_for("w4's generation", Duration::from_secs(60), |e| {
-                e.kind == EventKind::Generation && e.worker == "w4"
+                e.get::<ev::Generation>().is_some() && e.worker == "w4"
             })
             .await
             .expect("joined");
-        assert_eq!(joined.int("world"), Some(5));
+        assert_eq!(joined.get::<ev::Generation>().map(|g| g.world), Some(5));
         let restored = cluster
-            .wait_for("w4's restore", Duration::from_secs(30), |e| e.kind == EventKind::Restored && e.worker == "w4")
+            .wait_for("w4's restore", Duration::from_secs(30), |e| {
+                e.get::<ev::Restored>().is_some() && e.worker == "w4"
+            })
             .await
             .expect("restored");
-        assert!(restored.int("step").unwrap_or(-1) >= 10, "joiner restored step {:?}", restored.int("step"));
-        assert_eq!(restored.text("changed"), Some("true"));
+        let restored = restored.get::<ev::Restored>().expect("a restored event");
+        assert!(restored.step >= 10, "joiner restored step {}", restored.step);
+        assert!(restored.changed);
         let codes = cluster.wait_workers(Duration::from_secs(120)).await;
         let events = &cluster.events;
         for (w, code) in &codes {
             check(*code == Some(0), &format!("{w} exited {code:?}"), events);
         }
         // A join never aborts a collective.
-        check(!events.iter().any(|e| e.kind == EventKind::Error), "a join caused an error", events);
+        check(!events.iter().any(|e| e.get::<ev::Error>().is_some()), "a join caused an error", events);
         check(invariants::no_wrong_results(events).ok, "wrong result", events);
     })
     .await
@@ -431,27 +423,25 @@ async fn graceful_leave_reforms_without_a_failure() {
             cluster.spawn_worker(&format!("w{i}"), &spec).expect("spawn");
         }
         cluster
-            .wait_for("5 steps", Duration::from_secs(60), |e| {
-                e.kind == EventKind::Step && e.int("step").unwrap_or(0) >= 5
-            })
+            .wait_for("5 steps", Duration::from_secs(60), |e| e.get::<ev::Step>().is_some_and(|s| s.step >= 5))
             .await
             .expect("steps");
         cluster.signal_worker("w3", libc::SIGTERM).expect("term");
         let codes = cluster.wait_workers(Duration::from_secs(120)).await;
         let events = &cluster.events;
-        check(of(events, "w3", EventKind::Leave).next().is_some(), "w3 did not leave gracefully", events);
+        check(of::<ev::Leave>(events, "w3").next().is_some(), "w3 did not leave gracefully", events);
         for (w, code) in &codes {
             check(*code == Some(0), &format!("{w} exited {code:?}"), events);
         }
-        check(!events.iter().any(|e| e.kind == EventKind::Error), "a graceful leave caused an error", events);
+        check(!events.iter().any(|e| e.get::<ev::Error>().is_some()), "a graceful leave caused an error", events);
         check(
-            events.iter().any(|e| e.kind == EventKind::Generation && e.int("world") == Some(3)),
+            events.iter().any(|e| e.get::<ev::Generation>().is_some_and(|g| g.world == 3)),
             "no generation of 3",
             events,
         );
         for w in ["w0", "w1", "w2"] {
             check(
-                of(events, w, EventKind::Summary).last().and_then(|s| s.int("final_step")) == Some(50),
+                of::<ev::Summary>(events, w).last().map(|s| s.final_step) == Some(50),
                 &format!("{w} did not finish"),
                 events,
             );
@@ -470,9 +460,7 @@ async fn below_min_workers_ends_the_job_with_a_clear_error() {
             cluster.spawn_worker(&format!("w{i}"), &spec).expect("spawn");
         }
         cluster
-            .wait_for("5 steps", Duration::from_secs(60), |e| {
-                e.kind == EventKind::Step && e.int("step").unwrap_or(0) >= 5
-            })
+            .wait_for("5 steps", Duration::from_secs(60), |e| e.get::<ev::Step>().is_some_and(|s| s.step >= 5))
             .await
             .expect("steps");
         cluster.signal_worker("w0", libc::SIGKILL).expect("kill");
@@ -484,8 +472,7 @@ async fn below_min_workers_ends_the_job_with_a_clear_error() {
                 &format!("{w} should fail, exit {:?}", codes.get(w)),
                 events,
             );
-            let fatal =
-                of(events, w, EventKind::Fatal).last().and_then(|e| e.text("error")).unwrap_or_default().to_string();
+            let fatal = of::<ev::Fatal>(events, w).last().map(|e| e.error.to_string()).unwrap_or_default();
             check(
                 fatal.contains("min") || fatal.contains("elastic"),
                 &format!("{w}'s error is not about min_workers: {fatal:?}"),
@@ -519,13 +506,13 @@ async fn an_excluded_worker_waits_out_its_exclusion_and_rejoins() {
         }
         cluster
             .wait_for("5 steps of 3", Duration::from_secs(60), |e| {
-                e.kind == EventKind::Step && e.int("world") == Some(3) && e.int("step").unwrap_or(0) >= 5
+                e.get::<ev::Step>().is_some_and(|s| s.world == 3 && s.step >= 5)
             })
             .await
             .expect("steps");
         cluster
             .wait_for("w1 in an allreduce", Duration::from_secs(30), |e| {
-                e.kind == EventKind::Allreduce && e.worker == "w1"
+                e.get::<ev::Allreduce>().is_some() && e.worker == "w1"
             })
             .await
             .expect("allreduce");
@@ -533,25 +520,24 @@ async fn an_excluded_worker_waits_out_its_exclusion_and_rejoins() {
         // A survivor's error comes after the coordinator answered its report: the failure,
         // and with it the exclusion, is recorded. Then w1 comes back at once.
         cluster
-            .wait_for("a survivor's error", Duration::from_secs(10), |e| e.kind == EventKind::Error && e.worker != "w1")
+            .wait_for("a survivor's error", Duration::from_secs(10), |e| {
+                e.get::<ev::Error>().is_some() && e.worker != "w1"
+            })
             .await
             .expect("error");
         let restarted_at = process_now_ms();
         cluster.spawn_worker("w1", &spec).expect("start w1 again");
         let back = cluster
             .wait_for("w1 back in a generation of 3", Duration::from_secs(60), |e| {
-                e.kind == EventKind::Generation
-                    && e.worker == "w1"
-                    && e.t_ms() >= restarted_at
-                    && e.int("world") == Some(3)
+                e.worker == "w1" && e.t_ms() >= restarted_at && e.get::<ev::Generation>().is_some_and(|g| g.world == 3)
             })
             .await
             .expect("w1 rejoined");
         let codes = cluster.wait_workers(Duration::from_secs(120)).await;
         let events = &cluster.events;
-        let joined = of(events, "w1", EventKind::Joined).find(|e| e.t_ms() >= restarted_at);
+        let joined = of::<ev::Joined>(events, "w1").find(|e| e.t_ms >= restarted_at);
         check(joined.is_some(), "the restarted w1 never joined", events);
-        let joined_at = joined.map_or(0, |e| e.t_ms());
+        let joined_at = joined.map_or(0, |e| e.t_ms);
         // The cool-down starts when the report is recorded, a few ms after the kill.
         check(
             joined_at >= killed_at + COOLDOWN.as_millis() as u64,
@@ -562,14 +548,14 @@ async fn an_excluded_worker_waits_out_its_exclusion_and_rejoins() {
             events,
         );
         check(back.t_ms() >= joined_at, "w1 was placed before it joined", events);
-        check(of(events, "w1", EventKind::Fatal).next().is_none(), "the restarted w1 gave up", events);
+        check(of::<ev::Fatal>(events, "w1").next().is_none(), "the restarted w1 gave up", events);
         for (w, code) in &codes {
             check(*code == Some(0), &format!("{w} exited {code:?}"), events);
         }
         for w in ["w0", "w1", "w2"] {
-            let summary = of(events, w, EventKind::Summary).last();
+            let summary = of::<ev::Summary>(events, w).last();
             check(
-                summary.and_then(|s| s.int("final_step")) == Some(STEPS as i64),
+                summary.map(|s| s.final_step) == Some(STEPS),
                 &format!("{w} did not finish all {STEPS} steps"),
                 events,
             );
@@ -606,13 +592,15 @@ async fn sigterm_ends_a_worker_that_waits_out_its_exclusion() {
         }
         cluster
             .wait_for("w1 in an allreduce", Duration::from_secs(60), |e| {
-                e.kind == EventKind::Allreduce && e.worker == "w1"
+                e.get::<ev::Allreduce>().is_some() && e.worker == "w1"
             })
             .await
             .expect("allreduce");
         cluster.signal_worker("w1", libc::SIGKILL).expect("kill");
         cluster
-            .wait_for("a survivor's error", Duration::from_secs(10), |e| e.kind == EventKind::Error && e.worker != "w1")
+            .wait_for("a survivor's error", Duration::from_secs(10), |e| {
+                e.get::<ev::Error>().is_some() && e.worker != "w1"
+            })
             .await
             .expect("error");
         let restarted_at = process_now_ms();
@@ -621,22 +609,26 @@ async fn sigterm_ends_a_worker_that_waits_out_its_exclusion() {
         // milliseconds and the worker then waits out the 60 s exclusion.
         cluster
             .wait_for("w1 joining", Duration::from_secs(10), |e| {
-                e.kind == EventKind::Joining && e.worker == "w1" && e.t_ms() >= restarted_at
+                e.get::<ev::Joining>().is_some() && e.worker == "w1" && e.t_ms() >= restarted_at
             })
             .await
             .expect("joining");
         let termed_at = cluster.signal_worker("w1", libc::SIGTERM).expect("SIGTERM");
         let summary = cluster
             .wait_for("w1 to stop", Duration::from_secs(10), |e| {
-                e.kind == EventKind::Summary && e.worker == "w1" && e.t_ms() >= restarted_at
+                e.get::<ev::Summary>().is_some() && e.worker == "w1" && e.t_ms() >= restarted_at
             })
             .await
             .expect("w1 stopped on SIGTERM instead of waiting out its exclusion");
         let codes = cluster.wait_workers(Duration::from_secs(60)).await;
         let events = &cluster.events;
-        check(summary.text("left") == Some("true"), &format!("w1's summary: {:?}", summary.fields), events);
+        check(
+            summary.get::<ev::Summary>().is_some_and(|s| s.left),
+            &format!("w1's summary: {}", summary.event),
+            events,
+        );
         check(summary.t_ms() < termed_at + 5_000, "w1 took more than 5 s to stop", events);
-        check(!of(events, "w1", EventKind::Joined).any(|e| e.t_ms() >= restarted_at), "the excluded w1 joined", events);
+        check(!of::<ev::Joined>(events, "w1").any(|e| e.t_ms >= restarted_at), "the excluded w1 joined", events);
         for (w, code) in &codes {
             check(*code == Some(0), &format!("{w} exited {code:?}"), events);
         }
@@ -655,19 +647,23 @@ async fn sigterm_ends_a_worker_between_generations() {
         let mut cluster = Cluster::start(test_cluster("between-term", StoreKind::Memory, 2)).await.expect("cluster");
         cluster.spawn_worker("w0", &test_worker(60, "256K")).expect("spawn");
         cluster
-            .wait_for("w0 joined", Duration::from_secs(30), |e| e.kind == EventKind::Joined && e.worker == "w0")
+            .wait_for("w0 joined", Duration::from_secs(30), |e| e.get::<ev::Joined>().is_some() && e.worker == "w0")
             .await
             .expect("joined");
         let termed_at = cluster.signal_worker("w0", libc::SIGTERM).expect("SIGTERM");
         let summary = cluster
-            .wait_for("w0 to stop", Duration::from_secs(10), |e| e.kind == EventKind::Summary && e.worker == "w0")
+            .wait_for("w0 to stop", Duration::from_secs(10), |e| e.get::<ev::Summary>().is_some() && e.worker == "w0")
             .await
             .expect("w0 stopped on SIGTERM instead of waiting at the rendezvous");
         let codes = cluster.wait_workers(Duration::from_secs(30)).await;
         let events = &cluster.events;
-        check(summary.text("left") == Some("true"), &format!("w0's summary: {:?}", summary.fields), events);
+        check(
+            summary.get::<ev::Summary>().is_some_and(|s| s.left),
+            &format!("w0's summary: {}", summary.event),
+            events,
+        );
         check(summary.t_ms() < termed_at + 5_000, "w0 took more than 5 s to stop", events);
-        check(of(events, "w0", EventKind::Generation).next().is_none(), "w0 was placed alone", events);
+        check(of::<ev::Generation>(events, "w0").next().is_none(), "w0 was placed alone", events);
         for (w, code) in &codes {
             check(*code == Some(0), &format!("{w} exited {code:?}"), events);
         }

@@ -32,7 +32,7 @@
 
 use cohort_chaos::binaries::Binaries;
 use cohort_chaos::cluster::{Cluster, ClusterConfig, JobSettings, StoreKind, WorkerSpec};
-use cohort_chaos::events::{EventKind, WorkerEvent};
+use cohort_chaos::events::{self as ev, WorkerEvent};
 use cohort_chaos::invariants;
 use cohort_chaos::metrics::{scrape, Samples};
 use cohort_chaos::process::now_ms;
@@ -113,7 +113,7 @@ impl StatefulSet {
         for p in &leaving {
             cluster.signal_worker(p, libc::SIGTERM).expect("SIGTERM a pod");
         }
-        let exited = |e: &WorkerEvent| e.kind == EventKind::Summary || e.kind == EventKind::Fatal;
+        let exited = |e: &WorkerEvent| e.get::<ev::Summary>().is_some() || e.get::<ev::Fatal>().is_some();
         let mut pending: BTreeSet<String> = leaving.iter().cloned().collect();
         for e in &cluster.events[seen_before..] {
             if exited(e) {
@@ -206,13 +206,13 @@ fn replica_index(cluster: &Cluster, leader: &str) -> usize {
 
 /// Highest step any worker has reported so far.
 fn max_step(events: &[WorkerEvent]) -> i64 {
-    events.iter().filter(|e| e.kind == EventKind::Step).filter_map(|e| e.int("step")).max().unwrap_or(0)
+    events.iter().filter_map(|e| e.get::<ev::Step>()).map(|s| s.step as i64).max().unwrap_or(0)
 }
 
 /// Waits until every worker in `pods` has reported `n` steps in a generation of `world`
 /// members, counting only steps taken at or after `since_ms` (ms since the epoch).
 async fn wait_steps(cluster: &mut Cluster, pods: &[String], world: i64, since_ms: u64, n: usize, what: &str) {
-    let counts = |e: &WorkerEvent| e.kind == EventKind::Step && e.int("world") == Some(world) && e.t_ms() >= since_ms;
+    let counts = |e: &WorkerEvent| e.get::<ev::Step>().is_some_and(|s| s.world as i64 == world && s.t_ms >= since_ms);
     let mut seen: BTreeMap<String, usize> = pods.iter().map(|p| (p.clone(), 0)).collect();
     for e in &cluster.events {
         if counts(e) {
@@ -255,7 +255,7 @@ async fn scrape_all(cluster: &Cluster, pods: &[String]) -> Scrape {
     let mut by_pod = BTreeMap::new();
     for p in pods {
         let result = match cluster.worker_metrics(p) {
-            Some(addr) => scrape(addr, EACH).await.map_err(|e| e.to_string()),
+            Some(addr) => scrape(&addr.to_string(), EACH).await.map_err(|e| e.to_string()),
             None => Err(format!("{p} printed no metrics address")),
         };
         by_pod.insert(p.clone(), result);
@@ -393,8 +393,7 @@ async fn rehearsal(kind: Pods) {
     sts.scale_up(&mut cluster, 6);
     wait_steps(&mut cluster, &all, 6, 0, 5, "6 pods to step together").await;
     for p in &all[4..] {
-        let restored =
-            of(&cluster.events, p, EventKind::Restored).next().map(|e| e.int("step").unwrap_or(-1)).unwrap_or(-1);
+        let restored = of::<ev::Restored>(&cluster.events, p).next().map_or(-1, |e| e.step);
         check(
             restored >= before_join,
             &format!("joiner {p} restored step {restored}, not the committed state"),
@@ -489,14 +488,14 @@ async fn rehearsal(kind: Pods) {
         // (its leave and summary below show it).
         if kind == Pods::Rust {
             check(
-                of(events, &t.pod, EventKind::Sigterm).next().is_some(),
+                of::<ev::Sigterm>(events, &t.pod).next().is_some(),
                 &format!("{} did not see its SIGTERM", t.pod),
                 events,
             );
         }
-        let finished_first = of(events, &t.pod, EventKind::Finished).next().is_some();
+        let finished_first = of::<ev::Finished>(events, &t.pod).next().is_some();
         check(
-            of(events, &t.pod, EventKind::Leave).next().is_some(),
+            of::<ev::Leave>(events, &t.pod).next().is_some(),
             &format!(
                 "{} did not leave gracefully{}",
                 t.pod,
@@ -504,22 +503,14 @@ async fn rehearsal(kind: Pods) {
             ),
             events,
         );
-        let summary = of(events, &t.pod, EventKind::Summary).last();
-        check(
-            summary.and_then(|s| s.text("left")) == Some("true"),
-            &format!("{} has no summary with left=true", t.pod),
-            events,
-        );
+        let summary = of::<ev::Summary>(events, &t.pod).last();
+        check(summary.is_some_and(|s| s.left), &format!("{} has no summary with left=true", t.pod), events);
     }
     for p in &all[..3] {
-        let summary = of(events, p, EventKind::Summary).last();
+        let summary = of::<ev::Summary>(events, p).last();
+        check(summary.map(|s| s.final_step) == Some(STEPS), &format!("{p} did not finish all {STEPS} steps"), events);
         check(
-            summary.and_then(|s| s.int("final_step")) == Some(STEPS as i64),
-            &format!("{p} did not finish all {STEPS} steps"),
-            events,
-        );
-        check(
-            of(events, p, EventKind::Generation).any(|e| e.int("world") == Some(3)),
+            of::<ev::Generation>(events, p).any(|g| g.world == 3),
             &format!("{p} never stepped in the generation of 3"),
             events,
         );
@@ -529,12 +520,12 @@ async fn rehearsal(kind: Pods) {
     }
     let errors: Vec<String> = events
         .iter()
-        .filter(|e| e.kind == EventKind::Error || e.kind == EventKind::Fatal)
-        .map(|e| format!("{} {:?}", e.worker, e.fields))
+        .filter(|e| e.get::<ev::Error>().is_some() || e.get::<ev::Fatal>().is_some())
+        .map(|e| format!("{} {}", e.worker, e.event))
         .collect();
     check(errors.is_empty(), &format!("scaling and coordinator restarts must not cause failures: {errors:?}"), events);
     for p in &all {
-        let failures = of(events, p, EventKind::Summary).last().and_then(|s| s.int("failures"));
+        let failures = of::<ev::Summary>(events, p).last().map(|s| s.failures);
         check(failures == Some(0), &format!("{p} recorded failures: {failures:?}"), events);
     }
     for c in [

@@ -1,5 +1,6 @@
 //! Judging a run: what each fault did and how fast the job reacted (measured from the
-//! workers' events), and the per-fault checks on top of the run's invariants.
+//! workers' events), and the per-fault checks on top of the run's invariants: one function
+//! per kind of check, [`Run::checks`] gathers them.
 
 use super::*;
 
@@ -9,239 +10,294 @@ impl Run<'_> {
         measure(&self.records, &self.cluster.events)
     }
 
+    /// Every check of the run: the invariants, each fault's own checks, the shared-memory
+    /// release after each disruptive fault, the transports by host, the quiet faults, and how
+    /// the job ended.
     pub(super) fn checks(&mut self, codes: &BTreeMap<String, Option<i32>>, end_ms: u64) -> Vec<Check> {
-        let sc = self.sc;
         let events = self.cluster.events.clone();
         let records = self.measure();
-        let mut checks = vec![
-            invariants::no_wrong_results(&events),
-            invariants::generations_increase(&events),
-            invariants::commits_never_lost(&events),
-        ];
-        let bound_ms = (sc.no_progress.0 + Duration::from_secs(3)).as_millis() as u64;
-        checks.push(invariants::no_hang(&events, &self.signal_windows(), bound_ms, end_ms));
-        checks.push(invariants::errors_typed(&events));
-        let computed =
-            sc.worker_command.is_none().then(|| invariants::expected_params_digest(sc.size_bytes(), sc.steps));
-        checks.push(invariants::final_params(
-            &events,
-            computed.as_deref().map_or(invariants::ExpectedParams::Reported, invariants::ExpectedParams::Computed),
-            sc.expect,
-        ));
-        // Per fault: disruptive ones reach every survivor with the root cause; quiet ones
-        // fail no collective.
+        let mut checks = self.invariant_checks(&events, end_ms);
         for r in &records {
-            let kind = r.kind.name();
-            let culprits: Vec<String> = r
-                .targets
-                .iter()
-                .map(|t| t.split('(').next().unwrap_or("").to_string())
-                .chain(r.peers.iter().cloned())
-                .collect();
-            match r.kind {
-                FaultKind::Kill | FaultKind::Stop => {
-                    if sc.expect == Expect::Fail {
-                        continue;
-                    }
-                    let named = r.errors.iter().filter(|e| culprits.iter().any(|c| cause_names(&e.cause, c))).count();
-                    checks.push(Check {
-                        what: format!("fault {} ({kind}): every survivor got an error naming the root cause", r.index),
-                        ok: named == r.survivors.len() && !r.survivors.is_empty(),
-                        detail: format!("{named} of {} survivors; causes: {}", r.survivors.len(), causes(r)),
-                    });
-                    checks.push(next_step_check(r, kind));
-                    if r.kind == FaultKind::Stop {
-                        checks.extend(hung_rank_status_check(r, &events, sc));
-                        // A rank hung past the deadline is a silent fault like a cut link.
-                        let deadline = sc.no_progress.0 + sc.step_interval.0 + Duration::from_millis(1000);
-                        if Duration::from_millis(r.duration_ms) > deadline {
-                            checks.push(detection_check(r, kind, sc));
-                            checks.push(hang_timeout_check(r));
-                        }
-                    }
-                    if let (true, Some(bound)) = (r.kind == FaultKind::Kill, sc.kill_errors_within) {
-                        checks.push(kill_errors_check(r, bound.0, &self.cluster.hosts()));
-                    }
-                    if r.kind == FaultKind::Kill && r.targets.len() > 1 {
-                        // One report wins and evicts its suspect; the other dead ranks still
-                        // hold live leases. Their control streams closed with them, so the
-                        // survivors must not wait for them (the join window, or the leases).
-                        let window = sc.join_window.0.as_millis() as i64;
-                        checks.push(Check {
-                            what: format!(
-                                "fault {} (kill of {} ranks at once): the survivors re-formed without waiting for the other dead ranks (join window {window} ms)",
-                                r.index,
-                                r.targets.len()
-                            ),
-                            ok: r.next_step_ms.is_some_and(|t| t < window),
-                            detail: format!("next verified step after {} ms", o(r.next_step_ms)),
-                        });
-                    }
-                }
-                FaultKind::Isolate => {
-                    let named = r.errors.iter().filter(|e| culprits.iter().any(|c| cause_names(&e.cause, c))).count();
-                    checks.push(Check {
-                        what: format!(
-                            "fault {} ({kind}): every survivor got an error naming the cut-off host",
-                            r.index
-                        ),
-                        ok: named == r.survivors.len() && !r.survivors.is_empty(),
-                        detail: format!("{named} of {} survivors; causes: {}", r.survivors.len(), causes(r)),
-                    });
-                    if sc.ranks_per_host > 1 && r.targets.len() > 1 {
-                        checks.push(domain_cause_check(r, &self.cluster.hosts()));
-                    }
-                    checks.push(detection_check(r, kind, sc));
-                    checks.push(next_step_check(r, kind));
-                    let back: Vec<String> = culprits
-                        .iter()
-                        .filter(|w| {
-                            !events.iter().any(|e| {
-                                e.kind == EventKind::Step && e.worker == **w && e.int("gen").unwrap_or(0) > r.generation
-                            })
-                        })
-                        .cloned()
-                        .collect();
-                    checks.push(Check {
-                        what: format!("fault {} ({kind}): the cut-off host rejoined once plugged back", r.index),
-                        ok: back.is_empty(),
-                        detail: if back.is_empty() {
-                            "verified steps in a later generation".into()
-                        } else {
-                            format!("never back: {}", back.join(","))
-                        },
-                    });
-                }
-                FaultKind::Straggler => checks.extend(straggler_checks(r, &events, sc)),
-                FaultKind::JoinStorm => {
-                    let joiners: Vec<&str> =
-                        r.note.strip_prefix("joined: ").map(|n| n.split(',').collect()).unwrap_or_default();
-                    let missing: Vec<&str> = joiners
-                        .iter()
-                        .copied()
-                        .filter(|w| !events.iter().any(|e| e.kind == EventKind::Step && e.worker == *w))
-                        .collect();
-                    checks.push(Check {
-                        what: format!("fault {} ({kind}): every joiner verified steps", r.index),
-                        ok: !joiners.is_empty() && missing.is_empty(),
-                        detail: if missing.is_empty() {
-                            format!("{} joiners", joiners.len())
-                        } else {
-                            format!("never stepped: {}", missing.join(","))
-                        },
-                    });
-                }
-                FaultKind::Blackhole | FaultKind::Partition | FaultKind::Reset => {
-                    let named = r.errors.iter().filter(|e| culprits.iter().any(|c| cause_names(&e.cause, c))).count();
-                    checks.push(Check {
-                        what: format!(
-                            "fault {} ({kind}): every member got an error naming an end of the link",
-                            r.index
-                        ),
-                        ok: named == r.survivors.len() && !r.survivors.is_empty(),
-                        detail: format!("{named} of {}; causes: {}", r.survivors.len(), causes(r)),
-                    });
-                    if r.kind != FaultKind::Reset {
-                        checks.push(detection_check(r, kind, sc));
-                    }
-                    checks.push(next_step_check(r, kind));
-                }
-                // No per-fault check of their own: the quiet kinds get "no collective failed
-                // because of it" below, a graceful leave and the control-plane faults are
-                // judged by the run's invariants (no hang, no lost commit, the final
-                // parameters) and by the faults that follow them.
-                FaultKind::Term
-                | FaultKind::Slow
-                | FaultKind::Latency
-                | FaultKind::Bandwidth
-                | FaultKind::CoordinatorLeaderKill
-                | FaultKind::CoordinatorsDown
-                | FaultKind::EtcdRestart => {}
-            }
+            checks.extend(self.fault_checks(r, &events));
         }
         checks.extend(self.segment_checks.iter().cloned());
-        let auto = sc.transport.as_deref().is_none_or(|t| t == "auto");
-        if sc.network == NetworkChoice::Netns && auto && sc.worker_command.is_none() {
-            checks.push(invariants::transport_by_host(&events, &self.cluster.hosts()));
+        checks.extend(self.transport_check(&events));
+        checks.extend(self.quiet_checks(&events, &records));
+        checks.push(match self.sc.expect {
+            Expect::Finish => self.finished_check(codes, &events),
+            Expect::Fail => self.failed_check(codes, &events),
+        });
+        checks
+    }
+
+    /// The invariants every run keeps, whatever its faults.
+    fn invariant_checks(&self, events: &[WorkerEvent], end_ms: u64) -> Vec<Check> {
+        let sc = self.sc;
+        let bound_ms = (sc.no_progress.0 + Duration::from_secs(3)).as_millis() as u64;
+        let computed =
+            sc.worker_command.is_none().then(|| invariants::expected_params_digest(sc.size_bytes(), sc.steps));
+        vec![
+            invariants::no_wrong_results(events),
+            invariants::generations_increase(events),
+            invariants::commits_never_lost(events),
+            invariants::no_hang(events, &self.signal_windows(), bound_ms, end_ms),
+            invariants::errors_typed(events),
+            invariants::final_params(
+                events,
+                computed.as_deref().map_or(invariants::ExpectedParams::Reported, invariants::ExpectedParams::Computed),
+                sc.expect,
+            ),
+        ]
+    }
+
+    /// The checks of fault `r` by its kind: disruptive ones reach every survivor with the
+    /// root cause; quiet ones are judged by [`Run::quiet_checks`].
+    fn fault_checks(&self, r: &FaultRecord, events: &[WorkerEvent]) -> Vec<Check> {
+        let sc = self.sc;
+        match r.kind {
+            FaultKind::Kill | FaultKind::Stop if sc.expect == Expect::Fail => Vec::new(),
+            FaultKind::Kill => self.kill_checks(r),
+            FaultKind::Stop => stop_checks(r, events, sc),
+            FaultKind::Isolate => self.isolate_checks(r, events),
+            FaultKind::Straggler => straggler_checks(r, events, sc),
+            FaultKind::JoinStorm => vec![join_storm_check(r, events)],
+            FaultKind::Blackhole | FaultKind::Partition | FaultKind::Reset => link_checks(r, sc),
+            // No per-fault check of their own: the quiet kinds get "no collective failed
+            // because of it", a graceful leave and the control-plane faults are judged by the
+            // run's invariants (no hang, no lost commit, the final parameters) and by the
+            // faults that follow them.
+            FaultKind::Term
+            | FaultKind::Slow
+            | FaultKind::Latency
+            | FaultKind::Bandwidth
+            | FaultKind::CoordinatorLeaderKill
+            | FaultKind::CoordinatorsDown
+            | FaultKind::EtcdRestart => Vec::new(),
         }
-        for &(from, to, index) in &self.quiet {
-            let errs: Vec<String> = events
-                .iter()
-                .filter(|e| e.kind == EventKind::Error && e.t_ms() >= from && e.t_ms() <= to)
-                .map(|e| format!("{}: {}", e.worker, e.text("cause").unwrap_or("?")))
-                .collect();
-            let kind = records.iter().find(|r| r.index == index).map_or("?", |r| r.kind.name());
+    }
+
+    /// Kill fault `r`: every survivor named the root cause, the next step came, within the
+    /// scenario's bound if it sets one, and several ranks killed at once did not make the
+    /// survivors wait for the other dead ones.
+    fn kill_checks(&self, r: &FaultRecord) -> Vec<Check> {
+        let sc = self.sc;
+        let mut checks = vec![
+            root_cause_check(r, "every survivor got an error naming the root cause"),
+            next_step_check(r, r.kind.name()),
+        ];
+        if let Some(bound) = sc.kill_errors_within {
+            checks.push(kill_errors_check(r, bound.0, &self.cluster.hosts()));
+        }
+        if r.targets.len() > 1 {
+            // One report wins and evicts its suspect; the other dead ranks still hold live
+            // leases. Their control streams closed with them, so the survivors must not wait
+            // for them (the join window, or the leases).
+            let window = sc.join_window.0.as_millis() as i64;
             checks.push(Check {
-                what: format!("fault {index} ({kind}): no collective failed because of it"),
-                ok: errs.is_empty(),
-                detail: if errs.is_empty() { "none failed".into() } else { errs.join("; ") },
+                what: format!(
+                    "fault {} (kill of {} ranks at once): the survivors re-formed without waiting for the other dead ranks (join window {window} ms)",
+                    r.index,
+                    r.targets.len()
+                ),
+                ok: r.next_step_ms.is_some_and(|t| t < window),
+                detail: format!("next verified step after {} ms", o(r.next_step_ms)),
             });
-        }
-        // How the job ended.
-        match sc.expect {
-            Expect::Finish => {
-                let mut bad = Vec::new();
-                for (w, code) in codes {
-                    if self.killed.contains(w) {
-                        continue;
-                    }
-                    let summary = events.iter().rev().find(|e| e.worker == *w && e.kind == EventKind::Summary);
-                    let fatal = events.iter().rev().find(|e| e.worker == *w && e.kind == EventKind::Fatal);
-                    if self.leaving.contains(w) {
-                        if *code != Some(0) || summary.and_then(|s| s.text("left")) != Some("true") {
-                            bad.push(format!("{w} (SIGTERM) exit {code:?} without a graceful leave"));
-                        }
-                    } else if self.signals.iter().any(|s| s.worker == *w && s.signal == libc::SIGSTOP)
-                        && *code != Some(0)
-                    {
-                        // A hung rank that came back after its exclusion may be refused;
-                        // then it must say why.
-                        if fatal.and_then(|f| f.text("error")).is_none_or(str::is_empty) {
-                            bad.push(format!("{w} (was stopped) exit {code:?} without a reason"));
-                        }
-                    } else if *code != Some(0) || summary.and_then(|s| s.int("final_step")) != Some(sc.steps as i64) {
-                        bad.push(format!(
-                            "{w} exit {code:?} final step {:?}{}",
-                            summary.and_then(|s| s.int("final_step")),
-                            fatal.and_then(|f| f.text("error")).map(|e| format!(": {e}")).unwrap_or_default()
-                        ));
-                    }
-                }
-                checks.push(Check {
-                    what: format!("the job finished: every remaining worker ran all {} steps and exited 0", sc.steps),
-                    ok: bad.is_empty(),
-                    detail: if bad.is_empty() { format!("{} workers", codes.len()) } else { bad.join("; ") },
-                });
-            }
-            Expect::Fail => {
-                let mut bad = Vec::new();
-                for (w, code) in codes {
-                    if self.killed.contains(w) {
-                        continue;
-                    }
-                    let fatal = events
-                        .iter()
-                        .rev()
-                        .find(|e| e.worker == *w && e.kind == EventKind::Fatal)
-                        .and_then(|f| f.text("error"))
-                        .unwrap_or("");
-                    if *code == Some(0) || !fatal.contains("min_workers") {
-                        bad.push(format!("{w}: exit {code:?}, error {fatal:?}"));
-                    }
-                }
-                checks.push(Check {
-                    what: "the job failed below min_workers, every remaining worker saying why".into(),
-                    ok: bad.is_empty(),
-                    detail: if bad.is_empty() {
-                        "every remaining worker failed naming min_workers".into()
-                    } else {
-                        bad.join("; ")
-                    },
-                });
-            }
         }
         checks
     }
+
+    /// Isolate fault `r`: every survivor named the cut-off host (its domain, with several
+    /// ranks on it), detection and the next step in time, and the host back once plugged in.
+    fn isolate_checks(&self, r: &FaultRecord, events: &[WorkerEvent]) -> Vec<Check> {
+        let sc = self.sc;
+        let mut checks = vec![root_cause_check(r, "every survivor got an error naming the cut-off host")];
+        if sc.ranks_per_host > 1 && r.targets.len() > 1 {
+            checks.push(domain_cause_check(r, &self.cluster.hosts()));
+        }
+        checks.push(detection_check(r, r.kind.name(), sc));
+        checks.push(next_step_check(r, r.kind.name()));
+        let back: Vec<String> = culprits(r)
+            .into_iter()
+            .filter(|w| {
+                !events
+                    .iter()
+                    .any(|e| e.worker == *w && e.get::<ev::Step>().is_some_and(|s| s.gen as i64 > r.generation))
+            })
+            .collect();
+        checks.push(Check {
+            what: format!("fault {} (isolate): the cut-off host rejoined once plugged back", r.index),
+            ok: back.is_empty(),
+            detail: if back.is_empty() {
+                "verified steps in a later generation".into()
+            } else {
+                format!("never back: {}", back.join(","))
+            },
+        });
+        checks
+    }
+
+    /// With network namespaces and the automatic transport (the built-in worker): shared
+    /// memory exactly within each host.
+    fn transport_check(&self, events: &[WorkerEvent]) -> Option<Check> {
+        let sc = self.sc;
+        let auto = sc.transport.as_deref().is_none_or(|t| t == "auto");
+        (sc.network == NetworkChoice::Netns && auto && sc.worker_command.is_none())
+            .then(|| invariants::transport_by_host(events, &self.cluster.hosts()))
+    }
+
+    /// Each quiet fault failed no collective while it lasted.
+    fn quiet_checks(&self, events: &[WorkerEvent], records: &[FaultRecord]) -> Vec<Check> {
+        self.quiet
+            .iter()
+            .map(|&(from, to, index)| {
+                let errs: Vec<String> = events
+                    .iter()
+                    .filter(|e| e.t_ms() >= from && e.t_ms() <= to)
+                    .filter_map(|e| Some(format!("{}: {}", e.worker, e.get::<ev::Error>()?.cause)))
+                    .collect();
+                let kind = records.iter().find(|r| r.index == index).map_or("?", |r| r.kind.name());
+                Check {
+                    what: format!("fault {index} ({kind}): no collective failed because of it"),
+                    ok: errs.is_empty(),
+                    detail: if errs.is_empty() { "none failed".into() } else { errs.join("; ") },
+                }
+            })
+            .collect()
+    }
+
+    /// A job expected to finish: every worker not killed ran all the steps and exited 0 (a
+    /// worker sent SIGTERM left gracefully; a stopped one refused afterwards says why).
+    fn finished_check(&self, codes: &BTreeMap<String, Option<i32>>, events: &[WorkerEvent]) -> Check {
+        let sc = self.sc;
+        let mut bad = Vec::new();
+        for (w, code) in codes {
+            if self.killed.contains(w) {
+                continue;
+            }
+            let summary = last_of::<ev::Summary>(events, w);
+            let fatal = last_of::<ev::Fatal>(events, w).map(|f| &*f.error);
+            if self.leaving.contains(w) {
+                if *code != Some(0) || !summary.is_some_and(|s| s.left) {
+                    bad.push(format!("{w} (SIGTERM) exit {code:?} without a graceful leave"));
+                }
+            } else if self.signals.iter().any(|s| s.worker == *w && s.signal == libc::SIGSTOP) && *code != Some(0) {
+                // A hung rank that came back after its exclusion may be refused; then it
+                // must say why.
+                if fatal.is_none_or(str::is_empty) {
+                    bad.push(format!("{w} (was stopped) exit {code:?} without a reason"));
+                }
+            } else if *code != Some(0) || summary.map(|s| s.final_step) != Some(sc.steps) {
+                bad.push(format!(
+                    "{w} exit {code:?} final step {:?}{}",
+                    summary.map(|s| s.final_step),
+                    fatal.map(|e| format!(": {e}")).unwrap_or_default()
+                ));
+            }
+        }
+        Check {
+            what: format!("the job finished: every remaining worker ran all {} steps and exited 0", sc.steps),
+            ok: bad.is_empty(),
+            detail: if bad.is_empty() { format!("{} workers", codes.len()) } else { bad.join("; ") },
+        }
+    }
+
+    /// A job expected to fail below `min_workers`: every worker not killed failed saying so.
+    fn failed_check(&self, codes: &BTreeMap<String, Option<i32>>, events: &[WorkerEvent]) -> Check {
+        let mut bad = Vec::new();
+        for (w, code) in codes {
+            if self.killed.contains(w) {
+                continue;
+            }
+            let fatal = last_of::<ev::Fatal>(events, w).map_or("", |f| &*f.error);
+            if *code == Some(0) || !fatal.contains("min_workers") {
+                bad.push(format!("{w}: exit {code:?}, error {fatal:?}"));
+            }
+        }
+        Check {
+            what: "the job failed below min_workers, every remaining worker saying why".into(),
+            ok: bad.is_empty(),
+            detail: if bad.is_empty() {
+                "every remaining worker failed naming min_workers".into()
+            } else {
+                bad.join("; ")
+            },
+        }
+    }
+}
+
+/// The last event of kind `T` that worker `w` printed.
+fn last_of<'a, T: ev::EventBody>(events: &'a [WorkerEvent], w: &str) -> Option<&'a T> {
+    events.iter().rev().filter(|e| e.worker == w).find_map(WorkerEvent::get::<T>)
+}
+
+/// The workers fault `r` struck: its targets, then its peers.
+fn culprits(r: &FaultRecord) -> Vec<String> {
+    r.targets.iter().map(|t| t.split('(').next().unwrap_or("").to_string()).chain(r.peers.iter().cloned()).collect()
+}
+
+/// Check: every survivor of fault `r` got an error naming one of the workers it struck.
+fn root_cause_check(r: &FaultRecord, what: &str) -> Check {
+    let culprits = culprits(r);
+    let named = r.errors.iter().filter(|e| culprits.iter().any(|c| cause_names(&e.cause, c))).count();
+    Check {
+        what: format!("fault {} ({}): {what}", r.index, r.kind.name()),
+        ok: named == r.survivors.len() && !r.survivors.is_empty(),
+        detail: format!("{named} of {} survivors; causes: {}", r.survivors.len(), causes(r)),
+    }
+}
+
+/// Stop fault `r`: every survivor named the hung rank, the next step came, `status` showed
+/// the hung rank as the stalest; hung past the deadline, it is a silent fault like a cut link
+/// (detected in time, by a timeout).
+fn stop_checks(r: &FaultRecord, events: &[WorkerEvent], sc: &Scenario) -> Vec<Check> {
+    let mut checks = vec![
+        root_cause_check(r, "every survivor got an error naming the root cause"),
+        next_step_check(r, r.kind.name()),
+    ];
+    checks.extend(hung_rank_status_check(r, events, sc));
+    let deadline = sc.no_progress.0 + sc.step_interval.0 + Duration::from_millis(1000);
+    if Duration::from_millis(r.duration_ms) > deadline {
+        checks.push(detection_check(r, r.kind.name(), sc));
+        checks.push(hang_timeout_check(r));
+    }
+    checks
+}
+
+/// Join-storm fault `r`: every joiner verified steps.
+fn join_storm_check(r: &FaultRecord, events: &[WorkerEvent]) -> Check {
+    let joiners: Vec<&str> = r.note.strip_prefix("joined: ").map(|n| n.split(',').collect()).unwrap_or_default();
+    let missing: Vec<&str> = joiners
+        .iter()
+        .copied()
+        .filter(|w| !events.iter().any(|e| e.worker == *w && e.get::<ev::Step>().is_some()))
+        .collect();
+    Check {
+        what: format!("fault {} (join_storm): every joiner verified steps", r.index),
+        ok: !joiners.is_empty() && missing.is_empty(),
+        detail: if missing.is_empty() {
+            format!("{} joiners", joiners.len())
+        } else {
+            format!("never stepped: {}", missing.join(","))
+        },
+    }
+}
+
+/// Link fault `r` (blackhole, partition, reset): every member named an end of the link,
+/// detection in time (not for a reset, which is no silence), and the next step.
+fn link_checks(r: &FaultRecord, sc: &Scenario) -> Vec<Check> {
+    let kind = r.kind.name();
+    let culprits = culprits(r);
+    let named = r.errors.iter().filter(|e| culprits.iter().any(|c| cause_names(&e.cause, c))).count();
+    let mut checks = vec![Check {
+        what: format!("fault {} ({kind}): every member got an error naming an end of the link", r.index),
+        ok: named == r.survivors.len() && !r.survivors.is_empty(),
+        detail: format!("{named} of {}; causes: {}", r.survivors.len(), causes(r)),
+    }];
+    if r.kind != FaultKind::Reset {
+        checks.push(detection_check(r, kind, sc));
+    }
+    checks.push(next_step_check(r, kind));
+    checks
 }
 
 /// Whether the evidence shows the fault struck while the target's allreduce was in flight
@@ -254,28 +310,25 @@ pub(super) fn struck_mid_allreduce(r: &FaultRecord, events: &[WorkerEvent]) -> b
         return false;
     };
     let at = r.at_ms;
-    let gen = Some(r.generation);
+    let gen = r.generation;
     let Some(step) = events
         .iter()
-        .filter(|e| e.kind == EventKind::Allreduce && e.worker == target && e.int("gen") == gen && e.t_ms() <= at)
-        .filter_map(|e| e.int("step"))
+        .filter(|e| e.worker == target && e.t_ms() <= at)
+        .filter_map(|e| e.get::<ev::Allreduce>())
+        .filter(|a| a.gen as i64 == gen)
+        .map(|a| a.step)
         .max()
     else {
         return false;
     };
     let completed = events.iter().any(|e| {
-        e.kind == EventKind::Step
-            && e.worker == target
-            && e.int("gen") == gen
-            && e.int("step") == Some(step + 1)
+        e.worker == target
             && e.t_ms() <= at
+            && e.get::<ev::Step>().is_some_and(|s| s.gen as i64 == gen && s.step == step + 1)
     });
     let in_flight_error = events.iter().any(|e| {
-        e.kind == EventKind::Error
-            && r.survivors.contains(&e.worker)
-            && e.int("gen") == gen
-            && e.int("step") == Some(step)
-            && e.text("phase").is_none()
+        r.survivors.contains(&e.worker)
+            && e.get::<ev::Error>().is_some_and(|x| x.gen as i64 == gen && x.step == Some(step) && x.phase.is_none())
     });
     !completed && in_flight_error
 }
@@ -294,18 +347,17 @@ pub(super) fn measure(records: &[FaultRecord], events: &[WorkerEvent]) -> Vec<Fa
             records[i + 1..].iter().find(|n| n.generation == r.generation).map_or(i64::MAX, |n| n.at_ms as i64 - 5);
         let mut errors: Vec<ErrorSeen> = Vec::new();
         for w in &r.survivors {
-            let seen = events.iter().find(|e| {
-                e.kind == EventKind::Error
-                    && e.worker == *w
-                    && e.int("gen") == Some(r.generation)
-                    && e.t_ms() as i64 >= at - 5
-            });
-            if let Some(e) = seen.filter(|e| (e.t_ms() as i64) < until) {
+            let seen = events
+                .iter()
+                .filter(|e| e.worker == *w)
+                .filter_map(|e| e.get::<ev::Error>())
+                .find(|x| x.gen as i64 == r.generation && x.t_ms as i64 >= at - 5);
+            if let Some(x) = seen.filter(|x| (x.t_ms as i64) < until) {
                 errors.push(ErrorSeen {
                     worker: w.clone(),
-                    kind: e.text("kind").unwrap_or("?").into(),
-                    cause: e.text("cause").unwrap_or("").into(),
-                    after_ms: e.t_ms() as i64 - at,
+                    kind: x.kind.clone(),
+                    cause: x.cause.to_string(),
+                    after_ms: x.t_ms as i64 - at,
                 });
             }
         }
@@ -321,11 +373,13 @@ pub(super) fn measure(records: &[FaultRecord], events: &[WorkerEvent]) -> Vec<Fa
         r.errors = errors;
         let kind = Some(r.kind);
         if kind.is_some_and(|k| !k.quiet()) {
-            if let Some(e) = events.iter().find(|e| {
-                e.kind == EventKind::Step && e.int("gen").unwrap_or(0) > r.generation && e.t_ms() as i64 >= at
-            }) {
-                r.next_step_ms = Some(e.t_ms() as i64 - at);
-                r.next_generation = e.int("gen");
+            if let Some(s) = events
+                .iter()
+                .filter_map(|e| e.get::<ev::Step>())
+                .find(|s| s.gen as i64 > r.generation && s.t_ms as i64 >= at)
+            {
+                r.next_step_ms = Some(s.t_ms as i64 - at);
+                r.next_generation = Some(s.gen as i64);
             }
         }
         if kind.is_some_and(FaultKind::quiet) && r.duration_ms > 0 {
@@ -335,7 +389,7 @@ pub(super) fn measure(records: &[FaultRecord], events: &[WorkerEvent]) -> Vec<Fa
         }
         if let Some(s) = r.straggler.as_mut() {
             let highest = |t: u64| {
-                events.iter().filter(|e| e.kind == EventKind::Step && e.t_ms() <= t).filter_map(|e| e.int("step")).max()
+                events.iter().filter_map(|e| e.get::<ev::Step>()).filter(|s| s.t_ms <= t).map(|s| s.step as i64).max()
             };
             s.named_after_steps = s.named_at_ms.and_then(highest).map(|n| n - r.step);
             // Before: up to 3 s of the fault-free job; during: while the straggler was a
@@ -393,22 +447,24 @@ pub(super) fn straggler_checks(r: &FaultRecord, events: &[WorkerEvent], sc: &Sce
     ];
     let errors: Vec<String> = events
         .iter()
-        .filter(|e| e.kind == EventKind::Error && e.t_ms() >= r.at_ms)
-        .map(|e| format!("{}: {} {}", e.worker, e.text("kind").unwrap_or("?"), e.text("cause").unwrap_or("?")))
+        .filter(|e| e.t_ms() >= r.at_ms)
+        .filter_map(|e| Some((e, e.get::<ev::Error>()?)))
+        .map(|(e, x)| format!("{}: {} {}", e.worker, x.kind, x.cause))
         .collect();
     out.push(Check {
         what: format!("fault {i} (straggler): no false timeout (no collective failed from the fault to the end)"),
         ok: errors.is_empty(),
         detail: if errors.is_empty() { format!("{} duty cycles, none failed", s.cycles) } else { errors.join("; ") },
     });
-    let leaves: Vec<&WorkerEvent> = events.iter().filter(|e| e.kind == EventKind::StragglerLeave).collect();
+    let leaves: Vec<(&WorkerEvent, &ev::StragglerLeave)> =
+        events.iter().filter_map(|e| Some((e, e.get::<ev::StragglerLeave>()?))).collect();
     if s.policy == "exclude" {
         out.push(Check {
             what: format!("fault {i} (straggler, exclude): the straggler left at a commit point"),
-            ok: s.excluded_at_ms.is_some() && leaves.iter().all(|e| e.worker == s.target),
+            ok: s.excluded_at_ms.is_some() && leaves.iter().all(|(e, _)| e.worker == s.target),
             detail: leaves
                 .first()
-                .map_or("no straggler_leave event".into(), |e| format!("{} at step {}", e.worker, o(e.int("step")))),
+                .map_or("no straggler_leave event".into(), |(e, l)| format!("{} at step {}", e.worker, l.step)),
         });
         let (before, after) = (r.steps_per_s_before.unwrap_or(0.0), s.steps_per_s_after.unwrap_or(0.0));
         out.push(Check {
@@ -428,10 +484,11 @@ pub(super) fn straggler_checks(r: &FaultRecord, events: &[WorkerEvent], sc: &Sce
             detail: format!("verified steps again {} ms after its leave", o(away)),
         });
     } else {
-        let shrank: Vec<i64> = events
+        let shrank: Vec<u64> = events
             .iter()
-            .filter(|e| e.kind == EventKind::Generation && e.t_ms() >= r.at_ms && e.int("world").unwrap_or(0) < r.world)
-            .filter_map(|e| e.int("gen"))
+            .filter_map(|e| e.get::<ev::Generation>())
+            .filter(|g| g.t_ms >= r.at_ms && (g.world as i64) < r.world)
+            .map(|g| g.gen)
             .collect();
         out.push(Check {
             what: format!("fault {i} (straggler, report): nothing was excluded"),
@@ -446,13 +503,13 @@ pub(super) fn straggler_checks(r: &FaultRecord, events: &[WorkerEvent], sc: &Sce
 /// highest verified step at `to` less the highest at `from`, over the time between. The
 /// window starts no earlier than the job's first verified step; `None` if nothing is left.
 pub(super) fn step_rate(events: &[WorkerEvent], from: i64, to: i64) -> Option<f64> {
-    let steps = || events.iter().filter(|e| e.kind == EventKind::Step);
-    let first = steps().map(|e| e.t_ms() as i64).min()?;
+    let steps = || events.iter().filter_map(|e| e.get::<ev::Step>());
+    let first = steps().map(|s| s.t_ms as i64).min()?;
     let from = from.max(first);
     if to <= from {
         return None;
     }
-    let highest = |t: i64| steps().filter(|e| e.t_ms() as i64 <= t).filter_map(|e| e.int("step")).max().unwrap_or(0);
+    let highest = |t: i64| steps().filter(|s| s.t_ms as i64 <= t).map(|s| s.step as i64).max().unwrap_or(0);
     Some((highest(to) - highest(from)) as f64 * 1000.0 / (to - from) as f64)
 }
 
@@ -463,11 +520,11 @@ pub(super) fn absorbed(events: &[WorkerEvent], after: i64, joiners: &[&str]) -> 
         return None;
     }
     let mut members: BTreeMap<i64, BTreeSet<&str>> = BTreeMap::new();
-    for e in events.iter().filter(|e| e.kind == EventKind::Generation) {
-        members.entry(e.int("gen").unwrap_or(0)).or_default().insert(e.worker.as_str());
+    for (e, g) in events.iter().filter_map(|e| Some((e, e.get::<ev::Generation>()?))) {
+        members.entry(g.gen as i64).or_default().insert(e.worker.as_str());
     }
     let full = members.iter().find(|(g, m)| **g > after && joiners.iter().all(|j| m.contains(j))).map(|(g, _)| *g)?;
-    events.iter().filter(|e| e.kind == EventKind::Step && e.int("gen") == Some(full)).map(WorkerEvent::t_ms).min()
+    events.iter().filter_map(|e| e.get::<ev::Step>()).filter(|s| s.gen as i64 == full).map(|s| s.t_ms).min()
 }
 
 /// Check: while the ranks of stop fault `r` were hung, the coordinator's `status` showed
@@ -496,13 +553,10 @@ pub(super) fn hung_rank_status_check(r: &FaultRecord, events: &[WorkerEvent], sc
         };
         let printed = events
             .iter()
-            .filter(|e| {
-                e.worker == *w
-                    && e.kind == EventKind::Allreduce
-                    && e.int("gen") == Some(r.generation)
-                    && e.t_ms() <= r.at_ms
-            })
-            .filter_map(|e| e.int("step"))
+            .filter(|e| e.worker == *w)
+            .filter_map(|e| e.get::<ev::Allreduce>())
+            .filter(|a| a.gen as i64 == r.generation && a.t_ms <= r.at_ms)
+            .map(|a| a.step as i64)
             .max();
         shown.push(format!(
             "{w}: heartbeat {} ms ago, gen {} step {} {} (printed step {})",
@@ -684,14 +738,15 @@ mod tests {
         };
         let announced = ev("w1", "event=allreduce gen=2 rank=1 step=7 t_ms=990");
         // In flight: the survivor's allreduce of step 7 failed.
-        let in_flight = [announced.clone(), ev("w0", "event=error gen=2 rank=0 step=7 kind=PeerFailed t_ms=1003")];
+        let in_flight =
+            [announced.clone(), ev("w0", "event=error gen=2 rank=0 step=7 kind=PeerFailed cause=x t_ms=1003")];
         assert!(struck_mid_allreduce(&record, &in_flight));
         // The collective had ended before the kill: the victim reported step 8, and the
         // survivor failed later, at the commit point.
         let after = [
             announced.clone(),
-            ev("w1", "event=step gen=2 world=2 rank=1 step=8 t_ms=995"),
-            ev("w0", "event=error gen=2 rank=0 step=8 phase=commit kind=PeerFailed t_ms=1004"),
+            ev("w1", "event=step gen=2 world=2 rank=1 step=8 ms=1.000 t_ms=995"),
+            ev("w0", "event=error gen=2 rank=0 step=8 phase=commit kind=PeerFailed cause=x t_ms=1004"),
         ];
         assert!(!struck_mid_allreduce(&record, &after));
         // No error from a survivor at that step: no evidence.
@@ -751,7 +806,7 @@ mod tests {
         let failed = |checks: &[Check]| checks.iter().filter(|c| !c.ok).map(|c| c.what.clone()).collect::<Vec<_>>();
         // Report: named in time, nothing excluded, nothing failed.
         let report = StragglerSeen { policy: "report".into(), ..named.clone() };
-        let steps = [ev("w0", "event=step gen=1 world=3 rank=0 step=120 t_ms=11000")];
+        let steps = [ev("w0", "event=step gen=1 world=3 rank=0 step=120 ms=1.000 t_ms=11000")];
         assert!(failed(&straggler_checks(&record(report.clone()), &steps, &scenario("report"))).is_empty());
         // ... but named too late, or someone else named, or a timeout, or a leave: each fails.
         let late = StragglerSeen { named_after_steps: Some(51), ..report.clone() };
@@ -796,11 +851,13 @@ mod tests {
         // Steps 1..=10 at t=1000..1900 (10 per second), then steps 11..=15 at t=2100..2900
         // (5 per second while a 1 s latency fault struck at t=2000 lasts); a kill at t=3500
         // re-forms into generation 2 at t=3600.
-        let mut events: Vec<WorkerEvent> =
-            (1..=10).map(|s| ev("w0", &format!("event=step gen=1 step={s} t_ms={}", 900 + s * 100))).collect();
-        events
-            .extend((11..=15).map(|s| ev("w0", &format!("event=step gen=1 step={s} t_ms={}", 2100 + (s - 11) * 200))));
-        events.push(ev("w0", "event=step gen=2 step=16 t_ms=3600"));
+        let mut events: Vec<WorkerEvent> = (1..=10)
+            .map(|s| ev("w0", &format!("event=step gen=1 world=1 rank=0 step={s} ms=1.000 t_ms={}", 900 + s * 100)))
+            .collect();
+        events.extend((11..=15).map(|s| {
+            ev("w0", &format!("event=step gen=1 world=1 rank=0 step={s} ms=1.000 t_ms={}", 2100 + (s - 11) * 200))
+        }));
+        events.push(ev("w0", "event=step gen=2 world=1 rank=0 step=16 ms=1.000 t_ms=3600"));
         let mut latency = record(1, "latency", 1, 2000, &["w0"]);
         latency.duration_ms = 1000;
         let out = measure(&[latency, record(2, "kill", 1, 3500, &["w0"])], &events);
@@ -891,14 +948,14 @@ mod tests {
     #[test]
     fn a_join_storm_is_absorbed_when_a_generation_holds_every_joiner() {
         let events = [
-            ev("w0", "event=generation gen=2 world=3 rank=0 t_ms=100"),
-            ev("j1", "event=generation gen=2 world=3 rank=2 t_ms=100"),
-            ev("w0", "event=step gen=2 step=5 t_ms=120"),
-            ev("w0", "event=generation gen=3 world=4 rank=0 t_ms=200"),
-            ev("j1", "event=generation gen=3 world=4 rank=2 t_ms=200"),
-            ev("j2", "event=generation gen=3 world=4 rank=3 t_ms=201"),
-            ev("j2", "event=step gen=3 step=6 t_ms=230"),
-            ev("w0", "event=step gen=3 step=6 t_ms=231"),
+            ev("w0", "event=generation gen=2 world=3 rank=0 transport=tcp t_ms=100"),
+            ev("j1", "event=generation gen=2 world=3 rank=2 transport=tcp t_ms=100"),
+            ev("w0", "event=step gen=2 world=1 rank=0 step=5 ms=1.000 t_ms=120"),
+            ev("w0", "event=generation gen=3 world=4 rank=0 transport=tcp t_ms=200"),
+            ev("j1", "event=generation gen=3 world=4 rank=2 transport=tcp t_ms=200"),
+            ev("j2", "event=generation gen=3 world=4 rank=3 transport=tcp t_ms=201"),
+            ev("j2", "event=step gen=3 world=1 rank=0 step=6 ms=1.000 t_ms=230"),
+            ev("w0", "event=step gen=3 world=1 rank=0 step=6 ms=1.000 t_ms=231"),
         ];
         assert_eq!(absorbed(&events, 1, &["j1", "j2"]), Some(230));
         assert_eq!(absorbed(&events, 1, &["j1"]), Some(120));
@@ -956,7 +1013,7 @@ mod tests {
         let events = [
             ev("w0", "event=error gen=4 rank=0 step=9 kind=PeerFailed cause=\"rank 2 (worker w2): SIGKILL\" t_ms=3004"),
             ev("w1", "event=error gen=4 rank=1 step=9 kind=PeerFailed cause=\"rank 2 (worker w2): SIGKILL\" t_ms=3005"),
-            ev("w0", "event=step gen=5 rank=0 step=9 world=2 t_ms=3300"),
+            ev("w0", "event=step gen=5 world=2 rank=0 step=9 ms=1.000 t_ms=3300"),
         ];
         let out = measure(&records, &events);
         assert!(out[0].errors.is_empty(), "the leader kill failed nothing: {:?}", out[0].errors);

@@ -71,83 +71,65 @@ impl Run<'_> {
         });
     }
 
+    /// Strikes fault `index`: arms it (its steps after the previous one), aims it (targets,
+    /// peers), injects it by its kind, records it, and settles after it by its kind.
     pub(super) async fn fault(&mut self, index: usize, f: &FaultSpec) -> Result<(), RunError> {
-        let sc = self.sc;
-        let settle = f.settle.0;
-        // Arm: the number of steps after the previous fault settled.
+        self.arm(index, f).await?;
+        let strike = self.aim(index, f).await?;
+        let injected = self.inject(f, &strike).await?;
+        self.record(index, f, &strike, injected.note);
+        self.settle(index, f, &strike, injected.duty).await
+    }
+
+    /// Waits for the fault's moment: its number of steps after the previous fault settled
+    /// (drawn up to `after_steps_max`), then every member's generation event.
+    async fn arm(&mut self, index: usize, f: &FaultSpec) -> Result<(), RunError> {
         let steps = match f.after_steps_max {
             Some(max) => self.rng.random_range(f.after_steps..=max),
             None => f.after_steps,
         } as i64;
         let target_step = self.view.max_step + steps;
         if steps > 0 {
-            self.pump(&format!("step {target_step} before fault {index}"), settle, |e, _| {
-                e.kind == EventKind::Step && e.int("step").unwrap_or(0) >= target_step
+            self.pump(&format!("step {target_step} before fault {index}"), f.settle.0, |e, _| {
+                e.get::<ev::Step>().is_some_and(|s| s.step as i64 >= target_step)
             })
             .await?;
         }
-        let mut g = self.view.current();
-        if !self.view.complete(g) {
+        if !self.view.complete(self.view.current()) {
             self.pump("every member's generation event", Duration::from_secs(10), |_, v| v.complete(v.current()))
                 .await?;
-            g = self.view.current();
         }
+        Ok(())
+    }
+
+    /// Chooses the targets of the fault in the current generation and, for a link fault,
+    /// its peers (both grown to whole hosts when several workers share one); for a
+    /// mid-allreduce strike, waits for the first target to announce an allreduce.
+    async fn aim(&mut self, index: usize, f: &FaultSpec) -> Result<Strike, RunError> {
+        let g = self.view.current();
         let mut targets = self.ranks_of(f, g)?;
-        let mut target_names: Vec<String> = targets.iter().map(|(_, w)| w.clone()).collect();
+        let target_names: Vec<String> = targets.iter().map(|(_, w)| w.clone()).collect();
         let members: Vec<String> = self.view.members.get(&g).map(|m| m.values().cloned().collect()).unwrap_or_default();
-        let peers: Vec<String> = if f.kind.link() {
-            if f.peers.is_empty() {
-                members.iter().filter(|w| !target_names.contains(w)).cloned().collect()
-            } else {
-                let m = self.view.members.get(&g).cloned().unwrap_or_default();
-                f.peers
-                    .iter()
-                    .filter_map(|r| m.get(&(*r as i64)).cloned())
-                    .filter(|w| !target_names.contains(w))
-                    .collect()
-            }
-        } else {
+        let mut peers: Vec<String> = if !f.kind.link() {
             Vec::new()
+        } else if f.peers.is_empty() {
+            members.iter().filter(|w| !target_names.contains(w)).cloned().collect()
+        } else {
+            let m = self.view.members.get(&g).cloned().unwrap_or_default();
+            f.peers.iter().filter_map(|r| m.get(&(*r as i64)).cloned()).filter(|w| !target_names.contains(w)).collect()
         };
         // Several workers per host: a host fault cuts every member on the target's host, and a
         // route fault cuts whole hosts from each other, so both sides grow to their hosts.
-        let mut peers = peers;
-        if sc.ranks_per_host > 1 && matches!(f.kind, FaultKind::Isolate | FaultKind::Blackhole | FaultKind::Partition) {
-            let host = |w: &String| self.cluster.worker_host(w).map(str::to_string);
-            let target_hosts: BTreeSet<String> = target_names.iter().filter_map(host).collect();
-            let mut peer_hosts: Vec<String> = Vec::new();
-            for h in peers.iter().filter_map(host) {
-                if !target_hosts.contains(&h) && !peer_hosts.contains(&h) {
-                    peer_hosts.push(h);
-                }
-            }
-            if f.random_peer_hosts > 0 {
-                peer_hosts.shuffle(&mut self.rng);
-                peer_hosts.truncate(f.random_peer_hosts as usize);
-            }
-            let on_hosts = |hosts: &[&String]| -> Vec<(i64, String)> {
-                self.view
-                    .members
-                    .get(&g)
-                    .map(|m| {
-                        m.iter()
-                            .filter(|(_, w)| self.cluster.worker_host(w).is_some_and(|h| hosts.iter().any(|x| *x == h)))
-                            .map(|(r, w)| (*r, w.clone()))
-                            .collect()
-                    })
-                    .unwrap_or_default()
-            };
-            let mut grown = on_hosts(&target_hosts.iter().collect::<Vec<_>>());
-            // The chosen target first (the mid-allreduce strike waits on it).
-            grown.sort_by_key(|(r, w)| (!target_names.contains(w), *r));
-            let grown_peers: Vec<String> =
-                on_hosts(&peer_hosts.iter().collect::<Vec<_>>()).into_iter().map(|(_, w)| w).collect();
+        if self.sc.ranks_per_host > 1
+            && matches!(f.kind, FaultKind::Isolate | FaultKind::Blackhole | FaultKind::Partition)
+        {
+            let (grown, grown_peers) = self.grow_to_hosts(f, g, &target_names, &peers);
             targets = grown;
-            target_names = targets.iter().map(|(_, w)| w.clone()).collect();
             if f.kind.link() {
                 peers = grown_peers;
             }
         }
+        let names: Vec<String> = targets.iter().map(|(_, w)| w.clone()).collect();
         if f.kind.link() && peers.is_empty() {
             return Err(RunError::Scenario(format!(
                 "fault {index} ({}): no peers (on another host than the targets)",
@@ -156,288 +138,429 @@ impl Run<'_> {
         }
         // Strike mid-allreduce: wait for the first target to announce one.
         let mut mid = false;
-        if f.mid_allreduce && !targets.is_empty() {
-            let t0 = target_names[0].clone();
-            let gen = g;
+        if let (true, Some(t0)) = (f.mid_allreduce, names.first()) {
+            let t0 = t0.clone();
             self.pump(&format!("an allreduce of {t0}"), Duration::from_secs(20), |e, _| {
-                e.kind == EventKind::Allreduce && e.worker == t0 && e.int("gen") == Some(gen)
+                e.worker == t0 && e.get::<ev::Allreduce>().is_some_and(|a| a.gen as i64 == g)
             })
             .await?;
             mid = true;
         }
-        let at_ms = now_ms();
-        let struck = Instant::now();
-        let world = self.view.worlds.get(&g).copied().unwrap_or(0);
-        let dur = f.duration.map(|d| d.0).unwrap_or(Duration::ZERO);
-        let ranks_text: Vec<String> = targets.iter().map(|(r, w)| format!("{w}(rank {r})")).collect();
-        let mut note = String::new();
-        let mut duty: Option<DutyCycle> = None;
+        Ok(Strike {
+            generation: g,
+            world: self.view.worlds.get(&g).copied().unwrap_or(0),
+            targets,
+            names,
+            peers,
+            members,
+            mid,
+            at_ms: now_ms(),
+            struck: Instant::now(),
+            duration: f.duration.map(|d| d.0).unwrap_or(Duration::ZERO),
+        })
+    }
+
+    /// The members of generation `g` on the hosts of `targets` (the first target first: the
+    /// mid-allreduce strike waits on it), and those on the hosts of `peers` that hold no
+    /// target (`random_peer_hosts` of them, if set).
+    fn grow_to_hosts(
+        &mut self,
+        f: &FaultSpec,
+        g: i64,
+        targets: &[String],
+        peers: &[String],
+    ) -> (Vec<(i64, String)>, Vec<String>) {
+        let host = |w: &String| self.cluster.worker_host(w).map(str::to_string);
+        let target_hosts: BTreeSet<String> = targets.iter().filter_map(host).collect();
+        let mut peer_hosts: Vec<String> = Vec::new();
+        for h in peers.iter().filter_map(host) {
+            if !target_hosts.contains(&h) && !peer_hosts.contains(&h) {
+                peer_hosts.push(h);
+            }
+        }
+        if f.random_peer_hosts > 0 {
+            peer_hosts.shuffle(&mut self.rng);
+            peer_hosts.truncate(f.random_peer_hosts as usize);
+        }
+        let on_hosts = |hosts: &[&String]| -> Vec<(i64, String)> {
+            self.view
+                .members
+                .get(&g)
+                .map(|m| {
+                    m.iter()
+                        .filter(|(_, w)| self.cluster.worker_host(w).is_some_and(|h| hosts.iter().any(|x| *x == h)))
+                        .map(|(r, w)| (*r, w.clone()))
+                        .collect()
+                })
+                .unwrap_or_default()
+        };
+        let mut grown = on_hosts(&target_hosts.iter().collect::<Vec<_>>());
+        grown.sort_by_key(|(r, w)| (!targets.contains(w), *r));
+        let grown_peers = on_hosts(&peer_hosts.iter().collect::<Vec<_>>()).into_iter().map(|(_, w)| w).collect();
+        (grown, grown_peers)
+    }
+
+    /// Injects the fault by its kind.
+    async fn inject(&mut self, f: &FaultSpec, s: &Strike) -> Result<Injected, RunError> {
+        let mut injected = Injected::default();
         match f.kind {
-            FaultKind::Kill => {
-                for w in &target_names {
-                    self.signal(w, libc::SIGKILL);
-                    self.killed.insert(w.clone());
-                }
-            }
-            FaultKind::Stop => {
-                for w in &target_names {
-                    self.signal(w, libc::SIGSTOP);
-                    self.stopped.insert(w.clone());
-                    self.timers.push((Instant::now() + dur, Action::Signal(w.clone(), libc::SIGCONT)));
-                }
-            }
-            FaultKind::Term => {
-                for w in &target_names {
-                    self.signal(w, libc::SIGTERM);
-                    self.leaving.insert(w.clone());
-                }
-            }
-            FaultKind::Straggler => {
-                // Its own thread keeps the duty cycle exact while the harness polls `status`.
-                let pid = target_names.first().and_then(|w| self.cluster.worker_pid(w));
-                duty = pid.map(|pid| {
-                    DutyCycle::start(pid, dur, f.stop_for.unwrap_or_default().0, f.run_for.unwrap_or_default().0)
-                });
-            }
-            FaultKind::Slow => {
-                let until = Instant::now() + dur;
-                let (stop_for, run_for) =
-                    (f.stop_for.map(|d| d.0).unwrap_or_default(), f.run_for.map(|d| d.0).unwrap_or_default());
-                for w in &target_names {
-                    self.fire(Action::SlowStop { worker: w.clone(), until, stop_for, run_for }).await;
-                }
-            }
-            FaultKind::JoinStorm => {
-                let names = self.spawn(f.count).await?;
-                note = format!("joined: {}", names.join(","));
-            }
-            FaultKind::CoordinatorLeaderKill => {
-                let leader = self.cluster.leader_index(Duration::from_secs(3)).await;
-                let i = leader.unwrap_or(0);
-                note = format!("leader coord{i}{}", if leader.is_none() { " (unknown; killed coord0)" } else { "" });
-                self.cluster.kill_coordinator(i).await;
-                self.timers.push((Instant::now() + dur, Action::RestartCoordinators(vec![i])));
-            }
-            FaultKind::CoordinatorsDown => {
-                let all: Vec<usize> = (0..self.cluster.coordinator_count()).collect();
-                for &i in &all {
-                    self.cluster.kill_coordinator(i).await;
-                }
-                self.timers.push((Instant::now() + dur, Action::RestartCoordinators(all)));
-            }
-            FaultKind::EtcdRestart => {
-                if let Some(e) = self.cluster.etcd() {
-                    e.kill();
-                }
-                self.timers.push((Instant::now() + dur, Action::RestartEtcd));
-            }
-            FaultKind::Isolate => {
-                let lab = self
-                    .cluster
-                    .netlab()
-                    .ok_or_else(|| RunError::Scenario("isolate needs network = \"netns\"".into()))?;
-                let hosts = self.hosts_of(&target_names);
-                for h in &hosts {
-                    lab.isolate(h, true).map_err(|e| RunError::Scenario(e.to_string()))?;
-                }
-                let plug_at = Instant::now() + if dur.is_zero() { settle } else { dur };
-                self.timers.push((plug_at, Action::Plug(hosts)));
-            }
-            FaultKind::Blackhole | FaultKind::Partition if self.cluster.netlab().is_some() => {
-                let pairs = self.host_pairs(directed_pairs(&target_names, &peers, f.kind == FaultKind::Partition));
-                if let Some(lab) = self.cluster.netlab() {
-                    for (a, b) in &pairs {
-                        lab.drop_route(a, b, true).map_err(|e| RunError::Scenario(e.to_string()))?;
-                    }
-                }
-                let heal_at = Instant::now() + if dur.is_zero() { sc.no_progress.0 * 3 } else { dur };
-                self.timers.push((heal_at, Action::Heal(pairs)));
-            }
+            FaultKind::Kill => self.kill(&s.names),
+            FaultKind::Stop => self.stop(&s.names, s.duration),
+            FaultKind::Term => self.term(&s.names),
+            FaultKind::Straggler => injected.duty = self.start_straggler(f, s),
+            FaultKind::Slow => self.slow(f, s).await,
+            FaultKind::JoinStorm => injected.note = self.join_storm(f).await?,
+            FaultKind::CoordinatorLeaderKill => injected.note = self.kill_leader(s.duration).await,
+            FaultKind::CoordinatorsDown => self.coordinators_down(s.duration).await,
+            FaultKind::EtcdRestart => self.restart_etcd(s.duration),
+            FaultKind::Isolate => self.isolate(f, s)?,
+            FaultKind::Blackhole | FaultKind::Partition if self.cluster.netlab().is_some() => self.drop_routes(f, s)?,
             FaultKind::Blackhole
             | FaultKind::Partition
             | FaultKind::Latency
             | FaultKind::Bandwidth
-            | FaultKind::Reset => {
-                let proxy = self.cluster.enable_proxy();
-                let rule = match f.kind {
-                    FaultKind::Latency => {
-                        LinkRule { latency: f.latency.map(|d| d.0).unwrap_or_default(), ..Default::default() }
-                    }
-                    FaultKind::Bandwidth => LinkRule {
-                        bandwidth: f.bandwidth.as_deref().and_then(|b| parse_bytes(b).ok()),
-                        ..Default::default()
-                    },
-                    _ => LinkRule { blackhole: true, ..Default::default() },
-                };
-                let pairs = directed_pairs(&target_names, &peers, f.kind == FaultKind::Partition);
-                if f.kind == FaultKind::Reset {
-                    let n: usize = target_names
-                        .iter()
-                        .flat_map(|t| peers.iter().map(move |p| (t, p)))
-                        .map(|(t, p)| proxy.reset_pair(t, p))
-                        .sum();
-                    note = format!("{n} connections reset");
-                } else {
-                    for (a, b) in &pairs {
-                        proxy.set_rule(a, b, rule);
-                    }
-                    let heal_at = Instant::now() + if dur.is_zero() { sc.no_progress.0 * 3 } else { dur };
-                    self.timers.push((heal_at, Action::Heal(pairs)));
-                }
+            | FaultKind::Reset => injected.note = self.proxy_fault(f, s),
+        }
+        Ok(injected)
+    }
+
+    /// `kill`: SIGKILL to every target.
+    fn kill(&mut self, targets: &[String]) {
+        for w in targets {
+            self.signal(w, libc::SIGKILL);
+            self.killed.insert(w.clone());
+        }
+    }
+
+    /// `stop`: SIGSTOP to every target, SIGCONT after `duration`.
+    fn stop(&mut self, targets: &[String], duration: Duration) {
+        for w in targets {
+            self.signal(w, libc::SIGSTOP);
+            self.stopped.insert(w.clone());
+            self.timers.push((Instant::now() + duration, Action::Signal(w.clone(), libc::SIGCONT)));
+        }
+    }
+
+    /// `term`: SIGTERM to every target (a graceful leave).
+    fn term(&mut self, targets: &[String]) {
+        for w in targets {
+            self.signal(w, libc::SIGTERM);
+            self.leaving.insert(w.clone());
+        }
+    }
+
+    /// `straggler`: the first target's duty cycle of stops and runs, on its own thread (it
+    /// stays exact while the harness polls `status`).
+    fn start_straggler(&self, f: &FaultSpec, s: &Strike) -> Option<DutyCycle> {
+        let pid = s.names.first().and_then(|w| self.cluster.worker_pid(w))?;
+        Some(DutyCycle::start(pid, s.duration, f.stop_for.unwrap_or_default().0, f.run_for.unwrap_or_default().0))
+    }
+
+    /// `slow`: every target stopped and continued in turn until the fault's end.
+    async fn slow(&mut self, f: &FaultSpec, s: &Strike) {
+        let until = Instant::now() + s.duration;
+        let (stop_for, run_for) =
+            (f.stop_for.map(|d| d.0).unwrap_or_default(), f.run_for.map(|d| d.0).unwrap_or_default());
+        for w in &s.names {
+            self.fire(Action::SlowStop { worker: w.clone(), until, stop_for, run_for }).await;
+        }
+    }
+
+    /// `join_storm`: `count` new workers at once; the note names them.
+    async fn join_storm(&mut self, f: &FaultSpec) -> Result<String, RunError> {
+        let names = self.spawn(f.count).await?;
+        Ok(format!("joined: {}", names.join(",")))
+    }
+
+    /// `coordinator_leader_kill`: the leading replica killed, restarted after `duration`; the
+    /// note names it.
+    async fn kill_leader(&mut self, duration: Duration) -> String {
+        let leader = self.cluster.leader_index(Duration::from_secs(3)).await;
+        let i = leader.unwrap_or(0);
+        self.cluster.kill_coordinator(i).await;
+        self.timers.push((Instant::now() + duration, Action::RestartCoordinators(vec![i])));
+        format!("leader coord{i}{}", if leader.is_none() { " (unknown; killed coord0)" } else { "" })
+    }
+
+    /// `coordinators_down`: every replica killed, all restarted after `duration`.
+    async fn coordinators_down(&mut self, duration: Duration) {
+        let all: Vec<usize> = (0..self.cluster.coordinator_count()).collect();
+        for &i in &all {
+            self.cluster.kill_coordinator(i).await;
+        }
+        self.timers.push((Instant::now() + duration, Action::RestartCoordinators(all)));
+    }
+
+    /// `etcd_restart`: etcd killed, restarted after `duration`.
+    fn restart_etcd(&mut self, duration: Duration) {
+        if let Some(e) = self.cluster.etcd() {
+            e.kill();
+        }
+        self.timers.push((Instant::now() + duration, Action::RestartEtcd));
+    }
+
+    /// `isolate`: the targets' hosts cut off the network (namespaces), plugged back after the
+    /// fault's duration (else its settle time).
+    fn isolate(&mut self, f: &FaultSpec, s: &Strike) -> Result<(), RunError> {
+        let lab =
+            self.cluster.netlab().ok_or_else(|| RunError::Scenario("isolate needs network = \"netns\"".into()))?;
+        let hosts = self.hosts_of(&s.names);
+        for h in &hosts {
+            lab.isolate(h, true).map_err(|e| RunError::Scenario(e.to_string()))?;
+        }
+        let plug_at = Instant::now() + if s.duration.is_zero() { f.settle.0 } else { s.duration };
+        self.timers.push((plug_at, Action::Plug(hosts)));
+        Ok(())
+    }
+
+    /// `blackhole` or `partition` on network namespaces: the routes between the targets' and
+    /// the peers' hosts dropped (one way for a partition), healed after the fault's duration
+    /// (else three no-progress deadlines).
+    fn drop_routes(&mut self, f: &FaultSpec, s: &Strike) -> Result<(), RunError> {
+        let pairs = self.host_pairs(directed_pairs(&s.names, &s.peers, f.kind == FaultKind::Partition));
+        if let Some(lab) = self.cluster.netlab() {
+            for (a, b) in &pairs {
+                lab.drop_route(a, b, true).map_err(|e| RunError::Scenario(e.to_string()))?;
             }
         }
+        let heal_at = Instant::now() + if s.duration.is_zero() { self.sc.no_progress.0 * 3 } else { s.duration };
+        self.timers.push((heal_at, Action::Heal(pairs)));
+        Ok(())
+    }
+
+    /// A link fault through the proxy (`blackhole`, `partition`, `latency`, `bandwidth`: a
+    /// rule on the target-peer pairs, cleared after the fault's duration, else three
+    /// no-progress deadlines; `reset`: their connections reset, counted in the note).
+    fn proxy_fault(&mut self, f: &FaultSpec, s: &Strike) -> String {
+        let proxy = self.cluster.enable_proxy();
+        if f.kind == FaultKind::Reset {
+            let n: usize = s
+                .names
+                .iter()
+                .flat_map(|t| s.peers.iter().map(move |p| (t, p)))
+                .map(|(t, p)| proxy.reset_pair(t, p))
+                .sum();
+            return format!("{n} connections reset");
+        }
+        let rule = match f.kind {
+            FaultKind::Latency => {
+                LinkRule { latency: f.latency.map(|d| d.0).unwrap_or_default(), ..Default::default() }
+            }
+            FaultKind::Bandwidth => {
+                LinkRule { bandwidth: f.bandwidth.as_deref().and_then(|b| parse_bytes(b).ok()), ..Default::default() }
+            }
+            _ => LinkRule { blackhole: true, ..Default::default() },
+        };
+        let pairs = directed_pairs(&s.names, &s.peers, f.kind == FaultKind::Partition);
+        for (a, b) in &pairs {
+            proxy.set_rule(a, b, rule);
+        }
+        let heal_at = Instant::now() + if s.duration.is_zero() { self.sc.no_progress.0 * 3 } else { s.duration };
+        self.timers.push((heal_at, Action::Heal(pairs)));
+        String::new()
+    }
+
+    /// Says what was struck and keeps the fault's record (measured later from the events).
+    fn record(&mut self, index: usize, f: &FaultSpec, s: &Strike, note: String) {
+        let ranks_text: Vec<String> = s.targets.iter().map(|(r, w)| format!("{w}(rank {r})")).collect();
         self.say(format!(
-            "fault {index}: {} {} peers [{}] in generation {g} (world {world}) at step {}{} {note}",
+            "fault {index}: {} {} peers [{}] in generation {} (world {}) at step {}{} {note}",
             f.kind.name(),
             ranks_text.join(","),
-            peers.join(","),
+            s.peers.join(","),
+            s.generation,
+            s.world,
             self.view.max_step,
-            if mid { ", mid-allreduce" } else { "" }
+            if s.mid { ", mid-allreduce" } else { "" }
         ));
         self.records.push(FaultRecord {
             index,
             kind: f.kind,
             targets: ranks_text,
-            peers: peers.clone(),
-            generation: g,
-            world,
+            peers: s.peers.clone(),
+            generation: s.generation,
+            world: s.world,
             step: self.view.max_step,
-            at_ms,
-            duration_ms: dur.as_millis() as u64,
-            mid_allreduce: mid,
+            at_ms: s.at_ms,
+            duration_ms: s.duration.as_millis() as u64,
+            mid_allreduce: s.mid,
             survivors: if kill_like(f.kind) {
-                members.iter().filter(|w| !target_names.contains(w)).cloned().collect()
+                s.members.iter().filter(|w| !s.names.contains(w)).cloned().collect()
             } else {
-                members.clone()
+                s.members.clone()
             },
             note,
             ..Default::default()
         });
+    }
 
-        // Settle.
-        let gen = g;
+    /// Waits, by the fault's kind, for the job to get past it.
+    async fn settle(
+        &mut self,
+        index: usize,
+        f: &FaultSpec,
+        s: &Strike,
+        duty: Option<DutyCycle>,
+    ) -> Result<(), RunError> {
         match f.kind {
             FaultKind::Kill
             | FaultKind::Stop
             | FaultKind::Reset
             | FaultKind::Blackhole
             | FaultKind::Partition
-            | FaultKind::Term => {
-                if matches!(f.kind, FaultKind::Blackhole | FaultKind::Partition) {
-                    // Heal as soon as a member reports it (the fault was seen); at the
-                    // latest at its duration (the timer set above).
-                    let seen = self
-                        .pump("an error after the link fault", sc.no_progress.0 * 3 + Duration::from_secs(5), |e, _| {
-                            e.kind == EventKind::Error && e.int("gen") == Some(gen)
-                        })
-                        .await;
-                    if let Some(pos) = self.timers.iter().position(|(_, a)| matches!(a, Action::Heal(_))) {
-                        let (_, a) = self.timers.remove(pos);
-                        self.fire(a).await;
-                    }
-                    seen?;
-                }
-                if sc.expect == Expect::Fail && f.kind == FaultKind::Kill {
-                    return Ok(());
-                }
-                if f.kind == FaultKind::Stop {
-                    self.status_while_hung(struck).await;
-                }
-                let cont_at = self
-                    .timers
-                    .iter()
-                    .filter(|(_, a)| matches!(a, Action::Signal(_, s) if *s == libc::SIGCONT))
-                    .map(|(t, _)| *t)
-                    .max();
-                self.pump(&format!("the first verified step after fault {index}"), settle, |e, _| {
-                    e.kind == EventKind::Step && e.int("gen").unwrap_or(0) > gen
-                })
-                .await?;
-                if let Some(t) = cont_at {
-                    // The hung rank comes back: let its continuation happen, then see it react.
-                    self.pass_time(t).await;
-                    let back: Vec<String> = target_names.clone();
-                    let _ = self
-                        .pump("the continued rank to react", Duration::from_secs(10) + sc.no_progress.0, |e, _| {
-                            back.contains(&e.worker) && e.kind != EventKind::Allreduce
-                        })
-                        .await;
-                }
-                if f.kind == FaultKind::Kill && f.respawn {
-                    let names = self.spawn(target_names.len() as u32).await?;
-                    let last = names.last().cloned().unwrap_or_default();
-                    self.pump(&format!("replacement {last} to join"), settle, |e, _| {
-                        e.kind == EventKind::Step && e.worker == last
-                    })
-                    .await?;
-                }
-                self.check_shared_memory_released(index, f.kind, gen).await;
-            }
-            FaultKind::Isolate => {
-                // The survivors re-form without the cut-off hosts; then they are plugged back
-                // (at the latest at their duration) and must find their way back in.
-                let recovered = self
-                    .pump(&format!("the first verified step after fault {index}"), settle, |e, _| {
-                        e.kind == EventKind::Step && e.int("gen").unwrap_or(0) > gen
-                    })
-                    .await;
-                if let Some(pos) = self.timers.iter().position(|(_, a)| matches!(a, Action::Plug(_))) {
-                    let (_, a) = self.timers.remove(pos);
-                    self.fire(a).await;
-                }
-                recovered?;
-                for w in &target_names {
-                    let who = w.clone();
-                    self.pump(&format!("{w} to rejoin after it was plugged back"), settle, |e, _| {
-                        e.kind == EventKind::Step && e.worker == who && e.int("gen").unwrap_or(0) > gen
-                    })
-                    .await?;
-                }
-                self.check_shared_memory_released(index, f.kind, gen).await;
-            }
-            FaultKind::JoinStorm => {
-                let want = (world + f.count as i64).min(sc.max_workers as i64);
-                self.pump(&format!("a generation of {want} after the join storm"), settle, |e, _| {
-                    e.kind == EventKind::Step && e.int("world") == Some(want)
-                })
-                .await?;
-            }
-            FaultKind::Straggler => {
-                let target = target_names.first().cloned().unwrap_or_default();
-                let mut seen = self.follow_straggler(&target, gen, struck + dur, settle).await;
-                seen.cycles = duty.map_or(0, DutyCycle::finish);
-                if let Some(r) = self.records.last_mut() {
-                    r.straggler = Some(seen);
-                }
-                let target = self.view.max_step + 3;
-                self.pump(&format!("3 steps after fault {index}"), settle, |e, _| {
-                    e.kind == EventKind::Step && e.int("step").unwrap_or(0) >= target
-                })
-                .await?;
-                self.quiet.push((at_ms, now_ms(), index));
-            }
+            | FaultKind::Term => self.settle_disruptive(index, f, s).await,
+            FaultKind::Isolate => self.settle_isolate(index, f, s).await,
+            FaultKind::JoinStorm => self.settle_join_storm(f, s).await,
+            FaultKind::Straggler => self.settle_straggler(index, f, s, duty).await,
             FaultKind::Slow
             | FaultKind::Latency
             | FaultKind::Bandwidth
             | FaultKind::CoordinatorLeaderKill
             | FaultKind::CoordinatorsDown
-            | FaultKind::EtcdRestart => {
-                let end = Instant::now() + dur;
-                self.pass_time(end).await;
-                self.fire_due().await;
-                let target = self.view.max_step + 3;
-                self.pump(&format!("3 steps after fault {index}"), settle, |e, _| {
-                    e.kind == EventKind::Step && e.int("step").unwrap_or(0) >= target
-                })
-                .await?;
-                if matches!(
-                    f.kind,
-                    FaultKind::Latency | FaultKind::Bandwidth | FaultKind::CoordinatorLeaderKill | FaultKind::Slow
-                ) {
-                    self.quiet.push((at_ms, now_ms(), index));
-                }
-            }
+            | FaultKind::EtcdRestart => self.settle_quiet(index, f, s).await,
         }
+    }
+
+    /// After a fault that breaks a generation (kill, stop, term, a cut or reset link): a cut
+    /// link healed once a member reports it; a stopped rank's `status` taken; the first
+    /// verified step of a later generation; a continued rank seen to react; killed ranks
+    /// replaced if asked; the old generation's shared memory released.
+    async fn settle_disruptive(&mut self, index: usize, f: &FaultSpec, s: &Strike) -> Result<(), RunError> {
+        let sc = self.sc;
+        let gen = s.generation;
+        if matches!(f.kind, FaultKind::Blackhole | FaultKind::Partition) {
+            self.heal_once_seen(gen).await?;
+        }
+        if sc.expect == Expect::Fail && f.kind == FaultKind::Kill {
+            return Ok(());
+        }
+        if f.kind == FaultKind::Stop {
+            self.status_while_hung(s.struck).await;
+        }
+        let cont_at = self
+            .timers
+            .iter()
+            .filter(|(_, a)| matches!(a, Action::Signal(_, sig) if *sig == libc::SIGCONT))
+            .map(|(t, _)| *t)
+            .max();
+        self.pump(&format!("the first verified step after fault {index}"), f.settle.0, |e, _| {
+            e.get::<ev::Step>().is_some_and(|st| st.gen as i64 > gen)
+        })
+        .await?;
+        if let Some(t) = cont_at {
+            // The hung rank comes back: let its continuation happen, then see it react.
+            self.pass_time(t).await;
+            let _ = self
+                .pump("the continued rank to react", Duration::from_secs(10) + sc.no_progress.0, |e, _| {
+                    s.names.contains(&e.worker) && e.kind() != ev::EventKind::Allreduce
+                })
+                .await;
+        }
+        if f.kind == FaultKind::Kill && f.respawn {
+            let names = self.spawn(s.names.len() as u32).await?;
+            let last = names.last().cloned().unwrap_or_default();
+            self.pump(&format!("replacement {last} to join"), f.settle.0, |e, _| {
+                e.worker == last && e.get::<ev::Step>().is_some()
+            })
+            .await?;
+        }
+        self.check_shared_memory_released(index, f.kind, gen).await;
+        Ok(())
+    }
+
+    /// A cut link (blackhole, partition) is healed as soon as a member of generation `gen`
+    /// reports an error (the fault was seen), at the latest at its duration (its timer).
+    async fn heal_once_seen(&mut self, gen: i64) -> Result<(), RunError> {
+        let bound = self.sc.no_progress.0 * 3 + Duration::from_secs(5);
+        let seen = self
+            .pump("an error after the link fault", bound, |e, _| {
+                e.get::<ev::Error>().is_some_and(|x| x.gen as i64 == gen)
+            })
+            .await;
+        if let Some(pos) = self.timers.iter().position(|(_, a)| matches!(a, Action::Heal(_))) {
+            let (_, a) = self.timers.remove(pos);
+            self.fire(a).await;
+        }
+        seen.map(|_| ())
+    }
+
+    /// After `isolate`: the survivors re-form without the cut-off hosts; then they are
+    /// plugged back (at the latest at their duration) and must find their way back in.
+    async fn settle_isolate(&mut self, index: usize, f: &FaultSpec, s: &Strike) -> Result<(), RunError> {
+        let gen = s.generation;
+        let recovered = self
+            .pump(&format!("the first verified step after fault {index}"), f.settle.0, |e, _| {
+                e.get::<ev::Step>().is_some_and(|st| st.gen as i64 > gen)
+            })
+            .await;
+        if let Some(pos) = self.timers.iter().position(|(_, a)| matches!(a, Action::Plug(_))) {
+            let (_, a) = self.timers.remove(pos);
+            self.fire(a).await;
+        }
+        recovered?;
+        for w in &s.names {
+            self.pump(&format!("{w} to rejoin after it was plugged back"), f.settle.0, |e, _| {
+                e.worker == *w && e.get::<ev::Step>().is_some_and(|st| st.gen as i64 > gen)
+            })
+            .await?;
+        }
+        self.check_shared_memory_released(index, f.kind, gen).await;
+        Ok(())
+    }
+
+    /// After `join_storm`: a generation with the joiners (up to `max_workers`) steps.
+    async fn settle_join_storm(&mut self, f: &FaultSpec, s: &Strike) -> Result<(), RunError> {
+        let want = (s.world + f.count as i64).min(self.sc.max_workers as i64);
+        self.pump(&format!("a generation of {want} after the join storm"), f.settle.0, |e, _| {
+            e.get::<ev::Step>().is_some_and(|st| st.world as i64 == want)
+        })
+        .await?;
+        Ok(())
+    }
+
+    /// After `straggler`: what the coordinator did about it (kept in the record), then three
+    /// more steps; its window is a quiet one.
+    async fn settle_straggler(
+        &mut self,
+        index: usize,
+        f: &FaultSpec,
+        s: &Strike,
+        duty: Option<DutyCycle>,
+    ) -> Result<(), RunError> {
+        let target = s.names.first().cloned().unwrap_or_default();
+        let mut seen = self.follow_straggler(&target, s.generation, s.struck + s.duration, f.settle.0).await;
+        seen.cycles = duty.map_or(0, DutyCycle::finish);
+        if let Some(r) = self.records.last_mut() {
+            r.straggler = Some(seen);
+        }
+        self.three_more_steps(index, f).await?;
+        self.quiet.push((s.at_ms, now_ms(), index));
+        Ok(())
+    }
+
+    /// After a fault that breaks nothing (slow, latency, bandwidth) or only the control plane
+    /// (coordinators, etcd): its duration passes, its timers fire, three more steps; the
+    /// data-plane ones and a leader kill are quiet windows (no collective may fail).
+    async fn settle_quiet(&mut self, index: usize, f: &FaultSpec, s: &Strike) -> Result<(), RunError> {
+        self.pass_time(Instant::now() + s.duration).await;
+        self.fire_due().await;
+        self.three_more_steps(index, f).await?;
+        if matches!(
+            f.kind,
+            FaultKind::Latency | FaultKind::Bandwidth | FaultKind::CoordinatorLeaderKill | FaultKind::Slow
+        ) {
+            self.quiet.push((s.at_ms, now_ms(), index));
+        }
+        Ok(())
+    }
+
+    /// Waits for the job's highest step to move 3 past where it is.
+    async fn three_more_steps(&mut self, index: usize, f: &FaultSpec) -> Result<(), RunError> {
+        let target = self.view.max_step + 3;
+        self.pump(&format!("3 steps after fault {index}"), f.settle.0, |e, _| {
+            e.get::<ev::Step>().is_some_and(|s| s.step as i64 >= target)
+        })
+        .await?;
         Ok(())
     }
 
@@ -457,7 +580,7 @@ impl Run<'_> {
         let policy = sc.straggler_policy.clone().unwrap_or_else(|| "report".into());
         let mut seen = StragglerSeen { policy: policy.clone(), target: target.to_string(), ..Default::default() };
         let who = target.to_string();
-        let is_leave = move |e: &WorkerEvent| e.kind == EventKind::StragglerLeave && e.worker == who;
+        let is_leave = move |e: &WorkerEvent| e.worker == who && e.get::<ev::StragglerLeave>().is_some();
         while Instant::now() < until && seen.named.is_none() && seen.excluded_at_ms.is_none() {
             let leave = is_leave.clone();
             if let Ok(e) = self.pump("", Duration::from_millis(100), move |e, _| leave(e)).await {
@@ -492,9 +615,14 @@ impl Run<'_> {
         if let (None, Some(left)) = (&seen.named, seen.excluded_at_ms) {
             // It left before a poll of `status` caught the verdict (named and excluded within
             // one heartbeat): the leave carries the coordinator's verdict, named no later.
-            let event =
-                self.cluster.events.iter().rev().find(|e| e.kind == EventKind::StragglerLeave && e.worker == target);
-            let reason = event.and_then(|e| e.text("reason")).unwrap_or("").to_string();
+            let event = self
+                .cluster
+                .events
+                .iter()
+                .rev()
+                .filter(|e| e.worker == target)
+                .find_map(|e| e.get::<ev::StragglerLeave>());
+            let reason = event.map(|e| e.reason.to_string()).unwrap_or_default();
             seen.kind = reason.strip_prefix("straggler (").and_then(|r| r.split(' ').next()).unwrap_or("").to_string();
             seen.reason = reason;
             seen.action = "excluded (from its straggler_leave event)".into();
@@ -507,7 +635,7 @@ impl Run<'_> {
             let who = target.to_string();
             if let Ok(e) = self
                 .pump(&format!("{target} to return after its cool-down"), cooldown + settle, |e, _| {
-                    e.kind == EventKind::Step && e.worker == who && e.int("gen").unwrap_or(0) > gen
+                    e.worker == who && e.get::<ev::Step>().is_some_and(|st| st.gen as i64 > gen)
                 })
                 .await
             {
@@ -547,4 +675,37 @@ impl Run<'_> {
             r.status = seen;
         }
     }
+}
+
+/// A fault as aimed: where and when it strikes.
+struct Strike {
+    /// The generation struck.
+    generation: i64,
+    /// Its number of members.
+    world: i64,
+    /// The targets' ranks and names.
+    targets: Vec<(i64, String)>,
+    /// The targets' names.
+    names: Vec<String>,
+    /// The other ends of a link fault.
+    peers: Vec<String>,
+    /// Every member of the generation.
+    members: Vec<String>,
+    /// Struck while the first target's allreduce was announced.
+    mid: bool,
+    /// When (ms since the Unix epoch).
+    at_ms: u64,
+    /// When (the harness's clock).
+    struck: Instant,
+    /// The fault's duration (zero: none given).
+    duration: Duration,
+}
+
+/// What injecting a fault left to settle and to record.
+#[derive(Default)]
+struct Injected {
+    /// The record's note (who joined, which leader, how many connections reset).
+    note: String,
+    /// A straggler's duty cycle, finished when the fault settles.
+    duty: Option<DutyCycle>,
 }

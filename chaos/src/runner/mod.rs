@@ -9,7 +9,7 @@
 
 use crate::cluster::{Cluster, ClusterConfig, ClusterError, DataPlaneFlags, JobSettings, Network, WorkerSpec};
 use crate::demo::Check;
-use crate::events::{EventKind, WorkerEvent};
+use crate::events::{self as ev, Event, EventKind, WorkerEvent};
 use crate::invariants;
 use crate::process::now_ms;
 use crate::proxy::LinkRule;
@@ -85,18 +85,15 @@ struct View {
 
 impl View {
     fn see(&mut self, e: &WorkerEvent) {
-        match e.kind {
-            EventKind::Generation => {
-                let g = e.int("gen").unwrap_or(0);
-                if let (Some(r), Some(w)) = (e.int("rank"), e.int("world")) {
-                    self.members.entry(g).or_default().insert(r, e.worker.clone());
-                    self.worlds.insert(g, w);
-                }
+        match &e.event {
+            Event::Generation(g) => {
+                self.members.entry(g.gen as i64).or_default().insert(i64::from(g.rank), e.worker.clone());
+                self.worlds.insert(g.gen as i64, g.world as i64);
             }
-            EventKind::Step => self.max_step = self.max_step.max(e.int("step").unwrap_or(0)),
+            Event::Step(s) => self.max_step = self.max_step.max(s.step as i64),
             _ => {}
         }
-        self.last.insert(e.worker.clone(), e.kind);
+        self.last.insert(e.worker.clone(), e.kind());
     }
 
     fn current(&self) -> i64 {
@@ -322,8 +319,9 @@ impl Run<'_> {
             .events
             .iter()
             .rev()
-            .find(|e| e.worker == worker && e.kind == EventKind::Generation)
-            .and_then(|e| e.int("gen"))
+            .filter(|e| e.worker == worker)
+            .find_map(|e| e.get::<ev::Generation>())
+            .map(|g| g.gen as i64)
     }
 
     fn new_name(&mut self) -> String {
@@ -475,7 +473,7 @@ impl Run<'_> {
         self.say(format!("started {} workers", sc.workers));
         let n = sc.workers as i64;
         self.pump("the first generation with every worker", Duration::from_secs(60), |e, _| {
-            e.kind == EventKind::Generation && e.int("world") == Some(n)
+            e.get::<ev::Generation>().is_some_and(|g| g.world as i64 == n)
         })
         .await?;
         let mut index = 0;

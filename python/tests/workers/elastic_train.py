@@ -1,6 +1,7 @@
 """An elastic training loop in Python on the cohort package, speaking the event protocol of
-`cohort-worker train` (one `event=KIND key=value ... t_ms=T` line per event on stdout), so
-that cohort-chaos runs it with every invariant (scenario `python-kills`).
+`cohort-worker train` (one `event=KIND key=value ... t_ms=T` line per event on stdout, printed
+through `cohort.events`, whose keys are the Rust definitions'), so that cohort-chaos runs it
+with every invariant (scenario `python-kills`).
 
 Each step averages a float64 gradient whose elements depend on the element, the step and the
 rank, and whose average over any world is the same, so the expected parameters after step s
@@ -25,23 +26,7 @@ import time
 import numpy as np
 
 import cohort
-
-
-def now_ms() -> int:
-    return int(time.time() * 1000)
-
-
-def emit(event: str, /, **fields: object) -> None:
-    parts = [f"event={event}"]
-    for key, value in fields.items():
-        text = str(value)
-        if isinstance(value, bool):
-            text = "true" if value else "false"
-        if " " in text or '"' in text or not text:
-            text = '"' + text.replace('"', "'") + '"'
-        parts.append(f"{key}={text}")
-    parts.append(f"t_ms={now_ms()}")
-    print(" ".join(parts), flush=True)
+from cohort.events import emit
 
 
 def f(idx: np.ndarray, step: int) -> np.ndarray:
@@ -179,6 +164,8 @@ def main() -> int:
                     lost_ms=",".join(str(x) for x in failures) or "-",
                     cooperative_reforms=reforms,
                     left=False,
+                    params_digest=digest(params),
+                    expected_digest=digest(expected_params(idx, step)),
                 )
                 return 0
             grad[:] = f(idx, step) + (rank - (world - 1) / 2) * h(idx, step)
@@ -243,6 +230,8 @@ def main() -> int:
                     lost_ms=",".join(str(x) for x in failures) or "-",
                     cooperative_reforms=reforms,
                     left=True,
+                    params_digest=digest(params),
+                    expected_digest=digest(expected_params(idx, step)),
                 )
                 return 0
             if flags[0] or flags[1]:
@@ -252,14 +241,17 @@ def main() -> int:
             if args.step_interval_ms:
                 time.sleep(args.step_interval_ms / 1000)  # pacing of the demo job, not synchronisation
         comm.close()
+    final = checkpoint.step or 0
     emit(
         "summary",
         verified_steps=verified,
-        final_step=checkpoint.step or 0,
+        final_step=final,
         failures=len(failures),
         lost_ms=",".join(str(x) for x in failures) or "-",
         cooperative_reforms=reforms,
         left=False,
+        params_digest=digest(params),
+        expected_digest=digest(expected_params(idx, final)),
     )
     return 0
 

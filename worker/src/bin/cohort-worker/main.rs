@@ -9,7 +9,7 @@ use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use cohort::control::ControlConfig;
 use cohort::elastic::{ElasticConfig, TransportChoice};
-use cohort::events::{EventKind, EventLine};
+use cohort::events;
 use cohort::Algorithm;
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -326,21 +326,22 @@ fn run_train(args: TrainArgs) -> ExitCode {
     match train_main(args) {
         Ok(summary) => {
             let lost: Vec<String> = summary.failures.iter().map(|d| d.as_millis().to_string()).collect();
-            EventLine::new(EventKind::Summary)
-                .field("verified_steps", summary.verified_steps)
-                .field("final_step", summary.final_step)
-                .field("failures", summary.failures.len())
-                .field("lost_ms", if lost.is_empty() { "-".into() } else { lost.join(",") })
-                .field("cooperative_reforms", summary.cooperative_reforms)
-                .field("left", summary.left)
-                .field("params_digest", summary.params_digest.as_deref().unwrap_or("-"))
-                .field("expected_digest", summary.expected_digest.as_deref().unwrap_or("-"))
-                .field("t_ms", train::now_ms())
-                .print();
+            events::Summary {
+                verified_steps: summary.verified_steps,
+                final_step: summary.final_step,
+                failures: summary.failures.len() as u64,
+                lost_ms: if lost.is_empty() { "-".into() } else { lost.join(",") },
+                cooperative_reforms: summary.cooperative_reforms,
+                left: summary.left,
+                params_digest: summary.params_digest.unwrap_or_else(|| "-".into()),
+                expected_digest: summary.expected_digest.unwrap_or_else(|| "-".into()),
+                t_ms: train::now_ms(),
+            }
+            .print();
             ExitCode::SUCCESS
         }
         Err(e) => {
-            EventLine::new(EventKind::Fatal).text("error", &e).field("t_ms", train::now_ms()).print();
+            events::Fatal { error: e.as_str().into(), t_ms: train::now_ms() }.print();
             eprintln!("cohort-worker train: {e}");
             ExitCode::FAILURE
         }
@@ -392,7 +393,7 @@ fn train_main(args: TrainArgs) -> Result<TrainSummary, String> {
         if let Some(addr) = args.metrics {
             let bound = cohort::metrics::serve(addr).await.map_err(|e| format!("metrics endpoint {addr}: {e}"))?;
             tracing::info!(%bound, "serving metrics");
-            EventLine::new(EventKind::Metrics).field("address", bound).field("t_ms", train::now_ms()).print();
+            events::Metrics { address: bound, t_ms: train::now_ms() }.print();
         }
         // SIGTERM: finish the current step, leave gracefully, let the others re-form (or, not
         // yet a member, stop joining).
@@ -402,7 +403,7 @@ fn train_main(args: TrainArgs) -> Result<TrainSummary, String> {
                 .map_err(|e| format!("installing the SIGTERM handler: {e}"))?;
             tokio::spawn(async move {
                 if term.recv().await.is_some() {
-                    EventLine::new(EventKind::Sigterm).field("t_ms", train::now_ms()).print();
+                    events::Sigterm { t_ms: train::now_ms() }.print();
                     let _ = sigterm.send(true);
                 }
             });

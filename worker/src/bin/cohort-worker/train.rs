@@ -12,13 +12,14 @@
 //! restore, a wrong sync or a lost step stops the worker. A SIGTERM before the worker is a
 //! member (while it joins, or waits out an exclusion) ends it at once.
 //!
-//! Output: one `key=value` line per event on stdout, printed through [`cohort::events`] (the
-//! chaos harness and the integration tests parse them with the same type), each with `t_ms` (wall clock, ms since the Unix epoch). `finished` and `summary` carry
+//! Output: one `key=value` line per event on stdout, printed through the structs of
+//! [`cohort::events`] (the chaos harness and the integration tests parse them into the same
+//! structs), each with `t_ms` (wall clock, ms since the Unix epoch). `finished` and `summary` carry
 //! `params_digest` (SHA-256 of the final parameters' bytes) and `expected_digest` (of the
 //! parameters expected after that many steps).
 
 use cohort::elastic::{Checkpoint, CommitError, ElasticConfig, ElasticError, ElasticGroup, Generation, SyncError};
-use cohort::events::{EventKind, EventLine};
+use cohort::events;
 use cohort::exact::ExactElement;
 use cohort::trajectory::{params_digest, StepMismatch, Trajectory};
 use cohort::{CommError, ReduceOp};
@@ -67,13 +68,14 @@ pub(crate) fn now_ms() -> u64 {
 
 /// Prints `event=joined` for the member `group` just became.
 fn print_joined(worker: &str, group: &ElasticGroup) {
-    EventLine::new(EventKind::Joined)
-        .field("worker", worker)
-        .field("incarnation", group.incarnation())
-        .field("addr", group.advertised_address())
-        .field("listen", group.listen_address())
-        .field("t_ms", now_ms())
-        .print();
+    events::Joined {
+        worker: worker.to_string(),
+        incarnation: group.incarnation(),
+        addr: group.advertised_address().to_string(),
+        listen: Some(group.listen_address()),
+        t_ms: now_ms(),
+    }
+    .print();
 }
 
 fn kind_of(e: &CommError) -> &'static str {
@@ -150,11 +152,20 @@ pub(crate) async fn run<E: ExactElement>(
     // SIGTERM while joining (which includes waiting out an exclusion, possibly minutes): not
     // a member yet, so nobody waits on this worker and it stops at once. Later, inside a
     // generation or a re-formation, it leaves at the next commit point.
-    EventLine::new(EventKind::Joining).field("worker", &worker).field("t_ms", now_ms()).print();
+    events::Joining { worker: worker.clone(), t_ms: now_ms() }.print();
     let mut group = tokio::select! {
         joined = ElasticGroup::join(config) => joined?,
         () = sigterm(&mut leaving) => {
-            EventLine::new(EventKind::Leave).field("gen", 0).field("step", 0).field("joined", false).field("t_ms", now_ms()).print();
+            events::Leave {
+                gen: 0,
+                rank: None,
+                step: 0,
+                params_digest: None,
+                expected_digest: None,
+                joined: Some(false),
+                t_ms: now_ms(),
+            }
+            .print();
             return Ok(TrainSummary { left: true, ..TrainSummary::default() });
         }
     };
@@ -179,14 +190,16 @@ pub(crate) async fn run<E: ExactElement>(
         let Some(next) = next else {
             let step = checkpoint.step().unwrap_or(0);
             let (digest, expected) = digests(&trajectory, &params.values, step);
-            EventLine::new(EventKind::Leave)
-                .field("gen", last_generation)
-                .field("step", step)
-                .field("params_digest", &digest)
-                .field("expected_digest", &expected)
-                .field("joined", false)
-                .field("t_ms", now_ms())
-                .print();
+            events::Leave {
+                gen: last_generation,
+                rank: None,
+                step,
+                params_digest: Some(digest.clone()),
+                expected_digest: Some(expected.clone()),
+                joined: Some(false),
+                t_ms: now_ms(),
+            }
+            .print();
             summary.params_digest = Some(digest);
             summary.expected_digest = Some(expected);
             summary.final_step = step;
@@ -202,11 +215,7 @@ pub(crate) async fn run<E: ExactElement>(
         let mut generation: Generation = match next {
             Ok(g) => g,
             Err(ElasticError::JobEnded { outcome: "finished", reason }) => {
-                EventLine::new(EventKind::JobEnded)
-                    .field("outcome", "finished")
-                    .text("reason", &reason)
-                    .field("t_ms", now_ms())
-                    .print();
+                events::JobEnded { outcome: "finished".into(), reason: reason.into(), t_ms: now_ms() }.print();
                 break 'generations;
             }
             Err(e) => return Err(e.into()),
@@ -217,37 +226,43 @@ pub(crate) async fn run<E: ExactElement>(
         let rank = generation.comm.rank();
         let span = info_span!("train", job = %group.job(), generation = g, rank);
         Trajectory::check_exact::<E>(world).map_err(TrainError::Setup)?;
-        EventLine::new(EventKind::Generation)
-            .field("gen", g)
-            .field("world", world)
-            .field("rank", rank)
-            .field("transport", generation.transport)
-            .field("t_ms", now_ms())
-            .print();
+        events::Generation {
+            gen: g,
+            world: world as u64,
+            rank,
+            transport: generation.transport.to_string(),
+            t_ms: now_ms(),
+        }
+        .print();
         cohort::metrics::GENERATION.store(g, Ordering::Relaxed);
         cohort::metrics::WORLD_SIZE.store(world as u64, Ordering::Relaxed);
 
         // Every member (joiners included) takes the newest commit.
         group.set_progress(g, checkpoint.step().unwrap_or(0), "sync");
         match checkpoint.sync(&mut generation.comm, &mut params).instrument(span.clone()).await {
-            Ok(outcome) => EventLine::new(EventKind::Restored)
-                .field("gen", g)
-                .field("rank", rank)
-                .field("step", outcome.step.map_or(-1, |s| s as i64))
-                .field("source", outcome.source)
-                .field("changed", outcome.changed)
-                .field("t_ms", now_ms())
-                .print(),
+            Ok(outcome) => events::Restored {
+                gen: g,
+                rank,
+                step: outcome.step.map_or(-1, |s| s as i64),
+                source: outcome.source,
+                changed: outcome.changed,
+                t_ms: now_ms(),
+            }
+            .print(),
             Err(SyncError::Comm(e)) => {
                 let cause = group.on_failure(g, &e).await;
-                EventLine::new(EventKind::Error)
-                    .field("gen", g)
-                    .field("rank", rank)
-                    .field("phase", "sync")
-                    .field("kind", kind_of(&e))
-                    .text("cause", &cause)
-                    .field("t_ms", now_ms())
-                    .print();
+                events::Error {
+                    gen: g,
+                    rank,
+                    step: None,
+                    phase: Some("sync".into()),
+                    kind: kind_of(&e).into(),
+                    detail: None,
+                    cause: cause.to_string().into(),
+                    t_ms: now_ms(),
+                    cause_t_ms: None,
+                }
+                .print();
                 failed_at.get_or_insert_with(Instant::now);
                 continue 'generations;
             }
@@ -262,14 +277,15 @@ pub(crate) async fn run<E: ExactElement>(
             if step >= train.steps {
                 check_params(&trajectory, &params, g, rank, step, "end")?;
                 let (digest, expected) = digests(&trajectory, &params.values, step);
-                EventLine::new(EventKind::Finished)
-                    .field("gen", g)
-                    .field("rank", rank)
-                    .field("step", step)
-                    .field("params_digest", &digest)
-                    .field("expected_digest", &expected)
-                    .field("t_ms", now_ms())
-                    .print();
+                events::Finished {
+                    gen: g,
+                    rank,
+                    step,
+                    params_digest: Some(digest.clone()),
+                    expected_digest: Some(expected.clone()),
+                    t_ms: now_ms(),
+                }
+                .print();
                 summary.params_digest = Some(digest);
                 summary.expected_digest = Some(expected);
                 summary.final_step = step;
@@ -281,26 +297,23 @@ pub(crate) async fn run<E: ExactElement>(
             compute(train.compute).await?;
             group.set_progress(g, step, "allreduce");
             let started = Instant::now();
-            EventLine::new(EventKind::Allreduce)
-                .field("gen", g)
-                .field("rank", rank)
-                .field("step", step)
-                .field("t_ms", now_ms())
-                .print();
+            events::Allreduce { gen: g, rank, step, t_ms: now_ms() }.print();
             let result = generation.comm.allreduce(&mut grad, ReduceOp::Sum).instrument(span.clone()).await;
             if let Err(e) = result {
                 let errored_ms = now_ms();
                 let cause = group.on_failure(g, &e).await;
-                EventLine::new(EventKind::Error)
-                    .field("gen", g)
-                    .field("rank", rank)
-                    .field("step", step)
-                    .field("kind", kind_of(&e))
-                    .text("detail", &e)
-                    .text("cause", &cause)
-                    .field("t_ms", errored_ms)
-                    .field("cause_t_ms", now_ms())
-                    .print();
+                events::Error {
+                    gen: g,
+                    rank,
+                    step: Some(step),
+                    phase: None,
+                    kind: kind_of(&e).into(),
+                    detail: Some(e.to_string().into()),
+                    cause: cause.to_string().into(),
+                    t_ms: errored_ms,
+                    cause_t_ms: Some(now_ms()),
+                }
+                .print();
                 checkpoint.restore(&mut params)?;
                 check_params(&trajectory, &params, g, rank, checkpoint.step().unwrap_or(0), "restore")?;
                 failed_at.get_or_insert_with(Instant::now);
@@ -311,15 +324,16 @@ pub(crate) async fn run<E: ExactElement>(
             match trajectory.apply(&mut params.values, &grad, step) {
                 Ok(()) => {}
                 Err(StepMismatch::Sum { index: j, expected }) => {
-                    EventLine::new(EventKind::WrongResult)
-                        .field("gen", g)
-                        .field("rank", rank)
-                        .field("step", step)
-                        .field("index", j)
-                        .field("got", grad.get(j).map_or_else(|| "-".to_string(), |x| format!("{x:?}")))
-                        .field("expected", format!("{expected:?}"))
-                        .field("t_ms", now_ms())
-                        .print();
+                    events::WrongResult {
+                        gen: g,
+                        rank,
+                        step,
+                        index: j as u64,
+                        got: grad.get(j).map_or_else(|| "-".to_string(), |x| format!("{x:?}")),
+                        expected: format!("{expected:?}"),
+                        t_ms: now_ms(),
+                    }
+                    .print();
                     return Err(TrainError::WrongResult { generation: g, step, index: j });
                 }
                 Err(StepMismatch::Params { index, expected }) => {
@@ -337,21 +351,10 @@ pub(crate) async fn run<E: ExactElement>(
                 summary.failures.push(t.elapsed());
                 cohort::metrics::FAILURES.fetch_add(1, Ordering::Relaxed);
                 cohort::metrics::LOST_MS.fetch_add(t.elapsed().as_millis() as u64, Ordering::Relaxed);
-                EventLine::new(EventKind::Recovered)
-                    .field("gen", g)
-                    .field("rank", rank)
-                    .field("step", step)
-                    .field("lost_ms", t.elapsed().as_millis())
-                    .field("t_ms", now_ms())
+                events::Recovered { gen: g, rank, step, lost_ms: t.elapsed().as_millis() as u64, t_ms: now_ms() }
                     .print();
             }
-            EventLine::new(EventKind::Step)
-                .field("gen", g)
-                .field("world", world)
-                .field("rank", rank)
-                .field("step", step)
-                .field("ms", format!("{:.3}", elapsed.as_secs_f64() * 1e3))
-                .field("t_ms", now_ms())
+            events::Step { gen: g, world: world as u64, rank, step, ms: elapsed.as_secs_f64() * 1e3, t_ms: now_ms() }
                 .print();
             if step % DEADLINES_EVERY == 0 {
                 report_deadlines(
@@ -384,28 +387,33 @@ pub(crate) async fn run<E: ExactElement>(
             }
             if let Err(e) = agreed {
                 let cause = group.on_failure(g, &e).await;
-                EventLine::new(EventKind::Error)
-                    .field("gen", g)
-                    .field("rank", rank)
-                    .field("step", step)
-                    .field("phase", "commit")
-                    .field("kind", kind_of(&e))
-                    .text("cause", &cause)
-                    .field("t_ms", now_ms())
-                    .print();
+                events::Error {
+                    gen: g,
+                    rank,
+                    step: Some(step),
+                    phase: Some("commit".into()),
+                    kind: kind_of(&e).into(),
+                    detail: None,
+                    cause: cause.to_string().into(),
+                    t_ms: now_ms(),
+                    cause_t_ms: None,
+                }
+                .print();
                 failed_at.get_or_insert_with(Instant::now);
                 continue 'generations;
             }
             if flags[1] != 0 && *leaving.borrow() {
                 let (digest, expected) = digests(&trajectory, &params.values, step);
-                EventLine::new(EventKind::Leave)
-                    .field("gen", g)
-                    .field("rank", rank)
-                    .field("step", step)
-                    .field("params_digest", &digest)
-                    .field("expected_digest", &expected)
-                    .field("t_ms", now_ms())
-                    .print();
+                events::Leave {
+                    gen: g,
+                    rank: Some(rank),
+                    step,
+                    params_digest: Some(digest.clone()),
+                    expected_digest: Some(expected.clone()),
+                    joined: None,
+                    t_ms: now_ms(),
+                }
+                .print();
                 summary.params_digest = Some(digest);
                 summary.expected_digest = Some(expected);
                 summary.final_step = step;
@@ -418,27 +426,25 @@ pub(crate) async fn run<E: ExactElement>(
                 // Asked to leave as a straggler: a graceful leave at this commit point (the
                 // others re-form without it, nothing lost), then a join again, which waits
                 // out the cool-down (the coordinator refuses the join until it ends).
-                EventLine::new(EventKind::StragglerLeave)
-                    .field("gen", g)
-                    .field("rank", rank)
-                    .field("step", step)
-                    .text("reason", why)
-                    .field("t_ms", now_ms())
-                    .print();
+                events::StragglerLeave { gen: g, rank, step, reason: why.as_str().into(), t_ms: now_ms() }.print();
                 summary.cooperative_reforms += 1;
                 cohort::metrics::REFORMATIONS.fetch_add(1, Ordering::Relaxed);
                 drop(generation);
                 group.leave(false).await?;
-                EventLine::new(EventKind::Joining).field("worker", &worker).field("t_ms", now_ms()).print();
+                events::Joining { worker: worker.clone(), t_ms: now_ms() }.print();
                 group = tokio::select! {
                     joined = ElasticGroup::join(rejoin_config.clone()) => joined?,
                     () = sigterm(&mut leaving) => {
-                        EventLine::new(EventKind::Leave)
-                            .field("gen", g)
-                            .field("step", step)
-                            .field("joined", false)
-                            .field("t_ms", now_ms())
-                            .print();
+                        events::Leave {
+                            gen: g,
+                            rank: None,
+                            step,
+                            params_digest: None,
+                            expected_digest: None,
+                            joined: Some(false),
+                            t_ms: now_ms(),
+                        }
+                        .print();
                         let (digest, expected) = digests(&trajectory, &params.values, step);
                         summary.params_digest = Some(digest);
                         summary.expected_digest = Some(expected);
@@ -452,13 +458,7 @@ pub(crate) async fn run<E: ExactElement>(
             }
             if flags[0] != 0 || flags[1] != 0 {
                 let why = if flags[1] != 0 { "leave" } else { "scale_up" };
-                EventLine::new(EventKind::Reform)
-                    .field("gen", g)
-                    .field("rank", rank)
-                    .field("step", step)
-                    .field("reason", why)
-                    .field("t_ms", now_ms())
-                    .print();
+                events::Reform { gen: g, rank, step, reason: why.into(), t_ms: now_ms() }.print();
                 summary.cooperative_reforms += 1;
                 cohort::metrics::REFORMATIONS.fetch_add(1, Ordering::Relaxed);
                 continue 'generations;
@@ -538,13 +538,7 @@ fn report_deadlines(
     cohort::metrics::set_deadlines(deadlines);
     let peers = deadline_summary(deadlines);
     group.set_deadlines(&deadline_brief(deadlines));
-    EventLine::new(EventKind::Deadlines)
-        .field("gen", g)
-        .field("rank", rank)
-        .field("step", step)
-        .field("peers", peers)
-        .field("t_ms", now_ms())
-        .print();
+    events::Deadlines { gen: g, rank, step, peers, t_ms: now_ms() }.print();
 }
 
 /// `PEER:MS:BASIS` per link, comma separated (`1:250:floor,2:250:floor`).
@@ -578,14 +572,18 @@ fn check_params<E: ExactElement>(
     phase: &'static str,
 ) -> Result<(), TrainError> {
     if params.step != step {
-        EventLine::new(EventKind::WrongParams)
-            .field("gen", generation)
-            .field("rank", rank)
-            .field("step", step)
-            .field("phase", phase)
-            .field("held_step", params.step)
-            .field("t_ms", now_ms())
-            .print();
+        events::WrongParams {
+            gen: generation,
+            rank,
+            step,
+            phase: phase.into(),
+            held_step: Some(params.step),
+            index: None,
+            got: None,
+            expected: None,
+            t_ms: now_ms(),
+        }
+        .print();
         return Err(TrainError::WrongStep { generation, step, phase, held: params.step });
     }
     match trajectory.first_param_mismatch(&params.values, step) {
@@ -606,16 +604,18 @@ fn wrong_params<E: ExactElement>(
     got: Option<&E>,
     expected: E,
 ) -> TrainError {
-    EventLine::new(EventKind::WrongParams)
-        .field("gen", generation)
-        .field("rank", rank)
-        .field("step", step)
-        .field("phase", phase)
-        .field("index", index)
-        .field("got", got.map_or_else(|| "-".to_string(), |p| format!("{p:?}")))
-        .field("expected", format!("{expected:?}"))
-        .field("t_ms", now_ms())
-        .print();
+    events::WrongParams {
+        gen: generation,
+        rank,
+        step,
+        phase: phase.into(),
+        held_step: None,
+        index: Some(index as u64),
+        got: Some(got.map_or_else(|| "-".to_string(), |p| format!("{p:?}"))),
+        expected: Some(format!("{expected:?}")),
+        t_ms: now_ms(),
+    }
+    .print();
     TrainError::WrongParams { generation, step, phase, index }
 }
 
