@@ -1,6 +1,6 @@
 //! The connection handshake every transport runs on its setup stream (a TCP link itself, the
 //! shared-memory setup socket, the RDMA bootstrap connection): message encoding (pure) and the
-//! two sides' procedures ([`dial`], [`accept`]), written once and generic over the stream.
+//! two sides' procedures (`dial`, `accept`), written once and generic over the stream.
 //!
 //! Every handshake message starts with an 8-byte prefix: magic `"CHTH"` (u32 LE), version
 //! u8, kind u8, body length u16 LE. Bodies (little-endian):
