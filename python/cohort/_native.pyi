@@ -136,6 +136,9 @@ class Group:
     def next_generation(self) -> Communicator:
         """Waits at the rendezvous for the next generation and connects its mesh (blocks,
         GIL released). Raises ``JobEndedError`` when the job ended."""
+    def close_comms(self) -> None:
+        """Closes every communicator this group made (what ``leave()`` and ``close()`` do
+        first); the group stays a member."""
     def commit(self, generation: int, step: int, digest: bytes) -> bool:
         """Reports a commit point (in the background); returns ``reformation_pending``."""
     def set_progress(self, generation: int, step: int, activity: str) -> None: ...
