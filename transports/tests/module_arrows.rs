@@ -35,16 +35,6 @@ const KNOWN_ARROWS_BACK: &[(&str, &str, &str)] = &[
         "worker/src/dtype.rs",
         "the generic `reduce`, `reduce_rev` and `finish_avg` over `Element` sit beside the kernels `Element` is built on (public paths)",
     ),
-    (
-        "worker/src/elastic/choice.rs",
-        "worker/src/elastic/group.rs",
-        "`MemberInfo` (the member record the planner reads) is defined in group.rs, the shell above the planner",
-    ),
-    (
-        "worker/src/elastic/connect.rs",
-        "worker/src/elastic/group.rs",
-        "`MemberInfo` is defined in group.rs, above the mesh connection",
-    ),
 ];
 
 /// Why the collectives' module lists every collective and names comm.rs's `CallKind`.

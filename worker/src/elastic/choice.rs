@@ -5,13 +5,30 @@
 //! otherwise shared memory between every two members that published the same host identity
 //! (in their `shm` addresses) and TCP between the others.
 
-use super::{ElasticError, MemberInfo, MeshKind};
+use super::{ElasticError, MeshKind, TransportUnavailable};
 use crate::HostLayout;
 use cohort_transports::shm::ShmAddress;
 use std::net::SocketAddr;
 
 #[cfg(feature = "rdma")]
 use cohort_transports::rdma::EndpointAddress;
+
+/// One member of a generation, as the coordinator formed it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MemberInfo {
+    /// Rank in the generation.
+    pub rank: u32,
+    /// The worker's id.
+    pub worker_id: String,
+    /// The worker's host name.
+    pub host: String,
+    /// Its data-plane TCP address.
+    pub tcp: SocketAddr,
+    /// The RDMA endpoint address it published (`EndpointAddress::encode`), if any.
+    pub rdma: Option<String>,
+    /// Its shared-memory address (host identity and nonce), if it published a usable one.
+    pub shm: Option<ShmAddress>,
+}
 
 /// The data-plane transport a worker asks for: what it publishes at join, and what it accepts
 /// a generation to use. The one definition behind `cohort-worker --transport`, Python's
@@ -100,26 +117,6 @@ impl std::str::FromStr for TransportChoice {
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[error("transport {0:?}: use \"auto\", \"tcp\", \"shm\" or \"rdma\"")]
 pub struct UnknownTransport(pub String);
-
-/// Why a [`TransportChoice`] cannot be used on this machine or in this build.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-pub enum TransportUnavailable {
-    /// `shm`: this process's host identity (boot id, namespaces) cannot be read.
-    #[error("transport shm: {0}")]
-    NoHostIdentity(String),
-    /// `rdma` in a build without the `rdma` cargo feature.
-    #[error(
-        "transport rdma: this build of cohort lacks the `rdma` feature \
-         (cargo build --release -p cohort --features rdma; the Python package: maturin with --features rdma)"
-    )]
-    RdmaNotBuilt,
-    /// `rdma`: the device list could not be read.
-    #[error("transport rdma: {0}")]
-    RdmaDevices(String),
-    /// `rdma`: no RDMA device is present.
-    #[error("transport rdma: no RDMA device found (is an InfiniBand/RoCE NIC present and its driver loaded?)")]
-    NoRdmaDevice,
-}
 
 /// What a rank connects for one generation: the transport and every member's address on it,
 /// indexed by rank.

@@ -27,7 +27,7 @@ pub enum ElasticError {
     /// The transport asked for cannot be used in this build (`rdma` without the `rdma`
     /// feature): the worker does not join.
     #[error(transparent)]
-    TransportUnavailable(#[from] super::TransportUnavailable),
+    TransportUnavailable(#[from] TransportUnavailable),
     /// This worker stayed excluded (its failures repeated) for longer than
     /// [`super::ElasticConfig::exclusion_wait`] allows it to wait.
     #[error("excluded by the coordinator for longer than this worker waits ({waited:?} waited, {retry_after:?} left, limit {limit:?}): {message}")]
@@ -61,4 +61,24 @@ pub enum ElasticError {
     /// The coordinator sent something that violates the protocol.
     #[error("coordinator protocol violation: {0}")]
     Protocol(String),
+}
+
+/// Why a [`super::TransportChoice`] cannot be used on this machine or in this build.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum TransportUnavailable {
+    /// `shm`: this process's host identity (boot id, namespaces) cannot be read.
+    #[error("transport shm: {0}")]
+    NoHostIdentity(String),
+    /// `rdma` in a build without the `rdma` cargo feature.
+    #[error(
+        "transport rdma: this build of cohort lacks the `rdma` feature \
+         (cargo build --release -p cohort --features rdma; the Python package: maturin with --features rdma)"
+    )]
+    RdmaNotBuilt,
+    /// `rdma`: the device list could not be read.
+    #[error("transport rdma: {0}")]
+    RdmaDevices(String),
+    /// `rdma`: no RDMA device is present.
+    #[error("transport rdma: no RDMA device found (is an InfiniBand/RoCE NIC present and its driver loaded?)")]
+    NoRdmaDevice,
 }

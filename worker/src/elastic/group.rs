@@ -1,6 +1,6 @@
 //! [`ElasticGroup`]: membership, re-formation and failure handling for one worker.
 
-use super::choice::{host_layout, plan_mesh, MeshPlan};
+use super::choice::{host_layout, plan_mesh, MemberInfo, MeshPlan};
 use super::connect::{connect_planned, LocalEndpoints, MeshScope};
 use super::membership::{CallError, Effect, JoinNext, Membership, Step, WatchNext};
 use super::{ElasticConfig, ElasticError, MeshKind, MeshTransport, TransportChoice};
@@ -16,23 +16,6 @@ use std::time::{Duration, Instant};
 use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 use tracing::{debug, info, info_span, warn, Instrument};
-
-/// One member of a generation, as the coordinator formed it.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct MemberInfo {
-    /// Rank in the generation.
-    pub rank: u32,
-    /// The worker's id.
-    pub worker_id: String,
-    /// The worker's host name.
-    pub host: String,
-    /// Its data-plane TCP address.
-    pub tcp: SocketAddr,
-    /// The RDMA endpoint address it published (`EndpointAddress::encode`), if any.
-    pub rdma: Option<String>,
-    /// Its shared-memory address (host identity and nonce), if it published a usable one.
-    pub shm: Option<ShmAddress>,
-}
 
 /// A formed generation and the communicator connected for it.
 pub struct Generation {

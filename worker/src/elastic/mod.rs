@@ -51,11 +51,11 @@ mod mesh;
 mod state;
 mod timing;
 
-pub use choice::{TransportChoice, TransportUnavailable, UnknownTransport};
+pub use choice::{MemberInfo, TransportChoice, UnknownTransport};
 pub use config::{local_hostname, ElasticConfig};
 pub use connect::{connect_members, LocalEndpoints, MeshScope};
-pub use error::ElasticError;
-pub use group::{ElasticGroup, FailureReporter, Generation, MemberInfo, ReformReason};
+pub use error::{ElasticError, TransportUnavailable};
+pub use group::{ElasticGroup, FailureReporter, Generation, ReformReason};
 pub use mesh::{MeshKind, MeshTransport, MixedTransport};
 pub use state::{Checkpoint, CommitError, ElasticState, SyncError, SyncOutcome};
 pub use timing::StepTimes;
