@@ -39,9 +39,9 @@ mod config;
 mod connect;
 mod error;
 mod group;
-/// The membership state machine, public under the `test-support` feature for the
-/// deterministic simulation (`cohort-sim`), which drives it as [`ElasticGroup`] does. Not part
-/// of the stable API.
+// The membership state machine: public under the `test-support` feature for the
+// deterministic simulation (`cohort-sim`), which drives it as `ElasticGroup` does; not part of
+// the stable API (its own documentation is the module's).
 #[cfg(feature = "test-support")]
 pub mod membership;
 #[cfg(not(feature = "test-support"))]
