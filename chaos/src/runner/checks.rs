@@ -636,20 +636,28 @@ pub(super) fn kill_errors_check(r: &FaultRecord, bound: Duration, hosts: &BTreeM
 /// because a peer aborted on the revocation reports `PeerFailed` with the generation's root
 /// cause, the timeout: that is the verdict reaching it, not a death taken for the hang (with
 /// learned deadlines the revocation and those closes arrive within the same millisecond).
+///
+/// The detector's own `Timeout` line is not always printed first: it reports to the
+/// coordinator before it prints, and a survivor the revocation reaches meanwhile may print
+/// its `PeerFailed` (carrying the timeout verdict) a millisecond earlier. So the check asks
+/// that some survivor detected a `Timeout` and that the first error, whatever its kind,
+/// carries a hang's root cause.
 pub(super) fn hang_timeout_check(r: &FaultRecord) -> Check {
+    // A timeout's root cause reads "timed out after ..." or, when the peer's process was
+    // probed, what was found: "process stopped, no progress for N ms".
+    let hang_cause = |cause: &str| cause.contains("timed out") || cause.contains("no progress for");
     let first = r.errors.iter().min_by_key(|e| e.after_ms);
     let dead: Vec<&str> = r
         .errors
         .iter()
-        // A timeout's root cause reads "timed out after ..." or, when the peer's process was
-        // probed, what was found: "process stopped, no progress for N ms".
-        .filter(|e| e.kind == "PeerFailed" && !e.cause.contains("timed out") && !e.cause.contains("no progress for"))
+        .filter(|e| e.kind == "PeerFailed" && !hang_cause(&e.cause))
         .map(|e| e.worker.as_str())
         .collect();
     let kinds: BTreeSet<&str> = r.errors.iter().map(|e| e.kind.as_str()).collect();
+    let detected = r.errors.iter().any(|e| e.kind == "Timeout");
     Check {
         what: format!("fault {} (stop): detected as a Timeout, by no survivor as a death", r.index),
-        ok: first.is_some_and(|e| e.kind == "Timeout") && dead.is_empty(),
+        ok: detected && first.is_some_and(|e| e.kind == "Timeout" || hang_cause(&e.cause)) && dead.is_empty(),
         detail: format!(
             "first error {}; kinds seen {:?}{}",
             first.map_or_else(|| "none".to_string(), |e| format!("{} at {} ms", e.kind, e.after_ms)),
@@ -941,6 +949,12 @@ mod tests {
         assert!(hang_timeout_check(&r).ok, "{}", hang_timeout_check(&r).detail);
         r.errors[1].cause = "rank 2 (worker w2 on vm): peer rank 2 failed: connection reset".into();
         assert!(!hang_timeout_check(&r).ok, "a stopped rank is no dead one");
+        // The verdict's PeerFailed printed a millisecond before the detector's Timeout.
+        r.errors = vec![seen("w1", "PeerFailed", 1500), seen("w0", "Timeout", 1501)];
+        assert!(hang_timeout_check(&r).ok, "{}", hang_timeout_check(&r).detail);
+        // ... but some survivor must have detected the timeout itself.
+        r.errors = vec![seen("w1", "PeerFailed", 1500), seen("w0", "Revoked", 1501)];
+        assert!(!hang_timeout_check(&r).ok, "nobody detected a timeout");
         r.errors.clear();
         assert!(!hang_timeout_check(&r).ok, "no error at all");
     }
