@@ -152,20 +152,8 @@ pub(crate) fn suspect(current: Option<&GenerationRecord>, cause: &Cause) -> Opti
 mod tests {
     use super::*;
     use crate::rendezvous::next_generation;
+    use crate::revocation::tests::each_on_own_host;
     use crate::revocation::Silence;
-
-    fn placed(names: &[&str]) -> Vec<Placed> {
-        names
-            .iter()
-            .map(|w| Placed {
-                worker_id: w.to_string(),
-                incarnation: 1,
-                host: format!("host-{w}"),
-                addresses: vec![],
-                domain: String::new(),
-            })
-            .collect()
-    }
 
     fn cause(rank: Option<u32>) -> Cause {
         Cause {
@@ -180,7 +168,7 @@ mod tests {
     }
 
     fn gen(number: u64) -> GenerationRecord {
-        let mut g = next_generation(None, placed(&["a", "b", "c", "d"]), 0);
+        let mut g = next_generation(None, each_on_own_host(&["a", "b", "c", "d"]), 0);
         g.number = number;
         g
     }

@@ -361,13 +361,13 @@ pub(crate) fn cascade_root(reports: &[TimeoutReport]) -> Option<CascadeRoot> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::records::{MemberRecord, Placed};
     use crate::rendezvous::next_generation;
 
     /// Members named `names`, each on a host of its own (`host-<name>`), incarnation 1.
-    fn each_on_own_host(names: &[&str]) -> Vec<Placed> {
+    pub(crate) fn each_on_own_host(names: &[&str]) -> Vec<Placed> {
         names
             .iter()
             .map(|w| Placed {
