@@ -30,8 +30,20 @@ if ! have_torch; then
   rm -rf "$venv"
   /usr/bin/python3 -m venv --system-site-packages "$venv"
   mkdir -p "$wheels"
-  # Files already in the wheelhouse are not downloaded again.
-  "$venv/bin/python" -m pip download -q --disable-pip-version-check -d "$wheels" "torch==$torch_version" >&2
+  # Files already in the wheelhouse are not downloaded again. The download crosses the network
+  # (about 3 GB): pip retries each request itself, and a failed resolution or download (a reset
+  # connection, a registry's 5xx) is tried again whole, up to three times, before giving up.
+  tries=0
+  until "$venv/bin/python" -m pip download -q --disable-pip-version-check --retries 10 --timeout 60 \
+    -d "$wheels" "torch==$torch_version" >&2; do
+    tries=$((tries + 1))
+    if [ "$tries" -ge 3 ]; then
+      echo "downloading torch $torch_version failed $tries times; giving up" >&2
+      exit 1
+    fi
+    echo "downloading torch $torch_version failed (try $tries of 3); trying again in $((tries * 20)) s" >&2
+    sleep $((tries * 20))
+  done
   "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-index --find-links "$wheels" \
     "torch==$torch_version" >&2
   have_torch || { echo "torch $torch_version did not install into $venv" >&2; exit 1; }

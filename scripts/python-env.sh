@@ -17,7 +17,7 @@ if [ ! -x "$venv/bin/python" ]; then
   /usr/bin/python3 -m venv --system-site-packages "$venv"
 fi
 if ! "$venv/bin/python" -m maturin --version >/dev/null 2>&1; then
-  "$venv/bin/python" -m pip install -q --disable-pip-version-check 'maturin>=1.7,<2'
+  "$venv/bin/python" -m pip install -q --disable-pip-version-check --retries 10 --timeout 60 'maturin>=1.7,<2'
 fi
 args=(develop -m python/Cargo.toml --locked)
 [ "$profile" = release ] && args+=(--release)

@@ -24,7 +24,7 @@ if [ "$("$venv/bin/ruff" --version 2>/dev/null)" != "ruff $RUFF_VERSION" ]; then
   rm -rf "$venv"
   mkdir -p target
   /usr/bin/python3 -m venv "$venv"
-  "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-input "ruff==$RUFF_VERSION"
+  "$venv/bin/python" -m pip install -q --disable-pip-version-check --retries 10 --timeout 60 --no-input "ruff==$RUFF_VERSION"
 fi
 ruff=("$venv/bin/ruff")
 config=(--config python/pyproject.toml)

