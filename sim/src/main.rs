@@ -25,6 +25,12 @@ enum Command {
         /// Draw only silent data links (timeout cascades).
         #[arg(long)]
         silent_links_only: bool,
+        /// Run this many workers instead of the seed's 3 to 5 (the scale runs).
+        #[arg(long)]
+        workers: Option<usize>,
+        /// The simulated clock's step in ms (default 1; the scale runs take 5).
+        #[arg(long)]
+        tick_ms: Option<u64>,
     },
     /// Runs seeds from --first on until the duration is spent; reports the failing seeds.
     Explore {
@@ -34,6 +40,12 @@ enum Command {
         /// The first seed.
         #[arg(long, default_value_t = 0)]
         first: u64,
+        /// Run this many workers instead of each seed's 3 to 5.
+        #[arg(long)]
+        workers: Option<usize>,
+        /// The simulated clock's step in ms (default 1).
+        #[arg(long)]
+        tick_ms: Option<u64>,
     },
 }
 
@@ -50,10 +62,12 @@ fn parse_duration(s: &str) -> Result<Duration, String> {
 
 fn main() -> ExitCode {
     match Cli::parse().command {
-        Command::Replay { seed, per_replica_cascades, silent_links_only } => {
+        Command::Replay { seed, per_replica_cascades, silent_links_only, workers, tick_ms } => {
             let options = Options {
                 cascade_scope: if per_replica_cascades { CascadeScope::Replica } else { CascadeScope::Store },
                 mix: if silent_links_only { FaultMix::SilentLinks } else { FaultMix::All },
+                workers,
+                tick_ms,
             };
             let report = run_seed(seed, &options);
             for line in &report.lines {
@@ -70,12 +84,13 @@ fn main() -> ExitCode {
                 ExitCode::FAILURE
             }
         }
-        Command::Explore { duration, first } => {
+        Command::Explore { duration, first, workers, tick_ms } => {
+            let options = Options { workers, tick_ms, ..Options::default() };
             let started = Instant::now();
             let (mut seeds, mut faults, mut failing) = (0u64, 0usize, Vec::new());
             let mut seed = first;
             while started.elapsed() < duration {
-                let report = run_seed(seed, &Options::default());
+                let report = run_seed(seed, &options);
                 seeds += 1;
                 faults += report.faults;
                 if !report.violations.is_empty() {

@@ -107,11 +107,15 @@ impl Ring<'_> {
                 let silent = ledger.paused.contains(&prev) || ledger.silent.contains(&(prev, idx));
                 (dead, silent)
             };
-            let ring_fault = (0..n).any(|r| {
-                let (dead, silent) = faulty(r);
-                dead || silent
-            });
-            if arrived == n && !ring_fault {
+            // Checked only once everyone has arrived: every rank polls every 2 ms, and a scan
+            // of the whole ring at each poll would cost O(N^2) per poll round.
+            let ring_fault = || {
+                (0..n).any(|r| {
+                    let (dead, silent) = faulty(r);
+                    dead || silent
+                })
+            };
+            if arrived == n && !ring_fault() {
                 ledger.completed.insert((g, step));
                 return done(&ledger);
             }

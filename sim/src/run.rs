@@ -24,6 +24,14 @@ pub struct Options {
     pub cascade_scope: CascadeScope,
     /// Which faults the seed draws from.
     pub mix: FaultMix,
+    /// Run this many workers instead of the seed's own draw (3 to 5): the scale runs
+    /// (`--workers 512`). The seed still decides everything else, and its faults pick
+    /// workers among these.
+    pub workers: Option<usize>,
+    /// The simulated clock's step in ms (default 1). Every host's runtime and every link
+    /// is visited at each step, so the scale runs take a coarser step (5 ms) to finish in
+    /// minutes; timers and latencies are then rounded up to it.
+    pub tick_ms: Option<u64>,
 }
 
 /// What one seed did.
@@ -95,14 +103,14 @@ enum Action {
 pub fn run_seed(seed: u64, options: &Options) -> Report {
     clock::install();
     clock::set_jump_ms(0);
-    let scenario = Scenario::draw(seed, options.mix);
+    let scenario = Scenario::draw(seed, options.mix, options.workers);
     let shared = Shared::default();
     let mut rng = StdRng::seed_from_u64(seed ^ 0xd1ce);
     let no_progress = Duration::from_millis(if rng.random_bool(0.5) { 1_500 } else { 4_000 });
     let mut sim = turmoil::Builder::new()
         .epoch(UNIX_EPOCH + Duration::from_secs(1_800_000_000))
         .simulation_duration(Duration::from_secs(3_600))
-        .tick_duration(Duration::from_millis(1))
+        .tick_duration(Duration::from_millis(options.tick_ms.unwrap_or(1).max(1)))
         .min_message_latency(Duration::ZERO)
         .max_message_latency(Duration::from_millis(scenario.max_latency_ms))
         .rng_seed(seed)

@@ -96,13 +96,15 @@ const LAST_FAULT_MS: u64 = 45_000;
 const SETTLE_MS: u64 = 25_000;
 
 impl Scenario {
-    /// The scenario of `seed`.
-    pub fn draw(seed: u64, mix: FaultMix) -> Scenario {
+    /// The scenario of `seed`, with `workers` workers if given (at least 2) instead of the
+    /// seed's own draw; the rest of the draw is the same either way.
+    pub fn draw(seed: u64, mix: FaultMix, workers: Option<usize>) -> Scenario {
         let mut rng = StdRng::seed_from_u64(seed);
-        let (replicas, workers) = match mix {
+        let (replicas, drawn) = match mix {
             FaultMix::All => (rng.random_range(2..=3), rng.random_range(3..=5)),
             FaultMix::SilentLinks => (3, rng.random_range(4..=5)),
         };
+        let workers = workers.map_or(drawn, |n| n.max(2));
         let max_latency_ms = *[1u64, 5, 20].get(rng.random_range(0..3)).unwrap_or(&1);
         let store_latency_ms = *[0u64, 4, 30].get(rng.random_range(0..3)).unwrap_or(&0);
         let mut faults = Vec::new();
@@ -150,5 +152,47 @@ impl Scenario {
             finish_at_ms,
             shrink_at_ms,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn workers_named(fault: &Fault) -> Vec<usize> {
+        match *fault {
+            Fault::PartitionWorkerReplica(w, _)
+            | Fault::IsolateWorker(w)
+            | Fault::WorkerCrash(w)
+            | Fault::WorkerPause(w) => {
+                vec![w]
+            }
+            Fault::SilentLink(a, b) => vec![a, b],
+            Fault::ReplicaCrash(_) | Fault::StoreOutage(_) | Fault::ClockJump(_) | Fault::LatencySpike(_) => vec![],
+        }
+    }
+
+    #[test]
+    fn a_worker_count_override_keeps_the_rest_of_the_draw_and_spreads_the_faults() {
+        let mut spread = std::collections::BTreeSet::new();
+        for seed in 0..40 {
+            let own = Scenario::draw(seed, FaultMix::All, None);
+            let wide = Scenario::draw(seed, FaultMix::All, Some(512));
+            assert!((3..=5).contains(&own.workers), "seed {seed}: {} workers", own.workers);
+            assert_eq!(wide.workers, 512);
+            assert_eq!(
+                (wide.replicas, wide.max_latency_ms, wide.store_latency_ms),
+                (own.replicas, own.max_latency_ms, own.store_latency_ms)
+            );
+            assert_eq!(wide.faults.len(), own.faults.len(), "seed {seed}: the fault schedule's length is the seed's");
+            for f in &wide.faults {
+                for w in workers_named(&f.fault) {
+                    assert!(w < 512, "seed {seed}: {} names a worker out of range", f.fault);
+                    spread.insert(w);
+                }
+            }
+        }
+        assert!(spread.iter().any(|&w| w >= 5), "faults only ever hit the first five workers: {spread:?}");
+        assert_eq!(Scenario::draw(7, FaultMix::All, Some(1)).workers, 2, "a job needs two workers");
     }
 }

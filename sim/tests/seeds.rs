@@ -29,8 +29,10 @@ fn fixed_seeds_hold_every_invariant() {
 #[test]
 fn judging_a_timeout_cascade_per_replica_is_caught() {
     let seeds = 0..8u64;
-    let buggy = Options { cascade_scope: CascadeScope::Replica, mix: FaultMix::SilentLinks };
-    let fixed = Options { cascade_scope: CascadeScope::Store, mix: FaultMix::SilentLinks };
+    let buggy =
+        Options { cascade_scope: CascadeScope::Replica, mix: FaultMix::SilentLinks, workers: None, tick_ms: None };
+    let fixed =
+        Options { cascade_scope: CascadeScope::Store, mix: FaultMix::SilentLinks, workers: None, tick_ms: None };
     let caught: Vec<u64> = seeds
         .clone()
         .filter(|&seed| run_seed(seed, &buggy).violations.iter().any(|v| v.contains("healthy worker is never evicted")))
