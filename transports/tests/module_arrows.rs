@@ -30,11 +30,6 @@ const KNOWN_ARROWS_BACK: &[(&str, &str, &str)] = &[
         "worker/src/collectives/mod.rs",
         "the host layout splits ranks with `counts_for`, which lives with the schedules' block helpers",
     ),
-    (
-        "worker/src/reduce.rs",
-        "worker/src/dtype.rs",
-        "the generic `reduce`, `reduce_rev` and `finish_avg` over `Element` sit beside the kernels `Element` is built on (public paths)",
-    ),
 ];
 
 /// Why the collectives' module lists every collective and names comm.rs's `CallKind`.

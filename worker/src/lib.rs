@@ -23,6 +23,7 @@ pub mod elastic;
 pub mod error;
 pub mod events;
 pub mod exact;
+mod kernels;
 pub mod metrics;
 pub mod reduce;
 pub mod topology;

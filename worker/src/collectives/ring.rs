@@ -14,7 +14,7 @@
 
 use super::{block_range, split_rw, Ctx};
 use crate::dtype::{as_bytes_mut, Element};
-use crate::reduce::{finish_avg, ReduceOp};
+use crate::reduce::{combine, finish_avg, ReduceOp};
 use cohort_transports::{Transport, TransportError};
 use std::ops::Range;
 
@@ -95,7 +95,7 @@ pub(crate) async fn reduce_scatter_inplace<T: Transport, E: Element>(
             for (k, seg) in recv.chunks_mut(ctx.seg).enumerate() {
                 let incoming = &mut scratch[..seg.len()];
                 ctx.recv(left as u32, ctx.tag(step0 + k as u64)?, as_bytes_mut(incoming)).await?;
-                E::combine(op, seg, incoming, false);
+                combine(op, seg, incoming, false);
             }
             Ok(())
         };

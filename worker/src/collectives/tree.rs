@@ -14,7 +14,7 @@ use super::Ctx;
 use crate::comm::{check, Call, CallKind, Communicator};
 use crate::dtype::{as_bytes, as_bytes_mut, Element};
 use crate::error::CommError;
-use crate::reduce::{finish_avg, ReduceOp};
+use crate::reduce::{combine, finish_avg, ReduceOp};
 use cohort_transports::{Transport, TransportError};
 use futures::future::try_join_all;
 
@@ -98,7 +98,7 @@ pub(crate) async fn reduce<T: Transport, E: Element>(
         };
         for c in children(v, n).rev() {
             ctx.recv(real(c, root, n) as u32, tag, as_bytes_mut(incoming)).await?;
-            E::combine(op, acc, incoming, false);
+            combine(op, acc, incoming, false);
         }
         match parent(v) {
             Some(p) => ctx.t.send(real(p, root, n) as u32, tag, as_bytes(acc)).await?,
