@@ -25,11 +25,6 @@ const KNOWN_ARROWS_BACK: &[(&str, &str, &str)] = &[
     ("worker/src/collectives/mod.rs", "worker/src/collectives/p2p.rs", CALLS_ABOVE_COMM),
     ("worker/src/collectives/mod.rs", "worker/src/collectives/reduce_scatter.rs", CALLS_ABOVE_COMM),
     ("worker/src/collectives/mod.rs", "worker/src/collectives/tree.rs", CALLS_ABOVE_COMM),
-    (
-        "worker/src/topology.rs",
-        "worker/src/collectives/mod.rs",
-        "the host layout splits ranks with `counts_for`, which lives with the schedules' block helpers",
-    ),
 ];
 
 /// Why the collectives' module lists every collective and names comm.rs's `CallKind`.

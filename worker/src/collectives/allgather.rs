@@ -2,6 +2,7 @@
 //! phase (`ring::allgather_inplace`).
 
 use super::ring;
+use crate::blocks::offsets;
 use crate::comm::{check, hash_counts, Call, CallKind, Communicator};
 use crate::dtype::Element;
 use crate::error::CommError;
@@ -57,7 +58,7 @@ impl<T: Transport> Communicator<T> {
         let call =
             Call { dtype: Some(E::DTYPE), count: total as u64, extra: hash_counts(counts), ..Call::new(ALLGATHERV) };
         self.run(call, std::mem::size_of::<E>(), std::mem::size_of_val(output), valid, true, async |ctx, _scratch| {
-            let offs = super::offsets(counts);
+            let offs = offsets(counts);
             output[offs[rank]..offs[rank] + counts[rank]].copy_from_slice(input);
             let stride = ctx.nsegs(counts.iter().copied().max().unwrap_or(0));
             ring::allgather_inplace(

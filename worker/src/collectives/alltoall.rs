@@ -4,7 +4,8 @@
 //! `r - i`, both at once; its own block is copied locally. Every link carries one message per
 //! direction per call, and each rank has exactly one send and one receive in flight.
 
-use super::{offsets, Ctx};
+use super::Ctx;
+use crate::blocks::offsets;
 use crate::comm::{check, Call, CallKind, Communicator};
 use crate::dtype::Element;
 use crate::error::CommError;

@@ -9,7 +9,8 @@
 //! and call signature, the segment size) and the caller's buffers, and either completes or
 //! returns the first [`TransportError`]; classifying errors, poisoning and deadlines are the
 //! communicator's job. Messages never exceed one segment, so no frame is ever larger than
-//! `CommConfig::segment_bytes`.
+//! `CommConfig::segment_bytes`. Schedules that split a vector split it as
+//! [`crate::counts_for`] does (`crate::blocks`).
 //!
 //! Steps: every message of an operation between an ordered pair of ranks gets a distinct
 //! `step`, computed from the schedule alone so that sender and receiver agree on it.
@@ -28,7 +29,6 @@ pub(crate) mod tree;
 
 use crate::dtype::{as_bytes, as_bytes_mut, Element};
 use cohort_transports::{Rank, Tag, Transport, TransportError};
-use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// One operation's view of the transport.
@@ -103,49 +103,6 @@ impl<T: Transport> Ctx<'_, T> {
     }
 }
 
-/// Block sizes when `n` elements are split over `parts` ranks: the first `n % parts` blocks get
-/// one extra element. This is the layout of `reduce_scatter`'s output and of every schedule
-/// that splits a vector.
-pub fn counts_for(n: usize, parts: u32) -> Vec<usize> {
-    let parts = parts.max(1) as usize;
-    (0..parts).map(|i| block_range(n, parts, i).len()).collect()
-}
-
-/// Range of block `i` when `n` elements are split over `parts` (see [`counts_for`]).
-pub(crate) fn block_range(n: usize, parts: usize, i: usize) -> Range<usize> {
-    let (base, extra) = (n / parts, n % parts);
-    let start = i * base + i.min(extra);
-    start..start + base + usize::from(i < extra)
-}
-
-/// A shared view of range `read` and a mutable view of range `write` of one buffer.
-///
-/// # Panics
-/// If the ranges overlap (a bug in the schedule).
-pub(crate) fn split_rw<E>(buf: &mut [E], read: Range<usize>, write: Range<usize>) -> (&[E], &mut [E]) {
-    if read.end <= write.start {
-        let (lo, hi) = buf.split_at_mut(write.start);
-        (&lo[read], &mut hi[..write.end - write.start])
-    } else {
-        assert!(write.end <= read.start, "schedule bug: overlapping read {read:?} and write {write:?}");
-        let (lo, hi) = buf.split_at_mut(read.start);
-        (&hi[..read.end - read.start], &mut lo[write])
-    }
-}
-
-/// Prefix sums: offsets of consecutive blocks of the given sizes.
-pub(crate) fn offsets(counts: &[usize]) -> Vec<usize> {
-    let mut acc = 0;
-    counts
-        .iter()
-        .map(|c| {
-            let o = acc;
-            acc += c;
-            o
-        })
-        .collect()
-}
-
 /// Every collective's call kind; no two may share a code or a name (a unit test checks), and
 /// every code fits the 5 bits the call signature gives it (below 32). A mismatch error decodes
 /// the peer's call kind from its signature through this list. The next free code is 12.
@@ -167,19 +124,6 @@ pub(crate) const CALLS: &[crate::comm::CallKind] = &[
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn blocks_cover_the_vector() {
-        assert_eq!(counts_for(10, 4), [3, 3, 2, 2]);
-        assert_eq!(counts_for(2, 3), [1, 1, 0]);
-        assert_eq!(block_range(10, 4, 2), 6..8);
-        assert_eq!(block_range(10, 4, 3), 8..10);
-        assert_eq!(offsets(&[2, 0, 3]), [0, 2, 2]);
-        let mut v = [0, 1, 2, 3, 4];
-        let (r, w) = split_rw(&mut v, 3..5, 0..2);
-        w[0] = r[1];
-        assert_eq!(v[0], 4);
-    }
 
     #[test]
     fn call_kinds_are_distinct() {

@@ -2,6 +2,7 @@
 //! (`ring::reduce_scatter_inplace`).
 
 use super::ring;
+use crate::blocks::block_range;
 use crate::comm::{check, Call, CallKind, Communicator};
 use crate::dtype::Element;
 use crate::error::CommError;
@@ -26,7 +27,7 @@ impl<T: Transport> Communicator<T> {
         op: ReduceOp,
     ) -> Result<(), CommError> {
         let (len, n, rank) = (input.len(), self.size() as usize, self.rank() as usize);
-        let mine = super::block_range(len, n, rank);
+        let mine = block_range(len, n, rank);
         let valid = check(output.len() == mine.len(), || {
             format!(
                 "output has {} elements, rank {rank}'s block of {len} over {n} ranks has {}",
@@ -41,7 +42,7 @@ impl<T: Transport> Communicator<T> {
             let (work, seg) = all.split_at_mut(len);
             work.copy_from_slice(input);
             let stride = ctx.nsegs(len.div_ceil(n));
-            let blocks = |i| super::block_range(len, n, i);
+            let blocks = |i| block_range(len, n, i);
             ring::reduce_scatter_inplace(&ctx, ring::RingOrder::world(&ctx), work, blocks, op, seg, 0, stride).await?;
             let result = &mut work[mine.clone()];
             crate::reduce::finish_avg(op, result, n as u32);
