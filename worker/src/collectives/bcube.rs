@@ -15,8 +15,8 @@
 //! Bit-exactness: every element's final value is computed by one rank only; the allgather
 //! copies its bytes.
 
-use super::Ctx;
 use crate::blocks::block_range;
+use crate::comm::Ctx;
 use crate::dtype::Element;
 use crate::reduce::{combine, finish_avg, ReduceOp};
 use cohort_transports::{Transport, TransportError};

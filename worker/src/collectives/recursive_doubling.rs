@@ -11,7 +11,7 @@
 //! from the same two vectors, so both hold identical bytes afterwards; by induction all
 //! participants end identical, and the folded ranks receive a copy.
 
-use super::Ctx;
+use crate::comm::Ctx;
 use crate::dtype::{as_bytes, as_bytes_mut, Element};
 use crate::reduce::{combine, finish_avg, ReduceOp};
 use cohort_transports::{Transport, TransportError};

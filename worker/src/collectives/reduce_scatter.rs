@@ -9,9 +9,6 @@ use crate::error::CommError;
 use crate::reduce::ReduceOp;
 use cohort_transports::Transport;
 
-/// The reduce-scatter call.
-pub(crate) const REDUCE_SCATTER: CallKind = CallKind { name: "reduce_scatter", code: 1 };
-
 impl<T: Transport> Communicator<T> {
     /// Reduce-scatter: reduces all ranks' `input` element-wise and leaves this rank's block of
     /// the result in `output`. Blocks follow [`crate::counts_for`]`(input.len(), size)`: the first
@@ -35,7 +32,8 @@ impl<T: Transport> Communicator<T> {
                 mine.len()
             )
         });
-        let call = Call { dtype: Some(E::DTYPE), op: Some(op), count: len as u64, ..Call::new(REDUCE_SCATTER) };
+        let call =
+            Call { dtype: Some(E::DTYPE), op: Some(op), count: len as u64, ..Call::new(CallKind::REDUCE_SCATTER) };
         self.run(call, std::mem::size_of::<E>(), std::mem::size_of_val(input), valid, true, async |ctx, scratch| {
             let seg_need = ctx.seg.min(len.div_ceil(n));
             let all = scratch.get::<E>(len + seg_need);

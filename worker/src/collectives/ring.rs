@@ -12,8 +12,8 @@
 //! Bit-exactness: each element's final value is computed once, by the block's owner, and the
 //! allgather copies those bytes to everybody.
 
-use super::Ctx;
 use crate::blocks::block_range;
+use crate::comm::Ctx;
 use crate::dtype::{as_bytes_mut, Element};
 use crate::reduce::{combine, finish_avg, ReduceOp};
 use cohort_transports::{Transport, TransportError};
