@@ -7,38 +7,11 @@
 //! code. A name imported through a re-export (`use crate::Rank`, re-exported by `lib.rs` from
 //! `wire.rs`) points at the file that defines it, not at the facade; declaring a module
 //! (`mod x;`) is no arrow. Comments, string literals and `#[cfg(test)]` items are left out
-//! (tests may reach anywhere). A cycle of arrows fails the test, printed with the line that
-//! draws each arrow.
+//! (tests may reach anywhere). Any cycle of arrows fails the test (there is no list of
+//! exceptions), printed with the line that draws each arrow.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::path::{Path, PathBuf};
-
-/// Arrows back up that are known and not yet removed, each with why it is still there. The
-/// test fails on any other cycle, and on an entry here that no longer exists (delete it then).
-/// `transports/src` has none.
-const KNOWN_ARROWS_BACK: &[(&str, &str, &str)] = &[
-    ("worker/src/collectives/mod.rs", "worker/src/comm.rs", CALLS_ABOVE_COMM),
-    ("worker/src/collectives/mod.rs", "worker/src/collectives/allgather.rs", CALLS_ABOVE_COMM),
-    ("worker/src/collectives/mod.rs", "worker/src/collectives/allreduce.rs", CALLS_ABOVE_COMM),
-    ("worker/src/collectives/mod.rs", "worker/src/collectives/alltoall.rs", CALLS_ABOVE_COMM),
-    ("worker/src/collectives/mod.rs", "worker/src/collectives/barrier.rs", CALLS_ABOVE_COMM),
-    ("worker/src/collectives/mod.rs", "worker/src/collectives/p2p.rs", CALLS_ABOVE_COMM),
-    ("worker/src/collectives/mod.rs", "worker/src/collectives/reduce_scatter.rs", CALLS_ABOVE_COMM),
-    ("worker/src/collectives/mod.rs", "worker/src/collectives/tree.rs", CALLS_ABOVE_COMM),
-    (
-        "worker/src/topology.rs",
-        "worker/src/collectives/mod.rs",
-        "the host layout splits ranks with `counts_for`, which lives with the schedules' block helpers",
-    ),
-    (
-        "worker/src/reduce.rs",
-        "worker/src/dtype.rs",
-        "the generic `reduce`, `reduce_rev` and `finish_avg` over `Element` sit beside the kernels `Element` is built on (public paths)",
-    ),
-];
-
-/// Why the collectives' module lists every collective and names comm.rs's `CallKind`.
-const CALLS_ABOVE_COMM: &str = "collectives/mod.rs lists every collective's `CallKind` (`CALLS`, which comm.rs reads to name the peer's call in a mismatch) while each collective builds on comm.rs: the list belongs beside `CallKind` in comm.rs";
 
 /// One module of a crate (a file, or an inline `mod x { .. }` inside one).
 #[derive(Debug, Default)]
@@ -544,17 +517,14 @@ fn all_rs(dir: &Path, out: &mut Vec<PathBuf>) {
 fn no_module_imports_a_module_that_depends_on_it() {
     let repo = Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("the repository").to_path_buf();
     let mut report = String::new();
-    let mut known: BTreeSet<(String, String)> =
-        KNOWN_ARROWS_BACK.iter().map(|(a, b, _)| (a.to_string(), b.to_string())).collect();
     for dir in ["transports/src", "worker/src"] {
         let dir = repo.join(dir);
         let mut seen = BTreeSet::new();
         let mut edges = 0;
         for root in crate_roots(&dir) {
             let tree = read_crate(&repo, &root, &mut seen);
-            let mut arrows = arrows(&tree);
+            let arrows = arrows(&tree);
             edges += arrows.len();
-            arrows.retain(|k, _| !known.remove(k));
             for (cycle, group) in cycles(&arrows) {
                 report.push_str(&format!(
                     "\n  cycle in the crate of {}:{}",
@@ -576,7 +546,6 @@ fn no_module_imports_a_module_that_depends_on_it() {
         assert!(unread.is_empty(), "files outside the module tree as read: {unread:?}");
         assert!(edges > 20, "only {edges} arrows found in {}: the reader is broken", dir.display());
     }
-    assert!(known.is_empty(), "known arrows back that are gone (remove them from KNOWN_ARROWS_BACK): {known:?}");
     assert!(report.is_empty(), "modules that import a module depending on them:{report}");
 }
 

@@ -1,19 +1,19 @@
 //! The [`Communicator`]: collectives of one generation over a [`Transport`], with deadlines,
 //! revocation and poisoning.
 //!
-//! This module is the machinery every call goes through: the call signature (`Call`,
-//! `CallKind`), sequence numbers, the whole-op bound, cancellation, poisoning and
-//! revocation (`Communicator::run`). The collective methods themselves (`allreduce`,
-//! `broadcast`, ...) live beside their schedules in `crate::collectives`, one file per
-//! collective or family.
+//! This module is the machinery every call goes through: the call signature (`Call`, and
+//! `CallKind`, which lists every collective), sequence numbers, the whole-op bound,
+//! cancellation, poisoning and revocation (`Communicator::run`), and the `Ctx` a schedule runs
+//! with. The collective methods themselves (`allreduce`, `broadcast`, ...) live beside their
+//! schedules in `crate::collectives`, one file per collective or family; they build on this
+//! module, never the reverse.
 
 use crate::algo::Algorithm;
-use crate::collectives::{bcube, Ctx};
-use crate::dtype::{DType, Scratch};
+use crate::dtype::{as_bytes, as_bytes_mut, DType, Element, Scratch};
 use crate::error::{CommError, OpProgress, RootCause};
 use crate::reduce::ReduceOp;
 use crate::topology::HostLayout;
-use cohort_transports::{AbortReason, Silence, Transport, TransportError};
+use cohort_transports::{AbortReason, Rank, Silence, Tag, Transport, TransportError};
 use std::fmt;
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -110,17 +110,61 @@ impl fmt::Debug for Revoker {
 /// goes into the call signature every message carries, so that ranks calling different
 /// collectives fail with a mismatch instead of exchanging garbage.
 ///
-/// Each collective declares its own in its file under `collectives/` (for example
-/// `collectives::barrier::BARRIER`); `CALLS` in the tests of `collectives` lists them all, and a unit test
-/// checks that no two share a code or a name. The codes of the collectives that existed when
-/// they moved out of a central enum are that enum's discriminants, so signatures did not
-/// change; a new collective takes the next free code.
+/// Every collective's kind is a constant here (`CallKind::BARRIER`, ...), listed in
+/// [`CallKind::ALL`]; a unit test checks that no two share a code or a name. The codes are
+/// those of the central enum the kinds once were, so signatures never changed; a new
+/// collective takes the next free code.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct CallKind {
     /// The collective's name, as the method is called.
     pub(crate) name: &'static str,
-    /// Its byte in the call signature; unique among all collectives (a unit test of `collectives` checks).
+    /// Its byte in the call signature; unique among all collectives (a unit test checks).
     pub(crate) code: u8,
+}
+
+impl CallKind {
+    /// `allreduce`, every algorithm (the algorithm is a field of the signature).
+    pub(crate) const ALLREDUCE: CallKind = CallKind { name: "allreduce", code: 0 };
+    /// `reduce_scatter`.
+    pub(crate) const REDUCE_SCATTER: CallKind = CallKind { name: "reduce_scatter", code: 1 };
+    /// `allgather` (equal blocks).
+    pub(crate) const ALLGATHER: CallKind = CallKind { name: "allgather", code: 2 };
+    /// `allgatherv` (per-rank counts, hashed into the signature).
+    pub(crate) const ALLGATHERV: CallKind = CallKind { name: "allgatherv", code: 3 };
+    /// `broadcast`.
+    pub(crate) const BROADCAST: CallKind = CallKind { name: "broadcast", code: 4 };
+    /// `reduce` (to a root).
+    pub(crate) const REDUCE: CallKind = CallKind { name: "reduce", code: 5 };
+    /// `gather`.
+    pub(crate) const GATHER: CallKind = CallKind { name: "gather", code: 6 };
+    /// `scatter`.
+    pub(crate) const SCATTER: CallKind = CallKind { name: "scatter", code: 7 };
+    /// `alltoall` (equal blocks).
+    pub(crate) const ALLTOALL: CallKind = CallKind { name: "alltoall", code: 8 };
+    /// `alltoallv` (per-pair counts).
+    pub(crate) const ALLTOALLV: CallKind = CallKind { name: "alltoallv", code: 9 };
+    /// `barrier`.
+    pub(crate) const BARRIER: CallKind = CallKind { name: "barrier", code: 10 };
+    /// Point-to-point messages (`send` and `recv` share it).
+    pub(crate) const P2P: CallKind = CallKind { name: "p2p", code: 11 };
+
+    /// Every collective's kind; every code fits the 5 bits the call signature gives it
+    /// (below 32). A mismatch error decodes the peer's call kind from its signature through
+    /// this list. The next free code is 12.
+    pub(crate) const ALL: [CallKind; 12] = [
+        Self::ALLREDUCE,
+        Self::REDUCE_SCATTER,
+        Self::ALLGATHER,
+        Self::ALLGATHERV,
+        Self::BROADCAST,
+        Self::REDUCE,
+        Self::GATHER,
+        Self::SCATTER,
+        Self::ALLTOALL,
+        Self::ALLTOALLV,
+        Self::BARRIER,
+        Self::P2P,
+    ];
 }
 
 /// What a call was made with; hashed into the signature every message carries.
@@ -191,7 +235,7 @@ pub(crate) const P2P_STEP_BASE: u64 = cohort_transports::wire::P2P_STEP_BASE as 
 /// algorithm), this rank's in full, and the list of what differs.
 fn describe_mismatch(ours: &Call, theirs: u32) -> String {
     let field = |shift: u32| ((theirs >> shift) & 7) as u8;
-    let kind = crate::collectives::CALLS.iter().find(|k| u32::from(k.code) == theirs >> 27);
+    let kind = CallKind::ALL.iter().find(|k| u32::from(k.code) == theirs >> 27);
     let dtype = DType::ALL.into_iter().find(|d| d.code() == field(24));
     let op = ReduceOp::ALL.into_iter().find(|o| o.code() == field(21));
     let algo = Algorithm::CONCRETE.into_iter().chain([Algorithm::Auto]).find(|a| a.code() == field(18));
@@ -311,8 +355,6 @@ pub struct Communicator<T: Transport> {
     poisoned: Option<CommError>,
     in_flight: bool,
     scratch: Scratch,
-    /// The BCube group sizes (for the BCube allreduce).
-    pub(crate) bcube_dims: Arc<[u32]>,
     /// Which host each rank is on (for the hierarchical allreduce).
     layout: HostLayout,
     /// The ranks of every host, from `layout`.
@@ -342,7 +384,6 @@ impl<T: Transport> Communicator<T> {
     /// A communicator over `transport` (connected for one generation) with `config`.
     pub fn new(transport: Arc<T>, config: CommConfig) -> Self {
         let (rank, size, generation) = (transport.rank(), transport.world_size(), transport.generation());
-        let bcube_dims: Arc<[u32]> = bcube::factorize(size, config.bcube_base).into();
         Self {
             transport,
             config,
@@ -354,7 +395,6 @@ impl<T: Transport> Communicator<T> {
             poisoned: None,
             in_flight: false,
             scratch: Scratch::default(),
-            bcube_dims,
             layout: HostLayout::flat(size),
             hosts: HostLayout::flat(size).hosts().into(),
             p2p_send: vec![P2P_STEP_BASE; size as usize],
@@ -560,6 +600,78 @@ async fn drive<F: Future<Output = Result<(), TransportError>>>(limit: Option<Dur
     }
 }
 
+/// One operation's view of the transport, which [`Communicator::run`] hands the schedule.
+///
+/// Schedules receive through [`Ctx::recv`] (or [`Ctx::recv_segs`]), never `t.recv`
+/// directly: the count of received messages is how far this rank got in the operation,
+/// which a timeout report carries (see [`crate::OpProgress`]).
+pub(crate) struct Ctx<'a, T> {
+    /// The transport (send through it; receive through [`Ctx::recv`]).
+    pub t: &'a T,
+    /// Messages received so far in this operation.
+    pub received: &'a AtomicU64,
+    /// This rank.
+    pub rank: usize,
+    /// World size.
+    pub size: usize,
+    /// The operation's sequence number.
+    pub seq: u32,
+    /// The call signature every message carries.
+    pub sig: u32,
+    /// Elements per message (at least 1).
+    pub seg: usize,
+}
+
+impl<T: Transport> Ctx<'_, T> {
+    /// The tag of message `step`; fails if the schedule runs out of the 32-bit step space.
+    pub(crate) fn tag(&self, step: u64) -> Result<Tag, TransportError> {
+        u32::try_from(step).map(|s| Tag::new(self.seq, s, self.sig)).map_err(|_| {
+            TransportError::InvalidArgument(format!(
+                "operation needs more than 2^32 messages per link at {} elements per segment; raise segment_bytes",
+                self.seg
+            ))
+        })
+    }
+
+    /// Number of messages that carry `len` elements.
+    pub(crate) fn nsegs(&self, len: usize) -> u64 {
+        len.div_ceil(self.seg) as u64
+    }
+
+    /// Sends `data` to `peer` as segments with steps `step0, step0 + 1, ...` (nothing if empty).
+    pub(crate) async fn send_segs<E: Element>(
+        &self,
+        peer: usize,
+        step0: u64,
+        data: &[E],
+    ) -> Result<(), TransportError> {
+        for (k, chunk) in data.chunks(self.seg).enumerate() {
+            self.t.send(peer as u32, self.tag(step0 + k as u64)?, as_bytes(chunk)).await?;
+        }
+        Ok(())
+    }
+
+    /// Receives message `tag` from `peer` into `buf` and counts it.
+    pub(crate) async fn recv(&self, peer: Rank, tag: Tag, buf: &mut [u8]) -> Result<(), TransportError> {
+        self.t.recv(peer, tag, buf).await?;
+        self.received.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Receives into `buf` from `peer` the segments sent by [`Ctx::send_segs`] with `step0`.
+    pub(crate) async fn recv_segs<E: Element>(
+        &self,
+        peer: usize,
+        step0: u64,
+        buf: &mut [E],
+    ) -> Result<(), TransportError> {
+        for (k, chunk) in buf.chunks_mut(self.seg).enumerate() {
+            self.recv(peer as u32, self.tag(step0 + k as u64)?, as_bytes_mut(chunk)).await?;
+        }
+        Ok(())
+    }
+}
+
 impl<T: Transport> Communicator<T> {
     /// Runs one operation: refuses it if poisoned or revoked, checks `valid`, takes a sequence
     /// number (unless `advance` is false: point-to-point), runs `body` with a [`Ctx`] and the
@@ -608,22 +720,32 @@ pub(crate) fn check(cond: bool, msg: impl FnOnce() -> String) -> Result<(), Stri
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::collectives::{allreduce::ALLREDUCE, barrier::BARRIER, tree::BROADCAST};
+
+    #[test]
+    fn call_kinds_are_distinct() {
+        for (i, a) in CallKind::ALL.iter().enumerate() {
+            assert!(a.code < 32, "{}'s code {} does not fit the signature's 5 bits", a.name, a.code);
+            for b in &CallKind::ALL[i + 1..] {
+                assert_ne!(a.code, b.code, "{} and {} share a signature code", a.name, b.name);
+                assert_ne!(a.name, b.name, "two collectives are named {}", a.name);
+            }
+        }
+    }
 
     /// The signature bits are what ranks of different builds compare, so their layout must not
     /// change by accident: the collective's code in the top 5 bits, then dtype, op and
     /// algorithm codes in 3 bits each, then an 18-bit hash of count, root and extra.
     #[test]
     fn call_signatures_are_stable() {
-        assert_eq!(Call::new(BARRIER).signature() >> 18, 10 << 9);
-        let broadcast = Call { dtype: Some(DType::F32), count: 7, root: Some(2), ..Call::new(BROADCAST) };
+        assert_eq!(Call::new(CallKind::BARRIER).signature() >> 18, 10 << 9);
+        let broadcast = Call { dtype: Some(DType::F32), count: 7, root: Some(2), ..Call::new(CallKind::BROADCAST) };
         assert_eq!(broadcast.signature() >> 18, (4 << 9) | (1 << 6));
         let allreduce = Call {
             dtype: Some(DType::U8),
             op: Some(ReduceOp::Avg),
             algo: Some(Algorithm::Hierarchical),
             count: 7,
-            ..Call::new(ALLREDUCE)
+            ..Call::new(CallKind::ALLREDUCE)
         };
         assert_eq!(allreduce.signature() >> 18, (7 << 6) | (5 << 3) | 5);
         let other_count = Call { count: 8, ..allreduce };
@@ -635,8 +757,9 @@ mod tests {
     /// "signature 0x.. received, 0x.. expected" said nothing).
     #[test]
     fn a_mismatch_names_both_calls_and_what_differs() {
-        let ours = Call { dtype: Some(DType::F32), op: Some(ReduceOp::Sum), count: 1000, ..Call::new(ALLREDUCE) };
-        let theirs = Call { dtype: Some(DType::U8), count: 1000, root: Some(1), ..Call::new(BROADCAST) };
+        let ours =
+            Call { dtype: Some(DType::F32), op: Some(ReduceOp::Sum), count: 1000, ..Call::new(CallKind::ALLREDUCE) };
+        let theirs = Call { dtype: Some(DType::U8), count: 1000, root: Some(1), ..Call::new(CallKind::BROADCAST) };
         assert_eq!(
             describe_mismatch(&ours, theirs.signature()),
             "it called broadcast(u8) where this rank called allreduce(count 1000, f32, sum): \

@@ -1,6 +1,7 @@
-//! Element types the collectives move and reduce, and byte views of their slices.
+//! Element types the collectives move and reduce, their arithmetic, and byte views of their
+//! slices.
 
-use crate::reduce::{self, ReduceOp};
+use crate::kernels::{apply, through_f32};
 use half::{bf16, f16};
 use std::fmt;
 use std::str::FromStr;
@@ -97,12 +98,24 @@ pub trait Element: sealed::Sealed + Copy + Default + PartialEq + fmt::Debug + Se
     /// The matching [`DType`].
     const DTYPE: DType;
 
-    /// `acc[i] = acc[i] op other[i]`, or `other[i] op acc[i]` when `other_first`. `Avg` reduces
-    /// as `Sum`. Both slices have the same length.
+    /// `acc[i] += other[i]` (wrapping for integers) over the common length; `other_first`
+    /// puts `other[i]` on the left. What [`crate::reduce`] runs for `Sum` and `Avg`.
     #[doc(hidden)]
-    fn combine(op: ReduceOp, acc: &mut [Self], other: &[Self], other_first: bool);
+    fn add_into(acc: &mut [Self], other: &[Self], other_first: bool);
 
-    /// Divides every element by `n` (the final step of `Avg`).
+    /// `acc[i] *= other[i]` (wrapping for integers); see [`Element::add_into`].
+    #[doc(hidden)]
+    fn mul_into(acc: &mut [Self], other: &[Self], other_first: bool);
+
+    /// `acc[i] = min(acc[i], other[i])` (IEEE minNum for floats); see [`Element::add_into`].
+    #[doc(hidden)]
+    fn min_into(acc: &mut [Self], other: &[Self], other_first: bool);
+
+    /// `acc[i] = max(acc[i], other[i])` (IEEE maxNum for floats); see [`Element::add_into`].
+    #[doc(hidden)]
+    fn max_into(acc: &mut [Self], other: &[Self], other_first: bool);
+
+    /// Divides every element by `n` (the final step of `Avg`; truncating for integers).
     #[doc(hidden)]
     fn divide(data: &mut [Self], n: u32);
 }
@@ -113,13 +126,20 @@ macro_rules! float_element {
         impl Element for $t {
             const DTYPE: DType = $d;
             #[inline]
-            fn combine(op: ReduceOp, acc: &mut [Self], other: &[Self], other_first: bool) {
-                match op {
-                    ReduceOp::Sum | ReduceOp::Avg => reduce::apply(acc, other, other_first, |a, b| a + b),
-                    ReduceOp::Prod => reduce::apply(acc, other, other_first, |a, b| a * b),
-                    ReduceOp::Min => reduce::apply(acc, other, other_first, <$t>::min),
-                    ReduceOp::Max => reduce::apply(acc, other, other_first, <$t>::max),
-                }
+            fn add_into(acc: &mut [Self], other: &[Self], other_first: bool) {
+                apply(acc, other, other_first, |a, b| a + b);
+            }
+            #[inline]
+            fn mul_into(acc: &mut [Self], other: &[Self], other_first: bool) {
+                apply(acc, other, other_first, |a, b| a * b);
+            }
+            #[inline]
+            fn min_into(acc: &mut [Self], other: &[Self], other_first: bool) {
+                apply(acc, other, other_first, <$t>::min);
+            }
+            #[inline]
+            fn max_into(acc: &mut [Self], other: &[Self], other_first: bool) {
+                apply(acc, other, other_first, <$t>::max);
             }
             fn divide(data: &mut [Self], n: u32) {
                 let n = n as $t;
@@ -137,13 +157,20 @@ macro_rules! int_element {
         impl Element for $t {
             const DTYPE: DType = $d;
             #[inline]
-            fn combine(op: ReduceOp, acc: &mut [Self], other: &[Self], other_first: bool) {
-                match op {
-                    ReduceOp::Sum | ReduceOp::Avg => reduce::apply(acc, other, other_first, <$t>::wrapping_add),
-                    ReduceOp::Prod => reduce::apply(acc, other, other_first, <$t>::wrapping_mul),
-                    ReduceOp::Min => reduce::apply(acc, other, other_first, Ord::min),
-                    ReduceOp::Max => reduce::apply(acc, other, other_first, Ord::max),
-                }
+            fn add_into(acc: &mut [Self], other: &[Self], other_first: bool) {
+                apply(acc, other, other_first, <$t>::wrapping_add);
+            }
+            #[inline]
+            fn mul_into(acc: &mut [Self], other: &[Self], other_first: bool) {
+                apply(acc, other, other_first, <$t>::wrapping_mul);
+            }
+            #[inline]
+            fn min_into(acc: &mut [Self], other: &[Self], other_first: bool) {
+                apply(acc, other, other_first, Ord::min);
+            }
+            #[inline]
+            fn max_into(acc: &mut [Self], other: &[Self], other_first: bool) {
+                apply(acc, other, other_first, Ord::max);
             }
             fn divide(data: &mut [Self], n: u32) {
                 let n = <$wide>::from(n);
@@ -162,11 +189,23 @@ macro_rules! half_element {
         impl Element for $t {
             const DTYPE: DType = $d;
             #[inline]
-            fn combine(op: ReduceOp, acc: &mut [Self], other: &[Self], other_first: bool) {
-                reduce::through_f32(acc, other, |a, b| f32::combine(op, a, b, other_first));
+            fn add_into(acc: &mut [Self], other: &[Self], other_first: bool) {
+                through_f32(acc, other, |a, b| f32::add_into(a, b, other_first));
+            }
+            #[inline]
+            fn mul_into(acc: &mut [Self], other: &[Self], other_first: bool) {
+                through_f32(acc, other, |a, b| f32::mul_into(a, b, other_first));
+            }
+            #[inline]
+            fn min_into(acc: &mut [Self], other: &[Self], other_first: bool) {
+                through_f32(acc, other, |a, b| f32::min_into(a, b, other_first));
+            }
+            #[inline]
+            fn max_into(acc: &mut [Self], other: &[Self], other_first: bool) {
+                through_f32(acc, other, |a, b| f32::max_into(a, b, other_first));
             }
             fn divide(data: &mut [Self], n: u32) {
-                reduce::through_f32(data, &[], |a, _| f32::divide(a, n));
+                through_f32(data, &[], |a, _| f32::divide(a, n));
             }
         }
     };

@@ -15,6 +15,7 @@
 //! change in any release, and nothing outside this workspace should enable it.
 
 pub mod algo;
+mod blocks;
 pub mod collectives;
 pub mod comm;
 pub mod control;
@@ -23,13 +24,14 @@ pub mod elastic;
 pub mod error;
 pub mod events;
 pub mod exact;
+mod kernels;
 pub mod metrics;
 pub mod reduce;
 pub mod topology;
 pub mod trajectory;
 
 pub use algo::Algorithm;
-pub use collectives::counts_for;
+pub use blocks::counts_for;
 pub use comm::{CommConfig, Communicator, Revoker};
 pub use dtype::{as_bytes, as_bytes_mut, DType, Element};
 pub use error::{CommError, OpProgress, RootCause};

@@ -1,8 +1,8 @@
-//! Reduction operators and their element-wise kernels.
+//! Reduction operators, and reducing slices of any [`Element`] type with them.
 //!
-//! Kernels are plain chunked loops over slices so that LLVM vectorises them (fixed-width inner
-//! loops over `chunks_exact`, a scalar tail). f16 and bf16 are widened to f32 in blocks of 64,
-//! combined there, and rounded back once per combination.
+//! Each element type carries its arithmetic (wrapping integer sums, IEEE minNum, f16 and bf16
+//! through f32; the vectorised loops are in `kernels.rs`); an operator chooses which of it a
+//! reduction runs.
 //!
 //! # Semantics per op
 //! - `Sum`, `Prod`: IEEE arithmetic for floats; wrapping arithmetic for integers.
@@ -20,7 +20,6 @@
 //! identical bytes even for non-associative float sums.
 
 use crate::dtype::Element;
-use half::slice::HalfFloatSliceExt;
 use std::fmt;
 use std::str::FromStr;
 
@@ -95,7 +94,7 @@ impl FromStr for ReduceOp {
 /// If the slices differ in length.
 pub fn reduce<E: Element>(op: ReduceOp, acc: &mut [E], other: &[E]) {
     assert_eq!(acc.len(), other.len(), "reduce: operand lengths differ");
-    E::combine(op, acc, other, false);
+    combine(op, acc, other, false);
 }
 
 /// `acc[i] = other[i] op acc[i]` for every `i`: like [`reduce`] with the operands swapped,
@@ -105,7 +104,7 @@ pub fn reduce<E: Element>(op: ReduceOp, acc: &mut [E], other: &[E]) {
 /// If the slices differ in length.
 pub fn reduce_rev<E: Element>(op: ReduceOp, acc: &mut [E], other: &[E]) {
     assert_eq!(acc.len(), other.len(), "reduce_rev: operand lengths differ");
-    E::combine(op, acc, other, true);
+    combine(op, acc, other, true);
 }
 
 /// The final step of [`ReduceOp::Avg`] over `world_size` contributions: divides every element.
@@ -116,59 +115,15 @@ pub fn finish_avg<E: Element>(op: ReduceOp, data: &mut [E], world_size: u32) {
     }
 }
 
-/// Elements per inner loop: wide enough for AVX-512 on 4-byte types and a few iterations of
-/// unrolling on narrower units.
-const LANES: usize = 32;
-
-/// Applies `f` element-wise: `acc[i] = f(acc[i], other[i])` (or `f(other[i], acc[i])` when
-/// `other_first`), in fixed-width chunks that vectorise.
-#[inline(always)]
-pub(crate) fn apply<E: Copy, F: Fn(E, E) -> E>(acc: &mut [E], other: &[E], other_first: bool, f: F) {
-    if other_first {
-        zip_chunks(acc, other, |a, b| f(b, a));
-    } else {
-        zip_chunks(acc, other, f);
-    }
-}
-
-#[inline(always)]
-fn zip_chunks<E: Copy, F: Fn(E, E) -> E>(acc: &mut [E], other: &[E], f: F) {
-    let n = acc.len().min(other.len());
-    let (acc, other) = (&mut acc[..n], &other[..n]);
-    let mut a = acc.chunks_exact_mut(LANES);
-    let mut b = other.chunks_exact(LANES);
-    for (ca, cb) in (&mut a).zip(&mut b) {
-        for i in 0..LANES {
-            ca[i] = f(ca[i], cb[i]);
-        }
-    }
-    for (x, y) in a.into_remainder().iter_mut().zip(b.remainder()) {
-        *x = f(*x, *y);
-    }
-}
-
-/// Widens `acc` (and `other`, if not empty) to f32 in blocks of 64, runs `f` on the blocks and
-/// narrows the result back into `acc` (round to nearest even).
+/// `acc[i] = acc[i] op other[i]`, or `other[i] op acc[i]` when `other_first`, over the common
+/// length of the slices (`Avg` combines as `Sum`): what the schedules combine segments with.
 #[inline]
-pub(crate) fn through_f32<H, F>(acc: &mut [H], other: &[H], f: F)
-where
-    [H]: HalfFloatSliceExt,
-    F: Fn(&mut [f32], &[f32]),
-{
-    const BLOCK: usize = 64;
-    let mut wa = [0f32; BLOCK];
-    let mut wb = [0f32; BLOCK];
-    for (i, ca) in acc.chunks_mut(BLOCK).enumerate() {
-        let n = ca.len();
-        ca.convert_to_f32_slice(&mut wa[..n]);
-        let wb = if other.is_empty() {
-            &wb[..0]
-        } else {
-            other[i * BLOCK..i * BLOCK + n].convert_to_f32_slice(&mut wb[..n]);
-            &wb[..n]
-        };
-        f(&mut wa[..n], wb);
-        ca.convert_from_f32_slice(&wa[..n]);
+pub(crate) fn combine<E: Element>(op: ReduceOp, acc: &mut [E], other: &[E], other_first: bool) {
+    match op {
+        ReduceOp::Sum | ReduceOp::Avg => E::add_into(acc, other, other_first),
+        ReduceOp::Prod => E::mul_into(acc, other, other_first),
+        ReduceOp::Min => E::min_into(acc, other, other_first),
+        ReduceOp::Max => E::max_into(acc, other, other_first),
     }
 }
 

@@ -42,7 +42,7 @@ impl HostLayout {
     /// get one rank more), as a launcher places them.
     pub fn blocks(ranks: u32, hosts: u32) -> Self {
         let hosts = hosts.clamp(1, ranks.max(1));
-        let counts = crate::collectives::counts_for(ranks as usize, hosts);
+        let counts = crate::blocks::counts_for(ranks as usize, hosts);
         let host_of = counts.iter().enumerate().flat_map(|(h, &c)| std::iter::repeat_n(h as u32, c)).collect();
         Self { host_of }
     }

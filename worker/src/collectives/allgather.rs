@@ -2,15 +2,11 @@
 //! phase (`ring::allgather_inplace`).
 
 use super::ring;
+use crate::blocks::offsets;
 use crate::comm::{check, hash_counts, Call, CallKind, Communicator};
 use crate::dtype::Element;
 use crate::error::CommError;
 use cohort_transports::Transport;
-
-/// The allgather call (equal blocks).
-pub(crate) const ALLGATHER: CallKind = CallKind { name: "allgather", code: 2 };
-/// The allgatherv call (per-rank counts, hashed into the signature).
-pub(crate) const ALLGATHERV: CallKind = CallKind { name: "allgatherv", code: 3 };
 
 impl<T: Transport> Communicator<T> {
     /// Allgather: `output` (of `input.len() * size` elements) gets rank `i`'s `input` as block
@@ -22,7 +18,7 @@ impl<T: Transport> Communicator<T> {
         let (m, n, rank) = (input.len(), self.size() as usize, self.rank() as usize);
         let valid =
             check(output.len() == m * n, || format!("output has {} elements, expected {m} x {n}", output.len()));
-        let call = Call { dtype: Some(E::DTYPE), count: m as u64, ..Call::new(ALLGATHER) };
+        let call = Call { dtype: Some(E::DTYPE), count: m as u64, ..Call::new(CallKind::ALLGATHER) };
         self.run(call, std::mem::size_of::<E>(), std::mem::size_of_val(output), valid, true, async |ctx, _scratch| {
             output[rank * m..(rank + 1) * m].copy_from_slice(input);
             ring::allgather_inplace(&ctx, ring::RingOrder::world(&ctx), output, |i| i * m..(i + 1) * m, 0, ctx.nsegs(m))
@@ -54,10 +50,14 @@ impl<T: Transport> Communicator<T> {
             .and_then(|_| {
                 check(output.len() == total, || format!("output has {} elements, counts sum to {total}", output.len()))
             });
-        let call =
-            Call { dtype: Some(E::DTYPE), count: total as u64, extra: hash_counts(counts), ..Call::new(ALLGATHERV) };
+        let call = Call {
+            dtype: Some(E::DTYPE),
+            count: total as u64,
+            extra: hash_counts(counts),
+            ..Call::new(CallKind::ALLGATHERV)
+        };
         self.run(call, std::mem::size_of::<E>(), std::mem::size_of_val(output), valid, true, async |ctx, _scratch| {
-            let offs = super::offsets(counts);
+            let offs = offsets(counts);
             output[offs[rank]..offs[rank] + counts[rank]].copy_from_slice(input);
             let stride = ctx.nsegs(counts.iter().copied().max().unwrap_or(0));
             ring::allgather_inplace(

@@ -10,9 +10,6 @@ use crate::reduce::ReduceOp;
 use cohort_transports::Transport;
 use half::{bf16, f16};
 
-/// The allreduce call (every algorithm; the algorithm is a field of the signature).
-pub(crate) const ALLREDUCE: CallKind = CallKind { name: "allreduce", code: 0 };
-
 impl<T: Transport> Communicator<T> {
     /// Allreduce `data` in place with the configured algorithm: afterwards every rank holds
     /// the element-wise reduction of all ranks' `data`, with identical bytes on every rank.
@@ -44,10 +41,11 @@ impl<T: Transport> Communicator<T> {
             count: data.len() as u64,
             algo: Some(algo),
             extra: if algo == Algorithm::Hierarchical { self.layout().fingerprint() } else { 0 },
-            ..Call::new(ALLREDUCE)
+            ..Call::new(CallKind::ALLREDUCE)
         };
         let (len, n) = (data.len(), self.size() as usize);
-        let dims = self.bcube_dims.clone();
+        let dims =
+            if algo == Algorithm::Bcube { bcube::factorize(n as u32, self.config().bcube_base) } else { Vec::new() };
         let hosts = self.hosts.clone();
         self.run(call, std::mem::size_of::<E>(), bytes, Ok(()), true, async |ctx, scratch| match algo {
             Algorithm::Ring | Algorithm::Auto => {

@@ -4,16 +4,11 @@
 //! `r - i`, both at once; its own block is copied locally. Every link carries one message per
 //! direction per call, and each rank has exactly one send and one receive in flight.
 
-use super::{offsets, Ctx};
-use crate::comm::{check, Call, CallKind, Communicator};
+use crate::blocks::offsets;
+use crate::comm::{check, Call, CallKind, Communicator, Ctx};
 use crate::dtype::Element;
 use crate::error::CommError;
 use cohort_transports::{Transport, TransportError};
-
-/// The alltoall call (equal blocks).
-pub(crate) const ALLTOALL: CallKind = CallKind { name: "alltoall", code: 8 };
-/// The alltoallv call (per-pair counts).
-pub(crate) const ALLTOALLV: CallKind = CallKind { name: "alltoallv", code: 9 };
 
 /// Pairwise all-to-all with per-destination `send_counts` and per-source `recv_counts`
 /// (validated by the caller: both of length n, summing to the buffer lengths, and
@@ -55,7 +50,7 @@ impl<T: Transport> Communicator<T> {
             check(input.len() % n == 0, || format!("{} elements do not split into {n} equal blocks", input.len()))
         });
         let m = input.len() / n;
-        let call = Call { dtype: Some(E::DTYPE), count: input.len() as u64, ..Call::new(ALLTOALL) };
+        let call = Call { dtype: Some(E::DTYPE), count: input.len() as u64, ..Call::new(CallKind::ALLTOALL) };
         let counts = vec![m; n];
         self.run(call, std::mem::size_of::<E>(), std::mem::size_of_val(input), valid, true, async |ctx, _scratch| {
             alltoallv(&ctx, input, &counts, output, &counts).await
@@ -94,7 +89,7 @@ impl<T: Transport> Communicator<T> {
         .and_then(|_| {
             check(send_counts[rank] == recv_counts[rank], || format!("send_counts[{rank}] != recv_counts[{rank}]"))
         });
-        let call = Call { dtype: Some(E::DTYPE), ..Call::new(ALLTOALLV) };
+        let call = Call { dtype: Some(E::DTYPE), ..Call::new(CallKind::ALLTOALLV) };
         self.run(call, std::mem::size_of::<E>(), std::mem::size_of_val(input), valid, true, async |ctx, _scratch| {
             alltoallv(&ctx, input, send_counts, output, recv_counts).await
         })

@@ -3,13 +3,9 @@
 //! In round `j` rank `r` signals `r + 2^j` and waits for `r - 2^j`. After the last round every
 //! rank has (transitively) heard from every other, so nobody leaves before everybody entered.
 
-use super::Ctx;
-use crate::comm::{Call, CallKind, Communicator};
+use crate::comm::{Call, CallKind, Communicator, Ctx};
 use crate::error::CommError;
 use cohort_transports::{Transport, TransportError};
-
-/// The barrier call.
-pub(crate) const BARRIER: CallKind = CallKind { name: "barrier", code: 10 };
 
 /// Runs the barrier.
 pub(crate) async fn barrier<T: Transport>(ctx: &Ctx<'_, T>) -> Result<(), TransportError> {
@@ -33,6 +29,6 @@ impl<T: Transport> Communicator<T> {
     /// # Cancel safety
     /// Not cancel safe; see [`Communicator::allreduce`].
     pub async fn barrier(&mut self) -> Result<(), CommError> {
-        self.run(Call::new(BARRIER), 1, 0, Ok(()), true, async |ctx, _scratch| barrier(&ctx).await).await
+        self.run(Call::new(CallKind::BARRIER), 1, 0, Ok(()), true, async |ctx, _scratch| barrier(&ctx).await).await
     }
 }

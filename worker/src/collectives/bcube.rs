@@ -15,9 +15,10 @@
 //! Bit-exactness: every element's final value is computed by one rank only; the allgather
 //! copies its bytes.
 
-use super::{block_range, Ctx};
+use crate::blocks::block_range;
+use crate::comm::Ctx;
 use crate::dtype::Element;
-use crate::reduce::{finish_avg, ReduceOp};
+use crate::reduce::{combine, finish_avg, ReduceOp};
 use cohort_transports::{Transport, TransportError};
 use futures::future::{try_join, try_join_all};
 use std::ops::Range;
@@ -146,7 +147,7 @@ pub(crate) async fn allreduce<T: Transport, E: Element>(
                 let hi = mine.end.min(lo + ctx.seg);
                 let target = &mut data[lo..hi];
                 for slot in scratch[..(g.size - 1) * seg].chunks(seg) {
-                    E::combine(op, target, &slot[..hi - lo], false);
+                    combine(op, target, &slot[..hi - lo], false);
                 }
             }
         }

@@ -27,7 +27,8 @@
 //! the cross-host ring) and copied everywhere else; `Avg` divides there, by the world size.
 
 use super::ring::{allgather_inplace, reduce_scatter_inplace, RingOrder};
-use super::{block_range, Ctx};
+use crate::blocks::block_range;
+use crate::comm::Ctx;
 use crate::dtype::Element;
 use crate::reduce::{finish_avg, ReduceOp};
 use cohort_transports::{Transport, TransportError};

@@ -9,9 +9,6 @@ use crate::dtype::Element;
 use crate::error::CommError;
 use cohort_transports::Transport;
 
-/// Point-to-point messages (both directions share it).
-pub(crate) const P2P: CallKind = CallKind { name: "p2p", code: 11 };
-
 impl<T: Transport> Communicator<T> {
     /// Sends `data` to `peer`, which must post a matching [`Communicator::recv`] (same dtype
     /// and length) between the same two collectives: point-to-point messages are ordered per
@@ -21,7 +18,7 @@ impl<T: Transport> Communicator<T> {
     /// Not cancel safe; see [`Communicator::allreduce`].
     pub async fn send<E: Element>(&mut self, data: &[E], peer: u32) -> Result<(), CommError> {
         let valid = self.check_peer(peer);
-        let call = Call { dtype: Some(E::DTYPE), count: data.len() as u64, ..Call::new(P2P) };
+        let call = Call { dtype: Some(E::DTYPE), count: data.len() as u64, ..Call::new(CallKind::P2P) };
         let step0 = self.p2p_send.get(peer as usize).copied().unwrap_or(P2P_STEP_BASE);
         let res = self
             .run(call, std::mem::size_of::<E>(), std::mem::size_of_val(data), valid, false, async |ctx, _scratch| {
@@ -42,7 +39,7 @@ impl<T: Transport> Communicator<T> {
     /// Not cancel safe; see [`Communicator::allreduce`].
     pub async fn recv<E: Element>(&mut self, data: &mut [E], peer: u32) -> Result<(), CommError> {
         let valid = self.check_peer(peer);
-        let call = Call { dtype: Some(E::DTYPE), count: data.len() as u64, ..Call::new(P2P) };
+        let call = Call { dtype: Some(E::DTYPE), count: data.len() as u64, ..Call::new(CallKind::P2P) };
         let step0 = self.p2p_recv.get(peer as usize).copied().unwrap_or(P2P_STEP_BASE);
         let len = data.len();
         let res = self

@@ -11,9 +11,9 @@
 //! from the same two vectors, so both hold identical bytes afterwards; by induction all
 //! participants end identical, and the folded ranks receive a copy.
 
-use super::Ctx;
+use crate::comm::Ctx;
 use crate::dtype::{as_bytes, as_bytes_mut, Element};
-use crate::reduce::{finish_avg, ReduceOp};
+use crate::reduce::{combine, finish_avg, ReduceOp};
 use cohort_transports::{Transport, TransportError};
 
 /// Scratch elements [`allreduce`] needs for `len` elements.
@@ -43,7 +43,7 @@ pub(crate) async fn allreduce<T: Transport, E: Element>(
                 let incoming = &mut scratch[..seg.len()];
                 ctx.recv((rank - 1) as u32, ctx.tag(k as u64)?, as_bytes_mut(incoming)).await?;
                 // The even (lower) rank's operand goes first.
-                E::combine(op, seg, incoming, true);
+                combine(op, seg, incoming, true);
             }
             Some(rank / 2)
         }
@@ -64,7 +64,7 @@ pub(crate) async fn allreduce<T: Transport, E: Element>(
                     ctx.t.send(peer as u32, tag, as_bytes(seg)),
                     ctx.recv(peer as u32, tag, as_bytes_mut(incoming))
                 )?;
-                E::combine(op, seg, incoming, v > pv);
+                combine(op, seg, incoming, v > pv);
             }
         }
     }

@@ -2,14 +2,12 @@
 //! (`ring::reduce_scatter_inplace`).
 
 use super::ring;
+use crate::blocks::block_range;
 use crate::comm::{check, Call, CallKind, Communicator};
 use crate::dtype::Element;
 use crate::error::CommError;
 use crate::reduce::ReduceOp;
 use cohort_transports::Transport;
-
-/// The reduce-scatter call.
-pub(crate) const REDUCE_SCATTER: CallKind = CallKind { name: "reduce_scatter", code: 1 };
 
 impl<T: Transport> Communicator<T> {
     /// Reduce-scatter: reduces all ranks' `input` element-wise and leaves this rank's block of
@@ -26,7 +24,7 @@ impl<T: Transport> Communicator<T> {
         op: ReduceOp,
     ) -> Result<(), CommError> {
         let (len, n, rank) = (input.len(), self.size() as usize, self.rank() as usize);
-        let mine = super::block_range(len, n, rank);
+        let mine = block_range(len, n, rank);
         let valid = check(output.len() == mine.len(), || {
             format!(
                 "output has {} elements, rank {rank}'s block of {len} over {n} ranks has {}",
@@ -34,14 +32,15 @@ impl<T: Transport> Communicator<T> {
                 mine.len()
             )
         });
-        let call = Call { dtype: Some(E::DTYPE), op: Some(op), count: len as u64, ..Call::new(REDUCE_SCATTER) };
+        let call =
+            Call { dtype: Some(E::DTYPE), op: Some(op), count: len as u64, ..Call::new(CallKind::REDUCE_SCATTER) };
         self.run(call, std::mem::size_of::<E>(), std::mem::size_of_val(input), valid, true, async |ctx, scratch| {
             let seg_need = ctx.seg.min(len.div_ceil(n));
             let all = scratch.get::<E>(len + seg_need);
             let (work, seg) = all.split_at_mut(len);
             work.copy_from_slice(input);
             let stride = ctx.nsegs(len.div_ceil(n));
-            let blocks = |i| super::block_range(len, n, i);
+            let blocks = |i| block_range(len, n, i);
             ring::reduce_scatter_inplace(&ctx, ring::RingOrder::world(&ctx), work, blocks, op, seg, 0, stride).await?;
             let result = &mut work[mine.clone()];
             crate::reduce::finish_avg(op, result, n as u32);

@@ -12,9 +12,10 @@
 //! Bit-exactness: each element's final value is computed once, by the block's owner, and the
 //! allgather copies those bytes to everybody.
 
-use super::{block_range, split_rw, Ctx};
+use crate::blocks::block_range;
+use crate::comm::Ctx;
 use crate::dtype::{as_bytes_mut, Element};
-use crate::reduce::{finish_avg, ReduceOp};
+use crate::reduce::{combine, finish_avg, ReduceOp};
 use cohort_transports::{Transport, TransportError};
 use std::ops::Range;
 
@@ -95,7 +96,7 @@ pub(crate) async fn reduce_scatter_inplace<T: Transport, E: Element>(
             for (k, seg) in recv.chunks_mut(ctx.seg).enumerate() {
                 let incoming = &mut scratch[..seg.len()];
                 ctx.recv(left as u32, ctx.tag(step0 + k as u64)?, as_bytes_mut(incoming)).await?;
-                E::combine(op, seg, incoming, false);
+                combine(op, seg, incoming, false);
             }
             Ok(())
         };
@@ -147,4 +148,35 @@ pub(crate) async fn allreduce<T: Transport, E: Element>(
     reduce_scatter_inplace(ctx, ring, data, blocks, op, scratch, 0, stride).await?;
     finish_avg(op, &mut data[blocks(ctx.rank)], n as u32);
     allgather_inplace(ctx, ring, data, blocks, (n as u64 - 1) * stride, stride).await
+}
+
+/// A shared view of range `read` and a mutable view of range `write` of one buffer.
+///
+/// # Panics
+/// If the ranges overlap (a bug in the schedule).
+fn split_rw<E>(buf: &mut [E], read: Range<usize>, write: Range<usize>) -> (&[E], &mut [E]) {
+    if read.end <= write.start {
+        let (lo, hi) = buf.split_at_mut(write.start);
+        (&lo[read], &mut hi[..write.end - write.start])
+    } else {
+        assert!(write.end <= read.start, "schedule bug: overlapping read {read:?} and write {write:?}");
+        let (lo, hi) = buf.split_at_mut(read.start);
+        (&hi[..read.end - read.start], &mut lo[write])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn split_rw_views_two_ranges_of_one_buffer() {
+        let mut v = [0, 1, 2, 3, 4];
+        let (r, w) = split_rw(&mut v, 3..5, 0..2);
+        w[0] = r[1];
+        assert_eq!(v[0], 4);
+        let (r, w) = split_rw(&mut v, 0..1, 2..4);
+        w[1] = r[0];
+        assert_eq!(v[3], 4);
+    }
 }

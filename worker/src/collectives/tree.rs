@@ -10,22 +10,12 @@
 //! links at once, so no link sits idle (and no rank waits past its deadline) while the root
 //! serves the others.
 
-use super::Ctx;
-use crate::comm::{check, Call, CallKind, Communicator};
+use crate::comm::{check, Call, CallKind, Communicator, Ctx};
 use crate::dtype::{as_bytes, as_bytes_mut, Element};
 use crate::error::CommError;
-use crate::reduce::{finish_avg, ReduceOp};
+use crate::reduce::{combine, finish_avg, ReduceOp};
 use cohort_transports::{Transport, TransportError};
 use futures::future::try_join_all;
-
-/// The broadcast call.
-pub(crate) const BROADCAST: CallKind = CallKind { name: "broadcast", code: 4 };
-/// The reduce call.
-pub(crate) const REDUCE: CallKind = CallKind { name: "reduce", code: 5 };
-/// The gather call.
-pub(crate) const GATHER: CallKind = CallKind { name: "gather", code: 6 };
-/// The scatter call.
-pub(crate) const SCATTER: CallKind = CallKind { name: "scatter", code: 7 };
 
 fn vrank(rank: usize, root: usize, n: usize) -> usize {
     (rank + n - root) % n
@@ -98,7 +88,7 @@ pub(crate) async fn reduce<T: Transport, E: Element>(
         };
         for c in children(v, n).rev() {
             ctx.recv(real(c, root, n) as u32, tag, as_bytes_mut(incoming)).await?;
-            E::combine(op, acc, incoming, false);
+            combine(op, acc, incoming, false);
         }
         match parent(v) {
             Some(p) => ctx.t.send(real(p, root, n) as u32, tag, as_bytes(acc)).await?,
@@ -156,7 +146,12 @@ impl<T: Transport> Communicator<T> {
     pub async fn broadcast<E: Element>(&mut self, data: &mut [E], root: u32) -> Result<(), CommError> {
         let n = self.size();
         let valid = check(root < n, || format!("root {root} out of range for {n} ranks"));
-        let call = Call { dtype: Some(E::DTYPE), count: data.len() as u64, root: Some(root), ..Call::new(BROADCAST) };
+        let call = Call {
+            dtype: Some(E::DTYPE),
+            count: data.len() as u64,
+            root: Some(root),
+            ..Call::new(CallKind::BROADCAST)
+        };
         self.run(call, std::mem::size_of::<E>(), std::mem::size_of_val(data), valid, true, async |ctx, _scratch| {
             broadcast(&ctx, data, root as usize).await
         })
@@ -172,8 +167,13 @@ impl<T: Transport> Communicator<T> {
         let n = self.size();
         let valid = check(root < n, || format!("root {root} out of range for {n} ranks"));
         let len = data.len();
-        let call =
-            Call { dtype: Some(E::DTYPE), op: Some(op), count: len as u64, root: Some(root), ..Call::new(REDUCE) };
+        let call = Call {
+            dtype: Some(E::DTYPE),
+            op: Some(op),
+            count: len as u64,
+            root: Some(root),
+            ..Call::new(CallKind::REDUCE)
+        };
         self.run(call, std::mem::size_of::<E>(), std::mem::size_of_val(data), valid, true, async |ctx, scratch| {
             let s = scratch.get::<E>(reduce_scratch(ctx.seg, len));
             reduce(&ctx, data, op, root as usize, s).await
@@ -195,7 +195,7 @@ impl<T: Transport> Communicator<T> {
                 format!("output has {} elements, expected {m} x {n}", output.len())
             })
         });
-        let call = Call { dtype: Some(E::DTYPE), count: m as u64, root: Some(root), ..Call::new(GATHER) };
+        let call = Call { dtype: Some(E::DTYPE), count: m as u64, root: Some(root), ..Call::new(CallKind::GATHER) };
         self.run(call, std::mem::size_of::<E>(), std::mem::size_of_val(input), valid, true, async |ctx, _scratch| {
             gather(&ctx, input, output, root as usize).await
         })
@@ -215,7 +215,7 @@ impl<T: Transport> Communicator<T> {
                 format!("input has {} elements, expected {m} x {n}", input.len())
             })
         });
-        let call = Call { dtype: Some(E::DTYPE), count: m as u64, root: Some(root), ..Call::new(SCATTER) };
+        let call = Call { dtype: Some(E::DTYPE), count: m as u64, root: Some(root), ..Call::new(CallKind::SCATTER) };
         self.run(call, std::mem::size_of::<E>(), std::mem::size_of_val(output), valid, true, async |ctx, _scratch| {
             scatter(&ctx, input, output, root as usize).await
         })
