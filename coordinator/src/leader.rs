@@ -39,8 +39,8 @@ const RETRY: Duration = Duration::from_millis(200);
 /// arrivals (one write each) would keep the leader busy evaluating: O(N²) for a formation
 /// of N members when batches are small. So a job is evaluated again no sooner than this
 /// many times its previous evaluation took: evaluations take at most a fifth of the
-/// leader's time, and a decision comes at most that much later (a few milliseconds at
-/// 16,384 members).
+/// leader's time, and a decision comes at most that much later (some tens of milliseconds
+/// at 16,384 members).
 const EVALUATION_SPACING: u32 = 4;
 
 /// Runs elections (and, while leading, the leader's work) until the replica shuts down;
