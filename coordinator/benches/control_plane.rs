@@ -20,7 +20,18 @@
 //!
 //! Run it with `cargo bench -p cohort-coordinator --bench control_plane`. Without `--bench`
 //! on its command line (`cargo test --benches`) it runs a one-iteration smoke version on the
-//! memory store only. Targets are reported in docs/benchmarks.md, never asserted here. Every
+//! memory store only.
+//!
+//! Sizes come from the environment (for the scale figures of issue 30):
+//! - `COHORT_BENCH_MEMBERS=1024,4096,16384`: the rendezvous is measured at each count
+//!   (default 256);
+//! - `COHORT_BENCH_WATCHERS=1024,16384`: the revocation likewise (default 64);
+//! - `COHORT_BENCH_RUNS=N`: measured runs of each (default 5 rendezvous, 30 revocation);
+//! - `COHORT_BENCH_STORES=memory,etcd`: the stores (default both).
+//!
+//! Workers share HTTP/2 connections, at most 1,024 of them per run (one each up to 1,024
+//! workers, then `ceil(n / 1024)` to a connection), since a process has a bounded number of
+//! descriptors and the coordinator serves both ends here. Targets are reported in docs/benchmarks.md, never asserted here. Every
 //! wait has a deadline, so a stuck coordinator fails the bench instead of hanging it.
 
 #[path = "../tests/common/mod.rs"]
@@ -29,6 +40,7 @@ mod common;
 use cohort_coordinator::config::JobSettings;
 use cohort_coordinator::keys;
 use cohort_coordinator::store::{etcd::EtcdStore, memory::MemoryStore, Store};
+use cohort_proto::v1 as pb;
 use cohort_proto::v1::job_event::Event;
 use cohort_testkit::etcd::EtcdProcess;
 use common::{form_all, replica, wait_event, Backend, Options, Worker};
@@ -37,10 +49,15 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-/// Workers in the rendezvous benchmark.
+/// Workers in the rendezvous benchmark, unless `COHORT_BENCH_MEMBERS` says otherwise.
 const RENDEZVOUS_WORKERS: usize = 256;
-/// Watchers (members of one generation) in the revocation benchmark.
+/// Watchers (members of one generation) in the revocation benchmark, unless
+/// `COHORT_BENCH_WATCHERS` says otherwise.
 const REVOCATION_WATCHERS: usize = 64;
+/// Most connections one run opens (workers share them beyond this).
+const MAX_CONNECTIONS: usize = 1024;
+/// Joins in flight at once while a run is set up.
+const JOINS_IN_FLIGHT: usize = 64;
 /// Bound on one measured rendezvous (all workers formed).
 const RENDEZVOUS_BOUND: Duration = Duration::from_secs(60);
 /// Bound on one revocation reaching every watcher.
@@ -51,27 +68,82 @@ const SETUP_BOUND: Duration = Duration::from_secs(120);
 const START_BOUND: Duration = Duration::from_secs(60);
 
 /// How many iterations each benchmark runs.
-#[derive(Clone, Copy)]
+#[derive(Clone)]
 struct Plan {
     rendezvous_runs: usize,
     revocation_runs: usize,
-    stores: &'static [Backend],
+    stores: Vec<Backend>,
+    /// Worker counts of the rendezvous benchmark.
+    members: Vec<usize>,
+    /// Watcher counts of the revocation benchmark.
+    watchers: Vec<usize>,
     /// Members, waiting joiners and the measured window of the steady-state benchmark.
     steady: (usize, usize, Duration),
 }
 
-const FULL: Plan = Plan {
-    rendezvous_runs: 5,
-    revocation_runs: 30,
-    stores: &[Backend::Memory, Backend::Etcd],
-    steady: (256, 32, Duration::from_secs(5)),
-};
-const SMOKE: Plan = Plan {
-    rendezvous_runs: 1,
-    revocation_runs: 2,
-    stores: &[Backend::Memory],
-    steady: (8, 2, Duration::from_millis(500)),
-};
+impl Plan {
+    fn full() -> Self {
+        Self {
+            rendezvous_runs: 5,
+            revocation_runs: 30,
+            stores: vec![Backend::Memory, Backend::Etcd],
+            members: vec![RENDEZVOUS_WORKERS],
+            watchers: vec![REVOCATION_WATCHERS],
+            steady: (256, 32, Duration::from_secs(5)),
+        }
+    }
+
+    fn smoke() -> Self {
+        Self {
+            rendezvous_runs: 1,
+            revocation_runs: 2,
+            stores: vec![Backend::Memory],
+            members: vec![RENDEZVOUS_WORKERS],
+            watchers: vec![REVOCATION_WATCHERS],
+            steady: (8, 2, Duration::from_millis(500)),
+        }
+    }
+
+    /// This plan with the sizes, runs and stores the environment names (see the module
+    /// docs); a malformed value is an error naming the variable.
+    fn with_env(mut self) -> Result<Self, String> {
+        fn var(name: &str) -> Option<String> {
+            std::env::var(name).ok().filter(|v| !v.trim().is_empty())
+        }
+        fn counts(name: &str, value: &str) -> Result<Vec<usize>, String> {
+            value
+                .split(',')
+                .map(|c| match c.trim().parse::<usize>() {
+                    Ok(n) if n >= 2 => Ok(n),
+                    _ => Err(format!("{name}: {c:?} is not a count of at least 2")),
+                })
+                .collect()
+        }
+        if let Some(v) = var("COHORT_BENCH_MEMBERS") {
+            self.members = counts("COHORT_BENCH_MEMBERS", &v)?;
+        }
+        if let Some(v) = var("COHORT_BENCH_WATCHERS") {
+            self.watchers = counts("COHORT_BENCH_WATCHERS", &v)?;
+        }
+        if let Some(v) = var("COHORT_BENCH_RUNS") {
+            let runs = v.trim().parse::<usize>().ok().filter(|r| *r > 0);
+            let runs = runs.ok_or_else(|| format!("COHORT_BENCH_RUNS: {v:?} is not a positive count"))?;
+            self.rendezvous_runs = runs;
+            self.revocation_runs = runs;
+        }
+        if let Some(v) = var("COHORT_BENCH_STORES") {
+            self.stores = v
+                .split(',')
+                .map(|s| match s.trim() {
+                    "memory" => Ok(Backend::Memory),
+                    "etcd" => Ok(Backend::Etcd),
+                    other => Err(format!("COHORT_BENCH_STORES: {other:?} is neither memory nor etcd")),
+                })
+                .collect::<Result<_, _>>()?;
+        }
+        Ok(self)
+    }
+}
 /// Heartbeat interval of the steady-state benchmark's members.
 const STEADY_HEARTBEAT: Duration = Duration::from_millis(100);
 
@@ -135,15 +207,23 @@ fn settings(n: usize) -> JobSettings {
     }
 }
 
-/// Joins `n` workers to `job` (one connection each) and stops their heartbeats.
+/// Joins `n` workers to `job`, [`JOINS_IN_FLIGHT`] at a time, over at most
+/// [`MAX_CONNECTIONS`] connections, with no heartbeats (the lease TTL outlasts a run).
 async fn join_workers(addr: SocketAddr, job: &str, n: usize) -> Vec<Worker> {
-    let mut workers = Vec::with_capacity(n);
-    for i in 0..n {
-        let mut w = Worker::join(addr, job, &format!("w{i:03}"), Duration::from_secs(3600)).await;
-        w.stop_heartbeats();
-        workers.push(w);
+    use futures::StreamExt;
+    let per_connection = n.div_ceil(MAX_CONNECTIONS);
+    let mut clients = Vec::with_capacity(n.div_ceil(per_connection));
+    for _ in 0..n.div_ceil(per_connection) {
+        clients.push(common::client(addr).await);
     }
-    workers
+    let joins = (0..n).map(|i| {
+        let client = clients[i / per_connection].clone();
+        async move {
+            let request = common::join_request(job, &format!("w{i:03}"));
+            Worker::join_on(client, request).await.unwrap_or_else(|s| panic!("join w{i:03}: {s}"))
+        }
+    });
+    futures::stream::iter(joins).buffered(JOINS_IN_FLIGHT).collect().await
 }
 
 /// Removes a job from the store (its keys, then its members' leases), so that it costs the
@@ -156,21 +236,42 @@ async fn remove_job(store: &Arc<dyn Store>, job: &str, workers: Vec<Worker>) {
     }
 }
 
+/// Every worker's first generation, checked to be the same one; returns it. Each answer is
+/// reduced to a digest as it arrives: N copies of an N-member generation would not fit in
+/// memory at 16,384 members.
+async fn form_everyone(workers: &[Worker]) -> pb::Generation {
+    fn digest(g: &pb::Generation) -> u64 {
+        use std::hash::{Hash, Hasher};
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        g.number.hash(&mut h);
+        for m in &g.members {
+            (m.rank, &m.worker_id, m.incarnation).hash(&mut h);
+        }
+        h.finish()
+    }
+    let polls = workers.iter().enumerate().map(|(i, w)| async move {
+        let g = w.next_generation(0).await;
+        (digest(&g), (i == 0).then_some(g))
+    });
+    let mut answers = futures::future::join_all(polls).await;
+    let (expected, first) = answers.swap_remove(0);
+    assert!(answers.iter().all(|(d, _)| *d == expected), "every worker has the same generation");
+    first.expect("the first worker's generation is kept")
+}
+
 /// One rendezvous of `n` freshly joined workers; returns the time from the moment all of
 /// them start waiting until every one has the (same) generation.
 async fn rendezvous_once(store: &Arc<dyn Store>, addr: SocketAddr, job: &str, n: usize) -> Duration {
     let workers = within(SETUP_BOUND, "joining the workers", join_workers(addr, job, n)).await;
     let started = Instant::now();
-    let generations = within(RENDEZVOUS_BOUND, "rendezvous", form_all(&workers, 0)).await;
+    let g = within(RENDEZVOUS_BOUND, "rendezvous", form_everyone(&workers)).await;
     let elapsed = started.elapsed();
-    let g = &generations[0];
     assert_eq!(g.members.len(), n, "every worker is placed");
-    assert!(generations.iter().all(|x| x == g), "every worker has the same generation");
     within(SETUP_BOUND, "removing the job", remove_job(store, job, workers)).await;
     elapsed
 }
 
-async fn bench_rendezvous(backend: Backend, runs: usize) {
+async fn bench_rendezvous(backend: Backend, n: usize, runs: usize) {
     let name = store_name(backend);
     let bed = match within(START_BOUND, "starting the store", bed(backend)).await {
         Ok(b) => b,
@@ -179,15 +280,14 @@ async fn bench_rendezvous(backend: Backend, runs: usize) {
             return;
         }
     };
-    let n = RENDEZVOUS_WORKERS;
     let server =
         within(START_BOUND, "starting a replica", replica(bed.store.clone(), &Options::new(settings(n)))).await;
     let addr = server.local_addr();
-    // Warm-up (untimed): the replica leads and forms generations, connections are cheap.
-    rendezvous_once(&bed.store, addr, &format!("rdv-{name}-warmup"), n).await;
+    // Warm-up (untimed): the replica leads and forms generations.
+    rendezvous_once(&bed.store, addr, &format!("rdv-{name}-{n}-warmup"), n).await;
     let mut times = Vec::with_capacity(runs);
     for run in 0..runs {
-        let t = rendezvous_once(&bed.store, addr, &format!("rdv-{name}-{run}"), n).await;
+        let t = rendezvous_once(&bed.store, addr, &format!("rdv-{name}-{n}-{run}"), n).await;
         eprintln!("rendezvous store={name} run={run}: {:.1} ms", ms(t));
         times.push(t);
     }
@@ -207,7 +307,7 @@ async fn bench_rendezvous(backend: Backend, runs: usize) {
 async fn revocation_once(store: &Arc<dyn Store>, addr: SocketAddr, job: &str, n: usize) -> Vec<Duration> {
     let (workers, streams) = within(SETUP_BOUND, "forming a generation and opening watches", async {
         let workers = join_workers(addr, job, n).await;
-        let g = form_all(&workers, 0).await.remove(0);
+        let g = form_everyone(&workers).await;
         assert_eq!((g.number, g.members.len()), (1, n));
         let mut streams = Vec::with_capacity(n);
         for w in &workers {
@@ -217,9 +317,10 @@ async fn revocation_once(store: &Arc<dyn Store>, addr: SocketAddr, job: &str, n:
             streams.push(s);
         }
         // Rank 0 reports; rank n-1 is the failed peer.
-        let order: Vec<String> = g.members.iter().map(|m| m.worker_id.clone()).collect();
+        let order: std::collections::HashMap<&str, u32> =
+            g.members.iter().map(|m| (m.worker_id.as_str(), m.rank)).collect();
         let mut workers = workers;
-        workers.sort_by_key(|w| order.iter().position(|id| *id == w.id));
+        workers.sort_by_key(|w| order.get(w.id.as_str()).copied());
         (workers, streams)
     })
     .await;
@@ -253,7 +354,7 @@ async fn revocation_once(store: &Arc<dyn Store>, addr: SocketAddr, job: &str, n:
     latencies
 }
 
-async fn bench_revocation(backend: Backend, runs: usize) {
+async fn bench_revocation(backend: Backend, n: usize, runs: usize) {
     let name = store_name(backend);
     let bed = match within(START_BOUND, "starting the store", bed(backend)).await {
         Ok(b) => b,
@@ -262,15 +363,14 @@ async fn bench_revocation(backend: Backend, runs: usize) {
             return;
         }
     };
-    let n = REVOCATION_WATCHERS;
     let server =
         within(START_BOUND, "starting a replica", replica(bed.store.clone(), &Options::new(settings(n)))).await;
     let addr = server.local_addr();
-    revocation_once(&bed.store, addr, &format!("rev-{name}-warmup"), n).await;
+    revocation_once(&bed.store, addr, &format!("rev-{name}-{n}-warmup"), n).await;
     let mut last = Vec::with_capacity(runs);
     let mut all = Vec::with_capacity(runs * n);
     for run in 0..runs {
-        let mut l = revocation_once(&bed.store, addr, &format!("rev-{name}-{run}"), n).await;
+        let mut l = revocation_once(&bed.store, addr, &format!("rev-{name}-{n}-{run}"), n).await;
         l.sort();
         eprintln!("revocation store={name} run={run}: first {:.2} ms, last {:.2} ms", ms(l[0]), ms(l[n - 1]));
         last.push(l[n - 1]);
@@ -409,7 +509,11 @@ async fn bench_steady(members: usize, joiners: usize, window: Duration) {
 }
 
 fn main() {
-    let plan = if std::env::args().any(|a| a == "--bench") { FULL } else { SMOKE };
+    let plan = if std::env::args().any(|a| a == "--bench") { Plan::full() } else { Plan::smoke() };
+    let plan = plan.with_env().unwrap_or_else(|e| {
+        eprintln!("control-plane bench: {e}");
+        std::process::exit(2)
+    });
     // `cargo bench --bench control_plane -- steady` runs the benchmarks whose name contains
     // the filter (rendezvous, revocation, steady).
     let filter = std::env::args().skip(1).find(|a| !a.starts_with('-')).unwrap_or_default();
@@ -422,10 +526,14 @@ fn main() {
             std::thread::available_parallelism().map_or(0, |n| n.get())
         );
         for &backend in plan.stores.iter().filter(|_| wanted("rendezvous")) {
-            bench_rendezvous(backend, plan.rendezvous_runs).await;
+            for &n in &plan.members {
+                bench_rendezvous(backend, n, plan.rendezvous_runs).await;
+            }
         }
         for &backend in plan.stores.iter().filter(|_| wanted("revocation")) {
-            bench_revocation(backend, plan.revocation_runs).await;
+            for &n in &plan.watchers {
+                bench_revocation(backend, n, plan.revocation_runs).await;
+            }
         }
         if wanted("steady") {
             let (members, joiners, window) = plan.steady;

@@ -12,7 +12,8 @@ use crate::store::{KeyValue, Store, StoreError, WatchEvent, WatchStream};
 use cohort_proto::v1 as pb;
 use futures::{FutureExt, StreamExt};
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::time::Duration;
 use tokio::sync::{broadcast, watch};
 use tokio::time::Instant;
@@ -137,16 +138,35 @@ impl PrefixFollower {
 }
 
 /// One job's live view on this replica.
+///
+/// The view is one [`JobState`] that the hub's task updates in place, batch by batch.
+/// Requests read it under a short lock ([`Hub::read`]); a copy ([`Hub::state`]) is made only
+/// when a caller needs one across an await, at most once per change. Publishing a copy per
+/// batch of writes, as the view did, cost O(members) per join and per wait: O(N²) for a
+/// formation of N members.
 pub struct Hub {
     /// The job.
     pub job: String,
-    state: watch::Receiver<Arc<JobState>>,
+    view: Arc<View>,
+    /// The revision of the view after each change that is not bookkeeping.
+    changes: watch::Receiver<i64>,
     /// [`pending`] of the state, evaluated once per change rather than per request.
     pending: watch::Receiver<Option<u32>>,
     /// What long polls and new watchers wait on, re-sent only when it changes.
     signal: watch::Receiver<Arc<Signal>>,
     events: broadcast::Sender<pb::JobEvent>,
     task: tokio::task::JoinHandle<()>,
+}
+
+/// The state shared between a hub's task (the only writer) and the requests reading it.
+#[derive(Default)]
+struct View {
+    /// The state, updated in place. Sync locks, never held across an await.
+    live: RwLock<JobState>,
+    /// A copy of `live` for [`Hub::state`], with the change count it was taken at.
+    copy: Mutex<Option<(u64, Arc<JobState>)>>,
+    /// Changes (batches that were not bookkeeping) applied so far.
+    changes: AtomicU64,
 }
 
 impl Drop for Hub {
@@ -156,14 +176,30 @@ impl Drop for Hub {
 }
 
 impl Hub {
-    /// The job's state now (as of the last change this replica has seen).
-    pub fn state(&self) -> Arc<JobState> {
-        self.state.borrow().clone()
+    /// Runs `f` on the job's state now (as of the last change this replica has seen). `f`
+    /// runs under the view's lock: keep it short, and never block in it.
+    pub fn read<T>(&self, f: impl FnOnce(&JobState) -> T) -> T {
+        f(&self.view.live.read().unwrap_or_else(PoisonError::into_inner))
     }
 
-    /// A receiver of state changes (every change that is not bookkeeping).
-    pub fn subscribe_state(&self) -> watch::Receiver<Arc<JobState>> {
-        self.state.clone()
+    /// A copy of the job's state now, for a caller that holds it across an await. Copied
+    /// at most once per change (O(members)); prefer [`Hub::read`] on request paths.
+    pub fn state(&self) -> Arc<JobState> {
+        let mut copy = self.view.copy.lock().unwrap_or_else(PoisonError::into_inner);
+        let live = self.view.live.read().unwrap_or_else(PoisonError::into_inner);
+        // Read under the live lock: the writer bumps the count while holding it.
+        let changes = self.view.changes.load(Ordering::Acquire);
+        if let Some((_, state)) = copy.as_ref().filter(|(at, _)| *at == changes) {
+            return state.clone();
+        }
+        let state = Arc::new(live.clone());
+        *copy = Some((changes, state.clone()));
+        state
+    }
+
+    /// A receiver of the view's revision after each change that is not bookkeeping.
+    pub fn subscribe_changes(&self) -> watch::Receiver<i64> {
+        self.changes.clone()
     }
 
     /// The job's [`Signal`] now.
@@ -401,15 +437,15 @@ async fn sleep_until_ms(at_ms: Option<u64>) {
 #[allow(clippy::too_many_arguments)] // the view's parts and the channels that publish them
 async fn run_hub(
     mut follower: PrefixFollower,
-    mut state: JobState,
+    view: Arc<View>,
     settings: JobSettings,
-    tx: watch::Sender<Arc<JobState>>,
+    tx: watch::Sender<i64>,
     mut pending: Pending,
     pending_tx: watch::Sender<Option<u32>>,
     signal_tx: watch::Sender<Arc<Signal>>,
     events: broadcast::Sender<pb::JobEvent>,
 ) {
-    let mut headline = Headline::of(&state);
+    let mut headline = Headline::of(&view.live.read().unwrap_or_else(PoisonError::into_inner));
     let mut departures = 0u64;
     loop {
         // A pending re-formation can also begin with no write at all (a waiting worker's
@@ -424,6 +460,8 @@ async fn run_hub(
         let mut relevant = false;
         let mut recheck = false;
         let mut signal_changed = false;
+        // The only writer; readers wait for at most one batch's worth of updates.
+        let mut state = view.live.write().unwrap_or_else(PoisonError::into_inner);
         match batch {
             None => recheck = true,
             Some(Batch::Events(list)) => {
@@ -454,7 +492,8 @@ async fn run_hub(
                 }
             }
             Some(Batch::Reset(kvs, revision)) => {
-                state = JobState::from_kvs(&state.job, &kvs, revision);
+                let job = std::mem::take(&mut state.job);
+                *state = JobState::from_kvs(&job, &kvs, revision);
                 let now = Headline::of(&state);
                 out.extend(events_between(&headline, &now));
                 headline = now;
@@ -474,10 +513,15 @@ async fn run_hub(
             pending_tx.send_replace(now.joiners);
         }
         // Progress (heartbeats, commits: most writes of a running job) is in the view
-        // only for completeness; nothing that reads the view uses it, so publishing it
-        // would copy the job's state and wake every waiting rendezvous per heartbeat.
+        // only for completeness; nothing that reads the view uses it, so it counts as no
+        // change (no copy for `Hub::state`, no wake-up of a subscriber).
+        let revision = state.revision;
         if relevant {
-            tx.send_replace(Arc::new(state.clone()));
+            view.changes.fetch_add(1, Ordering::Release);
+        }
+        drop(state);
+        if relevant {
+            tx.send_replace(revision);
         }
         if signal_changed {
             let previous = signal_tx.borrow().clone();
@@ -550,14 +594,15 @@ impl Hubs {
         hubs.retain(|_, e| Arc::strong_count(&e.hub) > 1 || now.duration_since(e.last_used) < HUB_IDLE);
         let (follower, kvs, revision) = PrefixFollower::start(self.store.clone(), &keys::job_prefix(job)).await?;
         let state = JobState::from_kvs(job, &kvs, revision);
-        let (tx, rx) = watch::channel(Arc::new(state.clone()));
+        let (tx, rx) = watch::channel(state.revision);
         let pending = Pending::of(settings, &state);
         let (pending_tx, pending_rx) = watch::channel(pending.joiners);
         let (signal_tx, signal_rx) = watch::channel(Arc::new(Signal::of(&Headline::of(&state), None, 0)));
         let (events, _) = broadcast::channel(256);
+        let view = Arc::new(View { live: RwLock::new(state), ..Default::default() });
         let task = tokio::spawn(run_hub(
             follower,
-            state,
+            view.clone(),
             *settings,
             tx,
             pending,
@@ -565,8 +610,15 @@ impl Hubs {
             signal_tx,
             events.clone(),
         ));
-        let hub =
-            Arc::new(Hub { job: job.to_string(), state: rx, pending: pending_rx, signal: signal_rx, events, task });
+        let hub = Arc::new(Hub {
+            job: job.to_string(),
+            view,
+            changes: rx,
+            pending: pending_rx,
+            signal: signal_rx,
+            events,
+            task,
+        });
         hubs.insert(job.to_string(), Entry { hub: hub.clone(), last_used: now });
         *self.count.lock().unwrap_or_else(|e| e.into_inner()) = hubs.len();
         Ok(hub)
@@ -712,7 +764,7 @@ mod tests {
         let hubs = Hubs::new(store.clone());
         let hub = hubs.get(job, &settings).await.expect("hub");
         let mut signal = hub.subscribe_signal();
-        let mut state = hub.subscribe_state();
+        let mut changes = hub.subscribe_changes();
         drop(signal.borrow_and_update());
         let within = Duration::from_secs(10);
         let mut placed = Vec::new();
@@ -732,7 +784,7 @@ mod tests {
             let wait = WaitingRecord { incarnation: lease as u64, after_generation: 0, since_ms: 1 };
             let rev = store.put(&keys::worker_key(job, Kind::Waiting, &w), encode(&wait), Some(lease)).await.expect("put");
             // The view follows every arrival...
-            tokio::time::timeout(within, state.wait_for(|s| s.revision >= rev)).await.expect("view").expect("hub");
+            tokio::time::timeout(within, changes.wait_for(|r| *r >= rev)).await.expect("view").expect("hub");
             placed.push(Placed { worker_id: w, incarnation: lease as u64, host: "h".into(), addresses: vec![], domain: String::new() });
         }
         // ...and the signal has not changed once.
@@ -811,5 +863,53 @@ mod tests {
             .expect("event");
         assert_eq!(kinds(&[event]), ["pending 1"]);
         assert_eq!(hub.pending(), Some(1));
+    }
+
+    #[tokio::test]
+    async fn the_view_is_read_in_place_and_copied_at_most_once_per_change() {
+        // Joins and waits change the view one write at a time; a copy per write would make
+        // a formation of N members cost O(N²). Requests read in place; a copy is made only
+        // on demand, once per change, and bookkeeping (progress) is no change.
+        use crate::keys::Kind;
+        use crate::records::{encode, MemberRecord, ProgressRecord, WaitingRecord};
+        let store = Arc::new(crate::store::memory::MemoryStore::new());
+        let (job, within) = ("j", Duration::from_secs(10));
+        let hubs = Hubs::new(store.clone());
+        let hub = hubs.get(job, &JobSettings::default()).await.expect("hub");
+        let mut changes = hub.subscribe_changes();
+        let lease = store.grant_lease(Duration::from_secs(60)).await.expect("lease");
+        let inc = lease as u64;
+        let member = MemberRecord {
+            worker_id: "w".into(),
+            incarnation: inc,
+            host: "h".into(),
+            addresses: vec![],
+            capabilities: vec![],
+            joined_at_ms: 1,
+            domain: String::new(),
+        };
+        let rev = store.put(&keys::worker_key(job, Kind::Member, "w"), encode(&member), Some(lease)).await.expect("put");
+        tokio::time::timeout(within, changes.wait_for(|r| *r >= rev)).await.expect("view").expect("hub");
+        assert!(hub.read(|s| s.is_live("w", inc)), "read in place");
+        let first = hub.state();
+        assert!(Arc::ptr_eq(&first, &hub.state()), "no change, no second copy");
+        // A heartbeat's progress write reaches the view but is no change: the same copy.
+        let progress = ProgressRecord { incarnation: inc, last_heartbeat_ms: 2, ..Default::default() };
+        let rev = store.put(&keys::worker_key(job, Kind::Progress, "w"), encode(&progress), Some(lease)).await.expect("put");
+        let seen = tokio::time::timeout(within, async {
+            while !hub.read(|s| s.revision >= rev) {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        });
+        seen.await.expect("the progress reaches the view");
+        assert!(Arc::ptr_eq(&first, &hub.state()), "bookkeeping is no change");
+        // A wait is a change: the next copy is a new one and includes it.
+        let wait = WaitingRecord { incarnation: inc, after_generation: 0, since_ms: 3 };
+        let rev = store.put(&keys::worker_key(job, Kind::Waiting, "w"), encode(&wait), Some(lease)).await.expect("put");
+        tokio::time::timeout(within, changes.wait_for(|r| *r >= rev)).await.expect("view").expect("hub");
+        let second = hub.state();
+        assert!(!Arc::ptr_eq(&first, &second));
+        assert!(second.waiting.contains_key("w") && !first.waiting.contains_key("w"));
+        assert!(Arc::ptr_eq(&second, &hub.state()));
     }
 }

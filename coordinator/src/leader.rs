@@ -35,6 +35,14 @@ use tracing::Instrument;
 /// How soon a job is looked at again after a mutation that may not have landed.
 const RETRY: Duration = Duration::from_millis(200);
 
+/// A job's evaluation is O(members). Evaluated once per batch of writes, a large job's
+/// arrivals (one write each) would keep the leader busy evaluating: O(N²) for a formation
+/// of N members when batches are small. So a job is evaluated again no sooner than this
+/// many times its previous evaluation took: evaluations take at most a fifth of the
+/// leader's time, and a decision comes at most that much later (some tens of milliseconds
+/// at 16,384 members).
+const EVALUATION_SPACING: u32 = 4;
+
 /// Runs elections (and, while leading, the leader's work) until the replica shuts down;
 /// then resigns if leading.
 ///
@@ -247,6 +255,8 @@ async fn work(ctx: Arc<Context>) {
     let mut states = group(&kvs, revision);
     let mut dirty: BTreeSet<String> = states.keys().cloned().collect();
     let mut deadlines: HashMap<String, u64> = HashMap::new();
+    // Per job: when its last evaluation ended and how long the decision took.
+    let mut spent: HashMap<String, (Instant, Duration)> = HashMap::new();
     loop {
         let now = records::now_ms();
         deadlines.retain(|job, due| {
@@ -258,9 +268,24 @@ async fn work(ctx: Arc<Context>) {
             }
         });
         for job in std::mem::take(&mut dirty) {
-            let Some(state) = states.get(&job) else { continue };
+            let Some(state) = states.get(&job) else {
+                spent.remove(&job);
+                continue;
+            };
+            if let Some(free_at) = spent.get(&job).map(|(ended, took)| *ended + *took * EVALUATION_SPACING) {
+                let wait = free_at.saturating_duration_since(Instant::now());
+                if !wait.is_zero() {
+                    // Looked at again then (or sooner, for a deadline of its own).
+                    let due = records::now_ms() + (wait.as_micros() as u64).div_ceil(1000);
+                    deadlines.entry(job).and_modify(|d| *d = (*d).min(due)).or_insert(due);
+                    continue;
+                }
+            }
             let span = tracing::info_span!("evaluate", %job, generation = state.current_number());
-            let next = match evaluate_job(&ctx, state).instrument(span).await {
+            let mut took = Duration::ZERO;
+            let evaluated = evaluate_job(&ctx, state, &mut took).instrument(span).await;
+            spent.insert(job.clone(), (Instant::now(), took));
+            let next = match evaluated {
                 Ok(next) => next,
                 Err(e) => {
                     tracing::warn!(%job, error = %e, "evaluating the job failed; retrying");
@@ -304,9 +329,11 @@ async fn work(ctx: Arc<Context>) {
                         }
                         keep
                     });
+                    spent.retain(|job, _| states.contains_key(job));
                 }
                 Batch::Reset(kvs, revision) => {
                     states = group(&kvs, revision);
+                    spent.clear();
                     dirty = states.keys().cloned().collect();
                 }
             },
@@ -325,8 +352,10 @@ fn group(kvs: &[crate::store::KeyValue], revision: i64) -> HashMap<String, JobSt
     by_job.into_iter().map(|(job, kvs)| (job.clone(), JobState::from_kvs(&job, &kvs, revision))).collect()
 }
 
-/// Evaluates one job and acts; returns when to look at it again (ms since the epoch).
-async fn evaluate_job(ctx: &Context, state: &JobState) -> Result<Option<u64>, StoreError> {
+/// Evaluates one job and acts; returns when to look at it again (ms since the epoch), and
+/// adds the time the decision took (without the store's) to `took`.
+async fn evaluate_job(ctx: &Context, state: &JobState, took: &mut Duration) -> Result<Option<u64>, StoreError> {
+    let started = Instant::now();
     let job = state.job.as_str();
     let retry = Some(records::now_ms() + RETRY.as_millis() as u64);
     if state.ended.is_some() {
@@ -335,7 +364,9 @@ async fn evaluate_job(ctx: &Context, state: &JobState) -> Result<Option<u64>, St
     }
     ctx.metrics.set_job(job, Some((state.members.len() as u64, state.current_number())));
     let settings = ctx.settings.for_job(job);
-    if let Some(mut cause) = revocation::lapsed(state, settings.lease_ttl.as_millis() as u64) {
+    let lapsed = revocation::lapsed(state, settings.lease_ttl.as_millis() as u64);
+    *took += started.elapsed();
+    if let Some(mut cause) = lapsed {
         let Some(g) = state.current() else { return Ok(retry) };
         // Leases of a lost node's ranks lapse together: one cause for the domain.
         if let Some(rank) = cause.rank {
@@ -357,7 +388,9 @@ async fn evaluate_job(ctx: &Context, state: &JobState) -> Result<Option<u64>, St
         return Ok(retry);
     }
     let now = records::now_ms();
+    let started = Instant::now();
     let eval = rendezvous::evaluate(&settings, state, now);
+    *took += started.elapsed();
     let rev = state.generation.as_ref().map(|(_, rev)| *rev);
     match eval.action {
         Action::Form(members) => {

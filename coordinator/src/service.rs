@@ -189,7 +189,7 @@ impl CoordinatorService {
         }
         let current = match state.current() {
             Some(g) => g.number,
-            None if state.ended.is_none() => self.hub(job).await?.state().current_number(),
+            None if state.ended.is_none() => self.hub(job).await?.read(JobState::current_number),
             None => 0,
         };
         if let Some(h) = own.and_then(|kv| decode(&own_key, &kv.value)) {
@@ -210,11 +210,14 @@ impl CoordinatorService {
         worker: &str,
         incarnation: u64,
     ) -> Result<MemberRecord, Status> {
-        let state = hub.state();
-        if let Some(m) = state.members.get(worker).filter(|m| m.incarnation == incarnation) {
-            return Ok(m.clone());
+        let (member, ended) = hub.read(|state| {
+            let member = state.members.get(worker).filter(|m| m.incarnation == incarnation).cloned();
+            (member, state.ended.clone())
+        });
+        if let Some(m) = member {
+            return Ok(m);
         }
-        if let Some(ended) = &state.ended {
+        if let Some(ended) = &ended {
             return Err(Status::not_found(format!(
                 "job {job} has ended ({:?}: {}); member {worker} is no longer in it",
                 ended.outcome, ended.reason
@@ -229,7 +232,7 @@ impl CoordinatorService {
     /// The newest generation number, from the view or (if the client names a newer one)
     /// the store.
     async fn current_number(&self, hub: &Hub, job: &str, claimed: u64) -> Result<u64, Status> {
-        let seen = hub.state().current_number();
+        let seen = hub.read(JobState::current_number);
         if claimed <= seen {
             return Ok(seen);
         }
@@ -476,24 +479,27 @@ impl CoordinatorService {
             }
         }
         let now = records::now_ms();
-        let state = hub.state();
-        // The member's step timing, as a rank of the current generation (else not judged).
-        let timing = r.timing.as_ref().filter(|t| t.steps > 0).and_then(|t| {
-            let g = state.current().filter(|g| g.number == r.generation && g.revoked.is_none())?;
-            Some(stragglers::Timing {
-                generation: g.number,
-                rank: g.rank_of(&r.worker_id, r.incarnation)?,
-                steps: t.steps,
-                compute_us: t.compute_us,
-                collective_us: t.collective_us,
-                peer_waits: t.peer_waits.iter().map(|w| (w.rank, w.wait_us)).collect(),
-            })
-        });
-        let finding = timing.as_ref().and_then(|own| {
-            let mut round = self.latest_timings(&r.job, &state, own.generation);
-            round.retain(|t| t.rank != own.rank);
-            round.push(own.clone());
-            stragglers::judge(&stragglers::StragglerRule::default(), own.rank, &round)
+        // Read under the view's lock: a copy of the state per heartbeat would cost O(members).
+        let (timing, finding) = hub.read(|state| {
+            // The member's step timing, as a rank of the current generation (else not judged).
+            let timing = r.timing.as_ref().filter(|t| t.steps > 0).and_then(|t| {
+                let g = state.current().filter(|g| g.number == r.generation && g.revoked.is_none())?;
+                Some(stragglers::Timing {
+                    generation: g.number,
+                    rank: g.rank_of(&r.worker_id, r.incarnation)?,
+                    steps: t.steps,
+                    compute_us: t.compute_us,
+                    collective_us: t.collective_us,
+                    peer_waits: t.peer_waits.iter().map(|w| (w.rank, w.wait_us)).collect(),
+                })
+            });
+            let finding = timing.as_ref().and_then(|own| {
+                let mut round = self.latest_timings(&r.job, state, own.generation);
+                round.retain(|t| t.rank != own.rank);
+                round.push(own.clone());
+                stragglers::judge(&stragglers::StragglerRule::default(), own.rank, &round)
+            });
+            (timing, finding)
         });
         let policy = self.ctx.settings.for_job(&r.job).straggler_policy;
         let mut change = stragglers::Change::None;
@@ -522,6 +528,7 @@ impl CoordinatorService {
         .await?;
         match change {
             stragglers::Change::Named => {
+                let state = hub.state();
                 excluded_until = self.act_on_straggler(&r.job, &r.worker_id, r.incarnation, &state, &standing).await;
             }
             stragglers::Change::Cleared => {
@@ -537,9 +544,11 @@ impl CoordinatorService {
             (Some(until), None) => format!("straggler; excluded until {until} ms since the epoch"),
             (None, _) => String::new(),
         };
+        let (current_generation, current_revoked) =
+            hub.read(|state| (state.current_number(), state.current().is_some_and(|g| g.revoked.is_some())));
         Ok(pb::HeartbeatResponse {
-            current_generation: state.current_number(),
-            current_revoked: state.current().is_some_and(|g| g.revoked.is_some()),
+            current_generation,
+            current_revoked,
             reformation_pending: hub.pending().is_some(),
             leave_as_straggler,
         })
@@ -685,8 +694,7 @@ impl CoordinatorService {
             if let Some(o) = answer(&signal) {
                 return Ok(pb::RendezvousResponse { outcome: Some(o) });
             }
-            let state = hub.state();
-            if state.revision >= written_at && !state.is_live(worker, incarnation) {
+            if hub.read(|state| state.revision >= written_at && !state.is_live(worker, incarnation)) {
                 // The view includes our wait, and we are gone: evicted or expired.
                 self.require_member(&hub, job, worker, incarnation).await?;
             }
@@ -697,10 +705,9 @@ impl CoordinatorService {
                     }
                 }
                 _ = tokio::time::sleep_until(deadline) => {
-                    let state = hub.state();
                     return Ok(pb::RendezvousResponse {
                         outcome: Some(O::Waiting(pb::Waiting {
-                            waiting_members: state.waiting.len() as u32,
+                            waiting_members: hub.read(|state| state.waiting.len() as u32),
                             min_workers: settings.min_workers,
                         })),
                     });
@@ -975,7 +982,7 @@ impl CoordinatorService {
         if incarnation == 0 {
             return None;
         }
-        if !hub.state().is_live(worker, incarnation) {
+        if !hub.read(|state| state.is_live(worker, incarnation)) {
             // The view may lag a join by milliseconds: ask the store.
             match ops::read_member(self.ctx.store.as_ref(), job, worker).await {
                 Ok(Some((m, _))) if m.incarnation == incarnation => {}
@@ -1040,7 +1047,7 @@ async fn stream_events(
 ) -> WatchEnd {
     let mut events = hub.subscribe_events();
     let mut sent = Sent::default();
-    let mut batch = initial_events(&hub.signal(), hub.state().current(), hub.pending());
+    let mut batch = hub.read(|state| initial_events(&hub.signal(), state.current(), hub.pending()));
     loop {
         for e in batch {
             if !sent.admit(&e) {
@@ -1066,7 +1073,7 @@ async fn stream_events(
             Ok(e) => vec![e],
             Err(tokio::sync::broadcast::error::RecvError::Lagged(n)) => {
                 tracing::debug!(skipped = n, "watch fell behind; resending the current state");
-                initial_events(&hub.signal(), hub.state().current(), hub.pending())
+                hub.read(|state| initial_events(&hub.signal(), state.current(), hub.pending()))
             }
             Err(tokio::sync::broadcast::error::RecvError::Closed) => {
                 let _ = tx.send(Err(Status::unavailable("coordinator view of the job stopped; watch again"))).await;

@@ -191,6 +191,17 @@ impl Worker {
         Ok(w)
     }
 
+    /// Joins with `request` over `client` (a connection other workers may share), with no
+    /// heartbeats.
+    pub(crate) async fn join_on(
+        mut client: CoordinatorClient<Channel>,
+        request: pb::JoinRequest,
+    ) -> Result<Worker, tonic::Status> {
+        let (job, id) = (request.job.clone(), request.worker_id.clone());
+        let response = client.join(request).await?.into_inner();
+        Ok(Worker { client, job, id, incarnation: response.incarnation, heartbeat: None })
+    }
+
     pub(crate) fn start_heartbeats(&mut self, interval: Duration) {
         let mut c = self.client.clone();
         let request = pb::HeartbeatRequest {
