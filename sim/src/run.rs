@@ -113,6 +113,9 @@ pub fn run_seed(seed: u64, options: &Options) -> Report {
         .tick_duration(Duration::from_millis(options.tick_ms.unwrap_or(1).max(1)))
         .min_message_latency(Duration::ZERO)
         .max_message_latency(Duration::from_millis(scenario.max_latency_ms))
+        // A host's TCP buffers (turmoil's default of 64 also bounds a listener's backlog,
+        // and it panics when that is full): every worker connects to every replica at once.
+        .tcp_capacity(64.max(scenario.workers * 2))
         .rng_seed(seed)
         .build();
     shared.log_at(
