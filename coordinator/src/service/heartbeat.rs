@@ -1,0 +1,189 @@
+//! The `Heartbeat` RPC: the member's lease and progress, and the straggler judgement and
+//! action on its step timing.
+
+use super::{not_member, store_status, CoordinatorService};
+use crate::ops;
+use crate::records::{self, JobState};
+use crate::store::StoreError;
+use crate::stragglers;
+use crate::validate;
+use cohort_proto::v1 as pb;
+use tonic::Status;
+
+impl CoordinatorService {
+    pub(super) async fn do_heartbeat(&self, r: pb::HeartbeatRequest) -> Result<pb::HeartbeatResponse, Status> {
+        validate::id("job", &r.job)?;
+        validate::id("worker_id", &r.worker_id)?;
+        validate::incarnation(r.incarnation)?;
+        validate::text("activity", &r.activity, validate::MAX_ACTIVITY_LEN)?;
+        validate::text("deadlines", &r.deadlines, validate::MAX_ACTIVITY_LEN)?;
+        let hub = self.hub(&r.job).await?;
+        let current = self.current_number(&hub, &r.job, r.generation).await?;
+        validate::generation("generation", r.generation, current)?;
+        self.require_member(&hub, &r.job, &r.worker_id, r.incarnation).await?;
+        self.ctx.store.keep_alive(r.incarnation as i64).await.map_err(|e| match e {
+            StoreError::LeaseNotFound(_) => not_member(&r.job, &r.worker_id, r.incarnation),
+            other => store_status(other),
+        })?;
+        if let Some(t) = &r.timing {
+            if t.peer_waits.len() > crate::config::MAX_WORKERS_LIMIT as usize {
+                return Err(Status::invalid_argument(format!(
+                    "timing.peer_waits has {} entries (at most {})",
+                    t.peer_waits.len(),
+                    crate::config::MAX_WORKERS_LIMIT
+                )));
+            }
+        }
+        let now = records::now_ms();
+        // Read under the view's lock: a copy of the state per heartbeat would cost O(members).
+        let (timing, finding) = hub.read(|state| {
+            // The member's step timing, as a rank of the current generation (else not judged).
+            let timing = r.timing.as_ref().filter(|t| t.steps > 0).and_then(|t| {
+                let g = state.current().filter(|g| g.number == r.generation && g.revoked.is_none())?;
+                Some(stragglers::Timing {
+                    generation: g.number,
+                    rank: g.rank_of(&r.worker_id, r.incarnation)?,
+                    steps: t.steps,
+                    compute_us: t.compute_us,
+                    collective_us: t.collective_us,
+                    peer_waits: t.peer_waits.iter().map(|w| (w.rank, w.wait_us)).collect(),
+                })
+            });
+            let finding = timing.as_ref().and_then(|own| {
+                let mut round = self.latest_timings(&r.job, state, own.generation);
+                round.retain(|t| t.rank != own.rank);
+                round.push(own.clone());
+                stragglers::judge(&stragglers::StragglerRule::default(), own.rank, &round)
+            });
+            (timing, finding)
+        });
+        let policy = self.ctx.settings.for_job(&r.job).straggler_policy;
+        let mut change = stragglers::Change::None;
+        let mut standing = stragglers::Standing::default();
+        let mut excluded_until = None;
+        self.record_progress(&r.job, &r.worker_id, r.incarnation, |p| {
+            p.last_heartbeat_ms = now;
+            p.generation = r.generation;
+            p.step = r.step;
+            p.activity = r.activity.clone();
+            p.deadlines = r.deadlines.clone();
+            if let Some(timing) = timing {
+                p.timing = Some(timing);
+                change = p.straggler.advance(&stragglers::StragglerRule::default(), finding, now);
+                if change == stragglers::Change::Named {
+                    // What will be done, until act_on_straggler records what was.
+                    p.straggler_action = format!("deciding (straggler policy: {})", policy.name());
+                }
+                if change == stragglers::Change::Cleared && p.straggler_excluded_until_ms.is_none() {
+                    p.straggler_action.clear();
+                }
+            }
+            standing = p.straggler.clone();
+            excluded_until = p.straggler_excluded_until_ms;
+        })
+        .await?;
+        match change {
+            stragglers::Change::Named => {
+                let state = hub.state();
+                excluded_until = self.act_on_straggler(&r.job, &r.worker_id, r.incarnation, &state, &standing).await;
+            }
+            stragglers::Change::Cleared => {
+                self.ctx.metrics.straggler_cleared(&r.job, &r.worker_id);
+                tracing::info!(job = %r.job, worker = %r.worker_id, "member is no longer a straggler");
+            }
+            stragglers::Change::None => {}
+        }
+        let leave_as_straggler = match (excluded_until, &standing.last) {
+            (Some(until), Some(f)) => {
+                format!("straggler ({} slow: {}); excluded until {until} ms since the epoch", f.kind.name(), f.reason)
+            }
+            (Some(until), None) => format!("straggler; excluded until {until} ms since the epoch"),
+            (None, _) => String::new(),
+        };
+        let (current_generation, current_revoked) =
+            hub.read(|state| (state.current_number(), state.current().is_some_and(|g| g.revoked.is_some())));
+        Ok(pb::HeartbeatResponse {
+            current_generation,
+            current_revoked,
+            reformation_pending: hub.pending().is_some(),
+            leave_as_straggler,
+        })
+    }
+
+    /// The latest step timing of every member of generation `generation`: this replica's
+    /// cache where it is newer than the store's view.
+    fn latest_timings(&self, job: &str, state: &JobState, generation: u64) -> Vec<stragglers::Timing> {
+        let cache = self.progress.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(g) = state.current().filter(|g| g.number == generation) else { return Vec::new() };
+        g.members
+            .iter()
+            .enumerate()
+            .filter_map(|(rank, m)| {
+                let cached = cache
+                    .get(&(job.to_string(), m.worker_id.clone()))
+                    .map(|c| &c.record)
+                    .filter(|p| p.incarnation == m.incarnation);
+                let stored = state.progress.get(&m.worker_id).filter(|p| p.incarnation == m.incarnation);
+                let newest = match (cached, stored) {
+                    (Some(c), Some(s)) if s.last_heartbeat_ms > c.last_heartbeat_ms => Some(s),
+                    (Some(c), _) => Some(c),
+                    (None, s) => s,
+                }?;
+                newest.timing.clone().filter(|t| t.generation == generation && t.rank as usize == rank)
+            })
+            .collect()
+    }
+
+    /// A member has just been named a straggler: logs it, counts it, and under the job's
+    /// `exclude` policy excludes it (when the generation can spare it). Records what was
+    /// done in its progress (for `status`); returns the end of its exclusion, if excluded.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: at most one store transaction and one progress update.
+    async fn act_on_straggler(
+        &self,
+        job: &str,
+        worker: &str,
+        incarnation: u64,
+        state: &JobState,
+        standing: &stragglers::Standing,
+    ) -> Option<u64> {
+        let settings = self.ctx.settings.for_job(job);
+        let Some(finding) = &standing.last else { return None };
+        self.ctx.metrics.straggler_named(job, worker, finding.kind.name());
+        let members: Vec<String> =
+            state.current().map_or_else(Vec::new, |g| g.members.iter().map(|m| m.worker_id.clone()).collect());
+        let mut until = None;
+        let action = match settings.straggler_policy {
+            stragglers::StragglerPolicy::Report => "reported (straggler policy: report)".to_string(),
+            stragglers::StragglerPolicy::Exclude => {
+                let why = format!("{} slow: {}", finding.kind.name(), finding.reason);
+                let min = settings.min_workers as usize;
+                let cooldown = settings.straggler_cooldown;
+                match ops::exclude_straggler(&self.ctx, job, worker, &members, min, cooldown, &why).await {
+                    Ok(ops::StragglerExclusion::Refused(why)) => format!("not excluded: {why}"),
+                    Ok(ops::StragglerExclusion::Excluded(end)) => {
+                        self.ctx.metrics.straggler_excluded(job);
+                        until = Some(end);
+                        format!(
+                            "excluded until {end} ms since the epoch (cool-down {} ms): leaves at its next commit point",
+                            settings.straggler_cooldown.as_millis()
+                        )
+                    }
+                    Err(e) => format!("not excluded: the store refused ({e}); reported only"),
+                }
+            }
+        };
+        tracing::warn!(%job, %worker, incarnation, kind = finding.kind.name(), ratio = finding.ratio_pct as f64 / 100.0,
+                       reports = standing.streak, reason = %finding.reason, %action, "straggler named");
+        let _ = self
+            .record_progress(job, worker, incarnation, |p| {
+                p.straggler_action = action;
+                if until.is_some() {
+                    p.straggler_excluded_until_ms = until;
+                }
+            })
+            .await;
+        until
+    }
+}

@@ -1,0 +1,236 @@
+//! The `Join` RPC: the exclusion and worker-id checks, the replaced incarnation's revocation,
+//! and the member's records on a new lease.
+
+use super::{store_status, CoordinatorService, PROGRESS_PERIOD};
+use crate::keys::{self, Kind};
+use crate::ops;
+use crate::records::{self, decode, encode, JobState, MemberRecord, ProgressRecord};
+use crate::store::{Compare, StoreError, Txn, TxnOp};
+use crate::validate;
+use cohort_proto::v1 as pb;
+use std::time::Duration;
+use tokio::time::Instant;
+use tonic::Status;
+
+impl CoordinatorService {
+    pub(super) async fn do_join(&self, r: pb::JoinRequest) -> Result<pb::JoinResponse, Status> {
+        validate::protocol_version(r.protocol_version)?;
+        validate::id("job", &r.job)?;
+        validate::id("worker_id", &r.worker_id)?;
+        validate::text("host", &r.host, validate::MAX_HOST_LEN)?;
+        validate::text("domain", &r.domain, validate::MAX_HOST_LEN)?;
+        validate::addresses(&r.addresses)?;
+        validate::capabilities(&r.capabilities)?;
+        let settings = self.ctx.settings.for_job(&r.job);
+        let (job, worker) = (r.job.as_str(), r.worker_id.as_str());
+        let (state, current_generation) =
+            self.read_join_view(job, worker, records::effective_domain(&r.domain, &r.host)).await?;
+        if let Some(ended) = &state.ended {
+            return Err(Status::failed_precondition(format!(
+                "job {job} has ended ({:?}: {}); start a new job id",
+                ended.outcome, ended.reason
+            )));
+        }
+        let now = records::now_ms();
+        let domain = records::effective_domain(&r.domain, &r.host);
+        let own = state.failures.get(worker).and_then(|h| h.excluded_until(now).map(|u| (u, h)));
+        let of_domain =
+            state.failures.get(&crate::domains::domain_key(domain)).and_then(|h| h.excluded_until(now).map(|u| (u, h)));
+        let exclusion = match (own, of_domain) {
+            (Some(w), Some(d)) if d.0 > w.0 => Some((format!("failure domain {domain}"), d)),
+            (Some(w), _) => Some((format!("worker {worker}"), w)),
+            (None, Some(d)) => Some((format!("failure domain {domain}"), d)),
+            (None, None) => None,
+        };
+        if let Some((who, (until, history))) = exclusion {
+            // The worker waits this long and joins again (it needs no clock of ours).
+            let mut status = Status::failed_precondition(crate::exclusion::refusal(
+                &who,
+                until,
+                now,
+                &history.reason,
+                &self.ctx.exclusion,
+            ));
+            if let Ok(left) = (until - now).to_string().parse() {
+                status.metadata_mut().insert(cohort_proto::RETRY_AFTER_MS_HEADER, left);
+            }
+            return Err(status);
+        }
+        // Two processes with one worker id would evict each other without end: a live holder
+        // keeps the id (another process gets ALREADY_EXISTS), a silent one is replaced (a
+        // restart after a crash). The process that holds the id names it in `replaces`.
+        if let Some(holder) = state.members.get(worker).filter(|m| m.incarnation != r.replaces) {
+            let silent_for = self.silent_for(job, holder, &state).await.map_err(store_status)?;
+            let live_window = PROGRESS_PERIOD + 2 * settings.heartbeat_interval;
+            if silent_for < live_window {
+                return Err(id_in_use(job, holder, silent_for, live_window - silent_for));
+            }
+        }
+        let lease = self.ctx.store.grant_lease(settings.lease_ttl_for_store()).await.map_err(store_status)?;
+        let incarnation = lease as u64;
+        // Replacing an older incarnation that is in the active generation revokes it.
+        let old = state.members.get(worker).cloned();
+        if let (Some(old), Some(g)) = (&old, state.current()) {
+            if g.revoked.is_none() && g.departed(worker, old.incarnation).is_none() {
+                if let Some(rank) = g.rank_of(worker, old.incarnation) {
+                    let cause = records::Cause {
+                        rank: Some(rank),
+                        worker_id: worker.to_string(),
+                        host: old.host.clone(),
+                        reason: format!("worker restarted (incarnation {} replaced by {incarnation})", old.incarnation),
+                        reported_by: "coordinator".into(),
+                        domain: String::new(),
+                        lost_ranks: Vec::new(),
+                    };
+                    let revoked = ops::revoke_generation(
+                        &self.ctx,
+                        job,
+                        g.number,
+                        cause,
+                        Some((worker.to_string(), old.incarnation)),
+                        false,
+                    )
+                    .await;
+                    if let Err(e) = revoked {
+                        let _ = self.ctx.store.revoke_lease(lease).await;
+                        return Err(store_status(e));
+                    }
+                }
+            }
+        }
+        let member = MemberRecord {
+            worker_id: worker.to_string(),
+            incarnation,
+            host: r.host.clone(),
+            addresses: r.addresses.iter().map(Into::into).collect(),
+            capabilities: r.capabilities.clone(),
+            joined_at_ms: now,
+            domain: r.domain.clone(),
+        };
+        let progress =
+            ProgressRecord { incarnation, last_heartbeat_ms: now, activity: "joined".into(), ..Default::default() };
+        let txn = Txn {
+            compares: vec![Compare::Absent(keys::ended(job))],
+            success: vec![
+                TxnOp::Put {
+                    key: keys::worker_key(job, Kind::Member, worker),
+                    value: encode(&member),
+                    lease: Some(lease),
+                },
+                TxnOp::Put {
+                    key: keys::worker_key(job, Kind::Progress, worker),
+                    value: encode(&progress),
+                    lease: Some(lease),
+                },
+            ],
+            failure: vec![],
+        };
+        let result = self.ctx.store.txn(txn).await;
+        match result {
+            Ok(r) if r.succeeded => {}
+            other => {
+                let _ = self.ctx.store.revoke_lease(lease).await;
+                return match other {
+                    Ok(_) => Err(Status::failed_precondition(format!("job {job} has ended; start a new job id"))),
+                    Err(e) => Err(store_status(e)),
+                };
+            }
+        }
+        if let Some(old) = old {
+            if let Err(e) = self.ctx.store.revoke_lease(old.incarnation as i64).await {
+                tracing::debug!(error = %e, "could not revoke the replaced incarnation's lease");
+            }
+        }
+        self.forget_progress(job, worker);
+        tracing::info!(incarnation, host = %r.host, "member joined");
+        Ok(pb::JoinResponse {
+            incarnation,
+            heartbeat_interval_ms: settings.heartbeat_interval.as_millis() as u64,
+            lease_ttl_ms: settings.lease_ttl.as_millis() as u64,
+            current_generation,
+            settings: Some(settings.to_proto()),
+        })
+    }
+
+    /// The part of a job's state a Join decides on, read key by key: the end record, the
+    /// worker's member record, its own and its failure domain's failure records, and the
+    /// generation record, with the newest generation number. A join must not read the whole
+    /// job (N joins would read it N times, O(N²) in all). The generation record, O(members)
+    /// itself, is read from the store only when an older incarnation of the worker may be in
+    /// it; otherwise the state has none and the number comes from this replica's view.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: reads only.
+    async fn read_join_view(&self, job: &str, worker: &str, domain: &str) -> Result<(JobState, u64), Status> {
+        let store = self.ctx.store.as_ref();
+        let (ended_key, member_key) = (keys::ended(job), keys::worker_key(job, Kind::Member, worker));
+        let own_key = keys::worker_key(job, Kind::Failures, worker);
+        let domain_id = crate::domains::domain_key(domain);
+        let domain_key = keys::worker_key(job, Kind::Failures, &domain_id);
+        let (ended, member, own, of_domain) =
+            tokio::try_join!(store.get(&ended_key), store.get(&member_key), store.get(&own_key), store.get(&domain_key))
+                .map_err(store_status)?;
+        let mut state = JobState { job: job.to_string(), ..Default::default() };
+        state.ended = ended.and_then(|kv| decode(&ended_key, &kv.value));
+        if let Some(m) = member.and_then(|kv| decode::<MemberRecord>(&member_key, &kv.value)) {
+            state.members.insert(worker.to_string(), m);
+            state.generation =
+                ops::read_generation(store, job).await.map_err(store_status)?.map(|(g, kv)| (g, kv.mod_revision));
+        }
+        let current = match state.current() {
+            Some(g) => g.number,
+            None if state.ended.is_none() => self.hub(job).await?.read(JobState::current_number),
+            None => 0,
+        };
+        if let Some(h) = own.and_then(|kv| decode(&own_key, &kv.value)) {
+            state.failures.insert(worker.to_string(), h);
+        }
+        if let Some(h) = of_domain.and_then(|kv| decode(&domain_key, &kv.value)) {
+            state.failures.insert(domain_id, h);
+        }
+        Ok((state, current))
+    }
+
+    /// At most how long `holder` (a member record of `job`) has gone without a heartbeat: the
+    /// tightest of its progress record in the store, this replica's cache of it, and its
+    /// store lease's time to live (a lease that is gone: a whole TTL).
+    ///
+    /// # Cancel safety
+    /// Cancel safe (read only).
+    async fn silent_for(&self, job: &str, holder: &MemberRecord, state: &JobState) -> Result<Duration, StoreError> {
+        let granted = self.ctx.settings.for_job(job).lease_ttl_for_store();
+        let mut silent = match self.ctx.store.lease_time_to_live(holder.incarnation as i64).await? {
+            None => return Ok(granted),
+            Some(left) => granted.saturating_sub(left),
+        };
+        if let Some(p) = state.progress.get(&holder.worker_id).filter(|p| p.incarnation == holder.incarnation) {
+            silent = silent.min(Duration::from_millis(records::now_ms().saturating_sub(p.last_heartbeat_ms)));
+        }
+        let cache = self.progress.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(c) = cache
+            .get(&(job.to_string(), holder.worker_id.clone()))
+            .filter(|c| c.record.incarnation == holder.incarnation)
+        {
+            silent = silent.min(Instant::now().duration_since(c.touched));
+        }
+        Ok(silent)
+    }
+}
+
+/// A Join for a worker id that a live process holds: ALREADY_EXISTS, naming the holder's
+/// host, with the time after which a holder that stays silent counts as gone in the
+/// [`cohort_proto::RETRY_AFTER_MS_HEADER`] metadata (a restarted process joins then).
+fn id_in_use(job: &str, holder: &MemberRecord, silent_for: Duration, left: Duration) -> Status {
+    let mut status = Status::already_exists(format!(
+        "worker id {} of job {job} is held by a live process on host {} (incarnation {}, heard from {} ms ago): \
+         two processes cannot share a worker id; give each its own (--worker-id), or stop the other one",
+        holder.worker_id,
+        if holder.host.is_empty() { "?" } else { &holder.host },
+        holder.incarnation,
+        silent_for.as_millis()
+    ));
+    if let Ok(value) = (left.as_millis() as u64).max(1).to_string().parse() {
+        status.metadata_mut().insert(cohort_proto::RETRY_AFTER_MS_HEADER, value);
+    }
+    status
+}
