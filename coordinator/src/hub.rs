@@ -896,6 +896,8 @@ mod tests {
         // A heartbeat's progress write reaches the view but is no change: the same copy.
         let progress = ProgressRecord { incarnation: inc, last_heartbeat_ms: 2, ..Default::default() };
         let rev = store.put(&keys::worker_key(job, Kind::Progress, "w"), encode(&progress), Some(lease)).await.expect("put");
+        // A progress write sends no change notification (that is what is tested), so there
+        // is nothing to await: poll the view's revision, bounded by `within`.
         let seen = tokio::time::timeout(within, async {
             while !hub.read(|s| s.revision >= rev) {
                 tokio::time::sleep(Duration::from_millis(5)).await;
