@@ -100,6 +100,47 @@ pub fn transport_by_host(events: &[WorkerEvent], hosts: &BTreeMap<String, String
     }
 }
 
+/// Over TCP alone (every worker a host of its own), no rank linked more peers at the set-up of
+/// a generation than links on demand allow: every other rank up to
+/// [`cohort::elastic::FULL_MESH_UP_TO`] members, at most `2 ceil(log2 N) + 1` above it (see
+/// `cohort::collectives::links`). Each generation's set-up dials its links anew, so this also
+/// bounds the new links per survivor after a failure. Events without the count (older
+/// workers) are not judged; at least one must be.
+pub fn tcp_links_within_plan(events: &[WorkerEvent]) -> Check {
+    let mut judged = 0;
+    let mut most: Option<(u64, u64, u64)> = None;
+    let mut wrong = Vec::new();
+    for (e, g) in events.iter().filter_map(|e| Some((e, e.get::<ev::Generation>()?))) {
+        let Some(links) = g.links.filter(|_| g.transport == "tcp") else { continue };
+        judged += 1;
+        let bound = if g.world <= cohort::elastic::FULL_MESH_UP_TO as u64 {
+            g.world.saturating_sub(1)
+        } else {
+            2 * u64::from(g.world.next_power_of_two().trailing_zeros()) + 1
+        };
+        if links > bound {
+            wrong.push(format!(
+                "{} in generation {} ({} members): {links} links, at most {bound}",
+                e.worker, g.gen, g.world
+            ));
+        }
+        if most.is_none_or(|(l, _, _)| links > l) {
+            most = Some((links, g.world, bound));
+        }
+    }
+    Check {
+        what: "over TCP, each rank linked only the peers its schedules plan".into(),
+        ok: judged > 0 && wrong.is_empty(),
+        detail: match (wrong.is_empty(), most) {
+            (true, Some((links, world, bound))) => {
+                format!("{judged} member-generations; most links {links} (of {world} members, bound {bound})")
+            }
+            (true, None) => "no generation event carried a link count".into(),
+            (false, _) => wrong.join("; "),
+        },
+    }
+}
+
 /// No worker accepted a wrong result.
 pub fn no_wrong_results(events: &[WorkerEvent]) -> Check {
     let wrong: Vec<String> = events

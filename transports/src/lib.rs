@@ -81,4 +81,11 @@ pub trait Transport: Send + Sync + 'static {
     fn deadlines_in_force(&self) -> Vec<(Rank, DeadlineInForce)> {
         Vec::new()
     }
+
+    /// How many peers this rank holds a link to now. A full mesh links every other rank (the
+    /// default answer); a mesh set up with only the links its schedules use
+    /// ([`tcp::Upfront::Only`]) holds fewer, plus those made on first use since.
+    fn linked_peers(&self) -> usize {
+        self.world_size().saturating_sub(1) as usize
+    }
 }

@@ -355,8 +355,12 @@ pub(crate) struct Links<L> {
     pub(crate) rank: Rank,
     /// The world size.
     pub(crate) world: u32,
-    /// Indexed by rank; `None` for this rank and for peers linked otherwise.
-    links: Vec<Option<L>>,
+    /// Indexed by rank; empty for this rank, for peers linked otherwise, and for peers
+    /// not linked yet (links made on first use are installed later, see [`Links::install`]).
+    links: Vec<OnceLock<L>>,
+    /// Serialises [`Links::install`] against the sweep of [`Links::abort`], so that a link
+    /// installed while the transport aborts is shut down by one of the two.
+    installing: Mutex<()>,
     abort: AbortLatch,
     /// What links the peers (`"TCP"`, `"shared memory"`), for errors and logs.
     over: &'static str,
@@ -374,16 +378,60 @@ impl<L: Link> Links<L> {
     ) -> Self {
         // The caller checked the world size against u32 when it planned the links.
         let world = links.len() as u32;
-        Self { generation, rank, world, links, abort: AbortLatch::new(), over, span }
+        let links = links
+            .into_iter()
+            .map(|l| {
+                let slot = OnceLock::new();
+                if let Some(l) = l {
+                    // A fresh cell takes its first value.
+                    let _ = slot.set(l);
+                }
+                slot
+            })
+            .collect();
+        Self { generation, rank, world, links, installing: Mutex::new(()), abort: AbortLatch::new(), over, span }
     }
 
     /// The link to `peer`, if it is linked here.
     pub(crate) fn get(&self, peer: Rank) -> Option<&L> {
-        self.links.get(peer as usize).and_then(Option::as_ref)
+        self.links.get(peer as usize).and_then(OnceLock::get)
+    }
+
+    /// How many peers are linked now.
+    pub(crate) fn linked(&self) -> usize {
+        self.links.iter().filter(|l| l.get().is_some()).count()
+    }
+
+    /// Adds the link to `peer` made after the set-up (on first use). Returns false, dropping
+    /// `link`, when `peer` is out of range or already linked. A link installed after an abort
+    /// is shut down at once.
+    pub(crate) fn install(&self, peer: Rank, link: L) -> bool {
+        let _sweep = lock(&self.installing);
+        let Some(slot) = self.links.get(peer as usize).filter(|_| peer != self.rank) else { return false };
+        if slot.set(link).is_err() {
+            return false;
+        }
+        if self.abort.reason().is_some() {
+            if let Some(l) = slot.get() {
+                l.core().shutdown();
+            }
+        }
+        true
+    }
+
+    /// Runs `op` (the making of a link) raced against the abort latch, as every operation is.
+    ///
+    /// # Cancel safety
+    /// As cancel safe as `op`.
+    pub(crate) async fn guarded<F>(&self, op: F) -> Result<(), TransportError>
+    where
+        F: Future<Output = Result<(), TransportError>>,
+    {
+        self.abort.run(op).await
     }
 
     fn link(&self, peer: Rank) -> Result<&L, TransportError> {
-        match self.links.get(peer as usize) {
+        match self.links.get(peer as usize).map(OnceLock::get) {
             Some(Some(l)) => Ok(l),
             Some(None) if peer == self.rank => {
                 Err(TransportError::InvalidArgument(format!("rank {peer} is this rank")))
@@ -418,7 +466,8 @@ impl<L: Link> Links<L> {
         if self.abort.trip(&reason) {
             let _enter = self.span.enter();
             tracing::debug!(%reason, "transport over {} aborted", self.over);
-            for l in self.links.iter().flatten() {
+            let _sweep = lock(&self.installing);
+            for l in self.links.iter().filter_map(OnceLock::get) {
                 l.core().shutdown();
             }
         }
@@ -426,7 +475,8 @@ impl<L: Link> Links<L> {
 
     /// [`crate::Transport::is_aborted`]: aborted, or a link broke.
     pub(crate) fn is_aborted(&self) -> bool {
-        self.abort.reason().is_some() || self.links.iter().flatten().any(|l| l.core().broken().is_some())
+        self.abort.reason().is_some()
+            || self.links.iter().filter_map(OnceLock::get).any(|l| l.core().broken().is_some())
     }
 
     /// [`crate::Transport::deadlines_in_force`]: the deadline in force on every link.
@@ -434,7 +484,7 @@ impl<L: Link> Links<L> {
         self.links
             .iter()
             .enumerate()
-            .filter_map(|(peer, l)| l.as_ref().map(|l| (peer as Rank, l.core().progress.in_force())))
+            .filter_map(|(peer, l)| l.get().map(|l| (peer as Rank, l.core().progress.in_force())))
             .collect()
     }
 }

@@ -195,6 +195,9 @@ events! {
         rank: u32,
         /// The transport its mesh uses (`tcp`, `shm`, `rdma`).
         transport: String,
+        /// Data-plane peers linked at set-up (every other rank in a full mesh; fewer when
+        /// only the links the schedules use are made up front).
+        links: Option<u64>,
         /// Wall clock (ms since the Unix epoch).
         t_ms: u64,
     }

@@ -32,6 +32,7 @@ pub mod trajectory;
 
 pub use algo::Algorithm;
 pub use blocks::counts_for;
+pub use collectives::links::upfront_links;
 pub use comm::{CommConfig, Communicator, Revoker};
 pub use dtype::{as_bytes, as_bytes_mut, DType, Element};
 pub use error::{CommError, OpProgress, RootCause};

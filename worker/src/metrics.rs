@@ -16,6 +16,9 @@ pub static FAILURES: AtomicU64 = AtomicU64::new(0);
 pub static REFORMATIONS: AtomicU64 = AtomicU64::new(0);
 /// Time lost to failures, total milliseconds.
 pub static LOST_MS: AtomicU64 = AtomicU64::new(0);
+/// Data-plane peers this rank holds a link to (those linked at set-up and those linked on
+/// first use since; see `cohort_transports::tcp::Upfront`).
+pub static LINKS: AtomicU64 = AtomicU64::new(0);
 
 /// The no-progress deadline in force on each data-plane link: (peer rank, milliseconds, why).
 static DEADLINES: std::sync::Mutex<Vec<(u32, u64, &'static str)>> = std::sync::Mutex::new(Vec::new());
@@ -29,13 +32,14 @@ pub fn set_deadlines(deadlines: &[(u32, cohort_transports::DeadlineInForce)]) {
 
 /// Renders every metric.
 pub fn render() -> String {
-    let rows: [(&str, &str, &str, &AtomicU64); 6] = [
+    let rows: [(&str, &str, &str, &AtomicU64); 7] = [
         ("cohort_worker_generation", "gauge", "Current generation", &GENERATION),
         ("cohort_worker_world_size", "gauge", "World size of the current generation", &WORLD_SIZE),
         ("cohort_worker_steps_verified_total", "counter", "Verified training steps", &STEPS_VERIFIED),
         ("cohort_worker_failures_total", "counter", "Failed generations", &FAILURES),
         ("cohort_worker_reformations_total", "counter", "Cooperative re-formations", &REFORMATIONS),
         ("cohort_worker_lost_milliseconds_total", "counter", "Time from failures to the next verified step", &LOST_MS),
+        ("cohort_worker_links", "gauge", "Data-plane peers linked in the current generation", &LINKS),
     ];
     let mut out = String::new();
     for (name, kind, help, value) in rows {

@@ -1,14 +1,16 @@
 //! The reference checks of `collectives_sim`, over the real transports: every collective on
 //! world sizes 1..=8, all ranks in this process, each with its own endpoints. Every suite runs
-//! three times (module per network): over TCP on loopback, over shared memory, and over a
-//! mixed mesh where even and odd ranks play two hosts (shared memory within, TCP across).
+//! four times (module per network): over TCP on loopback (a full mesh, and a mesh set up with
+//! only the links the schedules plan, the others made on first use), over shared memory, and
+//! over a mixed mesh where even and odd ranks play two hosts (shared memory within, TCP
+//! across).
 
 mod common;
 
 use cohort::elastic::{MeshTransport, MixedTransport};
 use cohort::{Algorithm, CommConfig, CommError, Communicator, ReduceOp};
 use cohort_transports::shm::{ShmAddress, ShmEndpoint, ShmMeshSpec, ShmOptions};
-use cohort_transports::tcp::{MeshSpec, TcpEndpoint, TcpOptions};
+use cohort_transports::tcp::{MeshSpec, TcpEndpoint, TcpOptions, Upfront};
 use cohort_transports::Deadlines;
 use common::{check_results, matrix, run_all, Case, TestElem};
 use half::bf16;
@@ -25,6 +27,8 @@ const TOKEN: &[u8] = b"test-token";
 #[derive(Clone, Copy, Debug)]
 enum Net {
     Tcp,
+    /// TCP with only [`cohort::upfront_links`] linked at set-up.
+    TcpPlanned,
     Shm,
     /// Ranks of one parity share a "host".
     Mixed,
@@ -35,7 +39,11 @@ fn deadlines() -> Deadlines {
 }
 
 /// Binds `n` TCP endpoints on loopback and connects them into one generation.
-async fn tcp_mesh(n: u32, generation: u64) -> (Vec<TcpEndpoint>, Vec<cohort_transports::tcp::TcpTransport>) {
+async fn tcp_mesh(
+    n: u32,
+    generation: u64,
+    planned: bool,
+) -> (Vec<TcpEndpoint>, Vec<cohort_transports::tcp::TcpTransport>) {
     let mut endpoints = Vec::new();
     for _ in 0..n {
         let addr: SocketAddr = "127.0.0.1:0".parse().unwrap();
@@ -50,6 +58,11 @@ async fn tcp_mesh(n: u32, generation: u64) -> (Vec<TcpEndpoint>, Vec<cohort_tran
             peers: peers.clone(),
             token: TOKEN.to_vec(),
             deadlines: deadlines(),
+            upfront: if planned {
+                Upfront::Only(cohort::upfront_links(rank as u32, &cohort::HostLayout::flat(n)))
+            } else {
+                Upfront::Every
+            },
         })
     });
     let transports = futures::future::try_join_all(setups).await.expect("tcp mesh set-up");
@@ -84,8 +97,8 @@ async fn shm_mesh(
 /// One generation of `n` ranks over `net`; the TCP endpoints must outlive the transports.
 async fn mesh(net: Net, n: u32, generation: u64) -> (Vec<TcpEndpoint>, Vec<MeshTransport>) {
     match net {
-        Net::Tcp => {
-            let (endpoints, transports) = tcp_mesh(n, generation).await;
+        Net::Tcp | Net::TcpPlanned => {
+            let (endpoints, transports) = tcp_mesh(n, generation, matches!(net, Net::TcpPlanned)).await;
             (endpoints, transports.into_iter().map(MeshTransport::from).collect())
         }
         Net::Shm => {
@@ -93,7 +106,7 @@ async fn mesh(net: Net, n: u32, generation: u64) -> (Vec<TcpEndpoint>, Vec<MeshT
         }
         Net::Mixed => {
             let shm = shm_mesh(n, generation, |a, b| a % 2 == b % 2).await;
-            let (endpoints, tcp) = tcp_mesh(n, generation).await;
+            let (endpoints, tcp) = tcp_mesh(n, generation, false).await;
             let mixed = shm
                 .into_iter()
                 .zip(tcp)
@@ -230,5 +243,49 @@ macro_rules! suites_over {
 }
 
 suites_over!(over_tcp, Net::Tcp);
+suites_over!(over_tcp_links_on_demand, Net::TcpPlanned);
 suites_over!(over_shm, Net::Shm);
 suites_over!(over_shm_and_tcp, Net::Mixed);
+
+/// A world of 24 ranks with only the planned links at set-up: every rank holds at most
+/// `2 log2(24) + 1` links after set-up (counted), every collective (alltoall and send/recv to
+/// unplanned peers included) still gives the reference results, and afterwards the links made
+/// on first use are counted too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn links_on_demand_keep_the_count_down_and_every_collective_working() {
+    timeout(LIMIT, async {
+        let n = 24u32;
+        let (_endpoints, transports) = tcp_mesh(n, 1, true).await;
+        let bound = 2.0 * f64::from(n).log2() + 1.0;
+        for t in &transports {
+            use cohort_transports::Transport;
+            let linked = t.linked_peers();
+            let planned = cohort::upfront_links(t.rank(), &cohort::HostLayout::flat(n)).len();
+            assert_eq!(linked, planned, "rank {} linked {linked} peers at set-up, planned {planned}", t.rank());
+            assert!((linked as f64) <= bound, "rank {}: {linked} links over {bound:.1}", t.rank());
+            assert!(linked < (n - 1) as usize, "the plan must leave peers out on 24 ranks");
+        }
+        let cases = matrix(n, &[131], &[ReduceOp::Sum], &Algorithm::CONCRETE);
+        let config = CommConfig { segment_bytes: 1024, ..CommConfig::default() };
+        let handles: Vec<_> = transports
+            .into_iter()
+            .map(|t| {
+                let t = Arc::new(t);
+                let comm = Communicator::new(Arc::clone(&t), config.clone());
+                let cases = cases.clone();
+                tokio::spawn(async move { (run_all::<f32, _>(comm, cases).await, t) })
+            })
+            .collect();
+        let mut results = Vec::new();
+        for (rank, h) in handles.into_iter().enumerate() {
+            let (r, t) = h.await.expect("rank task panicked");
+            results.push(r.unwrap_or_else(|(case, e)| panic!("rank {rank} {case:?}: {e}")));
+            use cohort_transports::Transport;
+            // Alltoall and the point-to-point cases reach every peer: all linked by now.
+            assert_eq!(t.linked_peers(), (n - 1) as usize, "rank {rank} after alltoall");
+        }
+        check_results::<f32>(n, &cases, &results);
+    })
+    .await
+    .expect("suite timed out");
+}

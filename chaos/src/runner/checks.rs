@@ -22,6 +22,9 @@ impl Run<'_> {
         }
         checks.extend(self.segment_checks.iter().cloned());
         checks.extend(self.transport_check(&events));
+        if self.sc.transport.as_deref() == Some("tcp") && self.sc.worker_command.is_none() {
+            checks.push(invariants::tcp_links_within_plan(&events));
+        }
         checks.extend(self.quiet_checks(&events, &records));
         checks.push(match self.sc.expect {
             Expect::Finish => self.finished_check(codes, &events),

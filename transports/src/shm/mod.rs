@@ -360,6 +360,10 @@ impl Transport for ShmTransport {
     fn deadlines_in_force(&self) -> Vec<(Rank, DeadlineInForce)> {
         self.links.deadlines_in_force()
     }
+
+    fn linked_peers(&self) -> usize {
+        self.links.linked()
+    }
 }
 
 #[cfg(test)]

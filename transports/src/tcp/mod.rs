@@ -3,8 +3,10 @@
 //!
 //! # Usage
 //! A worker binds one [`TcpEndpoint`] for its lifetime and calls
-//! [`TcpEndpoint::connect_mesh`] once per generation. Rank `i` dials every rank `j < i` and
-//! accepts from every rank `j > i`; the endpoint's accept task routes each accepted
+//! [`TcpEndpoint::connect_mesh`] once per generation. Of the peers the set-up links (every
+//! one, or those [`Upfront::Only`] lists), rank `i` dials every rank `j < i` and accepts from
+//! every rank `j > i`; any other peer is linked on first use by the same rule (module
+//! `on_demand`). The endpoint's accept task routes each accepted
 //! connection by (job, generation) to the set-up waiting for it, so several set-ups (other
 //! generations or jobs) may run on one endpoint at once. A connection for a (job, generation)
 //! nobody waits for yet is held for up to [`PENDING_HOLD`] (at most
@@ -43,6 +45,7 @@ mod endpoint;
 pub mod frame;
 pub mod link;
 mod mesh;
+mod on_demand;
 mod options;
 
 pub use endpoint::{HELLO_TIMEOUT, MAX_HANDSHAKING, MAX_PENDING, PENDING_HOLD};
@@ -54,6 +57,7 @@ use crate::{AbortReason, DeadlineInForce, Deadlines, Rank, Tag, Transport, Trans
 use endpoint::{Notes, Router};
 use link::TcpLink;
 use mesh::{Done, MeshCtx};
+use on_demand::OnDemand;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use tokio::sync::mpsc;
@@ -76,6 +80,33 @@ pub struct MeshSpec {
     pub token: Vec<u8>,
     /// Connect and no-progress deadlines.
     pub deadlines: Deadlines,
+    /// Which peers the set-up links; the others are linked on first use.
+    pub upfront: Upfront,
+}
+
+/// Which peers a mesh links while it is set up ([`TcpEndpoint::connect_mesh`]). A peer not
+/// linked then is linked when an operation first needs it: the higher rank of the two dials
+/// and the lower one waits for it, each under a fresh connect deadline, with the set-up's
+/// authenticated handshake.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum Upfront {
+    /// Every peer: a full mesh.
+    #[default]
+    Every,
+    /// Only these ranks (those the generation's schedules use). The plan must be symmetric
+    /// (rank a lists b exactly when b lists a), or the lower rank of a pair listed one way
+    /// waits at set-up for a dial that never comes.
+    Only(Vec<Rank>),
+}
+
+impl Upfront {
+    /// Whether the set-up links `peer` (any rank but `rank` itself for [`Upfront::Every`]).
+    fn includes(&self, rank: Rank, peer: Rank) -> bool {
+        match self {
+            Upfront::Every => peer != rank,
+            Upfront::Only(ranks) => peer != rank && ranks.contains(&peer),
+        }
+    }
 }
 
 /// A long-lived listener a worker keeps across generations.
@@ -127,8 +158,8 @@ impl TcpEndpoint {
         self.local
     }
 
-    /// Connects to every peer of the generation; rank i dials every j < i and accepts from
-    /// j > i. Fails with [`TransportError::Handshake`] if a peer disagrees about the job,
+    /// Connects to the peers `spec.upfront` names (every peer by default); rank i dials every
+    /// such j < i and accepts from such j > i. Other peers are linked on first use. Fails with [`TransportError::Handshake`] if a peer disagrees about the job,
     /// generation, world size, ranks or token, or if the mesh is not complete within
     /// `spec.deadlines.connect`.
     ///
@@ -151,49 +182,56 @@ impl TcpEndpoint {
         }
         crate::handshake::validate_job(&spec.job).map_err(TransportError::InvalidArgument)?;
         let rank = spec.rank;
+        // Set membership in O(1): a plan lists O(log N) ranks, but a world may be large.
+        let mut planned = vec![false; world as usize];
+        for peer in 0..world {
+            planned[peer as usize] = spec.upfront.includes(rank, peer);
+        }
         let deadline = Instant::now() + spec.deadlines.connect;
         let mut streams: Vec<Option<tokio::net::TcpStream>> = (0..world).map(|_| None).collect();
-        if world > 1 {
-            let notes = Arc::new(Mutex::new(Notes::default()));
-            let (tx, mut rx) = mpsc::channel(world as usize + 8);
-            let _registration = self.router.register(&spec.job, spec.generation, world, tx, Arc::clone(&notes))?;
-            let ctx = Arc::new(MeshCtx {
-                job: spec.job.clone(),
-                generation: spec.generation,
-                rank,
-                world,
-                token: spec.token.clone(),
-                options: self.options.clone(),
-                deadline,
-                notes,
-            });
-            let mut tasks = JoinSet::new();
-            for (peer, addr) in spec.peers.iter().enumerate().take(rank as usize) {
+        let notes = Arc::new(Mutex::new(Notes::default()));
+        let (tx, mut rx) = mpsc::channel(world as usize + 8);
+        let registration = self.router.register(&spec.job, spec.generation, world, tx, Arc::clone(&notes))?;
+        let ctx = Arc::new(MeshCtx {
+            job: spec.job.clone(),
+            generation: spec.generation,
+            rank,
+            world,
+            token: spec.token.clone(),
+            options: self.options.clone(),
+            deadline,
+            notes: Arc::clone(&notes),
+        });
+        let mut tasks = JoinSet::new();
+        for (peer, addr) in spec.peers.iter().enumerate().take(rank as usize) {
+            if planned[peer] {
                 tasks.spawn(mesh::dial(Arc::clone(&ctx), peer as Rank, *addr).instrument(span.clone()));
             }
-            let mut missing = world - 1;
-            while missing > 0 {
-                tokio::select! {
-                    Some(inc) = rx.recv() => {
-                        tasks.spawn(mesh::accept(Arc::clone(&ctx), inc).instrument(span.clone()));
-                    }
-                    Some(done) = tasks.join_next() => match done {
-                        Ok(Done::Linked(peer, stream)) => {
-                            tracing::debug!(peer, "tcp link up");
-                            if streams[peer as usize].replace(stream).is_none() {
-                                missing -= 1;
-                            }
+        }
+        let mut missing = planned.iter().filter(|&&p| p).count();
+        while missing > 0 {
+            tokio::select! {
+                Some(inc) = rx.recv() => {
+                    tasks.spawn(mesh::accept(Arc::clone(&ctx), inc).instrument(span.clone()));
+                }
+                Some(done) = tasks.join_next() => match done {
+                    Ok(Done::Linked(peer, stream)) => {
+                        tracing::debug!(peer, "tcp link up");
+                        // A peer outside the plan may dial early (it needs the link already);
+                        // its link is kept, but the set-up does not wait for such links.
+                        if streams[peer as usize].replace(stream).is_none() && planned[peer as usize] {
+                            missing -= 1;
                         }
-                        Ok(Done::DialFailed(e)) => return Err(e),
-                        Ok(Done::AcceptFailed { claimed, detail, fatal: true }) => {
-                            return Err(TransportError::Handshake { peer: claimed, detail });
-                        }
-                        Ok(Done::AcceptFailed { claimed, detail, fatal: false }) => mesh::note(&ctx, claimed, detail),
-                        Err(e) => return Err(TransportError::Io(format!("handshake task failed: {e}"))),
-                    },
-                    () = tokio::time::sleep_until(deadline) => {
-                        return Err(deadline_error(&ctx, &streams, spec.deadlines));
                     }
+                    Ok(Done::DialFailed(e)) => return Err(e),
+                    Ok(Done::AcceptFailed { claimed, detail, fatal: true }) => {
+                        return Err(TransportError::Handshake { peer: claimed, detail });
+                    }
+                    Ok(Done::AcceptFailed { claimed, detail, fatal: false }) => mesh::note(&ctx, claimed, detail),
+                    Err(e) => return Err(TransportError::Io(format!("handshake task failed: {e}"))),
+                },
+                () = tokio::time::sleep_until(deadline) => {
+                    return Err(deadline_error(&ctx, &streams, &planned, spec.deadlines));
                 }
             }
         }
@@ -213,13 +251,36 @@ impl TcpEndpoint {
                 None => None,
             });
         }
-        tracing::debug!(world, "tcp mesh up");
-        Ok(TcpTransport { job: spec.job.into(), links: Links::new("TCP", spec.generation, rank, links, span) })
+        let links = Arc::new(Links::new("TCP", spec.generation, rank, links, span.clone()));
+        let linked = links.linked();
+        let on_demand = Arc::new(OnDemand::new(
+            spec.job.clone(),
+            spec.generation,
+            rank,
+            spec.token,
+            self.options.clone(),
+            spec.deadlines,
+            spec.peers,
+            notes,
+            span.clone(),
+        ));
+        // The endpoint keeps routing this generation's connections here: peers outside the
+        // plan dial when they first need their link.
+        let late = tokio::spawn(
+            on_demand::serve_late(Arc::clone(&on_demand), Arc::clone(&links), rx, tasks).instrument(span.clone()),
+        );
+        tracing::debug!(world, linked, "tcp mesh up");
+        Ok(TcpTransport { job: spec.job.into(), links, on_demand, late, _registration: registration })
     }
 }
 
-fn deadline_error(ctx: &MeshCtx, streams: &[Option<tokio::net::TcpStream>], deadlines: Deadlines) -> TransportError {
-    let missing: Vec<Rank> = (0..ctx.world).filter(|&r| r != ctx.rank && streams[r as usize].is_none()).collect();
+fn deadline_error(
+    ctx: &MeshCtx,
+    streams: &[Option<tokio::net::TcpStream>],
+    planned: &[bool],
+    deadlines: Deadlines,
+) -> TransportError {
+    let missing: Vec<Rank> = (0..ctx.world).filter(|&r| planned[r as usize] && streams[r as usize].is_none()).collect();
     let notes = crate::links::lock(&ctx.notes);
     let mut detail = format!(
         "mesh not complete within the connect deadline of {:?}; no link to ranks {missing:?}",
@@ -236,11 +297,24 @@ fn deadline_error(ctx: &MeshCtx, streams: &[Option<tokio::net::TcpStream>], dead
     TransportError::Handshake { peer: missing.first().copied().unwrap_or(ctx.rank), detail }
 }
 
-/// A connected generation over TCP: one link per peer. `Send + Sync`; share it behind `Arc`.
+/// A connected generation over TCP: one link per linked peer, more made on first use (see
+/// [`Upfront`]). `Send + Sync`; share it behind `Arc`.
 pub struct TcpTransport {
     job: Arc<str>,
-    /// Indexed by rank; `None` for this rank.
-    links: Links<TcpLink>,
+    /// Indexed by rank; empty for this rank and for peers not linked yet.
+    links: Arc<Links<TcpLink>>,
+    /// How to link a peer on first use.
+    on_demand: Arc<OnDemand>,
+    /// Accepts the links peers make on first use ([`on_demand::serve_late`]).
+    late: tokio::task::JoinHandle<()>,
+    /// Keeps the endpoint routing this generation's connections to `late`.
+    _registration: endpoint::Registration,
+}
+
+impl Drop for TcpTransport {
+    fn drop(&mut self) {
+        self.late.abort();
+    }
 }
 
 impl std::fmt::Debug for TcpTransport {
@@ -265,6 +339,19 @@ impl TcpTransport {
     pub fn peer_probed(&self, peer: Rank) -> bool {
         self.links.get(peer).is_some_and(TcpLink::peer_probed)
     }
+
+    /// Links `peer` first if no link to it exists yet (see [`Upfront`]); raced against the
+    /// abort like every operation. Ranks out of range and this rank itself are left to the
+    /// operation, which names them.
+    ///
+    /// # Cancel safety
+    /// Cancel safe (see [`on_demand::OnDemand::link`]).
+    async fn ensure_link(&self, peer: Rank) -> Result<(), TransportError> {
+        if peer == self.links.rank || peer >= self.links.world || self.links.get(peer).is_some() {
+            return Ok(());
+        }
+        self.links.guarded(self.on_demand.link(&self.links, peer)).await
+    }
 }
 
 impl Transport for TcpTransport {
@@ -281,10 +368,12 @@ impl Transport for TcpTransport {
     }
 
     async fn send(&self, peer: Rank, tag: Tag, data: &[u8]) -> Result<(), TransportError> {
+        self.ensure_link(peer).await?;
         self.links.send(peer, tag, data).await
     }
 
     async fn recv(&self, peer: Rank, tag: Tag, buf: &mut [u8]) -> Result<(), TransportError> {
+        self.ensure_link(peer).await?;
         self.links.recv(peer, tag, buf).await
     }
 
@@ -298,5 +387,9 @@ impl Transport for TcpTransport {
 
     fn deadlines_in_force(&self) -> Vec<(Rank, DeadlineInForce)> {
         self.links.deadlines_in_force()
+    }
+
+    fn linked_peers(&self) -> usize {
+        self.links.linked()
     }
 }

@@ -2,7 +2,7 @@
 #![allow(dead_code)]
 
 use cohort_transports::handshake::{self, Hello, Message, Verdict};
-use cohort_transports::tcp::{MeshSpec, TcpEndpoint, TcpOptions, TcpTransport};
+use cohort_transports::tcp::{MeshSpec, TcpEndpoint, TcpOptions, TcpTransport, Upfront};
 use cohort_transports::{Deadlines, Rank, TransportError};
 use std::future::Future;
 use std::net::SocketAddr;
@@ -43,7 +43,15 @@ pub(crate) fn spec(
     token: &[u8],
     d: Deadlines,
 ) -> MeshSpec {
-    MeshSpec { job: job.into(), generation, rank, peers: peers.to_vec(), token: token.to_vec(), deadlines: d }
+    MeshSpec {
+        job: job.into(),
+        generation,
+        rank,
+        peers: peers.to_vec(),
+        token: token.to_vec(),
+        deadlines: d,
+        upfront: Upfront::Every,
+    }
 }
 
 /// Forms a mesh of `n` ranks, one endpoint each, all set-ups running concurrently.

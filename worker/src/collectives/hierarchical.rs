@@ -147,3 +147,30 @@ async fn through_leaders<T: Transport, E: Element>(
     }
     allgather_inplace(ctx, within, data, block, gather_back, stride).await
 }
+
+/// The ranks on other hosts that `rank` exchanges with in a hierarchical allreduce over
+/// `hosts`: its lane's ring neighbours (equal hosts), or, for a host's leader, the leaders'
+/// ring neighbours (unequal hosts). At most two; the rest of its partners share its host.
+pub(crate) fn cross_host_partners(rank: usize, hosts: &[Vec<usize>]) -> Vec<usize> {
+    let Some((host, pos)) =
+        hosts.iter().enumerate().find_map(|(h, r)| r.iter().position(|&x| x == rank).map(|p| (h, p)))
+    else {
+        return Vec::new();
+    };
+    let m = hosts.len();
+    if m < 2 {
+        return Vec::new();
+    }
+    let equal = hosts.iter().all(|h| h.len() == hosts[host].len());
+    let lane = if equal {
+        pos
+    } else if pos == 0 {
+        0
+    } else {
+        return Vec::new();
+    };
+    let (left, right) = ((host + m - 1) % m, (host + 1) % m);
+    let mut out = vec![hosts[left][lane], hosts[right][lane]];
+    out.dedup();
+    out
+}

@@ -25,6 +25,7 @@ pub(crate) mod alltoall;
 pub(crate) mod barrier;
 pub mod bcube;
 pub(crate) mod hierarchical;
+pub mod links;
 pub(crate) mod p2p;
 pub(crate) mod recursive_doubling;
 pub(crate) mod reduce_scatter;

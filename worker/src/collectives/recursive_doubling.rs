@@ -1,11 +1,12 @@
-//! Recursive-doubling allreduce with the usual fold for world sizes that are not powers of two.
+//! Recursive-doubling allreduce with a fold for world sizes that are not powers of two.
 //!
-//! With `p` the largest power of two not above `n` and `rem = n - p`: the first `2 * rem`
-//! ranks pair up, each even rank hands its vector to the odd rank above it and sits out; the
-//! `p` remaining ranks run `log2(p)` rounds, exchanging their whole vector with the partner
-//! whose virtual rank differs in one bit; finally the odd ranks hand the result back to their
-//! even partners. `log2(p) + 2` latency terms, `n` whole-vector transfers per round: the choice
-//! for small messages.
+//! With `p` the largest power of two not above `n` and `rem = n - p`: each rank `r >= p` hands
+//! its vector to rank `r - p` and sits out; ranks `0..p` run `log2(p)` rounds, exchanging their
+//! whole vector with the partner whose rank differs in one bit; finally ranks `0..rem` hand the
+//! result back to `r + p`. `log2(p) + 2` latency terms, `n` whole-vector transfers per round:
+//! the choice for small messages. Every partner is `2^j` ranks away (the fold `p`, round `j`
+//! `2^j`), so the schedule uses only links that the barrier and the trees use too
+//! ([`super::links`]).
 //!
 //! Bit-exactness: in every exchange both partners compute `lower operand op higher operand`
 //! from the same two vectors, so both hold identical bytes afterwards; by induction all
@@ -33,51 +34,55 @@ pub(crate) async fn allreduce<T: Transport, E: Element>(
     let rem = n - pow2;
     let segs = ctx.nsegs(data.len());
 
-    // Fold: even ranks below 2*rem give their vector to the odd rank above them.
-    let vrank = if rank < 2 * rem {
-        if rank % 2 == 0 {
-            ctx.send_segs(rank + 1, 0, data).await?;
-            None
-        } else {
-            for (k, seg) in data.chunks_mut(ctx.seg).enumerate() {
-                let incoming = &mut scratch[..seg.len()];
-                ctx.recv((rank - 1) as u32, ctx.tag(k as u64)?, as_bytes_mut(incoming)).await?;
-                // The even (lower) rank's operand goes first.
-                combine(op, seg, incoming, true);
-            }
-            Some(rank / 2)
-        }
-    } else {
-        Some(rank - rem)
-    };
-
     let rounds = pow2.trailing_zeros() as u64;
-    if let Some(v) = vrank {
-        for round in 0..rounds {
-            let pv = v ^ (1usize << round);
-            let peer = if pv < rem { pv * 2 + 1 } else { pv + rem };
-            let step0 = (1 + round) * segs;
-            for (k, seg) in data.chunks_mut(ctx.seg).enumerate() {
-                let incoming = &mut scratch[..seg.len()];
-                let tag = ctx.tag(step0 + k as u64)?;
-                tokio::try_join!(
-                    ctx.t.send(peer as u32, tag, as_bytes(seg)),
-                    ctx.recv(peer as u32, tag, as_bytes_mut(incoming))
-                )?;
-                combine(op, seg, incoming, v > pv);
-            }
+    let last = (1 + rounds) * segs;
+    if rank >= pow2 {
+        // Folded: hand the operand down, take the result back.
+        ctx.send_segs(rank - pow2, 0, data).await?;
+        ctx.recv_segs(rank - pow2, last, data).await?;
+        finish_avg(op, data, n as u32);
+        return Ok(());
+    }
+    if rank < rem {
+        for (k, seg) in data.chunks_mut(ctx.seg).enumerate() {
+            let incoming = &mut scratch[..seg.len()];
+            ctx.recv((rank + pow2) as u32, ctx.tag(k as u64)?, as_bytes_mut(incoming)).await?;
+            combine(op, seg, incoming, false);
         }
     }
-
-    // Unfold: odd ranks below 2*rem give the result back.
-    let last = (1 + rounds) * segs;
-    if rank < 2 * rem {
-        if rank % 2 == 1 {
-            ctx.send_segs(rank - 1, last, data).await?;
-        } else {
-            ctx.recv_segs(rank + 1, last, data).await?;
+    for round in 0..rounds {
+        let peer = rank ^ (1usize << round);
+        let step0 = (1 + round) * segs;
+        for (k, seg) in data.chunks_mut(ctx.seg).enumerate() {
+            let incoming = &mut scratch[..seg.len()];
+            let tag = ctx.tag(step0 + k as u64)?;
+            tokio::try_join!(
+                ctx.t.send(peer as u32, tag, as_bytes(seg)),
+                ctx.recv(peer as u32, tag, as_bytes_mut(incoming))
+            )?;
+            combine(op, seg, incoming, rank > peer);
         }
+    }
+    if rank < rem {
+        ctx.send_segs(rank + pow2, last, data).await?;
     }
     finish_avg(op, data, n as u32);
     Ok(())
+}
+
+/// Every rank that `rank` exchanges with in a recursive-doubling allreduce on `n` ranks: its
+/// fold partner, and its partner in each round (at most `log2(n) + 1` ranks).
+pub(crate) fn partners(rank: usize, n: usize) -> Vec<usize> {
+    if n < 2 || rank >= n {
+        return Vec::new();
+    }
+    let pow2 = 1usize << (usize::BITS - 1 - n.leading_zeros());
+    if rank >= pow2 {
+        return vec![rank - pow2];
+    }
+    let mut out: Vec<usize> = (0..pow2.trailing_zeros()).map(|round| rank ^ (1usize << round)).collect();
+    if rank < n - pow2 {
+        out.push(rank + pow2);
+    }
+    out
 }

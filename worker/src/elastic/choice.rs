@@ -8,6 +8,7 @@
 use super::{ElasticError, MeshKind, TransportUnavailable};
 use crate::HostLayout;
 use cohort_transports::shm::ShmAddress;
+use cohort_transports::tcp::Upfront;
 use std::net::SocketAddr;
 
 #[cfg(feature = "rdma")]
@@ -126,6 +127,8 @@ pub(crate) enum MeshPlan {
     Tcp {
         /// Every member's data-plane TCP address.
         peers: Vec<SocketAddr>,
+        /// The peers linked at set-up; the others on first use.
+        upfront: Upfront,
         /// The members that published no RDMA address (`worker (rank r)`), for the log.
         without_rdma: Vec<String>,
     },
@@ -136,8 +139,10 @@ pub(crate) enum MeshPlan {
     },
     /// Shared memory to the members on this rank's host, TCP to (and among) the others.
     Mixed {
-        /// Every member's data-plane TCP address (the TCP mesh links every pair).
+        /// Every member's data-plane TCP address.
         tcp: Vec<SocketAddr>,
+        /// The peers on other hosts linked over TCP at set-up; the others on first use.
+        upfront: Upfront,
         /// `Some` for the members linked over shared memory.
         shm: Vec<Option<ShmAddress>>,
     },
@@ -170,21 +175,39 @@ impl MeshPlan {
     }
 }
 
+/// Up to this many members, a generation's TCP mesh links every pair at set-up (at most 15
+/// links per rank, and no operation ever waits for a first dial); above it, only the links
+/// the schedules use ([`crate::upfront_links`]: O(log N + ranks per host)), the others on
+/// first use.
+pub const FULL_MESH_UP_TO: usize = 16;
+
+/// The TCP links rank `rank` makes at set-up, leaving out the peers `over_shm` links.
+fn tcp_upfront(members: &[MemberInfo], rank: usize, over_shm: impl Fn(usize) -> bool) -> Upfront {
+    if members.len() <= FULL_MESH_UP_TO {
+        return Upfront::Every;
+    }
+    let plan = crate::upfront_links(rank as u32, &host_layout(members));
+    Upfront::Only(plan.into_iter().filter(|&p| !over_shm(p as usize)).collect())
+}
+
 /// Splits a TCP-or-shared-memory generation by host: rank `rank` uses shared memory to every
 /// member whose `shm` address carries its own host identity, TCP to the rest.
 fn local_plan(members: &[MemberInfo], rank: usize, without_rdma: Vec<String>) -> MeshPlan {
     let tcp: Vec<SocketAddr> = members.iter().map(|m| m.tcp).collect();
     let own = members.get(rank).and_then(|m| m.shm.as_ref());
-    let Some(own) = own else { return MeshPlan::Tcp { peers: tcp, without_rdma } };
+    let tcp_only =
+        |tcp, without_rdma| MeshPlan::Tcp { peers: tcp, upfront: tcp_upfront(members, rank, |_| false), without_rdma };
+    let Some(own) = own else { return tcp_only(tcp, without_rdma) };
     let shm: Vec<Option<ShmAddress>> =
         members.iter().map(|m| m.shm.as_ref().filter(|a| a.host == own.host).cloned()).collect();
     let linked = shm.iter().enumerate().filter(|(j, a)| *j != rank && a.is_some()).count();
     if linked == 0 {
-        MeshPlan::Tcp { peers: tcp, without_rdma }
+        tcp_only(tcp, without_rdma)
     } else if shm.iter().all(Option::is_some) {
         MeshPlan::Shm { peers: shm.into_iter().flatten().collect() }
     } else {
-        MeshPlan::Mixed { tcp, shm }
+        let upfront = tcp_upfront(members, rank, |p| shm[p].is_some());
+        MeshPlan::Mixed { tcp, upfront, shm }
     }
 }
 
@@ -316,7 +339,7 @@ mod tests {
             member(3, None),
         ];
         let plan = plan_mesh(2, &members, 0, TransportChoice::Auto).expect("a plan");
-        let MeshPlan::Mixed { tcp, shm } = &plan else { panic!("{plan:?}") };
+        let MeshPlan::Mixed { tcp, shm, .. } = &plan else { panic!("{plan:?}") };
         assert_eq!(tcp.len(), 4);
         assert_eq!(shm.iter().map(Option::is_some).collect::<Vec<_>>(), [true, false, true, false]);
         // Rank 1 is alone on host b, rank 3 published no shm address: TCP only.
@@ -391,7 +414,11 @@ mod tests {
         assert_eq!(plan.without_rdma(), ["w1 (rank 1)".to_string()]);
         assert_eq!(
             plan,
-            MeshPlan::Tcp { peers: members.iter().map(|m| m.tcp).collect(), without_rdma: vec!["w1 (rank 1)".into()] }
+            MeshPlan::Tcp {
+                peers: members.iter().map(|m| m.tcp).collect(),
+                upfront: Upfront::Every,
+                without_rdma: vec!["w1 (rank 1)".into()]
+            }
         );
     }
 

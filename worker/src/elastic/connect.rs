@@ -100,13 +100,14 @@ pub(crate) async fn connect_planned(
     plan: MeshPlan,
     local: LocalEndpoints<'_>,
 ) -> Result<MeshTransport, TransportError> {
-    let tcp_spec = |peers| MeshSpec {
+    let tcp_spec = |peers, upfront| MeshSpec {
         job: scope.job.clone(),
         generation: scope.generation,
         rank,
         peers,
         token: scope.token.clone(),
         deadlines: scope.deadlines,
+        upfront,
     };
     let shm_spec = |peers: Vec<Option<ShmAddress>>| ShmMeshSpec {
         job: scope.job.clone(),
@@ -124,13 +125,17 @@ pub(crate) async fn connect_planned(
         })
     };
     match plan {
-        MeshPlan::Tcp { peers, .. } => local.tcp.connect_mesh(tcp_spec(peers)).await.map(MeshTransport::Tcp),
+        MeshPlan::Tcp { peers, upfront, .. } => {
+            local.tcp.connect_mesh(tcp_spec(peers, upfront)).await.map(MeshTransport::Tcp)
+        }
         MeshPlan::Shm { peers } => {
             shm()?.connect_mesh(shm_spec(peers.into_iter().map(Some).collect())).await.map(MeshTransport::Shm)
         }
-        MeshPlan::Mixed { tcp, shm: shm_peers } => {
-            let (s, t) =
-                tokio::try_join!(shm()?.connect_mesh(shm_spec(shm_peers)), local.tcp.connect_mesh(tcp_spec(tcp)))?;
+        MeshPlan::Mixed { tcp, upfront, shm: shm_peers } => {
+            let (s, t) = tokio::try_join!(
+                shm()?.connect_mesh(shm_spec(shm_peers)),
+                local.tcp.connect_mesh(tcp_spec(tcp, upfront))
+            )?;
             MixedTransport::new(s, t).map(MeshTransport::from)
         }
         #[cfg(feature = "rdma")]

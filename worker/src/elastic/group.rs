@@ -9,7 +9,7 @@ use crate::{CommConfig, CommError, Communicator, Revoker, RootCause};
 use cohort_proto::v1 as pb;
 use cohort_transports::shm::{ShmAddress, ShmEndpoint};
 use cohort_transports::tcp::TcpEndpoint;
-use cohort_transports::TransportError;
+use cohort_transports::{Transport, TransportError};
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -412,7 +412,8 @@ impl ElasticGroup {
         // The revoker first, so that a revocation heard while connecting (or now) finds it.
         *self.shared.revoker.lock().unwrap_or_else(|e| e.into_inner()) = Some((number, comm.revoker()));
         self.shared.drive(|m| m.handle_connected(number));
-        info!(parent: &span, rank, world = members.len(), transport = %kind, "generation formed");
+        let links = comm.transport().linked_peers();
+        info!(parent: &span, rank, world = members.len(), transport = %kind, links, "generation formed");
         Ok(Some(Generation { number, members, comm, transport: kind, formed_at_ms: generation.formed_at_ms }))
     }
 

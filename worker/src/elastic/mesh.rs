@@ -50,8 +50,8 @@ pub struct MixedTransport {
 
 impl MixedTransport {
     /// Combines the two meshes of one generation (the same rank, world and generation).
-    /// The TCP mesh links every peer; calls go to it for peers the shared-memory mesh does
-    /// not link.
+    /// Calls go to the TCP mesh (which links on first use the peers it did not link at
+    /// set-up) for peers the shared-memory mesh does not link.
     pub fn new(shm: ShmTransport, tcp: TcpTransport) -> Result<Self, TransportError> {
         if (shm.rank(), shm.world_size(), shm.generation()) != (tcp.rank(), tcp.world_size(), tcp.generation()) {
             return Err(TransportError::InvalidArgument(format!(
@@ -213,6 +213,13 @@ impl Transport for MeshTransport {
                 all
             }
             other => dispatch!(other, Rank::MAX, t => t.deadlines_in_force()),
+        }
+    }
+
+    fn linked_peers(&self) -> usize {
+        match self {
+            MeshTransport::Mixed(m) => m.shm.linked_peers() + m.tcp.linked_peers(),
+            other => dispatch!(other, Rank::MAX, t => t.linked_peers()),
         }
     }
 }

@@ -51,7 +51,7 @@ mod mesh;
 mod state;
 mod timing;
 
-pub use choice::{MemberInfo, TransportChoice, UnknownTransport};
+pub use choice::{MemberInfo, TransportChoice, UnknownTransport, FULL_MESH_UP_TO};
 pub use config::{local_hostname, ElasticConfig};
 pub use connect::{connect_members, LocalEndpoints, MeshScope};
 pub use error::{ElasticError, TransportUnavailable};

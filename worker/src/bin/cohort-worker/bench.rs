@@ -15,7 +15,7 @@ use cohort::elastic::{connect_members, LocalEndpoints, MemberInfo, MeshScope, Me
 use cohort::exact::{ExactElement, OpPattern};
 use cohort::{Algorithm, CommConfig, Communicator, HostLayout, ReduceOp};
 use cohort_transports::shm::{ShmAddress, ShmEndpoint, ShmMeshSpec, ShmOptions};
-use cohort_transports::tcp::{MeshSpec, TcpEndpoint, TcpOptions};
+use cohort_transports::tcp::{MeshSpec, TcpEndpoint, TcpOptions, Upfront};
 use cohort_transports::{Deadlines, Transport};
 use std::io::{BufRead, BufReader, Write};
 use std::net::SocketAddr;
@@ -468,6 +468,7 @@ async fn rank_typed<E: ExactElement>(rank: u32, config: BenchConfig) -> Result<(
                 peers,
                 token: bench_token(),
                 deadlines: BENCH_DEADLINES,
+                upfront: Upfront::Every,
             };
             let transport = endpoint.connect_mesh(spec).await.map_err(|e| e.to_string())?;
             measure::<E, _>(rank, &config, communicator(transport, &comm_config, &layout)?).await

@@ -23,6 +23,7 @@ use cohort::events;
 use cohort::exact::ExactElement;
 use cohort::trajectory::{params_digest, StepMismatch, Trajectory};
 use cohort::{CommError, ReduceOp};
+use cohort_transports::Transport;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use tokio::sync::watch;
@@ -231,11 +232,13 @@ pub(crate) async fn run<E: ExactElement>(
             world: world as u64,
             rank,
             transport: generation.transport.to_string(),
+            links: Some(generation.comm.transport().linked_peers() as u64),
             t_ms: now_ms(),
         }
         .print();
         cohort::metrics::GENERATION.store(g, Ordering::Relaxed);
         cohort::metrics::WORLD_SIZE.store(world as u64, Ordering::Relaxed);
+        cohort::metrics::LINKS.store(generation.comm.transport().linked_peers() as u64, Ordering::Relaxed);
 
         // Every member (joiners included) takes the newest commit.
         group.set_progress(g, checkpoint.step().unwrap_or(0), "sync");
@@ -345,6 +348,7 @@ pub(crate) async fn run<E: ExactElement>(
             checkpoint.commit(&params, step);
             summary.verified_steps += 1;
             cohort::metrics::STEPS_VERIFIED.fetch_add(1, Ordering::Relaxed);
+            cohort::metrics::LINKS.store(generation.comm.transport().linked_peers() as u64, Ordering::Relaxed);
             let elapsed = started.elapsed();
             let mut collective = elapsed;
             if let Some(t) = failed_at.take() {

@@ -1,0 +1,199 @@
+//! Links made on first use: a mesh set up with only the links its schedules use
+//! ([`super::Upfront::Only`]) links any other peer when an operation first needs it.
+//!
+//! Every operation on a link involves both ends (a send here is a receive there), so the
+//! rule that decides who dials is the set-up's: the higher rank dials, the lower one waits for
+//! the connection. The waiting side's endpoint keeps routing this generation's connections to
+//! the transport for as long as it lives ([`serve_late`]), and both sides run the same
+//! authenticated handshake as at set-up, under a fresh connect deadline. Concurrent operations
+//! on one new link share one dial.
+
+use super::endpoint::{Incoming, SharedNotes};
+use super::link::TcpLink;
+use super::mesh::{self, Done, MeshCtx};
+use super::options::TcpOptions;
+use crate::links::{lock, Links};
+use crate::{Deadlines, Rank, Silence, TransportError};
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use tokio::sync::{mpsc, Notify};
+use tokio::task::JoinSet;
+use tokio::time::Instant;
+
+/// What a transport needs to link a peer after its set-up.
+pub(crate) struct OnDemand {
+    pub job: String,
+    pub generation: u64,
+    pub rank: Rank,
+    pub world: u32,
+    pub token: Vec<u8>,
+    pub options: TcpOptions,
+    pub deadlines: Deadlines,
+    /// Every rank's data-plane address.
+    pub peers: Vec<SocketAddr>,
+    pub notes: SharedNotes,
+    pub span: tracing::Span,
+    /// One lock per peer being dialled, so that concurrent operations share one dial.
+    dialing: Mutex<HashMap<Rank, Arc<tokio::sync::Mutex<()>>>>,
+    /// Woken whenever a link arrives (the lower rank's side waits on it).
+    arrived: Notify,
+}
+
+impl OnDemand {
+    /// The on-demand state of a mesh of `world` ranks set up from these parts.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn new(
+        job: String,
+        generation: u64,
+        rank: Rank,
+        token: Vec<u8>,
+        options: TcpOptions,
+        deadlines: Deadlines,
+        peers: Vec<SocketAddr>,
+        notes: SharedNotes,
+        span: tracing::Span,
+    ) -> Self {
+        let world = peers.len() as u32;
+        Self {
+            job,
+            generation,
+            rank,
+            world,
+            token,
+            options,
+            deadlines,
+            peers,
+            notes,
+            span,
+            dialing: Mutex::new(HashMap::new()),
+            arrived: Notify::new(),
+        }
+    }
+
+    /// A handshake context whose deadline is one connect deadline from now.
+    fn ctx(&self) -> Arc<MeshCtx> {
+        Arc::new(MeshCtx {
+            job: self.job.clone(),
+            generation: self.generation,
+            rank: self.rank,
+            world: self.world,
+            token: self.token.clone(),
+            options: self.options.clone(),
+            deadline: Instant::now() + self.deadlines.connect,
+            notes: Arc::clone(&self.notes),
+        })
+    }
+
+    /// Wraps an authenticated stream to `peer` as a link and installs it (a link that lost a
+    /// race with another for the same peer is dropped, closing its socket).
+    pub(crate) fn install(&self, links: &Links<TcpLink>, peer: Rank, stream: tokio::net::TcpStream) {
+        let link = TcpLink::new(
+            peer,
+            self.generation,
+            self.options.max_frame,
+            self.deadlines,
+            self.peers.get(peer as usize).copied(),
+            self.options.busy_poll,
+            stream,
+            self.span.clone(),
+        );
+        match link {
+            Ok(link) => {
+                if links.install(peer, link) {
+                    tracing::debug!(parent: &self.span, peer, "tcp link up on first use");
+                }
+            }
+            Err(e) => {
+                tracing::debug!(parent: &self.span, peer, error = %e, "a link made on first use failed its set-up")
+            }
+        }
+        self.arrived.notify_waiters();
+    }
+
+    /// Links `peer` (not linked yet): dials it if this rank is the higher one, else waits for
+    /// its dial, either bounded by the connect deadline.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: a dial dropped part-way leaves the peer unlinked (a later operation dials
+    /// again), and a wait dropped leaves nothing behind.
+    pub(crate) async fn link(&self, links: &Links<TcpLink>, peer: Rank) -> Result<(), TransportError> {
+        if self.rank > peer {
+            self.dial(links, peer).await
+        } else {
+            self.wait_for(links, peer).await
+        }
+    }
+
+    async fn dial(&self, links: &Links<TcpLink>, peer: Rank) -> Result<(), TransportError> {
+        let gate = Arc::clone(lock(&self.dialing).entry(peer).or_default());
+        let _one_dial = gate.lock().await;
+        if links.get(peer).is_some() {
+            return Ok(());
+        }
+        let Some(&addr) = self.peers.get(peer as usize) else {
+            return Err(TransportError::InvalidArgument(format!("rank {peer} has no address")));
+        };
+        match mesh::dial(self.ctx(), peer, addr).await {
+            Done::Linked(peer, stream) => {
+                self.install(links, peer, stream);
+                match links.get(peer) {
+                    Some(_) => Ok(()),
+                    None => Err(TransportError::Handshake { peer, detail: "the link made on first use failed".into() }),
+                }
+            }
+            Done::DialFailed(e) => Err(e),
+            Done::AcceptFailed { claimed, detail, .. } => Err(TransportError::Handshake { peer: claimed, detail }),
+        }
+    }
+
+    async fn wait_for(&self, links: &Links<TcpLink>, peer: Rank) -> Result<(), TransportError> {
+        let deadline = Instant::now() + self.deadlines.connect;
+        loop {
+            let arrived = self.arrived.notified();
+            tokio::pin!(arrived);
+            arrived.as_mut().enable();
+            if links.get(peer).is_some() {
+                return Ok(());
+            }
+            if tokio::time::timeout_at(deadline, arrived).await.is_err() {
+                // The peer never dialled: it is dead, hung, or not at this operation. A
+                // timeout, so that the coordinator arbitrates it like any other stall.
+                return Err(TransportError::Timeout {
+                    peer,
+                    after: self.deadlines.connect,
+                    silence: Silence::Unprobed,
+                });
+            }
+        }
+    }
+}
+
+/// Accepts the connections peers make on first use for as long as the transport lives: each
+/// goes through the set-up's handshake (those already under way when the set-up ended are
+/// finished here) and is installed. Failed handshakes are noted as at set-up.
+///
+/// # Cancel safety
+/// Cancel safe: the transport aborts this task when it is dropped; connections in their
+/// handshake are closed.
+pub(crate) async fn serve_late(
+    on_demand: Arc<OnDemand>,
+    links: Arc<Links<TcpLink>>,
+    mut incoming: mpsc::Receiver<Incoming>,
+    mut handshakes: JoinSet<Done>,
+) {
+    loop {
+        tokio::select! {
+            Some(inc) = incoming.recv() => {
+                handshakes.spawn(mesh::accept(on_demand.ctx(), inc));
+            }
+            Some(done) = handshakes.join_next() => match done {
+                Ok(Done::Linked(peer, stream)) => on_demand.install(&links, peer, stream),
+                Ok(Done::AcceptFailed { claimed, detail, .. }) => mesh::note(&on_demand.ctx(), claimed, detail),
+                Ok(Done::DialFailed(_)) => {}
+                Err(e) => tracing::debug!(parent: &on_demand.span, error = %e, "a late handshake task failed"),
+            },
+            else => break,
+        }
+    }
+}
