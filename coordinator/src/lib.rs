@@ -32,6 +32,7 @@ pub(crate) mod rendezvous;
 pub(crate) mod report;
 pub(crate) mod revocation;
 pub mod server;
+pub mod status_summary;
 pub mod store;
 
 /// Declares the internal modules: public under `test-support` (see the crate documentation),

@@ -163,6 +163,16 @@ struct StatusArgs {
     /// Print one JSON object (for scripts) instead of the table.
     #[arg(long)]
     json: bool,
+    /// Above this many members, print a summary (counts, spreads, and the outliers by name)
+    /// instead of one row per member.
+    #[arg(long, default_value_t = 64)]
+    rows: usize,
+    /// How many outliers the summary names.
+    #[arg(long, default_value_t = 20)]
+    outliers: usize,
+    /// One row per member whatever the job's size.
+    #[arg(long)]
+    all: bool,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -334,7 +344,9 @@ fn now_ms() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
 }
 
-fn print_status(s: &pb::StatusResponse) {
+/// Prints the status: one row per member, or with `summary_outliers` a summary naming at most
+/// that many outliers (see `status_summary`).
+fn print_status(s: &pb::StatusResponse, summary_outliers: Option<usize>) {
     let now = now_ms();
     println!("job: {}", s.job);
     if let Some(set) = &s.settings {
@@ -379,6 +391,17 @@ fn print_status(s: &pb::StatusResponse) {
     }
     println!("leader: {}", if s.leader.is_empty() { "(none)" } else { &s.leader });
     println!();
+    if let Some(limit) = summary_outliers {
+        print!("{}", cohort_coordinator::status_summary::summarize(&s.members, now, limit));
+        println!("(a summary of {} members: --all for one row each, --json for everything)", s.members.len());
+    } else {
+        print_member_rows(s, now);
+    }
+    print_notes(s, now);
+}
+
+/// One row per member, by rank.
+fn print_member_rows(s: &pb::StatusResponse, now: u64) {
     println!(
         "{:>5}  {:<24} {:<20} {:<20} {:>10} {:>6} {:>10} {:<16} {:>11} {:>7} {:>7}  {:<8}",
         "RANK",
@@ -417,7 +440,13 @@ fn print_status(s: &pb::StatusResponse) {
             if m.deadlines.is_empty() { "-" } else { &m.deadlines }
         );
     }
-    for m in &members {
+}
+
+/// The stragglers, exclusions and digest mismatches, by name (few, whatever the job's size).
+fn print_notes(s: &pb::StatusResponse, now: u64) {
+    let mut members: Vec<&pb::MemberStatus> = s.members.iter().filter(|m| m.straggler.is_some()).collect();
+    members.sort_by_key(|m| (m.rank.unwrap_or(u32::MAX), m.worker_id.clone()));
+    for m in members {
         if let Some(v) = &m.straggler {
             println!(
                 "STRAGGLER: rank {} worker {} ({} slow, {:.1}x, {} reports, named {} ago): {}; action: {}",
@@ -632,7 +661,7 @@ async fn status(args: StatusArgs) -> Result<(), CliError> {
                 if args.json {
                     println!("{}", status_json(&s));
                 } else {
-                    print_status(&s);
+                    print_status(&s, (!args.all && s.members.len() > args.rows).then_some(args.outliers));
                 }
                 return Ok(());
             }
