@@ -287,6 +287,7 @@ impl Member {
                     incarnation: self.incarnation,
                     after_generation: after,
                     wait_ms: 20_000,
+                    compact: false,
                 })
                 .await
                 .map_err(|s| format!("rendezvous {}: {s}", self.id))?
@@ -302,7 +303,12 @@ impl Member {
     async fn watch(&self) -> Result<tonic::Streaming<pb::JobEvent>, String> {
         let mut c = self.client.clone();
         let s = c
-            .watch(pb::WatchRequest { job: JOB.into(), worker_id: self.id.clone(), incarnation: self.incarnation })
+            .watch(pb::WatchRequest {
+                job: JOB.into(),
+                worker_id: self.id.clone(),
+                incarnation: self.incarnation,
+                compact: false,
+            })
             .await
             .map_err(|s| format!("watch {}: {s}", self.id))?;
         Ok(s.into_inner())

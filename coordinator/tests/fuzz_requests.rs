@@ -86,12 +86,20 @@ fn rpc() -> impl Strategy<Value = Rpc> {
             )
         ),
         (id(), id(), num(), num(), 0u64..300).prop_map(|(job, worker_id, incarnation, after_generation, wait_ms)| {
-            Rpc::Rendezvous(pb::RendezvousRequest { job, worker_id, incarnation, after_generation, wait_ms })
+            Rpc::Rendezvous(pb::RendezvousRequest {
+                job,
+                worker_id,
+                incarnation,
+                after_generation,
+                wait_ms,
+                compact: false,
+            })
         }),
         (id(), id(), num()).prop_map(|(job, worker_id, incarnation)| Rpc::Watch(pb::WatchRequest {
             job,
             worker_id,
-            incarnation
+            incarnation,
+            compact: false,
         })),
         (id(), id(), num(), num(), prop::option::of(any::<u32>()), any::<String>(), any::<i32>(), any::<(u32, u64)>())
             .prop_map(|(job, worker_id, incarnation, generation, failed_rank, reason, kind, (seq, received))| {
