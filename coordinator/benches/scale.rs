@@ -745,7 +745,9 @@ fn main() {
             match run(&plan, store).await {
                 Ok(()) => eprintln!("scale store={store}: done in {:.1} s", t.elapsed().as_secs_f64()),
                 Err(e) => {
-                    println!("scale store={store} members={} failed=\"{}\"", plan.members, e.replace(['"', '\n'], " "));
+                    let mode = if plan.compact { "compact" } else { "full" };
+                    let e = e.replace(['"', '\n'], " ");
+                    println!("scale store={store} mode={mode} members={} failed=\"{e}\"", plan.members);
                     failed = true;
                 }
             }
