@@ -43,6 +43,7 @@ enum Rpc {
     Leave(pb::LeaveRequest),
     Commit(pb::CommitRequest),
     Status(pb::StatusRequest),
+    Members(pb::MembersRequest),
 }
 
 fn rpc() -> impl Strategy<Value = Rpc> {
@@ -128,6 +129,21 @@ fn rpc() -> impl Strategy<Value = Rpc> {
             })
         ),
         id().prop_map(|job| Rpc::Status(pb::StatusRequest { job })),
+        (
+            id(),
+            id(),
+            num(),
+            num(),
+            prop_oneof![
+                prop::collection::vec(any::<u32>(), 0..8),
+                prop::collection::vec(0u32..4, 0..8),
+                prop::collection::vec(0u32..4, 4096..4099)
+            ],
+            prop_oneof![any::<String>(), Just("host-w0".to_string()), Just(String::new())]
+        )
+            .prop_map(|(job, worker_id, incarnation, generation, ranks, host)| Rpc::Members(
+                pb::MembersRequest { job, worker_id, incarnation, generation, ranks, host }
+            )),
     ]
 }
 
@@ -146,6 +162,7 @@ async fn send(
         Rpc::Leave(m) => tokio::time::timeout(bound, c.leave(m)).await.map(|r| r.map(drop)),
         Rpc::Commit(m) => tokio::time::timeout(bound, c.commit(m)).await.map(|r| r.map(drop)),
         Rpc::Status(m) => tokio::time::timeout(bound, c.status(m)).await.map(|r| r.map(drop)),
+        Rpc::Members(m) => tokio::time::timeout(bound, c.members(m)).await.map(|r| r.map(drop)),
     };
     match answered {
         Err(_) => Err("no answer within 5 s".into()),
@@ -220,7 +237,8 @@ proptest! {
                     Rpc::Report(m) => real(&m.job, m.incarnation),
                     Rpc::Leave(m) => real(&m.job, m.incarnation),
                     Rpc::Commit(m) => real(&m.job, m.incarnation),
-                    Rpc::Join(_) | Rpc::Status(_) => false,
+                    // Members only reads: even a real member's question changes nothing.
+                    Rpc::Join(_) | Rpc::Status(_) | Rpc::Members(_) => false,
                 };
                 if names_a_member {
                     continue;
