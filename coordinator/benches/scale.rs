@@ -33,6 +33,16 @@
 //! scale store=etcd members=1024 replicas=2 join_to_formed_ms=.. revoked_p50_ms=.. revoked_p99_ms=.. reformed_ms=.. ...
 //! ```
 //!
+//! **Answers.** By default members rendezvous *compactly* (`RendezvousRequest.compact`): the
+//! answer carries the generation's size, the member's rank and own entry and the member
+//! list's digest, and each member then fetches, in one `Members` call, what a member of a
+//! mesh that links on demand needs: the ranks `rank ± 2^k mod N` for `k < ceil(log2 N)`
+//! (O(log N) entries), checking the answer's digest. Formation and re-formation are timed
+//! until every member holds those entries too; watches are compact as well.
+//! `COHORT_SCALE_MODE=full` runs the old mode instead (the whole member list in every answer
+//! and `GenerationFormed` event, no `Members` call), for comparison; the output line says
+//! `mode=compact` or `mode=full`.
+//!
 //! Run it with `cargo bench -p cohort-coordinator --bench scale -- --members 1024`
 //! (`--stores memory,etcd`, `--replicas 2`, `--steady-secs 5`; release build). Without
 //! `--bench` on its command line (`cargo test --benches`) it runs a 32-member smoke version
@@ -67,6 +77,8 @@ const JOB: &str = "scale";
 /// What to run.
 #[derive(Clone, Debug)]
 struct Plan {
+    /// Compact answers and `Members` fetches (the default), or the whole list (`full`).
+    compact: bool,
     members: usize,
     stores: Vec<String>,
     replicas: usize,
@@ -78,8 +90,14 @@ impl Plan {
     fn from_args() -> Result<Self, String> {
         let args: Vec<String> = std::env::args().skip(1).collect();
         let full = args.iter().any(|a| a == "--bench");
+        let compact = match std::env::var("COHORT_SCALE_MODE").as_deref() {
+            Ok("full") => false,
+            Ok("compact") | Err(_) => true,
+            Ok(other) => return Err(format!("COHORT_SCALE_MODE={other:?}: compact or full")),
+        };
         let mut plan = if full {
             Plan {
+                compact,
                 members: 1024,
                 stores: vec!["memory".into(), "etcd".into()],
                 replicas: 2,
@@ -88,6 +106,7 @@ impl Plan {
             }
         } else {
             Plan {
+                compact,
                 members: 32,
                 stores: vec!["memory".into()],
                 replicas: 1,
@@ -276,8 +295,62 @@ impl Member {
         Ok(Self { client, id, incarnation: r.incarnation })
     }
 
+    /// Long polls until a generation newer than `after` that includes this member forms and,
+    /// in compact mode, fetches the entries of the ranks a member linking on demand needs.
+    async fn placed(&self, after: u64, compact: bool) -> Result<Placement, String> {
+        let g = self.formed(after, compact).await?;
+        if !compact {
+            let rank = g
+                .members
+                .iter()
+                .position(|m| m.worker_id == self.id)
+                .ok_or_else(|| format!("{} is not in generation {}", self.id, g.number))?;
+            return Ok(Placement {
+                number: g.number,
+                rank: rank as u32,
+                size: g.members.len() as u32,
+                digest: g.members_digest,
+                fetched: Vec::new(),
+                full: Some(g),
+            });
+        }
+        let rank = g.rank.ok_or_else(|| format!("{}: a compact answer without a rank", self.id))?;
+        if !g.members.is_empty() || g.size == 0 {
+            return Err(format!("{}: not a compact answer ({} members, size {})", self.id, g.members.len(), g.size));
+        }
+        let want = link_ranks(rank, g.size);
+        let mut c = self.client.clone();
+        let answer = c
+            .members(pb::MembersRequest {
+                job: JOB.into(),
+                worker_id: self.id.clone(),
+                incarnation: self.incarnation,
+                generation: g.number,
+                ranks: want.clone(),
+                host: String::new(),
+            })
+            .await
+            .map_err(|s| format!("members {}: {s}", self.id))?
+            .into_inner();
+        let got: Vec<u32> = answer.members.iter().map(|m| m.rank).collect();
+        if answer.members_digest != g.members_digest || answer.generation != g.number || got != want {
+            return Err(format!(
+                "{}: Members answered generation {} digest {:x} ranks {got:?}; expected {} {:x} {want:?}",
+                self.id, answer.generation, answer.members_digest, g.number, g.members_digest
+            ));
+        }
+        Ok(Placement {
+            number: g.number,
+            rank,
+            size: g.size,
+            digest: g.members_digest,
+            fetched: answer.members,
+            full: None,
+        })
+    }
+
     /// Long polls until a generation newer than `after` that includes this member forms.
-    async fn formed(&self, after: u64) -> Result<pb::Generation, String> {
+    async fn formed(&self, after: u64, compact: bool) -> Result<pb::Generation, String> {
         loop {
             let mut c = self.client.clone();
             let r = c
@@ -287,6 +360,7 @@ impl Member {
                     incarnation: self.incarnation,
                     after_generation: after,
                     wait_ms: 20_000,
+                    compact,
                 })
                 .await
                 .map_err(|s| format!("rendezvous {}: {s}", self.id))?
@@ -299,10 +373,15 @@ impl Member {
         }
     }
 
-    async fn watch(&self) -> Result<tonic::Streaming<pb::JobEvent>, String> {
+    async fn watch(&self, compact: bool) -> Result<tonic::Streaming<pb::JobEvent>, String> {
         let mut c = self.client.clone();
         let s = c
-            .watch(pb::WatchRequest { job: JOB.into(), worker_id: self.id.clone(), incarnation: self.incarnation })
+            .watch(pb::WatchRequest {
+                job: JOB.into(),
+                worker_id: self.id.clone(),
+                incarnation: self.incarnation,
+                compact,
+            })
             .await
             .map_err(|s| format!("watch {}: {s}", self.id))?;
         Ok(s.into_inner())
@@ -323,6 +402,59 @@ impl Member {
         .await
         .map(|_| ())
     }
+}
+
+/// Where a member was placed in a generation, and what it fetched.
+struct Placement {
+    number: u64,
+    rank: u32,
+    size: u32,
+    digest: u64,
+    /// Compact mode: the entries of [`link_ranks`], in rank order.
+    fetched: Vec<pb::Member>,
+    /// Full mode: the whole answer.
+    full: Option<pb::Generation>,
+}
+
+/// The ranks a member of rank `rank` among `size` links to when links are made on demand
+/// (the peers of recursive doubling and of a ring): `rank ± 2^k mod size` for
+/// `k < ceil(log2 size)`, without itself, each once, in rank order.
+fn link_ranks(rank: u32, size: u32) -> Vec<u32> {
+    let (r, n) = (u64::from(rank), u64::from(size));
+    let mut out: Vec<u32> = (0..u64::BITS - (n.max(1) - 1).leading_zeros())
+        .flat_map(|k| {
+            let step = (1u64 << k) % n;
+            [(r + step) % n, (r + n - step) % n]
+        })
+        .filter(|&p| p != r)
+        .map(|p| p as u32)
+        .collect();
+    out.sort_unstable();
+    out.dedup();
+    out
+}
+
+/// Checks that every member holds the same generation `number` of `size` members, with its
+/// own rank (every rank once), and returns the members' ranks.
+fn check_generation(placements: &[&Placement], number: u64, size: usize) -> Result<(), String> {
+    let first = placements.first().ok_or("nobody was placed")?;
+    let mut seen = vec![false; size];
+    for p in placements {
+        if p.number != number || p.size as usize != size || p.digest != first.digest {
+            return Err(format!(
+                "generation {} of {} members (digest {:x}) where {number} of {size} (digest {:x}) was expected",
+                p.number, p.size, p.digest, first.digest
+            ));
+        }
+        if p.full.as_ref().is_some_and(|g| Some(g) != first.full.as_ref() || g.members.len() != size) {
+            return Err(format!("generation {number}: the whole lists differ"));
+        }
+        match seen.get_mut(p.rank as usize) {
+            Some(s) if !*s => *s = true,
+            _ => return Err(format!("generation {number}: rank {} twice or out of range", p.rank)),
+        }
+    }
+    Ok(())
 }
 
 /// Reads a watch stream until `pick` matches.
@@ -390,7 +522,8 @@ async fn run(plan: &Plan, store: &str) -> Result<(), String> {
     let cpu0 = cpu_all(&coordinators);
     let started = Instant::now();
     let admit = Arc::new(tokio::sync::Semaphore::new(JOIN_CONCURRENCY));
-    let joined: Vec<(Member, pb::Generation)> = within(bound, "joining and forming generation 1", async {
+    let compact = plan.compact;
+    let joined: Vec<(Member, Placement)> = within(bound, "joining and forming generation 1", async {
         futures::stream::iter(0..n)
             .map(|i| {
                 let client = channels[i / MEMBERS_PER_CONNECTION].clone();
@@ -400,7 +533,7 @@ async fn run(plan: &Plan, store: &str) -> Result<(), String> {
                         let _permit = admit.acquire().await.map_err(|e| e.to_string())?;
                         Member::join(client, i).await?
                     };
-                    let g = m.formed(0).await?;
+                    let g = m.placed(0, compact).await?;
                     Ok::<_, String>((m, g))
                 }
             })
@@ -413,16 +546,13 @@ async fn run(plan: &Plan, store: &str) -> Result<(), String> {
     .await??;
     let join_to_formed = started.elapsed();
     let cpu_formation = cpu_all(&coordinators) - cpu0;
-    let g1 = joined[0].1.clone();
-    if g1.number != 1 || g1.members.len() != n || joined.iter().any(|(_, g)| *g != g1) {
-        return Err(format!("generation 1 is not the same {n} members everywhere"));
-    }
+    check_generation(&joined.iter().map(|(_, p)| p).collect::<Vec<_>>(), 1, n)
+        .map_err(|e| format!("generation 1 is not the same {n} members everywhere: {e}"))?;
+    let fetched_entries: usize = joined.iter().map(|(_, p)| p.fetched.len()).sum();
     // Members in rank order.
-    let mut members: Vec<Member> = joined.into_iter().map(|(m, _)| m).collect();
-    let rank: std::collections::HashMap<String, usize> =
-        g1.members.iter().map(|m| (m.worker_id.clone(), m.rank as usize)).collect();
-    members.sort_by_key(|m| rank[&m.id]);
-    let members: Vec<Arc<Member>> = members.into_iter().map(Arc::new).collect();
+    let mut joined = joined;
+    joined.sort_by_key(|(_, p)| p.rank);
+    let members: Vec<Arc<Member>> = joined.into_iter().map(|(m, _)| Arc::new(m)).collect();
 
     // 2. Watches (untimed).
     let cpu0 = cpu_all(&coordinators);
@@ -430,7 +560,7 @@ async fn run(plan: &Plan, store: &str) -> Result<(), String> {
     let mut streams = within(bound, "opening the watches", async {
         futures::stream::iter(members.iter())
             .map(|m| async move {
-                let mut s = m.watch().await?;
+                let mut s = m.watch(compact).await?;
                 wait_for(&mut s, |e| matches!(e, Event::GenerationFormed(g) if g.number == 1).then_some(())).await?;
                 Ok::<_, String>(s)
             })
@@ -462,7 +592,7 @@ async fn run(plan: &Plan, store: &str) -> Result<(), String> {
                     drop(s);
                     return Ok::<_, String>((revoked, None));
                 }
-                let g = m.formed(1).await?;
+                let g = m.placed(1, compact).await?;
                 Ok((revoked, Some((Instant::now(), g, s))))
             })
         })
@@ -489,30 +619,26 @@ async fn run(plan: &Plan, store: &str) -> Result<(), String> {
     let results = within(bound, "revocation and re-formation", futures::future::join_all(tasks)).await?;
     let mut revoked = Vec::with_capacity(n);
     let mut reformed = Duration::ZERO;
-    let mut g2: Option<pb::Generation> = None;
+    let mut g2: Vec<Placement> = Vec::new();
     let mut survivors_streams = Vec::new();
     for r in results {
         let (at, formed) = r.map_err(|e| format!("member task: {e}"))??;
         revoked.push(at.duration_since(sent));
         if let Some((at, g, s)) = formed {
             reformed = reformed.max(at.duration_since(sent));
-            if g2.as_ref().is_some_and(|x| *x != g) {
-                return Err("survivors hold different generations 2".into());
-            }
-            g2 = Some(g);
+            g2.push(g);
             survivors_streams.push(s);
         }
     }
     let cpu_failure = cpu_all(&coordinators) - cpu0;
-    let g2 = g2.ok_or("no survivor re-formed")?;
+    check_generation(&g2.iter().collect::<Vec<_>>(), 2, n - 2)
+        .map_err(|e| format!("generation 2 is not the same {} survivors everywhere: {e}", n - 2))?;
+    // Every entry anyone holds of generation 2 (whole lists, or the fetched links) leaves
+    // out the failed member and the one that died meanwhile.
     let left_out = [&members[failed].id, &members[dies_meanwhile].id];
-    if g2.number != 2 || g2.members.len() != n - 2 || g2.members.iter().any(|m| left_out.contains(&&m.worker_id)) {
-        return Err(format!(
-            "generation 2 has number {} and {} members; expected 2 and {} without {left_out:?}",
-            g2.number,
-            g2.members.len(),
-            n - 2
-        ));
+    let mut held = g2.iter().flat_map(|p| p.fetched.iter().chain(p.full.iter().flat_map(|g| g.members.iter())));
+    if let Some(m) = held.find(|m| left_out.contains(&&m.worker_id)) {
+        return Err(format!("generation 2 holds {} (rank {}), which should be left out", m.worker_id, m.rank));
     }
     revoked.sort();
 
@@ -576,11 +702,13 @@ async fn run(plan: &Plan, store: &str) -> Result<(), String> {
     }
     let rss: Vec<String> =
         coordinators.iter().map(|c| format!("{:.0}", c.peak_rss() as f64 / (1 << 20) as f64)).collect();
+    let mode = if compact { "compact" } else { "full" };
     println!(
-        "scale store={store} members={n} replicas={replicas} connections={connections} \
+        "scale store={store} mode={mode} members={n} replicas={replicas} connections={connections} fetched_per_member={:.1} \
          join_to_formed_ms={:.0} formation_cpu_s={:.2} watches_ms={:.0} watches_cpu_s={:.2} \
          revoked_p50_ms={:.1} revoked_p99_ms={:.1} revoked_max_ms={:.1} reformed_ms={:.0} failure_cpu_s={:.2}{steady} \
          peak_rss_mib={}{etcd_out}",
+        fetched_entries as f64 / n as f64,
         ms(join_to_formed),
         cpu_formation.as_secs_f64(),
         ms(watches),
@@ -617,7 +745,9 @@ fn main() {
             match run(&plan, store).await {
                 Ok(()) => eprintln!("scale store={store}: done in {:.1} s", t.elapsed().as_secs_f64()),
                 Err(e) => {
-                    println!("scale store={store} members={} failed=\"{}\"", plan.members, e.replace(['"', '\n'], " "));
+                    let mode = if plan.compact { "compact" } else { "full" };
+                    let e = e.replace(['"', '\n'], " ");
+                    println!("scale store={store} mode={mode} members={} failed=\"{e}\"", plan.members);
                     failed = true;
                 }
             }

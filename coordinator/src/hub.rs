@@ -13,7 +13,7 @@ use cohort_proto::v1 as pb;
 use futures::{FutureExt, StreamExt};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, PoisonError, RwLock};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError, RwLock};
 use std::time::Duration;
 use tokio::sync::{broadcast, watch};
 use tokio::time::Instant;
@@ -154,7 +154,7 @@ pub struct Hub {
     pending: watch::Receiver<Option<u32>>,
     /// What long polls and new watchers wait on, re-sent only when it changes.
     signal: watch::Receiver<Arc<Signal>>,
-    events: broadcast::Sender<pb::JobEvent>,
+    events: broadcast::Sender<Arc<pb::JobEvent>>,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -226,21 +226,24 @@ impl Hub {
 
     /// A receiver of the job's events (generation formed/revoked, re-formation pending,
     /// ended), in order.
-    pub fn subscribe_events(&self) -> broadcast::Receiver<pb::JobEvent> {
+    pub fn subscribe_events(&self) -> broadcast::Receiver<Arc<pb::JobEvent>> {
         self.events.subscribe()
     }
 }
 
 /// The newest generation as long polls need it, built once per generation rather than once
-/// per waiting member: its protocol form and an index of its ranks by worker.
+/// per waiting member: its protocol form and an index of its ranks by worker (and, built on
+/// first use, by host).
 #[derive(Debug)]
 pub struct Formed {
     /// The generation number.
     pub number: u64,
-    /// As the protocol carries it.
+    /// As the protocol carries it (the whole member list, its size and digest).
     pub proto: pb::Generation,
     /// Worker id to (incarnation, rank).
     ranks: HashMap<String, (u64, u32)>,
+    /// Host to its ranks in rank order, built by the first `Members` call that asks by host.
+    hosts: OnceLock<HashMap<String, Vec<u32>>>,
 }
 
 impl Formed {
@@ -248,12 +251,55 @@ impl Formed {
     pub fn of(g: &GenerationRecord) -> Self {
         let ranks =
             g.members.iter().enumerate().map(|(r, m)| (m.worker_id.clone(), (m.incarnation, r as u32))).collect();
-        Self { number: g.number, proto: g.to_proto(), ranks }
+        Self { number: g.number, proto: g.to_proto(), ranks, hosts: OnceLock::new() }
     }
 
     /// The rank of `(worker, incarnation)`, if a member. O(1).
     pub fn rank_of(&self, worker: &str, incarnation: u64) -> Option<u32> {
         self.ranks.get(worker).filter(|(inc, _)| *inc == incarnation).map(|(_, r)| *r)
+    }
+
+    /// Number of members.
+    pub fn size(&self) -> u32 {
+        self.proto.members.len() as u32
+    }
+
+    /// The member of rank `rank`, if in range. O(1).
+    pub fn member(&self, rank: u32) -> Option<&pb::Member> {
+        self.proto.members.get(rank as usize)
+    }
+
+    /// The ranks whose member's host is `host`, in rank order: O(ranks on that host) once
+    /// the index is built (O(members), on the first call for this generation).
+    pub fn ranks_on_host(&self, host: &str) -> &[u32] {
+        let hosts = self.hosts.get_or_init(|| {
+            let mut hosts: HashMap<String, Vec<u32>> = HashMap::new();
+            for m in &self.proto.members {
+                hosts.entry(m.host.clone()).or_default().push(m.rank);
+            }
+            hosts
+        });
+        hosts.get(host).map_or(&[], Vec::as_slice)
+    }
+
+    /// The compact answer to the member of rank `rank`: no member list, but its size, the
+    /// digest, the caller's rank and its own entry. O(1) (one member copied).
+    pub fn compact_for(&self, rank: u32) -> pb::Generation {
+        pb::Generation { rank: Some(rank), member: self.member(rank).cloned(), ..without_members(&self.proto) }
+    }
+}
+
+/// Generation `g` without its member list (number, size, digest, formation time): what a
+/// compact watcher is sent. O(1).
+pub fn without_members(g: &pb::Generation) -> pb::Generation {
+    pb::Generation {
+        number: g.number,
+        members: Vec::new(),
+        formed_at_ms: g.formed_at_ms,
+        size: g.size,
+        rank: None,
+        member: None,
+        members_digest: g.members_digest,
     }
 }
 
@@ -443,7 +489,7 @@ async fn run_hub(
     mut pending: Pending,
     pending_tx: watch::Sender<Option<u32>>,
     signal_tx: watch::Sender<Arc<Signal>>,
-    events: broadcast::Sender<pb::JobEvent>,
+    events: broadcast::Sender<Arc<pb::JobEvent>>,
 ) {
     let mut headline = Headline::of(&view.live.read().unwrap_or_else(PoisonError::into_inner));
     let mut departures = 0u64;
@@ -528,7 +574,8 @@ async fn run_hub(
             signal_tx.send_replace(Arc::new(Signal::of(&headline, Some(&previous), departures)));
         }
         for e in out {
-            let _ = events.send(e);
+            // Shared: each watcher's receiver takes a reference, not a copy of a member list.
+            let _ = events.send(Arc::new(e));
         }
     }
 }
@@ -861,7 +908,7 @@ mod tests {
             .await
             .expect("a pending re-formation within 10 s of the exclusion's end")
             .expect("event");
-        assert_eq!(kinds(&[event]), ["pending 1"]);
+        assert_eq!(kinds(&[(*event).clone()]), ["pending 1"]);
         assert_eq!(hub.pending(), Some(1));
     }
 

@@ -409,24 +409,30 @@ impl GenerationRecord {
         self.history.iter().rev().find(|(n, _)| *n == number).map(|(_, c)| c)
     }
 
-    /// As the protocol carries it.
+    /// As the protocol carries it: the whole member list, its size and digest
+    /// ([`cohort_proto::members_digest`]). O(members).
     pub fn to_proto(&self) -> pb::Generation {
+        let members: Vec<pb::Member> = self
+            .members
+            .iter()
+            .enumerate()
+            .map(|(rank, m)| pb::Member {
+                rank: rank as u32,
+                worker_id: m.worker_id.clone(),
+                incarnation: m.incarnation,
+                host: m.host.clone(),
+                addresses: m.addresses.iter().map(Into::into).collect(),
+                domain: m.domain().to_string(),
+            })
+            .collect();
         pb::Generation {
             number: self.number,
-            members: self
-                .members
-                .iter()
-                .enumerate()
-                .map(|(rank, m)| pb::Member {
-                    rank: rank as u32,
-                    worker_id: m.worker_id.clone(),
-                    incarnation: m.incarnation,
-                    host: m.host.clone(),
-                    addresses: m.addresses.iter().map(Into::into).collect(),
-                    domain: m.domain().to_string(),
-                })
-                .collect(),
+            size: members.len() as u32,
+            members_digest: cohort_proto::members_digest(&members),
+            members,
             formed_at_ms: self.formed_at_ms,
+            rank: None,
+            member: None,
         }
     }
 }

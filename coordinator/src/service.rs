@@ -23,7 +23,10 @@
 //! - `join`: `Join` (exclusions, a worker id held by a live process, the replaced
 //!   incarnation's revocation, the member's records on a new lease);
 //! - `heartbeat`: `Heartbeat` (lease, progress, and the straggler judgement and action);
-//! - `rendezvous`: `Rendezvous` (the declared wait, the long poll on the hub's signal);
+//! - `rendezvous`: `Rendezvous` (the declared wait, the long poll on the hub's signal; the
+//!   compact answer);
+//! - `members`: `Members` (entries of the newest generation by rank and by host, for
+//!   members that rendezvoused compactly);
 //! - `watch`: `Watch` (the job's event stream, and the member's control-stream record);
 //! - `failures`: `ReportFailure` (the report path's store I/O around the decisions of
 //!   `report` and `revocation`);
@@ -36,6 +39,7 @@ mod failures;
 mod heartbeat;
 mod join;
 mod leave;
+mod members;
 mod rendezvous;
 mod status;
 mod watch;
@@ -318,6 +322,11 @@ impl pb::coordinator_server::Coordinator for CoordinatorService {
     async fn commit(&self, request: Request<pb::CommitRequest>) -> Result<Response<pb::CommitResponse>, Status> {
         rpc!(self, "Commit", request, do_commit, |r: &pb::CommitRequest| tracing::debug_span!(
             "rpc", method = "Commit", job = %r.job, worker = %r.worker_id, incarnation = r.incarnation, generation = r.generation))
+    }
+
+    async fn members(&self, request: Request<pb::MembersRequest>) -> Result<Response<pb::MembersResponse>, Status> {
+        rpc!(self, "Members", request, do_members, |r: &pb::MembersRequest| tracing::debug_span!(
+            "rpc", method = "Members", job = %r.job, worker = %r.worker_id, incarnation = r.incarnation, generation = r.generation))
     }
 
     async fn status(&self, request: Request<pb::StatusRequest>) -> Result<Response<pb::StatusResponse>, Status> {

@@ -75,6 +75,7 @@ async fn malformed_requests_are_refused_without_state_change() {
                 incarnation: inc,
                 after_generation: 1,
                 wait_ms: 10,
+                compact: false,
             };
             f(&mut r);
             let mut c = c.clone();
@@ -186,9 +187,14 @@ async fn malformed_requests_are_refused_without_state_change() {
                 {
                     let mut c = c.clone();
                     Box::pin(async move {
-                        c.watch(pb::WatchRequest { job: "a b".into(), worker_id: "w0".into(), incarnation: inc })
-                            .await
-                            .map(|_| ())
+                        c.watch(pb::WatchRequest {
+                            job: "a b".into(),
+                            worker_id: "w0".into(),
+                            incarnation: inc,
+                            compact: false,
+                        })
+                        .await
+                        .map(|_| ())
                     }) as Call
                 },
                 Code::InvalidArgument,

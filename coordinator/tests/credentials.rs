@@ -111,7 +111,7 @@ async fn a_job_credential_acts_on_its_job_only() {
             (
                 "Watch",
                 c.watch(authed(
-                    pb::WatchRequest { job: b(), worker_id: "wb".into(), incarnation: wb.incarnation },
+                    pb::WatchRequest { job: b(), worker_id: "wb".into(), incarnation: wb.incarnation, compact: false },
                     &cred_a,
                 ))
                 .await

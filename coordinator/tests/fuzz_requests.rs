@@ -43,6 +43,7 @@ enum Rpc {
     Leave(pb::LeaveRequest),
     Commit(pb::CommitRequest),
     Status(pb::StatusRequest),
+    Members(pb::MembersRequest),
 }
 
 fn rpc() -> impl Strategy<Value = Rpc> {
@@ -86,12 +87,20 @@ fn rpc() -> impl Strategy<Value = Rpc> {
             )
         ),
         (id(), id(), num(), num(), 0u64..300).prop_map(|(job, worker_id, incarnation, after_generation, wait_ms)| {
-            Rpc::Rendezvous(pb::RendezvousRequest { job, worker_id, incarnation, after_generation, wait_ms })
+            Rpc::Rendezvous(pb::RendezvousRequest {
+                job,
+                worker_id,
+                incarnation,
+                after_generation,
+                wait_ms,
+                compact: false,
+            })
         }),
         (id(), id(), num()).prop_map(|(job, worker_id, incarnation)| Rpc::Watch(pb::WatchRequest {
             job,
             worker_id,
-            incarnation
+            incarnation,
+            compact: false,
         })),
         (id(), id(), num(), num(), prop::option::of(any::<u32>()), any::<String>(), any::<i32>(), any::<(u32, u64)>())
             .prop_map(|(job, worker_id, incarnation, generation, failed_rank, reason, kind, (seq, received))| {
@@ -120,6 +129,21 @@ fn rpc() -> impl Strategy<Value = Rpc> {
             })
         ),
         id().prop_map(|job| Rpc::Status(pb::StatusRequest { job })),
+        (
+            id(),
+            id(),
+            num(),
+            num(),
+            prop_oneof![
+                prop::collection::vec(any::<u32>(), 0..8),
+                prop::collection::vec(0u32..4, 0..8),
+                prop::collection::vec(0u32..4, 4096..4099)
+            ],
+            prop_oneof![any::<String>(), Just("host-w0".to_string()), Just(String::new())]
+        )
+            .prop_map(|(job, worker_id, incarnation, generation, ranks, host)| Rpc::Members(
+                pb::MembersRequest { job, worker_id, incarnation, generation, ranks, host }
+            )),
     ]
 }
 
@@ -138,6 +162,7 @@ async fn send(
         Rpc::Leave(m) => tokio::time::timeout(bound, c.leave(m)).await.map(|r| r.map(drop)),
         Rpc::Commit(m) => tokio::time::timeout(bound, c.commit(m)).await.map(|r| r.map(drop)),
         Rpc::Status(m) => tokio::time::timeout(bound, c.status(m)).await.map(|r| r.map(drop)),
+        Rpc::Members(m) => tokio::time::timeout(bound, c.members(m)).await.map(|r| r.map(drop)),
     };
     match answered {
         Err(_) => Err("no answer within 5 s".into()),
@@ -212,7 +237,8 @@ proptest! {
                     Rpc::Report(m) => real(&m.job, m.incarnation),
                     Rpc::Leave(m) => real(&m.job, m.incarnation),
                     Rpc::Commit(m) => real(&m.job, m.incarnation),
-                    Rpc::Join(_) | Rpc::Status(_) => false,
+                    // Members only reads: even a real member's question changes nothing.
+                    Rpc::Join(_) | Rpc::Status(_) | Rpc::Members(_) => false,
                 };
                 if names_a_member {
                     continue;

@@ -210,7 +210,12 @@ async fn a_reopened_control_stream_counts_as_connected(backend: Backend) {
     // A watcher that is not a member (an operator's tool) records nothing.
     let mut c = client(addr).await;
     let tool = c
-        .watch(pb::WatchRequest { job: "job-reopen".into(), worker_id: "w0".into(), incarnation: w.incarnation + 1000 })
+        .watch(pb::WatchRequest {
+            job: "job-reopen".into(),
+            worker_id: "w0".into(),
+            incarnation: w.incarnation + 1000,
+            compact: false,
+        })
         .await
         .expect("watch")
         .into_inner();

@@ -31,3 +31,52 @@ pub const LEADER_HEADER: &str = "cohort-leader";
 
 pub use v1::coordinator_client::CoordinatorClient;
 pub use v1::coordinator_server::{Coordinator, CoordinatorServer};
+
+/// Most ranks one `Members` call may ask for (`MembersRequest.ranks`).
+pub const MAX_MEMBERS_PER_CALL: usize = 4096;
+
+/// The digest of an ordered member list that `Generation.members_digest` and
+/// `MembersResponse.members_digest` carry: the first 8 bytes (big-endian) of SHA-256 over
+/// each member's length-delimited protobuf encoding, in the order given (rank order).
+///
+/// Protobuf encoding of these messages is deterministic (no maps, fields in number order),
+/// so every replica computes the same digest for the same list, and a client holding the
+/// whole list can compute it too.
+pub fn members_digest(members: &[v1::Member]) -> u64 {
+    use prost::Message;
+    use sha2::{Digest, Sha256};
+    let mut hasher = Sha256::new();
+    let mut buf = Vec::with_capacity(256);
+    for m in members {
+        buf.clear();
+        // Encoding into a Vec cannot run out of room.
+        let _ = m.encode_length_delimited(&mut buf);
+        hasher.update(&buf);
+    }
+    let out = hasher.finalize();
+    let mut first = [0u8; 8];
+    first.copy_from_slice(&out[..8]);
+    u64::from_be_bytes(first)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn member(rank: u32, id: &str) -> v1::Member {
+        v1::Member { rank, worker_id: id.into(), incarnation: 7, host: "h".into(), ..Default::default() }
+    }
+
+    #[test]
+    fn the_members_digest_depends_on_every_entry_and_the_order() {
+        let list = vec![member(0, "a"), member(1, "b")];
+        let d = members_digest(&list);
+        assert_eq!(d, members_digest(&list.clone()), "deterministic");
+        assert_ne!(d, members_digest(&[member(0, "b"), member(1, "a")]));
+        assert_ne!(d, members_digest(&list[..1]));
+        let mut other = list.clone();
+        other[1].incarnation = 8;
+        assert_ne!(d, members_digest(&other));
+        assert_ne!(members_digest(&[]), d);
+    }
+}

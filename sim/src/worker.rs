@@ -304,6 +304,7 @@ impl Worker {
                         incarnation,
                         after_generation,
                         wait_ms: self.elastic.rendezvous_poll.as_millis() as u64,
+                        compact: false,
                     };
                     let bound = self.bound(self.elastic.rendezvous_poll);
                     let answer =
@@ -652,7 +653,7 @@ async fn watch_task(worker: Arc<Worker>) {
         tokio::pin!(changed);
         changed.as_mut().enable();
         let incarnation = worker.read(Membership::incarnation);
-        let request = pb::WatchRequest { job: JOB.into(), worker_id: worker.id.clone(), incarnation };
+        let request = pb::WatchRequest { job: JOB.into(), worker_id: worker.id.clone(), incarnation, compact: false };
         if let Ok(mut stream) = worker.client.watch(request).await {
             worker.drive("Watch", Membership::handle_watch_opened);
             loop {

@@ -28,7 +28,7 @@ impl CoordinatorService {
                 // Recording the stream (a store write) does not hold back its first events.
                 let (control, end) = tokio::join!(
                     service.control_opened(&hub, &r.job, &r.worker_id, r.incarnation),
-                    stream_events(&hub, &tx, shutdown)
+                    stream_events(&hub, &tx, shutdown, r.compact)
                 );
                 if let (WatchEnd::ClientGone, Some(revision)) = (end, control) {
                     service.control_closed(&r.job, &r.worker_id, r.incarnation, revision).await;
@@ -100,7 +100,7 @@ enum WatchEnd {
 }
 
 /// Sends a job's events on a watch stream until the client goes away, the job ends or the
-/// replica stops.
+/// replica stops. `compact`: generations are sent without their member lists.
 ///
 /// # Cancel safety
 /// Cancel safe: it only sends.
@@ -108,10 +108,11 @@ async fn stream_events(
     hub: &Hub,
     tx: &tokio::sync::mpsc::Sender<Result<pb::JobEvent, Status>>,
     mut shutdown: tokio::sync::watch::Receiver<bool>,
+    compact: bool,
 ) -> WatchEnd {
     let mut events = hub.subscribe_events();
     let mut sent = Sent::default();
-    let mut batch = hub.read(|state| initial_events(&hub.signal(), state.current(), hub.pending()));
+    let mut batch = hub.read(|state| initial_events(&hub.signal(), state.current(), hub.pending(), compact));
     loop {
         for e in batch {
             if !sent.admit(&e) {
@@ -134,10 +135,10 @@ async fn stream_events(
             }
         };
         batch = match next {
-            Ok(e) => vec![e],
+            Ok(e) => vec![outgoing(&e, compact)],
             Err(tokio::sync::broadcast::error::RecvError::Lagged(n)) => {
                 tracing::debug!(skipped = n, "watch fell behind; resending the current state");
-                hub.read(|state| initial_events(&hub.signal(), state.current(), hub.pending()))
+                hub.read(|state| initial_events(&hub.signal(), state.current(), hub.pending(), compact))
             }
             Err(tokio::sync::broadcast::error::RecvError::Closed) => {
                 let _ = tx.send(Err(Status::unavailable("coordinator view of the job stopped; watch again"))).await;
@@ -153,12 +154,24 @@ fn initial_events(
     signal: &hub::Signal,
     current: Option<&records::GenerationRecord>,
     pending: Option<u32>,
+    compact: bool,
 ) -> Vec<pb::JobEvent> {
-    let mut out = signal.initial.clone();
+    let mut out: Vec<pb::JobEvent> = signal.initial.iter().map(|e| outgoing(e, compact)).collect();
     if let (Some(joiners), Some(g)) = (pending, current) {
         out.push(hub::pending_event(g.number, joiners));
     }
     out
+}
+
+/// The copy of `e` a watcher is sent: without the member list for a compact watcher (O(1)),
+/// whole otherwise.
+fn outgoing(e: &pb::JobEvent, compact: bool) -> pb::JobEvent {
+    match &e.event {
+        Some(Event::GenerationFormed(g)) if compact => {
+            pb::JobEvent { event: Some(Event::GenerationFormed(hub::without_members(g))) }
+        }
+        _ => e.clone(),
+    }
 }
 
 /// What a watch stream has sent, to drop repeats.

@@ -242,6 +242,7 @@ impl Worker {
             incarnation: self.incarnation,
             after_generation: after,
             wait_ms: wait.as_millis() as u64,
+            compact: false,
         })
         .await
         .map(|r| r.into_inner())
@@ -308,10 +309,15 @@ impl Worker {
 
     pub(crate) async fn watch(&self) -> tonic::Streaming<pb::JobEvent> {
         let mut c = self.client.clone();
-        c.watch(pb::WatchRequest { job: self.job.clone(), worker_id: self.id.clone(), incarnation: self.incarnation })
-            .await
-            .expect("watch")
-            .into_inner()
+        c.watch(pb::WatchRequest {
+            job: self.job.clone(),
+            worker_id: self.id.clone(),
+            incarnation: self.incarnation,
+            compact: false,
+        })
+        .await
+        .expect("watch")
+        .into_inner()
     }
 
     pub(crate) async fn leave(&self, finished: bool) -> Result<(), tonic::Status> {

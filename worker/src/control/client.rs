@@ -348,6 +348,68 @@ impl ControlClient {
         self.call("Rendezvous", request, extra, |mut c, r| async move { c.rendezvous(r).await }).await
     }
 
+    /// Waits (long poll of `request.wait_ms`) for the next generation, asking for the compact
+    /// answer whatever `request.compact` says: the formed generation carries no member list
+    /// but its `size`, the caller's `rank` and own entry (`member`) and `members_digest`.
+    /// Fetch the peers it needs with [`Self::fetch_members`]. Against a coordinator older
+    /// than the compact answer, the whole list comes back (`members` not empty, `size` 0).
+    ///
+    /// # Cancel safety
+    /// Cancel safe: calling again resumes the wait.
+    pub async fn rendezvous_compact(&self, request: RendezvousRequest) -> Result<RendezvousResponse, ControlError> {
+        self.rendezvous(RendezvousRequest { compact: true, ..request }).await
+    }
+
+    /// One `Members` call: entries of the job's newest generation by rank and/or by host, as
+    /// the coordinator answers them (at most [`cohort_proto::MAX_MEMBERS_PER_CALL`] ranks).
+    /// Bounded and retried like every unary call; a refusal (stale generation, rank out of
+    /// range, not a member) is [`ControlError::Rejected`].
+    ///
+    /// # Cancel safety
+    /// Cancel safe (read only).
+    pub async fn members(&self, request: MembersRequest) -> Result<MembersResponse, ControlError> {
+        self.call("Members", request, Duration::ZERO, |mut c, r| async move { c.members(r).await }).await
+    }
+
+    /// The members of generation `request.generation` at `request.ranks` and on
+    /// `request.host`, each once, in rank order: as many `Members` calls as the ranks need
+    /// ([`cohort_proto::MAX_MEMBERS_PER_CALL`] each, the host asked in the first), each
+    /// checked against `digest` (the compact answer's `members_digest`). An answer about
+    /// another generation or member list is [`ControlError::Rejected`] with
+    /// `FailedPrecondition`: the generation changed, rendezvous again.
+    ///
+    /// # Cancel safety
+    /// Cancel safe (read only): dropping it drops the calls in flight.
+    pub async fn fetch_members(&self, request: MembersRequest, digest: u64) -> Result<Vec<Member>, ControlError> {
+        let mut ranks = request.ranks.clone();
+        ranks.sort_unstable();
+        ranks.dedup();
+        let mut chunks: Vec<Vec<u32>> = ranks.chunks(cohort_proto::MAX_MEMBERS_PER_CALL).map(<[u32]>::to_vec).collect();
+        if chunks.is_empty() {
+            // A host alone (an empty request is refused by the coordinator, with its reason).
+            chunks.push(Vec::new());
+        }
+        let mut out: Vec<Member> = Vec::with_capacity(ranks.len());
+        for (i, chunk) in chunks.into_iter().enumerate() {
+            let host = if i == 0 { request.host.clone() } else { String::new() };
+            let answer = self.members(MembersRequest { ranks: chunk, host, ..request.clone() }).await?;
+            if answer.generation != request.generation || answer.members_digest != digest {
+                return Err(ControlError::Rejected {
+                    rpc: "Members",
+                    code: Code::FailedPrecondition,
+                    message: format!(
+                        "the answer is about generation {} with member digest {:016x}, not generation {} with                          {digest:016x}: the generation changed; rendezvous again",
+                        answer.generation, answer.members_digest, request.generation
+                    ),
+                });
+            }
+            out.extend(answer.members);
+        }
+        out.sort_by_key(|m| m.rank);
+        out.dedup_by_key(|m| m.rank);
+        Ok(out)
+    }
+
     /// Reports a failure of a generation.
     ///
     /// # Cancel safety

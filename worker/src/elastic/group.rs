@@ -344,6 +344,7 @@ impl ElasticGroup {
                     incarnation,
                     after_generation,
                     wait_ms: self.config.rendezvous_poll.as_millis() as u64,
+                    compact: false,
                 })
                 .await
                 .map_err(CallError::from);
@@ -770,7 +771,7 @@ async fn watch_task(client: ControlClient, shared: Arc<Shared>, job: String, wor
         tokio::pin!(changed);
         changed.as_mut().enable();
         let incarnation = shared.read(Membership::incarnation);
-        let request = pb::WatchRequest { job: job.clone(), worker_id: worker_id.clone(), incarnation };
+        let request = pb::WatchRequest { job: job.clone(), worker_id: worker_id.clone(), incarnation, compact: false };
         match client.watch(request).await {
             Ok(mut stream) => {
                 shared.drive(Membership::handle_watch_opened);
