@@ -18,6 +18,7 @@ const DIAL_BACKOFF_MIN: Duration = Duration::from_millis(10);
 const DIAL_BACKOFF_MAX: Duration = Duration::from_millis(250);
 
 /// What one generation's mesh set-up needs in its handshake tasks.
+#[derive(Clone)]
 pub(crate) struct MeshCtx {
     pub job: String,
     pub generation: u64,

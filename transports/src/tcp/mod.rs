@@ -253,17 +253,7 @@ impl TcpEndpoint {
         }
         let links = Arc::new(Links::new("TCP", spec.generation, rank, links, span.clone()));
         let linked = links.linked();
-        let on_demand = Arc::new(OnDemand::new(
-            spec.job.clone(),
-            spec.generation,
-            rank,
-            spec.token,
-            self.options.clone(),
-            spec.deadlines,
-            spec.peers,
-            notes,
-            span.clone(),
-        ));
+        let on_demand = Arc::new(OnDemand::new((*ctx).clone(), spec.deadlines, spec.peers, span.clone()));
         // The endpoint keeps routing this generation's connections here: peers outside the
         // plan dial when they first need their link.
         let late = tokio::spawn(

@@ -8,10 +8,9 @@
 //! authenticated handshake as at set-up, under a fresh connect deadline. Concurrent operations
 //! on one new link share one dial.
 
-use super::endpoint::{Incoming, SharedNotes};
+use super::endpoint::Incoming;
 use super::link::TcpLink;
 use super::mesh::{self, Done, MeshCtx};
-use super::options::TcpOptions;
 use crate::links::{lock, Links};
 use crate::{Deadlines, Rank, Silence, TransportError};
 use std::collections::HashMap;
@@ -23,17 +22,12 @@ use tokio::time::Instant;
 
 /// What a transport needs to link a peer after its set-up.
 pub(crate) struct OnDemand {
-    pub job: String,
-    pub generation: u64,
-    pub rank: Rank,
-    pub world: u32,
-    pub token: Vec<u8>,
-    pub options: TcpOptions,
-    pub deadlines: Deadlines,
+    /// The set-up's handshake context; each link made later gets a fresh deadline.
+    setup: MeshCtx,
+    deadlines: Deadlines,
     /// Every rank's data-plane address.
-    pub peers: Vec<SocketAddr>,
-    pub notes: SharedNotes,
-    pub span: tracing::Span,
+    peers: Vec<SocketAddr>,
+    span: tracing::Span,
     /// One lock per peer being dialled, so that concurrent operations share one dial.
     dialing: Mutex<HashMap<Rank, Arc<tokio::sync::Mutex<()>>>>,
     /// Woken whenever a link arrives (the lower rank's side waits on it).
@@ -41,48 +35,14 @@ pub(crate) struct OnDemand {
 }
 
 impl OnDemand {
-    /// The on-demand state of a mesh of `world` ranks set up from these parts.
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn new(
-        job: String,
-        generation: u64,
-        rank: Rank,
-        token: Vec<u8>,
-        options: TcpOptions,
-        deadlines: Deadlines,
-        peers: Vec<SocketAddr>,
-        notes: SharedNotes,
-        span: tracing::Span,
-    ) -> Self {
-        let world = peers.len() as u32;
-        Self {
-            job,
-            generation,
-            rank,
-            world,
-            token,
-            options,
-            deadlines,
-            peers,
-            notes,
-            span,
-            dialing: Mutex::new(HashMap::new()),
-            arrived: Notify::new(),
-        }
+    /// The on-demand state of the mesh set up with `setup`, whose ranks are at `peers`.
+    pub(crate) fn new(setup: MeshCtx, deadlines: Deadlines, peers: Vec<SocketAddr>, span: tracing::Span) -> Self {
+        Self { setup, deadlines, peers, span, dialing: Mutex::new(HashMap::new()), arrived: Notify::new() }
     }
 
     /// A handshake context whose deadline is one connect deadline from now.
     fn ctx(&self) -> Arc<MeshCtx> {
-        Arc::new(MeshCtx {
-            job: self.job.clone(),
-            generation: self.generation,
-            rank: self.rank,
-            world: self.world,
-            token: self.token.clone(),
-            options: self.options.clone(),
-            deadline: Instant::now() + self.deadlines.connect,
-            notes: Arc::clone(&self.notes),
-        })
+        Arc::new(MeshCtx { deadline: Instant::now() + self.deadlines.connect, ..self.setup.clone() })
     }
 
     /// Wraps an authenticated stream to `peer` as a link and installs it (a link that lost a
@@ -90,11 +50,11 @@ impl OnDemand {
     pub(crate) fn install(&self, links: &Links<TcpLink>, peer: Rank, stream: tokio::net::TcpStream) {
         let link = TcpLink::new(
             peer,
-            self.generation,
-            self.options.max_frame,
+            self.setup.generation,
+            self.setup.options.max_frame,
             self.deadlines,
             self.peers.get(peer as usize).copied(),
-            self.options.busy_poll,
+            self.setup.options.busy_poll,
             stream,
             self.span.clone(),
         );
@@ -118,7 +78,7 @@ impl OnDemand {
     /// Cancel safe: a dial dropped part-way leaves the peer unlinked (a later operation dials
     /// again), and a wait dropped leaves nothing behind.
     pub(crate) async fn link(&self, links: &Links<TcpLink>, peer: Rank) -> Result<(), TransportError> {
-        if self.rank > peer {
+        if self.setup.rank > peer {
             self.dial(links, peer).await
         } else {
             self.wait_for(links, peer).await
