@@ -35,14 +35,22 @@ impl CoordinatorService {
             }
         }
         let now = records::now_ms();
+        // The rank index built once per generation: a search of the member list per
+        // heartbeat would make every heartbeat round of a large job O(members²).
+        let formed = hub.signal().formed.clone();
         // Read under the view's lock: a copy of the state per heartbeat would cost O(members).
         let (timing, finding) = hub.read(|state| {
             // The member's step timing, as a rank of the current generation (else not judged).
             let timing = r.timing.as_ref().filter(|t| t.steps > 0).and_then(|t| {
                 let g = state.current().filter(|g| g.number == r.generation && g.revoked.is_none())?;
+                let rank = match formed.as_ref().filter(|f| f.number == g.number) {
+                    Some(f) => f.rank_of(&r.worker_id, r.incarnation)?,
+                    // The signal lags the view by a batch at most: search this once.
+                    None => g.rank_of(&r.worker_id, r.incarnation)?,
+                };
                 Some(stragglers::Timing {
                     generation: g.number,
-                    rank: g.rank_of(&r.worker_id, r.incarnation)?,
+                    rank,
                     steps: t.steps,
                     compute_us: t.compute_us,
                     collective_us: t.collective_us,
