@@ -162,21 +162,47 @@ fn clear_majority(fast: usize, of: usize) -> bool {
     fast * 2 > of
 }
 
+/// Every reporting member's compute time, sorted: what the compute verdicts of one round read,
+/// so that judging one member costs O(log N), not a sort of the others (judging every member
+/// of a round, as [`judge`] must to rule out a compute straggler elsewhere, was O(N² log N)).
+struct Computes(Vec<u64>);
+
+impl Computes {
+    fn of(timings: &[&Timing]) -> Self {
+        let mut all: Vec<u64> = timings.iter().map(|t| t.compute_us).collect();
+        all.sort_unstable();
+        Self(all)
+    }
+
+    /// For the member whose compute time is `own` (one of the values): how many of the
+    /// others it is slow against, and the others' median.
+    fn against_others(&self, rule: &StragglerRule, own: u64) -> (usize, Option<u64>) {
+        let all = &self.0;
+        // `outlier(own, c)` holds for every c up to some value: a prefix of the sorted list.
+        let slow_against = all.partition_point(|&c| outlier(rule, own, c).is_some());
+        // Leave out one copy of `own` (its own report).
+        let own_at = all.partition_point(|&c| c < own);
+        let fast = slow_against - usize::from(own_at < slow_against);
+        let n = all.len() - 1;
+        let nth = |k: usize| if k < own_at { all[k] } else { all[k + 1] };
+        let median = match n {
+            0 => None,
+            n if n % 2 == 1 => Some(nth(n / 2)),
+            n => Some((nth(n / 2 - 1) + nth(n / 2)) / 2),
+        };
+        (fast, median)
+    }
+}
+
 /// The compute outlier among `timings` at `rank`, if it is one: slow against the others'
 /// median, and a clear majority of the generation's reporting members (the suspect counted
 /// among them) fast against it. With three members the others' median is the mean of two, so
 /// in 40/40/10 ms each 40 is 1.6x "the median" of the other two; only one member is fast,
 /// so neither is named.
-fn compute_finding(rule: &StragglerRule, rank: u32, timings: &[&Timing]) -> Option<Finding> {
+fn compute_finding(rule: &StragglerRule, rank: u32, timings: &[&Timing], computes: &Computes) -> Option<Finding> {
     let own = timings.iter().find(|t| t.rank == rank)?;
-    let mut others: Vec<u64> = timings.iter().filter(|t| t.rank != rank).map(|t| t.compute_us).collect();
-    let n = others.len();
-    let fast = others.iter().filter(|&&c| outlier(rule, own.compute_us, c).is_some()).count();
-    if !clear_majority(fast, timings.len()) {
-        return None;
-    }
-    let med = median(&mut others)?;
-    let ratio = outlier(rule, own.compute_us, med)?;
+    let (ratio, med) = compute_ratio(rule, own.compute_us, timings.len(), computes)?;
+    let n = timings.len() - 1;
     Some(Finding {
         kind: Slowness::Compute,
         ratio_pct: pct(ratio),
@@ -192,6 +218,17 @@ fn compute_finding(rule: &StragglerRule, rank: u32, timings: &[&Timing]) -> Opti
     })
 }
 
+/// Whether a member computing `own` of a round of `reporting` members is a compute
+/// straggler; if so its ratio to the others' median, and that median. O(log N).
+fn compute_ratio(rule: &StragglerRule, own: u64, reporting: usize, computes: &Computes) -> Option<(f64, u64)> {
+    let (fast, med) = computes.against_others(rule, own);
+    if !clear_majority(fast, reporting) {
+        return None;
+    }
+    let med = med?;
+    Some((outlier(rule, own, med)?, med))
+}
+
 /// Judges the member at `rank` on one round of reports: `timings` holds the latest report
 /// of every member of one generation (the suspect's among them). Reports that cover no step
 /// are left out. `None`: not slow by this round (or too few reports to tell).
@@ -202,11 +239,12 @@ pub fn judge(rule: &StragglerRule, rank: u32, timings: &[Timing]) -> Option<Find
     if live.len() < 2 {
         return None;
     }
-    if let Some(found) = compute_finding(rule, rank, &live) {
+    let computes = Computes::of(&live);
+    if let Some(found) = compute_finding(rule, rank, &live, &computes) {
         return Some(found);
     }
     // Any compute straggler explains the waits: no link verdict beside one.
-    if live.iter().any(|t| compute_finding(rule, t.rank, &live).is_some()) {
+    if live.iter().any(|t| compute_ratio(rule, t.compute_us, live.len(), &computes).is_some()) {
         return None;
     }
     // Links: the longest wait any other member reports on the suspect, against the median
@@ -298,6 +336,54 @@ impl Standing {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The compute verdict as first written (sorting the others per member): the oracle of
+    /// [`Computes`].
+    fn compute_ratio_by_sorting(rule: &StragglerRule, rank: u32, timings: &[&Timing]) -> Option<f64> {
+        let own = timings.iter().find(|t| t.rank == rank)?;
+        let mut others: Vec<u64> = timings.iter().filter(|t| t.rank != rank).map(|t| t.compute_us).collect();
+        let fast = others.iter().filter(|&&c| outlier(rule, own.compute_us, c).is_some()).count();
+        if !clear_majority(fast, timings.len()) {
+            return None;
+        }
+        outlier(rule, own.compute_us, median(&mut others)?)
+    }
+
+    #[test]
+    fn the_sorted_index_judges_compute_exactly_as_sorting_the_others_does() {
+        // Rounds of 1 to 40 members, with ties, zeros and outliers, under two rules.
+        let mut x: u64 = 0x2545_f491_4f6c_dd1d;
+        let mut next = |m: u64| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x % m
+        };
+        let rules = [StragglerRule::default(), StragglerRule { ratio: 1.1, min_excess: Duration::ZERO, reports: 1 }];
+        for round in 0..400 {
+            let n = 1 + (round % 40) as u32;
+            let timings: Vec<Timing> = (0..n)
+                .map(|rank| {
+                    let base = [0, 1, 2_000, 10_000, 10_500][next(5) as usize];
+                    let compute_us = if next(7) == 0 { base * (2 + next(4)) } else { base + next(3) * 500 };
+                    Timing { generation: 1, rank, steps: 1, compute_us, ..Timing::default() }
+                })
+                .collect();
+            let live: Vec<&Timing> = timings.iter().collect();
+            let computes = Computes::of(&live);
+            for rule in &rules {
+                for t in &timings {
+                    assert_eq!(
+                        compute_ratio(rule, t.compute_us, live.len(), &computes).map(|(ratio, _)| ratio),
+                        compute_ratio_by_sorting(rule, t.rank, &live),
+                        "round {round}, rank {} of {n}: {:?}",
+                        t.rank,
+                        timings.iter().map(|t| t.compute_us).collect::<Vec<_>>()
+                    );
+                }
+            }
+        }
+    }
 
     fn t(rank: u32, compute_ms: u64, collective_ms: u64, waits: &[(u32, u64)]) -> Timing {
         Timing {
