@@ -69,6 +69,34 @@ pub trait Transport: Send + Sync + 'static {
     /// Not cancel safe, for the same reason as [`Transport::send`].
     fn recv(&self, peer: Rank, tag: Tag, buf: &mut [u8]) -> impl Future<Output = Result<(), TransportError>> + Send;
 
+    /// Receives the message `tag` from `peer` (exactly `scratch.len()` bytes) and hands its
+    /// bytes to `consume`, in order, as one or more consecutive pieces that together are the
+    /// whole message. This is how a schedule reduces as it receives.
+    ///
+    /// A transport that holds arriving bytes in memory it can lend (shared memory: the slots
+    /// of the peer's ring) passes those and never touches `scratch`, saving the copy into it;
+    /// the default receives into `scratch` and passes it whole. Errors are those of
+    /// [`Transport::recv`]; `consume` has seen only a prefix of the message when one occurs.
+    ///
+    /// # Cancel safety
+    /// Not cancel safe, for the same reason as [`Transport::send`].
+    fn recv_with<F>(
+        &self,
+        peer: Rank,
+        tag: Tag,
+        scratch: &mut [u8],
+        mut consume: F,
+    ) -> impl Future<Output = Result<(), TransportError>> + Send
+    where
+        F: FnMut(&[u8]) + Send,
+    {
+        async move {
+            self.recv(peer, tag, scratch).await?;
+            consume(scratch);
+            Ok(())
+        }
+    }
+
     /// Aborts every in-flight and future operation at once with
     /// [`TransportError::Aborted`]; closes the links. Local, idempotent, never blocks.
     fn abort(&self, reason: AbortReason);

@@ -188,9 +188,15 @@ impl LinkCore {
         Some(f)
     }
 
-    fn deliver_stashed(&self, tag: Tag, f: Stashed, buf: &mut [u8]) -> Result<(), TransportError> {
-        self.check_match(tag, buf.len(), f.tag, f.data.len() as u64)?;
-        buf.copy_from_slice(&f.data);
+    fn deliver_stashed(
+        &self,
+        tag: Tag,
+        f: Stashed,
+        len: usize,
+        deliver: &mut impl FnMut(&[u8]),
+    ) -> Result<(), TransportError> {
+        self.check_match(tag, len, f.tag, f.data.len() as u64)?;
+        deliver(&f.data);
         Ok(())
     }
 
@@ -206,13 +212,30 @@ impl LinkCore {
         tag: Tag,
         buf: &mut [u8],
     ) -> Result<Option<tokio::sync::MutexGuard<'a, T>>, TransportError> {
+        let len = buf.len();
+        self.reader_or_stashed_with(reader, tag, len, |data| buf.copy_from_slice(data)).await
+    }
+
+    /// [`LinkCore::reader_or_stashed`] for a receive of `len` bytes that hands a stashed
+    /// message to `deliver` (whole, once its tag, signature and length match) rather than
+    /// copying it into a buffer.
+    ///
+    /// # Cancel safety
+    /// Cancel safe, as [`LinkCore::reader_or_stashed`].
+    pub(crate) async fn reader_or_stashed_with<'a, T>(
+        &self,
+        reader: &'a tokio::sync::Mutex<T>,
+        tag: Tag,
+        len: usize,
+        mut deliver: impl FnMut(&[u8]),
+    ) -> Result<Option<tokio::sync::MutexGuard<'a, T>>, TransportError> {
         let guard = loop {
             self.check()?;
             let changed = self.changed.notified();
             tokio::pin!(changed);
             changed.as_mut().enable();
             if let Some(f) = self.take_stashed(tag) {
-                return self.deliver_stashed(tag, f, buf).map(|()| None);
+                return self.deliver_stashed(tag, f, len, &mut deliver).map(|()| None);
             }
             self.check()?;
             tokio::select! {
@@ -222,7 +245,7 @@ impl LinkCore {
         };
         self.check()?;
         if let Some(f) = self.take_stashed(tag) {
-            return self.deliver_stashed(tag, f, buf).map(|()| None);
+            return self.deliver_stashed(tag, f, len, &mut deliver).map(|()| None);
         }
         Ok(Some(guard))
     }
@@ -430,7 +453,8 @@ impl<L: Link> Links<L> {
         self.abort.run(op).await
     }
 
-    fn link(&self, peer: Rank) -> Result<&L, TransportError> {
+    /// The link to `peer`, or why there is none (`InvalidArgument`).
+    pub(crate) fn link(&self, peer: Rank) -> Result<&L, TransportError> {
         match self.links.get(peer as usize).map(OnceLock::get) {
             Some(Some(l)) => Ok(l),
             Some(None) if peer == self.rank => {

@@ -100,6 +100,65 @@ async fn out_of_order_messages_are_matched_by_tag() {
     .unwrap();
 }
 
+/// `recv_with` lends the ring's slots in order: the pieces are at most a slot's payload,
+/// concatenate to the message, and the scratch buffer is never written. A message stashed
+/// because it came early is handed over whole; a disagreement is a mismatch, as for `recv`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn recv_with_lends_the_slots_in_order_without_touching_the_scratch() {
+    timeout(LIMIT, async {
+        let t = mesh(2, small(), deadlines(Duration::from_secs(10))).await;
+        let slot_payload = 4096 - 64;
+        for (i, len) in [0usize, 1, 4032, 4033, 100_000].into_iter().enumerate() {
+            let sent = pattern(i as u8, len);
+            let mut scratch = vec![0xeeu8; len];
+            let mut pieces: Vec<Vec<u8>> = Vec::new();
+            let tag = Tag::new(i as u32, 0, 5);
+            let (s, r) = tokio::join!(
+                t[0].send(1, tag, &sent),
+                t[1].recv_with(0, tag, &mut scratch, |piece| pieces.push(piece.to_vec()))
+            );
+            s.unwrap();
+            r.unwrap();
+            assert!(pieces.iter().all(|p| p.len() <= slot_payload), "len {len}: a piece larger than a slot");
+            assert_eq!(pieces.len(), len.div_ceil(slot_payload).max(1), "len {len}: one piece per slot");
+            assert_eq!(pieces.concat(), sent, "len {len}");
+            assert!(scratch.iter().all(|&b| b == 0xee), "len {len}: the scratch was written");
+        }
+
+        // Step 1 is sent first and stashed while step 0 is awaited; it is then handed over
+        // whole, in one piece.
+        let (first, second) = (pattern(1, 5_000), pattern(2, 5_000)); // two slots each: both fit the ring
+        t[0].send(1, Tag::new(50, 1, 5), &second).await.unwrap();
+        t[0].send(1, Tag::new(50, 0, 5), &first).await.unwrap();
+        let mut scratch = vec![0u8; 5_000];
+        let mut got = Vec::new();
+        t[1].recv_with(0, Tag::new(50, 0, 5), &mut scratch, |p| got.extend_from_slice(p)).await.unwrap();
+        assert_eq!(got, first);
+        let mut pieces = 0;
+        got.clear();
+        t[1].recv_with(0, Tag::new(50, 1, 5), &mut scratch, |p| {
+            pieces += 1;
+            got.extend_from_slice(p)
+        })
+        .await
+        .unwrap();
+        assert_eq!((pieces, got), (1, second));
+
+        let mut scratch = vec![0u8; 65];
+        let mut consumed = 0;
+        let (s, r) = tokio::join!(
+            t[0].send(1, Tag::new(51, 0, 5), &[1u8; 64]),
+            t[1].recv_with(0, Tag::new(51, 0, 5), &mut scratch, |p| consumed += p.len())
+        );
+        s.unwrap();
+        let e = r.unwrap_err();
+        assert!(matches!(&e, TransportError::Mismatch { peer: 0, detail, .. } if detail.contains("64 bytes received, 65 expected")), "{e:?}");
+        assert_eq!(consumed, 0, "a mismatched message was handed over");
+    })
+    .await
+    .unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn length_and_signature_disagreements_are_mismatches() {
     timeout(LIMIT, async {

@@ -11,7 +11,7 @@
 use crate::algo::Algorithm;
 use crate::dtype::{as_bytes, as_bytes_mut, DType, Element, Scratch};
 use crate::error::{CommError, OpProgress, RootCause};
-use crate::reduce::ReduceOp;
+use crate::reduce::{CombineInto, ReduceOp};
 use crate::topology::HostLayout;
 use cohort_transports::{AbortReason, Rank, Silence, Tag, Transport, TransportError};
 use std::fmt;
@@ -654,6 +654,27 @@ impl<T: Transport> Ctx<'_, T> {
     /// Receives message `tag` from `peer` into `buf` and counts it.
     pub(crate) async fn recv(&self, peer: Rank, tag: Tag, buf: &mut [u8]) -> Result<(), TransportError> {
         self.t.recv(peer, tag, buf).await?;
+        self.received.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Receives message `tag` from `peer` and combines it into `acc` with `op` as it arrives
+    /// (the incoming operand first when `other_first`), then counts it. Over shared memory
+    /// the operand is read straight from the peer's ring; other transports land it in
+    /// `scratch` first, which must hold `acc.len()` elements.
+    pub(crate) async fn recv_combine<E: Element>(
+        &self,
+        peer: Rank,
+        tag: Tag,
+        acc: &mut [E],
+        scratch: &mut [E],
+        op: ReduceOp,
+        other_first: bool,
+    ) -> Result<(), TransportError> {
+        let len = acc.len();
+        let mut into = CombineInto::new(op, acc, other_first);
+        self.t.recv_with(peer, tag, as_bytes_mut(&mut scratch[..len]), |piece| into.feed(piece)).await?;
+        debug_assert!(into.is_complete(), "the transport delivered fewer bytes than the receive's length");
         self.received.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }

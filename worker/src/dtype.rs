@@ -235,6 +235,14 @@ pub fn as_bytes_mut<E: Element>(s: &mut [E]) -> &mut [u8] {
 }
 
 /// Views bytes as elements if they are aligned for `E` and a whole number of elements.
+pub(crate) fn from_bytes<E: Element>(b: &[u8]) -> Option<&[E]> {
+    // SAFETY: every bit pattern is a valid `E` (see `as_bytes_mut`); `align_to` only
+    // reinterprets the properly aligned middle part.
+    let (pre, mid, post) = unsafe { b.align_to::<E>() };
+    (pre.is_empty() && post.is_empty()).then_some(mid)
+}
+
+/// Views bytes as elements if they are aligned for `E` and a whole number of elements.
 pub(crate) fn from_bytes_mut<E: Element>(b: &mut [u8]) -> Option<&mut [E]> {
     // SAFETY: every bit pattern is a valid `E` (see `as_bytes_mut`); `align_to_mut` only
     // reinterprets the properly aligned middle part.

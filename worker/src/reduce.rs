@@ -19,7 +19,7 @@
 //! exchange compute `lower-rank operand op higher-rank operand`; so all ranks end with
 //! identical bytes even for non-associative float sums.
 
-use crate::dtype::Element;
+use crate::dtype::{as_bytes_mut, from_bytes, Element};
 use std::fmt;
 use std::str::FromStr;
 
@@ -127,10 +127,138 @@ pub(crate) fn combine<E: Element>(op: ReduceOp, acc: &mut [E], other: &[E], othe
     }
 }
 
+/// Elements [`CombineInto`] converts per turn when a piece is unaligned for its type.
+const BOUNCE: usize = 256;
+
+/// Combines a message into `acc` as its bytes arrive, piece by piece and in order (what
+/// [`cohort_transports::Transport::recv_with`] hands out), with the result [`combine`] gives
+/// for the whole message at once. A piece may end inside an element or start unaligned for
+/// `E`; such bytes go through a small buffer, the rest is combined in place.
+pub(crate) struct CombineInto<'a, E> {
+    op: ReduceOp,
+    acc: &'a mut [E],
+    other_first: bool,
+    /// Elements of `acc` combined so far.
+    done: usize,
+    /// The first bytes of an element split between two pieces.
+    carry: [u8; 16],
+    carried: usize,
+}
+
+impl<'a, E: Element> CombineInto<'a, E> {
+    /// Combines into `acc` with `op`, the incoming operand first when `other_first`.
+    pub(crate) fn new(op: ReduceOp, acc: &'a mut [E], other_first: bool) -> Self {
+        Self { op, acc, other_first, done: 0, carry: [0; 16], carried: 0 }
+    }
+
+    /// The next `piece` of the message. Bytes past `acc`'s length are ignored (the transport
+    /// checked the message's length against it).
+    pub(crate) fn feed(&mut self, mut piece: &[u8]) {
+        let size = std::mem::size_of::<E>();
+        if self.carried > 0 {
+            let take = (size - self.carried).min(piece.len());
+            self.carry[self.carried..self.carried + take].copy_from_slice(&piece[..take]);
+            self.carried += take;
+            piece = &piece[take..];
+            if self.carried < size {
+                return;
+            }
+            let mut one = [E::default()];
+            as_bytes_mut(&mut one).copy_from_slice(&self.carry[..size]);
+            self.carried = 0;
+            self.next(&one);
+        }
+        let (body, rest) = piece.split_at(piece.len() / size * size);
+        match from_bytes::<E>(body) {
+            Some(aligned) => self.next(aligned),
+            None => {
+                let mut bounce = [E::default(); BOUNCE];
+                for chunk in body.chunks(BOUNCE * size) {
+                    let k = chunk.len() / size;
+                    as_bytes_mut(&mut bounce[..k]).copy_from_slice(chunk);
+                    self.next(&bounce[..k]);
+                }
+            }
+        }
+        self.carry[..rest.len()].copy_from_slice(rest);
+        self.carried = rest.len();
+    }
+
+    /// Whether every element of `acc` has been combined.
+    pub(crate) fn is_complete(&self) -> bool {
+        self.done == self.acc.len() && self.carried == 0
+    }
+
+    fn next(&mut self, other: &[E]) {
+        let n = other.len().min(self.acc.len() - self.done);
+        combine(self.op, &mut self.acc[self.done..self.done + n], &other[..n], self.other_first);
+        self.done += n;
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use half::{bf16, f16};
+
+    /// Feeds `other`'s bytes to [`CombineInto`] split at `cuts`, starting `skew` bytes into
+    /// a buffer (so that the pieces are unaligned for `E` when `skew` is not a multiple of
+    /// its alignment), and checks the result against [`combine`] over the whole slice.
+    fn combine_in_pieces<E: Element>(acc: &[E], other: &[E], cuts: &[usize], skew: usize, op: ReduceOp, first: bool) {
+        let mut want = acc.to_vec();
+        combine(op, &mut want, other, first);
+        let bytes = crate::dtype::as_bytes(other);
+        let mut shifted = vec![0u8; skew + bytes.len()];
+        shifted[skew..].copy_from_slice(bytes);
+        let bytes = &shifted[skew..];
+        let mut got = acc.to_vec();
+        let mut into = CombineInto::new(op, &mut got, first);
+        let mut at = 0;
+        for &cut in cuts.iter().chain(std::iter::once(&bytes.len())) {
+            let cut = cut.clamp(at, bytes.len());
+            into.feed(&bytes[at..cut]);
+            at = cut;
+        }
+        assert!(into.is_complete(), "cuts {cuts:?} skew {skew}");
+        let (g, w) = (crate::dtype::as_bytes(&got), crate::dtype::as_bytes(&want));
+        assert!(g == w, "{op:?} cuts {cuts:?} skew {skew}: pieces give other bytes than the whole");
+    }
+
+    #[test]
+    fn combining_in_pieces_gives_the_bytes_of_combining_the_whole() {
+        let n = 1000;
+        let a32: Vec<f32> = (0..n).map(|i| (i as f32).sin() * 1e3).collect();
+        let b32: Vec<f32> = (0..n).map(|i| (i as f32 * 0.7).cos() * 1e-3).collect();
+        let a64: Vec<i64> = (0..n).map(|i| i as i64 * 7_919 - 3).collect();
+        let b64: Vec<i64> = (0..n).map(|i| i64::MAX - i as i64).collect();
+        let ah: Vec<bf16> = a32.iter().map(|&x| bf16::from_f32(x)).collect();
+        let bh: Vec<bf16> = b32.iter().map(|&x| bf16::from_f32(x)).collect();
+        let cut_sets: [&[usize]; 5] = [&[], &[1], &[3, 5, 6, 1001, 2002], &[4, 8, 4000], &[7; 3]];
+        for op in ReduceOp::ALL {
+            for cuts in cut_sets {
+                for skew in [0, 1, 2, 3, 4] {
+                    for first in [false, true] {
+                        combine_in_pieces(&a32, &b32, cuts, skew, op, first);
+                        combine_in_pieces(&a64, &b64, cuts, skew, op, first);
+                        combine_in_pieces(&ah, &bh, cuts, skew, op, first);
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn combining_stops_at_the_accumulator_and_reports_a_short_message() {
+        let mut acc = [1i32; 4];
+        let mut into = CombineInto::new(ReduceOp::Sum, &mut acc, false);
+        into.feed(crate::dtype::as_bytes(&[1i32; 3]));
+        into.feed(&[9, 0]);
+        assert!(!into.is_complete(), "three and a half elements of four");
+        into.feed(&[0, 0]);
+        assert!(into.is_complete());
+        into.feed(crate::dtype::as_bytes(&[5i32; 2]));
+        assert_eq!(acc, [2, 2, 2, 10]);
+    }
 
     #[test]
     fn float_ops() {

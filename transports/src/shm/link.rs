@@ -313,15 +313,22 @@ impl ShmLink {
         Ok(h)
     }
 
-    /// Copies the message whose first slot (at `*tail`) is `first` into `dst` (exactly
-    /// `first.total` bytes), releasing each slot once copied.
-    async fn read_message(&self, tail: &mut u64, first: SlotHeader, dst: &mut [u8]) -> Result<(), TransportError> {
+    /// Hands the message whose first slot (at `*tail`) is `first` to `put`, slot by slot and
+    /// in order, as `put(offset, bytes)` read in place from the ring (together exactly
+    /// `first.total` bytes), releasing each slot once `put` returns.
+    async fn fold_message(
+        &self,
+        tail: &mut u64,
+        first: SlotHeader,
+        put: &mut (impl FnMut(usize, &[u8]) + Send),
+    ) -> Result<(), TransportError> {
         let ring = self.rx;
         let mut h = first;
         loop {
-            // decode() bounded offset + chunk by total == dst.len() and chunk by the slot.
+            // decode() bounded offset + chunk by total (the receive's length) and chunk by
+            // the slot; the continuation check below keeps the offsets consecutive.
             let (off, n) = (h.offset as usize, h.chunk as usize);
-            ring.read_payload(*tail, &mut dst[off..off + n]);
+            ring.with_payload(*tail, n, |bytes| put(off, bytes));
             *tail += 1;
             ring.tail().store(*tail, Ordering::Release);
             self.wake_peer(ring.producer_sleeping());
@@ -393,8 +400,38 @@ impl links::Link for ShmLink {
 
     /// Receives the message tagged `tag` into `buf`.
     async fn recv(&self, tag: Tag, buf: &mut [u8]) -> Result<(), TransportError> {
+        let len = buf.len();
+        self.receive(tag, len, |off, bytes| buf[off..off + bytes.len()].copy_from_slice(bytes)).await
+    }
+}
+
+impl ShmLink {
+    /// Receives the message tagged `tag` (`len` bytes) and hands it to `consume` in order,
+    /// straight from the ring's slots: see [`crate::Transport::recv_with`].
+    ///
+    /// # Cancel safety
+    /// Not cancel safe, as [`links::Link::recv`].
+    pub(crate) async fn recv_with(
+        &self,
+        tag: Tag,
+        len: usize,
+        mut consume: impl FnMut(&[u8]) + Send,
+    ) -> Result<(), TransportError> {
+        self.receive(tag, len, |_, bytes| consume(bytes)).await
+    }
+
+    /// The one receive path: the message tagged `tag`, `len` bytes, goes to `put(offset,
+    /// bytes)` piece by piece (one piece if it was stashed); messages of later operations
+    /// that arrive first are stashed.
+    async fn receive(
+        &self,
+        tag: Tag,
+        len: usize,
+        mut put: impl FnMut(usize, &[u8]) + Send,
+    ) -> Result<(), TransportError> {
         let _waiting = self.core.register(tag.seq);
-        let Some(mut tail) = self.core.reader_or_stashed(&self.reader, tag, buf).await? else {
+        let Some(mut tail) = self.core.reader_or_stashed_with(&self.reader, tag, len, |data| put(0, data)).await?
+        else {
             return Ok(());
         };
         let mut poison = Poison::arm(&self.core);
@@ -405,15 +442,16 @@ impl links::Link for ShmLink {
                     .core
                     .fail_protocol(format!("slot {} continues a message where a new one should start", *tail)));
             }
-            match self.core.arrived(tag, buf.len(), h.tag, h.total)? {
+            match self.core.arrived(tag, len, h.tag, h.total)? {
                 Arrival::Wanted => {
-                    self.read_message(&mut tail, h, buf).await?;
+                    self.fold_message(&mut tail, h, &mut put).await?;
                     poison.disarm();
                     return Ok(());
                 }
-                Arrival::Early(len) => {
-                    let mut data = vec![0u8; len];
-                    self.read_message(&mut tail, h, &mut data).await?;
+                Arrival::Early(early) => {
+                    let mut data = vec![0u8; early];
+                    let mut copy = |off: usize, bytes: &[u8]| data[off..off + bytes.len()].copy_from_slice(bytes);
+                    self.fold_message(&mut tail, h, &mut copy).await?;
                     self.core.stash(h.tag, data);
                 }
             }

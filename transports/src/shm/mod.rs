@@ -349,6 +349,16 @@ impl Transport for ShmTransport {
         self.links.recv(peer, tag, buf).await
     }
 
+    /// Reduces (or otherwise consumes) straight from the peer's ring slots: `scratch` is
+    /// not used.
+    async fn recv_with<F>(&self, peer: Rank, tag: Tag, scratch: &mut [u8], consume: F) -> Result<(), TransportError>
+    where
+        F: FnMut(&[u8]) + Send,
+    {
+        let link = self.links.link(peer)?;
+        self.links.guarded(link.recv_with(tag, scratch.len(), consume)).await
+    }
+
     fn abort(&self, reason: AbortReason) {
         self.links.abort(reason);
     }

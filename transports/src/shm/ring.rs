@@ -159,11 +159,20 @@ impl Ring {
         }
     }
 
-    /// Copies `dst.len()` (at most [`Ring::capacity`]) payload bytes out of slot `n`.
-    pub(crate) fn read_payload(&self, n: u64, dst: &mut [u8]) {
-        assert!(dst.len() <= self.capacity(), "chunk larger than a slot");
-        // SAFETY: dst.len() bytes of payload lie inside the slot (checked above).
-        unsafe { std::ptr::copy_nonoverlapping(self.slot(n).add(SLOT_HEADER), dst.as_mut_ptr(), dst.len()) };
+    /// Lends `f` the first `len` (at most [`Ring::capacity`]) payload bytes of slot `n`, in
+    /// place.
+    ///
+    /// The caller must own slot `n` (the producer published it and the consumer's tail has
+    /// not passed it yet): the producer does not write it again until the tail moves on, so
+    /// the bytes stay put while `f` reads them.
+    pub(crate) fn with_payload<R>(&self, n: u64, len: usize, f: impl FnOnce(&[u8]) -> R) -> R {
+        assert!(len <= self.capacity(), "chunk larger than a slot");
+        // SAFETY: len bytes of payload lie inside the slot (checked above), in a live mapping;
+        // per the contract above nobody writes them while the borrow, which cannot outlive
+        // this call, lasts. A peer that broke the protocol and wrote anyway could change the
+        // values `f` reads, nothing more: they are plain bytes, as they would be in a copy.
+        let bytes = unsafe { std::slice::from_raw_parts(self.slot(n).add(SLOT_HEADER), len) };
+        f(bytes)
     }
 }
 

@@ -45,9 +45,7 @@ pub(crate) async fn allreduce<T: Transport, E: Element>(
     }
     if rank < rem {
         for (k, seg) in data.chunks_mut(ctx.seg).enumerate() {
-            let incoming = &mut scratch[..seg.len()];
-            ctx.recv((rank + pow2) as u32, ctx.tag(k as u64)?, as_bytes_mut(incoming)).await?;
-            combine(op, seg, incoming, false);
+            ctx.recv_combine((rank + pow2) as u32, ctx.tag(k as u64)?, seg, scratch, op, false).await?;
         }
     }
     for round in 0..rounds {

@@ -14,8 +14,8 @@
 
 use crate::blocks::block_range;
 use crate::comm::Ctx;
-use crate::dtype::{as_bytes_mut, Element};
-use crate::reduce::{combine, finish_avg, ReduceOp};
+use crate::dtype::Element;
+use crate::reduce::{finish_avg, ReduceOp};
 use cohort_transports::{Transport, TransportError};
 use std::ops::Range;
 
@@ -94,9 +94,7 @@ pub(crate) async fn reduce_scatter_inplace<T: Transport, E: Element>(
         let step0 = step_base + r as u64 * stride;
         let receive_and_combine = async {
             for (k, seg) in recv.chunks_mut(ctx.seg).enumerate() {
-                let incoming = &mut scratch[..seg.len()];
-                ctx.recv(left as u32, ctx.tag(step0 + k as u64)?, as_bytes_mut(incoming)).await?;
-                combine(op, seg, incoming, false);
+                ctx.recv_combine(left as u32, ctx.tag(step0 + k as u64)?, seg, scratch, op, false).await?;
             }
             Ok(())
         };

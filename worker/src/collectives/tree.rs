@@ -13,7 +13,7 @@
 use crate::comm::{check, Call, CallKind, Communicator, Ctx};
 use crate::dtype::{as_bytes, as_bytes_mut, Element};
 use crate::error::CommError;
-use crate::reduce::{combine, finish_avg, ReduceOp};
+use crate::reduce::{finish_avg, ReduceOp};
 use cohort_transports::{Transport, TransportError};
 use futures::future::try_join_all;
 
@@ -87,8 +87,7 @@ pub(crate) async fn reduce<T: Transport, E: Element>(
             seg
         };
         for c in children(v, n).rev() {
-            ctx.recv(real(c, root, n) as u32, tag, as_bytes_mut(incoming)).await?;
-            combine(op, acc, incoming, false);
+            ctx.recv_combine(real(c, root, n) as u32, tag, acc, incoming, op, false).await?;
         }
         match parent(v) {
             Some(p) => ctx.t.send(real(p, root, n) as u32, tag, as_bytes(acc)).await?,

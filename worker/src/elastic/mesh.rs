@@ -187,6 +187,18 @@ impl Transport for MeshTransport {
         dispatch!(self, peer, t => t.recv(peer, tag, buf).await)
     }
 
+    /// Receives through the inner transport that reaches `peer`, so that a peer over shared
+    /// memory is consumed straight from its ring.
+    ///
+    /// # Cancel safety
+    /// Not cancel safe, as [`MeshTransport::recv`].
+    async fn recv_with<F>(&self, peer: Rank, tag: Tag, scratch: &mut [u8], consume: F) -> Result<(), TransportError>
+    where
+        F: FnMut(&[u8]) + Send,
+    {
+        dispatch!(self, peer, t => t.recv_with(peer, tag, scratch, consume).await)
+    }
+
     fn abort(&self, reason: AbortReason) {
         match self {
             MeshTransport::Mixed(m) => {
