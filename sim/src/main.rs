@@ -31,6 +31,9 @@ enum Command {
         /// The simulated clock's step in ms (default 1; the scale runs take 5).
         #[arg(long)]
         tick_ms: Option<u64>,
+        /// Workers per simulated host, their failure domain (default 1; the scale runs take 8).
+        #[arg(long)]
+        workers_per_host: Option<usize>,
     },
     /// Runs seeds from --first on until the duration is spent; reports the failing seeds.
     Explore {
@@ -46,6 +49,9 @@ enum Command {
         /// The simulated clock's step in ms (default 1).
         #[arg(long)]
         tick_ms: Option<u64>,
+        /// Workers per simulated host (default 1).
+        #[arg(long)]
+        workers_per_host: Option<usize>,
     },
 }
 
@@ -62,12 +68,13 @@ fn parse_duration(s: &str) -> Result<Duration, String> {
 
 fn main() -> ExitCode {
     match Cli::parse().command {
-        Command::Replay { seed, per_replica_cascades, silent_links_only, workers, tick_ms } => {
+        Command::Replay { seed, per_replica_cascades, silent_links_only, workers, tick_ms, workers_per_host } => {
             let options = Options {
                 cascade_scope: if per_replica_cascades { CascadeScope::Replica } else { CascadeScope::Store },
                 mix: if silent_links_only { FaultMix::SilentLinks } else { FaultMix::All },
                 workers,
                 tick_ms,
+                workers_per_host,
             };
             let report = run_seed(seed, &options);
             for line in &report.lines {
@@ -84,8 +91,8 @@ fn main() -> ExitCode {
                 ExitCode::FAILURE
             }
         }
-        Command::Explore { duration, first, workers, tick_ms } => {
-            let options = Options { workers, tick_ms, ..Options::default() };
+        Command::Explore { duration, first, workers, tick_ms, workers_per_host } => {
+            let options = Options { workers, tick_ms, workers_per_host, ..Options::default() };
             let started = Instant::now();
             let (mut seeds, mut faults, mut failing) = (0u64, 0usize, Vec::new());
             let mut seed = first;

@@ -32,6 +32,56 @@ pub struct Options {
     /// is visited at each step, so the scale runs take a coarser step (5 ms) to finish in
     /// minutes; timers and latencies are then rounded up to it.
     pub tick_ms: Option<u64>,
+    /// Workers per simulated host (default 1: every worker is a host of its own). With
+    /// several, a host holds workers `h*k .. (h+1)*k` and is their failure domain, as a
+    /// machine with several GPUs is: a fault drawn for one worker that crashes, pauses,
+    /// isolates or partitions it takes its whole host. The scale runs need it: turmoil's
+    /// cost per step grows with hosts times links, and a host's workers share its links.
+    pub workers_per_host: Option<usize>,
+}
+
+/// Where the workers run: `per_host` workers to a host.
+#[derive(Clone, Copy, Debug)]
+struct Hosts {
+    per_host: usize,
+    workers: usize,
+}
+
+impl Hosts {
+    /// The host that runs worker `w`.
+    fn name_of(&self, w: usize) -> String {
+        if self.per_host == 1 {
+            format!("worker-{w}")
+        } else {
+            format!("host-{}", w / self.per_host)
+        }
+    }
+
+    /// Every worker on `w`'s host, `w` included.
+    fn mates(&self, w: usize) -> std::ops::Range<usize> {
+        let first = w / self.per_host * self.per_host;
+        first..(first + self.per_host).min(self.workers)
+    }
+
+    /// For a fault that takes a whole host of several workers, which workers it takes (for
+    /// the trace); `None` when hosts hold one worker or the fault is not a host's.
+    fn scope(&self, fault: &Fault) -> Option<String> {
+        let w = match fault {
+            Fault::PartitionWorkerReplica(w, _)
+            | Fault::IsolateWorker(w)
+            | Fault::WorkerCrash(w)
+            | Fault::WorkerPause(w) => *w,
+            _ => return None,
+        };
+        let mates = self.mates(w);
+        (self.per_host > 1)
+            .then(|| format!(" (all of {}: worker-{}..worker-{})", self.name_of(w), mates.start, mates.end - 1))
+    }
+
+    /// Whether `w` is the first worker of its host.
+    fn leads(&self, w: usize) -> bool {
+        w % self.per_host == 0
+    }
 }
 
 /// What one seed did.
@@ -145,10 +195,28 @@ pub fn run_seed(seed: u64, options: &Options) -> Report {
         let scope = options.cascade_scope;
         sim.host(format!("replica-{r}"), move || replica(r, link.clone(), settings.clone(), scope, shared.clone()));
     }
-    for w in 0..scenario.workers {
-        let setup =
-            Arc::new(WorkerSetup { index: w, replicas: scenario.replicas, shared: shared.clone(), no_progress, seed });
-        sim.host(format!("worker-{w}"), move || worker::run(setup.clone()));
+    let hosts = Hosts { per_host: options.workers_per_host.unwrap_or(1).max(1), workers: scenario.workers };
+    for w in (0..scenario.workers).filter(|&w| hosts.leads(w)) {
+        let setups: Vec<Arc<WorkerSetup>> = hosts
+            .mates(w)
+            .map(|index| {
+                let host = hosts.name_of(index);
+                Arc::new(WorkerSetup {
+                    index,
+                    host,
+                    replicas: scenario.replicas,
+                    shared: shared.clone(),
+                    no_progress,
+                    seed,
+                })
+            })
+            .collect();
+        if hosts.per_host == 1 {
+            let setup = setups[0].clone();
+            sim.host(hosts.name_of(w), move || worker::run(setup.clone()));
+        } else {
+            sim.host(hosts.name_of(w), move || worker::run_host(setups.clone()));
+        }
     }
 
     let mut actions: Vec<(u64, Action)> = Vec::new();
@@ -175,7 +243,7 @@ pub fn run_seed(seed: u64, options: &Options) -> Report {
             break;
         }
         while let Some((_, action)) = actions.next_if(|(t, _)| *t <= now) {
-            apply(&mut sim, &shared, &scenario, &link, action, now);
+            apply(&mut sim, &shared, &scenario, hosts, &link, action, now);
         }
         if let Err(e) = sim.step() {
             shared.violation(now, format!("a host failed: {e}"));
@@ -188,20 +256,32 @@ pub fn run_seed(seed: u64, options: &Options) -> Report {
     Report { seed, hash: hash(&lines), lines, faults: ledger.faults, violations: ledger.violations.clone() }
 }
 
-fn worker_host(w: usize) -> String {
-    format!("worker-{w}")
-}
-
 fn replica_host(r: usize) -> String {
     format!("replica-{r}")
 }
 
-fn apply(sim: &mut turmoil::Sim<'_>, shared: &Shared, scenario: &Scenario, link: &StoreLink, action: Action, now: u64) {
+fn apply(
+    sim: &mut turmoil::Sim<'_>,
+    shared: &Shared,
+    scenario: &Scenario,
+    hosts: Hosts,
+    link: &StoreLink,
+    action: Action,
+    now: u64,
+) {
+    let worker_host = |w: usize| hosts.name_of(w);
     match action {
         Action::Start(s) => {
-            shared.log_at(now, "FAULT", format!("{} for {} ms", s.fault, s.for_ms));
+            let scope = hosts.scope(&s.fault).unwrap_or_default();
+            shared.log_at(now, "FAULT", format!("{} for {} ms{scope}", s.fault, s.for_ms));
             shared.lock().faults += 1;
-            let touch = |w: usize| shared.lock().touches.push(Touch { worker: w, from_ms: now, to_ms: now + s.for_ms });
+            // A fault that takes a host touches every worker on it.
+            let touch = |w: usize| {
+                let mut ledger = shared.lock();
+                for mate in hosts.mates(w) {
+                    ledger.touches.push(Touch { worker: mate, from_ms: now, to_ms: now + s.for_ms });
+                }
+            };
             match s.fault {
                 Fault::ReplicaCrash(r) => sim.crash(replica_host(r)),
                 Fault::StoreOutage(r) => {
@@ -222,16 +302,17 @@ fn apply(sim: &mut turmoil::Sim<'_>, shared: &Shared, scenario: &Scenario, link:
                     }
                 }
                 Fault::SilentLink(a, b) => {
-                    touch(a);
+                    // The data link of one worker: its host-mates are not touched.
+                    shared.lock().touches.push(Touch { worker: a, from_ms: now, to_ms: now + s.for_ms });
                     shared.lock().silent.insert((a, b));
                 }
                 Fault::WorkerCrash(w) => {
                     touch(w);
-                    crash_worker(sim, shared, w);
+                    crash_host(sim, shared, hosts, w);
                 }
                 Fault::WorkerPause(w) => {
                     touch(w);
-                    shared.lock().paused.insert(w);
+                    shared.lock().paused.extend(hosts.mates(w));
                     for r in 0..scenario.replicas {
                         sim.hold(worker_host(w), replica_host(r));
                     }
@@ -257,13 +338,20 @@ fn apply(sim: &mut turmoil::Sim<'_>, shared: &Shared, scenario: &Scenario, link:
                     shared.lock().silent.remove(&(a, b));
                 }
                 Fault::WorkerCrash(w) => {
-                    let finished = shared.lock().workers.get(&w).is_some_and(|v| v.finished);
+                    // Restarted unless every worker on the host had left the job.
+                    let ledger = shared.lock();
+                    let finished = hosts.mates(w).all(|m| ledger.workers.get(&m).is_some_and(|v| v.finished));
+                    drop(ledger);
                     if !finished {
                         sim.bounce(worker_host(w));
                     }
                 }
                 Fault::WorkerPause(w) => {
-                    shared.lock().paused.remove(&w);
+                    let mut ledger = shared.lock();
+                    for mate in hosts.mates(w) {
+                        ledger.paused.remove(&mate);
+                    }
+                    drop(ledger);
                     for r in 0..scenario.replicas {
                         sim.release(worker_host(w), replica_host(r));
                     }
@@ -277,8 +365,11 @@ fn apply(sim: &mut turmoil::Sim<'_>, shared: &Shared, scenario: &Scenario, link:
             let keep = (scenario.min_workers as usize).saturating_sub(1);
             shared.log_at(now, "FAULT", format!("shrink: crash workers for good until {keep} remain (below min)"));
             for &w in up.iter().skip(keep) {
-                shared.lock().faults += 1;
-                crash_worker(sim, shared, w);
+                // A host crashed earlier in this loop took its other workers with it.
+                if shared.lock().workers.get(&w).is_some_and(|v| v.up) {
+                    shared.lock().faults += 1;
+                    crash_host(sim, shared, hosts, w);
+                }
             }
         }
         Action::Check => convergence(shared, now),
@@ -289,13 +380,16 @@ fn apply(sim: &mut turmoil::Sim<'_>, shared: &Shared, scenario: &Scenario, link:
     }
 }
 
-fn crash_worker(sim: &mut turmoil::Sim<'_>, shared: &Shared, w: usize) {
-    sim.crash(worker_host(w));
+/// Crashes the host of worker `w`, and with it every worker on it.
+fn crash_host(sim: &mut turmoil::Sim<'_>, shared: &Shared, hosts: Hosts, w: usize) {
+    sim.crash(hosts.name_of(w));
     let mut ledger = shared.lock();
-    let view = ledger.workers.entry(w).or_default();
-    view.up = false;
-    view.incarnation = 0;
-    view.in_generation = None;
+    for mate in hosts.mates(w) {
+        let view = ledger.workers.entry(mate).or_default();
+        view.up = false;
+        view.incarnation = 0;
+        view.in_generation = None;
+    }
 }
 
 /// After the quiet time: every live worker works in the newest generation, which is not

@@ -43,6 +43,9 @@ const EXCUSE_MS: u64 = 15_000;
 /// What a worker host is started with.
 pub(crate) struct WorkerSetup {
     pub(crate) index: usize,
+    /// The host it runs on (its failure domain): `worker-<index>` when every worker has a
+    /// host of its own, `host-<h>` when several share one ([`crate::Options::workers_per_host`]).
+    pub(crate) host: String,
     pub(crate) replicas: usize,
     pub(crate) shared: Shared,
     /// The data plane's no-progress deadline.
@@ -140,6 +143,26 @@ async fn asked_to_finish(shared: &Shared) {
     while !shared.lock().finish {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
+}
+
+/// Several worker processes on one host: each runs as [`run`] does alone, and all of them
+/// go when the host crashes. A worker that had finished before the host restarted is not
+/// started again (it left the job).
+///
+/// # Cancel safety
+/// Cancelling it is a crash of every worker on the host.
+pub(crate) async fn run_host(setups: Vec<Arc<WorkerSetup>>) -> turmoil::Result {
+    let mut processes = tokio::task::JoinSet::new();
+    for setup in setups {
+        let finished = setup.shared.lock().workers.get(&setup.index).is_some_and(|v| v.finished);
+        if !finished {
+            processes.spawn_local(run(setup));
+        }
+    }
+    while let Some(done) = processes.join_next().await {
+        done.map_err(|e| format!("a worker process panicked: {e}"))??;
+    }
+    Ok(())
 }
 
 /// A worker process: runs until the job ends for it or it finishes.
@@ -333,7 +356,7 @@ impl Worker {
         let request = pb::JoinRequest {
             job: JOB.into(),
             worker_id: self.id.clone(),
-            host: self.name.clone(),
+            host: self.setup.host.clone(),
             addresses: vec![pb::TransportAddress { transport: "tcp".into(), address: format!("{}:7200", self.name) }],
             capabilities: vec!["transport:tcp".into()],
             protocol_version: cohort_proto::PROTOCOL_VERSION,

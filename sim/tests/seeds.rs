@@ -29,10 +29,20 @@ fn fixed_seeds_hold_every_invariant() {
 #[test]
 fn judging_a_timeout_cascade_per_replica_is_caught() {
     let seeds = 0..8u64;
-    let buggy =
-        Options { cascade_scope: CascadeScope::Replica, mix: FaultMix::SilentLinks, workers: None, tick_ms: None };
-    let fixed =
-        Options { cascade_scope: CascadeScope::Store, mix: FaultMix::SilentLinks, workers: None, tick_ms: None };
+    let buggy = Options {
+        cascade_scope: CascadeScope::Replica,
+        mix: FaultMix::SilentLinks,
+        workers: None,
+        tick_ms: None,
+        workers_per_host: None,
+    };
+    let fixed = Options {
+        cascade_scope: CascadeScope::Store,
+        mix: FaultMix::SilentLinks,
+        workers: None,
+        tick_ms: None,
+        workers_per_host: None,
+    };
     let caught: Vec<u64> = seeds
         .clone()
         .filter(|&seed| run_seed(seed, &buggy).violations.iter().any(|v| v.contains("healthy worker is never evicted")))
@@ -66,4 +76,40 @@ fn a_seed_replays_to_the_same_trace() {
         }
         assert_eq!(first.lines, second.lines, "seed {seed}: equal hashes, different traces");
     }
+}
+
+/// With several workers to a host (the scale runs' `--workers-per-host`), a host is one
+/// failure domain: a crash drawn for one worker restarts every worker of its host and no
+/// other, and every invariant still holds.
+#[test]
+fn a_crash_takes_the_whole_host_of_several_workers() {
+    let options = Options { workers: Some(12), workers_per_host: Some(4), ..Options::default() };
+    let report = run_seed(3, &options);
+    assert!(report.violations.is_empty(), "seed 3 with 4 workers per host: {:#?}", report.violations);
+    // Trace lines read `SECONDS PARTY EVENT...`.
+    let parsed: Vec<(&str, &str, String)> = report
+        .lines
+        .iter()
+        .filter_map(|l| {
+            let mut words = l.split_whitespace();
+            Some((words.next()?, words.next()?, words.collect::<Vec<_>>().join(" ")))
+        })
+        .collect();
+    let mut restarts = 0;
+    for (at, _, event) in parsed.iter().filter(|(_, party, _)| *party == "FAULT") {
+        let Some(w) = event.strip_prefix("ends: crash worker-").and_then(|w| w.parse::<usize>().ok()) else { continue };
+        let host = w / 4 * 4..w / 4 * 4 + 4;
+        let started: Vec<usize> = parsed
+            .iter()
+            .filter(|(t, _, e)| t == at && e == "process starts")
+            .filter_map(|(_, party, _)| party.strip_prefix("worker-")?.parse().ok())
+            .collect();
+        let mut want: Vec<usize> = host.collect();
+        let mut got = started.clone();
+        want.sort_unstable();
+        got.sort_unstable();
+        assert_eq!(got, want, "at {at} s the end of worker-{w}'s crash restarted {started:?}");
+        restarts += 1;
+    }
+    assert!(restarts >= 1, "seed 3 drew no worker crash to check: {:#?}", report.lines);
 }
