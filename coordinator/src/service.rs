@@ -68,6 +68,10 @@ pub const PROGRESS_PERIOD: Duration = Duration::from_secs(1);
 /// Members whose progress a replica caches at most (the least recently heard go first).
 const PROGRESS_CACHE_CAP: usize = 4096;
 
+/// Jobs whose indexed straggler round a replica keeps at most (the least recently used go
+/// first; a dropped one is rebuilt at the job's next timed heartbeat).
+const STRAGGLER_ROUNDS_CAP: usize = 1024;
+
 struct CachedProgress {
     record: ProgressRecord,
     written: Option<Instant>,
@@ -98,6 +102,9 @@ pub struct CoordinatorService {
     /// The timeout reports this replica received, `(job, generation, report)`: used only
     /// with [`CascadeScope::Replica`].
     own_timeouts: Arc<Mutex<Vec<(String, u64, revocation::TimeoutReport)>>>,
+    /// Per job, the latest reports of its current generation indexed for the straggler
+    /// judgement (`heartbeat::straggler_round`).
+    straggler_rounds: Arc<Mutex<HashMap<String, heartbeat::IndexedRound>>>,
 }
 
 fn store_status(e: StoreError) -> Status {
@@ -133,6 +140,7 @@ impl CoordinatorService {
             commits: Arc::new(Mutex::new(CommitLedger::default())),
             cascade_scope: CascadeScope::Store,
             own_timeouts: Arc::new(Mutex::new(Vec::new())),
+            straggler_rounds: Arc::new(Mutex::new(HashMap::new())),
         }
     }
 

@@ -1,14 +1,29 @@
 //! The `Heartbeat` RPC: the member's lease and progress, and the straggler judgement and
 //! action on its step timing.
 
-use super::{not_member, store_status, CoordinatorService};
+use super::{not_member, store_status, CoordinatorService, STRAGGLER_ROUNDS_CAP};
 use crate::ops;
 use crate::records::{self, JobState};
 use crate::store::StoreError;
 use crate::stragglers;
 use crate::validate;
 use cohort_proto::v1 as pb;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::time::Instant;
 use tonic::Status;
+
+/// Jobs of at most this many members index a fresh round at every timed heartbeat, so that
+/// each report is judged against the others' very latest (as small jobs always were; it
+/// costs microseconds). Larger jobs index one round per heartbeat interval.
+const FRESH_ROUND_UP_TO: usize = 64;
+
+/// One job's indexed straggler round and when it was built.
+pub(super) struct IndexedRound {
+    round: Arc<stragglers::Round>,
+    built: Instant,
+    used: Instant,
+}
 
 impl CoordinatorService {
     pub(super) async fn do_heartbeat(&self, r: pb::HeartbeatRequest) -> Result<pb::HeartbeatResponse, Status> {
@@ -38,6 +53,7 @@ impl CoordinatorService {
         // The rank index built once per generation: a search of the member list per
         // heartbeat would make every heartbeat round of a large job O(members²).
         let formed = hub.signal().formed.clone();
+        let interval = self.ctx.settings.for_job(&r.job).heartbeat_interval;
         // Read under the view's lock: a copy of the state per heartbeat would cost O(members).
         let (timing, finding) = hub.read(|state| {
             // The member's step timing, as a rank of the current generation (else not judged).
@@ -58,10 +74,8 @@ impl CoordinatorService {
                 })
             });
             let finding = timing.as_ref().and_then(|own| {
-                let mut round = self.latest_timings(&r.job, state, own.generation);
-                round.retain(|t| t.rank != own.rank);
-                round.push(own.clone());
-                stragglers::judge(&stragglers::StragglerRule::default(), own.rank, &round)
+                let round = self.straggler_round(&r.job, state, own.generation, interval);
+                round.judge(&stragglers::StragglerRule::default(), own)
             });
             (timing, finding)
         });
@@ -120,6 +134,43 @@ impl CoordinatorService {
 
     /// The latest step timing of every member of generation `generation`: this replica's
     /// cache where it is newer than the store's view.
+    /// The job's latest reports of `generation`, indexed for the straggler judgement: one
+    /// round per heartbeat `interval` for a job of more than [`FRESH_ROUND_UP_TO`] members
+    /// (each report is then judged against the others' reports of up to one interval ago,
+    /// in O(log² N)), a fresh one at every report for a smaller job. Gathering and indexing
+    /// the reports is O(N log N): at every heartbeat of every member that was O(N² log N) per
+    /// heartbeat round.
+    fn straggler_round(
+        &self,
+        job: &str,
+        state: &JobState,
+        generation: u64,
+        interval: Duration,
+    ) -> Arc<stragglers::Round> {
+        let now = Instant::now();
+        let members = state.current().map_or(0, |g| g.members.len());
+        if members > FRESH_ROUND_UP_TO {
+            let mut rounds = self.straggler_rounds.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(kept) = rounds.get_mut(job) {
+                if kept.round.generation() == generation && now.saturating_duration_since(kept.built) < interval {
+                    kept.used = now;
+                    return kept.round.clone();
+                }
+            }
+        }
+        let round = Arc::new(stragglers::Round::new(generation, self.latest_timings(job, state, generation)));
+        let mut rounds = self.straggler_rounds.lock().unwrap_or_else(|e| e.into_inner());
+        if members > FRESH_ROUND_UP_TO {
+            if !rounds.contains_key(job) {
+                crate::bounded::make_room(&mut rounds, STRAGGLER_ROUNDS_CAP, interval * 8, now, |kept| kept.used);
+            }
+            rounds.insert(job.to_string(), IndexedRound { round: round.clone(), built: now, used: now });
+        } else {
+            rounds.remove(job);
+        }
+        round
+    }
+
     fn latest_timings(&self, job: &str, state: &JobState, generation: u64) -> Vec<stragglers::Timing> {
         let cache = self.progress.lock().unwrap_or_else(|e| e.into_inner());
         let Some(g) = state.current().filter(|g| g.number == generation) else { return Vec::new() };

@@ -21,6 +21,9 @@
 //! fault, a checkpoint write) names nobody; one report that finds it not slow resets the
 //! count. Every verdict carries its figures ([`Finding::reason`]), which `status` shows.
 
+mod round;
+
+pub use round::Round;
 use serde::{Deserialize, Serialize};
 use std::time::Duration;
 
