@@ -176,25 +176,6 @@ impl Computes {
         all.sort_unstable();
         Self(all)
     }
-
-    /// For the member whose compute time is `own` (one of the values): how many of the
-    /// others it is slow against, and the others' median.
-    fn against_others(&self, rule: &StragglerRule, own: u64) -> (usize, Option<u64>) {
-        let all = &self.0;
-        // `outlier(own, c)` holds for every c up to some value: a prefix of the sorted list.
-        let slow_against = all.partition_point(|&c| outlier(rule, own, c).is_some());
-        // Leave out one copy of `own` (its own report).
-        let own_at = all.partition_point(|&c| c < own);
-        let fast = slow_against - usize::from(own_at < slow_against);
-        let n = all.len() - 1;
-        let nth = |k: usize| if k < own_at { all[k] } else { all[k + 1] };
-        let median = match n {
-            0 => None,
-            n if n % 2 == 1 => Some(nth(n / 2)),
-            n => Some((nth(n / 2 - 1) + nth(n / 2)) / 2),
-        };
-        (fast, median)
-    }
 }
 
 /// The compute outlier among `timings` at `rank`, if it is one: slow against the others'
@@ -222,14 +203,10 @@ fn compute_finding(rule: &StragglerRule, rank: u32, timings: &[&Timing], compute
 }
 
 /// Whether a member computing `own` of a round of `reporting` members is a compute
-/// straggler; if so its ratio to the others' median, and that median. O(log N).
+/// straggler; if so its ratio to the others' median, and that median. O(log N), the same
+/// verdict [`Round`] gives on its indexed lists.
 fn compute_ratio(rule: &StragglerRule, own: u64, reporting: usize, computes: &Computes) -> Option<(f64, u64)> {
-    let (fast, med) = computes.against_others(rule, own);
-    if !clear_majority(fast, reporting) {
-        return None;
-    }
-    let med = med?;
-    Some((outlier(rule, own, med)?, med))
+    round::compute_verdict(rule, own, reporting, &round::Adjusted::new(&computes.0))
 }
 
 /// Judges the member at `rank` on one round of reports: `timings` holds the latest report

@@ -17,14 +17,14 @@ use std::collections::HashMap;
 /// A sorted list of values with a few of them taken out (`minus`, each present in `base`)
 /// and a few others put in (`plus`): counts and order statistics without copying `base`.
 #[derive(Debug)]
-struct Adjusted<'a> {
+pub(super) struct Adjusted<'a> {
     base: &'a [u64],
     minus: Vec<u64>,
     plus: Vec<u64>,
 }
 
 impl<'a> Adjusted<'a> {
-    fn new(base: &'a [u64]) -> Self {
+    pub(super) fn new(base: &'a [u64]) -> Self {
         Self { base, minus: Vec::new(), plus: Vec::new() }
     }
 
@@ -258,7 +258,7 @@ impl Round {
 /// Whether a member computing `own` is a compute straggler among `computes` (every
 /// reporting member's compute time, `own` among them, `reporting` of them); if so its ratio
 /// to the others' median, and that median. As `compute_ratio`, on an [`Adjusted`] list.
-fn compute_verdict(rule: &StragglerRule, own: u64, reporting: usize, computes: &Adjusted<'_>) -> Option<(f64, u64)> {
+pub(super) fn compute_verdict(rule: &StragglerRule, own: u64, reporting: usize, computes: &Adjusted<'_>) -> Option<(f64, u64)> {
     let slow_against = computes.count_prefix(|c| outlier(rule, own, c).is_some());
     let own_at = computes.count_prefix(|c| c < own);
     let fast = slow_against - usize::from(own_at < slow_against);
