@@ -265,6 +265,56 @@ fn etcd_counters(endpoint: &str) -> Result<Vec<(String, f64)>, String> {
         .collect())
 }
 
+/// The etcd requests of interest, by gRPC method, as etcd's `grpc_server_started_total`
+/// counts them (unary calls; for the lease keep-alive and watch streams, messages received).
+const ETCD_METHODS: [(&str, &str); 8] = [
+    ("put", "Put"),
+    ("txn", "Txn"),
+    ("range", "Range"),
+    ("delete", "DeleteRange"),
+    ("grant", "LeaseGrant"),
+    ("revoke", "LeaseRevoke"),
+    ("ttl", "LeaseTimeToLive"),
+    ("keepalive", "LeaseKeepAlive"),
+];
+
+/// etcd's request counts by method (see [`ETCD_METHODS`]), read from its `/metrics`.
+fn etcd_requests(endpoint: &str) -> Result<Vec<f64>, String> {
+    let hostport = endpoint.trim_start_matches("http://");
+    let mut s = std::net::TcpStream::connect(hostport).map_err(|e| format!("etcd metrics: {e}"))?;
+    s.set_read_timeout(Some(Duration::from_secs(10))).map_err(|e| e.to_string())?;
+    write!(s, "GET /metrics HTTP/1.0\r\nHost: {hostport}\r\n\r\n").map_err(|e| e.to_string())?;
+    let mut body = String::new();
+    s.read_to_string(&mut body).map_err(|e| format!("etcd metrics: {e}"))?;
+    let count = |family: &str, method: &str| -> f64 {
+        let label = format!("grpc_method=\"{method}\"");
+        body.lines()
+            .filter(|l| l.starts_with(family) && l.contains(&label))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    };
+    Ok(ETCD_METHODS
+        .iter()
+        .map(|(_, m)| {
+            if *m == "LeaseKeepAlive" {
+                count("grpc_server_msg_received_total{", m)
+            } else {
+                count("grpc_server_started_total{", m)
+            }
+        })
+        .collect())
+}
+
+/// What etcd served between two [`etcd_requests`] snapshots, per member: ` etcd_PHASE=put:..,txn:..`.
+fn etcd_phase(phase: &str, before: &[f64], after: &[f64], members: usize) -> String {
+    let parts: Vec<String> = ETCD_METHODS
+        .iter()
+        .zip(after.iter().zip(before))
+        .map(|((name, _), (a, b))| format!("{name}:{:.2}", (a - b) / members as f64))
+        .collect();
+    format!(" etcd_{phase}_per_member={}", parts.join(","))
+}
+
 /// One simulated member.
 struct Member {
     client: CoordinatorClient<Channel>,
@@ -504,6 +554,20 @@ async fn run(plan: &Plan, store: &str) -> Result<(), String> {
         Some(e) => etcd_counters(&e.endpoint())?,
         None => Vec::new(),
     };
+    let requests = || match &etcd {
+        Some(e) => etcd_requests(&e.endpoint()),
+        None => Ok(Vec::new()),
+    };
+    let mut phases = String::new();
+    let mut mark = requests()?;
+    let mut phase_end = |name: &str, mark: &mut Vec<f64>| -> Result<(), String> {
+        if etcd.is_some() {
+            let now = requests()?;
+            phases.push_str(&etcd_phase(name, mark, &now, n));
+            *mark = now;
+        }
+        Ok(())
+    };
     let connections = n.div_ceil(MEMBERS_PER_CONNECTION);
     let mut channels = Vec::with_capacity(connections);
     for c in 0..connections {
@@ -546,6 +610,7 @@ async fn run(plan: &Plan, store: &str) -> Result<(), String> {
     .await??;
     let join_to_formed = started.elapsed();
     let cpu_formation = cpu_all(&coordinators) - cpu0;
+    phase_end("formation", &mut mark)?;
     check_generation(&joined.iter().map(|(_, p)| p).collect::<Vec<_>>(), 1, n)
         .map_err(|e| format!("generation 1 is not the same {n} members everywhere: {e}"))?;
     let fetched_entries: usize = joined.iter().map(|(_, p)| p.fetched.len()).sum();
@@ -573,6 +638,7 @@ async fn run(plan: &Plan, store: &str) -> Result<(), String> {
     .await??;
     let watches = watch_started.elapsed();
     let cpu_watches = cpu_all(&coordinators) - cpu0;
+    phase_end("watches", &mut mark)?;
 
     // 3 and 4. One failure (the last rank), a second during the re-formation (rank 1).
     let (failed, dies_meanwhile) = (n - 1, 1);
@@ -631,6 +697,7 @@ async fn run(plan: &Plan, store: &str) -> Result<(), String> {
         }
     }
     let cpu_failure = cpu_all(&coordinators) - cpu0;
+    phase_end("failure", &mut mark)?;
     check_generation(&g2.iter().collect::<Vec<_>>(), 2, n - 2)
         .map_err(|e| format!("generation 2 is not the same {} survivors everywhere: {e}", n - 2))?;
     // Every entry anyone holds of generation 2 (whole lists, or the fetched links) leaves
@@ -707,7 +774,7 @@ async fn run(plan: &Plan, store: &str) -> Result<(), String> {
         "scale store={store} mode={mode} members={n} replicas={replicas} connections={connections} fetched_per_member={:.1} \
          join_to_formed_ms={:.0} formation_cpu_s={:.2} watches_ms={:.0} watches_cpu_s={:.2} \
          revoked_p50_ms={:.1} revoked_p99_ms={:.1} revoked_max_ms={:.1} reformed_ms={:.0} failure_cpu_s={:.2}{steady} \
-         peak_rss_mib={}{etcd_out}",
+         peak_rss_mib={}{etcd_out}{phases}",
         fetched_entries as f64 / n as f64,
         ms(join_to_formed),
         cpu_formation.as_secs_f64(),
