@@ -238,14 +238,20 @@ fn cpu_of(pid: u32) -> Duration {
     Duration::from_micros((fields.get(11).unwrap_or(&0) + fields.get(12).unwrap_or(&0)) * 1_000_000 / ticks)
 }
 
-/// The metrics of interest from etcd's `/metrics` (plain HTTP on its client port).
-fn etcd_counters(endpoint: &str) -> Result<Vec<(String, f64)>, String> {
+/// etcd's `/metrics` text (plain HTTP on its client port).
+fn etcd_metrics(endpoint: &str) -> Result<String, String> {
     let hostport = endpoint.trim_start_matches("http://");
     let mut s = std::net::TcpStream::connect(hostport).map_err(|e| format!("etcd metrics: {e}"))?;
     s.set_read_timeout(Some(Duration::from_secs(10))).map_err(|e| e.to_string())?;
     write!(s, "GET /metrics HTTP/1.0\r\nHost: {hostport}\r\n\r\n").map_err(|e| e.to_string())?;
     let mut body = String::new();
     s.read_to_string(&mut body).map_err(|e| format!("etcd metrics: {e}"))?;
+    Ok(body)
+}
+
+/// The metrics of interest from etcd's `/metrics` (plain HTTP on its client port).
+fn etcd_counters(endpoint: &str) -> Result<Vec<(String, f64)>, String> {
+    let body = etcd_metrics(endpoint)?;
     const WANTED: [&str; 4] = [
         "etcd_disk_wal_write_bytes_total",
         "etcd_mvcc_put_total",
@@ -280,12 +286,7 @@ const ETCD_METHODS: [(&str, &str); 8] = [
 
 /// etcd's request counts by method (see [`ETCD_METHODS`]), read from its `/metrics`.
 fn etcd_requests(endpoint: &str) -> Result<Vec<f64>, String> {
-    let hostport = endpoint.trim_start_matches("http://");
-    let mut s = std::net::TcpStream::connect(hostport).map_err(|e| format!("etcd metrics: {e}"))?;
-    s.set_read_timeout(Some(Duration::from_secs(10))).map_err(|e| e.to_string())?;
-    write!(s, "GET /metrics HTTP/1.0\r\nHost: {hostport}\r\n\r\n").map_err(|e| e.to_string())?;
-    let mut body = String::new();
-    s.read_to_string(&mut body).map_err(|e| format!("etcd metrics: {e}"))?;
+    let body = etcd_metrics(endpoint)?;
     let count = |family: &str, method: &str| -> f64 {
         let label = format!("grpc_method=\"{method}\"");
         body.lines()

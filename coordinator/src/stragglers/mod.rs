@@ -186,8 +186,15 @@ impl Computes {
 fn compute_finding(rule: &StragglerRule, rank: u32, timings: &[&Timing], computes: &Computes) -> Option<Finding> {
     let own = timings.iter().find(|t| t.rank == rank)?;
     let (ratio, med) = compute_ratio(rule, own.compute_us, timings.len(), computes)?;
-    let n = timings.len() - 1;
-    Some(Finding {
+    let others_collective =
+        median(&mut timings.iter().filter(|t| t.rank != rank).map(|t| t.collective_us).collect::<Vec<_>>());
+    Some(compute_slow(own, ratio, med, timings.len() - 1, others_collective.unwrap_or(0)))
+}
+
+/// The compute finding for `own`, `ratio` times the other `n` members' median compute `med`,
+/// while they spend `others_collective` per step in collectives (their median).
+fn compute_slow(own: &Timing, ratio: f64, med: u64, n: usize, others_collective: u64) -> Finding {
+    Finding {
         kind: Slowness::Compute,
         ratio_pct: pct(ratio),
         reason: format!(
@@ -195,11 +202,26 @@ fn compute_finding(rule: &StragglerRule, rank: u32, timings: &[&Timing], compute
              (they wait for it: {:.1} ms per step in collectives against its {:.1} ms)",
             ms(own.compute_us),
             ms(med),
-            ms(median(&mut timings.iter().filter(|t| t.rank != rank).map(|t| t.collective_us).collect::<Vec<_>>())
-                .unwrap_or(0)),
+            ms(others_collective),
             ms(own.collective_us),
         ),
-    })
+    }
+}
+
+/// The link finding: rank `waiter` waits `on_suspect` on a link from the member, `ratio`
+/// times the median `med` of the other `n` links, while the member computes `own_compute`.
+fn link_slow(waiter: u32, on_suspect: u64, ratio: f64, med: u64, n: usize, own_compute: u64) -> Finding {
+    Finding {
+        kind: Slowness::Link,
+        ratio_pct: pct(ratio),
+        reason: format!(
+            "rank {waiter} waits {:.1} ms between progress on its link from this member, {ratio:.1}x the median \
+             {:.1} ms on the other {n} links, while its compute ({:.1} ms per step) is like the others'",
+            ms(on_suspect),
+            ms(med),
+            ms(own_compute),
+        ),
+    }
 }
 
 /// Whether a member computing `own` of a round of `reporting` members is a compute
@@ -247,17 +269,7 @@ pub fn judge(rule: &StragglerRule, rank: u32, timings: &[Timing]) -> Option<Find
     let med = median(&mut elsewhere)?;
     let ratio = outlier(rule, on_suspect, med)?;
     let own = live.iter().find(|t| t.rank == rank).map_or(0, |t| t.compute_us);
-    Some(Finding {
-        kind: Slowness::Link,
-        ratio_pct: pct(ratio),
-        reason: format!(
-            "rank {waiter} waits {:.1} ms between progress on its link from this member, {ratio:.1}x the median \
-             {:.1} ms on the other {n} links, while its compute ({:.1} ms per step) is like the others'",
-            ms(on_suspect),
-            ms(med),
-            ms(own),
-        ),
-    })
+    Some(link_slow(waiter, on_suspect, ratio, med, n, own))
 }
 
 /// A member's standing between reports: how many consecutive reports found it slow.

@@ -11,7 +11,7 @@
 //! interval for a large job (the others' reports are then up to one interval old, the
 //! member's own is always the fresh one) and at every report for a small one.
 
-use super::{clear_majority, ms, outlier, pct, Finding, Slowness, StragglerRule, Timing};
+use super::{clear_majority, compute_slow, link_slow, outlier, Finding, StragglerRule, Timing};
 use std::collections::HashMap;
 
 /// A sorted list of values with a few of them taken out (`minus`, each present in `base`)
@@ -197,19 +197,8 @@ impl Round {
                 Some(o) => Adjusted::new(&self.collectives).without(o.collective_us),
                 None => Adjusted::new(&self.collectives),
             };
-            let n = reporting - 1;
-            return Some(Finding {
-                kind: Slowness::Compute,
-                ratio_pct: pct(ratio),
-                reason: format!(
-                    "compute {:.1} ms per step, {ratio:.1}x the median {:.1} ms of the other {n} members \
-                     (they wait for it: {:.1} ms per step in collectives against its {:.1} ms)",
-                    ms(own.compute_us),
-                    ms(med),
-                    ms(others_collective.median().unwrap_or(0)),
-                    ms(own.collective_us),
-                ),
-            });
+            let others_collective = others_collective.median().unwrap_or(0);
+            return Some(compute_slow(own, ratio, med, reporting - 1, others_collective));
         }
         // Any compute straggler explains the waits. If any member is one, the slowest is
         // (more of the others are fast against it, and their median is no higher).
@@ -234,17 +223,7 @@ impl Round {
         }
         let med = elsewhere.median()?;
         let ratio = outlier(rule, on_suspect, med)?;
-        Some(Finding {
-            kind: Slowness::Link,
-            ratio_pct: pct(ratio),
-            reason: format!(
-                "rank {waiter} waits {:.1} ms between progress on its link from this member, {ratio:.1}x the median \
-                 {:.1} ms on the other {n} links, while its compute ({:.1} ms per step) is like the others'",
-                ms(on_suspect),
-                ms(med),
-                ms(own.compute_us),
-            ),
-        })
+        Some(link_slow(waiter, on_suspect, ratio, med, n, own.compute_us))
     }
 
     /// `judge` itself on the round with `own` in place of its old report: O(N log N).
