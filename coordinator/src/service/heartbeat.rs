@@ -132,8 +132,6 @@ impl CoordinatorService {
         })
     }
 
-    /// The latest step timing of every member of generation `generation`: this replica's
-    /// cache where it is newer than the store's view.
     /// The job's latest reports of `generation`, indexed for the straggler judgement: one
     /// round per heartbeat `interval` for a job of more than [`FRESH_ROUND_UP_TO`] members
     /// (each report is then judged against the others' reports of up to one interval ago,
@@ -171,6 +169,8 @@ impl CoordinatorService {
         round
     }
 
+    /// The latest step timing of every member of generation `generation`: this replica's
+    /// cache where it is newer than the store's view.
     fn latest_timings(&self, job: &str, state: &JobState, generation: u64) -> Vec<stragglers::Timing> {
         let cache = self.progress.lock().unwrap_or_else(|e| e.into_inner());
         let Some(g) = state.current().filter(|g| g.number == generation) else { return Vec::new() };
