@@ -65,8 +65,11 @@ pub const MAX_RENDEZVOUS_WAIT: Duration = Duration::from_secs(30);
 /// Progress is written to the store at most this often per member.
 pub const PROGRESS_PERIOD: Duration = Duration::from_secs(1);
 
-/// Members whose progress a replica caches at most (the least recently heard go first).
-const PROGRESS_CACHE_CAP: usize = 4096;
+/// Members whose progress a replica caches at most (the least recently heard go first): room
+/// for a job of 16,384 members several times over. An evicted member's next heartbeat writes
+/// its progress again, so a cap below the members served would turn every heartbeat into an
+/// etcd write. An entry is about 200 bytes.
+const PROGRESS_CACHE_CAP: usize = 65_536;
 
 /// Jobs whose indexed straggler round a replica keeps at most (the least recently used go
 /// first; a dropped one is rebuilt at the job's next timed heartbeat).
@@ -244,6 +247,18 @@ impl CoordinatorService {
 
     fn forget_progress(&self, job: &str, worker: &str) {
         self.progress.lock().unwrap_or_else(|e| e.into_inner()).remove(&(job.to_string(), worker.to_string()));
+    }
+
+    /// Caches `record` as the member's progress just written to the store (by Join), so that
+    /// its next update within [`PROGRESS_PERIOD`] is not written again.
+    fn progress_written(&self, job: &str, worker: &str, record: ProgressRecord) {
+        let now = Instant::now();
+        let mut cache = self.progress.lock().unwrap_or_else(|e| e.into_inner());
+        let key = (job.to_string(), worker.to_string());
+        if !cache.contains_key(&key) {
+            crate::bounded::make_room(&mut cache, PROGRESS_CACHE_CAP, Duration::from_secs(600), now, |c| c.touched);
+        }
+        cache.insert(key, CachedProgress { record, written: Some(now), touched: now });
     }
 
     fn shutting_down(&self) -> bool {

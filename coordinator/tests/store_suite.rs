@@ -384,6 +384,82 @@ async fn watch_delivers_a_revision_at_once<S: Store>(s: S, p: String) {
     expect_only_sentinel_next(&s, &mut watch, &p).await;
 }
 
+/// Members sent together by [`concurrent_requests_each_get_their_own_answer`].
+const CONCURRENT: usize = 200;
+
+/// Many members at once (all queued in one poll, so an etcd store merges them into shared
+/// transactions), each with a write, a read, a transaction that holds and one that fails, and
+/// one member whose lease is gone: every member gets the answer it would have had alone.
+async fn concurrent_requests_each_get_their_own_answer<S: Store>(s: S, p: String) {
+    let live = s.grant_lease(Duration::from_secs(60)).await.expect("grant");
+    let gone = s.grant_lease(Duration::from_secs(60)).await.expect("grant");
+    s.revoke_lease(gone).await.expect("revoke");
+    let s = &s;
+    let p = &p;
+    let member = |i: usize| async move {
+        let key = format!("{p}m{i}");
+        let lease = if i % 2 == 0 { Some(live) } else { None };
+        let written = s.put(&key, i.to_string().into_bytes(), lease).await.expect("put");
+        let read = s.get(&key).await.expect("get").expect("written");
+        assert_eq!(read.value, i.to_string().into_bytes(), "member {i} reads its own value");
+        assert_eq!(read.mod_revision, written, "member {i}: the put's revision is the key's");
+        let holds = Txn {
+            compares: vec![Compare::ValueEquals(key.clone(), i.to_string().into_bytes())],
+            success: vec![TxnOp::Put { key: format!("{key}/done"), value: b"y".to_vec(), lease }],
+            failure: vec![],
+        };
+        assert!(s.txn(holds).await.expect("txn").succeeded, "member {i}'s compare holds");
+        let stale = Txn {
+            compares: vec![Compare::ModRevision(key.clone(), written - 1_000_000)],
+            success: vec![TxnOp::Put { key: format!("{key}/never"), value: b"n".to_vec(), lease: None }],
+            failure: vec![],
+        };
+        assert!(!s.txn(stale).await.expect("txn").succeeded, "member {i}'s stale compare fails");
+        let orphan = s.put(&format!("{key}/orphan"), vec![], Some(gone)).await;
+        assert!(matches!(orphan, Err(StoreError::LeaseNotFound(id)) if id == gone), "member {i}: {orphan:?}");
+    };
+    futures::future::join_all((0..CONCURRENT).map(member)).await;
+    let (kvs, _) = s.get_prefix(p).await.expect("get_prefix");
+    let keys: std::collections::BTreeSet<&str> = kvs.iter().map(|kv| kv.key.as_str()).collect();
+    for i in 0..CONCURRENT {
+        let key = format!("{p}m{i}");
+        assert!(keys.contains(key.as_str()) && keys.contains(format!("{key}/done").as_str()), "member {i}");
+        assert!(!keys.contains(format!("{key}/never").as_str()), "member {i}: a failed compare wrote");
+        assert!(!keys.contains(format!("{key}/orphan").as_str()), "member {i}: a put on a gone lease wrote");
+    }
+    assert_eq!(kvs.len(), 2 * CONCURRENT);
+}
+
+/// Compare-and-swap increments of one counter from many tasks at once lose no update, however
+/// the store groups them.
+async fn concurrent_compare_and_swap_loses_no_update<S: Store>(s: S, p: String) {
+    const TASKS: usize = 32;
+    let counter = format!("{p}counter");
+    s.put(&counter, b"0".to_vec(), None).await.expect("put");
+    let (s, counter) = (&s, &counter);
+    let increment = |_| async move {
+        loop {
+            let kv = s.get(counter).await.expect("get").expect("present");
+            let n: u64 = String::from_utf8_lossy(&kv.value).parse().expect("a number");
+            let txn = Txn {
+                compares: vec![Compare::ModRevision(counter.clone(), kv.mod_revision)],
+                success: vec![TxnOp::Put {
+                    key: counter.clone(),
+                    value: (n + 1).to_string().into_bytes(),
+                    lease: None,
+                }],
+                failure: vec![],
+            };
+            if s.txn(txn).await.expect("txn").succeeded {
+                return;
+            }
+        }
+    };
+    futures::future::join_all((0..TASKS).map(increment)).await;
+    let kv = s.get(counter).await.expect("get").expect("present");
+    assert_eq!(kv.value, TASKS.to_string().into_bytes());
+}
+
 async fn bounded<F: std::future::Future<Output = ()>>(test: F) {
     timeout(BOUND, test).await.expect("test exceeded its time bound");
 }
@@ -426,7 +502,25 @@ suite!(
     watch_from_now_sees_only_new_changes,
     watch_resume_sees_exactly_missed_events,
     watch_delivers_a_revision_at_once,
+    concurrent_requests_each_get_their_own_answer,
+    concurrent_compare_and_swap_loses_no_update,
 );
+
+/// The concurrent members above really share etcd transactions (on a connection of their
+/// own, so that the counts are theirs), and the shared transactions that failed (a stale
+/// compare, a gone lease) were re-run member by member.
+#[tokio::test]
+async fn etcd_concurrent_members_share_transactions() {
+    bounded(async {
+        let store = shared_etcd_store().await;
+        assert_eq!(store.batch_stats(), Default::default());
+        concurrent_requests_each_get_their_own_answer(store.clone(), "/shared-txn/".to_owned()).await;
+        let stats = store.batch_stats();
+        assert!(stats.shared_transactions > 0 && stats.requests_shared > stats.shared_transactions, "{stats:?}");
+        assert!(stats.retried_alone > 0, "{stats:?}");
+    })
+    .await;
+}
 
 // ---------------------------------------------------------------------------------------
 // Backend-specific behaviour

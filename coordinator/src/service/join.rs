@@ -141,7 +141,9 @@ impl CoordinatorService {
                 tracing::debug!(error = %e, "could not revoke the replaced incarnation's lease");
             }
         }
-        self.forget_progress(job, worker);
+        // The progress record just written is the cache's, so that the Rendezvous that follows
+        // at once does not write it again.
+        self.progress_written(job, worker, progress);
         tracing::info!(incarnation, host = %r.host, "member joined");
         Ok(pb::JoinResponse {
             incarnation,

@@ -3,7 +3,7 @@
 use super::{not_member, store_status, CoordinatorService, MAX_RENDEZVOUS_WAIT};
 use crate::hub;
 use crate::keys::{self, Kind};
-use crate::records::{self, decode, encode, WaitingRecord};
+use crate::records::{self, encode, WaitingRecord};
 use crate::store::StoreError;
 use crate::validate;
 use cohort_proto::v1 as pb;
@@ -46,10 +46,14 @@ impl CoordinatorService {
             return Ok(pb::RendezvousResponse { outcome: Some(o) });
         }
         self.require_member(&hub, job, worker, incarnation).await?;
-        // Declare the wait (on the member's lease), keeping the first arrival time.
+        // Declare the wait (on the member's lease), keeping the first arrival time. The view
+        // tells whether this wait is already declared: waiting records leave the store only
+        // with their member (Leave, lease expiry), so a record in the view is in the store. A
+        // record the view has not caught up with yet (the member called again within the
+        // watch's delay) is written again, with a later arrival time; reading the store
+        // instead would cost every member of a formation one more etcd request.
         let wkey = keys::worker_key(job, Kind::Waiting, worker);
-        let existing = self.ctx.store.get(&wkey).await.map_err(store_status)?;
-        let existing: Option<WaitingRecord> = existing.and_then(|kv| decode(&wkey, &kv.value));
+        let existing: Option<WaitingRecord> = hub.read(|state| state.waiting.get(worker).cloned());
         let mut written_at = 0;
         let keep =
             existing.as_ref().is_some_and(|w| w.incarnation == incarnation && w.after_generation == r.after_generation);

@@ -10,6 +10,15 @@
 //! with the cluster's CA (https endpoints), a client certificate for clusters that run with
 //! `--client-cert-auth`, and etcd's user authentication (a user name and password; the client
 //! renews its token when etcd reports it stale).
+//!
+//! Single-key reads and writes, and transactions without a failure branch, go through
+//! a batching queue (`batch.rs`): concurrent ones share one etcd transaction, so a large job's formation
+//! costs etcd a few hundred transactions rather than a few per member.
+
+mod batch;
+
+pub use batch::{BatchStats, MAX_BATCH_BYTES, MAX_BATCH_OPS};
+use batch::{Batcher, Reply, Request};
 
 use std::collections::VecDeque;
 use std::future::Future;
@@ -123,6 +132,7 @@ impl EtcdSecurity {
 pub struct EtcdStore {
     client: Client,
     request_timeout: Duration,
+    batcher: Batcher,
 }
 
 impl std::fmt::Debug for EtcdStore {
@@ -163,6 +173,11 @@ fn map_error(e: etcd_client::Error, lease: Option<LeaseId>) -> StoreError {
         }
         e => StoreError::Unavailable(e.to_string()),
     }
+}
+
+/// A batch answer of the wrong kind for its request (a defect of the batcher, not of etcd).
+fn unexpected(reply: Reply) -> StoreError {
+    StoreError::Unavailable(format!("internal: the etcd batch answered with {reply:?}"))
 }
 
 /// Converts an etcd key-value; keys that are not UTF-8 (never written by cohort) are
@@ -311,7 +326,8 @@ impl EtcdStore {
             .await
             .map_err(|_| StoreError::Unavailable(format!("connecting to etcd at {endpoints:?} timed out")))?
             .map_err(|e| security.explain(map_error(e, None)))?;
-        let store = EtcdStore { client, request_timeout };
+        let batcher = Batcher::start(client.kv_client(), request_timeout);
+        let store = EtcdStore { client, request_timeout, batcher };
         // The client connects lazily; one status call proves the cluster is there.
         let mut maintenance = store.client.maintenance_client();
         let status = store.call(None, maintenance.status()).await.map_err(|e| security.explain(e))?;
@@ -322,6 +338,11 @@ impl EtcdStore {
         store.call(None, kv.get(crate::keys::ROOT, Some(probe))).await?;
         tracing::debug!(endpoints = ?endpoints, version = status.version(), "connected to etcd");
         Ok(store)
+    }
+
+    /// How many requests have shared an etcd transaction so far, on this store and its clones.
+    pub fn batch_stats(&self) -> BatchStats {
+        self.batcher.stats()
     }
 
     /// Runs one request under the request deadline and maps its error.
@@ -341,9 +362,10 @@ impl EtcdStore {
 impl Store for EtcdStore {
     async fn get(&self, key: &str) -> Result<Option<KeyValue>, StoreError> {
         check_key(key)?;
-        let mut kv = self.client.kv_client();
-        let resp = self.call(None, kv.get(key, None)).await?;
-        Ok(resp.kvs().first().map(convert_kv))
+        match self.batcher.submit(Request::Get(key.to_string())).await? {
+            Reply::Get(kv) => Ok(kv),
+            other => Err(unexpected(other)),
+        }
     }
 
     async fn get_prefix(&self, prefix: &str) -> Result<(Vec<KeyValue>, i64), StoreError> {
@@ -355,10 +377,10 @@ impl Store for EtcdStore {
 
     async fn put(&self, key: &str, value: Vec<u8>, lease: Option<LeaseId>) -> Result<i64, StoreError> {
         check_key(key)?;
-        let options = lease.map(|id| PutOptions::new().with_lease(id));
-        let mut kv = self.client.kv_client();
-        let resp = self.call(lease, kv.put(key, value, options)).await?;
-        header_revision(resp.header())
+        match self.batcher.submit(Request::Put { key: key.to_string(), value, lease }).await? {
+            Reply::Put(revision) => Ok(revision),
+            other => Err(unexpected(other)),
+        }
     }
 
     async fn delete(&self, key: &str) -> Result<bool, StoreError> {
@@ -375,17 +397,19 @@ impl Store for EtcdStore {
     }
 
     async fn txn(&self, txn: Txn) -> Result<TxnResult, StoreError> {
+        if Request::batchable_txn(&txn) {
+            return match self.batcher.submit(Request::Txn(txn)).await? {
+                Reply::Txn(result) => Ok(result),
+                other => Err(unexpected(other)),
+            };
+        }
         // The lease named in an error is the first one the transaction attaches keys to.
         let lease = txn.success.iter().chain(&txn.failure).find_map(|op| match op {
             TxnOp::Put { lease, .. } => *lease,
             _ => None,
         });
-        let request = etcd_client::Txn::new()
-            .when(txn.compares.into_iter().map(compare_to_etcd).collect::<Vec<_>>())
-            .and_then(txn.success.into_iter().map(op_to_etcd).collect::<Vec<_>>())
-            .or_else(txn.failure.into_iter().map(op_to_etcd).collect::<Vec<_>>());
         let mut kv = self.client.kv_client();
-        let resp = self.call(lease, kv.txn(request)).await?;
+        let resp = self.call(lease, kv.txn(batch::to_etcd(txn))).await?;
         Ok(TxnResult { succeeded: resp.succeeded(), revision: header_revision(resp.header())? })
     }
 
