@@ -45,6 +45,9 @@ export COHORT_PYTHON="$py"
 # COHORT_REQUIRE_PYTHON: a test that needs the Python package fails instead of skipping.
 echo "== tests"
 COHORT_REQUIRE_PYTHON=1 cargo test --workspace --locked -- --test-threads="${COHORT_TEST_THREADS:-2}"
+# The scale harness's smoke run: 32 members on real coordinator processes, through every
+# phase (formation, failure, re-formation, timed heartbeats naming a straggler).
+cargo test -p cohort-coordinator --bench scale --locked
 
 # The chaos suite, quick: real coordinator and worker processes (release build), every fault
 # kind once (kills mid-allreduce, hangs, network faults through the proxy, coordinator and

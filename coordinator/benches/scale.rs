@@ -22,7 +22,12 @@
 //!    `reformed_ms` runs from the report until every one of them holds generation 2, which
 //!    must leave out both the failed rank and the one that died meanwhile;
 //! 5. **steady** (optional, `--steady-secs`): every survivor heartbeats at the default
-//!    interval (500 ms) for that long; `heartbeats_per_s` is the rate achieved.
+//!    interval (500 ms) for that long, each with its step timings as a worker sends them
+//!    (compute and collective time, and the waits on its two ring neighbours' links); one
+//!    member in the middle of the ring computes three times as long as the others.
+//!    `heartbeats_per_s` is the rate achieved, `steady_cpu_pct` the coordinators' CPU, and
+//!    `straggler_named_ms` the time from the first timed heartbeat until rank 0's watch
+//!    names that member a straggler (the run fails if it is never named, or another is).
 //!
 //! For each phase it prints the coordinators' CPU time (`/proc/PID/stat`, all replicas
 //! together), and at the end their peak resident memory (`VmHWM`) and, on etcd, what etcd
@@ -45,11 +50,13 @@
 //!
 //! Run it with `cargo bench -p cohort-coordinator --bench scale -- --members 1024`
 //! (`--stores memory,etcd`, `--replicas 2`, `--steady-secs 5`; release build). Without
-//! `--bench` on its command line (`cargo test --benches`) it runs a 32-member smoke version
-//! on the memory store. Targets are reported in docs/benchmarks.md ("Scale"), never
-//! asserted here; every wait has a deadline (`--bound-secs`, default 300), so a stuck
-//! coordinator fails the run instead of hanging it. `COHORT_SCALE_LOG=PREFIX` keeps each
-//! replica's log (at `info`) in `PREFIX.0`, `PREFIX.1`, ...
+//! `--bench` on its command line (`cargo test --benches`, which the test command runs) it is
+//! a 32-member smoke version on the memory store, with a 2 s steady phase. Targets are
+//! reported in docs/benchmarks.md ("Scale"), never asserted here; every wait has a deadline
+//! (`--bound-secs`, default 300), so a stuck coordinator fails the run instead of hanging it.
+//! `COHORT_SCALE_LOG=PREFIX` keeps each replica's log (at `info`) in `PREFIX.0`, `PREFIX.1`,
+//! ...; `COHORT_SCALE_COORDINATOR=PATH` runs another build of `cohort-coordinator` (an older
+//! commit's, for a before-and-after in one sitting).
 
 use cohort_proto::v1 as pb;
 use cohort_proto::v1::coordinator_client::CoordinatorClient;
@@ -110,7 +117,7 @@ impl Plan {
                 members: 32,
                 stores: vec!["memory".into()],
                 replicas: 1,
-                steady: Duration::ZERO,
+                steady: Duration::from_secs(2),
                 bound: Duration::from_secs(60),
             }
         };
@@ -184,7 +191,11 @@ impl Coordinator {
             }
             Err(_) => ("warn", std::process::Stdio::null()),
         };
-        let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_cohort-coordinator"))
+        // COHORT_SCALE_COORDINATOR=PATH runs another build of the coordinator (an older commit's,
+        // to compare before and after on one machine in one sitting).
+        let binary = std::env::var("COHORT_SCALE_COORDINATOR")
+            .unwrap_or_else(|_| env!("CARGO_BIN_EXE_cohort-coordinator").into());
+        let mut child = std::process::Command::new(binary)
             .args(["serve", "--listen", "127.0.0.1:0", "--store", store])
             .args(["--min-workers", "1", "--max-workers", &max, "--join-window", "60s"])
             // Members send no heartbeats outside the steady phase: a 60 s interval keeps the
@@ -438,7 +449,7 @@ impl Member {
         Ok(s.into_inner())
     }
 
-    async fn heartbeat(&self, generation: u64) -> Result<(), tonic::Status> {
+    async fn heartbeat(&self, generation: u64, timing: Option<pb::StepTiming>) -> Result<(), tonic::Status> {
         let mut c = self.client.clone();
         c.heartbeat(pb::HeartbeatRequest {
             job: JOB.into(),
@@ -448,10 +459,24 @@ impl Member {
             step: 1,
             activity: "train".into(),
             deadlines: String::new(),
-            timing: None,
+            timing,
         })
         .await
         .map(|_| ())
+    }
+}
+
+/// Step timings as a worker of a ring job reports them, averaged over the steps since its
+/// last heartbeat: a slow member computes three times as long and waits little in the
+/// collectives; the others wait for it there. Each waits briefly on its ring neighbours.
+fn step_timing(rank: u32, size: u32, slow: bool) -> pb::StepTiming {
+    let (compute_us, collective_us) = if slow { (300_000, 10_000) } else { (100_000, 210_000) };
+    let neighbours = [(rank + 1) % size, (rank + size - 1) % size];
+    pb::StepTiming {
+        steps: 5,
+        compute_us,
+        collective_us,
+        peer_waits: neighbours.iter().map(|&rank| pb::PeerWait { rank, wait_us: 1_000 }).collect(),
     }
 }
 
@@ -713,12 +738,16 @@ async fn run(plan: &Plan, store: &str) -> Result<(), String> {
     // 5. Steady state: heartbeats at the default interval.
     let mut steady = String::new();
     if !plan.steady.is_zero() {
+        // In generation-1 rank order, as `g2` and `survivors_streams` are.
         let live: Vec<Arc<Member>> = members
             .iter()
             .enumerate()
             .filter(|(r, _)| *r != failed && *r != dies_meanwhile)
             .map(|(_, m)| m.clone())
             .collect();
+        let size = g2.first().map_or(0, |p| p.size);
+        let slow = live.len() / 2;
+        let slow_id = live[slow].id.clone();
         let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let sent_count = Arc::new(std::sync::atomic::AtomicU64::new(0));
         let beats: Vec<_> = live
@@ -726,6 +755,7 @@ async fn run(plan: &Plan, store: &str) -> Result<(), String> {
             .enumerate()
             .map(|(i, m)| {
                 let (m, stop, count) = (m.clone(), stop.clone(), sent_count.clone());
+                let timing = step_timing(g2[i].rank, size, i == slow);
                 tokio::spawn(async move {
                     // Spread the members over the interval, as independent processes are.
                     let offset = DEFAULT_HEARTBEAT * (i as u32 % 64) / 64;
@@ -733,13 +763,30 @@ async fn run(plan: &Plan, store: &str) -> Result<(), String> {
                     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
                     while !stop.load(std::sync::atomic::Ordering::Relaxed) {
                         tick.tick().await;
-                        if m.heartbeat(2).await.is_ok() {
+                        if m.heartbeat(2, Some(timing.clone())).await.is_ok() {
                             count.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                         }
                     }
                 })
             })
             .collect();
+        // Rank 0's watch names the slow member (the coordinator judges every timed
+        // heartbeat against the round of the others' latest reports).
+        let beats_started = Instant::now();
+        let watch0 = survivors_streams.first_mut().ok_or("no survivor's watch")?;
+        let named = within(
+            bound,
+            "naming the slow member a straggler",
+            wait_for(watch0, |e| match e {
+                Event::StragglerNamed(n) => Some(n.worker_id.clone()),
+                _ => None,
+            }),
+        )
+        .await??;
+        if named != slow_id {
+            return Err(format!("the straggler named is {named}, not the slow member {slow_id}"));
+        }
+        let straggler_named = beats_started.elapsed();
         // A stretch of wall time is what is measured here (not a synchronisation).
         tokio::time::sleep(DEFAULT_HEARTBEAT * 2).await;
         let (cpu0, c0, t0) =
@@ -752,10 +799,11 @@ async fn run(plan: &Plan, store: &str) -> Result<(), String> {
             b.abort();
         }
         steady = format!(
-            " steady_secs={:.1} heartbeats_per_s={:.0} steady_cpu_pct={:.1}",
+            " steady_secs={:.1} heartbeats_per_s={:.0} steady_cpu_pct={:.1} straggler_named_ms={:.0}",
             dt.as_secs_f64(),
             (c1 - c0) as f64 / dt.as_secs_f64(),
-            100.0 * (cpu1 - cpu0).as_secs_f64() / dt.as_secs_f64()
+            100.0 * (cpu1 - cpu0).as_secs_f64() / dt.as_secs_f64(),
+            straggler_named.as_secs_f64() * 1000.0
         );
     }
     drop(survivors_streams);
