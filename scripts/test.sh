@@ -45,7 +45,7 @@ export COHORT_PYTHON="$py"
 # COHORT_REQUIRE_PYTHON: a test that needs the Python package fails instead of skipping.
 echo "== tests"
 COHORT_REQUIRE_PYTHON=1 cargo test --workspace --locked -- --test-threads="${COHORT_TEST_THREADS:-2}"
-# The scale harness's smoke run: 32 members on real coordinator processes, through every
+# The scale harness's smoke run: 96 members on real coordinator processes, through every
 # phase (formation, failure, re-formation, timed heartbeats naming a straggler).
 cargo test -p cohort-coordinator --bench scale --locked
 

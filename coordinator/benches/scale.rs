@@ -51,7 +51,7 @@
 //! Run it with `cargo bench -p cohort-coordinator --bench scale -- --members 1024`
 //! (`--stores memory,etcd`, `--replicas 2`, `--steady-secs 5`; release build). Without
 //! `--bench` on its command line (`cargo test --benches`, which the test command runs) it is
-//! a 32-member smoke version on the memory store, with a 2 s steady phase. Targets are
+//! a 96-member smoke version on the memory store, with a 2 s steady phase. Targets are
 //! reported in docs/benchmarks.md ("Scale"), never asserted here; every wait has a deadline
 //! (`--bound-secs`, default 300), so a stuck coordinator fails the run instead of hanging it.
 //! `COHORT_SCALE_LOG=PREFIX` keeps each replica's log (at `info`) in `PREFIX.0`, `PREFIX.1`,
@@ -114,7 +114,7 @@ impl Plan {
         } else {
             Plan {
                 compact,
-                members: 32,
+                members: 96,
                 stores: vec!["memory".into()],
                 replicas: 1,
                 steady: Duration::from_secs(2),

@@ -15,8 +15,15 @@ use tonic::Status;
 
 /// Jobs of at most this many members index a fresh round at every timed heartbeat, so that
 /// each report is judged against the others' very latest (as small jobs always were; it
-/// costs microseconds). Larger jobs index one round per heartbeat interval.
+/// costs microseconds). Larger jobs index one round per heartbeat interval (at most
+/// [`ROUND_MAX_AGE`]).
 const FRESH_ROUND_UP_TO: usize = 64;
+
+/// The oldest an indexed round may be, whatever the heartbeat interval: a round built from a
+/// few early reports (just after a formation) must not stand for a whole long interval (a
+/// job with 60 s heartbeats would judge every report against it for a minute). Rebuilding a
+/// 16,384-member round takes about 7 ms, so once a second costs under 1% of a core.
+const ROUND_MAX_AGE: Duration = Duration::from_secs(1);
 
 /// One job's indexed straggler round and when it was built.
 pub(super) struct IndexedRound {
@@ -53,7 +60,7 @@ impl CoordinatorService {
         // The rank index built once per generation: a search of the member list per
         // heartbeat would make every heartbeat round of a large job O(members²).
         let formed = hub.signal().formed.clone();
-        let interval = self.ctx.settings.for_job(&r.job).heartbeat_interval;
+        let round_age = self.ctx.settings.for_job(&r.job).heartbeat_interval.min(ROUND_MAX_AGE);
         // Read under the view's lock: a copy of the state per heartbeat would cost O(members).
         let (timing, finding) = hub.read(|state| {
             // The member's step timing, as a rank of the current generation (else not judged).
@@ -74,7 +81,7 @@ impl CoordinatorService {
                 })
             });
             let finding = timing.as_ref().and_then(|own| {
-                let round = self.straggler_round(&r.job, state, own.generation, interval);
+                let round = self.straggler_round(&r.job, state, own.generation, round_age);
                 round.judge(&stragglers::StragglerRule::default(), own)
             });
             (timing, finding)
@@ -133,9 +140,10 @@ impl CoordinatorService {
     }
 
     /// The job's latest reports of `generation`, indexed for the straggler judgement: one
-    /// round per heartbeat `interval` for a job of more than [`FRESH_ROUND_UP_TO`] members
-    /// (each report is then judged against the others' reports of up to one interval ago,
-    /// in O(log² N)), a fresh one at every report for a smaller job. Gathering and indexing
+    /// round per `max_age` (the heartbeat interval, at most [`ROUND_MAX_AGE`]) for a job of
+    /// more than [`FRESH_ROUND_UP_TO`] members (each report is then judged against the
+    /// others' reports of up to that long ago, in O(log² N)), a fresh one at every report for
+    /// a smaller job. Gathering and indexing
     /// the reports is O(N log N): at every heartbeat of every member that was O(N² log N) per
     /// heartbeat round.
     fn straggler_round(
@@ -143,14 +151,14 @@ impl CoordinatorService {
         job: &str,
         state: &JobState,
         generation: u64,
-        interval: Duration,
+        max_age: Duration,
     ) -> Arc<stragglers::Round> {
         let now = Instant::now();
         let members = state.current().map_or(0, |g| g.members.len());
         if members > FRESH_ROUND_UP_TO {
             let mut rounds = self.straggler_rounds.lock().unwrap_or_else(|e| e.into_inner());
             if let Some(kept) = rounds.get_mut(job) {
-                if kept.round.generation() == generation && now.saturating_duration_since(kept.built) < interval {
+                if kept.round.generation() == generation && now.saturating_duration_since(kept.built) < max_age {
                     kept.used = now;
                     return kept.round.clone();
                 }
@@ -160,7 +168,7 @@ impl CoordinatorService {
         let mut rounds = self.straggler_rounds.lock().unwrap_or_else(|e| e.into_inner());
         if members > FRESH_ROUND_UP_TO {
             if !rounds.contains_key(job) {
-                crate::bounded::make_room(&mut rounds, STRAGGLER_ROUNDS_CAP, interval * 8, now, |kept| kept.used);
+                crate::bounded::make_room(&mut rounds, STRAGGLER_ROUNDS_CAP, max_age * 8, now, |kept| kept.used);
             }
             rounds.insert(job.to_string(), IndexedRound { round: round.clone(), built: now, used: now });
         } else {
