@@ -12,6 +12,12 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
+/// The coordinator allocates and frees many small objects per request (answers, member
+/// entries, watch events) on every runtime thread at once; glibc's allocator spent a third
+/// of the coordinator's CPU on that at 16,384 members (docs/benchmarks.md, "Scale").
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[derive(Parser)]
 #[command(
     name = "cohort-coordinator",

@@ -31,8 +31,8 @@
 //!   least one of them finished.
 
 use crate::config::JobSettings;
-use crate::records::{GenerationRecord, JobState, Outcome, Placed};
-use std::collections::{BTreeSet, HashMap, HashSet};
+use crate::records::{GenerationRecord, JobState, Outcome, Placed, WaitingRecord};
+use std::collections::{BTreeSet, HashMap};
 
 /// What to do now.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -81,21 +81,31 @@ pub(crate) fn excluded(state: &JobState, now_ms: u64) -> BTreeSet<String> {
     out
 }
 
-/// The current generation's number and members, for lookups in O(1) (an evaluation looks
-/// up every waiting worker; a linear `rank_of` each would make it quadratic).
+/// The current generation's number and members' ranks, for lookups in O(1) (an evaluation
+/// looks up every waiting worker; a linear `rank_of` each would make it quadratic).
 struct Current<'a> {
     number: u64,
-    members: HashSet<(&'a str, u64)>,
+    ranks: HashMap<(&'a str, u64), u32>,
 }
 
 impl<'a> Current<'a> {
     fn of(g: &'a GenerationRecord) -> Self {
-        Self { number: g.number, members: g.members.iter().map(|m| (m.worker_id.as_str(), m.incarnation)).collect() }
+        let ranks =
+            g.members.iter().enumerate().map(|(r, m)| ((m.worker_id.as_str(), m.incarnation), r as u32)).collect();
+        Self { number: g.number, ranks }
     }
 }
 
-fn is_ready(state: &JobState, current: Option<&Current<'_>>, excluded: &BTreeSet<String>, worker: &str) -> bool {
-    let Some(w) = state.waiting.get(worker) else { return false };
+/// Whether `worker`, waiting as `w`, is ready for the next generation (see the module's
+/// rules). Takes the waiting record in hand: one pass over the waiting workers decides
+/// every one of them without looking any of them up again.
+fn is_ready(
+    state: &JobState,
+    current: Option<&Current<'_>>,
+    excluded: &BTreeSet<String>,
+    worker: &str,
+    w: &WaitingRecord,
+) -> bool {
     if !state.is_live(worker, w.incarnation)
         || state.is_disconnected(worker, w.incarnation)
         || excluded.contains(worker)
@@ -107,7 +117,7 @@ fn is_ready(state: &JobState, current: Option<&Current<'_>>, excluded: &BTreeSet
         // A member of the current generation is ready only once it asks for a newer one:
         // its wait from before (which this generation answered) does not count, even after
         // a revocation, until it comes back to rendezvous.
-        Some(g) => !g.members.contains(&(worker, w.incarnation)) || w.after_generation >= g.number,
+        Some(g) => !g.ranks.contains_key(&(worker, w.incarnation)) || w.after_generation >= g.number,
     }
 }
 
@@ -173,42 +183,57 @@ pub(crate) fn evaluate(settings: &JobSettings, state: &JobState, now_ms: u64) ->
     }
 
     let active = current.filter(|g| g.revoked.is_none());
-    let expected: Vec<&Placed> = current
-        .map(|g| {
-            g.members
-                .iter()
-                .filter(|m| {
-                    state.is_live(&m.worker_id, m.incarnation)
-                        && !state.is_disconnected(&m.worker_id, m.incarnation)
-                        && !excluded.contains(&m.worker_id)
-                        && g.departed(&m.worker_id, m.incarnation).is_none()
-                })
-                .collect()
-        })
-        .unwrap_or_default();
+    // Counted, not listed: the ready ones are found from the waiting side below.
+    let expected = current.map_or(0, |g| {
+        g.members
+            .iter()
+            .filter(|m| {
+                state.is_live(&m.worker_id, m.incarnation)
+                    && !state.is_disconnected(&m.worker_id, m.incarnation)
+                    && !excluded.contains(&m.worker_id)
+                    && g.departed(&m.worker_id, m.incarnation).is_none()
+            })
+            .count()
+    });
     let lookup = current.map(Current::of);
-    let ready = |w: &str| is_ready(state, lookup.as_ref(), &excluded, w);
-    let ready_survivors: Vec<&str> =
-        expected.iter().filter(|m| ready(&m.worker_id)).map(|m| m.worker_id.as_str()).collect();
-    let survivor_set: HashSet<&str> = ready_survivors.iter().copied().collect();
-    let mut joiners: Vec<(&str, u64)> = state
-        .waiting
-        .iter()
-        .filter(|(w, _)| ready(w) && !survivor_set.contains(w.as_str()))
-        .map(|(w, r)| (w.as_str(), r.since_ms))
-        .collect();
+    // One pass over the waiting workers: each ready one is a survivor (an expected member,
+    // placed by its current rank) or a joiner (placed by arrival).
+    let mut survivors: Vec<(u32, &str)> = Vec::new();
+    let mut joiners: Vec<(&str, u64)> = Vec::new();
+    let mut last_arrival: Option<u64> = None;
+    for (worker, w) in &state.waiting {
+        if !is_ready(state, lookup.as_ref(), &excluded, worker, w) {
+            continue;
+        }
+        last_arrival = last_arrival.max(Some(w.since_ms));
+        // Ready means live, connected and not excluded, so a ready member of the current
+        // generation under this incarnation is expected unless it departed.
+        let rank = match (&lookup, current) {
+            (Some(l), Some(g)) => l
+                .ranks
+                .get(&(worker.as_str(), w.incarnation))
+                .copied()
+                .filter(|_| g.departed(worker, w.incarnation).is_none()),
+            _ => None,
+        };
+        match rank {
+            Some(rank) => survivors.push((rank, worker.as_str())),
+            None => joiners.push((worker.as_str(), w.since_ms)),
+        }
+    }
+    survivors.sort_unstable();
+    let ready_survivors: Vec<&str> = survivors.into_iter().map(|(_, w)| w).collect();
     joiners.sort_by(|a, b| a.1.cmp(&b.1).then(a.0.cmp(b.0)));
-    let last_arrival = state.waiting.iter().filter(|(w, _)| ready(w)).map(|(_, r)| r.since_ms).max();
     let mut candidates: Vec<&str> = ready_survivors.clone();
     candidates.extend(joiners.iter().map(|(w, _)| *w));
     eval.ready = candidates.len() as u32;
     candidates.truncate(max);
     let n = candidates.len();
-    let all_expected_ready = !expected.is_empty() && ready_survivors.len() == expected.len();
-    let cooperative = active.is_some() && !expected.is_empty();
+    let all_expected_ready = expected > 0 && ready_survivors.len() == expected;
+    let cooperative = active.is_some() && expected > 0;
 
     if cooperative {
-        let room = max.saturating_sub(expected.len());
+        let room = max.saturating_sub(expected);
         eval.pending_joiners = joiners.len().min(room) as u32;
         let left_gracefully = active.is_some_and(|g| g.departed.iter().any(|d| !d.finished));
         eval.reformation_pending = eval.pending_joiners > 0 || left_gracefully;
@@ -440,6 +465,26 @@ mod tests {
             .waits("e", 0, 50);
         let e = evaluate(&settings(1, 8), &job.0, 102);
         assert_eq!(formed(&e), ["a", "c", "d", "e"], "no join window wait, survivors first");
+    }
+
+    #[test]
+    fn survivors_keep_their_rank_order_not_their_name_order() {
+        // Generation 1 = [d, a, c, b]; b departed and waits again under the same incarnation:
+        // it is placed as a joiner, after the survivors, who keep their ranks' order.
+        let mut job = Job::new()
+            .member("a", 1)
+            .member("b", 1)
+            .member("c", 1)
+            .member("d", 1)
+            .generation(1, &["d", "a", "c", "b"], true)
+            .waits("b", 1, 90)
+            .waits("a", 1, 100)
+            .waits("c", 1, 101)
+            .waits("d", 1, 102);
+        job.gen_mut().departed.push(Departure { worker_id: "b".into(), incarnation: 1, finished: false });
+        let e = evaluate(&settings(1, 8), &job.0, 102);
+        assert_eq!(formed(&e), ["d", "a", "c", "b"]);
+        assert_eq!(e.ready, 4);
     }
 
     #[test]
