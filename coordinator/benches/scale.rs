@@ -25,9 +25,11 @@
 //!    interval (500 ms) for that long, each with its step timings as a worker sends them
 //!    (compute and collective time, and the waits on its two ring neighbours' links); one
 //!    member in the middle of the ring computes three times as long as the others.
-//!    `heartbeats_per_s` is the rate achieved, `steady_cpu_pct` the coordinators' CPU, and
-//!    `straggler_named_ms` the time from the first timed heartbeat until rank 0's watch
-//!    names that member a straggler (the run fails if it is never named, or another is).
+//!    `heartbeats_per_s` is the rate achieved, `steady_cpu_pct` the coordinators' CPU (on etcd
+//!    also `etcd_steady_cpu_pct`, etcd's, and `etcd_steady_per_s`, its requests per second by
+//!    method), and `straggler_named_ms` the time from the first timed heartbeat until rank
+//!    0's watch names that member a straggler (the run fails if it is never named, or
+//!    another is).
 //!
 //! For each phase it prints the coordinators' CPU time (`/proc/PID/stat`, all replicas
 //! together), and at the end their peak resident memory (`VmHWM`) and, on etcd, what etcd
@@ -68,6 +70,11 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tonic::transport::Channel;
+
+/// The simulated members share this machine's cores with the coordinators they measure:
+/// the same allocator as the coordinator's binary keeps their share small.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 /// Members that share one HTTP/2 connection (each holds at most two streams at once, a
 /// watch and a rendezvous long poll, well under a server's usual 200-stream limit).
@@ -789,11 +796,14 @@ async fn run(plan: &Plan, store: &str) -> Result<(), String> {
         let straggler_named = beats_started.elapsed();
         // A stretch of wall time is what is measured here (not a synchronisation).
         tokio::time::sleep(DEFAULT_HEARTBEAT * 2).await;
+        let etcd_cpu = || etcd.as_ref().and_then(EtcdProcess::pid).map_or(Duration::ZERO, cpu_of);
         let (cpu0, c0, t0) =
             (cpu_all(&coordinators), sent_count.load(std::sync::atomic::Ordering::Relaxed), Instant::now());
+        let (etcd_cpu0, etcd_req0) = (etcd_cpu(), requests()?);
         tokio::time::sleep(plan.steady).await;
         let (cpu1, c1, dt) =
             (cpu_all(&coordinators), sent_count.load(std::sync::atomic::Ordering::Relaxed), t0.elapsed());
+        let (etcd_cpu1, etcd_req1) = (etcd_cpu(), requests()?);
         stop.store(true, std::sync::atomic::Ordering::Relaxed);
         for b in beats {
             b.abort();
@@ -805,6 +815,19 @@ async fn run(plan: &Plan, store: &str) -> Result<(), String> {
             100.0 * (cpu1 - cpu0).as_secs_f64() / dt.as_secs_f64(),
             straggler_named.as_secs_f64() * 1000.0
         );
+        if etcd.is_some() {
+            // What etcd did for the steady phase: its CPU, and its requests per second.
+            let rates: Vec<String> = ETCD_METHODS
+                .iter()
+                .zip(etcd_req1.iter().zip(&etcd_req0))
+                .map(|((name, _), (a, b))| format!("{name}:{:.0}", (a - b) / dt.as_secs_f64()))
+                .collect();
+            steady.push_str(&format!(
+                " etcd_steady_cpu_pct={:.1} etcd_steady_per_s={}",
+                100.0 * (etcd_cpu1 - etcd_cpu0).as_secs_f64() / dt.as_secs_f64(),
+                rates.join(",")
+            ));
+        }
     }
     drop(survivors_streams);
 

@@ -522,6 +522,39 @@ async fn etcd_concurrent_members_share_transactions() {
     .await;
 }
 
+/// Renewals of a lease ride one kept keep-alive stream; a cancelled renewal takes its stream
+/// with it (so no answer is left for a later renewal to misread), and a renewal of a gone
+/// lease says so and closes its stream.
+#[tokio::test]
+async fn etcd_renewals_keep_one_stream_per_lease() {
+    bounded(async {
+        let store = shared_etcd_store().await;
+        let a = store.grant_lease(Duration::from_secs(30)).await.expect("grant");
+        let b = store.grant_lease(Duration::from_secs(30)).await.expect("grant");
+        assert_eq!(store.keep_alive_streams(), 0);
+        for _ in 0..5 {
+            store.keep_alive(a).await.expect("renew a");
+        }
+        assert_eq!(store.keep_alive_streams(), 1, "five renewals of one lease, one stream");
+        store.keep_alive(b).await.expect("renew b");
+        assert_eq!(store.keep_alive_streams(), 2);
+        // Cancelled while waiting for etcd's answer: the stream goes with it.
+        if timeout(Duration::ZERO, store.keep_alive(a)).await.is_err() {
+            assert_eq!(store.keep_alive_streams(), 1, "the cancelled renewal's stream is closed");
+        }
+        store.keep_alive(a).await.expect("renew a after a cancelled renewal");
+        assert_eq!(store.keep_alive_streams(), 2);
+        assert!(store.lease_time_to_live(a).await.expect("ttl").is_some());
+        // Gone: the kept stream answers TTL 0, and is closed.
+        store.revoke_lease(a).await.expect("revoke");
+        assert!(matches!(store.keep_alive(a).await, Err(StoreError::LeaseNotFound(id)) if id == a));
+        assert_eq!(store.keep_alive_streams(), 1);
+        store.keep_alive(b).await.expect("b is unaffected");
+        store.revoke_lease(b).await.expect("revoke");
+    })
+    .await;
+}
+
 // ---------------------------------------------------------------------------------------
 // Backend-specific behaviour
 // ---------------------------------------------------------------------------------------

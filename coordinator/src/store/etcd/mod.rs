@@ -16,9 +16,11 @@
 //! costs etcd a few hundred transactions rather than a few per member.
 
 mod batch;
+mod keepalive;
 
 pub use batch::{BatchStats, MAX_BATCH_BYTES, MAX_BATCH_OPS};
 use batch::{Batcher, Reply, Request};
+use keepalive::KeepAlives;
 
 use std::collections::VecDeque;
 use std::future::Future;
@@ -133,6 +135,7 @@ pub struct EtcdStore {
     client: Client,
     request_timeout: Duration,
     batcher: Batcher,
+    keepalives: std::sync::Arc<KeepAlives>,
 }
 
 impl std::fmt::Debug for EtcdStore {
@@ -327,7 +330,7 @@ impl EtcdStore {
             .map_err(|_| StoreError::Unavailable(format!("connecting to etcd at {endpoints:?} timed out")))?
             .map_err(|e| security.explain(map_error(e, None)))?;
         let batcher = Batcher::start(client.kv_client(), request_timeout);
-        let store = EtcdStore { client, request_timeout, batcher };
+        let store = EtcdStore { client, request_timeout, batcher, keepalives: std::sync::Arc::new(KeepAlives::new()) };
         // The client connects lazily; one status call proves the cluster is there.
         let mut maintenance = store.client.maintenance_client();
         let status = store.call(None, maintenance.status()).await.map_err(|e| security.explain(e))?;
@@ -343,6 +346,12 @@ impl EtcdStore {
     /// How many requests have shared an etcd transaction so far, on this store and its clones.
     pub fn batch_stats(&self) -> BatchStats {
         self.batcher.stats()
+    }
+
+    /// How many leases' keep-alive streams are open between renewals, on this store and its
+    /// clones (each member's lease keeps one while it heartbeats through this replica).
+    pub fn keep_alive_streams(&self) -> usize {
+        self.keepalives.open_streams()
     }
 
     /// Runs one request under the request deadline and maps its error.
@@ -426,12 +435,8 @@ impl Store for EtcdStore {
     }
 
     async fn keep_alive(&self, lease: LeaseId) -> Result<(), StoreError> {
-        // One request-response on a fresh keep-alive stream: the client sends the request and
-        // waits for the answer before returning (a TTL of 0 there means the lease is gone).
-        // A fresh stream per call keeps this cancel safe: no answer is left behind for a later
-        // call to misread.
-        let mut leases = self.client.lease_client();
-        self.call(Some(lease), leases.keep_alive(lease)).await.map(drop)
+        // On the lease's kept keep-alive stream (`keepalive.rs`): one message each way.
+        self.keepalives.renew(&self.client, lease, self.request_timeout).await
     }
 
     async fn revoke_lease(&self, lease: LeaseId) -> Result<(), StoreError> {
