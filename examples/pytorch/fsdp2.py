@@ -1,10 +1,14 @@
 #!/usr/bin/env python3
-"""FSDP2 (``fully_shard``) on a one-dimensional DeviceMesh, on cohort or on gloo (torch 2.x).
+"""FSDP2 (``fully_shard``) on a DeviceMesh, on cohort or on gloo (torch 2.x): one-dimensional
+(FSDP), or with ``--replicas R`` two-dimensional, R replica groups of world/R shards (HSDP).
 
 The model, data and settings of digits.py (scikit-learn's digits, MLP 64-1024-1024-10, global
 batch 64, SGD lr 0.05 momentum 0.9, seed 1): every Linear and the root are sharded with
-``fully_shard`` over ``init_device_mesh("cpu", (world,))``; each step every rank takes its slice
-of the same global batch. The training code is the same for both backends; only the start
+``fully_shard`` over ``init_device_mesh("cpu", (world,))`` (or, with ``--replicas R``, over
+``init_device_mesh("cpu", (R, world // R), mesh_dim_names=("replicate", "shard"))``: each
+replica group of world/R ranks holds one sharded copy, and gradients are reduce-scattered within
+it and all-reduced across the groups); each step every rank takes its slice of the same global
+batch. The training code is the same for both backends; only the start
 differs:
 
     # cohort: a coordinator forms the job (its size is the world)
@@ -17,7 +21,7 @@ differs:
     python examples/pytorch/fsdp2.py --gloo /tmp/fsdp-init --rank 1 --world 2
 
 Prints, on every rank, at the end (through ``cohort.events``):
-    event=summary backend=B world=N steps=S step_ms_median=T test_accuracy=A param_sha256=H t_ms=T
+    event=summary backend=B world=N replicas=R steps=S step_ms_median=T test_accuracy=A param_sha256=H t_ms=T
 where ``param_sha256`` hashes the full (unsharded) parameters, gathered with
 ``DTensor.full_tensor()``. Not elastic: a failure ends the run (sharded state is not a
 cohort commit yet; see docs/python.md).
@@ -72,6 +76,7 @@ def main() -> None:
     ap.add_argument("--world", type=int, default=1)
     ap.add_argument("--epochs", type=int, default=1)
     ap.add_argument("--max-steps", type=int, default=0, help="stop after this many steps (0: every epoch)")
+    ap.add_argument("--replicas", type=int, default=1, help="replica groups (HSDP when more than 1)")
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--save", metavar="PATH", help="rank 0 saves the full parameters here (torch.save, a list)")
@@ -82,7 +87,12 @@ def main() -> None:
     from torch.distributed.fsdp import fully_shard
 
     rank, world, backend = start(args)
-    mesh = init_device_mesh("cpu", (world,))
+    if args.replicas < 1 or world % args.replicas:
+        raise SystemExit(f"--replicas {args.replicas} does not divide the world of {world}")
+    if args.replicas == 1:
+        mesh = init_device_mesh("cpu", (world,))
+    else:
+        mesh = init_device_mesh("cpu", (args.replicas, world // args.replicas), mesh_dim_names=("replicate", "shard"))
     (xtr, ytr), (xte, yte) = data(args.seed)
     net = model(args.hidden, args.seed)
     for layer in net:
@@ -115,6 +125,7 @@ def main() -> None:
         extra=dict(
             backend=backend,
             world=world,
+            replicas=args.replicas,
             steps=len(times),
             step_ms_median=f"{statistics.median(times) * 1e3:.3f}",
             test_accuracy=f"{acc:.4f}",

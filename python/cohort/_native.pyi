@@ -77,6 +77,12 @@ class Communicator:
     def barrier(self) -> None: ...
     def send(self, buf: Buffer, dst: int) -> None: ...
     def recv(self, buf: Buffer, src: int) -> None: ...
+    def subgroup(self, ranks: list[int], channel: int) -> Communicator:
+        """A communicator over ``ranks`` of this one (its rank i is ``ranks[i]``), sharing
+        this one's links, failures and revocation on ``channel`` (1 to 4095); its calls may
+        run at the same time as this one's. Every member passes the same ranks and channel;
+        subgroups in use at once that share two members need different channels. Closed
+        with this communicator."""
     def close(self) -> None:
         """Closes the links (peers see this rank gone). Idempotent."""
 

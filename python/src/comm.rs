@@ -18,7 +18,7 @@ use cohort::elastic::{FailureReporter, MemberInfo, MeshTransport};
 use cohort::{CommError, Communicator as RustCommunicator};
 use pyo3::prelude::*;
 use std::sync::mpsc;
-use std::sync::{Arc, Condvar, Mutex, PoisonError};
+use std::sync::{Arc, Condvar, Mutex, PoisonError, Weak};
 use std::time::{Duration, Instant};
 
 pub(crate) type Comm = Box<RustCommunicator<MeshTransport>>;
@@ -73,6 +73,8 @@ pub(crate) struct Core {
     queue: Mutex<Option<mpsc::Sender<Job>>>,
     /// The last queued call.
     tail: Mutex<Option<Arc<Completion>>>,
+    /// The subgroups made from this communicator ([`Communicator::subgroup`]), closed with it.
+    subgroups: Mutex<Vec<Weak<Core>>>,
 }
 
 impl Core {
@@ -126,6 +128,10 @@ impl Core {
     /// Waits for the queued calls, then closes the communicator: later calls raise
     /// `InvalidArgumentError` ("the communicator is closed"). Idempotent.
     pub(crate) fn close(&self, py: Python<'_>) -> PyResult<()> {
+        let subgroups = std::mem::take(&mut *self.subgroups.lock().unwrap_or_else(PoisonError::into_inner));
+        for sub in subgroups.iter().filter_map(Weak::upgrade) {
+            sub.close(py)?;
+        }
         self.drain(py)?;
         let old = std::mem::replace(&mut *self.slot.lock().unwrap_or_else(PoisonError::into_inner), Slot::Closed);
         if let Ok(rt) = runtime() {
@@ -335,6 +341,15 @@ impl Communicator {
         members: &[MemberInfo],
         transport: &str,
     ) -> Self {
+        Self::with_members(comm, reporter, members.iter().map(Member::from).collect(), transport.to_string())
+    }
+
+    fn with_members(
+        comm: RustCommunicator<MeshTransport>,
+        reporter: Option<FailureReporter>,
+        members: Vec<Member>,
+        transport: String,
+    ) -> Self {
         let shape = Shape { rank: comm.rank(), size: comm.size() };
         let generation = comm.generation();
         Communicator {
@@ -345,9 +360,10 @@ impl Communicator {
                 shape,
                 queue: Mutex::new(None),
                 tail: Mutex::new(None),
+                subgroups: Mutex::new(Vec::new()),
             }),
-            members: members.iter().map(Member::from).collect(),
-            transport: transport.to_string(),
+            members,
+            transport,
         }
     }
 
@@ -527,6 +543,34 @@ impl Communicator {
     fn recv(&self, py: Python<'_>, buf: &Bound<'_, PyAny>, src: u32) -> PyResult<()> {
         let b = Buf::new(buf, true, "recv")?;
         self.core.call(py, prepared(Prepared::point_to_point(&b, src, false, self.shape())))
+    }
+
+    /// A communicator over this one's ranks `ranks` (its rank `i` being this communicator's
+    /// rank `ranks[i]`), for a 2-D device mesh (HSDP's shard and replica groups): it shares
+    /// this communicator's links, generation, failures and revocation, on `channel` (1 to
+    /// 4095), and its calls may run at the same time as this one's. Every member calls it
+    /// with the same `ranks` and `channel`; two subgroups in use at once that share two
+    /// members need different channels (the groups of one mesh dimension, being disjoint,
+    /// may share one). Errors name ranks of the generation. Closed with this communicator.
+    /// Waits for this communicator's queued calls first.
+    fn subgroup(&self, py: Python<'_>, ranks: Vec<u32>, channel: u32) -> PyResult<Communicator> {
+        let comm = self.core.lend(py)?;
+        let sub = comm.mesh_subgroup(&ranks, channel);
+        self.core.give_back(comm);
+        let sub = sub.map_err(|e| invalid(format!("subgroup {ranks:?} on channel {channel}: {e}")))?;
+        let members = ranks
+            .iter()
+            .enumerate()
+            .filter_map(|(i, &r)| {
+                let m = self.members.get(r as usize)?;
+                Some(Member { rank: i as u32, ..m.clone() })
+            })
+            .collect();
+        let sub = Communicator::with_members(sub, self.core.reporter.clone(), members, self.transport.clone());
+        let mut subgroups = self.core.subgroups.lock().unwrap_or_else(PoisonError::into_inner);
+        subgroups.retain(|w| w.strong_count() > 0);
+        subgroups.push(Arc::downgrade(&sub.core));
+        Ok(sub)
     }
 
     /// Releases this rank's communicator (idempotent). The links close when the group moves

@@ -1,5 +1,7 @@
-"""FSDP2 (``fully_shard`` on a one-dimensional DeviceMesh) trains to the same parameters on the
-"cohort" backend as on gloo: examples/pytorch/fsdp2.py, the same script, on real processes.
+"""FSDP2 (``fully_shard`` on a one-dimensional DeviceMesh) and HSDP (on a two-dimensional one:
+replica groups of shard groups, subgroups of the generation on cohort) train to the same
+parameters on the "cohort" backend as on gloo: examples/pytorch/fsdp2.py, the same script, on
+real processes.
 Needs torch 2.x (the test command runs it under PyPI's torch; Debian's 1.13 has no FSDP2)."""
 
 import re
@@ -64,3 +66,49 @@ def test_fully_shard_on_cohort_matches_gloo_at_two_ranks(coordinator_factory, sp
     # at two ranks a sum (and its halving, for the average) does not depend on the order.
     assert len({s["param_sha256"] for s in got + reference}) == 1, (got, reference)
     assert re.fullmatch(r"[0-9a-f]{16}", got[0]["param_sha256"])
+
+
+def test_hsdp_on_a_2d_mesh_on_cohort_matches_gloo_at_four_ranks(coordinator_factory, spawn, tmp_path):
+    """Two replica groups of two shards: the shard groups and the replica groups are cohort
+    subgroups of one generation (each on its own channel over the generation's links), their
+    collectives in flight at once."""
+    world, replicas = 4, 2
+    hsdp = ("--replicas", str(replicas), "--hidden", "256")
+    gloo = [
+        spawn(
+            f"gloo-{r}",
+            [sys.executable, "-u", EXAMPLE],
+            "--gloo",
+            str(tmp_path / "gloo-init"),
+            "--rank",
+            str(r),
+            "--world",
+            str(world),
+            *hsdp,
+            *STEPS,
+        )
+        for r in range(world)
+    ]
+    reference = summaries(gloo)
+    coord = coordinator_factory(world)
+    ours = [
+        spawn(
+            f"cohort-{r}",
+            [sys.executable, "-u", EXAMPLE],
+            "--coordinator",
+            coord.endpoint,
+            "--job",
+            "hsdp",
+            "--worker-id",
+            f"w{r}",
+            *hsdp,
+            *STEPS,
+        )
+        for r in range(world)
+    ]
+    got = summaries(ours)
+    assert {s["backend"] for s in got} == {"cohort"} and {s["replicas"] for s in got + reference} == {"2"}
+    assert all(s["steps"] == "12" and s["world"] == "4" for s in got + reference)
+    # Every reduction combines two operands (two shards, then two replicas), so the order cannot
+    # matter: bit-identical to gloo's on every rank.
+    assert len({s["param_sha256"] for s in got + reference}) == 1, (got, reference)

@@ -30,6 +30,7 @@ pub mod liveness;
 pub mod rdma;
 pub mod shm;
 mod spin;
+pub mod subgroup;
 pub mod tcp;
 pub mod wire;
 

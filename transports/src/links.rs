@@ -10,7 +10,7 @@
 use crate::abort::AbortLatch;
 use crate::deadline::{DeadlineInForce, LinkProgress};
 use crate::error::{AbortReason, Signatures, TransportError};
-use crate::wire::{other_call, seq_older, Rank, Tag, STASH_BUDGET, STASH_MAX_FRAMES};
+use crate::wire::{channel_of, other_call, seq_older, Rank, Tag, STASH_BUDGET, STASH_MAX_FRAMES};
 use crate::Deadlines;
 use std::future::Future;
 use std::sync::{Mutex, MutexGuard, OnceLock, PoisonError};
@@ -27,9 +27,13 @@ pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 struct Waiting(Mutex<Vec<u32>>);
 
 impl Waiting {
-    /// The oldest `seq` any receiver waits for (in wrapping sequence order).
-    fn oldest(&self) -> Option<u32> {
-        lock(&self.0).iter().copied().reduce(|a, b| if seq_older(b, a) { b } else { a })
+    /// The oldest `seq` any receiver waits for on `channel` (in wrapping sequence order).
+    fn oldest_on(&self, channel: u32) -> Option<u32> {
+        lock(&self.0)
+            .iter()
+            .copied()
+            .filter(|&s| channel_of(s) == channel)
+            .reduce(|a, b| if seq_older(b, a) { b } else { a })
     }
 }
 
@@ -272,7 +276,7 @@ impl LinkCore {
     /// Classifies the header of a message tagged `got` of `got_len` bytes, read by a receive
     /// of `want` into `len` bytes: the message wanted (or one of another call in this
     /// operation, which fails the match at once), or an early one with stash room reserved.
-    /// A stale tag (older than every receive waiting), a duplicate of a stashed message and
+    /// A stale tag (older than every receive waiting on its channel), a duplicate of a stashed message and
     /// a message beyond the stash budget fail the link with a protocol error.
     pub(crate) fn arrived(&self, want: Tag, len: usize, got: Tag, got_len: u64) -> Result<Arrival, TransportError> {
         let unit = self.unit;
@@ -280,7 +284,8 @@ impl LinkCore {
             self.check_match(want, len, got, got_len)?;
             return Ok(Arrival::Wanted);
         }
-        if let Some(oldest) = self.waiting.oldest() {
+        // Only a receiver of the message's own channel (communicator) can show it is stale.
+        if let Some(oldest) = self.waiting.oldest_on(channel_of(got.seq)) {
             if seq_older(got.seq, oldest) {
                 return Err(self.fail_protocol(format!(
                     "stale {unit} seq {} step {} (the oldest message still expected is seq {oldest})",

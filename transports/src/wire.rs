@@ -8,8 +8,10 @@ pub type Rank = u32;
 
 /// Identifies one message between a pair of ranks.
 ///
-/// `seq` is the communicator's operation sequence number (one per collective call, increasing);
-/// `step` numbers the messages within that operation; `signature` is a hash of what the
+/// `seq` is the communicator's operation sequence number (one per collective call, increasing,
+/// wrapping within [`SEQ_BITS`] bits) with the communicator's channel in the bits above (0 for
+/// a generation's own communicator, see [`channel_of`] and `crate::subgroup`); `step` numbers
+/// the messages within that operation; `signature` is a hash of what the
 /// collective was called with (kind, dtype, op, count, root) so that ranks that disagree are
 /// told so instead of reducing garbage.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -51,9 +53,34 @@ pub fn other_call(want: Tag, got: Tag) -> bool {
     got.seq == want.seq && got.signature != want.signature && want.step < P2P_STEP_BASE && got.step < P2P_STEP_BASE
 }
 
-/// `a` is older than `b` in wrapping sequence-number order.
+/// Bits of [`Tag::seq`] that number a communicator's operations; the bits above carry its
+/// channel, so that communicators sharing one link (a generation's own and its subgroups',
+/// `crate::subgroup`) never take each other's messages for their own. A communicator's
+/// numbers wrap within these bits, which is safe: operations of one communicator are ordered,
+/// and links compare numbers in wrapping order.
+pub const SEQ_BITS: u32 = 20;
+
+/// The part of [`Tag::seq`] that numbers operations.
+pub const SEQ_MASK: u32 = (1 << SEQ_BITS) - 1;
+
+/// The largest channel: channels are `0..=MAX_CHANNEL`, 0 being a generation's own
+/// communicator.
+pub const MAX_CHANNEL: u32 = u32::MAX >> SEQ_BITS;
+
+/// The channel a sequence number belongs to.
+pub fn channel_of(seq: u32) -> u32 {
+    seq >> SEQ_BITS
+}
+
+/// The sequence number of operation `n` (taken modulo 2^[`SEQ_BITS`]) on `channel`.
+pub fn seq_on(channel: u32, n: u32) -> u32 {
+    (channel << SEQ_BITS) | (n & SEQ_MASK)
+}
+
+/// `a` is older than `b`: both on one channel, and `a` earlier in wrapping order within it.
+/// Numbers of different channels are never older than each other.
 pub fn seq_older(a: u32, b: u32) -> bool {
-    (a.wrapping_sub(b) as i32) < 0
+    channel_of(a) == channel_of(b) && ((a.wrapping_sub(b) << (32 - SEQ_BITS)) as i32) < 0
 }
 
 /// The little-endian `u32` at `at` of a fixed-size header (the offset is a constant of its
@@ -112,7 +139,22 @@ mod tests {
         assert!(seq_older(1, 2));
         assert!(!seq_older(2, 2));
         assert!(!seq_older(3, 2));
-        assert!(seq_older(u32::MAX, 0));
-        assert!(!seq_older(0, u32::MAX));
+        assert!(seq_older(SEQ_MASK, 0));
+        assert!(!seq_older(0, SEQ_MASK));
+        // Within a channel too, across its wrap.
+        assert!(seq_older(seq_on(7, SEQ_MASK), seq_on(7, 0)));
+        assert!(!seq_older(seq_on(7, 0), seq_on(7, SEQ_MASK)));
+        assert!(seq_older(seq_on(MAX_CHANNEL, 3), seq_on(MAX_CHANNEL, 4)));
+    }
+
+    #[test]
+    fn channels_are_never_older_than_each_other() {
+        for (a, b) in [(seq_on(0, 5), seq_on(1, 6)), (seq_on(1, 5), seq_on(0, 6)), (seq_on(2, 0), seq_on(3, SEQ_MASK))]
+        {
+            assert!(!seq_older(a, b) && !seq_older(b, a), "{a:#x} {b:#x}");
+        }
+        assert_eq!(channel_of(seq_on(MAX_CHANNEL, u32::MAX)), MAX_CHANNEL);
+        assert_eq!(seq_on(MAX_CHANNEL, u32::MAX), u32::MAX);
+        assert_eq!(seq_on(0, SEQ_MASK + 1), 0);
     }
 }

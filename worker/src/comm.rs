@@ -13,6 +13,7 @@ use crate::dtype::{as_bytes, as_bytes_mut, DType, Element, Scratch};
 use crate::error::{CommError, OpProgress, RootCause};
 use crate::reduce::{CombineInto, ReduceOp};
 use crate::topology::HostLayout;
+use cohort_transports::subgroup::Subgroup;
 use cohort_transports::{AbortReason, Rank, Silence, Tag, Transport, TransportError};
 use std::fmt;
 use std::future::Future;
@@ -421,6 +422,28 @@ impl<T: Transport> Communicator<T> {
         Ok(())
     }
 
+    /// A communicator over this one's ranks `members` (subgroup rank `i` being this
+    /// communicator's rank `members[i]`) on `channel`: it shares this communicator's links
+    /// (see [`Subgroup`]), configuration, revocation and host layout (restricted to its
+    /// members), and its calls may run concurrently with this one's. Every member must call
+    /// it with the same list and channel; fails with [`CommError::InvalidArgument`] when
+    /// [`Subgroup::new`] refuses them.
+    pub fn subgroup(&self, members: &[u32], channel: u32) -> Result<Communicator<Subgroup<T>>, CommError> {
+        let transport = Subgroup::new(self.transport.clone(), members.to_vec(), channel)
+            .map_err(|e| CommError::InvalidArgument(e.to_string()))?;
+        Ok(self.sub_communicator(transport, members))
+    }
+
+    /// A communicator over `transport`, a subgroup of this one's ranks `members` (see
+    /// [`Communicator::subgroup`]).
+    pub(crate) fn sub_communicator<U: Transport>(&self, transport: U, members: &[u32]) -> Communicator<U> {
+        let mut sub = Communicator::new(Arc::new(transport), self.config.clone());
+        sub.revoke = self.revoke.clone();
+        sub.layout = self.layout.restrict(members);
+        sub.hosts = sub.layout.hosts().into();
+        sub
+    }
+
     /// The host layout (see [`Communicator::set_layout`]).
     pub fn layout(&self) -> &HostLayout {
         &self.layout
@@ -545,14 +568,9 @@ impl<T: Transport> Communicator<T> {
         }
         let seq = self.next_seq;
         if advance {
-            self.next_seq = match seq.checked_add(1) {
-                Some(s) => s,
-                None => {
-                    return Err(self.poison(CommError::InvalidArgument(
-                        "sequence numbers exhausted (2^32 operations); re-form the communicator".into(),
-                    )))
-                }
-            };
+            // Numbers wrap within the sequence bits of a tag (the bits above are the channel a
+            // subgroup's transport adds); links compare them in wrapping order.
+            self.next_seq = (seq + 1) & cohort_transports::wire::SEQ_MASK;
         }
         self.in_flight = true;
         self.op_received.store(0, Ordering::Relaxed);

@@ -47,6 +47,19 @@ impl HostLayout {
         Self { host_of }
     }
 
+    /// The layout of the subgroup whose rank `i` is this layout's rank `ranks[i]` (a rank out
+    /// of range counts as a host of its own).
+    pub fn restrict(&self, ranks: &[u32]) -> Self {
+        let keys: Vec<(bool, u32)> = ranks
+            .iter()
+            .map(|&r| match self.host_of.get(r as usize) {
+                Some(&h) => (true, h),
+                None => (false, r),
+            })
+            .collect();
+        Self::from_keys(&keys)
+    }
+
     /// Number of ranks.
     pub fn world_size(&self) -> u32 {
         self.host_of.len() as u32
@@ -105,5 +118,17 @@ mod tests {
         assert_eq!(HostLayout::blocks(5, 2).hosts(), vec![vec![0, 1, 2], vec![3, 4]]);
         assert_eq!(HostLayout::blocks(2, 4).hosts(), vec![vec![0], vec![1]]);
         assert_ne!(HostLayout::blocks(4, 2).fingerprint(), HostLayout::flat(4).fingerprint());
+    }
+
+    #[test]
+    fn a_subgroup_keeps_its_members_hosts() {
+        // Two hosts of two ranks: the replica groups {0, 2} and {1, 3} span both hosts, the
+        // shard groups {0, 1} and {2, 3} sit on one each.
+        let l = HostLayout::blocks(4, 2);
+        assert_eq!(l.restrict(&[0, 2]).hosts(), vec![vec![0], vec![1]]);
+        assert_eq!(l.restrict(&[3, 2]).hosts(), vec![vec![0, 1]]);
+        let mixed = HostLayout::from_keys(&["a", "b", "a", "b", "c"]);
+        assert_eq!(mixed.restrict(&[4, 0, 2, 3]).hosts(), vec![vec![0], vec![1, 2], vec![3]]);
+        assert_eq!(mixed.restrict(&[9, 0]).hosts(), vec![vec![0], vec![1]], "out of range: a host of its own");
     }
 }

@@ -24,9 +24,11 @@ FSDP2's ``fully_shard`` work); on torch 1.13 it is the ``ProcessGroup``. Support
 ``reduce_scatter``, ``all_to_all_single`` (equal splits), ``all_to_all`` (equal sizes),
 ``gather``, ``scatter``, ``reduce``, ``barrier``, ``send``/``recv`` (tag 0). The rest raises an
 error naming the call: tags, uneven all-to-all, ``recv`` from any source,
-``monitored_barrier``, sparse tensors, ``new_group`` over a subset of ranks (a cohort group
-spans the generation). CPU tensors only, dtypes float32/float64/float16/bfloat16/int32/int64/
-uint8. docs/python.md has the table of torch calls and cohort collectives.
+``monitored_barrier``, sparse tensors, and on torch 1.13 ``new_group`` over a subset of ranks.
+On torch 2.x, ``new_group`` and a ``DeviceMesh`` of several dimensions (HSDP) give subgroups of
+the generation (:meth:`cohort.Communicator.subgroup`) over its links, each on a channel derived
+from torch's group name (:func:`subgroup_channel`). CPU tensors only, dtypes
+float32/float64/float16/bfloat16/int32/int64/uint8. docs/python.md has the table of torch calls and cohort collectives.
 """
 
 from __future__ import annotations
@@ -316,9 +318,17 @@ class CohortBackend(_Base):  # type: ignore[misc, valid-type]
     call.
     """
 
-    def __init__(self, source: Source, rank: int, size: int) -> None:
+    def __init__(
+        self, source: Source, rank: int, size: int, members: Optional[list[int]] = None, channel: int = 0
+    ) -> None:
         super().__init__(rank, size)
         self._source = source
+        # A subgroup (``new_group``, a DeviceMesh dimension): its members' ranks in the
+        # generation, and the channel its messages carry on the generation's links.
+        self._members = members
+        self._channel = channel
+        # The subgroup's communicator, made from the generation's current one on first use.
+        self._sub: Optional[tuple[Communicator, Communicator]] = None
         global _completer
         if _completer is None:
             _completer = _Completer()
@@ -326,6 +336,16 @@ class CohortBackend(_Base):  # type: ignore[misc, valid-type]
 
     def _comm(self) -> Communicator:
         comm = _current(self._source)
+        if self._members is not None:
+            if self._sub is None or self._sub[0] is not comm:
+                if comm.size <= max(self._members):
+                    raise InvalidArgumentError(
+                        f"the cohort process group over ranks {self._members} outlived its generation: the current "
+                        f"one has {comm.size} ranks; call cohort.torch.init_process_group again and make the groups "
+                        "(or the DeviceMesh) anew"
+                    )
+                self._sub = (comm, comm.subgroup(self._members, self._channel))
+            comm = self._sub[1]
         if comm.size != self.size() or comm.rank != self.rank():
             raise InvalidArgumentError(
                 f"the cohort process group was made for rank {self.rank()} of {self.size()}, but the current "
@@ -579,16 +599,65 @@ def _no_tag(call: str, tag: int) -> None:
 
 
 def _create(store: Any, rank: int, size: int, timeout: Any) -> CohortBackend:
+    """torch 1.13's backend creator: the whole generation only (1.13 tells a creator nothing
+    about which ranks a ``new_group`` holds)."""
     if _pending_source is None:
         raise RuntimeError("use cohort.torch.init_process_group(state) to start the cohort backend")
     comm = _current(_pending_source)
     if size != comm.size or rank != comm.rank:
         raise RuntimeError(
-            f"cohort backend: new_group of {size} ranks (this worker as rank {rank}) is not supported: a cohort "
-            f"process group spans the whole generation ({comm.size} ranks, this worker as rank {comm.rank}); "
-            "a DeviceMesh with more than one dimension needs sub-groups"
+            f"cohort backend: new_group of {size} ranks (this worker as rank {rank}) needs torch 2.x: on torch "
+            f"{torch.__version__} a cohort process group spans the whole generation ({comm.size} ranks, this "
+            f"worker as rank {comm.rank})"
         )
     return CohortBackend(_pending_source, rank, size)
+
+
+MAX_CHANNEL = 4095
+"""Subgroups' channels are 1 to ``MAX_CHANNEL`` (0 is the generation's own communicator)."""
+
+
+def subgroup_channel(group_name: str) -> int:
+    """The channel of the torch group named ``group_name``, the same on every rank: torch names a
+    group by a counter every rank advances at every ``new_group`` (or, for groups made with local
+    synchronisation, by a hash of the ranks and that counter), so groups made one after the other
+    get different channels until the 4095th (a collision is refused, see :func:`_create_extended`)."""
+    n = int(group_name) if group_name.isdigit() else int.from_bytes(group_name.encode(), "little") % (1 << 61)
+    return n % MAX_CHANNEL + 1
+
+
+# The live subgroup backends by channel, for the collision check.
+_channels: "dict[int, Any]" = {}
+
+
+def _create_extended(opts: Any, _backend_options: Any) -> CohortBackend:
+    """torch 2.x's backend creator (``extended_api``): the whole generation, or a subgroup of it
+    (``new_group``, each dimension of a ``DeviceMesh``) over the generation's links."""
+    import weakref
+
+    if _pending_source is None:
+        raise RuntimeError("use cohort.torch.init_process_group(state) to start the cohort backend")
+    comm = _current(_pending_source)
+    ranks = list(opts.global_ranks_in_group)
+    rank, size = opts.group_rank, opts.group_size
+    if not ranks or ranks == list(range(comm.size)):
+        return _create(opts.store, rank, size, opts.timeout)
+    if len(ranks) != size or ranks[rank] != comm.rank:
+        raise RuntimeError(
+            f"cohort backend: group {opts.group_id!r} of ranks {ranks} does not hold this worker (rank {comm.rank}) "
+            f"as its rank {rank} of {size}"
+        )
+    channel = subgroup_channel(str(opts.group_id))
+    earlier = _channels.get(channel)
+    backend = earlier() if earlier is not None else None
+    if backend is not None and backend._members != ranks and len(set(backend._members) & set(ranks)) >= 2:
+        raise RuntimeError(
+            f"cohort backend: group {opts.group_id!r} of ranks {ranks} would share channel {channel} with the live "
+            f"group of ranks {backend._members}; destroy that group first (over {MAX_CHANNEL} groups were made)"
+        )
+    backend = CohortBackend(_pending_source, rank, size, members=ranks, channel=channel)
+    _channels[channel] = weakref.ref(backend)
+    return backend
 
 
 _pending_source: Optional[Source] = None
@@ -601,7 +670,7 @@ def _register() -> None:
         return
     if TORCH2:
         # The CPU device, so that torch neither warns nor guesses (and routes CPU tensors here).
-        dist.Backend.register_backend(BACKEND, _create, devices=["cpu"])
+        dist.Backend.register_backend(BACKEND, _create_extended, extended_api=True, devices=["cpu"])
     else:
         dist.Backend.register_backend(BACKEND, _create)
     _registered = True

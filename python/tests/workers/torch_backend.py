@@ -190,10 +190,24 @@ if TORCH2:
             "all_to_all_single",
             "uneven",
         )
-        if rank == 0:  # the members of a new group build its backend; the others get no group
-            must_raise("new_group subset", lambda: dist.new_group([0]), "new_group")
-        else:
-            assert dist.new_group([0]) == dist.GroupMember.NON_GROUP_MEMBER
+        # Subgroups: the even and the odd ranks (every rank makes both; the members of a group
+        # build its backend, the others get no group). A subgroup's all_reduce and the world's
+        # run at the same time, over the generation's links.
+        evens, odds = list(range(0, size, 2)), list(range(1, size, 2))
+        groups = {0: dist.new_group(evens), 1: dist.new_group(odds)}
+        mine, members = groups[rank % 2], (evens, odds)[rank % 2]
+        assert groups[1 - rank % 2] == dist.GroupMember.NON_GROUP_MEMBER
+        assert dist.get_process_group_ranks(mine) == members
+        t, w = data(rank, n), data(rank, n)
+        works = [dist.all_reduce(t, group=mine, async_op=True), dist.all_reduce(w, async_op=True)]
+        for work in works:
+            work.wait()
+        check(f"new_group {members}", t, every[members].sum(0))
+        check("the world beside a subgroup", w, every.sum(0))
+        g = data(rank, n)
+        gathered = torch.empty(len(members) * n)
+        dist.all_gather_into_tensor(gathered, g, group=mine)
+        check(f"all_gather_into_tensor in {members}", gathered, every[members].reshape(-1))
 
 if size > 1:
     must_raise("send with a tag", lambda: dist.send(data(rank, 2), dst=(rank + 1) % size, tag=7), "send", "tag 7")

@@ -158,11 +158,11 @@ mod tests {
         assert!(FrameHeader::decode(&good, 7, 4093).is_ok());
     }
 
-    /// Sequence numbers cross `u32::MAX` unchanged on the wire, and the order links use to
-    /// tell an old frame from a new one still holds across the wrap.
+    /// Sequence numbers cross a channel's wrap unchanged on the wire, and the order links use
+    /// to tell an old frame from a new one still holds across it.
     #[test]
     fn seq_order_wraps() {
-        let around = [u32::MAX - 1, u32::MAX, 0, 1];
+        let around = [crate::wire::SEQ_MASK - 1, crate::wire::SEQ_MASK, 0, 1];
         let decoded: Vec<u32> = around
             .iter()
             .map(|&seq| {

@@ -1,10 +1,13 @@
 //! [`MeshTransport`]: one generation's data plane, over whichever transport the generation
 //! chose: TCP, shared memory (every member on one host), both at once (shared memory between
-//! the members of each host, TCP between hosts), or RDMA with the cargo feature `rdma`.
+//! the members of each host, TCP between hosts), or RDMA with the cargo feature `rdma`; and
+//! a subgroup of a generation's ranks over that generation's mesh ([`MeshTransport::subgroup`]).
 
 use cohort_transports::shm::ShmTransport;
+use cohort_transports::subgroup::Subgroup;
 use cohort_transports::tcp::TcpTransport;
 use cohort_transports::{AbortReason, Rank, Tag, Transport, TransportError};
+use std::sync::Arc;
 
 #[cfg(feature = "rdma")]
 use cohort_transports::rdma::RdmaTransport;
@@ -38,6 +41,21 @@ impl MeshKind {
 impl std::fmt::Display for MeshKind {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.name())
+    }
+}
+
+impl crate::Communicator<MeshTransport> {
+    /// [`crate::Communicator::subgroup`] as a communicator over a [`MeshTransport`] (what the
+    /// elastic runtime and the Python package hold), a subgroup of a subgroup made over the
+    /// generation's mesh directly ([`MeshTransport::subgroup`]).
+    pub fn mesh_subgroup(
+        &self,
+        members: &[u32],
+        channel: u32,
+    ) -> Result<crate::Communicator<MeshTransport>, crate::CommError> {
+        let transport = MeshTransport::subgroup(self.transport(), members, channel)
+            .map_err(|e| crate::CommError::InvalidArgument(e.to_string()))?;
+        Ok(self.sub_communicator(transport, members))
     }
 }
 
@@ -85,10 +103,12 @@ pub enum MeshTransport {
     /// The RDMA mesh (cargo feature `rdma`).
     #[cfg(feature = "rdma")]
     Rdma(RdmaTransport),
+    /// Some ranks of a generation, over that generation's mesh ([`MeshTransport::subgroup`]).
+    Subgroup(Subgroup<MeshTransport>),
 }
 
 impl MeshTransport {
-    /// Which transport this mesh runs over.
+    /// Which transport this mesh runs over (a subgroup: its generation's).
     pub fn kind(&self) -> MeshKind {
         match self {
             MeshTransport::Tcp(_) => MeshKind::Tcp,
@@ -96,7 +116,33 @@ impl MeshTransport {
             MeshTransport::Mixed(_) => MeshKind::ShmTcp,
             #[cfg(feature = "rdma")]
             MeshTransport::Rdma(_) => MeshKind::Rdma,
+            MeshTransport::Subgroup(s) => s.parent().kind(),
         }
+    }
+
+    /// The ranks `members` of `generation`'s mesh (a generation's rank per subgroup rank) as a
+    /// mesh of their own on `channel`, sharing the generation's links, failures and abort
+    /// ([`Subgroup`]). A subgroup of a subgroup is made over the generation's mesh directly
+    /// (its members named by their ranks in the outer subgroup), so channels stay one level.
+    pub fn subgroup(generation: &Arc<MeshTransport>, members: &[Rank], channel: u32) -> Result<Self, TransportError> {
+        let (parent, members) = match &**generation {
+            MeshTransport::Subgroup(outer) => {
+                let global = members
+                    .iter()
+                    .map(|&m| {
+                        outer.members().get(m as usize).copied().ok_or_else(|| {
+                            TransportError::InvalidArgument(format!(
+                                "subgroup member {m} is not a rank of the outer subgroup (0..{})",
+                                outer.members().len()
+                            ))
+                        })
+                    })
+                    .collect::<Result<Vec<_>, _>>()?;
+                (outer.parent().clone(), global)
+            }
+            _ => (generation.clone(), members.to_vec()),
+        };
+        Ok(MeshTransport::Subgroup(Subgroup::new(parent, members, channel)?))
     }
 }
 
@@ -136,9 +182,13 @@ impl From<RdmaTransport> for MeshTransport {
     }
 }
 
-/// Calls `$call` on the transport behind `$mesh` that reaches `$peer`.
+/// Calls `$call` on the transport behind `$mesh` that reaches `$peer` (a subgroup's
+/// operations name their own arm, `$s => $sub`, where they must be boxed).
 macro_rules! dispatch {
     ($mesh:expr, $peer:expr, $t:ident => $call:expr) => {
+        dispatch!($mesh, $peer, $t => $call, $t => $call)
+    };
+    ($mesh:expr, $peer:expr, $t:ident => $call:expr, $s:ident => $sub:expr) => {
         match $mesh {
             MeshTransport::Tcp($t) => $call,
             MeshTransport::Shm($t) => $call,
@@ -152,8 +202,35 @@ macro_rules! dispatch {
             }
             #[cfg(feature = "rdma")]
             MeshTransport::Rdma($t) => $call,
+            MeshTransport::Subgroup($s) => $sub,
         }
     };
+}
+
+/// A subgroup's operations behind a pointer, in functions of their own: a subgroup's future
+/// holds its generation's mesh's future, a [`MeshTransport`] one, which would otherwise hold
+/// itself (and the compiler could not tell whether it is `Send`).
+type Boxed<'a> = std::pin::Pin<Box<dyn std::future::Future<Output = Result<(), TransportError>> + Send + 'a>>;
+
+fn subgroup_send<'a>(s: &'a Subgroup<MeshTransport>, peer: Rank, tag: Tag, data: &'a [u8]) -> Boxed<'a> {
+    Box::pin(s.send(peer, tag, data))
+}
+
+fn subgroup_recv<'a>(s: &'a Subgroup<MeshTransport>, peer: Rank, tag: Tag, buf: &'a mut [u8]) -> Boxed<'a> {
+    Box::pin(s.recv(peer, tag, buf))
+}
+
+fn subgroup_recv_with<'a, F>(
+    s: &'a Subgroup<MeshTransport>,
+    peer: Rank,
+    tag: Tag,
+    scratch: &'a mut [u8],
+    consume: F,
+) -> Boxed<'a>
+where
+    F: FnMut(&[u8]) + Send + 'a,
+{
+    Box::pin(s.recv_with(peer, tag, scratch, consume))
 }
 
 impl Transport for MeshTransport {
@@ -175,7 +252,7 @@ impl Transport for MeshTransport {
     /// Not cancel safe, like the inner transports: dropping the future part-way through a
     /// message breaks that link. Use [`Transport::abort`] to stop work on purpose.
     async fn send(&self, peer: Rank, tag: Tag, data: &[u8]) -> Result<(), TransportError> {
-        dispatch!(self, peer, t => t.send(peer, tag, data).await)
+        dispatch!(self, peer, t => t.send(peer, tag, data).await, s => subgroup_send(s, peer, tag, data).await)
     }
 
     /// Receives through the inner transport that reaches `peer`.
@@ -184,7 +261,7 @@ impl Transport for MeshTransport {
     /// Not cancel safe, like the inner transports: dropping the future after part of the
     /// message arrived breaks that link. Use [`Transport::abort`] to stop work on purpose.
     async fn recv(&self, peer: Rank, tag: Tag, buf: &mut [u8]) -> Result<(), TransportError> {
-        dispatch!(self, peer, t => t.recv(peer, tag, buf).await)
+        dispatch!(self, peer, t => t.recv(peer, tag, buf).await, s => subgroup_recv(s, peer, tag, buf).await)
     }
 
     /// Receives through the inner transport that reaches `peer`, so that a peer over shared
@@ -196,7 +273,7 @@ impl Transport for MeshTransport {
     where
         F: FnMut(&[u8]) + Send,
     {
-        dispatch!(self, peer, t => t.recv_with(peer, tag, scratch, consume).await)
+        dispatch!(self, peer, t => t.recv_with(peer, tag, scratch, consume).await, s => subgroup_recv_with(s, peer, tag, scratch, consume).await)
     }
 
     fn abort(&self, reason: AbortReason) {
