@@ -44,6 +44,27 @@ def test_sigkill_mid_allreduce_every_survivor_names_the_victim_and_reforms(coord
         assert w.wait(timeout=30) == 0, w.output()
 
 
+def test_sigkill_mid_subgroup_collectives_names_the_victim_on_every_survivor(coordinator_factory, spawn):
+    """Subgroups share their generation's failure: a rank killed while its parity subgroup's
+    allreduce and the world's are in flight fails every survivor's calls, in both subgroups,
+    with the killed worker as the root cause; the next generation's subgroups work."""
+    coord = coordinator_factory(3, 4)
+    workers = [spawn(f"w{r}", "failures.py", "subloop", coord.endpoint, "subloop", f"w{r}") for r in range(4)]
+    for w in workers:
+        w.wait_for_line(r'"step": 3\b', timeout=60)
+    victim = workers[1]
+    victim.kill()
+    for w in (workers[0], workers[2], workers[3]):
+        err = wait_event(w, "error", timeout=30)
+        assert err["cls"] in ("PeerFailedError", "RevokedError"), err
+        assert err["cause_worker"] == "w1", err
+        assert err["cause_rank"] == events(victim, "joined")[0]["rank"], err
+        assert err["generation"] == 1, err
+        done = wait_event(w, "reformed", timeout=60)
+        assert done["size"] == 3 and sorted(done["members"]) == ["w0", "w2", "w3"], done
+        assert w.wait(timeout=30) == 0, w.output()
+
+
 def test_sigstopped_peer_fails_the_others_within_the_deadline(coordinator_factory, spawn):
     # The default 10 s ceiling: the ~0.5 s detection must come from the learned deadline and
     # the liveness check, not from the ceiling or the 3 s lease.

@@ -45,3 +45,43 @@ def test_every_torch_distributed_call_matches_the_local_answer(world, coordinato
     # Every rank ran the same checks, but rank 0 (whichever worker it is) has the root's extra ones.
     counts = sorted(int(re.search(r"^done (\d+)$", out, re.M).group(1)) for out in outputs)
     assert len(set(counts[:-1])) <= 1, counts
+
+
+def test_subgroup_channels_follow_torch_group_names_and_refuse_collisions(monkeypatch):
+    """torch 2.x: a subgroup's channel comes from torch's group name (the same on every rank);
+    two live groups on one channel that share two members (a link) are refused, disjoint or
+    one-member overlaps are not."""
+    import cohort.torch as ct
+
+    if not ct.TORCH2:
+        pytest.skip(f"subgroups need torch 2.x (this is {torch.__version__})")
+    from types import SimpleNamespace
+
+    assert [ct.subgroup_channel(n) for n in ["0", "1", "5", "4094", "4095"]] == [1, 2, 6, 4095, 1]
+    hashed = ct.subgroup_channel("3f786850e387550fdab836ed7e6dc881de23001b")
+    assert 1 <= hashed <= ct.MAX_CHANNEL and hashed == ct.subgroup_channel("3f786850e387550fdab836ed7e6dc881de23001b")
+
+    monkeypatch.setattr(ct, "_pending_source", SimpleNamespace(comm=SimpleNamespace(rank=0, size=6)))
+    monkeypatch.setattr(ct, "_channels", {})
+
+    def opts(name, ranks):
+        return SimpleNamespace(
+            group_id=name,
+            global_ranks_in_group=ranks,
+            group_rank=ranks.index(0),
+            group_size=len(ranks),
+            store=None,
+            timeout=None,
+        )
+
+    first = ct._create_extended(opts("5", [0, 1]), None)
+    assert (first._members, first._channel, first.rank(), first.size()) == ([0, 1], 6, 0, 2)
+    # "4100" wraps onto channel 6 too: with members 0 and 1 again it would share their link.
+    with pytest.raises(RuntimeError, match="would share channel 6"):
+        ct._create_extended(opts("4100", [2, 0, 1]), None)
+    # Sharing only this rank shares no link: allowed.
+    other = ct._create_extended(opts("4100", [0, 3]), None)
+    assert other._channel == 6 and other.rank() == 0
+    # The whole world is the generation's own communicator, not a subgroup.
+    whole = ct._create_extended(opts("7", list(range(6))), None)
+    assert whole._members is None

@@ -150,6 +150,46 @@ if torch is not None:
         raise AssertionError(f"rank {rank}: bfloat16 allgather {out}")
     checks += 1
 
+# Subgroups: the even and the odd ranks, each a communicator over the generation's links on a
+# channel of its own, their queued calls in flight beside the world's.
+evens, odds = list(range(0, size, 2)), list(range(1, size, 2))
+members = evens if rank % 2 == 0 else odds
+sub = comm.subgroup(members, 1 + rank % 2)
+assert (sub.rank, sub.size, sub.generation) == (members.index(rank), len(members), comm.generation)
+assert [m.worker_id for m in sub.members] == [comm.members[r].worker_id for r in members]
+mine, world = np.full(4099, rank + 1.0), np.full(4099, rank + 1.0)
+works = [sub.allreduce_async(mine), comm.allreduce_async(world)]
+for w in works:
+    assert w.wait(timeout=30.0)
+check("subgroup allreduce", mine, np.full(4099, float(sum(r + 1 for r in members))))
+check("the world beside a subgroup", world, np.full(4099, float(sum(r + 1 for r in range(size)))))
+gathered = np.zeros(3 * len(members), dtype=np.int64)
+sub.allgather(np.full(3, rank, dtype=np.int64), gathered)
+check("subgroup allgather", gathered, np.repeat(np.array(members, dtype=np.int64), 3))
+for bad, says in [([rank, rank], "twice"), ([size], "not a rank of the generation")]:
+    try:
+        comm.subgroup(bad, 3)
+    except cohort.InvalidArgumentError as e:
+        assert says in str(e), e
+        checks += 1
+    else:
+        raise AssertionError(f"rank {rank}: subgroup {bad} was accepted")
+if size > 1:
+    try:
+        comm.subgroup([r for r in range(size) if r != rank], 3)
+    except cohort.InvalidArgumentError as e:
+        assert "leaves out this process" in str(e), e
+        checks += 1
+    else:
+        raise AssertionError(f"rank {rank}: a subgroup without this rank was accepted")
+
 print(f"ok {checks}", flush=True)
 comm.close()
+# Closing a communicator closes its subgroups.
+try:
+    sub.barrier()
+except cohort.InvalidArgumentError as e:
+    assert "closed" in str(e), e
+else:
+    raise AssertionError(f"rank {rank}: a subgroup of a closed communicator ran a barrier")
 group.leave(finished=True)

@@ -3,6 +3,9 @@
 Modes:
   loop       allreduce 8 MiB forever, printing `step N`; on failure print the exception's class
              and root cause, re-form, verify one allreduce in the new generation, print `reformed`.
+  subloop    as loop, over subgroups: each step the even and the odd ranks' subgroups (one
+             channel each) allreduce 8 MiB while the world allreduces 4 KiB, both queued; on
+             failure the same reports, then the next generation's subgroups verify one step.
   badargs    one rank: every kind of bad argument raises InvalidArgumentError and changes
              nothing (a valid call still works after each).
   gil        a Python thread keeps counting while long allreduces run.
@@ -63,6 +66,46 @@ if mode == "loop":
     comm.allreduce(x)
     assert (x == sum(range(1, comm.size + 1))).all()
     report("reformed", size=comm.size, generation=comm.generation, members=[m.worker_id for m in comm.members])
+    group.leave(finished=True)
+
+elif mode == "subloop":
+
+    def parity_subgroup(c):
+        members = [r for r in range(c.size) if r % 2 == c.rank % 2]
+        return c.subgroup(members, 1 + c.rank % 2), members
+
+    sub, members = parity_subgroup(comm)
+    big, small = np.empty(2 << 20, dtype=np.float32), np.empty(1024, dtype=np.float32)
+    step = 0
+    while True:
+        big.fill(comm.rank + 1)
+        small.fill(comm.rank + 1)
+        works = [sub.allreduce_async(big), comm.allreduce_async(small)]
+        try:
+            for w in works:
+                w.wait(timeout=60.0)
+        except cohort.CollectiveError as e:
+            report(
+                "error",
+                cls=type(e).__name__,
+                generation=e.generation,
+                cause_rank=e.rank,
+                cause_worker=e.worker_id,
+                reason=e.reason,
+                message=str(e),
+            )
+            break
+        assert big[0] == sum(r + 1 for r in members) and small[0] == sum(range(1, comm.size + 1)), (big[:2], small[:2])
+        step += 1
+        report("step", step=step)
+    comm.close()
+    comm = group.next_generation()
+    sub, members = parity_subgroup(comm)
+    big.fill(comm.rank + 1)
+    sub.allreduce(big)
+    assert big[0] == sum(r + 1 for r in members), big[:2]
+    report("reformed", size=comm.size, generation=comm.generation, members=[m.worker_id for m in comm.members])
+    comm.close()
     group.leave(finished=True)
 
 elif mode == "badargs":
