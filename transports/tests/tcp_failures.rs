@@ -100,6 +100,48 @@ async fn stale_tag_is_a_protocol_error() {
     timeout(TEST_LIMIT, attack_frame(bytes, "stale frame seq 3")).await.unwrap();
 }
 
+/// Sequence numbers are compared within a channel (a subgroup's communicator) only: a frame of
+/// another channel with a lower operation number is held for its receiver, not stale; a lower
+/// one on the receiver's own channel is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn staleness_is_judged_per_channel() {
+    use cohort_transports::wire::seq_on;
+    timeout(TEST_LIMIT, async {
+        let d = deadlines(Duration::from_secs(10), Duration::from_secs(10));
+        let (_eps, t0, t1, mut a0, _a1) = with_attacker(d).await;
+        let victim = Arc::clone(&t0);
+        let pending = tokio::spawn(async move {
+            let mut buf = vec![0u8; 64];
+            victim.recv(2, Tag::new(seq_on(1, 5), 0, 1), &mut buf).await.map(|()| buf)
+        });
+        // Channel 0's operation 3 and channel 2's operation 1: both older numbers than 5, on
+        // other channels than the receive's.
+        let mut bytes = Vec::new();
+        for (seq, fill) in [(seq_on(0, 3), 3u8), (seq_on(2, 1), 21), (seq_on(1, 5), 15)] {
+            bytes.extend(header(GEN, Tag::new(seq, 0, 1), 64));
+            bytes.extend_from_slice(&[fill; 64]);
+        }
+        a0.write_all(&bytes).await.unwrap();
+        assert_eq!(pending.await.unwrap().expect("the wanted frame"), vec![15u8; 64]);
+        for (seq, fill) in [(seq_on(2, 1), 21u8), (seq_on(0, 3), 3)] {
+            let mut buf = vec![0u8; 64];
+            t0.recv(2, Tag::new(seq, 0, 1), &mut buf).await.expect("held for its own channel");
+            assert_eq!(buf, vec![fill; 64]);
+        }
+        // Now an older number on the channel a receive waits on: stale.
+        let victim = Arc::clone(&t0);
+        let pending = tokio::spawn(async move { victim.recv(2, Tag::new(seq_on(1, 9), 0, 1), &mut [0u8; 64]).await });
+        let mut stale = header(GEN, Tag::new(seq_on(1, 4), 0, 1), 64);
+        stale.extend_from_slice(&[0u8; 64]);
+        a0.write_all(&stale).await.unwrap();
+        let e = pending.await.unwrap().unwrap_err();
+        assert!(matches!(&e, TransportError::Protocol { detail, .. } if detail.contains("stale")), "{e:?}");
+        honest_pair_still_works(&t0, &t1).await;
+    })
+    .await
+    .unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn out_of_order_flood_beyond_the_stash_budget_is_a_protocol_error() {
     timeout(TEST_LIMIT, async {

@@ -6,7 +6,7 @@ use super::credits::{Reassembly, RecvRing, SendWindow};
 use super::memory::PooledBuffer;
 use super::qp::QueuePair;
 use super::wire::{DataImm, SegmentHeader, SEGMENT_HEADER_LEN};
-use crate::wire::seq_older;
+use crate::wire::{channel_of, seq_older};
 use crate::{Rank, TransportError};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -130,13 +130,16 @@ impl Peer {
         }
     }
 
-    /// The oldest seq a receive waits for on this link.
-    pub(super) fn oldest_waiting(st: &PeerState) -> Option<u32> {
-        st.inbound
-            .iter()
-            .filter(|(_, e)| e.waiting)
-            .map(|(k, _)| k.0)
-            .reduce(|a, b| if seq_older(b, a) { b } else { a })
+    /// The oldest seq a receive waits for on this link on `channel` (a communicator's: see
+    /// [`crate::subgroup`]).
+    pub(super) fn oldest_waiting(st: &PeerState, channel: u32) -> Option<u32> {
+        st.inbound.iter().filter(|(k, e)| e.waiting && channel_of(k.0) == channel).map(|(k, _)| k.0).reduce(|a, b| {
+            if seq_older(b, a) {
+                b
+            } else {
+                a
+            }
+        })
     }
 
     /// Handles the arrival of a data segment announced by `imm`.
@@ -162,7 +165,7 @@ impl Peer {
         };
         let key = (h.tag.seq, h.tag.step);
         if !st.inbound.contains_key(&key) {
-            if let Some(oldest) = Self::oldest_waiting(st) {
+            if let Some(oldest) = Self::oldest_waiting(st, channel_of(h.tag.seq)) {
                 if seq_older(h.tag.seq, oldest) {
                     let d = format!(
                         "stale segment seq {} step {} (the oldest message still expected is seq {oldest})",
