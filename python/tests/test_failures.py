@@ -28,11 +28,14 @@ def start_loop(coordinator_factory, spawn, world, *extra_coord, no_progress="10"
     return workers
 
 
-def test_sigkill_mid_allreduce_every_survivor_names_the_victim_and_reforms(coordinator_factory, spawn):
-    workers = start_loop(coordinator_factory, spawn, 3)
+def kill_w1_and_check_the_survivors(workers):
+    """SIGKILLs w1; every survivor's error names it (class, worker, rank, generation 1) and the
+    survivors re-form without it."""
     victim = workers[1]
     victim.kill()
-    for w in (workers[0], workers[2]):
+    survivors = [w for w in workers if w is not victim]
+    names = sorted(f"w{i}" for i in range(len(workers)) if i != 1)
+    for w in survivors:
         err = wait_event(w, "error", timeout=30)
         assert err["cls"] in ("PeerFailedError", "RevokedError"), err
         # The root cause names the killed worker exactly, on every survivor.
@@ -40,8 +43,12 @@ def test_sigkill_mid_allreduce_every_survivor_names_the_victim_and_reforms(coord
         assert err["cause_rank"] == events(victim, "joined")[0]["rank"], err
         assert err["generation"] == 1, err
         done = wait_event(w, "reformed", timeout=60)
-        assert done["size"] == 2 and sorted(done["members"]) == ["w0", "w2"], done
+        assert done["size"] == len(survivors) and sorted(done["members"]) == names, done
         assert w.wait(timeout=30) == 0, w.output()
+
+
+def test_sigkill_mid_allreduce_every_survivor_names_the_victim_and_reforms(coordinator_factory, spawn):
+    kill_w1_and_check_the_survivors(start_loop(coordinator_factory, spawn, 3))
 
 
 def test_sigkill_mid_subgroup_collectives_names_the_victim_on_every_survivor(coordinator_factory, spawn):
@@ -52,17 +59,7 @@ def test_sigkill_mid_subgroup_collectives_names_the_victim_on_every_survivor(coo
     workers = [spawn(f"w{r}", "failures.py", "subloop", coord.endpoint, "subloop", f"w{r}") for r in range(4)]
     for w in workers:
         w.wait_for_line(r'"step": 3\b', timeout=60)
-    victim = workers[1]
-    victim.kill()
-    for w in (workers[0], workers[2], workers[3]):
-        err = wait_event(w, "error", timeout=30)
-        assert err["cls"] in ("PeerFailedError", "RevokedError"), err
-        assert err["cause_worker"] == "w1", err
-        assert err["cause_rank"] == events(victim, "joined")[0]["rank"], err
-        assert err["generation"] == 1, err
-        done = wait_event(w, "reformed", timeout=60)
-        assert done["size"] == 3 and sorted(done["members"]) == ["w0", "w2", "w3"], done
-        assert w.wait(timeout=30) == 0, w.output()
+    kill_w1_and_check_the_survivors(workers)
 
 
 def test_sigstopped_peer_fails_the_others_within_the_deadline(coordinator_factory, spawn):

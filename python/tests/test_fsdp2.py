@@ -28,8 +28,10 @@ def summaries(workers, timeout=240):
     return out
 
 
-def test_fully_shard_on_cohort_matches_gloo_at_two_ranks(coordinator_factory, spawn, tmp_path):
-    world = 2
+def gloo_then_cohort(coordinator_factory, spawn, tmp_path, world, job, *args):
+    """The example on gloo (file rendezvous), then on cohort (a coordinator of `world`), with the
+    same `args`: (gloo's summaries, cohort's). One after the other, so that the two runs do not
+    share the cores."""
     gloo = [
         spawn(
             f"gloo-{r}",
@@ -40,51 +42,7 @@ def test_fully_shard_on_cohort_matches_gloo_at_two_ranks(coordinator_factory, sp
             str(r),
             "--world",
             str(world),
-            *STEPS,
-        )
-        for r in range(world)
-    ]
-    coord = coordinator_factory(world)
-    ours = [
-        spawn(
-            f"cohort-{r}",
-            [sys.executable, "-u", EXAMPLE],
-            "--coordinator",
-            coord.endpoint,
-            "--job",
-            "fsdp",
-            "--worker-id",
-            f"w{r}",
-            *STEPS,
-        )
-        for r in range(world)
-    ]
-    reference, got = summaries(gloo), summaries(ours)
-    assert {s["backend"] for s in got} == {"cohort"} and {s["backend"] for s in reference} == {"gloo"}
-    assert all(s["steps"] == "12" for s in got + reference)
-    # The full parameters, gathered from the shards, are bit-identical to gloo's on every rank:
-    # at two ranks a sum (and its halving, for the average) does not depend on the order.
-    assert len({s["param_sha256"] for s in got + reference}) == 1, (got, reference)
-    assert re.fullmatch(r"[0-9a-f]{16}", got[0]["param_sha256"])
-
-
-def test_hsdp_on_a_2d_mesh_on_cohort_matches_gloo_at_four_ranks(coordinator_factory, spawn, tmp_path):
-    """Two replica groups of two shards: the shard groups and the replica groups are cohort
-    subgroups of one generation (each on its own channel over the generation's links), their
-    collectives in flight at once."""
-    world, replicas = 4, 2
-    hsdp = ("--replicas", str(replicas), "--hidden", "256")
-    gloo = [
-        spawn(
-            f"gloo-{r}",
-            [sys.executable, "-u", EXAMPLE],
-            "--gloo",
-            str(tmp_path / "gloo-init"),
-            "--rank",
-            str(r),
-            "--world",
-            str(world),
-            *hsdp,
+            *args,
             *STEPS,
         )
         for r in range(world)
@@ -98,17 +56,35 @@ def test_hsdp_on_a_2d_mesh_on_cohort_matches_gloo_at_four_ranks(coordinator_fact
             "--coordinator",
             coord.endpoint,
             "--job",
-            "hsdp",
+            job,
             "--worker-id",
             f"w{r}",
-            *hsdp,
+            *args,
             *STEPS,
         )
         for r in range(world)
     ]
     got = summaries(ours)
-    assert {s["backend"] for s in got} == {"cohort"} and {s["replicas"] for s in got + reference} == {"2"}
-    assert all(s["steps"] == "12" and s["world"] == "4" for s in got + reference)
+    assert {s["backend"] for s in got} == {"cohort"} and {s["backend"] for s in reference} == {"gloo"}
+    assert all(s["steps"] == "12" and s["world"] == str(world) for s in got + reference)
+    return reference, got
+
+
+def test_fully_shard_on_cohort_matches_gloo_at_two_ranks(coordinator_factory, spawn, tmp_path):
+    reference, got = gloo_then_cohort(coordinator_factory, spawn, tmp_path, 2, "fsdp")
+    # The full parameters, gathered from the shards, are bit-identical to gloo's on every rank:
+    # at two ranks a sum (and its halving, for the average) does not depend on the order.
+    assert len({s["param_sha256"] for s in got + reference}) == 1, (got, reference)
+    assert re.fullmatch(r"[0-9a-f]{16}", got[0]["param_sha256"])
+
+
+def test_hsdp_on_a_2d_mesh_on_cohort_matches_gloo_at_four_ranks(coordinator_factory, spawn, tmp_path):
+    """Two replica groups of two shards: the shard groups and the replica groups are cohort
+    subgroups of one generation (each on its own channel over the generation's links), their
+    collectives in flight at once."""
+    hsdp = ("--replicas", "2", "--hidden", "256")
+    reference, got = gloo_then_cohort(coordinator_factory, spawn, tmp_path, 4, "hsdp", *hsdp)
+    assert {s["replicas"] for s in got + reference} == {"2"}
     # Every reduction combines two operands (two shards, then two replicas), so the order cannot
     # matter: bit-identical to gloo's on every rank.
     assert len({s["param_sha256"] for s in got + reference}) == 1, (got, reference)

@@ -5,13 +5,12 @@
 //! Over the simulated network (deterministic, and a crash's effect on every communicator) and
 //! over the real transports: TCP (full mesh, and links on demand), shared memory, and both.
 
-use cohort::elastic::{MeshTransport, MixedTransport};
+mod common;
+
 use cohort::{Algorithm, CommConfig, CommError, Communicator, ReduceOp};
 use cohort_testkit::sim::SimNetwork;
-use cohort_transports::shm::{ShmAddress, ShmEndpoint, ShmMeshSpec, ShmOptions};
-use cohort_transports::tcp::{MeshSpec, TcpEndpoint, TcpOptions, Upfront};
-use cohort_transports::{Deadlines, Transport};
-use std::net::SocketAddr;
+use cohort_transports::Transport;
+use common::meshes::{deadlines, Net};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::time::timeout;
@@ -23,10 +22,6 @@ const ROUNDS: u64 = 12;
 /// Elements of each shard group's reduce-scatter input (not a multiple of the row: uneven
 /// blocks) and of each replica group's allreduce.
 const LEN: usize = 1031;
-
-fn deadlines() -> Deadlines {
-    Deadlines { no_progress: Duration::from_secs(20), connect: Duration::from_secs(20), learning: None }
-}
 
 /// Shard group (row) and replica group (column) members of `rank`, by generation rank.
 fn row_of(rank: u32) -> Vec<u32> {
@@ -59,7 +54,7 @@ async fn mesh_rounds<P: Transport, S: Transport>(
     assert_eq!((col.rank(), col.size()), (me / COLS, ROWS));
     for k in 0..ROUNDS {
         let shard_in: Vec<i64> = (0..LEN).map(|x| value(me, k, x, 1)).collect();
-        let block = common_block(LEN, COLS as usize, row.rank() as usize);
+        let block = block_of(LEN, COLS as usize, row.rank() as usize);
         let mut shard_out = vec![0i64; block.len()];
         let mut replica: Vec<i64> = (0..LEN).map(|x| value(me, k, x, 2)).collect();
         let mut whole: Vec<i64> = (0..17).map(|x| value(me, k, x, 0)).collect();
@@ -96,7 +91,7 @@ async fn mesh_rounds<P: Transport, S: Transport>(
 }
 
 /// Rank `rank`'s block of `len` elements over `n` ranks (the first `len % n` get one more).
-fn common_block(len: usize, n: usize, rank: usize) -> std::ops::Range<usize> {
+fn block_of(len: usize, n: usize, rank: usize) -> std::ops::Range<usize> {
     let (base, extra) = (len / n, len % n);
     let start = rank * base + rank.min(extra);
     start..start + base + usize::from(rank < extra)
@@ -191,76 +186,11 @@ async fn subgroups_refuse_bad_member_lists() {
 // ---------------------------------------------------------------------------------------
 // Over the real transports.
 
-const JOB: &str = "subgroups";
-const TOKEN: &[u8] = b"test-token";
-
-async fn tcp_mesh(n: u32, planned: bool) -> (Vec<TcpEndpoint>, Vec<cohort_transports::tcp::TcpTransport>) {
-    let mut endpoints = Vec::new();
-    for _ in 0..n {
-        let addr: SocketAddr = "127.0.0.1:0".parse().unwrap();
-        endpoints.push(TcpEndpoint::bind(addr, TcpOptions::default()).await.expect("bind"));
-    }
-    let peers: Vec<SocketAddr> = endpoints.iter().map(|e| e.local_addr()).collect();
-    let setups = endpoints.iter().enumerate().map(|(rank, e)| {
-        e.connect_mesh(MeshSpec {
-            job: JOB.into(),
-            generation: 1,
-            rank: rank as u32,
-            peers: peers.clone(),
-            token: TOKEN.to_vec(),
-            deadlines: deadlines(),
-            upfront: if planned {
-                Upfront::Only(cohort::upfront_links(rank as u32, &cohort::HostLayout::flat(n)))
-            } else {
-                Upfront::Every
-            },
-        })
-    });
-    let transports = futures::future::try_join_all(setups).await.expect("tcp mesh set-up");
-    (endpoints, transports)
-}
-
-async fn shm_mesh(n: u32, same_host: impl Fn(u32, u32) -> bool) -> Vec<cohort_transports::shm::ShmTransport> {
-    // Small rings, so that the messages of several channels queue behind each other.
-    let options = ShmOptions { slots: 4, slot_bytes: 4096, ..ShmOptions::default() };
-    let endpoints: Vec<ShmEndpoint> = (0..n).map(|_| ShmEndpoint::new(options.clone()).expect("endpoint")).collect();
-    let addresses: Vec<ShmAddress> = endpoints.iter().map(|e| e.address().clone()).collect();
-    let setups = endpoints.iter().enumerate().map(|(rank, e)| {
-        let rank = rank as u32;
-        let peers = (0..n).map(|j| same_host(rank, j).then(|| addresses[j as usize].clone())).collect();
-        e.connect_mesh(ShmMeshSpec {
-            job: JOB.into(),
-            generation: 1,
-            rank,
-            peers,
-            token: TOKEN.to_vec(),
-            deadlines: deadlines(),
-        })
-    });
-    futures::future::try_join_all(setups).await.expect("shm mesh set-up")
-}
-
-async fn over_real(kind: &str) {
+async fn over_real(net: Net) {
     let n = ROWS * COLS;
-    let (_endpoints, meshes): (Vec<TcpEndpoint>, Vec<MeshTransport>) = match kind {
-        "tcp" | "tcp-on-demand" => {
-            let (e, t) = tcp_mesh(n, kind == "tcp-on-demand").await;
-            (e, t.into_iter().map(MeshTransport::from).collect())
-        }
-        "shm" => (Vec::new(), shm_mesh(n, |_, _| true).await.into_iter().map(MeshTransport::from).collect()),
-        _ => {
-            // The rows are the hosts: shard groups over shared memory, replica groups over TCP.
-            let shm = shm_mesh(n, |a, b| a / COLS == b / COLS).await;
-            let (e, tcp) = tcp_mesh(n, false).await;
-            (
-                e,
-                shm.into_iter()
-                    .zip(tcp)
-                    .map(|(s, t)| MixedTransport::new(s, t).expect("one generation").into())
-                    .collect(),
-            )
-        }
-    };
+    // The rows are the hosts of the mixed mesh: shard groups over shared memory, replica
+    // groups over TCP.
+    let (_endpoints, meshes) = common::meshes::mesh(net, n, 1, |r| r / COLS).await;
     let handles: Vec<_> = meshes
         .into_iter()
         .map(|t| {
@@ -277,27 +207,27 @@ async fn over_real(kind: &str) {
         })
         .collect();
     for (rank, h) in handles.into_iter().enumerate() {
-        let (before, after) = h.await.expect("rank task").unwrap_or_else(|e| panic!("{kind} rank {rank}: {e}"));
+        let (before, after) = h.await.expect("rank task").unwrap_or_else(|e| panic!("{net:?} rank {rank}: {e}"));
         // The subgroups opened no links of their own: a full mesh has the links it had, and a
         // mesh with links on demand at most one per peer of the generation.
-        if kind == "tcp-on-demand" {
-            assert!(after < n as usize, "{kind} rank {rank}: {after} links");
+        if matches!(net, Net::TcpPlanned) {
+            assert!(after < n as usize, "{net:?} rank {rank}: {after} links");
         } else {
-            assert_eq!(after, before, "{kind} rank {rank}");
+            assert_eq!(after, before, "{net:?} rank {rank}");
         }
     }
 }
 
 macro_rules! over {
-    ($name:ident, $kind:expr) => {
+    ($name:ident, $net:expr) => {
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn $name() {
-            timeout(LIMIT, over_real($kind)).await.expect("timed out");
+            timeout(LIMIT, over_real($net)).await.expect("timed out");
         }
     };
 }
 
-over!(a_2d_mesh_runs_its_groups_concurrently_over_tcp, "tcp");
-over!(a_2d_mesh_runs_its_groups_concurrently_over_tcp_links_on_demand, "tcp-on-demand");
-over!(a_2d_mesh_runs_its_groups_concurrently_over_shm, "shm");
-over!(a_2d_mesh_runs_its_groups_concurrently_over_shm_and_tcp, "mixed");
+over!(a_2d_mesh_runs_its_groups_concurrently_over_tcp, Net::Tcp);
+over!(a_2d_mesh_runs_its_groups_concurrently_over_tcp_links_on_demand, Net::TcpPlanned);
+over!(a_2d_mesh_runs_its_groups_concurrently_over_shm, Net::Shm);
+over!(a_2d_mesh_runs_its_groups_concurrently_over_shm_and_tcp, Net::Mixed);

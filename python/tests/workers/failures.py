@@ -31,6 +31,23 @@ def report(kind: str, **facts) -> None:
     print(json.dumps({"event": kind, "worker": worker_id, **facts}), flush=True)
 
 
+def report_error(e: cohort.CollectiveError) -> None:
+    """The failure as the tests read it: its class and its root cause."""
+    report(
+        "error",
+        cls=type(e).__name__,
+        generation=e.generation,
+        peer=e.peer,
+        cause_rank=e.rank,
+        cause_worker=e.worker_id,
+        cause_host=e.host,
+        reason=e.reason,
+        is_timeout=isinstance(e, TimeoutError),
+        message=str(e),
+        after=getattr(e, "after", None),
+    )
+
+
 group = cohort.Group(job, coordinator, worker_id, no_progress_timeout=no_progress)
 comm = group.next_generation()
 report("joined", rank=comm.rank, size=comm.size, generation=comm.generation)
@@ -43,19 +60,7 @@ if mode == "loop":
         try:
             comm.allreduce(data)
         except cohort.CollectiveError as e:
-            report(
-                "error",
-                cls=type(e).__name__,
-                generation=e.generation,
-                peer=e.peer,
-                cause_rank=e.rank,
-                cause_worker=e.worker_id,
-                cause_host=e.host,
-                reason=e.reason,
-                is_timeout=isinstance(e, TimeoutError),
-                message=str(e),
-                after=getattr(e, "after", None),
-            )
+            report_error(e)
             break
         assert data[0] == sum(range(1, comm.size + 1)), data[:4]
         step += 1
@@ -85,15 +90,7 @@ elif mode == "subloop":
             for w in works:
                 w.wait(timeout=60.0)
         except cohort.CollectiveError as e:
-            report(
-                "error",
-                cls=type(e).__name__,
-                generation=e.generation,
-                cause_rank=e.rank,
-                cause_worker=e.worker_id,
-                reason=e.reason,
-                message=str(e),
-            )
+            report_error(e)
             break
         assert big[0] == sum(r + 1 for r in members) and small[0] == sum(range(1, comm.size + 1)), (big[:2], small[:2])
         step += 1

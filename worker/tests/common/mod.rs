@@ -3,6 +3,8 @@
 
 #![allow(dead_code)]
 
+pub(crate) mod meshes;
+
 use cohort::reduce::{finish_avg, reduce};
 use cohort::{counts_for, Algorithm, CommError, Communicator, DType, Element, ReduceOp};
 use cohort_transports::Transport;
