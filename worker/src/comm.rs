@@ -568,9 +568,9 @@ impl<T: Transport> Communicator<T> {
         }
         let seq = self.next_seq;
         if advance {
-            // Numbers wrap within the sequence bits of a tag (the bits above are the channel a
-            // subgroup's transport adds); links compare them in wrapping order.
-            self.next_seq = (seq + 1) & cohort_transports::wire::SEQ_MASK;
+            // The count of operations, which failure reports carry and the coordinator orders
+            // (`OpProgress`), wraps only at 2^32; a tag carries its low bits (`Ctx::seq`).
+            self.next_seq = seq.wrapping_add(1);
         }
         self.in_flight = true;
         self.op_received.store(0, Ordering::Relaxed);
@@ -632,7 +632,7 @@ pub(crate) struct Ctx<'a, T> {
     pub rank: usize,
     /// World size.
     pub size: usize,
-    /// The operation's sequence number.
+    /// The operation's sequence number as tags carry it (within [`cohort_transports::wire::SEQ_MASK`]).
     pub seq: u32,
     /// The call signature every message carries.
     pub sig: u32,
@@ -737,7 +737,9 @@ impl<T: Transport> Communicator<T> {
                 received: &self.op_received,
                 rank: self.rank as usize,
                 size: self.size as usize,
-                seq: started.seq,
+                // Tags number operations within the sequence bits (the bits above are the
+                // channel a subgroup's transport adds); links compare them in wrapping order.
+                seq: started.seq & cohort_transports::wire::SEQ_MASK,
                 sig: started.sig,
                 seg: started.seg,
             };
@@ -759,6 +761,40 @@ pub(crate) fn check(cond: bool, msg: impl FnOnce() -> String) -> Result<(), Stri
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Tags carry an operation's number within the sequence bits and wrap there; the count a
+    /// failure report carries (the coordinator orders reports by it) goes on past the wrap.
+    #[tokio::test(start_paused = true)]
+    async fn tags_wrap_within_the_sequence_bits_and_reports_count_on() {
+        use cohort_testkit::sim::SimNetwork;
+        use cohort_transports::wire::SEQ_MASK;
+        let deadlines = cohort_transports::Deadlines {
+            no_progress: Duration::from_secs(2),
+            connect: Duration::from_secs(2),
+            learning: None,
+        };
+        let (_net, ts) = SimNetwork::new(2, 1, deadlines);
+        let mut comms: Vec<_> = ts.into_iter().map(|t| Communicator::new(Arc::new(t), CommConfig::default())).collect();
+        for c in &mut comms {
+            c.next_seq = SEQ_MASK - 1;
+        }
+        let (mut c1, mut c0) = (comms.pop().unwrap(), comms.pop().unwrap());
+        for round in 0..4u32 {
+            let (mut a, mut b) = (vec![round as f32; 5], vec![1.0f32; 5]);
+            let (x, y) = tokio::join!(c0.allreduce(&mut a, ReduceOp::Sum), c1.allreduce(&mut b, ReduceOp::Sum));
+            x.unwrap();
+            y.unwrap();
+            assert_eq!(a, vec![round as f32 + 1.0; 5], "round {round} across the wrap");
+            assert_eq!(a, b);
+        }
+        assert_eq!(c0.next_seq, SEQ_MASK + 3);
+        // Rank 1 never calls: rank 0 times out, and its report counts past the wrap.
+        let e = c0.allreduce(&mut [1.0f32; 5], ReduceOp::Sum).await.unwrap_err();
+        match e {
+            CommError::Timeout { progress: Some(p), .. } => assert_eq!(p.seq, SEQ_MASK + 3),
+            other => panic!("expected a timeout with progress, got {other}"),
+        }
+    }
 
     #[test]
     fn call_kinds_are_distinct() {
