@@ -358,6 +358,19 @@ class CohortBackend(_Base):  # type: ignore[misc, valid-type]
         """The backend's name, ``"cohort"``."""
         return BACKEND
 
+    def shutdown(self) -> None:
+        """torch's ``destroy_process_group``: a subgroup closes its communicator at once (its
+        queued calls finish first) and frees its channel; the generation's own communicator
+        belongs to the elastic state, which closes it."""
+        if self._members is None:
+            return
+        if self._sub is not None:
+            self._sub[1].close()
+            self._sub = None
+        live = _channels.get(self._channel)
+        if live is not None and live() is self:
+            del _channels[self._channel]
+
     def _get_backend_name(self) -> str:
         return BACKEND
 

@@ -208,6 +208,15 @@ if TORCH2:
         gathered = torch.empty(len(members) * n)
         dist.all_gather_into_tensor(gathered, g, group=mine)
         check(f"all_gather_into_tensor in {members}", gathered, every[members].reshape(-1))
+        # Destroying the group closes its cohort communicator at once and frees its channel.
+        import cohort.torch as cohort_torch
+
+        backend = mine._get_backend(torch.device("cpu"))
+        sub, channel = backend._comm(), backend._channel
+        assert channel in cohort_torch._channels
+        dist.destroy_process_group(mine)
+        assert channel not in cohort_torch._channels
+        must_raise("a destroyed group's communicator", lambda: sub.barrier(), "closed")
 
 if size > 1:
     must_raise("send with a tag", lambda: dist.send(data(rank, 2), dst=(rank + 1) % size, tag=7), "send", "tag 7")
