@@ -149,6 +149,8 @@ async fn a_crash_fails_every_communicator_of_the_generation_promptly() {
     for p in [0, 1, 2, 3, 5] {
         net.delay(4, p, Duration::from_millis(20));
     }
+    // The clock is paused (start_paused): this places the crash at 10 ms of simulated time,
+    // deterministically; it synchronises nothing.
     tokio::time::sleep(Duration::from_millis(10)).await;
     net.crash(4);
     for h in handles {
