@@ -79,9 +79,20 @@ def test_subgroup_channels_follow_torch_group_names_and_refuse_collisions(monkey
     # "4100" wraps onto channel 6 too: with members 0 and 1 again it would share their link.
     with pytest.raises(RuntimeError, match="would share channel 6"):
         ct._create_extended(opts("4100", [2, 0, 1]), None)
-    # Sharing only this rank shares no link: allowed.
+    # So would the same ranks again.
+    with pytest.raises(RuntimeError, match="would share channel 6"):
+        ct._create_extended(opts("4100", [0, 1]), None)
+    # Sharing only this rank shares no link: allowed, and every live group of the channel is
+    # checked, not only the newest.
     other = ct._create_extended(opts("4100", [0, 3]), None)
     assert other._channel == 6 and other.rank() == 0
+    with pytest.raises(RuntimeError, match=r"live group of ranks \[0, 1\]"):
+        ct._create_extended(opts("8195", [0, 1, 4]), None)
+    # A destroyed group frees its place on the channel.
+    first.shutdown()
+    assert [ref() for ref in ct._channels[6]] == [other]
+    third = ct._create_extended(opts("8195", [0, 1, 4]), None)
+    assert third._channel == 6
     # The whole world is the generation's own communicator, not a subgroup.
     whole = ct._create_extended(opts("7", list(range(6))), None)
     assert whole._members is None

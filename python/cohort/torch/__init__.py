@@ -367,9 +367,11 @@ class CohortBackend(_Base):  # type: ignore[misc, valid-type]
         if self._sub is not None:
             self._sub[1].close()
             self._sub = None
-        live = _channels.get(self._channel)
-        if live is not None and live() is self:
-            del _channels[self._channel]
+        others = [ref for ref in _channels.get(self._channel, []) if ref() not in (None, self)]
+        if others:
+            _channels[self._channel] = others
+        else:
+            _channels.pop(self._channel, None)
 
     def _get_backend_name(self) -> str:
         return BACKEND
@@ -639,8 +641,8 @@ def subgroup_channel(group_name: str) -> int:
     return n % MAX_CHANNEL + 1
 
 
-# The live subgroup backends by channel, for the collision check.
-_channels: "dict[int, Any]" = {}
+# The live subgroup backends of every channel (weak references), for the collision check.
+_channels: "dict[int, list[Any]]" = {}
 
 
 def _create_extended(opts: Any, _backend_options: Any) -> CohortBackend:
@@ -661,15 +663,17 @@ def _create_extended(opts: Any, _backend_options: Any) -> CohortBackend:
             f"as its rank {rank} of {size}"
         )
     channel = subgroup_channel(str(opts.group_id))
-    earlier = _channels.get(channel)
-    backend = earlier() if earlier is not None else None
-    if backend is not None and backend._members != ranks and len(set(backend._members) & set(ranks)) >= 2:
-        raise RuntimeError(
-            f"cohort backend: group {opts.group_id!r} of ranks {ranks} would share channel {channel} with the live "
-            f"group of ranks {backend._members}; destroy that group first (over {MAX_CHANNEL} groups were made)"
-        )
+    live = [b for b in (ref() for ref in _channels.get(channel, [])) if b is not None]
+    for other in live:
+        # Two members in common are a link in common, whose messages the two would mix.
+        if len(set(other._members) & set(ranks)) >= 2:
+            raise RuntimeError(
+                f"cohort backend: group {opts.group_id!r} of ranks {ranks} would share channel {channel} with the "
+                f"live group of ranks {other._members}; destroy that group first (channels come from torch's group "
+                "names, see docs/python.md)"
+            )
     backend = CohortBackend(_pending_source, rank, size, members=ranks, channel=channel)
-    _channels[channel] = weakref.ref(backend)
+    _channels[channel] = [weakref.ref(b) for b in live] + [weakref.ref(backend)]
     return backend
 
 

@@ -213,9 +213,9 @@ if TORCH2:
 
         backend = mine._get_backend(torch.device("cpu"))
         sub, channel = backend._comm(), backend._channel
-        assert channel in cohort_torch._channels
+        assert backend in [ref() for ref in cohort_torch._channels[channel]]
         dist.destroy_process_group(mine)
-        assert channel not in cohort_torch._channels
+        assert backend not in [ref() for ref in cohort_torch._channels.get(channel, [])]
         must_raise("a destroyed group's communicator", lambda: sub.barrier(), "closed")
 
 if size > 1:
