@@ -73,7 +73,7 @@ COHORT_REQUIRE_PYTHON=1 COHORT_BIN_DIR="$PWD/target/release" "$py" -m pytest -q 
 echo "== python, torch 2.x"
 py2=$(bash scripts/python-env-torch2.sh | tail -n 1)
 COHORT_BIN_DIR="$PWD/target/release" "$py2" -m pytest -q -p no:cacheprovider \
-  python/tests/test_torch_backend.py python/tests/test_fsdp2.py python/tests/test_training.py
+  python/tests/test_torch_backend.py python/tests/test_fsdp2.py python/tests/test_hsdp.py python/tests/test_training.py
 
 # The RDMA transport (feature `rdma`): its device-free tests run everywhere; the device
 # tests run when a device is present and otherwise say, visibly, that they were skipped.
