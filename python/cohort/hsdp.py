@@ -146,6 +146,9 @@ class Trainer:
         self.live_replicas: list[int] = []
         self._shard_index: Optional[int] = None
         self._checkpoint = Checkpoint()
+        self._params: list[torch.nn.Parameter] = []  # the sharded parameters, as built
+        self._leaving = False  # this rank's SIGTERM was voted on: it leaves with its group
+        self._state_valid = False  # the model holds the state of `step` (not a fresh build after it)
         self._cross_group: Optional[Group] = None
         self._cross: Optional[Communicator] = None
         self._shard: Optional[Communicator] = None
@@ -238,6 +241,10 @@ class Trainer:
         cohort_torch.init_process_group(self)
         mesh = init_device_mesh("cpu", (self.comm.size,))
         self.model, self.optimizer = self._build(mesh)
+        # FSDP2 swaps unsharded tensors into the modules during forward and backward; these are
+        # the sharded parameters, whose local data only the optimizer changes.
+        self._params = list(self.model.parameters())
+        self._state_valid = self.step == 0  # every group builds the same step-0 model
         self.stats["replica_formations"] += 1
         emit(
             "generation",
@@ -262,9 +269,24 @@ class Trainer:
             cause=str(error).splitlines()[0] if str(error) else type(error).__name__,
         )
         self._leave_cross()
+        self._drop_model()
+
+    def _drop_model(self) -> None:
+        """Commits the model's state (at ``step``: a failed step never reached the optimizer)
+        and drops the model and the torch world; both are made anew at re-formation."""
+        self._commit()
         if dist.is_initialized():
             dist.destroy_process_group()
         self.model = self.optimizer = None
+        self._params = []
+        self._state_valid = False
+
+    def _commit(self) -> None:
+        """Snapshots the shard as the commit of ``step``, unless it is one already or the model
+        does not hold that step's state. Commits are made when they may be needed (before a
+        sync, before the model is dropped), not every step: a skipped step changes nothing."""
+        if self._state_valid and self.step > 0 and self._checkpoint.step != self.step:
+            self._checkpoint.commit(self._save(), self.step)
 
     def _leave_cross(self) -> None:
         if self._cross_group is not None:
@@ -321,8 +343,10 @@ class Trainer:
                 return
             ranks = [groups[i][self._shard_index] for i in self.live_replicas]
             self._shard = self._cross.subgroup(ranks, SHARD_CHANNEL)
+            self._commit()
+            current = self._save() if self._checkpoint.step is None else b""  # used only if none committed
             try:
-                snapshot, outcome = self._checkpoint.sync(self._shard, self._save())
+                snapshot, outcome = self._checkpoint.sync(self._shard, current)
             except CollectiveError:
                 continue
             if outcome.step is None and self.step > 0:
@@ -330,7 +354,8 @@ class Trainer:
                     f"replica group {self.replica} re-formed at step {self.step}, but no live replica group "
                     f"holds shard {self._shard_index}: restart the job from a checkpoint"
                 )
-            self._load(snapshot)
+            if outcome.changed or not self._state_valid:
+                self._load(snapshot)
             return
 
     def _idle_round(self) -> None:
@@ -368,7 +393,9 @@ class Trainer:
             grads.append(_local(p.grad))
             assert grads[-1].shape == local.shape
         flat = torch.cat([g.reshape(-1) for g in grads]) if grads else torch.zeros(0)
-        flags = np.array([self._cross_group.reformation_pending, self._replica_group.leaving], dtype=np.uint8)
+        # Read once: the cross generation and this group's vote must hear the same answer.
+        leaving = self._replica_group.leaving
+        flags = np.array([self._cross_group.reformation_pending, leaving], dtype=np.uint8)
         cross_ok = True
         try:
             if len(self.live_replicas) > 1:
@@ -379,7 +406,7 @@ class Trainer:
         # The group's vote: a failed cross-replica call anywhere in it; a re-formation of the
         # cross generation that every live group agreed on (joiners, or some group leaving);
         # a rank of this very group leaving.
-        vote = np.array([0 if cross_ok else 1, flags.any(), self._replica_group.leaving], dtype=np.uint8)
+        vote = np.array([0 if cross_ok else 1, flags.any(), leaving], dtype=np.uint8)
         try:
             self.comm.allreduce(vote, "max")
         except CollectiveError as e:
@@ -395,7 +422,6 @@ class Trainer:
                         offset += g.numel()
             self.optimizer.step()
             self.step += 1
-            self._checkpoint.commit(self._save(), self.step)
             now = time.perf_counter()
             self._step_ms.append((now - started) * 1e3)
             self._step_done.append(time.time())
@@ -411,6 +437,7 @@ class Trainer:
         else:
             self.stats["skipped_steps"] += 1
         if vote[2]:
+            self._leaving = bool(leaving)
             self._group_leaves()
         elif vote.any():
             self._cross.close()
@@ -421,24 +448,20 @@ class Trainer:
         boundary (no failure anywhere); the leaver leaves its replica job and exits, the others
         wait for its replacement."""
         self._leave_cross()
-        if self._replica_group.leaving:
+        self._drop_model()
+        if self._leaving:
             assert self.comm is not None
             gen, rank = self.comm.generation, self.comm.rank
             emit("leave", gen=gen, rank=rank, step=self.step, extra={"replica": self.replica})
-            if dist.is_initialized():
-                dist.destroy_process_group()
             self._replica_group.leave(finished=False)
             raise GracefulLeave(f"left replica group {self.replica} at step {self.step} (SIGTERM)")
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        self.model = self.optimizer = None
 
     # -- the shard's state -------------------------------------------------------------
     def _save(self) -> bytes:
         """This rank's shard as bytes: the step, the local parameters and buffers, the
         optimizer's per-parameter state (local) and its hyper-parameters."""
         assert self.model is not None and self.optimizer is not None
-        params = list(self.model.parameters())
+        params = self._params
         state = {
             "step": self.step,
             "params": [_local(p).detach().clone() for p in params],
@@ -453,7 +476,7 @@ class Trainer:
     def _load(self, snapshot: bytes) -> None:
         assert self.model is not None and self.optimizer is not None
         state = torch.load(io.BytesIO(snapshot))
-        params = list(self.model.parameters())
+        params = self._params
         if len(state["params"]) != len(params) or len(state["optim"]) != len(params):
             raise ValueError(f"a snapshot of {len(state['params'])} parameters, but the model has {len(params)}")
         with torch.no_grad():
@@ -466,6 +489,7 @@ class Trainer:
         for group, saved in zip(self.optimizer.param_groups, state["groups"]):
             group.update(saved)
         self.step = state["step"]
+        self._state_valid = True
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

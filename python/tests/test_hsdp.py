@@ -45,10 +45,20 @@ def events(worker, kind: str) -> list[dict[str, str]]:
     return [fields(m.group(0)) for m in re.finditer(rf"^event={kind} .*$", worker.output(), re.M)]
 
 
+@pytest.fixture
 def coordinator(tmp_path):
+    """`coordinator()` starts a coordinator with the jobs above; every one is stopped at the end."""
     settings = tmp_path / "hsdp.toml"
     settings.write_text(JOBS)
-    return start_coordinator(tmp_path, "--config", str(settings))
+    started = []
+
+    def make():
+        started.append(start_coordinator(tmp_path, "--config", str(settings)))
+        return started[-1]
+
+    yield make
+    for c in started:
+        c.stop()
 
 
 def start(spawn, coord, name: str, replica: int, *args: str):
@@ -74,11 +84,11 @@ def finished(worker) -> dict[str, str]:
     return done[0]
 
 
-def two_groups_and_a_spare(spawn, tmp_path):
+def two_groups_and_a_spare(spawn, coordinator, tmp_path):
     """Replica 0 (two ranks), replica 1 (two ranks) and a third process for replica 1 that waits
     as its spare (the job holds two): (group 0, replica 1's members, the spare), once replica 1
     formed and every process joined."""
-    coord = coordinator(tmp_path)
+    coord = coordinator()
     group0 = [start(spawn, coord, f"r0{w}", 0, "--save", str(tmp_path / f"r0{w}.pt")) for w in "ab"]
     candidates = [start(spawn, coord, f"r1{w}", 1, "--save", str(tmp_path / f"r1{w}.pt")) for w in "abc"]
     deadline = time.monotonic() + 120
@@ -93,9 +103,9 @@ def two_groups_and_a_spare(spawn, tmp_path):
     return group0, members, spare
 
 
-def test_a_killed_rank_stops_only_its_replica_group(spawn, tmp_path):
+def test_a_killed_rank_stops_only_its_replica_group(spawn, coordinator, tmp_path):
     # The fault-free reference: the same script, the same steps.
-    coord = coordinator(tmp_path)
+    coord = coordinator()
     names = [(r, f"ref{r}{w}") for r in (0, 1) for w in "ab"]
     ref = [start(spawn, coord, name, r, "--save", str(tmp_path / f"{name}.pt")) for r, name in names]
     reference = [finished(w) for w in ref]
@@ -104,7 +114,7 @@ def test_a_killed_rank_stops_only_its_replica_group(spawn, tmp_path):
     assert {d["replica_failures"] for d in reference} == {"0"} and {d["skipped_steps"] for d in reference} == {"0"}
     coord.stop()
 
-    group0, (victim, survivor), spare = two_groups_and_a_spare(spawn, tmp_path)
+    group0, (victim, survivor), spare = two_groups_and_a_spare(spawn, coordinator, tmp_path)
     victim.wait_for_line(rf"^event=step .* step={KILL_AT} ", timeout=120)
     victim.kill()
     killed_ms = time.time() * 1000
@@ -153,11 +163,11 @@ def test_a_killed_rank_stops_only_its_replica_group(spawn, tmp_path):
     assert worst < 1e-4 * scale, worst
 
 
-def test_sigterm_takes_its_replica_group_out_at_a_step_boundary(spawn, tmp_path):
+def test_sigterm_takes_its_replica_group_out_at_a_step_boundary(spawn, coordinator, tmp_path):
     """A rank that gets SIGTERM (a pod evicted) leaves at the next step boundary: its group
     leaves the cross-replica job with it, the other group re-forms the reduction at that same
     boundary without skipping a step, the leaver exits 0, and nothing counts as a failure."""
-    group0, (leaver, stayer), spare = two_groups_and_a_spare(spawn, tmp_path)
+    group0, (leaver, stayer), spare = two_groups_and_a_spare(spawn, coordinator, tmp_path)
     leaver.wait_for_line(rf"^event=step .* step={KILL_AT} ", timeout=120)
     leaver.signal(signal.SIGTERM)
     assert leaver.wait(timeout=60) == 0, leaver.output()
