@@ -147,8 +147,10 @@ def test_a_killed_rank_stops_only_its_replica_group(spawn, coordinator, tmp_path
     assert first > KILL_AT + 1, spare.output()
     cross = [e for e in events(spare, "generation") if e["job"] == "cross"]
     assert cross and cross[-1]["live"] == "0,1", spare.output()
+    after = min(float(e["t_ms"]) for e in events(group0[0], "step") if float(e["t_ms"]) > killed_ms)
     print(
-        f"kill at step {KILL_AT}: replica 0's longest gap {max(float(d['longest_gap_ms']) for d in done0):.0f} ms; "
+        f"kill at step {KILL_AT}: replica 0's next step {after - killed_ms:.0f} ms after the kill, "
+        f"its longest gap {max(float(d['longest_gap_ms']) for d in done0):.0f} ms; "
         f"the spare's first step {first}, "
         f"{float(events(spare, 'step')[0]['t_ms']) - killed_ms:.0f} ms after the kill"
     )
