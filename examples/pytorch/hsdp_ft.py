@@ -24,6 +24,7 @@ The coordinator needs one job per replica group (S workers each) and the cross-r
     [jobs."hsdp.cross"]
     min_workers = 2
     max_workers = 4
+    join_window_ms = 10000
     EOF
     cohort-coordinator serve --listen 127.0.0.1:7470 --config hsdp.toml &
     for r in 0 1; do for w in a b; do
@@ -92,7 +93,9 @@ def main() -> None:
         torch.nn.functional.cross_entropy(net(xtr[rows]), ytr[rows]).backward()
 
     trainer = cohort.hsdp.Trainer(args.job, args.coordinator, args.replica, args.worker_id, build)
-    trainer.run(train_step, batch, args.steps)
+    if not trainer.run(train_step, batch, args.steps):
+        emit("leave", gen=0, step=0, extra={"replica": args.replica, "reason": "spare-not-needed"})
+        return
 
     net = trainer.model
     with torch.no_grad():

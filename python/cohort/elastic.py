@@ -42,7 +42,7 @@ import pickle
 from typing import Any, Callable, Optional, TypeVar
 
 from cohort._native import Checkpoint, Communicator, Group
-from cohort.errors import CollectiveError, GracefulLeave, JobEndedError, MembershipChanged
+from cohort.errors import CollectiveError, GracefulLeave, JobEndedError, MembershipChanged, collective_failure
 
 __all__ = ["State", "ObjectState", "TorchState", "run"]
 
@@ -254,12 +254,16 @@ def run(func: F) -> F:
         while _reform_unless_finished(state):
             try:
                 result = func(state, *args, **kwargs)
-            except CollectiveError as failure:
+            except MembershipChanged:
+                pass
+            except Exception as error:  # noqa: BLE001 - only collective failures are handled
+                # torch re-raises a failed collective as its own RuntimeError (DDP's backward).
+                failure = collective_failure(error)
+                if failure is None:
+                    raise
                 for callback in state._failure_callbacks:
                     callback(failure)
                 state.restore()
-            except MembershipChanged:
-                pass
             else:
                 if state.comm is not None:
                     state.comm.close()

@@ -47,6 +47,7 @@ __all__ = [
     "MismatchError",
     "MembershipChanged",
     "GracefulLeave",
+    "collective_failure",
 ]
 
 
@@ -211,3 +212,33 @@ class GracefulLeave(SystemExit):
 
     def __str__(self) -> str:
         return self.message
+
+
+_HANDED_ON: "list[CollectiveError]" = []
+"""The last collective errors handed to code that re-raises them as its own (torch's futures)."""
+
+
+def _handed_on(error: BaseException) -> None:
+    """Records ``error`` as handed to torch, so that :func:`collective_failure` can find it
+    behind the ``RuntimeError`` torch raises in its place (a few are kept: one per failure)."""
+    if isinstance(error, CollectiveError):
+        _HANDED_ON.append(error)
+        del _HANDED_ON[:-8]
+
+
+def collective_failure(error: BaseException) -> Optional[CollectiveError]:
+    """The :class:`CollectiveError` behind ``error``: itself, one it was raised from, or one a
+    torch future carried (torch raises a ``RuntimeError`` quoting it, from DDP's backward say).
+    None when ``error`` is not a collective failure."""
+    seen = 0
+    e: Optional[BaseException] = error
+    while e is not None and seen < 16:
+        if isinstance(e, CollectiveError):
+            return e
+        e = e.__cause__ or e.__context__
+        seen += 1
+    text = str(error)
+    for handed in reversed(_HANDED_ON):
+        if f"{type(handed).__name__}: {handed}" in text:
+            return handed
+    return None

@@ -71,7 +71,7 @@ import torch.distributed as dist
 import cohort.torch as cohort_torch
 from cohort._native import Checkpoint, Communicator, Group
 from cohort.config import GroupConfig
-from cohort.errors import CohortError, CollectiveError, GracefulLeave
+from cohort.errors import CohortError, CollectiveError, GracefulLeave, JobEndedError, collective_failure
 from cohort.events import emit
 
 __all__ = ["Trainer", "cross_worker_id", "replica_job", "CROSS_SUFFIX"]
@@ -161,19 +161,29 @@ class Trainer:
         emit("joined", worker=worker_id, incarnation=self._replica_group.incarnation, addr=self._replica_group.address)
 
     # -- the loop ------------------------------------------------------------------------
-    def run(self, step_fn: StepFn, batch: Callable[[int], Any], steps: int) -> None:
-        """Trains until ``steps`` steps are committed: ``step_fn(model, share)`` with this
-        rank's share of ``batch(step)`` (a sequence of sample indices, split evenly over the
-        live groups' ranks), then the cross-replica reduction, the vote, ``optimizer.step()``
-        and the commit. Survives replica failures (its own group's: re-forms and heals; other
-        groups': skips the step and re-forms the cross reduction). Raises
-        :class:`cohort.JobEndedError` when a job ends (fewer than ``S`` workers for the elastic
-        timeout), :class:`ReplicaStateLost`, :class:`cohort.GracefulLeave` on a rank that got
-        SIGTERM (after its group left the cross job and it left its replica group), and any
-        error of ``step_fn`` that is not a collective failure."""
+    def run(self, step_fn: StepFn, batch: Callable[[int], Any], steps: int) -> bool:
+        """Trains until ``steps`` steps are committed (``self.step``, the number of the next
+        step, counts them): ``step_fn(model, share)`` with this rank's share of
+        ``batch(step)`` (anything sliceable whose items are samples, a tensor of row indices
+        say, split evenly over the live groups' ranks), then the cross-replica reduction, the
+        vote and ``optimizer.step()``. Survives replica failures (its own group's: re-forms
+        and heals; other groups': skips the step and re-forms the cross reduction).
+
+        Returns True once trained, False when this worker was never needed: a spare whose
+        replica group finished without it (the job ended "finished" while it waited). Raises
+        :class:`cohort.JobEndedError` when a job fails (fewer than ``S`` workers for the
+        elastic timeout), :class:`ReplicaStateLost`, :class:`cohort.GracefulLeave` on a rank
+        that got SIGTERM (after its group left the cross job and it left its replica group),
+        and any error of ``step_fn`` that is not a collective failure."""
         while self.step < steps:
             if self.model is None:
-                self._form_replica()
+                try:
+                    self._form_replica()
+                except JobEndedError as ended:
+                    if ended.outcome == "finished" and self.stats["replica_formations"] == 0:
+                        self._replica_group.leave(finished=True)
+                        return False
+                    raise
             if self._cross is None:
                 self._form_cross()
                 continue
@@ -187,11 +197,12 @@ class Trainer:
                 self.optimizer.zero_grad()
                 step_fn(self.model, rows)
             except Exception as e:  # noqa: BLE001 - classified: only collective failures are handled
-                if not _collective_failure(e):
+                if collective_failure(e) is None:
                     raise
                 self._replica_failed(e)
                 continue
             self._finish_step(started)
+        return True
 
     def share(self, rows: Any) -> Any:
         """This rank's contiguous slice of ``rows`` among every live group's ranks (group by
@@ -512,16 +523,3 @@ def _like_param(value: Any, p: torch.Tensor) -> Any:
     from torch.distributed.tensor import DTensor
 
     return DTensor.from_local(value, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
-
-
-def _collective_failure(error: BaseException) -> bool:
-    """Whether ``error`` (or what it was raised from) is a cohort collective failure: torch
-    re-raises a backend's error from its own frames."""
-    seen = 0
-    e: Optional[BaseException] = error
-    while e is not None and seen < 16:
-        if isinstance(e, CollectiveError):
-            return True
-        e = e.__cause__ or e.__context__
-        seen += 1
-    return False

@@ -184,3 +184,46 @@ def test_sigterm_takes_its_replica_group_out_at_a_step_boundary(spawn, coordinat
         widths = [e["replicas"] for e in events(w, "step")]
         assert "1" in widths and widths[-1] == "2", widths
     assert done[2]["replica_formations"] == "2", stayer.output()
+
+
+def test_a_group_incomplete_in_the_cross_generation_waits_for_the_next(spawn, coordinator, tmp_path):
+    """One rank of replica 1 joins the cross-replica job late (held until replica 0 and its own
+    group-mate formed a cross generation without it): replica 0 trains alone, the early rank
+    takes part only in the per-step agreement, and the next formation admits the whole group
+    with replica 0's state."""
+    coord = coordinator()
+    gate = tmp_path / "gate"
+    # Three processes for replica 0: the job holds two, the third waits as a spare that is never
+    # needed and leaves (exit 0) when the group finishes.
+    candidates0 = [start(spawn, coord, f"r0{w}", 0) for w in "abc"]
+    early = start(spawn, coord, "r1a", 1)
+    late = spawn(
+        "r1b",
+        "hsdp_late.py",
+        str(gate),
+        "--coordinator",
+        coord.endpoint,
+        "--replica",
+        "1",
+        "--worker-id",
+        "r1b",
+        "--steps",
+        str(STEPS),
+    )
+    early.wait_for_line(r"^event=generation .* job=cross replica=1 live=0 ", timeout=120)
+    gate.touch()
+    for w in candidates0:
+        assert w.wait(timeout=240) == 0, w.output()
+    (spare,) = [w for w in candidates0 if "reason=spare-not-needed" in w.output()]
+    assert not events(spare, "step") and not events(spare, "finished"), spare.output()
+    group0 = [w for w in candidates0 if w is not spare]
+    done = [finished(w) for w in (*group0, early, late)]
+    assert {d["step"] for d in done} == {str(STEPS)}
+    assert len({d["params_digest"] for d in done}) == 1, done
+    assert {d["replica_failures"] for d in done} == {"0"}, done
+    # The early rank saw a cross generation where its group was incomplete, then one with both.
+    lives = [e["live"] for e in events(early, "generation") if e["job"] == "cross"]
+    assert "0" in lives and lives[-1] == "0,1", lives
+    # Replica 0 trained alone meanwhile; replica 1 started from replica 0's state, not from 0.
+    assert events(group0[0], "step")[0]["replicas"] == "1"
+    assert int(events(late, "step")[0]["step"]) > 1, late.output()

@@ -40,6 +40,7 @@ def test_every_torch_distributed_call_matches_the_local_answer(world, coordinato
                 "all_to_all",
                 "scatter",
                 "device mesh",
+                "all_reduce after reconfigure",
             ):
                 assert f"ok {name}" in out, (name, out)
     # Every rank ran the same checks, but rank 0 (whichever worker it is) has the root's extra ones.
@@ -96,3 +97,52 @@ def test_subgroup_channels_follow_torch_group_names_and_refuse_collisions(monkey
     # The whole world is the generation's own communicator, not a subgroup.
     whole = ct._create_extended(opts("7", list(range(6))), None)
     assert whole._members is None
+
+
+def test_reconfigure_binds_the_world_to_a_replacement_generation(coordinator_factory, spawn):
+    """torch's own fault-tolerance hook: after a rank is killed and a replacement joins, the
+    survivor re-forms through cohort and ``dist._reconfigure`` binds the same torch group (no new
+    process group) to the new generation; an all_reduce over it sums both ranks."""
+    if not hasattr(torch.distributed, "_reconfigure"):
+        pytest.skip(f"torch {torch.__version__} has no reconfigure hooks")
+    coord = coordinator_factory(2)
+    first = [spawn(f"w{r}", "reconfigure.py", coord.endpoint, "reconfigure", f"w{r}") for r in range(2)]
+    ranks = [int(w.wait_for_line(r"^ready 1 (\d)$", timeout=120).group(1)) for w in first]
+    # Rank 1 dies: survivors keep their order, so the survivor stays rank 0 (torch keeps ranks).
+    survivor, victim = first if ranks == [0, 1] else first[::-1]
+    victim.kill()
+    spare = spawn("w2", "reconfigure.py", coord.endpoint, "reconfigure", "w2")
+    for w in (survivor, spare):
+        assert w.wait(timeout=120) == 0, w.output()
+    # The survivor kept rank 0 of two, which torch's group needs; the spare is rank 1.
+    assert re.search(r"^reconfigured 2 0$", survivor.output(), re.M), survivor.output()
+    assert re.search(r"^reconfigured 2 1$", spare.output(), re.M), spare.output()
+
+
+def test_a_failed_call_fails_its_work_and_its_future():
+    """A failed collective's torch Work: ``wait()`` raises the cohort error (torch 2.x; torch's
+    ``_create_work_from_future`` returned from ``wait()`` as if it had succeeded), and the future
+    torch's C++ reads (DDP's reducer) fails in C++ quoting it, where a Python future's
+    ``set_exception`` had handed C++ the exception object as the tensors (a segmentation fault).
+    ``cohort.collective_failure`` finds the cohort error behind torch's RuntimeError."""
+    from torch.futures import Future
+
+    import cohort
+    import cohort.torch as ct
+
+    fut, outcome = Future(), ct._Outcome()
+    work = ct._work(fut, outcome)
+    assert not work.is_completed()
+    outcome.error = cohort.PeerFailedError("peer rank 1 failed (test)", generation=1, peer=1)
+    cohort.errors._handed_on(outcome.error)
+    fut.set_result([torch.zeros(2)])
+    assert work.is_completed()
+    if ct.TORCH2:
+        with pytest.raises(cohort.PeerFailedError, match="peer rank 1 failed"):
+            work.wait()
+    with pytest.raises(RuntimeError, match="PeerFailedError: peer rank 1 failed") as raised:
+        work.get_future().wait()
+    assert cohort.collective_failure(raised.value) is outcome.error
+    assert cohort.collective_failure(RuntimeError("something else")) is None
+    ok = ct._done([torch.ones(1)])
+    assert ok.wait() and torch.equal(ok.get_future().wait()[0], torch.ones(1))

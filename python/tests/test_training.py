@@ -144,3 +144,36 @@ def test_kills_mid_allreduce_with_replacements_change_nothing(coordinator_factor
     assert finals[0]["param_sha256"] == reference["param_sha256"], (finals[0], reference)
     assert finals[0]["test_accuracy"] == reference["test_accuracy"]
     assert all(int(s["reformations"]) >= 1 for s in finals)
+
+
+def test_ddp_on_the_cohort_backend_survives_a_kill(coordinator_factory, spawn):
+    """DDP (``--ddp``: DistributedDataParallel on the "cohort" backend) with a worker SIGKILLed
+    mid-training and a replacement: the survivor's DDP step raises the failure (it used to crash
+    torch 2.x's reducer, which read a failed future's exception as the reduced tensors), the
+    job restores the last commit and ends with the fault-free run's parameters."""
+    args = ("--ddp", "--epochs", "2")
+    _, clean = run_job(coordinator_factory, spawn, 2, *args, job="ddp-clean")
+    for w in clean:
+        assert w.wait(timeout=240) == 0, w.output()
+    reference = summary(clean[0])
+
+    coord, (survivor, victim) = run_job(coordinator_factory, spawn, 2, *args, job="ddp-faulty")
+    victim.wait_for_line(r"^event=allreduce gen=\d+ rank=\d+ step=15\b", timeout=180)
+    victim.kill()
+    replacement = spawn(
+        "ddp-w2",
+        [sys.executable, "-u", EXAMPLE],
+        "--coordinator",
+        coord.endpoint,
+        "--job",
+        "ddp-faulty",
+        "--worker-id",
+        "w2",
+        "--all-ranks-summary",
+        *args,
+    )
+    survivor.wait_for_line(r"^event=error .*cause_worker=w1\b.*$", timeout=60)
+    for w in (survivor, replacement):
+        assert w.wait(timeout=300) == 0, w.output()
+    finals = [summary(w) for w in (survivor, replacement)]
+    assert {s["param_sha256"] for s in finals} == {reference["param_sha256"]}, (finals, reference)

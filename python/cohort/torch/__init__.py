@@ -29,6 +29,9 @@ On torch 2.x, ``new_group`` and a ``DeviceMesh`` of several dimensions (HSDP) gi
 the generation (:meth:`cohort.Communicator.subgroup`) over its links, each on a channel derived
 from torch's group name (:func:`subgroup_channel`). CPU tensors only, dtypes
 float32/float64/float16/bfloat16/int32/int64/uint8. docs/python.md has the table of torch calls and cohort collectives.
+On torch 2.x the world group also takes torch's fault-tolerance hooks (``dist._reconfigure``):
+after a re-formation through cohort that keeps the world's size and this rank, it binds the same
+torch group to the new generation (:meth:`CohortBackend.reconfigure`).
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ from torch._C._distributed_c10d import ProcessGroup, _create_work_from_future
 from torch.futures import Future
 
 from cohort._native import Communicator, Group, Work
-from cohort.errors import InvalidArgumentError
+from cohort.errors import InvalidArgumentError, _handed_on
 
 __all__ = ["GradientAverager", "CohortBackend", "CohortProcessGroup", "init_process_group", "BACKEND", "TORCH2"]
 
@@ -230,17 +233,25 @@ def _op_name(call: str, opts: Any) -> str:
     raise RuntimeError(f"cohort backend: {call}: reduce op {op} is not supported (sum, product, min, max, avg)")
 
 
+class _Outcome:
+    """A collective's error, if it failed, for the torch ``Work`` that waits for it."""
+
+    error: Optional[BaseException] = None
+
+
 class _Completer:
     """Completes torch futures from cohort Works on one thread, in issue order."""
 
     def __init__(self) -> None:
-        self._queue: "queue.Queue[tuple[list[Work], Future, Any, Optional[Callable[[], None]]]]" = queue.Queue()
+        self._queue: "queue.Queue[tuple[list[Work], Future, _Outcome, Any, Optional[Callable[[], None]]]]" = (
+            queue.Queue()
+        )
         self._thread = threading.Thread(target=self._run, name="cohort-torch-completer", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         while True:
-            works, fut, result, then = self._queue.get()
+            works, fut, outcome, result, then = self._queue.get()
             error: Optional[BaseException] = None
             for work in works:  # every Work is waited for (its buffers stay alive until then)
                 try:
@@ -252,16 +263,63 @@ class _Completer:
                     then()
                 except BaseException as e:  # noqa: BLE001 - handed to the future's waiter
                     error = e
+            # A Python future cannot fail where C++ sees it: its set_exception stores the
+            # exception object as the *value*, which DDP's reducer read as the reduced tensors
+            # (a segmentation fault on torch 2.x). So the future completes with the output, and
+            # the future handed to torch is chained on it with a callback that raises the error:
+            # a callback's error fails the chained future in C++ (DDP's backward raises it).
             if error is not None:
-                fut.set_exception(error)
-            else:
-                fut.set_result(result)
+                _handed_on(error)
+            outcome.error = error
+            fut.set_result(result)
 
     def submit(self, works: list[Work], result: Any, then: Optional[Callable[[], None]] = None) -> Any:
-        """A torch ``Work`` that completes once every one of ``works`` has, after ``then``."""
+        """A torch ``Work`` that completes once every one of ``works`` has, after ``then``; it
+        fails with their first error."""
         fut: Future = Future()
-        self._queue.put((works, fut, result, then))
-        return _create_work_from_future(fut)
+        outcome = _Outcome()
+        self._queue.put((works, fut, outcome, result, then))
+        return _work(fut, outcome)
+
+
+def _work(fut: Future, outcome: _Outcome) -> Any:
+    """The torch ``Work`` of a collective whose output ``fut`` will hold (``outcome.error`` set
+    first if it failed)."""
+
+    def value_or_error(done: Future) -> Any:
+        if outcome.error is not None:
+            raise outcome.error
+        return done.value()
+
+    chained = fut.then(value_or_error)
+    return _FutureWork(fut, chained, outcome) if TORCH2 else _create_work_from_future(chained)
+
+
+class _FutureWork(torch._C._distributed_c10d.Work):  # type: ignore[misc]
+    """torch 2.x: a ``Work`` whose ``wait()`` raises the collective's error. torch's own
+    ``_create_work_from_future`` returns from ``wait()`` whether the future failed or not, so a
+    failed ``dist.all_reduce`` returned as if it had succeeded, its output holding this rank's
+    input, and the error came from the next call. ``get_future()`` (DDP's reducer) fails with
+    it too. (torch 1.13 cannot override ``getFuture`` of a Python Work, which its DDP needs:
+    there the backend uses torch's Work over the failing future, whose ``wait()`` returns.)"""
+
+    def __init__(self, fut: Future, chained: Future, outcome: _Outcome) -> None:
+        super().__init__()
+        self._fut = fut
+        self._chained = chained
+        self._outcome = outcome
+
+    def wait(self, timeout: Any = None) -> bool:
+        self._fut.wait()
+        if self._outcome.error is not None:
+            raise self._outcome.error  # the cohort error itself, not torch's RuntimeError
+        return True
+
+    def is_completed(self) -> bool:
+        return self._fut.done()
+
+    def get_future(self) -> Future:
+        return self._chained
 
 
 _completer: Optional[_Completer] = None
@@ -270,7 +328,7 @@ _completer: Optional[_Completer] = None
 def _done(result: Any) -> Any:
     fut: Future = Future()
     fut.set_result(result)
-    return _create_work_from_future(fut)
+    return _work(fut, _Outcome())
 
 
 _C10D = torch._C._distributed_c10d
@@ -375,6 +433,44 @@ class CohortBackend(_Base):  # type: ignore[misc, valid-type]
 
     def _get_backend_name(self) -> str:
         return BACKEND
+
+    # -- torch's fault-tolerance hooks (torch 2.x: dist._supports_reconfigure, ...) -----------
+    @property
+    def supports_reconfigure(self) -> bool:
+        """True for the world group: :meth:`reconfigure` binds it to a generation cohort formed."""
+        return self._members is None
+
+    def get_reconfigure_handle(self) -> str:
+        """This worker's handle for ``dist._reconfigure``: its cohort worker id."""
+        comm = _current(self._source)
+        return comm.members[comm.rank].worker_id
+
+    def reconfigure(self, opts: Any) -> Any:
+        """``dist._reconfigure(uuid, handles)``: binds the group to the source's current
+        generation, which must hold exactly ``handles`` (the members' worker ids; a list gives
+        them in rank order, a set in any). cohort's coordinator is the quorum: re-form through
+        cohort first (``state.reform()``, ``cohort.elastic.run``), then reconfigure. torch keeps
+        a group's size and this process's rank, so the generation must keep both; otherwise
+        call :func:`init_process_group` again. The uuid is kept as ``reconfigured_uuid``."""
+        if self._members is not None:
+            raise InvalidArgumentError("cohort backend: reconfigure the world group; its subgroups follow it")
+        comm = _current(self._source)
+        formed = [m.worker_id for m in comm.members]
+        handles = opts.handles
+        wanted = list(handles) if isinstance(handles, (list, tuple)) else sorted(handles)
+        if sorted(wanted) != sorted(formed) or (isinstance(handles, (list, tuple)) and wanted != formed):
+            raise InvalidArgumentError(
+                f"cohort backend: reconfigure to {wanted}, but generation {comm.generation} holds {formed} "
+                "(in rank order): re-form through cohort first (state.reform()), whose coordinator picks the members"
+            )
+        if comm.size != self.size() or comm.rank != self.rank():
+            raise InvalidArgumentError(
+                f"cohort backend: reconfigure: generation {comm.generation} has this worker as rank {comm.rank} "
+                f"of {comm.size}, but torch keeps this group as rank {self.rank()} of {self.size()}: call "
+                "cohort.torch.init_process_group again"
+            )
+        self.reconfigured_uuid = opts.uuid
+        return _done(None)
 
     # -- reductions ------------------------------------------------------------------------
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:

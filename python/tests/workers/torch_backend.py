@@ -180,6 +180,21 @@ if TORCH2:
     dist.all_reduce(t, group=mesh.get_group())
     check(f"device mesh group={name}", t, every.sum(0))
 
+    # torch's fault-tolerance hooks: the world binds to the generation cohort formed, whose
+    # members' worker ids are the handles (cohort's coordinator is the quorum).
+    assert dist._supports_reconfigure()
+    handles = [None] * size
+    dist.all_gather_object(handles, dist._get_reconfigure_handle())
+    assert handles == [m.worker_id for m in comm.members] and handles[rank] == worker_id, handles
+    assert dist._reconfigure(11, handles).wait() and dist._reconfigure(12, set(handles)).wait()
+    assert dist.group.WORLD._get_backend(torch.device("cpu")).reconfigured_uuid == 12
+    t = data(rank, n)
+    dist.all_reduce(t)
+    check("all_reduce after reconfigure", t, every.sum(0))
+    must_raise("reconfigure to a stranger", lambda: dist._reconfigure(13, [*handles, "stranger"]), "stranger")
+    if size > 1:
+        must_raise("reconfigure in another order", lambda: dist._reconfigure(14, handles[::-1]), "rank order")
+
     # Calls cohort cannot run raise, naming the call.
     if size > 1:
         must_raise(
