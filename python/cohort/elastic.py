@@ -60,6 +60,8 @@ class State:
         self.group = group
         self.comm: Optional[Communicator] = None
         self.checkpoint = Checkpoint()
+        # The last agreed commit (snapshot, step), to roll back to when an agreement fails.
+        self._last_commit: Optional[tuple[bytes, int]] = None
         self._reset_callbacks: list[Callable[[], None]] = []
         self._failure_callbacks: list[Callable[[CollectiveError], None]] = []
         self.reformations = 0
@@ -114,19 +116,33 @@ class State:
         ``step`` defaults to the next commit number (the last one plus one).
         Raises :class:`MembershipChanged` (after committing) when the members agreed to
         re-form, :class:`GracefulLeave` on the rank that got SIGTERM (after leaving the job),
-        a :class:`CollectiveError` if a peer failed during the agreement, and
+        a :class:`CollectiveError` if a peer failed during the agreement (this rank's
+        checkpoint is then rolled back to the last agreed commit), and
         :class:`DivergedError` on every rank if the members committed different steps or
         different state.
         """
         comm = self._comm()
         if step is None:
             step = (self.checkpoint.step or 0) + 1
-        self.checkpoint.commit(self.save(), step)
-        pending = self.group.commit(comm.generation, step, self.checkpoint.digest)
-        leaving = self.group.leaving
-        # One small allreduce: the flags, and (in-band) the check that every member committed
-        # this step with the same state; DivergedError on every rank if not.
-        flags = self.checkpoint.agree(comm, bytes([pending, leaving]))
+        snapshot = self.save()
+        previous = self._last_commit
+        self.checkpoint.commit(snapshot, step)
+        try:
+            pending = self.group.commit(comm.generation, step, self.checkpoint.digest)
+            leaving = self.group.leaving
+            # One small allreduce: the flags, and (in-band) the check that every member
+            # committed this step with the same state; DivergedError on every rank if not.
+            flags = self.checkpoint.agree(comm, bytes([pending, leaving]))
+        except CollectiveError:
+            # Not agreed, so not a commit: a step whose collective failed may have reached the
+            # optimizer with a partial result, and restore() must not load it. Members that
+            # did agree keep it, and the next sync hands it to the others (newest wins).
+            if previous is None:
+                self.checkpoint = Checkpoint()
+            else:
+                self.checkpoint.commit(*previous)
+            raise
+        self._last_commit = (snapshot, step)
         if flags[1] and leaving:
             comm.close()
             self.comm = None
@@ -142,7 +158,8 @@ class State:
 
     def sync(self) -> None:
         """Makes every member hold the newest commit (digests compared) and loads it."""
-        snapshot, _outcome = self.checkpoint.sync(self._comm(), self.save())
+        snapshot, outcome = self.checkpoint.sync(self._comm(), self.save())
+        self._last_commit = None if outcome.step is None else (snapshot, outcome.step)
         self.load(snapshot)
 
     def reform(self) -> None:

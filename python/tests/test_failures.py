@@ -178,6 +178,23 @@ def test_members_claiming_one_commit_with_different_state_raise_diverged(coordin
         assert events(w, "synced")[0] == {"event": "synced", "worker": d["worker"], "snapshot": "agreed", "step": 6}
 
 
+def test_a_commit_whose_agreement_fails_is_rolled_back(coordinator_factory, spawn):
+    """State.commit is two-phase: the local snapshot becomes the commit only once every member
+    agreed. A failed agreement rolls the checkpoint back, so restore() loads the last agreed
+    step, not a step whose collective may have failed halfway."""
+    coord = coordinator_factory(2)
+    workers = [spawn(f"w{r}", "failures.py", "rollback", coord.endpoint, "rb", f"w{r}", stdin=True) for r in range(2)]
+    joined = [json.loads(w.wait_for_line(r'^\{"event": "joined".*$', timeout=60).group(0)) for w in workers]
+    (first,) = [w for w, j in zip(workers, joined) if j["rank"] == 0]
+    assert first.wait(timeout=60) == 0, first.output()
+    assert events(first, "error"), first.output()
+    (restored,) = events(first, "restored")
+    assert (restored["step"], restored["value"]) == (1, "one"), restored
+    for w in workers:
+        w.process.stdin.close()
+        assert w.wait(timeout=30) == 0, w.output()
+
+
 def test_another_jobs_credential_is_refused_before_joining(coordinator_factory):
     import cohort
 

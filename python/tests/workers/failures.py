@@ -11,6 +11,8 @@ Modes:
   gil        a Python thread keeps counting while long allreduces run.
   interrupt  rank 0 blocks in an allreduce its peer never joins; prints when Ctrl-C lands.
   idle       joins, prints `joined`, then waits on stdin (the peer that never calls).
+  rollback   both ranks commit step 1 of an ObjectState; then rank 1 closes its communicator
+             and rank 0 commits step 2, whose agreement fails: its checkpoint is back at step 1.
   sigterm    prints `joined`, then polls group.leaving until SIGTERM sets it.
 """
 
@@ -223,6 +225,26 @@ elif mode == "diverge":
     snapshot, outcome = same.sync(comm, b"current")
     report("synced", snapshot=snapshot.decode(), step=outcome.step)
     group.leave(finished=True)
+
+elif mode == "rollback":
+    import cohort.elastic
+
+    state = cohort.elastic.ObjectState(group, value="one")
+    state.comm = comm
+    state.commit(1)
+    if comm.rank == 1:
+        comm.close()  # this rank is gone for its peer: rank 0's next agreement fails
+        report("closed")
+        sys.stdin.readline()
+    else:
+        state.value = "two (a step whose collective may have failed)"
+        try:
+            state.commit(2)
+        except cohort.CollectiveError as e:
+            report_error(e)
+        state.restore()
+        report("restored", step=state.checkpoint.step, value=state.value)
+    group.close()
 
 elif mode == "idle":
     sys.stdin.readline()
