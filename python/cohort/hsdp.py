@@ -185,7 +185,10 @@ class Trainer:
                         return False
                     raise
             if self._cross is None:
-                self._form_cross()
+                try:
+                    self._form_cross()
+                except CollectiveError as e:  # the group's barrier before joining: a member died
+                    self._replica_failed(e)
                 continue
             if not self._training:
                 self._idle_round()
