@@ -39,8 +39,9 @@ forward and backward (FSDP2's collectives, in the replica group), then the sum o
 gradient shard over the shard subgroup divided by the live groups, and a 2-byte max over
 the cross generation (joiners waiting, a rank leaving on SIGTERM). The replica group then
 votes (a 3-byte max over its own communicator) whether every one of its cross-replica
-calls succeeded: only then does it step the optimizer and commit (a snapshot of its shard:
-parameters, optimizer state, step). A failed cross-replica call (another group died) skips
+calls succeeded: only then does it step the optimizer. (A commit, a snapshot of the shard:
+parameters, optimizer state, step, is made only before a sync or before the model is dropped;
+a skipped step changes nothing.) A failed cross-replica call (another group died) skips
 the step on the whole group and re-forms the cross generation; the same batch is taken
 again. Groups that disagree about the last step (one finished it before the revocation
 reached it, another did not) are reconciled when the shard subgroups sync: the newest
@@ -113,7 +114,7 @@ class Trainer:
     Joins the replica group's job in the constructor (blocks until the coordinator answers).
     ``options`` are :class:`cohort.GroupConfig`'s keywords, used for both jobs.
 
-    Attributes: ``step`` (committed steps), ``model`` and ``optimizer`` (from ``build``, rebuilt
+    Attributes: ``step`` (steps taken), ``model`` and ``optimizer`` (from ``build``, rebuilt
     after a replica failure), ``comm`` (the replica group's communicator, the torch world),
     ``live_replicas`` (the replica groups that trained in the last cross generation),
     ``stats`` (counts and times, see :meth:`summary`).
@@ -162,8 +163,8 @@ class Trainer:
 
     # -- the loop ------------------------------------------------------------------------
     def run(self, step_fn: StepFn, batch: Callable[[int], Any], steps: int) -> bool:
-        """Trains until ``steps`` steps are committed (``self.step``, the number of the next
-        step, counts them): ``step_fn(model, share)`` with this rank's share of
+        """Trains until ``steps`` steps are taken (``self.step``, the number of the next step,
+        counts them): ``step_fn(model, share)`` with this rank's share of
         ``batch(step)`` (anything sliceable whose items are samples, a tensor of row indices
         say, split evenly over the live groups' ranks), then the cross-replica reduction, the
         vote and ``optimizer.step()``. Survives replica failures (its own group's: re-forms
@@ -396,7 +397,7 @@ class Trainer:
 
     # -- one step's end ------------------------------------------------------------------
     def _finish_step(self, started: float) -> None:
-        """The cross-replica reduction, the group's vote, and the step and commit if it passed."""
+        """The cross-replica reduction, the group's vote, and the optimizer's step if it passed."""
         assert self.model is not None and self.optimizer is not None and self.comm is not None
         assert self._cross is not None and self._shard is not None and self._cross_group is not None
         grads = []
