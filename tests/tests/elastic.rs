@@ -229,8 +229,8 @@ async fn stop_mid_allreduce(run: &StopRun) -> Vec<(String, u64)> {
             .iter()
             .map(|m| m["deadlines"].as_str().unwrap_or_default().to_string())
             .collect();
-        // A ring's link to its successor only sends, so it learns nothing and stays at the
-        // ceiling ("unlearned"); the links it receives on are at the floor.
+        // A ring's link to its successor only sends, so it learns nothing and takes the pace
+        // of the links that did ("unlearned"); the links it receives on are at the floor.
         if shown.len() == run.world as usize && shown.iter().all(|d| d.contains(want)) {
             break;
         }
@@ -264,6 +264,14 @@ async fn stop_mid_allreduce(run: &StopRun) -> Vec<(String, u64)> {
         let w = e.worker.clone();
         check(cause.contains("w1"), &format!("{w}'s error does not name the stopped w1: {cause:?}"), &cluster.events);
         errors.push((w, e.t_ms() - stopped_at));
+    }
+    // Shown if the test fails: the deadlines in force before the stop, and each error (what the
+    // survivor saw, and the cause it was given), in ms from the SIGSTOP.
+    for e in cluster.events.iter().filter(|e| {
+        (e.get::<ev::Deadlines>().is_some() && e.t_ms() + 500 >= stopped_at)
+            || (e.get::<ev::Error>().is_some() && e.t_ms() >= stopped_at)
+    }) {
+        eprintln!("{} {:+} ms: {}", e.worker, e.t_ms() as i64 - stopped_at as i64, e.event);
     }
     let transport = if run.tcp { "tcp" } else { "shm" };
     check(

@@ -12,13 +12,20 @@
 //!   never above the configured ceiling ([`Deadlines::no_progress`]); until
 //!   [`MIN_SAMPLES`] gaps have been seen, the ceiling itself.
 //!
+//! A link that has not seen [`MIN_SAMPLES`] gaps (one that only sends, or only carries
+//! single-message exchanges such as a small allreduce by recursive doubling) cannot judge its
+//! own pace; with learning on it takes its transport's ([`Pace`]: the deadline the transport's
+//! learned links last had, at least the floor), so a stopped peer is asked about on such a link
+//! as soon as on any other instead of at the ceiling.
+//!
 //! What a learned deadline *does* is up to the transport: the TCP transport, when it passes,
 //! asks the peer's process whether it is alive ([`crate::liveness`]); a peer that does
 //! not answer is failed at once, one that answers (it is merely late, or waits on somebody
 //! else) is waited for up to the ceiling.
 
 use crate::wire::seq_older;
-use std::sync::PoisonError;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, PoisonError};
 use std::time::Duration;
 
 /// Deadlines applied by a transport to every wait.
@@ -80,8 +87,9 @@ impl Default for Learning {
 pub enum DeadlineBasis {
     /// Learning is off: the configured deadline.
     Fixed,
-    /// Too few gaps seen yet ([`MIN_SAMPLES`]; a link that only sends never sees any): the
-    /// configured ceiling.
+    /// Too few gaps seen yet on this link ([`MIN_SAMPLES`]; a link that only sends, or only
+    /// carries single-message exchanges, never sees any): the transport's pace ([`Pace`]), at
+    /// least the floor; the ceiling for [`ProgressEstimator::deadline`] alone.
     Unlearned,
     /// The learned value was below the floor: the floor.
     Floor,
@@ -196,6 +204,37 @@ impl ProgressEstimator {
     }
 }
 
+/// The pace of one transport's links: the deadline in force its learned links last had (the
+/// newest published wins), for its links that have learned nothing themselves (see the module
+/// docs). Zero until a link has learned.
+#[derive(Debug, Default)]
+pub(crate) struct Pace {
+    nanos: AtomicU64,
+}
+
+impl Pace {
+    /// A pace shared by the links of one transport (one generation's mesh).
+    pub(crate) fn shared() -> Arc<Self> {
+        Arc::new(Self::default())
+    }
+
+    fn publish(&self, learned: Duration) {
+        let nanos = u64::try_from(learned.as_nanos()).unwrap_or(u64::MAX);
+        // Relaxed: a hint read by other links' timers; no other memory depends on it.
+        if self.nanos.load(Ordering::Relaxed) != nanos {
+            self.nanos.store(nanos, Ordering::Relaxed);
+        }
+    }
+
+    /// The newest learned deadline of a link of this transport, if any has learned.
+    fn get(&self) -> Option<Duration> {
+        match self.nanos.load(Ordering::Relaxed) {
+            0 => None,
+            n => Some(Duration::from_nanos(n)),
+        }
+    }
+}
+
 /// One link's deadline state, shared by the operations on it: the estimator, and the newest
 /// operation the peer has been seen in (gaps are learned only inside an operation the peer
 /// has already entered, so that waiting for a peer that is late to an operation, as it
@@ -206,17 +245,20 @@ pub(crate) struct LinkProgress {
     learning: Option<Learning>,
     estimator: std::sync::Mutex<ProgressEstimator>,
     /// Newest `seq` of a frame from the peer, plus one (0: none yet).
-    newest_seq: std::sync::atomic::AtomicU64,
+    newest_seq: AtomicU64,
+    /// The transport's pace: published to while this link has learned, read while it has not.
+    pace: Arc<Pace>,
 }
 
 impl LinkProgress {
-    /// A link with nothing learned yet.
-    pub(crate) fn new(deadlines: Deadlines) -> Self {
+    /// A link with nothing learned yet, of the transport whose links share `pace`.
+    pub(crate) fn new(deadlines: Deadlines, pace: Arc<Pace>) -> Self {
         Self {
             ceiling: deadlines.no_progress,
             learning: deadlines.learning,
             estimator: std::sync::Mutex::new(ProgressEstimator::new()),
-            newest_seq: std::sync::atomic::AtomicU64::new(0),
+            newest_seq: AtomicU64::new(0),
+            pace,
         }
     }
 
@@ -234,14 +276,21 @@ impl LinkProgress {
     pub(crate) fn in_force(&self) -> DeadlineInForce {
         let e = *self.estimator.lock().unwrap_or_else(PoisonError::into_inner);
         match self.learning {
-            Some(l) => e.deadline(l.floor, self.ceiling),
+            Some(l) => {
+                let d = e.deadline(l.floor, self.ceiling);
+                if d.basis == DeadlineBasis::Unlearned {
+                    let borrowed = self.pace.get().unwrap_or(l.floor).max(l.floor).min(self.ceiling);
+                    DeadlineInForce { value: borrowed, ..d }
+                } else {
+                    d
+                }
+            }
             None => DeadlineInForce { basis: DeadlineBasis::Fixed, ..e.deadline(self.ceiling, self.ceiling) },
         }
     }
 
     /// Records that a frame of operation `seq` came from the peer.
     pub(crate) fn saw(&self, seq: u32) {
-        use std::sync::atomic::Ordering;
         let _ = self.newest_seq.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |cur| {
             let newer = cur == 0 || seq_older((cur - 1) as u32, seq);
             newer.then_some(u64::from(seq) + 1)
@@ -250,7 +299,7 @@ impl LinkProgress {
 
     /// Whether the peer has been seen in operation `seq` (or a later one).
     pub(crate) fn peer_in(&self, seq: u32) -> bool {
-        match self.newest_seq.load(std::sync::atomic::Ordering::Relaxed) {
+        match self.newest_seq.load(Ordering::Relaxed) {
             0 => false,
             n => !seq_older((n - 1) as u32, seq),
         }
@@ -259,8 +308,15 @@ impl LinkProgress {
     /// Feeds a gap between progress events of an operation on `seq`, if the peer had been
     /// seen in it (else the gap may be the peer's lateness, not the link's pace).
     pub(crate) fn observe(&self, seq: u32, gap: Duration) {
-        if self.learning.is_some() && self.peer_in(seq) {
-            self.estimator.lock().unwrap_or_else(PoisonError::into_inner).observe(gap);
+        let Some(l) = self.learning else { return };
+        if self.peer_in(seq) {
+            let mut e = self.estimator.lock().unwrap_or_else(PoisonError::into_inner);
+            e.observe(gap);
+            let d = e.deadline(l.floor, self.ceiling);
+            drop(e);
+            if d.basis != DeadlineBasis::Unlearned {
+                self.pace.publish(d.value);
+            }
         }
     }
 }
@@ -369,7 +425,7 @@ mod tests {
     #[test]
     fn a_link_learns_only_inside_operations_the_peer_entered() {
         let d = Deadlines::default();
-        let link = LinkProgress::new(d);
+        let link = LinkProgress::new(d, Pace::shared());
         for _ in 0..20 {
             link.observe(7, ms(5000)); // waiting for a late peer: not learned
         }
@@ -382,9 +438,39 @@ mod tests {
         assert_eq!(link.in_force().value, DEFAULT_FLOOR);
         link.saw(3); // an older frame does not move it back
         assert!(link.peer_in(7));
-        let fixed = LinkProgress::new(Deadlines::fixed(ms(1500), ms(100)));
+        let fixed = LinkProgress::new(Deadlines::fixed(ms(1500), ms(100)), Pace::shared());
         fixed.saw(1);
         fixed.observe(1, us(10));
+        assert_eq!((fixed.in_force().value, fixed.in_force().basis), (ms(1500), DeadlineBasis::Fixed));
+    }
+
+    /// A link that has learned nothing (it only sends, or carries one message per operation)
+    /// waits the floor while no link of its transport has learned, then the pace its learned
+    /// siblings last had; never beyond the ceiling, and with learning off, the fixed deadline.
+    #[test]
+    fn an_unlearned_link_takes_its_transports_pace() {
+        let pace = Pace::shared();
+        let (learner, quiet) = (
+            LinkProgress::new(Deadlines::default(), Arc::clone(&pace)),
+            LinkProgress::new(Deadlines::default(), Arc::clone(&pace)),
+        );
+        assert_eq!((quiet.in_force().value, quiet.in_force().basis), (DEFAULT_FLOOR, DeadlineBasis::Unlearned));
+        learner.saw(1);
+        for _ in 0..MIN_SAMPLES {
+            learner.observe(1, ms(400));
+        }
+        let learned = learner.in_force();
+        assert_eq!(learned.basis, DeadlineBasis::Learned, "{learned}");
+        let borrowed = quiet.in_force();
+        assert_eq!((borrowed.value, borrowed.basis, borrowed.samples), (learned.value, DeadlineBasis::Unlearned, 0));
+        // A slow transport's pace is held to the ceiling; a fast one's to the floor.
+        let slow = Pace::shared();
+        slow.publish(Duration::from_secs(60));
+        assert_eq!(LinkProgress::new(Deadlines::default(), slow).in_force().value, CEILING);
+        let fast = Pace::shared();
+        fast.publish(us(1));
+        assert_eq!(LinkProgress::new(Deadlines::default(), fast).in_force().value, DEFAULT_FLOOR);
+        let fixed = LinkProgress::new(Deadlines::fixed(ms(1500), ms(100)), pace);
         assert_eq!((fixed.in_force().value, fixed.in_force().basis), (ms(1500), DeadlineBasis::Fixed));
     }
 

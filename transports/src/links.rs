@@ -8,12 +8,12 @@
 //! Also the crate's one mutex lock that tolerates poisoning.
 
 use crate::abort::AbortLatch;
-use crate::deadline::{DeadlineInForce, LinkProgress};
+use crate::deadline::{DeadlineInForce, LinkProgress, Pace};
 use crate::error::{AbortReason, Signatures, TransportError};
 use crate::wire::{channel_of, other_call, seq_older, Rank, Tag, STASH_BUDGET, STASH_MAX_FRAMES};
 use crate::Deadlines;
 use std::future::Future;
-use std::sync::{Mutex, MutexGuard, OnceLock, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
 use tokio::sync::Notify;
 
 /// Locks `m`; the data the transports protect stays consistent even if a holder panicked
@@ -96,12 +96,14 @@ pub(crate) struct LinkCore {
 }
 
 impl LinkCore {
-    /// The core of a link to `peer` over `sock` (a duplicate of its socket).
+    /// The core of a link to `peer` over `sock` (a duplicate of its socket), whose unlearned
+    /// deadline is its transport's `pace`.
     pub(crate) fn new(
         peer: Rank,
         kind: &'static str,
         unit: &'static str,
         deadlines: Deadlines,
+        pace: Arc<Pace>,
         sock: socket2::Socket,
         span: tracing::Span,
     ) -> Self {
@@ -109,7 +111,7 @@ impl LinkCore {
             peer,
             kind,
             unit,
-            progress: LinkProgress::new(deadlines),
+            progress: LinkProgress::new(deadlines, pace),
             stash: Mutex::new(Stash::default()),
             changed: Notify::new(),
             waiting: Waiting::default(),

@@ -1,6 +1,7 @@
 //! Learned no-progress deadlines over real loopback sockets: a peer that is late but alive
 //! is waited for (its process answers the liveness probe), a peer whose process does not
-//! answer is failed soon after the learned deadline, long before the ceiling.
+//! answer is failed soon after the learned deadline, long before the ceiling, and so is one
+//! on a link that has learned nothing itself (it takes its transport's pace).
 
 mod tcp_support;
 
@@ -21,10 +22,30 @@ fn learned() -> Deadlines {
 
 /// Waits (bounded) until rank 0's link to rank 1 has heard rank 1's liveness responder.
 async fn until_probed(t: &TcpTransport) {
+    until_peer_probed(t, 1).await;
+}
+
+/// Waits (bounded) until the link to `peer` has heard the peer's liveness responder.
+async fn until_peer_probed(t: &TcpTransport, peer: u32) {
     let until = Instant::now() + Duration::from_secs(5);
-    while !t.peer_probed(1) {
+    while !t.peer_probed(peer) {
         assert!(Instant::now() < until, "the peer's liveness responder never answered");
         tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// Takes `eps[rank]`'s endpoint down and holds its port with a UDP socket that never
+/// answers, as a stopped process's responder would stay silent.
+async fn freeze(eps: &mut Vec<cohort_transports::tcp::TcpEndpoint>, rank: usize) -> std::net::UdpSocket {
+    let port = eps[rank].local_addr();
+    drop(eps.remove(rank));
+    let until = Instant::now() + Duration::from_secs(5);
+    loop {
+        match std::net::UdpSocket::bind(port) {
+            Ok(s) => return s,
+            Err(_) if Instant::now() < until => tokio::time::sleep(Duration::from_millis(20)).await,
+            Err(e) => panic!("the responder's port was never released: {e}"),
+        }
     }
 }
 
@@ -94,22 +115,39 @@ async fn a_peer_whose_process_does_not_answer_is_failed_after_the_learned_deadli
         until_probed(&ts[0]).await;
         warm_up(&ts, 1, 40).await;
         assert_eq!(ts[0].deadlines_in_force()[0].1.value, FLOOR);
-        // Rank 1's process "freezes": its endpoint (and liveness responder) goes, and a socket
-        // that never answers takes the port, as a stopped process's would stay silent.
-        let port = eps[1].local_addr();
-        drop(eps.remove(1));
-        let until = Instant::now() + Duration::from_secs(5);
-        let _mute = loop {
-            match std::net::UdpSocket::bind(port) {
-                Ok(s) => break s,
-                Err(_) if Instant::now() < until => tokio::time::sleep(Duration::from_millis(20)).await,
-                Err(e) => panic!("the responder's port was never released: {e}"),
-            }
-        };
+        // Rank 1's process "freezes": its endpoint (and liveness responder) goes.
+        let _mute = freeze(&mut eps, 1).await;
         let start = Instant::now();
         let e = ts[0].recv(1, Tag::new(41, 0, 0), &mut [0u8; 16]).await.unwrap_err();
         let took = start.elapsed();
         assert!(matches!(e, TransportError::Timeout { peer: 1, .. }), "{e:?}");
+        assert!(took >= FLOOR, "took {took:?}");
+        assert!(took < FLOOR + PROBE_WITHIN + Duration::from_millis(700), "took {took:?}, the ceiling is {CEILING:?}");
+    })
+    .await
+    .unwrap();
+}
+
+/// A link that never learned (here rank 0's link to rank 2, which carried nothing; in a job,
+/// a ring's send-only link, or one carrying a small allreduce by recursive doubling) waits
+/// its transport's pace, not the ceiling, before it asks a silent peer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_peer_on_a_link_that_learned_nothing_is_failed_at_the_transports_pace() {
+    timeout(TEST_LIMIT, async {
+        let (mut eps, ts) = mesh(3, learned()).await;
+        until_peer_probed(&ts[0], 1).await;
+        until_peer_probed(&ts[0], 2).await;
+        warm_up(&ts, 1, 40).await;
+        let in_force = ts[0].deadlines_in_force();
+        let to = |peer: u32| in_force.iter().find(|(p, _)| *p == peer).map(|(_, d)| *d).expect("a link");
+        assert_eq!((to(1).value, to(1).basis), (FLOOR, DeadlineBasis::Floor), "{}", to(1));
+        assert_eq!((to(2).value, to(2).basis, to(2).samples), (FLOOR, DeadlineBasis::Unlearned, 0), "{}", to(2));
+        let _mute = freeze(&mut eps, 2).await;
+        let start = Instant::now();
+        let e = ts[0].recv(2, Tag::new(41, 0, 0), &mut [0u8; 16]).await.unwrap_err();
+        let took = start.elapsed();
+        assert!(matches!(e, TransportError::Timeout { peer: 2, .. }), "{e:?}");
+        assert!(e.to_string().contains("liveness"), "the error says the peer was asked: {e}");
         assert!(took >= FLOOR, "took {took:?}");
         assert!(took < FLOOR + PROBE_WITHIN + Duration::from_millis(700), "took {took:?}, the ceiling is {CEILING:?}");
     })

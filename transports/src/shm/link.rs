@@ -72,6 +72,8 @@ pub(crate) struct LinkParams {
     pub(crate) generation: u64,
     pub(crate) max_message: u64,
     pub(crate) deadlines: crate::Deadlines,
+    /// The pace shared by the mesh's links (see [`crate::deadline`]).
+    pub(crate) pace: Arc<crate::deadline::Pace>,
     pub(crate) busy_poll: Duration,
     pub(crate) oversubscribed: bool,
     pub(crate) span: tracing::Span,
@@ -98,7 +100,7 @@ impl ShmLink {
             .try_clone()
             .map_err(|e| TransportError::Io(format!("duplicating the shared-memory socket to rank {}: {e}", p.peer)))?;
         Ok(Self {
-            core: LinkCore::new(p.peer, "shm", "message", p.deadlines, dup, p.span),
+            core: LinkCore::new(p.peer, "shm", "message", p.deadlines, p.pace, dup, p.span),
             generation: p.generation,
             max_message: p.max_message,
             peer_pid,

@@ -221,6 +221,7 @@ impl ShmEndpoint {
             max_message: self.options.max_message,
             busy_poll: self.options.busy_poll,
             deadlines: spec.deadlines,
+            pace: crate::deadline::Pace::shared(),
             deadline,
             oversubscribed: crate::spin::oversubscribed(local_ranks),
             span: span.clone(),

@@ -65,6 +65,8 @@ pub(crate) struct PairCtx {
     /// How long a waiting side polls its ring before it sleeps.
     pub(crate) busy_poll: Duration,
     pub(crate) deadlines: crate::Deadlines,
+    /// The pace shared by the mesh's links (see [`crate::deadline`]).
+    pub(crate) pace: Arc<crate::deadline::Pace>,
     pub(crate) deadline: Instant,
     /// More ranks of this mesh on this host than CPUs to run them ([`crate::spin::oversubscribed`]).
     pub(crate) oversubscribed: bool,
@@ -203,6 +205,7 @@ fn make_link(ctx: &PairCtx, peer: Rank, mapping: Mapping, slots: u32, slot_bytes
         generation: ctx.generation,
         max_message: ctx.max_message,
         deadlines: ctx.deadlines,
+        pace: Arc::clone(&ctx.pace),
         busy_poll: ctx.busy_poll,
         oversubscribed: ctx.oversubscribed,
         span: ctx.span.clone(),

@@ -38,6 +38,7 @@
 //! while a peer that reads sees end-of-stream at once.)
 
 use super::frame::{FrameHeader, HEADER_LEN};
+use crate::deadline::Pace;
 use crate::links::{self, Arrival, LinkCore, Poison};
 use crate::liveness::{self, PROBE_WITHIN};
 use crate::spin;
@@ -311,7 +312,8 @@ pub(crate) struct TcpLink {
 }
 
 impl TcpLink {
-    /// Wraps an authenticated stream (socket options already applied). With learning on,
+    /// Wraps an authenticated stream (socket options already applied); its links share `pace`
+    /// (see [`crate::deadline`]). With learning on,
     /// `peer_addr` (the peer's endpoint) is where its liveness responder answers; it is asked
     /// once now, in the background, so that later silences can be trusted.
     #[allow(clippy::too_many_arguments)]
@@ -320,6 +322,7 @@ impl TcpLink {
         generation: u64,
         max_frame: u64,
         deadlines: Deadlines,
+        pace: Arc<Pace>,
         peer_addr: Option<SocketAddr>,
         busy_poll: Duration,
         stream: TcpStream,
@@ -344,7 +347,7 @@ impl TcpLink {
             PeerProbe { target, verified }
         });
         Ok(Self {
-            core: LinkCore::new(peer, "tcp", "frame", deadlines, sock, span),
+            core: LinkCore::new(peer, "tcp", "frame", deadlines, pace, sock, span),
             generation,
             max_frame,
             probe,

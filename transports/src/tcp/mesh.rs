@@ -28,6 +28,8 @@ pub(crate) struct MeshCtx {
     pub options: TcpOptions,
     pub deadline: Instant,
     pub notes: SharedNotes,
+    /// The pace shared by this mesh's links, made up front or on first use.
+    pub pace: Arc<crate::deadline::Pace>,
 }
 
 impl MeshCtx {

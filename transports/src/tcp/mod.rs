@@ -201,6 +201,7 @@ impl TcpEndpoint {
             options: self.options.clone(),
             deadline,
             notes: Arc::clone(&notes),
+            pace: crate::deadline::Pace::shared(),
         });
         let mut tasks = JoinSet::new();
         for (peer, addr) in spec.peers.iter().enumerate().take(rank as usize) {
@@ -243,6 +244,7 @@ impl TcpEndpoint {
                     spec.generation,
                     self.options.max_frame,
                     spec.deadlines,
+                    Arc::clone(&ctx.pace),
                     spec.peers.get(peer).copied(),
                     self.options.busy_poll,
                     s,

@@ -53,6 +53,7 @@ impl OnDemand {
             self.setup.generation,
             self.setup.options.max_frame,
             self.deadlines,
+            Arc::clone(&self.setup.pace),
             self.peers.get(peer as usize).copied(),
             self.setup.options.busy_poll,
             stream,
