@@ -51,7 +51,8 @@
 //! `mode=compact` or `mode=full`.
 //!
 //! Run it with `cargo bench -p cohort-coordinator --bench scale -- --members 1024`
-//! (`--stores memory,etcd`, `--replicas 2`, `--steady-secs 5`; release build). Without
+//! (`--stores memory,etcd`, `--replicas 2`, `--steady-secs 5`, `--etcd-max-txn-ops 1024`: etcd
+//! and the coordinators run with that limit on a transaction's operations; release build). Without
 //! `--bench` on its command line (`cargo test --benches`, which the test command runs) it is
 //! a 96-member smoke version on the memory store, with a 2 s steady phase. Targets are
 //! reported in docs/benchmarks.md ("Scale"), never asserted here; every wait has a deadline
@@ -98,6 +99,9 @@ struct Plan {
     replicas: usize,
     steady: Duration,
     bound: Duration,
+    /// etcd's `--max-txn-ops` and the coordinators' `--etcd-max-txn-ops` (`None`: etcd's
+    /// default, 128, and no flag).
+    max_txn_ops: Option<u32>,
 }
 
 impl Plan {
@@ -117,6 +121,7 @@ impl Plan {
                 replicas: 2,
                 steady: Duration::ZERO,
                 bound: Duration::from_secs(300),
+                max_txn_ops: None,
             }
         } else {
             Plan {
@@ -126,6 +131,7 @@ impl Plan {
                 replicas: 1,
                 steady: Duration::from_secs(2),
                 bound: Duration::from_secs(60),
+                max_txn_ops: None,
             }
         };
         let mut it = args.iter();
@@ -140,6 +146,9 @@ impl Plan {
                 }
                 "--bound-secs" => {
                     plan.bound = Duration::from_secs(value(a)?.parse().map_err(|e| format!("--bound-secs: {e}"))?)
+                }
+                "--etcd-max-txn-ops" => {
+                    plan.max_txn_ops = Some(value(a)?.parse().map_err(|e| format!("--etcd-max-txn-ops: {e}"))?)
                 }
                 _ => {}
             }
@@ -188,7 +197,7 @@ impl Drop for Coordinator {
 }
 
 impl Coordinator {
-    fn start(store: &str, members: usize, index: usize) -> Result<Self, String> {
+    fn start(store: &str, members: usize, index: usize, max_txn_ops: Option<u32>) -> Result<Self, String> {
         let max = members.to_string();
         // COHORT_SCALE_LOG=PREFIX keeps each replica's log (RUST_LOG=info) in PREFIX.<index>.
         let (log, stderr) = match std::env::var("COHORT_SCALE_LOG") {
@@ -202,8 +211,12 @@ impl Coordinator {
         // to compare before and after on one machine in one sitting).
         let binary = std::env::var("COHORT_SCALE_COORDINATOR")
             .unwrap_or_else(|_| env!("CARGO_BIN_EXE_cohort-coordinator").into());
-        let mut child = std::process::Command::new(binary)
-            .args(["serve", "--listen", "127.0.0.1:0", "--store", store])
+        let mut command = std::process::Command::new(binary);
+        command.args(["serve", "--listen", "127.0.0.1:0", "--store", store]);
+        if let Some(n) = max_txn_ops {
+            command.args(["--etcd-max-txn-ops", &n.to_string()]);
+        }
+        let mut child = command
             .args(["--min-workers", "1", "--max-workers", &max, "--join-window", "60s"])
             // Members send no heartbeats outside the steady phase: a 60 s interval keeps the
             // coordinator from judging their silence (after 2 intervals, a failed rank's
@@ -568,10 +581,14 @@ async fn run(plan: &Plan, store: &str) -> Result<(), String> {
     let n = plan.members;
     let etcd = if store == "etcd" {
         Some(
-            tokio::task::spawn_blocking(EtcdProcess::start)
-                .await
-                .map_err(|e| format!("etcd start task: {e}"))?
-                .map_err(|e| e.to_string())?,
+            tokio::task::spawn_blocking({
+                let flags: Vec<String> =
+                    plan.max_txn_ops.map(|n| vec!["--max-txn-ops".into(), n.to_string()]).unwrap_or_default();
+                move || EtcdProcess::start_with_flags(&flags.iter().map(String::as_str).collect::<Vec<_>>())
+            })
+            .await
+            .map_err(|e| format!("etcd start task: {e}"))?
+            .map_err(|e| e.to_string())?,
         )
     } else {
         None
@@ -581,8 +598,9 @@ async fn run(plan: &Plan, store: &str) -> Result<(), String> {
         None => "memory".into(),
     };
     let replicas = if etcd.is_some() { plan.replicas } else { 1 };
-    let coordinators =
-        (0..replicas).map(|i| Coordinator::start(&spec, n, i)).collect::<Result<Vec<Coordinator>, String>>()?;
+    let coordinators = (0..replicas)
+        .map(|i| Coordinator::start(&spec, n, i, plan.max_txn_ops.filter(|_| etcd.is_some())))
+        .collect::<Result<Vec<Coordinator>, String>>()?;
     let etcd_before = match &etcd {
         Some(e) => etcd_counters(&e.endpoint())?,
         None => Vec::new(),
@@ -842,8 +860,9 @@ async fn run(plan: &Plan, store: &str) -> Result<(), String> {
     let rss: Vec<String> =
         coordinators.iter().map(|c| format!("{:.0}", c.peak_rss() as f64 / (1 << 20) as f64)).collect();
     let mode = if compact { "compact" } else { "full" };
+    let txn_ops = plan.max_txn_ops.filter(|_| etcd.is_some()).map(|n| format!(" max_txn_ops={n}")).unwrap_or_default();
     println!(
-        "scale store={store} mode={mode} members={n} replicas={replicas} connections={connections} fetched_per_member={:.1} \
+        "scale store={store} mode={mode} members={n} replicas={replicas}{txn_ops} connections={connections} fetched_per_member={:.1} \
          join_to_formed_ms={:.0} formation_cpu_s={:.2} watches_ms={:.0} watches_cpu_s={:.2} \
          revoked_p50_ms={:.1} revoked_p99_ms={:.1} revoked_max_ms={:.1} reformed_ms={:.0} failure_cpu_s={:.2}{steady} \
          peak_rss_mib={}{etcd_out}{phases}",

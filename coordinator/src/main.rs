@@ -4,7 +4,7 @@
 use clap::{Args, Parser, Subcommand};
 use cohort_coordinator::config::{parse_duration, Overrides, Settings};
 use cohort_coordinator::server::{ServeConfig, TlsFiles};
-use cohort_coordinator::store::etcd::EtcdSecurity;
+use cohort_coordinator::store::etcd::{EtcdSecurity, EtcdTuning};
 use cohort_coordinator::store::{OpenStoreError, StoreSpec};
 use cohort_proto::v1 as pb;
 use std::io::Write as _;
@@ -78,6 +78,10 @@ struct ServeArgs {
     /// File holding the etcd user's password.
     #[arg(long, requires = "etcd_user")]
     etcd_password_file: Option<PathBuf>,
+    /// Most operations in one shared etcd transaction: set it to the cluster's
+    /// `--max-txn-ops` when that is not etcd's default of 128 (etcd store only).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    etcd_max_txn_ops: Option<u32>,
     /// TOML settings file (`[defaults]`, `[jobs.<id>]`).
     #[arg(long)]
     config: Option<PathBuf>,
@@ -294,7 +298,8 @@ async fn serve(args: ServeArgs) -> Result<(), CliError> {
         (Some(c), Some(k)) => Some(TlsFiles { cert_pem: read(c)?, key_pem: read(k)? }),
         _ => None,
     };
-    let store = args.store.open(&etcd_security(&args)?).await?;
+    let tuning = args.etcd_max_txn_ops.map(|n| EtcdTuning { max_txn_ops: n as usize });
+    let store = args.store.open_tuned(&etcd_security(&args)?, tuning).await?;
     let listener = bind(&args.listen).await?;
     let metrics = match &args.metrics {
         Some(a) => Some(bind(a).await?),

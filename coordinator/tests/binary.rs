@@ -173,6 +173,20 @@ async fn bad_settings_are_refused_at_start() {
             "{}",
             String::from_utf8_lossy(&out.stderr)
         );
+        // etcd's request limits on the memory store, and a transaction of no operations.
+        for (args, says) in [
+            (&["--etcd-max-txn-ops", "512"], "--etcd-max-txn-ops needs an etcd store"),
+            (&["--etcd-max-txn-ops", "0"], "--etcd-max-txn-ops"),
+        ] {
+            let out = tokio::task::spawn_blocking(move || {
+                Command::new(BIN).args(["serve", "--listen", "127.0.0.1:0"]).args(args).output()
+            })
+            .await
+            .expect("task")
+            .expect("run");
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            assert!(!out.status.success() && stderr.contains(says), "{args:?}: {stderr}");
+        }
     })
     .await;
 }

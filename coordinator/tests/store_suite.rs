@@ -700,3 +700,73 @@ async fn etcd_process_restart_keeps_data_and_clients_recover() {
     })
     .await;
 }
+
+/// `EtcdTuning::max_txn_ops` sizes the shared transactions. Against an etcd run with
+/// `--max-txn-ops 512` and stopped (SIGSTOP) while 1,500 puts queue up behind the
+/// transactions in flight, the puts go, once it runs again, in shared transactions of more
+/// than etcd's default 128, every one applied; a store with the default tuning never puts
+/// more than 128 in one, on the same server.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_shared_transactions_grow_to_the_clusters_max_txn_ops() {
+    use cohort_coordinator::store::etcd::{EtcdSecurity, EtcdTuning, DEFAULT_REQUEST_TIMEOUT, MAX_BATCH_OPS};
+    const PUTS: u64 = 1500;
+    bounded(async {
+        let etcd = tokio::task::spawn_blocking(|| EtcdProcess::start_with_flags(&["--max-txn-ops", "512"]))
+            .await
+            .expect("etcd start task")
+            .expect("etcd with --max-txn-ops 512");
+        let pid = etcd.pid().expect("etcd runs") as libc::pid_t;
+        let endpoints = [etcd.endpoint()];
+        let security = EtcdSecurity::default();
+        for (max_txn_ops, prefix) in [(512, "/tuned/"), (MAX_BATCH_OPS, "/default/")] {
+            let tuning = EtcdTuning { max_txn_ops };
+            let store = EtcdStore::connect_tuned(&endpoints, DEFAULT_REQUEST_TIMEOUT, &security, tuning)
+                .await
+                .expect("connect");
+            // SAFETY: signalling the etcd child this test started and has not reaped.
+            unsafe { libc::kill(pid, libc::SIGSTOP) };
+            let puts = tokio::spawn({
+                let store = store.clone();
+                async move {
+                    let puts = (0..PUTS).map(|i| {
+                        let store = &store;
+                        async move { store.put(&format!("{prefix}{i}"), i.to_string().into_bytes(), None).await }
+                    });
+                    futures::future::join_all(puts).await
+                }
+            });
+            // Every put is either in a transaction in flight (to the stopped etcd) or queued.
+            let until = Instant::now() + Duration::from_secs(20);
+            loop {
+                let stats = store.batch_stats();
+                let in_flight = stats.requests_shared + stats.sent_alone;
+                if stats.waiting + in_flight >= PUTS && stats.waiting > 0 {
+                    break;
+                }
+                assert!(Instant::now() < until, "the puts never all queued: {stats:?}");
+                tokio::time::sleep(Duration::from_millis(10)).await; // polling the queue until `until`
+            }
+            // SAFETY: as above.
+            unsafe { libc::kill(pid, libc::SIGCONT) };
+            let puts = puts.await.expect("puts task");
+            for (i, put) in puts.into_iter().enumerate() {
+                put.unwrap_or_else(|e| panic!("put {i} with max_txn_ops {max_txn_ops}: {e}"));
+            }
+            let (kvs, _) = store.get_prefix(prefix).await.expect("get_prefix");
+            assert_eq!(kvs.len() as u64, PUTS, "every put applied ({prefix})");
+            let stats = store.batch_stats();
+            eprintln!("max_txn_ops {max_txn_ops}: {stats:?}");
+            assert_eq!((stats.retried_alone, stats.waiting), (0, 0), "{stats:?}");
+            if max_txn_ops > MAX_BATCH_OPS {
+                assert!(stats.largest_batch > MAX_BATCH_OPS as u64, "{stats:?}");
+            }
+            assert!(stats.largest_batch <= max_txn_ops as u64, "{stats:?}");
+        }
+        let zero = EtcdTuning { max_txn_ops: 0 };
+        let refused = EtcdStore::connect_tuned(&endpoints, DEFAULT_REQUEST_TIMEOUT, &security, zero)
+            .await
+            .expect_err("no operation per transaction");
+        assert!(matches!(refused, StoreError::Invalid(_)), "{refused:?}");
+    })
+    .await;
+}

@@ -23,7 +23,7 @@
 pub mod etcd;
 pub mod memory;
 
-use etcd::{EtcdSecurity, EtcdStore, DEFAULT_REQUEST_TIMEOUT};
+use etcd::{EtcdSecurity, EtcdStore, EtcdTuning, DEFAULT_REQUEST_TIMEOUT};
 use memory::MemoryStore;
 use std::fmt;
 use std::pin::Pin;
@@ -286,6 +286,9 @@ pub enum OpenStoreError {
     /// etcd security settings given for a store that is not etcd (they would be ignored).
     #[error("the etcd TLS and user settings need an etcd store, not {0}")]
     SecurityWithoutEtcd(StoreKind),
+    /// etcd request limits given for a store that is not etcd (they would be ignored).
+    #[error("--etcd-max-txn-ops needs an etcd store, not {0}")]
+    TuningWithoutEtcd(StoreKind),
     /// The backend refused or could not be reached.
     #[error("store: {0}")]
     Store(#[from] StoreError),
@@ -307,14 +310,29 @@ impl StoreSpec {
     /// Cancel safe: dropping the future drops the connection being made; nothing else
     /// happens.
     pub async fn open(&self, etcd: &EtcdSecurity) -> Result<Arc<dyn Store>, OpenStoreError> {
+        self.open_tuned(etcd, None).await
+    }
+
+    /// Like [`StoreSpec::open`], with an etcd store's requests shaped by `tuning` (the
+    /// default: etcd's default limits); tuning for a store that is not etcd is refused.
+    ///
+    /// # Cancel safety
+    /// As [`StoreSpec::open`].
+    pub async fn open_tuned(
+        &self,
+        etcd: &EtcdSecurity,
+        tuning: Option<EtcdTuning>,
+    ) -> Result<Arc<dyn Store>, OpenStoreError> {
         let etcd_settings = etcd.ca_pem.is_some() || etcd.client_identity.is_some() || etcd.user.is_some();
         match self {
             StoreSpec::Memory if etcd_settings => Err(OpenStoreError::SecurityWithoutEtcd(self.kind())),
+            StoreSpec::Memory if tuning.is_some() => Err(OpenStoreError::TuningWithoutEtcd(self.kind())),
             StoreSpec::Memory => Ok(Arc::new(MemoryStore::new())),
             StoreSpec::Etcd { endpoints } => {
                 let scheme = if etcd.ca_pem.is_some() { "https" } else { "http" };
                 let urls: Vec<String> = endpoints.iter().map(|e| format!("{scheme}://{e}")).collect();
-                Ok(Arc::new(EtcdStore::connect_secured(&urls, DEFAULT_REQUEST_TIMEOUT, etcd).await?))
+                let tuning = tuning.unwrap_or_default();
+                Ok(Arc::new(EtcdStore::connect_tuned(&urls, DEFAULT_REQUEST_TIMEOUT, etcd, tuning).await?))
             }
         }
     }
@@ -381,5 +399,16 @@ mod tests {
             Err(OpenStoreError::SecurityWithoutEtcd(StoreKind::Memory))
         ));
         assert!(StoreSpec::Memory.open(&EtcdSecurity::default()).await.is_ok());
+        let tuning = Some(EtcdTuning { max_txn_ops: 512 });
+        assert!(matches!(
+            StoreSpec::Memory.open_tuned(&EtcdSecurity::default(), tuning).await,
+            Err(OpenStoreError::TuningWithoutEtcd(StoreKind::Memory))
+        ));
+        let spec: StoreSpec = "etcd://127.0.0.1:1".parse().expect("spec");
+        let zero = Some(EtcdTuning { max_txn_ops: 0 });
+        assert!(matches!(
+            spec.open_tuned(&EtcdSecurity::default(), zero).await,
+            Err(OpenStoreError::Store(StoreError::Invalid(_)))
+        ));
     }
 }

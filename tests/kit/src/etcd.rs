@@ -103,6 +103,8 @@ pub struct EtcdProcess {
     peer_port: u16,
     /// With TLS: TLS on the client port, and `/health` served in plain text on `metrics_port`.
     tls: Option<(EtcdServerTls, u16)>,
+    /// More command-line flags for the server (limits such as `--max-txn-ops`).
+    flags: Vec<String>,
     child: Option<Child>,
 }
 
@@ -221,6 +223,16 @@ impl EtcdProcess {
     /// Like [`EtcdProcess::start`], with TLS on the client port when `tls` is given (the
     /// endpoint is then `https://`). Blocking.
     pub fn start_with(tls: Option<EtcdServerTls>) -> Result<EtcdProcess, EtcdProcessError> {
+        EtcdProcess::start_configured(tls, &[])
+    }
+
+    /// Like [`EtcdProcess::start`], with more server `flags` (e.g. `["--max-txn-ops", "512"]`;
+    /// kept across restarts). Blocking.
+    pub fn start_with_flags(flags: &[&str]) -> Result<EtcdProcess, EtcdProcessError> {
+        EtcdProcess::start_configured(None, flags)
+    }
+
+    fn start_configured(tls: Option<EtcdServerTls>, flags: &[&str]) -> Result<EtcdProcess, EtcdProcessError> {
         let bin = find_binary()?;
         let mut attempt = 1;
         loop {
@@ -233,7 +245,8 @@ impl EtcdProcess {
                 Some(t) => Some((t.clone(), pick_ports()?.0)),
                 None => None,
             };
-            let mut etcd = EtcdProcess { bin: bin.clone(), dir, client_port, peer_port, tls, child: None };
+            let flags = flags.iter().map(|f| f.to_string()).collect();
+            let mut etcd = EtcdProcess { bin: bin.clone(), dir, client_port, peer_port, tls, flags, child: None };
             match etcd.launch() {
                 Ok(()) => {
                     tracing::info!(endpoint = %etcd.endpoint(), dir = %etcd.dir.path().display(), "etcd started");
@@ -359,6 +372,7 @@ impl EtcdProcess {
             }
             cmd.args(["--listen-metrics-urls", &format!("http://127.0.0.1:{metrics_port}")]);
         }
+        cmd.args(&self.flags);
         cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::from(log));
         // Settings in the environment (ETCD_*) would silently change the member.
         for (key, _) in std::env::vars_os() {

@@ -13,8 +13,10 @@
 //! finds a free slot goes at once, alone, as the plain request it always was.
 //!
 //! # What a batch may hold ([`BatchShape`])
-//! - at most [`MAX_BATCH_OPS`] operations and compares (etcd's default `--max-txn-ops`) and
-//!   [`MAX_BATCH_BYTES`] of keys and values (below etcd's 1.5 MiB request limit);
+//! - at most [`MAX_BATCH_OPS`] operations and compares (etcd's default `--max-txn-ops`; a
+//!   cluster run with another limit is matched with [`super::EtcdTuning::max_txn_ops`],
+//!   `cohort-coordinator serve --etcd-max-txn-ops`) and [`MAX_BATCH_BYTES`] of keys and values
+//!   (below etcd's 1.5 MiB request limit);
 //! - no two writes of one key (etcd refuses a transaction that writes a key twice);
 //! - no compare on a key that an earlier request of the batch writes: etcd evaluates every
 //!   compare before any operation, so such a compare would see the key as it was before the
@@ -44,8 +46,9 @@ use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit, Semaphore};
 use super::{compare_to_etcd, convert_kv, header_revision, map_error, op_to_etcd};
 use crate::store::{Compare, KeyValue, LeaseId, StoreError, Txn, TxnOp, TxnResult};
 
-/// Most operations (and, separately, compares) in one batch: etcd's default `--max-txn-ops`.
-/// A cluster configured lower refuses a full batch; its members are then run alone.
+/// Most operations (and, separately, compares) in one batch by default: etcd's default
+/// `--max-txn-ops`. A cluster configured lower refuses a full batch; its members are then run
+/// alone.
 pub const MAX_BATCH_OPS: usize = 128;
 
 /// Most bytes of keys and values in one batch, below etcd's default 1.5 MiB request limit.
@@ -112,15 +115,29 @@ impl Request {
 }
 
 /// What one batch holds so far, to decide whether the next request may join it.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(super) struct BatchShape {
+    /// Most operations (and, separately, compares) of the batch.
+    max_ops: usize,
     ops: usize,
     compares: usize,
     bytes: usize,
     written: HashSet<String>,
 }
 
+impl Default for BatchShape {
+    /// An empty batch of at most [`MAX_BATCH_OPS`] operations.
+    fn default() -> Self {
+        Self::new(MAX_BATCH_OPS)
+    }
+}
+
 impl BatchShape {
+    /// An empty batch of at most `max_ops` operations (and as many compares).
+    pub(super) fn new(max_ops: usize) -> Self {
+        Self { max_ops, ops: 0, compares: 0, bytes: 0, written: HashSet::new() }
+    }
+
     /// Adds `request` if it fits (see the module docs); an empty shape takes any request, so
     /// that one too large for a batch still goes, alone.
     pub(super) fn admit(&mut self, request: &Request) -> bool {
@@ -149,8 +166,8 @@ impl BatchShape {
         };
         let first = self.ops == 0 && self.compares == 0;
         if !first {
-            let fits = self.ops + ops <= MAX_BATCH_OPS
-                && self.compares + compares <= MAX_BATCH_OPS
+            let fits = self.ops + ops <= self.max_ops
+                && self.compares + compares <= self.max_ops
                 && self.bytes + bytes <= MAX_BATCH_BYTES;
             let conflicts =
                 writes.iter().chain(&compared).any(|k| self.written.contains(*k)) || has_duplicates(&writes);
@@ -196,6 +213,9 @@ struct BatchCounters {
     shared_transactions: AtomicU64,
     requests_shared: AtomicU64,
     retried_alone: AtomicU64,
+    sent_alone: AtomicU64,
+    largest_batch: AtomicU64,
+    waiting: AtomicU64,
 }
 
 /// What an etcd store's batching queues have sent so far ([`super::EtcdStore::batch_stats`]).
@@ -207,6 +227,13 @@ pub struct BatchStats {
     pub requests_shared: u64,
     /// Shared transactions whose members were run again on their own.
     pub retried_alone: u64,
+    /// Requests that found the queue idle and went alone, as plain requests.
+    pub sent_alone: u64,
+    /// The most requests one shared transaction carried.
+    pub largest_batch: u64,
+    /// Requests queued now, not yet sent (they wait for one of the queue's transactions in
+    /// flight to be answered).
+    pub waiting: u64,
 }
 
 /// The two queues (reads, writes) and their counters. Clones share them; the queues' tasks end
@@ -222,7 +249,7 @@ pub(super) struct Batcher {
 impl Batcher {
     /// Starts the read and the write queue on the current Tokio runtime, each sending its
     /// batches through `kv` with `request_timeout` per transaction.
-    pub(super) fn start(kv: KvClient, request_timeout: Duration) -> Batcher {
+    pub(super) fn start(kv: KvClient, request_timeout: Duration, max_ops: usize) -> Batcher {
         let counters = Arc::new(BatchCounters::default());
         let (reads, read_rx) = mpsc::channel(QUEUE_CAPACITY);
         let (writes, write_rx) = mpsc::channel(QUEUE_CAPACITY);
@@ -230,8 +257,9 @@ impl Batcher {
         tokio::spawn(run_queue(
             read_rx,
             Sender { kv: sender.kv.clone().max_decoding_message_size(MAX_READ_ANSWER), ..sender.clone() },
+            max_ops,
         ));
-        tokio::spawn(run_queue(write_rx, sender));
+        tokio::spawn(run_queue(write_rx, sender, max_ops));
         // Waiting in the queue, the batch, then (if it failed) the request alone.
         Batcher { reads, writes, counters, deadline: request_timeout * 3 }
     }
@@ -246,7 +274,11 @@ impl Batcher {
         let queue = if matches!(request, Request::Get(_)) { &self.reads } else { &self.writes };
         let (reply, answer) = oneshot::channel();
         let waited = tokio::time::timeout(self.deadline, async {
+            // Counted before it is queued, so that the queue's task, which uncounts it, never
+            // sees it first; uncounted here if it never got into the queue.
+            let counted = Waiting::count(&self.counters.waiting);
             queue.send(Queued { request, reply }).await.map_err(|_| closed())?;
+            counted.queued();
             answer.await.map_err(|_| closed())?
         })
         .await;
@@ -265,6 +297,33 @@ impl Batcher {
             shared_transactions: c.shared_transactions.load(Ordering::Relaxed),
             requests_shared: c.requests_shared.load(Ordering::Relaxed),
             retried_alone: c.retried_alone.load(Ordering::Relaxed),
+            sent_alone: c.sent_alone.load(Ordering::Relaxed),
+            largest_batch: c.largest_batch.load(Ordering::Relaxed),
+            waiting: c.waiting.load(Ordering::Relaxed),
+        }
+    }
+}
+
+/// One request counted in [`BatchStats::waiting`] on its way into a queue: uncounted when
+/// dropped before it was queued (the queue was closed or full and the caller gave up).
+struct Waiting<'a>(Option<&'a AtomicU64>);
+
+impl<'a> Waiting<'a> {
+    fn count(waiting: &'a AtomicU64) -> Self {
+        waiting.fetch_add(1, Ordering::Relaxed);
+        Self(Some(waiting))
+    }
+
+    /// In the queue: from now on the queue's task uncounts it.
+    fn queued(mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        if let Some(w) = self.0 {
+            w.fetch_sub(1, Ordering::Relaxed);
         }
     }
 }
@@ -283,7 +342,7 @@ struct Sender {
 
 /// One queue's loop: take the oldest request, wait for a free slot (more requests queue up
 /// meanwhile), add every queued request that fits, and send the batch on its own task.
-async fn run_queue(mut queue: mpsc::Receiver<Queued>, sender: Sender) {
+async fn run_queue(mut queue: mpsc::Receiver<Queued>, sender: Sender, max_ops: usize) {
     let slots = Arc::new(Semaphore::new(IN_FLIGHT));
     let mut next: Option<Queued> = None;
     loop {
@@ -295,7 +354,7 @@ async fn run_queue(mut queue: mpsc::Receiver<Queued>, sender: Sender) {
             },
         };
         let Ok(slot) = slots.clone().acquire_owned().await else { return };
-        let mut shape = BatchShape::default();
+        let mut shape = BatchShape::new(max_ops);
         shape.admit(&first.request);
         let mut batch = vec![first];
         while let Ok(q) = queue.try_recv() {
@@ -306,6 +365,7 @@ async fn run_queue(mut queue: mpsc::Receiver<Queued>, sender: Sender) {
                 break;
             }
         }
+        sender.counters.waiting.fetch_sub(batch.len() as u64, Ordering::Relaxed);
         tokio::spawn(sender.clone().send(batch, slot));
     }
 }
@@ -315,11 +375,13 @@ impl Sender {
     async fn send(self, batch: Vec<Queued>, _slot: OwnedSemaphorePermit) {
         if batch.len() == 1 {
             let Some(q) = batch.into_iter().next() else { return };
+            self.counters.sent_alone.fetch_add(1, Ordering::Relaxed);
             let _ = q.reply.send(self.alone(q.request).await);
             return;
         }
         self.counters.shared_transactions.fetch_add(1, Ordering::Relaxed);
         self.counters.requests_shared.fetch_add(batch.len() as u64, Ordering::Relaxed);
+        self.counters.largest_batch.fetch_max(batch.len() as u64, Ordering::Relaxed);
         let (requests, replies): (Vec<Request>, Vec<_>) = batch.into_iter().map(|q| (q.request, q.reply)).unzip();
         match self.shared(&requests).await {
             Ok(answers) => {

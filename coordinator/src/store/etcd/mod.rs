@@ -129,6 +129,33 @@ impl EtcdSecurity {
     }
 }
 
+/// How the coordinator shapes its requests to fit one etcd cluster's limits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct EtcdTuning {
+    /// Most operations (and, separately, compares) in one shared transaction: the cluster's
+    /// `--max-txn-ops` (default [`MAX_BATCH_OPS`], etcd's default). A larger limit lets a
+    /// large job's concurrent writes go in fewer transactions (fewer raft entries); one above
+    /// the cluster's is refused by etcd, and the requests of such a batch are run alone.
+    pub max_txn_ops: usize,
+}
+
+impl Default for EtcdTuning {
+    /// etcd's defaults.
+    fn default() -> Self {
+        Self { max_txn_ops: MAX_BATCH_OPS }
+    }
+}
+
+impl EtcdTuning {
+    /// Refuses settings no cluster accepts (no operation per transaction).
+    pub fn check(&self) -> Result<(), StoreError> {
+        if self.max_txn_ops == 0 {
+            return Err(StoreError::Invalid("the most operations per etcd transaction must be at least 1".into()));
+        }
+        Ok(())
+    }
+}
+
 /// A [`Store`] on an etcd v3 cluster. Clones share one connection.
 #[derive(Clone)]
 pub struct EtcdStore {
@@ -313,6 +340,21 @@ impl EtcdStore {
         request_timeout: Duration,
         security: &EtcdSecurity,
     ) -> Result<EtcdStore, StoreError> {
+        EtcdStore::connect_tuned(endpoints, request_timeout, security, EtcdTuning::default()).await
+    }
+
+    /// Like [`EtcdStore::connect_secured`], with requests shaped by `tuning` (refused before
+    /// any connection if [`EtcdTuning::check`] fails).
+    ///
+    /// # Cancel safety
+    /// Cancel safe: dropping the future drops the half-made connection.
+    pub async fn connect_tuned(
+        endpoints: &[String],
+        request_timeout: Duration,
+        security: &EtcdSecurity,
+        tuning: EtcdTuning,
+    ) -> Result<EtcdStore, StoreError> {
+        tuning.check()?;
         if endpoints.is_empty() {
             return Err(StoreError::Invalid("no etcd endpoints given".into()));
         }
@@ -329,7 +371,7 @@ impl EtcdStore {
             .await
             .map_err(|_| StoreError::Unavailable(format!("connecting to etcd at {endpoints:?} timed out")))?
             .map_err(|e| security.explain(map_error(e, None)))?;
-        let batcher = Batcher::start(client.kv_client(), request_timeout);
+        let batcher = Batcher::start(client.kv_client(), request_timeout, tuning.max_txn_ops);
         let store = EtcdStore { client, request_timeout, batcher, keepalives: std::sync::Arc::new(KeepAlives::new()) };
         // The client connects lazily; one status call proves the cluster is there.
         let mut maintenance = store.client.maintenance_client();
