@@ -14,7 +14,7 @@
 //!
 //! A link that has not seen [`MIN_SAMPLES`] gaps (one that only sends, or only carries
 //! single-message exchanges such as a small allreduce by recursive doubling) cannot judge its
-//! own pace; with learning on it takes its transport's ([`Pace`]: the deadline the transport's
+//! own pace; with learning on it takes its transport's (`Pace`: the deadline the transport's
 //! learned links last had, at least the floor), so a stopped peer is asked about on such a link
 //! as soon as on any other instead of at the ceiling.
 //!
@@ -88,7 +88,7 @@ pub enum DeadlineBasis {
     /// Learning is off: the configured deadline.
     Fixed,
     /// Too few gaps seen yet on this link ([`MIN_SAMPLES`]; a link that only sends, or only
-    /// carries single-message exchanges, never sees any): the transport's pace ([`Pace`]), at
+    /// carries single-message exchanges, never sees any): the transport's pace (`Pace`), at
     /// least the floor; the ceiling for [`ProgressEstimator::deadline`] alone.
     Unlearned,
     /// The learned value was below the floor: the floor.
