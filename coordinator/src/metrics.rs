@@ -40,6 +40,8 @@ pub struct Metrics {
     stragglers_now: Mutex<BTreeMap<String, BTreeMap<String, ()>>>,
     /// Keys under the jobs prefix at the last census (`None` before the first).
     store_keys: Mutex<Option<u64>>,
+    /// The store whose request batching is rendered (`cohort_etcd_*`), once set.
+    store: std::sync::OnceLock<Arc<dyn crate::store::Store>>,
 }
 
 /// The canonical name of a gRPC code (as in the gRPC spec).
@@ -179,6 +181,12 @@ impl Metrics {
         *self.store_keys.lock().unwrap_or_else(PoisonError::into_inner) = Some(keys);
     }
 
+    /// Renders `store`'s request batching from now on (`cohort_etcd_*`, an etcd store only);
+    /// the first store set stays.
+    pub fn watch_store(&self, store: Arc<dyn crate::store::Store>) {
+        let _ = self.store.set(store);
+    }
+
     /// The generations formed so far by this replica.
     pub fn generations_formed(&self) -> u64 {
         self.generations_formed.load(Ordering::Relaxed)
@@ -267,6 +275,19 @@ impl Metrics {
                 out,
                 "# HELP cohort_store_keys Keys under the store's jobs prefix at the last census (every 10 s).\n# TYPE cohort_store_keys gauge\ncohort_store_keys {keys}"
             );
+        }
+        if let Some(b) = self.store.get().and_then(|s| s.request_batching()) {
+            let rows: [(&str, &str, &str, u64); 6] = [
+                ("cohort_etcd_shared_transactions_total", "counter", "etcd transactions that carried two or more of this replica's requests", b.shared_transactions),
+                ("cohort_etcd_requests_shared_total", "counter", "Requests that went in such transactions", b.requests_shared),
+                ("cohort_etcd_requests_alone_total", "counter", "Requests that found their queue idle and went alone", b.sent_alone),
+                ("cohort_etcd_shared_retried_alone_total", "counter", "Shared transactions refused or failed whose requests were run again one by one (a count that grows: check --etcd-max-txn-ops against the cluster's --max-txn-ops)", b.retried_alone),
+                ("cohort_etcd_largest_shared_transaction", "gauge", "The most requests one shared transaction carried (at --etcd-max-txn-ops, formations would take larger ones)", b.largest_batch),
+                ("cohort_etcd_requests_waiting", "gauge", "Requests queued for etcd now, behind the transactions in flight", b.waiting),
+            ];
+            for (name, kind, help, value) in rows {
+                let _ = writeln!(out, "# HELP {name} {help}.\n# TYPE {name} {kind}\n{name} {value}");
+            }
         }
         cohort_proto::process_metrics::render(&mut out);
         out
@@ -429,6 +450,9 @@ mod tests {
         assert!(text.contains("cohort_members{job=\"j\"} 4"));
         assert!(text.contains("cohort_generation{job=\"j\"} 2"));
         assert!(text.contains("cohort_generations_formed_total 1"));
+        // The memory store batches nothing: no etcd series.
+        m.watch_store(Arc::new(crate::store::memory::MemoryStore::new()));
+        assert!(!m.render().contains("cohort_etcd_"));
         // The job ends: none of its series is left.
         m.forget_job("j");
         let text = m.render();

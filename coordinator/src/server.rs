@@ -219,6 +219,7 @@ where
     }
     let (shutdown_tx, shutdown_rx) = watch::channel(false);
     let metrics = Arc::new(Metrics::default());
+    metrics.watch_store(config.store.clone());
     let replica = config.replica_name.clone().unwrap_or_else(|| default_name(local_addr));
     let ctx = Arc::new(Context {
         store: config.store.clone(),

@@ -756,6 +756,17 @@ async fn etcd_shared_transactions_grow_to_the_clusters_max_txn_ops() {
             assert_eq!(kvs.len() as u64, PUTS, "every put applied ({prefix})");
             let stats = store.batch_stats();
             eprintln!("max_txn_ops {max_txn_ops}: {stats:?}");
+            // A replica's metrics say the same.
+            let metrics = cohort_coordinator::metrics::Metrics::default();
+            metrics.watch_store(std::sync::Arc::new(store.clone()));
+            let text = metrics.render();
+            for line in [
+                format!("cohort_etcd_largest_shared_transaction {}", stats.largest_batch),
+                format!("cohort_etcd_requests_shared_total {}", stats.requests_shared),
+                "cohort_etcd_requests_waiting 0".to_string(),
+            ] {
+                assert!(text.lines().any(|l| l == line), "{line:?} not in\n{text}");
+            }
             assert_eq!((stats.retried_alone, stats.waiting), (0, 0), "{stats:?}");
             if max_txn_ops > MAX_BATCH_OPS {
                 assert!(stats.largest_batch > MAX_BATCH_OPS as u64, "{stats:?}");

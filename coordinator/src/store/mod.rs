@@ -184,6 +184,12 @@ pub trait Store: Send + Sync + 'static {
         Duration::from_secs(1)
     }
 
+    /// What the backend's request batching has done so far, if it batches (etcd does,
+    /// see [`etcd::BatchStats`]; the memory store does not).
+    fn request_batching(&self) -> Option<etcd::BatchStats> {
+        None
+    }
+
     /// Watches every key with `prefix`, delivering all changes with revision >= `from_revision`
     /// in revision order (use the revision of a `get_prefix` plus one to continue from a read).
     /// `from_revision <= 0` means "changes after now". The watch is registered when this

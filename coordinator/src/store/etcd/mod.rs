@@ -411,6 +411,10 @@ impl EtcdStore {
 
 #[async_trait::async_trait]
 impl Store for EtcdStore {
+    fn request_batching(&self) -> Option<BatchStats> {
+        Some(self.batcher.stats())
+    }
+
     async fn get(&self, key: &str) -> Result<Option<KeyValue>, StoreError> {
         check_key(key)?;
         match self.batcher.submit(Request::Get(key.to_string())).await? {
