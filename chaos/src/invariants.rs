@@ -113,11 +113,7 @@ pub fn tcp_links_within_plan(events: &[WorkerEvent]) -> Check {
     for (e, g) in events.iter().filter_map(|e| Some((e, e.get::<ev::Generation>()?))) {
         let Some(links) = g.links.filter(|_| g.transport == "tcp") else { continue };
         judged += 1;
-        let bound = if g.world <= cohort::elastic::FULL_MESH_UP_TO as u64 {
-            g.world.saturating_sub(1)
-        } else {
-            2 * u64::from(g.world.next_power_of_two().trailing_zeros()) + 1
-        };
+        let bound = plan_bound(g.world);
         if links > bound {
             wrong.push(format!(
                 "{} in generation {} ({} members): {links} links, at most {bound}",
@@ -137,6 +133,64 @@ pub fn tcp_links_within_plan(events: &[WorkerEvent]) -> Check {
             }
             (true, None) => "no generation event carried a link count".into(),
             (false, _) => wrong.join("; "),
+        },
+    }
+}
+
+/// The most links a rank of a TCP generation of `world` members (each a host of its own)
+/// makes at set-up: every other rank up to [`cohort::elastic::FULL_MESH_UP_TO`] members,
+/// `2 ceil(log2 N) + 1` above it.
+fn plan_bound(world: u64) -> u64 {
+    if world <= cohort::elastic::FULL_MESH_UP_TO as u64 {
+        world.saturating_sub(1)
+    } else {
+        2 * u64::from(world.next_power_of_two().trailing_zeros()) + 1
+    }
+}
+
+/// Over TCP, re-formations carry links over (incremental re-formation): a survivor (a worker
+/// that was a member of an earlier generation) dials at most the plan's bound of new links,
+/// and across the run some links were carried, so that a re-formation does not dial its whole
+/// plan again. Reports the share carried and the most new links of any survivor. Events
+/// without the counts (older workers) are not judged; unless at least one survivor's
+/// generation is, the check fails.
+pub fn tcp_links_carried_over(events: &[WorkerEvent]) -> Check {
+    let mut seen: BTreeSet<&str> = BTreeSet::new();
+    let (mut judged, mut links_total, mut carried_total, mut most_new) = (0u64, 0u64, 0u64, 0u64);
+    let mut wrong = Vec::new();
+    for (e, g) in events.iter().filter_map(|e| Some((e, e.get::<ev::Generation>()?))) {
+        if g.transport != "tcp" {
+            continue;
+        }
+        let survivor = !seen.insert(&e.worker);
+        let (Some(links), Some(carried), true) = (g.links, g.carried, survivor) else { continue };
+        judged += 1;
+        let new = links.saturating_sub(carried);
+        if carried > links || new > plan_bound(g.world) {
+            wrong.push(format!(
+                "{} in generation {} ({} members): {links} links, {carried} carried, {new} new (at most {})",
+                e.worker,
+                g.gen,
+                g.world,
+                plan_bound(g.world)
+            ));
+        }
+        links_total += links;
+        carried_total += carried;
+        most_new = most_new.max(new);
+    }
+    Check {
+        what: "over TCP, survivors carry their links into the next generation".into(),
+        ok: judged > 0 && carried_total > 0 && wrong.is_empty(),
+        detail: if !wrong.is_empty() {
+            wrong.join("; ")
+        } else if judged == 0 {
+            "no survivor's generation event carried the link counts".into()
+        } else {
+            format!(
+                "{judged} survivor-generations: {carried_total} of {links_total} links carried ({}%), at most {most_new} new per survivor",
+                carried_total * 100 / links_total.max(1)
+            )
         },
     }
 }

@@ -89,6 +89,9 @@ pub(crate) struct LinkCore {
     /// `seq` of every receive currently waiting on this link (stale-tag detection).
     waiting: Waiting,
     broken: OnceLock<TransportError>,
+    /// Set once the link's socket was carried into a later generation
+    /// ([`LinkCore::hand_over`]): the socket is no longer this link's to shut down.
+    handed_over: std::sync::atomic::AtomicBool,
     /// A duplicate of the link's socket, to shut it down without touching the link's own.
     sock: socket2::Socket,
     /// The owning transport's span (job, generation, rank).
@@ -116,6 +119,7 @@ impl LinkCore {
             changed: Notify::new(),
             waiting: Waiting::default(),
             broken: OnceLock::new(),
+            handed_over: std::sync::atomic::AtomicBool::new(false),
             sock,
             span,
         }
@@ -170,11 +174,29 @@ impl LinkCore {
     }
 
     /// Shuts the socket down in both directions without waiting for the peer, and wakes
-    /// local waiters.
+    /// local waiters. A socket carried into a later generation ([`LinkCore::hand_over`]) is
+    /// left alone: it belongs to that generation's link now.
     pub(crate) fn shutdown(&self) {
-        // Errors (e.g. already disconnected) leave nothing to do.
-        let _ = self.sock.shutdown(std::net::Shutdown::Both);
+        if !self.handed_over.load(std::sync::atomic::Ordering::Acquire) {
+            // Errors (e.g. already disconnected) leave nothing to do.
+            let _ = self.sock.shutdown(std::net::Shutdown::Both);
+        }
         self.changed.notify_waiters();
+    }
+
+    /// Marks the link as handed over to generation `to`: broken for every later operation
+    /// here, and its socket never shut down from here again. The caller then owns the socket.
+    pub(crate) fn hand_over(&self, to: u64) {
+        self.handed_over.store(true, std::sync::atomic::Ordering::Release);
+        self.break_quietly(TransportError::Aborted(AbortReason::new(format!(
+            "this link was carried over to generation {to}"
+        ))));
+    }
+
+    /// Whether the link can still be carried into a later generation: not broken, and not
+    /// handed over already.
+    pub(crate) fn carriable(&self) -> bool {
+        self.broken.get().is_none() && !self.handed_over.load(std::sync::atomic::Ordering::Acquire)
     }
 
     /// Registers a receive of `seq` until the returned guard drops (stale-tag detection).
@@ -342,6 +364,17 @@ impl<'a> Poison<'a> {
         Self { link, armed: true }
     }
 
+    /// Not armed yet: an operation that may still be dropped harmlessly (nothing of its
+    /// message moved) arms it with [`Poison::arm_now`] once that changes.
+    pub(crate) fn disarmed(link: &'a LinkCore) -> Self {
+        Self { link, armed: false }
+    }
+
+    /// Part of the message moved: dropping the operation from now on breaks the link.
+    pub(crate) fn arm_now(&mut self) {
+        self.armed = true;
+    }
+
     /// The operation reached a message boundary: dropping it now is harmless.
     pub(crate) fn disarm(&mut self) {
         self.armed = false;
@@ -392,6 +425,9 @@ pub(crate) struct Links<L> {
     /// installed while the transport aborts is shut down by one of the two.
     installing: Mutex<()>,
     abort: AbortLatch,
+    /// Whether an abort leaves the sockets open, so that the links can be carried into the
+    /// next generation ([`Links::keep_open_on_abort`]).
+    keep_open: bool,
     /// What links the peers (`"TCP"`, `"shared memory"`), for errors and logs.
     over: &'static str,
     span: tracing::Span,
@@ -419,7 +455,37 @@ impl<L: Link> Links<L> {
                 slot
             })
             .collect();
-        Self { generation, rank, world, links, installing: Mutex::new(()), abort: AbortLatch::new(), over, span }
+        Self {
+            generation,
+            rank,
+            world,
+            links,
+            installing: Mutex::new(()),
+            abort: AbortLatch::new(),
+            keep_open: false,
+            over,
+            span,
+        }
+    }
+
+    /// An abort stops every operation but leaves the sockets open, for the links to be carried
+    /// into the next generation; [`Links::close_all`] (or dropping the transport) closes them.
+    pub(crate) fn keep_open_on_abort(mut self) -> Self {
+        self.keep_open = true;
+        self
+    }
+
+    /// Shuts every link down that was not handed over (see [`LinkCore::hand_over`]).
+    pub(crate) fn close_all(&self) {
+        let _sweep = lock(&self.installing);
+        for l in self.links.iter().filter_map(OnceLock::get) {
+            l.core().shutdown();
+        }
+    }
+
+    /// Whether the transport was aborted (not merely a link broken).
+    pub(crate) fn aborted(&self) -> bool {
+        self.abort.reason().is_some()
     }
 
     /// The link to `peer`, if it is linked here.
@@ -441,7 +507,7 @@ impl<L: Link> Links<L> {
         if slot.set(link).is_err() {
             return false;
         }
-        if self.abort.reason().is_some() {
+        if self.abort.reason().is_some() && !self.keep_open {
             if let Some(l) = slot.get() {
                 l.core().shutdown();
             }
@@ -492,14 +558,14 @@ impl<L: Link> Links<L> {
         self.abort.run(link.recv(tag, buf)).await
     }
 
-    /// [`crate::Transport::abort`]: trips the latch and shuts every link down.
+    /// [`crate::Transport::abort`]: trips the latch and shuts every link down (unless they
+    /// are kept open for the next generation, [`Links::keep_open_on_abort`]).
     pub(crate) fn abort(&self, reason: AbortReason) {
         if self.abort.trip(&reason) {
             let _enter = self.span.enter();
-            tracing::debug!(%reason, "transport over {} aborted", self.over);
-            let _sweep = lock(&self.installing);
-            for l in self.links.iter().filter_map(OnceLock::get) {
-                l.core().shutdown();
+            tracing::debug!(%reason, keep_open = self.keep_open, "transport over {} aborted", self.over);
+            if !self.keep_open {
+                self.close_all();
             }
         }
     }

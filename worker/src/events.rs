@@ -198,6 +198,9 @@ events! {
         /// Data-plane peers linked at set-up (every other rank in a full mesh; fewer when
         /// only the links the schedules use are made up front).
         links: Option<u64>,
+        /// How many of those links were carried over from the previous generation rather
+        /// than dialled (incremental re-formation); the others are new.
+        carried: Option<u64>,
         /// Wall clock (ms since the Unix epoch).
         t_ms: u64,
     }

@@ -24,6 +24,7 @@ impl Run<'_> {
         checks.extend(self.transport_check(&events));
         if self.sc.transport.as_deref() == Some("tcp") && self.sc.worker_command.is_none() {
             checks.push(invariants::tcp_links_within_plan(&events));
+            checks.push(invariants::tcp_links_carried_over(&events));
         }
         checks.extend(self.quiet_checks(&events, &records));
         checks.push(match self.sc.expect {

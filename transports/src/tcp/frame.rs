@@ -6,7 +6,7 @@
 //! |--------|------|-----------------------------------------|
 //! | 0      | 4    | magic `0x4654_4843` (`"CHTF"` on the wire) |
 //! | 4      | 1    | protocol version ([`VERSION`])          |
-//! | 5      | 1    | kind (1 = data)                         |
+//! | 5      | 1    | kind (1 = data, 2 = re-bind marker)     |
 //! | 6      | 2    | flags (must be 0)                       |
 //! | 8      | 8    | generation                              |
 //! | 16     | 4    | tag seq                                 |
@@ -26,6 +26,9 @@ pub const FRAME_MAGIC: u32 = u32::from_le_bytes(*b"CHTF");
 pub const VERSION: u8 = 1;
 /// Frame kind: a tagged data message.
 pub const KIND_DATA: u8 = 1;
+/// Frame kind of the marker that ends a generation's frames on a link carried into the next
+/// generation (`super::carry`): no payload, the new generation in the generation field.
+pub const KIND_REBIND: u8 = 2;
 
 /// A decoded, validated data frame header.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -120,6 +123,54 @@ impl FrameHeader {
     }
 }
 
+/// What a link carried into a new generation finds on the wire before that generation's
+/// handshake ([`skim`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Skimmed {
+    /// A data frame of an older generation, whose payload of this many bytes is skipped.
+    Stale(u64),
+    /// The peer's re-bind marker for the generation being formed.
+    Marker,
+}
+
+/// The marker a side sends on a carried link before the new generation's handshake: every
+/// frame it sent before belongs to older generations.
+pub fn rebind_marker(generation: u64) -> [u8; HEADER_LEN] {
+    let mut b = FrameHeader { generation, tag: Tag::new(0, 0, 0), len: 0 }.encode();
+    b[5] = KIND_REBIND;
+    b
+}
+
+/// Classifies a header read on a link carried into generation `forming`: a data frame of an
+/// older generation (skipped) or the peer's marker for `forming`. Anything else (a frame of
+/// `forming` or later before the marker, a marker for another generation or with a payload,
+/// a malformed header) is an error, and the link is not carried.
+pub fn skim(b: &[u8; HEADER_LEN], forming: u64, max_frame: u64) -> Result<Skimmed, FrameError> {
+    let magic = u32_at(b, 0);
+    if magic != FRAME_MAGIC {
+        return Err(FrameError::BadMagic(magic));
+    }
+    if b[4] != VERSION {
+        return Err(FrameError::BadVersion(b[4]));
+    }
+    let flags = u16::from_le_bytes([b[6], b[7]]);
+    let reserved = u32_at(b, 28);
+    if flags != 0 || reserved != 0 {
+        return Err(FrameError::Reserved { flags, reserved });
+    }
+    let theirs = u64_at(b, 8);
+    let len = u64_at(b, 32);
+    match b[5] {
+        KIND_DATA if theirs < forming && len <= max_frame => Ok(Skimmed::Stale(len)),
+        KIND_DATA if theirs >= forming => Err(FrameError::Generation { ours: forming, theirs }),
+        KIND_DATA => Err(FrameError::TooLong { len, max: max_frame }),
+        KIND_REBIND if theirs != forming => Err(FrameError::Generation { ours: forming, theirs }),
+        KIND_REBIND if len != 0 => Err(FrameError::TooLong { len, max: 0 }),
+        KIND_REBIND => Ok(Skimmed::Marker),
+        k => Err(FrameError::BadKind(k)),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -178,5 +229,24 @@ mod tests {
             assert!(!crate::wire::seq_older(w[1], w[0]), "{} is older than {}", w[1], w[0]);
         }
         assert!(crate::wire::seq_older(decoded[0], decoded[3]));
+    }
+
+    #[test]
+    fn a_carried_link_skims_older_frames_up_to_the_marker() {
+        let max = 1 << 20;
+        assert_eq!(skim(&hdr().encode(), 8, max), Ok(Skimmed::Stale(4093)));
+        assert_eq!(skim(&rebind_marker(8), 8, max), Ok(Skimmed::Marker));
+        // A data frame of the generation being formed cannot come before the marker.
+        assert_eq!(skim(&hdr().encode(), 7, max), Err(FrameError::Generation { ours: 7, theirs: 7 }));
+        assert_eq!(skim(&rebind_marker(9), 8, max), Err(FrameError::Generation { ours: 8, theirs: 9 }));
+        assert_eq!(skim(&hdr().encode(), 8, 100), Err(FrameError::TooLong { len: 4093, max: 100 }));
+        let mut long_marker = rebind_marker(8);
+        long_marker[32] = 1;
+        assert_eq!(skim(&long_marker, 8, max), Err(FrameError::TooLong { len: 1, max: 0 }));
+        let mut b = rebind_marker(8);
+        b[5] = 3;
+        assert_eq!(skim(&b, 8, max), Err(FrameError::BadKind(3)));
+        // A marker is no data frame: a link that did not expect one fails on it.
+        assert_eq!(FrameHeader::decode(&rebind_marker(8), 8, max), Err(FrameError::BadKind(KIND_REBIND)));
     }
 }

@@ -227,7 +227,8 @@ impl BusyPoll {
 
 /// The reading side of a link.
 struct ReadState {
-    half: OwnedReadHalf,
+    /// `None` once the socket was carried into a later generation ([`TcpLink::carry_over`]).
+    half: Option<OwnedReadHalf>,
     buf: Box<[u8]>,
     start: usize,
     end: usize,
@@ -258,7 +259,7 @@ impl ReadState {
                     wd.progressed();
                     r.map_err(IoFail::Io)?
                 }
-                None => wd.step(half.read(&mut buf[*end..])).await?,
+                None => wd.step(half.as_mut().ok_or_else(carried)?.read(&mut buf[*end..])).await?,
             };
             if n == 0 {
                 return Err(IoFail::Eof(if self.end == self.start {
@@ -280,8 +281,9 @@ impl ReadState {
         dst[..buffered].copy_from_slice(&self.buf[self.start..self.start + buffered]);
         self.consume(buffered);
         let mut done = buffered;
+        let half = self.half.as_mut().ok_or_else(carried)?;
         while done < dst.len() {
-            let n = wd.step(self.half.read(&mut dst[done..])).await?;
+            let n = wd.step(half.read(&mut dst[done..])).await?;
             if n == 0 {
                 return Err(IoFail::Eof("inside a frame payload"));
             }
@@ -299,6 +301,19 @@ impl ReadState {
     }
 }
 
+/// The error of an operation on a link whose socket went to a later generation (the link is
+/// marked broken first, so operations fail before they get here).
+fn carried() -> IoFail {
+    IoFail::Io(io::Error::other("the link's socket was carried over to a later generation"))
+}
+
+/// A link's socket taken out of a generation that ended, to be re-bound to the next one
+/// ([`super::carry`]): the stream and the bytes its reader had read ahead.
+pub(crate) struct TakenSocket {
+    pub(crate) stream: TcpStream,
+    pub(crate) read_ahead: Vec<u8>,
+}
+
 /// An established, authenticated connection to one peer.
 pub(crate) struct TcpLink {
     /// The stash, the broken state and the deadline every link keeps.
@@ -308,7 +323,8 @@ pub(crate) struct TcpLink {
     /// How to ask whether the peer's process runs (learning on, address known).
     probe: Option<PeerProbe>,
     reader: tokio::sync::Mutex<ReadState>,
-    writer: tokio::sync::Mutex<OwnedWriteHalf>,
+    /// `None` once the socket was carried into a later generation.
+    writer: tokio::sync::Mutex<Option<OwnedWriteHalf>>,
 }
 
 impl TcpLink {
@@ -352,14 +368,39 @@ impl TcpLink {
             max_frame,
             probe,
             reader: tokio::sync::Mutex::new(ReadState {
-                half: r,
+                half: Some(r),
                 buf: vec![0u8; READ_AHEAD].into_boxed_slice(),
                 start: 0,
                 end: 0,
                 busy_poll,
             }),
-            writer: tokio::sync::Mutex::new(w),
+            writer: tokio::sync::Mutex::new(Some(w)),
         })
+    }
+
+    /// Takes the socket out of this link for generation `to`, if the link is clean: not
+    /// broken, no operation on it (none holds its reader or writer), and so every frame on
+    /// it sent or received whole. The link is then broken here for good and never shuts the
+    /// socket down ([`crate::links::LinkCore::hand_over`]). `None` leaves the link as it was.
+    pub(crate) fn carry_over(&self, to: u64) -> Option<TakenSocket> {
+        if !self.core.carriable() {
+            return None;
+        }
+        let mut reader = self.reader.try_lock().ok()?;
+        let mut writer = self.writer.try_lock().ok()?;
+        if !self.core.carriable() {
+            return None;
+        }
+        let (read, write) = (reader.half.take()?, writer.take()?);
+        self.core.hand_over(to);
+        let stream = match read.reunite(write) {
+            Ok(s) => s,
+            // The halves of one stream always reunite; were it otherwise, dropping them closes
+            // the socket and the peer falls back to a fresh link.
+            Err(_) => return None,
+        };
+        let read_ahead = reader.buf[reader.start..reader.end].to_vec();
+        Some(TakenSocket { stream, read_ahead })
     }
 
     /// Whether the peer's liveness responder has answered (stalls past the learned deadline
@@ -394,11 +435,20 @@ impl TcpLink {
             let h = FrameHeader::decode(&raw, self.generation, self.max_frame)
                 .map_err(|e| self.core.fail_protocol(e.to_string()))?;
             self.core.progress.saw(h.tag.seq);
+            // Between frames the reader is consistent (a header read part-way stays in the
+            // read-ahead buffer); inside a payload it is not, so dropping the receive there
+            // breaks the link.
+            let mut poison = Poison::arm(&self.core);
             match self.core.arrived(tag, buf.len(), h.tag, h.len)? {
-                Arrival::Wanted => return r.read_payload(buf, wd).await.map_err(|e| self.io_fail(e)),
+                Arrival::Wanted => {
+                    let read = r.read_payload(buf, wd).await.map_err(|e| self.io_fail(e));
+                    poison.disarm();
+                    return read;
+                }
                 Arrival::Early(len) => {
                     let mut data = vec![0u8; len];
                     r.read_payload(&mut data, wd).await.map_err(|e| self.io_fail(e))?;
+                    poison.disarm();
                     self.core.stash(h.tag, data);
                 }
             }
@@ -414,10 +464,13 @@ impl links::Link for TcpLink {
     /// Sends one frame: header and payload, straight from `data`.
     async fn send(&self, tag: Tag, data: &[u8]) -> Result<(), TransportError> {
         self.core.check()?;
-        let mut w = self.writer.lock().await;
+        let mut guard = self.writer.lock().await;
         self.core.check()?;
+        let w = guard.as_mut().ok_or_else(|| self.io_error(carried()))?;
         let header = FrameHeader { generation: self.generation, tag, len: data.len() as u64 }.encode();
-        let mut poison = Poison::arm(&self.core);
+        // Armed once part of the frame is out: a send dropped before its first byte leaves
+        // the link clean.
+        let mut poison = Poison::disarmed(&self.core);
         let sleep = tokio::time::sleep(Duration::ZERO);
         tokio::pin!(sleep);
         let mut wd = Watchdog::new(self, tag.seq, false, sleep);
@@ -436,7 +489,10 @@ impl links::Link for TcpLink {
                     result = Err(IoFail::Io(io::ErrorKind::WriteZero.into()));
                     break;
                 }
-                Ok(n) => done += n,
+                Ok(n) => {
+                    done += n;
+                    poison.arm_now();
+                }
                 Err(e) => {
                     result = Err(e);
                     break;
@@ -453,12 +509,9 @@ impl links::Link for TcpLink {
         let Some(mut reader) = self.core.reader_or_stashed(&self.reader, tag, buf).await? else {
             return Ok(());
         };
-        let mut poison = Poison::arm(&self.core);
         let sleep = tokio::time::sleep(Duration::ZERO);
         tokio::pin!(sleep);
         let mut wd = Watchdog::new(self, tag.seq, true, sleep);
-        let result = self.read_until(&mut reader, &mut wd, tag, buf).await;
-        poison.disarm();
-        result
+        self.read_until(&mut reader, &mut wd, tag, buf).await
     }
 }

@@ -33,7 +33,8 @@ pub(crate) struct MeshCtx {
 }
 
 impl MeshCtx {
-    fn session(&self) -> Session<'_> {
+    /// This side of a handshake under the set-up's deadline.
+    pub(crate) fn session(&self) -> Session<'_> {
         Session {
             job: &self.job,
             generation: self.generation,
@@ -49,6 +50,12 @@ impl MeshCtx {
 pub(crate) enum Done {
     /// A link to `rank` is authenticated and agreed.
     Linked(Rank, TcpStream),
+    /// A link of the previous generation was re-bound to `rank` ([`super::carry`]), after
+    /// skipping the given number of stale frames.
+    Carried(Rank, TcpStream, u64),
+    /// The link carried to `rank` could not be re-bound (the acceptor's side: it waits for a
+    /// fresh dial instead).
+    CarryFailed(Rank, String),
     /// Dialing `rank` failed for good; the mesh fails with this error.
     DialFailed(TransportError),
     /// An accepted connection claiming `claimed` failed its handshake.

@@ -41,6 +41,7 @@
 //! [`Transport::abort`] shuts every socket down and fails all in-flight and later operations
 //! with [`TransportError::Aborted`] at once.
 
+mod carry;
 mod endpoint;
 pub mod frame;
 pub mod link;
@@ -48,6 +49,7 @@ mod mesh;
 mod on_demand;
 mod options;
 
+pub use carry::{CarriedLink, CarriedLinks};
 pub use endpoint::{HELLO_TIMEOUT, MAX_HANDSHAKING, MAX_PENDING, PENDING_HOLD};
 pub use options::{TcpOptions, DEFAULT_BUSY_POLL, KEEPALIVE_INTERVAL, KEEPALIVE_RETRIES};
 
@@ -82,6 +84,10 @@ pub struct MeshSpec {
     pub deadlines: Deadlines,
     /// Which peers the set-up links; the others are linked on first use.
     pub upfront: Upfront,
+    /// Whether this generation's links may be carried into the next one
+    /// ([`TcpTransport::carry_over`]): an abort then stops every operation but leaves the
+    /// sockets open until the next set-up takes them or the transport drops.
+    pub carry_links: bool,
 }
 
 /// Which peers a mesh links while it is set up ([`TcpEndpoint::connect_mesh`]). A peer not
@@ -167,11 +173,34 @@ impl TcpEndpoint {
     /// Cancel safe: dropping the future closes every connection made so far and withdraws
     /// the set-up from the endpoint; peers see their links fail.
     pub async fn connect_mesh(&self, spec: MeshSpec) -> Result<TcpTransport, TransportError> {
-        let span = tracing::debug_span!("tcp_mesh", job = %spec.job, generation = spec.generation, rank = spec.rank);
-        self.connect_mesh_inner(spec, span.clone()).instrument(span).await
+        self.connect_mesh_carrying(spec, Vec::new()).await
     }
 
-    async fn connect_mesh_inner(&self, spec: MeshSpec, span: tracing::Span) -> Result<TcpTransport, TransportError> {
+    /// [`TcpEndpoint::connect_mesh`], re-binding links of the previous generation
+    /// (`carried`, each with the rank its peer has in the new one; see
+    /// [`TcpTransport::carry_over`]) instead of dialling those peers again. A carried link
+    /// that cannot be re-bound (the peer could not carry its end, or disagrees) is replaced
+    /// by a fresh connection within the same connect deadline. Carried links to peers the
+    /// set-up does not link are shut down.
+    ///
+    /// # Cancel safety
+    /// Cancel safe, as [`TcpEndpoint::connect_mesh`]; carried links not yet re-bound are
+    /// shut down.
+    pub async fn connect_mesh_carrying(
+        &self,
+        spec: MeshSpec,
+        carried: Vec<(Rank, CarriedLink)>,
+    ) -> Result<TcpTransport, TransportError> {
+        let span = tracing::debug_span!("tcp_mesh", job = %spec.job, generation = spec.generation, rank = spec.rank);
+        self.connect_mesh_inner(spec, carried, span.clone()).instrument(span).await
+    }
+
+    async fn connect_mesh_inner(
+        &self,
+        spec: MeshSpec,
+        carried: Vec<(Rank, CarriedLink)>,
+        span: tracing::Span,
+    ) -> Result<TcpTransport, TransportError> {
         let world = u32::try_from(spec.peers.len())
             .map_err(|_| TransportError::InvalidArgument(format!("{} peers is too many", spec.peers.len())))?;
         if spec.rank >= world {
@@ -204,11 +233,37 @@ impl TcpEndpoint {
             pace: crate::deadline::Pace::shared(),
         });
         let mut tasks = JoinSet::new();
+        // Carried links first: a peer with one is re-bound, not dialled (its dialler falls
+        // back to a fresh dial if the re-bind fails).
+        let mut rebinding = vec![false; world as usize];
+        for (peer, link) in carried {
+            let Some(addr) = spec.peers.get(peer as usize).copied().filter(|_| planned[peer as usize]) else {
+                continue; // dropping the link shuts it down
+            };
+            if std::mem::replace(&mut rebinding[peer as usize], true) {
+                continue;
+            }
+            let ctx = Arc::clone(&ctx);
+            tasks.spawn(
+                async move {
+                    match carry::rebind(&ctx, peer, link).await {
+                        Ok((stream, skipped)) => Done::Carried(peer, stream, skipped),
+                        Err(detail) if peer < ctx.rank => {
+                            tracing::debug!(peer, "{detail}; dialling a fresh connection");
+                            mesh::dial(ctx, peer, addr).await
+                        }
+                        Err(detail) => Done::CarryFailed(peer, detail),
+                    }
+                }
+                .instrument(span.clone()),
+            );
+        }
         for (peer, addr) in spec.peers.iter().enumerate().take(rank as usize) {
-            if planned[peer] {
+            if planned[peer] && !rebinding[peer] {
                 tasks.spawn(mesh::dial(Arc::clone(&ctx), peer as Rank, *addr).instrument(span.clone()));
             }
         }
+        let mut carried_in = vec![false; world as usize];
         let mut missing = planned.iter().filter(|&&p| p).count();
         while missing > 0 {
             tokio::select! {
@@ -219,10 +274,28 @@ impl TcpEndpoint {
                     Ok(Done::Linked(peer, stream)) => {
                         tracing::debug!(peer, "tcp link up");
                         // A peer outside the plan may dial early (it needs the link already);
-                        // its link is kept, but the set-up does not wait for such links.
-                        if streams[peer as usize].replace(stream).is_none() && planned[peer as usize] {
+                        // its link is kept, but the set-up does not wait for such links. A
+                        // fresh connection replaces an earlier one: the dialler uses the last.
+                        match streams[peer as usize].replace(stream) {
+                            None if planned[peer as usize] => missing -= 1,
+                            Some(earlier) if std::mem::take(&mut carried_in[peer as usize]) => carry::close(earlier),
+                            _ => {}
+                        }
+                    }
+                    Ok(Done::Carried(peer, stream, skipped)) => {
+                        if streams[peer as usize].is_some() {
+                            // A fresh connection came first; the peer uses that one.
+                            carry::close(stream);
+                        } else {
+                            tracing::debug!(peer, skipped, "tcp link carried over");
+                            streams[peer as usize] = Some(stream);
+                            carried_in[peer as usize] = true;
                             missing -= 1;
                         }
+                    }
+                    Ok(Done::CarryFailed(peer, detail)) => {
+                        tracing::debug!(peer, "{detail}; waiting for a fresh connection");
+                        mesh::note(&ctx, peer, detail);
                     }
                     Ok(Done::DialFailed(e)) => return Err(e),
                     Ok(Done::AcceptFailed { claimed, detail, fatal: true }) => {
@@ -253,16 +326,18 @@ impl TcpEndpoint {
                 None => None,
             });
         }
-        let links = Arc::new(Links::new("TCP", spec.generation, rank, links, span.clone()));
+        let links = Links::new("TCP", spec.generation, rank, links, span.clone());
+        let links = Arc::new(if spec.carry_links { links.keep_open_on_abort() } else { links });
         let linked = links.linked();
+        let carried = carried_in.iter().filter(|&&c| c).count();
         let on_demand = Arc::new(OnDemand::new((*ctx).clone(), spec.deadlines, spec.peers, span.clone()));
         // The endpoint keeps routing this generation's connections here: peers outside the
         // plan dial when they first need their link.
         let late = tokio::spawn(
             on_demand::serve_late(Arc::clone(&on_demand), Arc::clone(&links), rx, tasks).instrument(span.clone()),
         );
-        tracing::debug!(world, linked, "tcp mesh up");
-        Ok(TcpTransport { job: spec.job.into(), links, on_demand, late, _registration: registration })
+        tracing::debug!(world, linked, carried, "tcp mesh up");
+        Ok(TcpTransport { job: spec.job.into(), links, carried, on_demand, late, _registration: registration })
     }
 }
 
@@ -295,6 +370,8 @@ pub struct TcpTransport {
     job: Arc<str>,
     /// Indexed by rank; empty for this rank and for peers not linked yet.
     links: Arc<Links<TcpLink>>,
+    /// How many of the set-up's links were carried over from the previous generation.
+    carried: usize,
     /// How to link a peer on first use.
     on_demand: Arc<OnDemand>,
     /// Accepts the links peers make on first use ([`on_demand::serve_late`]).
@@ -324,6 +401,21 @@ impl TcpTransport {
     /// The job this transport belongs to.
     pub fn job(&self) -> &str {
         &self.job
+    }
+
+    /// How many of the links made at set-up were carried over from the previous generation
+    /// ([`TcpEndpoint::connect_mesh_carrying`]) rather than dialled.
+    pub fn carried_links(&self) -> usize {
+        self.carried
+    }
+
+    /// Hands this generation's links on to the next generation's set-up: the returned handle
+    /// gives out each clean link's socket ([`CarriedLinks::take`]) and shuts the others down
+    /// when it drops. The transport is aborted first if it was not; every later operation on
+    /// it fails. Links are clean only if the mesh was set up with
+    /// [`MeshSpec::carry_links`] (otherwise the abort shut them down).
+    pub fn carry_over(&self) -> CarriedLinks {
+        CarriedLinks::of(&self.links)
     }
 
     /// Whether the liveness responder of `peer`'s endpoint has answered since the link came

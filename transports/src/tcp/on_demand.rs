@@ -105,6 +105,12 @@ impl OnDemand {
             }
             Done::DialFailed(e) => Err(e),
             Done::AcceptFailed { claimed, detail, .. } => Err(TransportError::Handshake { peer: claimed, detail }),
+            // A dial never re-binds a carried link.
+            Done::Carried(peer, stream, _) => {
+                super::carry::close(stream);
+                Err(TransportError::Handshake { peer, detail: "a dial ended as a carried link".into() })
+            }
+            Done::CarryFailed(peer, detail) => Err(TransportError::Handshake { peer, detail }),
         }
     }
 
@@ -152,6 +158,10 @@ pub(crate) async fn serve_late(
                 Ok(Done::Linked(peer, stream)) => on_demand.install(&links, peer, stream),
                 Ok(Done::AcceptFailed { claimed, detail, .. }) => mesh::note(&on_demand.ctx(), claimed, detail),
                 Ok(Done::DialFailed(_)) => {}
+                // The set-up ended with this planned peer linked by a fresh connection: the
+                // carried one is not used.
+                Ok(Done::Carried(_, stream, _)) => super::carry::close(stream),
+                Ok(Done::CarryFailed(..)) => {}
                 Err(e) => tracing::debug!(parent: &on_demand.span, error = %e, "a late handshake task failed"),
             },
             else => break,

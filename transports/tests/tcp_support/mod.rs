@@ -51,6 +51,7 @@ pub(crate) fn spec(
         token: token.to_vec(),
         deadlines: d,
         upfront: Upfront::Every,
+        carry_links: false,
     }
 }
 

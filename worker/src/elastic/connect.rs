@@ -9,7 +9,7 @@ use super::choice::{plan_mesh, MeshPlan};
 use super::mesh::MixedTransport;
 use super::{ElasticError, MemberInfo, MeshTransport, TransportChoice};
 use cohort_transports::shm::{ShmAddress, ShmEndpoint, ShmMeshSpec};
-use cohort_transports::tcp::{MeshSpec, TcpEndpoint};
+use cohort_transports::tcp::{CarriedLink, MeshSpec, TcpEndpoint};
 use cohort_transports::{Deadlines, TransportError};
 
 /// Whose mesh this is: every link's handshake checks the job, the generation and a proof of
@@ -24,6 +24,17 @@ pub struct MeshScope {
     pub token: Vec<u8>,
     /// Connect and no-progress deadlines.
     pub deadlines: Deadlines,
+}
+
+/// What a generation's TCP links do across generations (incremental re-formation, see
+/// `cohort_transports::tcp::CarriedLinks`).
+#[derive(Debug, Default)]
+pub(crate) struct Carry {
+    /// Links of the previous generation to re-bind, by the peer's rank in this one.
+    pub(crate) links: Vec<(u32, CarriedLink)>,
+    /// Whether this generation's links may be carried into the next: an abort leaves them
+    /// open for that.
+    pub(crate) onward: bool,
 }
 
 /// This rank's data-plane endpoints: TCP always, shared memory and RDMA when it published
@@ -87,10 +98,11 @@ pub async fn connect_members(
     // whatever the records plan.
     let choice = if local.has_rdma() { TransportChoice::Rdma } else { TransportChoice::Auto };
     let plan = plan_mesh(scope.generation, members, rank, choice)?;
-    Ok(connect_planned(scope, rank, plan, local).await?)
+    Ok(connect_planned(scope, rank, plan, local, Carry::default()).await?)
 }
 
-/// Connects this rank's part of a planned mesh.
+/// Connects this rank's part of a planned mesh, re-binding the TCP links `carry` brings
+/// (shut down if the plan is not over TCP).
 ///
 /// # Cancel safety
 /// Cancel safe, as [`connect_members`].
@@ -99,7 +111,9 @@ pub(crate) async fn connect_planned(
     rank: u32,
     plan: MeshPlan,
     local: LocalEndpoints<'_>,
+    carry: Carry,
 ) -> Result<MeshTransport, TransportError> {
+    let Carry { links: carried, onward } = carry;
     let tcp_spec = |peers, upfront| MeshSpec {
         job: scope.job.clone(),
         generation: scope.generation,
@@ -108,6 +122,7 @@ pub(crate) async fn connect_planned(
         token: scope.token.clone(),
         deadlines: scope.deadlines,
         upfront,
+        carry_links: onward,
     };
     let shm_spec = |peers: Vec<Option<ShmAddress>>| ShmMeshSpec {
         job: scope.job.clone(),
@@ -126,7 +141,7 @@ pub(crate) async fn connect_planned(
     };
     match plan {
         MeshPlan::Tcp { peers, upfront, .. } => {
-            local.tcp.connect_mesh(tcp_spec(peers, upfront)).await.map(MeshTransport::Tcp)
+            local.tcp.connect_mesh_carrying(tcp_spec(peers, upfront), carried).await.map(MeshTransport::Tcp)
         }
         MeshPlan::Shm { peers } => {
             shm()?.connect_mesh(shm_spec(peers.into_iter().map(Some).collect())).await.map(MeshTransport::Shm)
@@ -134,7 +149,7 @@ pub(crate) async fn connect_planned(
         MeshPlan::Mixed { tcp, upfront, shm: shm_peers } => {
             let (s, t) = tokio::try_join!(
                 shm()?.connect_mesh(shm_spec(shm_peers)),
-                local.tcp.connect_mesh(tcp_spec(tcp, upfront))
+                local.tcp.connect_mesh_carrying(tcp_spec(tcp, upfront), carried)
             )?;
             MixedTransport::new(s, t).map(MeshTransport::from)
         }

@@ -1,15 +1,16 @@
 //! [`ElasticGroup`]: membership, re-formation and failure handling for one worker.
 
 use super::choice::{host_layout, plan_mesh, MemberInfo, MeshPlan};
-use super::connect::{connect_planned, LocalEndpoints, MeshScope};
+use super::connect::{connect_planned, Carry, LocalEndpoints, MeshScope};
 use super::membership::{CallError, Effect, JoinNext, Membership, Step, WatchNext};
 use super::{ElasticConfig, ElasticError, MeshKind, MeshTransport, TransportChoice};
 use crate::control::{ControlClient, ControlError};
 use crate::{CommConfig, CommError, Communicator, Revoker, RootCause};
 use cohort_proto::v1 as pb;
 use cohort_transports::shm::{ShmAddress, ShmEndpoint};
-use cohort_transports::tcp::TcpEndpoint;
+use cohort_transports::tcp::{TcpEndpoint, Upfront};
 use cohort_transports::{Transport, TransportError};
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -129,6 +130,53 @@ pub struct ElasticGroup {
     heartbeat_interval: Duration,
     /// The newest commit report, sent by the commit task (older unsent ones are superseded).
     commits: tokio::sync::watch::Sender<Option<pb::CommitRequest>>,
+    /// The last generation connected, whose TCP links the next one may carry over.
+    previous: Option<Previous>,
+}
+
+/// A generation this worker connected, kept until the next one takes what it can of its links
+/// (incremental re-formation).
+struct Previous {
+    number: u64,
+    /// This worker's incarnation in it: a worker that joined again carries nothing over.
+    incarnation: u64,
+    /// Each member's incarnation and rank, by worker id.
+    ranks: HashMap<String, (u64, u32)>,
+    mesh: Arc<MeshTransport>,
+}
+
+impl Previous {
+    /// The links of this generation that the next one, `generation` (this worker's rank
+    /// `rank`, under `plan`), links again at set-up: the old link to each planned peer that
+    /// was a member here too, if both ends are clean. The other links are shut down.
+    fn carry_into(
+        self,
+        generation: &pb::Generation,
+        incarnation: u64,
+        rank: u32,
+        plan: &MeshPlan,
+    ) -> Vec<(u32, cohort_transports::tcp::CarriedLink)> {
+        let Some(old) = self.mesh.carry_over() else { return Vec::new() };
+        if self.incarnation != incarnation || self.number >= generation.number {
+            return Vec::new();
+        }
+        let world = generation.members.len() as u32;
+        let planned: Vec<u32> = match plan {
+            MeshPlan::Tcp { upfront, .. } | MeshPlan::Mixed { upfront, .. } => match upfront {
+                Upfront::Every => (0..world).filter(|&p| p != rank).collect(),
+                Upfront::Only(peers) => peers.clone(),
+            },
+            _ => Vec::new(),
+        };
+        planned
+            .into_iter()
+            .filter_map(|p| {
+                let m = generation.members.get(p as usize)?;
+                let &(_, old_rank) = self.ranks.get(&m.worker_id).filter(|(inc, _)| *inc == m.incarnation)?;
+                Some((p, old.take(old_rank, generation.number)?))
+            })
+            .collect()
+    }
 }
 
 impl Drop for ElasticGroup {
@@ -180,6 +228,7 @@ impl ElasticGroup {
             tasks: Vec::new(),
             heartbeat_interval: Duration::from_millis(500),
             commits: tokio::sync::watch::channel(None).0,
+            previous: None,
         };
         group.register().await?;
         group.tasks.push(tokio::spawn(commit_task(
@@ -370,6 +419,10 @@ impl ElasticGroup {
             .map(|m| m.rank)
             .ok_or_else(|| ElasticError::Protocol(format!("generation {number} does not include this worker")))?;
         let plan = plan_mesh(number, &members, rank, self.config.transport)?;
+        let carried = match self.previous.take() {
+            Some(previous) => previous.carry_into(&generation, incarnation, rank, &plan),
+            None => Vec::new(),
+        };
         let kind = plan.kind();
         if kind == MeshKind::Tcp && self.config.transport == TransportChoice::Rdma {
             warn!(parent: &span, without_rdma = %plan.without_rdma().join(", "),
@@ -379,7 +432,7 @@ impl ElasticGroup {
         // The generation may be revoked while its mesh connects (a member died before it
         // dialled): stop at once rather than wait out the connect deadline.
         let connected = tokio::select! {
-            r = self.connect_mesh(number, rank, plan).instrument(span.clone()) => r,
+            r = self.connect_mesh(number, rank, plan, carried).instrument(span.clone()) => r,
             cause = revoked_or_ended(&self.shared, number) => {
                 info!(parent: &span, %cause, "generation revoked while connecting; re-forming");
                 return Ok(None);
@@ -408,13 +461,21 @@ impl ElasticGroup {
         // coordinator has the root cause (on_failure revokes, which aborts the transport), so
         // no peer blames this rank for links it closed because another rank died.
         let comm_config = CommConfig { abort_transport_on_error: false, ..self.config.comm.clone() };
-        let mut comm = Communicator::new(Arc::new(transport), comm_config);
+        let carried = transport.carried_links();
+        let transport = Arc::new(transport);
+        self.previous = Some(Previous {
+            number,
+            incarnation,
+            ranks: generation.members.iter().map(|m| (m.worker_id.clone(), (m.incarnation, m.rank))).collect(),
+            mesh: Arc::clone(&transport),
+        });
+        let mut comm = Communicator::new(transport, comm_config);
         comm.set_layout(host_layout(&members)).map_err(|e| ElasticError::Protocol(e.to_string()))?;
         // The revoker first, so that a revocation heard while connecting (or now) finds it.
         *self.shared.revoker.lock().unwrap_or_else(|e| e.into_inner()) = Some((number, comm.revoker()));
         self.shared.drive(|m| m.handle_connected(number));
         let links = comm.transport().linked_peers();
-        info!(parent: &span, rank, world = members.len(), transport = %kind, links, "generation formed");
+        info!(parent: &span, rank, world = members.len(), transport = %kind, links, carried, "generation formed");
         Ok(Some(Generation { number, members, comm, transport: kind, formed_at_ms: generation.formed_at_ms }))
     }
 
@@ -422,14 +483,21 @@ impl ElasticGroup {
     ///
     /// # Cancel safety
     /// Cancel safe, like every transport's mesh set-up: dropping it abandons the set-up.
-    async fn connect_mesh(&self, number: u64, rank: u32, plan: MeshPlan) -> Result<MeshTransport, TransportError> {
+    async fn connect_mesh(
+        &self,
+        number: u64,
+        rank: u32,
+        plan: MeshPlan,
+        carried: Vec<(u32, cohort_transports::tcp::CarriedLink)>,
+    ) -> Result<MeshTransport, TransportError> {
         let scope = MeshScope {
             job: self.config.job.clone(),
             generation: number,
             token: self.config.token.clone(),
             deadlines: self.config.deadlines,
         };
-        connect_planned(&scope, rank, plan, self.local_endpoints()).await
+        // Every generation's TCP links may be carried into the next (an abort leaves them open).
+        connect_planned(&scope, rank, plan, self.local_endpoints(), Carry { links: carried, onward: true }).await
     }
 
     /// This worker's data-plane endpoints.

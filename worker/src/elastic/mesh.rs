@@ -5,7 +5,7 @@
 
 use cohort_transports::shm::ShmTransport;
 use cohort_transports::subgroup::Subgroup;
-use cohort_transports::tcp::TcpTransport;
+use cohort_transports::tcp::{CarriedLinks, TcpTransport};
 use cohort_transports::{AbortReason, Rank, Tag, Transport, TransportError};
 use std::sync::Arc;
 
@@ -117,6 +117,30 @@ impl MeshTransport {
             #[cfg(feature = "rdma")]
             MeshTransport::Rdma(_) => MeshKind::Rdma,
             MeshTransport::Subgroup(s) => s.parent().kind(),
+        }
+    }
+
+    /// How many of this mesh's TCP links were carried over from the previous generation
+    /// rather than dialled (incremental re-formation; 0 over other transports).
+    pub fn carried_links(&self) -> usize {
+        match self {
+            MeshTransport::Tcp(t) => t.carried_links(),
+            MeshTransport::Mixed(m) => m.tcp.carried_links(),
+            _ => 0,
+        }
+    }
+
+    /// Hands this mesh's TCP links on to the next generation's set-up (see
+    /// [`TcpTransport::carry_over`]); `None` over other transports. Aborts the mesh first if
+    /// it was not.
+    pub fn carry_over(&self) -> Option<CarriedLinks> {
+        match self {
+            MeshTransport::Tcp(t) => Some(t.carry_over()),
+            MeshTransport::Mixed(m) => {
+                m.shm.abort(AbortReason::new("the generation's links are carried into the next"));
+                Some(m.tcp.carry_over())
+            }
+            _ => None,
         }
     }
 
