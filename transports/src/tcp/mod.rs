@@ -39,7 +39,10 @@
 //! [`Deadlines::no_progress`] gives [`TransportError::Timeout`]; a bad header gives
 //! [`TransportError::Protocol`]. Each closes only the link concerned, which stays broken.
 //! [`Transport::abort`] shuts every socket down and fails all in-flight and later operations
-//! with [`TransportError::Aborted`] at once.
+//! with [`TransportError::Aborted`] at once; a mesh set up with [`MeshSpec::carry_links`]
+//! leaves the sockets open instead, for the next generation to carry the clean links over
+//! ([`TcpTransport::carry_over`], [`TcpEndpoint::connect_mesh_carrying`]; the protocol is in
+//! the module `carry`).
 
 mod carry;
 mod endpoint;
