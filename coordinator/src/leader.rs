@@ -315,9 +315,13 @@ async fn work(ctx: Arc<Context>) {
                             WatchEvent::Delete { key, .. } => key.as_str(),
                         };
                         let Some(job) = keys::job_of(key) else { continue };
+                        // Progress writes (about one per member per second) decide nothing: the
+                        // leader's view leaves them out, undecoded.
+                        if is_progress(key) {
+                            continue;
+                        }
                         let state = states.entry(job.to_string()).or_insert_with(|| JobState { job: job.to_string(), ..Default::default() });
                         state.apply(event);
-                        // Progress writes (about one per member per second) decide nothing.
                         if !crate::hub::is_bookkeeping(event) {
                             dirty.insert(job.to_string());
                         }
@@ -342,9 +346,15 @@ async fn work(ctx: Arc<Context>) {
     }
 }
 
+/// Whether `key` is a member's progress record, which no decision of the leader reads.
+fn is_progress(key: &str) -> bool {
+    matches!(keys::parse(key), Some(keys::Parsed::Worker { kind: keys::Kind::Progress, .. }))
+}
+
+/// The leader's view of every job in `kvs` (progress records left out, see [`is_progress`]).
 fn group(kvs: &[crate::store::KeyValue], revision: i64) -> HashMap<String, JobState> {
     let mut by_job: HashMap<String, Vec<crate::store::KeyValue>> = HashMap::new();
-    for kv in kvs {
+    for kv in kvs.iter().filter(|kv| !is_progress(&kv.key)) {
         if let Some(job) = keys::job_of(&kv.key) {
             by_job.entry(job.to_string()).or_default().push(kv.clone());
         }

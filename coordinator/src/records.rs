@@ -511,6 +511,18 @@ impl JobState {
         state
     }
 
+    /// Applies the write (at `revision`) of `worker`'s progress record, already decoded: what
+    /// [`JobState::apply`] does with that write.
+    pub fn put_progress(&mut self, worker: &str, record: ProgressRecord, revision: i64) {
+        match self.progress.get_mut(worker) {
+            Some(held) => *held = record,
+            None => {
+                self.progress.insert(worker.to_string(), record);
+            }
+        }
+        self.revision = self.revision.max(revision);
+    }
+
     /// Applies one watch event.
     pub fn apply(&mut self, event: &WatchEvent) {
         match event {

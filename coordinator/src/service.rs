@@ -48,7 +48,7 @@ use crate::digests::CommitLedger;
 use crate::hub::Hub;
 use crate::keys::{self, Kind};
 use crate::ops::{self, Context};
-use crate::records::{encode, JobState, MemberRecord, ProgressRecord};
+use crate::records::{encode, JobState, ProgressRecord};
 use crate::revocation;
 use crate::store::StoreError;
 use cohort_proto::v1 as pb;
@@ -165,28 +165,25 @@ impl CoordinatorService {
 
     /// Confirms that `(worker, incarnation)` is a live member: the hub's view first, the
     /// store when the view disagrees (it may lag a change by milliseconds).
-    async fn require_member(
-        &self,
-        hub: &Hub,
-        job: &str,
-        worker: &str,
-        incarnation: u64,
-    ) -> Result<MemberRecord, Status> {
-        let (member, ended) = hub.read(|state| {
-            let member = state.members.get(worker).filter(|m| m.incarnation == incarnation).cloned();
-            (member, state.ended.clone())
+    ///
+    /// Every heartbeat asks, so the view is read in place: nothing is copied unless the
+    /// answer is no.
+    async fn require_member(&self, hub: &Hub, job: &str, worker: &str, incarnation: u64) -> Result<(), Status> {
+        let ended = hub.read(|state| {
+            if state.members.get(worker).is_some_and(|m| m.incarnation == incarnation) {
+                return Ok(());
+            }
+            Err(state.ended.as_ref().map(|ended| {
+                format!("job {job} has ended ({:?}: {}); member {worker} is no longer in it", ended.outcome, ended.reason)
+            }))
         });
-        if let Some(m) = member {
-            return Ok(m);
-        }
-        if let Some(ended) = &ended {
-            return Err(Status::not_found(format!(
-                "job {job} has ended ({:?}: {}); member {worker} is no longer in it",
-                ended.outcome, ended.reason
-            )));
+        match ended {
+            Ok(()) => return Ok(()),
+            Err(Some(ended)) => return Err(Status::not_found(ended)),
+            Err(None) => {}
         }
         match ops::read_member(self.ctx.store.as_ref(), job, worker).await.map_err(store_status)? {
-            Some((m, _)) if m.incarnation == incarnation => Ok(m),
+            Some((m, _)) if m.incarnation == incarnation => Ok(()),
             _ => Err(not_member(job, worker, incarnation)),
         }
     }
