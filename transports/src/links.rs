@@ -89,11 +89,10 @@ pub(crate) struct LinkCore {
     /// `seq` of every receive currently waiting on this link (stale-tag detection).
     waiting: Waiting,
     broken: OnceLock<TransportError>,
-    /// Set once the link's socket was carried into a later generation
-    /// ([`LinkCore::hand_over`]): the socket is no longer this link's to shut down.
-    handed_over: std::sync::atomic::AtomicBool,
-    /// A duplicate of the link's socket, to shut it down without touching the link's own.
-    sock: socket2::Socket,
+    /// A duplicate of the link's socket, to shut it down without touching the link's own;
+    /// `None` once the socket was carried into a later generation ([`LinkCore::hand_over`]):
+    /// it is no longer this link's to shut down, nor to hold open.
+    sock: Mutex<Option<socket2::Socket>>,
     /// The owning transport's span (job, generation, rank).
     pub(crate) span: tracing::Span,
 }
@@ -119,8 +118,7 @@ impl LinkCore {
             changed: Notify::new(),
             waiting: Waiting::default(),
             broken: OnceLock::new(),
-            handed_over: std::sync::atomic::AtomicBool::new(false),
-            sock,
+            sock: Mutex::new(Some(sock)),
             span,
         }
     }
@@ -177,26 +175,27 @@ impl LinkCore {
     /// local waiters. A socket carried into a later generation ([`LinkCore::hand_over`]) is
     /// left alone: it belongs to that generation's link now.
     pub(crate) fn shutdown(&self) {
-        if !self.handed_over.load(std::sync::atomic::Ordering::Acquire) {
+        if let Some(sock) = lock(&self.sock).as_ref() {
             // Errors (e.g. already disconnected) leave nothing to do.
-            let _ = self.sock.shutdown(std::net::Shutdown::Both);
+            let _ = sock.shutdown(std::net::Shutdown::Both);
         }
         self.changed.notify_waiters();
     }
 
     /// Marks the link as handed over to generation `to`: broken for every later operation
-    /// here, and its socket never shut down from here again. The caller then owns the socket.
+    /// here, and its duplicate of the socket closed, so that it is never shut down from here
+    /// and closes when its new owner drops it. The caller then owns the socket.
     pub(crate) fn hand_over(&self, to: u64) {
-        self.handed_over.store(true, std::sync::atomic::Ordering::Release);
+        drop(lock(&self.sock).take());
         self.break_quietly(TransportError::Aborted(AbortReason::new(format!(
             "this link was carried over to generation {to}"
         ))));
     }
 
-    /// Whether the link can still be carried into a later generation: not broken, and not
-    /// handed over already.
+    /// Whether the link can still be carried into a later generation: not broken (a link
+    /// handed over is broken here).
     pub(crate) fn carriable(&self) -> bool {
-        self.broken.get().is_none() && !self.handed_over.load(std::sync::atomic::Ordering::Acquire)
+        self.broken.get().is_none()
     }
 
     /// Registers a receive of `seq` until the returned guard drops (stale-tag detection).

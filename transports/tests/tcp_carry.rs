@@ -177,3 +177,36 @@ async fn a_link_left_inside_a_frame_is_not_carried_one_left_between_frames_is() 
     .await
     .expect("test timed out");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_carried_link_closes_with_its_new_generation_while_the_old_one_lives() {
+    timeout(TEST_LIMIT, async {
+        let eps = endpoints(2).await;
+        let all: Vec<&TcpEndpoint> = eps.iter().collect();
+        let g1 = carrying_mesh(&all, 1, vec![Vec::new(), Vec::new()]).await;
+        for t in &g1 {
+            t.abort(AbortReason::new("revoked"));
+        }
+        let carried = g1
+            .iter()
+            .map(|t| {
+                let peer = 1 - t.rank();
+                vec![(peer, t.carry_over().take(peer, 2).expect("a clean link"))]
+            })
+            .collect();
+        let mut g2 = carrying_mesh(&all, 2, carried).await;
+        assert!(g2.iter().all(|t| t.carried_links() == 1));
+        // Rank 1's generation 2 ends while both generation-1 transports are still held: the
+        // old links gave their descriptors up, so rank 0 sees the link close at once.
+        drop(g2.pop());
+        let mut buf = [0u8; 8];
+        let err = timeout(Duration::from_secs(5), g2[0].recv(1, Tag::new(1, 0, 1), &mut buf))
+            .await
+            .expect("the peer's end closed; nothing to wait for")
+            .expect_err("rank 1 is gone");
+        assert!(matches!(err, cohort_transports::TransportError::PeerClosed { peer: 1, .. }), "{err}");
+        drop(g1);
+    })
+    .await
+    .expect("test timed out");
+}

@@ -175,8 +175,8 @@ async fn skim_to_marker(s: &mut Rewound, forming: u64, max_frame: u64) -> Result
 }
 
 /// A carried socket with the bytes its old link had read ahead put back in front of it.
-/// Dropped while it still holds the socket, it shuts the socket down: the old link's
-/// duplicates of the descriptor would otherwise keep the connection open.
+/// Dropped while it still holds the socket, it shuts the socket down at once (the peer's
+/// re-bind then fails with end of stream and it dials afresh).
 struct Rewound {
     read_ahead: Vec<u8>,
     pos: usize,
@@ -246,8 +246,8 @@ impl AsyncWrite for Rewound {
     }
 }
 
-/// Shuts a stream down that must not be used (a carried socket that lost to a fresh link):
-/// dropping it alone would leave the old link's descriptors holding the connection open.
+/// Shuts a stream down that must not be used (a carried socket that lost to a fresh link),
+/// so that the peer sees end of stream at once.
 pub(crate) fn close(stream: TcpStream) {
     let _ = socket2::SockRef::from(&stream).shutdown(std::net::Shutdown::Both);
 }

@@ -393,6 +393,9 @@ impl TcpLink {
         }
         let (read, write) = (reader.half.take()?, writer.take()?);
         self.core.hand_over(to);
+        // The spinning reader's duplicate of the descriptor goes too: the socket must close
+        // when its new owner drops it.
+        reader.busy_poll = None;
         let stream = match read.reunite(write) {
             Ok(s) => s,
             // The halves of one stream always reunite; were it otherwise, dropping them closes
