@@ -95,20 +95,9 @@ impl FrameHeader {
 
     /// Decodes and validates a header against the link's generation and maximum length.
     pub fn decode(b: &[u8; HEADER_LEN], generation: u64, max_frame: u64) -> Result<Self, FrameError> {
-        let magic = u32_at(b, 0);
-        if magic != FRAME_MAGIC {
-            return Err(FrameError::BadMagic(magic));
-        }
-        if b[4] != VERSION {
-            return Err(FrameError::BadVersion(b[4]));
-        }
+        check_envelope(b)?;
         if b[5] != KIND_DATA {
             return Err(FrameError::BadKind(b[5]));
-        }
-        let flags = u16::from_le_bytes([b[6], b[7]]);
-        let reserved = u32_at(b, 28);
-        if flags != 0 || reserved != 0 {
-            return Err(FrameError::Reserved { flags, reserved });
         }
         let theirs = u64_at(b, 8);
         if theirs != generation {
@@ -121,6 +110,24 @@ impl FrameHeader {
         let tag = tag_at(b, 16);
         Ok(Self { generation: theirs, tag, len })
     }
+}
+
+/// The checks every header passes whatever its kind: magic, version, and the flags and
+/// reserved bits at zero.
+fn check_envelope(b: &[u8; HEADER_LEN]) -> Result<(), FrameError> {
+    let magic = u32_at(b, 0);
+    if magic != FRAME_MAGIC {
+        return Err(FrameError::BadMagic(magic));
+    }
+    if b[4] != VERSION {
+        return Err(FrameError::BadVersion(b[4]));
+    }
+    let flags = u16::from_le_bytes([b[6], b[7]]);
+    let reserved = u32_at(b, 28);
+    if flags != 0 || reserved != 0 {
+        return Err(FrameError::Reserved { flags, reserved });
+    }
+    Ok(())
 }
 
 /// What a link carried into a new generation finds on the wire before that generation's
@@ -146,18 +153,7 @@ pub fn rebind_marker(generation: u64) -> [u8; HEADER_LEN] {
 /// `forming` or later before the marker, a marker for another generation or with a payload,
 /// a malformed header) is an error, and the link is not carried.
 pub fn skim(b: &[u8; HEADER_LEN], forming: u64, max_frame: u64) -> Result<Skimmed, FrameError> {
-    let magic = u32_at(b, 0);
-    if magic != FRAME_MAGIC {
-        return Err(FrameError::BadMagic(magic));
-    }
-    if b[4] != VERSION {
-        return Err(FrameError::BadVersion(b[4]));
-    }
-    let flags = u16::from_le_bytes([b[6], b[7]]);
-    let reserved = u32_at(b, 28);
-    if flags != 0 || reserved != 0 {
-        return Err(FrameError::Reserved { flags, reserved });
-    }
+    check_envelope(b)?;
     let theirs = u64_at(b, 8);
     let len = u64_at(b, 32);
     match b[5] {
