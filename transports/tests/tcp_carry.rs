@@ -33,6 +33,14 @@ async fn carrying_mesh(
     join_all(futs).await.into_iter().map(|r| Arc::new(r.expect("set-up"))).collect()
 }
 
+/// The generation of `ts` is revoked: every rank aborts its transport (the links stay open,
+/// to be carried).
+fn revoke(ts: &[Arc<TcpTransport>]) {
+    for t in ts {
+        t.abort(AbortReason::new("generation revoked"));
+    }
+}
+
 /// Every ordered pair exchanges one message of a pattern that depends on the pair and `salt`.
 async fn exchange_all(ts: &[Arc<TcpTransport>], op: u32, salt: u64) {
     let mut tasks = tokio::task::JoinSet::new();
@@ -70,9 +78,7 @@ async fn links_whose_two_ends_survive_are_carried_and_stale_frames_skipped() {
         g1[3].send(2, Tag::new(2, 0, 5), &pattern(7, 3000)).await.expect("a send the peer never receives");
         g1[2].send(0, Tag::new(2, 0, 5), &pattern(8, 200_000)).await.expect("a large unreceived send");
         // Generation 1 is revoked; rank 1 dies (its sockets close).
-        for t in &g1 {
-            t.abort(AbortReason::new("generation 1 revoked"));
-        }
+        revoke(&g1);
         let survivors: Vec<Arc<TcpTransport>> =
             g1.iter().enumerate().filter(|(r, _)| *r != 1).map(|(_, t)| Arc::clone(t)).collect();
         drop(g1);
@@ -100,9 +106,7 @@ async fn links_whose_two_ends_survive_are_carried_and_stale_frames_skipped() {
         // generation-1 frames that were skipped.
         exchange_all(&g2, 1, 200).await;
         // And generation 2's links are carried on again (a second re-formation, nobody lost).
-        for t in &g2 {
-            t.abort(AbortReason::new("generation 2 revoked"));
-        }
+        revoke(&g2);
         let mut carried = Vec::new();
         for t in &g2 {
             let links = t.carry_over();
@@ -124,9 +128,7 @@ async fn a_link_one_side_cannot_carry_is_replaced_by_a_fresh_connection() {
         let all: Vec<&TcpEndpoint> = eps.iter().collect();
         let g1 = carrying_mesh(&all, 1, (0..3).map(|_| Vec::new()).collect()).await;
         exchange_all(&g1, 1, 10).await;
-        for t in &g1 {
-            t.abort(AbortReason::new("revoked"));
-        }
+        revoke(&g1);
         // Rank 1 carries nothing (as if both its links had broken): it drops the handle, which
         // shuts its ends down. Ranks 0 and 2 carry everything they can: their link to each
         // other, and their ends of the links to rank 1, whose re-binds then fail (rank 0 waits
@@ -166,9 +168,7 @@ async fn a_link_left_inside_a_frame_is_not_carried_one_left_between_frames_is() 
         let mut buf = [0u8; 64];
         let waited = timeout(Duration::from_millis(100), g1[0].recv(2, Tag::new(1, 0, 1), &mut buf)).await;
         assert!(waited.is_err(), "nothing was sent");
-        for t in &g1 {
-            t.abort(AbortReason::new("revoked"));
-        }
+        revoke(&g1);
         let links = g1[0].carry_over();
         assert!(links.take(1, 2).is_none(), "the link with a half-sent frame must not be carried");
         assert!(links.take(2, 2).is_some(), "the link left between frames is clean");
@@ -184,9 +184,7 @@ async fn a_carried_link_closes_with_its_new_generation_while_the_old_one_lives()
         let eps = endpoints(2).await;
         let all: Vec<&TcpEndpoint> = eps.iter().collect();
         let g1 = carrying_mesh(&all, 1, vec![Vec::new(), Vec::new()]).await;
-        for t in &g1 {
-            t.abort(AbortReason::new("revoked"));
-        }
+        revoke(&g1);
         let carried = g1
             .iter()
             .map(|t| {
