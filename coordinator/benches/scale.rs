@@ -24,8 +24,13 @@
 //! 5. **steady** (optional, `--steady-secs`): every survivor heartbeats at the default
 //!    interval (500 ms) for that long, each with its step timings as a worker sends them
 //!    (compute and collective time, and the waits on its two ring neighbours' links); one
-//!    member in the middle of the ring computes three times as long as the others.
-//!    `heartbeats_per_s` is the rate achieved, `steady_cpu_pct` the coordinators' CPU (on etcd
+//!    member in the middle of the ring computes three times as long as the others. The
+//!    survivors beat in hosts of `--ranks-per-host` (default 8) consecutive ranks, each host's
+//!    beats in two `HostHeartbeat` calls per interval (half its members each), as the
+//!    workers' host relay sends them
+//!    (`--ranks-per-host 1`: every member its own `Heartbeat`, as without the relay).
+//!    `heartbeats_per_s` is the rate of members' beats answered, `heartbeat_calls_per_s` the
+//!    calls that carried them, `steady_cpu_pct` the coordinators' CPU (on etcd
 //!    also `etcd_steady_cpu_pct`, etcd's, and `etcd_steady_per_s`, its requests per second by
 //!    method), and `straggler_named_ms` the time from the first timed heartbeat until rank
 //!    0's watch names that member a straggler (the run fails if it is never named, or
@@ -84,6 +89,13 @@ const MEMBERS_PER_CONNECTION: usize = 64;
 const JOIN_CONCURRENCY: usize = 256;
 /// Bound on starting a coordinator or etcd.
 const START_BOUND: Duration = Duration::from_secs(60);
+/// How many `HostHeartbeat` calls a host's relay makes per interval
+/// (`cohort::control::FLUSHES_PER_INTERVAL`; this harness does not link the worker crate).
+const RELAY_FLUSHES_PER_INTERVAL: u32 = 2;
+
+/// Ranks per host at join (hosts of 8, as GPU nodes have), and by default in the steady phase.
+const RANKS_PER_HOST: usize = 8;
+
 /// The coordinators' default heartbeat interval (`JobSettings::default`).
 const DEFAULT_HEARTBEAT: Duration = Duration::from_millis(500);
 /// The job.
@@ -102,6 +114,10 @@ struct Plan {
     /// etcd's `--max-txn-ops` and the coordinators' `--etcd-max-txn-ops` (`None`: etcd's
     /// default, 128, and no flag).
     max_txn_ops: Option<u32>,
+    /// Members per host in the steady phase: each host's beats go in one `HostHeartbeat`
+    /// call per interval, as the workers' host relay sends them (1: each member its own
+    /// `Heartbeat`).
+    ranks_per_host: usize,
 }
 
 impl Plan {
@@ -122,6 +138,7 @@ impl Plan {
                 steady: Duration::ZERO,
                 bound: Duration::from_secs(300),
                 max_txn_ops: None,
+                ranks_per_host: RANKS_PER_HOST,
             }
         } else {
             Plan {
@@ -132,6 +149,7 @@ impl Plan {
                 steady: Duration::from_secs(2),
                 bound: Duration::from_secs(60),
                 max_txn_ops: None,
+                ranks_per_host: RANKS_PER_HOST,
             }
         };
         let mut it = args.iter();
@@ -146,6 +164,12 @@ impl Plan {
                 }
                 "--bound-secs" => {
                     plan.bound = Duration::from_secs(value(a)?.parse().map_err(|e| format!("--bound-secs: {e}"))?)
+                }
+                "--ranks-per-host" => {
+                    plan.ranks_per_host = value(a)?.parse().map_err(|e| format!("--ranks-per-host: {e}"))?;
+                    if plan.ranks_per_host == 0 || plan.ranks_per_host > cohort_proto::MAX_BEATS_PER_CALL {
+                        return Err("--ranks-per-host: 1 to 1024".into());
+                    }
                 }
                 "--etcd-max-txn-ops" => {
                     plan.max_txn_ops = Some(value(a)?.parse().map_err(|e| format!("--etcd-max-txn-ops: {e}"))?)
@@ -358,7 +382,7 @@ impl Member {
     async fn join(client: CoordinatorClient<Channel>, i: usize) -> Result<Self, String> {
         let id = format!("m{i:05}");
         // Hosts of 8 ranks, as a GPU node has.
-        let host = format!("host{:04}", i / 8);
+        let host = format!("host{:04}", i / RANKS_PER_HOST);
         let request = pb::JoinRequest {
             job: JOB.into(),
             worker_id: id.clone(),
@@ -469,9 +493,8 @@ impl Member {
         Ok(s.into_inner())
     }
 
-    async fn heartbeat(&self, generation: u64, timing: Option<pb::StepTiming>) -> Result<(), tonic::Status> {
-        let mut c = self.client.clone();
-        c.heartbeat(pb::HeartbeatRequest {
+    fn beat(&self, generation: u64, timing: pb::StepTiming) -> pb::HeartbeatRequest {
+        pb::HeartbeatRequest {
             job: JOB.into(),
             worker_id: self.id.clone(),
             incarnation: self.incarnation,
@@ -479,10 +502,28 @@ impl Member {
             step: 1,
             activity: "train".into(),
             deadlines: String::new(),
-            timing,
-        })
-        .await
-        .map(|_| ())
+            timing: Some(timing),
+        }
+    }
+}
+
+/// One host's heartbeats of one interval, as its relay sends them: the number answered.
+async fn host_heartbeat(host: &[(Arc<Member>, pb::StepTiming)], generation: u64) -> u64 {
+    let Some((first, _)) = host.first() else { return 0 };
+    let mut c = first.client.clone();
+    if let [(m, timing)] = host {
+        // One rank per host: its own Heartbeat, as a worker without a relay sends it.
+        return u64::from(c.heartbeat(m.beat(generation, timing.clone())).await.is_ok());
+    }
+    let beats = host.iter().map(|(m, timing)| m.beat(generation, timing.clone())).collect();
+    match c.host_heartbeat(pb::HostHeartbeatRequest { job: JOB.into(), beats }).await {
+        Ok(r) => r
+            .into_inner()
+            .answers
+            .iter()
+            .filter(|a| matches!(a.outcome, Some(pb::heartbeat_answer::Outcome::Ok(_))))
+            .count() as u64,
+        Err(_) => 0,
     }
 }
 
@@ -775,22 +816,34 @@ async fn run(plan: &Plan, store: &str) -> Result<(), String> {
         let slow_id = live[slow].id.clone();
         let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let sent_count = Arc::new(std::sync::atomic::AtomicU64::new(0));
-        let beats: Vec<_> = live
-            .iter()
+        let calls_count = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let with_timing: Vec<_> =
+            live.iter().enumerate().map(|(i, m)| (m.clone(), step_timing(g2[i].rank, size, i == slow))).collect();
+        let hosts: Vec<Vec<_>> = with_timing.chunks(plan.ranks_per_host).map(<[_]>::to_vec).collect();
+        // A host's relay flushes twice per interval, each flush carrying the beats that came
+        // since the last: half the host's members each (one member alone beats every interval).
+        let flushes = if plan.ranks_per_host > 1 { RELAY_FLUSHES_PER_INTERVAL } else { 1 };
+        let beats: Vec<_> = hosts
+            .into_iter()
             .enumerate()
-            .map(|(i, m)| {
-                let (m, stop, count) = (m.clone(), stop.clone(), sent_count.clone());
-                let timing = step_timing(g2[i].rank, size, i == slow);
+            .map(|(i, host)| {
+                let (stop, count, calls) = (stop.clone(), sent_count.clone(), calls_count.clone());
+                let halves: Vec<Vec<_>> = (0..flushes as usize)
+                    .map(|f| host.iter().skip(f).step_by(flushes as usize).cloned().collect())
+                    .collect();
                 tokio::spawn(async move {
-                    // Spread the members over the interval, as independent processes are.
-                    let offset = DEFAULT_HEARTBEAT * (i as u32 % 64) / 64;
-                    let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + offset, DEFAULT_HEARTBEAT);
+                    // Spread the hosts over the interval, as independent processes are.
+                    let period = DEFAULT_HEARTBEAT / flushes;
+                    let offset = period * (i as u32 % 64) / 64;
+                    let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + offset, period);
                     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-                    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                        tick.tick().await;
-                        if m.heartbeat(2, Some(timing.clone())).await.is_ok() {
-                            count.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    for flush in (0..halves.len()).cycle() {
+                        if stop.load(std::sync::atomic::Ordering::Relaxed) {
+                            break;
                         }
+                        tick.tick().await;
+                        count.fetch_add(host_heartbeat(&halves[flush], 2).await, std::sync::atomic::Ordering::Relaxed);
+                        calls.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                     }
                 })
             })
@@ -815,21 +868,26 @@ async fn run(plan: &Plan, store: &str) -> Result<(), String> {
         // A stretch of wall time is what is measured here (not a synchronisation).
         tokio::time::sleep(DEFAULT_HEARTBEAT * 2).await;
         let etcd_cpu = || etcd.as_ref().and_then(EtcdProcess::pid).map_or(Duration::ZERO, cpu_of);
+        let calls0 = calls_count.load(std::sync::atomic::Ordering::Relaxed);
         let (cpu0, c0, t0) =
             (cpu_all(&coordinators), sent_count.load(std::sync::atomic::Ordering::Relaxed), Instant::now());
         let (etcd_cpu0, etcd_req0) = (etcd_cpu(), requests()?);
         tokio::time::sleep(plan.steady).await;
         let (cpu1, c1, dt) =
             (cpu_all(&coordinators), sent_count.load(std::sync::atomic::Ordering::Relaxed), t0.elapsed());
+        let calls1 = calls_count.load(std::sync::atomic::Ordering::Relaxed);
         let (etcd_cpu1, etcd_req1) = (etcd_cpu(), requests()?);
         stop.store(true, std::sync::atomic::Ordering::Relaxed);
         for b in beats {
             b.abort();
         }
         steady = format!(
-            " steady_secs={:.1} heartbeats_per_s={:.0} steady_cpu_pct={:.1} straggler_named_ms={:.0}",
+            " steady_secs={:.1} ranks_per_host={} heartbeats_per_s={:.0} heartbeat_calls_per_s={:.0} steady_cpu_pct={:.1} \
+             straggler_named_ms={:.0}",
             dt.as_secs_f64(),
+            plan.ranks_per_host,
             (c1 - c0) as f64 / dt.as_secs_f64(),
+            (calls1 - calls0) as f64 / dt.as_secs_f64(),
             100.0 * (cpu1 - cpu0).as_secs_f64() / dt.as_secs_f64(),
             straggler_named.as_secs_f64() * 1000.0
         );

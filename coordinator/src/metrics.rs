@@ -74,6 +74,13 @@ impl Metrics {
         *self.rpcs.lock().unwrap_or_else(PoisonError::into_inner).entry((method, code_name(code))).or_default() += 1;
     }
 
+    /// How many `method` calls were answered with `code` (each beat of a `HostHeartbeat`
+    /// also counts as one `Heartbeat`).
+    pub fn rpc_count(&self, method: &str, code: tonic::Code) -> u64 {
+        let rpcs = self.rpcs.lock().unwrap_or_else(PoisonError::into_inner);
+        rpcs.iter().filter(|((m, c), _)| *m == method && *c == code_name(code)).map(|(_, n)| *n).sum()
+    }
+
     /// Counts a formed generation and its latency (first arrival to formation).
     pub fn formed(&self, latency: Duration) {
         self.generations_formed.fetch_add(1, Ordering::Relaxed);

@@ -22,7 +22,7 @@
 //!
 //! - `join`: `Join` (exclusions, a worker id held by a live process, the replaced
 //!   incarnation's revocation, the member's records on a new lease);
-//! - `heartbeat`: `Heartbeat` (lease, progress, and the straggler judgement and action);
+//! - `heartbeat`: `Heartbeat` and `HostHeartbeat` (lease, progress, and the straggler judgement and action);
 //! - `rendezvous`: `Rendezvous` (the declared wait, the long poll on the hub's signal; the
 //!   compact answer);
 //! - `members`: `Members` (entries of the newest generation by rank and by host, for
@@ -301,6 +301,15 @@ impl pb::coordinator_server::Coordinator for CoordinatorService {
     ) -> Result<Response<pb::HeartbeatResponse>, Status> {
         rpc!(self, "Heartbeat", request, do_heartbeat, |r: &pb::HeartbeatRequest| tracing::debug_span!(
             "rpc", method = "Heartbeat", job = %r.job, worker = %r.worker_id, incarnation = r.incarnation, generation = r.generation))
+    }
+
+    async fn host_heartbeat(
+        &self,
+        request: Request<pb::HostHeartbeatRequest>,
+    ) -> Result<Response<pb::HostHeartbeatResponse>, Status> {
+        rpc!(self, "HostHeartbeat", request, do_host_heartbeat, |r: &pb::HostHeartbeatRequest| {
+            tracing::debug_span!("rpc", method = "HostHeartbeat", job = %r.job, beats = r.beats.len())
+        })
     }
 
     async fn rendezvous(

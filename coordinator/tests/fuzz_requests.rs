@@ -44,9 +44,22 @@ enum Rpc {
     Commit(pb::CommitRequest),
     Status(pb::StatusRequest),
     Members(pb::MembersRequest),
+    HostHeartbeat(pb::HostHeartbeatRequest),
 }
 
 fn rpc() -> impl Strategy<Value = Rpc> {
+    let beat = (id(), id(), num(), num(), num(), any::<String>(), any::<String>()).prop_map(
+        |(job, worker_id, incarnation, generation, step, activity, deadlines)| pb::HeartbeatRequest {
+            job,
+            worker_id,
+            incarnation,
+            generation,
+            step,
+            activity,
+            deadlines,
+            timing: None,
+        },
+    );
     let address = (prop_oneof![Just("tcp".to_string()), Just("rdma".to_string()), any::<String>()], any::<String>())
         .prop_map(|(transport, address)| pb::TransportAddress { transport, address });
     prop_oneof![
@@ -144,6 +157,13 @@ fn rpc() -> impl Strategy<Value = Rpc> {
             .prop_map(|(job, worker_id, incarnation, generation, ranks, host)| Rpc::Members(
                 pb::MembersRequest { job, worker_id, incarnation, generation, ranks, host }
             )),
+        // Batches: of the call's job (each beat judged alone) or mixed (refused whole).
+        (id(), prop::collection::vec(beat, 0..5), any::<bool>()).prop_map(|(job, mut beats, same_job)| {
+            if same_job {
+                beats.iter_mut().for_each(|b| b.job = job.clone());
+            }
+            Rpc::HostHeartbeat(pb::HostHeartbeatRequest { job, beats })
+        }),
     ]
 }
 
@@ -163,6 +183,21 @@ async fn send(
         Rpc::Commit(m) => tokio::time::timeout(bound, c.commit(m)).await.map(|r| r.map(drop)),
         Rpc::Status(m) => tokio::time::timeout(bound, c.status(m)).await.map(|r| r.map(drop)),
         Rpc::Members(m) => tokio::time::timeout(bound, c.members(m)).await.map(|r| r.map(drop)),
+        Rpc::HostHeartbeat(m) => match tokio::time::timeout(bound, c.host_heartbeat(m)).await {
+            // Each refused beat is held to what a refused call is.
+            Ok(Ok(answer)) => {
+                for a in answer.into_inner().answers {
+                    if let Some(pb::heartbeat_answer::Outcome::Refused(r)) = a.outcome {
+                        let code = tonic::Code::from(r.code);
+                        if r.message.is_empty() || matches!(code, tonic::Code::Unknown | tonic::Code::Internal) {
+                            return Err(format!("a beat refused badly: {code:?} {:?}", r.message));
+                        }
+                    }
+                }
+                Ok(Ok(()))
+            }
+            other => other.map(|r| r.map(drop)),
+        },
     };
     match answered {
         Err(_) => Err("no answer within 5 s".into()),
@@ -237,6 +272,7 @@ proptest! {
                     Rpc::Report(m) => real(&m.job, m.incarnation),
                     Rpc::Leave(m) => real(&m.job, m.incarnation),
                     Rpc::Commit(m) => real(&m.job, m.incarnation),
+                    Rpc::HostHeartbeat(m) => m.beats.iter().any(|b| real(&b.job, b.incarnation)),
                     // Members only reads: even a real member's question changes nothing.
                     Rpc::Join(_) | Rpc::Status(_) | Rpc::Members(_) => false,
                 };

@@ -1012,6 +1012,104 @@ macro_rules! suite {
     };
 }
 
+/// One member's beat as a host's relay forwards it.
+fn beat(job: &str, id: &str, incarnation: u64, activity: &str) -> pb::HeartbeatRequest {
+    pb::HeartbeatRequest {
+        job: job.into(),
+        worker_id: id.into(),
+        incarnation,
+        activity: activity.into(),
+        ..Default::default()
+    }
+}
+
+/// `HostHeartbeat` carries several members' heartbeats in one call: each beat is answered
+/// alone (a stranger's refused with NOT_FOUND, the others kept), a malformed batch is refused
+/// whole and changes nothing, and the batches alone keep their members' leases: the one member
+/// left out lapses and is named the cause, the two carried re-form without it.
+async fn host_heartbeats_keep_the_leases_they_carry(backend: Backend) {
+    let backing = Backing::new(backend).await;
+    let server = replica(backing.store.clone(), &Options::new(test_settings(backend))).await;
+    let addr = server.local_addr();
+    let job = "job-host";
+    let shared = client(addr).await;
+    let mut workers = Vec::new();
+    for id in ["w0", "w1", "w2"] {
+        workers.push(Worker::join_on(shared.clone(), join_request(job, id)).await.expect("join"));
+    }
+    let mut c = shared.clone();
+    let mut beats: Vec<_> = workers.iter().map(|w| beat(job, &w.id, w.incarnation, "batched")).collect();
+    beats.push(beat(job, "stranger", 77, "batched"));
+    let answers = c
+        .host_heartbeat(pb::HostHeartbeatRequest { job: job.into(), beats })
+        .await
+        .expect("a batch with a stranger's beat is answered")
+        .into_inner()
+        .answers;
+    assert_eq!(answers.len(), 4);
+    for a in &answers[..3] {
+        assert!(matches!(a.outcome, Some(pb::heartbeat_answer::Outcome::Ok(_))), "{a:?}");
+    }
+    match &answers[3].outcome {
+        Some(pb::heartbeat_answer::Outcome::Refused(r)) => {
+            assert_eq!(tonic::Code::from_i32(r.code), tonic::Code::NotFound, "{r:?}")
+        }
+        other => panic!("the stranger's beat was not refused: {other:?}"),
+    }
+    let activity = |s: &pb::StatusResponse, id: &str| {
+        s.members.iter().find(|m| m.worker_id == id).map(|m| m.activity.clone()).expect("listed")
+    };
+    assert_eq!(activity(&status(addr, job).await, "w0"), "batched");
+
+    // Malformed batches: refused whole, nothing recorded.
+    let refused =
+        |r: Result<tonic::Response<pb::HostHeartbeatResponse>, tonic::Status>| r.map(|_| ()).map_err(|s| s.code());
+    let empty = c.host_heartbeat(pb::HostHeartbeatRequest { job: job.into(), beats: vec![] }).await;
+    assert_eq!(refused(empty), Err(tonic::Code::InvalidArgument));
+    let w0 = &workers[0];
+    let mixed = pb::HostHeartbeatRequest {
+        job: job.into(),
+        beats: vec![beat(job, &w0.id, w0.incarnation, "mixed"), beat("job-other", "x", 1, "mixed")],
+    };
+    assert_eq!(refused(c.host_heartbeat(mixed).await), Err(tonic::Code::InvalidArgument));
+    let too_many = pb::HostHeartbeatRequest {
+        job: job.into(),
+        beats: vec![beat(job, &w0.id, w0.incarnation, "many"); cohort_proto::MAX_BEATS_PER_CALL + 1],
+    };
+    assert_eq!(refused(c.host_heartbeat(too_many).await), Err(tonic::Code::InvalidArgument));
+    assert_eq!(activity(&status(addr, job).await, "w0"), "batched", "a refused batch records nothing");
+
+    // w0 and w1 heartbeat only in batches; w2 alone, until it stops.
+    let carried: Vec<_> = workers[..2].iter().map(|w| beat(job, &w.id, w.incarnation, "batched")).collect();
+    let batches = tokio::spawn(async move {
+        let mut tick = tokio::time::interval(HB);
+        loop {
+            tick.tick().await;
+            let _ = c.host_heartbeat(pb::HostHeartbeatRequest { job: "job-host".into(), beats: carried.clone() }).await;
+        }
+    });
+    workers[2].start_heartbeats(HB);
+    let g1 = form_all(&workers, 0).await.remove(0);
+    assert_eq!(g1.members.len(), 3);
+    let mut watch = workers[0].watch().await;
+    workers[2].stop_heartbeats();
+    let revoked = wait_event(&mut watch, |e| match e {
+        Event::GenerationRevoked(r) => Some(r.clone()),
+        _ => None,
+    })
+    .await;
+    let cause = revoked.cause.expect("cause");
+    assert_eq!((revoked.generation, cause.worker_id.as_str()), (1, "w2"), "{cause:?}");
+    assert!(cause.reason.contains("lease expired"), "{}", cause.reason);
+    let (g2a, g2b) = tokio::join!(workers[0].next_generation(1), workers[1].next_generation(1));
+    assert_eq!(g2a, g2b);
+    let ids: Vec<_> = g2a.members.iter().map(|m| m.worker_id.as_str()).collect();
+    assert_eq!(ids.len(), 2, "{ids:?}");
+    assert!(!ids.contains(&"w2"), "{ids:?}");
+    batches.abort();
+    server.shutdown().await.expect("shutdown");
+}
+
 suite!(
     four_workers_form_one_generation,
     every_published_address_reaches_the_generation,
@@ -1033,4 +1131,5 @@ suite!(
     a_straggler_is_named_and_excluded,
     a_second_straggler_is_not_excluded_below_min_workers,
     a_live_worker_id_is_refused_to_a_second_process,
+    host_heartbeats_keep_the_leases_they_carry,
 );

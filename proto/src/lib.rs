@@ -32,6 +32,10 @@ pub const LEADER_HEADER: &str = "cohort-leader";
 pub use v1::coordinator_client::CoordinatorClient;
 pub use v1::coordinator_server::{Coordinator, CoordinatorServer};
 
+/// Most beats one `HostHeartbeat` call may carry (`HostHeartbeatRequest.beats`): far more
+/// ranks than one host holds.
+pub const MAX_BEATS_PER_CALL: usize = 1024;
+
 /// Most ranks one `Members` call may ask for (`MembersRequest.ranks`).
 pub const MAX_MEMBERS_PER_CALL: usize = 4096;
 

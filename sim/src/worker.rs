@@ -394,7 +394,7 @@ impl Worker {
                 Ok(_) => {}
             }
             match self.drive("Join", |m| m.handle_join(now(), answer))? {
-                JoinNext::Joined { incarnation, heartbeat_interval } => {
+                JoinNext::Joined { incarnation, heartbeat_interval, .. } => {
                     self.shared().lock().workers.entry(self.setup.index).or_default().incarnation = incarnation;
                     self.log(format!("joined as incarnation {incarnation}"));
                     self.judge_eviction();

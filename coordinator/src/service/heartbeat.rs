@@ -254,3 +254,45 @@ impl CoordinatorService {
         until
     }
 }
+
+impl CoordinatorService {
+    /// One `HostHeartbeat`: each beat judged as its own `Heartbeat`, concurrently (on etcd
+    /// each renews its own lease), and answered in order. A refused beat is answered with its
+    /// status and does not fail the call; only a malformed batch does.
+    pub(super) async fn do_host_heartbeat(
+        &self,
+        r: pb::HostHeartbeatRequest,
+    ) -> Result<pb::HostHeartbeatResponse, Status> {
+        validate::id("job", &r.job)?;
+        if r.beats.is_empty() {
+            return Err(Status::invalid_argument("beats is empty"));
+        }
+        if r.beats.len() > cohort_proto::MAX_BEATS_PER_CALL {
+            return Err(Status::invalid_argument(format!(
+                "{} beats in one call (at most {})",
+                r.beats.len(),
+                cohort_proto::MAX_BEATS_PER_CALL
+            )));
+        }
+        if let Some((i, beat)) = r.beats.iter().enumerate().find(|(_, b)| b.job != r.job) {
+            return Err(Status::invalid_argument(format!(
+                "beats[{i}] is of job {:?}, the call of job {:?}",
+                beat.job, r.job
+            )));
+        }
+        let answers = futures::future::join_all(r.beats.into_iter().map(|beat| async move {
+            let result = self.do_heartbeat(beat).await;
+            self.ctx.metrics.rpc("Heartbeat", result.as_ref().map_or_else(|s| s.code(), |_| tonic::Code::Ok));
+            let outcome = match result {
+                Ok(answer) => pb::heartbeat_answer::Outcome::Ok(answer),
+                Err(status) => pb::heartbeat_answer::Outcome::Refused(pb::HeartbeatRefusal {
+                    code: status.code() as i32,
+                    message: status.message().to_string(),
+                }),
+            };
+            pb::HeartbeatAnswer { outcome: Some(outcome) }
+        }))
+        .await;
+        Ok(pb::HostHeartbeatResponse { answers })
+    }
+}

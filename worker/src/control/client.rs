@@ -339,6 +339,16 @@ impl ControlClient {
         self.call_within("Heartbeat", request, timeout, |mut c, r| async move { c.heartbeat(r).await }).await
     }
 
+    /// Sends several members' heartbeats in one call (the host's heartbeat relay does),
+    /// under the heartbeat timeout; the coordinator answers each beat in order.
+    ///
+    /// # Cancel safety
+    /// Cancel safe (heartbeats are idempotent).
+    pub async fn host_heartbeat(&self, request: HostHeartbeatRequest) -> Result<HostHeartbeatResponse, ControlError> {
+        let timeout = self.inner.config.heartbeat_timeout.min(self.inner.config.request_timeout);
+        self.call_within("HostHeartbeat", request, timeout, |mut c, r| async move { c.host_heartbeat(r).await }).await
+    }
+
     /// Waits (long poll of `request.wait_ms`) for the next generation.
     ///
     /// # Cancel safety

@@ -7,8 +7,14 @@
 //! one is unreachable. Application errors (bad request, unknown member, excluded worker) are
 //! returned at once, never retried.
 
+//!
+//! [`HostRelay`] carries the heartbeats of a host's workers to the coordinator in shared
+//! calls, two per interval (`relay.rs`).
+
 mod client;
 mod error;
+mod relay;
 
 pub use client::{ControlClient, ControlConfig};
 pub use error::ControlError;
+pub use relay::{HostRelay, DIRECT_AFTER_FAILURE, FLUSHES_PER_INTERVAL, MIN_LEASE_INTERVALS};

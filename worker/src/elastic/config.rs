@@ -66,6 +66,11 @@ pub struct ElasticConfig {
     /// How long to wait for the coordinator's revocation record after a local failure before
     /// falling back to the local error as the cause.
     pub root_cause_wait: Duration,
+    /// Whether heartbeats go through the host's heartbeat relay (one coordinator call per
+    /// host and interval, [`crate::control::HostRelay`]); off: each worker sends its own.
+    /// [`ElasticConfig::new`] turns it on unless the environment variable
+    /// `COHORT_HEARTBEAT_RELAY` is `0` or `off`.
+    pub heartbeat_relay: bool,
     /// Longest an excluded worker waits out its exclusion (the coordinator says how long it
     /// has left) before joining fails; zero fails at once. Default one hour (the longest
     /// default exclusion is 30 min).
@@ -101,6 +106,7 @@ impl ElasticConfig {
             rendezvous_poll: Duration::from_secs(10),
             root_cause_wait: Duration::from_millis(500),
             exclusion_wait: Duration::from_secs(3600),
+            heartbeat_relay: !matches!(std::env::var("COHORT_HEARTBEAT_RELAY").as_deref(), Ok("0" | "off")),
         }
     }
 }

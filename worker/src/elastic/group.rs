@@ -4,7 +4,7 @@ use super::choice::{host_layout, plan_mesh, MemberInfo, MeshPlan};
 use super::connect::{connect_planned, Carry, LocalEndpoints, MeshScope};
 use super::membership::{CallError, Effect, JoinNext, Membership, Step, WatchNext};
 use super::{ElasticConfig, ElasticError, MeshKind, MeshTransport, TransportChoice};
-use crate::control::{ControlClient, ControlError};
+use crate::control::{ControlClient, ControlError, HostRelay};
 use crate::{CommConfig, CommError, Communicator, Revoker, RootCause};
 use cohort_proto::v1 as pb;
 use cohort_transports::shm::{ShmAddress, ShmEndpoint};
@@ -132,6 +132,9 @@ pub struct ElasticGroup {
     commits: tokio::sync::watch::Sender<Option<pb::CommitRequest>>,
     /// The last generation connected, whose TCP links the next one may carry over.
     previous: Option<Previous>,
+    /// The host's heartbeat relay path (with [`ElasticConfig::heartbeat_relay`]), made at the
+    /// first join (the interval comes with it).
+    relay: Option<HostRelay>,
 }
 
 /// A generation this worker connected, kept until the next one takes what it can of its links
@@ -229,6 +232,7 @@ impl ElasticGroup {
             heartbeat_interval: Duration::from_millis(500),
             commits: tokio::sync::watch::channel(None).0,
             previous: None,
+            relay: None,
         };
         group.register().await?;
         group.tasks.push(tokio::spawn(commit_task(
@@ -275,19 +279,33 @@ impl ElasticGroup {
             replaces: self.incarnation(),
         };
         self.shared.drive(|m| m.begin_join(Instant::now()));
-        let (incarnation, heartbeat_interval) = loop {
+        let (incarnation, heartbeat_interval, lease_ttl) = loop {
             let answer = self.client.join(request.clone()).await.map_err(CallError::from);
             match self.shared.drive(|m| m.handle_join(Instant::now(), answer))? {
-                JoinNext::Joined { incarnation, heartbeat_interval } => break (incarnation, heartbeat_interval),
+                JoinNext::Joined { incarnation, heartbeat_interval, lease_ttl } => {
+                    break (incarnation, heartbeat_interval, lease_ttl)
+                }
                 JoinNext::RetryAt(at) => tokio::time::sleep_until(at.into()).await,
             }
         };
         self.heartbeat_interval = heartbeat_interval;
         info!(job = %self.config.job, worker = %self.config.worker_id, incarnation,
               address = %self.advertised, "joined");
+        self.relay = self.relay.take().filter(|r| r.interval() == heartbeat_interval);
+        if self.config.heartbeat_relay && self.relay.is_none() {
+            let (job, host) = (&self.config.job, &self.config.host);
+            self.relay = match HostRelay::new(self.client.clone(), job, host, heartbeat_interval, lease_ttl) {
+                Ok(relay) => relay,
+                Err(e) => {
+                    warn!(error = %e, "no heartbeat relay; heartbeats go directly");
+                    None
+                }
+            };
+        }
         // An older incarnation's heartbeat task stops by itself (it sees the new incarnation).
         let heartbeat = tokio::spawn(heartbeat_task(
             self.client.clone(),
+            self.relay.clone(),
             self.shared.clone(),
             self.config.job.clone(),
             self.config.worker_id.clone(),
@@ -772,9 +790,11 @@ fn resolve(address: &str) -> Option<SocketAddr> {
 }
 
 /// Keeps the membership's lease alive and reports progress, until a newer incarnation
-/// takes over or the coordinator no longer knows this one.
+/// takes over or the coordinator no longer knows this one: through the host's heartbeat
+/// relay when there is one, else directly.
 async fn heartbeat_task(
     client: ControlClient,
+    relay: Option<HostRelay>,
     shared: Arc<Shared>,
     job: String,
     worker_id: String,
@@ -797,7 +817,11 @@ async fn heartbeat_task(
             deadlines: progress.deadlines,
             timing,
         };
-        let answer = client.heartbeat(request).await.map_err(CallError::from);
+        let answer = match &relay {
+            Some(relay) => relay.heartbeat(request).await,
+            None => client.heartbeat(request).await,
+        };
+        let answer = answer.map_err(CallError::from);
         if !shared.drive(|m| m.handle_heartbeat(incarnation, answer)) {
             return;
         }

@@ -126,6 +126,9 @@ pub enum JoinNext {
         incarnation: u64,
         /// The coordinator's heartbeat interval (bounded to 10 ms ..= 60 s).
         heartbeat_interval: Duration,
+        /// How long the coordinator waits for a heartbeat before it declares the member dead
+        /// (zero: not said, an older coordinator).
+        lease_ttl: Duration,
     },
     /// Excluded: ask again at this time.
     RetryAt(Instant),
@@ -301,7 +304,8 @@ impl Membership {
                 // The event stream reopens for the new incarnation.
                 self.effects.push_back(Effect::Wake);
                 let heartbeat_interval = Duration::from_millis(response.heartbeat_interval_ms.clamp(10, 60_000));
-                Ok(JoinNext::Joined { incarnation: response.incarnation, heartbeat_interval })
+                let lease_ttl = Duration::from_millis(response.lease_ttl_ms.min(3_600_000));
+                Ok(JoinNext::Joined { incarnation: response.incarnation, heartbeat_interval, lease_ttl })
             }
             Err(CallError::Excluded { message, retry_after }) => {
                 let (waited, limit) = (now.saturating_duration_since(started), self.exclusion_wait);
@@ -577,7 +581,7 @@ mod tests {
     }
 
     fn joined(incarnation: u64) -> Result<pb::JoinResponse, CallError> {
-        Ok(pb::JoinResponse { incarnation, heartbeat_interval_ms: 200, ..Default::default() })
+        Ok(pb::JoinResponse { incarnation, heartbeat_interval_ms: 200, lease_ttl_ms: 1000, ..Default::default() })
     }
 
     fn formed(number: u64) -> Result<pb::RendezvousResponse, CallError> {
@@ -609,7 +613,14 @@ mod tests {
         let mut machine = Membership::new(LIMIT);
         machine.begin_join(now);
         let next = machine.handle_join(now, joined(incarnation)).expect("joins");
-        assert_eq!(next, JoinNext::Joined { incarnation, heartbeat_interval: Duration::from_millis(200) });
+        assert_eq!(
+            next,
+            JoinNext::Joined {
+                incarnation,
+                heartbeat_interval: Duration::from_millis(200),
+                lease_ttl: Duration::from_millis(1000)
+            }
+        );
         assert_eq!(effects(&mut machine), [Effect::Wake], "a new incarnation wakes the watch");
         machine
     }

@@ -101,6 +101,14 @@ fn byte_size(text: &str) -> Result<usize, String> {
     }
 }
 
+fn on_off(text: &str) -> Result<bool, String> {
+    match text {
+        "on" => Ok(true),
+        "off" => Ok(false),
+        _ => Err(format!("{text:?}: on or off")),
+    }
+}
+
 fn algorithm(text: &str) -> Result<Algorithm, String> {
     text.parse::<Algorithm>().map_err(|e| e.to_string())
 }
@@ -171,6 +179,11 @@ struct TrainArgs {
     /// (0 = at once).
     #[arg(long, value_parser = duration, default_value = "1h")]
     exclusion_wait: Duration,
+    /// Heartbeats through the host's heartbeat relay (`on`: one coordinator call per host and
+    /// interval, the first worker of the job on the host serving it) or each worker's own
+    /// (`off`). Default: on, unless COHORT_HEARTBEAT_RELAY is 0 or off.
+    #[arg(long, value_parser = on_off)]
+    heartbeat_relay: Option<bool>,
     /// Allreduce algorithm.
     #[arg(long, value_parser = algorithm, default_value = "auto")]
     algo: Algorithm,
@@ -371,6 +384,9 @@ fn train_main(args: TrainArgs) -> Result<TrainSummary, String> {
         (!args.fixed_deadlines).then_some(cohort_transports::Learning { floor: args.no_progress_floor });
     config.deadlines.connect = args.connect_timeout;
     config.exclusion_wait = args.exclusion_wait;
+    if let Some(relay) = args.heartbeat_relay {
+        config.heartbeat_relay = relay;
+    }
     config.comm.algorithm = args.algo;
     config.tcp.busy_poll = args.busy_poll;
     config.transport = args.transport;

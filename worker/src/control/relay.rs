@@ -1,0 +1,431 @@
+//! The host's heartbeat relay: the ranks of one host send the coordinator one heartbeat call
+//! per interval between them, not one each.
+//!
+//! The first worker of a job on a host to find no relay becomes it: it binds an abstract Unix
+//! socket named after the job, the host, the coordinator endpoints and the user, and serves it
+//! for as long as its group lives. Every worker of the job on the host, the relay's own
+//! included, sends each heartbeat over that socket and waits for its answer. Twice per
+//! heartbeat interval ([`FLUSHES_PER_INTERVAL`]) the relay sends the beats it holds in one
+//! `HostHeartbeat` call and hands each worker the coordinator's answer to its own beat: a host
+//! of eight ranks makes two calls where it made eight, and the coordinator's per-call cost
+//! (gRPC, HTTP/2, the kernel's TCP) is paid once per call, not per rank. (One flush per interval
+//! would halve the calls again, but a beat could then wait a whole interval in the relay, and
+//! a member's silence as the coordinator sees it must stay under two intervals: that is how
+//! it tells a live member from a lost one.)
+//!
+//! Nothing depends on the relay being there. A worker whose beat is not answered within three
+//! quarters of an interval (the relay died, hung or cannot reach the coordinator)
+//! sends that beat itself and keeps sending its own for [`DIRECT_AFTER_FAILURE`] intervals,
+//! then tries the socket again, and becomes the relay when no one serves it. A relay that dies
+//! frees the name with its process (an abstract socket has no file to clean up). A coordinator
+//! without `HostHeartbeat` makes every worker send its own beats for good.
+//!
+//! Abstract sockets live in the network namespace: on Kubernetes the ranks of one pod share a
+//! relay, pods do not. The relay answers only processes of its own user (`SO_PEERCRED`), and it
+//! forwards only its job's beats: the coordinator judges each beat as if the member had sent
+//! it, against the member's incarnation.
+
+use super::{ControlClient, ControlError};
+use cohort_proto::v1::{self as pb, HeartbeatRequest, HeartbeatResponse};
+use prost::Message;
+use sha2::{Digest, Sha256};
+use std::io;
+use std::os::linux::net::SocketAddrExt;
+use std::os::unix::net::SocketAddr as UnixAddr;
+use std::sync::{Arc, Mutex as StdMutex};
+use std::time::Duration;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{UnixListener, UnixStream};
+use tokio::sync::{mpsc, oneshot};
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+use tracing::{debug, info, warn};
+
+/// Intervals a worker sends its own beats after the relay failed it, before it tries the
+/// relay again.
+pub const DIRECT_AFTER_FAILURE: u32 = 10;
+
+/// How many times per heartbeat interval the relay sends the beats it holds.
+pub const FLUSHES_PER_INTERVAL: u32 = 2;
+
+/// The shortest lease, in heartbeat intervals, that a relay is used with.
+pub const MIN_LEASE_INTERVALS: u32 = 4;
+
+/// Largest frame either side accepts: a beat with every peer's wait is far smaller.
+const MAX_FRAME: usize = 1 << 20;
+
+/// Most workers one relay serves at once; more connections are closed at once (those workers
+/// send their own beats).
+const MAX_CONNECTIONS: usize = cohort_proto::MAX_BEATS_PER_CALL;
+
+/// One worker's way to the coordinator for its heartbeats: through the host's relay when there
+/// is one (becoming it when there is none), else directly. Cheap to clone; the relay this
+/// process serves, if any, stops when the last clone is dropped.
+#[derive(Clone)]
+pub struct HostRelay {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    client: ControlClient,
+    job: String,
+    interval: Duration,
+    /// How long a beat waits for the relay's answer.
+    wait: Duration,
+    address: UnixAddr,
+    /// The socket's name, for logs.
+    name: String,
+    path: tokio::sync::Mutex<Path>,
+    /// The relay this process serves.
+    serving: StdMutex<Option<JoinHandle<()>>>,
+}
+
+/// The state of one worker's path through the relay.
+#[derive(Default)]
+struct Path {
+    conn: Option<UnixStream>,
+    /// Until when beats go directly (after a relay failure).
+    direct_until: Option<Instant>,
+    /// A beat was written and its answer not read (a call was cancelled): the connection's
+    /// next frame would be that answer, so it is not used again.
+    in_flight: bool,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        if let Some(task) = self.serving.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            task.abort();
+        }
+    }
+}
+
+/// Why a beat did not go through the relay.
+#[derive(Debug, thiserror::Error)]
+enum RelayFailure {
+    #[error("the relay closed the connection")]
+    Closed,
+    #[error("relay socket: {0}")]
+    Io(#[from] io::Error),
+    #[error("no answer from the relay within {0:?}")]
+    Timeout(Duration),
+    #[error("the relay's answer is malformed: {0}")]
+    Malformed(String),
+    #[error("the relay could not reach the coordinator: {0}")]
+    Upstream(String),
+    #[error("the coordinator has no HostHeartbeat")]
+    Unsupported,
+}
+
+impl HostRelay {
+    /// The relay path of `job`'s worker on `host`, heartbeating every `interval` through
+    /// `client`, or `None` when the lease is too short for a relay's delay: a beat through the
+    /// relay waits for its next flush (up to half an interval) and, when the relay does not
+    /// answer, a quarter of an interval more before it goes directly, so the relay is used only
+    /// when the lease lasts [`MIN_LEASE_INTERVALS`] intervals or more (the default 3 s lease and
+    /// 500 ms interval give six). Nothing is bound or connected until the first beat.
+    pub fn new(
+        client: ControlClient,
+        job: &str,
+        host: &str,
+        interval: Duration,
+        lease_ttl: Duration,
+    ) -> io::Result<Option<Self>> {
+        if lease_ttl < interval * MIN_LEASE_INTERVALS {
+            debug!(job, ?interval, ?lease_ttl, "lease too short for the heartbeat relay; heartbeats go directly");
+            return Ok(None);
+        }
+        let name = socket_name(&client.config().endpoints, job, host);
+        let address = UnixAddr::from_abstract_name(name.as_bytes())?;
+        // A beat goes directly when the relay has not answered within the next flush and a
+        // quarter of an interval (or the heartbeat timeout, if shorter): at worst a member's
+        // beats then reach the coordinator 1.75 intervals and a direct call apart, under the
+        // two intervals of silence after which the coordinator takes a member for lost.
+        let flush = interval / FLUSHES_PER_INTERVAL;
+        let wait = flush + client.config().heartbeat_timeout.min(interval / 4);
+        Ok(Some(Self {
+            inner: Arc::new(Inner {
+                client,
+                job: job.to_string(),
+                interval,
+                wait,
+                address,
+                name,
+                path: tokio::sync::Mutex::new(Path::default()),
+                serving: StdMutex::new(None),
+            }),
+        }))
+    }
+
+    /// The relay's abstract socket name (without the leading NUL).
+    pub fn socket_name(&self) -> &str {
+        &self.inner.name
+    }
+
+    /// The heartbeat interval the relay flushes at.
+    pub fn interval(&self) -> Duration {
+        self.inner.interval
+    }
+
+    /// Whether this process serves the host's relay.
+    pub fn is_serving(&self) -> bool {
+        self.inner.serving.lock().unwrap_or_else(|e| e.into_inner()).as_ref().is_some_and(|t| !t.is_finished())
+    }
+
+    /// Sends one heartbeat, through the relay when it answers in time, else directly, and
+    /// returns the coordinator's answer to it.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: a heartbeat is idempotent, and a beat cut short leaves its connection
+    /// unused again (the next beat opens another).
+    pub async fn heartbeat(&self, request: HeartbeatRequest) -> Result<HeartbeatResponse, ControlError> {
+        let inner = &self.inner;
+        let mut path = inner.path.lock().await;
+        if path.in_flight {
+            path.conn = None;
+            path.in_flight = false;
+        }
+        if path.direct_until.is_some_and(|until| Instant::now() < until) {
+            drop(path);
+            return inner.client.heartbeat(request).await;
+        }
+        let mut outcome = self.through_relay(&mut path, &request).await;
+        if matches!(&outcome, Err(RelayFailure::Closed)) {
+            // The relay's process ended (or dropped its group): the name is free, so this
+            // worker finds the next relay or becomes it at once.
+            path.conn = None;
+            path.in_flight = false;
+            outcome = self.through_relay(&mut path, &request).await;
+        }
+        match outcome {
+            Ok(answer) => return answer,
+            Err(failure) => {
+                path.conn = None;
+                path.in_flight = false;
+                let retry_in = match failure {
+                    // An old coordinator: never again in this process's life (an hour).
+                    RelayFailure::Unsupported => Duration::from_secs(3600),
+                    _ => inner.interval * DIRECT_AFTER_FAILURE,
+                };
+                warn!(job = %inner.job, relay = %inner.name, error = %failure, ?retry_in,
+                      "heartbeat relay failed; sending heartbeats directly");
+                path.direct_until = Some(Instant::now() + retry_in);
+            }
+        }
+        drop(path);
+        inner.client.heartbeat(request).await
+    }
+
+    async fn through_relay(
+        &self,
+        path: &mut Path,
+        request: &HeartbeatRequest,
+    ) -> Result<Result<HeartbeatResponse, ControlError>, RelayFailure> {
+        let inner = &self.inner;
+        if path.conn.is_none() {
+            path.conn = Some(self.connect_or_serve()?);
+        }
+        let conn = path.conn.as_mut().expect("connected above");
+        let wait = inner.wait;
+        path.in_flight = true;
+        let answer = tokio::time::timeout(wait, async {
+            write_frame(conn, &request.encode_to_vec()).await?;
+            read_frame(conn).await
+        })
+        .await
+        .map_err(|_| RelayFailure::Timeout(wait))?
+        .map_err(|e| match e.kind() {
+            io::ErrorKind::BrokenPipe | io::ErrorKind::ConnectionReset => RelayFailure::Closed,
+            _ => RelayFailure::Io(e),
+        })?
+        .ok_or(RelayFailure::Closed)?;
+        path.in_flight = false;
+        let answer =
+            pb::HeartbeatAnswer::decode(answer.as_slice()).map_err(|e| RelayFailure::Malformed(e.to_string()))?;
+        match answer.outcome {
+            Some(pb::heartbeat_answer::Outcome::Ok(response)) => Ok(Ok(response)),
+            Some(pb::heartbeat_answer::Outcome::Refused(r)) => match tonic::Code::from(r.code) {
+                tonic::Code::Unimplemented => Err(RelayFailure::Unsupported),
+                // The relay's own trouble reaching the coordinator: this worker tries itself.
+                tonic::Code::Unavailable | tonic::Code::DeadlineExceeded | tonic::Code::Internal => {
+                    Err(RelayFailure::Upstream(r.message))
+                }
+                code => Ok(Err(ControlError::Rejected { rpc: "Heartbeat", code, message: r.message })),
+            },
+            None => Err(RelayFailure::Malformed("an answer with no outcome".into())),
+        }
+    }
+
+    /// Connects to the host's relay, or binds its name and serves it when no one does.
+    fn connect_or_serve(&self) -> io::Result<UnixStream> {
+        let inner = &self.inner;
+        match connect(&inner.address) {
+            Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => {}
+            other => return other,
+        }
+        match std::os::unix::net::UnixListener::bind_addr(&inner.address) {
+            Ok(listener) => {
+                listener.set_nonblocking(true)?;
+                let listener = UnixListener::from_std(listener)?;
+                info!(job = %inner.job, relay = %inner.name, "serving the host's heartbeat relay");
+                let task = tokio::spawn(serve(listener, inner.client.clone(), inner.job.clone(), inner.interval));
+                if let Some(old) = inner.serving.lock().unwrap_or_else(|e| e.into_inner()).replace(task) {
+                    old.abort();
+                }
+            }
+            // Another worker bound it first: use theirs.
+            Err(e) if e.kind() == io::ErrorKind::AddrInUse => {}
+            Err(e) => return Err(e),
+        }
+        connect(&inner.address)
+    }
+}
+
+fn connect(address: &UnixAddr) -> io::Result<UnixStream> {
+    // A Unix socket's connect completes at once (or fails): no need to wait on it.
+    let stream = std::os::unix::net::UnixStream::connect_addr(address)?;
+    stream.set_nonblocking(true)?;
+    UnixStream::from_std(stream)
+}
+
+/// The relay's abstract socket name: one per job, host, coordinator and user.
+fn socket_name(endpoints: &[String], job: &str, host: &str) -> String {
+    let mut digest = Sha256::new();
+    for part in endpoints.iter().map(String::as_str).chain([job, host]) {
+        digest.update((part.len() as u64).to_le_bytes());
+        digest.update(part.as_bytes());
+    }
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    digest.update(unsafe { libc::geteuid() }.to_le_bytes());
+    let hex: String = digest.finalize()[..12].iter().map(|b| format!("{b:02x}")).collect();
+    format!("cohort-heartbeat-relay/{hex}")
+}
+
+async fn write_frame(conn: &mut UnixStream, body: &[u8]) -> io::Result<()> {
+    let mut frame = Vec::with_capacity(4 + body.len());
+    frame.extend_from_slice(&(body.len() as u32).to_le_bytes());
+    frame.extend_from_slice(body);
+    conn.write_all(&frame).await
+}
+
+/// One frame, or `None` at a clean end of stream between frames.
+async fn read_frame(conn: &mut UnixStream) -> io::Result<Option<Vec<u8>>> {
+    let mut len = [0u8; 4];
+    match conn.read_exact(&mut len).await {
+        Ok(_) => {}
+        Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(None),
+        Err(e) => return Err(e),
+    }
+    let len = u32::from_le_bytes(len) as usize;
+    if len > MAX_FRAME {
+        return Err(io::Error::new(io::ErrorKind::InvalidData, format!("a {len}-byte frame (at most {MAX_FRAME})")));
+    }
+    let mut body = vec![0u8; len];
+    conn.read_exact(&mut body).await?;
+    Ok(Some(body))
+}
+
+/// A beat waiting for the next flush, and where its answer goes.
+type Pending = (HeartbeatRequest, oneshot::Sender<pb::HeartbeatAnswer>);
+
+/// Serves the relay: accepts the host's workers, gathers their beats, and
+/// [`FLUSHES_PER_INTERVAL`] times per `interval` sends the gathered beats in `HostHeartbeat`
+/// calls.
+///
+/// # Cancel safety
+/// Aborting it closes the socket; the workers then send their own beats, and one of them
+/// serves the relay next.
+async fn serve(listener: UnixListener, client: ControlClient, job: String, interval: Duration) {
+    let (beats_tx, mut beats_rx) = mpsc::channel::<Pending>(MAX_CONNECTIONS);
+    let mut connections = tokio::task::JoinSet::new();
+    let mut flushes = tokio::task::JoinSet::new();
+    let mut pending: Vec<Pending> = Vec::new();
+    let mut ticker = tokio::time::interval(interval / FLUSHES_PER_INTERVAL);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let uid = unsafe { libc::geteuid() };
+    loop {
+        tokio::select! {
+            accepted = listener.accept() => {
+                let Ok((stream, _)) = accepted else { continue };
+                match stream.peer_cred() {
+                    Ok(cred) if cred.uid() == uid => {}
+                    other => {
+                        warn!(job = %job, peer = ?other, "heartbeat relay refused a connection of another user");
+                        continue;
+                    }
+                }
+                if connections.len() >= MAX_CONNECTIONS {
+                    debug!(job = %job, "heartbeat relay full; the worker sends its own beats");
+                    continue;
+                }
+                connections.spawn(serve_connection(stream, beats_tx.clone(), job.clone()));
+            }
+            Some(beat) = beats_rx.recv() => pending.push(beat),
+            _ = ticker.tick() => {
+                if !pending.is_empty() {
+                    flushes.spawn(flush(client.clone(), job.clone(), std::mem::take(&mut pending)));
+                }
+            }
+            Some(_) = connections.join_next() => {}
+            Some(_) = flushes.join_next() => {}
+        }
+    }
+}
+
+/// One worker's connection: reads its beats, queues each for the next flush, writes back its
+/// answer. A malformed beat is answered with INVALID_ARGUMENT and the connection goes on.
+async fn serve_connection(mut stream: UnixStream, beats: mpsc::Sender<Pending>, job: String) {
+    while let Ok(Some(frame)) = read_frame(&mut stream).await {
+        let refuse = |message: String| pb::HeartbeatAnswer {
+            outcome: Some(pb::heartbeat_answer::Outcome::Refused(pb::HeartbeatRefusal {
+                code: tonic::Code::InvalidArgument as i32,
+                message,
+            })),
+        };
+        let answer = match HeartbeatRequest::decode(frame.as_slice()) {
+            Err(e) => refuse(format!("malformed heartbeat: {e}")),
+            Ok(beat) if beat.job != job => {
+                refuse(format!("this host's heartbeat relay serves job {job:?}, not {:?}", beat.job))
+            }
+            Ok(beat) => {
+                let (tx, rx) = oneshot::channel();
+                if beats.send((beat, tx)).await.is_err() {
+                    return;
+                }
+                match rx.await {
+                    Ok(answer) => answer,
+                    Err(_) => return,
+                }
+            }
+        };
+        if write_frame(&mut stream, &answer.encode_to_vec()).await.is_err() {
+            return;
+        }
+    }
+}
+
+/// Sends the gathered beats (in calls of at most `MAX_BEATS_PER_CALL`) and hands out the
+/// answers; a failed call answers each of its beats with the failure.
+async fn flush(client: ControlClient, job: String, pending: Vec<Pending>) {
+    let mut pending = pending.into_iter().peekable();
+    while pending.peek().is_some() {
+        let (beats, waiting): (Vec<_>, Vec<_>) = pending.by_ref().take(cohort_proto::MAX_BEATS_PER_CALL).unzip();
+        let count = beats.len();
+        let answers = match client.host_heartbeat(pb::HostHeartbeatRequest { job: job.clone(), beats }).await {
+            Ok(r) if r.answers.len() == count => r.answers,
+            Ok(r) => {
+                vec![refusal(tonic::Code::Internal, format!("{} answers to {count} beats", r.answers.len())); count]
+            }
+            Err(e) => vec![refusal(e.code().unwrap_or(tonic::Code::Unavailable), e.to_string()); count],
+        };
+        for (answer, to) in answers.into_iter().zip(waiting) {
+            let _ = to.send(answer);
+        }
+    }
+}
+
+fn refusal(code: tonic::Code, message: String) -> pb::HeartbeatAnswer {
+    pb::HeartbeatAnswer {
+        outcome: Some(pb::heartbeat_answer::Outcome::Refused(pb::HeartbeatRefusal { code: code as i32, message })),
+    }
+}

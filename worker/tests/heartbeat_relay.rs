@@ -1,0 +1,249 @@
+//! The host's heartbeat relay against a real coordinator (memory store, loopback gRPC) over
+//! real abstract Unix sockets: one worker serves it and the host's beats reach the
+//! coordinator in shared `HostHeartbeat` calls; when the relay ends another worker takes
+//! over at once; a relay that accepts but never answers (a stopped process) is bypassed
+//! within the lease; bad frames get a clear answer and change nothing.
+
+use cohort::control::{ControlClient, ControlConfig, HostRelay};
+use cohort_coordinator::store::memory::MemoryStore;
+use cohort_coordinator::{JobSettings, ServeConfig, ServerHandle, Settings};
+use cohort_proto::v1 as pb;
+use prost::Message;
+use std::io::{Read, Write};
+use std::os::linux::net::SocketAddrExt;
+use std::sync::Arc;
+use std::time::Duration;
+
+const INTERVAL: Duration = Duration::from_millis(100);
+const LEASE: Duration = Duration::from_secs(2);
+/// Bound on each test.
+const BOUND: Duration = Duration::from_secs(60);
+
+async fn coordinator() -> ServerHandle {
+    let settings = JobSettings {
+        min_workers: 1,
+        max_workers: 64,
+        heartbeat_interval: INTERVAL,
+        lease_ttl: LEASE,
+        ..Default::default()
+    };
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let config = ServeConfig::new(Arc::new(MemoryStore::new()), Settings::uniform(settings).expect("settings"));
+    cohort_coordinator::start(config, listener).await.expect("coordinator")
+}
+
+fn control(server: &ServerHandle) -> ControlClient {
+    let mut config = ControlConfig::new(vec![format!("http://{}", server.local_addr())]);
+    config.heartbeat_timeout = Duration::from_millis(500);
+    ControlClient::new(config).expect("client")
+}
+
+/// A member of `job`: its incarnation and its relay path on host `host`.
+struct Member {
+    id: String,
+    incarnation: u64,
+    relay: HostRelay,
+}
+
+async fn join(server: &ServerHandle, job: &str, host: &str, id: &str) -> Member {
+    let client = control(server);
+    let joined = client
+        .join(pb::JoinRequest {
+            job: job.into(),
+            worker_id: id.into(),
+            host: host.into(),
+            addresses: vec![pb::TransportAddress { transport: "tcp".into(), address: "127.0.0.1:9".into() }],
+            capabilities: vec!["transport:tcp".into()],
+            protocol_version: cohort_proto::PROTOCOL_VERSION,
+            ..Default::default()
+        })
+        .await
+        .expect("join");
+    let interval = Duration::from_millis(joined.heartbeat_interval_ms);
+    let lease = Duration::from_millis(joined.lease_ttl_ms);
+    let relay = HostRelay::new(client, job, host, interval, lease).expect("relay path").expect("lease long enough");
+    Member { id: id.into(), incarnation: joined.incarnation, relay }
+}
+
+fn beat(job: &str, m: &Member, activity: &str) -> pb::HeartbeatRequest {
+    pb::HeartbeatRequest {
+        job: job.into(),
+        worker_id: m.id.clone(),
+        incarnation: m.incarnation,
+        activity: activity.into(),
+        ..Default::default()
+    }
+}
+
+/// One round: every member's beat at once, each answered.
+async fn round(job: &str, members: &[Member], activity: &str) {
+    let beats = members.iter().map(|m| m.relay.heartbeat(beat(job, m, activity)));
+    for (m, answer) in members.iter().zip(futures::future::join_all(beats).await) {
+        answer.unwrap_or_else(|e| panic!("{}'s beat: {e}", m.id));
+    }
+}
+
+fn serving(members: &[Member]) -> Vec<&str> {
+    members.iter().filter(|m| m.relay.is_serving()).map(|m| m.id.as_str()).collect()
+}
+
+fn count(server: &ServerHandle, method: &str) -> u64 {
+    server.metrics().rpc_count(method, tonic::Code::Ok)
+}
+
+/// Four workers of one host: one serves the relay, their beats reach the coordinator in
+/// shared calls (fewer calls than beats, and no member sends its own), and status shows
+/// each member's own activity.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_host_shares_one_relay() {
+    tokio::time::timeout(BOUND, async {
+        let server = coordinator().await;
+        let job = "relay-shared";
+        let mut members = Vec::new();
+        for i in 0..4 {
+            members.push(join(&server, job, "host-a", &format!("w{i}")).await);
+        }
+        const ROUNDS: u64 = 5;
+        for r in 0..ROUNDS {
+            round(job, &members, &format!("round {r}")).await;
+        }
+        assert_eq!(serving(&members).len(), 1, "one relay: {:?}", serving(&members));
+        let (calls, beats) = (count(&server, "HostHeartbeat"), count(&server, "Heartbeat"));
+        assert_eq!(beats, 4 * ROUNDS, "every beat judged once");
+        // A round's four beats share a flush, or two when a tick falls among them.
+        assert!((1..=2 * ROUNDS).contains(&calls), "{calls} HostHeartbeat calls for {beats} beats");
+        let status = control(&server).status(pb::StatusRequest { job: job.into() }).await.expect("status");
+        for m in &members {
+            let listed = status.members.iter().find(|s| s.worker_id == m.id).expect("listed");
+            assert_eq!(listed.activity, format!("round {}", ROUNDS - 1), "{}", m.id);
+        }
+        server.shutdown().await.expect("shutdown");
+    })
+    .await
+    .expect("bounded");
+}
+
+/// The relay's worker goes away: the others' beats go on being answered, and one of them
+/// serves the relay next (within a few rounds: the old relay's task ends asynchronously), after
+/// which their beats go through it again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_worker_takes_over_a_relay_that_ends() {
+    tokio::time::timeout(BOUND, async {
+        let server = coordinator().await;
+        let job = "relay-takeover";
+        let mut members = Vec::new();
+        for i in 0..3 {
+            members.push(join(&server, job, "host-b", &format!("w{i}")).await);
+        }
+        round(job, &members, "before").await;
+        let first = serving(&members)[0].to_string();
+        members.retain(|m| m.id != first); // its relay stops with it
+        let mut rounds = 0;
+        while serving(&members).is_empty() {
+            rounds += 1;
+            assert!(rounds <= 30, "no worker took the relay over in {rounds} rounds");
+            round(job, &members, "after").await;
+        }
+        let now = serving(&members);
+        assert_eq!(now.len(), 1, "{now:?}");
+        assert_ne!(now[0], first);
+        let calls = count(&server, "HostHeartbeat");
+        round(job, &members, "through the new relay").await;
+        assert!(count(&server, "HostHeartbeat") > calls, "the beats went through the new relay");
+        server.shutdown().await.expect("shutdown");
+    })
+    .await
+    .expect("bounded");
+}
+
+/// A relay that accepts and never answers (its process stopped): a beat is answered
+/// directly within three quarters of an interval, and the next beats go directly without
+/// waiting.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_that_never_answers_is_bypassed() {
+    tokio::time::timeout(BOUND, async {
+        let server = coordinator().await;
+        let job = "relay-hung";
+        let m = join(&server, job, "host-c", "w0").await;
+        let address = std::os::unix::net::SocketAddr::from_abstract_name(m.relay.socket_name()).expect("name");
+        let hung = std::os::unix::net::UnixListener::bind_addr(&address).expect("bind the name first");
+        let started = tokio::time::Instant::now();
+        m.relay.heartbeat(beat(job, &m, "first")).await.expect("answered directly");
+        let first = started.elapsed();
+        assert!(first >= INTERVAL / 2, "answered after {first:?}, before the relay's wait ran out");
+        assert!(first < LEASE / 2, "answered after {first:?}");
+        let again = tokio::time::Instant::now();
+        m.relay.heartbeat(beat(job, &m, "second")).await.expect("answered directly");
+        assert!(again.elapsed() < INTERVAL, "the second beat waited {:?} for the hung relay", again.elapsed());
+        assert_eq!(count(&server, "HostHeartbeat"), 0);
+        assert!(!m.relay.is_serving());
+        drop(hung);
+        server.shutdown().await.expect("shutdown");
+    })
+    .await
+    .expect("bounded");
+}
+
+/// Bad frames on the relay's socket: a malformed beat and a beat of another job each get an
+/// INVALID_ARGUMENT answer on a connection that goes on serving; an oversized frame closes
+/// that connection only. The members' beats go on through the same relay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_frames_are_refused_and_change_nothing() {
+    tokio::time::timeout(BOUND, async {
+        let server = coordinator().await;
+        let job = "relay-bad";
+        let m = join(&server, job, "host-d", "w0").await;
+        m.relay.heartbeat(beat(job, &m, "first")).await.expect("beat");
+        assert!(m.relay.is_serving());
+        let address = std::os::unix::net::SocketAddr::from_abstract_name(m.relay.socket_name()).expect("name");
+        let name = m.relay.socket_name().to_string();
+        let refusals = tokio::task::spawn_blocking(move || {
+            let mut raw = std::os::unix::net::UnixStream::connect_addr(&address).expect("connect");
+            raw.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
+            let mut ask = |body: &[u8]| {
+                raw.write_all(&(body.len() as u32).to_le_bytes()).expect("write");
+                raw.write_all(body).expect("write");
+                let mut len = [0u8; 4];
+                raw.read_exact(&mut len).expect("an answer");
+                let mut answer = vec![0u8; u32::from_le_bytes(len) as usize];
+                raw.read_exact(&mut answer).expect("an answer");
+                pb::HeartbeatAnswer::decode(answer.as_slice()).expect("a well-formed answer")
+            };
+            let other_job =
+                pb::HeartbeatRequest { job: "job-other".into(), worker_id: "x".into(), ..Default::default() };
+            let answers = [ask(&[0xff, 0xff, 0xff]), ask(&other_job.encode_to_vec())];
+            // Oversized: the relay closes this connection without reading it.
+            raw.write_all(&(64u32 << 20).to_le_bytes()).expect("write");
+            let mut rest = Vec::new();
+            let closed = raw.read_to_end(&mut rest);
+            (answers, closed.map(|_| rest.len()).map_err(|e| e.kind()))
+        })
+        .await
+        .expect("raw client");
+        let (answers, closed) = refusals;
+        for answer in &answers {
+            match &answer.outcome {
+                Some(pb::heartbeat_answer::Outcome::Refused(r)) => {
+                    assert_eq!(tonic::Code::from(r.code), tonic::Code::InvalidArgument, "{r:?}")
+                }
+                other => panic!("not refused: {other:?}"),
+            }
+        }
+        assert_eq!(closed, Ok(0), "the oversized frame's connection ends with nothing more");
+        m.relay.heartbeat(beat(job, &m, "after")).await.expect("the relay still serves");
+        assert!(m.relay.is_serving(), "{name} still served by w0");
+        assert_eq!(count(&server, "Heartbeat"), 2, "only the member's beats were judged");
+        server.shutdown().await.expect("shutdown");
+    })
+    .await
+    .expect("bounded");
+}
+
+/// A lease shorter than four intervals leaves no room for a relay's delay: no relay.
+#[tokio::test]
+async fn a_short_lease_sends_its_own_beats() {
+    let client = ControlClient::new(ControlConfig::new(vec!["http://127.0.0.1:9".into()])).expect("client");
+    let interval = Duration::from_millis(500);
+    assert!(HostRelay::new(client.clone(), "j", "h", interval, interval * 3).expect("name").is_none());
+    assert!(HostRelay::new(client, "j", "h", interval, interval * 4).expect("name").is_some());
+}
