@@ -7,7 +7,7 @@ use cohort_chaos::cluster::{Cluster, ExclusionPolicy, StoreKind};
 use cohort_chaos::events as ev;
 use cohort_chaos::invariants;
 use cohort_chaos::process::now_ms as process_now_ms;
-use cohort_integration_tests::{check, of, test_cluster, test_worker};
+use cohort_integration_tests::{check, fail, of, test_cluster, test_worker};
 use std::time::Duration;
 
 const BOUND: Duration = Duration::from_secs(150);
@@ -88,6 +88,97 @@ async fn kill_one_of_four(store: StoreKind, job: &str) {
     ] {
         check(c.ok, &format!("{}: {}", c.what, c.detail), events);
     }
+}
+
+/// The `HostHeartbeat` calls a coordinator has answered.
+async fn relay_calls(cluster: &Cluster) -> f64 {
+    let addr = cluster.coordinator_metrics(0).expect("the coordinator serves metrics");
+    let samples = cohort_chaos::metrics::scrape(addr, Duration::from_secs(5)).await.expect("scrape");
+    samples.get(r#"cohort_rpcs_total{method="HostHeartbeat",code="OK"}"#).unwrap_or(0.0)
+}
+
+/// Which of `workers` serves the host's heartbeat relay: the one holding a listening abstract
+/// socket named `@cohort-heartbeat-relay/...` (`/proc/net/unix`, then the sockets among each
+/// process's descriptors).
+fn relay_server(cluster: &Cluster, workers: &[&str]) -> Option<String> {
+    let table = std::fs::read_to_string("/proc/net/unix").ok()?;
+    // Num RefCount Protocol Flags Type St Inode Path; flags 00010000: listening.
+    let listening: Vec<String> = table
+        .lines()
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            (f.len() >= 8 && f[3] == "00010000" && f[7].starts_with("@cohort-heartbeat-relay/"))
+                .then(|| format!("socket:[{}]", f[6]))
+        })
+        .collect();
+    workers.iter().find_map(|w| {
+        let pid = cluster.worker_pid(w)?;
+        let fds = std::fs::read_dir(format!("/proc/{pid}/fd")).ok()?;
+        let holds = fds.flatten().any(|fd| {
+            std::fs::read_link(fd.path()).is_ok_and(|target| listening.iter().any(|l| target.to_str() == Some(l)))
+        });
+        holds.then(|| w.to_string())
+    })
+}
+
+/// The workers of a job on one host send their heartbeats through one relay (the coordinator
+/// answers `HostHeartbeat` calls). SIGKILL of the worker serving it: the job re-forms without
+/// it, another worker serves the relay (the calls go on after the kill) and the job finishes
+/// with every step verified.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killing_the_heartbeat_relay_hands_it_on() {
+    let _cpu = shared().await;
+    tokio::time::timeout(BOUND, async {
+        let mut config = test_cluster("relay-kill", StoreKind::Memory, 2);
+        config.metrics = true;
+        let mut cluster = Cluster::start(config).await.expect("cluster");
+        let mut spec = test_worker(150, "64K");
+        spec.step_interval = Duration::from_millis(30);
+        let names = ["w0", "w1", "w2"];
+        for w in names {
+            cluster.spawn_worker(w, &spec).expect("spawn");
+        }
+        cluster
+            .wait_for("5 steps of 3", Duration::from_secs(60), |e| e.get::<ev::Step>().is_some_and(|s| s.step >= 5))
+            .await
+            .expect("steps");
+        let before = relay_calls(&cluster).await;
+        check(before > 0.0, "no HostHeartbeat call before the kill", &cluster.events);
+        let Some(relay) = relay_server(&cluster, &names) else {
+            fail("no worker holds the relay's socket", &cluster.events)
+        };
+        let killed_at = cluster.signal_worker(&relay, libc::SIGKILL).expect("kill");
+        cluster
+            .wait_for("a generation of 2", Duration::from_secs(60), |e| {
+                e.t_ms() >= killed_at && e.get::<ev::Generation>().is_some_and(|g| g.world == 2)
+            })
+            .await
+            .expect("re-formed");
+        let at_reformation = relay_calls(&cluster).await;
+        let next = names.iter().copied().filter(|w| *w != relay).collect::<Vec<_>>();
+        // A survivor serves the relay at its next beat (one interval, 200 ms): a bounded poll of
+        // the sockets, since nothing prints it.
+        let looking = tokio::time::Instant::now();
+        while relay_server(&cluster, &next).is_none() {
+            if looking.elapsed() > Duration::from_secs(5) {
+                fail("no survivor serves the relay 5 s after the kill", &cluster.events);
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let codes = cluster.wait_workers(Duration::from_secs(90)).await;
+        let events = &cluster.events;
+        check(relay_calls(&cluster).await > at_reformation, "no HostHeartbeat call after the re-formation", events);
+        for w in &next {
+            check(codes.get(*w) == Some(&Some(0)), &format!("{w} exit code {:?}", codes.get(*w)), events);
+            let summary = of::<ev::Summary>(events, w).last();
+            check(summary.map(|s| s.final_step) == Some(150), &format!("{w} did not finish all steps"), events);
+        }
+        for c in [invariants::no_wrong_results(events), invariants::generations_increase(events)] {
+            check(c.ok, &format!("{}: {}", c.what, c.detail), events);
+        }
+    })
+    .await
+    .expect("test bound");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

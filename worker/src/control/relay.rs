@@ -287,10 +287,14 @@ fn connect(address: &UnixAddr) -> io::Result<UnixStream> {
     UnixStream::from_std(stream)
 }
 
-/// The relay's abstract socket name: one per job, host, coordinator and user.
+/// The relay's abstract socket name: one per job, host, coordinator deployment (its endpoints
+/// in any order) and user.
 fn socket_name(endpoints: &[String], job: &str, host: &str) -> String {
+    let mut endpoints: Vec<&str> = endpoints.iter().map(String::as_str).collect();
+    endpoints.sort_unstable();
+    endpoints.dedup();
     let mut digest = Sha256::new();
-    for part in endpoints.iter().map(String::as_str).chain([job, host]) {
+    for part in endpoints.into_iter().chain([job, host]) {
         digest.update((part.len() as u64).to_le_bytes());
         digest.update(part.as_bytes());
     }
@@ -427,5 +431,23 @@ async fn flush(client: ControlClient, job: String, pending: Vec<Pending>) {
 fn refusal(code: tonic::Code, message: String) -> pb::HeartbeatAnswer {
     pb::HeartbeatAnswer {
         outcome: Some(pb::heartbeat_answer::Outcome::Refused(pb::HeartbeatRefusal { code: code as i32, message })),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::socket_name;
+
+    #[test]
+    fn the_name_depends_on_the_deployment_not_the_order_of_its_endpoints() {
+        let e = |list: &[&str]| list.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        let a = socket_name(&e(&["http://c0:7000", "http://c1:7000"]), "job", "host");
+        assert_eq!(a, socket_name(&e(&["http://c1:7000", "http://c0:7000"]), "job", "host"));
+        assert_ne!(a, socket_name(&e(&["http://c0:7000"]), "job", "host"));
+        assert_ne!(a, socket_name(&e(&["http://c0:7000", "http://c1:7000"]), "job2", "host"));
+        assert_ne!(a, socket_name(&e(&["http://c0:7000", "http://c1:7000"]), "job", "host2"));
+        // Length-prefixed parts: moving a boundary changes the name.
+        assert_ne!(socket_name(&e(&["ab"]), "c", "h"), socket_name(&e(&["a"]), "bc", "h"));
+        assert!(a.starts_with("cohort-heartbeat-relay/") && a.len() < 108, "{a}");
     }
 }
