@@ -80,5 +80,9 @@ class GroupConfig:
     coordinator_wait: float = 3.0
     """How long to retry while every endpoint refuses the first connection (a wrong address?);
     raise it when the coordinators may start after the workers."""
+    heartbeat_relay: Optional[bool] = None
+    """Heartbeats through the host's heartbeat relay (one coordinator call for the job's workers
+    on this host, twice per interval) or each worker's own; None: the relay unless
+    ``COHORT_HEARTBEAT_RELAY`` is ``0`` or ``off`` (as ``--heartbeat-relay``)."""
     handle_sigterm: bool = True
     """Install a SIGTERM handler: leave at the next commit point (``Group.leaving``)."""

@@ -132,6 +132,9 @@ fn elastic_config(config: &Bound<'_, PyAny>) -> PyResult<(ElasticConfig, bool)> 
     let transport: String = field(config, "transport")?;
     elastic.transport = transport.parse::<TransportChoice>().map_err(|e| invalid(e.to_string()))?;
     elastic.transport.check().map_err(|e| invalid(e.to_string()))?;
+    if let Some(relay) = field::<Option<bool>>(config, "heartbeat_relay")? {
+        elastic.heartbeat_relay = relay;
+    }
     Ok((elastic, field(config, "handle_sigterm")?))
 }
 

@@ -19,6 +19,7 @@ def test_a_bad_value_in_the_config_is_refused_before_joining():
         (dict(algorithm="quantum"), "quantum"),
         (dict(segment_bytes=0), "segment_bytes"),
         (dict(segment_bytes="many"), "GroupConfig.segment_bytes"),
+        (dict(heartbeat_relay="sometimes"), "GroupConfig.heartbeat_relay"),
         (dict(transport="carrier-pigeon"), '"auto", "tcp", "shm" or "rdma"'),
         (dict(coordinator=[]), "coordinator"),
         (dict(job=" "), "job"),
