@@ -54,6 +54,9 @@ pub const MIN_LEASE_INTERVALS: u32 = 4;
 /// Largest frame either side accepts: a beat with every peer's wait is far smaller.
 const MAX_FRAME: usize = 1 << 20;
 
+/// How long the relay stops accepting after a failed accept.
+const ACCEPT_PAUSE: Duration = Duration::from_millis(100);
+
 /// Most workers one relay serves at once; more connections are closed at once (those workers
 /// send their own beats).
 const MAX_CONNECTIONS: usize = cohort_proto::MAX_BEATS_PER_CALL;
@@ -347,10 +350,23 @@ async fn serve(listener: UnixListener, client: ControlClient, job: String, inter
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     // SAFETY: geteuid has no preconditions and cannot fail.
     let uid = unsafe { libc::geteuid() };
+    // After a failed accept (out of descriptors, say), accepting pauses briefly instead of
+    // spinning on the error; beats and flushes go on meanwhile.
+    let accept_pause = tokio::time::sleep(Duration::ZERO);
+    tokio::pin!(accept_pause);
+    let mut accepting = true;
     loop {
         tokio::select! {
-            accepted = listener.accept() => {
-                let Ok((stream, _)) = accepted else { continue };
+            accepted = listener.accept(), if accepting => {
+                let stream = match accepted {
+                    Ok((stream, _)) => stream,
+                    Err(e) => {
+                        debug!(job = %job, error = %e, "heartbeat relay: accept failed; pausing accepts");
+                        accept_pause.as_mut().reset(Instant::now() + ACCEPT_PAUSE);
+                        accepting = false;
+                        continue;
+                    }
+                };
                 match stream.peer_cred() {
                     Ok(cred) if cred.uid() == uid => {}
                     other => {
@@ -370,6 +386,7 @@ async fn serve(listener: UnixListener, client: ControlClient, job: String, inter
                     flushes.spawn(flush(client.clone(), job.clone(), std::mem::take(&mut pending)));
                 }
             }
+            _ = &mut accept_pause, if !accepting => accepting = true,
             Some(_) = connections.join_next() => {}
             Some(_) = flushes.join_next() => {}
         }
