@@ -47,8 +47,8 @@ enum Rpc {
     HostHeartbeat(pb::HostHeartbeatRequest),
 }
 
-fn rpc() -> impl Strategy<Value = Rpc> {
-    let beat = (id(), id(), num(), num(), num(), any::<String>(), any::<String>()).prop_map(
+fn beat() -> impl Strategy<Value = pb::HeartbeatRequest> {
+    (id(), id(), num(), num(), num(), any::<String>(), any::<String>()).prop_map(
         |(job, worker_id, incarnation, generation, step, activity, deadlines)| pb::HeartbeatRequest {
             job,
             worker_id,
@@ -59,7 +59,10 @@ fn rpc() -> impl Strategy<Value = Rpc> {
             deadlines,
             timing: None,
         },
-    );
+    )
+}
+
+fn rpc() -> impl Strategy<Value = Rpc> {
     let address = (prop_oneof![Just("tcp".to_string()), Just("rdma".to_string()), any::<String>()], any::<String>())
         .prop_map(|(transport, address)| pb::TransportAddress { transport, address });
     prop_oneof![
@@ -85,20 +88,7 @@ fn rpc() -> impl Strategy<Value = Rpc> {
                     replaces: 0
                 }
             )),
-        (id(), id(), num(), num(), num(), any::<String>(), any::<String>()).prop_map(
-            |(job, worker_id, incarnation, generation, step, activity, deadlines)| Rpc::Heartbeat(
-                pb::HeartbeatRequest {
-                    job,
-                    worker_id,
-                    incarnation,
-                    generation,
-                    step,
-                    activity,
-                    deadlines,
-                    timing: None
-                }
-            )
-        ),
+        beat().prop_map(Rpc::Heartbeat),
         (id(), id(), num(), num(), 0u64..300).prop_map(|(job, worker_id, incarnation, after_generation, wait_ms)| {
             Rpc::Rendezvous(pb::RendezvousRequest {
                 job,
@@ -158,7 +148,7 @@ fn rpc() -> impl Strategy<Value = Rpc> {
                 pb::MembersRequest { job, worker_id, incarnation, generation, ranks, host }
             )),
         // Batches: of the call's job (each beat judged alone) or mixed (refused whole).
-        (id(), prop::collection::vec(beat, 0..5), any::<bool>()).prop_map(|(job, mut beats, same_job)| {
+        (id(), prop::collection::vec(beat(), 0..5), any::<bool>()).prop_map(|(job, mut beats, same_job)| {
             if same_job {
                 beats.iter_mut().for_each(|b| b.job = job.clone());
             }
