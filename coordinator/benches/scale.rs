@@ -56,8 +56,9 @@
 //! `mode=compact` or `mode=full`.
 //!
 //! Run it with `cargo bench -p cohort-coordinator --bench scale -- --members 1024`
-//! (`--stores memory,etcd`, `--replicas 2`, `--steady-secs 5`, `--etcd-max-txn-ops 1024`: etcd
-//! and the coordinators run with that limit on a transaction's operations; release build). Without
+//! (`--stores memory,etcd`, `--replicas 2`, `--steady-secs 5`, `--ranks-per-host 8`,
+//! `--etcd-max-txn-ops 1024`: etcd and the coordinators run with that limit on a transaction's
+//! operations; release build). Without
 //! `--bench` on its command line (`cargo test --benches`, which the test command runs) it is
 //! a 96-member smoke version on the memory store, with a 2 s steady phase. Targets are
 //! reported in docs/benchmarks.md ("Scale"), never asserted here; every wait has a deadline
