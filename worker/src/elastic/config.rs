@@ -66,8 +66,8 @@ pub struct ElasticConfig {
     /// How long to wait for the coordinator's revocation record after a local failure before
     /// falling back to the local error as the cause.
     pub root_cause_wait: Duration,
-    /// Whether heartbeats go through the host's heartbeat relay (one coordinator call per
-    /// host and interval, [`crate::control::HostRelay`]); off: each worker sends its own.
+    /// Whether heartbeats go through the host's heartbeat relay (two coordinator calls per
+    /// host and interval, whatever the ranks per host, [`crate::control::HostRelay`]); off: each worker sends its own.
     /// [`ElasticConfig::new`] turns it on unless the environment variable
     /// `COHORT_HEARTBEAT_RELAY` is `0` or `off`.
     pub heartbeat_relay: bool,

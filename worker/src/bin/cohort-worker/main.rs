@@ -179,8 +179,8 @@ struct TrainArgs {
     /// (0 = at once).
     #[arg(long, value_parser = duration, default_value = "1h")]
     exclusion_wait: Duration,
-    /// Heartbeats through the host's heartbeat relay (`on`: one coordinator call per host and
-    /// interval, the first worker of the job on the host serving it) or each worker's own
+    /// Heartbeats through the host's heartbeat relay (`on`: two coordinator calls per host
+    /// and interval, the first worker of the job on the host serving it) or each worker's own
     /// (`off`). Default: on, unless COHORT_HEARTBEAT_RELAY is 0 or off.
     #[arg(long, value_parser = on_off)]
     heartbeat_relay: Option<bool>,
