@@ -480,21 +480,32 @@ impl Member {
         }
     }
 
-    async fn watch(&self, compact: bool) -> Result<tonic::Streaming<pb::JobEvent>, String> {
+    /// The member's own watch stream: `quiet` when its host's relay carries the events.
+    async fn watch(&self, compact: bool, quiet: bool) -> Result<tonic::Streaming<pb::JobEvent>, String> {
+        self.open_watch(self.incarnation, compact, quiet).await
+    }
+
+    /// The event stream a host's relay holds for its members (this member's process serving
+    /// it): no incarnation, so the coordinator records no control stream for it.
+    async fn relay_watch(&self, compact: bool) -> Result<tonic::Streaming<pb::JobEvent>, String> {
+        self.open_watch(0, compact, false).await
+    }
+
+    async fn open_watch(
+        &self,
+        incarnation: u64,
+        compact: bool,
+        quiet: bool,
+    ) -> Result<tonic::Streaming<pb::JobEvent>, String> {
         let mut c = self.client.clone();
         let s = c
-            .watch(pb::WatchRequest {
-                job: JOB.into(),
-                worker_id: self.id.clone(),
-                incarnation: self.incarnation,
-                compact,
-            })
+            .watch(pb::WatchRequest { job: JOB.into(), worker_id: self.id.clone(), incarnation, compact, quiet })
             .await
             .map_err(|s| format!("watch {}: {s}", self.id))?;
         Ok(s.into_inner())
     }
 
-    fn beat(&self, generation: u64, timing: pb::StepTiming) -> pb::HeartbeatRequest {
+    fn beat(&self, generation: u64, timing: Option<pb::StepTiming>) -> pb::HeartbeatRequest {
         pb::HeartbeatRequest {
             job: JOB.into(),
             worker_id: self.id.clone(),
@@ -503,13 +514,13 @@ impl Member {
             step: 1,
             activity: "train".into(),
             deadlines: String::new(),
-            timing: Some(timing),
+            timing,
         }
     }
 }
 
 /// One host's heartbeats of one interval, as its relay sends them: the number answered.
-async fn host_heartbeat(host: &[(Arc<Member>, pb::StepTiming)], generation: u64) -> u64 {
+async fn host_heartbeat(host: &[(Arc<Member>, Option<pb::StepTiming>)], generation: u64) -> u64 {
     let Some((first, _)) = host.first() else { return 0 };
     let mut c = first.client.clone();
     if let [(m, timing)] = host {
@@ -614,6 +625,11 @@ async fn wait_for<T>(
     }
 }
 
+/// Reads a watch stream until it delivers generation 1's revocation.
+async fn heard_revocation(stream: &mut tonic::Streaming<pb::JobEvent>) -> Result<(), String> {
+    wait_for(stream, |e| matches!(e, Event::GenerationRevoked(x) if x.generation == 1).then_some(())).await
+}
+
 /// CPU time of every coordinator, together.
 fn cpu_all(cs: &[Coordinator]) -> Duration {
     cs.iter().map(Coordinator::cpu).sum()
@@ -712,15 +728,22 @@ async fn run(plan: &Plan, store: &str) -> Result<(), String> {
     joined.sort_by_key(|(_, p)| p.rank);
     let members: Vec<Arc<Member>> = joined.into_iter().map(|(m, _)| Arc::new(m)).collect();
 
-    // 2. Watches (untimed).
+    // 2. Watches (untimed): every member's own stream and, with relays, one event stream per
+    // host (its first member's process serving the relay), as the workers open them.
+    let relayed = plan.ranks_per_host > 1;
+    let hosts: Vec<std::ops::Range<usize>> =
+        (0..n).step_by(plan.ranks_per_host).map(|s| s..(s + plan.ranks_per_host).min(n)).collect();
     let cpu0 = cpu_all(&coordinators);
     let watch_started = Instant::now();
+    let heard_formation = |mut s: tonic::Streaming<pb::JobEvent>| async move {
+        wait_for(&mut s, |e| matches!(e, Event::GenerationFormed(g) if g.number == 1).then_some(())).await?;
+        Ok::<_, String>(s)
+    };
     let mut streams = within(bound, "opening the watches", async {
         futures::stream::iter(members.iter())
             .map(|m| async move {
-                let mut s = m.watch(compact).await?;
-                wait_for(&mut s, |e| matches!(e, Event::GenerationFormed(g) if g.number == 1).then_some(())).await?;
-                Ok::<_, String>(s)
+                // A quiet stream too sends the state once (after recording the stream).
+                heard_formation(m.watch(compact, relayed).await?).await
             })
             .buffered(JOIN_CONCURRENCY)
             .collect::<Vec<_>>()
@@ -729,33 +752,86 @@ async fn run(plan: &Plan, store: &str) -> Result<(), String> {
             .collect::<Result<Vec<_>, String>>()
     })
     .await??;
+    let mut host_streams = if relayed {
+        within(bound, "opening the hosts' event streams", async {
+            futures::stream::iter(hosts.iter())
+                .map(|h| async { heard_formation(members[h.start].relay_watch(compact).await?).await })
+                .buffered(JOIN_CONCURRENCY)
+                .collect::<Vec<_>>()
+                .await
+                .into_iter()
+                .collect::<Result<Vec<_>, String>>()
+        })
+        .await??
+    } else {
+        Vec::new()
+    };
     let watches = watch_started.elapsed();
     let cpu_watches = cpu_all(&coordinators) - cpu0;
+    // Every member beats once (untimed), as live workers have within the last interval when a
+    // failure comes: the failure report finds the failed member's host-mates alive.
+    let answered = within(bound, "one round of heartbeats", async {
+        let untimed: Vec<_> = members.iter().map(|m| (m.clone(), None)).collect();
+        futures::stream::iter(untimed.chunks(plan.ranks_per_host))
+            .map(|host| host_heartbeat(host, 1))
+            .buffer_unordered(JOIN_CONCURRENCY)
+            .collect::<Vec<u64>>()
+            .await
+    })
+    .await?;
+    if answered.iter().sum::<u64>() != n as u64 {
+        return Err(format!("{} of {n} members' heartbeats answered", answered.iter().sum::<u64>()));
+    }
     phase_end("watches", &mut mark)?;
 
     // 3 and 4. One failure (the last rank), a second during the re-formation (rank 1).
     let (failed, dies_meanwhile) = (n - 1, 1);
-    drop(streams.pop()); // the failed member's process is gone: its watch closes
+    drop(streams.pop()); // the failed member's process is gone: its watch closes (not its host's relay)
     let cpu0 = cpu_all(&coordinators);
     let sent = Instant::now();
-    let tasks: Vec<_> = streams
-        .into_iter()
-        .enumerate()
-        .map(|(r, mut s)| {
-            let m = members[r].clone();
-            tokio::spawn(async move {
-                wait_for(&mut s, |e| matches!(e, Event::GenerationRevoked(x) if x.generation == 1).then_some(()))
-                    .await?;
-                let revoked = Instant::now();
-                if r == dies_meanwhile {
-                    drop(s);
-                    return Ok::<_, String>((revoked, None));
-                }
-                let g = m.placed(1, compact).await?;
-                Ok((revoked, Some((Instant::now(), g, s))))
+    // What one member does on hearing the revocation at `revoked`: rendezvous again, or (the
+    // one that dies meanwhile) close its stream and vanish.
+    let reform = move |m: Arc<Member>, r: usize, s: tonic::Streaming<pb::JobEvent>, revoked: Instant| async move {
+        if r == dies_meanwhile {
+            drop(s);
+            return Ok::<_, String>((revoked, None));
+        }
+        let g = m.placed(1, compact).await?;
+        Ok((revoked, Some((Instant::now(), g, s))))
+    };
+    let mut own: Vec<Option<tonic::Streaming<pb::JobEvent>>> = streams.into_iter().map(Some).collect();
+    // One task per event stream: a host's relay hands the revocation to all its members at once
+    // (the relay's hop over its Unix socket, tens of microseconds, is not simulated).
+    let tasks: Vec<_> = if relayed {
+        hosts
+            .iter()
+            .zip(std::mem::take(&mut host_streams))
+            .map(|(h, mut events)| {
+                let ranks: Vec<_> =
+                    h.clone().filter(|r| *r != failed).map(|r| (r, members[r].clone(), own[r].take())).collect();
+                tokio::spawn(async move {
+                    heard_revocation(&mut events).await?;
+                    let revoked = Instant::now();
+                    let each = ranks.into_iter().map(|(r, m, s)| reform(m, r, s.expect("own stream"), revoked));
+                    let out = futures::future::join_all(each).await.into_iter().collect::<Result<Vec<_>, String>>()?;
+                    Ok::<_, String>((out, Some(events)))
+                })
             })
-        })
-        .collect();
+            .collect()
+    } else {
+        own.iter_mut()
+            .enumerate()
+            .filter(|(r, _)| *r != failed)
+            .map(|(r, s)| {
+                let (m, mut s) = (members[r].clone(), s.take().expect("own stream"));
+                tokio::spawn(async move {
+                    heard_revocation(&mut s).await?;
+                    let out = reform(m, r, s, Instant::now()).await?;
+                    Ok::<_, String>((vec![out], None))
+                })
+            })
+            .collect()
+    };
     let report = {
         let mut c = members[0].client.clone();
         c.report_failure(pb::FailureReport {
@@ -772,6 +848,7 @@ async fn run(plan: &Plan, store: &str) -> Result<(), String> {
         .map_err(|s| format!("report: {s}"))?
         .into_inner()
     };
+    let report_answered = sent.elapsed();
     if !report.accepted {
         return Err("the failure report did not revoke generation 1".into());
     }
@@ -779,15 +856,23 @@ async fn run(plan: &Plan, store: &str) -> Result<(), String> {
     let mut revoked = Vec::with_capacity(n);
     let mut reformed = Duration::ZERO;
     let mut g2: Vec<Placement> = Vec::new();
+    // Survivors' own streams, then the streams that carry events (the hosts', or the same).
     let mut survivors_streams = Vec::new();
+    let mut event_streams = Vec::new();
     for r in results {
-        let (at, formed) = r.map_err(|e| format!("member task: {e}"))??;
-        revoked.push(at.duration_since(sent));
-        if let Some((at, g, s)) = formed {
-            reformed = reformed.max(at.duration_since(sent));
-            g2.push(g);
-            survivors_streams.push(s);
+        let (out, host) = r.map_err(|e| format!("member task: {e}"))??;
+        event_streams.extend(host);
+        for (at, formed) in out {
+            revoked.push(at.duration_since(sent));
+            if let Some((at, g, s)) = formed {
+                reformed = reformed.max(at.duration_since(sent));
+                g2.push(g);
+                survivors_streams.push(s);
+            }
         }
+    }
+    if !relayed {
+        event_streams = std::mem::take(&mut survivors_streams);
     }
     let cpu_failure = cpu_all(&coordinators) - cpu0;
     phase_end("failure", &mut mark)?;
@@ -819,7 +904,7 @@ async fn run(plan: &Plan, store: &str) -> Result<(), String> {
         let sent_count = Arc::new(std::sync::atomic::AtomicU64::new(0));
         let calls_count = Arc::new(std::sync::atomic::AtomicU64::new(0));
         let with_timing: Vec<_> =
-            live.iter().enumerate().map(|(i, m)| (m.clone(), step_timing(g2[i].rank, size, i == slow))).collect();
+            live.iter().enumerate().map(|(i, m)| (m.clone(), Some(step_timing(g2[i].rank, size, i == slow)))).collect();
         let hosts: Vec<Vec<_>> = with_timing.chunks(plan.ranks_per_host).map(<[_]>::to_vec).collect();
         // A host's relay flushes twice per interval, each flush carrying the beats that came
         // since the last: half the host's members each (one member alone beats every interval).
@@ -852,7 +937,7 @@ async fn run(plan: &Plan, store: &str) -> Result<(), String> {
         // Rank 0's watch names the slow member (the coordinator judges every timed
         // heartbeat against the round of the others' latest reports).
         let beats_started = Instant::now();
-        let watch0 = survivors_streams.first_mut().ok_or("no survivor's watch")?;
+        let watch0 = event_streams.first_mut().ok_or("no event stream")?;
         let named = within(
             bound,
             "naming the slow member a straggler",
@@ -906,7 +991,7 @@ async fn run(plan: &Plan, store: &str) -> Result<(), String> {
             ));
         }
     }
-    drop(survivors_streams);
+    drop((survivors_streams, event_streams));
 
     let mut etcd_out = String::new();
     if let Some(e) = &etcd {
@@ -923,13 +1008,15 @@ async fn run(plan: &Plan, store: &str) -> Result<(), String> {
     println!(
         "scale store={store} mode={mode} members={n} replicas={replicas}{txn_ops} connections={connections} fetched_per_member={:.1} \
          join_to_formed_ms={:.0} formation_cpu_s={:.2} watches_ms={:.0} watches_cpu_s={:.2} \
-         revoked_p50_ms={:.1} revoked_p99_ms={:.1} revoked_max_ms={:.1} reformed_ms={:.0} failure_cpu_s={:.2}{steady} \
+         report_ms={:.1} revoked_min_ms={:.1} revoked_p50_ms={:.1} revoked_p99_ms={:.1} revoked_max_ms={:.1} reformed_ms={:.0} failure_cpu_s={:.2}{steady} \
          peak_rss_mib={}{etcd_out}{phases}",
         fetched_entries as f64 / n as f64,
         ms(join_to_formed),
         cpu_formation.as_secs_f64(),
         ms(watches),
         cpu_watches.as_secs_f64(),
+        ms(report_answered),
+        ms(revoked.first().copied().unwrap_or_default()),
         ms(percentile(&revoked, 50.0)),
         ms(percentile(&revoked, 99.0)),
         ms(revoked.last().copied().unwrap_or_default()),

@@ -158,11 +158,6 @@ impl CoordinatorService {
         self.ctx.hubs.get(job, &self.ctx.settings.for_job(job)).await.map_err(store_status)
     }
 
-    async fn read_job(&self, job: &str) -> Result<JobState, Status> {
-        let (kvs, revision) = self.ctx.store.get_prefix(&keys::job_prefix(job)).await.map_err(store_status)?;
-        Ok(JobState::from_kvs(job, &kvs, revision))
-    }
-
     /// Confirms that `(worker, incarnation)` is a live member: the hub's view first, the
     /// store when the view disagrees (it may lag a change by milliseconds).
     ///

@@ -192,6 +192,7 @@ async fn malformed_requests_are_refused_without_state_change() {
                             worker_id: "w0".into(),
                             incarnation: inc,
                             compact: false,
+                            quiet: false,
                         })
                         .await
                         .map(|_| ())

@@ -118,7 +118,13 @@ async fn compact_answers_and_members_by_rank_and_host(backend: Backend) {
     let mut compact_watch = w0
         .client
         .clone()
-        .watch(pb::WatchRequest { job: job.into(), worker_id: "w0".into(), incarnation: w0.incarnation, compact: true })
+        .watch(pb::WatchRequest {
+            job: job.into(),
+            worker_id: "w0".into(),
+            incarnation: w0.incarnation,
+            compact: true,
+            quiet: false,
+        })
         .await
         .expect("compact watch")
         .into_inner();

@@ -111,7 +111,13 @@ async fn a_job_credential_acts_on_its_job_only() {
             (
                 "Watch",
                 c.watch(authed(
-                    pb::WatchRequest { job: b(), worker_id: "wb".into(), incarnation: wb.incarnation, compact: false },
+                    pb::WatchRequest {
+                        job: b(),
+                        worker_id: "wb".into(),
+                        incarnation: wb.incarnation,
+                        compact: false,
+                        quiet: false,
+                    },
                     &cred_a,
                 ))
                 .await

@@ -99,12 +99,9 @@ fn rpc() -> impl Strategy<Value = Rpc> {
                 compact: false,
             })
         }),
-        (id(), id(), num()).prop_map(|(job, worker_id, incarnation)| Rpc::Watch(pb::WatchRequest {
-            job,
-            worker_id,
-            incarnation,
-            compact: false,
-        })),
+        (id(), id(), num(), any::<bool>()).prop_map(|(job, worker_id, incarnation, quiet)| {
+            Rpc::Watch(pb::WatchRequest { job, worker_id, incarnation, compact: false, quiet })
+        }),
         (id(), id(), num(), num(), prop::option::of(any::<u32>()), any::<String>(), any::<i32>(), any::<(u32, u64)>())
             .prop_map(|(job, worker_id, incarnation, generation, failed_rank, reason, kind, (seq, received))| {
                 Rpc::Report(pb::FailureReport {

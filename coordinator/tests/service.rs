@@ -215,6 +215,7 @@ async fn a_reopened_control_stream_counts_as_connected(backend: Backend) {
             worker_id: "w0".into(),
             incarnation: w.incarnation + 1000,
             compact: false,
+            quiet: false,
         })
         .await
         .expect("watch")
@@ -227,6 +228,37 @@ async fn a_reopened_control_stream_counts_as_connected(backend: Backend) {
     let m = s.members.iter().find(|m| m.worker_id == "w0").expect("w0");
     assert_eq!(m.control_connected, Some(true), "a replica's shutdown is not its watchers' death");
     again.shutdown().await.expect("shutdown");
+}
+
+/// A quiet watch (a member whose host relay carries its events): the state once the stream
+/// is recorded, then nothing, not even the revocation a full watch hears; it holds the
+/// member's control stream as a full one does, and its close is the member's.
+async fn a_quiet_watch_holds_the_control_stream_and_sends_only_the_state(backend: Backend) {
+    let backing = Backing::new(backend).await;
+    let server = replica(backing.store.clone(), &Options::new(test_settings(backend))).await;
+    let addr = server.local_addr();
+    let workers = Worker::join_many(addr, "job-quiet", 3, HB).await;
+    let g1 = form_all(&workers, 0).await.remove(0);
+    let rank_of_w2 = g1.members.iter().position(|m| m.worker_id == workers[2].id).expect("w2 placed") as u32;
+    let mut quiet = workers[0].watch_with(true).await;
+    match next_event(&mut quiet).await {
+        Event::GenerationFormed(g) => assert_eq!(g.number, 1),
+        other => panic!("a quiet stream's first message should describe generation 1, got {other:?}"),
+    }
+    // The state came after the stream was recorded.
+    let s = status(addr, "job-quiet").await;
+    let w0 = s.members.iter().find(|m| m.worker_id == workers[0].id).expect("w0");
+    assert_eq!(w0.control_connected, Some(true));
+    let mut full = workers[1].watch().await;
+    next_event(&mut full).await;
+    let report = workers[1].report(1, Some(rank_of_w2), "peer closed the connection").await.expect("report");
+    assert!(report.accepted);
+    wait_event(&mut full, |e| matches!(e, Event::GenerationRevoked(r) if r.generation == 1).then_some(())).await;
+    // The full stream has the revocation; nothing is waiting on the quiet one.
+    assert!(futures::FutureExt::now_or_never(quiet.message()).is_none(), "a quiet stream carried an event");
+    drop(quiet);
+    wait_control(addr, "job-quiet", &workers[0].id, Some(false)).await;
+    server.shutdown().await.expect("shutdown");
 }
 
 /// A member that stops heartbeating revokes the generation with cause "lease expired".
@@ -1126,6 +1158,7 @@ suite!(
     a_cascade_split_across_replicas_is_judged_whole,
     two_dead_at_once_reform_without_the_join_window,
     a_reopened_control_stream_counts_as_connected,
+    a_quiet_watch_holds_the_control_stream_and_sends_only_the_state,
     different_commit_digests_are_flagged,
     a_lost_domain_is_one_failure_of_the_domain,
     a_straggler_is_named_and_excluded,

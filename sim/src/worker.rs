@@ -676,7 +676,13 @@ async fn watch_task(worker: Arc<Worker>) {
         tokio::pin!(changed);
         changed.as_mut().enable();
         let incarnation = worker.read(Membership::incarnation);
-        let request = pb::WatchRequest { job: JOB.into(), worker_id: worker.id.clone(), incarnation, compact: false };
+        let request = pb::WatchRequest {
+            job: JOB.into(),
+            worker_id: worker.id.clone(),
+            incarnation,
+            compact: false,
+            quiet: false,
+        };
         if let Ok(mut stream) = worker.client.watch(request).await {
             worker.drive("Watch", Membership::handle_watch_opened);
             loop {

@@ -91,24 +91,28 @@ async fn kill_one_of_four(store: StoreKind, job: &str) {
 }
 
 /// The `HostHeartbeat` calls a coordinator has answered.
+/// The abstract socket names' prefixes of the host's two relays.
+const HEARTBEAT_RELAY: &str = "cohort-heartbeat-relay";
+const EVENT_RELAY: &str = "cohort-event-relay";
+
 async fn relay_calls(cluster: &Cluster) -> f64 {
     let addr = cluster.coordinator_metrics(0).expect("the coordinator serves metrics");
     let samples = cohort_chaos::metrics::scrape(addr, Duration::from_secs(5)).await.expect("scrape");
     samples.get(r#"cohort_rpcs_total{method="HostHeartbeat",code="OK"}"#).unwrap_or(0.0)
 }
 
-/// Which of `workers` serves the host's heartbeat relay: the one holding a listening abstract
-/// socket named `@cohort-heartbeat-relay/...` (`/proc/net/unix`, then the sockets among each
-/// process's descriptors).
-fn relay_server(cluster: &Cluster, workers: &[&str]) -> Option<String> {
+/// Which of `workers` serves the host's relay of `kind` (`cohort-heartbeat-relay`,
+/// `cohort-event-relay`): the one holding a listening abstract socket named `@kind/...`
+/// (`/proc/net/unix`, then the sockets among each process's descriptors).
+fn relay_server(cluster: &Cluster, workers: &[&str], kind: &str) -> Option<String> {
+    let prefix = format!("@{kind}/");
     let table = std::fs::read_to_string("/proc/net/unix").ok()?;
     // Num RefCount Protocol Flags Type St Inode Path; flags 00010000: listening.
     let listening: Vec<String> = table
         .lines()
         .filter_map(|l| {
             let f: Vec<&str> = l.split_whitespace().collect();
-            (f.len() >= 8 && f[3] == "00010000" && f[7].starts_with("@cohort-heartbeat-relay/"))
-                .then(|| format!("socket:[{}]", f[6]))
+            (f.len() >= 8 && f[3] == "00010000" && f[7].starts_with(&prefix)).then(|| format!("socket:[{}]", f[6]))
         })
         .collect();
     workers.iter().find_map(|w| {
@@ -144,7 +148,7 @@ async fn killing_the_heartbeat_relay_hands_it_on() {
             .expect("steps");
         let before = relay_calls(&cluster).await;
         check(before > 0.0, "no HostHeartbeat call before the kill", &cluster.events);
-        let Some(relay) = relay_server(&cluster, &names) else {
+        let Some(relay) = relay_server(&cluster, &names, HEARTBEAT_RELAY) else {
             fail("no worker holds the relay's socket", &cluster.events)
         };
         let killed_at = cluster.signal_worker(&relay, libc::SIGKILL).expect("kill");
@@ -159,7 +163,7 @@ async fn killing_the_heartbeat_relay_hands_it_on() {
         // A survivor serves the relay at its next beat (one interval, 200 ms): a bounded poll of
         // the sockets, since nothing prints it.
         let looking = tokio::time::Instant::now();
-        while relay_server(&cluster, &next).is_none() {
+        while relay_server(&cluster, &next, HEARTBEAT_RELAY).is_none() {
             if looking.elapsed() > Duration::from_secs(5) {
                 fail("no survivor serves the relay 5 s after the kill", &cluster.events);
             }
@@ -168,6 +172,61 @@ async fn killing_the_heartbeat_relay_hands_it_on() {
         let codes = cluster.wait_workers(Duration::from_secs(90)).await;
         let events = &cluster.events;
         check(relay_calls(&cluster).await > at_reformation, "no HostHeartbeat call after the re-formation", events);
+        for w in &next {
+            check(codes.get(*w) == Some(&Some(0)), &format!("{w} exit code {:?}", codes.get(*w)), events);
+            let summary = of::<ev::Summary>(events, w).last();
+            check(summary.map(|s| s.final_step) == Some(150), &format!("{w} did not finish all steps"), events);
+        }
+        for c in [invariants::no_wrong_results(events), invariants::generations_increase(events)] {
+            check(c.ok, &format!("{}: {}", c.what, c.detail), events);
+        }
+    })
+    .await
+    .expect("test bound");
+}
+
+/// The workers of a job on one host hear the job's events through one relay. SIGKILL of the
+/// worker serving it: the others hear the revocation (through the data plane's failure or the
+/// relay that replaces it), re-form without it, a survivor serves the relay next, and the job
+/// finishes with every step verified.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killing_the_event_relay_hands_it_on() {
+    let _cpu = shared().await;
+    tokio::time::timeout(BOUND, async {
+        let config = test_cluster("events-kill", StoreKind::Memory, 2);
+        let mut cluster = Cluster::start(config).await.expect("cluster");
+        let mut spec = test_worker(150, "64K");
+        spec.step_interval = Duration::from_millis(30);
+        let names = ["w0", "w1", "w2"];
+        for w in names {
+            cluster.spawn_worker(w, &spec).expect("spawn");
+        }
+        cluster
+            .wait_for("5 steps of 3", Duration::from_secs(60), |e| e.get::<ev::Step>().is_some_and(|s| s.step >= 5))
+            .await
+            .expect("steps");
+        let Some(relay) = relay_server(&cluster, &names, EVENT_RELAY) else {
+            fail("no worker holds the event relay's socket", &cluster.events)
+        };
+        let killed_at = cluster.signal_worker(&relay, libc::SIGKILL).expect("kill");
+        cluster
+            .wait_for("a generation of 2", Duration::from_secs(60), |e| {
+                e.t_ms() >= killed_at && e.get::<ev::Generation>().is_some_and(|g| g.world == 2)
+            })
+            .await
+            .expect("re-formed");
+        // The survivors subscribed again at once when the relay's socket closed: a bounded poll
+        // of the sockets, since nothing prints it.
+        let next = names.iter().copied().filter(|w| *w != relay).collect::<Vec<_>>();
+        let looking = tokio::time::Instant::now();
+        while relay_server(&cluster, &next, EVENT_RELAY).is_none() {
+            if looking.elapsed() > Duration::from_secs(5) {
+                fail("no survivor serves the event relay 5 s after the kill", &cluster.events);
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let codes = cluster.wait_workers(Duration::from_secs(90)).await;
+        let events = &cluster.events;
         for w in &next {
             check(codes.get(*w) == Some(&Some(0)), &format!("{w} exit code {:?}", codes.get(*w)), events);
             let summary = of::<ev::Summary>(events, w).last();

@@ -20,6 +20,11 @@ use tonic::Status;
 /// as a member's (see `CoordinatorService::domain_loss`).
 const DOMAIN_CHECKS: usize = 3;
 
+/// Up to this many members' records are read key by key (a failure domain's, when a report
+/// looks at it); more are read with one prefix read. A report at 16,384 members must not
+/// decode the whole job to judge one host.
+const KEY_BY_KEY: usize = 64;
+
 impl CoordinatorService {
     /// Judges a failure report: a timeout from a member of the current generation is held as
     /// one link of a cascade first ([`report::cascade_link`]), then blamed on the cascade's
@@ -167,11 +172,13 @@ impl CoordinatorService {
             return None;
         }
         let limit = self.ctx.settings.for_job(job).heartbeat_interval * 2;
+        let mates: Vec<&str> =
+            g.members.iter().filter(|m| m.domain() == domain).map(|m| m.worker_id.as_str()).collect();
         for check in 0..DOMAIN_CHECKS {
             if check > 0 {
                 tokio::time::sleep(revocation::TIMEOUT_HOLD).await;
             }
-            let state = self.read_job(job).await.ok()?;
+            let state = self.read_workers(job, &mates).await.ok()?;
             let silences = self.silences(job, g, |m| m.domain() == domain).await.ok()?;
             // `timeouts_of` always includes the caller's own report; this placeholder names
             // only the suspect itself, which the evidence below never asks about.
@@ -205,6 +212,35 @@ impl CoordinatorService {
             }
         }
         None
+    }
+
+    /// The member and control-stream records of `workers` (a failure domain's members), read
+    /// key by key: what [`JobState::is_live`](records::JobState::is_live) and
+    /// [`JobState::is_disconnected`](records::JobState::is_disconnected) need for them,
+    /// without reading the rest of the job.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: reads only.
+    async fn read_workers(&self, job: &str, workers: &[&str]) -> Result<records::JobState, StoreError> {
+        let store = self.ctx.store.as_ref();
+        let read = |kind: Kind, worker: &str| {
+            let key = keys::worker_key(job, kind, worker);
+            async move { store.get(&key).await.map(|kv| kv.map(|kv| (key, kv))) }
+        };
+        let (members, controls) = tokio::try_join!(
+            futures::future::try_join_all(workers.iter().map(|w| read(Kind::Member, w))),
+            futures::future::try_join_all(workers.iter().map(|w| read(Kind::Control, w)))
+        )?;
+        let mut state = records::JobState { job: job.to_string(), ..Default::default() };
+        for (worker, (member, control)) in workers.iter().zip(members.into_iter().zip(controls)) {
+            if let Some(m) = member.and_then(|(key, kv)| decode::<records::MemberRecord>(&key, &kv.value)) {
+                state.members.insert(worker.to_string(), m);
+            }
+            if let Some(c) = control.and_then(|(key, kv)| decode::<records::ControlRecord>(&key, &kv.value)) {
+                state.control.insert(worker.to_string(), c);
+            }
+        }
+        Ok(state)
     }
 
     /// Records a timeout report of `generation` in the store (`timeouts/<worker>`, on the
@@ -330,19 +366,30 @@ impl CoordinatorService {
         let store = self.ctx.store.as_ref();
         let granted = self.ctx.settings.for_job(job).lease_ttl_for_store();
         let resolution = store.lease_ttl_resolution();
-        let (kvs, _) = store.get_prefix(&keys::kind_prefix(job, Kind::Progress)).await?;
-        let progress: HashMap<String, ProgressRecord> = kvs
-            .iter()
-            .filter_map(|kv| match keys::parse(&kv.key) {
-                Some(keys::Parsed::Worker { worker, .. }) => {
-                    decode(&kv.key, &kv.value).map(|p| (worker.to_string(), p))
-                }
-                _ => None,
-            })
-            .collect();
+        let members: Vec<&records::Placed> = g.members.iter().filter(|m| wanted(m)).collect();
+        // A few members (one failure domain) are read key by key; many, in one prefix read.
+        let progress: HashMap<String, ProgressRecord> = if members.len() <= KEY_BY_KEY {
+            let keys: Vec<String> =
+                members.iter().map(|m| keys::worker_key(job, Kind::Progress, &m.worker_id)).collect();
+            let kvs = futures::future::try_join_all(keys.iter().map(|k| store.get(k))).await?;
+            members
+                .iter()
+                .zip(keys.iter().zip(kvs))
+                .filter_map(|(m, (key, kv))| Some((m.worker_id.clone(), decode(key, &kv?.value)?)))
+                .collect()
+        } else {
+            let (kvs, _) = store.get_prefix(&keys::kind_prefix(job, Kind::Progress)).await?;
+            kvs.iter()
+                .filter_map(|kv| match keys::parse(&kv.key) {
+                    Some(keys::Parsed::Worker { worker, .. }) => {
+                        decode(&kv.key, &kv.value).map(|p| (worker.to_string(), p))
+                    }
+                    _ => None,
+                })
+                .collect()
+        };
         // One round trip per member, all at once (only timeout reports that find the
         // generation not yet revoked get here: normally the first one or few).
-        let members: Vec<&records::Placed> = g.members.iter().filter(|m| wanted(m)).collect();
         let leases =
             futures::future::join_all(members.iter().map(|m| store.lease_time_to_live(m.incarnation as i64))).await;
         let now_ms = records::now_ms();

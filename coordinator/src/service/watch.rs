@@ -21,15 +21,22 @@ impl CoordinatorService {
         let hub = self.hub(&r.job).await?;
         let (tx, rx) = tokio::sync::mpsc::channel(64);
         let shutdown = self.ctx.shutdown.clone();
-        let span = tracing::debug_span!("watch", job = %r.job, worker = %r.worker_id, incarnation = r.incarnation);
+        let span = tracing::debug_span!("watch", job = %r.job, worker = %r.worker_id, incarnation = r.incarnation, quiet = r.quiet);
         let service = self.clone();
         tokio::spawn(
             async move {
-                // Recording the stream (a store write) does not hold back its first events.
-                let (control, end) = tokio::join!(
-                    service.control_opened(&hub, &r.job, &r.worker_id, r.incarnation),
-                    stream_events(&hub, &tx, shutdown, r.compact)
-                );
+                let (control, end) = if r.quiet {
+                    // The state goes out once the stream is recorded: a member that has it
+                    // knows the coordinator counts it as connected.
+                    let control = service.control_opened(&hub, &r.job, &r.worker_id, r.incarnation).await;
+                    (control, hold_quiet(&hub, &tx, shutdown, r.compact).await)
+                } else {
+                    // Recording the stream (a store write) does not hold back its first events.
+                    tokio::join!(
+                        service.control_opened(&hub, &r.job, &r.worker_id, r.incarnation),
+                        stream_events(&hub, &tx, shutdown, r.compact)
+                    )
+                };
                 if let (WatchEnd::ClientGone, Some(revision)) = (end, control) {
                     service.control_closed(&r.job, &r.worker_id, r.incarnation, revision).await;
                 }
@@ -97,6 +104,34 @@ enum WatchEnd {
     JobEnded,
     /// This replica is shutting down, or its view of the job stopped.
     Replica,
+}
+
+/// Holds a quiet watch stream open until the client goes away or the replica stops: it sends
+/// the job's current state once, and no events after it (the member hears them from its
+/// host's event relay). A quiet stream costs the revocation's fan-out nothing: only the
+/// streams of the hosts' relays carry events.
+///
+/// # Cancel safety
+/// Cancel safe: it only sends and waits.
+async fn hold_quiet(
+    hub: &Hub,
+    tx: &tokio::sync::mpsc::Sender<Result<pb::JobEvent, Status>>,
+    mut shutdown: tokio::sync::watch::Receiver<bool>,
+    compact: bool,
+) -> WatchEnd {
+    let state = hub.read(|state| initial_events(&hub.signal(), state.current(), hub.pending(), compact));
+    for e in state {
+        if tx.send(Ok(e)).await.is_err() {
+            return WatchEnd::ClientGone;
+        }
+    }
+    tokio::select! {
+        _ = tx.closed() => WatchEnd::ClientGone,
+        _ = crate::ops::stopped(&mut shutdown) => {
+            let _ = tx.send(Err(Status::unavailable("coordinator replica shutting down; watch another"))).await;
+            WatchEnd::Replica
+        }
+    }
 }
 
 /// Sends a job's events on a watch stream until the client goes away, the job ends or the

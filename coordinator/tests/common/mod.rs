@@ -308,12 +308,18 @@ impl Worker {
     }
 
     pub(crate) async fn watch(&self) -> tonic::Streaming<pb::JobEvent> {
+        self.watch_with(false).await
+    }
+
+    /// The member's watch; `quiet`: the state once, then no events (a host relay's member).
+    pub(crate) async fn watch_with(&self, quiet: bool) -> tonic::Streaming<pb::JobEvent> {
         let mut c = self.client.clone();
         c.watch(pb::WatchRequest {
             job: self.job.clone(),
             worker_id: self.id.clone(),
             incarnation: self.incarnation,
             compact: false,
+            quiet,
         })
         .await
         .expect("watch")

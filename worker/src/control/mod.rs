@@ -9,12 +9,17 @@
 
 //!
 //! [`HostRelay`] carries the heartbeats of a host's workers to the coordinator in shared
-//! calls, two per interval (`relay.rs`).
+//! calls, two per interval (`relay.rs`); [`EventRelay`] hands them the job's events from one
+//! watch stream per host (`event_relay.rs`).
 
 mod client;
 mod error;
+mod event_relay;
 mod relay;
 
 pub use client::{ControlClient, ControlConfig};
 pub use error::ControlError;
+pub use event_relay::{
+    EventRelay, RelayEvents, FULL_AFTER_FAILURE, MAX_SUBSCRIBERS, QUEUED_EVENTS, RESUBSCRIBE_WINDOW,
+};
 pub use relay::{HostRelay, DIRECT_AFTER_FAILURE, FLUSHES_PER_INTERVAL, MIN_LEASE_INTERVALS};

@@ -137,7 +137,7 @@ impl HostRelay {
             debug!(job, ?interval, ?lease_ttl, "lease too short for the heartbeat relay; heartbeats go directly");
             return Ok(None);
         }
-        let name = socket_name(&client.config().endpoints, job, host);
+        let name = socket_name("cohort-heartbeat-relay", &client.config().endpoints, job, host);
         let address = UnixAddr::from_abstract_name(name.as_bytes())?;
         // A beat goes directly when the relay has not answered within the next flush and a
         // quarter of an interval (or the heartbeat timeout, if shorter): at worst a member's
@@ -283,16 +283,17 @@ impl HostRelay {
     }
 }
 
-fn connect(address: &UnixAddr) -> io::Result<UnixStream> {
+/// Connects to a host relay's abstract socket.
+pub(super) fn connect(address: &UnixAddr) -> io::Result<UnixStream> {
     // A Unix socket's connect completes at once (or fails): no need to wait on it.
     let stream = std::os::unix::net::UnixStream::connect_addr(address)?;
     stream.set_nonblocking(true)?;
     UnixStream::from_std(stream)
 }
 
-/// The relay's abstract socket name: one per job, host, coordinator deployment (its endpoints
-/// in any order) and user.
-fn socket_name(endpoints: &[String], job: &str, host: &str) -> String {
+/// A host relay's abstract socket name, `kind/<digest>`: one per kind, job, host,
+/// coordinator deployment (its endpoints in any order) and user.
+pub(super) fn socket_name(kind: &str, endpoints: &[String], job: &str, host: &str) -> String {
     let mut endpoints: Vec<&str> = endpoints.iter().map(String::as_str).collect();
     endpoints.sort_unstable();
     endpoints.dedup();
@@ -304,9 +305,10 @@ fn socket_name(endpoints: &[String], job: &str, host: &str) -> String {
     // SAFETY: geteuid has no preconditions and cannot fail.
     digest.update(unsafe { libc::geteuid() }.to_le_bytes());
     let hex: String = digest.finalize()[..12].iter().map(|b| format!("{b:02x}")).collect();
-    format!("cohort-heartbeat-relay/{hex}")
+    format!("{kind}/{hex}")
 }
 
+/// Writes one frame: the body's length (u32, little-endian), then the body.
 async fn write_frame(conn: &mut UnixStream, body: &[u8]) -> io::Result<()> {
     let mut frame = Vec::with_capacity(4 + body.len());
     frame.extend_from_slice(&(body.len() as u32).to_le_bytes());
@@ -315,7 +317,7 @@ async fn write_frame(conn: &mut UnixStream, body: &[u8]) -> io::Result<()> {
 }
 
 /// One frame, or `None` at a clean end of stream between frames.
-async fn read_frame(conn: &mut UnixStream) -> io::Result<Option<Vec<u8>>> {
+pub(super) async fn read_frame(conn: &mut UnixStream) -> io::Result<Option<Vec<u8>>> {
     let mut len = [0u8; 4];
     match conn.read_exact(&mut len).await {
         Ok(_) => {}
@@ -458,13 +460,16 @@ mod tests {
     #[test]
     fn the_name_depends_on_the_deployment_not_the_order_of_its_endpoints() {
         let e = |list: &[&str]| list.iter().map(|s| s.to_string()).collect::<Vec<_>>();
-        let a = socket_name(&e(&["http://c0:7000", "http://c1:7000"]), "job", "host");
-        assert_eq!(a, socket_name(&e(&["http://c1:7000", "http://c0:7000"]), "job", "host"));
-        assert_ne!(a, socket_name(&e(&["http://c0:7000"]), "job", "host"));
-        assert_ne!(a, socket_name(&e(&["http://c0:7000", "http://c1:7000"]), "job2", "host"));
-        assert_ne!(a, socket_name(&e(&["http://c0:7000", "http://c1:7000"]), "job", "host2"));
+        let name = |endpoints: &[&str], job, host| socket_name("cohort-heartbeat-relay", &e(endpoints), job, host);
+        let a = name(&["http://c0:7000", "http://c1:7000"], "job", "host");
+        assert_eq!(a, name(&["http://c1:7000", "http://c0:7000"], "job", "host"));
+        assert_ne!(a, name(&["http://c0:7000"], "job", "host"));
+        assert_ne!(a, name(&["http://c0:7000", "http://c1:7000"], "job2", "host"));
+        assert_ne!(a, name(&["http://c0:7000", "http://c1:7000"], "job", "host2"));
         // Length-prefixed parts: moving a boundary changes the name.
-        assert_ne!(socket_name(&e(&["ab"]), "c", "h"), socket_name(&e(&["a"]), "bc", "h"));
+        assert_ne!(name(&["ab"], "c", "h"), name(&["a"], "bc", "h"));
         assert!(a.starts_with("cohort-heartbeat-relay/") && a.len() < 108, "{a}");
+        let events = socket_name("cohort-event-relay", &e(&["http://c0:7000", "http://c1:7000"]), "job", "host");
+        assert!(events.starts_with("cohort-event-relay/") && events[19..] == a[23..], "{events} {a}");
     }
 }

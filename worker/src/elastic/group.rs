@@ -4,7 +4,9 @@ use super::choice::{host_layout, plan_mesh, MemberInfo, MeshPlan};
 use super::connect::{connect_planned, Carry, LocalEndpoints, MeshScope};
 use super::membership::{CallError, Effect, JoinNext, Membership, Step, WatchNext};
 use super::{ElasticConfig, ElasticError, MeshKind, MeshTransport, TransportChoice};
-use crate::control::{ControlClient, ControlError, HostRelay};
+use crate::control::{
+    ControlClient, ControlError, EventRelay, HostRelay, RelayEvents, FULL_AFTER_FAILURE, RESUBSCRIBE_WINDOW,
+};
 use crate::{CommConfig, CommError, Communicator, Revoker, RootCause};
 use cohort_proto::v1 as pb;
 use cohort_transports::shm::{ShmAddress, ShmEndpoint};
@@ -240,11 +242,20 @@ impl ElasticGroup {
             group.shared.clone(),
             group.commits.subscribe(),
         )));
+        let events = if group.config.heartbeat_relay {
+            let (client, config) = (group.client.clone(), &group.config);
+            EventRelay::new(client, &config.job, &config.worker_id, &config.host)
+                .map_err(|e| warn!(error = %e, "no event relay; this worker watches alone"))
+                .ok()
+        } else {
+            None
+        };
         group.tasks.push(tokio::spawn(watch_task(
             group.client.clone(),
             group.shared.clone(),
             group.config.job.clone(),
             group.config.worker_id.clone(),
+            events,
         )));
         Ok(group)
     }
@@ -846,16 +857,25 @@ async fn commit_task(
     }
 }
 
-/// Follows the job's event stream and hands its events to the machine, reopening the stream
-/// when it breaks (after the machine's backoff) and when this worker joins again as a new
-/// incarnation. The open stream is also how the coordinator knows this process is alive:
-/// when the process dies, the stream's connection closes and the rendezvous stops waiting
-/// for it (before its lease lapses), so the stream is always opened for the current
-/// incarnation.
+/// Follows the job's events and hands them to the machine: from the host's event relay (with
+/// a quiet stream of this worker's own) or, without a relay, from a full stream of its own.
+/// The stream is reopened when it breaks (after the machine's backoff) and when this worker
+/// joins again as a new incarnation. The worker's own open stream is also how the coordinator
+/// knows this process is alive: when the process dies, the stream's connection closes and
+/// the rendezvous stops waiting for it (before its lease lapses), so the stream is always
+/// opened for the current incarnation, and losing the relay does not close it.
 ///
 /// # Cancel safety
-/// Cancel safe: events are applied whole; a reopened stream starts with the current state.
-async fn watch_task(client: ControlClient, shared: Arc<Shared>, job: String, worker_id: String) {
+/// Cancel safe: events are applied whole; a reopened stream or subscription starts with the
+/// current state.
+async fn watch_task(
+    client: ControlClient,
+    shared: Arc<Shared>,
+    job: String,
+    worker_id: String,
+    relay: Option<EventRelay>,
+) {
+    let mut relay = RelayPath::new(relay);
     loop {
         // Register for the wake-up before reading the incarnation, so that a join in
         // between is not missed.
@@ -863,7 +883,12 @@ async fn watch_task(client: ControlClient, shared: Arc<Shared>, job: String, wor
         tokio::pin!(changed);
         changed.as_mut().enable();
         let incarnation = shared.read(Membership::incarnation);
-        let request = pb::WatchRequest { job: job.clone(), worker_id: worker_id.clone(), incarnation, compact: false };
+        // Subscribed before the stream opens: the stream's state and the relay's together
+        // cover every event (each is applied once; repeats change nothing).
+        let mut events = relay.subscribe();
+        let quiet = events.is_some();
+        let request =
+            pb::WatchRequest { job: job.clone(), worker_id: worker_id.clone(), incarnation, compact: true, quiet };
         match client.watch(request).await {
             Ok(mut stream) => {
                 shared.drive(Membership::handle_watch_opened);
@@ -875,6 +900,18 @@ async fn watch_task(client: ControlClient, shared: Arc<Shared>, job: String, wor
                             Err(status) => {
                                 debug!(%status, "watch stream broke; reopening");
                                 break;
+                            }
+                        },
+                        event = next_relayed(&mut events) => match event {
+                            Ok(Some(event)) => shared.drive(|m| m.handle_event(event)),
+                            lost => {
+                                // The relay's process ended (or dropped this subscriber): the
+                                // stream stays open while the next relay is found or served.
+                                events = relay.lost(lost.err());
+                                if events.is_none() {
+                                    debug!("relay lost; reopening the watch as a full stream");
+                                    break;
+                                }
                             }
                         },
                         _ = changed.as_mut() => {
@@ -894,6 +931,69 @@ async fn watch_task(client: ControlClient, shared: Arc<Shared>, job: String, wor
             WatchNext::Stop => return,
             WatchNext::ReopenAt(at) => tokio::time::sleep_until(at.into()).await,
         }
+    }
+}
+
+/// The next event from the relay; pending for ever without a subscription.
+///
+/// # Cancel safety
+/// Cancel safe ([`RelayEvents::next`] is).
+async fn next_relayed(events: &mut Option<RelayEvents>) -> std::io::Result<Option<pb::JobEvent>> {
+    match events {
+        Some(events) => events.next().await,
+        None => std::future::pending().await,
+    }
+}
+
+/// A worker's use of its host's event relay: subscribed while it serves, else a full stream of
+/// the worker's own for [`FULL_AFTER_FAILURE`].
+struct RelayPath {
+    relay: Option<EventRelay>,
+    /// When the relay was last lost.
+    last_lost: Option<Instant>,
+    /// Until when this worker watches alone.
+    alone_until: Option<Instant>,
+}
+
+impl RelayPath {
+    fn new(relay: Option<EventRelay>) -> Self {
+        Self { relay, last_lost: None, alone_until: None }
+    }
+
+    /// A subscription to the relay, unless there is none or it failed this worker lately.
+    fn subscribe(&mut self) -> Option<RelayEvents> {
+        let relay = self.relay.as_ref()?;
+        if self.alone_until.is_some_and(|until| Instant::now() < until) {
+            return None;
+        }
+        match relay.subscribe() {
+            Ok(events) => Some(events),
+            Err(e) => {
+                self.give_up(&e.to_string());
+                None
+            }
+        }
+    }
+
+    /// The subscription ended (`error`, or a clean close): subscribes again at once, unless
+    /// the relay was lost already within [`RESUBSCRIBE_WINDOW`].
+    fn lost(&mut self, error: Option<std::io::Error>) -> Option<RelayEvents> {
+        let now = Instant::now();
+        let again = self.last_lost.is_some_and(|at| now.duration_since(at) < RESUBSCRIBE_WINDOW);
+        self.last_lost = Some(now);
+        let why = error.map_or_else(|| "the relay closed the subscription".to_string(), |e| e.to_string());
+        if again {
+            self.give_up(&format!("lost twice within {RESUBSCRIBE_WINDOW:?}: {why}"));
+            return None;
+        }
+        debug!(%why, "event relay lost; subscribing again");
+        self.subscribe()
+    }
+
+    fn give_up(&mut self, why: &str) {
+        let relay = self.relay.as_ref().map_or("", EventRelay::socket_name);
+        warn!(%relay, %why, alone_for = ?FULL_AFTER_FAILURE, "event relay failed; watching with a stream of this worker's own");
+        self.alone_until = Some(Instant::now() + FULL_AFTER_FAILURE);
     }
 }
 
