@@ -13,11 +13,18 @@
 //! 1. **formation**: every member joins (at most [`JOIN_CONCURRENCY`] joins in flight) and
 //!    rendezvous; `join_to_formed_ms` runs from the first join to the last member holding
 //!    generation 1 (`max_workers` = N, so it forms as soon as every member waits);
-//! 2. **watch**: every member opens its watch stream and hears generation 1 (untimed set-up);
-//! 3. **failure**: rank 0 reports the last rank failed; `revoked_p50/p99/max_ms` are the
-//!    times from the report until each member's watch delivers the revocation. One more
-//!    member (rank 1) dies *during the re-formation*: on hearing the revocation it closes
-//!    its watch and never rendezvous again (the coordinator sees its control stream close);
+//! 2. **watch**: as the workers' host relays do (`--ranks-per-host` R, default 8, consecutive
+//!    ranks per host): every member opens a quiet watch stream of its own (its control
+//!    stream) and each host one compact event stream with incarnation 0 (its event relay's),
+//!    and each hears generation 1; with `--ranks-per-host 1` every member opens a full stream
+//!    of its own instead. Then every member beats once, as live workers have within the last
+//!    interval when a failure comes (untimed set-up);
+//! 3. **failure**: rank 0 reports the last rank failed; `report_ms` is the report's round
+//!    trip, `revoked_min/p50/p99/max_ms` the times from the report until each member hears
+//!    the revocation: from its host's event stream (the relay's hop over its Unix socket,
+//!    tens of microseconds, not simulated), or from its own stream. One more member (rank 1)
+//!    dies *during the re-formation*: on hearing the revocation it closes its own stream and
+//!    never rendezvous again (the coordinator sees its control stream close);
 //! 4. **re-formation**: the other survivors rendezvous after generation 1;
 //!    `reformed_ms` runs from the report until every one of them holds generation 2, which
 //!    must leave out both the failed rank and the one that died meanwhile;
@@ -32,9 +39,9 @@
 //!    `heartbeats_per_s` is the rate of members' beats answered, `heartbeat_calls_per_s` the
 //!    calls that carried them, `steady_cpu_pct` the coordinators' CPU (on etcd
 //!    also `etcd_steady_cpu_pct`, etcd's, and `etcd_steady_per_s`, its requests per second by
-//!    method), and `straggler_named_ms` the time from the first timed heartbeat until rank
-//!    0's watch names that member a straggler (the run fails if it is never named, or
-//!    another is).
+//!    method), and `straggler_named_ms` the time from the first timed heartbeat until the
+//!    first event stream (host 0's, or rank 0's own) names that member a straggler (the run
+//!    fails if it is never named, or another is).
 //!
 //! For each phase it prints the coordinators' CPU time (`/proc/PID/stat`, all replicas
 //! together), and at the end their peak resident memory (`VmHWM`) and, on etcd, what etcd
@@ -115,9 +122,9 @@ struct Plan {
     /// etcd's `--max-txn-ops` and the coordinators' `--etcd-max-txn-ops` (`None`: etcd's
     /// default, 128, and no flag).
     max_txn_ops: Option<u32>,
-    /// Members per host in the steady phase: each host's beats go in one `HostHeartbeat`
-    /// call per interval, as the workers' host relay sends them (1: each member its own
-    /// `Heartbeat`).
+    /// Members per host, as the workers' host relays see them: each host one event stream
+    /// (its members' own streams quiet) and its beats in `HostHeartbeat` calls (1: each
+    /// member a full stream and its own `Heartbeat`).
     ranks_per_host: usize,
 }
 

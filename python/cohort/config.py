@@ -81,8 +81,8 @@ class GroupConfig:
     """How long to retry while every endpoint refuses the first connection (a wrong address?);
     raise it when the coordinators may start after the workers."""
     heartbeat_relay: Optional[bool] = None
-    """Heartbeats through the host's heartbeat relay (one coordinator call for the job's workers
-    on this host, twice per interval) or each worker's own; None: the relay unless
-    ``COHORT_HEARTBEAT_RELAY`` is ``0`` or ``off`` (as ``--heartbeat-relay``)."""
+    """Heartbeats and events through the host's relays (one coordinator call for the job's
+    workers on this host twice per interval, and one watch stream) or each worker's own; None:
+    the relays unless ``COHORT_HEARTBEAT_RELAY`` is ``0`` or ``off`` (as ``--heartbeat-relay``)."""
     handle_sigterm: bool = True
     """Install a SIGTERM handler: leave at the next commit point (``Group.leaving``)."""

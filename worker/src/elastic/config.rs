@@ -67,7 +67,10 @@ pub struct ElasticConfig {
     /// falling back to the local error as the cause.
     pub root_cause_wait: Duration,
     /// Whether heartbeats go through the host's heartbeat relay (two coordinator calls per
-    /// host and interval, whatever the ranks per host, [`crate::control::HostRelay`]); off: each worker sends its own.
+    /// host and interval, whatever the ranks per host, [`crate::control::HostRelay`]) and the
+    /// job's events through its event relay (one watch stream per host, each worker keeping a
+    /// quiet stream of its own, [`crate::control::EventRelay`]); off: each worker sends its
+    /// own beats and watches alone.
     /// [`ElasticConfig::new`] turns it on unless the environment variable
     /// `COHORT_HEARTBEAT_RELAY` is `0` or `off`.
     pub heartbeat_relay: bool,

@@ -179,9 +179,10 @@ struct TrainArgs {
     /// (0 = at once).
     #[arg(long, value_parser = duration, default_value = "1h")]
     exclusion_wait: Duration,
-    /// Heartbeats through the host's heartbeat relay (`on`: two coordinator calls per host
-    /// and interval, the first worker of the job on the host serving it) or each worker's own
-    /// (`off`). Default: on, unless COHORT_HEARTBEAT_RELAY is 0 or off.
+    /// Heartbeats and events through the host's relays (`on`: two coordinator calls per host
+    /// and interval, and one watch stream per host, the first worker of the job on the host
+    /// serving each) or each worker's own (`off`). Default: on, unless COHORT_HEARTBEAT_RELAY
+    /// is 0 or off.
     #[arg(long, value_parser = on_off)]
     heartbeat_relay: Option<bool>,
     /// Allreduce algorithm.
