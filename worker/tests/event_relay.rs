@@ -1,9 +1,11 @@
 //! The host's event relay against a real coordinator (memory store, loopback gRPC) over real
 //! abstract Unix sockets: one worker serves it and the host's workers hear every event
 //! through its one watch; a late subscriber gets the state first; when the relay ends
-//! another worker serves it and the events go on; what a subscriber writes changes nothing.
+//! another worker serves it and the events go on; an idle relay keeps its subscribers with
+//! keepalives, and one that never writes is found hung; what a subscriber writes changes
+//! nothing.
 
-use cohort::control::{ControlClient, ControlConfig, EventRelay, RelayEvents};
+use cohort::control::{ControlClient, ControlConfig, EventRelay, RelayEvents, SILENCE_LIMIT};
 use cohort_coordinator::store::memory::MemoryStore;
 use cohort_coordinator::{JobSettings, ServeConfig, ServerHandle, Settings};
 use cohort_proto::v1::{self as pb, job_event::Event};
@@ -235,7 +237,7 @@ async fn what_a_subscriber_writes_changes_nothing() {
         let rank = g1.members.iter().position(|m| m.worker_id == "w1").expect("placed") as u32;
         report(job, &members[0], 1, rank).await;
         wait_for(&mut good, revoked(1)).await;
-        // The writer was served too: its socket holds the same frames.
+        // The writer was served too: its socket holds the same events (and keepalives).
         let frames = tokio::task::spawn_blocking(move || {
             use std::io::Read;
             let mut raw = raw;
@@ -250,6 +252,7 @@ async fn what_a_subscriber_writes_changes_nothing() {
                 kinds.push(match event.event {
                     Some(Event::GenerationFormed(_)) => "formed",
                     Some(Event::GenerationRevoked(_)) => "revoked",
+                    None => continue, // a keepalive
                     _ => "other",
                 });
             }
@@ -258,6 +261,53 @@ async fn what_a_subscriber_writes_changes_nothing() {
         .await
         .expect("raw reader");
         assert_eq!(frames, ["formed", "revoked"]);
+        server.shutdown().await.expect("shutdown");
+    })
+    .await
+    .expect("bounded");
+}
+
+/// A relay with no event to send keeps its subscribers (keepalives, not seen as events): for
+/// longer than the silence limit nothing ends the subscription, and the next event comes
+/// through it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_relay_keeps_its_subscribers() {
+    tokio::time::timeout(BOUND, async {
+        let server = coordinator(2).await;
+        let job = "events-idle";
+        let members = vec![join(&server, job, "host-d", "w0").await, join(&server, job, "host-d", "w1").await];
+        let mut sub = members[1].relay.subscribe().expect("subscribe");
+        let g1 = form(job, &members, 0).await;
+        wait_for(&mut sub, formed(1)).await;
+        let quiet = tokio::time::timeout(SILENCE_LIMIT + Duration::from_secs(1), sub.next()).await;
+        assert!(quiet.is_err(), "an idle subscription ended or carried something: {quiet:?}");
+        let rank = g1.members.iter().position(|m| m.worker_id == "w0").expect("placed") as u32;
+        report(job, &members[1], 1, rank).await;
+        wait_for(&mut sub, revoked(1)).await;
+        server.shutdown().await.expect("shutdown");
+    })
+    .await
+    .expect("bounded");
+}
+
+/// A socket that holds the relay's name and never serves (a stopped relay, or a forked child
+/// that inherited it): the subscription connects, hears nothing, and ends with `TimedOut`
+/// after the silence limit, so that its worker watches alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_that_never_writes_is_found_hung() {
+    tokio::time::timeout(BOUND, async {
+        let server = coordinator(1).await;
+        let m = join(&server, "events-hung", "host-e", "w0").await;
+        let address = std::os::unix::net::SocketAddr::from_abstract_name(m.relay.socket_name()).expect("name");
+        let hung = std::os::unix::net::UnixListener::bind_addr(&address).expect("bind the name first");
+        let started = tokio::time::Instant::now();
+        let mut sub = m.relay.subscribe().expect("connects to the hung socket");
+        assert!(!m.relay.is_serving());
+        let end = tokio::time::timeout(SILENCE_LIMIT * 3, sub.next()).await.expect("ends within the bound");
+        let error = end.expect_err("a hung relay is an error");
+        assert_eq!(error.kind(), std::io::ErrorKind::TimedOut, "{error}");
+        assert!(started.elapsed() >= SILENCE_LIMIT, "gave up after {:?}", started.elapsed());
+        drop(hung);
         server.shutdown().await.expect("shutdown");
     })
     .await

@@ -15,12 +15,16 @@
 //! carries no events, but while it is open the coordinator counts the process as alive (a
 //! rendezvous stops waiting for a member whose stream closed), so liveness stays per
 //! process. Nothing depends on the relay: a subscriber whose relay closes subscribes again at
-//! once (becoming the relay if no one is), and one that cannot subscribe, or loses the relay
-//! twice within [`RESUBSCRIBE_WINDOW`], watches with a full stream of its own for
-//! [`FULL_AFTER_FAILURE`]. The relay stops when its process's group is dropped.
+//! once (becoming the relay if no one is), and one that cannot subscribe, loses the relay
+//! twice within [`RESUBSCRIBE_WINDOW`] or finds it hung, watches with a full stream of its own
+//! for [`FULL_AFTER_FAILURE`] (longer after failures in a row). The relay stops when its
+//! process's group is dropped.
 //!
-//! The wire: the relay writes frames (a u32 little-endian length, then a prost `JobEvent`);
-//! a subscriber writes nothing. The relay serves only processes of its own user
+//! The wire: the relay writes frames (a u32 little-endian length, then a prost `JobEvent`;
+//! an empty event is a keepalive, written after a [`KEEPALIVE_EVERY`] without a frame); a
+//! subscriber writes nothing. A subscription that hears nothing for [`SILENCE_LIMIT`] has a
+//! hung relay (a stopped process, or a forked child holding the socket): its worker watches
+//! alone, for longer after each such failure. The relay serves only processes of its own user
 //! (`SO_PEERCRED`), at most [`MAX_SUBSCRIBERS`] at once, and drops a subscriber that falls
 //! [`QUEUED_EVENTS`] events behind (it subscribes again and gets the state afresh).
 
@@ -42,7 +46,8 @@ use tracing::{debug, info, warn, Instrument};
 /// A subscriber that loses its relay twice within this window stops using it for a while.
 pub const RESUBSCRIBE_WINDOW: Duration = Duration::from_secs(1);
 
-/// How long a worker watches with a full stream of its own after the relay failed it.
+/// How long a worker watches with a full stream of its own after the relay failed it (twice
+/// as long after each failure in a row, up to five minutes).
 pub const FULL_AFTER_FAILURE: Duration = Duration::from_secs(10);
 
 /// Most subscribers one relay serves at once; more are closed at once (they watch alone).
@@ -50,6 +55,15 @@ pub const MAX_SUBSCRIBERS: usize = cohort_proto::MAX_BEATS_PER_CALL;
 
 /// Events queued for a subscriber before it is dropped as too slow.
 pub const QUEUED_EVENTS: usize = 256;
+
+/// How often the relay writes a keepalive (an empty event) to a subscriber that has had no
+/// frame for that long.
+pub const KEEPALIVE_EVERY: Duration = Duration::from_secs(1);
+
+/// A subscription with no frame for this long has a relay that hangs (a stopped process, or
+/// a forked child that inherited the socket and never serves it): it ends with
+/// [`io::ErrorKind::TimedOut`].
+pub const SILENCE_LIMIT: Duration = Duration::from_secs(3);
 
 /// First and longest wait before the relay reopens its watch of the coordinator.
 const REOPEN_FIRST: Duration = Duration::from_millis(50);
@@ -97,12 +111,22 @@ impl RelayEvents {
         let (tx, events) = mpsc::channel(QUEUED_EVENTS);
         let reader = tokio::spawn(async move {
             loop {
-                let event = match read_frame(&mut conn).await {
-                    Ok(None) => return,
-                    Ok(Some(frame)) => JobEvent::decode(frame.as_slice()).map_err(|e| {
-                        io::Error::new(io::ErrorKind::InvalidData, format!("malformed event from the relay: {e}"))
-                    }),
-                    Err(e) => Err(e),
+                let event = match tokio::time::timeout(SILENCE_LIMIT, read_frame(&mut conn)).await {
+                    Err(_) => Err(io::Error::new(
+                        io::ErrorKind::TimedOut,
+                        format!("no frame from the event relay within {SILENCE_LIMIT:?}: it hangs"),
+                    )),
+                    Ok(Ok(None)) => return,
+                    Ok(Ok(Some(frame))) => match JobEvent::decode(frame.as_slice()) {
+                        // A keepalive.
+                        Ok(JobEvent { event: None }) => continue,
+                        Ok(event) => Ok(event),
+                        Err(e) => Err(io::Error::new(
+                            io::ErrorKind::InvalidData,
+                            format!("malformed event from the relay: {e}"),
+                        )),
+                    },
+                    Ok(Err(e)) => Err(e),
                 };
                 let failed = event.is_err();
                 if tx.send(event).await.is_err() || failed {
@@ -114,7 +138,8 @@ impl RelayEvents {
     }
 
     /// The next event, or `None` when the relay closed the subscription (its process ended,
-    /// or this subscriber fell behind).
+    /// or this subscriber fell behind); [`io::ErrorKind::TimedOut`] when the relay wrote
+    /// nothing, not even a keepalive, for [`SILENCE_LIMIT`].
     ///
     /// # Cancel safety
     /// Cancel safe: an event not yet returned stays queued.
@@ -318,8 +343,9 @@ async fn serve(listener: UnixListener, client: ControlClient, job: String, worke
 /// How long the relay waits for a subscriber to take one event before dropping it.
 const WRITE_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// One subscriber: the state, then every event, until it closes, falls behind or stops
-/// reading. What a subscriber writes is ignored.
+/// One subscriber: the state, then every event (and a keepalive whenever a
+/// [`KEEPALIVE_EVERY`] passes without one), until it closes, falls behind or stops reading.
+/// What a subscriber writes is ignored.
 async fn serve_subscriber(
     mut stream: UnixStream,
     state: Vec<Arc<Vec<u8>>>,
@@ -332,15 +358,25 @@ async fn serve_subscriber(
             return;
         }
     }
+    let keepalive = frame(&JobEvent { event: None });
+    let mut idle = tokio::time::interval(KEEPALIVE_EVERY);
     let mut scratch = [0u8; 64];
     loop {
         tokio::select! {
+            // The first tick is at once: a keepalive right after the state tells a new
+            // subscriber that this relay serves.
+            _ = idle.tick() => {
+                if !matches!(tokio::time::timeout(WRITE_TIMEOUT, wr.write_all(&keepalive)).await, Ok(Ok(()))) {
+                    return;
+                }
+            }
             next = events.recv() => match next {
                 Ok(f) => {
                     if !matches!(tokio::time::timeout(WRITE_TIMEOUT, wr.write_all(&f)).await, Ok(Ok(()))) {
                         debug!("event relay: a subscriber stopped reading; dropping it");
                         return;
                     }
+                    idle.reset();
                 }
                 Err(broadcast::error::RecvError::Lagged(n)) => {
                     debug!(skipped = n, "event relay: a subscriber fell behind; dropping it (it subscribes again)");

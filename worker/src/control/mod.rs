@@ -20,6 +20,7 @@ mod relay;
 pub use client::{ControlClient, ControlConfig};
 pub use error::ControlError;
 pub use event_relay::{
-    EventRelay, RelayEvents, FULL_AFTER_FAILURE, MAX_SUBSCRIBERS, QUEUED_EVENTS, RESUBSCRIBE_WINDOW,
+    EventRelay, RelayEvents, FULL_AFTER_FAILURE, KEEPALIVE_EVERY, MAX_SUBSCRIBERS, QUEUED_EVENTS, RESUBSCRIBE_WINDOW,
+    SILENCE_LIMIT,
 };
 pub use relay::{HostRelay, DIRECT_AFTER_FAILURE, FLUSHES_PER_INTERVAL, MIN_LEASE_INTERVALS};

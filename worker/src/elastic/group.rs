@@ -903,7 +903,10 @@ async fn watch_task(
                             }
                         },
                         event = next_relayed(&mut events) => match event {
-                            Ok(Some(event)) => shared.drive(|m| m.handle_event(event)),
+                            Ok(Some(event)) => {
+                                relay.heard();
+                                shared.drive(|m| m.handle_event(event))
+                            }
                             lost => {
                                 // The relay's process ended (or dropped this subscriber): the
                                 // stream stays open while the next relay is found or served.
@@ -945,19 +948,30 @@ async fn next_relayed(events: &mut Option<RelayEvents>) -> std::io::Result<Optio
     }
 }
 
+/// Longest a worker watches alone before it tries its host's event relay again.
+const ALONE_AT_MOST: Duration = Duration::from_secs(300);
+
 /// A worker's use of its host's event relay: subscribed while it serves, else a full stream of
-/// the worker's own for [`FULL_AFTER_FAILURE`].
+/// the worker's own for [`FULL_AFTER_FAILURE`], twice as long after each failure in a row (up
+/// to [`ALONE_AT_MOST`]).
 struct RelayPath {
     relay: Option<EventRelay>,
     /// When the relay was last lost.
     last_lost: Option<Instant>,
     /// Until when this worker watches alone.
     alone_until: Option<Instant>,
+    /// How long the next failure makes it watch alone.
+    alone_for: Duration,
 }
 
 impl RelayPath {
     fn new(relay: Option<EventRelay>) -> Self {
-        Self { relay, last_lost: None, alone_until: None }
+        Self { relay, last_lost: None, alone_until: None, alone_for: FULL_AFTER_FAILURE }
+    }
+
+    /// An event came through the relay: it serves.
+    fn heard(&mut self) {
+        self.alone_for = FULL_AFTER_FAILURE;
     }
 
     /// A subscription to the relay, unless there is none or it failed this worker lately.
@@ -976,8 +990,13 @@ impl RelayPath {
     }
 
     /// The subscription ended (`error`, or a clean close): subscribes again at once, unless
-    /// the relay was lost already within [`RESUBSCRIBE_WINDOW`].
+    /// the relay hangs (it wrote nothing for [`crate::control::SILENCE_LIMIT`]) or was lost
+    /// already within [`RESUBSCRIBE_WINDOW`].
     fn lost(&mut self, error: Option<std::io::Error>) -> Option<RelayEvents> {
+        if let Some(e) = error.as_ref().filter(|e| e.kind() == std::io::ErrorKind::TimedOut) {
+            self.give_up(&e.to_string());
+            return None;
+        }
         let now = Instant::now();
         let again = self.last_lost.is_some_and(|at| now.duration_since(at) < RESUBSCRIBE_WINDOW);
         self.last_lost = Some(now);
@@ -992,8 +1011,9 @@ impl RelayPath {
 
     fn give_up(&mut self, why: &str) {
         let relay = self.relay.as_ref().map_or("", EventRelay::socket_name);
-        warn!(%relay, %why, alone_for = ?FULL_AFTER_FAILURE, "event relay failed; watching with a stream of this worker's own");
-        self.alone_until = Some(Instant::now() + FULL_AFTER_FAILURE);
+        warn!(%relay, %why, alone_for = ?self.alone_for, "event relay failed; watching with a stream of this worker's own");
+        self.alone_until = Some(Instant::now() + self.alone_for);
+        self.alone_for = (self.alone_for * 2).min(ALONE_AT_MOST);
     }
 }
 
