@@ -42,6 +42,22 @@ pub struct Metrics {
     store_keys: Mutex<Option<u64>>,
     /// The store whose request batching is rendered (`cohort_etcd_*`), once set.
     store: std::sync::OnceLock<Arc<dyn crate::store::Store>>,
+    /// Watch streams open now that carry events, and quiet ones (a member's own, its host's
+    /// event relay carrying its events).
+    watches_events: AtomicU64,
+    watches_quiet: AtomicU64,
+}
+
+/// One open watch stream, counted in `cohort_watch_streams` until dropped.
+pub struct OpenWatch {
+    metrics: Arc<Metrics>,
+    quiet: bool,
+}
+
+impl Drop for OpenWatch {
+    fn drop(&mut self) {
+        self.metrics.watch_gauge(self.quiet).fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 /// The canonical name of a gRPC code (as in the gRPC spec).
@@ -69,6 +85,26 @@ pub fn code_name(code: tonic::Code) -> &'static str {
 }
 
 impl Metrics {
+    /// Counts a watch stream as open (`quiet`: one that carries no events) until the guard
+    /// is dropped.
+    pub fn watch_opened(self: &Arc<Self>, quiet: bool) -> OpenWatch {
+        self.watch_gauge(quiet).fetch_add(1, Ordering::Relaxed);
+        OpenWatch { metrics: self.clone(), quiet }
+    }
+
+    fn watch_gauge(&self, quiet: bool) -> &AtomicU64 {
+        if quiet {
+            &self.watches_quiet
+        } else {
+            &self.watches_events
+        }
+    }
+
+    /// Watch streams open now: (carrying events, quiet).
+    pub fn watch_streams(&self) -> (u64, u64) {
+        (self.watches_events.load(Ordering::Relaxed), self.watches_quiet.load(Ordering::Relaxed))
+    }
+
     /// Counts one RPC by method and result code.
     pub fn rpc(&self, method: &'static str, code: tonic::Code) {
         *self.rpcs.lock().unwrap_or_else(PoisonError::into_inner).entry((method, code_name(code))).or_default() += 1;
@@ -223,6 +259,11 @@ impl Metrics {
             out,
             "# HELP cohort_revocations_total Generations revoked by this replica.\n# TYPE cohort_revocations_total counter\ncohort_revocations_total {}",
             self.revocations.load(Ordering::Relaxed)
+        );
+        let (events, quiet) = self.watch_streams();
+        let _ = writeln!(
+            out,
+            "# HELP cohort_watch_streams Watch streams open on this replica: kind=\"events\" carry the job's events (a host's event relay, or a member watching alone), kind=\"quiet\" only hold a member's control stream.\n# TYPE cohort_watch_streams gauge\ncohort_watch_streams{{kind=\"events\"}} {events}\ncohort_watch_streams{{kind=\"quiet\"}} {quiet}"
         );
         let _ = writeln!(
             out,

@@ -251,6 +251,7 @@ async fn a_quiet_watch_holds_the_control_stream_and_sends_only_the_state(backend
     assert_eq!(w0.control_connected, Some(true));
     let mut full = workers[1].watch().await;
     next_event(&mut full).await;
+    assert_eq!(server.metrics().watch_streams(), (1, 1), "one stream with events, one quiet");
     let report = workers[1].report(1, Some(rank_of_w2), "peer closed the connection").await.expect("report");
     assert!(report.accepted);
     wait_event(&mut full, |e| matches!(e, Event::GenerationRevoked(r) if r.generation == 1).then_some(())).await;
@@ -258,6 +259,7 @@ async fn a_quiet_watch_holds_the_control_stream_and_sends_only_the_state(backend
     assert!(futures::FutureExt::now_or_never(quiet.message()).is_none(), "a quiet stream carried an event");
     drop(quiet);
     wait_control(addr, "job-quiet", &workers[0].id, Some(false)).await;
+    assert_eq!(server.metrics().watch_streams(), (1, 0), "the quiet stream is no longer counted");
     server.shutdown().await.expect("shutdown");
 }
 

@@ -154,6 +154,7 @@ async fn a_hosts_workers_hear_every_event_through_one_watch() {
         }
         let watches = server.metrics().rpc_count("Watch", tonic::Code::Ok);
         assert_eq!(watches, 1, "the host's workers share one watch stream");
+        assert_eq!(server.metrics().watch_streams(), (1, 0), "open now: the relay's");
         let late = join(&server, job, "host-a", "w3").await;
         let mut sub = late.relay.subscribe().expect("subscribe late");
         assert!(!late.relay.is_serving());

@@ -23,6 +23,7 @@ impl CoordinatorService {
         let shutdown = self.ctx.shutdown.clone();
         let span = tracing::debug_span!("watch", job = %r.job, worker = %r.worker_id, incarnation = r.incarnation, quiet = r.quiet);
         let service = self.clone();
+        let open = self.ctx.metrics.watch_opened(r.quiet);
         tokio::spawn(
             async move {
                 let (control, end) = if r.quiet {
@@ -37,6 +38,7 @@ impl CoordinatorService {
                         stream_events(&hub, &tx, shutdown, r.compact)
                     )
                 };
+                drop(open);
                 if let (WatchEnd::ClientGone, Some(revision)) = (end, control) {
                     service.control_closed(&r.job, &r.worker_id, r.incarnation, revision).await;
                 }
