@@ -57,13 +57,15 @@ pub const MAX_SUBSCRIBERS: usize = cohort_proto::MAX_BEATS_PER_CALL;
 pub const QUEUED_EVENTS: usize = 256;
 
 /// How often the relay writes a keepalive (an empty event) to a subscriber that has had no
-/// frame for that long.
-pub const KEEPALIVE_EVERY: Duration = Duration::from_secs(1);
+/// frame for that long: ten small writes a second per subscriber.
+pub const KEEPALIVE_EVERY: Duration = Duration::from_millis(100);
 
 /// A subscription with no frame for this long has a relay that hangs (a stopped process, or
 /// a forked child that inherited the socket and never serves it): it ends with
-/// [`io::ErrorKind::TimedOut`].
-pub const SILENCE_LIMIT: Duration = Duration::from_secs(3);
+/// [`io::ErrorKind::TimedOut`]. This is how late a hung relay's host can hear a revocation
+/// (the relay's own process is often the rank that hung): short, so that a SIGSTOPped rank
+/// still costs the others well under a second.
+pub const SILENCE_LIMIT: Duration = Duration::from_millis(400);
 
 /// First and longest wait before the relay reopens its watch of the coordinator.
 const REOPEN_FIRST: Duration = Duration::from_millis(50);

@@ -912,8 +912,27 @@ async fn watch_task(
                                 // stream stays open while the next relay is found or served.
                                 events = relay.lost(lost.err());
                                 if events.is_none() {
-                                    debug!("relay lost; reopening the watch as a full stream");
-                                    break;
+                                    // Watching alone: a full stream of its own, opened before
+                                    // the quiet one closes (its first messages are the state,
+                                    // what the relay did not hand on). Closing first would tell
+                                    // a rendezvous that this live process died.
+                                    let request = pb::WatchRequest {
+                                        job: job.clone(),
+                                        worker_id: worker_id.clone(),
+                                        incarnation,
+                                        compact: true,
+                                        quiet: false,
+                                    };
+                                    match client.watch(request).await {
+                                        Ok(full) => {
+                                            stream = full;
+                                            shared.drive(Membership::handle_watch_opened);
+                                        }
+                                        Err(e) => {
+                                            debug!(error = %e, "could not open a full watch; reopening");
+                                            break;
+                                        }
+                                    }
                                 }
                             }
                         },
