@@ -1002,7 +1002,7 @@ impl RelayPath {
         match relay.subscribe() {
             Ok(events) => Some(events),
             Err(e) => {
-                self.give_up(&e.to_string());
+                self.give_up(&e.to_string(), true);
                 None
             }
         }
@@ -1013,7 +1013,7 @@ impl RelayPath {
     /// already within [`RESUBSCRIBE_WINDOW`].
     fn lost(&mut self, error: Option<std::io::Error>) -> Option<RelayEvents> {
         if let Some(e) = error.as_ref().filter(|e| e.kind() == std::io::ErrorKind::TimedOut) {
-            self.give_up(&e.to_string());
+            self.give_up(&e.to_string(), true);
             return None;
         }
         let now = Instant::now();
@@ -1021,16 +1021,24 @@ impl RelayPath {
         self.last_lost = Some(now);
         let why = error.map_or_else(|| "the relay closed the subscription".to_string(), |e| e.to_string());
         if again {
-            self.give_up(&format!("lost twice within {RESUBSCRIBE_WINDOW:?}: {why}"));
+            // Usual at a job's end, as the host's workers exit one after another.
+            self.give_up(&format!("lost twice within {RESUBSCRIBE_WINDOW:?}: {why}"), false);
             return None;
         }
         debug!(%why, "event relay lost; subscribing again");
         self.subscribe()
     }
 
-    fn give_up(&mut self, why: &str) {
+    /// Watches alone for a while; `warn`: the relay hangs or cannot be reached (else it
+    /// closed twice, as at a job's end, and this is logged at `info`).
+    fn give_up(&mut self, why: &str, warn: bool) {
         let relay = self.relay.as_ref().map_or("", EventRelay::socket_name);
-        warn!(%relay, %why, alone_for = ?self.alone_for, "event relay failed; watching with a stream of this worker's own");
+        let alone_for = self.alone_for;
+        if warn {
+            warn!(%relay, %why, ?alone_for, "event relay failed; watching with a stream of this worker's own");
+        } else {
+            info!(%relay, %why, ?alone_for, "event relay closed again; watching with a stream of this worker's own");
+        }
         self.alone_until = Some(Instant::now() + self.alone_for);
         self.alone_for = (self.alone_for * 2).min(ALONE_AT_MOST);
     }
