@@ -132,57 +132,7 @@ fn relay_server(cluster: &Cluster, workers: &[&str], kind: &str) -> Option<Strin
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killing_the_heartbeat_relay_hands_it_on() {
     let _cpu = shared().await;
-    tokio::time::timeout(BOUND, async {
-        let mut config = test_cluster("relay-kill", StoreKind::Memory, 2);
-        config.metrics = true;
-        let mut cluster = Cluster::start(config).await.expect("cluster");
-        let mut spec = test_worker(150, "64K");
-        spec.step_interval = Duration::from_millis(30);
-        let names = ["w0", "w1", "w2"];
-        for w in names {
-            cluster.spawn_worker(w, &spec).expect("spawn");
-        }
-        cluster
-            .wait_for("5 steps of 3", Duration::from_secs(60), |e| e.get::<ev::Step>().is_some_and(|s| s.step >= 5))
-            .await
-            .expect("steps");
-        let before = relay_calls(&cluster).await;
-        check(before > 0.0, "no HostHeartbeat call before the kill", &cluster.events);
-        let Some(relay) = relay_server(&cluster, &names, HEARTBEAT_RELAY) else {
-            fail("no worker holds the relay's socket", &cluster.events)
-        };
-        let killed_at = cluster.signal_worker(&relay, libc::SIGKILL).expect("kill");
-        cluster
-            .wait_for("a generation of 2", Duration::from_secs(60), |e| {
-                e.t_ms() >= killed_at && e.get::<ev::Generation>().is_some_and(|g| g.world == 2)
-            })
-            .await
-            .expect("re-formed");
-        let at_reformation = relay_calls(&cluster).await;
-        let next = names.iter().copied().filter(|w| *w != relay).collect::<Vec<_>>();
-        // A survivor serves the relay at its next beat (one interval, 200 ms): a bounded poll of
-        // the sockets, since nothing prints it.
-        let looking = tokio::time::Instant::now();
-        while relay_server(&cluster, &next, HEARTBEAT_RELAY).is_none() {
-            if looking.elapsed() > Duration::from_secs(5) {
-                fail("no survivor serves the relay 5 s after the kill", &cluster.events);
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        let codes = cluster.wait_workers(Duration::from_secs(90)).await;
-        let events = &cluster.events;
-        check(relay_calls(&cluster).await > at_reformation, "no HostHeartbeat call after the re-formation", events);
-        for w in &next {
-            check(codes.get(*w) == Some(&Some(0)), &format!("{w} exit code {:?}", codes.get(*w)), events);
-            let summary = of::<ev::Summary>(events, w).last();
-            check(summary.map(|s| s.final_step) == Some(150), &format!("{w} did not finish all steps"), events);
-        }
-        for c in [invariants::no_wrong_results(events), invariants::generations_increase(events)] {
-            check(c.ok, &format!("{}: {}", c.what, c.detail), events);
-        }
-    })
-    .await
-    .expect("test bound");
+    tokio::time::timeout(BOUND, kill_a_relay("relay-kill", HEARTBEAT_RELAY)).await.expect("test bound");
 }
 
 /// The workers of a job on one host hear the job's events through one relay. SIGKILL of the
@@ -192,52 +142,65 @@ async fn killing_the_heartbeat_relay_hands_it_on() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killing_the_event_relay_hands_it_on() {
     let _cpu = shared().await;
-    tokio::time::timeout(BOUND, async {
-        let config = test_cluster("events-kill", StoreKind::Memory, 2);
-        let mut cluster = Cluster::start(config).await.expect("cluster");
-        let mut spec = test_worker(150, "64K");
-        spec.step_interval = Duration::from_millis(30);
-        let names = ["w0", "w1", "w2"];
-        for w in names {
-            cluster.spawn_worker(w, &spec).expect("spawn");
+    tokio::time::timeout(BOUND, kill_a_relay("events-kill", EVENT_RELAY)).await.expect("test bound");
+}
+
+/// Three workers on one host; SIGKILL of the one serving the relay of `kind` mid-job. The job
+/// re-forms without it, a survivor serves the relay within 5 s, and the survivors finish every
+/// step, verified; for the heartbeat relay, the coordinator answers `HostHeartbeat` calls
+/// before the kill and after the re-formation.
+async fn kill_a_relay(job: &'static str, kind: &str) {
+    let mut config = test_cluster(job, StoreKind::Memory, 2);
+    config.metrics = true;
+    let mut cluster = Cluster::start(config).await.expect("cluster");
+    let mut spec = test_worker(150, "64K");
+    spec.step_interval = Duration::from_millis(30);
+    let names = ["w0", "w1", "w2"];
+    for w in names {
+        cluster.spawn_worker(w, &spec).expect("spawn");
+    }
+    cluster
+        .wait_for("5 steps of 3", Duration::from_secs(60), |e| e.get::<ev::Step>().is_some_and(|s| s.step >= 5))
+        .await
+        .expect("steps");
+    let beats = kind == HEARTBEAT_RELAY;
+    if beats {
+        check(relay_calls(&cluster).await > 0.0, "no HostHeartbeat call before the kill", &cluster.events);
+    }
+    let Some(relay) = relay_server(&cluster, &names, kind) else {
+        fail(&format!("no worker holds the {kind} socket"), &cluster.events)
+    };
+    let killed_at = cluster.signal_worker(&relay, libc::SIGKILL).expect("kill");
+    cluster
+        .wait_for("a generation of 2", Duration::from_secs(60), |e| {
+            e.t_ms() >= killed_at && e.get::<ev::Generation>().is_some_and(|g| g.world == 2)
+        })
+        .await
+        .expect("re-formed");
+    let at_reformation = relay_calls(&cluster).await;
+    let next = names.iter().copied().filter(|w| *w != relay).collect::<Vec<_>>();
+    // A survivor serves the relay at its next beat (one interval, 200 ms), or at once when its
+    // event subscription closes: a bounded poll of the sockets, since nothing prints it.
+    let looking = tokio::time::Instant::now();
+    while relay_server(&cluster, &next, kind).is_none() {
+        if looking.elapsed() > Duration::from_secs(5) {
+            fail(&format!("no survivor serves the {kind} 5 s after the kill"), &cluster.events);
         }
-        cluster
-            .wait_for("5 steps of 3", Duration::from_secs(60), |e| e.get::<ev::Step>().is_some_and(|s| s.step >= 5))
-            .await
-            .expect("steps");
-        let Some(relay) = relay_server(&cluster, &names, EVENT_RELAY) else {
-            fail("no worker holds the event relay's socket", &cluster.events)
-        };
-        let killed_at = cluster.signal_worker(&relay, libc::SIGKILL).expect("kill");
-        cluster
-            .wait_for("a generation of 2", Duration::from_secs(60), |e| {
-                e.t_ms() >= killed_at && e.get::<ev::Generation>().is_some_and(|g| g.world == 2)
-            })
-            .await
-            .expect("re-formed");
-        // The survivors subscribed again at once when the relay's socket closed: a bounded poll
-        // of the sockets, since nothing prints it.
-        let next = names.iter().copied().filter(|w| *w != relay).collect::<Vec<_>>();
-        let looking = tokio::time::Instant::now();
-        while relay_server(&cluster, &next, EVENT_RELAY).is_none() {
-            if looking.elapsed() > Duration::from_secs(5) {
-                fail("no survivor serves the event relay 5 s after the kill", &cluster.events);
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        let codes = cluster.wait_workers(Duration::from_secs(90)).await;
-        let events = &cluster.events;
-        for w in &next {
-            check(codes.get(*w) == Some(&Some(0)), &format!("{w} exit code {:?}", codes.get(*w)), events);
-            let summary = of::<ev::Summary>(events, w).last();
-            check(summary.map(|s| s.final_step) == Some(150), &format!("{w} did not finish all steps"), events);
-        }
-        for c in [invariants::no_wrong_results(events), invariants::generations_increase(events)] {
-            check(c.ok, &format!("{}: {}", c.what, c.detail), events);
-        }
-    })
-    .await
-    .expect("test bound");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let codes = cluster.wait_workers(Duration::from_secs(90)).await;
+    let events = &cluster.events;
+    if beats {
+        check(relay_calls(&cluster).await > at_reformation, "no HostHeartbeat call after the re-formation", events);
+    }
+    for w in &next {
+        check(codes.get(*w) == Some(&Some(0)), &format!("{w} exit code {:?}", codes.get(*w)), events);
+        let summary = of::<ev::Summary>(events, w).last();
+        check(summary.map(|s| s.final_step) == Some(150), &format!("{w} did not finish all steps"), events);
+    }
+    for c in [invariants::no_wrong_results(events), invariants::generations_increase(events)] {
+        check(c.ok, &format!("{}: {}", c.what, c.detail), events);
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

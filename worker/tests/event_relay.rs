@@ -5,12 +5,12 @@
 //! keepalives, and one that never writes is found hung; what a subscriber writes changes
 //! nothing.
 
+mod common;
+
 use cohort::control::{ControlClient, ControlConfig, EventRelay, RelayEvents, SILENCE_LIMIT};
-use cohort_coordinator::store::memory::MemoryStore;
-use cohort_coordinator::{JobSettings, ServeConfig, ServerHandle, Settings};
+use cohort_coordinator::{JobSettings, ServerHandle};
 use cohort_proto::v1::{self as pb, job_event::Event};
 use std::os::linux::net::SocketAddrExt;
-use std::sync::Arc;
 use std::time::Duration;
 
 /// Bound on each test.
@@ -19,16 +19,14 @@ const BOUND: Duration = Duration::from_secs(60);
 const EVENT_BOUND: Duration = Duration::from_secs(10);
 
 async fn coordinator(members: u32) -> ServerHandle {
-    let settings = JobSettings {
+    common::coordinator::start(JobSettings {
         min_workers: members,
         max_workers: members,
         heartbeat_interval: Duration::from_millis(200),
         lease_ttl: Duration::from_secs(5),
         ..Default::default()
-    };
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let config = ServeConfig::new(Arc::new(MemoryStore::new()), Settings::uniform(settings).expect("settings"));
-    cohort_coordinator::start(config, listener).await.expect("coordinator")
+    })
+    .await
 }
 
 fn control(server: &ServerHandle) -> ControlClient {
@@ -45,18 +43,7 @@ struct Member {
 
 async fn join(server: &ServerHandle, job: &str, host: &str, id: &str) -> Member {
     let client = control(server);
-    let joined = client
-        .join(pb::JoinRequest {
-            job: job.into(),
-            worker_id: id.into(),
-            host: host.into(),
-            addresses: vec![pb::TransportAddress { transport: "tcp".into(), address: "127.0.0.1:9".into() }],
-            capabilities: vec!["transport:tcp".into()],
-            protocol_version: cohort_proto::PROTOCOL_VERSION,
-            ..Default::default()
-        })
-        .await
-        .expect("join");
+    let joined = common::coordinator::join(&client, job, host, id).await;
     let relay = EventRelay::new(client.clone(), job, id, host).expect("relay path");
     Member { id: id.into(), incarnation: joined.incarnation, client, relay }
 }

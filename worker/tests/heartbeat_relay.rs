@@ -4,14 +4,14 @@
 //! over at once; a relay that accepts but never answers (a stopped process) is bypassed
 //! within the lease; bad frames get a clear answer and change nothing.
 
+mod common;
+
 use cohort::control::{ControlClient, ControlConfig, HostRelay};
-use cohort_coordinator::store::memory::MemoryStore;
-use cohort_coordinator::{JobSettings, ServeConfig, ServerHandle, Settings};
+use cohort_coordinator::{JobSettings, ServerHandle};
 use cohort_proto::v1 as pb;
 use prost::Message;
 use std::io::{Read, Write};
 use std::os::linux::net::SocketAddrExt;
-use std::sync::Arc;
 use std::time::Duration;
 
 const INTERVAL: Duration = Duration::from_millis(100);
@@ -20,16 +20,14 @@ const LEASE: Duration = Duration::from_secs(2);
 const BOUND: Duration = Duration::from_secs(60);
 
 async fn coordinator() -> ServerHandle {
-    let settings = JobSettings {
+    common::coordinator::start(JobSettings {
         min_workers: 1,
         max_workers: 64,
         heartbeat_interval: INTERVAL,
         lease_ttl: LEASE,
         ..Default::default()
-    };
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let config = ServeConfig::new(Arc::new(MemoryStore::new()), Settings::uniform(settings).expect("settings"));
-    cohort_coordinator::start(config, listener).await.expect("coordinator")
+    })
+    .await
 }
 
 fn control(server: &ServerHandle) -> ControlClient {
@@ -47,18 +45,7 @@ struct Member {
 
 async fn join(server: &ServerHandle, job: &str, host: &str, id: &str) -> Member {
     let client = control(server);
-    let joined = client
-        .join(pb::JoinRequest {
-            job: job.into(),
-            worker_id: id.into(),
-            host: host.into(),
-            addresses: vec![pb::TransportAddress { transport: "tcp".into(), address: "127.0.0.1:9".into() }],
-            capabilities: vec!["transport:tcp".into()],
-            protocol_version: cohort_proto::PROTOCOL_VERSION,
-            ..Default::default()
-        })
-        .await
-        .expect("join");
+    let joined = common::coordinator::join(&client, job, host, id).await;
     let interval = Duration::from_millis(joined.heartbeat_interval_ms);
     let lease = Duration::from_millis(joined.lease_ttl_ms);
     let relay = HostRelay::new(client, job, host, interval, lease).expect("relay path").expect("lease long enough");

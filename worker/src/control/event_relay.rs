@@ -28,7 +28,7 @@
 //! (`SO_PEERCRED`), at most [`MAX_SUBSCRIBERS`] at once, and drops a subscriber that falls
 //! [`QUEUED_EVENTS`] events behind (it subscribes again and gets the state afresh).
 
-use super::relay::{connect, read_frame, socket_name};
+use super::relay::{connect, read_frame, socket_name, OwnUserListener};
 use super::ControlClient;
 use cohort_proto::v1::{self as pb, job_event::Event, JobEvent};
 use prost::Message;
@@ -41,7 +41,7 @@ use tokio::io::AsyncReadExt;
 use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::{broadcast, mpsc};
 use tokio::task::JoinHandle;
-use tracing::{debug, info, warn, Instrument};
+use tracing::{debug, info, Instrument};
 
 /// A subscriber that loses its relay twice within this window stops using it for a while.
 pub const RESUBSCRIBE_WINDOW: Duration = Duration::from_secs(1);
@@ -70,9 +70,6 @@ pub const SILENCE_LIMIT: Duration = Duration::from_millis(400);
 /// First and longest wait before the relay reopens its watch of the coordinator.
 const REOPEN_FIRST: Duration = Duration::from_millis(50);
 const REOPEN_MAX: Duration = Duration::from_secs(1);
-
-/// How long the relay stops accepting after a failed accept.
-const ACCEPT_PAUSE: Duration = Duration::from_millis(100);
 
 /// One worker's access to its host's event relay (serving it when no one does). Cheap to
 /// clone; the relay this process serves, if any, stops when the last clone is dropped.
@@ -300,30 +297,10 @@ async fn serve(listener: UnixListener, client: ControlClient, job: String, worke
         follow(client, job.clone(), worker_id, latest.clone(), events.clone()).in_current_span(),
     ));
     let mut subscribers = tokio::task::JoinSet::new();
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    let uid = unsafe { libc::geteuid() };
-    let accept_pause = tokio::time::sleep(Duration::ZERO);
-    tokio::pin!(accept_pause);
-    let mut accepting = true;
+    let mut listener = OwnUserListener::new(listener, "event relay");
     loop {
         tokio::select! {
-            accepted = listener.accept(), if accepting => {
-                let stream = match accepted {
-                    Ok((stream, _)) => stream,
-                    Err(e) => {
-                        debug!(error = %e, "event relay: accept failed; pausing accepts");
-                        accept_pause.as_mut().reset(tokio::time::Instant::now() + ACCEPT_PAUSE);
-                        accepting = false;
-                        continue;
-                    }
-                };
-                match stream.peer_cred() {
-                    Ok(cred) if cred.uid() == uid => {}
-                    other => {
-                        warn!(peer = ?other, "event relay refused a connection of another user");
-                        continue;
-                    }
-                }
+            stream = listener.accept() => {
                 if subscribers.len() >= MAX_SUBSCRIBERS {
                     debug!("event relay full; the worker watches alone");
                     continue;
@@ -336,7 +313,6 @@ async fn serve(listener: UnixListener, client: ControlClient, job: String, worke
                 };
                 subscribers.spawn(serve_subscriber(stream, state, rx).in_current_span());
             }
-            _ = &mut accept_pause, if !accepting => accepting = true,
             Some(_) = subscribers.join_next() => {}
         }
     }

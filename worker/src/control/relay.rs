@@ -333,6 +333,52 @@ pub(super) async fn read_frame(conn: &mut UnixStream) -> io::Result<Option<Vec<u
     Ok(Some(body))
 }
 
+/// A relay's listening socket, handing out only the connections of the relay's own user
+/// (`SO_PEERCRED`). After a failed accept (out of descriptors, say) it pauses accepting
+/// briefly instead of spinning on the error.
+pub(super) struct OwnUserListener {
+    listener: UnixListener,
+    uid: u32,
+    /// The relay's kind, for logs.
+    what: &'static str,
+    /// Until when accepting pauses (after a failed accept).
+    paused_until: Option<Instant>,
+}
+
+impl OwnUserListener {
+    pub(super) fn new(listener: UnixListener, what: &'static str) -> Self {
+        // SAFETY: geteuid has no preconditions and cannot fail.
+        let uid = unsafe { libc::geteuid() };
+        Self { listener, uid, what, paused_until: None }
+    }
+
+    /// The next connection of the relay's own user; other users' connections are closed.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: a connection accepted is returned in the same poll, and a pause cut
+    /// short goes on at the next call.
+    pub(super) async fn accept(&mut self) -> UnixStream {
+        loop {
+            if let Some(until) = self.paused_until {
+                tokio::time::sleep_until(until).await;
+                self.paused_until = None;
+            }
+            let stream = match self.listener.accept().await {
+                Ok((stream, _)) => stream,
+                Err(e) => {
+                    debug!(relay = self.what, error = %e, "accept failed; pausing accepts");
+                    self.paused_until = Some(Instant::now() + ACCEPT_PAUSE);
+                    continue;
+                }
+            };
+            match stream.peer_cred() {
+                Ok(cred) if cred.uid() == self.uid => return stream,
+                other => warn!(relay = self.what, peer = ?other, "refused a connection of another user"),
+            }
+        }
+    }
+}
+
 /// A beat waiting for the next flush, and where its answer goes.
 type Pending = (HeartbeatRequest, oneshot::Sender<pb::HeartbeatAnswer>);
 
@@ -350,32 +396,10 @@ async fn serve(listener: UnixListener, client: ControlClient, job: String, inter
     let mut pending: Vec<Pending> = Vec::new();
     let mut ticker = tokio::time::interval(interval / FLUSHES_PER_INTERVAL);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    let uid = unsafe { libc::geteuid() };
-    // After a failed accept (out of descriptors, say), accepting pauses briefly instead of
-    // spinning on the error; beats and flushes go on meanwhile.
-    let accept_pause = tokio::time::sleep(Duration::ZERO);
-    tokio::pin!(accept_pause);
-    let mut accepting = true;
+    let mut listener = OwnUserListener::new(listener, "heartbeat relay");
     loop {
         tokio::select! {
-            accepted = listener.accept(), if accepting => {
-                let stream = match accepted {
-                    Ok((stream, _)) => stream,
-                    Err(e) => {
-                        debug!(job = %job, error = %e, "heartbeat relay: accept failed; pausing accepts");
-                        accept_pause.as_mut().reset(Instant::now() + ACCEPT_PAUSE);
-                        accepting = false;
-                        continue;
-                    }
-                };
-                match stream.peer_cred() {
-                    Ok(cred) if cred.uid() == uid => {}
-                    other => {
-                        warn!(job = %job, peer = ?other, "heartbeat relay refused a connection of another user");
-                        continue;
-                    }
-                }
+            stream = listener.accept() => {
                 if connections.len() >= MAX_CONNECTIONS {
                     debug!(job = %job, "heartbeat relay full; the worker sends its own beats");
                     continue;
@@ -388,7 +412,6 @@ async fn serve(listener: UnixListener, client: ControlClient, job: String, inter
                     flushes.spawn(flush(client.clone(), job.clone(), std::mem::take(&mut pending)));
                 }
             }
-            _ = &mut accept_pause, if !accepting => accepting = true,
             Some(_) = connections.join_next() => {}
             Some(_) = flushes.join_next() => {}
         }

@@ -3,6 +3,7 @@
 
 #![allow(dead_code)]
 
+pub(crate) mod coordinator;
 pub(crate) mod meshes;
 
 use cohort::reduce::{finish_avg, reduce};
