@@ -16,7 +16,7 @@
 //! rendezvous stops waiting for a member whose stream closed), so liveness stays per
 //! process. Nothing depends on the relay: a subscriber whose relay closes subscribes again at
 //! once (becoming the relay if no one is), and one that cannot subscribe, loses the relay
-//! twice within [`RESUBSCRIBE_WINDOW`] or finds it hung, watches with a full stream of its own
+//! three times within [`RESUBSCRIBE_WINDOW`] or finds it hung, watches with a full stream of its own
 //! for [`FULL_AFTER_FAILURE`] (longer after failures in a row). The relay stops when its
 //! process's group is dropped.
 //!
@@ -43,7 +43,8 @@ use tokio::sync::{broadcast, mpsc};
 use tokio::task::JoinHandle;
 use tracing::{debug, info, Instrument};
 
-/// A subscriber that loses its relay twice within this window stops using it for a while.
+/// A subscriber that loses its relay three times within this window stops using it for a
+/// while.
 pub const RESUBSCRIBE_WINDOW: Duration = Duration::from_secs(1);
 
 /// How long a worker watches with a full stream of its own after the relay failed it (twice

@@ -886,13 +886,19 @@ async fn watch_task(
         // Subscribed before the stream opens: the stream's state and the relay's together
         // cover every event (each is applied once; repeats change nothing).
         let mut events = relay.subscribe();
-        let quiet = events.is_some();
-        let request =
-            pb::WatchRequest { job: job.clone(), worker_id: worker_id.clone(), incarnation, compact: true, quiet };
-        match client.watch(request).await {
+        let watch_request = |quiet| pb::WatchRequest {
+            job: job.clone(),
+            worker_id: worker_id.clone(),
+            incarnation,
+            compact: true,
+            quiet,
+        };
+        match client.watch(watch_request(events.is_some())).await {
             Ok(mut stream) => {
                 shared.drive(Membership::handle_watch_opened);
                 loop {
+                    // Watching alone after the relay failed: when that spell ends, back to it.
+                    let retry = if events.is_none() { relay.retry_at() } else { None };
                     tokio::select! {
                         message = stream.message() => match message {
                             Ok(Some(event)) => shared.drive(|m| m.handle_event(event)),
@@ -916,14 +922,7 @@ async fn watch_task(
                                     // the quiet one closes (its first messages are the state,
                                     // what the relay did not hand on). Closing first would tell
                                     // a rendezvous that this live process died.
-                                    let request = pb::WatchRequest {
-                                        job: job.clone(),
-                                        worker_id: worker_id.clone(),
-                                        incarnation,
-                                        compact: true,
-                                        quiet: false,
-                                    };
-                                    match client.watch(request).await {
+                                    match client.watch(watch_request(false)).await {
                                         Ok(full) => {
                                             stream = full;
                                             shared.drive(Membership::handle_watch_opened);
@@ -932,6 +931,24 @@ async fn watch_task(
                                             debug!(error = %e, "could not open a full watch; reopening");
                                             break;
                                         }
+                                    }
+                                }
+                            }
+                        },
+                        _ = sleep_until_some(retry) => {
+                            events = relay.subscribe();
+                            if events.is_some() {
+                                // Back to the relay: a quiet stream, opened before the full one
+                                // closes (as above, the other way).
+                                match client.watch(watch_request(true)).await {
+                                    Ok(quiet) => {
+                                        stream = quiet;
+                                        shared.drive(Membership::handle_watch_opened);
+                                        debug!("watching through the host's event relay again");
+                                    }
+                                    Err(e) => {
+                                        debug!(error = %e, "could not open a quiet watch; reopening");
+                                        break;
                                     }
                                 }
                             }
@@ -967,6 +984,20 @@ async fn next_relayed(events: &mut Option<RelayEvents>) -> std::io::Result<Optio
     }
 }
 
+/// Sleeps until `at`; pending for ever without one.
+///
+/// # Cancel safety
+/// Cancel safe: it only waits.
+async fn sleep_until_some(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at.into()).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Losses of the relay within [`RESUBSCRIBE_WINDOW`] after which a worker watches alone.
+const QUICK_LOSSES: usize = 3;
+
 /// Longest a worker watches alone before it tries its host's event relay again.
 const ALONE_AT_MOST: Duration = Duration::from_secs(300);
 
@@ -975,8 +1006,8 @@ const ALONE_AT_MOST: Duration = Duration::from_secs(300);
 /// to [`ALONE_AT_MOST`]).
 struct RelayPath {
     relay: Option<EventRelay>,
-    /// When the relay was last lost.
-    last_lost: Option<Instant>,
+    /// When the relay was lost lately (within [`RESUBSCRIBE_WINDOW`] of each other).
+    losses: Vec<Instant>,
     /// Until when this worker watches alone.
     alone_until: Option<Instant>,
     /// How long the next failure makes it watch alone.
@@ -985,12 +1016,18 @@ struct RelayPath {
 
 impl RelayPath {
     fn new(relay: Option<EventRelay>) -> Self {
-        Self { relay, last_lost: None, alone_until: None, alone_for: FULL_AFTER_FAILURE }
+        Self { relay, losses: Vec::new(), alone_until: None, alone_for: FULL_AFTER_FAILURE }
     }
 
     /// An event came through the relay: it serves.
     fn heard(&mut self) {
         self.alone_for = FULL_AFTER_FAILURE;
+    }
+
+    /// When a worker watching alone tries the relay again (`None`: there is no relay).
+    fn retry_at(&self) -> Option<Instant> {
+        self.relay.as_ref()?;
+        Some(self.alone_until.unwrap_or_else(Instant::now))
     }
 
     /// A subscription to the relay, unless there is none or it failed this worker lately.
@@ -1017,12 +1054,16 @@ impl RelayPath {
             return None;
         }
         let now = Instant::now();
-        let again = self.last_lost.is_some_and(|at| now.duration_since(at) < RESUBSCRIBE_WINDOW);
-        self.last_lost = Some(now);
+        self.losses.retain(|at| now.duration_since(*at) < RESUBSCRIBE_WINDOW);
+        self.losses.push(now);
         let why = error.map_or_else(|| "the relay closed the subscription".to_string(), |e| e.to_string());
-        if again {
-            // Usual at a job's end, as the host's workers exit one after another.
-            self.give_up(&format!("lost twice within {RESUBSCRIBE_WINDOW:?}: {why}"), false);
+        // A dying relay's socket can still take a connection (the kernel closes a killed
+        // process's sockets one by one), which it then resets: a second loss at once is no
+        // sign of trouble, a third within the window is (or a job's end, as the host's workers
+        // exit one after another).
+        if self.losses.len() >= QUICK_LOSSES {
+            self.losses.clear();
+            self.give_up(&format!("lost {QUICK_LOSSES} times within {RESUBSCRIBE_WINDOW:?}: {why}"), false);
             return None;
         }
         debug!(%why, "event relay lost; subscribing again");
@@ -1030,7 +1071,7 @@ impl RelayPath {
     }
 
     /// Watches alone for a while; `warn`: the relay hangs or cannot be reached (else it
-    /// closed twice, as at a job's end, and this is logged at `info`).
+    /// closed again and again, as at a job's end, and this is logged at `info`).
     fn give_up(&mut self, why: &str, warn: bool) {
         let relay = self.relay.as_ref().map_or("", EventRelay::socket_name);
         let alone_for = self.alone_for;
