@@ -9,6 +9,10 @@ bash scripts/ensure-deps.sh
 
 export CARGO_TERM_COLOR=never
 export RUST_BACKTRACE=1
+# No incremental compilation (as CI systems do): a test run builds each crate once, and the
+# incremental caches would more than double target/debug's size (the disk a cold run needs:
+# about 10 GB for the build and 4.5 GB for the torch 2.x venv). CARGO_INCREMENTAL=1 keeps them.
+export CARGO_INCREMENTAL=${CARGO_INCREMENTAL:-0}
 
 # The style gate: formatting (rustfmt.toml) and clippy with warnings as errors, the rdma
 # feature included (the workspace lints are in Cargo.toml), the API docs with rustdoc's
@@ -68,9 +72,9 @@ echo "== python"
 COHORT_REQUIRE_PYTHON=1 COHORT_BIN_DIR="$PWD/target/release" "$py" -m pytest -q -p no:cacheprovider python/tests
 
 # The PyTorch tests again under PyPI's torch 2.x (the supported torch; Debian's 1.13 above keeps
-# working): target/pyenv-torch2 holds the same cohort package. Made once per checkout; the
-# CUDA-laden wheels are downloaded once into a wheelhouse (scripts/python-env-torch2.sh).
-echo "== python, torch 2.x"
+# working): target/pyenv-torch2 holds the same cohort package. Made once per checkout
+# (scripts/python-env-torch2.sh: about 3 GB downloaded, 4.4 GB installed).
+echo "== python, torch 2.x (disk: $(df -h --output=avail . | tail -n 1 | tr -d ' ') free; target/ holds $(du -sh target | cut -f1))"
 py2=$(bash scripts/python-env-torch2.sh | tail -n 1)
 COHORT_BIN_DIR="$PWD/target/release" "$py2" -m pytest -q -p no:cacheprovider \
   python/tests/test_torch_backend.py python/tests/test_fsdp2.py python/tests/test_hsdp.py python/tests/test_training.py
