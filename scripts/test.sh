@@ -10,8 +10,8 @@ bash scripts/ensure-deps.sh
 export CARGO_TERM_COLOR=never
 export RUST_BACKTRACE=1
 # No incremental compilation (as CI systems do): a test run builds each crate once, and the
-# incremental caches would more than double target/debug's size (the disk a cold run needs:
-# about 10 GB for the build and 4.5 GB for the torch 2.x venv). CARGO_INCREMENTAL=1 keeps them.
+# incremental caches would more than double target/debug's size. A cold run needs about 12 GB
+# of disk: 6.5 GB for the builds, 4.4 GB for the torch 2.x venv. CARGO_INCREMENTAL=1 keeps them.
 export CARGO_INCREMENTAL=${CARGO_INCREMENTAL:-0}
 
 # The style gate: formatting (rustfmt.toml) and clippy with warnings as errors, the rdma
