@@ -182,6 +182,15 @@ impl Hub {
         f(&self.view.live.read().unwrap_or_else(PoisonError::into_inner))
     }
 
+    /// The members of generation `number` as formed under shard set `set`, when that is the
+    /// generation this view holds (a copy: O(members), no decoding).
+    pub fn members_of(&self, number: u64, set: &crate::records::ShardSet) -> Option<Vec<crate::records::Placed>> {
+        self.read(|state| {
+            let (g, _) = state.generation.as_ref()?;
+            (g.number == number && g.shards.as_ref() == Some(set)).then(|| g.members.clone())
+        })
+    }
+
     /// A copy of the job's state now, for a caller that holds it across an await. Copied
     /// at most once per change (O(members)); prefer [`Hub::read`] on request paths.
     pub fn state(&self) -> Arc<JobState> {
@@ -669,6 +678,15 @@ impl Hubs {
     /// No hubs yet.
     pub fn new(store: Arc<dyn Store>) -> Self {
         Self { store, hubs: tokio::sync::Mutex::new(HashMap::new()), count: Mutex::new(0) }
+    }
+
+    /// The hub of `job` if this replica runs one (none is started).
+    ///
+    /// # Cancel safety
+    /// Cancel safe: it only looks.
+    pub async fn running(&self, job: &str) -> Option<Arc<Hub>> {
+        let hubs = self.hubs.lock().await;
+        hubs.get(job).filter(|e| !e.hub.task.is_finished()).map(|e| e.hub.clone())
     }
 
     /// The hub of `job`, started (one read and a watch) if there is none.

@@ -190,7 +190,7 @@ impl CoordinatorService {
         if claimed <= seen {
             return Ok(seen);
         }
-        Ok(ops::read_generation(self.ctx.store.as_ref(), job).await.map_err(store_status)?.map_or(0, |(g, _)| g.number))
+        Ok(ops::read_generation_in(&self.ctx, job).await.map_err(store_status)?.map_or(0, |(g, _)| g.number))
     }
 
     /// Updates the cached progress of a member; writes it to the store (on the member's

@@ -100,7 +100,18 @@ async fn large_generation(backend: Backend) {
         assert_eq!(state.current(), Some(&winner));
         assert!(state.shards.is_empty(), "assembled shards are not kept twice");
 
-        // Revoking rewrites the small record only; the members stay.
+        // A replica whose view holds this formation reads the small record alone and takes
+        // the members from its view: the same record as the store's.
+        let hub = a.hubs.get(job, &test_settings(backend)).await.expect("a hub");
+        assert_eq!(hub.members_of(1, &set).as_deref(), Some(&winner.members[..]));
+        let other = records::ShardSet { set: "1-another-attempt".into(), ..set.clone() };
+        assert_eq!(hub.members_of(1, &other), None, "another formation's members are read from the store");
+        assert_eq!(hub.members_of(2, &set), None);
+        let (via_view, _) = ops::read_generation_in(&a, job).await.expect("read").expect("generation");
+        assert_eq!(via_view, winner);
+
+        // Revoking (on the replica with the view) rewrites the small record only; the members
+        // stay.
         let cause = Cause::member(Some(5), &winner.members[5].worker_id, "h", "test".into(), "test");
         let revoked = ops::revoke_generation(&a, job, 1, cause, None, false).await.expect("revoke");
         assert!(revoked.accepted);

@@ -575,7 +575,7 @@ async fn join_after_silent_predecessor(addr: std::net::SocketAddr, request: pb::
 
 /// A second process joining with the id of a live member is refused at once with
 /// ALREADY_EXISTS naming the holder's host (and changes nothing: the holder stays, nothing is
-/// revoked); the holder's own re-join, naming the incarnation it replaces, is accepted.
+/// revoked, no lease is left behind); the holder's own re-join, naming the incarnation it replaces, is accepted.
 async fn a_live_worker_id_is_refused_to_a_second_process(backend: Backend) {
     let backing = Backing::new(backend).await;
     let server = replica(backing.store.clone(), &Options::new(test_settings(backend))).await;
@@ -587,6 +587,8 @@ async fn a_live_worker_id_is_refused_to_a_second_process(backend: Backend) {
     let mut second = join_request("job-dup", "w0");
     second.host = "second-host".into();
     let mut c = client(addr).await;
+    // The join's lease is granted while the join is decided: a refused join gives it back.
+    let leases_before = backing.live_leases().await;
     for _ in 0..3 {
         let refused = c.join(second.clone()).await.expect_err("a live holder keeps its id");
         assert_eq!(refused.code(), tonic::Code::AlreadyExists, "{refused:?}");
@@ -594,6 +596,7 @@ async fn a_live_worker_id_is_refused_to_a_second_process(backend: Backend) {
         assert!(refused.message().contains(&format!("incarnation {holder_incarnation}")), "{}", refused.message());
         assert!(refused.metadata().get(cohort_proto::RETRY_AFTER_MS_HEADER).is_some(), "{refused:?}");
     }
+    assert_eq!(backing.live_leases().await, leases_before, "a refused join leaves no lease behind");
     let s = status(addr, "job-dup").await;
     assert!(!s.current_revoked, "a refused join revokes nothing: {:?}", s.revocation_cause);
     let m = s.members.iter().find(|m| m.worker_id == "w0").expect("w0 is a member");

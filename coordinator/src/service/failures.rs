@@ -105,12 +105,13 @@ impl CoordinatorService {
     }
 
     /// The job's newest generation record: the one read of it per look (before a report is
-    /// judged, and after each hold of a cascade).
+    /// judged, and after each hold of a cascade), its members from this replica's view
+    /// where that holds them ([`ops::read_generation_in`]).
     ///
     /// # Cancel safety
     /// Cancel safe: reads only.
     async fn read_generation(&self, job: &str) -> Result<Option<GenerationRecord>, Status> {
-        Ok(ops::read_generation(self.ctx.store.as_ref(), job).await.map_err(store_status)?.map(|(g, _)| g))
+        Ok(ops::read_generation_in(&self.ctx, job).await.map_err(store_status)?.map(|(g, _)| g))
     }
 
     /// Holds a cascade: [`revocation::TIMEOUT_HOLD`], then reads its chain and the generation;

@@ -22,51 +22,25 @@ impl CoordinatorService {
         validate::addresses(&r.addresses)?;
         validate::capabilities(&r.capabilities)?;
         let settings = self.ctx.settings.for_job(&r.job);
-        let (job, worker) = (r.job.as_str(), r.worker_id.as_str());
-        let (state, current_generation) =
-            self.read_join_view(job, worker, records::effective_domain(&r.domain, &r.host)).await?;
-        if let Some(ended) = &state.ended {
-            return Err(Status::failed_precondition(format!(
-                "job {job} has ended ({:?}: {}); start a new job id",
-                ended.outcome, ended.reason
-            )));
-        }
-        let now = records::now_ms();
-        let domain = records::effective_domain(&r.domain, &r.host);
-        let own = state.failures.get(worker).and_then(|h| h.excluded_until(now).map(|u| (u, h)));
-        let of_domain =
-            state.failures.get(&crate::domains::domain_key(domain)).and_then(|h| h.excluded_until(now).map(|u| (u, h)));
-        let exclusion = match (own, of_domain) {
-            (Some(w), Some(d)) if d.0 > w.0 => Some((format!("failure domain {domain}"), d)),
-            (Some(w), _) => Some((format!("worker {worker}"), w)),
-            (None, Some(d)) => Some((format!("failure domain {domain}"), d)),
-            (None, None) => None,
+        // The member's lease is granted while the join is decided (the decision reads the
+        // store, the grant writes it: two round trips in parallel instead of in a row). A
+        // refused join gives the lease back at once (and it would lapse after one TTL anyway).
+        let (decided, granted) =
+            tokio::join!(self.admit(&r), self.ctx.store.grant_lease(settings.lease_ttl_for_store()));
+        let (state, current_generation) = match decided {
+            Ok(admitted) => admitted,
+            Err(refusal) => {
+                if let Ok(lease) = granted {
+                    if let Err(e) = self.ctx.store.revoke_lease(lease).await {
+                        tracing::debug!(error = %e, "could not give back a refused join's lease");
+                    }
+                }
+                return Err(refusal);
+            }
         };
-        if let Some((who, (until, history))) = exclusion {
-            // The worker waits this long and joins again (it needs no clock of ours).
-            let mut status = Status::failed_precondition(crate::exclusion::refusal(
-                &who,
-                until,
-                now,
-                &history.reason,
-                &self.ctx.exclusion,
-            ));
-            if let Ok(left) = (until - now).to_string().parse() {
-                status.metadata_mut().insert(cohort_proto::RETRY_AFTER_MS_HEADER, left);
-            }
-            return Err(status);
-        }
-        // Two processes with one worker id would evict each other without end: a live holder
-        // keeps the id (another process gets ALREADY_EXISTS), a silent one is replaced (a
-        // restart after a crash). The process that holds the id names it in `replaces`.
-        if let Some(holder) = state.members.get(worker).filter(|m| m.incarnation != r.replaces) {
-            let silent_for = self.silent_for(job, holder, &state).await.map_err(store_status)?;
-            let live_window = PROGRESS_PERIOD + 2 * settings.heartbeat_interval;
-            if silent_for < live_window {
-                return Err(id_in_use(job, holder, silent_for, live_window - silent_for));
-            }
-        }
-        let lease = self.ctx.store.grant_lease(settings.lease_ttl_for_store()).await.map_err(store_status)?;
+        let lease = granted.map_err(store_status)?;
+        let (job, worker) = (r.job.as_str(), r.worker_id.as_str());
+        let now = records::now_ms();
         let incarnation = lease as u64;
         // Replacing an older incarnation that is in the active generation revokes it.
         let old = state.members.get(worker).cloned();
@@ -154,6 +128,62 @@ impl CoordinatorService {
         })
     }
 
+    /// Decides whether `r` may join: the job has not ended, neither the worker nor its failure
+    /// domain is excluded, and no live process holds the worker id. Answers the part of the
+    /// job's state the join goes on with ([`Self::read_join_view`]) and the newest generation
+    /// number.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: reads only.
+    async fn admit(&self, r: &pb::JoinRequest) -> Result<(JobState, u64), Status> {
+        let settings = self.ctx.settings.for_job(&r.job);
+        let (job, worker) = (r.job.as_str(), r.worker_id.as_str());
+        let (state, current_generation) =
+            self.read_join_view(job, worker, records::effective_domain(&r.domain, &r.host)).await?;
+        if let Some(ended) = &state.ended {
+            return Err(Status::failed_precondition(format!(
+                "job {job} has ended ({:?}: {}); start a new job id",
+                ended.outcome, ended.reason
+            )));
+        }
+        let now = records::now_ms();
+        let domain = records::effective_domain(&r.domain, &r.host);
+        let own = state.failures.get(worker).and_then(|h| h.excluded_until(now).map(|u| (u, h)));
+        let of_domain =
+            state.failures.get(&crate::domains::domain_key(domain)).and_then(|h| h.excluded_until(now).map(|u| (u, h)));
+        let exclusion = match (own, of_domain) {
+            (Some(w), Some(d)) if d.0 > w.0 => Some((format!("failure domain {domain}"), d)),
+            (Some(w), _) => Some((format!("worker {worker}"), w)),
+            (None, Some(d)) => Some((format!("failure domain {domain}"), d)),
+            (None, None) => None,
+        };
+        if let Some((who, (until, history))) = exclusion {
+            // The worker waits this long and joins again (it needs no clock of ours).
+            let mut status = Status::failed_precondition(crate::exclusion::refusal(
+                &who,
+                until,
+                now,
+                &history.reason,
+                &self.ctx.exclusion,
+            ));
+            if let Ok(left) = (until - now).to_string().parse() {
+                status.metadata_mut().insert(cohort_proto::RETRY_AFTER_MS_HEADER, left);
+            }
+            return Err(status);
+        }
+        // Two processes with one worker id would evict each other without end: a live holder
+        // keeps the id (another process gets ALREADY_EXISTS), a silent one is replaced (a
+        // restart after a crash). The process that holds the id names it in `replaces`.
+        if let Some(holder) = state.members.get(worker).filter(|m| m.incarnation != r.replaces) {
+            let silent_for = self.silent_for(job, holder, &state).await.map_err(store_status)?;
+            let live_window = PROGRESS_PERIOD + 2 * settings.heartbeat_interval;
+            if silent_for < live_window {
+                return Err(id_in_use(job, holder, silent_for, live_window - silent_for));
+            }
+        }
+        Ok((state, current_generation))
+    }
+
     /// The part of a job's state a Join decides on, read key by key: the end record, the
     /// worker's member record, its own and its failure domain's failure records, and the
     /// generation record, with the newest generation number. A join must not read the whole
@@ -177,7 +207,7 @@ impl CoordinatorService {
         if let Some(m) = member.and_then(|kv| decode::<MemberRecord>(&member_key, &kv.value)) {
             state.members.insert(worker.to_string(), m);
             state.generation =
-                ops::read_generation(store, job).await.map_err(store_status)?.map(|(g, kv)| (g, kv.mod_revision));
+                ops::read_generation_in(&self.ctx, job).await.map_err(store_status)?.map(|(g, kv)| (g, kv.mod_revision));
         }
         let current = match state.current() {
             Some(g) => g.number,

@@ -30,7 +30,7 @@ impl CoordinatorService {
             if member.incarnation != incarnation {
                 return Ok(pb::LeaveResponse {});
             }
-            let generation = ops::read_generation(store, job).await.map_err(store_status)?;
+            let generation = ops::read_generation_in(&self.ctx, job).await.map_err(store_status)?;
             let gen_key = keys::generation(job);
             let mut txn = Txn {
                 compares: vec![Compare::ModRevision(mkv.key.clone(), mkv.mod_revision)],

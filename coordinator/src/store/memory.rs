@@ -352,6 +352,13 @@ impl MemoryStore {
         self.shared.lock().revision
     }
 
+    /// How many leases are alive (granted, neither revoked nor expired): for tests and
+    /// diagnostics.
+    pub fn live_leases(&self) -> usize {
+        let now = Instant::now();
+        self.shared.lock().leases.values().filter(|l| l.deadline > now).count()
+    }
+
     /// Starts the lease timer on the current Tokio runtime, once.
     fn ensure_lease_timer(&self, state: &mut State) -> Result<(), StoreError> {
         if state.expiry_task_started {

@@ -55,21 +55,37 @@ pub(crate) fn test_settings(backend: Backend) -> JobSettings {
 pub(crate) struct Backing {
     pub store: Arc<dyn Store>,
     pub etcd: Option<EtcdProcess>,
+    /// The memory store behind `store` (a clone sharing its state), on that backend.
+    pub memory: Option<MemoryStore>,
 }
 
 impl Backing {
     pub(crate) async fn new(backend: Backend) -> Self {
         match backend {
-            Backend::Memory => Backing { store: Arc::new(MemoryStore::new()), etcd: None },
+            Backend::Memory => {
+                let memory = MemoryStore::new();
+                Backing { store: Arc::new(memory.clone()), etcd: None, memory: Some(memory) }
+            }
             Backend::Etcd => {
                 let etcd = tokio::task::spawn_blocking(EtcdProcess::start)
                     .await
                     .expect("etcd start task")
                     .unwrap_or_else(|e| panic!("cannot start etcd: {e}"));
                 let store = EtcdStore::connect(&[etcd.endpoint()]).await.expect("connect to etcd");
-                Backing { store: Arc::new(store), etcd: Some(etcd) }
+                Backing { store: Arc::new(store), etcd: Some(etcd), memory: None }
             }
         }
+    }
+
+    /// How many leases the store holds now (etcd's `LeaseLeases`, or the memory store's own
+    /// count).
+    pub(crate) async fn live_leases(&self) -> usize {
+        if let Some(memory) = &self.memory {
+            return memory.live_leases();
+        }
+        let etcd = self.etcd.as_ref().expect("an etcd backing");
+        let mut client = etcd_client::Client::connect([etcd.endpoint()], None).await.expect("connect to etcd");
+        client.leases().await.expect("list etcd's leases").leases().len()
     }
 }
 
