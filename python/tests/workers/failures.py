@@ -17,6 +17,7 @@ Modes:
 """
 
 import json
+import signal
 import sys
 import threading
 import time
@@ -194,6 +195,11 @@ elif mode == "gil":
     group.leave(finished=True)
 
 elif mode == "interrupt":
+    # Ctrl-C's KeyboardInterrupt as an interactive Python has it. A process started with
+    # SIGINT ignored (any command run in the background by a non-interactive shell, and its
+    # children: a CI runner's, say) inherits the ignoring, and Python then installs no
+    # handler: the signal would be dropped by the kernel before cohort could see it.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     data = np.ones(1000, dtype=np.float32)
     try:
         # Inside the try: a SIGINT that lands before the call (a loaded machine can hold this
