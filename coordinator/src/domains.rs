@@ -6,7 +6,9 @@
 //! suspect's domain is *lost* when it holds at least two members of the generation (that have
 //! not left it) and every one of them is lost by the coordinator's own evidence: its process
 //! is gone (control stream closed, lease gone), it has certainly been silent for longer than
-//! twice the heartbeat interval, or another member timed out waiting on it. Then the cause
+//! twice the heartbeat interval, or another member timed out waiting on it (unless it reported
+//! a timeout of its own in the generation: a member that reports is alive, which keeps a
+//! cycle of timeouts on one silent link from reading as a whole host lost). Then the cause
 //! names the domain and all its ranks, every one of them is evicted at once (the survivors
 //! do not wait for their leases), and the failure counts once, against the domain, for
 //! exclusion ([`domain_key`]). Some of a domain's ranks failing while another of its members

@@ -618,15 +618,32 @@ struct Trio {
 }
 
 impl Trio {
+    /// Each worker on a host of its own.
     async fn form(backend: Backend, job: &str) -> Self {
+        Self::form_on(backend, job, None, None).await
+    }
+
+    /// Every worker on `host` when given (one failure domain), else each on its own; the
+    /// replica's exclusion policy when given, else the default.
+    async fn form_on(backend: Backend, job: &str, host: Option<&str>, exclusion: Option<ExclusionPolicy>) -> Self {
         let backing = Backing::new(backend).await;
         let mut settings = test_settings(backend);
         settings.max_workers = 3;
         settings.lease_ttl = Duration::from_secs(20);
-        let options = Options::new(settings);
+        let mut options = Options::new(settings);
+        if let Some(exclusion) = exclusion {
+            options.exclusion = exclusion;
+        }
         let server = replica(backing.store.clone(), &options).await;
         let addr = server.local_addr();
-        let workers = Worker::join_many(addr, job, 3, Duration::from_millis(50)).await;
+        let mut workers = Vec::new();
+        for i in 0..3 {
+            let mut request = join_request(job, &format!("w{i}"));
+            if let Some(host) = host {
+                request.host = host.to_string();
+            }
+            workers.push(Worker::join_with(addr, request, Duration::from_millis(50)).await);
+        }
         let g1 = form_all(&workers, 0).await.remove(0);
         Self { _backing: backing, server, options, workers, g1 }
     }
@@ -719,6 +736,51 @@ async fn a_cascade_split_across_replicas_is_judged_whole(backend: Backend) {
         tokio::join!(ring_timeout(by_rank[0], 0, 4), ring_timeout(by_rank[2], 2, 3), ring_timeout(by_rank[1], 1, 2));
     assert_link_from_rank_0_blamed(&by_rank, [a, b, c]).await;
     other.shutdown().await.expect("shutdown");
+    trio.server.shutdown().await.expect("shutdown");
+}
+
+/// The cycle of timeouts of one silent link with every rank on one host (one failure
+/// domain), heard from by no heartbeat for longer than twice the interval (as behind several
+/// replicas, where another replica's heartbeats show only in the progress record, written
+/// once a period). Every rank is some peer's suspect, but every rank reported: they are
+/// alive, so this is the link's failure, not the host's. Only rank 0 is blamed and evicted,
+/// the cause names no domain, and the failure counts against rank 0's worker, not the host
+/// (a threshold of 1 excludes whatever it counts against).
+async fn a_cycle_of_timeouts_on_one_host_is_not_a_host_loss(backend: Backend) {
+    let exclusion = ExclusionPolicy {
+        threshold: 1,
+        window: Duration::from_secs(600),
+        base_cooldown: Duration::from_secs(30),
+        max_cooldown: Duration::from_secs(1800),
+    };
+    let mut trio = Trio::form_on(backend, "job-h", Some("vm"), Some(exclusion)).await;
+    for w in &mut trio.workers {
+        w.stop_heartbeats();
+    }
+    let addr = trio.server.local_addr();
+    // Bounded: polls status until the replica has certainly heard nothing from any of them
+    // for longer than two heartbeat intervals (100 ms in the test settings).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let st = status(addr, "job-h").await;
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).expect("clock").as_millis() as u64;
+        if st.members.iter().all(|m| now.saturating_sub(m.last_heartbeat_ms) > 400) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "members still heard from: {:?}", st.members);
+        tokio::time::sleep(Duration::from_millis(50)).await; // polling status until the deadline above
+    }
+    let by_rank = trio.by_rank();
+    let (a, b, c) =
+        tokio::join!(ring_timeout(by_rank[0], 0, 4), ring_timeout(by_rank[2], 2, 3), ring_timeout(by_rank[1], 1, 2));
+    for response in [&a, &b, &c] {
+        let cause = response.cause.as_ref().expect("cause");
+        assert!(cause.domain.is_empty() && cause.lost_ranks.is_empty(), "not a host loss: {cause:?}");
+    }
+    assert_link_from_rank_0_blamed(&by_rank, [a, b, c]).await;
+    let st = status(addr, "job-h").await;
+    let excluded: Vec<&str> = st.exclusions.iter().map(|e| e.worker_id.as_str()).collect();
+    assert_eq!(excluded, [by_rank[0].id.as_str()], "{:?}", st.exclusions);
     trio.server.shutdown().await.expect("shutdown");
 }
 
@@ -1161,6 +1223,7 @@ suite!(
     cascading_timeouts_blame_the_end_of_the_chain,
     a_cycle_of_timeouts_blames_the_link_that_went_silent_first,
     a_cascade_split_across_replicas_is_judged_whole,
+    a_cycle_of_timeouts_on_one_host_is_not_a_host_loss,
     two_dead_at_once_reform_without_the_join_window,
     a_reopened_control_stream_counts_as_connected,
     a_quiet_watch_holds_the_control_stream_and_sends_only_the_state,

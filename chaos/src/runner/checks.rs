@@ -286,17 +286,27 @@ fn join_storm_check(r: &FaultRecord, events: &[WorkerEvent]) -> Check {
     }
 }
 
-/// Link fault `r` (blackhole, partition, reset): every member named an end of the link,
-/// detection in time (not for a reset, which is no silence), and the next step.
+/// Link fault `r` (blackhole, partition, reset): every member named an end of the link and
+/// none called it a lost failure domain (every process lives and reports: a cycle of
+/// timeouts on one host is the link's failure, not the host's), detection in time (not for
+/// a reset, which is no silence), and the next step.
 fn link_checks(r: &FaultRecord, sc: &Scenario) -> Vec<Check> {
     let kind = r.kind.name();
     let culprits = culprits(r);
     let named = r.errors.iter().filter(|e| culprits.iter().any(|c| cause_names(&e.cause, c))).count();
-    let mut checks = vec![Check {
-        what: format!("fault {} ({kind}): every member got an error naming an end of the link", r.index),
-        ok: named == r.survivors.len() && !r.survivors.is_empty(),
-        detail: format!("{named} of {}; causes: {}", r.survivors.len(), causes(r)),
-    }];
+    let as_domain = r.errors.iter().filter(|e| names_a_lost_domain(&e.cause)).count();
+    let mut checks = vec![
+        Check {
+            what: format!("fault {} ({kind}): every member got an error naming an end of the link", r.index),
+            ok: named == r.survivors.len() && !r.survivors.is_empty(),
+            detail: format!("{named} of {}; causes: {}", r.survivors.len(), causes(r)),
+        },
+        Check {
+            what: format!("fault {} ({kind}): no error calls the link's failure a lost domain", r.index),
+            ok: as_domain == 0,
+            detail: format!("{as_domain} of {} did; causes: {}", r.errors.len(), causes(r)),
+        },
+    ];
     if r.kind != FaultKind::Reset {
         checks.push(detection_check(r, kind, sc));
     }
@@ -722,6 +732,14 @@ pub(super) fn domain_cause_check(r: &FaultRecord, hosts: &BTreeMap<String, Strin
 /// Whether a root cause as a worker prints it (`rank 2 (worker w2 on host-a): SIGKILL
 /// (reported by w0)`, see `cohort::RootCause`'s Display) blames worker `name`: the id after
 /// "(worker " is compared exactly, so that `w1` matches neither `w10` nor a reporter's name.
+/// Whether a root cause is the coordinator's whole-domain loss (`domain H lost: ranks ...`).
+fn names_a_lost_domain(cause: &str) -> bool {
+    cause
+        .split("domain ")
+        .skip(1)
+        .any(|rest| rest.split_once(' ').is_some_and(|(_, tail)| tail.starts_with("lost: ranks")))
+}
+
 pub(crate) fn cause_names(cause: &str, name: &str) -> bool {
     let Some(start) = cause.find("(worker ") else { return false };
     let rest = &cause[start + "(worker ".len()..];
@@ -765,6 +783,15 @@ mod tests {
         assert!(!struck_mid_allreduce(&record, &[announced]));
         let measured = measure(&[record], &after);
         assert!(!measured[0].mid_allreduce, "measure reports the kill as not mid-allreduce");
+    }
+
+    #[test]
+    fn a_lost_domain_is_told_from_other_causes() {
+        assert!(names_a_lost_domain(
+            "rank 0 (worker w1 on vm): domain vm lost: ranks 0-3 (all 4 of its ranks) failed together; first report: x"
+        ));
+        assert!(!names_a_lost_domain("rank 0 (worker w1 on vm): timed out after 1.5s waiting on rank 3"));
+        assert!(!names_a_lost_domain("rank 0 (worker w1 on vm): failure domain vm is excluded"));
     }
 
     #[test]

@@ -153,11 +153,12 @@ impl CoordinatorService {
     /// by what this replica can learn: the job's records (process gone: control stream
     /// closed or lease gone), heartbeat silences ([`Self::silences`]; longer than twice the
     /// heartbeat interval for certain: lost; heard within it: alive) and the generation's
-    /// timeout reports (a member another timed out on: lost). While no other member of the
-    /// domain is known alive but some are not yet known lost, it looks again, up to
-    /// [`DOMAIN_CHECKS`] times [`revocation::TIMEOUT_HOLD`] apart (the closes of a node's
-    /// processes reach the coordinator a moment apart); a domain with a live member costs no
-    /// wait. Store errors make it `None` (the report is judged as a member's).
+    /// timeout reports (a member that reported a timeout itself: alive; one another timed out
+    /// on: lost). While no other member of the domain is known alive but some are not yet
+    /// known lost, it looks again, up to [`DOMAIN_CHECKS`] times [`revocation::TIMEOUT_HOLD`]
+    /// apart (the closes of a node's processes reach the coordinator a moment apart); a domain
+    /// with a live member costs no wait. Store errors make it `None` (the report is judged as
+    /// a member's).
     ///
     /// # Cancel safety
     /// Cancel safe: reads only.
@@ -190,11 +191,18 @@ impl CoordinatorService {
             let evidence = |rank: u32| {
                 let m = &g.members[rank as usize];
                 let silence = silences.get(&(m.worker_id.clone(), m.incarnation));
-                // A gone process first; then a recent heartbeat (a live member named in a
-                // cascade of timeouts is not lost); then certain silence or a peer's timeout.
+                // A gone process first; then a recent heartbeat or a timeout report of its
+                // own in this generation (a live member named in a cascade of timeouts is not
+                // lost: it spoke to the coordinator); then certain silence or a peer's timeout.
+                // The report matters behind several replicas: another replica's heartbeats
+                // reach this one only through the progress record, written once a period,
+                // so a member that heartbeats elsewhere can look silent here. In a cycle of
+                // timeouts every rank is some peer's suspect; without its own report as
+                // evidence, a host whose ranks all starve on one silent link would read as
+                // lost whole, and all its ranks be evicted.
                 if !state.is_live(&m.worker_id, m.incarnation) || state.is_disconnected(&m.worker_id, m.incarnation) {
                     Evidence::Lost
-                } else if silence.is_some_and(|s| s.at_most < limit) {
+                } else if silence.is_some_and(|s| s.at_most < limit) || chain.iter().any(|t| t.reporter == rank) {
                     any_alive = true;
                     Evidence::Alive
                 } else if silence.is_some_and(|s| s.at_least > limit)
