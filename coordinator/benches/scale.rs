@@ -43,6 +43,12 @@
 //!    first event stream (host 0's, or rank 0's own) names that member a straggler (the run
 //!    fails if it is never named, or another is).
 //!
+//! 6. **finish**: the job's end, as a training run's: the watch streams close and every
+//!    survivor calls `Leave(FINISHED)` at once (as many in flight as there are members);
+//!    `finish_ms` runs from the first call until the last answer, `leaves_refused` counts
+//!    the calls that failed (the run then fails, after printing its line), and the job must
+//!    have ended: a Join afterwards is refused with the job's end.
+//!
 //! For each phase it prints the coordinators' CPU time (`/proc/PID/stat`, all replicas
 //! together), and at the end their peak resident memory (`VmHWM`) and, on etcd, what etcd
 //! wrote (`etcd_disk_wal_write_bytes_total`, puts, proposals, gRPC bytes received, from its
@@ -1000,6 +1006,37 @@ async fn run(plan: &Plan, store: &str) -> Result<(), String> {
     }
     drop((survivors_streams, event_streams));
 
+    // 6. Finish: every survivor leaves, finished, at once.
+    let cpu0 = cpu_all(&coordinators);
+    let started = Instant::now();
+    let finishers: Vec<&Member> =
+        members.iter().enumerate().filter(|(r, _)| *r != failed && *r != dies_meanwhile).map(|(_, m)| &**m).collect();
+    let refusals: Vec<String> = within(bound, "every survivor leaving, finished", async {
+        futures::stream::iter(finishers.iter())
+            .map(|m| async move {
+                let mut c = m.client.clone();
+                c.leave(pb::LeaveRequest {
+                    job: JOB.into(),
+                    worker_id: m.id.clone(),
+                    incarnation: m.incarnation,
+                    mode: pb::leave_request::Mode::Finished as i32,
+                })
+                .await
+                .err()
+                .map(|s| format!("{}: {s}", m.id))
+            })
+            .buffer_unordered(finishers.len().max(1))
+            .filter_map(|refused| async move { refused })
+            .collect::<Vec<_>>()
+            .await
+    })
+    .await?;
+    let finished = started.elapsed();
+    let cpu_finish = cpu_all(&coordinators) - cpu0;
+    phase_end("finish", &mut mark)?;
+    let late = Member::join(channels[0].clone(), n).await.err().unwrap_or_default();
+    let ended = late.contains("has ended");
+
     let mut etcd_out = String::new();
     if let Some(e) = &etcd {
         let after = etcd_counters(&e.endpoint())?;
@@ -1016,7 +1053,7 @@ async fn run(plan: &Plan, store: &str) -> Result<(), String> {
         "scale store={store} mode={mode} members={n} replicas={replicas}{txn_ops} connections={connections} fetched_per_member={:.1} \
          join_to_formed_ms={:.0} formation_cpu_s={:.2} watches_ms={:.0} watches_cpu_s={:.2} \
          report_ms={:.1} revoked_min_ms={:.1} revoked_p50_ms={:.1} revoked_p99_ms={:.1} revoked_max_ms={:.1} reformed_ms={:.0} failure_cpu_s={:.2}{steady} \
-         peak_rss_mib={}{etcd_out}{phases}",
+         finish_ms={:.0} finish_cpu_s={:.2} leaves_refused={} ended={ended} peak_rss_mib={}{etcd_out}{phases}",
         fetched_entries as f64 / n as f64,
         ms(join_to_formed),
         cpu_formation.as_secs_f64(),
@@ -1029,8 +1066,17 @@ async fn run(plan: &Plan, store: &str) -> Result<(), String> {
         ms(revoked.last().copied().unwrap_or_default()),
         ms(reformed),
         cpu_failure.as_secs_f64(),
+        ms(finished),
+        cpu_finish.as_secs_f64(),
+        refusals.len(),
         rss.join("+"),
     );
+    if let Some(first) = refusals.first() {
+        return Err(format!("{} of {} leaves were refused, the first: {first}", refusals.len(), finishers.len()));
+    }
+    if !ended {
+        return Err(format!("the job did not end when every member had finished (a later join: {late:?})"));
+    }
     Ok(())
 }
 

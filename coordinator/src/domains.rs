@@ -62,11 +62,12 @@ pub(crate) fn whole_domain_lost(
     mut evidence: impl FnMut(u32) -> Evidence,
 ) -> Option<DomainLoss> {
     let domain = g.members.get(suspect as usize)?.domain().to_string();
+    let departures = g.departures();
     let ranks: Vec<u32> = g
         .members
         .iter()
         .enumerate()
-        .filter(|(_, m)| m.domain() == domain && g.departed(&m.worker_id, m.incarnation).is_none())
+        .filter(|(_, m)| m.domain() == domain && !departures.contains(&m.worker_id, m.incarnation))
         .map(|(rank, _)| rank as u32)
         .collect();
     if ranks.len() < 2 || !ranks.contains(&suspect) {

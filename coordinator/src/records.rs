@@ -282,6 +282,22 @@ pub struct Departure {
     pub finished: bool,
 }
 
+/// A generation's departures by `(worker, incarnation)` ([`GenerationRecord::departures`]).
+#[derive(Debug)]
+pub struct Departures<'a>(std::collections::HashMap<(&'a str, u64), &'a Departure>);
+
+impl Departures<'_> {
+    /// Whether `(worker, incarnation)` left the generation without failing.
+    pub fn get(&self, worker: &str, incarnation: u64) -> Option<&Departure> {
+        self.0.get(&(worker, incarnation)).copied()
+    }
+
+    /// Whether it left.
+    pub fn contains(&self, worker: &str, incarnation: u64) -> bool {
+        self.0.contains_key(&(worker, incarnation))
+    }
+}
+
 /// How many revocations of older generations the record remembers (for late reports).
 pub const HISTORY: usize = 8;
 
@@ -396,9 +412,17 @@ impl GenerationRecord {
         self.members.iter().position(|m| m.worker_id == worker && m.incarnation == incarnation).map(|r| r as u32)
     }
 
-    /// Whether `(worker, incarnation)` left this generation without failing.
+    /// Whether `(worker, incarnation)` left this generation without failing. A scan of the
+    /// departures: for one lookup. A pass over the members asks [`Self::departures`].
     pub fn departed(&self, worker: &str, incarnation: u64) -> Option<&Departure> {
         self.departed.iter().find(|d| d.worker_id == worker && d.incarnation == incarnation)
+    }
+
+    /// The departures indexed, for a pass that asks about many members: at a large job's end
+    /// nearly every member has departed, and [`Self::departed`] per member would be
+    /// O(members x departures).
+    pub fn departures(&self) -> Departures<'_> {
+        Departures(self.departed.iter().map(|d| ((d.worker_id.as_str(), d.incarnation), d)).collect())
     }
 
     /// The root cause of revoked generation `number`, if remembered.

@@ -136,10 +136,13 @@ pub(crate) fn evaluate(settings: &JobSettings, state: &JobState, now_ms: u64) ->
     }
     let excluded = excluded(state, now_ms);
     let current = state.current();
+    let departures = current.map(GenerationRecord::departures);
+    let has_departed =
+        |worker: &str, incarnation: u64| departures.as_ref().is_some_and(|d| d.contains(worker, incarnation));
     if let Some(g) = current {
         eval.below_min_since_ms = g.below_min_since_ms;
         if !g.members.is_empty()
-            && g.members.iter().all(|m| g.departed(&m.worker_id, m.incarnation).is_some())
+            && g.members.iter().all(|m| has_departed(&m.worker_id, m.incarnation))
             && g.departed.iter().any(|d| d.finished)
         {
             eval.action = Action::End(
@@ -191,7 +194,7 @@ pub(crate) fn evaluate(settings: &JobSettings, state: &JobState, now_ms: u64) ->
                 state.is_live(&m.worker_id, m.incarnation)
                     && !state.is_disconnected(&m.worker_id, m.incarnation)
                     && !excluded.contains(&m.worker_id)
-                    && g.departed(&m.worker_id, m.incarnation).is_none()
+                    && !has_departed(&m.worker_id, m.incarnation)
             })
             .count()
     });
@@ -209,11 +212,9 @@ pub(crate) fn evaluate(settings: &JobSettings, state: &JobState, now_ms: u64) ->
         // Ready means live, connected and not excluded, so a ready member of the current
         // generation under this incarnation is expected unless it departed.
         let rank = match (&lookup, current) {
-            (Some(l), Some(g)) => l
-                .ranks
-                .get(&(worker.as_str(), w.incarnation))
-                .copied()
-                .filter(|_| g.departed(worker, w.incarnation).is_none()),
+            (Some(l), Some(_)) => {
+                l.ranks.get(&(worker.as_str(), w.incarnation)).copied().filter(|_| !has_departed(worker, w.incarnation))
+            }
             _ => None,
         };
         match rank {

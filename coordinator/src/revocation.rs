@@ -221,12 +221,13 @@ pub(crate) fn arbitrate(
         return None;
     }
     let reporter = g.rank_of(report.worker_id, report.incarnation).map(|r| r as usize);
+    let departures = g.departures();
     let (rank, m, s) = g
         .members
         .iter()
         .enumerate()
         .filter(|(rank, m)| {
-            *rank != suspect && Some(*rank) != reporter && g.departed(&m.worker_id, m.incarnation).is_none()
+            *rank != suspect && Some(*rank) != reporter && !departures.contains(&m.worker_id, m.incarnation)
         })
         .filter_map(|(rank, m)| of(m).map(|s| (rank, m, s)))
         .filter(|(_, _, s)| s.at_least > limit)
@@ -269,8 +270,9 @@ pub(crate) fn lapsed(state: &JobState, lease_ttl_ms: u64) -> Option<Cause> {
     if g.revoked.is_some() {
         return None;
     }
+    let departures = g.departures();
     g.members.iter().enumerate().find_map(|(rank, m)| {
-        if state.is_live(&m.worker_id, m.incarnation) || g.departed(&m.worker_id, m.incarnation).is_some() {
+        if state.is_live(&m.worker_id, m.incarnation) || departures.contains(&m.worker_id, m.incarnation) {
             return None;
         }
         Some(Cause {

@@ -108,6 +108,8 @@ pub struct CoordinatorService {
     /// Per job, the latest reports of its current generation indexed for the straggler
     /// judgement (`heartbeat::straggler_round`).
     straggler_rounds: Arc<Mutex<HashMap<String, heartbeat::IndexedRound>>>,
+    /// Leaves waiting to be written, grouped per job (`leave`).
+    leaves: Arc<leave::LeaveQueues>,
 }
 
 fn store_status(e: StoreError) -> Status {
@@ -144,6 +146,7 @@ impl CoordinatorService {
             cascade_scope: CascadeScope::Store,
             own_timeouts: Arc::new(Mutex::new(Vec::new())),
             straggler_rounds: Arc::new(Mutex::new(HashMap::new())),
+            leaves: Arc::new(leave::LeaveQueues::default()),
         }
     }
 

@@ -512,6 +512,50 @@ async fn leave_and_finish(backend: Backend) {
     server.shutdown().await.expect("shutdown");
 }
 
+/// A job's end as a training run's: every member finishes at once, split between two
+/// replicas of one store. The leaves are more than one group's worth per replica, so they are
+/// written in several shared transactions, contending with the other replica's for the
+/// generation record. Every leave is answered OK, the job ends Finished, and only the end
+/// record is left.
+async fn a_whole_job_finishing_at_once_ends_it(backend: Backend) {
+    const N: usize = 120;
+    let backing = Backing::new(backend).await;
+    let mut settings = test_settings(backend);
+    settings.max_workers = N as u32;
+    settings.join_window = Duration::from_secs(5);
+    settings.elastic_timeout = Duration::from_secs(60);
+    // Heartbeats once a second keep 120 members alive without loading the test machine.
+    settings.lease_ttl = Duration::from_secs(20);
+    let options = Options::new(settings);
+    let (a, b) = tokio::join!(replica(backing.store.clone(), &options), replica(backing.store.clone(), &options));
+    let mut workers = Vec::with_capacity(N);
+    for i in 0..N {
+        let addr = if i % 2 == 0 { a.local_addr() } else { b.local_addr() };
+        workers.push(Worker::join(addr, "job-end", &format!("w{i:03}"), Duration::from_secs(1)).await);
+    }
+    let g1 = form_all(&workers, 0).await.remove(0);
+    assert_eq!(g1.members.len(), N);
+    let mut watch = workers[0].watch().await;
+    let leaves = futures::future::join_all(workers.iter().map(|w| w.leave(true))).await;
+    let refused: Vec<String> =
+        leaves.iter().zip(&workers).filter_map(|(r, w)| r.as_ref().err().map(|s| format!("{}: {s}", w.id))).collect();
+    assert!(refused.is_empty(), "{} leaves refused: {refused:?}", refused.len());
+    let ended = wait_event(&mut watch, |e| match e {
+        Event::JobEnded(e) => Some(e.clone()),
+        _ => None,
+    })
+    .await;
+    assert_eq!(ended.outcome, pb::job_ended::Outcome::Finished as i32, "{}", ended.reason);
+    let (kvs, _) = backing.store.get_prefix("/cohort/v1/jobs/job-end/").await.expect("read");
+    let keys: Vec<_> = kvs.iter().map(|kv| kv.key.clone()).collect();
+    assert_eq!(keys, vec!["/cohort/v1/jobs/job-end/ended".to_string()], "only the end record is left");
+    let late = client(a.local_addr()).await.join(join_request("job-end", "late")).await.expect_err("the job ended");
+    assert!(late.message().contains("has ended"), "{}", late.message());
+    drop(workers);
+    a.shutdown().await.expect("shutdown");
+    b.shutdown().await.expect("shutdown");
+}
+
 /// A restarted worker (same id, new join) revokes the generation it was in.
 async fn restart_revokes(backend: Backend) {
     let backing = Backing::new(backend).await;
@@ -1218,6 +1262,7 @@ suite!(
     below_min_ends_after_elastic_timeout,
     repeated_failures_exclude,
     leave_and_finish,
+    a_whole_job_finishing_at_once_ends_it,
     restart_revokes,
     timeout_report_blames_the_silent_member,
     cascading_timeouts_blame_the_end_of_the_chain,

@@ -190,6 +190,13 @@ pub trait Store: Send + Sync + 'static {
         None
     }
 
+    /// The most operations (and, separately, compares) one transaction may carry: etcd's
+    /// `--max-txn-ops` as this replica was told it (`serve --etcd-max-txn-ops`, default 128).
+    /// `None`: no limit (the memory store).
+    fn max_txn_ops(&self) -> Option<usize> {
+        None
+    }
+
     /// Watches every key with `prefix`, delivering all changes with revision >= `from_revision`
     /// in revision order (use the revision of a `get_prefix` plus one to continue from a read).
     /// `from_revision <= 0` means "changes after now". The watch is registered when this

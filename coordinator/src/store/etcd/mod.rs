@@ -163,6 +163,8 @@ pub struct EtcdStore {
     request_timeout: Duration,
     batcher: Batcher,
     keepalives: std::sync::Arc<KeepAlives>,
+    /// The cluster's limit on a transaction's operations, as configured ([`EtcdTuning`]).
+    max_txn_ops: usize,
 }
 
 impl std::fmt::Debug for EtcdStore {
@@ -372,7 +374,13 @@ impl EtcdStore {
             .map_err(|_| StoreError::Unavailable(format!("connecting to etcd at {endpoints:?} timed out")))?
             .map_err(|e| security.explain(map_error(e, None)))?;
         let batcher = Batcher::start(client.kv_client(), request_timeout, tuning.max_txn_ops);
-        let store = EtcdStore { client, request_timeout, batcher, keepalives: std::sync::Arc::new(KeepAlives::new()) };
+        let store = EtcdStore {
+            client,
+            request_timeout,
+            batcher,
+            keepalives: std::sync::Arc::new(KeepAlives::new()),
+            max_txn_ops: tuning.max_txn_ops,
+        };
         // The client connects lazily; one status call proves the cluster is there.
         let mut maintenance = store.client.maintenance_client();
         let status = store.call(None, maintenance.status()).await.map_err(|e| security.explain(e))?;
@@ -413,6 +421,10 @@ impl EtcdStore {
 impl Store for EtcdStore {
     fn request_batching(&self) -> Option<BatchStats> {
         Some(self.batcher.stats())
+    }
+
+    fn max_txn_ops(&self) -> Option<usize> {
+        Some(self.max_txn_ops)
     }
 
     async fn get(&self, key: &str) -> Result<Option<KeyValue>, StoreError> {
