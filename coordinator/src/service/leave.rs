@@ -130,7 +130,8 @@ impl CoordinatorService {
             // not stop when this caller's RPC is cancelled.
             let this = self.clone();
             let job = r.job.clone();
-            let span = tracing::info_span!("leaves", job = %job);
+            // Its own root span: it writes every caller's leave, not only the first one's.
+            let span = tracing::info_span!(parent: None, "leaves", job = %job);
             tokio::spawn(async move { this.write_leaves(&job).await }.instrument(span));
         }
         match answer.await {
