@@ -353,6 +353,7 @@ impl Cluster {
             .args(["--join-window", &ms(s.join_window), "--heartbeat-interval", &ms(s.heartbeat_interval)])
             .args(["--lease-ttl", &ms(s.lease_ttl), "--elastic-timeout", &ms(s.elastic_timeout)])
             .args(["--straggler-policy", s.straggler_policy.name(), "--straggler-cooldown", &ms(s.straggler_cooldown)])
+            .args(["--lease-scope", s.lease_scope.name()])
             .arg("--token-file")
             .arg(&self.token_file)
             .env("RUST_LOG", std::env::var("COHORT_CHAOS_COORDINATOR_LOG").unwrap_or_else(|_| "info".into()));

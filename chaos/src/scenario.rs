@@ -357,6 +357,10 @@ pub struct Scenario {
     /// How long an excluded straggler's join is refused (default: the coordinator's, 60 s).
     #[serde(default)]
     pub straggler_cooldown: Option<Dur>,
+    /// Whose store lease a member's records are on: `member` (the default) or `host` (the
+    /// coordinators' `--lease-scope`).
+    #[serde(default)]
+    pub lease_scope: Option<String>,
     /// Route every data-plane link through the fault-injecting proxy (implied by link faults
     /// on the loopback).
     #[serde(default)]
@@ -552,6 +556,11 @@ impl Scenario {
         }
         if let Some(p) = &self.straggler_policy {
             if let Err(e) = cohort_coordinator::config::StragglerPolicy::parse(p) {
+                return bad(e);
+            }
+        }
+        if let Some(p) = &self.lease_scope {
+            if let Err(e) = cohort_coordinator::config::LeaseScope::parse(p) {
                 return bad(e);
             }
         }

@@ -71,7 +71,8 @@
 //! Run it with `cargo bench -p cohort-coordinator --bench scale -- --members 1024`
 //! (`--stores memory,etcd`, `--replicas 2`, `--steady-secs 5`, `--ranks-per-host 8`,
 //! `--etcd-max-txn-ops 1024`: etcd and the coordinators run with that limit on a transaction's
-//! operations; release build). Without
+//! operations; `--lease-scope host`: the coordinators put each host's 8 members on one store
+//! lease; release build). Without
 //! `--bench` on its command line (`cargo test --benches`, which the test command runs) it is
 //! a 96-member smoke version on the memory store, with a 2 s steady phase. Targets are
 //! reported in docs/benchmarks.md ("Scale"), never asserted here; every wait has a deadline
@@ -132,6 +133,9 @@ struct Plan {
     /// (its members' own streams quiet) and its beats in `HostHeartbeat` calls (1: each
     /// member a full stream and its own `Heartbeat`).
     ranks_per_host: usize,
+    /// The coordinators' `--lease-scope` (`member`, the default, or `host`: one store lease
+    /// per host of 8 members).
+    lease_scope: String,
 }
 
 impl Plan {
@@ -153,6 +157,7 @@ impl Plan {
                 bound: Duration::from_secs(300),
                 max_txn_ops: None,
                 ranks_per_host: RANKS_PER_HOST,
+                lease_scope: "member".into(),
             }
         } else {
             Plan {
@@ -164,6 +169,7 @@ impl Plan {
                 bound: Duration::from_secs(60),
                 max_txn_ops: None,
                 ranks_per_host: RANKS_PER_HOST,
+                lease_scope: "member".into(),
             }
         };
         let mut it = args.iter();
@@ -187,6 +193,12 @@ impl Plan {
                 }
                 "--etcd-max-txn-ops" => {
                     plan.max_txn_ops = Some(value(a)?.parse().map_err(|e| format!("--etcd-max-txn-ops: {e}"))?)
+                }
+                "--lease-scope" => {
+                    plan.lease_scope = value(a)?;
+                    if !matches!(plan.lease_scope.as_str(), "member" | "host") {
+                        return Err("--lease-scope: member or host".into());
+                    }
                 }
                 _ => {}
             }
@@ -235,7 +247,13 @@ impl Drop for Coordinator {
 }
 
 impl Coordinator {
-    fn start(store: &str, members: usize, index: usize, max_txn_ops: Option<u32>) -> Result<Self, String> {
+    fn start(
+        store: &str,
+        members: usize,
+        index: usize,
+        max_txn_ops: Option<u32>,
+        lease_scope: &str,
+    ) -> Result<Self, String> {
         let max = members.to_string();
         // COHORT_SCALE_LOG=PREFIX keeps each replica's log (RUST_LOG=info) in PREFIX.<index>.
         let (log, stderr) = match std::env::var("COHORT_SCALE_LOG") {
@@ -251,6 +269,9 @@ impl Coordinator {
             .unwrap_or_else(|_| env!("CARGO_BIN_EXE_cohort-coordinator").into());
         let mut command = std::process::Command::new(binary);
         command.args(["serve", "--listen", "127.0.0.1:0", "--store", store]);
+        if lease_scope != "member" {
+            command.args(["--lease-scope", lease_scope]);
+        }
         if let Some(n) = max_txn_ops {
             command.args(["--etcd-max-txn-ops", &n.to_string()]);
         }
@@ -670,7 +691,7 @@ async fn run(plan: &Plan, store: &str) -> Result<(), String> {
     };
     let replicas = if etcd.is_some() { plan.replicas } else { 1 };
     let coordinators = (0..replicas)
-        .map(|i| Coordinator::start(&spec, n, i, plan.max_txn_ops.filter(|_| etcd.is_some())))
+        .map(|i| Coordinator::start(&spec, n, i, plan.max_txn_ops.filter(|_| etcd.is_some()), &plan.lease_scope))
         .collect::<Result<Vec<Coordinator>, String>>()?;
     let etcd_before = match &etcd {
         Some(e) => etcd_counters(&e.endpoint())?,
@@ -1048,7 +1069,11 @@ async fn run(plan: &Plan, store: &str) -> Result<(), String> {
     let rss: Vec<String> =
         coordinators.iter().map(|c| format!("{:.0}", c.peak_rss() as f64 / (1 << 20) as f64)).collect();
     let mode = if compact { "compact" } else { "full" };
-    let txn_ops = plan.max_txn_ops.filter(|_| etcd.is_some()).map(|n| format!(" max_txn_ops={n}")).unwrap_or_default();
+    let mut txn_ops =
+        plan.max_txn_ops.filter(|_| etcd.is_some()).map(|n| format!(" max_txn_ops={n}")).unwrap_or_default();
+    if plan.lease_scope != "member" {
+        txn_ops.push_str(&format!(" lease_scope={}", plan.lease_scope));
+    }
     println!(
         "scale store={store} mode={mode} members={n} replicas={replicas}{txn_ops} connections={connections} fetched_per_member={:.1} \
          join_to_formed_ms={:.0} formation_cpu_s={:.2} watches_ms={:.0} watches_cpu_s={:.2} \

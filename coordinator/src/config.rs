@@ -15,6 +15,9 @@
 //!   on unless the job asks for `"exclude"` (see [`StragglerPolicy`]).
 //! - `straggler_cooldown = 60 s`: how long an excluded straggler's join is refused; long
 //!   enough that a job does not re-form every few seconds around a rank that stays slow.
+//! - `lease_scope = "member"`: each member's records live on a store lease of its own, which
+//!   every heartbeat renews; `"host"` puts a host's members on one lease (see [`LeaseScope`]),
+//!   for jobs of thousands of ranks on etcd.
 //!
 //! File format (every field optional):
 //! ```toml
@@ -35,6 +38,45 @@ use serde::Deserialize;
 use std::collections::HashMap;
 use std::path::Path;
 use std::time::Duration;
+
+/// Whose store lease a member's records are on.
+///
+/// Under `Member`, each member is granted a lease at its join, every heartbeat renews it and a
+/// member whose heartbeats stop is gone when it lapses: one lease grant per member per
+/// formation, one renewal per member per heartbeat. Under `Host`, the members of one host share
+/// one lease (granted by the first of them to join): any of their heartbeats renews it, at most
+/// once per half heartbeat interval per replica, and it lapses when the whole host falls
+/// silent, deleting its members' records at once. A member that stops heartbeating while its
+/// host-mates go on is found by the leader's sweep (`coordinator/src/sweep.rs`): silent for the lease
+/// TTL and the progress record's period, its records are deleted, which is a lapse to every
+/// other rule. Etcd's lease work falls by the ranks per host (8 on a common GPU node).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum LeaseScope {
+    /// A lease per member (the default).
+    #[default]
+    Member,
+    /// A lease per host of the job.
+    Host,
+}
+
+impl LeaseScope {
+    /// `member` or `host`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Member => "member",
+            Self::Host => "host",
+        }
+    }
+
+    /// Parses `member` or `host` (an empty string is the default, `member`).
+    pub fn parse(s: &str) -> Result<Self, String> {
+        match s {
+            "" | "member" => Ok(Self::Member),
+            "host" => Ok(Self::Host),
+            other => Err(format!("lease_scope must be \"member\" or \"host\", not {other:?}")),
+        }
+    }
+}
 
 /// Errors in settings or the settings file.
 #[derive(Debug, thiserror::Error)]
@@ -84,6 +126,8 @@ pub struct JobSettings {
     pub straggler_policy: StragglerPolicy,
     /// How long an excluded straggler's join is refused.
     pub straggler_cooldown: Duration,
+    /// Whose store lease a member's records are on: its own or its host's.
+    pub lease_scope: LeaseScope,
 }
 
 impl Default for JobSettings {
@@ -97,6 +141,7 @@ impl Default for JobSettings {
             elastic_timeout: Duration::from_secs(60),
             straggler_policy: StragglerPolicy::Report,
             straggler_cooldown: Duration::from_secs(60),
+            lease_scope: LeaseScope::Member,
         }
     }
 }
@@ -189,6 +234,9 @@ impl JobSettings {
         if let Some(v) = o.straggler_cooldown_ms {
             self.straggler_cooldown = Duration::from_millis(v);
         }
+        if let Some(v) = &o.lease_scope {
+            self.lease_scope = LeaseScope::parse(v)?;
+        }
         Ok(())
     }
 }
@@ -217,6 +265,8 @@ pub struct Overrides {
     pub straggler_policy: Option<String>,
     /// See [`JobSettings::straggler_cooldown`], in milliseconds.
     pub straggler_cooldown_ms: Option<u64>,
+    /// See [`JobSettings::lease_scope`]: `member` or `host`.
+    pub lease_scope: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]

@@ -644,8 +644,8 @@ fn is_member_delete(event: &WatchEvent) -> bool {
 
 /// Bookkeeping writes change nothing that events or decisions use: progress (heartbeats,
 /// commits: most writes of a running job), timeout reports (read by failure reports
-/// straight from the store) and generation shards (written before the generation record
-/// that publishes them, which is what counts).
+/// straight from the store), hosts' shared-lease records (read by joins) and generation
+/// shards (written before the generation record that publishes them, which is what counts).
 pub fn is_bookkeeping(event: &WatchEvent) -> bool {
     let key = match event {
         WatchEvent::Put(kv) => kv.key.as_str(),
@@ -653,7 +653,10 @@ pub fn is_bookkeeping(event: &WatchEvent) -> bool {
     };
     matches!(
         keys::parse(key),
-        Some(keys::Parsed::Worker { kind: keys::Kind::Progress | keys::Kind::Timeout, .. } | keys::Parsed::Shard { .. })
+        Some(
+            keys::Parsed::Worker { kind: keys::Kind::Progress | keys::Kind::Timeout | keys::Kind::Host, .. }
+                | keys::Parsed::Shard { .. }
+        )
     )
 }
 
@@ -902,6 +905,7 @@ mod tests {
                 capabilities: vec![],
                 joined_at_ms: 1,
                 domain: String::new(),
+                host_lease: 0,
             };
             store.put(&keys::worker_key(job, Kind::Member, &w), encode(&member), Some(lease)).await.expect("put");
             let wait = WaitingRecord { incarnation: lease as u64, after_generation: 0, since_ms: 1 };
@@ -950,6 +954,7 @@ mod tests {
                 capabilities: vec![],
                 joined_at_ms: now,
                 domain: String::new(),
+                host_lease: 0,
             };
             store.put(&keys::worker_key(job, Kind::Member, w), encode(&member), Some(lease)).await.expect("put");
             incarnations.insert(w, lease);
@@ -1010,6 +1015,7 @@ mod tests {
             capabilities: vec![],
             joined_at_ms: 1,
             domain: String::new(),
+            host_lease: 0,
         };
         let rev = store.put(&keys::worker_key(job, Kind::Member, "w"), encode(&member), Some(lease)).await.expect("put");
         tokio::time::timeout(within, changes.wait_for(|r| *r >= rev)).await.expect("view").expect("hub");

@@ -1,12 +1,13 @@
 //! The store key layout. Every key of a job lives under `/cohort/v1/jobs/<job>/`:
 //!
-//! | key | lease | value ([`crate::records`], JSON) |
+//! | key | lease ("the member's": its own, or its host's under `lease_scope = "host"`) | value ([`crate::records`], JSON) |
 //! | --- | --- | --- |
 //! | `members/<worker>` | the member's | host, addresses, incarnation, joined_at |
 //! | `waiting/<worker>` | the member's | the generation it waits after, arrival time |
 //! | `progress/<worker>` | the member's | last heartbeat, step, activity, last commit |
 //! | `control/<worker>` | the member's | whether its control stream (Watch) is open |
 //! | `timeouts/<worker>` | the member's | its latest timeout report (generation, ranks, progress) |
+//! | `hosts/<host>` | the host's | the host's shared lease, under `lease_scope = "host"` ([`host_key`]) |
 //! | `generation` | none | the current generation: number, ordered members (or, for a large generation, the name of its shard set), revocation |
 //! | `shards/<set>/<index>` | none | one shard of a large generation's ordered members (see [`crate::records::ShardSet`]) |
 //! | `failures/<worker>` | none | failure history for exclusion |
@@ -38,6 +39,8 @@ pub enum Kind {
     Control,
     /// `timeouts/<worker>`
     Timeout,
+    /// `hosts/<host>`: not a worker's but a host's ([`host_key`]).
+    Host,
 }
 
 impl Kind {
@@ -49,12 +52,23 @@ impl Kind {
             Kind::Failures => "failures/",
             Kind::Control => "control/",
             Kind::Timeout => "timeouts/",
+            Kind::Host => "hosts/",
         }
     }
 
     /// Every per-worker kind.
-    pub const ALL: [Kind; 6] =
-        [Kind::Member, Kind::Waiting, Kind::Progress, Kind::Failures, Kind::Control, Kind::Timeout];
+    pub const ALL: [Kind; 7] =
+        [Kind::Member, Kind::Waiting, Kind::Progress, Kind::Failures, Kind::Control, Kind::Timeout, Kind::Host];
+}
+
+/// The key of a host's shared lease record in a job: `hosts/` and the host name with every
+/// character outside `[A-Za-z0-9._-]` replaced by `_` (two names that differ only there share
+/// a lease, which is harmless: the lease only keeps records; each member's silence is judged
+/// on its own).
+pub fn host_key(job: &str, host: &str) -> String {
+    let safe: String =
+        host.chars().map(|c| if c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-') { c } else { '_' }).collect();
+    worker_key(job, Kind::Host, &safe)
 }
 
 /// `/cohort/v1/jobs/<job>/`
@@ -186,6 +200,9 @@ mod tests {
         assert_eq!(parse("/cohort/v1/jobs/j/other"), None);
         assert_eq!(parse(LEADER), None);
         assert_eq!(job_of(&k), Some("j-1"));
+        let hk = host_key("j", "node 7/a");
+        assert_eq!(hk, "/cohort/v1/jobs/j/hosts/node_7_a");
+        assert_eq!(parse(&hk), Some(Parsed::Worker { job: "j", kind: Kind::Host, worker: "node_7_a" }));
         assert!(k.starts_with(&job_prefix("j-1")));
         assert!(!k.starts_with(&job_prefix("j")));
     }

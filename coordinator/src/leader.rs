@@ -35,6 +35,9 @@ use tracing::Instrument;
 /// How soon a job is looked at again after a mutation that may not have landed.
 const RETRY: Duration = Duration::from_millis(200);
 
+/// How often the leader sweeps silent members off hosts' shared leases ([`crate::sweep`]).
+const SWEEP_PERIOD: Duration = Duration::from_millis(500);
+
 /// A job's evaluation is O(members). Evaluated once per batch of writes, a large job's
 /// arrivals (one write each) would keep the leader busy evaluating: O(N²) for a formation
 /// of N members when batches are small. So a job is evaluated again no sooner than this
@@ -254,6 +257,13 @@ async fn work(ctx: Arc<Context>) {
     };
     let mut states = group(&kvs, revision);
     let mut dirty: BTreeSet<String> = states.keys().cloned().collect();
+    // The sweep of silent members on hosts' shared leases (`crate::sweep`), in a task of its
+    // own so that its store reads never hold up an evaluation; one at a time, the first one
+    // lease TTL after this replica took the lead.
+    let leading_since = Instant::now();
+    let mut sweep_tick = tokio::time::interval(SWEEP_PERIOD);
+    sweep_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut sweeping: Option<tokio::task::JoinHandle<()>> = None;
     let mut deadlines: HashMap<String, u64> = HashMap::new();
     // Per job: when its last evaluation ended and how long the decision took.
     let mut spent: HashMap<String, (Instant, Duration)> = HashMap::new();
@@ -342,6 +352,27 @@ async fn work(ctx: Arc<Context>) {
                 }
             },
             _ = tokio::time::sleep(sleep_for) => {}
+            _ = sweep_tick.tick() => {
+                if sweeping.as_ref().is_some_and(|t| !t.is_finished()) {
+                    continue;
+                }
+                let led_for = leading_since.elapsed();
+                let jobs: Vec<String> = states
+                    .iter()
+                    .filter(|(job, state)| {
+                        let settings = ctx.settings.for_job(job);
+                        settings.lease_scope == crate::config::LeaseScope::Host
+                            && state.ended.is_none()
+                            && led_for >= settings.lease_ttl
+                            && state.members.values().any(|m| !m.owns_lease())
+                    })
+                    .map(|(job, _)| job.clone())
+                    .collect();
+                if !jobs.is_empty() {
+                    let ctx = ctx.clone();
+                    sweeping = Some(tokio::spawn(async move { crate::sweep::sweep(&ctx, jobs).await }.in_current_span()));
+                }
+            }
         }
     }
 }
@@ -420,8 +451,10 @@ async fn evaluate_job(ctx: &Context, state: &JobState, took: &mut Duration) -> R
             Ok(retry)
         }
         Action::End(outcome, reason) => {
-            let incarnations: Vec<u64> = state.members.values().map(|m| m.incarnation).collect();
-            ops::end_job(ctx, job, outcome, &reason, rev, &incarnations).await?;
+            let mut leases: Vec<crate::store::LeaseId> = state.members.values().map(|m| m.lease()).collect();
+            leases.sort_unstable();
+            leases.dedup();
+            ops::end_job(ctx, job, outcome, &reason, rev, &leases).await?;
             Ok(retry)
         }
         Action::Nothing => {

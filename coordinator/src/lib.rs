@@ -17,6 +17,7 @@
 //! `keys` and `records` (store layout and values), `rendezvous`, `revocation`, `report`,
 //! `exclusion`, `stragglers` and `digests` (pure decision logic), `ops` (CAS mutations),
 //! `hub` (per-job live views), `service` (the RPCs), `leader` (election and timers),
+//! `sweep` (silent members on hosts' shared leases),
 //! `metrics`. They are private unless the `test-support` feature is on, which makes the
 //! ones the coordinator's own tests, benchmarks and the simulation (`cohort-sim`) reach into
 //! public, as tokio's `test-util` does. That feature is not part of the stable API: anything
@@ -34,6 +35,7 @@ pub(crate) mod revocation;
 pub mod server;
 pub mod status_summary;
 pub mod store;
+pub(crate) mod sweep;
 
 /// Declares the internal modules: public under `test-support` (see the crate documentation),
 /// private otherwise. Their items are `pub` for the feature's sake, so without it some are
@@ -50,7 +52,7 @@ macro_rules! internal_modules {
 
 internal_modules!(exclusion, hub, keys, metrics, ops, records, service, stragglers, validate);
 
-pub use config::{ExclusionPolicy, JobSettings, Settings, StragglerPolicy};
+pub use config::{ExclusionPolicy, JobSettings, LeaseScope, Settings, StragglerPolicy};
 pub use server::{serve, start, ServeConfig, ServeError, ServerHandle};
 /// Checks a job or worker id as the coordinator does (1..=128 characters of `[A-Za-z0-9._-]`).
 pub use validate::id as check_id;

@@ -112,6 +112,12 @@ struct ServeArgs {
     /// How long an excluded straggler's join is refused (e.g. 60s).
     #[arg(long, value_parser = duration)]
     straggler_cooldown: Option<Duration>,
+    /// Whose store lease a member's records are on: `member` (its own; every heartbeat renews
+    /// it) or `host` (one lease per host of the job, renewed by any of its members'
+    /// heartbeats; a member silent while its host-mates beat is swept by the leader). `host`
+    /// cuts etcd's lease grants and renewals by the ranks per host: for jobs of thousands.
+    #[arg(long)]
+    lease_scope: Option<String>,
     /// Leader lease TTL (replicas on etcd).
     #[arg(long, value_parser = duration, default_value = "3s")]
     leader_ttl: Duration,
@@ -285,6 +291,7 @@ async fn serve(args: ServeArgs) -> Result<(), CliError> {
         elastic_timeout_ms: args.elastic_timeout.map(|d| d.as_millis() as u64),
         straggler_policy: args.straggler_policy.clone(),
         straggler_cooldown_ms: args.straggler_cooldown.map(|d| d.as_millis() as u64),
+        lease_scope: args.lease_scope.clone(),
     };
     let settings = Settings::from_file(args.config.as_deref(), &cli)?;
     let exclusion = cohort_coordinator::ExclusionPolicy {

@@ -10,7 +10,7 @@ use crate::keys::{self, Kind};
 use crate::metrics::Metrics;
 use crate::records::{self, decode, encode, Cause, EndedRecord, GenerationRecord, MemberRecord, Outcome, Placed};
 use crate::revocation;
-use crate::store::{Compare, KeyValue, Store, StoreError, Txn, TxnOp};
+use crate::store::{Compare, KeyValue, LeaseId, Store, StoreError, Txn, TxnOp};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::watch;
@@ -325,18 +325,26 @@ pub async fn exclude_straggler(
     Err(StoreError::Unavailable(format!("excluding straggler {worker} of {job}: too much contention")))
 }
 
-/// Evicts one incarnation: revokes its lease (its keys go with it) if it is still the
-/// worker's member. Errors are logged: the lease expires by itself anyway.
+/// Evicts one incarnation if it is still the worker's member: revokes its lease (its keys go
+/// with it), or on a host's shared lease deletes its keys. Errors are logged: a lease of its
+/// own expires by itself anyway, and the leader's sweep deletes a silent member on a shared one.
 ///
 /// # Cancel safety
-/// Cancel safe (one lease revocation).
+/// Cancel safe (one lease revocation or one transaction).
 pub async fn evict(ctx: &Context, job: &str, worker: &str, incarnation: u64) {
     match read_member(ctx.store.as_ref(), job, worker).await {
-        Ok(Some((m, _))) if m.incarnation == incarnation => {
-            if let Err(e) = ctx.store.revoke_lease(incarnation as i64).await {
-                tracing::warn!(%job, %worker, incarnation, error = %e, "could not evict; the lease will expire by itself");
+        Ok(Some((m, kv))) if m.incarnation == incarnation => {
+            let evicted = if m.owns_lease() {
+                ctx.store.revoke_lease(incarnation as i64).await.map(|_| true)
             } else {
-                tracing::info!(%job, %worker, incarnation, "member evicted");
+                remove_member(ctx, job, worker, kv.mod_revision).await
+            };
+            match evicted {
+                Ok(true) => tracing::info!(%job, %worker, incarnation, "member evicted"),
+                Ok(false) => {}
+                Err(e) => {
+                    tracing::warn!(%job, %worker, incarnation, error = %e, "could not evict; the lease will expire by itself")
+                }
             }
         }
         Ok(_) => {}
@@ -428,9 +436,26 @@ pub async fn update_generation(
     Ok(ctx.store.txn(txn).await?.succeeded)
 }
 
+/// Deletes a member's records (what a lapse of a lease of its own would delete) if its member
+/// record still has revision `member_revision`: how a member on a host's shared lease is
+/// evicted, or swept when silent. Answers whether it deleted them.
+///
+/// # Cancel safety
+/// Cancel safe (one transaction).
+pub async fn remove_member(ctx: &Context, job: &str, worker: &str, member_revision: i64) -> Result<bool, StoreError> {
+    let member_key = keys::worker_key(job, Kind::Member, worker);
+    let mut success = vec![TxnOp::Delete(member_key.clone())];
+    for kind in [Kind::Waiting, Kind::Progress, Kind::Control, Kind::Timeout] {
+        success.push(TxnOp::Delete(keys::worker_key(job, kind, worker)));
+    }
+    let txn = Txn { compares: vec![Compare::ModRevision(member_key, member_revision)], success, failure: vec![] };
+    Ok(ctx.store.txn(txn).await?.succeeded)
+}
+
 /// Ends a job if its generation key still has revision `expected` (`None`: absent): writes
 /// the `ended` record (on a lease of [`Context::ended_ttl`]) and deletes every other key of the job,
-/// then revokes the leases of `members`. Returns whether this call ended it.
+/// then revokes `leases` (the members', their own or their hosts'). Returns whether this call
+/// ended it.
 ///
 /// # Cancel safety
 /// Cancel safe: the end is one transaction; a lease granted for a transaction that never
@@ -441,7 +466,7 @@ pub async fn end_job(
     outcome: Outcome,
     reason: &str,
     expected: Option<i64>,
-    members: &[u64],
+    leases: &[LeaseId],
 ) -> Result<bool, StoreError> {
     let lease = ctx.store.grant_lease(ctx.ended_ttl).await?;
     let gen_key = keys::generation(job);
@@ -468,9 +493,9 @@ pub async fn end_job(
         }
     }
     tracing::info!(%job, ?outcome, %reason, "job ended");
-    for inc in members {
-        if let Err(e) = ctx.store.revoke_lease(*inc as i64).await {
-            tracing::debug!(%job, incarnation = inc, error = %e, "could not revoke a member lease of an ended job");
+    for lease in leases {
+        if let Err(e) = ctx.store.revoke_lease(*lease).await {
+            tracing::debug!(%job, lease, error = %e, "could not revoke a member lease of an ended job");
         }
     }
     ctx.metrics.forget_job(job);

@@ -67,13 +67,14 @@ impl From<&Address> for pb::TransportAddress {
     }
 }
 
-/// `members/<worker>`: one live incarnation of a worker (on its lease; the lease id is the
-/// incarnation).
+/// `members/<worker>`: one live incarnation of a worker, on its lease: the member's own (whose
+/// id is the incarnation) or, under [`crate::config::LeaseScope::Host`], its host's.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct MemberRecord {
     /// The worker id.
     pub worker_id: String,
-    /// The incarnation (also the store lease id).
+    /// The incarnation: the store lease id of a member on a lease of its own; a number unique
+    /// to this incarnation of the worker id on a host's lease (see [`MemberRecord::lease`]).
     pub incarnation: u64,
     /// Host name for humans.
     pub host: String,
@@ -86,6 +87,30 @@ pub struct MemberRecord {
     /// Failure domain as published (empty: the host; see [`effective_domain`]).
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub domain: String,
+    /// The host's lease the member's records are on; 0 (absent): the member's own lease, whose
+    /// id is the incarnation.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub host_lease: i64,
+}
+
+fn is_zero(v: &i64) -> bool {
+    *v == 0
+}
+
+impl MemberRecord {
+    /// The store lease the member's records are on: its host's, or its own (the incarnation).
+    pub fn lease(&self) -> crate::store::LeaseId {
+        if self.host_lease != 0 {
+            self.host_lease
+        } else {
+            self.incarnation as crate::store::LeaseId
+        }
+    }
+
+    /// Whether the member's lease is its own (revoking it ends only this member's records).
+    pub fn owns_lease(&self) -> bool {
+        self.host_lease == 0
+    }
 }
 
 /// `waiting/<worker>`: the member waits for a generation newer than `after_generation`.
@@ -606,8 +631,9 @@ impl JobState {
                             self.control.remove(&w);
                         }
                     },
-                    // Read only by failure reports, straight from the store.
-                    Kind::Timeout => {}
+                    // Read only by failure reports, straight from the store; a host's lease
+                    // record only by joins.
+                    Kind::Timeout | Kind::Host => {}
                 }
             }
             Some(Parsed::Generation { job }) if job == self.job => {
@@ -640,7 +666,7 @@ impl JobState {
                     Kind::Progress => self.progress.remove(worker).map(|_| ()),
                     Kind::Failures => self.failures.remove(worker).map(|_| ()),
                     Kind::Control => self.control.remove(worker).map(|_| ()),
-                    Kind::Timeout => None,
+                    Kind::Timeout | Kind::Host => None,
                 };
             }
             Some(Parsed::Generation { job }) if job == self.job => self.generation = None,
@@ -739,6 +765,7 @@ mod tests {
             capabilities: vec![],
             joined_at_ms: 1,
             domain: String::new(),
+            host_lease: 0,
         };
         let mk = keys::worker_key("j", Kind::Member, "w");
         let mut s = JobState::from_kvs("j", &[kv(mk.clone(), encode(&m), 3)], 3);

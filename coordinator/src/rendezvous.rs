@@ -371,6 +371,7 @@ mod tests {
                     capabilities: vec![],
                     joined_at_ms: 0,
                     domain: String::new(),
+                    host_lease: 0,
                 },
             );
             self

@@ -547,6 +547,7 @@ pub(crate) mod tests {
                     capabilities: vec![],
                     joined_at_ms: 0,
                     domain: String::new(),
+                    host_lease: 0,
                 },
             );
         }

@@ -4,10 +4,12 @@
 //! caches (per-job [`Hub`]s, throttled progress). Every request is validated first
 //! ([`crate::validate`]); a bad one changes nothing.
 //!
-//! Membership: a member is one incarnation of a worker; the incarnation is the id of the
-//! store lease that carries its keys. An evicted member (a failure report named it, or its
-//! lease lapsed) gets NOT_FOUND on its next Heartbeat, Rendezvous or Commit, and must Join
-//! again; it then enters the next generation as a joiner.
+//! Membership: a member is one incarnation of a worker; its keys are on a store lease of its
+//! own, whose id is the incarnation, or (`lease_scope = "host"`) on its host's shared lease,
+//! named in its member record (`host_lease`). An evicted member (a failure report named it,
+//! its lease lapsed, or the leader swept it silent off a shared lease) gets NOT_FOUND on its
+//! next Heartbeat, Rendezvous or Commit, and must Join again; it then enters the next
+//! generation as a joiner.
 //!
 //! Watch needs no membership (an operator's tool may follow a job); it validates the ids
 //! and the token like every RPC. A Rendezvous answers with the newest generation that
@@ -37,6 +39,7 @@
 mod commit;
 mod failures;
 mod heartbeat;
+mod host_lease;
 mod join;
 mod leave;
 mod members;
@@ -110,6 +113,9 @@ pub struct CoordinatorService {
     straggler_rounds: Arc<Mutex<HashMap<String, heartbeat::IndexedRound>>>,
     /// Leaves waiting to be written, grouped per job (`leave`).
     leaves: Arc<leave::LeaveQueues>,
+    /// The hosts' shared leases this replica found or granted, and their renewals
+    /// (`lease_scope = "host"`).
+    host_leases: Arc<host_lease::HostLeases>,
 }
 
 fn store_status(e: StoreError) -> Status {
@@ -147,6 +153,7 @@ impl CoordinatorService {
             own_timeouts: Arc::new(Mutex::new(Vec::new())),
             straggler_rounds: Arc::new(Mutex::new(HashMap::new())),
             leaves: Arc::new(leave::LeaveQueues::default()),
+            host_leases: Arc::new(host_lease::HostLeases::default()),
         }
     }
 
@@ -161,29 +168,51 @@ impl CoordinatorService {
         self.ctx.hubs.get(job, &self.ctx.settings.for_job(job)).await.map_err(store_status)
     }
 
-    /// Confirms that `(worker, incarnation)` is a live member: the hub's view first, the
-    /// store when the view disagrees (it may lag a change by milliseconds).
+    /// Confirms that `(worker, incarnation)` is a live member, and answers the store lease its
+    /// records are on: the hub's view first, the store when the view disagrees (it may lag a
+    /// change by milliseconds).
     ///
     /// Every heartbeat asks, so the view is read in place: nothing is copied unless the
     /// answer is no.
-    async fn require_member(&self, hub: &Hub, job: &str, worker: &str, incarnation: u64) -> Result<(), Status> {
+    async fn require_member(
+        &self,
+        hub: &Hub,
+        job: &str,
+        worker: &str,
+        incarnation: u64,
+    ) -> Result<crate::store::LeaseId, Status> {
         let ended = hub.read(|state| {
-            if state.members.get(worker).is_some_and(|m| m.incarnation == incarnation) {
-                return Ok(());
+            if let Some(m) = state.members.get(worker).filter(|m| m.incarnation == incarnation) {
+                return Ok(m.lease());
             }
             Err(state.ended.as_ref().map(|ended| {
                 format!("job {job} has ended ({:?}: {}); member {worker} is no longer in it", ended.outcome, ended.reason)
             }))
         });
         match ended {
-            Ok(()) => return Ok(()),
+            Ok(lease) => return Ok(lease),
             Err(Some(ended)) => return Err(Status::not_found(ended)),
             Err(None) => {}
         }
         match ops::read_member(self.ctx.store.as_ref(), job, worker).await.map_err(store_status)? {
-            Some((m, _)) if m.incarnation == incarnation => Ok(()),
+            Some((m, _)) if m.incarnation == incarnation => Ok(m.lease()),
             _ => Err(not_member(job, worker, incarnation)),
         }
+    }
+
+    /// The store lease the records of `(worker, incarnation)` are on, from the hub's view or
+    /// else the store; `None` if it is not a member (any more).
+    ///
+    /// # Cancel safety
+    /// Cancel safe (read only).
+    async fn lease_of(&self, job: &str, worker: &str, incarnation: u64) -> Result<Option<crate::store::LeaseId>, Status> {
+        let hub = self.hub(job).await?;
+        let seen = hub.read(|state| state.members.get(worker).filter(|m| m.incarnation == incarnation).map(|m| m.lease()));
+        if seen.is_some() {
+            return Ok(seen);
+        }
+        let stored = ops::read_member(self.ctx.store.as_ref(), job, worker).await.map_err(store_status)?;
+        Ok(stored.filter(|(m, _)| m.incarnation == incarnation).map(|(m, _)| m.lease()))
     }
 
     /// The newest generation number, from the view or (if the client names a newer one)
@@ -196,13 +225,14 @@ impl CoordinatorService {
         Ok(ops::read_generation_in(&self.ctx, job).await.map_err(store_status)?.map_or(0, |(g, _)| g.number))
     }
 
-    /// Updates the cached progress of a member; writes it to the store (on the member's
-    /// lease) when the last write is older than [`PROGRESS_PERIOD`].
+    /// Updates the cached progress of a member; writes it to the store (on `lease`, the
+    /// member's) when the last write is older than [`PROGRESS_PERIOD`].
     async fn record_progress(
         &self,
         job: &str,
         worker: &str,
         incarnation: u64,
+        lease: crate::store::LeaseId,
         update: impl FnOnce(&mut ProgressRecord),
     ) -> Result<(), Status> {
         let now = Instant::now();
@@ -232,7 +262,7 @@ impl CoordinatorService {
         };
         if let Some(record) = to_write {
             let key = keys::worker_key(job, Kind::Progress, worker);
-            self.ctx.store.put(&key, encode(&record), Some(incarnation as i64)).await.map_err(|e| match e {
+            self.ctx.store.put(&key, encode(&record), Some(lease)).await.map_err(|e| match e {
                 StoreError::LeaseNotFound(_) => not_member(job, worker, incarnation),
                 other => store_status(other),
             })?;

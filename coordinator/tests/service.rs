@@ -1253,7 +1253,94 @@ async fn host_heartbeats_keep_the_leases_they_carry(backend: Backend) {
     server.shutdown().await.expect("shutdown");
 }
 
+/// Under `lease_scope = "host"` the members of one host share one store lease: the host's
+/// record names it, each member record carries it, and the incarnations stay distinct. A
+/// member that stops heartbeating while its host-mates go on is swept by the leader (its
+/// records deleted, which revokes the generation with "lease expired"); the others re-form
+/// without it, and a member that leaves takes its records but not its host's lease.
+async fn a_host_shares_one_lease_and_its_silent_member_is_swept(backend: Backend) {
+    use cohort_coordinator::keys::{self, Kind};
+    use cohort_coordinator::records::{decode, MemberRecord};
+    let backing = Backing::new(backend).await;
+    let settings =
+        cohort_coordinator::JobSettings { lease_scope: cohort_coordinator::LeaseScope::Host, ..test_settings(backend) };
+    let server = replica(backing.store.clone(), &Options::new(settings)).await;
+    let addr = server.local_addr();
+    let job = "job-host-lease";
+    let shared = client(addr).await;
+    let mut workers = Vec::new();
+    for (id, host) in [("w0", "node-a"), ("w1", "node-a"), ("w2", "node-a"), ("w3", "node-b")] {
+        let request = pb::JoinRequest { host: host.into(), ..join_request(job, id) };
+        let mut w = Worker::join_on(shared.clone(), request).await.expect("join");
+        w.start_heartbeats(HB);
+        workers.push(w);
+    }
+    let store = backing.store.clone();
+    let record = |id: &'static str| {
+        let store = store.clone();
+        async move {
+            let key = keys::worker_key(job, Kind::Member, id);
+            let kv = store.get(&key).await.expect("read").expect("member record");
+            decode::<MemberRecord>(&key, &kv.value).expect("decodes")
+        }
+    };
+    let (m0, m1, m2, m3) = tokio::join!(record("w0"), record("w1"), record("w2"), record("w3"));
+    assert!(!m0.owns_lease() && m0.host_lease != 0, "{m0:?}");
+    assert_eq!((m1.lease(), m2.lease()), (m0.lease(), m0.lease()), "one lease for node-a");
+    assert_ne!(m3.lease(), m0.lease(), "node-b has its own");
+    let incarnations: std::collections::HashSet<u64> = [&m0, &m1, &m2, &m3].iter().map(|m| m.incarnation).collect();
+    assert_eq!(incarnations.len(), 4, "distinct incarnations");
+    let host_record = store.get(&keys::host_key(job, "node-a")).await.expect("read").expect("node-a's record");
+    assert_eq!(host_record.lease, Some(m0.lease()), "the host's record lives on its lease");
+    assert!(store.lease_time_to_live(m0.lease()).await.expect("ttl").is_some());
+
+    let g1 = form_all(&workers, 0).await.remove(0);
+    assert_eq!(g1.members.len(), 4);
+    let mut watch = workers[0].watch().await;
+    // w1 falls silent; w0 and w2 keep node-a's lease alive.
+    workers[1].stop_heartbeats();
+    let revoked = wait_event(&mut watch, |e| match e {
+        Event::GenerationRevoked(r) => Some(r.clone()),
+        _ => None,
+    })
+    .await;
+    let cause = revoked.cause.expect("cause");
+    assert_eq!((revoked.generation, cause.worker_id.as_str()), (1, "w1"), "{cause:?}");
+    assert!(cause.reason.contains("lease expired"), "{}", cause.reason);
+    assert!(
+        store.get(&keys::worker_key(job, Kind::Member, "w1")).await.expect("read").is_none(),
+        "the silent member's records are gone"
+    );
+    assert!(store.lease_time_to_live(m0.lease()).await.expect("ttl").is_some(), "node-a's lease lives on");
+    let survivors = [&workers[0], &workers[2], &workers[3]];
+    let (a, b, c) =
+        tokio::join!(survivors[0].next_generation(1), survivors[1].next_generation(1), survivors[2].next_generation(1));
+    assert!(a == b && b == c);
+    let ids: Vec<&str> = a.members.iter().map(|m| m.worker_id.as_str()).collect();
+    assert_eq!(ids.len(), 3, "{ids:?}");
+    assert!(!ids.contains(&"w1"), "{ids:?}");
+
+    // w2 leaves: its records go, node-a's lease (w0's too) stays.
+    let mut c2 = shared.clone();
+    c2.leave(pb::LeaveRequest {
+        job: job.into(),
+        worker_id: "w2".into(),
+        incarnation: m2.incarnation,
+        mode: pb::leave_request::Mode::Graceful as i32,
+    })
+    .await
+    .expect("leave");
+    workers[2].stop_heartbeats();
+    for kind in [Kind::Member, Kind::Progress, Kind::Control] {
+        assert!(store.get(&keys::worker_key(job, kind, "w2")).await.expect("read").is_none(), "{kind:?} of w2");
+    }
+    assert!(store.lease_time_to_live(m0.lease()).await.expect("ttl").is_some(), "node-a's lease lives on");
+    assert!(store.get(&keys::worker_key(job, Kind::Member, "w0")).await.expect("read").is_some());
+    server.shutdown().await.expect("shutdown");
+}
+
 suite!(
+    a_host_shares_one_lease_and_its_silent_member_is_swept,
     four_workers_form_one_generation,
     every_published_address_reaches_the_generation,
     failure_report_revokes_and_survivors_reform_at_once,

@@ -198,6 +198,11 @@ async fn run_inner(sc: &Scenario, seed: u64, log_dir: &std::path::Path, verbose:
                 .and_then(|p| cohort_coordinator::config::StragglerPolicy::parse(p).ok())
                 .unwrap_or_default(),
             straggler_cooldown: sc.straggler_cooldown.map_or(JobSettings::default().straggler_cooldown, |d| d.0),
+            lease_scope: sc
+                .lease_scope
+                .as_deref()
+                .and_then(|p| cohort_coordinator::config::LeaseScope::parse(p).ok())
+                .unwrap_or_default(),
         },
         log_dir: Some(log_dir.to_path_buf()),
         exclusion: None,

@@ -22,10 +22,10 @@ impl CoordinatorService {
         let hub = self.hub(&r.job).await?;
         let current = self.current_number(&hub, &r.job, r.generation).await?;
         validate::generation("generation", r.generation, current)?;
-        self.require_member(&hub, &r.job, &r.worker_id, r.incarnation).await?;
+        let lease = self.require_member(&hub, &r.job, &r.worker_id, r.incarnation).await?;
         let now = records::now_ms();
         let digest = hex(&r.digest);
-        self.record_progress(&r.job, &r.worker_id, r.incarnation, |p| {
+        self.record_progress(&r.job, &r.worker_id, r.incarnation, lease, |p| {
             p.last_commit_step = r.step;
             p.last_commit_generation = r.generation;
             p.last_commit_digest = digest.clone();

@@ -283,12 +283,15 @@ impl CoordinatorService {
             progress: report.progress,
         };
         let store = self.ctx.store.as_ref();
+        // A reporter that is no member any more writes on the lease of its own it would have
+        // had, which is gone: the store refuses, as it should.
+        let lease = self.lease_of(job, worker, incarnation).await.ok().flatten().unwrap_or(incarnation as i64);
         let result = async {
             let existing = store.get(&key).await?.and_then(|kv| decode::<TimeoutRecord>(&key, &kv.value));
             if existing.is_some_and(|e| e.incarnation == incarnation && e.generation == generation) {
                 return Ok(());
             }
-            store.put(&key, encode(&record), Some(incarnation as i64)).await.map(|_| ())
+            store.put(&key, encode(&record), Some(lease)).await.map(|_| ())
         }
         .await;
         if let Err(e) = result {
@@ -353,7 +356,9 @@ impl CoordinatorService {
     /// - the member's store lease (what every replica sees, measured on the store's clock;
     ///   keep-alives are not throttled): its time to live says when the last keep-alive
     ///   was, to within [`crate::store::Store::lease_ttl_resolution`] (1 s on etcd, exact in
-    ///   memory); a lease that is gone means the member is dead (silent a whole TTL);
+    ///   memory); a lease that is gone means the member is dead (silent a whole TTL). A
+    ///   host's shared lease (`lease_scope = "host"`) tells only that: alive, it says nothing
+    ///   of one member;
     /// - its `progress` record in the store (what every replica sees): `last_heartbeat_ms`
     ///   is a heartbeat some replica served, stamped with that replica's clock; records are
     ///   written at most once per [`PROGRESS_PERIOD`] per replica, so the last heartbeat is
@@ -397,17 +402,39 @@ impl CoordinatorService {
                 })
                 .collect()
         };
-        // One round trip per member, all at once (only timeout reports that find the
+        // Each member's lease as its record names it (a member no longer in the view is looked
+        // up by its incarnation, the lease of its own it would have had: gone either way).
+        let hub = self.ctx.hubs.get(job, &self.ctx.settings.for_job(job)).await?;
+        let leases: Vec<(crate::store::LeaseId, bool)> = hub.read(|state| {
+            members
+                .iter()
+                .map(|m| {
+                    state
+                        .members
+                        .get(&m.worker_id)
+                        .filter(|r| r.incarnation == m.incarnation)
+                        .map_or((m.incarnation as i64, true), |r| (r.lease(), r.owns_lease()))
+                })
+                .collect()
+        });
+        // One round trip per lease, all at once (only timeout reports that find the
         // generation not yet revoked get here: normally the first one or few).
-        let leases =
-            futures::future::join_all(members.iter().map(|m| store.lease_time_to_live(m.incarnation as i64))).await;
+        let mut distinct: Vec<crate::store::LeaseId> = leases.iter().map(|(l, _)| *l).collect();
+        distinct.sort_unstable();
+        distinct.dedup();
+        let looked_up = futures::future::join_all(distinct.iter().map(|l| store.lease_time_to_live(*l))).await;
+        let mut left: HashMap<crate::store::LeaseId, Option<Duration>> = HashMap::with_capacity(distinct.len());
+        for (lease, found) in distinct.into_iter().zip(looked_up) {
+            left.insert(lease, found?);
+        }
         let now_ms = records::now_ms();
         let now = Instant::now();
         let cache = self.progress.lock().unwrap_or_else(|e| e.into_inner());
         let mut out = revocation::Silences::new();
-        for (m, lease) in members.into_iter().zip(leases) {
-            let mut seen: Option<Silence> = match lease? {
+        for (m, (lease, owned)) in members.into_iter().zip(leases) {
+            let mut seen: Option<Silence> = match left.get(&lease).copied().flatten() {
                 None => Some(Silence::exactly(granted)),
+                Some(_) if !owned => None,
                 Some(left) => {
                     let since = granted.saturating_sub(left);
                     Some(Silence { at_least: since.saturating_sub(resolution), at_most: since })

@@ -42,11 +42,20 @@ impl CoordinatorService {
         let hub = self.hub(&r.job).await?;
         let current = self.current_number(&hub, &r.job, r.generation).await?;
         validate::generation("generation", r.generation, current)?;
-        self.require_member(&hub, &r.job, &r.worker_id, r.incarnation).await?;
-        self.ctx.store.keep_alive(r.incarnation as i64).await.map_err(|e| match e {
-            StoreError::LeaseNotFound(_) => not_member(&r.job, &r.worker_id, r.incarnation),
-            other => store_status(other),
-        })?;
+        let lease = self.require_member(&hub, &r.job, &r.worker_id, r.incarnation).await?;
+        // A lease of the member's own (its id is the incarnation) is renewed by each of its
+        // beats; a host's shared lease once per half heartbeat interval on this replica,
+        // whichever of its members beats.
+        let interval = self.ctx.settings.for_job(&r.job).heartbeat_interval;
+        if lease as u64 == r.incarnation || self.host_leases.renewal_due(lease, interval / 2) {
+            self.ctx.store.keep_alive(lease).await.map_err(|e| {
+                self.host_leases.failed(lease);
+                match e {
+                    StoreError::LeaseNotFound(_) => not_member(&r.job, &r.worker_id, r.incarnation),
+                    other => store_status(other),
+                }
+            })?;
+        }
         if let Some(t) = &r.timing {
             if t.peer_waits.len() > crate::config::MAX_WORKERS_LIMIT as usize {
                 return Err(Status::invalid_argument(format!(
@@ -90,7 +99,7 @@ impl CoordinatorService {
         let mut change = stragglers::Change::None;
         let mut standing = stragglers::Standing::default();
         let mut excluded_until = None;
-        self.record_progress(&r.job, &r.worker_id, r.incarnation, |p| {
+        self.record_progress(&r.job, &r.worker_id, r.incarnation, lease, |p| {
             p.last_heartbeat_ms = now;
             p.generation = r.generation;
             p.step = r.step;
@@ -114,7 +123,7 @@ impl CoordinatorService {
         match change {
             stragglers::Change::Named => {
                 let state = hub.state();
-                excluded_until = self.act_on_straggler(&r.job, &r.worker_id, r.incarnation, &state, &standing).await;
+                excluded_until = self.act_on_straggler(&r.job, &r.worker_id, r.incarnation, lease, &state, &standing).await;
             }
             stragglers::Change::Cleared => {
                 self.ctx.metrics.straggler_cleared(&r.job, &r.worker_id);
@@ -212,6 +221,7 @@ impl CoordinatorService {
         job: &str,
         worker: &str,
         incarnation: u64,
+        lease: crate::store::LeaseId,
         state: &JobState,
         standing: &stragglers::Standing,
     ) -> Option<u64> {
@@ -244,7 +254,7 @@ impl CoordinatorService {
         tracing::warn!(%job, %worker, incarnation, kind = finding.kind.name(), ratio = finding.ratio_pct as f64 / 100.0,
                        reports = standing.streak, reason = %finding.reason, %action, "straggler named");
         let _ = self
-            .record_progress(job, worker, incarnation, |p| {
+            .record_progress(job, worker, incarnation, lease, |p| {
                 p.straggler_action = action;
                 if until.is_some() {
                     p.straggler_excluded_until_ms = until;

@@ -1,11 +1,12 @@
 //! The `Join` RPC: the exclusion and worker-id checks, the replaced incarnation's revocation,
 //! and the member's records on a new lease.
 
-use super::{store_status, CoordinatorService, PROGRESS_PERIOD};
+use super::{host_lease, store_status, CoordinatorService, PROGRESS_PERIOD};
+use crate::config::LeaseScope;
 use crate::keys::{self, Kind};
 use crate::ops;
 use crate::records::{self, decode, encode, JobState, MemberRecord, ProgressRecord};
-use crate::store::{Compare, StoreError, Txn, TxnOp};
+use crate::store::{Compare, LeaseId, StoreError, Txn, TxnOp};
 use crate::validate;
 use cohort_proto::v1 as pb;
 use std::time::Duration;
@@ -22,26 +23,42 @@ impl CoordinatorService {
         validate::addresses(&r.addresses)?;
         validate::capabilities(&r.capabilities)?;
         let settings = self.ctx.settings.for_job(&r.job);
-        // The member's lease is granted while the join is decided (the decision reads the
-        // store, the grant writes it: two round trips in parallel instead of in a row). A
-        // refused join gives the lease back at once (and it would lapse after one TTL anyway).
-        let (decided, granted) =
-            tokio::join!(self.admit(&r), self.ctx.store.grant_lease(settings.lease_ttl_for_store()));
+        let ttl = settings.lease_ttl_for_store();
+        // Under `lease_scope = "host"` the member's records go on its host's lease (a member
+        // that names no host gets a lease of its own all the same).
+        let shared = settings.lease_scope == LeaseScope::Host && !r.host.is_empty();
+        // The member's lease is found or granted while the join is decided (the decision reads
+        // the store, the grant writes it: two round trips in parallel instead of in a row). A
+        // refused join gives a lease of its own back at once (it would lapse after one TTL).
+        let (job_id, host) = (r.job.as_str(), r.host.as_str());
+        let lease_for = move |stale: Option<LeaseId>| async move {
+            if shared {
+                self.host_lease(job_id, host, ttl, stale).await
+            } else {
+                self.ctx.store.grant_lease(ttl).await.map_err(store_status)
+            }
+        };
+        let give_back = |lease: LeaseId| async move {
+            if !shared {
+                if let Err(e) = self.ctx.store.revoke_lease(lease).await {
+                    tracing::debug!(error = %e, "could not give back a refused join's lease");
+                }
+            }
+        };
+        let (decided, granted) = tokio::join!(self.admit(&r), lease_for(None));
         let (state, current_generation) = match decided {
             Ok(admitted) => admitted,
             Err(refusal) => {
                 if let Ok(lease) = granted {
-                    if let Err(e) = self.ctx.store.revoke_lease(lease).await {
-                        tracing::debug!(error = %e, "could not give back a refused join's lease");
-                    }
+                    give_back(lease).await;
                 }
                 return Err(refusal);
             }
         };
-        let lease = granted.map_err(store_status)?;
+        let mut lease = granted?;
         let (job, worker) = (r.job.as_str(), r.worker_id.as_str());
         let now = records::now_ms();
-        let incarnation = lease as u64;
+        let incarnation = if shared { host_lease::fresh_incarnation(&self.ctx.replica, worker) } else { lease as u64 };
         // Replacing an older incarnation that is in the active generation revokes it.
         let old = state.members.get(worker).cloned();
         if let (Some(old), Some(g)) = (&old, state.current()) {
@@ -66,13 +83,13 @@ impl CoordinatorService {
                     )
                     .await;
                     if let Err(e) = revoked {
-                        let _ = self.ctx.store.revoke_lease(lease).await;
+                        give_back(lease).await;
                         return Err(store_status(e));
                     }
                 }
             }
         }
-        let member = MemberRecord {
+        let mut member = MemberRecord {
             worker_id: worker.to_string(),
             incarnation,
             host: r.host.clone(),
@@ -80,12 +97,26 @@ impl CoordinatorService {
             capabilities: r.capabilities.clone(),
             joined_at_ms: now,
             domain: r.domain.clone(),
+            host_lease: 0,
         };
         let progress =
             ProgressRecord { incarnation, last_heartbeat_ms: now, activity: "joined".into(), ..Default::default() };
-        let txn = Txn {
-            compares: vec![Compare::Absent(keys::ended(job))],
-            success: vec![
+        // On a shared lease, revoking the replaced incarnation's lease is not an option: its
+        // other records go with this transaction instead.
+        let replaced: Vec<TxnOp> = match &old {
+            Some(_) if shared => [Kind::Waiting, Kind::Control, Kind::Timeout]
+                .into_iter()
+                .map(|kind| TxnOp::Delete(keys::worker_key(job, kind, worker)))
+                .collect(),
+            _ => Vec::new(),
+        };
+        // A host's lease this replica knew may have lapsed since (the whole host fell silent):
+        // the write then fails with the lease not found, and goes again on a fresh one.
+        let mut attempts = if shared { 2 } else { 1 };
+        loop {
+            attempts -= 1;
+            member.host_lease = if shared { lease } else { 0 };
+            let mut success = vec![
                 TxnOp::Put {
                     key: keys::worker_key(job, Kind::Member, worker),
                     value: encode(&member),
@@ -96,21 +127,24 @@ impl CoordinatorService {
                     value: encode(&progress),
                     lease: Some(lease),
                 },
-            ],
-            failure: vec![],
-        };
-        let result = self.ctx.store.txn(txn).await;
-        match result {
-            Ok(r) if r.succeeded => {}
-            other => {
-                let _ = self.ctx.store.revoke_lease(lease).await;
-                return match other {
-                    Ok(_) => Err(Status::failed_precondition(format!("job {job} has ended; start a new job id"))),
-                    Err(e) => Err(store_status(e)),
-                };
+            ];
+            success.extend(replaced.iter().cloned());
+            let txn = Txn { compares: vec![Compare::Absent(keys::ended(job))], success, failure: vec![] };
+            match self.ctx.store.txn(txn).await {
+                Ok(r) if r.succeeded => break,
+                Err(StoreError::LeaseNotFound(_)) if attempts > 0 => {
+                    lease = lease_for(Some(lease)).await?;
+                }
+                other => {
+                    give_back(lease).await;
+                    return match other {
+                        Ok(_) => Err(Status::failed_precondition(format!("job {job} has ended; start a new job id"))),
+                        Err(e) => Err(store_status(e)),
+                    };
+                }
             }
         }
-        if let Some(old) = old {
+        if let Some(old) = old.filter(|o| o.owns_lease()) {
             if let Err(e) = self.ctx.store.revoke_lease(old.incarnation as i64).await {
                 tracing::debug!(error = %e, "could not revoke the replaced incarnation's lease");
             }
@@ -118,7 +152,7 @@ impl CoordinatorService {
         // The progress record just written is the cache's, so that the Rendezvous that follows
         // at once does not write it again.
         self.progress_written(job, worker, progress);
-        tracing::info!(incarnation, host = %r.host, "member joined");
+        tracing::info!(incarnation, host = %r.host, shared_lease = shared, "member joined");
         Ok(pb::JoinResponse {
             incarnation,
             heartbeat_interval_ms: settings.heartbeat_interval.as_millis() as u64,
@@ -225,17 +259,25 @@ impl CoordinatorService {
 
     /// At most how long `holder` (a member record of `job`) has gone without a heartbeat: the
     /// tightest of its progress record in the store, this replica's cache of it, and its
-    /// store lease's time to live (a lease that is gone: a whole TTL).
+    /// store lease's time to live (a lease that is gone: a whole TTL). A host's shared lease
+    /// tells only of the host; the member's own progress record is read then.
     ///
     /// # Cancel safety
     /// Cancel safe (read only).
     async fn silent_for(&self, job: &str, holder: &MemberRecord, state: &JobState) -> Result<Duration, StoreError> {
         let granted = self.ctx.settings.for_job(job).lease_ttl_for_store();
-        let mut silent = match self.ctx.store.lease_time_to_live(holder.incarnation as i64).await? {
+        let mut silent = match self.ctx.store.lease_time_to_live(holder.lease()).await? {
             None => return Ok(granted),
+            Some(_) if !holder.owns_lease() => granted,
             Some(left) => granted.saturating_sub(left),
         };
-        if let Some(p) = state.progress.get(&holder.worker_id).filter(|p| p.incarnation == holder.incarnation) {
+        let stored = if holder.owns_lease() {
+            state.progress.get(&holder.worker_id).cloned()
+        } else {
+            let key = keys::worker_key(job, Kind::Progress, &holder.worker_id);
+            self.ctx.store.get(&key).await?.and_then(|kv| decode::<ProgressRecord>(&key, &kv.value))
+        };
+        if let Some(p) = stored.filter(|p| p.incarnation == holder.incarnation) {
             silent = silent.min(Duration::from_millis(records::now_ms().saturating_sub(p.last_heartbeat_ms)));
         }
         let cache = self.progress.lock().unwrap_or_else(|e| e.into_inner());

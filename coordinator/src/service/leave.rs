@@ -28,10 +28,12 @@ use tracing::Instrument;
 const MAX_GROUP: usize = 1024;
 
 /// Leaves written in one transaction under a limit of `max_txn_ops` operations (`None`: no
-/// limit): three deletions each and the generation record's put, and one compare each and
-/// the record's. 42 at etcd's default 128.
-fn group_size(max_txn_ops: Option<usize>) -> usize {
-    max_txn_ops.map_or(MAX_GROUP, |ops| (ops.saturating_sub(1) / 3).clamp(1, MAX_GROUP))
+/// limit): three deletions each (five on a host's shared lease, which is not revoked: the
+/// control and timeout records go too) and the generation record's put, and one compare each
+/// and the record's. 42 at etcd's default 128 (25 on shared leases).
+fn group_size(max_txn_ops: Option<usize>, shared_leases: bool) -> usize {
+    let per_leave = if shared_leases { 5 } else { 3 };
+    max_txn_ops.map_or(MAX_GROUP, |ops| (ops.saturating_sub(1) / per_leave).clamp(1, MAX_GROUP))
 }
 
 /// Attempts at one group's transaction before its leavers are told to retry (another
@@ -147,7 +149,8 @@ impl CoordinatorService {
     /// callers get UNAVAILABLE, and a group's transaction may or may not have been applied.
     async fn write_leaves(&self, job: &str) {
         let mut guard = WriterGuard { queues: &self.leaves, job, done: false };
-        let size = group_size(self.ctx.store.max_txn_ops());
+        let shared = self.ctx.settings.for_job(job).lease_scope == crate::config::LeaseScope::Host;
+        let size = group_size(self.ctx.store.max_txn_ops(), shared);
         while let Some(group) = self.leaves.next_group(job, size) {
             self.write_group(job, group).await;
         }
@@ -170,9 +173,13 @@ impl CoordinatorService {
             // A leaver already gone (or replaced by a newer incarnation) has nothing to write:
             // leaving twice is harmless.
             let mut leaving: Vec<(Pending, KeyValue)> = Vec::with_capacity(group.len());
+            let mut own_leases = Vec::with_capacity(group.len());
             for (p, read) in group.into_iter().zip(reads) {
                 match read {
-                    Some((member, kv)) if member.incarnation == p.incarnation => leaving.push((p, kv)),
+                    Some((member, kv)) if member.incarnation == p.incarnation => {
+                        own_leases.push(member.owns_lease());
+                        leaving.push((p, kv))
+                    }
                     _ => p.answer(Ok(())),
                 }
             }
@@ -185,11 +192,16 @@ impl CoordinatorService {
             };
             let gen_key = keys::generation(job);
             let mut txn = Txn { compares: Vec::new(), success: Vec::new(), failure: vec![] };
-            for (p, kv) in &leaving {
+            for ((p, kv), owned) in leaving.iter().zip(&own_leases) {
                 txn.compares.push(Compare::ModRevision(kv.key.clone(), kv.mod_revision));
                 txn.success.push(TxnOp::Delete(kv.key.clone()));
                 txn.success.push(TxnOp::Delete(keys::worker_key(job, Kind::Waiting, &p.worker)));
                 txn.success.push(TxnOp::Delete(keys::worker_key(job, Kind::Progress, &p.worker)));
+                if !owned {
+                    // A host's lease stays for the host's other members: nothing revokes these.
+                    txn.success.push(TxnOp::Delete(keys::worker_key(job, Kind::Control, &p.worker)));
+                    txn.success.push(TxnOp::Delete(keys::worker_key(job, Kind::Timeout, &p.worker)));
+                }
             }
             let mut updated = None;
             match generation {
@@ -256,8 +268,11 @@ impl CoordinatorService {
             let store = self.ctx.store.clone();
             tokio::spawn(
                 async move {
-                    let revocations = leavers.iter().map(|p| store.revoke_lease(p.incarnation as i64));
-                    for (p, revoked) in leavers.iter().zip(futures::future::join_all(revocations).await) {
+                    // Only leases of the leavers' own: a host's lease is its other members' too.
+                    let own: Vec<&Pending> =
+                        leavers.iter().zip(&own_leases).filter(|(_, owned)| **owned).map(|(p, _)| p).collect();
+                    let revocations = own.iter().map(|p| store.revoke_lease(p.incarnation as i64));
+                    for (p, revoked) in own.iter().zip(futures::future::join_all(revocations).await) {
                         if let Err(e) = revoked {
                             tracing::debug!(worker = %p.worker, error = %e, "could not revoke the leaver's lease");
                         }
@@ -287,11 +302,12 @@ mod tests {
 
     #[test]
     fn a_group_fits_the_store_limit_on_operations() {
-        assert_eq!(group_size(Some(128)), 42, "etcd's default: 127 operations, 43 compares");
-        assert_eq!(group_size(Some(1024)), 341);
-        assert_eq!(group_size(Some(3)), 1, "a tiny limit still writes leaves one by one");
-        assert_eq!(group_size(Some(0)), 1);
-        assert_eq!(group_size(None), MAX_GROUP);
+        assert_eq!(group_size(Some(128), false), 42, "etcd's default: 127 operations, 43 compares");
+        assert_eq!(group_size(Some(1024), false), 341);
+        assert_eq!(group_size(Some(128), true), 25, "shared leases: five deletions per leave");
+        assert_eq!(group_size(Some(3), false), 1, "a tiny limit still writes leaves one by one");
+        assert_eq!(group_size(Some(0), true), 1);
+        assert_eq!(group_size(None, false), MAX_GROUP);
     }
 
     #[test]

@@ -45,7 +45,7 @@ impl CoordinatorService {
         if let Some(o) = answer(&signal) {
             return Ok(pb::RendezvousResponse { outcome: Some(o) });
         }
-        self.require_member(&hub, job, worker, incarnation).await?;
+        let lease = self.require_member(&hub, job, worker, incarnation).await?;
         // Declare the wait (on the member's lease), keeping the first arrival time. The view
         // tells whether this wait is already declared: waiting records leave the store only
         // with their member (Leave, lease expiry), so a record in the view is in the store. A
@@ -61,14 +61,14 @@ impl CoordinatorService {
             let record =
                 WaitingRecord { incarnation, after_generation: r.after_generation, since_ms: records::now_ms() };
             written_at =
-                self.ctx.store.put(&wkey, encode(&record), Some(incarnation as i64)).await.map_err(|e| match e {
+                self.ctx.store.put(&wkey, encode(&record), Some(lease)).await.map_err(|e| match e {
                     StoreError::LeaseNotFound(_) => not_member(job, worker, incarnation),
                     other => store_status(other),
                 })?;
             tracing::debug!(after = r.after_generation, "member waiting");
         }
         let _ = self
-            .record_progress(job, worker, incarnation, |p| {
+            .record_progress(job, worker, incarnation, lease, |p| {
                 p.activity = "rendezvous".into();
                 p.last_heartbeat_ms = records::now_ms();
             })

@@ -6,7 +6,7 @@ use crate::hub::{self, Hub};
 use crate::keys::{self, Kind};
 use crate::ops;
 use crate::records::{self, encode};
-use crate::store::{Compare, Txn, TxnOp};
+use crate::store::{Compare, LeaseId, Txn, TxnOp};
 use crate::validate;
 use cohort_proto::v1 as pb;
 use cohort_proto::v1::job_event::Event;
@@ -39,8 +39,8 @@ impl CoordinatorService {
                     )
                 };
                 drop(open);
-                if let (WatchEnd::ClientGone, Some(revision)) = (end, control) {
-                    service.control_closed(&r.job, &r.worker_id, r.incarnation, revision).await;
+                if let (WatchEnd::ClientGone, Some((revision, lease))) = (end, control) {
+                    service.control_closed(&r.job, &r.worker_id, r.incarnation, revision, lease).await;
                 }
             }
             .instrument(span),
@@ -49,23 +49,25 @@ impl CoordinatorService {
     }
 
     /// Records that a member's control stream is open (see [`records::ControlRecord`]);
-    /// returns the revision written, or `None` when the caller is not a live member (an
-    /// operator's tool) or the store refused.
-    async fn control_opened(&self, hub: &Hub, job: &str, worker: &str, incarnation: u64) -> Option<i64> {
+    /// returns the revision written and the member's lease, or `None` when the caller is not a
+    /// live member (an operator's tool) or the store refused.
+    async fn control_opened(&self, hub: &Hub, job: &str, worker: &str, incarnation: u64) -> Option<(i64, LeaseId)> {
         if incarnation == 0 {
             return None;
         }
-        if !hub.read(|state| state.is_live(worker, incarnation)) {
+        let seen = hub.read(|state| state.members.get(worker).filter(|m| m.incarnation == incarnation).map(|m| m.lease()));
+        let lease = match seen {
+            Some(lease) => lease,
             // The view may lag a join by milliseconds: ask the store.
-            match ops::read_member(self.ctx.store.as_ref(), job, worker).await {
-                Ok(Some((m, _))) if m.incarnation == incarnation => {}
+            None => match ops::read_member(self.ctx.store.as_ref(), job, worker).await {
+                Ok(Some((m, _))) if m.incarnation == incarnation => m.lease(),
                 _ => return None,
-            }
-        }
+            },
+        };
         let record = records::ControlRecord { incarnation, connected: true, since_ms: records::now_ms() };
         let key = keys::worker_key(job, Kind::Control, worker);
-        match self.ctx.store.put(&key, encode(&record), Some(incarnation as i64)).await {
-            Ok(revision) => Some(revision),
+        match self.ctx.store.put(&key, encode(&record), Some(lease)).await {
+            Ok(revision) => Some((revision, lease)),
             Err(e) => {
                 tracing::debug!(error = %e, "could not record the control stream as open");
                 None
@@ -76,7 +78,7 @@ impl CoordinatorService {
     /// Records that a member's control stream closed from its side, unless the replica is
     /// shutting down (then the member reconnects elsewhere) or a newer stream was recorded
     /// since `revision` (a compare-and-swap).
-    async fn control_closed(&self, job: &str, worker: &str, incarnation: u64, revision: i64) {
+    async fn control_closed(&self, job: &str, worker: &str, incarnation: u64, revision: i64, lease: LeaseId) {
         if self.shutting_down() {
             return;
         }
@@ -84,7 +86,7 @@ impl CoordinatorService {
         let record = records::ControlRecord { incarnation, connected: false, since_ms: records::now_ms() };
         let txn = Txn {
             compares: vec![Compare::ModRevision(key.clone(), revision)],
-            success: vec![TxnOp::Put { key, value: encode(&record), lease: Some(incarnation as i64) }],
+            success: vec![TxnOp::Put { key, value: encode(&record), lease: Some(lease) }],
             failure: vec![],
         };
         match self.ctx.store.txn(txn).await {
