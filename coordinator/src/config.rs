@@ -44,7 +44,8 @@ use std::time::Duration;
 /// Under `Member`, each member is granted a lease at its join, every heartbeat renews it and a
 /// member whose heartbeats stop is gone when it lapses: one lease grant per member per
 /// formation, one renewal per member per heartbeat. Under `Host`, the members of one host share
-/// one lease (granted by the first of them to join): any of their heartbeats renews it, at most
+/// one lease (granted by the first of them to join; "host" is the failure domain the worker
+/// names, else its host): any of their heartbeats renews it, at most
 /// once per half heartbeat interval per replica, and it lapses when the whole host falls
 /// silent, deleting its members' records at once. A member that stops heartbeating while its
 /// host-mates go on is found by the leader's sweep (`coordinator/src/sweep.rs`): silent for the lease

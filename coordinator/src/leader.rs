@@ -13,7 +13,9 @@
 //! The leader follows every job's keys and evaluates a job on every change and at its next
 //! deadline (join window, elastic timeout, end of an exclusion): it detects lapsed members
 //! of the active generation (revoking it with cause "lease expired"), forms generations,
-//! tracks and enforces the elastic timeout, and ends finished jobs. Every mutation is a CAS
+//! tracks and enforces the elastic timeout, and ends finished jobs. Under `lease_scope =
+//! "host"` it also sweeps members silent on their host's shared lease ([`crate::sweep`]),
+//! whose deletion it then reads as any lapse. Every mutation is a CAS
 //! on the job's generation key ([`crate::ops`]), so a stale leader (one that has not yet
 //! noticed it lost its lease) cannot publish a conflicting outcome.
 

@@ -113,8 +113,8 @@ struct ServeArgs {
     #[arg(long, value_parser = duration)]
     straggler_cooldown: Option<Duration>,
     /// Whose store lease a member's records are on: `member` (its own; every heartbeat renews
-    /// it) or `host` (one lease per host of the job, renewed by any of its members'
-    /// heartbeats; a member silent while its host-mates beat is swept by the leader). `host`
+    /// it) or `host` (one lease per host of the job, or per failure domain where workers name
+    /// one, renewed by any of its members' heartbeats; a member silent while its host-mates beat is swept by the leader). `host`
     /// cuts etcd's lease grants and renewals by the ranks per host: for jobs of thousands.
     #[arg(long)]
     lease_scope: Option<String>,

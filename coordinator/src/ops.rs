@@ -95,11 +95,16 @@ async fn read_generation_knowing(
 ) -> Result<Option<(GenerationRecord, KeyValue)>, StoreError> {
     let key = keys::generation(job);
     let Some(kv) = store.get(&key).await? else { return Ok(None) };
-    let Some(mut g) = decode::<GenerationRecord>(&key, &kv.value) else {
+    let Some((mut g, ranks)) = records::decode_generation(&key, &kv.value) else {
         return Err(StoreError::Invalid(format!("{key} holds a record this coordinator cannot read")));
+    };
+    let restore = |g: &mut GenerationRecord| {
+        records::restore_departures(g, &ranks)
+            .ok_or_else(|| StoreError::Invalid(format!("{key} names departures its members do not have")))
     };
     if let Some(members) = g.shards.as_ref().and_then(|set| known(g.number, set)) {
         g.members = members;
+        restore(&mut g)?;
         return Ok(Some((g, kv)));
     }
     if let Some(set) = &g.shards {
@@ -116,6 +121,7 @@ async fn read_generation_knowing(
             StoreError::Invalid(format!("{key} names shard set {} whose shards are not all there", set.set))
         })?;
     }
+    restore(&mut g)?;
     Ok(Some((g, kv)))
 }
 

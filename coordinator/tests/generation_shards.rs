@@ -10,6 +10,7 @@ use cohort_coordinator::keys;
 use cohort_coordinator::metrics::Metrics;
 use cohort_coordinator::ops::{self, Context};
 use cohort_coordinator::records::{self, Address, Cause, JobState, Placed};
+use cohort_coordinator::store::{Compare, Txn, TxnOp};
 use common::{bounded, test_settings, Backend, Backing};
 use std::sync::Arc;
 
@@ -138,6 +139,37 @@ async fn large_generation(backend: Backend) {
             .expect("store")
             .expect("formed");
         assert!(g3.shards.is_some());
+
+        // Every member of it leaves (every other one finished: the worst case for the ranks'
+        // runs), written as a leave writes it. As records the departures alone would be over
+        // etcd's limit; the stored record holds them as ranks and reads back whole.
+        let (_, head) = ops::read_generation(backing.store.as_ref(), job).await.expect("read").expect("generation");
+        let mut left = g3.clone();
+        left.departed = g3
+            .members
+            .iter()
+            .enumerate()
+            .map(|(r, m)| records::Departure {
+                worker_id: m.worker_id.clone(),
+                incarnation: m.incarnation,
+                finished: r % 2 == 0,
+            })
+            .collect();
+        assert!(records::encode(&left.departed).len() > ETCD_REQUEST_LIMIT / 2);
+        let value = records::encode_generation(&left);
+        assert!(value.len() < ETCD_REQUEST_LIMIT / 8, "the record with every departure is {} bytes", value.len());
+        let gen_key = keys::generation(job);
+        let txn = Txn {
+            compares: vec![Compare::ModRevision(gen_key.clone(), head.mod_revision)],
+            success: vec![TxnOp::Put { key: gen_key, value, lease: None }],
+            failure: vec![],
+        };
+        assert!(backing.store.txn(txn).await.expect("write").succeeded);
+        let (stored, _) = ops::read_generation(backing.store.as_ref(), job).await.expect("read").expect("generation");
+        assert_eq!(stored, left, "read back whole from the store");
+        let (kvs, revision) = backing.store.get_prefix(&keys::job_prefix(job)).await.expect("read the job");
+        assert_eq!(JobState::from_kvs(job, &kvs, revision).current(), Some(&left), "and by a view of the job");
+
         let (_, head) = ops::read_generation(backing.store.as_ref(), job).await.expect("read").expect("generation");
         let ended =
             ops::end_job(&a, job, records::Outcome::Finished, "done", Some(head.mod_revision), &[]).await.expect("end");

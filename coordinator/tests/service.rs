@@ -1253,8 +1253,8 @@ async fn host_heartbeats_keep_the_leases_they_carry(backend: Backend) {
     server.shutdown().await.expect("shutdown");
 }
 
-/// Under `lease_scope = "host"` the members of one host share one store lease: the host's
-/// record names it, each member record carries it, and the incarnations stay distinct. A
+/// Under `lease_scope = "host"` the members of one host (or of the failure domain they name)
+/// share one store lease: the host's record names it, each member record carries it, and the incarnations stay distinct. A
 /// member that stops heartbeating while its host-mates go on is swept by the leader (its
 /// records deleted, which revokes the generation with "lease expired"); the others re-form
 /// without it, and a member that leaves takes its records but not its host's lease.
@@ -1269,8 +1269,10 @@ async fn a_host_shares_one_lease_and_its_silent_member_is_swept(backend: Backend
     let job = "job-host-lease";
     let shared = client(addr).await;
     let mut workers = Vec::new();
-    for (id, host) in [("w0", "node-a"), ("w1", "node-a"), ("w2", "node-a"), ("w3", "node-b")] {
-        let request = pb::JoinRequest { host: host.into(), ..join_request(job, id) };
+    // w2 runs on another host of node-a's failure domain: the lease is the domain's.
+    let joins = [("w0", "node-a", ""), ("w1", "node-a", ""), ("w2", "node-a2", "node-a"), ("w3", "node-b", "")];
+    for (id, host, domain) in joins {
+        let request = pb::JoinRequest { host: host.into(), domain: domain.into(), ..join_request(job, id) };
         let mut w = Worker::join_on(shared.clone(), request).await.expect("join");
         w.start_heartbeats(HB);
         workers.push(w);

@@ -24,13 +24,15 @@ impl CoordinatorService {
         validate::capabilities(&r.capabilities)?;
         let settings = self.ctx.settings.for_job(&r.job);
         let ttl = settings.lease_ttl_for_store();
-        // Under `lease_scope = "host"` the member's records go on its host's lease (a member
-        // that names no host gets a lease of its own all the same).
-        let shared = settings.lease_scope == LeaseScope::Host && !r.host.is_empty();
+        // Under `lease_scope = "host"` the member's records go on the lease of its host, or of
+        // the failure domain it names (on Kubernetes, its node: the unit that fails together);
+        // a member that names neither gets a lease of its own all the same.
+        let host = records::effective_domain(&r.domain, &r.host);
+        let shared = settings.lease_scope == LeaseScope::Host && !host.is_empty();
         // The member's lease is found or granted while the join is decided (the decision reads
         // the store, the grant writes it: two round trips in parallel instead of in a row). A
         // refused join gives a lease of its own back at once (it would lapse after one TTL).
-        let (job_id, host) = (r.job.as_str(), r.host.as_str());
+        let job_id = r.job.as_str();
         let lease_for = move |stale: Option<LeaseId>| async move {
             if shared {
                 self.host_lease(job_id, host, ttl, stale).await
