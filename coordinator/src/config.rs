@@ -48,9 +48,9 @@ use std::time::Duration;
 /// names, else its host): any of their heartbeats renews it, at most
 /// once per half heartbeat interval per replica, and it lapses when the whole host falls
 /// silent, deleting its members' records at once. A member that stops heartbeating while its
-/// host-mates go on is found by the leader's sweep (`coordinator/src/sweep.rs`): silent for the lease
-/// TTL and the progress record's period, its records are deleted, which is a lapse to every
-/// other rule. Etcd's lease work falls by the ranks per host (8 on a common GPU node).
+/// host-mates go on is found by the leader's sweep (`coordinator/src/sweep.rs`): its progress
+/// record unchanged for the lease TTL and the record's period, its records are deleted, which
+/// is a lapse to every other rule. Etcd's lease work falls by the ranks per host (8 on a common GPU node).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum LeaseScope {
     /// A lease per member (the default).

@@ -260,9 +260,9 @@ async fn work(ctx: Arc<Context>) {
     let mut states = group(&kvs, revision);
     let mut dirty: BTreeSet<String> = states.keys().cloned().collect();
     // The sweep of silent members on hosts' shared leases (`crate::sweep`), in a task of its
-    // own so that its store reads never hold up an evaluation; one at a time, the first one
-    // lease TTL after this replica took the lead.
-    let leading_since = Instant::now();
+    // own so that its store reads never hold up an evaluation; one at a time. What it noted
+    // lasts as long as this lead (a new leader hears from everyone afresh).
+    let silences = Arc::new(crate::sweep::Silences::default());
     let mut sweep_tick = tokio::time::interval(SWEEP_PERIOD);
     sweep_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut sweeping: Option<tokio::task::JoinHandle<()>> = None;
@@ -358,22 +358,17 @@ async fn work(ctx: Arc<Context>) {
                 if sweeping.as_ref().is_some_and(|t| !t.is_finished()) {
                     continue;
                 }
-                let led_for = leading_since.elapsed();
                 let jobs: Vec<String> = states
                     .iter()
                     .filter(|(job, state)| {
-                        let settings = ctx.settings.for_job(job);
-                        settings.lease_scope == crate::config::LeaseScope::Host
+                        ctx.settings.for_job(job).lease_scope == crate::config::LeaseScope::Host
                             && state.ended.is_none()
-                            && led_for >= settings.lease_ttl
                             && state.members.values().any(|m| !m.owns_lease())
                     })
                     .map(|(job, _)| job.clone())
                     .collect();
-                if !jobs.is_empty() {
-                    let ctx = ctx.clone();
-                    sweeping = Some(tokio::spawn(async move { crate::sweep::sweep(&ctx, jobs).await }.in_current_span()));
-                }
+                let (ctx, silences) = (ctx.clone(), silences.clone());
+                sweeping = Some(tokio::spawn(async move { crate::sweep::sweep(&ctx, &silences, jobs).await }.in_current_span()));
             }
         }
     }

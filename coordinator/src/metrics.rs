@@ -46,6 +46,10 @@ pub struct Metrics {
     /// event relay carrying its events).
     watches_events: AtomicU64,
     watches_quiet: AtomicU64,
+    /// Members the leader swept silent off their host's shared lease.
+    members_swept: AtomicU64,
+    /// Hosts' shared leases this replica granted (`lease_scope = "host"`).
+    host_leases_granted: AtomicU64,
 }
 
 /// One open watch stream, counted in `cohort_watch_streams` until dropped.
@@ -134,6 +138,16 @@ impl Metrics {
     /// Counts a revocation.
     pub fn revoked(&self) {
         self.revocations.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Counts a member swept silent off its host's shared lease.
+    pub fn member_swept(&self) {
+        self.members_swept.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Counts a host's shared lease granted.
+    pub fn host_lease_granted(&self) {
+        self.host_leases_granted.fetch_add(1, Ordering::Relaxed);
     }
 
     /// Counts a commit whose digest differs from another member's for the same step.
@@ -259,6 +273,16 @@ impl Metrics {
             out,
             "# HELP cohort_revocations_total Generations revoked by this replica.\n# TYPE cohort_revocations_total counter\ncohort_revocations_total {}",
             self.revocations.load(Ordering::Relaxed)
+        );
+        let _ = writeln!(
+            out,
+            "# HELP cohort_members_swept_total Members this replica, leading, found silent on their host's shared lease and removed (lease_scope = host).\n# TYPE cohort_members_swept_total counter\ncohort_members_swept_total {}",
+            self.members_swept.load(Ordering::Relaxed)
+        );
+        let _ = writeln!(
+            out,
+            "# HELP cohort_host_leases_granted_total Hosts' shared store leases this replica granted (lease_scope = host).\n# TYPE cohort_host_leases_granted_total counter\ncohort_host_leases_granted_total {}",
+            self.host_leases_granted.load(Ordering::Relaxed)
         );
         let (events, quiet) = self.watch_streams();
         let _ = writeln!(

@@ -1314,6 +1314,9 @@ async fn a_host_shares_one_lease_and_its_silent_member_is_swept(backend: Backend
         "the silent member's records are gone"
     );
     assert!(store.lease_time_to_live(m0.lease()).await.expect("ttl").is_some(), "node-a's lease lives on");
+    let metrics = scrape(&server).await;
+    assert!(metrics.contains("cohort_members_swept_total 1\n"), "{metrics}");
+    assert!(metrics.contains("cohort_host_leases_granted_total 2\n"), "one grant per host: {metrics}");
     let survivors = [&workers[0], &workers[2], &workers[3]];
     let (a, b, c) =
         tokio::join!(survivors[0].next_generation(1), survivors[1].next_generation(1), survivors[2].next_generation(1));

@@ -110,6 +110,7 @@ impl CoordinatorService {
             return Ok(lease);
         }
         let lease = store.grant_lease(ttl).await.map_err(store_status)?;
+        self.ctx.metrics.host_lease_granted();
         let put = TxnOp::Put { key: key.clone(), value: encode(&HostLeaseRecord { lease }), lease: Some(lease) };
         // Two tries: another replica may win the first put, and its lease lapse before the read.
         for _ in 0..2 {
@@ -145,16 +146,17 @@ impl CoordinatorService {
 }
 
 /// A fresh incarnation for a member on a shared lease: the time in milliseconds and 20 bits
-/// that differ between replicas, processes and calls of one millisecond, so that two
-/// incarnations of one worker id never coincide (and later ones are larger while clocks
-/// agree). Never 0, at most `i64::MAX` (until the year 2248).
+/// that differ between calls of one process (a counter) and, very likely, between replicas and
+/// processes (an offset drawn from their names), so that two incarnations of one worker id
+/// never coincide (and later ones are larger while clocks agree). Never 0, at most `i64::MAX`
+/// (until the year 2248).
 pub(super) fn fresh_incarnation(replica: &str, worker: &str) -> u64 {
     use std::hash::{Hash, Hasher};
     static CALLS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     let now = crate::records::now_ms();
     let mut h = std::collections::hash_map::DefaultHasher::new();
-    (replica, worker, std::process::id(), now, CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed)).hash(&mut h);
-    let low = h.finish() & 0xF_FFFF;
+    (replica, worker, std::process::id()).hash(&mut h);
+    let low = h.finish().wrapping_add(CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed)) & 0xF_FFFF;
     (((now & ((1 << 43) - 1)) << 20) | low).max(1)
 }
 
