@@ -1,6 +1,7 @@
 //! `cohort-sim`: replay one seed of the control-plane simulation, or explore many.
 
 use clap::{Parser, Subcommand};
+use cohort_coordinator::config::LeaseScope;
 use cohort_sim::{run_seed, CascadeScope, FaultMix, Options};
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
@@ -34,6 +35,9 @@ enum Command {
         /// Workers per simulated host, their failure domain (default 1; the scale runs take 8).
         #[arg(long)]
         workers_per_host: Option<usize>,
+        /// Whose store lease a member's records are on: member (default) or host.
+        #[arg(long, value_parser = LeaseScope::parse, default_value = "member")]
+        lease_scope: LeaseScope,
     },
     /// Runs seeds from --first on until the duration is spent; reports the failing seeds.
     Explore {
@@ -52,6 +56,9 @@ enum Command {
         /// Workers per simulated host (default 1).
         #[arg(long)]
         workers_per_host: Option<usize>,
+        /// Whose store lease a member's records are on: member (default) or host.
+        #[arg(long, value_parser = LeaseScope::parse, default_value = "member")]
+        lease_scope: LeaseScope,
     },
 }
 
@@ -68,13 +75,22 @@ fn parse_duration(s: &str) -> Result<Duration, String> {
 
 fn main() -> ExitCode {
     match Cli::parse().command {
-        Command::Replay { seed, per_replica_cascades, silent_links_only, workers, tick_ms, workers_per_host } => {
+        Command::Replay {
+            seed,
+            per_replica_cascades,
+            silent_links_only,
+            workers,
+            tick_ms,
+            workers_per_host,
+            lease_scope,
+        } => {
             let options = Options {
                 cascade_scope: if per_replica_cascades { CascadeScope::Replica } else { CascadeScope::Store },
                 mix: if silent_links_only { FaultMix::SilentLinks } else { FaultMix::All },
                 workers,
                 tick_ms,
                 workers_per_host,
+                lease_scope,
             };
             let report = run_seed(seed, &options);
             for line in &report.lines {
@@ -91,8 +107,8 @@ fn main() -> ExitCode {
                 ExitCode::FAILURE
             }
         }
-        Command::Explore { duration, first, workers, tick_ms, workers_per_host } => {
-            let options = Options { workers, tick_ms, workers_per_host, ..Options::default() };
+        Command::Explore { duration, first, workers, tick_ms, workers_per_host, lease_scope } => {
+            let options = Options { workers, tick_ms, workers_per_host, lease_scope, ..Options::default() };
             let started = Instant::now();
             let (mut seeds, mut faults, mut failing) = (0u64, 0usize, Vec::new());
             let mut seed = first;

@@ -7,7 +7,7 @@ use crate::net::{self, GRPC_PORT};
 use crate::scenario::{Fault, FaultMix, Scenario, Scheduled};
 use crate::store::{self, RemoteStore, StoreLink};
 use crate::worker::{self, WorkerSetup};
-use cohort_coordinator::config::{JobSettings, Settings};
+use cohort_coordinator::config::{JobSettings, LeaseScope, Settings};
 use cohort_coordinator::server::CascadeScope;
 use cohort_coordinator::ServeConfig;
 use rand::rngs::StdRng;
@@ -38,6 +38,9 @@ pub struct Options {
     /// isolates or partitions it takes its whole host. The scale runs need it: turmoil's
     /// cost per step grows with hosts times links, and a host's workers share its links.
     pub workers_per_host: Option<usize>,
+    /// Whose store lease a member's records are on (the coordinators' `--lease-scope`):
+    /// `Member`, the default, or `Host` (each simulated host's workers on one lease).
+    pub lease_scope: LeaseScope,
 }
 
 /// Where the workers run: `per_host` workers to a host.
@@ -100,8 +103,9 @@ pub struct Report {
 }
 
 /// The job's settings in every simulation.
-fn job_settings(scenario: &Scenario) -> JobSettings {
+fn job_settings(scenario: &Scenario, lease_scope: LeaseScope) -> JobSettings {
     JobSettings {
+        lease_scope,
         min_workers: scenario.min_workers,
         max_workers: scenario.workers as u32,
         join_window: Duration::from_secs(1),
@@ -182,7 +186,7 @@ pub fn run_seed(seed: u64, options: &Options) -> Report {
             options.cascade_scope
         ),
     );
-    let settings = match Settings::uniform(job_settings(&scenario)) {
+    let settings = match Settings::uniform(job_settings(&scenario, options.lease_scope)) {
         Ok(s) => s,
         Err(e) => {
             return Report { seed, lines: vec![], hash: 0, faults: 0, violations: vec![format!("settings: {e}")] };

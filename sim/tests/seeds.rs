@@ -35,6 +35,7 @@ fn judging_a_timeout_cascade_per_replica_is_caught() {
         workers: None,
         tick_ms: None,
         workers_per_host: None,
+        lease_scope: Default::default(),
     };
     let fixed = Options {
         cascade_scope: CascadeScope::Store,
@@ -42,6 +43,7 @@ fn judging_a_timeout_cascade_per_replica_is_caught() {
         workers: None,
         tick_ms: None,
         workers_per_host: None,
+        lease_scope: Default::default(),
     };
     let caught: Vec<u64> = seeds
         .clone()
@@ -76,6 +78,31 @@ fn a_seed_replays_to_the_same_trace() {
         }
         assert_eq!(first.lines, second.lines, "seed {seed}: equal hashes, different traces");
     }
+}
+
+/// Under `lease_scope = "host"`, with two workers to a host: each host's workers share one
+/// store lease (a host's crash, pause or isolation lapses it whole), incarnations are no lease
+/// ids, leaves and evictions delete records instead of revoking, and the failure reports'
+/// silences come from the progress records alone. Every invariant still holds.
+#[test]
+fn seeds_hold_every_invariant_on_hosts_shared_leases() {
+    let options = Options {
+        workers: Some(6),
+        workers_per_host: Some(2),
+        lease_scope: cohort_coordinator::config::LeaseScope::Host,
+        ..Options::default()
+    };
+    let mut faults = 0;
+    for seed in 0..8 {
+        let report = run_seed(seed, &options);
+        assert!(
+            report.violations.is_empty(),
+            "seed {seed} on shared leases broke invariants: {:#?}\nreplay it: cargo run -p cohort-sim --release -- replay --seed {seed} --workers 6 --workers-per-host 2 --lease-scope host",
+            report.violations
+        );
+        faults += report.faults;
+    }
+    assert!(faults >= 8 * 3, "only {faults} faults over 8 seeds");
 }
 
 /// With several workers to a host (the scale runs' `--workers-per-host`), a host is one
