@@ -100,7 +100,7 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 /// Members that share one HTTP/2 connection (each holds at most two streams at once, a
 /// watch and a rendezvous long poll, well under a server's usual 200-stream limit).
 const MEMBERS_PER_CONNECTION: usize = 64;
-/// Joins in flight at once.
+/// Joins in flight at once, by default (`--join-concurrency`).
 const JOIN_CONCURRENCY: usize = 256;
 /// Bound on starting a coordinator or etcd.
 const START_BOUND: Duration = Duration::from_secs(60);
@@ -136,6 +136,8 @@ struct Plan {
     /// The coordinators' `--lease-scope` (`member`, the default, or `host`: one store lease
     /// per host of 8 members).
     lease_scope: String,
+    /// Joins in flight at once (the harness's members join in waves of this many).
+    join_concurrency: usize,
 }
 
 impl Plan {
@@ -158,6 +160,7 @@ impl Plan {
                 max_txn_ops: None,
                 ranks_per_host: RANKS_PER_HOST,
                 lease_scope: "member".into(),
+                join_concurrency: JOIN_CONCURRENCY,
             }
         } else {
             Plan {
@@ -170,6 +173,7 @@ impl Plan {
                 max_txn_ops: None,
                 ranks_per_host: RANKS_PER_HOST,
                 lease_scope: "member".into(),
+                join_concurrency: JOIN_CONCURRENCY,
             }
         };
         let mut it = args.iter();
@@ -193,6 +197,12 @@ impl Plan {
                 }
                 "--etcd-max-txn-ops" => {
                     plan.max_txn_ops = Some(value(a)?.parse().map_err(|e| format!("--etcd-max-txn-ops: {e}"))?)
+                }
+                "--join-concurrency" => {
+                    plan.join_concurrency = value(a)?.parse().map_err(|e| format!("--join-concurrency: {e}"))?;
+                    if plan.join_concurrency == 0 {
+                        return Err("--join-concurrency: at least 1".into());
+                    }
                 }
                 "--lease-scope" => {
                     plan.lease_scope = value(a)?;
@@ -728,7 +738,7 @@ async fn run(plan: &Plan, store: &str) -> Result<(), String> {
     // 1. Formation: join and rendezvous.
     let cpu0 = cpu_all(&coordinators);
     let started = Instant::now();
-    let admit = Arc::new(tokio::sync::Semaphore::new(JOIN_CONCURRENCY));
+    let admit = Arc::new(tokio::sync::Semaphore::new(plan.join_concurrency));
     let compact = plan.compact;
     let joined: Vec<(Member, Placement)> = within(bound, "joining and forming generation 1", async {
         futures::stream::iter(0..n)
@@ -1073,6 +1083,9 @@ async fn run(plan: &Plan, store: &str) -> Result<(), String> {
         plan.max_txn_ops.filter(|_| etcd.is_some()).map(|n| format!(" max_txn_ops={n}")).unwrap_or_default();
     if plan.lease_scope != "member" {
         txn_ops.push_str(&format!(" lease_scope={}", plan.lease_scope));
+    }
+    if plan.join_concurrency != JOIN_CONCURRENCY {
+        txn_ops.push_str(&format!(" join_concurrency={}", plan.join_concurrency));
     }
     println!(
         "scale store={store} mode={mode} members={n} replicas={replicas}{txn_ops} connections={connections} fetched_per_member={:.1} \
