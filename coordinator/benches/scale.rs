@@ -72,7 +72,8 @@
 //! (`--stores memory,etcd`, `--replicas 2`, `--steady-secs 5`, `--ranks-per-host 8`,
 //! `--etcd-max-txn-ops 1024`: etcd and the coordinators run with that limit on a transaction's
 //! operations; `--lease-scope host`: the coordinators put each host's 8 members on one store
-//! lease; release build). Without
+//! lease; `--join-concurrency N`: joins in flight at once, 256 by default; release build).
+//! Without
 //! `--bench` on its command line (`cargo test --benches`, which the test command runs) it is
 //! a 96-member smoke version on the memory store, with a 2 s steady phase. Targets are
 //! reported in docs/benchmarks.md ("Scale"), never asserted here; every wait has a deadline
