@@ -17,8 +17,11 @@
 //!    ranks per host): every member opens a quiet watch stream of its own (its control
 //!    stream) and each host one compact event stream with incarnation 0 (its event relay's),
 //!    and each hears generation 1; with `--ranks-per-host 1` every member opens a full stream
-//!    of its own instead. Then every member beats once, as live workers have within the last
-//!    interval when a failure comes (untimed set-up);
+//!    of its own instead. The hosts' event streams run on a runtime of their own (one thread,
+//!    connections of their own): each relay is a process on its own host, not busy with the
+//!    calls of its host's members, so hearing an event is not queued behind thousands of
+//!    simulated members' requests in this process. Then every member beats once, as live
+//!    workers have within the last interval when a failure comes (untimed set-up);
 //! 3. **failure**: rank 0 reports the last rank failed; `report_ms` is the report's round
 //!    trip, `revoked_min/p50/p99/max_ms` the times from the report until each member hears
 //!    the revocation: from its host's event stream (the relay's hop over its Unix socket,
@@ -58,12 +61,14 @@
 //! scale store=etcd members=1024 replicas=2 join_to_formed_ms=.. revoked_p50_ms=.. revoked_p99_ms=.. reformed_ms=.. ...
 //! ```
 //!
-//! **Answers.** By default members rendezvous *compactly* (`RendezvousRequest.compact`): the
-//! answer carries the generation's size, the member's rank and own entry and the member
-//! list's digest, and each member then fetches, in one `Members` call, what a member of a
-//! mesh that links on demand needs: the ranks `rank ± 2^k mod N` for `k < ceil(log2 N)`
-//! (O(log N) entries), checking the answer's digest. Formation and re-formation are timed
-//! until every member holds those entries too; watches are compact as well.
+//! **Answers.** By default members rendezvous *compactly* (`RendezvousRequest.compact`) and
+//! ask for their `partners`: the answer carries the generation's size, the member's rank and
+//! own entry, the member list's digest and what a member of a mesh that links on demand
+//! needs, the entries of the ranks `rank ± 2^k mod N` for `2^k < N` (O(log N),
+//! `cohort_proto::partner_ranks`). Against a coordinator older than `partners`
+//! (`COHORT_SCALE_COORDINATOR`) each member fetches them in one `Members` call, checking the
+//! answer's digest. Formation and re-formation are timed until every member holds those
+//! entries; watches are compact as well.
 //! `COHORT_SCALE_MODE=full` runs the old mode instead (the whole member list in every answer
 //! and `GenerationFormed` event, no `Members` call), for comparison; the output line says
 //! `mode=compact` or `mode=full`.
@@ -108,6 +113,9 @@ const START_BOUND: Duration = Duration::from_secs(60);
 /// How many `HostHeartbeat` calls a host's relay makes per interval
 /// (`cohort::control::FLUSHES_PER_INTERVAL`; this harness does not link the worker crate).
 const RELAY_FLUSHES_PER_INTERVAL: u32 = 2;
+
+/// Hosts' event streams that share one HTTP/2 connection (the relays', apart from the members').
+const HOSTS_PER_CONNECTION: usize = 8;
 
 /// Ranks per host at join (hosts of 8, as GPU nodes have), and by default in the steady phase.
 const RANKS_PER_HOST: usize = 8;
@@ -467,10 +475,26 @@ impl Member {
             });
         }
         let rank = g.rank.ok_or_else(|| format!("{}: a compact answer without a rank", self.id))?;
-        if !g.members.is_empty() || g.size == 0 {
-            return Err(format!("{}: not a compact answer ({} members, size {})", self.id, g.members.len(), g.size));
+        if g.size == 0 {
+            return Err(format!("{}: not a compact answer ({} members, size 0)", self.id, g.members.len()));
         }
-        let want = link_ranks(rank, g.size);
+        let want = cohort_proto::partner_ranks(rank, g.size);
+        if !g.members.is_empty() {
+            // The partners came with the answer.
+            let got: Vec<u32> = g.members.iter().map(|m| m.rank).collect();
+            if got != want {
+                return Err(format!("{}: the answer carried partners {got:?}; expected {want:?}", self.id));
+            }
+            return Ok(Placement {
+                number: g.number,
+                rank,
+                size: g.size,
+                digest: g.members_digest,
+                fetched: g.members,
+                full: None,
+            });
+        }
+        // A coordinator older than `partners` (`COHORT_SCALE_COORDINATOR`): one `Members` call.
         let mut c = self.client.clone();
         let answer = c
             .members(pb::MembersRequest {
@@ -513,6 +537,7 @@ impl Member {
                     after_generation: after,
                     wait_ms: 20_000,
                     compact,
+                    partners: compact,
                 })
                 .await
                 .map_err(|s| format!("rendezvous {}: {s}", self.id))?
@@ -530,24 +555,13 @@ impl Member {
         self.open_watch(self.incarnation, compact, quiet).await
     }
 
-    /// The event stream a host's relay holds for its members (this member's process serving
-    /// it): no incarnation, so the coordinator records no control stream for it.
-    async fn relay_watch(&self, compact: bool) -> Result<tonic::Streaming<pb::JobEvent>, String> {
-        self.open_watch(0, compact, false).await
-    }
-
     async fn open_watch(
         &self,
         incarnation: u64,
         compact: bool,
         quiet: bool,
     ) -> Result<tonic::Streaming<pb::JobEvent>, String> {
-        let mut c = self.client.clone();
-        let s = c
-            .watch(pb::WatchRequest { job: JOB.into(), worker_id: self.id.clone(), incarnation, compact, quiet })
-            .await
-            .map_err(|s| format!("watch {}: {s}", self.id))?;
-        Ok(s.into_inner())
+        open_watch(self.client.clone(), &self.id, incarnation, compact, quiet).await
     }
 
     fn beat(&self, generation: u64, timing: Option<pb::StepTiming>) -> pb::HeartbeatRequest {
@@ -565,6 +579,47 @@ impl Member {
 }
 
 /// One host's heartbeats of one interval, as its relay sends them: the number answered.
+/// Opens a watch stream for `worker` (incarnation 0: a host relay's, for which the coordinator
+/// records no control stream).
+async fn open_watch(
+    mut client: CoordinatorClient<Channel>,
+    worker: &str,
+    incarnation: u64,
+    compact: bool,
+    quiet: bool,
+) -> Result<tonic::Streaming<pb::JobEvent>, String> {
+    let s = client
+        .watch(pb::WatchRequest { job: JOB.into(), worker_id: worker.into(), incarnation, compact, quiet })
+        .await
+        .map_err(|s| format!("watch {worker}: {s}"))?;
+    Ok(s.into_inner())
+}
+
+/// Connects `count` channels, spread over the coordinators, on the runtime `on`.
+async fn connect_channels(
+    on: &tokio::runtime::Handle,
+    coordinators: &[Coordinator],
+    count: usize,
+) -> Result<Vec<CoordinatorClient<Channel>>, String> {
+    let mut channels = Vec::with_capacity(count);
+    for c in 0..count {
+        let addr = coordinators[c % coordinators.len()].addr;
+        let channel = on
+            .spawn(async move {
+                tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+                    .map_err(|e| e.to_string())?
+                    .connect_timeout(Duration::from_secs(10))
+                    .connect()
+                    .await
+                    .map_err(|e| format!("connecting to {addr}: {e}"))
+            })
+            .await
+            .map_err(|e| format!("connect task: {e}"))??;
+        channels.push(CoordinatorClient::new(channel).max_decoding_message_size(64 << 20));
+    }
+    Ok(channels)
+}
+
 async fn host_heartbeat(host: &[(Arc<Member>, Option<pb::StepTiming>)], generation: u64) -> u64 {
     let Some((first, _)) = host.first() else { return 0 };
     let mut c = first.client.clone();
@@ -604,28 +659,10 @@ struct Placement {
     rank: u32,
     size: u32,
     digest: u64,
-    /// Compact mode: the entries of [`link_ranks`], in rank order.
+    /// Compact mode: the entries of its partners ([`cohort_proto::partner_ranks`]), in rank order.
     fetched: Vec<pb::Member>,
     /// Full mode: the whole answer.
     full: Option<pb::Generation>,
-}
-
-/// The ranks a member of rank `rank` among `size` links to when links are made on demand
-/// (the peers of recursive doubling and of a ring): `rank ± 2^k mod size` for
-/// `k < ceil(log2 size)`, without itself, each once, in rank order.
-fn link_ranks(rank: u32, size: u32) -> Vec<u32> {
-    let (r, n) = (u64::from(rank), u64::from(size));
-    let mut out: Vec<u32> = (0..u64::BITS - (n.max(1) - 1).leading_zeros())
-        .flat_map(|k| {
-            let step = (1u64 << k) % n;
-            [(r + step) % n, (r + n - step) % n]
-        })
-        .filter(|&p| p != r)
-        .map(|p| p as u32)
-        .collect();
-    out.sort_unstable();
-    out.dedup();
-    out
 }
 
 /// Checks that every member holds the same generation `number` of `size` members, with its
@@ -680,7 +717,7 @@ fn cpu_all(cs: &[Coordinator]) -> Duration {
     cs.iter().map(Coordinator::cpu).sum()
 }
 
-async fn run(plan: &Plan, store: &str) -> Result<(), String> {
+async fn run(plan: &Plan, store: &str, relays: &tokio::runtime::Handle) -> Result<(), String> {
     let n = plan.members;
     let etcd = if store == "etcd" {
         Some(
@@ -723,17 +760,7 @@ async fn run(plan: &Plan, store: &str) -> Result<(), String> {
         Ok(())
     };
     let connections = n.div_ceil(MEMBERS_PER_CONNECTION);
-    let mut channels = Vec::with_capacity(connections);
-    for c in 0..connections {
-        let addr = coordinators[c % coordinators.len()].addr;
-        let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
-            .map_err(|e| e.to_string())?
-            .connect_timeout(Duration::from_secs(10))
-            .connect()
-            .await
-            .map_err(|e| format!("connecting to {addr}: {e}"))?;
-        channels.push(CoordinatorClient::new(channel).max_decoding_message_size(64 << 20));
-    }
+    let channels = connect_channels(&tokio::runtime::Handle::current(), &coordinators, connections).await?;
     let bound = plan.bound;
 
     // 1. Formation: join and rendezvous.
@@ -746,14 +773,17 @@ async fn run(plan: &Plan, store: &str) -> Result<(), String> {
             .map(|i| {
                 let client = channels[i / MEMBERS_PER_CONNECTION].clone();
                 let admit = admit.clone();
-                async move {
+                // A task of its own: members' calls (and decoding their answers) spread over
+                // the runtime's threads, as members spread over hosts.
+                let member = tokio::spawn(async move {
                     let m = {
                         let _permit = admit.acquire().await.map_err(|e| e.to_string())?;
                         Member::join(client, i).await?
                     };
                     let g = m.placed(0, compact).await?;
                     Ok::<_, String>((m, g))
-                }
+                });
+                async move { member.await.map_err(|e| format!("member task: {e}"))? }
             })
             .buffer_unordered(n)
             .collect::<Vec<_>>()
@@ -798,9 +828,18 @@ async fn run(plan: &Plan, store: &str) -> Result<(), String> {
     })
     .await??;
     let mut host_streams = if relayed {
+        let relay_channels =
+            connect_channels(relays, &coordinators, hosts.len().div_ceil(HOSTS_PER_CONNECTION)).await?;
         within(bound, "opening the hosts' event streams", async {
-            futures::stream::iter(hosts.iter())
-                .map(|h| async { heard_formation(members[h.start].relay_watch(compact).await?).await })
+            futures::stream::iter(hosts.iter().enumerate())
+                .map(|(i, h)| {
+                    let (client, worker) =
+                        (relay_channels[i / HOSTS_PER_CONNECTION].clone(), members[h.start].id.clone());
+                    let opened = relays.spawn(async move {
+                        heard_formation(open_watch(client, &worker, 0, compact, false).await?).await
+                    });
+                    async move { opened.await.map_err(|e| format!("relay task: {e}"))? }
+                })
                 .buffered(JOIN_CONCURRENCY)
                 .collect::<Vec<_>>()
                 .await
@@ -845,8 +884,9 @@ async fn run(plan: &Plan, store: &str) -> Result<(), String> {
         Ok((revoked, Some((Instant::now(), g, s))))
     };
     let mut own: Vec<Option<tonic::Streaming<pb::JobEvent>>> = streams.into_iter().map(Some).collect();
-    // One task per event stream: a host's relay hands the revocation to all its members at once
-    // (the relay's hop over its Unix socket, tens of microseconds, is not simulated).
+    // One task per event stream: a host's relay (on the relays' runtime) hears the revocation
+    // and hands it to all its members at once (the relay's hop over its Unix socket, tens of
+    // microseconds, is not simulated).
     let tasks: Vec<_> = if relayed {
         hosts
             .iter()
@@ -854,9 +894,12 @@ async fn run(plan: &Plan, store: &str) -> Result<(), String> {
             .map(|(h, mut events)| {
                 let ranks: Vec<_> =
                     h.clone().filter(|r| *r != failed).map(|r| (r, members[r].clone(), own[r].take())).collect();
-                tokio::spawn(async move {
+                let heard = relays.spawn(async move {
                     heard_revocation(&mut events).await?;
-                    let revoked = Instant::now();
+                    Ok::<_, String>((Instant::now(), events))
+                });
+                tokio::spawn(async move {
+                    let (revoked, events) = heard.await.map_err(|e| format!("relay task: {e}"))??;
                     let each = ranks.into_iter().map(|(r, m, s)| reform(m, r, s.expect("own stream"), revoked));
                     let out = futures::future::join_all(each).await.into_iter().collect::<Result<Vec<_>, String>>()?;
                     Ok::<_, String>((out, Some(events)))
@@ -1128,6 +1171,14 @@ fn main() {
         }
     };
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("tokio runtime");
+    // The hosts' event relays: each is a process on its own host, not busy with its host's
+    // members' calls, so their streams are read on a thread of their own.
+    let relays = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .thread_name("scale-relays")
+        .enable_all()
+        .build()
+        .expect("tokio runtime of the relays");
     let mut failed = false;
     runtime.block_on(async {
         eprintln!(
@@ -1138,7 +1189,7 @@ fn main() {
         );
         for store in &plan.stores {
             let t = Instant::now();
-            match run(&plan, store).await {
+            match run(&plan, store, relays.handle()).await {
                 Ok(()) => eprintln!("scale store={store}: done in {:.1} s", t.elapsed().as_secs_f64()),
                 Err(e) => {
                     let mode = if plan.compact { "compact" } else { "full" };

@@ -292,9 +292,15 @@ impl Formed {
     }
 
     /// The compact answer to the member of rank `rank`: no member list, but its size, the
-    /// digest, the caller's rank and its own entry. O(1) (one member copied).
-    pub fn compact_for(&self, rank: u32) -> pb::Generation {
-        pb::Generation { rank: Some(rank), member: self.member(rank).cloned(), ..without_members(&self.proto) }
+    /// digest, the caller's rank and its own entry, and with `partners` its partners' entries
+    /// ([`cohort_proto::partner_ranks`]). O(1) members copied, or O(log N) with `partners`.
+    pub fn compact_for(&self, rank: u32, partners: bool) -> pb::Generation {
+        let members = if partners {
+            cohort_proto::partner_ranks(rank, self.size()).into_iter().filter_map(|p| self.member(p).cloned()).collect()
+        } else {
+            Vec::new()
+        };
+        pb::Generation { rank: Some(rank), member: self.member(rank).cloned(), members, ..without_members(&self.proto) }
     }
 }
 

@@ -76,6 +76,7 @@ async fn malformed_requests_are_refused_without_state_change() {
                 after_generation: 1,
                 wait_ms: 10,
                 compact: false,
+                partners: false,
             };
             f(&mut r);
             let mut c = c.clone();

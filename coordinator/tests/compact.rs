@@ -22,8 +22,19 @@ fn host_of(i: usize) -> &'static str {
     }
 }
 
+/// How a member asks for its generation.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Ask {
+    /// The whole member list (an older client).
+    Whole,
+    /// The compact answer.
+    Compact,
+    /// The compact answer with the caller's partners' entries.
+    Partners,
+}
+
 /// Long polls (bounded by the test's bound) until a generation newer than `after` forms.
-async fn formed(w: &Worker, after: u64, compact: bool) -> pb::Generation {
+async fn formed(w: &Worker, after: u64, ask: Ask) -> pb::Generation {
     loop {
         let mut c = w.client.clone();
         let r = c
@@ -33,7 +44,8 @@ async fn formed(w: &Worker, after: u64, compact: bool) -> pb::Generation {
                 incarnation: w.incarnation,
                 after_generation: after,
                 wait_ms: 5_000,
-                compact,
+                compact: ask != Ask::Whole,
+                partners: ask == Ask::Partners,
             })
             .await
             .unwrap_or_else(|s| panic!("rendezvous {}: {s}", w.id))
@@ -78,8 +90,14 @@ async fn compact_answers_and_members_by_rank_and_host(backend: Backend) {
         request.host = host_of(i).into();
         workers.push(Worker::join_with(addr, request, Duration::from_millis(100)).await);
     }
-    // w0..w4 ask compactly; w5 is an older client and asks for the whole list.
-    let answers = futures::future::join_all(workers.iter().enumerate().map(|(i, w)| formed(w, 0, i < 5))).await;
+    // w0..w3 ask compactly, w4 with its partners; w5 is an older client and asks for the
+    // whole list.
+    let how = |i: usize| match i {
+        0..=3 => Ask::Compact,
+        4 => Ask::Partners,
+        _ => Ask::Whole,
+    };
+    let answers = futures::future::join_all(workers.iter().enumerate().map(|(i, w)| formed(w, 0, how(i)))).await;
     let full = answers[5].clone();
     assert_eq!((full.number, full.members.len(), full.size), (1, 6, 6), "the old-style answer is whole");
     assert_eq!(full.rank, None);
@@ -87,7 +105,16 @@ async fn compact_answers_and_members_by_rank_and_host(backend: Backend) {
     let digest = cohort_proto::members_digest(&full.members);
     assert_eq!(full.members_digest, digest, "the whole list carries its own digest");
     for (i, g) in answers[..5].iter().enumerate() {
-        assert!(g.members.is_empty(), "a compact answer carries no member list: {g:?}");
+        if how(i) == Ask::Partners {
+            // Its partners' entries (rank ± 1, 2, 4 mod 6), as the whole list has them.
+            let rank = g.rank.expect("the caller's rank");
+            let want: Vec<pb::Member> =
+                cohort_proto::partner_ranks(rank, 6).iter().map(|&p| full.members[p as usize].clone()).collect();
+            assert!(want.len() >= 3, "rank {rank} of 6 has at least three partners: {want:?}");
+            assert_eq!(g.members, want, "w{i}'s partners");
+        } else {
+            assert!(g.members.is_empty(), "a compact answer carries no member list: {g:?}");
+        }
         assert_eq!((g.number, g.size, g.members_digest, g.formed_at_ms), (1, 6, digest, full.formed_at_ms));
         let rank = g.rank.expect("the caller's rank");
         let own = g.member.as_ref().expect("the caller's own entry");
@@ -177,7 +204,7 @@ async fn compact_answers_and_members_by_rank_and_host(backend: Backend) {
     let rank_of_w5 = full.members.iter().find(|m| m.worker_id == "w5").map(|m| m.rank).expect("w5's rank");
     w0.report(1, Some(rank_of_w5), "test: w5 failed").await.expect("report");
     let survivors: Vec<&Worker> = workers[..5].iter().collect();
-    let second = futures::future::join_all(survivors.iter().map(|w| formed(w, 1, true))).await;
+    let second = futures::future::join_all(survivors.iter().map(|w| formed(w, 1, Ask::Compact))).await;
     assert!(second.iter().all(|g| g.number == 2 && g.members.is_empty() && g.rank.is_some()));
     assert_eq!(code_of(members(w0, ask(w0, 1, vec![0], "")).await), Code::FailedPrecondition);
     let now = members(w0, ask(w0, 2, vec![0], "")).await.expect("members of generation 2");
@@ -227,6 +254,7 @@ async fn members_of_another_job_are_refused_to_a_job_credential() {
             after_generation: 0,
             wait_ms: 5_000,
             compact: true,
+            partners: false,
         };
         let g = loop {
             let r = c.rendezvous(authed(rendezvous.clone(), &cred_b)).await.expect("rendezvous").into_inner();

@@ -97,6 +97,7 @@ fn rpc() -> impl Strategy<Value = Rpc> {
                 after_generation,
                 wait_ms,
                 compact: false,
+                partners: false,
             })
         }),
         (id(), id(), num(), any::<bool>()).prop_map(|(job, worker_id, incarnation, quiet)| {

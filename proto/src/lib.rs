@@ -63,9 +63,53 @@ pub fn members_digest(members: &[v1::Member]) -> u64 {
     u64::from_be_bytes(first)
 }
 
+/// The partners of rank `rank` in a generation of `size` members: `rank ± 2^k mod size` for
+/// every `2^k < size`, without `rank` itself, each once, ascending (empty when `rank` is out
+/// of range). They are the ring's two neighbours (`k = 0`) and the peers of the dissemination
+/// barrier, of every binomial tree and of recursive doubling: what a member that links on
+/// demand connects first, O(log size) of them. A compact `Rendezvous` answer asked with
+/// `partners` carries their entries.
+pub fn partner_ranks(rank: u32, size: u32) -> Vec<u32> {
+    if rank >= size {
+        return Vec::new();
+    }
+    let (r, n) = (u64::from(rank), u64::from(size));
+    let mut out: Vec<u32> = std::iter::successors(Some(1u64), |d| Some(d << 1))
+        .take_while(|&d| d < n)
+        .flat_map(|d| [(r + d) % n, (r + n - d) % n])
+        .filter(|&p| p != r)
+        .map(|p| p as u32)
+        .collect();
+    out.sort_unstable();
+    out.dedup();
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn partners_are_powers_of_two_away_each_once_and_symmetric() {
+        assert_eq!(partner_ranks(0, 1), Vec::<u32>::new());
+        assert_eq!(partner_ranks(0, 2), vec![1]);
+        assert_eq!(partner_ranks(3, 8), vec![1, 2, 4, 5, 7]);
+        assert_eq!(partner_ranks(5, 5), Vec::<u32>::new(), "out of range");
+        for n in 1..=70u32 {
+            for r in 0..n {
+                let p = partner_ranks(r, n);
+                assert!(p.windows(2).all(|w| w[0] < w[1]), "ascending, each once: {p:?}");
+                assert!(!p.contains(&r) && p.iter().all(|&q| q < n));
+                assert!(p.len() <= 2 * n.next_power_of_two().trailing_zeros() as usize);
+                if n > 1 {
+                    assert!(p.contains(&((r + 1) % n)) && p.contains(&((r + n - 1) % n)), "ring neighbours");
+                }
+                for &q in &p {
+                    assert!(partner_ranks(q, n).contains(&r), "{r} lists {q} but not the reverse (n = {n})");
+                }
+            }
+        }
+    }
 
     fn member(rank: u32, id: &str) -> v1::Member {
         v1::Member { rank, worker_id: id.into(), incarnation: 7, host: "h".into(), ..Default::default() }

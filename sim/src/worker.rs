@@ -328,6 +328,7 @@ impl Worker {
                         after_generation,
                         wait_ms: self.elastic.rendezvous_poll.as_millis() as u64,
                         compact: false,
+                        partners: false,
                     };
                     let bound = self.bound(self.elastic.rendezvous_poll);
                     let answer =

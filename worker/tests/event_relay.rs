@@ -61,6 +61,7 @@ async fn form(job: &str, members: &[Member], after: u64) -> pb::Generation {
                     after_generation: after,
                     wait_ms: 5_000,
                     compact: false,
+                    partners: false,
                 })
                 .await
                 .expect("rendezvous");

@@ -222,11 +222,24 @@ mod tests {
     #[test]
     fn the_compact_answer_carries_the_callers_entry_and_the_digest() {
         let f = formed(8);
-        let c = f.compact_for(5);
+        let c = f.compact_for(5, false);
         assert!(c.members.is_empty());
         assert_eq!((c.size, c.rank, c.number), (8, Some(5), 3));
         assert_eq!(c.member.as_ref().map(|m| m.worker_id.as_str()), Some("w5"));
         assert_eq!(c.members_digest, cohort_proto::members_digest(&f.proto.members));
         assert_eq!(c.members_digest, f.proto.members_digest);
+    }
+
+    #[test]
+    fn a_compact_answer_with_partners_carries_their_entries_as_the_list_has_them() {
+        let f = formed(8);
+        let c = f.compact_for(5, true);
+        let ranks: Vec<u32> = c.members.iter().map(|m| m.rank).collect();
+        assert_eq!(ranks, [1, 3, 4, 6, 7], "5 ± 1, 2, 4 (mod 8), without 5 itself");
+        for m in &c.members {
+            assert_eq!(Some(m), f.member(m.rank), "each entry as the whole list holds it");
+        }
+        assert_eq!((c.size, c.rank, c.members_digest), (8, Some(5), f.proto.members_digest));
+        assert_eq!(c.member.as_ref().map(|m| m.worker_id.as_str()), Some("w5"));
     }
 }

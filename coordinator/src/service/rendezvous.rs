@@ -36,10 +36,10 @@ impl CoordinatorService {
             // learns of the revocation (watch, failed connection) and rendezvous again after
             // it. Withholding it would leave the member waiting after an older generation,
             // which never counts as ready for the next one.
-            // A compact answer copies one member; the full one, all of them.
+            // A compact answer copies one member (and O(log N) partners); the full one, all.
             let g = signal.formed.as_ref()?;
             let rank = g.rank_of(worker, incarnation).filter(|_| g.number > r.after_generation)?;
-            Some(O::Formed(if r.compact { g.compact_for(rank) } else { g.proto.clone() }))
+            Some(O::Formed(if r.compact { g.compact_for(rank, r.partners) } else { g.proto.clone() }))
         };
         let signal = rx.borrow_and_update().clone();
         if let Some(o) = answer(&signal) {

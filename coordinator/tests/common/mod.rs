@@ -259,6 +259,7 @@ impl Worker {
             after_generation: after,
             wait_ms: wait.as_millis() as u64,
             compact: false,
+            partners: false,
         })
         .await
         .map(|r| r.into_inner())

@@ -361,8 +361,11 @@ impl ControlClient {
     /// Waits (long poll of `request.wait_ms`) for the next generation, asking for the compact
     /// answer whatever `request.compact` says: the formed generation carries no member list
     /// but its `size`, the caller's `rank` and own entry (`member`) and `members_digest`.
-    /// Fetch the peers it needs with [`Self::fetch_members`]. Against a coordinator older
-    /// than the compact answer, the whole list comes back (`members` not empty, `size` 0).
+    /// With `request.partners` its `members` are the caller's partners' entries
+    /// ([`cohort_proto::partner_ranks`], ascending), one round trip fewer; fetch any other
+    /// peer with [`Self::fetch_members`] (and the partners too when a coordinator older than
+    /// `partners` leaves `members` empty). Against a coordinator older than the compact
+    /// answer, the whole list comes back (`members` not empty, `size` 0).
     ///
     /// # Cancel safety
     /// Cancel safe: calling again resumes the wait.

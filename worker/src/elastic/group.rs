@@ -423,6 +423,7 @@ impl ElasticGroup {
                     after_generation,
                     wait_ms: self.config.rendezvous_poll.as_millis() as u64,
                     compact: false,
+                    partners: false,
                 })
                 .await
                 .map_err(CallError::from);
