@@ -26,6 +26,10 @@ enum Command {
         /// Draw only silent data links (timeout cascades).
         #[arg(long)]
         silent_links_only: bool,
+        /// Draw only single workers hanging while their host-mates run on (with
+        /// --workers-per-host 2 or more and --lease-scope host: the sweep of shared leases).
+        #[arg(long, conflicts_with = "silent_links_only")]
+        hung_ranks_only: bool,
         /// Run this many workers instead of the seed's 3 to 5 (the scale runs).
         #[arg(long)]
         workers: Option<usize>,
@@ -79,6 +83,7 @@ fn main() -> ExitCode {
             seed,
             per_replica_cascades,
             silent_links_only,
+            hung_ranks_only,
             workers,
             tick_ms,
             workers_per_host,
@@ -86,7 +91,11 @@ fn main() -> ExitCode {
         } => {
             let options = Options {
                 cascade_scope: if per_replica_cascades { CascadeScope::Replica } else { CascadeScope::Store },
-                mix: if silent_links_only { FaultMix::SilentLinks } else { FaultMix::All },
+                mix: match (silent_links_only, hung_ranks_only) {
+                    (true, _) => FaultMix::SilentLinks,
+                    (_, true) => FaultMix::HungRanks,
+                    _ => FaultMix::All,
+                },
                 workers,
                 tick_ms,
                 workers_per_host,

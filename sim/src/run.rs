@@ -321,6 +321,11 @@ fn apply(
                         sim.hold(worker_host(w), replica_host(r));
                     }
                 }
+                Fault::WorkerHang(w) => {
+                    // The worker alone: its host-mates run on, and the network is untouched.
+                    shared.lock().touches.push(Touch { worker: w, from_ms: now, to_ms: now + s.for_ms });
+                    shared.lock().paused.insert(w);
+                }
                 Fault::ClockJump(ms) => clock::set_jump_ms(ms),
                 Fault::LatencySpike(ms) => sim.set_max_message_latency(Duration::from_millis(ms)),
             }
@@ -359,6 +364,9 @@ fn apply(
                     for r in 0..scenario.replicas {
                         sim.release(worker_host(w), replica_host(r));
                     }
+                }
+                Fault::WorkerHang(w) => {
+                    shared.lock().paused.remove(&w);
                 }
                 Fault::ClockJump(_) => clock::set_jump_ms(0),
                 Fault::LatencySpike(_) => sim.set_max_message_latency(Duration::from_millis(scenario.max_latency_ms)),

@@ -22,6 +22,10 @@ pub enum Fault {
     WorkerCrash(usize),
     /// A worker stops, as under SIGSTOP, and resumes after the fault's time.
     WorkerPause(usize),
+    /// One worker hangs (stops, as under SIGSTOP) while the other workers of its host run on
+    /// and beat, so that a host's shared lease stays alive; it resumes after the fault's time.
+    /// Its connections stay open: what it is sent waits for it.
+    WorkerHang(usize),
     /// Every replica's wall clock jumps by this many milliseconds (and back afterwards).
     ClockJump(i64),
     /// Messages take up to this many milliseconds (instead of the seed's usual).
@@ -38,6 +42,7 @@ impl fmt::Display for Fault {
             Fault::SilentLink(a, b) => write!(f, "data link worker-{a} -> worker-{b} goes silent"),
             Fault::WorkerCrash(w) => write!(f, "crash worker-{w}"),
             Fault::WorkerPause(w) => write!(f, "pause worker-{w} (SIGSTOP)"),
+            Fault::WorkerHang(w) => write!(f, "hang worker-{w} alone (its host-mates run on)"),
             Fault::ClockJump(ms) => write!(f, "replicas' wall clocks jump {ms:+} ms"),
             Fault::LatencySpike(ms) => write!(f, "message latency up to {ms} ms"),
         }
@@ -64,6 +69,10 @@ pub enum FaultMix {
     /// Only silent data-plane links (timeout cascades), with workers spread over three
     /// replicas: what the cascade regression needs.
     SilentLinks,
+    /// Only single workers hanging on hosts whose other workers run on
+    /// ([`Fault::WorkerHang`]): what the leader's sweep of members silent under a host's
+    /// shared lease needs.
+    HungRanks,
 }
 
 /// Everything a seed decides before the run.
@@ -103,6 +112,7 @@ impl Scenario {
         let (replicas, drawn) = match mix {
             FaultMix::All => (rng.random_range(2..=3), rng.random_range(3..=5)),
             FaultMix::SilentLinks => (3, rng.random_range(4..=5)),
+            FaultMix::HungRanks => (2, rng.random_range(4..=6)),
         };
         let workers = workers.map_or(drawn, |n| n.max(2));
         let max_latency_ms = *[1u64, 5, 20].get(rng.random_range(0..3)).unwrap_or(&1);
@@ -121,6 +131,7 @@ impl Scenario {
                     let b = (a + rng.random_range(1..workers)) % workers;
                     Fault::SilentLink(a, b)
                 }
+                FaultMix::HungRanks => Fault::WorkerHang(rng.random_range(0..workers)),
                 FaultMix::All => match rng.random_range(0..9) {
                     0 => Fault::ReplicaCrash(rng.random_range(0..replicas)),
                     1 => Fault::StoreOutage(rng.random_range(0..replicas)),
@@ -164,7 +175,8 @@ mod tests {
             Fault::PartitionWorkerReplica(w, _)
             | Fault::IsolateWorker(w)
             | Fault::WorkerCrash(w)
-            | Fault::WorkerPause(w) => {
+            | Fault::WorkerPause(w)
+            | Fault::WorkerHang(w) => {
                 vec![w]
             }
             Fault::SilentLink(a, b) => vec![a, b],

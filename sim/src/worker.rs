@@ -689,7 +689,11 @@ async fn watch_task(worker: Arc<Worker>) {
             loop {
                 tokio::select! {
                     message = stream.message() => match message {
-                        Ok(Some(event)) => worker.event(event),
+                        Ok(Some(event)) => {
+                            // A stopped process reads nothing: the event waits for it.
+                            worker.paused().await;
+                            worker.event(event)
+                        }
                         Ok(None) | Err(_) => break,
                     },
                     _ = changed.as_mut() => {

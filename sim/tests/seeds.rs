@@ -105,6 +105,36 @@ fn seeds_hold_every_invariant_on_hosts_shared_leases() {
     assert!(faults >= 8 * 3, "only {faults} faults over 8 seeds");
 }
 
+/// Under `lease_scope = "host"`, single workers hang (as under SIGSTOP) while their host-mates
+/// run on and keep the host's shared lease alive. The hung rank is still found: its peers'
+/// timeouts are re-attributed to it, and a rank hung longer than its lease's time to live is
+/// swept by the leader (its records deleted under the live lease) and evicted. Every
+/// invariant holds, and some seed shows a hung worker evicted.
+#[test]
+fn a_rank_hung_on_a_live_host_is_found_and_swept() {
+    let options = Options {
+        mix: FaultMix::HungRanks,
+        workers: Some(6),
+        workers_per_host: Some(2),
+        lease_scope: cohort_coordinator::config::LeaseScope::Host,
+        ..Options::default()
+    };
+    let (mut faults, mut evictions) = (0, 0);
+    for seed in 0..8 {
+        let report = run_seed(seed, &options);
+        assert!(
+            report.violations.is_empty(),
+            "seed {seed} with hung ranks on shared leases broke invariants: {:#?}\nreplay it: cargo run -p cohort-sim --release -- replay --seed {seed} --workers 6 --workers-per-host 2 --lease-scope host --hung-ranks-only",
+            report.violations
+        );
+        faults += report.faults;
+        // Nothing else deletes a member's records here: its host's lease never lapses.
+        evictions += report.lines.iter().filter(|l| l.contains(" evicted (")).count();
+    }
+    assert!(faults >= 8 * 3, "only {faults} faults over 8 seeds");
+    assert!(evictions > 0, "no hung worker was swept in 8 seeds");
+}
+
 /// With several workers to a host (the scale runs' `--workers-per-host`), a host is one
 /// failure domain: a crash drawn for one worker restarts every worker of its host and no
 /// other, and every invariant still holds.
