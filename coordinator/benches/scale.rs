@@ -12,7 +12,9 @@
 //!
 //! 1. **formation**: every member joins (at most [`JOIN_CONCURRENCY`] joins in flight) and
 //!    rendezvous; `join_to_formed_ms` runs from the first join to the last member holding
-//!    generation 1 (`max_workers` = N, so it forms as soon as every member waits);
+//!    generation 1 (`max_workers` = N, so it forms as soon as every member waits). A join
+//!    answered UNAVAILABLE is retried as a worker's client retries it (50 ms, doubling to
+//!    1 s); `joins_retried` counts them;
 //! 2. **watch**: as the workers' host relays do (`--ranks-per-host` R, default 8, consecutive
 //!    ranks per host): every member opens a quiet watch stream of its own (its control
 //!    stream) and each host one compact event stream with incarnation 0 (its event relay's),
@@ -113,6 +115,11 @@ const START_BOUND: Duration = Duration::from_secs(60);
 /// How many `HostHeartbeat` calls a host's relay makes per interval
 /// (`cohort::control::FLUSHES_PER_INTERVAL`; this harness does not link the worker crate).
 const RELAY_FLUSHES_PER_INTERVAL: u32 = 2;
+
+/// Attempts of a join answered UNAVAILABLE before the run fails.
+const JOIN_ATTEMPTS: usize = 20;
+/// Joins answered UNAVAILABLE and retried (`joins_retried` in the output).
+static JOINS_RETRIED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 /// Hosts' event streams that share one HTTP/2 connection (the relays', apart from the members').
 const HOSTS_PER_CONNECTION: usize = 8;
@@ -450,9 +457,25 @@ impl Member {
             domain: String::new(),
             replaces: 0,
         };
-        let mut c = client.clone();
-        let r = c.join(request).await.map_err(|s| format!("join {id}: {s}"))?.into_inner();
-        Ok(Self { client, id, incarnation: r.incarnation })
+        // As a worker's client does: UNAVAILABLE (etcd refusing "too many requests" while a
+        // lease per member is granted for every join at once) is retried after 50 ms,
+        // doubling to 1 s; every other error fails the run.
+        let mut wait = Duration::from_millis(50);
+        for _ in 0..JOIN_ATTEMPTS {
+            let mut c = client.clone();
+            match c.join(request.clone()).await {
+                Ok(r) => {
+                    return Ok(Self { client, id, incarnation: r.into_inner().incarnation });
+                }
+                Err(s) if s.code() == tonic::Code::Unavailable => {
+                    JOINS_RETRIED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    tokio::time::sleep(wait).await;
+                    wait = (wait * 2).min(Duration::from_secs(1));
+                }
+                Err(s) => return Err(format!("join {id}: {s}")),
+            }
+        }
+        Err(format!("join {id}: still unavailable after {JOIN_ATTEMPTS} attempts"))
     }
 
     /// Long polls until a generation newer than `after` that includes this member forms and,
@@ -765,6 +788,7 @@ async fn run(plan: &Plan, store: &str, relays: &tokio::runtime::Handle) -> Resul
 
     // 1. Formation: join and rendezvous.
     let cpu0 = cpu_all(&coordinators);
+    JOINS_RETRIED.store(0, std::sync::atomic::Ordering::Relaxed);
     let started = Instant::now();
     let admit = Arc::new(tokio::sync::Semaphore::new(plan.join_concurrency));
     let compact = plan.compact;
@@ -793,6 +817,7 @@ async fn run(plan: &Plan, store: &str, relays: &tokio::runtime::Handle) -> Resul
     })
     .await??;
     let join_to_formed = started.elapsed();
+    let joins_retried = JOINS_RETRIED.swap(0, std::sync::atomic::Ordering::Relaxed);
     let cpu_formation = cpu_all(&coordinators) - cpu0;
     phase_end("formation", &mut mark)?;
     check_generation(&joined.iter().map(|(_, p)| p).collect::<Vec<_>>(), 1, n)
@@ -1133,7 +1158,7 @@ async fn run(plan: &Plan, store: &str, relays: &tokio::runtime::Handle) -> Resul
     }
     println!(
         "scale store={store} mode={mode} members={n} replicas={replicas}{txn_ops} connections={connections} fetched_per_member={:.1} \
-         join_to_formed_ms={:.0} formation_cpu_s={:.2} watches_ms={:.0} watches_cpu_s={:.2} \
+         join_to_formed_ms={:.0} joins_retried={joins_retried} formation_cpu_s={:.2} watches_ms={:.0} watches_cpu_s={:.2} \
          report_ms={:.1} revoked_min_ms={:.1} revoked_p50_ms={:.1} revoked_p99_ms={:.1} revoked_max_ms={:.1} reformed_ms={:.0} failure_cpu_s={:.2}{steady} \
          finish_ms={:.0} finish_cpu_s={:.2} leaves_refused={} ended={ended} peak_rss_mib={}{etcd_out}{phases}",
         fetched_entries as f64 / n as f64,
