@@ -601,7 +601,6 @@ impl Member {
     }
 }
 
-/// One host's heartbeats of one interval, as its relay sends them: the number answered.
 /// Opens a watch stream for `worker` (incarnation 0: a host relay's, for which the coordinator
 /// records no control stream).
 async fn open_watch(
@@ -643,6 +642,7 @@ async fn connect_channels(
     Ok(channels)
 }
 
+/// One host's heartbeats of one interval, as its relay sends them: the number answered.
 async fn host_heartbeat(host: &[(Arc<Member>, Option<pb::StepTiming>)], generation: u64) -> u64 {
     let Some((first, _)) = host.first() else { return 0 };
     let mut c = first.client.clone();
