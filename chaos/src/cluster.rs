@@ -354,6 +354,7 @@ impl Cluster {
             .args(["--lease-ttl", &ms(s.lease_ttl), "--elastic-timeout", &ms(s.elastic_timeout)])
             .args(["--straggler-policy", s.straggler_policy.name(), "--straggler-cooldown", &ms(s.straggler_cooldown)])
             .args(["--lease-scope", s.lease_scope.name()])
+            .args(["--whole-answer-up-to", &s.whole_answer_up_to.to_string()])
             .arg("--token-file")
             .arg(&self.token_file)
             .env("RUST_LOG", std::env::var("COHORT_CHAOS_COORDINATOR_LOG").unwrap_or_else(|_| "info".into()));

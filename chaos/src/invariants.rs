@@ -100,6 +100,45 @@ pub fn transport_by_host(events: &[WorkerEvent], hosts: &BTreeMap<String, String
     }
 }
 
+/// Every member of a generation of at most `whole_answer_up_to` members held every member's
+/// entry, and every member of a larger one a sparse view (fewer entries than members). Events
+/// without the count (older workers) are not judged; at least one must be.
+pub fn member_views(events: &[WorkerEvent], whole_answer_up_to: u32) -> Check {
+    let mut judged = 0;
+    let mut sparse = 0;
+    let mut fewest: Option<(u64, u64)> = None;
+    let mut wrong = Vec::new();
+    for (e, g) in events.iter().filter_map(|e| Some((e, e.get::<ev::Generation>()?))) {
+        let Some(known) = g.known else { continue };
+        judged += 1;
+        let whole = g.world <= u64::from(whole_answer_up_to);
+        if whole && known != g.world || !whole && known >= g.world {
+            wrong.push(format!(
+                "{} in generation {} ({} members, whole up to {whole_answer_up_to}): {known} entries",
+                e.worker, g.gen, g.world
+            ));
+        }
+        if !whole {
+            sparse += 1;
+            if fewest.is_none_or(|(k, _)| known < k) {
+                fewest = Some((known, g.world));
+            }
+        }
+    }
+    Check {
+        what: format!("members held the whole list up to {whole_answer_up_to} members, a sparse view above"),
+        ok: judged > 0 && wrong.is_empty(),
+        detail: match (wrong.is_empty(), fewest) {
+            (true, Some((known, world))) => {
+                format!("{judged} member-generations, {sparse} sparse; fewest entries {known} of {world} members")
+            }
+            (true, None) if judged > 0 => format!("{judged} member-generations, every one whole"),
+            (true, None) => "no generation event carried its entry count".into(),
+            (false, _) => wrong.join("; "),
+        },
+    }
+}
+
 /// Over TCP alone (every worker a host of its own), no rank linked more peers at the set-up of
 /// a generation than links on demand allow: every other rank up to
 /// [`cohort::elastic::FULL_MESH_UP_TO`] members, at most `2 ceil(log2 N) + 1` above it (see

@@ -361,6 +361,10 @@ pub struct Scenario {
     /// coordinators' `--lease-scope`).
     #[serde(default)]
     pub lease_scope: Option<String>,
+    /// The largest generation whose members get the whole member list (the coordinators'
+    /// `--whole-answer-up-to`, default 256); larger ones run on sparse views.
+    #[serde(default)]
+    pub whole_answer_up_to: Option<u32>,
     /// Route every data-plane link through the fault-injecting proxy (implied by link faults
     /// on the loopback).
     #[serde(default)]

@@ -63,11 +63,14 @@
 //! scale store=etcd members=1024 replicas=2 join_to_formed_ms=.. revoked_p50_ms=.. revoked_p99_ms=.. reformed_ms=.. ...
 //! ```
 //!
-//! **Answers.** By default members rendezvous *compactly* (`RendezvousRequest.compact`) and
-//! ask for their `partners`: the answer carries the generation's size, the member's rank and
-//! own entry, the member list's digest and what a member of a mesh that links on demand
-//! needs, the entries of the ranks `rank ± 2^k mod N` for `2^k < N` (O(log N),
-//! `cohort_proto::partner_ranks`). Against a coordinator older than `partners`
+//! **Answers.** By default members rendezvous as a worker does, asking for the sparse view
+//! (`RendezvousRequest.compact`, `partners`, `layout`): above the coordinators'
+//! `whole_answer_up_to` (256) the answer carries the generation's size, the member's rank and
+//! own entry, the member list's digest, the host runs and what a member of a mesh that links
+//! on demand needs, the entries of the ranks `rank ± 2^k mod N` for `2^k < N` (O(log N),
+//! `cohort_proto::partner_ranks`) and of its host-mates (each member publishes a TCP and a
+//! shared-memory address, as a worker with `--transport auto` does); a smaller generation
+//! comes whole. Against a coordinator older than `partners`
 //! (`COHORT_SCALE_COORDINATOR`) each member fetches them in one `Members` call, checking the
 //! answer's digest. Formation and re-formation are timed until every member holds those
 //! entries; watches are compact as well.
@@ -447,11 +450,16 @@ impl Member {
         let request = pb::JoinRequest {
             job: JOB.into(),
             worker_id: id.clone(),
-            host,
-            addresses: vec![pb::TransportAddress {
-                transport: "tcp".into(),
-                address: format!("127.{}.{}.{}:{}", (i >> 16) & 255, (i >> 8) & 255, i & 255, 40000 + i % 1000),
-            }],
+            host: host.clone(),
+            // A TCP address and, as a worker with `--transport auto` publishes, a shared-memory
+            // one: the members of a host share memory (the sparse answer's host runs).
+            addresses: vec![
+                pb::TransportAddress {
+                    transport: "tcp".into(),
+                    address: format!("127.{}.{}.{}:{}", (i >> 16) & 255, (i >> 8) & 255, i & 255, 40000 + i % 1000),
+                },
+                pb::TransportAddress { transport: "shm".into(), address: format!("{host}-0123456789abcdef/{i:016x}") },
+            ],
             capabilities: vec!["transport:tcp".into()],
             protocol_version: cohort_proto::PROTOCOL_VERSION,
             domain: String::new(),
@@ -482,7 +490,8 @@ impl Member {
     /// in compact mode, fetches the entries of the ranks a member linking on demand needs.
     async fn placed(&self, after: u64, compact: bool) -> Result<Placement, String> {
         let g = self.formed(after, compact).await?;
-        if !compact {
+        // A generation up to the coordinators' `--whole-answer-up-to` is answered whole.
+        if !compact || g.rank.is_none() {
             let rank = g
                 .members
                 .iter()
@@ -501,9 +510,22 @@ impl Member {
         if g.size == 0 {
             return Err(format!("{}: not a compact answer ({} members, size 0)", self.id, g.members.len()));
         }
-        let want = cohort_proto::partner_ranks(rank, g.size);
+        let mut want = cohort_proto::partner_ranks(rank, g.size);
+        if !g.host_runs.is_empty() {
+            // The sparse view: the partners and the host run's members.
+            let mut start = 0;
+            for length in cohort_proto::run_lengths(&g.host_runs, g.size)? {
+                if (start..start + length).contains(&rank) {
+                    want.extend((start..start + length).filter(|&r| r != rank));
+                    break;
+                }
+                start += length;
+            }
+            want.sort_unstable();
+            want.dedup();
+        }
         if !g.members.is_empty() {
-            // The partners came with the answer.
+            // The partners (and host-mates) came with the answer.
             let got: Vec<u32> = g.members.iter().map(|m| m.rank).collect();
             if got != want {
                 return Err(format!("{}: the answer carried partners {got:?}; expected {want:?}", self.id));
@@ -561,6 +583,7 @@ impl Member {
                     wait_ms: 20_000,
                     compact,
                     partners: compact,
+                    layout: compact,
                 })
                 .await
                 .map_err(|s| format!("rendezvous {}: {s}", self.id))?

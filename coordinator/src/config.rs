@@ -18,6 +18,11 @@
 //! - `lease_scope = "member"`: each member's records live on a store lease of its own, which
 //!   every heartbeat renews; `"host"` puts a host's members on one lease (see [`LeaseScope`]),
 //!   for jobs of thousands of ranks on etcd.
+//! - `whole_answer_up_to = 256`: a worker asks for a sparse view of its generation (its
+//!   partners, its host and the host layout); a generation of at most this many members is
+//!   still answered whole (about 100 bytes a member: 25 KB to each of 256), above it sparsely, so
+//!   that a formation moves O(N log N) bytes across the job instead of O(N^2). An RDMA mesh
+//!   links every pair and needs the whole list: raise it for RDMA jobs larger than this.
 //!
 //! File format (every field optional):
 //! ```toml
@@ -129,6 +134,10 @@ pub struct JobSettings {
     pub straggler_cooldown: Duration,
     /// Whose store lease a member's records are on: its own or its host's.
     pub lease_scope: LeaseScope,
+    /// The largest generation whose members get the whole member list when they ask for a
+    /// sparse view (`RendezvousRequest.layout`); larger ones get their partners, host and
+    /// host layout only.
+    pub whole_answer_up_to: u32,
 }
 
 impl Default for JobSettings {
@@ -143,6 +152,7 @@ impl Default for JobSettings {
             straggler_policy: StragglerPolicy::Report,
             straggler_cooldown: Duration::from_secs(60),
             lease_scope: LeaseScope::Member,
+            whole_answer_up_to: 256,
         }
     }
 }
@@ -238,6 +248,9 @@ impl JobSettings {
         if let Some(v) = &o.lease_scope {
             self.lease_scope = LeaseScope::parse(v)?;
         }
+        if let Some(v) = o.whole_answer_up_to {
+            self.whole_answer_up_to = v;
+        }
         Ok(())
     }
 }
@@ -268,6 +281,8 @@ pub struct Overrides {
     pub straggler_cooldown_ms: Option<u64>,
     /// See [`JobSettings::lease_scope`]: `member` or `host`.
     pub lease_scope: Option<String>,
+    /// See [`JobSettings::whole_answer_up_to`].
+    pub whole_answer_up_to: Option<u32>,
 }
 
 #[derive(Debug, Default, Deserialize)]

@@ -253,6 +253,17 @@ pub struct Formed {
     ranks: HashMap<String, (u64, u32)>,
     /// Host to its ranks in rank order, built by the first `Members` call that asks by host.
     hosts: OnceLock<HashMap<String, Vec<u32>>>,
+    /// The host runs, built by the first sparse answer ([`Formed::sparse_for`]).
+    runs: OnceLock<HostRuns>,
+}
+
+/// A generation's host runs (`cohort_proto::host_runs`) and where each run starts.
+#[derive(Debug)]
+struct HostRuns {
+    /// As the protocol carries them.
+    entries: Vec<pb::HostRuns>,
+    /// The first rank of every run, ascending.
+    starts: Vec<u32>,
 }
 
 impl Formed {
@@ -260,7 +271,7 @@ impl Formed {
     pub fn of(g: &GenerationRecord) -> Self {
         let ranks =
             g.members.iter().enumerate().map(|(r, m)| (m.worker_id.clone(), (m.incarnation, r as u32))).collect();
-        Self { number: g.number, proto: g.to_proto(), ranks, hosts: OnceLock::new() }
+        Self { number: g.number, proto: g.to_proto(), ranks, hosts: OnceLock::new(), runs: OnceLock::new() }
     }
 
     /// The rank of `(worker, incarnation)`, if a member. O(1).
@@ -302,6 +313,44 @@ impl Formed {
         };
         pb::Generation { rank: Some(rank), member: self.member(rank).cloned(), members, ..without_members(&self.proto) }
     }
+
+    /// The sparse answer to the member of rank `rank` (a `Rendezvous` asked with `layout`):
+    /// the compact answer with the entries of its partners and of its host run, ascending,
+    /// and the host runs. O(log N + ranks on its host + run-length changes) copied; the runs
+    /// are built once per generation, O(N).
+    pub fn sparse_for(&self, rank: u32) -> pb::Generation {
+        let runs = self.runs.get_or_init(|| {
+            // A member shares memory with its host-mates only if it published a shared-memory
+            // address; without one it is a host of its own, as the workers' layout has it.
+            let keys = self.proto.members.iter().map(|m| {
+                let shares = m.addresses.iter().any(|a| a.transport == "shm");
+                (shares.then_some(m.host.as_str()), if shares { 0 } else { m.rank })
+            });
+            let entries = cohort_proto::host_runs(keys);
+            let mut starts = Vec::new();
+            let mut next = 0u32;
+            for length in cohort_proto::run_lengths(&entries, self.size()).unwrap_or_default() {
+                starts.push(next);
+                next += length;
+            }
+            HostRuns { entries, starts }
+        });
+        let run = runs.starts.partition_point(|&start| start <= rank).saturating_sub(1);
+        let first = runs.starts.get(run).copied().unwrap_or(0);
+        let end = runs.starts.get(run + 1).copied().unwrap_or(self.size());
+        let mut wanted = cohort_proto::partner_ranks(rank, self.size());
+        wanted.extend((first..end).filter(|&r| r != rank));
+        wanted.sort_unstable();
+        wanted.dedup();
+        let members = wanted.into_iter().filter_map(|p| self.member(p).cloned()).collect();
+        pb::Generation {
+            rank: Some(rank),
+            member: self.member(rank).cloned(),
+            members,
+            host_runs: runs.entries.clone(),
+            ..without_members(&self.proto)
+        }
+    }
 }
 
 /// Generation `g` without its member list (number, size, digest, formation time): what a
@@ -315,6 +364,7 @@ pub fn without_members(g: &pb::Generation) -> pb::Generation {
         rank: None,
         member: None,
         members_digest: g.members_digest,
+        host_runs: Vec::new(),
     }
 }
 

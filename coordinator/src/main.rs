@@ -118,6 +118,12 @@ struct ServeArgs {
     /// cuts etcd's lease grants and renewals by the ranks per host: for jobs of thousands.
     #[arg(long)]
     lease_scope: Option<String>,
+    /// The largest generation answered with the whole member list to workers that ask for a
+    /// sparse view (default 256); above it each worker gets its partners' and host's entries
+    /// and the host layout, and resolves other peers on first use. RDMA meshes need the
+    /// whole list.
+    #[arg(long)]
+    whole_answer_up_to: Option<u32>,
     /// Leader lease TTL (replicas on etcd).
     #[arg(long, value_parser = duration, default_value = "3s")]
     leader_ttl: Duration,
@@ -292,6 +298,7 @@ async fn serve(args: ServeArgs) -> Result<(), CliError> {
         straggler_policy: args.straggler_policy.clone(),
         straggler_cooldown_ms: args.straggler_cooldown.map(|d| d.as_millis() as u64),
         lease_scope: args.lease_scope.clone(),
+        whole_answer_up_to: args.whole_answer_up_to,
     };
     let settings = Settings::from_file(args.config.as_deref(), &cli)?;
     let exclusion = cohort_coordinator::ExclusionPolicy {

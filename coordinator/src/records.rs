@@ -590,6 +590,7 @@ impl GenerationRecord {
             formed_at_ms: self.formed_at_ms,
             rank: None,
             member: None,
+            host_runs: Vec::new(),
         }
     }
 }

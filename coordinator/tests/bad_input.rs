@@ -77,6 +77,7 @@ async fn malformed_requests_are_refused_without_state_change() {
                 wait_ms: 10,
                 compact: false,
                 partners: false,
+                layout: false,
             };
             f(&mut r);
             let mut c = c.clone();

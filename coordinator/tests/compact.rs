@@ -31,6 +31,9 @@ enum Ask {
     Compact,
     /// The compact answer with the caller's partners' entries.
     Partners,
+    /// The sparse view: partners, host run and host runs (the job's generations are larger
+    /// than its `whole_answer_up_to`).
+    Layout,
 }
 
 /// Long polls (bounded by the test's bound) until a generation newer than `after` forms.
@@ -45,7 +48,8 @@ async fn formed(w: &Worker, after: u64, ask: Ask) -> pb::Generation {
                 after_generation: after,
                 wait_ms: 5_000,
                 compact: ask != Ask::Whole,
-                partners: ask == Ask::Partners,
+                partners: matches!(ask, Ask::Partners | Ask::Layout),
+                layout: ask == Ask::Layout,
             })
             .await
             .unwrap_or_else(|s| panic!("rendezvous {}: {s}", w.id))
@@ -81,6 +85,7 @@ async fn compact_answers_and_members_by_rank_and_host(backend: Backend) {
     let backing = Backing::new(backend).await;
     let mut settings = test_settings(backend);
     settings.max_workers = 6;
+    settings.whole_answer_up_to = 4;
     let server = replica(backing.store.clone(), &Options::new(settings)).await;
     let addr = server.local_addr();
     let job = "job-compact";
@@ -88,12 +93,15 @@ async fn compact_answers_and_members_by_rank_and_host(backend: Backend) {
     for i in 0..6 {
         let mut request = join_request(job, &format!("w{i}"));
         request.host = host_of(i).into();
+        // A shared-memory address: the members of one host share memory (host runs).
+        request.addresses.push(pb::TransportAddress { transport: "shm".into(), address: format!("shm-{i}") });
         workers.push(Worker::join_with(addr, request, Duration::from_millis(100)).await);
     }
-    // w0..w3 ask compactly, w4 with its partners; w5 is an older client and asks for the
-    // whole list.
+    // w0..w2 ask compactly, w3 for the sparse view, w4 with its partners; w5 is an older
+    // client and asks for the whole list.
     let how = |i: usize| match i {
-        0..=3 => Ask::Compact,
+        0..=2 => Ask::Compact,
+        3 => Ask::Layout,
         4 => Ask::Partners,
         _ => Ask::Whole,
     };
@@ -112,6 +120,17 @@ async fn compact_answers_and_members_by_rank_and_host(backend: Backend) {
                 cohort_proto::partner_ranks(rank, 6).iter().map(|&p| full.members[p as usize].clone()).collect();
             assert!(want.len() >= 3, "rank {rank} of 6 has at least three partners: {want:?}");
             assert_eq!(g.members, want, "w{i}'s partners");
+        } else if how(i) == Ask::Layout {
+            // Six members above `whole_answer_up_to` = 4: its partners and its host-mates
+            // (the two hosts of three hold ranks 0-2 and 3-5), and the host runs.
+            let rank = g.rank.expect("the caller's rank");
+            let mut ranks = cohort_proto::partner_ranks(rank, 6);
+            ranks.extend((0..6).filter(|&r| r != rank && r / 3 == rank / 3));
+            ranks.sort_unstable();
+            ranks.dedup();
+            let want: Vec<pb::Member> = ranks.iter().map(|&p| full.members[p as usize].clone()).collect();
+            assert_eq!(g.members, want, "w{i}'s partners and host-mates");
+            assert_eq!(g.host_runs, vec![pb::HostRuns { ranks: 3, hosts: 2 }]);
         } else {
             assert!(g.members.is_empty(), "a compact answer carries no member list: {g:?}");
         }
@@ -254,7 +273,8 @@ async fn members_of_another_job_are_refused_to_a_job_credential() {
             after_generation: 0,
             wait_ms: 5_000,
             compact: true,
-            partners: false,
+            partners: true,
+            layout: true,
         };
         let g = loop {
             let r = c.rendezvous(authed(rendezvous.clone(), &cred_b)).await.expect("rendezvous").into_inner();
@@ -262,6 +282,9 @@ async fn members_of_another_job_are_refused_to_a_job_credential() {
                 break g;
             }
         };
+        // One member, below the default `whole_answer_up_to`: the sparse view of a small
+        // generation is the whole list.
+        assert_eq!((g.rank, g.members.len(), g.host_runs.len()), (None, 1, 0), "{g:?}");
         let question = pb::MembersRequest {
             job: "b".into(),
             worker_id: "wb".into(),

@@ -98,6 +98,7 @@ fn rpc() -> impl Strategy<Value = Rpc> {
                 wait_ms,
                 compact: false,
                 partners: false,
+                layout: false,
             })
         }),
         (id(), id(), num(), any::<bool>()).prop_map(|(job, worker_id, incarnation, quiet)| {

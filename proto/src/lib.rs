@@ -85,9 +85,79 @@ pub fn partner_ranks(rank: u32, size: u32) -> Vec<u32> {
     out
 }
 
+/// The host runs of a generation whose members' hosts, in rank order, are `hosts`: each
+/// maximal block of consecutive equal hosts is a run, and consecutive runs of one length are
+/// merged into one [`v1::HostRuns`] entry. What a compact `Rendezvous` answer asked with
+/// `layout` carries in `host_runs`. O(members) to build; as many entries as changes of run
+/// length (one for a job of equal hosts).
+pub fn host_runs<T: PartialEq>(hosts: impl IntoIterator<Item = T>) -> Vec<v1::HostRuns> {
+    let mut lengths: Vec<u32> = Vec::new();
+    let mut last: Option<T> = None;
+    for host in hosts {
+        match (&last, lengths.last_mut()) {
+            (Some(previous), Some(length)) if *previous == host => *length += 1,
+            _ => lengths.push(1),
+        }
+        last = Some(host);
+    }
+    let mut out: Vec<v1::HostRuns> = Vec::new();
+    for length in lengths {
+        match out.last_mut() {
+            Some(entry) if entry.ranks == length => entry.hosts += 1,
+            _ => out.push(v1::HostRuns { ranks: length, hosts: 1 }),
+        }
+    }
+    out
+}
+
+/// The length of every host run that `runs` describes, in rank order: the inverse of
+/// [`host_runs`]. Errors when an entry is empty or the runs do not cover exactly `size`
+/// ranks, or when they would describe more runs than ranks (a nonsense answer).
+pub fn run_lengths(runs: &[v1::HostRuns], size: u32) -> Result<Vec<u32>, String> {
+    let mut lengths = Vec::new();
+    let mut covered: u64 = 0;
+    for entry in runs {
+        if entry.ranks == 0 || entry.hosts == 0 {
+            return Err(format!("an empty host run entry ({} ranks x {} hosts)", entry.ranks, entry.hosts));
+        }
+        covered += u64::from(entry.ranks) * u64::from(entry.hosts);
+        if covered > u64::from(size) {
+            return Err(format!("host runs cover more than the generation's {size} ranks"));
+        }
+        lengths.extend(std::iter::repeat_n(entry.ranks, entry.hosts as usize));
+    }
+    if covered != u64::from(size) {
+        return Err(format!("host runs cover {covered} ranks of the generation's {size}"));
+    }
+    Ok(lengths)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn host_runs_merge_equal_lengths_and_expand_back() {
+        let hosts = ["a", "a", "b", "b", "c", "c", "c", "a", "d"];
+        let runs = host_runs(hosts);
+        let pairs: Vec<(u32, u32)> = runs.iter().map(|r| (r.ranks, r.hosts)).collect();
+        assert_eq!(pairs, vec![(2, 2), (3, 1), (1, 2)], "a's second block is a run of its own");
+        assert_eq!(run_lengths(&runs, 9).unwrap(), vec![2, 2, 3, 1, 1]);
+        let even: Vec<String> = (0..16_384).map(|i| format!("h{}", i / 8)).collect();
+        let runs = host_runs(even.iter());
+        assert_eq!(runs, vec![v1::HostRuns { ranks: 8, hosts: 2_048 }], "equal hosts: one entry");
+        assert_eq!(run_lengths(&runs, 16_384).unwrap().len(), 2_048);
+        assert!(host_runs(std::iter::empty::<&str>()).is_empty());
+        assert_eq!(run_lengths(&[], 0).unwrap(), Vec::<u32>::new());
+        for (bad, size) in [
+            (vec![v1::HostRuns { ranks: 8, hosts: 2 }], 17),
+            (vec![v1::HostRuns { ranks: 8, hosts: 3 }], 16),
+            (vec![v1::HostRuns { ranks: 0, hosts: 3 }], 0),
+            (vec![v1::HostRuns { ranks: u32::MAX, hosts: u32::MAX }], 16),
+        ] {
+            assert!(run_lengths(&bad, size).is_err(), "{bad:?} over {size}");
+        }
+    }
 
     #[test]
     fn partners_are_powers_of_two_away_each_once_and_symmetric() {

@@ -32,7 +32,7 @@ KEYS = {
     "joining": "worker t_ms",
     "joined": "worker incarnation addr listen? t_ms",
     "job_ended": "outcome reason:text t_ms",
-    "generation": "gen world rank transport links? carried? t_ms",
+    "generation": "gen world rank transport links? carried? known? t_ms",
     "restored": "gen rank step source changed t_ms",
     "error": "gen rank step? phase? kind detail?:text cause:text t_ms cause_t_ms?",
     "finished": "gen rank step params_digest? expected_digest? t_ms",

@@ -406,7 +406,9 @@ impl Communicator {
         &self.transport
     }
 
-    /// The members, by rank.
+    /// The members this rank knows, by rank: every member of a generation answered whole (up
+    /// to the job's `whole_answer_up_to`, default 256 members), else its partners and
+    /// host-mates.
     #[getter]
     fn members(&self) -> Vec<Member> {
         self.members.clone()
@@ -562,7 +564,8 @@ impl Communicator {
             .iter()
             .enumerate()
             .filter_map(|(i, &r)| {
-                let m = self.members.get(r as usize)?;
+                let at = self.members.binary_search_by_key(&r, |m| m.rank).ok()?;
+                let m = &self.members[at];
                 Some(Member { rank: i as u32, ..m.clone() })
             })
             .collect();

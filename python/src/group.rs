@@ -303,7 +303,8 @@ impl Group {
         self.give_back(group);
         let generation = result?.map_err(Failure::Elastic)?;
         let transport = generation.transport.name();
-        let comm = Communicator::new(generation.comm, Some(self.reporter.clone()), &generation.members, transport);
+        let comm =
+            Communicator::new(generation.comm, Some(self.reporter.clone()), generation.members.known(), transport);
         let mut comms = self.comms.lock().unwrap_or_else(PoisonError::into_inner);
         comms.retain(|c| c.strong_count() > 0);
         comms.push(std::sync::Arc::downgrade(&comm.core));

@@ -329,6 +329,7 @@ impl Worker {
                         wait_ms: self.elastic.rendezvous_poll.as_millis() as u64,
                         compact: false,
                         partners: false,
+                        layout: false,
                     };
                     let bound = self.bound(self.elastic.rendezvous_poll);
                     let answer =

@@ -153,3 +153,96 @@ async fn a_dial_with_the_wrong_token_links_nothing() {
     .await
     .expect("test timed out");
 }
+
+/// Finds addresses from a table, counting the questions per rank; a rank not in the table is
+/// refused.
+#[derive(Debug)]
+struct Table {
+    addresses: std::collections::HashMap<Rank, SocketAddr>,
+    asked: std::sync::Mutex<Vec<Rank>>,
+}
+
+impl cohort_transports::tcp::ResolvePeer for Table {
+    fn resolve(
+        &self,
+        peer: Rank,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<SocketAddr, TransportError>> + Send + '_>> {
+        self.asked.lock().unwrap().push(peer);
+        let found = self
+            .addresses
+            .get(&peer)
+            .copied()
+            .ok_or_else(|| TransportError::InvalidArgument(format!("no address for rank {peer}")));
+        Box::pin(async move { found })
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn addresses_not_given_are_resolved_once_on_first_use() {
+    use cohort_transports::tcp::UNKNOWN_PEER;
+    timeout(TEST_LIMIT, async {
+        // Six ranks on a ring; each is given only its neighbours' addresses. Rank 5 may
+        // resolve every rank but 1; the others resolve nothing.
+        let eps = endpoints(6).await;
+        let addrs: Vec<SocketAddr> = eps.iter().map(TcpEndpoint::local_addr).collect();
+        let d = deadlines(Duration::from_secs(20), Duration::from_secs(20));
+        let table = Arc::new(Table {
+            addresses: [0, 2, 3].into_iter().map(|r| (r, addrs[r as usize])).collect(),
+            asked: std::sync::Mutex::new(Vec::new()),
+        });
+        let futs = eps.iter().enumerate().map(|(r, ep)| {
+            let Upfront::Only(near) = ring(r as Rank, 6) else { unreachable!() };
+            let given: Vec<SocketAddr> = (0..6u32)
+                .map(|p| if near.contains(&p) || p == r as Rank { addrs[p as usize] } else { UNKNOWN_PEER })
+                .collect();
+            let mut s = spec("job", 1, r as Rank, &given, TOKEN, d);
+            s.upfront = Upfront::Only(near);
+            if r == 5 {
+                s.resolver = Some(Arc::clone(&table) as Arc<dyn cohort_transports::tcp::ResolvePeer>);
+            }
+            ep.connect_mesh(s)
+        });
+        let ts: Vec<Arc<TcpTransport>> =
+            join_all(futs).await.into_iter().map(|r| Arc::new(r.expect("set-up"))).collect();
+        // 5 sends to 2 twice (one resolution), and to 3: it dials, having resolved them.
+        for (to, seq) in [(2u32, 0u32), (2, 1), (3, 0)] {
+            let tag = Tag::new(a_to_b(5, to), seq, 7);
+            let data = pattern(u64::from(to + seq), 1000);
+            let mut buf = vec![0u8; data.len()];
+            let (sent, got) = tokio::join!(ts[5].send(to, tag, &data), ts[to as usize].recv(5, tag, &mut buf));
+            sent.expect("send");
+            got.expect("recv");
+            assert_eq!(buf, data);
+        }
+        assert_eq!(*table.asked.lock().unwrap(), vec![2, 3], "each address asked for once");
+        // Rank 1's address cannot be found: the operation fails with the resolver's error and
+        // nothing is linked.
+        let err = ts[5].send(1, Tag::new(a_to_b(5, 1), 0, 7), &[1, 2, 3]).await.expect_err("no address");
+        assert!(err.to_string().contains("no address for rank 1"), "{err}");
+        // Rank 2 has no resolver: it cannot dial rank 0 (not given), and says so.
+        let err = ts[2].send(0, Tag::new(a_to_b(2, 0), 0, 7), &[1]).await.expect_err("no resolver");
+        assert!(err.to_string().contains("rank 0 has no address"), "{err}");
+        assert_eq!(ts[5].linked_peers(), 4, "neighbours 0 and 4, then 2 and 3");
+    })
+    .await
+    .expect("test timed out");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_set_up_refuses_a_planned_peer_whose_address_is_not_given() {
+    use cohort_transports::tcp::UNKNOWN_PEER;
+    let eps = endpoints(2).await;
+    let mut s = spec(
+        "job",
+        1,
+        1,
+        &[UNKNOWN_PEER, eps[1].local_addr()],
+        TOKEN,
+        deadlines(Duration::from_secs(5), Duration::from_secs(5)),
+    );
+    s.upfront = Upfront::Only(vec![0]);
+    let Err(err) = timeout(TEST_LIMIT, eps[1].connect_mesh(s)).await.expect("bounded") else {
+        panic!("the set-up was not refused");
+    };
+    assert!(matches!(err, TransportError::InvalidArgument(_)), "{err}");
+}

@@ -201,6 +201,9 @@ events! {
         /// How many of those links were carried over from the previous generation rather
         /// than dialled (incremental re-formation); the others are new.
         carried: Option<u64>,
+        /// Member entries this worker holds: every member's when the generation was answered
+        /// whole, fewer in a sparse view (its partners, host-mates and planned peers).
+        known: Option<u64>,
         /// Wall clock (ms since the Unix epoch).
         t_ms: u64,
     }

@@ -47,6 +47,13 @@ impl HostLayout {
         Self { host_of }
     }
 
+    /// Consecutive blocks of ranks, block `h` of `runs[h]` ranks on host `h` (the host runs
+    /// of a sparse generation view).
+    pub fn from_runs(runs: &[u32]) -> Self {
+        let host_of = runs.iter().enumerate().flat_map(|(h, &c)| std::iter::repeat_n(h as u32, c as usize)).collect();
+        Self { host_of }
+    }
+
     /// The layout of the subgroup whose rank `i` is this layout's rank `ranks[i]` (a rank out
     /// of range counts as a host of its own).
     pub fn restrict(&self, ranks: &[u32]) -> Self {
@@ -117,6 +124,7 @@ mod tests {
         assert!(!HostLayout::from_keys(&[1, 1, 1]).is_hierarchical(), "one host");
         assert_eq!(HostLayout::blocks(5, 2).hosts(), vec![vec![0, 1, 2], vec![3, 4]]);
         assert_eq!(HostLayout::blocks(2, 4).hosts(), vec![vec![0], vec![1]]);
+        assert_eq!(HostLayout::from_runs(&[3, 2]), HostLayout::blocks(5, 2));
         assert_ne!(HostLayout::blocks(4, 2).fingerprint(), HostLayout::flat(4).fingerprint());
     }
 

@@ -62,6 +62,7 @@ async fn form(job: &str, members: &[Member], after: u64) -> pb::Generation {
                     wait_ms: 5_000,
                     compact: false,
                     partners: false,
+                    layout: false,
                 })
                 .await
                 .expect("rendezvous");

@@ -26,6 +26,10 @@ impl Run<'_> {
             checks.push(invariants::tcp_links_within_plan(&events));
             checks.push(invariants::tcp_links_carried_over(&events));
         }
+        if self.sc.worker_command.is_none() {
+            let up_to = self.sc.whole_answer_up_to.unwrap_or(JobSettings::default().whole_answer_up_to);
+            checks.push(invariants::member_views(&events, up_to));
+        }
         checks.extend(self.quiet_checks(&events, &records));
         checks.push(match self.sc.expect {
             Expect::Finish => self.finished_check(codes, &events),

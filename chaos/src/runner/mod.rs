@@ -203,6 +203,7 @@ async fn run_inner(sc: &Scenario, seed: u64, log_dir: &std::path::Path, verbose:
                 .as_deref()
                 .and_then(|p| cohort_coordinator::config::LeaseScope::parse(p).ok())
                 .unwrap_or_default(),
+            whole_answer_up_to: sc.whole_answer_up_to.unwrap_or(JobSettings::default().whole_answer_up_to),
         },
         log_dir: Some(log_dir.to_path_buf()),
         exclusion: None,

@@ -151,7 +151,7 @@ impl CoordinatorService {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::records::Placed;
+    use crate::records::{Address, Placed};
 
     /// Generation 3 of `n` members, four to a host.
     fn formed(n: usize) -> Formed {
@@ -241,5 +241,45 @@ mod tests {
         }
         assert_eq!((c.size, c.rank, c.members_digest), (8, Some(5), f.proto.members_digest));
         assert_eq!(c.member.as_ref().map(|m| m.worker_id.as_str()), Some("w5"));
+    }
+
+    #[test]
+    fn a_sparse_answer_carries_the_partners_the_host_run_and_the_runs() {
+        // 40 members, 4 to a host, each with a shared-memory address: rank 21 sits on h5 =
+        // ranks 20..24.
+        let shm = |w: u32| Address { transport: "shm".into(), address: format!("shm-{w}") };
+        let members = (0..40)
+            .map(|i| Placed {
+                worker_id: format!("w{i}"),
+                incarnation: 10 + u64::from(i),
+                host: format!("h{}", i / 4),
+                addresses: vec![shm(i)],
+                domain: String::new(),
+            })
+            .collect();
+        let f = Formed::of(&crate::rendezvous::next_generation(None, members, 0));
+        let c = f.sparse_for(21);
+        let ranks: Vec<u32> = c.members.iter().map(|m| m.rank).collect();
+        let mut expected = cohort_proto::partner_ranks(21, 40);
+        expected.extend([20, 22, 23]);
+        expected.sort_unstable();
+        expected.dedup();
+        assert_eq!(ranks, expected, "partners and host-mates, ascending, each once");
+        for m in &c.members {
+            assert_eq!(Some(m), f.member(m.rank), "each entry as the whole list holds it");
+        }
+        assert_eq!(c.host_runs, vec![pb::HostRuns { ranks: 4, hosts: 10 }]);
+        assert_eq!((c.size, c.rank, c.members_digest), (40, Some(21), f.proto.members_digest));
+        // The first and the last run.
+        let first: Vec<u32> = f.sparse_for(0).members.iter().map(|m| m.rank).filter(|&r| r < 4).collect();
+        assert_eq!(first, [1, 2, 3]);
+        let last: Vec<u32> = f.sparse_for(39).members.iter().map(|m| m.rank).filter(|&r| r >= 36).collect();
+        assert_eq!(last, [36, 37, 38]);
+        // Without shared-memory addresses every member is a host of its own: partners only.
+        let tcp_only = formed(40);
+        let c = tcp_only.sparse_for(21);
+        assert_eq!(c.host_runs, vec![pb::HostRuns { ranks: 1, hosts: 40 }]);
+        let ranks: Vec<u32> = c.members.iter().map(|m| m.rank).collect();
+        assert_eq!(ranks, cohort_proto::partner_ranks(21, 40));
     }
 }

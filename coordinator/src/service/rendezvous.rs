@@ -36,10 +36,18 @@ impl CoordinatorService {
             // learns of the revocation (watch, failed connection) and rendezvous again after
             // it. Withholding it would leave the member waiting after an older generation,
             // which never counts as ready for the next one.
-            // A compact answer copies one member (and O(log N) partners); the full one, all.
+            // A compact answer copies one member (and O(log N) partners, and with `layout` its
+            // host run and the host runs); the full one, all. A worker asking for the sparse
+            // view of a small generation (up to `whole_answer_up_to`) gets the whole list.
             let g = signal.formed.as_ref()?;
             let rank = g.rank_of(worker, incarnation).filter(|_| g.number > r.after_generation)?;
-            Some(O::Formed(if r.compact { g.compact_for(rank, r.partners) } else { g.proto.clone() }))
+            Some(O::Formed(if !r.compact || (r.layout && g.size() <= settings.whole_answer_up_to) {
+                g.proto.clone()
+            } else if r.layout && r.partners {
+                g.sparse_for(rank)
+            } else {
+                g.compact_for(rank, r.partners)
+            }))
         };
         let signal = rx.borrow_and_update().clone();
         if let Some(o) = answer(&signal) {

@@ -260,6 +260,7 @@ impl Worker {
             wait_ms: wait.as_millis() as u64,
             compact: false,
             partners: false,
+            layout: false,
         })
         .await
         .map(|r| r.into_inner())

@@ -43,6 +43,12 @@
 //! leaves the sockets open instead, for the next generation to carry the clean links over
 //! ([`TcpTransport::carry_over`], [`TcpEndpoint::connect_mesh_carrying`]; the protocol is in
 //! the module `carry`).
+//!
+//! # Peers whose address is not known at set-up
+//! A member of a large generation knows only the addresses of the peers its schedules use
+//! (the coordinator's sparse answer). The others are [`UNKNOWN_PEER`] in [`MeshSpec::peers`];
+//! a link made on first use to one of them asks [`MeshSpec::resolver`] for its address
+//! first (once per peer), then dials as usual.
 
 mod carry;
 mod endpoint;
@@ -51,10 +57,12 @@ pub mod link;
 mod mesh;
 mod on_demand;
 mod options;
+mod resolve;
 
 pub use carry::{CarriedLink, CarriedLinks};
 pub use endpoint::{HELLO_TIMEOUT, MAX_HANDSHAKING, MAX_PENDING, PENDING_HOLD};
 pub use options::{TcpOptions, DEFAULT_BUSY_POLL, KEEPALIVE_INTERVAL, KEEPALIVE_RETRIES};
+pub use resolve::{ResolvePeer, UNKNOWN_PEER};
 
 use crate::links::Links;
 use crate::liveness;
@@ -79,8 +87,12 @@ pub struct MeshSpec {
     pub generation: u64,
     /// This process's rank.
     pub rank: Rank,
-    /// Data-plane address of every rank, indexed by rank (this rank's own entry is ignored).
+    /// Data-plane address of every rank, indexed by rank (this rank's own entry is ignored);
+    /// [`UNKNOWN_PEER`] for a peer the set-up does not link whose address is found by
+    /// `resolver` on first use.
     pub peers: Vec<SocketAddr>,
+    /// Finds the addresses left [`UNKNOWN_PEER`]; `None`: every address is given.
+    pub resolver: Option<Arc<dyn ResolvePeer>>,
     /// The job token; only HMAC proofs derived from it cross the wire.
     pub token: Vec<u8>,
     /// Connect and no-progress deadlines.
@@ -219,6 +231,12 @@ impl TcpEndpoint {
         for peer in 0..world {
             planned[peer as usize] = spec.upfront.includes(rank, peer);
         }
+        // The set-up dials the lower planned peers: their addresses must be given.
+        if let Some(peer) = (0..rank).find(|&p| planned[p as usize] && spec.peers[p as usize] == UNKNOWN_PEER) {
+            return Err(TransportError::InvalidArgument(format!(
+                "rank {peer} is linked at set-up but its address is not given"
+            )));
+        }
         let deadline = Instant::now() + spec.deadlines.connect;
         let mut streams: Vec<Option<tokio::net::TcpStream>> = (0..world).map(|_| None).collect();
         let notes = Arc::new(Mutex::new(Notes::default()));
@@ -321,7 +339,7 @@ impl TcpEndpoint {
                     self.options.max_frame,
                     spec.deadlines,
                     Arc::clone(&ctx.pace),
-                    spec.peers.get(peer).copied(),
+                    spec.peers.get(peer).copied().filter(|&a| a != UNKNOWN_PEER),
                     self.options.busy_poll,
                     s,
                     span.clone(),
@@ -333,7 +351,8 @@ impl TcpEndpoint {
         let links = Arc::new(if spec.carry_links { links.keep_open_on_abort() } else { links });
         let linked = links.linked();
         let carried = carried_in.iter().filter(|&&c| c).count();
-        let on_demand = Arc::new(OnDemand::new((*ctx).clone(), spec.deadlines, spec.peers, span.clone()));
+        let on_demand =
+            Arc::new(OnDemand::new((*ctx).clone(), spec.deadlines, spec.peers, spec.resolver, span.clone()));
         // The endpoint keeps routing this generation's connections here: peers outside the
         // plan dial when they first need their link.
         let late = tokio::spawn(

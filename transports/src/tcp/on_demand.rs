@@ -11,6 +11,7 @@
 use super::endpoint::Incoming;
 use super::link::TcpLink;
 use super::mesh::{self, Done, MeshCtx};
+use super::resolve::{ResolvePeer, UNKNOWN_PEER};
 use crate::links::{lock, Links};
 use crate::{Deadlines, Rank, Silence, TransportError};
 use std::collections::HashMap;
@@ -25,8 +26,12 @@ pub(crate) struct OnDemand {
     /// The set-up's handshake context; each link made later gets a fresh deadline.
     setup: MeshCtx,
     deadlines: Deadlines,
-    /// Every rank's data-plane address.
+    /// Every rank's data-plane address ([`UNKNOWN_PEER`] where not given).
     peers: Vec<SocketAddr>,
+    /// Finds the addresses not given.
+    resolver: Option<Arc<dyn ResolvePeer>>,
+    /// The addresses `resolver` found.
+    resolved: Mutex<HashMap<Rank, SocketAddr>>,
     span: tracing::Span,
     /// One lock per peer being dialled, so that concurrent operations share one dial.
     dialing: Mutex<HashMap<Rank, Arc<tokio::sync::Mutex<()>>>>,
@@ -35,9 +40,52 @@ pub(crate) struct OnDemand {
 }
 
 impl OnDemand {
-    /// The on-demand state of the mesh set up with `setup`, whose ranks are at `peers`.
-    pub(crate) fn new(setup: MeshCtx, deadlines: Deadlines, peers: Vec<SocketAddr>, span: tracing::Span) -> Self {
-        Self { setup, deadlines, peers, span, dialing: Mutex::new(HashMap::new()), arrived: Notify::new() }
+    /// The on-demand state of the mesh set up with `setup`, whose ranks are at `peers` (or
+    /// found by `resolver`).
+    pub(crate) fn new(
+        setup: MeshCtx,
+        deadlines: Deadlines,
+        peers: Vec<SocketAddr>,
+        resolver: Option<Arc<dyn ResolvePeer>>,
+        span: tracing::Span,
+    ) -> Self {
+        Self {
+            setup,
+            deadlines,
+            peers,
+            resolver,
+            resolved: Mutex::new(HashMap::new()),
+            span,
+            dialing: Mutex::new(HashMap::new()),
+            arrived: Notify::new(),
+        }
+    }
+
+    /// `peer`'s address if given or already resolved.
+    fn known_address(&self, peer: Rank) -> Option<SocketAddr> {
+        match self.peers.get(peer as usize).copied() {
+            Some(UNKNOWN_PEER) => lock(&self.resolved).get(&peer).copied(),
+            other => other,
+        }
+    }
+
+    /// `peer`'s address: given, resolved earlier, or asked of the resolver now.
+    async fn address(&self, peer: Rank) -> Result<SocketAddr, TransportError> {
+        if let Some(addr) = self.known_address(peer) {
+            return Ok(addr);
+        }
+        let Some(resolver) = self.resolver.as_ref().filter(|_| (peer as usize) < self.peers.len()) else {
+            return Err(TransportError::InvalidArgument(format!("rank {peer} has no address")));
+        };
+        let addr = tokio::time::timeout(self.deadlines.connect, resolver.resolve(peer)).await.map_err(|_| {
+            TransportError::Handshake {
+                peer,
+                detail: format!("finding the address of rank {peer} took longer than the connect deadline"),
+            }
+        })??;
+        tracing::debug!(parent: &self.span, peer, %addr, "address resolved on first use");
+        lock(&self.resolved).insert(peer, addr);
+        Ok(addr)
     }
 
     /// A handshake context whose deadline is one connect deadline from now.
@@ -54,7 +102,7 @@ impl OnDemand {
             self.setup.options.max_frame,
             self.deadlines,
             Arc::clone(&self.setup.pace),
-            self.peers.get(peer as usize).copied(),
+            self.known_address(peer),
             self.setup.options.busy_poll,
             stream,
             self.span.clone(),
@@ -92,9 +140,7 @@ impl OnDemand {
         if links.get(peer).is_some() {
             return Ok(());
         }
-        let Some(&addr) = self.peers.get(peer as usize) else {
-            return Err(TransportError::InvalidArgument(format!("rank {peer} has no address")));
-        };
+        let addr = self.address(peer).await?;
         match mesh::dial(self.ctx(), peer, addr).await {
             Done::Linked(peer, stream) => {
                 self.install(links, peer, stream);

@@ -52,6 +52,7 @@ pub(crate) fn spec(
         deadlines: d,
         upfront: Upfront::Every,
         carry_links: false,
+        resolver: None,
     }
 }
 

@@ -183,11 +183,26 @@ pub const FULL_MESH_UP_TO: usize = 16;
 
 /// The TCP links rank `rank` makes at set-up, leaving out the peers `over_shm` links.
 fn tcp_upfront(members: &[MemberInfo], rank: usize, over_shm: impl Fn(usize) -> bool) -> Upfront {
-    if members.len() <= FULL_MESH_UP_TO {
-        return Upfront::Every;
+    upfront_in(&host_layout(members), rank, over_shm)
+}
+
+/// The links rank `rank` makes at set-up in a generation of `layout`, leaving out the peers
+/// `over_shm` links.
+pub(crate) fn upfront_in(layout: &HostLayout, rank: usize, over_shm: impl Fn(usize) -> bool) -> Upfront {
+    match upfront_ranks(layout, rank as u32) {
+        None => Upfront::Every,
+        Some(plan) => Upfront::Only(plan.into_iter().filter(|&p| !over_shm(p as usize)).collect()),
     }
-    let plan = crate::upfront_links(rank as u32, &host_layout(members));
-    Upfront::Only(plan.into_iter().filter(|&p| !over_shm(p as usize)).collect())
+}
+
+/// The peers rank `rank` links at set-up in a generation of `layout` (its size and hosts):
+/// `None` for every peer (up to [`FULL_MESH_UP_TO`] members), else [`crate::upfront_links`].
+/// A worker holding a sparse view fetches the entries of these before it plans.
+pub(crate) fn upfront_ranks(layout: &HostLayout, rank: u32) -> Option<Vec<u32>> {
+    if layout.world_size() as usize <= FULL_MESH_UP_TO {
+        return None;
+    }
+    Some(crate::upfront_links(rank, layout))
 }
 
 /// Splits a TCP-or-shared-memory generation by host: rank `rank` uses shared memory to every

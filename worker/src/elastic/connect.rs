@@ -9,8 +9,9 @@ use super::choice::{plan_mesh, MeshPlan};
 use super::mesh::MixedTransport;
 use super::{ElasticError, MemberInfo, MeshTransport, TransportChoice};
 use cohort_transports::shm::{ShmAddress, ShmEndpoint, ShmMeshSpec};
-use cohort_transports::tcp::{CarriedLink, MeshSpec, TcpEndpoint};
+use cohort_transports::tcp::{CarriedLink, MeshSpec, ResolvePeer, TcpEndpoint};
 use cohort_transports::{Deadlines, TransportError};
+use std::sync::Arc;
 
 /// Whose mesh this is: every link's handshake checks the job, the generation and a proof of
 /// the job token, and every wait on it is bounded by the deadlines.
@@ -98,11 +99,12 @@ pub async fn connect_members(
     // whatever the records plan.
     let choice = if local.has_rdma() { TransportChoice::Rdma } else { TransportChoice::Auto };
     let plan = plan_mesh(scope.generation, members, rank, choice)?;
-    Ok(connect_planned(scope, rank, plan, local, Carry::default()).await?)
+    Ok(connect_planned(scope, rank, plan, local, Carry::default(), None).await?)
 }
 
 /// Connects this rank's part of a planned mesh, re-binding the TCP links `carry` brings
-/// (shut down if the plan is not over TCP).
+/// (shut down if the plan is not over TCP); `resolver` finds the TCP addresses the plan
+/// leaves unknown (a sparse generation view).
 ///
 /// # Cancel safety
 /// Cancel safe, as [`connect_members`].
@@ -112,9 +114,11 @@ pub(crate) async fn connect_planned(
     plan: MeshPlan,
     local: LocalEndpoints<'_>,
     carry: Carry,
+    resolver: Option<Arc<dyn ResolvePeer>>,
 ) -> Result<MeshTransport, TransportError> {
     let Carry { links: carried, onward } = carry;
     let tcp_spec = |peers, upfront| MeshSpec {
+        resolver: resolver.clone(),
         job: scope.job.clone(),
         generation: scope.generation,
         rank,

@@ -1,15 +1,18 @@
 //! [`ElasticGroup`]: membership, re-formation and failure handling for one worker.
 
-use super::choice::{host_layout, plan_mesh, MemberInfo, MeshPlan};
+use super::choice::{upfront_ranks, MeshPlan};
 use super::connect::{connect_planned, Carry, LocalEndpoints, MeshScope};
+use super::members::Members;
 use super::membership::{CallError, Effect, JoinNext, Membership, Step, WatchNext};
+use super::plan::plan_view;
+use super::resolve::CoordinatorResolver;
 use super::{ElasticConfig, ElasticError, MeshKind, MeshTransport, TransportChoice};
 use crate::control::{
     ControlClient, ControlError, EventRelay, HostRelay, RelayEvents, FULL_AFTER_FAILURE, RESUBSCRIBE_WINDOW,
 };
 use crate::{CommConfig, CommError, Communicator, Revoker, RootCause};
 use cohort_proto::v1 as pb;
-use cohort_transports::shm::{ShmAddress, ShmEndpoint};
+use cohort_transports::shm::ShmEndpoint;
 use cohort_transports::tcp::{TcpEndpoint, Upfront};
 use cohort_transports::{Transport, TransportError};
 use std::collections::HashMap;
@@ -24,8 +27,10 @@ use tracing::{debug, info, info_span, warn, Instrument};
 pub struct Generation {
     /// Generation number (strictly increasing over the job's life).
     pub number: u64,
-    /// Members ordered by rank.
-    pub members: Vec<MemberInfo>,
+    /// The members this worker knows, by rank: every one in a generation answered whole (up
+    /// to the job's `whole_answer_up_to`, default 256), else its partners and host-mates
+    /// (see [`Members`]).
+    pub members: Members,
     /// The communicator over this generation's mesh.
     pub comm: Communicator<MeshTransport>,
     /// The transport of this rank's links in this generation (`shm+tcp` on a rank that has
@@ -156,16 +161,17 @@ impl Previous {
     /// was a member here too, if both ends are clean. The other links are shut down.
     fn carry_into(
         self,
-        generation: &pb::Generation,
+        number: u64,
+        members: &Members,
         incarnation: u64,
         rank: u32,
         plan: &MeshPlan,
     ) -> Vec<(u32, cohort_transports::tcp::CarriedLink)> {
         let Some(old) = self.mesh.carry_over() else { return Vec::new() };
-        if self.incarnation != incarnation || self.number >= generation.number {
+        if self.incarnation != incarnation || self.number >= number {
             return Vec::new();
         }
-        let world = generation.members.len() as u32;
+        let world = members.size();
         let planned: Vec<u32> = match plan {
             MeshPlan::Tcp { upfront, .. } | MeshPlan::Mixed { upfront, .. } => match upfront {
                 Upfront::Every => (0..world).filter(|&p| p != rank).collect(),
@@ -176,9 +182,10 @@ impl Previous {
         planned
             .into_iter()
             .filter_map(|p| {
-                let m = generation.members.get(p as usize)?;
-                let &(_, old_rank) = self.ranks.get(&m.worker_id).filter(|(inc, _)| *inc == m.incarnation)?;
-                Some((p, old.take(old_rank, generation.number)?))
+                let m = members.get(p)?;
+                let peer_incarnation = members.incarnation_of(p)?;
+                let &(_, old_rank) = self.ranks.get(&m.worker_id).filter(|(inc, _)| *inc == peer_incarnation)?;
+                Some((p, old.take(old_rank, number)?))
             })
             .collect()
     }
@@ -422,8 +429,10 @@ impl ElasticGroup {
                     incarnation,
                     after_generation,
                     wait_ms: self.config.rendezvous_poll.as_millis() as u64,
-                    compact: false,
-                    partners: false,
+                    // The sparse view of a large generation; a small one comes whole.
+                    compact: true,
+                    partners: true,
+                    layout: true,
                 })
                 .await
                 .map_err(CallError::from);
@@ -440,19 +449,31 @@ impl ElasticGroup {
     async fn connect(&mut self, generation: pb::Generation) -> Result<Option<Generation>, ElasticError> {
         let number = generation.number;
         let span = info_span!("generation", job = %self.config.job, generation = number);
-        let members = parse_members(&generation)?;
         let incarnation = self.incarnation();
-        let rank = generation
-            .members
-            .iter()
-            .find(|m| m.worker_id == self.config.worker_id && m.incarnation == incarnation)
-            .map(|m| m.rank)
-            .ok_or_else(|| ElasticError::Protocol(format!("generation {number} does not include this worker")))?;
-        let plan = plan_mesh(number, &members, rank, self.config.transport)?;
+        let Some((members, rank)) = self.members_of(&generation, incarnation).instrument(span.clone()).await? else {
+            return Ok(None);
+        };
+        let plan = plan_view(number, &members, rank, self.config.transport)?;
         let carried = match self.previous.take() {
-            Some(previous) => previous.carry_into(&generation, incarnation, rank, &plan),
+            Some(previous) => previous.carry_into(number, &members, incarnation, rank, &plan),
             None => Vec::new(),
         };
+        // A sparse view leaves the addresses of the peers outside the plan to be asked of the
+        // coordinator when a link to one is first made.
+        let resolver: Option<Arc<dyn cohort_transports::tcp::ResolvePeer>> = (!members.is_whole()).then(|| {
+            Arc::new(CoordinatorResolver {
+                client: self.client.clone(),
+                question: pb::MembersRequest {
+                    job: self.config.job.clone(),
+                    worker_id: self.config.worker_id.clone(),
+                    incarnation,
+                    generation: number,
+                    ranks: Vec::new(),
+                    host: String::new(),
+                },
+                digest: generation.members_digest,
+            }) as Arc<dyn cohort_transports::tcp::ResolvePeer>
+        });
         let kind = plan.kind();
         if kind == MeshKind::Tcp && self.config.transport == TransportChoice::Rdma {
             warn!(parent: &span, without_rdma = %plan.without_rdma().join(", "),
@@ -462,7 +483,7 @@ impl ElasticGroup {
         // The generation may be revoked while its mesh connects (a member died before it
         // dialled): stop at once rather than wait out the connect deadline.
         let connected = tokio::select! {
-            r = self.connect_mesh(number, rank, plan, carried).instrument(span.clone()) => r,
+            r = self.connect_mesh(number, rank, plan, carried, resolver).instrument(span.clone()) => r,
             cause = revoked_or_ended(&self.shared, number) => {
                 info!(parent: &span, %cause, "generation revoked while connecting; re-forming");
                 return Ok(None);
@@ -496,17 +517,90 @@ impl ElasticGroup {
         self.previous = Some(Previous {
             number,
             incarnation,
-            ranks: generation.members.iter().map(|m| (m.worker_id.clone(), (m.incarnation, m.rank))).collect(),
+            ranks: members
+                .iter()
+                .filter_map(|m| Some((m.worker_id.clone(), (members.incarnation_of(m.rank)?, m.rank))))
+                .collect(),
             mesh: Arc::clone(&transport),
         });
         let mut comm = Communicator::new(transport, comm_config);
-        comm.set_layout(host_layout(&members)).map_err(|e| ElasticError::Protocol(e.to_string()))?;
+        comm.set_layout(members.layout()).map_err(|e| ElasticError::Protocol(e.to_string()))?;
         // The revoker first, so that a revocation heard while connecting (or now) finds it.
         *self.shared.revoker.lock().unwrap_or_else(|e| e.into_inner()) = Some((number, comm.revoker()));
         self.shared.drive(|m| m.handle_connected(number));
         let links = comm.transport().linked_peers();
-        info!(parent: &span, rank, world = members.len(), transport = %kind, links, carried, "generation formed");
+        info!(parent: &span, rank, world = members.size(), known = members.known().len(), transport = %kind, links, carried,
+              "generation formed");
         Ok(Some(Generation { number, members, comm, transport: kind, formed_at_ms: generation.formed_at_ms }))
+    }
+
+    /// The members of a formed generation this worker needs, and its rank: the whole list, or
+    /// a sparse view with the entries of every peer it links at set-up fetched (one `Members`
+    /// call when its plan reaches beyond its partners and host run, as a host leader's does).
+    /// A compact answer without host runs (an older coordinator) is completed with the whole
+    /// list. `None` when the generation changed meanwhile (its entries could not be fetched
+    /// against its digest): the caller rendezvous again.
+    ///
+    /// # Cancel safety
+    /// Cancel safe (read only).
+    async fn members_of(
+        &self,
+        generation: &pb::Generation,
+        incarnation: u64,
+    ) -> Result<Option<(Members, u32)>, ElasticError> {
+        let number = generation.number;
+        let question = |ranks: Vec<u32>| pb::MembersRequest {
+            job: self.config.job.clone(),
+            worker_id: self.config.worker_id.clone(),
+            incarnation,
+            generation: number,
+            ranks,
+            host: String::new(),
+        };
+        let fetch = |ranks: Vec<u32>| async move {
+            match self.client.fetch_members(question(ranks), generation.members_digest).await {
+                Ok(fetched) => Ok(Some(fetched)),
+                Err(ControlError::Rejected {
+                    code: tonic::Code::FailedPrecondition | tonic::Code::NotFound,
+                    message,
+                    ..
+                }) => {
+                    info!(error = %message, "the generation changed while its members were fetched; rendezvous again");
+                    Ok(None)
+                }
+                Err(e) => Err(ElasticError::from(e)),
+            }
+        };
+        let members = match Members::from_answer(generation)? {
+            Some(members) => members,
+            None => {
+                let Some(all) = fetch((0..generation.size).collect()).await? else { return Ok(None) };
+                let whole = pb::Generation { members: all, rank: None, ..generation.clone() };
+                Members::from_answer(&whole)?
+                    .ok_or_else(|| ElasticError::Protocol(format!("generation {number}: no member list")))?
+            }
+        };
+        let rank = members
+            .iter()
+            .find(|m| m.worker_id == self.config.worker_id && members.incarnation_of(m.rank) == Some(incarnation))
+            .map(|m| m.rank)
+            .ok_or_else(|| ElasticError::Protocol(format!("generation {number} does not include this worker")))?;
+        if members.is_whole() {
+            return Ok(Some((members, rank)));
+        }
+        let wanted: Vec<u32> = match upfront_ranks(&members.layout(), rank) {
+            None => (0..members.size()).collect(),
+            Some(plan) => plan,
+        };
+        let missing = members.missing(wanted);
+        if missing.is_empty() {
+            return Ok(Some((members, rank)));
+        }
+        debug!(rank, missing = missing.len(), "fetching the entries of the peers linked at set-up");
+        let Some(fetched) = fetch(missing).await? else { return Ok(None) };
+        let mut members = members;
+        members.add(&fetched)?;
+        Ok(Some((members, rank)))
     }
 
     /// Connects this rank's mesh of generation `number` over the planned transport.
@@ -519,6 +613,7 @@ impl ElasticGroup {
         rank: u32,
         plan: MeshPlan,
         carried: Vec<(u32, cohort_transports::tcp::CarriedLink)>,
+        resolver: Option<Arc<dyn cohort_transports::tcp::ResolvePeer>>,
     ) -> Result<MeshTransport, TransportError> {
         let scope = MeshScope {
             job: self.config.job.clone(),
@@ -527,7 +622,8 @@ impl ElasticGroup {
             deadlines: self.config.deadlines,
         };
         // Every generation's TCP links may be carried into the next (an abort leaves them open).
-        connect_planned(&scope, rank, plan, self.local_endpoints(), Carry { links: carried, onward: true }).await
+        connect_planned(&scope, rank, plan, self.local_endpoints(), Carry { links: carried, onward: true }, resolver)
+            .await
     }
 
     /// This worker's data-plane endpoints.
@@ -744,7 +840,7 @@ async fn open_rdma(
     let mut options = options.clone();
     options.bootstrap_bind = SocketAddr::new(listen.ip(), options.bootstrap_bind.port());
     if options.advertise.is_none() {
-        let host = resolve(advertised).ok_or_else(|| {
+        let host = super::members::resolve(advertised).ok_or_else(|| {
             ElasticError::DataPlane(TransportError::InvalidArgument(format!(
                 "the advertised address {advertised:?} does not resolve to an IP for the rdma bootstrap listener"
             )))
@@ -757,48 +853,6 @@ async fn open_rdma(
         .map_err(|source| ElasticError::RdmaEndpoint { device, source })?;
     info!(device = endpoint.device_name(), address = %endpoint.address().encode(), "rdma endpoint open");
     Ok(endpoint)
-}
-
-fn parse_members(generation: &pb::Generation) -> Result<Vec<MemberInfo>, ElasticError> {
-    let mut members = Vec::with_capacity(generation.members.len());
-    for (i, m) in generation.members.iter().enumerate() {
-        if m.rank as usize != i {
-            return Err(ElasticError::Protocol(format!(
-                "member {} listed at position {i} has rank {}",
-                m.worker_id, m.rank
-            )));
-        }
-        let address = m
-            .addresses
-            .iter()
-            .find(|a| a.transport == "tcp")
-            .ok_or_else(|| ElasticError::Protocol(format!("member {} has no tcp address", m.worker_id)))?;
-        let tcp = resolve(&address.address).ok_or_else(|| {
-            ElasticError::Protocol(format!("member {} has an unusable address {:?}", m.worker_id, address.address))
-        })?;
-        let rdma = m.addresses.iter().find(|a| a.transport == "rdma").map(|a| a.address.clone());
-        // An unusable shm address only keeps that member on TCP; every member reads the same
-        // records, so all of them decide alike.
-        let shm =
-            m.addresses.iter().find(|a| a.transport == "shm").and_then(|a| match ShmAddress::decode(&a.address) {
-                Ok(address) => Some(address),
-                Err(e) => {
-                    warn!(worker = %m.worker_id, error = %e, "ignoring an unusable shm address");
-                    None
-                }
-            });
-        members.push(MemberInfo { rank: m.rank, worker_id: m.worker_id.clone(), host: m.host.clone(), tcp, rdma, shm });
-    }
-    Ok(members)
-}
-
-/// Resolves `HOST:PORT` (an IP literal, or a name through the system resolver).
-fn resolve(address: &str) -> Option<SocketAddr> {
-    if let Ok(a) = address.parse() {
-        return Some(a);
-    }
-    use std::net::ToSocketAddrs;
-    address.to_socket_addrs().ok()?.next()
 }
 
 /// Keeps the membership's lease alive and reports progress, until a newer incarnation

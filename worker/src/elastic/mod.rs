@@ -39,6 +39,7 @@ mod config;
 mod connect;
 mod error;
 mod group;
+mod members;
 // The membership state machine: public under the `test-support` feature for the
 // deterministic simulation (`cohort-sim`), which drives it as `ElasticGroup` does; not part of
 // the stable API (its own documentation is the module's).
@@ -48,6 +49,8 @@ pub mod membership;
 #[allow(dead_code, unreachable_pub)]
 mod membership;
 mod mesh;
+mod plan;
+mod resolve;
 mod state;
 mod timing;
 
@@ -56,6 +59,7 @@ pub use config::{local_hostname, ElasticConfig};
 pub use connect::{connect_members, LocalEndpoints, MeshScope};
 pub use error::{ElasticError, TransportUnavailable};
 pub use group::{ElasticGroup, FailureReporter, Generation, ReformReason};
+pub use members::Members;
 pub use mesh::{MeshKind, MeshTransport, MixedTransport};
 pub use state::{Checkpoint, CommitError, ElasticState, SyncError, SyncOutcome};
 pub use timing::StepTimes;

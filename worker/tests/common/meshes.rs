@@ -50,6 +50,7 @@ pub(crate) async fn tcp_mesh(n: u32, generation: u64, planned: bool) -> (Vec<Tcp
                 Upfront::Every
             },
             carry_links: false,
+            resolver: None,
         })
     });
     let transports = futures::future::try_join_all(setups).await.expect("tcp mesh set-up");

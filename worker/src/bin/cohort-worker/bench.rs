@@ -470,6 +470,7 @@ async fn rank_typed<E: ExactElement>(rank: u32, config: BenchConfig) -> Result<(
                 deadlines: BENCH_DEADLINES,
                 upfront: Upfront::Every,
                 carry_links: false,
+                resolver: None,
             };
             let transport = endpoint.connect_mesh(spec).await.map_err(|e| e.to_string())?;
             measure::<E, _>(rank, &config, communicator(transport, &comm_config, &layout)?).await

@@ -234,6 +234,7 @@ pub(crate) async fn run<E: ExactElement>(
             transport: generation.transport.to_string(),
             links: Some(generation.comm.transport().linked_peers() as u64),
             carried: Some(generation.comm.transport().carried_links() as u64),
+            known: Some(generation.members.known().len() as u64),
             t_ms: now_ms(),
         }
         .print();
