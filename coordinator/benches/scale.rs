@@ -80,6 +80,7 @@
 //!
 //! Run it with `cargo bench -p cohort-coordinator --bench scale -- --members 1024`
 //! (`--stores memory,etcd`, `--replicas 2`, `--steady-secs 5`, `--ranks-per-host 8`,
+//! `--whole-answer-up-to N` (the coordinators' flag; the smoke run uses 16),
 //! `--etcd-max-txn-ops 1024`: etcd and the coordinators run with that limit on a transaction's
 //! operations; `--lease-scope host`: the coordinators put each host's 8 members on one store
 //! lease; `--join-concurrency N`: joins in flight at once, 256 by default; release build).
@@ -157,6 +158,8 @@ struct Plan {
     lease_scope: String,
     /// Joins in flight at once (the harness's members join in waves of this many).
     join_concurrency: usize,
+    /// The coordinators' `--whole-answer-up-to` (`None`: no flag, their default of 256).
+    whole_answer_up_to: Option<u32>,
 }
 
 impl Plan {
@@ -180,6 +183,7 @@ impl Plan {
                 ranks_per_host: RANKS_PER_HOST,
                 lease_scope: "member".into(),
                 join_concurrency: JOIN_CONCURRENCY,
+                whole_answer_up_to: None,
             }
         } else {
             Plan {
@@ -193,6 +197,8 @@ impl Plan {
                 ranks_per_host: RANKS_PER_HOST,
                 lease_scope: "member".into(),
                 join_concurrency: JOIN_CONCURRENCY,
+                // The smoke run's 96 members get sparse views, as a large job's do.
+                whole_answer_up_to: Some(16),
             }
         };
         let mut it = args.iter();
@@ -222,6 +228,9 @@ impl Plan {
                     if plan.join_concurrency == 0 {
                         return Err("--join-concurrency: at least 1".into());
                     }
+                }
+                "--whole-answer-up-to" => {
+                    plan.whole_answer_up_to = Some(value(a)?.parse().map_err(|e| format!("--whole-answer-up-to: {e}"))?)
                 }
                 "--lease-scope" => {
                     plan.lease_scope = value(a)?;
@@ -282,6 +291,7 @@ impl Coordinator {
         index: usize,
         max_txn_ops: Option<u32>,
         lease_scope: &str,
+        whole_answer_up_to: Option<u32>,
     ) -> Result<Self, String> {
         let max = members.to_string();
         // COHORT_SCALE_LOG=PREFIX keeps each replica's log (RUST_LOG=info) in PREFIX.<index>.
@@ -303,6 +313,9 @@ impl Coordinator {
         }
         if let Some(n) = max_txn_ops {
             command.args(["--etcd-max-txn-ops", &n.to_string()]);
+        }
+        if let Some(n) = whole_answer_up_to {
+            command.args(["--whole-answer-up-to", &n.to_string()]);
         }
         let mut child = command
             .args(["--min-workers", "1", "--max-workers", &max, "--join-window", "60s"])
@@ -785,7 +798,16 @@ async fn run(plan: &Plan, store: &str, relays: &tokio::runtime::Handle) -> Resul
     };
     let replicas = if etcd.is_some() { plan.replicas } else { 1 };
     let coordinators = (0..replicas)
-        .map(|i| Coordinator::start(&spec, n, i, plan.max_txn_ops.filter(|_| etcd.is_some()), &plan.lease_scope))
+        .map(|i| {
+            Coordinator::start(
+                &spec,
+                n,
+                i,
+                plan.max_txn_ops.filter(|_| etcd.is_some()),
+                &plan.lease_scope,
+                plan.whole_answer_up_to,
+            )
+        })
         .collect::<Result<Vec<Coordinator>, String>>()?;
     let etcd_before = match &etcd {
         Some(e) => etcd_counters(&e.endpoint())?,

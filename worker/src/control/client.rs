@@ -411,7 +411,8 @@ impl ControlClient {
                     rpc: "Members",
                     code: Code::FailedPrecondition,
                     message: format!(
-                        "the answer is about generation {} with member digest {:016x}, not generation {} with                          {digest:016x}: the generation changed; rendezvous again",
+                        "the answer is about generation {} with member digest {:016x}, not generation {} with \
+                         {digest:016x}: the generation changed; rendezvous again",
                         answer.generation, answer.members_digest, request.generation
                     ),
                 });
