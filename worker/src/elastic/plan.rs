@@ -70,3 +70,80 @@ pub(crate) fn plan_view(
     }
     Ok(plan)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use cohort_proto::v1 as pb;
+
+    /// Rank `rank` of 20 on host `h{rank / 4}`, with an shm address on that host when `shm`.
+    fn entry(rank: u32, shm: bool) -> pb::Member {
+        let mut addresses =
+            vec![pb::TransportAddress { transport: "tcp".into(), address: format!("127.0.0.1:{}", 7000 + rank) }];
+        if shm {
+            let address = ShmAddress { host: format!("h{}", rank / 4), nonce: format!("{rank:08x}") };
+            addresses.push(pb::TransportAddress { transport: "shm".into(), address: address.encode() });
+        }
+        pb::Member {
+            rank,
+            worker_id: format!("w{rank}"),
+            host: format!("h{}", rank / 4),
+            addresses,
+            ..Default::default()
+        }
+    }
+
+    /// The sparse view rank `rank` of 20 gets, with its plan's peers fetched.
+    fn view(rank: u32, shm: bool) -> Members {
+        let all: Vec<pb::Member> = (0..20).map(|r| entry(r, shm)).collect();
+        let g = pb::Generation {
+            number: 2,
+            size: 20,
+            rank: Some(rank),
+            member: Some(all[rank as usize].clone()),
+            host_runs: cohort_proto::host_runs(all.iter().map(|m| {
+                let shares = m.addresses.iter().any(|a| a.transport == "shm");
+                (shares.then_some(m.host.clone()), if shares { 0 } else { m.rank })
+            })),
+            members: all.iter().filter(|m| m.rank / 4 == rank / 4 && m.rank != rank).cloned().collect(),
+            ..Default::default()
+        };
+        let mut view = Members::from_answer(&g).unwrap().expect("a sparse view");
+        let wanted = super::super::choice::upfront_ranks(&view.layout(), rank).expect("planned above 16");
+        let missing = view.missing(wanted);
+        let fetched: Vec<pb::Member> = missing.iter().map(|&r| all[r as usize].clone()).collect();
+        view.add(&fetched).unwrap();
+        view
+    }
+
+    #[test]
+    fn a_sparse_view_plans_its_known_peers_and_leaves_the_others_unknown() {
+        // Over TCP alone: every rank a host of its own; the plan is the partners, all known.
+        let v = view(5, false);
+        let MeshPlan::Tcp { peers, upfront: Upfront::Only(planned), without_rdma } =
+            plan_view(2, &v, 5, TransportChoice::Tcp).unwrap()
+        else {
+            panic!("a TCP plan of some peers");
+        };
+        assert!(without_rdma.is_empty());
+        assert!(planned.iter().all(|&p| peers[p as usize] != UNKNOWN_PEER), "planned peers have addresses");
+        let unknown = peers.iter().filter(|&&a| a == UNKNOWN_PEER).count();
+        assert!(unknown > 0 && unknown + v.known().len() == 20, "the rest is left to first use: {unknown}");
+        // RDMA asked for: still TCP, and the worker is told why.
+        let MeshPlan::Tcp { without_rdma, .. } = plan_view(2, &v, 5, TransportChoice::Rdma).unwrap() else {
+            panic!("tcp");
+        };
+        assert!(without_rdma[0].contains("whole_answer_up_to"), "{without_rdma:?}");
+        // Shared memory within the named hosts: its three host-mates over it, TCP otherwise.
+        let v = view(5, true);
+        let plan = plan_view(2, &v, 5, TransportChoice::Auto).unwrap();
+        let MeshPlan::Mixed { shm, upfront: Upfront::Only(planned), .. } = &plan else {
+            panic!("shared memory and TCP: {plan:?}");
+        };
+        let over_shm: Vec<usize> = shm.iter().enumerate().filter(|(_, a)| a.is_some()).map(|(r, _)| r).collect();
+        assert_eq!(over_shm, [4, 5, 6, 7]);
+        assert!(planned.iter().all(|p| !(4..8).contains(p)), "host-mates are not planned over TCP: {planned:?}");
+        let refused = plan_view(2, &v, 5, TransportChoice::Shm).expect_err("other hosts");
+        assert!(refused.to_string().contains("16 of its 20 members"), "{refused}");
+    }
+}
