@@ -53,6 +53,12 @@ class GroupConfig:
     ``fixed_deadlines``)."""
     no_progress_floor: float = 0.25
     """Floor of the learned no-progress deadline."""
+    late_rank_timeout: float = 1800.0
+    """How long a collective waits on a peer whose process runs but is late to it (it still
+    computes its step, writes a checkpoint, evaluates, or waits behind such a rank): 30
+    minutes, gloo's default. ``no_progress_timeout`` never cuts such a peer; this bound catches
+    one that never comes (an endless loop or a deadlock in user code). Unused with
+    ``fixed_deadlines``."""
     fixed_deadlines: bool = False
     """True: no learned deadlines (``no_progress_timeout`` as is)."""
     connect_timeout: float = 30.0

@@ -111,8 +111,9 @@ fn elastic_config(config: &Bound<'_, PyAny>) -> PyResult<(ElasticConfig, bool)> 
     elastic.deadlines.no_progress = seconds_of(config, "no_progress_timeout")?;
     elastic.deadlines.connect = seconds_of(config, "connect_timeout")?;
     let floor = seconds_of(config, "no_progress_floor")?;
+    let late_rank = seconds_of(config, "late_rank_timeout")?;
     let fixed: bool = field(config, "fixed_deadlines")?;
-    elastic.deadlines.learning = (!fixed).then_some(cohort_transports::Learning { floor });
+    elastic.deadlines.learning = (!fixed).then_some(cohort_transports::Learning { floor, late_rank });
     elastic.comm.op_timeout =
         field::<Option<f64>>(config, "op_timeout")?.map(|t| seconds("op_timeout", t)).transpose()?;
     elastic.exclusion_wait = seconds_of(config, "exclusion_wait")?;

@@ -73,12 +73,30 @@ pub const DEFAULT_FLOOR: Duration = Duration::from_millis(250);
 pub struct Learning {
     /// The learned deadline is never shorter than this.
     pub floor: Duration,
+    /// How long a link waits on a peer whose process runs but is *late* to the operation
+    /// (it has not entered it, computes between two calls of it, or waits behind a rank that
+    /// is late; see [`crate::activity`]) before it fails with
+    /// [`crate::Silence::Late`]. The no-progress ceiling does not apply to such a wait: a
+    /// rank that writes a checkpoint for a minute is not cut. This bound catches a process
+    /// that never comes (an endless loop, a deadlock in user code).
+    pub late_rank: Duration,
+}
+
+/// The default late-rank bound: 30 minutes, gloo's default timeout (NCCL's watchdog waits
+/// 10 minutes, torchft 60 s). A late rank is never a false failure before it.
+pub const DEFAULT_LATE_RANK: Duration = Duration::from_secs(30 * 60);
+
+impl Learning {
+    /// Learning with `floor` and the default late-rank bound.
+    pub fn with_floor(floor: Duration) -> Self {
+        Self { floor, ..Self::default() }
+    }
 }
 
 impl Default for Learning {
-    /// A floor of [`DEFAULT_FLOOR`].
+    /// A floor of [`DEFAULT_FLOOR`], a late-rank bound of [`DEFAULT_LATE_RANK`].
     fn default() -> Self {
-        Self { floor: DEFAULT_FLOOR }
+        Self { floor: DEFAULT_FLOOR, late_rank: DEFAULT_LATE_RANK }
     }
 }
 
@@ -207,15 +225,30 @@ impl ProgressEstimator {
 /// The pace of one transport's links: the deadline in force its learned links last had (the
 /// newest published wins), for its links that have learned nothing themselves (see the module
 /// docs). Zero until a link has learned.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct Pace {
     nanos: AtomicU64,
+    /// This rank's board of the mesh ([`crate::activity`]), which its links' waits update
+    /// and consult.
+    activity: Arc<crate::activity::Activity>,
 }
 
 impl Pace {
-    /// A pace shared by the links of one transport (one generation's mesh).
-    pub(crate) fn shared() -> Arc<Self> {
-        Arc::new(Self::default())
+    /// A pace shared by the links of one transport (one generation's mesh), with this rank's
+    /// board of that mesh.
+    pub(crate) fn shared(activity: Arc<crate::activity::Activity>) -> Arc<Self> {
+        Arc::new(Self { nanos: AtomicU64::new(0), activity })
+    }
+
+    /// This rank's board of the mesh.
+    pub(crate) fn board(&self) -> &Arc<crate::activity::Activity> {
+        &self.activity
+    }
+
+    /// A pace with a board of its own (tests).
+    #[cfg(test)]
+    pub(crate) fn detached() -> Arc<Self> {
+        Self::shared(Arc::new(crate::activity::Activity::new()))
     }
 
     fn publish(&self, learned: Duration) {
@@ -270,6 +303,17 @@ impl LinkProgress {
     /// Whether deadlines are learned on this link.
     pub(crate) fn learning(&self) -> bool {
         self.learning.is_some()
+    }
+
+    /// How long a wait on a late peer may last ([`Learning::late_rank`]; the ceiling when
+    /// learning is off, where nobody is asked where it is).
+    pub(crate) fn late_bound(&self) -> Duration {
+        self.learning.map_or(self.ceiling, |l| l.late_rank.max(self.ceiling))
+    }
+
+    /// This rank's board of the mesh the link belongs to.
+    pub(crate) fn activity(&self) -> &crate::activity::Activity {
+        &self.pace.activity
     }
 
     /// The deadline in force and why.
@@ -425,7 +469,7 @@ mod tests {
     #[test]
     fn a_link_learns_only_inside_operations_the_peer_entered() {
         let d = Deadlines::default();
-        let link = LinkProgress::new(d, Pace::shared());
+        let link = LinkProgress::new(d, Pace::detached());
         for _ in 0..20 {
             link.observe(7, ms(5000)); // waiting for a late peer: not learned
         }
@@ -438,7 +482,7 @@ mod tests {
         assert_eq!(link.in_force().value, DEFAULT_FLOOR);
         link.saw(3); // an older frame does not move it back
         assert!(link.peer_in(7));
-        let fixed = LinkProgress::new(Deadlines::fixed(ms(1500), ms(100)), Pace::shared());
+        let fixed = LinkProgress::new(Deadlines::fixed(ms(1500), ms(100)), Pace::detached());
         fixed.saw(1);
         fixed.observe(1, us(10));
         assert_eq!((fixed.in_force().value, fixed.in_force().basis), (ms(1500), DeadlineBasis::Fixed));
@@ -449,7 +493,7 @@ mod tests {
     /// siblings last had; never beyond the ceiling, and with learning off, the fixed deadline.
     #[test]
     fn an_unlearned_link_takes_its_transports_pace() {
-        let pace = Pace::shared();
+        let pace = Pace::detached();
         let (learner, quiet) = (
             LinkProgress::new(Deadlines::default(), Arc::clone(&pace)),
             LinkProgress::new(Deadlines::default(), Arc::clone(&pace)),
@@ -464,10 +508,10 @@ mod tests {
         let borrowed = quiet.in_force();
         assert_eq!((borrowed.value, borrowed.basis, borrowed.samples), (learned.value, DeadlineBasis::Unlearned, 0));
         // A slow transport's pace is held to the ceiling; a fast one's to the floor.
-        let slow = Pace::shared();
+        let slow = Pace::detached();
         slow.publish(Duration::from_secs(60));
         assert_eq!(LinkProgress::new(Deadlines::default(), slow).in_force().value, CEILING);
-        let fast = Pace::shared();
+        let fast = Pace::detached();
         fast.publish(us(1));
         assert_eq!(LinkProgress::new(Deadlines::default(), fast).in_force().value, DEFAULT_FLOOR);
         let fixed = LinkProgress::new(Deadlines::fixed(ms(1500), ms(100)), pace);

@@ -106,6 +106,14 @@ pub enum Silence {
     /// The peer's process, on another host, did not answer the liveness probe (stopped,
     /// frozen host, or the path is cut).
     NoAnswer,
+    /// The peer's process runs but stayed late to the operation (outside it, or blocked
+    /// behind a late rank) past the late-rank bound ([`crate::Learning::late_rank`]): an
+    /// endless loop or a deadlock in user code, not a stopped process. `cpu` says whether it
+    /// was computing.
+    Late {
+        /// How the peer used the CPU while it was late.
+        cpu: crate::activity::CpuUse,
+    },
 }
 
 impl Silence {
@@ -116,6 +124,15 @@ impl Silence {
             Self::ProcessStopped => "process stopped",
             Self::ProcessGone => "process gone",
             Self::NoAnswer => "process does not answer liveness probes",
+            Self::Late { cpu: crate::activity::CpuUse::Busy } => {
+                "process runs but stayed outside the collective past the late-rank bound, computing (CPU busy)"
+            }
+            Self::Late { cpu: crate::activity::CpuUse::Idle } => {
+                "process runs but stayed outside the collective past the late-rank bound, idle (blocked in user code or I/O)"
+            }
+            Self::Late { cpu: crate::activity::CpuUse::Unknown } => {
+                "process runs but stayed outside the collective past the late-rank bound"
+            }
         }
     }
 

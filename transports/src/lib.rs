@@ -21,6 +21,7 @@
 //!   [`TransportError::Aborted`] at once; it never waits on a peer.
 
 mod abort;
+pub mod activity;
 pub mod deadline;
 pub mod error;
 pub mod handshake;

@@ -545,6 +545,7 @@ impl<L: Link> Links<L> {
     /// Not cancel safe: dropping it part-way through a message marks the link broken.
     pub(crate) async fn send(&self, peer: Rank, tag: Tag, data: &[u8]) -> Result<(), TransportError> {
         let link = self.link(peer)?;
+        let _in_call = link.core().progress.activity().enter(tag.seq);
         self.abort.run(link.send(tag, data)).await
     }
 
@@ -554,6 +555,7 @@ impl<L: Link> Links<L> {
     /// Not cancel safe, as [`Links::send`].
     pub(crate) async fn recv(&self, peer: Rank, tag: Tag, buf: &mut [u8]) -> Result<(), TransportError> {
         let link = self.link(peer)?;
+        let _in_call = link.core().progress.activity().enter(tag.seq);
         self.abort.run(link.recv(tag, buf)).await
     }
 

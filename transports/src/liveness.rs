@@ -22,6 +22,7 @@
 //! link came up (`verify`), so a foreign socket on that port never makes a live peer look
 //! dead.
 
+use crate::activity::{Activity, Presence};
 use std::net::{SocketAddr, UdpSocket};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -33,14 +34,24 @@ pub const PROBE_WITHIN: Duration = Duration::from_millis(200);
 const REQUEST: &[u8; 4] = b"CHLQ";
 const ANSWER: &[u8; 4] = b"CHLA";
 const LEN: usize = 16;
+/// A status probe: "do you run, and where are you for operation `seq` of this mesh?"
+/// (magic, nonce, job digest, generation, rank, seq, zero padding).
+const STATUS_REQUEST: &[u8; 4] = b"CHLS";
+/// Its answer (magic, nonce, flags, entered seq, calls in progress, late waits, process
+/// CPU time in ms, zero): exactly as long as the request, so it amplifies nothing.
+const STATUS_ANSWER: &[u8; 4] = b"CHLB";
+const STATUS_LEN: usize = 40;
+/// Flag bits of a status answer.
+const HAS_BOARD: u32 = 1;
+const HAS_ENTERED: u32 = 2;
 /// How often the responder thread looks at its stop flag.
 const RESPONDER_POLL: Duration = Duration::from_millis(200);
 
 /// What a probe found out.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Answer {
-    /// The peer's process answered.
-    Alive,
+    /// The peer's process answered (with what it says of where it is, when asked and known).
+    Alive(Option<Status>),
     /// Nothing came back in time (or the path refused to carry the probe).
     Silent,
     /// The peer's host said nobody listens on that port: no verdict.
@@ -101,17 +112,104 @@ fn answer_loop(sock: &UdpSocket, stop: &AtomicBool) {
                 // Best effort: a lost answer is a retried probe.
                 let _ = sock.send_to(&buf[..LEN], from);
             }
+            Ok((n, from)) if n == STATUS_LEN && &buf[..4] == STATUS_REQUEST => {
+                let answer = status_answer(&buf[..STATUS_LEN]);
+                let _ = sock.send_to(&answer, from);
+            }
             // Anything else (wrong size, wrong magic, timeouts, ICMP errors) is ignored.
             _ => {}
         }
     }
 }
 
-/// Asks the process behind `target` whether it runs, within `within`.
+/// The answer to a status request (checked for size and magic): this process's board for
+/// the mesh it names, if that mesh is here, and its CPU time.
+fn status_answer(req: &[u8]) -> [u8; STATUS_LEN] {
+    let job = u64_at(req, 12);
+    let generation = u64_at(req, 20);
+    let rank = crate::wire::u32_at(req, 28);
+    let seq = crate::wire::u32_at(req, 32);
+    let mut out = [0u8; STATUS_LEN];
+    out[..4].copy_from_slice(STATUS_ANSWER);
+    out[4..12].copy_from_slice(&req[4..12]);
+    let mut flags = 0;
+    if let Some(board) = Activity::lookup(job, generation, rank) {
+        let p = board.presence(seq);
+        flags |= HAS_BOARD;
+        if let Some(e) = p.entered {
+            flags |= HAS_ENTERED;
+            out[16..20].copy_from_slice(&e.to_le_bytes());
+        }
+        out[20..24].copy_from_slice(&p.pending.to_le_bytes());
+        out[24..28].copy_from_slice(&p.late_waits.to_le_bytes());
+    }
+    out[12..16].copy_from_slice(&flags.to_le_bytes());
+    let cpu_ms = own_cpu_time().map_or(u64::MAX, |c| c.as_millis() as u64);
+    out[28..36].copy_from_slice(&cpu_ms.to_le_bytes());
+    out
+}
+
+fn u64_at(b: &[u8], at: usize) -> u64 {
+    let mut w = [0u8; 8];
+    w.copy_from_slice(&b[at..at + 8]);
+    u64::from_le_bytes(w)
+}
+
+/// This process's CPU time (user and system), if the kernel says.
+fn own_cpu_time() -> Option<Duration> {
+    // SAFETY: an all-zero rusage is a valid value to be overwritten.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: ru is a valid out pointer.
+    if unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) } != 0 {
+        return None;
+    }
+    let tv = |t: libc::timeval| Duration::new(t.tv_sec.max(0) as u64, (t.tv_usec.clamp(0, 999_999) as u32) * 1000);
+    Some(tv(ru.ru_utime) + tv(ru.ru_stime))
+}
+
+/// What a running peer said of itself in a status answer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Status {
+    /// Its board for the mesh asked about (`None`: that mesh is not in the process, or
+    /// the peer could not say).
+    pub(crate) presence: Option<Presence>,
+    /// Its process CPU time, if known.
+    pub(crate) cpu: Option<Duration>,
+}
+
+/// The mesh and operation a status probe asks about.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Query {
+    /// [`crate::activity::job_digest`] of the job.
+    pub(crate) job: u64,
+    /// The generation.
+    pub(crate) generation: u64,
+    /// The peer's rank in it.
+    pub(crate) rank: crate::Rank,
+    /// The operation the waiter waits for.
+    pub(crate) seq: u32,
+}
+
+fn decode_status(b: &[u8]) -> Status {
+    let flags = crate::wire::u32_at(b, 12);
+    let presence = (flags & HAS_BOARD != 0).then(|| Presence {
+        entered: (flags & HAS_ENTERED != 0).then(|| crate::wire::u32_at(b, 16)),
+        pending: crate::wire::u32_at(b, 20),
+        late_waits: crate::wire::u32_at(b, 24),
+    });
+    let cpu = match u64_at(b, 28) {
+        u64::MAX => None,
+        ms => Some(Duration::from_millis(ms)),
+    };
+    Status { presence, cpu }
+}
+
+/// Asks the process behind `target` whether it runs, and where it is for `query`, within
+/// `within`: `Alive(Some(status))` if it answered.
 ///
 /// # Cancel safety
 /// Cancel safe: it holds nothing but its own socket.
-pub(crate) async fn probe(target: SocketAddr, within: Duration) -> Answer {
+pub(crate) async fn probe(target: SocketAddr, within: Duration, query: Query) -> Answer {
     let unspecified: SocketAddr = if target.is_ipv4() {
         (std::net::Ipv4Addr::UNSPECIFIED, 0).into()
     } else {
@@ -138,9 +236,13 @@ pub(crate) async fn probe(target: SocketAddr, within: Duration) -> Answer {
     if let Err(e) = getrandom::fill(&mut nonce) {
         return local_failure(target, "draw a nonce", &e);
     }
-    let mut request = [0u8; LEN];
-    request[..4].copy_from_slice(REQUEST);
+    let mut request = [0u8; STATUS_LEN];
+    request[..4].copy_from_slice(STATUS_REQUEST);
     request[4..12].copy_from_slice(&nonce);
+    request[12..20].copy_from_slice(&query.job.to_le_bytes());
+    request[20..28].copy_from_slice(&query.generation.to_le_bytes());
+    request[28..32].copy_from_slice(&query.rank.to_le_bytes());
+    request[32..36].copy_from_slice(&query.seq.to_le_bytes());
     let until = tokio::time::Instant::now() + within;
     let mut buf = [0u8; 64];
     loop {
@@ -156,7 +258,9 @@ pub(crate) async fn probe(target: SocketAddr, within: Duration) -> Answer {
         let resend = (now + within / 4).min(until);
         loop {
             match tokio::time::timeout_at(resend, sock.recv(&mut buf)).await {
-                Ok(Ok(n)) if n == LEN && &buf[..4] == ANSWER && buf[4..12] == nonce => return Answer::Alive,
+                Ok(Ok(n)) if n == STATUS_LEN && &buf[..4] == STATUS_ANSWER && buf[4..12] == nonce => {
+                    return Answer::Alive(Some(decode_status(&buf[..STATUS_LEN])))
+                }
                 Ok(Ok(_)) => {}
                 Ok(Err(e)) if e.kind() == std::io::ErrorKind::ConnectionRefused => return Answer::NoResponder,
                 Ok(Err(_)) => {
@@ -182,16 +286,18 @@ impl Answer {
             Self::Silent => Some(crate::Silence::NoAnswer),
             Self::Stopped => Some(crate::Silence::ProcessStopped),
             Self::Gone => Some(crate::Silence::ProcessGone),
-            Self::Alive | Self::NoResponder | Self::LocalFailure => None,
+            Self::Alive(_) | Self::NoResponder | Self::LocalFailure => None,
         }
     }
 }
 
 /// Whether the process `pid` on this host runs: it is looked up in `/proc` every few
-/// milliseconds for up to `within`; `Alive` as soon as it is seen in any state but stopped
-/// (`T`, SIGSTOP) or traced-stopped (`t`, a debugger); else, at the end, `Stopped` if it was
-/// stopped at the last look, `Gone` if it was gone or a zombie. For peers on the same host
-/// (shared memory), where no datagram is needed.
+/// milliseconds for up to `within`; `Alive` (with its CPU time) as soon as it is seen in any
+/// state but stopped (`T`, SIGSTOP) or traced-stopped (`t`, a debugger); else, at the end,
+/// `Stopped` if it was stopped at the last look, `Gone` if it was gone or a zombie, and
+/// `LocalFailure` if this process could not look (out of file descriptors or memory: no
+/// verdict about the peer). For peers on the same host (shared memory), where no datagram is
+/// needed.
 ///
 /// # Cancel safety
 /// Cancel safe: it holds nothing.
@@ -199,38 +305,73 @@ pub(crate) async fn probe_local_process(pid: u32, within: Duration) -> Answer {
     let until = tokio::time::Instant::now() + within;
     loop {
         let state = process_state(pid);
-        if state == Answer::Alive || tokio::time::Instant::now() >= until {
+        if matches!(state, Answer::Alive(_)) || tokio::time::Instant::now() >= until {
             return state;
         }
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
 }
 
-/// One look at `/proc/PID/stat`: `Alive`, `Stopped` (stopped or traced) or `Gone` (a
-/// zombie, or no such process).
+/// One look at `/proc/PID/stat`: `Alive` (with the process's CPU time), `Stopped` (stopped
+/// or traced), `Gone` (a zombie, or no such process), or `LocalFailure` when the file could
+/// not be read for a reason of this process's own (EMFILE, ENFILE, ENOMEM, ...): only "no
+/// such process" says that the peer is gone.
 fn process_state(pid: u32) -> Answer {
-    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { return Answer::Gone };
+    let stat = match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(s) => s,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound || e.raw_os_error() == Some(libc::ESRCH) => {
+            return Answer::Gone
+        }
+        Err(e) => {
+            tracing::warn!(pid, error = %e, "could not read the peer's /proc entry; no verdict about the peer");
+            return Answer::LocalFailure;
+        }
+    };
     // "PID (COMM) STATE ...": COMM may hold spaces and parentheses; the state follows the last ')'.
-    match stat.rfind(')').and_then(|i| stat[i + 1..].trim_start().chars().next()) {
+    let Some(rest) = stat.rfind(')').map(|i| &stat[i + 1..]) else { return Answer::Gone };
+    let mut fields = rest.split_ascii_whitespace();
+    match fields.next().and_then(|f| f.chars().next()) {
         Some('T' | 't') => Answer::Stopped,
         Some('Z' | 'X' | 'x') | None => Answer::Gone,
-        Some(_) => Answer::Alive,
+        Some(_) => {
+            // utime and stime are the 12th and 13th fields after the state, in clock ticks.
+            let ticks = |f: Option<&str>| f.and_then(|v| v.parse::<u64>().ok());
+            let mut after = fields.skip(10);
+            let cpu = match (ticks(after.next()), ticks(after.next())) {
+                (Some(u), Some(s)) => Some(Duration::from_millis((u + s).saturating_mul(1000) / clock_ticks())),
+                _ => None,
+            };
+            Answer::Alive(Some(Status { presence: None, cpu }))
+        }
+    }
+}
+
+/// Clock ticks per second (`_SC_CLK_TCK`), 100 where the kernel does not say.
+fn clock_ticks() -> u64 {
+    // SAFETY: sysconf has no preconditions.
+    match unsafe { libc::sysconf(libc::_SC_CLK_TCK) } {
+        t if t > 0 => t as u64,
+        _ => 100,
     }
 }
 
 #[cfg(test)]
 fn process_runs(pid: u32) -> bool {
-    process_state(pid) == Answer::Alive
+    matches!(process_state(pid), Answer::Alive(_))
 }
 
 /// Probes `target` once, with a generous bound, right after its link came up: true if the
-/// peer's responder answered (then a later silence means something).
+/// peer's responder answered a status probe (then a later silence means something, and its
+/// answers say where it is).
 ///
 /// # Cancel safety
 /// Cancel safe, as [`probe`].
 pub(crate) async fn verify(target: SocketAddr) -> bool {
-    probe(target, Duration::from_secs(2)).await == Answer::Alive
+    matches!(probe(target, Duration::from_secs(2), NO_MESH).await, Answer::Alive(_))
 }
+
+/// A query about no mesh (what [`verify`] asks).
+const NO_MESH: Query = Query { job: 0, generation: 0, rank: 0, seq: 0 };
 
 #[cfg(test)]
 mod tests {
@@ -251,14 +392,17 @@ mod tests {
                 Responder::start(addr).map(|r| (addr, r))
             })
             .expect("a responder on one of 20 free ports");
-        assert_eq!(probe(addr, Duration::from_secs(2)).await, Answer::Alive);
+        assert!(matches!(
+            probe(addr, Duration::from_secs(2), NO_MESH).await,
+            Answer::Alive(Some(Status { presence: None, .. }))
+        ));
         assert!(verify(addr).await);
         drop(r);
         // Its thread stops within RESPONDER_POLL; then the port is closed and the host
         // refuses: no verdict. Until then it still answers.
         let until = tokio::time::Instant::now() + Duration::from_secs(5);
         loop {
-            match probe(addr, Duration::from_millis(100)).await {
+            match probe(addr, Duration::from_millis(100), NO_MESH).await {
                 Answer::NoResponder => break,
                 other => {
                     assert!(tokio::time::Instant::now() < until, "still {other:?} 5 s after the responder was dropped")
@@ -272,9 +416,9 @@ mod tests {
         let mute = UdpSocket::bind("127.0.0.1:0").unwrap();
         let addr = mute.local_addr().unwrap();
         let t0 = std::time::Instant::now();
-        assert_eq!(probe(addr, Duration::from_millis(120)).await, Answer::Silent);
+        assert_eq!(probe(addr, Duration::from_millis(120), NO_MESH).await, Answer::Silent);
         assert!(t0.elapsed() >= Duration::from_millis(120));
-        // Garbage and wrong nonces are no answer.
+        // Garbage, wrong nonces and answers of the old size are no answer.
         let held = UdpSocket::bind("127.0.0.1:0").unwrap();
         let addr2 = held.local_addr().unwrap();
         let liar = held.try_clone().unwrap();
@@ -286,7 +430,7 @@ mod tests {
                 let _ = liar.send_to(&b[..n], from);
             }
         });
-        assert_eq!(probe(addr2, Duration::from_millis(120)).await, Answer::Silent);
+        assert_eq!(probe(addr2, Duration::from_millis(120), NO_MESH).await, Answer::Silent);
         echo.join().unwrap();
         drop(held);
         assert!(!verify_within(addr, Duration::from_millis(50)).await);
@@ -294,10 +438,10 @@ mod tests {
 
     #[tokio::test]
     async fn a_local_process_is_running_until_stopped() {
-        assert_eq!(probe_local_process(std::process::id(), PROBE_WITHIN).await, Answer::Alive);
+        assert!(matches!(probe_local_process(std::process::id(), PROBE_WITHIN).await, Answer::Alive(_)));
         let mut child = std::process::Command::new("sleep").arg("30").spawn().expect("sleep");
         let pid = child.id();
-        assert_eq!(probe_local_process(pid, PROBE_WITHIN).await, Answer::Alive);
+        assert!(matches!(probe_local_process(pid, PROBE_WITHIN).await, Answer::Alive(_)));
         // SAFETY: signalling our own child, which has not been reaped.
         unsafe { libc::kill(pid as i32, libc::SIGSTOP) };
         // Stopping is asynchronous: the state turns T shortly.
@@ -311,7 +455,7 @@ mod tests {
         assert!(t0.elapsed() >= Duration::from_millis(100));
         // SAFETY: as above.
         unsafe { libc::kill(pid as i32, libc::SIGCONT) };
-        assert_eq!(probe_local_process(pid, Duration::from_secs(5)).await, Answer::Alive);
+        assert!(matches!(probe_local_process(pid, Duration::from_secs(5)).await, Answer::Alive(_)));
         child.kill().unwrap();
         child.wait().unwrap();
         assert_eq!(probe_local_process(pid, Duration::from_millis(20)).await, Answer::Gone, "a reaped process");
@@ -326,11 +470,66 @@ mod tests {
     #[tokio::test]
     async fn a_local_failure_to_probe_is_no_verdict() {
         let broadcast: SocketAddr = "255.255.255.255:9".parse().unwrap();
-        assert_eq!(probe(broadcast, Duration::from_millis(100)).await, Answer::LocalFailure);
+        assert_eq!(probe(broadcast, Duration::from_millis(100), NO_MESH).await, Answer::LocalFailure);
         assert!(!verify(broadcast).await);
     }
 
     async fn verify_within(target: SocketAddr, within: Duration) -> bool {
-        probe(target, within).await == Answer::Alive
+        matches!(probe(target, within, NO_MESH).await, Answer::Alive(_))
+    }
+
+    /// A status probe is answered from the board of the mesh it names, with the process's
+    /// CPU time: where the peer is, not only that it runs.
+    #[tokio::test]
+    async fn a_status_probe_says_where_the_peer_is() {
+        let (addr, _r) = (0..20)
+            .find_map(|_| {
+                let addr = free_udp();
+                Responder::start(addr).map(|r| (addr, r))
+            })
+            .expect("a responder on one of 20 free ports");
+        let board = Activity::for_mesh("liveness-status-test", 7, 2);
+        let q = Query { job: crate::activity::job_digest("liveness-status-test"), generation: 7, rank: 2, seq: 12 };
+        let Answer::Alive(Some(st)) = probe(addr, Duration::from_secs(2), q).await else { panic!("no answer") };
+        assert_eq!(st.presence, Some(Presence { entered: None, pending: 0, late_waits: 0 }));
+        assert!(st.cpu.is_some(), "the CPU time comes with the answer");
+        let _call = board.enter(12);
+        let Answer::Alive(Some(st)) = probe(addr, Duration::from_secs(2), q).await else { panic!("no answer") };
+        assert_eq!(st.presence, Some(Presence { entered: Some(12), pending: 1, late_waits: 0 }));
+        // Another mesh (rank) of the same job: not here.
+        let other = Query { rank: 3, ..q };
+        let Answer::Alive(Some(st)) = probe(addr, Duration::from_secs(2), other).await else { panic!("no answer") };
+        assert_eq!(st.presence, None);
+    }
+
+    /// A look into /proc that fails for a reason of this process's own (here: out of file
+    /// descriptors under RLIMIT_NOFILE) is no verdict, never "gone". Run in a child process
+    /// (the limit would starve the other tests of this one).
+    #[test]
+    fn a_local_failure_to_read_proc_is_no_verdict() {
+        const CHILD: &str = "COHORT_LIVENESS_RLIMIT_CHILD";
+        if std::env::var_os(CHILD).is_some() {
+            let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+            // SAFETY: reading and setting this (child) process's own limit.
+            assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) }, 0);
+            lim.rlim_cur = 0;
+            // SAFETY: as above.
+            assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lim) }, 0);
+            let answer = process_state(std::process::id());
+            assert_eq!(answer, Answer::LocalFailure, "EMFILE read as {answer:?}");
+            assert_eq!(answer.silence(), None);
+            return;
+        }
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "liveness::tests::a_local_failure_to_read_proc_is_no_verdict", "--nocapture"])
+            .env(CHILD, "1")
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success() && String::from_utf8_lossy(&out.stdout).contains("1 passed"),
+            "child: {}\n{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
 }

@@ -221,7 +221,7 @@ async fn with_learned_deadlines_a_sigstopped_peer_fails_soon_after_the_learned_o
         let (child, mut out, child_addr) = spawn_child("stream", generation, ep.address());
         let ceiling = Duration::from_secs(10);
         let peers = [ep.address().clone(), child_addr.clone()];
-        let learning = Some(Learning { floor: FLOOR });
+        let learning = Some(Learning::with_floor(FLOOR));
         let t = ep.connect_mesh(learning_spec(generation, 0, peers, ceiling, learning)).await.expect("mesh");
         expect_line(&mut out, "streaming");
         let mut buf = vec![0u8; 300_000];
@@ -264,7 +264,7 @@ async fn with_learned_deadlines_a_peer_that_pauses_but_runs_is_waited_for() {
         let ep = ShmEndpoint::new(options()).unwrap();
         let (child, mut out, child_addr) = spawn_child("pause", generation, ep.address());
         let peers = [ep.address().clone(), child_addr.clone()];
-        let learning = Some(Learning { floor: FLOOR });
+        let learning = Some(Learning::with_floor(FLOOR));
         let t = ep
             .connect_mesh(learning_spec(generation, 0, peers, Duration::from_secs(10), learning))
             .await
@@ -298,7 +298,7 @@ fn child_rank() {
         let ep = ShmEndpoint::new(options()).unwrap();
         println!("addr={}", ep.address().encode());
         let peers = [parent, ep.address().clone()];
-        let learning = (mode == "pause").then_some(Learning { floor: FLOOR });
+        let learning = (mode == "pause").then_some(Learning::with_floor(FLOOR));
         let t = ep
             .connect_mesh(learning_spec(generation, 1, peers, Duration::from_secs(60), learning))
             .await

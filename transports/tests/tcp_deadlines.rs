@@ -17,7 +17,7 @@ const FLOOR: Duration = Duration::from_millis(150);
 const CEILING: Duration = Duration::from_secs(8);
 
 fn learned() -> Deadlines {
-    Deadlines { no_progress: CEILING, connect: Duration::from_secs(10), learning: Some(Learning { floor: FLOOR }) }
+    Deadlines { no_progress: CEILING, connect: Duration::from_secs(10), learning: Some(Learning::with_floor(FLOOR)) }
 }
 
 /// Waits (bounded) until rank 0's link to rank 1 has heard rank 1's liveness responder.

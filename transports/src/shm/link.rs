@@ -31,6 +31,7 @@
 
 use super::ring::{raise_sleeping, take_sleeper, Ring, SlotHeader, KIND_CONT, KIND_FIRST};
 use super::segment::Mapping;
+use crate::activity::{self, LateTrack, PeerBoard, Whereabouts};
 use crate::links::{self, Arrival, LinkCore, Poison};
 use crate::liveness::{self, PROBE_WITHIN};
 use crate::spin;
@@ -51,6 +52,9 @@ pub(crate) struct ShmLink {
     /// The peer's process id (from the socket's credentials), if learning is on and it is
     /// visible from here.
     peer_pid: Option<u32>,
+    /// The peer's activity board ([`crate::activity`]), handed over at set-up: where it is
+    /// when it runs but sends nothing.
+    peer_board: Option<PeerBoard>,
     busy_poll: Duration,
     /// More ranks on this host than CPUs: every turn of a spin yields ([`spin::spin_or_yield`]).
     oversubscribed: bool,
@@ -77,6 +81,8 @@ pub(crate) struct LinkParams {
     pub(crate) busy_poll: Duration,
     pub(crate) oversubscribed: bool,
     pub(crate) span: tracing::Span,
+    /// The peer's activity board, if it handed one over.
+    pub(crate) peer_board: Option<PeerBoard>,
 }
 
 impl ShmLink {
@@ -104,6 +110,7 @@ impl ShmLink {
             generation: p.generation,
             max_message: p.max_message,
             peer_pid,
+            peer_board: p.peer_board,
             busy_poll: p.busy_poll,
             oversubscribed: p.oversubscribed,
             _mapping: mapping,
@@ -191,12 +198,13 @@ impl ShmLink {
         if ready()? {
             return learned(Ok(()));
         }
-        learned(self.wait_long(started, flag, peer_cpu, &mut ready).await)
+        learned(self.wait_long(seq, started, flag, peer_cpu, &mut ready).await)
     }
 
     /// [`ShmLink::wait`] once the first look found nothing.
     async fn wait_long(
         &self,
+        seq: u32,
         started: Instant,
         flag: &AtomicU32,
         peer_cpu: &AtomicU32,
@@ -222,8 +230,13 @@ impl ShmLink {
         spin::prefer_short_slice();
         let ceiling = started + self.core.progress.ceiling();
         let mut alive_at: Option<Instant> = None;
+        // Whether the peer is late to `seq` (then the late-rank bound replaces the ceiling),
+        // and the count of this rank's waits on late peers, which its own board shows.
+        let mut late = LateTrack::default();
+        let mut late_wait = None;
         loop {
-            let due = (alive_at.unwrap_or(started) + self.core.progress.in_force().value).min(ceiling);
+            let bound = if late.is_late() { started + self.core.progress.late_bound() } else { ceiling };
+            let due = (alive_at.unwrap_or(started) + self.core.progress.in_force().value).min(bound);
             self.core.check()?;
             let changed = self.core.changed().notified();
             tokio::pin!(changed);
@@ -257,18 +270,25 @@ impl ShmLink {
                         return Ok(());
                     }
                     let now = Instant::now();
-                    if now >= ceiling {
+                    if now >= bound {
+                        let silence = if late.is_late() { Silence::Late { cpu: late.cpu_use() } } else { Silence::Unprobed };
+                        if late.is_late() {
+                            self.core.span.in_scope(|| {
+                                tracing::warn!(peer = self.core.peer(), waited_ms = (now - started).as_millis() as u64, "the peer runs but stayed late past the late-rank bound")
+                            });
+                        }
                         return Err(self.core.fail(TransportError::Timeout {
                             peer: self.core.peer(),
-                            after: self.core.progress.ceiling(),
-                            silence: Silence::Unprobed,
+                            after: bound - started,
+                            silence,
                         }));
                     }
                     let Some(pid) = self.peer_pid else {
                         alive_at = Some(ceiling);
                         continue;
                     };
-                    if let Some(silence) = liveness::probe_local_process(pid, PROBE_WITHIN).await.silence() {
+                    let answer = liveness::probe_local_process(pid, PROBE_WITHIN).await;
+                    if let Some(silence) = answer.silence() {
                         flag.store(0, Ordering::SeqCst);
                         if ready()? {
                             return Ok(());
@@ -289,7 +309,24 @@ impl ShmLink {
                             silence,
                         }));
                     }
-                    // Running (late, or waiting on somebody else): another window.
+                    // Running: inside the operation (the ceiling bounds it), or late to it
+                    // (the late-rank bound does); another window either way.
+                    let cpu = match answer { liveness::Answer::Alive(Some(st)) => st.cpu, _ => None };
+                    match self.peer_board.as_ref().map(|b| activity::locate(b.presence(seq), seq)) {
+                        Some(Whereabouts::Late(lateness)) => {
+                            let now_std = now.into_std();
+                            if let Some(line) = late.late(now_std, started.into_std(), lateness, cpu) {
+                                self.core.span.in_scope(|| tracing::info!(peer = self.core.peer(), "waiting on rank {}: {line}", self.core.peer()));
+                            }
+                            if late_wait.is_none() {
+                                late_wait = Some(self.core.progress.activity().late_wait(self.core.peer()));
+                            }
+                        }
+                        Some(Whereabouts::InCollective) | None => {
+                            late.clear();
+                            late_wait = None;
+                        }
+                    }
                     alive_at = Some(Instant::now());
                 }
             }

@@ -38,7 +38,7 @@
 
 mod link;
 pub mod ring;
-mod segment;
+pub(crate) mod segment;
 mod setup;
 
 use crate::links::Links;
@@ -221,7 +221,7 @@ impl ShmEndpoint {
             max_message: self.options.max_message,
             busy_poll: self.options.busy_poll,
             deadlines: spec.deadlines,
-            pace: crate::deadline::Pace::shared(),
+            pace: crate::deadline::Pace::shared(crate::activity::Activity::for_mesh(&spec.job, spec.generation, rank)),
             deadline,
             oversubscribed: crate::spin::oversubscribed(local_ranks),
             span: span.clone(),
@@ -357,6 +357,7 @@ impl Transport for ShmTransport {
         F: FnMut(&[u8]) + Send,
     {
         let link = self.links.link(peer)?;
+        let _in_call = crate::links::Link::core(link).progress.activity().enter(tag.seq);
         self.links.guarded(link.recv_with(tag, scratch.len(), consume)).await
     }
 

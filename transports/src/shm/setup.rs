@@ -14,12 +14,18 @@
 //! 3. A checks the descriptor's numbers against fixed limits, the segment's seals and size,
 //!    maps it and answers with a verdict.
 //!
+//! 4. Each side hands the other its activity board ([`crate::activity`]): D first, then A,
+//!    each a 16-byte note (magic `"CHAB"` with the board's memory file attached, or `"CHAN"`:
+//!    none). A board that fails its checks is left out (the link then treats a running
+//!    peer as before: up to the no-progress ceiling), never a failed set-up.
+//!
 //! Afterwards the socket carries only doorbell bytes, and its end-of-stream is the peer's
 //! death notice.
 
 use super::link::{LinkParams, ShmLink};
 use super::ring::{ring_bytes, Ring, SLOT_HEADER};
 use super::segment::Mapping;
+use crate::activity::PeerBoard;
 use crate::handshake::{self, HsIoError, Message, Refused, Session, Verdict};
 use crate::wire::u32_at;
 use crate::{Rank, TransportError};
@@ -187,11 +193,20 @@ async fn dial_pair(ctx: &PairCtx, peer: Rank, s: &mut UnixStream) -> Result<Make
         Message::Verdict(v) => return Err(format!("peer refused the segment: {v:?}")),
         m => return Err(format!("expected a verdict on the segment, got {m:?}")),
     }
-    Ok(make_link(ctx, peer, mapping, slots, slot_bytes))
+    send_board(ctx, s).await?;
+    let board = recv_board(s, deadline).await?;
+    Ok(make_link(ctx, peer, mapping, slots, slot_bytes, board))
 }
 
 /// The link over `mapping`: the ring of the lower rank's sends comes first.
-fn make_link(ctx: &PairCtx, peer: Rank, mapping: Mapping, slots: u32, slot_bytes: usize) -> MakeLink {
+fn make_link(
+    ctx: &PairCtx,
+    peer: Rank,
+    mapping: Mapping,
+    slots: u32,
+    slot_bytes: usize,
+    peer_board: Option<PeerBoard>,
+) -> MakeLink {
     let ring = ring_bytes(slots, slot_bytes);
     let mapping = Arc::new(mapping);
     let base = mapping.base();
@@ -209,6 +224,7 @@ fn make_link(ctx: &PairCtx, peer: Rank, mapping: Mapping, slots: u32, slot_bytes
         busy_poll: ctx.busy_poll,
         oversubscribed: ctx.oversubscribed,
         span: ctx.span.clone(),
+        peer_board,
     };
     Box::new(move |sock| ShmLink::new(params, mapping, tx, rx, sock))
 }
@@ -262,7 +278,71 @@ async fn accept_pair(ctx: &PairCtx, s: &mut UnixStream) -> Result<(Rank, MakeLin
     let verdict = if checked.is_ok() { Verdict::Ok } else { Verdict::Malformed };
     let _ = handshake::write_all(s, &handshake::encode_verdict(verdict), deadline).await;
     let (mapping, slots, slot_bytes) = checked.map_err(fatal)?;
-    Ok((claimed, make_link(ctx, claimed, mapping, slots, slot_bytes)))
+    let board = recv_board(s, deadline).await.map_err(fatal)?;
+    send_board(ctx, s).await.map_err(fatal)?;
+    Ok((claimed, make_link(ctx, claimed, mapping, slots, slot_bytes, board)))
+}
+
+/// Magic of a board note that carries the board's memory file; [`NO_BOARD`]: none.
+const BOARD_MAGIC: &[u8; 4] = b"CHAB";
+const NO_BOARD: &[u8; 4] = b"CHAN";
+const BOARD_NOTE_LEN: usize = 16;
+
+/// Hands this rank's activity board to the peer (step 4 of the module docs).
+async fn send_board(ctx: &PairCtx, s: &mut UnixStream) -> Result<(), String> {
+    let board = ctx.pace.board();
+    let mut note = [0u8; BOARD_NOTE_LEN];
+    let raw = s.as_raw_fd();
+    let sent = match board.fd() {
+        Some(fd) => {
+            note[..4].copy_from_slice(BOARD_MAGIC);
+            let fd = fd.as_raw_fd();
+            tokio::time::timeout_at(ctx.deadline, s.async_io(Interest::WRITABLE, || send_with_fd(raw, &note, fd)))
+                .await
+                .map_err(|_| "timed out sending the activity board".to_owned())?
+                .map_err(|e| format!("sending the activity board: {e}"))?
+        }
+        None => {
+            note[..4].copy_from_slice(NO_BOARD);
+            handshake::write_all(s, &note, ctx.deadline).await.map_err(hs_err)?;
+            BOARD_NOTE_LEN
+        }
+    };
+    if sent != BOARD_NOTE_LEN {
+        return Err(format!("sent {sent} of {BOARD_NOTE_LEN} bytes of the activity board note"));
+    }
+    Ok(())
+}
+
+/// Receives the peer's activity board: `None` if it has none, or if what came fails the
+/// board's checks (logged; the link works without it).
+async fn recv_board(s: &mut UnixStream, deadline: Instant) -> Result<Option<PeerBoard>, String> {
+    let mut note = [0u8; BOARD_NOTE_LEN];
+    let raw = s.as_raw_fd();
+    let (got, fd) = tokio::time::timeout_at(deadline, s.async_io(Interest::READABLE, || recv_with_fd(raw, &mut note)))
+        .await
+        .map_err(|_| "timed out waiting for the activity board".to_owned())?
+        .map_err(|e| format!("receiving the activity board: {e}"))?;
+    if got == 0 {
+        return Err("the peer closed the socket before its activity board".into());
+    }
+    if got < BOARD_NOTE_LEN {
+        tokio::time::timeout_at(deadline, s.read_exact(&mut note[got..]))
+            .await
+            .map_err(|_| "timed out reading the activity board note".to_owned())?
+            .map_err(|e| format!("reading the activity board note: {e}"))?;
+    }
+    match (&note[..4], fd) {
+        (m, Some(fd)) if m == BOARD_MAGIC => match PeerBoard::open(&fd) {
+            Ok(b) => Ok(Some(b)),
+            Err(e) => {
+                tracing::debug!("the peer's activity board is left out: {e}");
+                Ok(None)
+            }
+        },
+        (m, None) if m == NO_BOARD => Ok(None),
+        (m, _) => Err(format!("bad activity board note {m:?}")),
+    }
 }
 
 /// Decodes a segment descriptor received from the peer (untrusted): the magic, zero reserved

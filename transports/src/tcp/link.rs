@@ -38,6 +38,7 @@
 //! while a peer that reads sees end-of-stream at once.)
 
 use super::frame::{FrameHeader, HEADER_LEN};
+use crate::activity::{self, LateTrack, LateWait, Whereabouts};
 use crate::deadline::Pace;
 use crate::links::{self, Arrival, LinkCore, Poison};
 use crate::liveness::{self, PROBE_WITHIN};
@@ -90,6 +91,11 @@ struct Watchdog<'a> {
     last: Instant,
     /// When a liveness probe last found the peer alive during the current stall.
     alive_at: Option<Instant>,
+    /// Whether the peer is late to `seq` (its status said so at the last probe): then the
+    /// late-rank bound replaces the ceiling ([`crate::activity`]).
+    late: LateTrack,
+    /// Counts this wait among this rank's waits on late peers while it is one.
+    late_wait: Option<LateWait<'a>>,
     sleep: Pin<&'a mut Sleep>,
 }
 
@@ -99,15 +105,24 @@ enum Wake {
     Until(Instant),
     /// The learned deadline passed: ask the peer.
     Probe(SocketAddr),
-    /// Out of time.
-    Stalled(Duration),
+    /// Out of time: the ceiling, or the late-rank bound on a late peer.
+    Stalled(Duration, Silence),
 }
 
 impl<'a> Watchdog<'a> {
     fn new(link: &'a TcpLink, seq: u32, learn: bool, sleep: Pin<&'a mut Sleep>) -> Self {
         // An operation may park on the socket: let its wake-up preempt a CPU-bound neighbour.
         spin::prefer_short_slice();
-        let mut wd = Self { link, seq, learn, last: Instant::now(), alive_at: None, sleep };
+        let mut wd = Self {
+            link,
+            seq,
+            learn,
+            last: Instant::now(),
+            alive_at: None,
+            late: LateTrack::default(),
+            late_wait: None,
+            sleep,
+        };
         let first = wd.last + wd.link.core.progress.in_force().value;
         wd.sleep.as_mut().reset(first);
         wd
@@ -121,13 +136,23 @@ impl<'a> Watchdog<'a> {
         }
         self.last = now;
         self.alive_at = None;
+        if self.late.is_late() {
+            self.late.clear();
+            self.late_wait = None;
+        }
     }
 
     fn wake(&self) -> Wake {
         let now = Instant::now();
-        let ceiling = self.last + self.link.core.progress.ceiling();
+        let progress = &self.link.core.progress;
+        let (bound, silence) = if self.late.is_late() {
+            (progress.late_bound(), Silence::Late { cpu: self.late.cpu_use() })
+        } else {
+            (progress.ceiling(), Silence::Unprobed)
+        };
+        let ceiling = self.last + bound;
         if now >= ceiling {
-            return Wake::Stalled(self.link.core.progress.ceiling());
+            return Wake::Stalled(bound, silence);
         }
         let window = self.link.core.progress.in_force().value;
         let due = self.alive_at.unwrap_or(self.last) + window;
@@ -156,15 +181,34 @@ impl<'a> Watchdog<'a> {
             }
             match self.wake() {
                 Wake::Until(t) => self.sleep.as_mut().reset(t),
-                Wake::Stalled(after) => return Err(IoFail::Stalled(after, Silence::Unprobed)),
+                Wake::Stalled(after, silence) => {
+                    if let Silence::Late { .. } = silence {
+                        self.link.core.span.in_scope(|| {
+                            tracing::warn!(
+                                peer = self.link.core.peer(),
+                                waited_ms = after.as_millis() as u64,
+                                "the peer runs but stayed late past the late-rank bound"
+                            )
+                        });
+                    }
+                    return Err(IoFail::Stalled(after, silence));
+                }
                 Wake::Probe(target) => {
+                    let link: &'a TcpLink = self.link;
+                    let board = link.core.progress.activity();
+                    let query = liveness::Query {
+                        job: board.job(),
+                        generation: self.link.generation,
+                        rank: self.link.core.peer(),
+                        seq: self.seq,
+                    };
                     let answer = tokio::select! {
                         biased;
                         r = &mut fut => {
                             self.progressed();
                             return r.map_err(IoFail::Io);
                         }
-                        a = liveness::probe(target, PROBE_WITHIN) => a,
+                        a = liveness::probe(target, PROBE_WITHIN, query) => a,
                     };
                     let now = Instant::now();
                     if let Some(silence) = answer.silence() {
@@ -179,8 +223,37 @@ impl<'a> Watchdog<'a> {
                         });
                         return Err(IoFail::Stalled(now - self.last, silence));
                     }
-                    // Alive (late, or waiting on somebody else), or no verdict (nobody on that port, a
-                    // local failure to probe): another window, then ask again.
+                    // Alive: inside the operation (the ceiling bounds the wait) or late to it
+                    // (the late-rank bound does); or no verdict (nobody on that port, a local
+                    // failure to probe): another window, then ask again.
+                    match answer {
+                        liveness::Answer::Alive(Some(liveness::Status { presence: Some(p), cpu })) => {
+                            match activity::locate(p, self.seq) {
+                                Whereabouts::Late(lateness) => {
+                                    if let Some(line) =
+                                        self.late.late(now.into_std(), self.last.into_std(), lateness, cpu)
+                                    {
+                                        let peer = self.link.core.peer();
+                                        self.link
+                                            .core
+                                            .span
+                                            .in_scope(|| tracing::info!(peer, "waiting on rank {peer}: {line}"));
+                                    }
+                                    if self.late_wait.is_none() {
+                                        self.late_wait = Some(board.late_wait(link.core.peer()));
+                                    }
+                                }
+                                Whereabouts::InCollective => {
+                                    self.late.clear();
+                                    self.late_wait = None;
+                                }
+                            }
+                        }
+                        _ => {
+                            self.late.clear();
+                            self.late_wait = None;
+                        }
+                    }
                     self.alive_at = Some(now);
                     let next = self.wake();
                     if let Wake::Until(t) = next {

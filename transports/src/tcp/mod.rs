@@ -251,7 +251,7 @@ impl TcpEndpoint {
             options: self.options.clone(),
             deadline,
             notes: Arc::clone(&notes),
-            pace: crate::deadline::Pace::shared(),
+            pace: crate::deadline::Pace::shared(crate::activity::Activity::for_mesh(&spec.job, spec.generation, rank)),
         });
         let mut tasks = JoinSet::new();
         // Carried links first: a peer with one is re-bound, not dialled (its dialler falls

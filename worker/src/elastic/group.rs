@@ -879,7 +879,11 @@ async fn heartbeat_task(
             incarnation,
             generation: progress.generation,
             step: progress.step,
-            activity: progress.activity,
+            // A rank waiting on a late peer says so (the coordinator's status shows it).
+            activity: match cohort_transports::activity::waiting_on_late(&job, progress.generation) {
+                Some(late) => format!("{}; {late}", progress.activity),
+                None => progress.activity,
+            },
             deadlines: progress.deadlines,
             timing,
         };

@@ -172,6 +172,12 @@ struct TrainArgs {
     /// Floor of the learned no-progress deadlines (a link is never suspected sooner).
     #[arg(long, value_parser = duration, default_value = "250ms")]
     no_progress_floor: Duration,
+    /// How long a link waits on a peer whose process runs but is late to the collective
+    /// (it computes its step, writes a checkpoint, or waits behind such a rank). The
+    /// no-progress ceiling does not cut such a peer; this bound catches one that never comes
+    /// (an endless loop or a deadlock in user code). Not used with --fixed-deadlines.
+    #[arg(long, value_parser = duration, default_value = "30m")]
+    late_rank_timeout: Duration,
     /// Bound on connecting one generation's mesh.
     #[arg(long, value_parser = duration, default_value = "30s")]
     connect_timeout: Duration,
@@ -381,8 +387,8 @@ fn train_main(args: TrainArgs) -> Result<TrainSummary, String> {
     config.listen = args.listen;
     config.advertise = args.advertise.clone();
     config.deadlines.no_progress = args.no_progress_timeout;
-    config.deadlines.learning =
-        (!args.fixed_deadlines).then_some(cohort_transports::Learning { floor: args.no_progress_floor });
+    config.deadlines.learning = (!args.fixed_deadlines)
+        .then_some(cohort_transports::Learning { floor: args.no_progress_floor, late_rank: args.late_rank_timeout });
     config.deadlines.connect = args.connect_timeout;
     config.exclusion_wait = args.exclusion_wait;
     if let Some(relay) = args.heartbeat_relay {
