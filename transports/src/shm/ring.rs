@@ -37,7 +37,7 @@
 
 use crate::wire::{put_tag, tag_at, u32_at, u64_at};
 use crate::Tag;
-use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64};
 
 /// Bytes before the first slot.
 pub(crate) const CONTROL_BYTES: usize = 256;
@@ -176,30 +176,6 @@ impl Ring {
     }
 }
 
-/// The waiter's half of the doorbell handshake: raises its `sleeping` flag; the caller then
-/// looks at the counter it waits on once more before it sleeps.
-///
-/// This is a store-buffering (Dekker) pattern with [`take_sleeper`]: the waiter stores the
-/// flag and loads the counter, the publisher stores the counter and loads the flag, and at
-/// least one of them must see the other's store, or the waiter sleeps on data it missed while
-/// the publisher rings no doorbell (a lost wake-up, caught only by the deadline's re-check).
-/// A store followed by a load of another location may be reordered unless a sequentially
-/// consistent fence (or SeqCst on both accesses) sits between them: an `Acquire` load after a
-/// `SeqCst` store is not enough on weakly ordered CPUs (x86's `xchg` happens to order them).
-/// So both halves put a `SeqCst` fence between their store and their load.
-pub(crate) fn raise_sleeping(flag: &AtomicU32) {
-    flag.store(1, Ordering::SeqCst);
-    fence(Ordering::SeqCst);
-}
-
-/// The publisher's half of the doorbell handshake ([`raise_sleeping`]), called after it
-/// stored the counter the peer may sleep on: whether the peer sleeps, in which case the flag
-/// is lowered here and the caller must ring the doorbell.
-pub(crate) fn take_sleeper(flag: &AtomicU32) -> bool {
-    fence(Ordering::SeqCst);
-    flag.load(Ordering::Relaxed) != 0 && flag.swap(0, Ordering::SeqCst) != 0
-}
-
 /// A decoded slot header. Public for the fuzz targets (`fuzz/bodies/shm_slot_header.rs`):
 /// the header is read from memory the peer process writes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -278,47 +254,6 @@ impl SlotHeader {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// The store-buffering litmus test behind the doorbell: in every round, the waiter raises
-    /// its flag and then reads the counter, the publisher bumps the counter and then takes the
-    /// flag; a round where the waiter saw the old counter *and* the publisher saw no sleeper is
-    /// a lost wake-up. (x86 never shows it even without the fences, its locked `xchg` being a
-    /// full barrier; the test guards the protocol on weakly ordered CPUs.)
-    #[test]
-    fn the_doorbell_handshake_loses_no_wake_up() {
-        use std::sync::{Arc, Barrier};
-        const ROUNDS: u64 = 5_000;
-        let flag = Arc::new(AtomicU32::new(0));
-        let counter = Arc::new(AtomicU64::new(0));
-        let barrier = Arc::new(Barrier::new(2));
-        let waiter = {
-            let (flag, counter, barrier) = (flag.clone(), counter.clone(), barrier.clone());
-            std::thread::spawn(move || {
-                let mut saw_old = Vec::with_capacity(ROUNDS as usize);
-                for round in 0..ROUNDS {
-                    barrier.wait();
-                    raise_sleeping(&flag);
-                    saw_old.push(counter.load(Ordering::Acquire) == round);
-                    barrier.wait();
-                    barrier.wait(); // the publisher has recorded its view
-                    flag.store(0, Ordering::SeqCst);
-                }
-                saw_old
-            })
-        };
-        let mut rang = Vec::with_capacity(ROUNDS as usize);
-        for round in 0..ROUNDS {
-            barrier.wait();
-            counter.store(round + 1, Ordering::SeqCst);
-            rang.push(take_sleeper(&flag));
-            barrier.wait();
-            barrier.wait();
-        }
-        let saw_old = waiter.join().unwrap();
-        for (round, (old, rang)) in saw_old.iter().zip(&rang).enumerate() {
-            assert!(!*old || *rang, "round {round}: the waiter missed the data and the publisher the sleeper");
-        }
-    }
 
     fn first(total: u64, chunk: u32) -> SlotHeader {
         SlotHeader { kind: KIND_FIRST, tag: Tag::new(3, 4, 5), chunk, total, offset: 0 }
