@@ -30,10 +30,13 @@
 //! | 40 | 8 | offset of this chunk in the message |
 //! | 48 | 16 | reserved (0) |
 //!
-//! Everything in the segment is written by the peer too, so it is untrusted: each side keeps
+//! Every value in the segment is written by the peer too, so it is untrusted: each side keeps
 //! its own counter (the producer its head, the consumer its tail) as the truth and only reads
 //! the other's, checking that the distance is within the ring; headers are copied out once and
 //! validated before any length from them is used; payload copies are bounded by the slot.
+//! The *order* of the peer's accesses is trusted: it writes a slot only between getting it
+//! back and publishing it (`shm/protocol.rs`, model-checked), so no slot access of this side
+//! races with one of the peer's (see `Ring::with_payload` for what that buys and costs).
 
 use crate::wire::{put_tag, tag_at, u32_at, u64_at};
 use crate::Tag;
@@ -139,10 +142,12 @@ impl Ring {
         unsafe { self.base.add(CONTROL_BYTES + i * self.slot_bytes) }
     }
 
-    /// Copies slot `n`'s header out of shared memory.
+    /// Copies slot `n`'s header out of shared memory. The caller must own slot `n`, as for
+    /// [`Ring::with_payload`].
     pub(crate) fn read_header(&self, n: u64) -> [u8; SLOT_HEADER] {
         let mut h = [0u8; SLOT_HEADER];
-        // SAFETY: the slot holds at least SLOT_HEADER bytes; h is a local buffer.
+        // SAFETY: the slot holds at least SLOT_HEADER bytes; h is a local buffer; no write of
+        // the peer races with the copy (the caller owns the slot: see `with_payload`).
         unsafe { std::ptr::copy_nonoverlapping(self.slot(n), h.as_mut_ptr(), SLOT_HEADER) };
         h
     }
@@ -152,7 +157,8 @@ impl Ring {
         assert!(payload.len() <= self.capacity(), "chunk larger than a slot");
         let p = self.slot(n);
         // SAFETY: header and payload fit in the slot (checked above); only this side writes
-        // the slots of its outgoing ring.
+        // the slots of its outgoing ring, and only a slot that `protocol::room` saw released
+        // (the peer's reads of it happen before this write).
         unsafe {
             std::ptr::copy_nonoverlapping(header.as_ptr(), p, SLOT_HEADER);
             std::ptr::copy_nonoverlapping(payload.as_ptr(), p.add(SLOT_HEADER), payload.len());
@@ -162,15 +168,32 @@ impl Ring {
     /// Lends `f` the first `len` (at most [`Ring::capacity`]) payload bytes of slot `n`, in
     /// place.
     ///
-    /// The caller must own slot `n` (the producer published it and the consumer's tail has
-    /// not passed it yet): the producer does not write it again until the tail moves on, so
-    /// the bytes stay put while `f` reads them.
+    /// The caller must own slot `n`: it is the ring's consumer, [`super::protocol::filled`]
+    /// saw the slot published (an `Acquire` of the head) and the caller has not released it
+    /// yet ([`super::protocol::release`], after this call returns).
+    ///
+    /// Why lending is sound, and on what it rests. A `&[u8]` asserts that nobody writes its
+    /// bytes while it lives, and the compiler and `f` may rely on that (read a byte twice and
+    /// assume it equal). The peer process maps the same memory and uses the same atomic
+    /// instructions, so the memory model applies to it as to another thread of this program;
+    /// then the protocol makes every access to the slot happen-before or -after the borrow:
+    /// the producer's writes of it happen before the `Release` store of the head that this
+    /// side's `Acquire` read, and the producer writes it again only after an `Acquire` of a
+    /// tail that this side stores (`Release`) after `f` returns. No write races the borrow.
+    ///
+    /// This trusts the peer to follow the protocol's order (it is a process of the same job,
+    /// which proved the job token at the handshake, running this code), not the values it
+    /// writes (validated). A peer that wrote the slot during the borrow would be a data race:
+    /// undefined behaviour. Copying the slot out through a raw pointer instead would not make
+    /// it defined (a racing non-atomic read is a data race too), only confine its practical
+    /// effect to the copied values; per-byte atomic reads would, at the cost of the in-place
+    /// reduction this function exists for. docs/architecture.md ("Untrusted memory") states
+    /// this threat model.
     pub(crate) fn with_payload<R>(&self, n: u64, len: usize, f: impl FnOnce(&[u8]) -> R) -> R {
         assert!(len <= self.capacity(), "chunk larger than a slot");
-        // SAFETY: len bytes of payload lie inside the slot (checked above), in a live mapping;
-        // per the contract above nobody writes them while the borrow, which cannot outlive
-        // this call, lasts. A peer that broke the protocol and wrote anyway could change the
-        // values `f` reads, nothing more: they are plain bytes, as they would be in a copy.
+        // SAFETY: `len` bytes of payload lie inside the slot (checked above), in a live
+        // mapping (see `new`); the caller owns the slot (see above), so no write of it races
+        // with the borrow, which cannot outlive this call.
         let bytes = unsafe { std::slice::from_raw_parts(self.slot(n).add(SLOT_HEADER), len) };
         f(bytes)
     }
