@@ -47,6 +47,8 @@ py=$(bash scripts/python-env.sh | tail -n 1)
 export COHORT_PYTHON="$py"
 
 # COHORT_REQUIRE_PYTHON: a test that needs the Python package fails instead of skipping.
+# Among the unit tests: the loom model check of the shared-memory ring's memory orderings
+# (transports/src/shm/model.rs, the tests named loom_*; docs/testing.md), exhaustive, seconds.
 echo "== tests"
 COHORT_REQUIRE_PYTHON=1 cargo test --workspace --locked -- --test-threads="${COHORT_TEST_THREADS:-2}"
 # The scale harness's smoke run: 96 members on real coordinator processes, through every

@@ -16,7 +16,7 @@
 //! neighbour), raises its `sleeping` flag in the ring, looks once more, and sleeps on the
 //! socket. The other side lowers the flag and writes one doorbell byte after it publishes
 //! (the flag and the counters form a store-buffering handshake, ordered by `SeqCst` fences:
-//! [`super::ring::raise_sleeping`]). The socket also wakes every sleeper when the peer's
+//! [`super::protocol::raise_sleeping`]). The socket also wakes every sleeper when the peer's
 //! process dies (the kernel closes its end: end-of-stream), so a SIGKILLed peer fails
 //! waiting operations at once.
 //! Every wait is bounded by the no-progress deadline. With learning on
@@ -29,7 +29,8 @@
 //! Anything the peer wrote into shared memory is validated before use (see [`super::ring`]);
 //! a violation fails the link with a protocol error.
 
-use super::ring::{raise_sleeping, take_sleeper, Ring, SlotHeader, KIND_CONT, KIND_FIRST};
+use super::protocol::{self, raise_sleeping, take_sleeper};
+use super::ring::{Ring, SlotHeader, KIND_CONT, KIND_FIRST};
 use super::segment::Mapping;
 use crate::activity::{self, LateTrack, PeerBoard, Whereabouts};
 use crate::links::{self, Arrival, LinkCore, Poison};
@@ -337,15 +338,8 @@ impl ShmLink {
     /// validated header.
     async fn next_header(&self, seq: u32, t: u64) -> Result<SlotHeader, TransportError> {
         let (ring, slots) = (self.rx, u64::from(self.rx.slots()));
-        self.wait(seq, true, ring.consumer_sleeping(), ring.producer_cpu(), || {
-            let head = ring.head().load(Ordering::Acquire);
-            let avail = head.wrapping_sub(t);
-            if avail > slots {
-                return Err(format!("the producer's head {head} is out of range of the tail {t} (ring of {slots})"));
-            }
-            Ok(avail > 0)
-        })
-        .await?;
+        self.wait(seq, true, ring.consumer_sleeping(), ring.producer_cpu(), || protocol::filled(ring.head(), t, slots))
+            .await?;
         let h = SlotHeader::decode(&ring.read_header(t), self.generation, self.max_message, ring.capacity())
             .map_err(|e| self.core.fail_protocol(e))?;
         self.core.progress.saw(h.tag.seq);
@@ -369,7 +363,7 @@ impl ShmLink {
             let (off, n) = (h.offset as usize, h.chunk as usize);
             ring.with_payload(*tail, n, |bytes| put(off, bytes));
             *tail += 1;
-            ring.tail().store(*tail, Ordering::Release);
+            protocol::release(ring.tail(), *tail);
             self.wake_peer(ring.producer_sleeping());
             self.note_cpu();
             let done = (off + n) as u64;
@@ -404,14 +398,7 @@ impl links::Link for ShmLink {
         loop {
             let h = *head;
             self.wait(tag.seq, false, ring.producer_sleeping(), ring.consumer_cpu(), || {
-                let tail = ring.tail().load(Ordering::Acquire);
-                let used = h.wrapping_sub(tail);
-                if used > slots {
-                    return Err(format!(
-                        "the consumer's tail {tail} is out of range of the head {h} (ring of {slots})"
-                    ));
-                }
-                Ok(used < slots)
+                protocol::room(ring.tail(), h, slots)
             })
             .await?;
             let chunk = (data.len() - offset).min(cap);
@@ -425,7 +412,7 @@ impl links::Link for ShmLink {
             .encode(self.generation);
             ring.write_slot(h, &header, &data[offset..offset + chunk]);
             *head = h + 1;
-            ring.head().store(h + 1, Ordering::Release);
+            protocol::publish(ring.head(), h + 1);
             self.wake_peer(ring.consumer_sleeping());
             self.note_cpu();
             offset += chunk;

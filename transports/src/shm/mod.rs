@@ -37,6 +37,8 @@
 //! shrinking (else a peer could truncate the file under the mapping and make accesses fault).
 
 mod link;
+mod model;
+mod protocol;
 pub mod ring;
 pub(crate) mod segment;
 mod setup;

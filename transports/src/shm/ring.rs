@@ -30,14 +30,17 @@
 //! | 40 | 8 | offset of this chunk in the message |
 //! | 48 | 16 | reserved (0) |
 //!
-//! Everything in the segment is written by the peer too, so it is untrusted: each side keeps
+//! Every value in the segment is written by the peer too, so it is untrusted: each side keeps
 //! its own counter (the producer its head, the consumer its tail) as the truth and only reads
 //! the other's, checking that the distance is within the ring; headers are copied out once and
 //! validated before any length from them is used; payload copies are bounded by the slot.
+//! The *order* of the peer's accesses is trusted: it writes a slot only between getting it
+//! back and publishing it (`shm/protocol.rs`, model-checked), so no slot access of this side
+//! races with one of the peer's (see `Ring::with_payload` for what that buys and costs).
 
 use crate::wire::{put_tag, tag_at, u32_at, u64_at};
 use crate::Tag;
-use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64};
 
 /// Bytes before the first slot.
 pub(crate) const CONTROL_BYTES: usize = 256;
@@ -139,10 +142,12 @@ impl Ring {
         unsafe { self.base.add(CONTROL_BYTES + i * self.slot_bytes) }
     }
 
-    /// Copies slot `n`'s header out of shared memory.
+    /// Copies slot `n`'s header out of shared memory. The caller must own slot `n`, as for
+    /// [`Ring::with_payload`].
     pub(crate) fn read_header(&self, n: u64) -> [u8; SLOT_HEADER] {
         let mut h = [0u8; SLOT_HEADER];
-        // SAFETY: the slot holds at least SLOT_HEADER bytes; h is a local buffer.
+        // SAFETY: the slot holds at least SLOT_HEADER bytes; h is a local buffer; no write of
+        // the peer races with the copy (the caller owns the slot: see `with_payload`).
         unsafe { std::ptr::copy_nonoverlapping(self.slot(n), h.as_mut_ptr(), SLOT_HEADER) };
         h
     }
@@ -152,7 +157,8 @@ impl Ring {
         assert!(payload.len() <= self.capacity(), "chunk larger than a slot");
         let p = self.slot(n);
         // SAFETY: header and payload fit in the slot (checked above); only this side writes
-        // the slots of its outgoing ring.
+        // the slots of its outgoing ring, and only a slot that `protocol::room` saw released
+        // (the peer's reads of it happen before this write).
         unsafe {
             std::ptr::copy_nonoverlapping(header.as_ptr(), p, SLOT_HEADER);
             std::ptr::copy_nonoverlapping(payload.as_ptr(), p.add(SLOT_HEADER), payload.len());
@@ -162,42 +168,35 @@ impl Ring {
     /// Lends `f` the first `len` (at most [`Ring::capacity`]) payload bytes of slot `n`, in
     /// place.
     ///
-    /// The caller must own slot `n` (the producer published it and the consumer's tail has
-    /// not passed it yet): the producer does not write it again until the tail moves on, so
-    /// the bytes stay put while `f` reads them.
+    /// The caller must own slot `n`: it is the ring's consumer, [`super::protocol::filled`]
+    /// saw the slot published (an `Acquire` of the head) and the caller has not released it
+    /// yet ([`super::protocol::release`], after this call returns).
+    ///
+    /// Why lending is sound, and on what it rests. A `&[u8]` asserts that nobody writes its
+    /// bytes while it lives, and the compiler and `f` may rely on that (read a byte twice and
+    /// assume it equal). The peer process maps the same memory and uses the same atomic
+    /// instructions, so the memory model applies to it as to another thread of this program;
+    /// then the protocol makes every access to the slot happen-before or -after the borrow:
+    /// the producer's writes of it happen before the `Release` store of the head that this
+    /// side's `Acquire` read, and the producer writes it again only after an `Acquire` of a
+    /// tail that this side stores (`Release`) after `f` returns. No write races the borrow.
+    ///
+    /// This trusts the peer to follow the protocol's order (it is a process of the same job,
+    /// which proved the job token at the handshake, running this code), not the values it
+    /// writes (validated). A peer that wrote the slot during the borrow would be a data race:
+    /// undefined behaviour. Copying the slot out through a raw pointer instead would not make
+    /// it defined (a racing non-atomic read is a data race too), only confine its practical
+    /// effect to the copied values; per-byte atomic reads would, at the cost of the in-place
+    /// reduction this function exists for. docs/architecture.md ("Untrusted memory") states
+    /// this threat model.
     pub(crate) fn with_payload<R>(&self, n: u64, len: usize, f: impl FnOnce(&[u8]) -> R) -> R {
         assert!(len <= self.capacity(), "chunk larger than a slot");
-        // SAFETY: len bytes of payload lie inside the slot (checked above), in a live mapping;
-        // per the contract above nobody writes them while the borrow, which cannot outlive
-        // this call, lasts. A peer that broke the protocol and wrote anyway could change the
-        // values `f` reads, nothing more: they are plain bytes, as they would be in a copy.
+        // SAFETY: `len` bytes of payload lie inside the slot (checked above), in a live
+        // mapping (see `new`); the caller owns the slot (see above), so no write of it races
+        // with the borrow, which cannot outlive this call.
         let bytes = unsafe { std::slice::from_raw_parts(self.slot(n).add(SLOT_HEADER), len) };
         f(bytes)
     }
-}
-
-/// The waiter's half of the doorbell handshake: raises its `sleeping` flag; the caller then
-/// looks at the counter it waits on once more before it sleeps.
-///
-/// This is a store-buffering (Dekker) pattern with [`take_sleeper`]: the waiter stores the
-/// flag and loads the counter, the publisher stores the counter and loads the flag, and at
-/// least one of them must see the other's store, or the waiter sleeps on data it missed while
-/// the publisher rings no doorbell (a lost wake-up, caught only by the deadline's re-check).
-/// A store followed by a load of another location may be reordered unless a sequentially
-/// consistent fence (or SeqCst on both accesses) sits between them: an `Acquire` load after a
-/// `SeqCst` store is not enough on weakly ordered CPUs (x86's `xchg` happens to order them).
-/// So both halves put a `SeqCst` fence between their store and their load.
-pub(crate) fn raise_sleeping(flag: &AtomicU32) {
-    flag.store(1, Ordering::SeqCst);
-    fence(Ordering::SeqCst);
-}
-
-/// The publisher's half of the doorbell handshake ([`raise_sleeping`]), called after it
-/// stored the counter the peer may sleep on: whether the peer sleeps, in which case the flag
-/// is lowered here and the caller must ring the doorbell.
-pub(crate) fn take_sleeper(flag: &AtomicU32) -> bool {
-    fence(Ordering::SeqCst);
-    flag.load(Ordering::Relaxed) != 0 && flag.swap(0, Ordering::SeqCst) != 0
 }
 
 /// A decoded slot header. Public for the fuzz targets (`fuzz/bodies/shm_slot_header.rs`):
@@ -278,47 +277,6 @@ impl SlotHeader {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// The store-buffering litmus test behind the doorbell: in every round, the waiter raises
-    /// its flag and then reads the counter, the publisher bumps the counter and then takes the
-    /// flag; a round where the waiter saw the old counter *and* the publisher saw no sleeper is
-    /// a lost wake-up. (x86 never shows it even without the fences, its locked `xchg` being a
-    /// full barrier; the test guards the protocol on weakly ordered CPUs.)
-    #[test]
-    fn the_doorbell_handshake_loses_no_wake_up() {
-        use std::sync::{Arc, Barrier};
-        const ROUNDS: u64 = 5_000;
-        let flag = Arc::new(AtomicU32::new(0));
-        let counter = Arc::new(AtomicU64::new(0));
-        let barrier = Arc::new(Barrier::new(2));
-        let waiter = {
-            let (flag, counter, barrier) = (flag.clone(), counter.clone(), barrier.clone());
-            std::thread::spawn(move || {
-                let mut saw_old = Vec::with_capacity(ROUNDS as usize);
-                for round in 0..ROUNDS {
-                    barrier.wait();
-                    raise_sleeping(&flag);
-                    saw_old.push(counter.load(Ordering::Acquire) == round);
-                    barrier.wait();
-                    barrier.wait(); // the publisher has recorded its view
-                    flag.store(0, Ordering::SeqCst);
-                }
-                saw_old
-            })
-        };
-        let mut rang = Vec::with_capacity(ROUNDS as usize);
-        for round in 0..ROUNDS {
-            barrier.wait();
-            counter.store(round + 1, Ordering::SeqCst);
-            rang.push(take_sleeper(&flag));
-            barrier.wait();
-            barrier.wait();
-        }
-        let saw_old = waiter.join().unwrap();
-        for (round, (old, rang)) in saw_old.iter().zip(&rang).enumerate() {
-            assert!(!*old || *rang, "round {round}: the waiter missed the data and the publisher the sleeper");
-        }
-    }
 
     fn first(total: u64, chunk: u32) -> SlotHeader {
         SlotHeader { kind: KIND_FIRST, tag: Tag::new(3, 4, 5), chunk, total, offset: 0 }
