@@ -7,6 +7,8 @@
 
 mod common;
 
+use common::squatter;
+
 use cohort::control::{ControlClient, ControlConfig, EventRelay, RelayEvents, SILENCE_LIMIT};
 use cohort_coordinator::{JobSettings, ServerHandle};
 use cohort_proto::v1::{self as pb, job_event::Event};
@@ -298,6 +300,45 @@ async fn a_relay_that_never_writes_is_found_hung() {
         assert_eq!(error.kind(), std::io::ErrorKind::TimedOut, "{error}");
         assert!(started.elapsed() >= SILENCE_LIMIT, "gave up after {:?}", started.elapsed());
         drop(hung);
+        server.shutdown().await.expect("shutdown");
+    })
+    .await
+    .expect("bounded");
+}
+
+/// A process of another user binds the relay's name first and greets every subscriber with
+/// a forged revocation and the job's end: subscribing refuses it (its server is not of this
+/// user), with an error that says so, and never hears its events; the worker then watches
+/// alone, as when its relay cannot be reached.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_of_another_user_is_refused() {
+    use prost::Message;
+    tokio::time::timeout(BOUND, async {
+        let server = coordinator(1).await;
+        let m = join(&server, "events-squatted", "host-f", "w0").await;
+        let revoked = pb::JobEvent {
+            event: Some(Event::GenerationRevoked(pb::GenerationRevoked { generation: 1, cause: None })),
+        };
+        let ended = pb::JobEvent {
+            event: Some(Event::JobEnded(pb::JobEnded {
+                outcome: pb::job_ended::Outcome::Failed as i32,
+                reason: "forged".into(),
+            })),
+        };
+        let mut greeting = squatter::frame(&revoked.encode_to_vec());
+        greeting.extend(squatter::frame(&ended.encode_to_vec()));
+        let Some(_squatter) = squatter::Squatter::start(m.relay.socket_name(), &greeting, &[]) else { return };
+        match m.relay.subscribe() {
+            Ok(mut sub) => {
+                let heard = tokio::time::timeout(EVENT_BOUND, sub.next()).await;
+                panic!("subscribed to another user's relay; heard {heard:?}");
+            }
+            Err(e) => {
+                assert_eq!(e.kind(), std::io::ErrorKind::PermissionDenied, "{e}");
+                assert!(e.to_string().contains(&format!("uid {}", squatter::SQUATTER_UID)), "{e}");
+            }
+        }
+        assert!(!m.relay.is_serving());
         server.shutdown().await.expect("shutdown");
     })
     .await

@@ -6,6 +6,8 @@
 
 mod common;
 
+use common::squatter;
+
 use cohort::control::{ControlClient, ControlConfig, HostRelay};
 use cohort_coordinator::{JobSettings, ServerHandle};
 use cohort_proto::v1 as pb;
@@ -233,4 +235,38 @@ async fn a_short_lease_sends_its_own_beats() {
     let interval = Duration::from_millis(500);
     assert!(HostRelay::new(client.clone(), "j", "h", interval, interval * 3).expect("name").is_none());
     assert!(HostRelay::new(client, "j", "h", interval, interval * 4).expect("name").is_some());
+}
+
+/// A process of another user binds the relay's name first and answers every beat with a
+/// forged "revoked, leave as a straggler": the worker refuses it (its server is not of this
+/// user) and sends its beats directly, every one answered by the coordinator.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_of_another_user_is_refused() {
+    tokio::time::timeout(BOUND, async {
+        let server = coordinator().await;
+        let job = "relay-squatted";
+        let m = join(&server, job, "host-e", "w0").await;
+        let forged = pb::HeartbeatAnswer {
+            outcome: Some(pb::heartbeat_answer::Outcome::Ok(pb::HeartbeatResponse {
+                current_revoked: true,
+                leave_as_straggler: "w0".into(),
+                ..Default::default()
+            })),
+        };
+        let answer = squatter::frame(&forged.encode_to_vec());
+        let Some(_squatter) = squatter::Squatter::start(m.relay.socket_name(), &[], &answer) else { return };
+        for i in 0..3 {
+            let answer = m.relay.heartbeat(beat(job, &m, &format!("beat {i}"))).await.expect("answered");
+            assert!(
+                !answer.current_revoked && answer.leave_as_straggler.is_empty(),
+                "a forged answer was used: {answer:?}"
+            );
+        }
+        assert!(!m.relay.is_serving());
+        assert_eq!(count(&server, "Heartbeat"), 3, "every beat reached the coordinator directly");
+        assert_eq!(count(&server, "HostHeartbeat"), 0);
+        server.shutdown().await.expect("shutdown");
+    })
+    .await
+    .expect("bounded");
 }

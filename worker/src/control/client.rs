@@ -1,5 +1,6 @@
 //! The retrying, failing-over coordinator client.
 
+use super::unreached::Unreached;
 use super::ControlError;
 use cohort_proto::v1::coordinator_client::CoordinatorClient;
 use cohort_proto::v1::*;
@@ -27,12 +28,15 @@ pub struct ControlConfig {
     /// How long to keep retrying unreachable coordinators before giving up.
     pub retry_budget: Duration,
     /// How long to keep retrying while no coordinator has ever answered this client and every
-    /// endpoint refuses the connection (default 3 s): nothing listening at any address from
-    /// the start is usually a wrong address, said in a few seconds instead of after the
-    /// whole `retry_budget`. Raise it for coordinators that start after their workers
-    /// (`cohort-worker train --coordinator-wait`). Once a coordinator has answered, an
-    /// outage is retried for `retry_budget`, as are failures other than a refused connection
-    /// (a timeout, a replica that is not ready).
+    /// endpoint fails as a wrong address does (default 3 s): the connection refused, the host
+    /// name not resolving, the TCP connect not answered within `connect_timeout`. That is
+    /// said in a few seconds (the wait, plus the attempt in flight and its backoff) instead of
+    /// after the whole `retry_budget`; an endpoint that answers but does not speak gRPC over
+    /// HTTP/2 fails the first call at once ([`ControlError::NotACoordinator`]). Raise it for
+    /// coordinators that start after their workers (`cohort-worker train
+    /// --coordinator-wait`). Once a coordinator has answered, an outage is retried for
+    /// `retry_budget`, as are other failures from the start (a connection accepted and never
+    /// answered, a replica that is not ready).
     pub first_contact_wait: Duration,
     /// Bound on one heartbeat request (default 1 s, at most `request_timeout`): a heartbeat
     /// stuck on a replica that died must fail over before the member's lease (3 s by
@@ -118,18 +122,6 @@ fn refusal(rpc: &'static str, status: &Status) -> ControlError {
         }
         _ => ControlError::Rejected { rpc, code: status.code(), message: status.message().to_string() },
     }
-}
-
-/// Whether a status is a refused connection: nothing listens at the endpoint's address.
-fn is_refused(status: &Status) -> bool {
-    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(status);
-    while let Some(e) = source {
-        if e.downcast_ref::<std::io::Error>().is_some_and(|io| io.kind() == std::io::ErrorKind::ConnectionRefused) {
-            return true;
-        }
-        source = e.source();
-    }
-    status.message().contains("Connection refused")
 }
 
 /// Whether a status means "this endpoint is not serving now": retry elsewhere.
@@ -261,10 +253,13 @@ impl ControlClient {
             .build();
         let mut attempts = 0u32;
         let started = tokio::time::Instant::now();
-        // Whether every attempt of this call was a refused connection.
-        let mut refused_only = true;
+        // Why each endpoint failed this call last, while every failure was a wrong address's.
+        let mut wrong_address: Option<Vec<Option<(Unreached, String)>>> = Some(vec![None; n]);
+        // Endpoints already warned about in this call.
+        let mut warned = vec![false; n];
         loop {
             let index = self.inner.preferred.load(Ordering::Relaxed) % n;
+            let endpoint = &self.inner.config.endpoints[index];
             let client = CoordinatorClient::new(self.inner.channels[index].clone());
             let request = self.request(message.clone(), timeout);
             attempts += 1;
@@ -275,50 +270,75 @@ impl ControlClient {
                 Ok(answer) => answer,
                 Err(_) => Err(Status::deadline_exceeded(format!("{rpc}: no answer within {timeout:?}"))),
             };
-            match answer {
+            let status = match answer {
                 Ok(response) => {
                     self.inner.contacted.store(true, Ordering::Relaxed);
                     return Ok(response.into_inner());
                 }
-                Err(status) if is_transient(&status) => {
-                    tracing::debug!(rpc, endpoint = %self.inner.config.endpoints[index], %status, "coordinator unreachable, failing over");
-                    refused_only &= is_refused(&status);
-                    let waited = started.elapsed();
-                    if refused_only
-                        && !self.inner.contacted.load(Ordering::Relaxed)
-                        && waited >= self.inner.config.first_contact_wait
-                        && attempts as usize >= n
-                    {
-                        return Err(ControlError::NothingListening {
-                            endpoints: self.inner.config.endpoints.join(","),
-                            waited,
-                            last: status.message().to_string(),
-                        });
-                    }
-                    // Try the next endpoint next time.
-                    let _ = self.inner.preferred.compare_exchange(
-                        index,
-                        (index + 1) % n,
-                        Ordering::Relaxed,
-                        Ordering::Relaxed,
-                    );
-                    match backoff::backoff::Backoff::next_backoff(&mut backoff) {
-                        Some(wait) => tokio::time::sleep(wait).await,
-                        None => {
-                            return Err(ControlError::Unreachable {
-                                endpoints: self.inner.config.endpoints.join(","),
-                                attempts,
-                                last: status.to_string(),
-                            })
-                        }
-                    }
+                Err(status) => status,
+            };
+            let unreached = Unreached::of(&status);
+            let contacted = self.inner.contacted.load(Ordering::Relaxed);
+            if unreached == Unreached::NotGrpc && !contacted {
+                // Nothing at this address will turn into a coordinator by waiting.
+                return Err(ControlError::NotACoordinator { endpoint: endpoint.clone(), detail: status.to_string() });
+            }
+            if unreached != Unreached::NotGrpc && !is_transient(&status) {
+                self.inner.contacted.store(true, Ordering::Relaxed);
+                return Err(refusal(rpc, &status));
+            }
+            if !contacted && !std::mem::replace(&mut warned[index], true) {
+                tracing::warn!(rpc, endpoint = %endpoint, why = unreached.describe(), %status,
+                               "cannot reach the coordinator at {endpoint}: {}; retrying", unreached.describe());
+            } else if unreached == Unreached::NotGrpc {
+                tracing::warn!(rpc, endpoint = %endpoint, %status, "{endpoint}: {}; failing over", unreached.describe());
+            } else {
+                tracing::debug!(rpc, endpoint = %endpoint, %status, "coordinator unreachable, failing over");
+            }
+            if !unreached.is_wrong_address() {
+                wrong_address = None;
+            }
+            if let Some(reasons) = wrong_address.as_mut() {
+                reasons[index] = Some((unreached, status.message().to_string()));
+                let waited = started.elapsed();
+                if !contacted && waited >= self.inner.config.first_contact_wait && reasons.iter().all(Option::is_some) {
+                    return Err(self.wrong_address(reasons, waited));
                 }
-                Err(status) => {
-                    self.inner.contacted.store(true, Ordering::Relaxed);
-                    return Err(refusal(rpc, &status));
+            }
+            // Try the next endpoint next time.
+            let _ = self.inner.preferred.compare_exchange(index, (index + 1) % n, Ordering::Relaxed, Ordering::Relaxed);
+            match backoff::backoff::Backoff::next_backoff(&mut backoff) {
+                Some(wait) => tokio::time::sleep(wait).await,
+                None => {
+                    return Err(ControlError::Unreachable {
+                        endpoints: self.inner.config.endpoints.join(","),
+                        attempts,
+                        last: format!("{endpoint}: {status}"),
+                    })
                 }
             }
         }
+    }
+
+    /// The error of a first contact that found only wrong addresses: `reasons` holds each
+    /// endpoint's last failure.
+    fn wrong_address(&self, reasons: &[Option<(Unreached, String)>], waited: Duration) -> ControlError {
+        let endpoints = self.inner.config.endpoints.join(",");
+        let reasons: Vec<(Unreached, &str)> = reasons.iter().flatten().map(|(u, m)| (*u, m.as_str())).collect();
+        if reasons.iter().all(|(u, _)| *u == Unreached::Refused) {
+            let last = reasons.last().map_or("", |(_, m)| m).to_string();
+            return ControlError::NothingListening { endpoints, waited, last };
+        }
+        let why = self
+            .inner
+            .config
+            .endpoints
+            .iter()
+            .zip(&reasons)
+            .map(|(e, (u, m))| format!("{e}: {} ({m})", u.describe()))
+            .collect::<Vec<_>>()
+            .join("; ");
+        ControlError::NoCoordinator { endpoints, waited, why }
     }
 
     /// Joins the job (one new incarnation of this worker).
@@ -475,6 +495,11 @@ impl ControlClient {
             }
             match tokio::time::timeout(self.inner.config.request_timeout, client.watch(req)).await {
                 Ok(Ok(stream)) => return Ok(stream.into_inner()),
+                Ok(Err(status)) if Unreached::of(&status) == Unreached::NotGrpc => {
+                    let endpoint = &self.inner.config.endpoints[index];
+                    tracing::warn!(endpoint = %endpoint, %status, "{endpoint}: {}", Unreached::NotGrpc.describe());
+                    last = format!("{endpoint}: {}: {status}", Unreached::NotGrpc.describe());
+                }
                 Ok(Err(status)) if !is_transient(&status) => {
                     return Err(ControlError::Rejected {
                         rpc: "Watch",
@@ -592,6 +617,92 @@ mod tests {
             .expect("the heartbeat returned within its bounds")
             .expect_err("nothing listens");
         assert!(matches!(error, ControlError::Unreachable { .. }), "{error:?}");
+    }
+
+    fn join_request() -> JoinRequest {
+        JoinRequest { job: "j".into(), worker_id: "w".into(), ..Default::default() }
+    }
+
+    /// A misspelt host name (`.invalid` never resolves) fails after `first_contact_wait`,
+    /// not the whole retry budget, naming the address and that its name does not resolve.
+    #[tokio::test]
+    async fn a_name_that_does_not_resolve_fails_fast_naming_it() {
+        let endpoint = "http://no-such-host.invalid:7000".to_string();
+        let mut config = ControlConfig::new(vec![endpoint.clone()]);
+        config.first_contact_wait = Duration::from_millis(300);
+        let client = ControlClient::new(config).expect("client");
+        let error = tokio::time::timeout(Duration::from_secs(20), client.join(join_request()))
+            .await
+            .expect("the join gave up within its bounds, not the 30 s budget")
+            .expect_err("the name does not resolve");
+        assert!(matches!(error, ControlError::NoCoordinator { .. }), "{error:?}");
+        let text = error.to_string();
+        assert!(text.contains(&format!("{endpoint}: the host name does not resolve")), "{text}");
+        assert!(text.contains("--coordinator-wait"), "{text}");
+    }
+
+    /// A black-holed address (a listener whose accept queue is full drops the SYNs: the
+    /// connect is never answered) fails once `first_contact_wait` has passed and the attempt
+    /// in flight timed out, naming the address and why.
+    #[tokio::test]
+    async fn an_unanswered_connect_fails_fast_naming_it() {
+        let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+        socket.bind("127.0.0.1:0".parse().expect("address")).expect("bind");
+        let listener = socket.listen(0).expect("listen");
+        let address = listener.local_addr().expect("address");
+        // Fill the accept queue (nothing accepts) until a connect goes unanswered.
+        let mut queued = Vec::new();
+        loop {
+            assert!(queued.len() < 16, "the accept queue never filled");
+            match tokio::time::timeout(Duration::from_millis(300), tokio::net::TcpStream::connect(address)).await {
+                Ok(stream) => queued.push(stream.expect("connect")),
+                Err(_) => break,
+            }
+        }
+        let endpoint = format!("http://{address}");
+        let mut config = ControlConfig::new(vec![endpoint.clone()]);
+        config.connect_timeout = Duration::from_millis(200);
+        config.first_contact_wait = Duration::from_millis(500);
+        let client = ControlClient::new(config).expect("client");
+        let error = tokio::time::timeout(Duration::from_secs(20), client.join(join_request()))
+            .await
+            .expect("the join gave up within its bounds, not the 30 s budget")
+            .expect_err("nothing answers");
+        let text = error.to_string();
+        assert!(matches!(error, ControlError::NoCoordinator { .. }), "{error:?}");
+        assert!(text.contains(&format!("{endpoint}: the connect was not answered")), "{text}");
+        drop(listener);
+    }
+
+    /// A plain HTTP/1.1 server at the address: the first call fails at once, naming the
+    /// address and saying that it is not a coordinator (it does not speak gRPC over HTTP/2),
+    /// not "coordinator refused Join: Internal: h2 protocol error".
+    #[tokio::test]
+    async fn a_plain_http_server_is_named_as_not_a_coordinator() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let server = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let address = server.local_addr().expect("address");
+        let serving = tokio::spawn(async move {
+            while let Ok((mut stream, _)) = server.accept().await {
+                tokio::spawn(async move {
+                    let mut scratch = [0u8; 1024];
+                    let _ = stream.read(&mut scratch).await;
+                    let _ = stream.write_all(b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\n\r\n").await;
+                    while matches!(stream.read(&mut scratch).await, Ok(n) if n > 0) {}
+                });
+            }
+        });
+        let endpoint = format!("http://{address}");
+        let client = ControlClient::new(ControlConfig::new(vec![endpoint.clone()])).expect("client");
+        let error = tokio::time::timeout(Duration::from_secs(20), client.join(join_request()))
+            .await
+            .expect("the join returned within its bounds")
+            .expect_err("not a coordinator");
+        assert!(matches!(&error, ControlError::NotACoordinator { endpoint: e, .. } if *e == endpoint), "{error:?}");
+        let text = error.to_string();
+        assert!(text.contains(&format!("{endpoint} is not a cohort coordinator")), "{text}");
+        assert!(text.contains("does not speak gRPC over HTTP/2"), "{text}");
+        serving.abort();
     }
 
     fn pb_heartbeat() -> HeartbeatRequest {

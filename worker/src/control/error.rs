@@ -28,6 +28,33 @@ pub enum ControlError {
         /// The last error seen.
         last: String,
     },
+    /// No coordinator has ever answered and every endpoint failed as a wrong address does (a
+    /// refused connection, a host name that does not resolve, a connect not answered), for the
+    /// client's `first_contact_wait`.
+    #[error(
+        "no coordinator at {endpoints} after {waited:.1?}: {why}; check the coordinator address, or wait longer \
+         for a coordinator that starts later (cohort-worker --coordinator-wait, Python coordinator_wait)"
+    )]
+    NoCoordinator {
+        /// The endpoints tried, comma separated.
+        endpoints: String,
+        /// How long the client tried.
+        waited: std::time::Duration,
+        /// Each endpoint's last failure, and what it means.
+        why: String,
+    },
+    /// The first endpoint to answer this client does not speak gRPC over HTTP/2: a wrong
+    /// address (a plain HTTP server, a TLS server given as `http://`). Not retried.
+    #[error(
+        "{endpoint} is not a cohort coordinator: it does not speak gRPC over HTTP/2 (a plain HTTP server? a TLS \
+         one, which needs https:// and --tls-ca?); check the coordinator address ({detail})"
+    )]
+    NotACoordinator {
+        /// The endpoint that answered.
+        endpoint: String,
+        /// The transport's error.
+        detail: String,
+    },
     /// The coordinator answered with an error status (not retried).
     #[error("coordinator refused {rpc}: {code:?}: {message}")]
     Rejected {

@@ -25,7 +25,7 @@
 //! subscriber writes nothing. A subscription that hears nothing for [`SILENCE_LIMIT`] has a
 //! hung relay (a stopped process, or a forked child holding the socket): its worker watches
 //! alone, for longer after each such failure. The relay serves only processes of its own user
-//! (`SO_PEERCRED`), at most [`MAX_SUBSCRIBERS`] at once, and drops a subscriber that falls
+//! (`SO_PEERCRED`), a subscriber refuses a relay of another user (as one it cannot reach), at most [`MAX_SUBSCRIBERS`] at once, and drops a subscriber that falls
 //! [`QUEUED_EVENTS`] events behind (it subscribes again and gets the state afresh).
 
 use super::relay::{connect, read_frame, socket_name, OwnUserListener};

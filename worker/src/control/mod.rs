@@ -5,7 +5,10 @@
 //! deadline, the job token in the `authorization` metadata, optional TLS, and retries with
 //! exponential backoff and jitter (the `backoff` crate) that move to the next endpoint when
 //! one is unreachable. Application errors (bad request, unknown member, excluded worker) are
-//! returned at once, never retried.
+//! returned at once, never retried. Before any coordinator has answered, a wrong address (a
+//! refused connection, a name that does not resolve, an unanswered connect, a peer that is
+//! not a coordinator) is warned about at once and fails within a few seconds (`unreached.rs`
+//! tells the causes apart).
 
 //!
 //! [`HostRelay`] carries the heartbeats of a host's workers to the coordinator in shared
@@ -16,6 +19,7 @@ mod client;
 mod error;
 mod event_relay;
 mod relay;
+mod unreached;
 
 pub use client::{ControlClient, ControlConfig};
 pub use error::ControlError;

@@ -21,7 +21,8 @@
 //! without `HostHeartbeat` makes every worker send its own beats for good.
 //!
 //! Abstract sockets live in the network namespace: on Kubernetes the ranks of one pod share a
-//! relay, pods do not. The relay answers only processes of its own user (`SO_PEERCRED`), and it
+//! relay, pods do not. The relay answers only processes of its own user (`SO_PEERCRED`), a
+//! worker uses only a relay run by its own user (anyone can bind the name first), and the relay
 //! forwards only its job's beats: the coordinator judges each beat as if the member had sent
 //! it, against the member's incarnation.
 
@@ -283,12 +284,60 @@ impl HostRelay {
     }
 }
 
-/// Connects to a host relay's abstract socket.
+/// Connects to a host relay's abstract socket, refusing a server of another user.
+///
+/// Anyone on the host can compute a relay's name and bind it first (an abstract socket has no
+/// permissions), so the server's credentials (`SO_PEERCRED`, taken by the kernel when it
+/// bound) must be this process's user: a squatter of another user would otherwise hear every
+/// beat, answer them, and forge the job's events. Such a server is
+/// [`io::ErrorKind::PermissionDenied`], naming its uid and pid; the caller then does without
+/// the relay, as when it cannot connect at all.
 pub(super) fn connect(address: &UnixAddr) -> io::Result<UnixStream> {
     // A Unix socket's connect completes at once (or fails): no need to wait on it.
     let stream = std::os::unix::net::UnixStream::connect_addr(address)?;
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    check_server(peer_credentials(&stream)?, unsafe { libc::geteuid() })?;
     stream.set_nonblocking(true)?;
     UnixStream::from_std(stream)
+}
+
+/// The credentials (`SO_PEERCRED`) of a Unix socket's peer: for a connected client socket,
+/// those of the process that bound and listened on the server's side.
+fn peer_credentials(stream: &std::os::unix::net::UnixStream) -> io::Result<libc::ucred> {
+    use std::os::fd::AsRawFd;
+    let mut cred = libc::ucred { pid: 0, uid: 0, gid: 0 };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: the descriptor is open for the call's duration, and `cred`/`len` are valid for
+    // writes of the size given.
+    let rc = unsafe {
+        libc::getsockopt(
+            stream.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut cred as *mut libc::ucred).cast(),
+            &mut len,
+        )
+    };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(cred)
+}
+
+/// Whether a relay server with credentials `server` may serve a worker of user `own_uid`:
+/// only a process of the same user.
+fn check_server(server: libc::ucred, own_uid: u32) -> io::Result<()> {
+    if server.uid == own_uid {
+        return Ok(());
+    }
+    Err(io::Error::new(
+        io::ErrorKind::PermissionDenied,
+        format!(
+            "the relay's socket is served by process {} of uid {}, not by this user (uid {own_uid}): another \
+             user holds the name; refusing it",
+            server.pid, server.uid
+        ),
+    ))
 }
 
 /// A host relay's abstract socket name, `kind/<digest>`: one per kind, job, host,
@@ -478,7 +527,22 @@ fn refusal(code: tonic::Code, message: String) -> pb::HeartbeatAnswer {
 
 #[cfg(test)]
 mod tests {
-    use super::socket_name;
+    use super::{check_server, socket_name};
+
+    #[test]
+    fn a_relay_of_another_user_is_refused() {
+        let cred = |uid| libc::ucred { pid: 4242, uid, gid: uid };
+        assert!(check_server(cred(1000), 1000).is_ok());
+        for (server, own) in [(65534, 0), (0, 1000), (1001, 1000)] {
+            let e = check_server(cred(server), own).expect_err("another user");
+            assert_eq!(e.kind(), std::io::ErrorKind::PermissionDenied);
+            let text = e.to_string();
+            assert!(
+                text.contains(&format!("process 4242 of uid {server}")) && text.contains(&format!("(uid {own})")),
+                "{text}"
+            );
+        }
+    }
 
     #[test]
     fn the_name_depends_on_the_deployment_not_the_order_of_its_endpoints() {

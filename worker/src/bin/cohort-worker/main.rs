@@ -156,9 +156,10 @@ struct TrainArgs {
     /// PEM of the CA that signed the coordinators' certificates (for https:// endpoints).
     #[arg(long)]
     tls_ca: Option<PathBuf>,
-    /// How long to retry while every coordinator endpoint refuses the first connection
-    /// (nothing listens: usually a wrong address). Raise it when the coordinators may start
-    /// after the workers; once a coordinator has answered, outages are retried for 30 s.
+    /// How long to retry while every coordinator endpoint fails the first contact as a wrong
+    /// address does (connection refused, a host name that does not resolve, a connect not
+    /// answered). Raise it when the coordinators may start after the workers; once a
+    /// coordinator has answered, outages are retried for 30 s.
     #[arg(long, value_parser = duration, default_value = "3s")]
     coordinator_wait: Duration,
     /// No-progress deadline per data-plane link (e.g. 5s): the ceiling of the learned
