@@ -94,8 +94,9 @@ def main() -> None:
 
     trainer = cohort.hsdp.Trainer(args.job, args.coordinator, args.replica, args.worker_id, build)
     if not trainer.run(train_step, batch, args.steps):
-        emit("leave", gen=0, step=0, extra={"replica": args.replica, "reason": "spare-not-needed"})
-        return
+        if trainer.outcome == "not-needed":
+            emit("leave", gen=0, step=0, extra={"replica": args.replica, "reason": "spare-not-needed"})
+        return  # finished-without-this-group: run() said so (stderr, event leave); exit 0
 
     net = trainer.model
     with torch.no_grad():

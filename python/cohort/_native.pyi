@@ -141,7 +141,13 @@ class Group:
         if uncaught)."""
     def next_generation(self) -> Communicator:
         """Waits at the rendezvous for the next generation and connects its mesh (blocks,
-        GIL released). Raises ``JobEndedError`` when the job ended."""
+        GIL released). Raises ``JobEndedError`` when the job ended. SIGTERM while it waits
+        (when handle_sigterm) leaves the job and raises ``cohort.GracefulLeave``."""
+    def leave_at_commit_points(self) -> None:
+        """The caller reads ``leaving`` at its commit points and leaves there
+        (``cohort.elastic``'s states and ``cohort.hsdp`` call it). Without it, SIGTERM makes
+        the group's next blocking call (a collective, a ``Work.wait``) leave the job and raise
+        ``cohort.GracefulLeave``, within 50 ms for a call already blocked on the main thread."""
     def close_comms(self) -> None:
         """Closes every communicator this group made (what ``leave()`` and ``close()`` do
         first); the group stays a member."""

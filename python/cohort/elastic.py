@@ -58,6 +58,8 @@ class State:
 
     def __init__(self, group: Group) -> None:
         self.group = group
+        # SIGTERM is this state's business: commit() leaves at the next commit point.
+        group.leave_at_commit_points()
         self.comm: Optional[Communicator] = None
         self.checkpoint = Checkpoint()
         # The last agreed commit (snapshot, step), to roll back to when an agreement fails.

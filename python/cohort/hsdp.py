@@ -62,6 +62,7 @@ from __future__ import annotations
 import io
 import re
 import statistics
+import sys
 import time
 from typing import Any, Callable, Optional
 
@@ -72,7 +73,14 @@ import torch.distributed as dist
 import cohort.torch as cohort_torch
 from cohort._native import Checkpoint, Communicator, Group
 from cohort.config import GroupConfig
-from cohort.errors import CohortError, CollectiveError, GracefulLeave, JobEndedError, collective_failure
+from cohort.errors import (
+    CohortError,
+    CollectiveError,
+    ControlError,
+    GracefulLeave,
+    JobEndedError,
+    collective_failure,
+)
 from cohort.events import emit
 
 __all__ = ["Trainer", "cross_worker_id", "replica_job", "CROSS_SUFFIX"]
@@ -157,8 +165,10 @@ class Trainer:
         self._idle_since = 0.0
         self._step_done: list[float] = []  # wall-clock end of each completed step
         self._step_ms: list[float] = []
+        self.outcome: Optional[str] = None  # what run() ended with ("trained", ...; see run)
         self.stats = {"replica_formations": 0, "cross_formations": 0, "skipped_steps": 0, "replica_failures": 0}
         self._replica_group = Group(GroupConfig(replica_job(job, replica), coordinator, worker_id, **options))
+        self._replica_group.leave_at_commit_points()  # SIGTERM: the group leaves at a step boundary
         emit("joined", worker=worker_id, incarnation=self._replica_group.incarnation, addr=self._replica_group.address)
 
     # -- the loop ------------------------------------------------------------------------
@@ -170,12 +180,29 @@ class Trainer:
         vote and ``optimizer.step()``. Survives replica failures (its own group's: re-forms
         and heals; other groups': skips the step and re-forms the cross reduction).
 
-        Returns True once trained, False when this worker was never needed: a spare whose
-        replica group finished without it (the job ended "finished" while it waited). Raises
+        Returns True once trained, False when this worker did not finish the training
+        (``self.outcome`` says why): ``"not-needed"``, a spare whose replica group finished
+        without it (the job ended "finished" while it waited); ``"finished-without-this-group"``,
+        a group that came back (or arrived) after every other group had finished and left the
+        cross job: there is nobody to take the state from and the job's result is theirs, so
+        the group leaves its replica job as finished (it says so on stderr) and trains no
+        further. Raises
         :class:`cohort.JobEndedError` when a job fails (fewer than ``S`` workers for the
         elastic timeout), :class:`ReplicaStateLost`, :class:`cohort.GracefulLeave` on a rank
         that got SIGTERM (after its group left the cross job and it left its replica group),
         and any error of ``step_fn`` that is not a collective failure."""
+        try:
+            return self._run(step_fn, batch, steps)
+        except GracefulLeave:
+            # SIGTERM while waiting for a generation (of either job) left that job: leave the
+            # replica job too, unless the step boundary's leave already did.
+            try:
+                self._replica_group.leave(finished=False)
+            except CohortError:
+                pass
+            raise
+
+    def _run(self, step_fn: StepFn, batch: Callable[[int], Any], steps: int) -> bool:
         while self.step < steps:
             if self.model is None:
                 try:
@@ -183,6 +210,7 @@ class Trainer:
                 except JobEndedError as ended:
                     if ended.outcome == "finished" and self.stats["replica_formations"] == 0:
                         self._replica_group.leave(finished=True)
+                        self.outcome = "not-needed"
                         return False
                     raise
             if self._cross is None:
@@ -190,6 +218,11 @@ class Trainer:
                     self._form_cross()
                 except CollectiveError as e:  # the group's barrier before joining: a member died
                     self._replica_failed(e)
+                except (JobEndedError, ControlError) as e:
+                    if not _cross_finished(e):
+                        raise
+                    self._finished_without_this_group(e)
+                    return False
                 continue
             if not self._training:
                 self._idle_round()
@@ -206,7 +239,27 @@ class Trainer:
                 self._replica_failed(e)
                 continue
             self._finish_step(started)
+        self.outcome = "trained"
         return True
+
+    def _finished_without_this_group(self, ended: BaseException) -> None:
+        """The cross job finished while this group was out: leave the replica job as finished."""
+        message = (
+            f"cohort.hsdp: replica group {self.replica} came back at step {self.step}, but the other replica groups "
+            f"had finished the job ({ended}); this group stops here (the trained model is theirs)"
+        )
+        print(message, file=sys.stderr, flush=True)
+        emit("leave", gen=0, step=self.step, extra={"replica": self.replica, "reason": "finished-without-this-group"})
+        if self._cross_group is not None:
+            self._cross_group.close()
+            self._cross_group = None
+        self._cross = self._shard = None
+        self._training = False
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self.model = self.optimizer = None
+        self._replica_group.leave(finished=True)
+        self.outcome = "finished-without-this-group"
 
     def share(self, rows: Any) -> Any:
         """This rank's contiguous slice of ``rows`` among every live group's ranks (group by
@@ -326,6 +379,7 @@ class Trainer:
                     **self._options,
                 )
             )
+            self._cross_group.leave_at_commit_points()
         while True:
             if self._cross is not None:
                 self._cross.close()
@@ -505,6 +559,14 @@ class Trainer:
             group.update(saved)
         self.step = state["step"]
         self._state_valid = True
+
+
+def _cross_finished(error: BaseException) -> bool:
+    """Whether ``error`` says that the cross job finished: waiting for its generation
+    (``JobEndedError``), or refused at the join (the coordinator's "has ended (Finished: ...)")."""
+    if isinstance(error, JobEndedError):
+        return error.outcome == "finished"
+    return isinstance(error, ControlError) and "has ended (Finished" in str(error)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -2,10 +2,15 @@
 //! bytearray, memoryview) and contiguous CPU torch tensors (through `data_ptr()`, which also
 //! covers `torch.bfloat16`, a dtype NumPy lacks).
 //!
-//! A [`Buf`] holds the exporter (a `Py_buffer` export, or a reference to the tensor) for as
+//! A [`Buf`] holds the exporter (a `Py_buffer` export, or the tensor and its storage) for as
 //! long as a collective uses its memory, so the memory cannot be freed or (for NumPy) resized
-//! meanwhile. A tensor cannot be pinned that way: do not resize a tensor from another thread
-//! while a collective runs on it (the rule torch.distributed has too).
+//! meanwhile. A tensor cannot be pinned that way: holding its storage keeps the memory alive
+//! through `set_` (the tensor moved to other memory) and the tensor's deletion, but a
+//! `resize_` that grows the storage frees the old memory whatever holds it. So after the call
+//! [`Buf::check_unchanged`] compares the tensor's `data_ptr()`, size and storage with what the
+//! call used, and a change raises instead of returning as if the result were in the tensor.
+//! Do not resize or re-point a tensor from another thread while a collective runs on it (the
+//! rule torch.distributed has too).
 
 use crate::errors::invalid;
 use cohort::DType;
@@ -20,10 +25,20 @@ static TENSOR_TYPE: PyOnceLock<Py<PyType>> = PyOnceLock::new();
 enum Holder {
     /// A buffer-protocol export, released (with the GIL) on drop.
     Export(Box<ffi::Py_buffer>),
-    /// A torch tensor.
-    Tensor(#[allow(dead_code)] Py<PyAny>),
+    /// A torch tensor, its storage, and what the call used (to check after it).
+    Tensor(Box<TensorHold>),
     /// Nothing (an empty buffer of a known dtype).
     None,
+}
+
+/// A tensor as a call found it.
+struct TensorHold {
+    tensor: Py<PyAny>,
+    /// Its storage (`untyped_storage()`, `storage()` on torch 1.13): alive while it is held,
+    /// whatever `set_` does to the tensor.
+    storage: Py<PyAny>,
+    /// The storage's `data_ptr()` when the call started.
+    storage_ptr: usize,
 }
 
 /// A contiguous buffer of one dtype, in place.
@@ -117,7 +132,41 @@ impl Buf {
         let numel: usize = obj.call_method0("numel")?.extract()?;
         let ptr: usize = obj.call_method0("data_ptr")?.extract()?;
         let bytes = numel * dtype.size();
-        Buf { ptr: ptr as *mut u8, bytes, dtype, holder: Holder::Tensor(obj.clone().unbind()) }.aligned(what)
+        let storage = storage_of(obj)?;
+        let storage_ptr: usize = storage.call_method0("data_ptr")?.extract()?;
+        let hold = TensorHold { tensor: obj.clone().unbind(), storage: storage.unbind(), storage_ptr };
+        Buf { ptr: ptr as *mut u8, bytes, dtype, holder: Holder::Tensor(Box::new(hold)) }.aligned(what)
+    }
+
+    /// After a call: a tensor still has the memory the call used (the same `data_ptr()`, size
+    /// and storage); else an error saying that the result is not in the tensor (another thread
+    /// called `resize_` or `set_` on it meanwhile). Other buffers cannot change (their export
+    /// pins them).
+    pub(crate) fn check_unchanged(&self, py: Python<'_>) -> PyResult<()> {
+        let Holder::Tensor(hold) = &self.holder else { return Ok(()) };
+        let tensor = hold.tensor.bind(py);
+        let ptr: usize = tensor.call_method0("data_ptr")?.extract()?;
+        let numel: usize = tensor.call_method0("numel")?.extract()?;
+        let storage = storage_of(tensor)?;
+        let storage_ptr: usize = storage.call_method0("data_ptr")?.extract()?;
+        let held_ptr: usize = hold.storage.bind(py).call_method0("data_ptr")?.extract()?;
+        if ptr == self.ptr as usize
+            && numel * self.dtype.size() == self.bytes
+            && storage_ptr == hold.storage_ptr
+            && held_ptr == hold.storage_ptr
+        {
+            return Ok(());
+        }
+        Err(crate::errors::cohort_error(format!(
+            "a tensor's memory changed while a collective ran on it (resize_ or set_ from another thread?): \
+             the call used {} bytes at {:#x}, the tensor now has {} bytes at {:#x}; the result is not in the tensor, \
+             and a resize_ that reallocated freed the memory the collective wrote (do not resize or re-point a \
+             tensor until its collective has returned)",
+            self.bytes,
+            self.ptr as usize,
+            numel * self.dtype.size(),
+            ptr
+        )))
     }
 
     /// Refuses memory that is not aligned for its element type (a view at an odd offset).
@@ -155,6 +204,15 @@ impl Buf {
     /// The start of the memory (dangling but aligned when empty).
     pub(crate) fn as_ptr(&self) -> *mut u8 {
         self.ptr
+    }
+}
+
+/// A tensor's storage object: `untyped_storage()` (torch 2.x), else `storage()` (torch 1.13).
+fn storage_of<'py>(tensor: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+    if tensor.hasattr("untyped_storage")? {
+        tensor.call_method0("untyped_storage")
+    } else {
+        tensor.call_method0("storage")
     }
 }
 

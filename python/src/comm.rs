@@ -12,8 +12,9 @@
 
 use crate::buffer::Buf;
 use crate::errors::{invalid, to_pyerr, Failure};
+use crate::group::GroupLink;
 use crate::ops::{execute, parse_op, Prepared, Shape};
-use crate::runtime::{runtime, wait};
+use crate::runtime::{graceful_leave, is_graceful_leave, on_main_thread, runtime, wait_or_leave, SIGTERM_IN_CALL};
 use cohort::elastic::{FailureReporter, MemberInfo, MeshTransport};
 use cohort::{CommError, Communicator as RustCommunicator};
 use pyo3::prelude::*;
@@ -75,6 +76,8 @@ pub(crate) struct Core {
     tail: Mutex<Option<Arc<Completion>>>,
     /// The subgroups made from this communicator ([`Communicator::subgroup`]), closed with it.
     subgroups: Mutex<Vec<Weak<Core>>>,
+    /// The group that made it: its SIGTERM policy, and the membership to leave on SIGTERM.
+    link: GroupLink,
 }
 
 impl Core {
@@ -145,23 +148,31 @@ impl Core {
     fn drain(&self, py: Python<'_>) -> PyResult<()> {
         let tail = self.tail.lock().unwrap_or_else(PoisonError::into_inner).clone();
         if let Some(tail) = tail {
-            tail.wait_interruptibly(py, None)?;
+            tail.wait_interruptibly(py, None, None)?;
         }
         Ok(())
     }
 
-    /// Runs one blocking call.
-    pub(crate) fn call(&self, py: Python<'_>, prepared: PyResult<Prepared>) -> PyResult<()> {
+    /// Runs one blocking call on `bufs`' memory (checked unchanged afterwards).
+    pub(crate) fn call(&self, py: Python<'_>, bufs: &[&Buf], prepared: PyResult<Prepared>) -> PyResult<()> {
         let prepared = prepared?;
         self.drain(py)?;
         let mut comm = self.take().map_err(PyErr::from)?;
-        let result = wait(py, async { self.run(&mut comm, &prepared).await });
+        let result = wait_or_leave(py, async { self.run(&mut comm, &prepared).await }, Some(&self.link.sigterm));
         self.give_back(comm);
         match result {
-            Ok(Ok(())) => Ok(()),
+            Ok(Ok(())) => bufs.iter().try_for_each(|b| b.check_unchanged(py)),
             Ok(Err(failure)) => Err(to_pyerr(py, failure)),
-            Err(interrupted) => Err(interrupted),
+            Err(interrupted) => Err(self.stopped(py, interrupted)),
         }
+    }
+
+    /// A call stopped by a signal: for SIGTERM (`GracefulLeave`), leave the job first.
+    fn stopped(&self, py: Python<'_>, interrupted: PyErr) -> PyErr {
+        if is_graceful_leave(py, &interrupted) {
+            self.link.leave_on_sigterm(py);
+        }
+        interrupted
     }
 
     /// Lends the communicator to a caller that runs its own operation (Checkpoint.sync),
@@ -171,8 +182,13 @@ impl Core {
         self.take().map_err(PyErr::from)
     }
 
-    /// Queues one call on the executor thread.
+    /// Queues one call on the executor thread (on the main thread, SIGTERM for a group without
+    /// commit points leaves the job here: a loop of queued calls whose waits never block long,
+    /// torch 1.13's among them, stops at its next call).
     fn queue(self: &Arc<Self>, prepared: Prepared, bufs: Vec<Buf>) -> PyResult<Work> {
+        if on_main_thread() && self.link.sigterm.leave_now() {
+            return Python::attach(|py| Err(self.stopped(py, graceful_leave(py, SIGTERM_IN_CALL))));
+        }
         let completion = Arc::new(Completion::default());
         let job = {
             let core = Arc::clone(self);
@@ -209,7 +225,7 @@ impl Core {
         if !matches!(sent, Some(Ok(()))) {
             return Err(crate::errors::cohort_error("the collectives thread is gone".into()));
         }
-        Ok(Work { completion, bufs: Mutex::new(bufs), error: Mutex::new(None) })
+        Ok(Work { completion, bufs: Mutex::new(bufs), error: Mutex::new(None), core: Arc::clone(self) })
     }
 }
 
@@ -230,15 +246,25 @@ impl Completion {
         self.result.lock().unwrap_or_else(PoisonError::into_inner).is_some()
     }
 
-    /// Waits until done or `timeout` passes (GIL released; signals checked every 50 ms on
-    /// the main thread). True when done.
-    fn wait_interruptibly(&self, py: Python<'_>, timeout: Option<Duration>) -> PyResult<bool> {
+    /// Waits until done or `timeout` passes (GIL released; signals checked every
+    /// [`SIGNAL_POLL`](crate::runtime::SIGNAL_POLL) on the main thread, and SIGTERM where
+    /// `sigterm` says to leave: then `GracefulLeave`). True when done.
+    fn wait_interruptibly(
+        &self,
+        py: Python<'_>,
+        timeout: Option<Duration>,
+        sigterm: Option<&crate::runtime::SigtermPolicy>,
+    ) -> PyResult<bool> {
         if self.is_done() {
             return Ok(true);
         }
+        let leave_now = || sigterm.is_some_and(|s| s.leave_now()) && on_main_thread();
+        if leave_now() {
+            return Err(graceful_leave(py, SIGTERM_IN_CALL));
+        }
         let deadline = timeout.map(|t| Instant::now() + t);
         loop {
-            let step = Duration::from_millis(50);
+            let step = crate::runtime::SIGNAL_POLL;
             let step = deadline.map_or(step, |d| d.saturating_duration_since(Instant::now()).min(step));
             let done = py.detach(|| {
                 let guard = self.result.lock().unwrap_or_else(PoisonError::into_inner);
@@ -250,6 +276,9 @@ impl Completion {
                 return Ok(true);
             }
             py.check_signals()?;
+            if leave_now() {
+                return Err(graceful_leave(py, SIGTERM_IN_CALL));
+            }
             if deadline.is_some_and(|d| Instant::now() >= d) {
                 return Ok(false);
             }
@@ -265,6 +294,8 @@ pub(crate) struct Work {
     bufs: Mutex<Vec<Buf>>,
     /// The call's error as raised the first time (raised again on later waits).
     error: Mutex<Option<PyErr>>,
+    /// The communicator's shared part (its group's SIGTERM policy).
+    core: Arc<Core>,
 }
 
 #[pymethods]
@@ -280,11 +311,13 @@ impl Work {
             Some(t) => Some(Duration::from_secs_f64(t)),
             None => None,
         };
-        if !self.completion.wait_interruptibly(py, timeout)? {
-            return Ok(false);
+        match self.completion.wait_interruptibly(py, timeout, Some(&self.core.link.sigterm)) {
+            Ok(true) => {}
+            Ok(false) => return Ok(false),
+            Err(interrupted) => return Err(self.core.stopped(py, interrupted)),
         }
-        self.bufs.lock().unwrap_or_else(PoisonError::into_inner).clear();
         let mut error = self.error.lock().unwrap_or_else(PoisonError::into_inner);
+        let bufs = std::mem::take(&mut *self.bufs.lock().unwrap_or_else(PoisonError::into_inner));
         if let Some(e) = error.as_ref() {
             return Err(e.clone_ref(py));
         }
@@ -296,7 +329,13 @@ impl Work {
             .as_mut()
             .and_then(|r| std::mem::replace(r, Ok(())).err());
         match failure {
-            None => Ok(true),
+            None => match bufs.iter().try_for_each(|b| b.check_unchanged(py)) {
+                Ok(()) => Ok(true),
+                Err(e) => {
+                    *error = Some(e.clone_ref(py));
+                    Err(e)
+                }
+            },
             Some(failure) => {
                 let e = to_pyerr(py, failure);
                 *error = Some(e.clone_ref(py));
@@ -340,8 +379,9 @@ impl Communicator {
         reporter: Option<FailureReporter>,
         members: &[MemberInfo],
         transport: &str,
+        link: GroupLink,
     ) -> Self {
-        Self::with_members(comm, reporter, members.iter().map(Member::from).collect(), transport.to_string())
+        Self::with_members(comm, reporter, members.iter().map(Member::from).collect(), transport.to_string(), link)
     }
 
     fn with_members(
@@ -349,6 +389,7 @@ impl Communicator {
         reporter: Option<FailureReporter>,
         members: Vec<Member>,
         transport: String,
+        link: GroupLink,
     ) -> Self {
         let shape = Shape { rank: comm.rank(), size: comm.size() };
         let generation = comm.generation();
@@ -361,6 +402,7 @@ impl Communicator {
                 queue: Mutex::new(None),
                 tail: Mutex::new(None),
                 subgroups: Mutex::new(Vec::new()),
+                link,
             }),
             members,
             transport,
@@ -418,7 +460,7 @@ impl Communicator {
     #[pyo3(signature = (buf, op="sum"))]
     fn allreduce(&self, py: Python<'_>, buf: &Bound<'_, PyAny>, op: &str) -> PyResult<()> {
         let buf = Buf::new(buf, true, "allreduce")?;
-        self.core.call(py, op_of(op).and_then(|op| prepared(Prepared::allreduce(&buf, op))))
+        self.core.call(py, &[&buf], op_of(op).and_then(|op| prepared(Prepared::allreduce(&buf, op))))
     }
 
     /// [`Communicator::allreduce`] queued; returns a `Work`.
@@ -440,7 +482,11 @@ impl Communicator {
     ) -> PyResult<()> {
         let (i, o) =
             (Buf::new(input, false, "reduce_scatter input")?, Buf::new(output, true, "reduce_scatter output")?);
-        self.core.call(py, op_of(op).and_then(|op| prepared(Prepared::reduce_scatter(&i, &o, op, self.shape()))))
+        self.core.call(
+            py,
+            &[&i, &o],
+            op_of(op).and_then(|op| prepared(Prepared::reduce_scatter(&i, &o, op, self.shape()))),
+        )
     }
 
     /// [`Communicator::reduce_scatter`] queued; returns a `Work`.
@@ -455,7 +501,7 @@ impl Communicator {
     /// `output` holds every rank's `input`, by rank.
     fn allgather(&self, py: Python<'_>, input: &Bound<'_, PyAny>, output: &Bound<'_, PyAny>) -> PyResult<()> {
         let (i, o) = (Buf::new(input, false, "allgather input")?, Buf::new(output, true, "allgather output")?);
-        self.core.call(py, prepared(Prepared::allgather(&i, &o, self.shape())))
+        self.core.call(py, &[&i, &o], prepared(Prepared::allgather(&i, &o, self.shape())))
     }
 
     /// [`Communicator::allgather`] queued; returns a `Work`.
@@ -469,7 +515,7 @@ impl Communicator {
     #[pyo3(signature = (buf, root=0))]
     fn broadcast(&self, py: Python<'_>, buf: &Bound<'_, PyAny>, root: u32) -> PyResult<()> {
         let b = Buf::new(buf, true, "broadcast")?;
-        self.core.call(py, prepared(Prepared::broadcast(&b, root, self.shape())))
+        self.core.call(py, &[&b], prepared(Prepared::broadcast(&b, root, self.shape())))
     }
 
     /// [`Communicator::broadcast`] queued; returns a `Work`.
@@ -484,7 +530,7 @@ impl Communicator {
     #[pyo3(signature = (buf, root=0, op="sum"))]
     fn reduce(&self, py: Python<'_>, buf: &Bound<'_, PyAny>, root: u32, op: &str) -> PyResult<()> {
         let b = Buf::new(buf, true, "reduce")?;
-        self.core.call(py, op_of(op).and_then(|op| prepared(Prepared::reduce(&b, root, op, self.shape()))))
+        self.core.call(py, &[&b], op_of(op).and_then(|op| prepared(Prepared::reduce(&b, root, op, self.shape()))))
     }
 
     /// The root's `output` holds every rank's `input`, by rank (`output` may be None elsewhere).
@@ -502,7 +548,7 @@ impl Communicator {
             None if self.shape().rank == root => return Err(invalid("gather: the root needs an output buffer")),
             None => Buf::empty(i.dtype()),
         };
-        self.core.call(py, prepared(Prepared::gather(&i, &o, root, self.shape())))
+        self.core.call(py, &[&i, &o], prepared(Prepared::gather(&i, &o, root, self.shape())))
     }
 
     /// Every rank's `output` receives its block of the root's `input` (`input` may be None
@@ -521,30 +567,30 @@ impl Communicator {
             None if self.shape().rank == root => return Err(invalid("scatter: the root needs an input buffer")),
             None => Buf::empty(o.dtype()),
         };
-        self.core.call(py, prepared(Prepared::scatter(&i, &o, root, self.shape())))
+        self.core.call(py, &[&i, &o], prepared(Prepared::scatter(&i, &o, root, self.shape())))
     }
 
     /// Block j of rank i's `input` lands in block i of rank j's `output`.
     fn alltoall(&self, py: Python<'_>, input: &Bound<'_, PyAny>, output: &Bound<'_, PyAny>) -> PyResult<()> {
         let (i, o) = (Buf::new(input, false, "alltoall input")?, Buf::new(output, true, "alltoall output")?);
-        self.core.call(py, prepared(Prepared::alltoall(&i, &o, self.shape())))
+        self.core.call(py, &[&i, &o], prepared(Prepared::alltoall(&i, &o, self.shape())))
     }
 
     /// Returns once every rank has entered it.
     fn barrier(&self, py: Python<'_>) -> PyResult<()> {
-        self.core.call(py, prepared(Prepared::barrier()))
+        self.core.call(py, &[], prepared(Prepared::barrier()))
     }
 
     /// Sends `buf` to rank `dst` (matched with its `recv` in order).
     fn send(&self, py: Python<'_>, buf: &Bound<'_, PyAny>, dst: u32) -> PyResult<()> {
         let b = Buf::new(buf, false, "send")?;
-        self.core.call(py, prepared(Prepared::point_to_point(&b, dst, true, self.shape())))
+        self.core.call(py, &[&b], prepared(Prepared::point_to_point(&b, dst, true, self.shape())))
     }
 
     /// Receives into `buf` from rank `src` (its length must match what was sent).
     fn recv(&self, py: Python<'_>, buf: &Bound<'_, PyAny>, src: u32) -> PyResult<()> {
         let b = Buf::new(buf, true, "recv")?;
-        self.core.call(py, prepared(Prepared::point_to_point(&b, src, false, self.shape())))
+        self.core.call(py, &[&b], prepared(Prepared::point_to_point(&b, src, false, self.shape())))
     }
 
     /// A communicator over this one's ranks `ranks` (its rank `i` being this communicator's
@@ -569,7 +615,13 @@ impl Communicator {
                 Some(Member { rank: i as u32, ..m.clone() })
             })
             .collect();
-        let sub = Communicator::with_members(sub, self.core.reporter.clone(), members, self.transport.clone());
+        let sub = Communicator::with_members(
+            sub,
+            self.core.reporter.clone(),
+            members,
+            self.transport.clone(),
+            self.core.link.clone(),
+        );
         let mut subgroups = self.core.subgroups.lock().unwrap_or_else(PoisonError::into_inner);
         subgroups.retain(|w| w.strong_count() > 0);
         subgroups.push(Arc::downgrade(&sub.core));

@@ -2,7 +2,7 @@
 
 use crate::comm::{Communicator, Core};
 use crate::errors::{invalid, Failure};
-use crate::runtime::{runtime, sigterm, sigterm_received, wait};
+use crate::runtime::{graceful_leave, runtime, sigterm, sigterm_received, wait, SigtermPolicy};
 use cohort::control::ControlConfig;
 use cohort::elastic::{ElasticConfig, ElasticGroup, FailureReporter, TransportChoice};
 use cohort::Algorithm;
@@ -10,11 +10,11 @@ use pyo3::conversion::FromPyObjectOwned;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyString};
 use std::net::SocketAddr;
-use std::sync::{Mutex, PoisonError, Weak};
+use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::time::Duration;
 
 /// Where the membership is: idle, lent to a blocking call, or gone.
-enum Slot {
+pub(crate) enum Slot {
     Idle(Box<ElasticGroup>),
     Busy,
     Closed,
@@ -23,7 +23,9 @@ enum Slot {
 /// This worker's membership in an elastic job (see the stub for the Python contract).
 #[pyclass(module = "cohort._native", frozen)]
 pub(crate) struct Group {
-    slot: Mutex<Slot>,
+    /// Shared (weakly) with its communicators, which leave through it on SIGTERM.
+    slot: Arc<Mutex<Slot>>,
+    sigterm: Arc<SigtermPolicy>,
     reporter: FailureReporter,
     job: String,
     worker_id: String,
@@ -34,6 +36,45 @@ pub(crate) struct Group {
     config: Py<PyAny>,
     /// The communicators this membership made that may still be open: closed with it.
     comms: Mutex<Vec<Weak<Core>>>,
+}
+
+/// What a group's communicators know of it: its SIGTERM policy, and the membership to leave
+/// when a call of theirs stopped for SIGTERM.
+#[derive(Clone)]
+pub(crate) struct GroupLink {
+    /// The group's SIGTERM policy (ignored for a communicator of no group).
+    pub(crate) sigterm: Arc<SigtermPolicy>,
+    slot: Weak<Mutex<Slot>>,
+    job: String,
+}
+
+impl GroupLink {
+    /// Leaves the job gracefully after a call stopped for SIGTERM (`GracefulLeave` follows),
+    /// unless the membership is gone or lent to another call; what happens is said on stderr.
+    pub(crate) fn leave_on_sigterm(&self, py: Python<'_>) {
+        let Some(slot) = self.slot.upgrade() else { return };
+        let group = {
+            let mut slot = slot.lock().unwrap_or_else(PoisonError::into_inner);
+            match std::mem::replace(&mut *slot, Slot::Closed) {
+                Slot::Idle(g) => Some(g),
+                other => {
+                    *slot = other;
+                    None
+                }
+            }
+        };
+        let Some(group) = group else {
+            eprintln!("cohort: SIGTERM: left the call; job {} is left by the call that holds the membership", self.job);
+            return;
+        };
+        match wait(py, async move { (*group).leave(false).await }) {
+            Ok(Ok(())) => eprintln!("cohort: SIGTERM: left job {} gracefully", self.job),
+            Ok(Err(e)) => {
+                eprintln!("cohort: SIGTERM: leaving job {} failed ({e}); its lease ends the membership", self.job)
+            }
+            Err(e) => eprintln!("cohort: SIGTERM: leaving job {} was interrupted ({e})", self.job),
+        }
+    }
 }
 
 fn seconds(name: &str, value: f64) -> PyResult<Duration> {
@@ -237,7 +278,8 @@ impl Group {
         let reporter = group.reporter();
         let address = group.advertised_address().to_string();
         Ok(Group {
-            slot: Mutex::new(Slot::Idle(Box::new(group))),
+            slot: Arc::new(Mutex::new(Slot::Idle(Box::new(group)))),
+            sigterm: Arc::new(SigtermPolicy::new(handle_sigterm)),
             reporter,
             job,
             worker_id,
@@ -291,21 +333,65 @@ impl Group {
         self.handle_sigterm && sigterm_received()
     }
 
+    /// The caller leaves at its commit points when `leaving` turns true (`cohort.elastic`'s
+    /// states and `cohort.hsdp` call it): the group's collectives no longer raise
+    /// `GracefulLeave` on SIGTERM. Without it they do, at the next blocking call.
+    fn leave_at_commit_points(&self) {
+        self.sigterm.defer_to_commit_points();
+    }
+
     /// Joiners are waiting for a re-formation (as far as this worker has heard).
     #[getter]
     fn reformation_pending(&self) -> bool {
         self.reporter.reformation_pending()
     }
 
-    /// Waits for the next generation and connects its mesh (GIL released).
+    /// Waits for the next generation and connects its mesh (GIL released). SIGTERM (where
+    /// handled) ends the wait: the worker leaves the job and `GracefulLeave` is raised.
     fn next_generation(&self, py: Python<'_>) -> PyResult<Communicator> {
         let mut group = self.take()?;
-        let result = wait(py, async { group.next_generation().await });
-        self.give_back(group);
-        let generation = result?.map_err(Failure::Elastic)?;
+        let leaving = if self.handle_sigterm { Some(sigterm()?) } else { None };
+        let result = wait(py, async {
+            match leaving {
+                Some(mut leaving) => tokio::select! {
+                    generation = group.next_generation() => Some(generation),
+                    _ = leaving.wait_for(|l| *l) => None,
+                },
+                None => Some(group.next_generation().await),
+            }
+        });
+        let generation = match result {
+            Ok(Some(generation)) => {
+                self.give_back(group);
+                generation
+            }
+            Ok(None) => {
+                *self.slot.lock().unwrap_or_else(PoisonError::into_inner) = Slot::Closed;
+                self.close_comms(py)?;
+                let left = wait(py, async move { (*group).leave(false).await })?;
+                let how = match left {
+                    Ok(()) => "left the job gracefully".to_string(),
+                    Err(e) => format!("leaving failed ({e}); its lease ends the membership"),
+                };
+                eprintln!("cohort: SIGTERM while waiting for a generation of job {}: {how}", self.job);
+                return Err(graceful_leave(py, &format!("SIGTERM while waiting for a generation: {how}")));
+            }
+            Err(interrupted) => {
+                self.give_back(group);
+                return Err(interrupted);
+            }
+        };
+        let generation = generation.map_err(Failure::Elastic)?;
         let transport = generation.transport.name();
-        let comm =
-            Communicator::new(generation.comm, Some(self.reporter.clone()), generation.members.known(), transport);
+        let link =
+            GroupLink { sigterm: Arc::clone(&self.sigterm), slot: Arc::downgrade(&self.slot), job: self.job.clone() };
+        let comm = Communicator::new(
+            generation.comm,
+            Some(self.reporter.clone()),
+            generation.members.known(),
+            transport,
+            link,
+        );
         let mut comms = self.comms.lock().unwrap_or_else(PoisonError::into_inner);
         comms.retain(|c| c.strong_count() > 0);
         comms.push(std::sync::Arc::downgrade(&comm.core));

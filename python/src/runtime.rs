@@ -16,14 +16,16 @@
 use pyo3::prelude::*;
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 use tokio::sync::{watch, Notify};
 
 /// How often a blocking call on the main thread looks for signals (Ctrl-C, or any Python
-/// signal handler): well inside the 100 ms a user waits for `KeyboardInterrupt`.
-const SIGNAL_POLL: Duration = Duration::from_millis(50);
+/// signal handler, and SIGTERM for a group without commit points): well inside the 100 ms a
+/// user waits for `KeyboardInterrupt`. Every blocking wait of the package on the main thread
+/// looks at most this long apart (docs/python.md states it).
+pub(crate) const SIGNAL_POLL: Duration = Duration::from_millis(50);
 
 /// How long the driver thread stays away after the last call ended.
 const DRIVER_GRACE: Duration = Duration::from_millis(2);
@@ -134,6 +136,13 @@ pub(crate) fn sigterm() -> PyResult<watch::Receiver<bool>> {
     }
     rt.spawn(async move {
         if term.recv().await.is_some() {
+            // Said where the operator looks (a pod's log, a Slurm job's stderr): the process
+            // goes on until it leaves, so the signal must not look swallowed.
+            eprintln!(
+                "cohort: SIGTERM received (pid {}): leaving the job at the next commit point, or at the next \
+                 cohort call where the group reports none (docs/python.md)",
+                std::process::id()
+            );
             tracing::info!("SIGTERM: leaving at the next commit point");
             let _ = tx.send(true);
         }
@@ -146,9 +155,60 @@ pub(crate) fn sigterm_received() -> bool {
     SIGTERM.get().is_some_and(|rx| *rx.borrow())
 }
 
+/// What SIGTERM does to a group's blocking calls (shared by the group and the communicators it
+/// makes).
+#[derive(Debug, Default)]
+pub(crate) struct SigtermPolicy(AtomicU8);
+
+impl SigtermPolicy {
+    const IGNORED: u8 = 0;
+    const NEXT_CALL: u8 = 1;
+    const COMMIT_POINTS: u8 = 2;
+
+    /// `handle_sigterm`: leave at the next blocking call (until commit points are declared);
+    /// otherwise SIGTERM is not this group's business.
+    pub(crate) fn new(handle_sigterm: bool) -> Self {
+        SigtermPolicy(AtomicU8::new(if handle_sigterm { Self::NEXT_CALL } else { Self::IGNORED }))
+    }
+
+    /// The caller's commit points read `Group.leaving` and leave there: blocking calls no
+    /// longer raise `GracefulLeave` (a group that ignores SIGTERM keeps ignoring it).
+    pub(crate) fn defer_to_commit_points(&self) {
+        let _ = self.0.compare_exchange(Self::NEXT_CALL, Self::COMMIT_POINTS, Ordering::SeqCst, Ordering::SeqCst);
+    }
+
+    /// Whether a blocking call should stop now and leave: SIGTERM arrived and no commit point
+    /// will act on it.
+    pub(crate) fn leave_now(&self) -> bool {
+        self.0.load(Ordering::SeqCst) == Self::NEXT_CALL && sigterm_received()
+    }
+}
+
+/// The exception of a blocking call that stopped for SIGTERM (`cohort.GracefulLeave`).
+pub(crate) fn graceful_leave(py: Python<'_>, message: &str) -> PyErr {
+    let built = PyModule::import(py, "cohort.errors")
+        .and_then(|m| m.getattr("GracefulLeave"))
+        .and_then(|cls| cls.call1((message,)));
+    match built {
+        Ok(value) => PyErr::from_value(value),
+        Err(e) => e,
+    }
+}
+
+/// Whether `err` is a `cohort.GracefulLeave`.
+pub(crate) fn is_graceful_leave(py: Python<'_>, err: &PyErr) -> bool {
+    PyModule::import(py, "cohort.errors")
+        .and_then(|m| m.getattr("GracefulLeave"))
+        .is_ok_and(|cls| err.value(py).is_instance(&cls).unwrap_or(false))
+}
+
+/// What a blocking call that stopped for SIGTERM says.
+pub(crate) const SIGTERM_IN_CALL: &str = "SIGTERM: this worker left the job during a cohort call (its group \
+     reports no commit points, so the call did not wait for one)";
+
 /// Whether the calling thread is the process's main thread (the one Python delivers
 /// signals to).
-fn on_main_thread() -> bool {
+pub(crate) fn on_main_thread() -> bool {
     // SAFETY: getpid and gettid have no preconditions.
     unsafe { libc::getpid() == libc::gettid() }
 }
@@ -164,7 +224,23 @@ where
     F: Future<Output = T> + Send,
     T: Send,
 {
+    wait_or_leave(py, fut, None)
+}
+
+/// [`wait`] for a call of a group whose SIGTERM `policy` may say to leave now: then (on the
+/// main thread, before the call and at every look for signals) the future is dropped and
+/// `cohort.GracefulLeave` returned ([`SIGTERM_IN_CALL`]); the caller leaves the job.
+pub(crate) fn wait_or_leave<F, T>(py: Python<'_>, fut: F, policy: Option<&SigtermPolicy>) -> PyResult<T>
+where
+    F: Future<Output = T> + Send,
+    T: Send,
+{
     let main = on_main_thread();
+    let leave_now = || main && policy.is_some_and(SigtermPolicy::leave_now);
+    if leave_now() {
+        return Err(graceful_leave(py, SIGTERM_IN_CALL));
+    }
+    let leave_now = &leave_now;
     py.detach(move || {
         let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| {
             block_on(async move {
@@ -177,7 +253,13 @@ where
                         biased;
                         out = &mut fut => return Ok(out),
                         () = tokio::time::sleep(SIGNAL_POLL) => {
-                            Python::attach(|py| py.check_signals())?;
+                            Python::attach(|py| {
+                                py.check_signals()?;
+                                if leave_now() {
+                                    return Err(graceful_leave(py, SIGTERM_IN_CALL));
+                                }
+                                Ok(())
+                            })?;
                         }
                     }
                 }

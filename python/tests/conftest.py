@@ -29,6 +29,70 @@ def import_torch():
     return pytest.importorskip("torch")
 
 
+NOT_APPLICABLE = "not applicable here: "
+"""The start of the one skip reason allowed under COHORT_REQUIRE_PYTHON (see :func:`not_applicable`)."""
+
+
+def not_applicable(reason: str, *, module: bool = False) -> None:
+    """Skips the calling test (``module``: the whole module) because it cannot apply to this
+    interpreter, saying why: a torch-2.x-only test under torch 1.13, say. Such skips are
+    counted and listed at the end of the run; under COHORT_REQUIRE_PYTHON every other skip
+    is a failure (a test whose requirement is missing where it should be present must not
+    pass silently)."""
+    pytest.skip(NOT_APPLICABLE + reason, allow_module_level=module)
+
+
+def torch2_only(torch, what: str, *, module: bool = False) -> None:
+    """:func:`not_applicable` under torch 1.x: ``what`` needs torch 2.x."""
+    if int(torch.__version__.split(".")[0]) < 2:
+        not_applicable(f"{what} needs torch 2.x (this is torch {torch.__version__})", module=module)
+
+
+def _skip_reason(report) -> str:
+    longrepr = report.longrepr
+    return longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+
+
+def _refuse_unexpected_skip(report) -> None:
+    """Under COHORT_REQUIRE_PYTHON, a skip that is not :func:`not_applicable` fails."""
+    if not (os.environ.get("COHORT_REQUIRE_PYTHON") and report.skipped):
+        return
+    reason = _skip_reason(report)
+    if NOT_APPLICABLE in reason:
+        return
+    report.outcome = "failed"
+    report.longrepr = (
+        f"unexpected skip under COHORT_REQUIRE_PYTHON: {reason}\n(a test that cannot apply to this interpreter "
+        "says so with conftest.not_applicable(reason); any other skip means a requirement is missing)"
+    )
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    _refuse_unexpected_skip(outcome.get_result())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    outcome = yield
+    _refuse_unexpected_skip(outcome.get_result())
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """Counts and lists the tests that were not applicable, with their reasons."""
+    reasons: dict[str, int] = {}
+    for report in terminalreporter.stats.get("skipped", []):
+        reason = _skip_reason(report)
+        if NOT_APPLICABLE in reason:
+            reason = reason.split(NOT_APPLICABLE, 1)[1]
+            reasons[reason] = reasons.get(reason, 0) + 1
+    if reasons:
+        terminalreporter.write_line(f"{sum(reasons.values())} not applicable:")
+        for reason, count in sorted(reasons.items()):
+            terminalreporter.write_line(f"  {count} x {reason}")
+
+
 WORKERS = Path(__file__).resolve().parent / "workers"
 
 

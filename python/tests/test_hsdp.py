@@ -12,11 +12,10 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import import_torch, start_coordinator
+from conftest import import_torch, start_coordinator, torch2_only
 
 torch = import_torch()
-if int(torch.__version__.split(".")[0]) < 2:
-    pytest.skip(f"FSDP2 needs torch 2.x (this is {torch.__version__})", allow_module_level=True)
+torch2_only(torch, "FSDP2", module=True)
 
 EXAMPLE = str(Path(__file__).resolve().parents[2] / "examples" / "pytorch" / "hsdp_ft.py")
 STEPS = 120

@@ -234,9 +234,11 @@ def _op_name(call: str, opts: Any) -> str:
 
 
 class _Outcome:
-    """A collective's error, if it failed, for the torch ``Work`` that waits for it."""
+    """A collective's error, if it failed, for the torch ``Work`` that waits for it, and the
+    cohort Works it waits for (which the waiting thread waits on too: see :class:`_FutureWork`)."""
 
     error: Optional[BaseException] = None
+    works: "tuple[Work, ...]" = ()
 
 
 class _Completer:
@@ -278,6 +280,7 @@ class _Completer:
         fails with their first error."""
         fut: Future = Future()
         outcome = _Outcome()
+        outcome.works = tuple(works)
         self._queue.put((works, fut, outcome, result, then))
         return _work(fut, outcome)
 
@@ -310,6 +313,17 @@ class _FutureWork(torch._C._distributed_c10d.Work):  # type: ignore[misc]
         self._outcome = outcome
 
     def wait(self, timeout: Any = None) -> bool:
+        # torch's Future.wait() blocks in C++ without looking for signals: Ctrl-C inside
+        # dist.all_reduce then waited for the collective's own end (the no-progress deadline,
+        # 10 s). So the calling thread first waits on the cohort Works themselves, whose wait
+        # looks for signals every 50 ms on the main thread (KeyboardInterrupt, and SIGTERM's
+        # GracefulLeave for a group without commit points) as the raw collectives do; their
+        # errors are left to the completer, which fails the future with the first one.
+        for work in self._outcome.works:
+            try:
+                work.wait()
+            except Exception:  # noqa: BLE001, S110 - a collective error: raised below, from the outcome
+                pass
         self._fut.wait()
         if self._outcome.error is not None:
             raise self._outcome.error  # the cohort error itself, not torch's RuntimeError
