@@ -46,10 +46,9 @@ impl GatedStore {
     }
 
     async fn meet(&self, key: &str) {
-        if (self.matches)(key) && self.arrivals.fetch_add(1, Ordering::SeqCst) < self.parties {
-            if tokio::time::timeout(GATE_WAIT, self.barrier.wait()).await.is_err() {
-                self.missed.store(true, Ordering::SeqCst);
-            }
+        let held = (self.matches)(key) && self.arrivals.fetch_add(1, Ordering::SeqCst) < self.parties;
+        if held && tokio::time::timeout(GATE_WAIT, self.barrier.wait()).await.is_err() {
+            self.missed.store(true, Ordering::SeqCst);
         }
     }
 }
