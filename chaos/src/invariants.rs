@@ -327,10 +327,11 @@ pub enum ExpectedParams<'a> {
 }
 
 /// The trained parameters are right: no worker printed `event=wrong_params`, every worker that
-/// finished reports the same `params_digest`, and it is the expected one. A worker program
-/// that reports no digest at all is skipped, visibly (said in the detail); the built-in worker
-/// must report one. When the run's `outcome` is [`Expect::Finish`], at least one worker must
-/// have finished: a run where none did compared nothing and fails the check.
+/// finished reports the same `params_digest`, and it is the expected one. A worker that
+/// finished without a digest fails the check, the built-in worker and a worker program
+/// alike: its parameters could not be checked, and a check that could not be made is no
+/// pass. When the run's `outcome` is [`Expect::Finish`], at least one worker must have
+/// finished: a run where none did compared nothing and fails the check.
 pub fn final_params(events: &[WorkerEvent], expected: ExpectedParams<'_>, outcome: Expect) -> Check {
     let mut bad: Vec<String> = events
         .iter()
@@ -346,18 +347,10 @@ pub fn final_params(events: &[WorkerEvent], expected: ExpectedParams<'_>, outcom
         // Nothing was compared: a run whose workers should finish proves nothing here.
         bad.push("no worker finished, so no final parameters were checked".into());
     }
-    let reporting = finished.iter().filter(|(_, f)| f.params_digest.is_some()).count();
-    if expected == ExpectedParams::Reported && reporting == 0 && bad.is_empty() {
-        return Check {
-            what,
-            ok: true,
-            detail: format!("SKIPPED: the worker program reports no params_digest ({} finished)", finished.len()),
-        };
-    }
     let mut digests: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
     for (e, f) in &finished {
         let Some(digest) = f.params_digest.as_deref() else {
-            bad.push(format!("{} finished without a params_digest", e.worker));
+            bad.push(format!("{} finished without a params_digest: its final parameters were not checked", e.worker));
             continue;
         };
         digests.entry(digest).or_default().push(&e.worker);
@@ -533,11 +526,16 @@ mod tests {
         let wrong = [ev("a", "event=wrong_params gen=1 rank=0 step=4 phase=sync index=0 t_ms=1")];
         assert!(!final_params(&wrong, ExpectedParams::Computed("d1"), Expect::Finish).ok);
         assert!(!final_params(&wrong, ExpectedParams::Reported, Expect::Finish).ok);
-        // The built-in worker must report a digest; a worker program that reports none is skipped, visibly.
+        // Every worker must report a digest, the built-in one and a worker program alike: a
+        // check that could not be made is no pass.
         let bare = [ev("a", "event=finished gen=1 rank=0 step=9 t_ms=1")];
-        assert!(!final_params(&bare, ExpectedParams::Computed("d1"), Expect::Finish).ok);
-        let skipped = final_params(&bare, ExpectedParams::Reported, Expect::Finish);
-        assert!(skipped.ok && skipped.detail.starts_with("SKIPPED"), "{}", skipped.detail);
+        for expected in [ExpectedParams::Computed("d1"), ExpectedParams::Reported] {
+            let c = final_params(&bare, expected, Expect::Finish);
+            assert!(!c.ok && c.detail.contains("not checked"), "{expected:?}: {}", c.detail);
+        }
+        // One worker of several without a digest fails it too.
+        let one_bare = [fin("a", "d1", "d1"), ev("b", "event=finished gen=1 rank=1 step=9 t_ms=1")];
+        assert!(!final_params(&one_bare, ExpectedParams::Reported, Expect::Finish).ok);
         // Nobody finished: nothing was compared, which fails a run whose workers should finish
         // and is what a run expected to fail does.
         let started = [ev("a", "event=generation gen=1 world=1 rank=0 transport=tcp t_ms=1")];

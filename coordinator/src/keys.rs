@@ -11,6 +11,7 @@
 //! | `generation` | none | the current generation: number, ordered members (or, for a large generation, the name of its shard set), revocation |
 //! | `shards/<set>/<index>` | none | one shard of a large generation's ordered members (see [`crate::records::ShardSet`]) |
 //! | `failures/<worker>` | none | failure history for exclusion |
+//! | `exclusions` | none | the time of the newest exclusion: every write that excludes a member rewrites it, so that a straggler exclusion, which compares it, sees every exclusion made since it counted them ([`exclusions`]) |
 //! | `ended` | a lease of `--ended-ttl` (10 min) | outcome and reason (kept so late callers are told) |
 //!
 //! and `/cohort/v1/leader` holds the name of the leading replica, on that replica's lease.
@@ -105,6 +106,16 @@ pub fn shard_set_prefix(job: &str, set: &str) -> String {
 /// shards in order.
 pub fn shard(job: &str, set: &str, index: u32) -> String {
     format!("{JOBS}{job}/shards/{set}/{index:06}")
+}
+
+/// The job's exclusion guard: rewritten by every transaction that excludes a member (a
+/// straggler's exclusion, or a failure that crosses the exclusion threshold), and compared by
+/// a straggler's exclusion, which counts the exclusions in force against `min_workers`: two
+/// replicas excluding two members at once cannot both pass the count, however large the
+/// generation (one compare, where comparing every member's failure record would exceed
+/// etcd's limit on a transaction's operations).
+pub fn exclusions(job: &str) -> String {
+    format!("{JOBS}{job}/exclusions")
 }
 
 /// The job's end record.

@@ -214,6 +214,9 @@ pub async fn revoke_generation(
             history_lease = Some(lease);
             txn.compares.push(compare_for(&fkey, fkv.as_ref()));
             txn.success.push(TxnOp::Put { key: fkey, value: encode(&history), lease: Some(lease) });
+            if excluded_until.is_some() {
+                txn.success.push(exclusion_guard(job, now));
+            }
         }
         if !ctx.store.txn(txn).await?.succeeded {
             if let Some(lease) = history_lease {
@@ -255,18 +258,20 @@ pub enum StragglerExclusion {
     Refused(String),
 }
 
-/// The most failure records of members whose revisions one exclusion compares (etcd's
-/// default limit is 128 operations a transaction). Larger generations compare the suspect's
-/// record and those of the exclusions in force only.
-const MAX_GUARDED_MEMBERS: usize = 100;
+/// The write of the job's exclusion guard ([`keys::exclusions`]) that goes with every
+/// exclusion.
+fn exclusion_guard(job: &str, now_ms: u64) -> TxnOp {
+    TxnOp::Put { key: keys::exclusions(job), value: now_ms.to_string().into_bytes(), lease: None }
+}
 
 /// Excludes `worker` from `job` as a straggler for `cooldown` (see
 /// [`FailureHistory::exclude_straggler`]): a compare-and-swap on its failure record, which
 /// the rendezvous and Join then honour. `members` are the worker ids of the current
 /// generation: the exclusion is refused when it would leave fewer than `min_workers` of them
-/// that are not excluded (counting the exclusions in force, read in the same pass), and the
-/// transaction compares the failure records of the members, so that two replicas excluding
-/// two members at once cannot both pass the count.
+/// that are not excluded (counting the exclusions in force, read after the job's exclusion
+/// guard, [`keys::exclusions`]), and the transaction compares that guard and rewrites it, so
+/// that two replicas excluding two members at once cannot both pass the count: the second
+/// transaction fails, and its next attempt counts the first exclusion.
 ///
 /// # Cancel safety
 /// Cancel safe: one transaction; a lease granted for one that never ran expires by itself.
@@ -280,8 +285,12 @@ pub async fn exclude_straggler(
     reason: &str,
 ) -> Result<StragglerExclusion, StoreError> {
     let fkey = keys::worker_key(job, Kind::Failures, worker);
+    let guard_key = keys::exclusions(job);
     for _ in 0..CAS_ATTEMPTS {
         let now = records::now_ms();
+        // The guard first: an exclusion written after this read changes it, and fails the
+        // transaction below, whether or not the failure records read next show it.
+        let guard = ctx.store.get(&guard_key).await?;
         let (kvs, _) = ctx.store.get_prefix(&keys::kind_prefix(job, Kind::Failures)).await?;
         let records: std::collections::HashMap<&str, &KeyValue> = kvs.iter().map(|kv| (kv.key.as_str(), kv)).collect();
         let member_keys: Vec<String> = members.iter().map(|m| keys::worker_key(job, Kind::Failures, m)).collect();
@@ -306,19 +315,12 @@ pub async fn exclude_straggler(
         let mut history: FailureHistory = fkv.and_then(|kv| decode(&fkey, &kv.value)).unwrap_or_default();
         let until = history.exclude_straggler(now, cooldown, reason);
         let lease = ctx.store.grant_lease(history.retention(&ctx.exclusion, now)).await?;
-        let mut compares = vec![compare_for(&fkey, fkv)];
-        for k in member_keys.iter().filter(|k| **k != fkey) {
-            let kv = records.get(k.as_str()).copied();
-            let excluded = kv
-                .and_then(|kv| decode::<FailureHistory>(k, &kv.value))
-                .is_some_and(|h| h.excluded_until(now).is_some());
-            if members.len() <= MAX_GUARDED_MEMBERS || excluded {
-                compares.push(compare_for(k, kv));
-            }
-        }
         let txn = Txn {
-            compares,
-            success: vec![TxnOp::Put { key: fkey.clone(), value: encode(&history), lease: Some(lease) }],
+            compares: vec![compare_for(&fkey, fkv), compare_for(&guard_key, guard.as_ref())],
+            success: vec![
+                TxnOp::Put { key: fkey.clone(), value: encode(&history), lease: Some(lease) },
+                exclusion_guard(job, now),
+            ],
             failure: vec![],
         };
         if ctx.store.txn(txn).await?.succeeded {
@@ -482,6 +484,7 @@ pub async fn end_job(
         success.push(TxnOp::DeletePrefix(keys::kind_prefix(job, kind)));
     }
     success.push(TxnOp::DeletePrefix(keys::shards_prefix(job)));
+    success.push(TxnOp::Delete(keys::exclusions(job)));
     success.push(TxnOp::Delete(gen_key.clone()));
     let compare = match expected {
         Some(rev) => Compare::ModRevision(gen_key, rev),

@@ -197,3 +197,61 @@ async fn a_restarted_leader_takes_its_key_back_at_once() {
     })
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_replicas_excluding_two_stragglers_of_120_keep_min_workers_on_etcd() {
+    two_stragglers_at_once(Backend::Etcd).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_replicas_excluding_two_stragglers_of_120_keep_min_workers_on_the_memory_store() {
+    two_stragglers_at_once(Backend::Memory).await;
+}
+
+/// Two replicas exclude two different stragglers of a 120-member generation with
+/// `min_workers` 119 at the same moment: one exclusion lands, the other is refused (it would
+/// leave 118). The store holds both replicas' reads of the failure records until both have
+/// read them, so that both count no exclusion in force: the race happens every time. (A
+/// generation this large is past what comparing every member's failure record would fit in
+/// one etcd transaction.)
+async fn two_stragglers_at_once(backend: Backend) {
+    use cohort_coordinator::config::Settings;
+    use cohort_coordinator::hub::Hubs;
+    use cohort_coordinator::metrics::Metrics;
+    use cohort_coordinator::ops::{self, Context, StragglerExclusion};
+    bounded(async {
+        let backing = Backing::new(backend).await;
+        let job = "stragglers";
+        let failures = cohort_coordinator::keys::kind_prefix(job, cohort_coordinator::keys::Kind::Failures);
+        let gated = common::gate::GatedStore::new(backing.store.clone(), 2, move |key| key == failures);
+        let (_tx, rx) = tokio::sync::watch::channel(false);
+        let ctx = |name: &str| Context {
+            store: gated.clone(),
+            settings: Settings::uniform(test_settings(backend)).expect("settings"),
+            exclusion: Default::default(),
+            metrics: std::sync::Arc::new(Metrics::default()),
+            hubs: Hubs::new(gated.clone()),
+            replica: name.into(),
+            shutdown: rx.clone(),
+            ended_ttl: ops::ENDED_TTL,
+        };
+        let (a, b) = (ctx("a"), ctx("b"));
+        let members: Vec<String> = (0..120).map(|i| format!("w{i:03}")).collect();
+        let cooldown = Duration::from_secs(60);
+        let (ra, rb) = tokio::join!(
+            ops::exclude_straggler(&a, job, "w007", &members, 119, cooldown, "compute slow"),
+            ops::exclude_straggler(&b, job, "w100", &members, 119, cooldown, "compute slow"),
+        );
+        assert!(gated.met(), "both replicas read the failure records before either wrote");
+        let (ra, rb) = (ra.expect("store"), rb.expect("store"));
+        let excluded = [&ra, &rb].iter().filter(|r| matches!(r, StragglerExclusion::Excluded(_))).count();
+        assert_eq!(excluded, 1, "exactly one of the two is excluded: {ra:?}, {rb:?}");
+        let refused = [&ra, &rb].into_iter().find_map(|r| match r {
+            StragglerExclusion::Refused(why) => Some(why.clone()),
+            StragglerExclusion::Excluded(_) => None,
+        });
+        let refused = refused.expect("the other is refused");
+        assert!(refused.contains("1 of them excluded already"), "{refused}");
+    })
+    .await;
+}

@@ -652,6 +652,35 @@ async fn a_live_worker_id_is_refused_to_a_second_process(backend: Backend) {
     server.shutdown().await.expect("shutdown");
 }
 
+/// Two processes joining with one new worker id at the same moment: exactly one is admitted
+/// (the first join of the id), the other is refused with ALREADY_EXISTS naming the first,
+/// which stays the member. The store holds both joins' reads of the id's member record until
+/// both have read it (both decide "nobody holds it"), so the race happens every time.
+async fn two_first_joins_of_one_worker_id_admit_one(backend: Backend) {
+    let backing = Backing::new(backend).await;
+    let gated = common::gate::GatedStore::new(backing.store.clone(), 2, |key| key.ends_with("/job-race/members/w0"));
+    let server = replica(gated.clone(), &Options::new(test_settings(backend))).await;
+    let addr = server.local_addr();
+    let join = |host: &str| {
+        Worker::try_join_with(addr, pb::JoinRequest { host: host.into(), ..join_request("job-race", "w0") }, HB)
+    };
+    let (a, b) = tokio::join!(join("host-a"), join("host-b"));
+    assert!(gated.met(), "both joins read the member record before either wrote it");
+    let (admitted, refused) = match (a, b) {
+        (Ok(w), Err(e)) | (Err(e), Ok(w)) => (w, e),
+        (Ok(x), Ok(y)) => {
+            panic!("both joins of w0 were admitted: incarnations {} and {}", x.incarnation, y.incarnation)
+        }
+        (Err(x), Err(y)) => panic!("both joins of w0 were refused: {x:?}, {y:?}"),
+    };
+    assert_eq!(refused.code(), tonic::Code::AlreadyExists, "{refused:?}");
+    assert!(refused.message().contains("held by a live process"), "{}", refused.message());
+    let s = status(addr, "job-race").await;
+    let m = s.members.iter().find(|m| m.worker_id == "w0").expect("w0 is a member");
+    assert_eq!(m.incarnation, admitted.incarnation, "the admitted join's incarnation holds the id");
+    server.shutdown().await.expect("shutdown");
+}
+
 /// Three heartbeating workers (long leases) in generation 1 of `job`.
 struct Trio {
     _backing: Backing,
@@ -1369,5 +1398,6 @@ suite!(
     a_straggler_is_named_and_excluded,
     a_second_straggler_is_not_excluded_below_min_workers,
     a_live_worker_id_is_refused_to_a_second_process,
+    two_first_joins_of_one_worker_id_admit_one,
     host_heartbeats_keep_the_leases_they_carry,
 );

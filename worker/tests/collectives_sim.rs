@@ -607,12 +607,32 @@ async fn world_of_one_is_local() {
     assert!(matches!(c.send(&v, 0).await, Err(CommError::InvalidArgument(_))));
 }
 
+/// Cases per property: `PROPTEST_CASES` (the knob every property test of the workspace
+/// takes) when set, else 24: each case runs a whole simulated world, so fewer than
+/// proptest's default of 256 (docs/testing.md).
+fn proptest_cases(proptest_cases: Option<&str>) -> u32 {
+    match proptest_cases {
+        None => 24,
+        Some(v) => v.trim().parse().unwrap_or_else(|_| panic!("PROPTEST_CASES={v:?} is not a number of cases")),
+    }
+}
+
+#[test]
+fn proptest_cases_sets_the_number_of_cases() {
+    assert_eq!(proptest_cases(None), 24);
+    assert_eq!(proptest_cases(Some("500")), 500);
+    assert_eq!(proptest_cases(Some(" 1 ")), 1);
+}
+
 mod props {
     use super::*;
     use proptest::prelude::*;
 
     proptest! {
-        #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+        #![proptest_config(ProptestConfig {
+            cases: proptest_cases(std::env::var("PROPTEST_CASES").ok().as_deref()),
+            ..ProptestConfig::default()
+        })]
 
         /// Random world, size, algorithm, segment and values: integer sums are exact, so the
         /// result must equal the plain sum on every rank.

@@ -13,6 +13,22 @@ use std::time::Duration;
 use tokio::time::Instant;
 use tonic::Status;
 
+/// How many times a Join is decided before it gives up: a decision is made again when the
+/// worker id's member record changed between the decision and the write (another process
+/// joined with the id, or its silent holder's records went), or the job ended meanwhile.
+const JOIN_ATTEMPTS: usize = 3;
+
+/// What [`CoordinatorService::read_join_view`] read.
+struct JoinView {
+    /// The part of the job's state the decision goes on.
+    state: JobState,
+    /// The newest generation number.
+    current_generation: u64,
+    /// The `mod_revision` of the worker id's member record as read (`None`: absent). The
+    /// join's write compares it, so that two joins decided on one reading cannot both land.
+    member_revision: Option<i64>,
+}
+
 impl CoordinatorService {
     pub(super) async fn do_join(&self, r: pb::JoinRequest) -> Result<pb::JoinResponse, Status> {
         validate::protocol_version(r.protocol_version)?;
@@ -22,6 +38,25 @@ impl CoordinatorService {
         validate::text("domain", &r.domain, validate::MAX_HOST_LEN)?;
         validate::addresses(&r.addresses)?;
         validate::capabilities(&r.capabilities)?;
+        for _ in 0..JOIN_ATTEMPTS {
+            if let Some(joined) = self.join_once(&r).await? {
+                return Ok(joined);
+            }
+        }
+        Err(Status::aborted(format!(
+            "worker id {} of job {} changed while its join was decided, {JOIN_ATTEMPTS} times; join again",
+            r.worker_id, r.job
+        )))
+    }
+
+    /// One decision and write of a Join: the response, a refusal, or `None` when the worker
+    /// id's member record changed (or the job ended) between the decision and the write, so
+    /// that nothing was written and the join is decided again.
+    ///
+    /// # Cancel safety
+    /// Cancel safe as far as the store goes: the member's records are one transaction; a lease
+    /// granted for a join that never landed expires by itself.
+    async fn join_once(&self, r: &pb::JoinRequest) -> Result<Option<pb::JoinResponse>, Status> {
         let settings = self.ctx.settings.for_job(&r.job);
         let ttl = settings.lease_ttl_for_store();
         // Under `lease_scope = "host"` the member's records go on the lease of its host, or of
@@ -47,8 +82,8 @@ impl CoordinatorService {
                 }
             }
         };
-        let (decided, granted) = tokio::join!(self.admit(&r), lease_for(None));
-        let (state, current_generation) = match decided {
+        let (decided, granted) = tokio::join!(self.admit(r), lease_for(None));
+        let JoinView { state, current_generation, mut member_revision } = match decided {
             Ok(admitted) => admitted,
             Err(refusal) => {
                 if let Ok(lease) = granted {
@@ -91,6 +126,22 @@ impl CoordinatorService {
                 }
             }
         }
+        if old.is_some() {
+            // The replaced incarnation's records may have gone since the decision (evicted by
+            // the revocation above or another one, or its lease lapsed): the write then
+            // expects them gone. Any other change (another process joined with the id) means
+            // deciding again.
+            let member_key = keys::worker_key(job, Kind::Member, worker);
+            let now_read = self.ctx.store.get(&member_key).await.map_err(store_status)?;
+            match now_read {
+                Some(kv) if Some(kv.mod_revision) != member_revision => {
+                    give_back(lease).await;
+                    return Ok(None);
+                }
+                Some(_) => {}
+                None => member_revision = None,
+            }
+        }
         let mut member = MemberRecord {
             worker_id: worker.to_string(),
             incarnation,
@@ -131,7 +182,13 @@ impl CoordinatorService {
                 },
             ];
             success.extend(replaced.iter().cloned());
-            let txn = Txn { compares: vec![Compare::Absent(keys::ended(job))], success, failure: vec![] };
+            let member_key = keys::worker_key(job, Kind::Member, worker);
+            let member_compare = match member_revision {
+                Some(revision) => Compare::ModRevision(member_key, revision),
+                None => Compare::Absent(member_key),
+            };
+            let txn =
+                Txn { compares: vec![Compare::Absent(keys::ended(job)), member_compare], success, failure: vec![] };
             match self.ctx.store.txn(txn).await {
                 Ok(r) if r.succeeded => break,
                 Err(StoreError::LeaseNotFound(_)) if attempts > 0 => {
@@ -139,8 +196,11 @@ impl CoordinatorService {
                 }
                 other => {
                     give_back(lease).await;
+                    // A failed compare: the job ended, or the id's member record changed
+                    // since the decision. Deciding again tells which (and refuses a second
+                    // process while the first one holds the id).
                     return match other {
-                        Ok(_) => Err(Status::failed_precondition(format!("job {job} has ended; start a new job id"))),
+                        Ok(_) => Ok(None),
                         Err(e) => Err(store_status(e)),
                     };
                 }
@@ -155,27 +215,26 @@ impl CoordinatorService {
         // at once does not write it again.
         self.progress_written(job, worker, progress);
         tracing::info!(incarnation, host = %r.host, shared_lease = shared, "member joined");
-        Ok(pb::JoinResponse {
+        Ok(Some(pb::JoinResponse {
             incarnation,
             heartbeat_interval_ms: settings.heartbeat_interval.as_millis() as u64,
             lease_ttl_ms: settings.lease_ttl.as_millis() as u64,
             current_generation,
             settings: Some(settings.to_proto()),
-        })
+        }))
     }
 
     /// Decides whether `r` may join: the job has not ended, neither the worker nor its failure
-    /// domain is excluded, and no live process holds the worker id. Answers the part of the
-    /// job's state the join goes on with ([`Self::read_join_view`]) and the newest generation
-    /// number.
+    /// domain is excluded, and no live process holds the worker id. Answers what the decision
+    /// read ([`Self::read_join_view`]).
     ///
     /// # Cancel safety
     /// Cancel safe: reads only.
-    async fn admit(&self, r: &pb::JoinRequest) -> Result<(JobState, u64), Status> {
+    async fn admit(&self, r: &pb::JoinRequest) -> Result<JoinView, Status> {
         let settings = self.ctx.settings.for_job(&r.job);
         let (job, worker) = (r.job.as_str(), r.worker_id.as_str());
-        let (state, current_generation) =
-            self.read_join_view(job, worker, records::effective_domain(&r.domain, &r.host)).await?;
+        let view = self.read_join_view(job, worker, records::effective_domain(&r.domain, &r.host)).await?;
+        let state = &view.state;
         if let Some(ended) = &state.ended {
             return Err(Status::failed_precondition(format!(
                 "job {job} has ended ({:?}: {}); start a new job id",
@@ -211,25 +270,26 @@ impl CoordinatorService {
         // keeps the id (another process gets ALREADY_EXISTS), a silent one is replaced (a
         // restart after a crash). The process that holds the id names it in `replaces`.
         if let Some(holder) = state.members.get(worker).filter(|m| m.incarnation != r.replaces) {
-            let silent_for = self.silent_for(job, holder, &state).await.map_err(store_status)?;
+            let silent_for = self.silent_for(job, holder, state).await.map_err(store_status)?;
             let live_window = PROGRESS_PERIOD + 2 * settings.heartbeat_interval;
             if silent_for < live_window {
                 return Err(id_in_use(job, holder, silent_for, live_window - silent_for));
             }
         }
-        Ok((state, current_generation))
+        Ok(view)
     }
 
     /// The part of a job's state a Join decides on, read key by key: the end record, the
     /// worker's member record, its own and its failure domain's failure records, and the
-    /// generation record, with the newest generation number. A join must not read the whole
+    /// generation record, with the newest generation number and the member record's revision.
+    /// A join must not read the whole
     /// job (N joins would read it N times, O(N²) in all). The generation record, O(members)
     /// itself, is read from the store only when an older incarnation of the worker may be in
     /// it; otherwise the state has none and the number comes from this replica's view.
     ///
     /// # Cancel safety
     /// Cancel safe: reads only.
-    async fn read_join_view(&self, job: &str, worker: &str, domain: &str) -> Result<(JobState, u64), Status> {
+    async fn read_join_view(&self, job: &str, worker: &str, domain: &str) -> Result<JoinView, Status> {
         let store = self.ctx.store.as_ref();
         let (ended_key, member_key) = (keys::ended(job), keys::worker_key(job, Kind::Member, worker));
         let own_key = keys::worker_key(job, Kind::Failures, worker);
@@ -240,6 +300,7 @@ impl CoordinatorService {
                 .map_err(store_status)?;
         let mut state = JobState { job: job.to_string(), ..Default::default() };
         state.ended = ended.and_then(|kv| decode(&ended_key, &kv.value));
+        let member_revision = member.as_ref().map(|kv| kv.mod_revision);
         if let Some(m) = member.and_then(|kv| decode::<MemberRecord>(&member_key, &kv.value)) {
             state.members.insert(worker.to_string(), m);
             state.generation =
@@ -256,7 +317,7 @@ impl CoordinatorService {
         if let Some(h) = of_domain.and_then(|kv| decode(&domain_key, &kv.value)) {
             state.failures.insert(domain_id, h);
         }
-        Ok((state, current))
+        Ok(JoinView { state, current_generation: current, member_revision })
     }
 
     /// At most how long `holder` (a member record of `job`) has gone without a heartbeat: the

@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub(crate) mod certs;
+pub(crate) mod gate;
 
 use cohort_coordinator::config::{JobSettings, Settings};
 use cohort_coordinator::exclusion::ExclusionPolicy;
