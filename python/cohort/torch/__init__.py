@@ -22,7 +22,8 @@ FSDP2's ``fully_shard`` work); on torch 1.13 it is the ``ProcessGroup``. Support
 ``all_reduce`` (SUM, PRODUCT, MIN, MAX, AVG), ``all_reduce_coalesced``, ``broadcast``,
 ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` (alone or coalesced), ``all_gather``,
 ``reduce_scatter``, ``all_to_all_single`` (equal splits), ``all_to_all`` (equal sizes),
-``gather``, ``scatter``, ``reduce``, ``barrier``, ``send``/``recv`` (tag 0). The rest raises an
+``gather``, ``scatter``, ``reduce``, ``barrier``, ``send``/``recv``/``isend``/``irecv`` and
+``batch_isend_irecv`` (tag 0; a receive may be posted before its send, see :class:`_Lane`). The rest raises an
 error naming the call: tags, uneven all-to-all, ``recv`` from any source,
 ``monitored_barrier``, sparse tensors, and on torch 1.13 ``new_group`` over a subset of ranks.
 On torch 2.x, ``new_group`` and a ``DeviceMesh`` of several dimensions (HSDP) give subgroups of
@@ -848,7 +849,7 @@ def subgroup_channel(group_name: str) -> int:
     """The channel of the torch group named ``group_name``, the same on every rank: torch names a
     group by a counter every rank advances at every ``new_group`` (or, for groups made with local
     synchronisation, by a hash of the ranks and that counter), so groups made one after the other
-    get different channels until the 4095th (a collision is refused, see :func:`_create_extended`)."""
+    get different channels until the 4094th (a collision is refused, see :func:`_create_extended`)."""
     n = int(group_name) if group_name.isdigit() else int.from_bytes(group_name.encode(), "little") % (1 << 61)
     return n % MAX_CHANNEL + 1
 
@@ -1020,8 +1021,12 @@ def init_process_group(source: Union[Source, Group]) -> Any:
     _register()
     if dist.is_initialized():
         dist.destroy_process_group()
-    global _pending_source, _barrier_store
+    global _pending_source, _barrier_store, _lanes
     _pending_source = source
+    with _lanes_lock:
+        if _lanes is not None and _lanes.comm is not comm:
+            _lanes.stop()  # an earlier generation's point-to-point lanes
+            _lanes = None
     from torch.distributed import distributed_c10d as c10d
 
     # torch 1.13's init_process_group and new_group end with a barrier that counts the ranks
