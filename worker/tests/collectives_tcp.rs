@@ -130,8 +130,7 @@ async fn mismatched_collectives(net: Net) {
 async fn mismatch_in_report_first_mode_leaves_the_peer_waiting_for_the_revocation(net: Net) {
     let (_endpoints, transports) = mesh(net, 2, 1).await;
     let config = CommConfig { abort_transport_on_error: false, ..CommConfig::default() };
-    let mut comms: Vec<_> =
-        transports.into_iter().map(|t| Communicator::new(Arc::new(t), config.clone())).collect();
+    let mut comms: Vec<_> = transports.into_iter().map(|t| Communicator::new(Arc::new(t), config.clone())).collect();
     let (mut c1, mut c0) = (comms.pop().expect("rank 1"), comms.pop().expect("rank 0"));
     let revoker = c0.revoker();
     let mut waiting = tokio::spawn(async move {

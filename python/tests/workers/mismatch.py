@@ -22,8 +22,11 @@ for n in range(rounds):
             comm.allreduce(np.ones(1000, dtype=np.float32))
         else:
             comm.broadcast(np.ones(1000, dtype=np.uint8), 0)
-    except cohort.CollectiveError as e:
-        facts = dict(round=n, rank=comm.rank, cls=type(e).__name__, cause_rank=e.rank, reason=e.reason)
+    except (cohort.CollectiveError, cohort.MismatchError) as e:
+        # The detector raises MismatchError (not a CollectiveError), the other rank the
+        # revocation; both carry the generation's root cause.
+        cause = e.cause
+        facts = dict(round=n, rank=comm.rank, cls=type(e).__name__, cause_rank=cause.rank, reason=cause.reason)
         print(json.dumps(facts), flush=True)
     else:
         raise AssertionError(f"round {n}: rank {comm.rank}'s call succeeded")
