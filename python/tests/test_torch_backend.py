@@ -58,7 +58,9 @@ def test_subgroup_channels_follow_torch_group_names_and_refuse_collisions(monkey
     assert ct.TORCH2
     from types import SimpleNamespace
 
-    assert [ct.subgroup_channel(n) for n in ["0", "1", "5", "4094", "4095"]] == [1, 2, 6, 4095, 1]
+    # Channels 1 to 4094: 4095 is the point-to-point lanes' (P2P_CHANNEL).
+    assert [ct.subgroup_channel(n) for n in ["0", "1", "5", "4093", "4094"]] == [1, 2, 6, 4094, 1]
+    assert ct.P2P_CHANNEL == ct.MAX_CHANNEL + 1
     hashed = ct.subgroup_channel("3f786850e387550fdab836ed7e6dc881de23001b")
     assert 1 <= hashed <= ct.MAX_CHANNEL and hashed == ct.subgroup_channel("3f786850e387550fdab836ed7e6dc881de23001b")
 
@@ -77,22 +79,22 @@ def test_subgroup_channels_follow_torch_group_names_and_refuse_collisions(monkey
 
     first = ct._create_extended(opts("5", [0, 1]), None)
     assert (first._members, first._channel, first.rank(), first.size()) == ([0, 1], 6, 0, 2)
-    # "4100" wraps onto channel 6 too: with members 0 and 1 again it would share their link.
+    # "4099" wraps onto channel 6 too: with members 0 and 1 again it would share their link.
     with pytest.raises(RuntimeError, match="would share channel 6"):
-        ct._create_extended(opts("4100", [2, 0, 1]), None)
+        ct._create_extended(opts("4099", [2, 0, 1]), None)
     # So would the same ranks again.
     with pytest.raises(RuntimeError, match="would share channel 6"):
-        ct._create_extended(opts("4100", [0, 1]), None)
+        ct._create_extended(opts("4099", [0, 1]), None)
     # Sharing only this rank shares no link: allowed, and every live group of the channel is
     # checked, not only the newest.
-    other = ct._create_extended(opts("4100", [0, 3]), None)
+    other = ct._create_extended(opts("4099", [0, 3]), None)
     assert other._channel == 6 and other.rank() == 0
     with pytest.raises(RuntimeError, match=r"live group of ranks \[0, 1\]"):
-        ct._create_extended(opts("8195", [0, 1, 4]), None)
+        ct._create_extended(opts("8193", [0, 1, 4]), None)
     # A destroyed group frees its place on the channel.
     first.shutdown()
     assert [ref() for ref in ct._channels[6]] == [other]
-    third = ct._create_extended(opts("8195", [0, 1, 4]), None)
+    third = ct._create_extended(opts("8193", [0, 1, 4]), None)
     assert third._channel == 6
     # The whole world is the generation's own communicator, not a subgroup.
     whole = ct._create_extended(opts("7", list(range(6))), None)

@@ -279,6 +279,13 @@ impl LinkCore {
 
     /// Fails the link with a mismatch unless a message tagged `got` of `got_len` bytes is the
     /// one a receive of `want` into `len` bytes expects (same signature, same length).
+    ///
+    /// The link is broken but left open ([`LinkCore::break_quietly`]): the mismatch is this
+    /// rank's finding, and it reports it first. Shutting the socket down here made the peer
+    /// fail with "the peer closed its link", naming this rank, and that report could reach the
+    /// coordinator first and make the healthy detector the root cause. The communicator
+    /// closes the links once it gave up (it aborts its transport, or the elastic runtime's
+    /// revocation does after the report).
     pub(crate) fn check_match(&self, want: Tag, len: usize, got: Tag, got_len: u64) -> Result<(), TransportError> {
         let (detail, signatures) = if got.signature != want.signature {
             (
@@ -293,7 +300,9 @@ impl LinkCore {
         } else {
             return Ok(());
         };
-        Err(self.fail(TransportError::Mismatch { peer: self.peer, detail, signatures }))
+        let err = TransportError::Mismatch { peer: self.peer, detail, signatures };
+        self.break_quietly(err.clone());
+        Err(err)
     }
 
     /// Classifies the header of a message tagged `got` of `got_len` bytes, read by a receive

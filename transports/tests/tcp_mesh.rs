@@ -143,7 +143,7 @@ async fn signature_mismatch_is_reported() {
             }
             e => panic!("expected a mismatch, got {e:?}"),
         }
-        // The link stays closed with the same error; the other links keep working.
+        // The link stays broken with the same error; the other links keep working.
         let again = ts[1].recv(0, Tag::new(2, 0, 0), &mut [0u8; 1]).await.unwrap_err();
         assert!(matches!(again, TransportError::Mismatch { .. }), "{again:?}");
         ts[2].send(1, Tag::new(1, 0, 5), b"still fine").await.unwrap();

@@ -122,6 +122,48 @@ async fn mismatched_collectives(net: Net) {
     }
 }
 
+/// The elastic runtime's report-first mode (`abort_transport_on_error: false`): rank 1 (in a
+/// broadcast) finds rank 0's allreduce message and fails with the mismatch, leaving its link
+/// open, so rank 0 (waiting for rank 1's allreduce message) does not fail with "the peer closed
+/// its link" naming rank 1, a report that could reach the coordinator before rank 1's and make
+/// the detector the root cause. Rank 0 waits until the revocation, which carries the cause.
+async fn mismatch_in_report_first_mode_leaves_the_peer_waiting_for_the_revocation(net: Net) {
+    let (_endpoints, transports) = mesh(net, 2, 1).await;
+    let config = CommConfig { abort_transport_on_error: false, ..CommConfig::default() };
+    let mut comms: Vec<_> = transports.into_iter().map(|t| Communicator::new(Arc::new(t), config.clone())).collect();
+    let (mut c1, mut c0) = (comms.pop().expect("rank 1"), comms.pop().expect("rank 0"));
+    let revoker = c0.revoker();
+    let mut waiting = tokio::spawn(async move {
+        let mut x = vec![1f32; 1000];
+        c0.allreduce(&mut x, ReduceOp::Sum).await
+    });
+    // Rank 1's communicator stays alive (as the elastic runtime's does until the revocation):
+    // dropping it would close its links.
+    let detector = tokio::spawn(async move {
+        let mut x = vec![1u8; 1000];
+        (c1.broadcast(&mut x, 0).await, c1)
+    });
+    let (found, _c1) =
+        timeout(Duration::from_secs(10), detector).await.expect("no mismatch within 10 s").expect("rank 1");
+    assert!(matches!(found, Err(CommError::Mismatch { rank: 0, .. })), "{net:?}: rank 1 got {found:?}");
+    // Rank 0 is still waiting: nothing closed the link under it. (Before, it failed at once
+    // with PeerFailed naming rank 1.)
+    if let Ok(early) = timeout(Duration::from_secs(2), &mut waiting).await {
+        panic!("{net:?}: rank 0 failed before the revocation: {early:?}");
+    }
+    let cause = cohort::RootCause {
+        rank: None,
+        worker_id: String::new(),
+        host: String::new(),
+        reason: "rank 1 found a mismatch".into(),
+    };
+    revoker.revoke(cause.clone());
+    match timeout(Duration::from_secs(10), waiting).await.expect("revocation ignored").expect("rank 0") {
+        Err(CommError::Revoked { cause: got, .. }) => assert_eq!(got, cause, "{net:?}"),
+        other => panic!("{net:?}: rank 0 expected Revoked, got {other:?}"),
+    }
+}
+
 /// The suites over one network, as a module of tests.
 macro_rules! suites_over {
     ($module:ident, $net:expr) => {
@@ -146,6 +188,11 @@ macro_rules! suites_over {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn mismatched_collectives_fail_with_a_mismatch_naming_both_calls() {
                 super::mismatched_collectives($net).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn mismatch_in_report_first_mode_leaves_the_peer_waiting_for_the_revocation() {
+                super::mismatch_in_report_first_mode_leaves_the_peer_waiting_for_the_revocation($net).await;
             }
         }
     };

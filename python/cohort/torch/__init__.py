@@ -22,7 +22,8 @@ FSDP2's ``fully_shard`` work); on torch 1.13 it is the ``ProcessGroup``. Support
 ``all_reduce`` (SUM, PRODUCT, MIN, MAX, AVG), ``all_reduce_coalesced``, ``broadcast``,
 ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` (alone or coalesced), ``all_gather``,
 ``reduce_scatter``, ``all_to_all_single`` (equal splits), ``all_to_all`` (equal sizes),
-``gather``, ``scatter``, ``reduce``, ``barrier``, ``send``/``recv`` (tag 0). The rest raises an
+``gather``, ``scatter``, ``reduce``, ``barrier``, ``send``/``recv``/``isend``/``irecv`` and
+``batch_isend_irecv`` (tag 0; a receive may be posted before its send, see :class:`_Lane`). The rest raises an
 error naming the call: tags, uneven all-to-all, ``recv`` from any source,
 ``monitored_barrier``, sparse tensors, and on torch 1.13 ``new_group`` over a subset of ranks.
 On torch 2.x, ``new_group`` and a ``DeviceMesh`` of several dimensions (HSDP) give subgroups of
@@ -285,9 +286,11 @@ class _Completer:
         return _work(fut, outcome)
 
 
-def _work(fut: Future, outcome: _Outcome) -> Any:
+def _work(fut: Future, outcome: _Outcome, python_work: Optional[bool] = None) -> Any:
     """The torch ``Work`` of a collective whose output ``fut`` will hold (``outcome.error`` set
-    first if it failed)."""
+    first if it failed). ``python_work``: a :class:`_FutureWork`, whose ``wait()`` raises the
+    error (the default on torch 2.x; point-to-point asks for it on 1.13 too, where no DDP
+    needs the Work's future from C++)."""
 
     def value_or_error(done: Future) -> Any:
         if outcome.error is not None:
@@ -295,7 +298,9 @@ def _work(fut: Future, outcome: _Outcome) -> Any:
         return done.value()
 
     chained = fut.then(value_or_error)
-    return _FutureWork(fut, chained, outcome) if TORCH2 else _create_work_from_future(chained)
+    if TORCH2 if python_work is None else python_work:
+        return _FutureWork(fut, chained, outcome)
+    return _create_work_from_future(chained)
 
 
 class _FutureWork(torch._C._distributed_c10d.Work):  # type: ignore[misc]
@@ -447,6 +452,34 @@ class CohortBackend(_Base):  # type: ignore[misc, valid-type]
 
     def _get_backend_name(self) -> str:
         return BACKEND
+
+    # -- what torch asks a backend it may not support (torch 2.x) ------------------------------
+    # torch reads these through the Python object; a property left to the C++ base class
+    # called back into Python and recursed (dist.batch_isend_irecv raised RecursionError).
+    @property
+    def supports_coalescing(self) -> bool:
+        """False: ``batch_isend_irecv`` and ``_coalescing_manager`` issue the calls one by one."""
+        return False
+
+    @property
+    def supports_splitting(self) -> bool:
+        """False: ``split_group`` is not supported (``new_group`` is)."""
+        return False
+
+    @property
+    def supports_time_estimate(self) -> bool:
+        """False."""
+        return False
+
+    @property
+    def supports_shrinking(self) -> bool:
+        """False: cohort re-forms the generation instead (:meth:`reconfigure`)."""
+        return False
+
+    @property
+    def supports_window(self) -> bool:
+        """False."""
+        return False
 
     # -- torch's fault-tolerance hooks (torch 2.x: dist._supports_reconfigure, ...) -----------
     @property
@@ -677,21 +710,39 @@ class CohortBackend(_Base):  # type: ignore[misc, valid-type]
         return _done([])
 
     # -- point to point ----------------------------------------------------------------------
+    def _lane(self, call: str, peer: int, send: bool) -> _Lane:
+        """The lane to or from this group's rank ``peer`` (:class:`_Lanes`)."""
+        group = self._comm()  # checks that the group still matches the generation
+        if not 0 <= peer < group.size or peer == group.rank:
+            raise InvalidArgumentError(
+                f"cohort backend: {call}: rank {peer} is not another rank of the group "
+                f"({group.size} ranks, this worker is rank {group.rank})"
+            )
+        return _lanes_of(_current(self._source)).lane(call, self._members[peer] if self._members else peer, send)
+
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> Any:
-        """Sends to rank ``dst``, matched in order with its :meth:`recv` (tag 0 only)."""
+        """Sends to rank ``dst``, matched in order with its :meth:`recv` (tag 0 only). Queued
+        on the lane to ``dst`` (:class:`_Lane`): it waits for no receive or collective here."""
         _no_tag("send", tag)
-        comm = self._comm()
-        for t in tensors:
-            comm.send(_input("send", t), dst)
-        return _done(tensors)
+        inputs = [_input("send", t) for t in tensors]
+
+        def run(comm: Communicator, peer: int) -> None:
+            for t in inputs:
+                comm.send(t, peer)
+
+        return self._lane("send", dst, True).submit(run, tensors)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> Any:
-        """Receives from rank ``src``, matched in order with its :meth:`send` (tag 0 only)."""
+        """Receives from rank ``src``, matched in order with its :meth:`send` (tag 0 only).
+        Queued on the lane from ``src``: a receive posted first does not hold up the sends."""
         _no_tag("recv", tag)
-        comm = self._comm()
-        for t in tensors:
-            comm.recv(_output("recv", t), src)
-        return _done(tensors)
+        outputs = [_output("recv", t) for t in tensors]
+
+        def run(comm: Communicator, peer: int) -> None:
+            for t in outputs:
+                comm.recv(t, peer)
+
+        return self._lane("recv", src, False).submit(run, tensors)
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> Any:
         """Not supported: raises, naming the call."""
@@ -735,20 +786,183 @@ def _create(store: Any, rank: int, size: int, timeout: Any) -> CohortBackend:
             f"{torch.__version__} a cohort process group spans the whole generation ({comm.size} ranks, this "
             f"worker as rank {comm.rank})"
         )
+    if _barrier_store is not None:
+        from torch.distributed import distributed_c10d as c10d
+
+        _barrier_store.created.add(c10d._group_count)
     return CohortBackend(_pending_source, rank, size)
 
 
-MAX_CHANNEL = 4095
-"""Subgroups' channels are 1 to ``MAX_CHANNEL`` (0 is the generation's own communicator)."""
+class _BarrierStore(_C10D.Store):  # type: ignore[misc]
+    """torch 1.13's store for the cohort group: private to this process (cohort's rendezvous
+    formed the group), except for the store-based barrier that 1.13 runs at the end of
+    ``init_process_group`` and of every ``new_group``, on every rank, counting the ranks in a
+    store they share. Here the barrier passes for a group whose backend this process made
+    (``created``; every rank makes it, and the group's first call checks that they agree), and
+    a process left out of a ``new_group`` over some of the ranks, which 1.13 never asks to
+    make the backend, raises the error its members raise, instead of waiting for ranks that
+    never count in its store."""
+
+    def __init__(self, comm: Communicator) -> None:
+        super().__init__()
+        self._store = _C10D.HashStore()
+        self._size, self._rank = comm.size, comm.rank
+        self.created: set[int] = set()
+
+    def add(self, key: str, value: int) -> int:
+        from torch.distributed import distributed_c10d as c10d
+
+        prefix = f"{c10d.STORE_BASED_BARRIER_PREFIX}:"
+        if not key.startswith(prefix):
+            return self._store.add(key, value)
+        if int(key[len(prefix) :]) not in self.created:
+            raise RuntimeError(
+                f"cohort backend: new_group over some of the ranks needs torch 2.x: on torch {torch.__version__} a "
+                f"cohort process group spans the whole generation ({self._size} ranks; this worker, rank "
+                f"{self._rank}, is not in the new group)"
+            )
+        return self._size
+
+    def set(self, key: str, value: Any) -> None:
+        self._store.set(key, value)
+
+    def get(self, key: str) -> bytes:
+        return self._store.get(key)
+
+    def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
+        return self._store.compare_set(key, expected, desired)
+
+    def delete_key(self, key: str) -> bool:
+        return self._store.delete_key(key)
+
+    def num_keys(self) -> int:
+        return self._store.num_keys()
+
+    def set_timeout(self, timeout: Any) -> None:
+        self._store.set_timeout(timeout)
+
+    def wait(self, keys: list[str], timeout: Any = None) -> None:
+        if timeout is None:
+            self._store.wait(keys)
+        else:
+            self._store.wait(keys, timeout)
+
+
+_barrier_store: Optional[_BarrierStore] = None
+
+
+MAX_CHANNEL = 4094
+"""Subgroups' channels are 1 to ``MAX_CHANNEL`` (0 is the generation's own communicator,
+:data:`P2P_CHANNEL` its point-to-point lanes)."""
+
+P2P_CHANNEL = 4095
+"""The channel of point-to-point messages (:class:`_Lanes`), kept apart from every group's."""
 
 
 def subgroup_channel(group_name: str) -> int:
     """The channel of the torch group named ``group_name``, the same on every rank: torch names a
     group by a counter every rank advances at every ``new_group`` (or, for groups made with local
     synchronisation, by a hash of the ranks and that counter), so groups made one after the other
-    get different channels until the 4095th (a collision is refused, see :func:`_create_extended`)."""
+    get different channels until the 4094th (a collision is refused, see :func:`_create_extended`)."""
     n = int(group_name) if group_name.isdigit() else int.from_bytes(group_name.encode(), "little") % (1 << 61)
     return n % MAX_CHANNEL + 1
+
+
+class _Lane:
+    """One direction of point-to-point traffic between this worker and one peer: a two-rank
+    subgroup of the generation on :data:`P2P_CHANNEL` (the sender its rank 0, the receiver its
+    rank 1), and a thread that runs the direction's sends (or receives) in issue order.
+
+    A send and a receive therefore never wait for each other, nor for a collective, as gloo's
+    do not: ``irecv`` then ``isend`` around a ring, or both ranks of a pair receiving first,
+    completes. On the link between two workers the two directions share the channel, but each
+    direction's messages are sent by one lane only and received by the other's peer lane, so
+    they are never taken for each other."""
+
+    def __init__(self, comm: Communicator, peer_rank: int, name: str) -> None:
+        self.comm = comm
+        self._peer_rank = peer_rank  # the peer's rank in the two-rank subgroup
+        self._queue: "queue.Queue[Optional[tuple[Callable[[Communicator, int], None], Future, _Outcome, Any]]]" = (
+            queue.Queue()
+        )
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            run, fut, outcome, result = job
+            try:
+                run(self.comm, self._peer_rank)
+            except BaseException as e:  # noqa: BLE001 - handed to the Work's waiter
+                _handed_on(e)
+                outcome.error = e
+            fut.set_result(result)
+
+    def submit(self, run: Callable[[Communicator, int], None], result: Any) -> Any:
+        """A torch ``Work`` that completes once ``run(comm, peer)`` has; ``wait()`` raises its
+        error on either torch."""
+        fut: Future = Future()
+        outcome = _Outcome()
+        self._queue.put((run, fut, outcome, result))
+        return _work(fut, outcome, python_work=True)
+
+    def stop(self) -> None:
+        """Lets the thread end once its queued calls have run."""
+        self._queue.put(None)
+
+
+class _Lanes:
+    """The point-to-point lanes of one generation's communicator, one per peer and direction,
+    made on first use. Messages between two workers are matched in order per direction,
+    whatever torch group they were sent in (groups' ranks are mapped to the generation's)."""
+
+    def __init__(self, comm: Communicator) -> None:
+        self.comm = comm
+        self._lanes: dict[tuple[int, bool], _Lane] = {}
+        self._lock = threading.Lock()
+
+    def lane(self, call: str, peer: int, send: bool) -> _Lane:
+        """The lane to (``send``) or from rank ``peer`` of the generation."""
+        me = self.comm.rank
+        if not 0 <= peer < self.comm.size or peer == me:
+            raise InvalidArgumentError(
+                f"cohort backend: {call}: rank {peer} is not another rank of the generation "
+                f"({self.comm.size} ranks, this worker is rank {me})"
+            )
+        with self._lock:
+            lane = self._lanes.get((peer, send))
+            if lane is None:
+                ranks = [me, peer] if send else [peer, me]
+                name = f"cohort-p2p-{'to' if send else 'from'}-{peer}-g{self.comm.generation}"
+                lane = _Lane(self.comm.subgroup(ranks, P2P_CHANNEL), 1 if send else 0, name)
+                self._lanes[(peer, send)] = lane
+            return lane
+
+    def stop(self) -> None:
+        """Ends the lanes' threads once their queued calls have run (their communicators close
+        with the generation's)."""
+        with self._lock:
+            for lane in self._lanes.values():
+                lane.stop()
+            self._lanes.clear()
+
+
+_lanes: Optional[_Lanes] = None
+_lanes_lock = threading.Lock()
+
+
+def _lanes_of(comm: Communicator) -> _Lanes:
+    """The point-to-point lanes of ``comm`` (those of an earlier generation are stopped)."""
+    global _lanes
+    with _lanes_lock:
+        if _lanes is None or _lanes.comm is not comm:
+            if _lanes is not None:
+                _lanes.stop()
+            _lanes = _Lanes(comm)
+        return _lanes
 
 
 # The live subgroup backends of every channel (weak references), for the collision check.
@@ -821,15 +1035,17 @@ def init_process_group(source: Union[Source, Group]) -> Any:
     _register()
     if dist.is_initialized():
         dist.destroy_process_group()
-    global _pending_source
+    global _pending_source, _barrier_store, _lanes
     _pending_source = source
-    store = dist.HashStore()
+    with _lanes_lock:
+        if _lanes is not None and _lanes.comm is not comm:
+            _lanes.stop()  # an earlier generation's point-to-point lanes
+            _lanes = None
     from torch.distributed import distributed_c10d as c10d
 
-    if not TORCH2:
-        # torch 1.13's init_process_group ends with a barrier that counts the ranks in a store
-        # they share; cohort's rendezvous already formed the group and each rank's store is
-        # private, so tell it every other rank arrived.
-        store.add(f"{c10d.STORE_BASED_BARRIER_PREFIX}:{c10d._group_count + 1}", comm.size - 1)
+    # torch 1.13's init_process_group and new_group end with a barrier that counts the ranks
+    # in a store they share; cohort's rendezvous already formed the group (_BarrierStore).
+    store = dist.HashStore() if TORCH2 else _BarrierStore(comm)
+    _barrier_store = None if TORCH2 else store
     dist.init_process_group(BACKEND, store=store, rank=comm.rank, world_size=comm.size)
     return c10d._get_default_group()
