@@ -52,11 +52,7 @@ if rank == 0:
 waited = step(2)
 step(3)
 digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
-print(
-    json.dumps(
-        {"event": "done", "worker": worker_id, "rank": rank, "waited": waited, "generation": generation, "digest": digest}
-    ),
-    flush=True,
-)
+done = {"event": "done", "worker": worker_id, "rank": rank, "waited": waited}
+print(json.dumps({**done, "generation": generation, "digest": digest}), flush=True)
 dist.destroy_process_group()
 group.leave(finished=True)
