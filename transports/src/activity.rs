@@ -22,7 +22,7 @@
 //! The board lives in a sealed memory file: shared-memory peers map it (handed over with
 //! the pair's segment) and read it without a system call; TCP peers ask for it with the
 //! liveness probe, whose responder reads it from the process-wide registry
-//! ([`Activity::lookup`]). [`locate`] turns what was read into a verdict; it is pure and
+//! (`Activity::lookup`). [`locate`] turns what was read into a verdict; it is pure and
 //! tested without sockets.
 
 use crate::shm::segment::Mapping;
