@@ -327,15 +327,19 @@ impl Group {
         self.reporter.incarnation()
     }
 
-    /// SIGTERM was received: leave at the next commit point.
+    /// SIGTERM was received: leave at the next commit point. A program that reads it has
+    /// commit points: from the first read on, SIGTERM is left to them (as
+    /// [`Group::leave_at_commit_points`]).
     #[getter]
     fn leaving(&self) -> bool {
+        self.sigterm.defer_to_commit_points();
         self.handle_sigterm && sigterm_received()
     }
 
     /// The caller leaves at its commit points when `leaving` turns true (`cohort.elastic`'s
-    /// states and `cohort.hsdp` call it): the group's collectives no longer raise
-    /// `GracefulLeave` on SIGTERM. Without it they do, at the next blocking call.
+    /// states and `cohort.hsdp` call it; reading `leaving` or reporting a commit does it too):
+    /// the group's collectives no longer raise `GracefulLeave` on SIGTERM. Without it they do,
+    /// at the next blocking call.
     fn leave_at_commit_points(&self) {
         self.sigterm.defer_to_commit_points();
     }
@@ -410,6 +414,8 @@ impl Group {
 
     /// Reports a commit point (in the background); returns whether a re-formation is pending.
     fn commit(&self, generation: u64, step: u64, digest: &[u8]) -> PyResult<bool> {
+        // A program that reports commits leaves at them on SIGTERM (it reads `leaving` there).
+        self.sigterm.defer_to_commit_points();
         self.with_idle(|g| g.commit(generation, step, digest))
     }
 

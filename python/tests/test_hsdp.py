@@ -226,3 +226,20 @@ def test_a_group_incomplete_in_the_cross_generation_waits_for_the_next(spawn, co
     # Replica 0 trained alone meanwhile; replica 1 started from replica 0's state, not from 0.
     assert events(group0[0], "step")[0]["replicas"] == "1"
     assert int(events(late, "step")[0]["step"]) > 1, late.output()
+
+
+def test_a_group_failed_near_the_end_stops_cleanly_when_the_others_finish_first(spawn, coordinator, tmp_path):
+    """A rank of replica 1 is killed one step before the end: replica 0 finishes the job before
+    replica 1 (its survivor and the spare) can come back, and replica 1's processes then end
+    cleanly (exit 0, a `leave` event saying why), not with "job hsdp.cross has ended" and exit
+    1, which a pod's restart policy would loop on."""
+    group0, (victim, survivor), spare = two_groups_and_a_spare(spawn, coordinator, tmp_path)
+    victim.wait_for_line(rf"^event=step .* step={STEPS - 1} ", timeout=180)
+    victim.kill()
+    done0 = [finished(w) for w in group0]
+    assert {d["step"] for d in done0} == {str(STEPS)}, done0
+    for w in (survivor, spare):
+        assert w.wait(timeout=180) == 0, w.output()
+        assert "has ended" not in "\n".join(line for line in w.output().splitlines() if "Error" in line), w.output()
+    leaves = [e for e in events(survivor, "leave") if e.get("reason") == "finished-without-this-group"]
+    assert leaves, survivor.output()
