@@ -78,7 +78,8 @@ pub struct Learning {
     /// is late; see [`crate::activity`]) before it fails with
     /// [`crate::Silence::Late`]. The no-progress ceiling does not apply to such a wait: a
     /// rank that writes a checkpoint for a minute is not cut. This bound catches a process
-    /// that never comes (an endless loop, a deadlock in user code).
+    /// that never comes (an endless loop, a deadlock in user code). Never shorter than the
+    /// no-progress ceiling: a shorter value counts as the ceiling.
     pub late_rank: Duration,
 }
 
