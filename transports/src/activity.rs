@@ -37,6 +37,8 @@ use std::time::Duration;
 /// Bytes of a board (one page).
 pub(crate) const BOARD_BYTES: usize = 4096;
 const MAGIC: u32 = u32::from_le_bytes(*b"CHAB");
+/// The magic of a board whose mesh was aborted or dropped: it says nothing any more.
+const CLOSED: u32 = u32::from_le_bytes(*b"CHAX");
 /// Channels a board tracks; a channel beyond them reads as unknown (a peer waiting on it
 /// treats this rank as late: never a false failure, only the later bound).
 const CHANNEL_SLOTS: usize = 32;
@@ -118,7 +120,9 @@ impl Activity {
             return b;
         }
         boards.retain(|_, b| b.strong_count() > 0);
-        let board = Arc::new(Self { job: job_digest(job), ..Self::new() });
+        let mut board = Self::new();
+        board.job = job_digest(job);
+        let board = Arc::new(board);
         boards.insert(key, Arc::downgrade(&board));
         board
     }
@@ -233,9 +237,16 @@ impl Activity {
         unsafe { &*self.base.add(AT_LATE_SINCE).cast::<AtomicU64>() }
     }
 
-    /// What a peer waiting for operation `seq` learns of this rank.
-    pub(crate) fn presence(&self, seq: u32) -> Presence {
+    /// What a peer waiting for operation `seq` learns of this rank (`None` once closed).
+    pub(crate) fn presence(&self, seq: u32) -> Option<Presence> {
         read_presence(self.base, seq)
+    }
+
+    /// The mesh was aborted (or is dropped): the board says nothing any more, so a peer that
+    /// still waits on this rank is judged as before boards existed (up to the ceiling), never
+    /// as late because of what a mesh that is gone last wrote.
+    pub(crate) fn close(&self) {
+        self.word(AT_MAGIC).store(CLOSED, Ordering::Release);
     }
 
     fn read_all(&self) -> (u32, u32) {
@@ -243,8 +254,9 @@ impl Activity {
     }
 }
 
-/// Reads a board (this process's or a mapped peer's) for a waiter on `seq`.
-fn read_presence(base: *mut u8, seq: u32) -> Presence {
+/// Reads a board (this process's or a mapped peer's) for a waiter on `seq`: `None` if it is
+/// closed (or not a board).
+fn read_presence(base: *mut u8, seq: u32) -> Option<Presence> {
     // SAFETY: base is a live board of BOARD_BYTES (an Activity's or a PeerBoard's mapping,
     // checked for its size when mapped); only atomics are read, so a peer writing anything
     // at all gives numbers, never undefined behaviour.
@@ -256,7 +268,7 @@ fn read_presence(base: *mut u8, seq: u32) -> Presence {
         )
     };
     if magic != MAGIC {
-        return Presence { entered: None, pending: 0, late_waits: 0 };
+        return None;
     }
     let channel = channel_of(seq);
     let entered = (0..CHANNEL_SLOTS)
@@ -264,7 +276,14 @@ fn read_presence(base: *mut u8, seq: u32) -> Presence {
         .map(|i| unsafe { slot(base, i) }.load(Ordering::Acquire))
         .find(|v| v & OCCUPIED != 0 && channel_of(*v as u32) == channel)
         .map(|v| v as u32);
-    Presence { entered, pending, late_waits }
+    Some(Presence { entered, pending, late_waits })
+}
+
+impl Drop for Activity {
+    fn drop(&mut self) {
+        // Shared-memory peers keep their mapping of the board after this process lets go.
+        self.close();
+    }
 }
 
 /// A transport call in progress ([`Activity::enter`]).
@@ -332,8 +351,8 @@ impl PeerBoard {
         Ok(Self { mapping: Mapping::open(fd, BOARD_BYTES)? })
     }
 
-    /// What the board says to a waiter on `seq`.
-    pub(crate) fn presence(&self, seq: u32) -> Presence {
+    /// What the board says to a waiter on `seq` (`None` once the peer's mesh closed it).
+    pub(crate) fn presence(&self, seq: u32) -> Option<Presence> {
         read_presence(self.mapping.base(), seq)
     }
 }
@@ -520,26 +539,29 @@ mod tests {
     #[test]
     fn a_rank_is_in_the_collective_only_while_it_has_entered_it_and_is_in_a_call() {
         let board = Activity::new();
-        assert_eq!(board.presence(5), Presence { entered: None, pending: 0, late_waits: 0 });
-        assert_eq!(locate(board.presence(5), 5), Whereabouts::Late(Lateness::NotEntered { last: None }));
+        assert_eq!(board.presence(5), Some(Presence { entered: None, pending: 0, late_waits: 0 }));
+        assert_eq!(locate(board.presence(5).unwrap(), 5), Whereabouts::Late(Lateness::NotEntered { last: None }));
         {
             let _call = board.enter(4);
             // Entered 4, waiting for 5: not there yet, even though it is in a call.
-            assert_eq!(locate(board.presence(5), 5), Whereabouts::Late(Lateness::NotEntered { last: Some(4) }));
+            assert_eq!(
+                locate(board.presence(5).unwrap(), 5),
+                Whereabouts::Late(Lateness::NotEntered { last: Some(4) })
+            );
         }
         let call = board.enter(5);
-        assert_eq!(locate(board.presence(5), 5), Whereabouts::InCollective);
+        assert_eq!(locate(board.presence(5).unwrap(), 5), Whereabouts::InCollective);
         // A later operation counts as in (the waiter is behind, not the peer).
-        assert_eq!(locate(board.presence(4), 4), Whereabouts::InCollective);
+        assert_eq!(locate(board.presence(4).unwrap(), 4), Whereabouts::InCollective);
         {
             let _late = board.late_wait(1);
-            assert_eq!(locate(board.presence(5), 5), Whereabouts::Late(Lateness::BehindLate));
+            assert_eq!(locate(board.presence(5).unwrap(), 5), Whereabouts::Late(Lateness::BehindLate));
         }
         drop(call);
-        assert_eq!(locate(board.presence(5), 5), Whereabouts::Late(Lateness::BetweenCalls));
+        assert_eq!(locate(board.presence(5).unwrap(), 5), Whereabouts::Late(Lateness::BetweenCalls));
         // An older seq never moves the entry back.
         drop(board.enter(3));
-        assert_eq!(board.presence(5).entered, Some(5));
+        assert_eq!(board.presence(5).unwrap().entered, Some(5));
     }
 
     #[test]
@@ -547,22 +569,26 @@ mod tests {
         let board = Activity::new();
         drop(board.enter(seq_on(0, 9)));
         drop(board.enter(seq_on(3, 2)));
-        assert_eq!(board.presence(seq_on(0, 10)).entered, Some(seq_on(0, 9)));
-        assert_eq!(board.presence(seq_on(3, 2)).entered, Some(seq_on(3, 2)));
-        assert_eq!(board.presence(seq_on(7, 0)).entered, None);
+        assert_eq!(board.presence(seq_on(0, 10)).unwrap().entered, Some(seq_on(0, 9)));
+        assert_eq!(board.presence(seq_on(3, 2)).unwrap().entered, Some(seq_on(3, 2)));
+        assert_eq!(board.presence(seq_on(7, 0)).unwrap().entered, None);
         // Wrapping within the sequence bits: the operation after the last number is newer.
         drop(board.enter(seq_on(4, crate::wire::SEQ_MASK)));
         drop(board.enter(seq_on(4, 0)));
-        assert_eq!(board.presence(seq_on(4, 0)).entered, Some(seq_on(4, 0)));
+        assert_eq!(board.presence(seq_on(4, 0)).unwrap().entered, Some(seq_on(4, 0)));
         drop(board.enter(seq_on(4, crate::wire::SEQ_MASK)));
-        assert_eq!(board.presence(seq_on(4, 0)).entered, Some(seq_on(4, 0)), "an older number never moves it back");
+        assert_eq!(
+            board.presence(seq_on(4, 0)).unwrap().entered,
+            Some(seq_on(4, 0)),
+            "an older number never moves it back"
+        );
         // More channels than slots: the extra ones read as unknown (late), never as in.
         for c in 10..10 + CHANNEL_SLOTS as u32 {
             drop(board.enter(seq_on(c, 1)));
         }
         let last = seq_on(10 + CHANNEL_SLOTS as u32 - 1, 1);
-        assert_eq!(board.presence(last).entered, None);
-        assert!(matches!(locate(board.presence(last), last), Whereabouts::Late(_)));
+        assert_eq!(board.presence(last).unwrap().entered, None);
+        assert!(matches!(locate(board.presence(last).unwrap(), last), Whereabouts::Late(_)));
     }
 
     #[test]
@@ -570,7 +596,13 @@ mod tests {
         let board = Activity::new();
         let peer = PeerBoard::open(board.fd().expect("memfd available")).unwrap();
         let _call = board.enter(seq_on(1, 7));
-        assert_eq!(peer.presence(seq_on(1, 7)), Presence { entered: Some(seq_on(1, 7)), pending: 1, late_waits: 0 });
+        assert_eq!(
+            peer.presence(seq_on(1, 7)),
+            Some(Presence { entered: Some(seq_on(1, 7)), pending: 1, late_waits: 0 })
+        );
+        // A board its mesh let go says nothing (the peer is no longer judged late by it).
+        board.close();
+        assert_eq!(peer.presence(seq_on(1, 7)), None);
     }
 
     #[test]

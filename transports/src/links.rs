@@ -571,6 +571,10 @@ impl<L: Link> Links<L> {
     /// [`crate::Transport::abort`]: trips the latch and shuts every link down (unless they
     /// are kept open for the next generation, [`Links::keep_open_on_abort`]).
     pub(crate) fn abort(&self, reason: AbortReason) {
+        // The generation is over for this rank: its board no longer says where it is.
+        if let Some(l) = self.links.iter().find_map(OnceLock::get) {
+            l.core().progress.activity().close();
+        }
         if self.abort.trip(&reason) {
             let _enter = self.span.enter();
             tracing::debug!(%reason, keep_open = self.keep_open, "transport over {} aborted", self.over);

@@ -133,8 +133,7 @@ fn status_answer(req: &[u8]) -> [u8; STATUS_LEN] {
     out[..4].copy_from_slice(STATUS_ANSWER);
     out[4..12].copy_from_slice(&req[4..12]);
     let mut flags = 0;
-    if let Some(board) = Activity::lookup(job, generation, rank) {
-        let p = board.presence(seq);
+    if let Some(p) = Activity::lookup(job, generation, rank).and_then(|board| board.presence(seq)) {
         flags |= HAS_BOARD;
         if let Some(e) = p.entered {
             flags |= HAS_ENTERED;

@@ -313,7 +313,7 @@ impl ShmLink {
                     // Running: inside the operation (the ceiling bounds it), or late to it
                     // (the late-rank bound does); another window either way.
                     let cpu = match answer { liveness::Answer::Alive(Some(st)) => st.cpu, _ => None };
-                    match self.peer_board.as_ref().map(|b| activity::locate(b.presence(seq), seq)) {
+                    match self.peer_board.as_ref().and_then(|b| b.presence(seq)).map(|p| activity::locate(p, seq)) {
                         Some(Whereabouts::Late(lateness)) => {
                             let now_std = now.into_std();
                             if let Some(line) = late.late(now_std, started.into_std(), lateness, cpu) {
