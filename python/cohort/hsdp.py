@@ -199,7 +199,7 @@ class Trainer:
             try:
                 self._replica_group.leave(finished=False)
             except CohortError:
-                pass
+                pass  # best effort: the leave raised below is what the caller acts on
             raise
 
     def _run(self, step_fn: StepFn, batch: Callable[[int], Any], steps: int) -> bool:
