@@ -17,7 +17,10 @@
 //!   outside any collective, has none);
 //! - how many of its own waits currently wait on a peer judged late (so a rank blocked
 //!   behind a late rank passes the lateness on: in a ring every rank behind the late one
-//!   waits, and none of them is to blame).
+//!   waits, and none of them is to blame), and the rank at the root of that chain (the one
+//!   that is itself late). A waiter that finds itself named as the root is in a cycle of
+//!   waits, not behind a late rank: [`locate`] then says "in the collective", so a deadlock
+//!   inside the collective still meets the ceiling instead of holding itself up as "late".
 //!
 //! The board lives in a sealed memory file: shared-memory peers map it (handed over with
 //! the pair's segment) and read it without a system call; TCP peers ask for it with the
@@ -46,8 +49,8 @@ const CHANNEL_SLOTS: usize = 32;
 const AT_MAGIC: usize = 0;
 const AT_PENDING: usize = 4;
 const AT_LATE_WAITS: usize = 8;
-/// The peer the newest wait on a late peer waits on, plus one (0: none).
-const AT_LATE_PEER: usize = 12;
+/// The late rank at the root of the newest wait on a late peer, plus one (0: none).
+const AT_LATE_ROOT: usize = 12;
 const AT_CHANNELS: usize = 16;
 /// When that wait found its peer late, in ms of [`epoch`] (u64, after the channel slots).
 const AT_LATE_SINCE: usize = AT_CHANNELS + 8 * CHANNEL_SLOTS;
@@ -69,6 +72,8 @@ pub struct Activity {
     claim: Mutex<()>,
     /// [`job_digest`] of the mesh's job (0 for an unregistered board).
     job: u64,
+    /// The rank whose board this is (`Rank::MAX` for an unregistered board).
+    rank: Rank,
 }
 
 // SAFETY: the board is plain memory accessed only through atomics (see `word`/`slot`); the
@@ -122,6 +127,7 @@ impl Activity {
         boards.retain(|_, b| b.strong_count() > 0);
         let mut board = Self::new();
         board.job = job_digest(job);
+        board.rank = rank;
         let board = Arc::new(board);
         boards.insert(key, Arc::downgrade(&board));
         board
@@ -151,7 +157,7 @@ impl Activity {
                 (Backing::Heap(words), base)
             }
         };
-        let board = Self { backing, base, claim: Mutex::new(()), job: 0 };
+        let board = Self { backing, base, claim: Mutex::new(()), job: 0, rank: Rank::MAX };
         board.word(AT_MAGIC).store(MAGIC, Ordering::Release);
         board
     }
@@ -160,6 +166,11 @@ impl Activity {
     /// carries.
     pub(crate) fn job(&self) -> u64 {
         self.job
+    }
+
+    /// The rank whose board this is (what [`locate`] needs to tell a cycle of waits).
+    pub(crate) fn rank(&self) -> Rank {
+        self.rank
     }
 
     /// The memory file to hand a shared-memory peer, if the board has one.
@@ -222,14 +233,14 @@ impl Activity {
         }
     }
 
-    /// One of this rank's waits waits on `peer`, judged late, until the guard drops (shown
-    /// by [`waiting_on_late`]).
-    pub(crate) fn late_wait(&self, peer: Rank) -> LateWait<'_> {
+    /// One of this rank's waits waits on a peer judged late, behind late rank `root` (the
+    /// peer itself, or the root its own board names), until the guard drops (shown by
+    /// [`waiting_on_late`]).
+    pub(crate) fn late_wait(&self, root: Rank) -> LateWait<'_> {
         self.word(AT_LATE_WAITS).fetch_add(1, Ordering::Relaxed);
-        if self.word(AT_LATE_PEER).swap(peer.saturating_add(1), Ordering::Relaxed) != peer.saturating_add(1) {
-            self.since().store(epoch().elapsed().as_millis() as u64, Ordering::Relaxed);
-        }
-        LateWait(self)
+        let wait = LateWait(self);
+        wait.behind(root);
+        wait
     }
 
     fn since(&self) -> &AtomicU64 {
@@ -260,11 +271,12 @@ fn read_presence(base: *mut u8, seq: u32) -> Option<Presence> {
     // SAFETY: base is a live board of BOARD_BYTES (an Activity's or a PeerBoard's mapping,
     // checked for its size when mapped); only atomics are read, so a peer writing anything
     // at all gives numbers, never undefined behaviour.
-    let (magic, pending, late_waits) = unsafe {
+    let (magic, pending, late_waits, late_root) = unsafe {
         (
             word(base, AT_MAGIC).load(Ordering::Acquire),
             word(base, AT_PENDING).load(Ordering::Relaxed),
             word(base, AT_LATE_WAITS).load(Ordering::Relaxed),
+            word(base, AT_LATE_ROOT).load(Ordering::Relaxed),
         )
     };
     if magic != MAGIC {
@@ -276,7 +288,8 @@ fn read_presence(base: *mut u8, seq: u32) -> Option<Presence> {
         .map(|i| unsafe { slot(base, i) }.load(Ordering::Acquire))
         .find(|v| v & OCCUPIED != 0 && channel_of(*v as u32) == channel)
         .map(|v| v as u32);
-    Some(Presence { entered, pending, late_waits })
+    let late_root = if late_waits > 0 { late_root.checked_sub(1) } else { None };
+    Some(Presence { entered, pending, late_waits, late_root })
 }
 
 impl Drop for Activity {
@@ -298,10 +311,21 @@ impl Drop for InCall<'_> {
 /// A wait on a late peer ([`Activity::late_wait`]).
 pub(crate) struct LateWait<'a>(&'a Activity);
 
+impl LateWait<'_> {
+    /// The wait is now behind late rank `root` (a chain's root can move as its ranks look
+    /// again); the board's "since" restarts when the root changes.
+    pub(crate) fn behind(&self, root: Rank) {
+        let word = root.saturating_add(1);
+        if self.0.word(AT_LATE_ROOT).swap(word, Ordering::Relaxed) != word {
+            self.0.since().store(epoch().elapsed().as_millis() as u64, Ordering::Relaxed);
+        }
+    }
+}
+
 impl Drop for LateWait<'_> {
     fn drop(&mut self) {
         if self.0.word(AT_LATE_WAITS).fetch_sub(1, Ordering::Relaxed) == 1 {
-            self.0.word(AT_LATE_PEER).store(0, Ordering::Relaxed);
+            self.0.word(AT_LATE_ROOT).store(0, Ordering::Relaxed);
         }
     }
 }
@@ -314,7 +338,8 @@ fn epoch() -> std::time::Instant {
 /// A rank of this process waits on a late peer ([`waiting_on_late`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LateNotice {
-    /// The late peer (the newest one judged late).
+    /// The late rank at the root of the newest wait on a late peer (the one everybody
+    /// waits for, not the neighbour in between).
     pub peer: Rank,
     /// For how long it has been judged late.
     pub for_: Duration,
@@ -334,7 +359,7 @@ pub fn waiting_on_late(job: &str, generation: u64) -> Option<LateNotice> {
         reg.iter().filter(|((j, g, _), _)| &**j == job && *g == generation).filter_map(|(_, b)| b.upgrade()).collect()
     };
     boards.iter().find_map(|b| {
-        let peer = b.word(AT_LATE_PEER).load(Ordering::Relaxed).checked_sub(1)?;
+        let peer = b.word(AT_LATE_ROOT).load(Ordering::Relaxed).checked_sub(1)?;
         let since = Duration::from_millis(b.since().load(Ordering::Relaxed));
         Some(LateNotice { peer, for_: epoch().elapsed().saturating_sub(since) })
     })
@@ -372,6 +397,9 @@ pub struct Presence {
     pub pending: u32,
     /// The peer's own waits that wait on a late peer.
     pub late_waits: u32,
+    /// The late rank at the root of the peer's newest such wait (`None`: no such wait, or a
+    /// peer too old to say).
+    pub late_root: Option<Rank>,
 }
 
 /// Where a running peer is, for a waiter on one operation ([`locate`]).
@@ -382,6 +410,16 @@ pub enum Whereabouts {
     InCollective,
     /// Late: the waiter keeps waiting, up to the late-rank bound.
     Late(Lateness),
+}
+
+/// The late rank a waiter on `peer` is behind, once [`locate`] judged `peer` late: `peer`
+/// itself, or, when it waits behind a late rank, the root its board names (itself if the
+/// board is too old to say).
+pub fn late_root(peer: Rank, lateness: Lateness, p: Presence) -> Rank {
+    match lateness {
+        Lateness::BehindLate => p.late_root.unwrap_or(peer),
+        _ => peer,
+    }
 }
 
 /// Why a running peer counts as late.
@@ -400,13 +438,16 @@ pub enum Lateness {
     BehindLate,
 }
 
-/// Judges what a peer's board says to a waiter on operation `seq` (pure).
-pub fn locate(p: Presence, seq: u32) -> Whereabouts {
+/// Judges what a peer's board says to waiter `me` on operation `seq` (pure).
+///
+/// A peer blocked behind a late rank whose chain ends at `me` is in a cycle of waits (`me`
+/// is inside the collective, waiting): no late rank holds it up, so it counts as inside.
+pub fn locate(p: Presence, seq: u32, me: Rank) -> Whereabouts {
     match p.entered {
         Some(e) if !seq_older(e, seq) => {
             if p.pending == 0 {
                 Whereabouts::Late(Lateness::BetweenCalls)
-            } else if p.late_waits > 0 {
+            } else if p.late_waits > 0 && p.late_root != Some(me) {
                 Whereabouts::Late(Lateness::BehindLate)
             } else {
                 Whereabouts::InCollective
@@ -539,29 +580,61 @@ mod tests {
     #[test]
     fn a_rank_is_in_the_collective_only_while_it_has_entered_it_and_is_in_a_call() {
         let board = Activity::new();
-        assert_eq!(board.presence(5), Some(Presence { entered: None, pending: 0, late_waits: 0 }));
-        assert_eq!(locate(board.presence(5).unwrap(), 5), Whereabouts::Late(Lateness::NotEntered { last: None }));
+        assert_eq!(board.presence(5), Some(Presence { entered: None, pending: 0, late_waits: 0, late_root: None }));
+        assert_eq!(locate(board.presence(5).unwrap(), 5, 0), Whereabouts::Late(Lateness::NotEntered { last: None }));
         {
             let _call = board.enter(4);
             // Entered 4, waiting for 5: not there yet, even though it is in a call.
             assert_eq!(
-                locate(board.presence(5).unwrap(), 5),
+                locate(board.presence(5).unwrap(), 5, 0),
                 Whereabouts::Late(Lateness::NotEntered { last: Some(4) })
             );
         }
         let call = board.enter(5);
-        assert_eq!(locate(board.presence(5).unwrap(), 5), Whereabouts::InCollective);
+        assert_eq!(locate(board.presence(5).unwrap(), 5, 0), Whereabouts::InCollective);
         // A later operation counts as in (the waiter is behind, not the peer).
-        assert_eq!(locate(board.presence(4).unwrap(), 4), Whereabouts::InCollective);
+        assert_eq!(locate(board.presence(4).unwrap(), 4, 0), Whereabouts::InCollective);
         {
-            let _late = board.late_wait(1);
-            assert_eq!(locate(board.presence(5).unwrap(), 5), Whereabouts::Late(Lateness::BehindLate));
+            let _late = board.late_wait(2);
+            assert_eq!(board.presence(5).unwrap().late_root, Some(2));
+            assert_eq!(locate(board.presence(5).unwrap(), 5, 0), Whereabouts::Late(Lateness::BehindLate));
+            // The waiter the chain ends at is in a cycle of waits, not behind a late rank.
+            assert_eq!(locate(board.presence(5).unwrap(), 5, 2), Whereabouts::InCollective);
         }
+        assert_eq!(board.presence(5).unwrap().late_root, None, "gone with the wait");
         drop(call);
-        assert_eq!(locate(board.presence(5).unwrap(), 5), Whereabouts::Late(Lateness::BetweenCalls));
+        assert_eq!(locate(board.presence(5).unwrap(), 5, 0), Whereabouts::Late(Lateness::BetweenCalls));
         // An older seq never moves the entry back.
         drop(board.enter(3));
         assert_eq!(board.presence(5).unwrap().entered, Some(5));
+    }
+
+    /// Two ranks inside one operation, each waiting on the other, where each once saw the
+    /// other as late (it had not entered yet): the lateness each board passes on must not
+    /// hold the pair up for the late-rank bound. The root each names is the other, so each
+    /// finds itself at the root of the other's chain and judges it inside the collective.
+    #[test]
+    fn a_cycle_of_waits_is_no_late_rank() {
+        let a = Activity::new();
+        let _in_a = a.enter(5);
+        // Rank 0 (board a) judged rank 1 late before rank 1 entered; now rank 1 waits on
+        // rank 0 and reads its board.
+        let wait_a = a.late_wait(1);
+        let p_a = a.presence(5).unwrap();
+        assert_eq!(locate(p_a, 5, 1), Whereabouts::InCollective, "rank 1 is the root of rank 0's chain: a cycle");
+        assert_eq!(locate(p_a, 5, 2), Whereabouts::Late(Lateness::BehindLate), "a third rank is behind rank 1");
+        // Once rank 0's own wait is gone (it saw rank 1 enter), nothing is passed on.
+        drop(wait_a);
+        assert_eq!(locate(a.presence(5).unwrap(), 5, 1), Whereabouts::InCollective);
+        // A chain through a third rank: rank 2 behind late rank 7 passes 7 on.
+        let c = Activity::new();
+        let _in_c = c.enter(5);
+        let _wait_c = c.late_wait(7);
+        let p_c = c.presence(5).unwrap();
+        assert_eq!(locate(p_c, 5, 0), Whereabouts::Late(Lateness::BehindLate));
+        assert_eq!(late_root(2, Lateness::BehindLate, p_c), 7);
+        assert_eq!(locate(p_c, 5, 7), Whereabouts::InCollective, "rank 7 waits inside, so nobody is late");
+        assert_eq!(late_root(2, Lateness::NotEntered { last: None }, p_c), 2);
     }
 
     #[test]
@@ -588,7 +661,7 @@ mod tests {
         }
         let last = seq_on(10 + CHANNEL_SLOTS as u32 - 1, 1);
         assert_eq!(board.presence(last).unwrap().entered, None);
-        assert!(matches!(locate(board.presence(last).unwrap(), last), Whereabouts::Late(_)));
+        assert!(matches!(locate(board.presence(last).unwrap(), last, 0), Whereabouts::Late(_)));
     }
 
     #[test]
@@ -598,7 +671,7 @@ mod tests {
         let _call = board.enter(seq_on(1, 7));
         assert_eq!(
             peer.presence(seq_on(1, 7)),
-            Some(Presence { entered: Some(seq_on(1, 7)), pending: 1, late_waits: 0 })
+            Some(Presence { entered: Some(seq_on(1, 7)), pending: 1, late_waits: 0, late_root: None })
         );
         // A board its mesh let go says nothing (the peer is no longer judged late by it).
         board.close();

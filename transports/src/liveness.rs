@@ -38,7 +38,8 @@ const LEN: usize = 16;
 /// (magic, nonce, job digest, generation, rank, seq, zero padding).
 const STATUS_REQUEST: &[u8; 4] = b"CHLS";
 /// Its answer (magic, nonce, flags, entered seq, calls in progress, late waits, process
-/// CPU time in ms, zero): exactly as long as the request, so it amplifies nothing.
+/// CPU time in ms, the root of its late waits plus one or zero): exactly as long as the
+/// request, so it amplifies nothing.
 const STATUS_ANSWER: &[u8; 4] = b"CHLB";
 const STATUS_LEN: usize = 40;
 /// Flag bits of a status answer.
@@ -141,6 +142,8 @@ fn status_answer(req: &[u8]) -> [u8; STATUS_LEN] {
         }
         out[20..24].copy_from_slice(&p.pending.to_le_bytes());
         out[24..28].copy_from_slice(&p.late_waits.to_le_bytes());
+        let root = p.late_root.map_or(0, |r| r.saturating_add(1));
+        out[36..40].copy_from_slice(&root.to_le_bytes());
     }
     out[12..16].copy_from_slice(&flags.to_le_bytes());
     let cpu_ms = own_cpu_time().map_or(u64::MAX, |c| c.as_millis() as u64);
@@ -195,6 +198,8 @@ fn decode_status(b: &[u8]) -> Status {
         entered: (flags & HAS_ENTERED != 0).then(|| crate::wire::u32_at(b, 16)),
         pending: crate::wire::u32_at(b, 20),
         late_waits: crate::wire::u32_at(b, 24),
+        // Zero from a peer that predates roots: no root named.
+        late_root: crate::wire::u32_at(b, 36).checked_sub(1),
     });
     let cpu = match u64_at(b, 28) {
         u64::MAX => None,
@@ -490,11 +495,20 @@ mod tests {
         let board = Activity::for_mesh("liveness-status-test", 7, 2);
         let q = Query { job: crate::activity::job_digest("liveness-status-test"), generation: 7, rank: 2, seq: 12 };
         let Answer::Alive(Some(st)) = probe(addr, Duration::from_secs(2), q).await else { panic!("no answer") };
-        assert_eq!(st.presence, Some(Presence { entered: None, pending: 0, late_waits: 0 }));
+        assert_eq!(st.presence, Some(Presence { entered: None, pending: 0, late_waits: 0, late_root: None }));
         assert!(st.cpu.is_some(), "the CPU time comes with the answer");
         let _call = board.enter(12);
         let Answer::Alive(Some(st)) = probe(addr, Duration::from_secs(2), q).await else { panic!("no answer") };
-        assert_eq!(st.presence, Some(Presence { entered: Some(12), pending: 1, late_waits: 0 }));
+        assert_eq!(st.presence, Some(Presence { entered: Some(12), pending: 1, late_waits: 0, late_root: None }));
+        {
+            // Waiting behind late rank 5: the root travels with the answer.
+            let _late = board.late_wait(5);
+            let Answer::Alive(Some(st)) = probe(addr, Duration::from_secs(2), q).await else { panic!("no answer") };
+            assert_eq!(
+                st.presence,
+                Some(Presence { entered: Some(12), pending: 1, late_waits: 1, late_root: Some(5) })
+            );
+        }
         // Another mesh (rank) of the same job: not here.
         let other = Query { rank: 3, ..q };
         let Answer::Alive(Some(st)) = probe(addr, Duration::from_secs(2), other).await else { panic!("no answer") };

@@ -13,7 +13,7 @@ use cohort_transports::{Deadlines, Learning, Silence, Tag, Transport, TransportE
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
-use tcp_support::{endpoints, mesh_on, TEST_LIMIT};
+use tcp_support::{endpoints, join_all, spec, TEST_LIMIT, TOKEN};
 use tokio::time::{timeout, Instant};
 
 const FLOOR: Duration = Duration::from_millis(100);
@@ -29,8 +29,16 @@ fn learned(late_rank: Duration) -> Deadlines {
 
 /// A TCP mesh of `n` for job `job`, every link's responder heard (so stalls are probed).
 async fn tcp(job: &str, n: usize, d: Deadlines) -> (Vec<cohort_transports::tcp::TcpEndpoint>, Vec<Arc<TcpTransport>>) {
+    tcp_each(job, &vec![d; n]).await
+}
+
+/// As [`tcp`], rank `r` with deadlines `ds[r]`.
+async fn tcp_each(job: &str, ds: &[Deadlines]) -> (Vec<cohort_transports::tcp::TcpEndpoint>, Vec<Arc<TcpTransport>>) {
+    let n = ds.len();
     let eps = endpoints(n).await;
-    let ts = mesh_on(&eps, job, 1, d).await;
+    let addrs: Vec<_> = eps.iter().map(|e| e.local_addr()).collect();
+    let futs = eps.iter().enumerate().map(|(r, ep)| ep.connect_mesh(spec(job, 1, r as u32, &addrs, TOKEN, ds[r])));
+    let ts: Vec<_> = join_all(futs).await.into_iter().map(|t| Arc::new(t.expect("mesh"))).collect();
     let until = Instant::now() + Duration::from_secs(10);
     for (r, t) in ts.iter().enumerate() {
         for p in (0..n as u32).filter(|&p| p != r as u32) {
@@ -44,6 +52,12 @@ async fn tcp(job: &str, n: usize, d: Deadlines) -> (Vec<cohort_transports::tcp::
 }
 
 async fn shm(job: &str, n: u32, d: Deadlines) -> Vec<Arc<ShmTransport>> {
+    shm_each(job, &vec![d; n as usize]).await
+}
+
+/// As [`shm`], rank `r` with deadlines `ds[r]`.
+async fn shm_each(job: &str, ds: &[Deadlines]) -> Vec<Arc<ShmTransport>> {
+    let n = ds.len() as u32;
     let options = ShmOptions { slots: 4, slot_bytes: 4096, ..ShmOptions::default() };
     let eps: Vec<ShmEndpoint> = (0..n).map(|_| ShmEndpoint::new(options.clone()).expect("endpoint")).collect();
     let peers: Vec<_> = eps.iter().map(|e| Some(e.address().clone())).collect();
@@ -57,7 +71,7 @@ async fn shm(job: &str, n: u32, d: Deadlines) -> Vec<Arc<ShmTransport>> {
                 rank: r as u32,
                 peers: peers.clone(),
                 token: b"tok".to_vec(),
-                deadlines: d,
+                deadlines: ds[r],
             };
             tokio::spawn(async move { e.connect_mesh(spec).await })
         })
@@ -180,6 +194,67 @@ async fn tcp_a_peer_inside_the_collective_still_fails_at_the_ceiling() {
 async fn shm_a_peer_inside_the_collective_still_fails_at_the_ceiling() {
     timeout(TEST_LIMIT, async {
         inside_the_collective_the_ceiling_holds(shm("late-shm-inside", 2, learned(Duration::from_secs(600))).await)
+            .await;
+    })
+    .await
+    .expect("bounded");
+}
+
+/// Rank 1 is late to operation 2 (it has not entered), so rank 0 waits behind it; then rank
+/// 1 enters and itself waits on rank 0: a deadlock inside the collective. Rank 0's board
+/// still says it waits behind late rank 1 when rank 1 first looks (rank 1 looks often, rank
+/// 0 seldom), but rank 1 is that root, so it must not take rank 0 for "behind a late rank":
+/// otherwise each holds the other up as late until the late-rank bound (ten minutes here).
+/// Both fail at the ceiling instead (the one that fails second may see the link close).
+async fn a_cycle_of_waits_meets_the_ceiling<T: Transport + 'static>(job: &str, ts: Vec<Arc<T>>) {
+    let t0 = Arc::clone(&ts[0]);
+    let started = Instant::now();
+    let first = tokio::spawn(async move {
+        let mut b = [0u8; 8];
+        t0.recv(1, Tag::new(2, 0, 0), &mut b).await
+    });
+    let until = Instant::now() + Duration::from_secs(30);
+    while cohort_transports::activity::waiting_on_late(job, 1).is_none() {
+        assert!(Instant::now() < until, "rank 0 never judged rank 1 late");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let mut buf = [0u8; 8];
+    let e1 = ts[1].recv(0, Tag::new(2, 0, 0), &mut buf).await.unwrap_err();
+    let e0 = first.await.unwrap().unwrap_err();
+    let waited = started.elapsed();
+    let at_ceiling = |e: &TransportError| matches!(e, TransportError::Timeout { silence: Silence::Unprobed, .. });
+    for (r, e) in [(0, &e0), (1, &e1)] {
+        assert!(at_ceiling(e) || matches!(e, TransportError::PeerClosed { .. }), "rank {r}: {e:?}");
+    }
+    assert!(at_ceiling(&e0) || at_ceiling(&e1), "nobody met the ceiling: {e0:?} / {e1:?}");
+    assert!(waited < Duration::from_secs(60), "a cycle of waits held itself up as late: {waited:?}");
+}
+
+/// Rank 0 looks at rank 1 every second, rank 1 at rank 0 every tenth of one (learned
+/// deadlines at their floors); both with a 3 s ceiling and a 10 min late-rank bound.
+fn cycle_deadlines() -> Vec<Deadlines> {
+    let with_floor = |floor| Deadlines {
+        no_progress: Duration::from_secs(3),
+        connect: Duration::from_secs(10),
+        learning: Some(Learning { floor, late_rank: Duration::from_secs(600) }),
+    };
+    vec![with_floor(Duration::from_secs(1)), with_floor(FLOOR)]
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tcp_a_cycle_of_waits_is_no_late_rank() {
+    timeout(TEST_LIMIT, async {
+        let (_eps, ts) = tcp_each("late-tcp-cycle", &cycle_deadlines()).await;
+        a_cycle_of_waits_meets_the_ceiling("late-tcp-cycle", ts).await;
+    })
+    .await
+    .expect("bounded");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shm_a_cycle_of_waits_is_no_late_rank() {
+    timeout(TEST_LIMIT, async {
+        a_cycle_of_waits_meets_the_ceiling("late-shm-cycle", shm_each("late-shm-cycle", &cycle_deadlines()).await)
             .await;
     })
     .await

@@ -234,7 +234,7 @@ impl ShmLink {
         // Whether the peer is late to `seq` (then the late-rank bound replaces the ceiling),
         // and the count of this rank's waits on late peers, which its own board shows.
         let mut late = LateTrack::default();
-        let mut late_wait = None;
+        let mut late_wait: Option<activity::LateWait<'_>> = None;
         loop {
             let bound = if late.is_late() { started + self.core.progress.late_bound() } else { ceiling };
             let due = (alive_at.unwrap_or(started) + self.core.progress.in_force().value).min(bound);
@@ -313,17 +313,20 @@ impl ShmLink {
                     // Running: inside the operation (the ceiling bounds it), or late to it
                     // (the late-rank bound does); another window either way.
                     let cpu = match answer { liveness::Answer::Alive(Some(st)) => st.cpu, _ => None };
-                    match self.peer_board.as_ref().and_then(|b| b.presence(seq)).map(|p| activity::locate(p, seq)) {
-                        Some(Whereabouts::Late(lateness)) => {
+                    let me = self.core.progress.activity().rank();
+                    match self.peer_board.as_ref().and_then(|b| b.presence(seq)).map(|p| (p, activity::locate(p, seq, me))) {
+                        Some((p, Whereabouts::Late(lateness))) => {
                             let now_std = now.into_std();
                             if let Some(line) = late.late(now_std, started.into_std(), lateness, cpu) {
                                 self.core.span.in_scope(|| tracing::info!(peer = self.core.peer(), "waiting on rank {}: {line}", self.core.peer()));
                             }
-                            if late_wait.is_none() {
-                                late_wait = Some(self.core.progress.activity().late_wait(self.core.peer()));
+                            let root = activity::late_root(self.core.peer(), lateness, p);
+                            match &late_wait {
+                                Some(w) => w.behind(root),
+                                None => late_wait = Some(self.core.progress.activity().late_wait(root)),
                             }
                         }
-                        Some(Whereabouts::InCollective) | None => {
+                        Some((_, Whereabouts::InCollective)) | None => {
                             late.clear();
                             late_wait = None;
                         }

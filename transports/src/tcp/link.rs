@@ -228,7 +228,7 @@ impl<'a> Watchdog<'a> {
                     // failure to probe): another window, then ask again.
                     match answer {
                         liveness::Answer::Alive(Some(liveness::Status { presence: Some(p), cpu })) => {
-                            match activity::locate(p, self.seq) {
+                            match activity::locate(p, self.seq, board.rank()) {
                                 Whereabouts::Late(lateness) => {
                                     if let Some(line) =
                                         self.late.late(now.into_std(), self.last.into_std(), lateness, cpu)
@@ -239,8 +239,10 @@ impl<'a> Watchdog<'a> {
                                             .span
                                             .in_scope(|| tracing::info!(peer, "waiting on rank {peer}: {line}"));
                                     }
-                                    if self.late_wait.is_none() {
-                                        self.late_wait = Some(board.late_wait(link.core.peer()));
+                                    let root = activity::late_root(link.core.peer(), lateness, p);
+                                    match &self.late_wait {
+                                        Some(w) => w.behind(root),
+                                        None => self.late_wait = Some(board.late_wait(root)),
                                     }
                                 }
                                 Whereabouts::InCollective => {
