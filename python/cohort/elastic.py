@@ -118,10 +118,11 @@ class State:
         ``step`` defaults to the next commit number (the last one plus one).
         Raises :class:`MembershipChanged` (after committing) when the members agreed to
         re-form, :class:`GracefulLeave` on the rank that got SIGTERM (after leaving the job),
-        a :class:`CollectiveError` if a peer failed during the agreement (this rank's
-        checkpoint is then rolled back to the last agreed commit), and
+        a :class:`CollectiveError` if a peer failed during the agreement, and
         :class:`DivergedError` on every rank if the members committed different steps or
-        different state.
+        different state. In both cases the commit was not agreed and is not kept: this rank's
+        checkpoint is rolled back to the last agreed commit (as the Rust ``Checkpoint::agree``
+        does).
         """
         comm = self._comm()
         if step is None:
@@ -139,6 +140,8 @@ class State:
             # Not agreed, so not a commit: a step whose collective failed may have reached the
             # optimizer with a partial result, and restore() must not load it. Members that
             # did agree keep it, and the next sync hands it to the others (newest wins).
+            # Checkpoint.agree has rolled back already when it raised; this also covers a
+            # failure before it.
             if previous is None:
                 self.checkpoint = Checkpoint()
             else:

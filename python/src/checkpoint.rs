@@ -105,10 +105,13 @@ impl Checkpoint {
 
     /// A commit point's agreement (the crate's `Checkpoint::agree`): returns `flags` max-reduced
     /// over the members; raises `DivergedError` on every rank when the members' commits differ.
+    /// When it raises, the commit was not agreed and the checkpoint holds the last agreed one
+    /// again (the crate rolls it back).
     fn agree<'py>(&self, py: Python<'py>, comm: &Communicator, flags: Vec<u8>) -> PyResult<Bound<'py, PyBytes>> {
         let core = comm.core.clone();
         let mut rust_comm = core.lend(py)?;
-        let checkpoint = self.inner().clone();
+        // The checkpoint is moved into the agreement and back: it rolls back if that fails.
+        let mut checkpoint = std::mem::take(&mut *self.inner());
         let result = wait(py, async {
             let mut flags = flags;
             match checkpoint.agree(&mut rust_comm, &mut flags).await {
@@ -118,6 +121,7 @@ impl Checkpoint {
             }
         });
         core.give_back(rust_comm);
+        *self.inner() = checkpoint;
         let flags = result?.map_err(|f| to_pyerr(py, f))?;
         Ok(PyBytes::new(py, &flags))
     }

@@ -206,6 +206,7 @@ def test_members_claiming_one_commit_with_different_state_raise_diverged(coordin
         assert w.wait(timeout=60) == 0, w.output()
         c = events(w, "commit_diverged")[0]
         assert "commit of step 5" in c["message"] and "different state" in c["message"], c
+        assert c["step"] is None, c  # rolled back: nothing was agreed before it
         d = events(w, "diverged")[0]
         assert "committed step 5" in d["message"] and d["step"] == 5, d  # nothing overwritten
         assert events(w, "synced")[0] == {"event": "synced", "worker": d["worker"], "snapshot": "agreed", "step": 6}

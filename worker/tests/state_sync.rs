@@ -128,7 +128,7 @@ async fn agree_all(checkpoints: Vec<Checkpoint>, flags: Vec<[u8; 2]>) -> Vec<Res
     let tasks: Vec<_> = comms
         .into_iter()
         .zip(checkpoints.into_iter().zip(flags))
-        .map(|(mut comm, (cp, mut flags))| {
+        .map(|(mut comm, (mut cp, mut flags))| {
             tokio::spawn(async move { cp.agree(&mut comm, &mut flags).await.map(|()| flags) })
         })
         .collect();
@@ -185,4 +185,42 @@ async fn a_member_committing_another_step_fails_every_rank_at_that_commit() {
             other => panic!("rank {rank}: {other:?}"),
         }
     }
+}
+
+/// A commit whose agreement fails is not committed: the checkpoint rolls back to the last
+/// agreed commit, which is what a restore loads and what the next sync claims. Two ranks
+/// agree on step 1, commit step 2, and rank 1 crashes before the agreement of step 2.
+#[tokio::test]
+async fn a_commit_whose_agreement_fails_is_rolled_back_to_the_last_agreed() {
+    let deadlines = Deadlines { no_progress: Duration::from_secs(5), connect: Duration::from_secs(5), learning: None };
+    let (net, ts) = SimNetwork::new(2, 11, deadlines);
+    let mut comms: Vec<_> = ts.into_iter().map(|t| Communicator::new(Arc::new(t), CommConfig::default())).collect();
+    let mut checkpoints = [Checkpoint::new(), Checkpoint::new()];
+    for cp in &mut checkpoints {
+        cp.commit(&b"step-1".to_vec(), 1);
+        assert!(cp.is_tentative(), "a commit is tentative until agreed");
+    }
+    let agreed = futures::future::join_all(
+        comms.iter_mut().zip(checkpoints.iter_mut()).map(|(comm, cp)| async move { cp.agree(comm, &mut [0u8]).await }),
+    );
+    for r in tokio::time::timeout(LIMIT, agreed).await.expect("agree bounded") {
+        r.expect("step 1 agreed");
+    }
+    assert!(checkpoints.iter().all(|cp| !cp.is_tentative() && cp.step() == Some(1)));
+    let agreed_digest = checkpoints[0].digest();
+
+    let cp = &mut checkpoints[0];
+    cp.commit(&b"step-2".to_vec(), 2);
+    assert_eq!(cp.step(), Some(2));
+    net.crash(1);
+    let mut flags = [1u8];
+    let failed = tokio::time::timeout(LIMIT, cp.agree(&mut comms[0], &mut flags)).await.expect("agree bounded");
+    assert!(matches!(failed, Err(CommitError::Comm(_))), "{failed:?}");
+    assert_eq!(cp.step(), Some(1), "the commit of step 2 was not agreed, so it is not kept");
+    assert_eq!(cp.digest(), agreed_digest);
+    assert!(!cp.is_tentative());
+    assert_eq!(flags, [1], "flags are left as they were");
+    let mut state = b"garbage".to_vec();
+    cp.restore(&mut state).expect("restore");
+    assert_eq!(state, b"step-1", "a restore loads the last agreed commit");
 }

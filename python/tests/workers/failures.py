@@ -222,7 +222,10 @@ elif mode == "diverge":
     try:
         checkpoint.agree(comm, bytes([0, 0]))
     except cohort.DivergedError as e:
-        report("commit_diverged", message=str(e))
+        # Not agreed, so not kept: the checkpoint holds the last agreed commit (none).
+        report("commit_diverged", message=str(e), step=checkpoint.step)
+    # The sync's own check, for commits that never met an agreement (a joiner's, say).
+    checkpoint.commit(f"state of {worker_id}".encode(), 5)
     try:
         checkpoint.sync(comm, b"current")
     except cohort.DivergedError as e:

@@ -2,12 +2,20 @@
 //!
 //! In the spirit of Horovod Elastic's `State` and torchft: the application keeps its state
 //! in something that implements [`ElasticState`]; at step boundaries it calls
-//! [`Checkpoint::commit`]; after a failed step it calls [`Checkpoint::restore`]; after every
-//! re-formation it calls [`Checkpoint::sync`], which makes every member (joiners included)
-//! hold the newest commit any member has, and checks that they all agree. At each commit point
-//! [`Checkpoint::agree`] checks in-band, in the one small allreduce the commit point runs anyway
-//! (the members' flags: re-form here or not), that every member committed the same step with
-//! the same state: a divergence is caught on every rank at the commit that caused it.
+//! [`Checkpoint::commit`], then [`Checkpoint::agree`] at the commit point; after a failed step
+//! it calls [`Checkpoint::restore`]; after every re-formation it calls [`Checkpoint::sync`],
+//! which makes every member (joiners included) hold the newest commit any member has, and
+//! checks that they all agree. [`Checkpoint::agree`] checks in-band, in the one small
+//! allreduce the commit point runs anyway (the members' flags: re-form here or not), that
+//! every member committed the same step with the same state: a divergence is caught on every
+//! rank at the commit that caused it.
+//!
+//! A commit is tentative until its agreement succeeds: when [`Checkpoint::agree`] fails (a
+//! collective failure, or a divergence), the checkpoint rolls back to the last agreed commit,
+//! so that a restore never loads a step that the members did not agree on (a step whose
+//! collective failed may have reached the state with a partial result). Members that did
+//! agree keep it, and the next sync hands it to the others (newest wins). The Python
+//! package's `State.commit` behaves the same way.
 
 use super::ElasticError;
 use crate::{CommError, Communicator, ReduceOp};
@@ -33,9 +41,20 @@ impl ElasticState for Vec<u8> {
     }
 }
 
-/// The last committed state of this member: step, snapshot bytes and digest.
+/// The last committed state of this member: step, snapshot bytes and digest, and while that
+/// commit awaits its agreement ([`Checkpoint::agree`]), the last agreed one to roll back to.
 #[derive(Clone, Debug, Default)]
 pub struct Checkpoint {
+    step: Option<u64>,
+    snapshot: Vec<u8>,
+    digest: [u8; 32],
+    /// The last agreed commit, while the one above is tentative (committed, not yet agreed).
+    agreed: Option<Box<Agreed>>,
+}
+
+/// A commit the members agreed on, kept while a newer one awaits its agreement.
+#[derive(Clone, Debug, Default)]
+struct Agreed {
     step: Option<u64>,
     snapshot: Vec<u8>,
     digest: [u8; 32],
@@ -75,12 +94,32 @@ impl Checkpoint {
         self.digest
     }
 
-    /// Snapshots `state` as the commit of `step`.
+    /// Snapshots `state` as the commit of `step`: tentative until [`Checkpoint::agree`]
+    /// succeeds, which rolls it back when it fails. The last agreed commit is kept meanwhile
+    /// (a second snapshot in memory); a commit that follows a tentative one replaces it.
     pub fn commit<S: ElasticState + ?Sized>(&mut self, state: &S, step: u64) {
+        if self.agreed.is_none() {
+            let (step, digest) = (self.step, self.digest);
+            let snapshot = std::mem::take(&mut self.snapshot);
+            self.agreed = Some(Box::new(Agreed { step, snapshot, digest }));
+        }
         self.snapshot.clear();
         state.save(&mut self.snapshot);
         self.step = Some(step);
         self.digest = digest_of(self.step, &self.snapshot);
+    }
+
+    /// Whether the newest commit awaits its agreement ([`Checkpoint::agree`]).
+    pub fn is_tentative(&self) -> bool {
+        self.agreed.is_some()
+    }
+
+    /// Drops a tentative commit: the checkpoint holds the last agreed one again.
+    fn roll_back(&mut self) {
+        if let Some(agreed) = self.agreed.take() {
+            let Agreed { step, snapshot, digest } = *agreed;
+            (self.step, self.snapshot, self.digest) = (step, snapshot, digest);
+        }
     }
 
     /// Loads the committed snapshot back into `state` (after a failed step).
@@ -101,7 +140,8 @@ impl Checkpoint {
     /// 4. allgather every member's digest of what it now holds and compare: any difference
     ///    (corruption in transit) is [`SyncError::Diverged`].
     ///
-    /// On success `state` holds the synchronised snapshot.
+    /// On success `state` holds the synchronised snapshot, and it is this member's agreed
+    /// commit (a tentative one is replaced).
     ///
     /// # Cancel safety
     /// Not cancel safe (it runs collectives); a failure poisons the communicator like any
@@ -182,6 +222,7 @@ impl Checkpoint {
         state.load(&self.snapshot).map_err(SyncError::Diverged)?;
         self.step = step;
         self.digest = digest;
+        self.agreed = None;
         Ok(SyncOutcome { step, source, changed })
     }
 }
@@ -204,15 +245,39 @@ impl Checkpoint {
     /// same identity. It costs no extra round: the commit point's flags travel in the same
     /// message (48 bytes in all for two flags).
     ///
-    /// On a difference every rank gets [`CommitError::Diverged`], at the commit that caused
-    /// it, saying whether the steps or the states differ; the checkpoint and `flags` are
-    /// left as they were. A collective failure is [`CommitError::Comm`] (re-form as after
-    /// any failed step).
+    /// On success the newest commit is agreed ([`Checkpoint::is_tentative`] is false). On a
+    /// difference every rank gets [`CommitError::Diverged`], at the commit that caused it,
+    /// saying whether the steps or the states differ. A collective failure is
+    /// [`CommitError::Comm`] (re-form as after any failed step). On either error the commit
+    /// was not agreed and is not kept: the checkpoint rolls back to the last agreed commit
+    /// (what [`Checkpoint::restore`] then loads), and `flags` are left as they were.
     ///
     /// # Cancel safety
     /// Not cancel safe (it runs a collective); cancelling it poisons the communicator like any
-    /// collective, and the checkpoint is unchanged either way.
-    pub async fn agree<T: Transport>(&self, comm: &mut Communicator<T>, flags: &mut [u8]) -> Result<(), CommitError> {
+    /// collective, and leaves the commit tentative (the next commit replaces it; a sync
+    /// replaces it with the members' newest).
+    pub async fn agree<T: Transport>(
+        &mut self,
+        comm: &mut Communicator<T>,
+        flags: &mut [u8],
+    ) -> Result<(), CommitError> {
+        let agreed = self.agree_in_band(comm, flags).await;
+        match &agreed {
+            Ok(()) => self.agreed = None,
+            Err(_) => self.roll_back(),
+        }
+        agreed
+    }
+
+    /// The agreement itself ([`Checkpoint::agree`]), leaving the checkpoint as it is.
+    ///
+    /// # Cancel safety
+    /// Not cancel safe (it runs a collective).
+    async fn agree_in_band<T: Transport>(
+        &self,
+        comm: &mut Communicator<T>,
+        flags: &mut [u8],
+    ) -> Result<(), CommitError> {
         let n = flags.len();
         let mut identity = [0u8; IDENTITY];
         identity[..8].copy_from_slice(&self.step.unwrap_or(u64::MAX).to_le_bytes());

@@ -353,15 +353,6 @@ pub(crate) async fn run<E: ExactElement>(
             cohort::metrics::LINKS.store(generation.comm.transport().linked_peers() as u64, Ordering::Relaxed);
             let elapsed = started.elapsed();
             let mut collective = elapsed;
-            if let Some(t) = failed_at.take() {
-                summary.failures.push(t.elapsed());
-                cohort::metrics::FAILURES.fetch_add(1, Ordering::Relaxed);
-                cohort::metrics::LOST_MS.fetch_add(t.elapsed().as_millis() as u64, Ordering::Relaxed);
-                events::Recovered { gen: g, rank, step, lost_ms: t.elapsed().as_millis() as u64, t_ms: now_ms() }
-                    .print();
-            }
-            events::Step { gen: g, world: world as u64, rank, step, ms: elapsed.as_secs_f64() * 1e3, t_ms: now_ms() }
-                .print();
             if step % DEADLINES_EVERY == 0 {
                 report_deadlines(
                     g,
@@ -405,9 +396,24 @@ pub(crate) async fn run<E: ExactElement>(
                     cause_t_ms: None,
                 }
                 .print();
+                // Not agreed, so not committed: the checkpoint rolled back to the last agreed
+                // commit, and the parameters go back with it (as after a failed allreduce).
+                checkpoint.restore(&mut params)?;
+                check_params(&trajectory, &params, g, rank, checkpoint.step().unwrap_or(0), "restore")?;
                 failed_at.get_or_insert_with(Instant::now);
                 continue 'generations;
             }
+            // The step is committed once the members agreed on it: only then is it announced
+            // (`event=step`, which the chaos harness takes as committed).
+            if let Some(t) = failed_at.take() {
+                summary.failures.push(t.elapsed());
+                cohort::metrics::FAILURES.fetch_add(1, Ordering::Relaxed);
+                cohort::metrics::LOST_MS.fetch_add(t.elapsed().as_millis() as u64, Ordering::Relaxed);
+                events::Recovered { gen: g, rank, step, lost_ms: t.elapsed().as_millis() as u64, t_ms: now_ms() }
+                    .print();
+            }
+            events::Step { gen: g, world: world as u64, rank, step, ms: elapsed.as_secs_f64() * 1e3, t_ms: now_ms() }
+                .print();
             if flags[1] != 0 && *leaving.borrow() {
                 let (digest, expected) = digests(&trajectory, &params.values, step);
                 events::Leave {
