@@ -65,6 +65,7 @@ pub mod status;
 pub mod wire;
 
 mod endpoint;
+mod late;
 mod peer;
 mod progress;
 mod transport;
