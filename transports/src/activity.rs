@@ -23,8 +23,8 @@
 //!   inside the collective still meets the ceiling instead of holding itself up as "late".
 //!
 //! The board lives in a sealed memory file: shared-memory peers map it (handed over with
-//! the pair's segment) and read it without a system call; TCP peers ask for it with the
-//! liveness probe, whose responder reads it from the process-wide registry
+//! the pair's segment) and read it without a system call; TCP and RDMA peers ask for it with
+//! the liveness probe, whose responder reads it from the process-wide registry
 //! (`Activity::lookup`). [`locate`] turns what was read into a verdict; it is pure and
 //! tested without sockets.
 

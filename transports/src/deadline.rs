@@ -39,7 +39,8 @@ pub struct Deadlines {
     pub connect: Duration,
     /// Self-tuning no-progress deadlines (this module); `None`: `no_progress` as it is.
     /// Transports that cannot learn (RDMA, the simulated network) use the ceiling either
-    /// way.
+    /// way; RDMA links still ask a peer that moved nothing for the ceiling where it is, and
+    /// wait for a late one up to [`Learning::late_rank`], when this is `Some`.
     pub learning: Option<Learning>,
 }
 

@@ -8,7 +8,8 @@
 //! apart (the peer's kernel acknowledges bytes either way), so when a link's learned deadline
 //! passes (see [`crate::deadline`]), the waiting side asks the peer's *process*: a 16-byte
 //! datagram to the UDP port with the same number as the peer's TCP listener, answered by a
-//! thread of the peer's [`crate::tcp::TcpEndpoint`]. No answer within [`PROBE_WITHIN`]
+//! thread of the peer's [`crate::tcp::TcpEndpoint`] (or, over RDMA, of its `RdmaEndpoint`, on
+//! the port of its bootstrap listener). No answer within [`PROBE_WITHIN`]
 //! fails the operation; an answer means "alive, keep waiting" (up to the configured ceiling).
 //!
 //! The answer proves nothing but that the process runs and the path carries packets; it

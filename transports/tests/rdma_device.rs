@@ -5,12 +5,21 @@
 //! `rdma_device_tests_skipped_without_device` checks that the reason is the clear error the
 //! transport promises. Run on a machine with a NIC:
 //! `COHORT_RDMA_DEVICE=mlx5_0 cargo test -p cohort-transports --features rdma --test rdma_device`.
+//!
+//! The late-rank tests at the end mirror `late_peers.rs` (TCP and shared memory) over RDMA:
+//! the endpoint's responder answers, a late peer is waited for past the ceiling, a deadlock
+//! inside the collective still fails at the ceiling, and a peer that never comes fails at the
+//! late-rank bound with `Silence::Late`. The decision itself is unit-tested without a device
+//! (`rdma::late`).
 #![cfg(feature = "rdma")]
 
+use cohort_transports::activity::CpuUse;
 use cohort_transports::rdma::{device_names, DeviceConfig, RdmaEndpoint, RdmaMeshSpec, RdmaOptions, RdmaTransport};
-use cohort_transports::{AbortReason, Deadlines, Tag, Transport, TransportError};
+use cohort_transports::{AbortReason, Deadlines, Learning, Silence, Tag, Transport, TransportError};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
+use tokio::time::Instant;
 
 const TEST_LIMIT: Duration = Duration::from_secs(60);
 
@@ -47,6 +56,18 @@ fn options(device: &DeviceConfig) -> RdmaOptions {
 }
 
 async fn mesh(device: &DeviceConfig, world: u32, deadlines: Deadlines) -> Vec<Arc<RdmaTransport>> {
+    mesh_of("rdma-test", device, world, deadlines).await.1
+}
+
+/// A mesh of `world` for job `job` (tests that read the activity boards use a job of their
+/// own: boards are per job, generation and rank in the process), with its endpoints (their
+/// liveness responders answer only while they live).
+async fn mesh_of(
+    job: &str,
+    device: &DeviceConfig,
+    world: u32,
+    deadlines: Deadlines,
+) -> (Vec<Arc<RdmaEndpoint>>, Vec<Arc<RdmaTransport>>) {
     let mut eps = Vec::new();
     for _ in 0..world {
         eps.push(RdmaEndpoint::open(options(device)).await.expect("open endpoint"));
@@ -57,7 +78,7 @@ async fn mesh(device: &DeviceConfig, world: u32, deadlines: Deadlines) -> Vec<Ar
     for (rank, ep) in eps.iter().enumerate() {
         let ep = ep.clone();
         let spec = RdmaMeshSpec {
-            job: "rdma-test".into(),
+            job: job.into(),
             generation: 1,
             rank: rank as u32,
             peers: peers.clone(),
@@ -70,7 +91,7 @@ async fn mesh(device: &DeviceConfig, world: u32, deadlines: Deadlines) -> Vec<Ar
     for t in tasks {
         out.push(Arc::new(t.await.expect("join").expect("connect_mesh")));
     }
-    out
+    (eps, out)
 }
 
 fn pattern(len: usize, seed: u8) -> Vec<u8> {
@@ -214,6 +235,147 @@ async fn length_mismatch_is_reported() {
         let mut buf = [0u8; 4];
         let err = ts[0].recv(1, Tag::new(1, 0, 9), &mut buf).await.expect_err("length differs");
         assert!(matches!(err, TransportError::Mismatch { peer: 1, .. }), "{err:?}");
+    })
+    .await
+    .expect("test bounded in time");
+}
+
+// A busy rank is not a hung rank, over RDMA (as transports/tests/late_peers.rs over TCP and
+// shared memory): with learning on, a wait that moved nothing for the no-progress ceiling
+// asks the peer's endpoint where it is.
+
+const FLOOR: Duration = Duration::from_millis(100);
+const CEILING: Duration = Duration::from_millis(600);
+
+fn learned(late_rank: Duration) -> Deadlines {
+    Deadlines {
+        no_progress: CEILING,
+        connect: Duration::from_secs(30),
+        learning: Some(Learning { floor: FLOOR, late_rank }),
+    }
+}
+
+/// A learned mesh of `world` for `job` whose every peer's liveness responder has answered
+/// (so stalls are settled by asking it): the endpoint's bootstrap port answers probes.
+async fn probed_mesh(
+    job: &str,
+    device: &DeviceConfig,
+    world: u32,
+    deadlines: Deadlines,
+) -> (Vec<Arc<RdmaEndpoint>>, Vec<Arc<RdmaTransport>>) {
+    let (eps, ts) = mesh_of(job, device, world, deadlines).await;
+    let until = Instant::now() + Duration::from_secs(10);
+    for (r, t) in ts.iter().enumerate() {
+        for p in (0..world).filter(|&p| p != r as u32) {
+            while !t.peer_probed(p) {
+                assert!(Instant::now() < until, "rank {p}'s liveness responder never answered rank {r}");
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        }
+    }
+    (eps, ts)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_endpoint_answers_liveness_probes_and_fixed_deadlines_probe_nothing() {
+    let dev = device_or_skip!();
+    tokio::time::timeout(TEST_LIMIT, async {
+        let (_eps, ts) = probed_mesh("rdma-late-probed", &dev, 2, learned(Duration::from_secs(60))).await;
+        assert!(!ts[0].peer_probed(0), "a rank is not its own peer");
+        let (_eps, fixed) =
+            mesh_of("rdma-late-fixed", &dev, 2, Deadlines::fixed(CEILING, Duration::from_secs(30))).await;
+        assert!(!fixed[0].peer_probed(1), "learning off: nobody is asked");
+    })
+    .await
+    .expect("test bounded in time");
+}
+
+/// Rank 0 waits for operation 2 from rank 1, which "computes" (its task sleeps: the thing
+/// under test is its lateness) for five ceilings before it enters and sends: no error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_peer_is_waited_for_past_the_ceiling() {
+    let dev = device_or_skip!();
+    tokio::time::timeout(TEST_LIMIT, async {
+        let (_eps, ts) = probed_mesh("rdma-late-waited", &dev, 2, learned(Duration::from_secs(60))).await;
+        let mut buf = [0u8; 8];
+        // Operation 1 both ways: both ranks have entered something.
+        let t1 = Arc::clone(&ts[1]);
+        let first = tokio::spawn(async move { t1.send(0, Tag::new(1, 0, 0), &[1u8; 8]).await });
+        ts[0].recv(1, Tag::new(1, 0, 0), &mut buf).await.expect("operation 1");
+        first.await.expect("join").expect("send of operation 1");
+        let t1 = Arc::clone(&ts[1]);
+        let late = tokio::spawn(async move {
+            tokio::time::sleep(CEILING * 5).await;
+            t1.send(0, Tag::new(2, 0, 0), &[2u8; 8]).await
+        });
+        let t0 = Instant::now();
+        ts[0].recv(1, Tag::new(2, 0, 0), &mut buf).await.expect("a late peer is no failure");
+        assert!(t0.elapsed() >= CEILING * 5, "the message came early: {:?}", t0.elapsed());
+        assert_eq!(buf, [2u8; 8]);
+        late.await.expect("join").expect("the late send");
+        assert!(!ts[0].is_aborted() && !ts[1].is_aborted());
+    })
+    .await
+    .expect("test bounded in time");
+}
+
+/// Both ranks inside operation 2, each waiting on the other (a deadlock inside the
+/// collective): the ceiling still applies, long before the late-rank bound.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_inside_the_collective_still_fails_at_the_ceiling() {
+    let dev = device_or_skip!();
+    tokio::time::timeout(TEST_LIMIT, async {
+        let (_eps, ts) = probed_mesh("rdma-late-inside", &dev, 2, learned(Duration::from_secs(600))).await;
+        let t1 = Arc::clone(&ts[1]);
+        let other = tokio::spawn(async move {
+            let mut b = [0u8; 8];
+            t1.recv(0, Tag::new(2, 0, 0), &mut b).await
+        });
+        let mut buf = [0u8; 8];
+        let t0 = Instant::now();
+        let e = ts[0].recv(1, Tag::new(2, 0, 0), &mut buf).await.expect_err("a deadlock inside the collective");
+        let waited = t0.elapsed();
+        assert!(matches!(e, TransportError::Timeout { peer: 1, silence: Silence::Unprobed, .. }), "{e:?}");
+        assert!(waited >= CEILING && waited < Duration::from_secs(30), "waited {waited:?}");
+        let _ = other.await;
+    })
+    .await
+    .expect("test bounded in time");
+}
+
+/// Rank 1 never enters operation 2 while its process computes (a thread spins): rank 0
+/// fails at the late-rank bound, not the ceiling, and the error says the process runs and
+/// computes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_that_never_comes_fails_at_the_late_rank_bound() {
+    let dev = device_or_skip!();
+    tokio::time::timeout(TEST_LIMIT, async {
+        let bound = Duration::from_secs(3);
+        let (_eps, ts) = probed_mesh("rdma-late-never", &dev, 2, learned(bound)).await;
+        let stop = Arc::new(AtomicBool::new(false));
+        let spin = {
+            let stop = Arc::clone(&stop);
+            std::thread::spawn(move || {
+                let mut x = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    x = std::hint::black_box(x.wrapping_mul(6364136223846793005).wrapping_add(1));
+                }
+            })
+        };
+        let mut buf = [0u8; 8];
+        let t0 = Instant::now();
+        let e = ts[0].recv(1, Tag::new(2, 0, 0), &mut buf).await.expect_err("the peer never comes");
+        let waited = t0.elapsed();
+        stop.store(true, Ordering::Relaxed);
+        spin.join().expect("spinning thread");
+        match e {
+            TransportError::Timeout { peer: 1, after, silence: Silence::Late { cpu } } => {
+                assert_eq!(after, bound);
+                assert_eq!(cpu, CpuUse::Busy, "a spinning process counts as computing");
+            }
+            e => panic!("expected a late-rank timeout, got {e:?}"),
+        }
+        assert!(waited >= bound, "failed before the late-rank bound: {waited:?}");
     })
     .await
     .expect("test bounded in time");

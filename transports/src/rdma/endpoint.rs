@@ -5,17 +5,20 @@ use super::address::{self, EndpointAddress, RdmaAddress, RecvRegion, MAX_24BIT};
 use super::cq::CompletionQueue;
 use super::credits::{RecvRing, SendWindow};
 use super::device::{Device, DeviceConfig};
+use super::late::PeerProbe;
 use super::memory::{BufferPool, PooledBuffer};
 use super::peer::{Peer, PeerState, WR_RECV};
 use super::progress::{progress, Inner};
 use super::qp::{QpTiming, QueuePair};
 use super::setup::{self, MeshCtx, Outcome, PairSetup};
 use super::transport::RdmaTransport;
+use crate::activity::Activity;
 use crate::handshake::validate_job;
+use crate::liveness::{self, Responder};
 use crate::{Deadlines, Rank, TransportError};
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
@@ -87,7 +90,12 @@ pub struct RdmaMeshSpec {
 /// A worker's long-lived RDMA endpoint: device, protection domain, registered-memory pool
 /// and bootstrap listener.
 pub struct RdmaEndpoint {
-    // Field order is drop order: listener, pool (deregisters idle buffers), then device.
+    // Field order is drop order: responder, listener, pool (deregisters idle buffers), then
+    // device.
+    /// Answers peers' liveness and status probes on the UDP port of the bootstrap listener
+    /// ([`crate::liveness`]); `None` if that port was taken (peers then wait up to the
+    /// ceiling on this endpoint's links).
+    pub(super) _responder: Option<Responder>,
     pub(super) listener: tokio::sync::Mutex<TcpListener>,
     pub(super) pool: BufferPool,
     pub(super) address: EndpointAddress,
@@ -138,6 +146,24 @@ pub(super) fn bootstrap_address(
     Ok(bootstrap)
 }
 
+/// Binds the bootstrap listener on `bind` and starts the liveness responder on the UDP port
+/// equal to its address (as a [`crate::tcp::TcpEndpoint`] does on its listener's), so that
+/// peers waiting on this rank can ask where it is. Needs no device.
+///
+/// # Cancel safety
+/// Cancel safe: dropping the future releases the listener (the responder is started last,
+/// without awaiting).
+pub(super) async fn bind_bootstrap(
+    bind: SocketAddr,
+) -> Result<(TcpListener, SocketAddr, Option<Responder>), TransportError> {
+    let listener = TcpListener::bind(bind)
+        .await
+        .map_err(|e| TransportError::Io(format!("binding the rdma bootstrap listener on {bind}: {e}")))?;
+    let local = listener.local_addr().map_err(|e| TransportError::Io(format!("bootstrap listener address: {e}")))?;
+    let responder = Responder::start(local);
+    Ok((listener, local, responder))
+}
+
 impl RdmaEndpoint {
     /// Opens the device and binds the bootstrap listener. Fails with
     /// [`TransportError::Io`] naming what is missing when there is no usable device, and
@@ -148,15 +174,11 @@ impl RdmaEndpoint {
     pub async fn open(options: RdmaOptions) -> Result<Self, TransportError> {
         check_options(&options)?;
         let device = Arc::new(Device::open(&options.device)?);
-        let listener = TcpListener::bind(options.bootstrap_bind).await.map_err(|e| {
-            TransportError::Io(format!("binding the rdma bootstrap listener on {}: {e}", options.bootstrap_bind))
-        })?;
-        let local =
-            listener.local_addr().map_err(|e| TransportError::Io(format!("bootstrap listener address: {e}")))?;
+        let (listener, local, responder) = bind_bootstrap(options.bootstrap_bind).await?;
         let bootstrap = bootstrap_address(options.advertise, local)?;
         let address = EndpointAddress { lid: device.lid(), gid: device.gid(), mtu: device.mtu(), bootstrap };
         let pool = BufferPool::new(device.clone(), options.max_cached_bytes);
-        Ok(Self { listener: tokio::sync::Mutex::new(listener), pool, address, options, device })
+        Ok(Self { _responder: responder, listener: tokio::sync::Mutex::new(listener), pool, address, options, device })
     }
 
     /// The address to publish through the coordinator (`EndpointAddress::encode`).
@@ -252,6 +274,7 @@ impl RdmaEndpoint {
             };
             let staging = self.pool.get((remote.slots() * remote.slot_bytes) as usize, false)?;
             by_qpn.insert(pair.qp.qpn(), r as Rank);
+            let liveness = spec.deadlines.learning.map(|_| late_probe(spec.peers[r].bootstrap));
             let now = Instant::now();
             peers.push(Some(Peer {
                 rank: r as Rank,
@@ -273,6 +296,7 @@ impl RdmaEndpoint {
                 local_slot_bytes: o.slot_bytes,
                 wake: watch::channel(0).0,
                 send_lock: tokio::sync::Mutex::new(()),
+                liveness,
             }));
         }
         let (stop_tx, stop_rx) = watch::channel(false);
@@ -288,6 +312,8 @@ impl RdmaEndpoint {
             max_unexpected: o.max_unexpected_bytes,
             abort: Mutex::new(None),
             aborted: AtomicBool::new(false),
+            board: Activity::for_mesh(&spec.job, spec.generation, spec.rank),
+            span: tracing::info_span!("rdma_link", job = %spec.job, generation = spec.generation, rank = spec.rank),
         });
         let span =
             tracing::info_span!("rdma_progress", job = %spec.job, generation = spec.generation, rank = spec.rank);
@@ -357,6 +383,20 @@ impl RdmaEndpoint {
     }
 }
 
+/// Where a link of this mesh asks whether the peer behind bootstrap address `target` runs:
+/// its responder is asked once now, in the background, so that a later silence can be
+/// trusted ([`liveness::verify`]).
+fn late_probe(target: SocketAddr) -> PeerProbe {
+    let verified = Arc::new(AtomicBool::new(false));
+    let flag = Arc::clone(&verified);
+    tokio::spawn(async move {
+        if liveness::verify(target).await {
+            flag.store(true, Ordering::Relaxed);
+        }
+    });
+    PeerProbe { target, verified }
+}
+
 #[cfg(test)]
 mod tests {
     use super::bootstrap_address;
@@ -375,5 +415,46 @@ mod tests {
         assert_eq!(bootstrap_address(None, a("127.0.0.1:45003")).ok(), Some(a("127.0.0.1:45003")));
         assert!(bootstrap_address(None, local).is_err());
         assert!(bootstrap_address(Some(a("0.0.0.0:0")), local).is_err());
+    }
+}
+
+#[cfg(test)]
+mod responder_tests {
+    use super::bind_bootstrap;
+    use crate::activity::{job_digest, Activity};
+    use crate::liveness::{probe, Answer, Query, Status};
+    use std::time::Duration;
+
+    /// The endpoint's bootstrap listener comes with a liveness responder on the same port
+    /// (UDP), which answers a status probe with this process's board for the mesh asked
+    /// about: what a peer waiting on this rank reads. No device needed.
+    #[tokio::test]
+    async fn the_bootstrap_port_answers_status_probes_from_the_board() {
+        // A UDP port equal to a free TCP port may be taken by another test's socket: the
+        // responder is then `None` (logged), so try a few listeners.
+        let mut bound = None;
+        for _ in 0..20 {
+            let (listener, local, responder) = bind_bootstrap("127.0.0.1:0".parse().unwrap()).await.expect("bind");
+            if let Some(r) = responder {
+                bound = Some((listener, local, r));
+                break;
+            }
+        }
+        let (_listener, local, _responder) = bound.expect("a responder on one of 20 bootstrap ports");
+        let board = Activity::for_mesh("rdma-endpoint-responder-test", 4, 2);
+        let _call = board.enter(9);
+        let query = Query { job: job_digest("rdma-endpoint-responder-test"), generation: 4, rank: 2, seq: 9 };
+        match probe(local, Duration::from_secs(2), query).await {
+            Answer::Alive(Some(Status { presence: Some(p), .. })) => {
+                assert_eq!((p.entered, p.pending, p.late_waits), (Some(9), 1, 0), "{p:?}");
+            }
+            other => panic!("expected the board in the answer, got {other:?}"),
+        }
+        // A mesh this process does not have: alive, no board.
+        let other = Query { generation: 5, ..query };
+        assert!(matches!(
+            probe(local, Duration::from_secs(2), other).await,
+            Answer::Alive(Some(Status { presence: None, .. }))
+        ));
     }
 }

@@ -45,7 +45,15 @@
 //! another generation, an oversize message, a stale tag or a credit violation is
 //! [`crate::TransportError::Protocol`]; a length or signature disagreement is
 //! [`crate::TransportError::Mismatch`] and closes the link; no completion on a link for
-//! [`crate::Deadlines::no_progress`] while an operation waits is [`crate::TransportError::Timeout`].
+//! [`crate::Deadlines::no_progress`] while an operation waits is [`crate::TransportError::Timeout`],
+//! unless the peer is *late*: with learning on ([`crate::Deadlines::learning`]) the waiting
+//! side then asks the peer's process where it is (a status probe to the UDP port of its
+//! bootstrap listener, where its [`RdmaEndpoint`] answers from the mesh's activity board,
+//! [`crate::activity`]), fails at once if it is silent, stopped or gone, at the ceiling if it
+//! is inside the operation, and waits for a late one (not in the operation yet, between two
+//! calls of it, or behind a late rank) up to [`crate::Learning::late_rank`], failing past
+//! it with [`crate::Silence::Late`] (see `late`). Every send and receive enters this rank's
+//! board with its tag's `seq`, so peers see where it is; the board closes on abort.
 //! [`crate::Transport::abort`] is local and immediate: it moves every QP to the error state
 //! (flushing outstanding work requests, never waiting on a peer) and wakes every waiter with
 //! [`crate::TransportError::Aborted`].
@@ -65,6 +73,7 @@ pub mod status;
 pub mod wire;
 
 mod endpoint;
+mod late;
 mod peer;
 mod progress;
 mod transport;

@@ -3,6 +3,7 @@
 
 use super::address::RdmaAddress;
 use super::credits::{Reassembly, RecvRing, SendWindow};
+use super::late::PeerProbe;
 use super::memory::PooledBuffer;
 use super::qp::QueuePair;
 use super::wire::{DataImm, SegmentHeader, SEGMENT_HEADER_LEN};
@@ -86,6 +87,8 @@ pub(super) struct Peer {
     pub(super) local_slot_bytes: u32,
     pub(super) wake: watch::Sender<u64>,
     pub(super) send_lock: tokio::sync::Mutex<()>,
+    /// Where the peer's process is asked where it is (with learning on; see [`super::late`]).
+    pub(super) liveness: Option<PeerProbe>,
 }
 
 impl Peer {

@@ -1,11 +1,15 @@
 //! The progress engine: the completion-queue task and the handling of each completion.
 
 use super::cq::{Completion, CompletionQueue};
+use super::late;
 use super::peer::{Peer, PeerState, WR_CREDIT, WR_KIND_MASK, WR_RECV, WR_WRITE};
 use super::status;
-use crate::{AbortReason, Deadlines, Rank, TransportError};
+use crate::activity::{Activity, LateTrack, LateWait};
+use crate::liveness::{self, PROBE_WITHIN};
+use crate::{AbortReason, Deadlines, Rank, Silence, TransportError};
 use rdma_sys::ibv_wc_opcode as op;
 use std::collections::HashMap;
+use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use tokio::sync::watch;
@@ -24,6 +28,11 @@ pub(super) struct Inner {
     pub(super) max_unexpected: u64,
     pub(super) abort: Mutex<Option<AbortReason>>,
     pub(super) aborted: AtomicBool,
+    /// This rank's board of the mesh ([`crate::activity`]): transport calls enter it, waits
+    /// on late peers count on it, peers' probes read it.
+    pub(super) board: Arc<Activity>,
+    /// The mesh's span (job, generation, rank), for what the waits log.
+    pub(super) span: tracing::Span,
 }
 
 impl Inner {
@@ -108,29 +117,126 @@ impl Inner {
         peer.wake();
     }
 
-    /// Waits for a change on `peer` or the no-progress deadline; when the deadline passes,
-    /// fails the link (so every other waiter on it stops too) and returns the timeout.
+    /// Waits for a change on `peer` (a completion, a failure, the abort) during the wait of
+    /// an operation on `seq` that started at `started`; when the no-progress deadline passes,
+    /// fails the link (so every other waiter on it stops too) and returns the timeout, or,
+    /// with learning on and a late peer, waits on ([`Inner::wait_for`]).
+    ///
+    /// # Cancel safety
+    /// Cancel safe: it holds nothing but its wait (and the board's count of it, while the
+    /// peer is judged late).
     pub(super) async fn wait(
         &self,
         peer: &Peer,
+        seq: u32,
         rx: &mut watch::Receiver<u64>,
         started: Instant,
     ) -> Result<(), TransportError> {
+        match self.wait_for(peer, seq, started, rx.changed()).await? {
+            Ok(()) => Ok(()),
+            Err(_) => Err(TransportError::Io("transport shut down".into())),
+        }
+    }
+
+    /// The peer's last progress, at least `started`.
+    fn last_progress(peer: &Peer, started: Instant) -> Instant {
+        peer.lock().last_progress.max(started)
+    }
+
+    /// Awaits `fut` (a change on `peer`, or its send lock) for the operation on `seq` that
+    /// started at `started`, under the no-progress deadline counted from the peer's last
+    /// progress. When it passes: with learning off, or a peer whose responder was never
+    /// heard, the link fails with `Timeout` (`Silence::Unprobed`); with learning on, the
+    /// peer's process is asked where it is and [`late::decide`] says whether the link fails
+    /// now (silent, stopped, gone: with what was found; inside the operation: at the
+    /// ceiling) or waits on (late: asked again every no-progress interval, up to the
+    /// late-rank bound, then `Silence::Late`). While the peer is judged late, this rank's
+    /// board counts the wait ([`crate::activity::Activity::late_wait`]) and it says whom it
+    /// waits for at info level, at most every [`crate::activity::LATE_LOG_EVERY`].
+    ///
+    /// # Cancel safety
+    /// Cancel safe if `fut` is: it holds nothing else but a board count dropped with it.
+    pub(super) async fn wait_for<F: Future>(
+        &self,
+        peer: &Peer,
+        seq: u32,
+        started: Instant,
+        fut: F,
+    ) -> Result<F::Output, TransportError> {
+        tokio::pin!(fut);
+        let bounds = late::Bounds::of(&self.deadlines);
+        let mut track = LateTrack::default();
+        let mut late_wait: Option<LateWait<'_>> = None;
+        // When to ask a late peer again (None: at the ceiling from the last progress).
+        let mut ask_at: Option<Instant> = None;
         loop {
-            let last = peer.lock().last_progress.max(started);
-            let deadline = last + self.deadlines.no_progress;
-            match tokio::time::timeout_at(deadline, rx.changed()).await {
-                Ok(Ok(())) => return Ok(()),
-                Ok(Err(_)) => return Err(TransportError::Io("transport shut down".into())),
-                Err(_) => {
-                    if peer.lock().last_progress.max(started) + self.deadlines.no_progress <= Instant::now() {
-                        let e = TransportError::Timeout {
-                            peer: peer.rank,
-                            after: self.deadlines.no_progress,
-                            silence: crate::Silence::Unprobed,
-                        };
-                        return Err(peer.fail(&mut peer.lock(), e));
-                    }
+            let due = ask_at.unwrap_or_else(|| Self::last_progress(peer, started) + bounds.no_progress);
+            tokio::select! {
+                biased;
+                out = &mut fut => return Ok(out),
+                () = tokio::time::sleep_until(due) => {}
+            }
+            let last = Self::last_progress(peer, started);
+            let now = Instant::now();
+            if now < last + bounds.no_progress {
+                // Progress since: whatever was judged is stale.
+                ask_at = None;
+                track.clear();
+                late_wait = None;
+                continue;
+            }
+            let heard = match peer.liveness.as_ref().filter(|p| p.verified.load(Ordering::Relaxed)) {
+                Some(p) if self.deadlines.learning.is_some() => {
+                    let query =
+                        liveness::Query { job: self.board.job(), generation: self.generation, rank: peer.rank, seq };
+                    let answer = tokio::select! {
+                        biased;
+                        out = &mut fut => return Ok(out),
+                        a = liveness::probe(p.target, PROBE_WITHIN, query) => a,
+                    };
+                    late::hear(answer, seq, peer.rank, self.rank)
+                }
+                _ => late::Heard::Inside,
+            };
+            let now = Instant::now();
+            let last = Self::last_progress(peer, started);
+            if now < last + bounds.no_progress {
+                ask_at = None;
+                track.clear();
+                late_wait = None;
+                continue;
+            }
+            if let late::Heard::Late { lateness, root, cpu } = heard {
+                if let Some(line) = track.late(now.into_std(), last.into_std(), lateness, cpu) {
+                    let p = peer.rank;
+                    self.span.in_scope(|| tracing::info!(peer = p, "waiting on rank {p}: {line}"));
+                }
+                match &late_wait {
+                    Some(w) => w.behind(root),
+                    None => late_wait = Some(self.board.late_wait(root)),
+                }
+            } else {
+                track.clear();
+                late_wait = None;
+            }
+            match late::decide(heard, track.cpu_use(), now - last, bounds) {
+                late::Next::Wait(d) => ask_at = Some(now + d),
+                late::Next::Fail { after, silence } => {
+                    self.span.in_scope(|| match silence {
+                        Silence::Late { .. } => tracing::warn!(
+                            peer = peer.rank,
+                            waited_ms = (now - last).as_millis() as u64,
+                            "the peer runs but stayed late past the late-rank bound"
+                        ),
+                        Silence::Unprobed => {}
+                        _ => tracing::warn!(
+                            peer = peer.rank,
+                            stalled_ms = (now - last).as_millis() as u64,
+                            "no progress past the no-progress deadline and the peer's process does not answer"
+                        ),
+                    });
+                    let e = TransportError::Timeout { peer: peer.rank, after, silence };
+                    return Err(peer.fail(&mut peer.lock(), e));
                 }
             }
         }

@@ -65,6 +65,19 @@ impl Drop for RecvGuard<'_> {
 }
 
 impl RdmaTransport {
+    /// Whether the liveness responder of `peer`'s endpoint has answered since the mesh came
+    /// up (with learning on, stalls past the no-progress deadline are then settled by asking
+    /// it where the peer is; see [`crate::liveness`] and [`crate::activity`]). False for
+    /// this rank itself, a rank outside the world, and with learning off (nobody is asked).
+    pub fn peer_probed(&self, peer: Rank) -> bool {
+        self.inner
+            .peers
+            .get(peer as usize)
+            .and_then(Option::as_ref)
+            .and_then(|p| p.liveness.as_ref())
+            .is_some_and(|p| p.verified.load(Ordering::Relaxed))
+    }
+
     pub(super) async fn send_inner(&self, peer_rank: Rank, tag: Tag, data: &[u8]) -> Result<(), TransportError> {
         let inner = &*self.inner;
         let peer = inner.peer(peer_rank)?;
@@ -75,15 +88,12 @@ impl RdmaTransport {
                 inner.max_message
             )));
         }
+        let _in_call = inner.board.enter(tag.seq);
         let started = Instant::now();
         let mut rx = peer.wake.subscribe();
-        let _order = tokio::time::timeout_at(started + inner.deadlines.no_progress, peer.send_lock.lock())
-            .await
-            .map_err(|_| TransportError::Timeout {
-                peer: peer_rank,
-                after: inner.deadlines.no_progress,
-                silence: crate::Silence::Unprobed,
-            })?;
+        // Behind an earlier send to the same peer: waited for under the same rules as the
+        // peer itself (that send waits on the peer's credits).
+        let _order = inner.wait_for(peer, tag.seq, started, peer.send_lock.lock()).await?;
         let rsb = peer.remote.slot_bytes;
         for (off, len) in segments(data.len() as u64, rsb - HDR) {
             loop {
@@ -123,7 +133,7 @@ impl RdmaTransport {
                         break;
                     }
                 }
-                inner.wait(peer, &mut rx, started).await?;
+                inner.wait(peer, tag.seq, &mut rx, started).await?;
             }
         }
         Ok(())
@@ -132,6 +142,7 @@ impl RdmaTransport {
     pub(super) async fn recv_inner(&self, peer_rank: Rank, tag: Tag, buf: &mut [u8]) -> Result<(), TransportError> {
         let inner = &*self.inner;
         let peer = inner.peer(peer_rank)?;
+        let _in_call = inner.board.enter(tag.seq);
         let started = Instant::now();
         let mut rx = peer.wake.subscribe();
         let key = (tag.seq, tag.step);
@@ -207,7 +218,7 @@ impl RdmaTransport {
                     }
                 }
             }
-            inner.wait(peer, &mut rx, started).await?;
+            inner.wait(peer, tag.seq, &mut rx, started).await?;
         }
     }
 }
@@ -246,6 +257,8 @@ impl Transport for RdmaTransport {
     }
 
     fn abort(&self, reason: AbortReason) {
+        // The generation is over for this rank: its board no longer says where it is.
+        self.inner.board.close();
         {
             let mut r = self.inner.abort.lock().unwrap_or_else(|e| e.into_inner());
             if r.is_none() {
