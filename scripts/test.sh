@@ -82,7 +82,7 @@ py2=$(bash scripts/python-env-torch2.sh | tail -n 1)
 # applicable (python/tests/conftest.py, not_applicable); under torch 2.x none is expected.
 COHORT_REQUIRE_PYTHON=1 COHORT_BIN_DIR="$PWD/target/release" "$py2" -m pytest -q -p no:cacheprovider \
   python/tests/test_torch_backend.py python/tests/test_fsdp2.py python/tests/test_hsdp.py python/tests/test_training.py \
-  python/tests/test_torch_p2p.py \
+  python/tests/test_torch_p2p.py python/tests/test_signals.py \
   python/tests/test_late_ranks.py::test_ddp_with_rank_0_checkpointing_for_a_minute_between_steps
 
 # The RDMA transport (feature `rdma`): its device-free tests run everywhere; the device

@@ -78,6 +78,9 @@ pub(crate) struct Core {
     subgroups: Mutex<Vec<Weak<Core>>>,
     /// The group that made it: its SIGTERM policy, and the membership to leave on SIGTERM.
     link: GroupLink,
+    /// The communicator's transport, to abort a queued call whose waiter was interrupted
+    /// ([`Core::interrupted`]) while the collectives thread holds the communicator.
+    transport: Arc<MeshTransport>,
 }
 
 impl Core {
@@ -148,7 +151,9 @@ impl Core {
     fn drain(&self, py: Python<'_>) -> PyResult<()> {
         let tail = self.tail.lock().unwrap_or_else(PoisonError::into_inner).clone();
         if let Some(tail) = tail {
-            tail.wait_interruptibly(py, None, None)?;
+            if let Err(interrupted) = tail.wait_interruptibly(py, None, None) {
+                return Err(self.interrupted(py, interrupted));
+            }
         }
         Ok(())
     }
@@ -165,6 +170,21 @@ impl Core {
             Ok(Err(failure)) => Err(to_pyerr(py, failure)),
             Err(interrupted) => Err(self.stopped(py, interrupted)),
         }
+    }
+
+    /// A wait on queued calls stopped by a signal (Ctrl-C's `KeyboardInterrupt`, SIGTERM's
+    /// `GracefulLeave`): the calls still running are aborted, as a blocking call's collective
+    /// is when its wait stops (the communicator is unusable either way), so that nothing goes
+    /// on waiting for a peer behind the caller's back (up to the late-rank bound) and a
+    /// `close()` that follows returns at once. Then as [`Core::stopped`].
+    fn interrupted(&self, py: Python<'_>, interrupted: PyErr) -> PyErr {
+        let running = self.tail.lock().unwrap_or_else(PoisonError::into_inner).as_ref().is_some_and(|t| !t.is_done());
+        if running {
+            use cohort_transports::Transport;
+            let reason = format!("the wait for a queued call stopped: {}", interrupted.value(py));
+            self.transport.abort(cohort_transports::AbortReason::new(reason));
+        }
+        self.stopped(py, interrupted)
     }
 
     /// A call stopped by a signal: for SIGTERM (`GracefulLeave`), leave the job first.
@@ -314,7 +334,7 @@ impl Work {
         match self.completion.wait_interruptibly(py, timeout, Some(&self.core.link.sigterm)) {
             Ok(true) => {}
             Ok(false) => return Ok(false),
-            Err(interrupted) => return Err(self.core.stopped(py, interrupted)),
+            Err(interrupted) => return Err(self.core.interrupted(py, interrupted)),
         }
         let mut error = self.error.lock().unwrap_or_else(PoisonError::into_inner);
         let bufs = std::mem::take(&mut *self.bufs.lock().unwrap_or_else(PoisonError::into_inner));
@@ -393,6 +413,7 @@ impl Communicator {
     ) -> Self {
         let shape = Shape { rank: comm.rank(), size: comm.size() };
         let generation = comm.generation();
+        let mesh = Arc::clone(comm.transport());
         Communicator {
             core: Arc::new(Core {
                 slot: Mutex::new(Slot::Ready(Box::new(comm))),
@@ -403,6 +424,7 @@ impl Communicator {
                 tail: Mutex::new(None),
                 subgroups: Mutex::new(Vec::new()),
                 link,
+                transport: mesh,
             }),
             members,
             transport,

@@ -106,6 +106,29 @@ def test_ctrl_c_interrupts_torch_distributed_all_reduce(coordinator_factory, spa
         idle.process.kill()
 
 
+def test_ctrl_c_in_a_work_wait_aborts_the_queued_call(coordinator_factory, spawn):
+    """Ctrl-C while waiting on an ``allreduce_async`` Work whose peer never comes: the
+    KeyboardInterrupt comes from the wait's look for signals, and the queued call is aborted
+    with it (the communicator is unusable, as after an interrupted blocking call), so that the
+    ``group.close()`` that follows returns at once instead of waiting for the peer up to the
+    late-rank bound (30 min), and the process exits."""
+    coord = coordinator_factory(2)
+    blocked = spawn("w0", "signals.py", "async-block", coord.endpoint, "async-intr", "w0")
+    idle = spawn("w1", "signals.py", "idle", coord.endpoint, "async-intr", "w1", stdin=True)
+    try:
+        blocked.wait_for_line('"event": "blocking"', timeout=60)
+        wait_until_asleep(blocked.process.pid, steady=0.05, timeout=20)
+        sent = time.time()
+        blocked.signal(signal.SIGINT)
+        got = wait_event(blocked, "interrupted", timeout=20)
+        assert got["at"] - sent < 5.0, got["at"] - sent
+        closed = wait_event(blocked, "closed", timeout=20)
+        assert closed["seconds"] < 5.0, closed
+        assert blocked.wait(timeout=30) == 0, blocked.output()
+    finally:
+        idle.process.kill()
+
+
 def test_a_tensor_re_pointed_during_its_collective_raises(coordinator_factory, spawn):
     """A tensor moved to other memory (``set_``) while its allreduce runs: the call used (and
     held) the old storage, so it raises, saying that the result is not in the tensor, instead

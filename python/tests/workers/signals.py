@@ -13,6 +13,8 @@ Modes:
   raw-loop    allreduces a NumPy array forever (SIGTERM); on a collective error prints it.
   dist-loop   as raw-loop through torch.distributed's all_reduce on the cohort backend.
   dist-block  rank 0 blocks in torch.distributed's all_reduce, its peer never joining (SIGINT).
+  async-block rank 0 waits on the Work of an allreduce_async, its peer never joining (SIGINT),
+              then closes its group and says how long the close took.
 """
 
 import json
@@ -114,3 +116,16 @@ elif mode == "dist-block":
     except KeyboardInterrupt:
         report("interrupted", at=time.time())
     group.close()
+
+elif mode == "async-block":
+    data = np.ones(1000, dtype=np.float32)
+    try:
+        report("blocking")
+        comm.allreduce_async(data).wait()
+        report("returned")
+    except KeyboardInterrupt:
+        report("interrupted", at=time.time())
+    # The queued call was aborted with the interrupted wait: the close does not wait for it.
+    started = time.monotonic()
+    group.close()
+    report("closed", seconds=time.monotonic() - started)
