@@ -37,6 +37,7 @@ torch group to the new generation (:meth:`CohortBackend.reconfigure`).
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
 from typing import Any, Callable, Optional, Union
@@ -242,19 +243,37 @@ class _Outcome:
     works: "tuple[Work, ...]" = ()
 
 
+#: How long the interpreter's exit waits for the completer to finish the Works it holds.
+_EXIT_WAIT = 10.0
+
+
 class _Completer:
     """Completes torch futures from cohort Works on one thread, in issue order."""
 
     def __init__(self) -> None:
-        self._queue: "queue.Queue[tuple[list[Work], Future, _Outcome, Any, Optional[Callable[[], None]]]]" = (
+        self._queue: "queue.Queue[Optional[tuple[list[Work], Future, _Outcome, Any, Optional[Callable[[], None]]]]]" = (
             queue.Queue()
         )
         self._thread = threading.Thread(target=self._run, name="cohort-torch-completer", daemon=True)
         self._thread.start()
+        atexit.register(self._finish)
+
+    def _finish(self) -> None:
+        """At the interpreter's exit: lets the thread complete the futures of the Works it has
+        (for at most ``_EXIT_WAIT`` seconds), then stops it. A daemon thread still inside
+        torch's C++ (completing a future) when the interpreter finalizes is ended by
+        ``pthread_exit``, whose unwinding through torch's frames aborts the whole process
+        ("terminate called without an active exception"): seen after Ctrl-C in
+        ``dist.all_reduce``, whose aborted Work the thread was still completing."""
+        self._queue.put(None)
+        self._thread.join(timeout=_EXIT_WAIT)
 
     def _run(self) -> None:
         while True:
-            works, fut, outcome, result, then = self._queue.get()
+            item = self._queue.get()
+            if item is None:
+                return
+            works, fut, outcome, result, then = item
             error: Optional[BaseException] = None
             for work in works:  # every Work is waited for (its buffers stay alive until then)
                 try:
