@@ -31,8 +31,9 @@
 //!
 //! Workers share HTTP/2 connections, at most 1,024 of them per run (one each up to 1,024
 //! workers, then `ceil(n / 1024)` to a connection), since a process has a bounded number of
-//! descriptors and the coordinator serves both ends here. Targets are reported in docs/benchmarks.md, never asserted here. Every
-//! wait has a deadline, so a stuck coordinator fails the bench instead of hanging it.
+//! descriptors and the coordinator serves both ends here. Targets are reported in
+//! docs/benchmarks-journal.md ("Control plane"), never asserted here. Every wait has a
+//! deadline, so a stuck coordinator fails the bench instead of hanging it.
 
 #[path = "../tests/common/mod.rs"]
 mod common;

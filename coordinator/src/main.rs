@@ -14,8 +14,9 @@ use std::time::Duration;
 
 /// The coordinator allocates and frees many small objects per request (answers, member
 /// entries, watch events) on every runtime thread at once; glibc's allocator spent a third
-/// of the coordinator's CPU on that at 16,384 members (docs/benchmarks.md, "Scale"). Built
-/// without transparent huge pages (the `no_thp` feature, coordinator/Cargo.toml).
+/// of the coordinator's CPU on that at 16,384 members (docs/benchmarks-journal.md, "The
+/// coordinator's allocator"). Built without transparent huge pages (the `no_thp` feature,
+/// coordinator/Cargo.toml).
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 

@@ -5,7 +5,7 @@
 //! drives the sockets, timers and tasks itself, as `cohort-worker bench` and `train` do on
 //! their current-thread runtimes, and a receive that parks wakes the same thread (a
 //! multi-thread runtime, whose worker drives the reactor, measured 6-11% slower at 16 MiB:
-//! docs/benchmarks.md). While no call runs, a driver thread holds the core so that the
+//! docs/benchmarks-journal.md). While no call runs, a driver thread holds the core so that the
 //! group's background tasks (heartbeats, the watch stream, commit reports, the SIGTERM
 //! listener) keep running while Python computes. It takes the core back only after
 //! [`DRIVER_GRACE`] without calls, so back-to-back collectives never wait for a hand-over.

@@ -64,7 +64,7 @@ def test_two_workers_high_level_and_ddp_give_the_same_parameters(coordinator_fac
 
 
 def test_ddp_fed_by_a_dataloader_with_workers_matches_gloo(spawn):
-    # The busy-cores benchmark's job (docs/benchmarks.md): DDP with DataLoader(num_workers=2)
+    # The busy-cores benchmark's job (docs/benchmarks-journal.md): DDP with DataLoader(num_workers=2)
     # on each backend, one epoch; both must end with the same parameters.
     lines = {}
     for backend in ("gloo", "cohort"):

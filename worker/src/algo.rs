@@ -14,7 +14,7 @@ pub const AUTO_RING_MIN_BYTES_TWO_RANKS: usize = 64 * 1024;
 /// On three or more ranks, messages below this many bytes go to recursive doubling under
 /// [`Algorithm::Auto`] (about log2(n) rounds of whole-vector exchanges), and to the ring at
 /// and above it (2(n-1) rounds, each moving 1/n of the vector). The ring's extra rounds cost
-/// more the more ranks there are: measured on loopback TCP (`docs/benchmarks.md`,
+/// more the more ranks there are: measured on loopback TCP (`docs/benchmarks-journal.md`,
 /// "Choosing the algorithm") recursive doubling takes 0.4-0.75 of the ring's time up to
 /// 128 KiB on 3 and 4 ranks, they tie at 256 KiB, and the ring wins from 512 KiB. The
 /// latency-bandwidth model puts the crossover for 8-16 ranks at 9-12 times the bytes a link

@@ -3,7 +3,7 @@
 //! A large job's formation is thousands of members each reading a few keys and writing a few
 //! records at about the same time. Sent one by one, every write is its own raft entry and
 //! every read its own linearizable round trip, and etcd's request rate, not the coordinator,
-//! bounds how fast the job forms (docs/benchmarks.md, "Where etcd's time goes").
+//! bounds how fast the job forms (docs/benchmarks-journal.md, "Where etcd's time goes").
 //!
 //! [`Batcher`] queues single-key reads ([`Request::Get`]) and writes ([`Request::Put`], and
 //! [`Request::Txn`] without a failure branch) and sends whatever has queued up as one etcd

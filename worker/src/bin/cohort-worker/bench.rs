@@ -134,7 +134,7 @@ pub(crate) fn bind_by_default(ranks: u32) -> bool {
 /// Binds the calling process to the `index`-th CPU it may run on. Left to itself, the
 /// scheduler often packs two ranks onto one CPU of a 2-CPU machine, and every hand-over
 /// between them then waits for the other to be scheduled (measured: 4 KiB allreduce 9 us
-/// instead of 2 us; docs/benchmarks.md).
+/// instead of 2 us; docs/benchmarks-journal.md, "Where the time went (shared memory)").
 pub(crate) fn bind_to_cpu(index: usize) -> Result<(), String> {
     let cpus = allowed_cpus();
     let Some(&cpu) = cpus.get(index % cpus.len().max(1)) else { return Err("no CPU to bind to".into()) };
@@ -306,7 +306,7 @@ pub(crate) fn run_parent(config: &BenchConfig) -> Result<Vec<BenchRow>, String> 
 
 /// Single-thread memcpy bandwidth of this machine in GB/s (bytes copied per second; each
 /// byte is read once and written once): the best of a few copies of 64 MiB. This is the
-/// limit a shared-memory transport works against (docs/benchmarks.md).
+/// limit a shared-memory transport works against (docs/benchmarks-journal.md, "One host").
 pub(crate) fn memcpy_bandwidth() -> f64 {
     const LEN: usize = 64 << 20;
     let src = vec![1u8; LEN];
@@ -569,7 +569,7 @@ async fn measure<E: ExactElement, T: Transport>(
             // And again before checking: a rank that finished first must not verify (a pass
             // over the whole buffer) while a rank that shares its CPU is still inside its timed
             // collective. With more ranks than CPUs that overlap took most of the CPU and
-            // inflated the slowest rank's time (docs/benchmarks.md); Open MPI's and Gloo's
+            // inflated the slowest rank's time (docs/benchmarks-journal.md); Open MPI's and Gloo's
             // scripts time the collective alone, and so does this loop.
             comm.barrier().await.map_err(|e| e.to_string())?;
             if let Some(j) = pattern.first_mismatch(&buf) {

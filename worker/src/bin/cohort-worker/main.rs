@@ -309,7 +309,7 @@ fn init_tracing() {
 }
 
 /// One rank per process, one thread per rank: a current-thread runtime. Measured on 2 cores
-/// with 2 ranks (docs/benchmarks.md), it cuts 4 KiB allreduce latency from ~55 us to ~23 us
+/// with 2 ranks (docs/benchmarks-journal.md), it cuts 4 KiB allreduce latency from ~55 us to ~23 us
 /// against a 2-worker multi-thread runtime, because every message wake-up stays on the thread
 /// that polls the socket instead of hopping between workers. Heartbeats, the watch stream
 /// and revocation run as tasks on the same thread and make progress whenever a collective
