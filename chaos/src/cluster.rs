@@ -16,6 +16,7 @@ use tokio::sync::mpsc;
 /// Which store the coordinators use: the coordinator's own type. The cluster provisions it
 /// (starts an etcd for `Etcd`) and passes the coordinators its [`StoreSpec`]; a store that
 /// replicas cannot share runs one coordinator.
+use cohort_coordinator::announce::Announced;
 pub use cohort_coordinator::store::StoreKind;
 use cohort_coordinator::store::StoreSpec;
 
@@ -373,7 +374,7 @@ impl Cluster {
         let mut process = ManagedProcess::spawn(&name, cmd, &self.log_dir, self.lines_tx.clone())
             .map_err(|e| ClusterError::Setup(e.to_string()))?;
         // The coordinator prints `cohort-coordinator listening on ADDR` once serving, after
-        // `cohort-coordinator metrics on ADDR` when it serves metrics. One that exits first
+        // `cohort-coordinator metrics on ADDR` when it serves metrics (`announce`). One that exits first
         // (a bad flag, a port in use) fails the start at once, with its log's last lines.
         let deadline = Duration::from_secs(20);
         let mut metrics = None;
@@ -392,10 +393,10 @@ impl Cluster {
                     }
                 };
                 if line.name == name {
-                    if let Some(addr) = line.line.strip_prefix("cohort-coordinator metrics on ") {
-                        metrics = Some(addr.trim().to_string());
-                    } else if let Some(addr) = line.line.strip_prefix("cohort-coordinator listening on ") {
-                        return Some(addr.trim().to_string());
+                    match cohort_coordinator::announce::parse(&line.line) {
+                        Some(Announced::Metrics(addr)) => metrics = Some(addr.to_string()),
+                        Some(Announced::Listening(addr)) => return Some(addr.to_string()),
+                        None => {}
                     }
                 } else if let Some(e) = event_of(&line) {
                     self.events.push(e);

@@ -62,6 +62,16 @@ pub enum ScrapeError {
 /// # Cancel safety
 /// Cancel safe: the connection is dropped with the future.
 pub async fn scrape(addr: &str, timeout: Duration) -> Result<Samples, ScrapeError> {
+    let body = scrape_text(addr, timeout).await?;
+    parse_text(&body).map_err(|what| ScrapeError::BadResponse { addr: addr.to_string(), what })
+}
+
+/// `GET /metrics` from `addr` (`HOST:PORT`): the body of a 200 answer in the Prometheus text
+/// format, unparsed (see [`parse_text`] and [`metric_names`]).
+///
+/// # Cancel safety
+/// Cancel safe: the connection is dropped with the future.
+pub async fn scrape_text(addr: &str, timeout: Duration) -> Result<String, ScrapeError> {
     let io = |source| ScrapeError::Io { addr: addr.to_string(), source };
     let response = tokio::time::timeout(timeout, async {
         let mut stream = tokio::net::TcpStream::connect(addr).await.map_err(io)?;
@@ -88,7 +98,31 @@ pub async fn scrape(addr: &str, timeout: Duration) -> Result<Samples, ScrapeErro
     if !text_plain {
         return Err(bad("no `content-type: text/plain` (the Prometheus text format)".into()));
     }
-    parse_text(body).map_err(bad)
+    Ok(body.to_string())
+}
+
+/// Every metric name an exposition declares or serves: the name of each `# TYPE` line (with
+/// `_bucket`, `_sum` and `_count` for a histogram, `_sum` and `_count` for a summary, the
+/// names a query uses), even when it has no series yet (a labelled counter before its first
+/// event), and the name of each sample.
+pub fn metric_names(body: &str) -> std::collections::BTreeSet<String> {
+    let mut names = std::collections::BTreeSet::new();
+    for line in body.lines().map(str::trim) {
+        if let Some(declared) = line.strip_prefix("# TYPE ") {
+            let mut fields = declared.split_whitespace();
+            let (Some(name), kind) = (fields.next(), fields.next()) else { continue };
+            let suffixes: &[&str] = match kind {
+                Some("histogram") => &["", "_bucket", "_sum", "_count"],
+                Some("summary") => &["", "_sum", "_count"],
+                _ => &[""],
+            };
+            names.extend(suffixes.iter().map(|s| format!("{name}{s}")));
+        } else if !line.is_empty() && !line.starts_with('#') {
+            let end = line.find(|c: char| c == '{' || c.is_whitespace()).unwrap_or(line.len());
+            names.insert(line[..end].to_string());
+        }
+    }
+    names
 }
 
 /// The metric name of a series (`name{...}` or `name`).
@@ -171,6 +205,17 @@ mod tests {
             let err = parse_text(body).expect_err(body);
             assert!(err.contains(why), "{body:?}: {err}");
         }
+    }
+
+    #[test]
+    fn names_come_from_type_lines_and_samples() {
+        let body = "# HELP a_total A.\n# TYPE a_total counter\n# TYPE h_seconds histogram\n\
+                    h_seconds_bucket{le=\"+Inf\"} 0\nplain 1\nlabelled{x=\"y z\"} 2\n";
+        let names: Vec<String> = metric_names(body).into_iter().collect();
+        assert_eq!(
+            names,
+            ["a_total", "h_seconds", "h_seconds_bucket", "h_seconds_count", "h_seconds_sum", "labelled", "plain"]
+        );
     }
 
     #[tokio::test]

@@ -5,6 +5,7 @@ use crate::netns::NetLab;
 use crate::report::{self, RunReport};
 use crate::runner::{self, RunOptions};
 use crate::scenario::{NetworkChoice, Scenario, ScenarioError};
+use cohort_proto::progress::{Mode, Progress, Total};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -50,31 +51,47 @@ pub fn load_dir(dir: &Path, quick: bool) -> Result<Vec<Scenario>, ScenarioError>
 /// # Cancel safety
 /// Cancel safe: dropping it kills the current run's processes.
 pub async fn run_all(scenarios: &[Scenario], opts: &RunOptions) -> Vec<RunReport> {
+    let progress = Progress::with_mode("chaos", Total::Items(scenarios.len() as u64), progress_mode(opts));
     let mut reports = Vec::new();
     for s in scenarios {
         let t = Instant::now();
-        println!("== {} (seed {}): {}", s.name, opts.seed.unwrap_or(s.seed), s.description);
+        let seed = opts.seed.unwrap_or(s.seed);
+        progress.suspend(|| println!("== {} (seed {seed}): {}", s.name, s.description));
+        progress.start(format!("{} (seed {seed})", s.name));
         if s.network == NetworkChoice::Netns {
             if let Err(why) = NetLab::probe() {
                 let why = format!("network namespaces are unavailable here: {why}");
-                println!("   SKIPPED: {why}");
-                reports.push(RunReport::skipped(&s.name, opts.seed.unwrap_or(s.seed), why));
+                progress.suspend(|| println!("   SKIPPED: {why}"));
+                progress.done("skipped");
+                reports.push(RunReport::skipped(&s.name, seed, why));
                 continue;
             }
         }
         let mut o = opts.clone();
         o.log_dir = opts.log_dir.as_ref().map(|d| d.join(&s.name));
         let r = runner::run(s, &o).await;
-        println!(
-            "   {} in {:.1} s{}",
-            if r.passed { "pass" } else { "FAIL" },
-            t.elapsed().as_secs_f64(),
-            r.log_dir.as_ref().map(|d| format!(" (logs: {d})")).unwrap_or_default()
-        );
-        print_failures(&r);
+        let outcome = if r.passed { "pass" } else { "FAIL" };
+        progress.suspend(|| {
+            println!(
+                "   {outcome} in {:.1} s{}",
+                t.elapsed().as_secs_f64(),
+                r.log_dir.as_ref().map(|d| format!(" (logs: {d})")).unwrap_or_default()
+            );
+            print_failures(&r);
+        });
+        progress.done(outcome);
         reports.push(r);
     }
     reports
+}
+
+/// How a suite or soak shows its progress on stderr: a bar on a terminal, plain lines
+/// elsewhere, and plain lines under `--verbose` too (its own lines would break a bar).
+fn progress_mode(opts: &RunOptions) -> Mode {
+    match Mode::detect() {
+        Mode::Bar if opts.verbose => Mode::Lines,
+        mode => mode,
+    }
 }
 
 /// Whether `runs` and `targets` make a PASS: at least one run, every run passed (a skipped
@@ -112,25 +129,30 @@ pub async fn soak(
     opts: &RunOptions,
 ) -> Vec<RunReport> {
     let start = Instant::now();
+    let progress = Progress::with_mode(format!("soak {}", scenario.name), Total::Time(duration), progress_mode(opts));
     let mut reports = Vec::new();
     let mut kills = 0;
     while start.elapsed() < duration && reports.len() < max_runs {
         let mut o = opts.clone();
         o.seed = Some(seed + reports.len() as u64);
         o.log_dir = opts.log_dir.as_ref().map(|d| d.join(format!("{}-{}", scenario.name, seed + reports.len() as u64)));
+        progress.start(format!("run {} (seed {})", reports.len() + 1, seed + reports.len() as u64));
         let r = runner::run(scenario, &o).await;
         kills += r.faults.iter().filter(|f| f.kind == crate::scenario::FaultKind::Kill).count();
-        println!(
-            "soak run {} (seed {}): {} in {:.1} s, {} faults, {kills} kills so far, {:.0} s elapsed{}",
-            reports.len() + 1,
-            r.seed,
-            if r.passed { "pass" } else { "FAIL" },
-            r.wall_ms as f64 / 1e3,
-            r.faults.len(),
-            start.elapsed().as_secs_f64(),
-            r.log_dir.as_ref().map(|d| format!(" (logs: {d})")).unwrap_or_default()
-        );
-        print_failures(&r);
+        let outcome = if r.passed { "pass" } else { "FAIL" };
+        progress.suspend(|| {
+            println!(
+                "soak run {} (seed {}): {outcome} in {:.1} s, {} faults, {kills} kills so far, {:.0} s elapsed{}",
+                reports.len() + 1,
+                r.seed,
+                r.wall_ms as f64 / 1e3,
+                r.faults.len(),
+                start.elapsed().as_secs_f64(),
+                r.log_dir.as_ref().map(|d| format!(" (logs: {d})")).unwrap_or_default()
+            );
+            print_failures(&r);
+        });
+        progress.done(outcome);
         reports.push(r);
     }
     reports

@@ -422,11 +422,17 @@ impl CoordinatorProcess {
                 let _ = tx.send(line);
             }
         });
-        let line = rx.recv_timeout(START_BOUND).map_err(|_| "cohort-coordinator printed no address".to_string())?;
-        let addr = line
-            .strip_prefix("cohort-coordinator listening on ")
-            .and_then(|a| a.trim().parse().ok())
-            .ok_or_else(|| format!("unexpected first line {line:?}"))?;
+        // Its `listening on` line (after a `metrics on` one, when it serves metrics).
+        let deadline = std::time::Instant::now() + START_BOUND;
+        let addr = loop {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            let line = rx.recv_timeout(left).map_err(|_| "cohort-coordinator printed no address".to_string())?;
+            match cohort_coordinator::announce::parse(&line) {
+                Some(cohort_coordinator::announce::Announced::Listening(addr)) => break addr,
+                Some(cohort_coordinator::announce::Announced::Metrics(_)) => continue,
+                None => return Err(format!("unexpected line {line:?}")),
+            }
+        };
         Ok(Self { child, addr })
     }
 

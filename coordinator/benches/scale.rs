@@ -93,6 +93,7 @@
 //! ...; `COHORT_SCALE_COORDINATOR=PATH` runs another build of `cohort-coordinator` (an older
 //! commit's, for a before-and-after in one sitting).
 
+use cohort_proto::progress::{Progress, Total};
 use cohort_proto::v1 as pb;
 use cohort_proto::v1::coordinator_client::CoordinatorClient;
 use cohort_testkit::etcd::EtcdProcess;
@@ -256,9 +257,23 @@ impl Plan {
     }
 }
 
-/// Awaits `f` for at most `bound`, failing with `what` when it takes longer.
+/// The progress of the store's run in progress (its phases, on stderr), while one runs.
+static PROGRESS: std::sync::Mutex<Option<Progress>> = std::sync::Mutex::new(None);
+
+/// Runs `f` with the run's progress, if one is set.
+fn with_progress(f: impl FnOnce(&Progress)) {
+    if let Some(p) = PROGRESS.lock().unwrap_or_else(std::sync::PoisonError::into_inner).as_ref() {
+        f(p);
+    }
+}
+
+/// Awaits `f` for at most `bound`, failing with `what` when it takes longer. `what` is the
+/// phase the progress shows meanwhile.
 async fn within<T>(bound: Duration, what: &str, f: impl std::future::Future<Output = T>) -> Result<T, String> {
-    tokio::time::timeout(bound, f).await.map_err(|_| format!("{what}: no result within {bound:?}"))
+    with_progress(|p| p.start(what));
+    let result = tokio::time::timeout(bound, f).await.map_err(|_| format!("{what}: no result within {bound:?}"));
+    with_progress(|p| p.done(if result.is_ok() { "" } else { "timed out" }));
+    result
 }
 
 fn ms(d: Duration) -> f64 {
@@ -336,11 +351,17 @@ impl Coordinator {
                 let _ = tx.send(line);
             }
         });
-        let line = rx.recv_timeout(START_BOUND).map_err(|_| "cohort-coordinator printed no address".to_string())?;
-        let addr = line
-            .strip_prefix("cohort-coordinator listening on ")
-            .and_then(|a| a.trim().parse().ok())
-            .ok_or_else(|| format!("unexpected first line {line:?}"))?;
+        // Its `listening on` line (after a `metrics on` one, when it serves metrics).
+        let deadline = std::time::Instant::now() + START_BOUND;
+        let addr = loop {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            let line = rx.recv_timeout(left).map_err(|_| "cohort-coordinator printed no address".to_string())?;
+            match cohort_coordinator::announce::parse(&line) {
+                Some(cohort_coordinator::announce::Announced::Listening(addr)) => break addr,
+                Some(cohort_coordinator::announce::Announced::Metrics(_)) => continue,
+                None => return Err(format!("unexpected line {line:?}")),
+            }
+        };
         Ok(Self { child, addr })
     }
 
@@ -1201,6 +1222,8 @@ async fn run(plan: &Plan, store: &str, relays: &tokio::runtime::Handle) -> Resul
     if plan.join_concurrency != JOIN_CONCURRENCY {
         txn_ops.push_str(&format!(" join_concurrency={}", plan.join_concurrency));
     }
+    // The results line goes to stdout with the bar gone.
+    with_progress(Progress::finish);
     println!(
         "scale store={store} mode={mode} members={n} replicas={replicas}{txn_ops} connections={connections} fetched_per_member={:.1} \
          join_to_formed_ms={:.0} joins_retried={joins_retried} formation_cpu_s={:.2} watches_ms={:.0} watches_cpu_s={:.2} \
@@ -1259,7 +1282,12 @@ fn main() {
         );
         for store in &plan.stores {
             let t = Instant::now();
-            match run(&plan, store, relays.handle()).await {
+            *PROGRESS.lock().unwrap_or_else(std::sync::PoisonError::into_inner) =
+                Some(Progress::new(format!("scale store={store}"), Total::Unknown));
+            let result = run(&plan, store, relays.handle()).await;
+            // Dropped: the bar is gone before the results are printed.
+            PROGRESS.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take();
+            match result {
                 Ok(()) => eprintln!("scale store={store}: done in {:.1} s", t.elapsed().as_secs_f64()),
                 Err(e) => {
                     let mode = if plan.compact { "compact" } else { "full" };

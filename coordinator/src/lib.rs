@@ -9,7 +9,8 @@
 //!
 //! What an embedding program needs: [`server`] ([`start`], [`serve`], [`ServeConfig`]),
 //! [`config`] (job settings and the policies they name) and [`store`] (the [`store::Store`]
-//! trait, its memory and etcd backends, and [`store::StoreSpec`], the `--store` flag).
+//! trait, its memory and etcd backends, and [`store::StoreSpec`], the `--store` flag); and
+//! what a launcher needs: [`announce`] (the address lines `serve` prints).
 //!
 //! # Internals and the `test-support` feature
 //!
@@ -23,6 +24,7 @@
 //! public, as tokio's `test-util` does. That feature is not part of the stable API: anything
 //! under it may change in any release, and nothing outside this workspace should enable it.
 
+pub mod announce;
 pub(crate) mod auth;
 mod bounded;
 pub mod config;

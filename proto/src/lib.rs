@@ -12,6 +12,8 @@ pub mod v1 {
 
 pub mod credentials;
 pub mod process_metrics;
+#[cfg(feature = "progress")]
+pub mod progress;
 
 /// Protocol version this crate speaks; the coordinator refuses joins from other versions.
 pub const PROTOCOL_VERSION: u32 = 1;

@@ -19,15 +19,18 @@ the extension with their facts as attributes. Ctrl-C during a blocking call rais
 unusable, as after any failure).
 """
 
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union, final
 
 from cohort.config import GroupConfig
 
 Buffer = Any  # numpy.ndarray | torch.Tensor | bytearray | memoryview
 ReduceOpName = str  # "sum" | "prod" | "min" | "max" | "avg"
 
+__all__ = ["__version__", "Group", "Communicator", "Member", "Work", "Checkpoint", "SyncOutcome", "init_logging"]
+
 __version__: str
 
+@final
 class Member:
     """One member of a generation, as the coordinator formed it."""
 
@@ -36,6 +39,7 @@ class Member:
     host: str
     address: str
 
+@final
 class Work:
     """A collective started with ``*_async``; runs on the communicator's worker thread, in
     issue order with every other call of the communicator."""
@@ -46,6 +50,7 @@ class Work:
         collective's error (once; later calls raise it again)."""
     def is_completed(self) -> bool: ...
 
+@final
 class Communicator:
     """The collectives of one generation. Obtained from ``Group.next_generation()``. After
     any failure it is poisoned: every later call raises the same error. When the
@@ -86,11 +91,13 @@ class Communicator:
     def close(self) -> None:
         """Closes the links (peers see this rank gone). Idempotent."""
 
+@final
 class SyncOutcome:
     step: Optional[int]  # the commit every member now holds (None: nothing committed yet)
     source: int  # the rank whose commit was broadcast
     changed: bool  # whether this member's state changed
 
+@final
 class Checkpoint:
     """The crate's commit/restore/sync, over opaque snapshot bytes."""
 
@@ -110,6 +117,7 @@ class Checkpoint:
         small allreduce that checks that every member committed the same step with the same
         state. Raises a collective error (re-form) or ``DivergedError`` on every rank."""
 
+@final
 class Group:
     """This worker's membership in an elastic job (``ElasticGroup``). Joining happens in
     the constructor; heartbeats and the watch stream run in the background until
@@ -126,13 +134,13 @@ class Group:
 
     config: GroupConfig  # what it joined with
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         config: Union[GroupConfig, str],
         coordinator: Optional[Union[str, Sequence[str]]] = None,
         worker_id: Optional[str] = None,
         **options: Any,
-    ) -> None:
+    ) -> "Group":
         """Joins (blocks; an excluded worker waits out its exclusion) as ``config`` says.
         ``Group(job, coordinator, worker_id, **options)`` is shorthand for
         ``Group(GroupConfig(job, coordinator, worker_id, **options))`` (the options are

@@ -123,6 +123,14 @@ class Coordinator:
         self.process.wait(timeout=10)
 
 
+def coordinator_address(output: str) -> Optional[str]:
+    """The gRPC address a coordinator announced in its stdout (the line
+    ``cohort-coordinator listening on ADDR``, written by coordinator/src/announce.rs), if it
+    has yet. The one reader of that line in the Python tests."""
+    m = re.search(r"^cohort-coordinator listening on (\S+)$", output, re.MULTILINE)
+    return m.group(1) if m else None
+
+
 def start_coordinator(tmp: Path, *args: str, timeout: float = 20.0) -> Coordinator:
     """Starts a coordinator on 127.0.0.1:0 and waits (bounded) for its bound address."""
     log = tmp / f"coordinator-{time.monotonic_ns()}.log"
@@ -135,9 +143,9 @@ def start_coordinator(tmp: Path, *args: str, timeout: float = 20.0) -> Coordinat
     )
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        m = re.search(r"listening on (\S+)", log.read_text())
-        if m:
-            return Coordinator(proc, m.group(1), log)
+        address = coordinator_address(log.read_text())
+        if address:
+            return Coordinator(proc, address, log)
         if proc.poll() is not None:
             raise RuntimeError(f"coordinator exited: {log.read_text()}")
         time.sleep(0.02)  # polling a log file for a line: bounded by the deadline above

@@ -447,11 +447,16 @@ pub(crate) fn spawn(args: &[&str]) -> (Running, std::net::SocketAddr) {
         }
     });
     let running = Running(child);
-    let line = rx.recv_timeout(Duration::from_secs(20)).expect("no 'listening' line within 20 s");
-    let addr = line
-        .strip_prefix("cohort-coordinator listening on ")
-        .unwrap_or_else(|| panic!("unexpected first line {line:?}"))
-        .parse()
-        .expect("an address");
+    // Its `listening on` line (after a `metrics on` one, when it serves metrics).
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let addr = loop {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        let line = rx.recv_timeout(left).expect("no 'listening' line within 20 s");
+        match cohort_coordinator::announce::parse(&line) {
+            Some(cohort_coordinator::announce::Announced::Listening(addr)) => break addr,
+            Some(cohort_coordinator::announce::Announced::Metrics(_)) => continue,
+            None => panic!("unexpected line {line:?}"),
+        }
+    };
     (running, addr)
 }

@@ -14,6 +14,7 @@
 use cohort::elastic::{connect_members, LocalEndpoints, MemberInfo, MeshScope, MeshTransport, TransportChoice};
 use cohort::exact::{ExactElement, OpPattern};
 use cohort::{Algorithm, CommConfig, Communicator, HostLayout, ReduceOp};
+use cohort_proto::progress::{Progress, Total};
 use cohort_transports::shm::{ShmAddress, ShmEndpoint, ShmMeshSpec, ShmOptions};
 use cohort_transports::tcp::{MeshSpec, TcpEndpoint, TcpOptions, Upfront};
 use cohort_transports::{Deadlines, Transport};
@@ -254,10 +255,18 @@ pub(crate) fn run_parent(config: &BenchConfig) -> Result<Vec<BenchRow>, String> 
         let stdin = child.stdin.as_mut().ok_or("child without stdin")?;
         stdin.write_all(list.as_bytes()).map_err(|e| format!("sending addresses: {e}"))?;
     }
-    // Each rank prints `result bytes=B median_us=T` per size, then `done`.
+    // Each rank prints `result bytes=B median_us=T` per size, then `done`. The ranks move
+    // through the sizes together, so rank 0's results are the sweep's progress (stderr).
+    let what = format!("bench {} ranks {} {}", config.ranks, algo_name(config.algo), config.transport.name());
+    let progress = Progress::new(what, Total::Items(config.sizes.len() as u64));
     let mut medians = vec![vec![0f64; config.ranks as usize]; config.sizes.len()];
     for (rank, reader) in readers.iter_mut().enumerate() {
         let mut seen = 0;
+        if rank == 0 {
+            if let Some(first) = config.sizes.first() {
+                progress.start(format!("{first} B"));
+            }
+        }
         for line in std::io::Read::by_ref(reader).lines() {
             let line = line.map_err(|e| format!("rank {rank}: {e}"))?;
             if line == "done" {
@@ -284,7 +293,16 @@ pub(crate) fn run_parent(config: &BenchConfig) -> Result<Vec<BenchRow>, String> 
                     .ok_or_else(|| format!("rank {rank} reported unknown size {b}"))?;
                 medians[i][rank] = m;
                 seen += 1;
+                if rank == 0 {
+                    progress.done("");
+                    if let Some(next) = config.sizes.get(seen) {
+                        progress.start(format!("{next} B"));
+                    }
+                }
             }
+        }
+        if rank == 0 {
+            progress.finish();
         }
         if seen != config.sizes.len() {
             return Err(format!("rank {rank} exited after {seen} of {} sizes", config.sizes.len()));
