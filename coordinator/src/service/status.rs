@@ -6,19 +6,57 @@ use crate::keys;
 use crate::records::{self, JobState, ProgressRecord};
 use crate::validate;
 use cohort_proto::v1 as pb;
-use std::collections::HashMap;
+use crate::store::{KeyValue, StoreError};
+use std::collections::{BTreeMap, HashMap};
 use tonic::Status;
 
 impl CoordinatorService {
     pub(super) async fn do_status(&self, r: pb::StatusRequest) -> Result<pb::StatusResponse, Status> {
         validate::id("job", &r.job)?;
         let (kvs, revision) = self.ctx.store.get_prefix(&keys::job_prefix(&r.job)).await.map_err(store_status)?;
-        let leader = self.ctx.store.get(keys::LEADER).await.map_err(store_status)?;
-        let leader = leader.map(|kv| String::from_utf8_lossy(&kv.value).into_owned()).unwrap_or_default();
+        let leader = self.leader_name().await.map_err(store_status)?;
         if kvs.is_empty() {
             return Err(unknown_job(&r.job, &leader));
         }
         let state = JobState::from_kvs(&r.job, &kvs, revision);
+        Ok(self.status_of(&r.job, &state, leader))
+    }
+
+    /// The name of the replica that leads now (empty: none).
+    ///
+    /// # Cancel safety
+    /// Cancel safe: one read.
+    pub async fn leader_name(&self) -> Result<String, StoreError> {
+        let leader = self.ctx.store.get(keys::LEADER).await?;
+        Ok(leader.map(|kv| String::from_utf8_lossy(&kv.value).into_owned()).unwrap_or_default())
+    }
+
+    /// Every job with keys in the store, by id, as one read of the jobs prefix finds it
+    /// (ended jobs too, until their record expires).
+    ///
+    /// # Cancel safety
+    /// Cancel safe: one read.
+    pub async fn all_jobs(&self) -> Result<Vec<(String, JobState)>, StoreError> {
+        let (kvs, revision) = self.ctx.store.get_prefix(keys::JOBS).await?;
+        let mut by_job: BTreeMap<String, Vec<KeyValue>> = BTreeMap::new();
+        for kv in kvs {
+            let Some(job) = kv.key.strip_prefix(keys::JOBS).and_then(|rest| rest.split('/').next()) else {
+                continue;
+            };
+            if !job.is_empty() {
+                by_job.entry(job.to_string()).or_default().push(kv);
+            }
+        }
+        Ok(by_job.into_iter().map(|(job, kvs)| {
+            let state = JobState::from_kvs(&job, &kvs, revision);
+            (job, state)
+        }).collect())
+    }
+
+    /// The status of `job`, whose keys are `state`, with this replica's newer progress;
+    /// `leader` names the leading replica.
+    pub fn status_of(&self, job: &str, state: &JobState, leader: String) -> pb::StatusResponse {
+        let r = pb::StatusRequest { job: job.to_string() };
         let settings = self.ctx.settings.for_job(&r.job);
         let g = state.current();
         let now = records::now_ms();
@@ -108,7 +146,7 @@ impl CoordinatorService {
                 Some(pb::Exclusion { worker_id: worker.clone(), until_ms, reason: h.reason.clone() })
             })
             .collect();
-        Ok(pb::StatusResponse {
+        pb::StatusResponse {
             exclusions,
             digest_mismatches,
             job: r.job.clone(),
@@ -119,7 +157,7 @@ impl CoordinatorService {
             members,
             ended: state.ended.as_ref().map(|e| e.to_proto()),
             leader,
-        })
+        }
     }
 }
 
