@@ -547,6 +547,20 @@ async fn respond(stream: &mut tokio::net::TcpStream, status: u16, content_type: 
         let _ = stream.write_all(body).await;
     }
     let _ = stream.shutdown().await;
+    // Read what the client still sends (the rest of an oversized head, a body) until it
+    // closes, bounded: a socket closed with unread input is reset, and the reset can discard
+    // the answer before the client reads it.
+    let drain = async {
+        let mut sink = [0u8; 4096];
+        let mut left = 64 * 1024usize;
+        while let Ok(n @ 1..) = stream.read(&mut sink).await {
+            left = left.saturating_sub(n);
+            if left == 0 {
+                break;
+            }
+        }
+    };
+    let _ = tokio::time::timeout(Duration::from_secs(1), drain).await;
 }
 
 /// What the status page's answers carry besides their body: no caching (live data), no

@@ -349,9 +349,14 @@ impl StatusPage {
                 let snapshot = self.snapshot().await?;
                 let body = match caller {
                     Caller::Job(job) => {
-                        let mut own = (*snapshot).clone();
-                        own.jobs.retain(|j| j.job == job);
-                        own.jobs_total = own.jobs.len();
+                        let jobs: Vec<JobPage> = snapshot.jobs.iter().filter(|j| j.job == job).cloned().collect();
+                        let own = PageSnapshot {
+                            now_ms: snapshot.now_ms,
+                            replica: snapshot.replica.clone(),
+                            leader: snapshot.leader.clone(),
+                            jobs_total: jobs.len(),
+                            jobs,
+                        };
                         serde_json::to_vec(&own)
                     }
                     Caller::Anyone | Caller::Operator => serde_json::to_vec(&*snapshot),
