@@ -98,7 +98,7 @@
       const t0 = Math.min(...spans.map((p) => p.from)), t1 = Math.max(now, ...spans.map((p) => p.to));
       const x = (t) => pad + ((t - t0) / Math.max(1, t1 - t0)) * (w - 2 * pad);
       for (const p of spans) {
-        const x0 = x(p.from), x1 = Math.max(x(p.to), x0 + 3);
+        const x0 = x(p.from), x1 = Math.max(x(p.to), x0 + 4);
         const r = svg("rect", { x: x0.toFixed(1), y: 22, width: (x1 - x0).toFixed(1), height: 22, fill: p.color });
         const title = svg("title", {});
         title.textContent = (p.label || "re-forming") + ": " + clock(p.from) + " to " + clock(p.to) + " (" + span(p.to - p.from) + ")";
