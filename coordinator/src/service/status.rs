@@ -56,11 +56,10 @@ impl CoordinatorService {
     /// The status of `job`, whose keys are `state`, with this replica's newer progress;
     /// `leader` names the leading replica.
     pub fn status_of(&self, job: &str, state: &JobState, leader: String) -> pb::StatusResponse {
-        let r = pb::StatusRequest { job: job.to_string() };
-        let settings = self.ctx.settings.for_job(&r.job);
+        let settings = self.ctx.settings.for_job(job);
         let g = state.current();
         let now = records::now_ms();
-        let excluded = crate::rendezvous::excluded(&state, now);
+        let excluded = crate::rendezvous::excluded(state, now);
         // Progress is written to the store at most once per PROGRESS_PERIOD; this replica's
         // cache is newer for the members it serves.
         let cached: HashMap<String, ProgressRecord> = {
@@ -69,7 +68,7 @@ impl CoordinatorService {
                 .members
                 .values()
                 .filter_map(|m| {
-                    let c = cache.get(&(r.job.clone(), m.worker_id.clone()))?;
+                    let c = cache.get(&(job.to_string(), m.worker_id.clone()))?;
                     let stored = state.progress.get(&m.worker_id).filter(|p| p.incarnation == m.incarnation);
                     let newer = c.record.incarnation == m.incarnation
                         && stored.is_none_or(|p| c.record.last_heartbeat_ms >= p.last_heartbeat_ms);
@@ -135,7 +134,7 @@ impl CoordinatorService {
                 (p.last_commit_generation, p.last_commit_step, commit)
             })
         });
-        let seen = self.commits.lock().unwrap_or_else(|e| e.into_inner()).mismatches(&r.job);
+        let seen = self.commits.lock().unwrap_or_else(|e| e.into_inner()).mismatches(job);
         let digest_mismatches =
             digests::merge(seen, digests::among_last_commits(last_commits)).iter().map(|m| m.to_proto()).collect();
         let exclusions = state
@@ -149,7 +148,7 @@ impl CoordinatorService {
         pb::StatusResponse {
             exclusions,
             digest_mismatches,
-            job: r.job.clone(),
+            job: job.to_string(),
             settings: Some(settings.to_proto()),
             current: g.map(|g| g.to_proto()),
             current_revoked: g.is_some_and(|g| g.revoked.is_some()),
