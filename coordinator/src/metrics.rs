@@ -536,6 +536,7 @@ async fn respond(stream: &mut tokio::net::TcpStream, status: u16, content_type: 
         404 => "Not Found",
         405 => "Method Not Allowed",
         431 => "Request Header Fields Too Large",
+        500 => "Internal Server Error",
         503 => "Service Unavailable",
         _ => "Error",
     };

@@ -61,6 +61,9 @@ pub enum PageError {
     /// No such page.
     #[error("no such page: {0}")]
     NotFound(String),
+    /// The snapshot could not be encoded.
+    #[error("encoding the snapshot: {0}")]
+    Encode(#[from] serde_json::Error),
 }
 
 impl From<AuthError> for PageError {
@@ -258,6 +261,7 @@ impl PageResponse {
             PageError::Unauthorized(_) => 401,
             PageError::Store(_) => 503,
             PageError::NotFound(_) => 404,
+            PageError::Encode(_) => 500,
         };
         let body = serde_json::json!({ "error": e.to_string() }).to_string();
         Self { status, content_type: "application/json", body: body.into_bytes() }
@@ -361,7 +365,7 @@ impl StatusPage {
                     }
                     Caller::Anyone | Caller::Operator => serde_json::to_vec(&*snapshot),
                 };
-                let body = body.map_err(|e| PageError::Store(format!("encoding the snapshot: {e}")))?;
+                let body = body?;
                 Ok(PageResponse::ok("application/json", body))
             }
             other => Err(PageError::NotFound(other.to_string())),
