@@ -83,13 +83,15 @@
   function timelineChart(job, now) {
     const w = 520, h = 70, pad = 4;
     const box = el("div", { class: "chart recovery-chart" });
-    const spans = [];
+    const spans = [], gaps = [];
     for (const f of job.failures) {
       spans.push({ from: f.formed_at_ms, to: f.revoked_at_ms, color: "#66bb6a", label: "g" + f.generation });
-      spans.push({ from: f.revoked_at_ms, to: f.reformed_at_ms || now, color: "#e53935", label: "" });
+      gaps.push({ from: f.revoked_at_ms, to: f.reformed_at_ms || now, color: "#e53935", label: "" });
     }
     const g = job.generation;
     if (g && !g.revoked_at_ms) spans.push({ from: g.formed_at_ms, to: now, color: "#66bb6a", label: "g" + g.number });
+    // Re-formations last, so that however short they are, they are drawn over the generations.
+    spans.push(...gaps);
     const total = job.failures.reduce((a, f) => a + f.cost_ms, 0);
     box.appendChild(el("div", { class: "label" }, "recovery timeline: " + job.failures.length + " failure(s), " + span(total) + " re-forming"));
     const s = svg("svg", { width: w, height: h, viewBox: "0 0 " + w + " " + h, role: "img" });
