@@ -48,26 +48,61 @@ impl TokenCheck {
         Self { secrets: secrets.iter().map(|s| s.as_bytes().to_vec()).collect() }
     }
 
+    /// Whether requests must carry a credential.
+    pub(crate) fn required(&self) -> bool {
+        !self.secrets.is_empty()
+    }
+
     /// Authenticates one request's token.
     pub(crate) fn check<T>(&self, request: &Request<T>) -> Result<Caller, Status> {
+        let header = match request.metadata().get(cohort_proto::AUTHORIZATION_HEADER) {
+            None => None,
+            Some(value) => Some(value.to_str().unwrap_or("")),
+        };
+        self.check_header(header).map_err(|e| Status::unauthenticated(e.to_string()))
+    }
+
+    /// Authenticates an `authorization` header's value (`None`: the request had none).
+    pub(crate) fn check_header(&self, header: Option<&str>) -> Result<Caller, AuthError> {
         if self.secrets.is_empty() {
             return Ok(Caller::Anyone);
         }
-        let Some(value) = request.metadata().get(cohort_proto::AUTHORIZATION_HEADER) else {
-            return Err(Status::unauthenticated("missing job token (authorization: Bearer <token>)"));
-        };
-        let Some(token) = value.to_str().ok().and_then(|v| v.strip_prefix("Bearer ")) else {
-            return Err(Status::unauthenticated("the authorization header is not `Bearer <token>`"));
-        };
+        let header = header.ok_or(AuthError::Missing)?;
+        let token = header.strip_prefix("Bearer ").ok_or(AuthError::NotBearer)?;
+        self.check_token(token)
+    }
+
+    /// Authenticates a bare token (the operator secret or a job credential).
+    pub(crate) fn check_token(&self, token: &str) -> Result<Caller, AuthError> {
+        if self.secrets.is_empty() {
+            return Ok(Caller::Anyone);
+        }
         if self.secrets.iter().any(|s| constant_time_eq(token.as_bytes(), s)) {
             return Ok(Caller::Operator);
         }
         match job_of_token(token) {
             Some(job) if is_job_token_of(token, job, &self.secrets) => Ok(Caller::Job(job.to_string())),
-            Some(job) => Err(Status::unauthenticated(format!("the credential for job {job:?} is not valid here"))),
-            None => Err(Status::unauthenticated("wrong job token")),
+            Some(job) => Err(AuthError::ForeignJobCredential(job.to_string())),
+            None => Err(AuthError::Wrong),
         }
     }
+}
+
+/// Why a credential was refused.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub(crate) enum AuthError {
+    /// The request carried none.
+    #[error("missing job token (authorization: Bearer <token>)")]
+    Missing,
+    /// The `authorization` header is not a bearer token.
+    #[error("the authorization header is not `Bearer <token>`")]
+    NotBearer,
+    /// A job credential that no accepted operator secret derives.
+    #[error("the credential for job {0:?} is not valid here")]
+    ForeignJobCredential(String),
+    /// Neither an operator secret nor a job credential.
+    #[error("wrong job token")]
+    Wrong,
 }
 
 impl tonic::service::Interceptor for TokenCheck {

@@ -9,8 +9,9 @@
 //!
 //! What an embedding program needs: [`server`] ([`start`], [`serve`], [`ServeConfig`]),
 //! [`config`] (job settings and the policies they name) and [`store`] (the [`store::Store`]
-//! trait, its memory and etcd backends, and [`store::StoreSpec`], the `--store` flag); and
-//! what a launcher needs: [`announce`] (the address lines `serve` prints).
+//! trait, its memory and etcd backends, and [`store::StoreSpec`], the `--store` flag);
+//! [`status_summary`] and [`status_view`] (a job's status summarised, and as JSON); and what a
+//! launcher needs: [`announce`] (the address lines `serve` prints).
 //!
 //! # Internals and the `test-support` feature
 //!
@@ -19,7 +20,7 @@
 //! `exclusion`, `stragglers` and `digests` (pure decision logic), `ops` (CAS mutations),
 //! `hub` (per-job live views), `service` (the RPCs), `leader` (election and timers),
 //! `sweep` (silent members on hosts' shared leases),
-//! `metrics`. They are private unless the `test-support` feature is on, which makes the
+//! `metrics` and `status_page` (the metrics listener's `/metrics` and live status page). They are private unless the `test-support` feature is on, which makes the
 //! ones the coordinator's own tests, benchmarks and the simulation (`cohort-sim`) reach into
 //! public, as tokio's `test-util` does. That feature is not part of the stable API: anything
 //! under it may change in any release, and nothing outside this workspace should enable it.
@@ -36,6 +37,7 @@ pub(crate) mod report;
 pub(crate) mod revocation;
 pub mod server;
 pub mod status_summary;
+pub mod status_view;
 pub mod store;
 pub(crate) mod sweep;
 
@@ -52,7 +54,7 @@ macro_rules! internal_modules {
     )*};
 }
 
-internal_modules!(exclusion, hub, keys, metrics, ops, records, service, stragglers, validate);
+internal_modules!(exclusion, hub, keys, metrics, ops, records, service, status_page, stragglers, validate);
 
 pub use config::{ExclusionPolicy, JobSettings, LeaseScope, Settings, StragglerPolicy};
 pub use server::{serve, start, ServeConfig, ServeError, ServerHandle};

@@ -509,94 +509,11 @@ fn print_notes(s: &pb::StatusResponse, now: u64) {
     }
 }
 
-/// The status as one JSON object: the table's facts, times as ms since the epoch plus the
-/// ages the table shows (`heartbeat_age_ms`), so that scripts need no clock of their own.
-fn status_json(s: &pb::StatusResponse) -> serde_json::Value {
-    use serde_json::json;
-    let now = now_ms();
-    let cause = s.revocation_cause.as_ref().map(|c| {
-        json!({ "rank": c.rank, "worker_id": c.worker_id, "host": c.host, "reason": c.reason, "reported_by": c.reported_by,
-                "domain": c.domain, "lost_ranks": c.lost_ranks })
-    });
-    let generation = s.current.as_ref().map(|g| {
-        json!({
-            "number": g.number,
-            "formed_at_ms": g.formed_at_ms,
-            "revoked": s.current_revoked,
-            "members": g.members.iter().map(|m| json!({ "rank": m.rank, "worker_id": m.worker_id, "host": m.host, "domain": m.domain })).collect::<Vec<_>>(),
-        })
-    });
-    let mut members = s.members.clone();
-    members.sort_by_key(|m| (m.rank.unwrap_or(u32::MAX), m.worker_id.clone()));
-    let members: Vec<_> = members
-        .iter()
-        .map(|m| {
-            json!({
-                "worker_id": m.worker_id,
-                "incarnation": m.incarnation,
-                "host": m.host,
-                "domain": m.domain,
-                "rank": m.rank,
-                "last_heartbeat_ms": m.last_heartbeat_ms,
-                "heartbeat_age_ms": now.saturating_sub(m.last_heartbeat_ms),
-                "generation": m.generation,
-                "step": m.step,
-                "activity": m.activity,
-                "deadlines": m.deadlines,
-                "last_commit_step": m.last_commit_step,
-                "last_commit_digest": m.last_commit_digest,
-                "waiting": m.waiting,
-                "control_connected": m.control_connected,
-                "timing": m.timing.as_ref().map(|t| json!({
-                    "steps": t.steps,
-                    "compute_us": t.compute_us,
-                    "collective_us": t.collective_us,
-                    "peer_waits": t.peer_waits.iter().map(|w| json!({ "rank": w.rank, "wait_us": w.wait_us })).collect::<Vec<_>>(),
-                })),
-                "straggler": m.straggler.as_ref().map(|v| json!({
-                    "kind": v.kind,
-                    "ratio": v.ratio,
-                    "reports": v.reports,
-                    "reason": v.reason,
-                    "since_ms": v.since_ms,
-                    "action": v.action,
-                })),
-            })
-        })
-        .collect();
-    let ended = s.ended.as_ref().map(|e| {
-        let outcome = pb::job_ended::Outcome::try_from(e.outcome).map(|o| o.as_str_name()).unwrap_or("UNKNOWN");
-        json!({ "outcome": outcome, "reason": e.reason })
-    });
-    let settings = s.settings.as_ref().map(|set| {
-        json!({
-            "min_workers": set.min_workers,
-            "max_workers": set.max_workers,
-            "join_window_ms": set.join_window_ms,
-            "heartbeat_interval_ms": set.heartbeat_interval_ms,
-            "lease_ttl_ms": set.lease_ttl_ms,
-            "elastic_timeout_ms": set.elastic_timeout_ms,
-            "straggler_policy": set.straggler_policy,
-            "straggler_cooldown_ms": set.straggler_cooldown_ms,
-        })
-    });
-    json!({
-        "job": s.job,
-        "now_ms": now,
-        "settings": settings,
-        "generation": generation,
-        "revocation_cause": cause,
-        "ended": ended,
-        "leader": if s.leader.is_empty() { None } else { Some(&s.leader) },
-        "exists": true,
-        "members": members,
-        "exclusions": s.exclusions.iter().map(|x| json!({ "worker_id": x.worker_id, "until_ms": x.until_ms, "reason": x.reason })).collect::<Vec<_>>(),
-        "digest_mismatches": s.digest_mismatches.iter().map(|m| json!({
-            "generation": m.generation,
-            "step": m.step,
-            "commits": m.commits.iter().map(|c| json!({ "worker_id": c.worker_id, "digest": c.digest })).collect::<Vec<_>>(),
-        })).collect::<Vec<_>>(),
-    })
+/// The status as one JSON object (`cohort_coordinator::status_view::JobStatus`, the types
+/// the status page's JSON shares).
+fn status_json(s: &pb::StatusResponse) -> String {
+    let view = cohort_coordinator::status_view::JobStatus::new(s, now_ms());
+    serde_json::to_string(&view).unwrap_or_else(|e| format!("{{\"error\":\"cannot encode the status: {e}\"}}"))
 }
 
 enum Attempt {
@@ -677,8 +594,12 @@ async fn status(args: StatusArgs) -> Result<(), CliError> {
             Ok(Err(Attempt::UnknownJob(leader))) => {
                 // Said plainly (exit 1), with the leader, which is known regardless.
                 if args.json {
-                    let leader = if leader.is_empty() { None } else { Some(&leader) };
-                    println!("{}", serde_json::json!({ "job": args.job, "exists": false, "leader": leader }));
+                    let unknown = cohort_coordinator::status_view::UnknownJob {
+                        job: args.job.clone(),
+                        exists: false,
+                        leader: (!leader.is_empty()).then(|| leader.clone()),
+                    };
+                    println!("{}", serde_json::to_string(&unknown).unwrap_or_default());
                 } else {
                     println!("leader: {}", if leader.is_empty() { "(none)" } else { &leader });
                 }

@@ -424,13 +424,15 @@ pub async fn store_census(
     }
 }
 
-/// Serves `GET /metrics` on `listener` until `shutdown` resolves.
+/// Serves `GET /metrics` on `listener` until `shutdown` resolves, and the status page
+/// (`GET /`, `/status`, `/status.json`, ...; see [`crate::status_page`]) when `page` is given.
 ///
 /// # Cancel safety
 /// Cancel safe: dropping it stops accepting; connections in progress are dropped.
 pub async fn serve_metrics(
     listener: TcpListener,
     metrics: Arc<Metrics>,
+    page: Option<Arc<crate::status_page::StatusPage>>,
     shutdown: impl std::future::Future<Output = ()>,
 ) {
     tokio::pin!(shutdown);
@@ -441,9 +443,11 @@ pub async fn serve_metrics(
         };
         match accepted {
             Ok((stream, peer)) => {
-                let metrics = metrics.clone();
+                let (metrics, page) = (metrics.clone(), page.clone());
                 tokio::spawn(async move {
-                    if let Err(e) = tokio::time::timeout(Duration::from_secs(5), answer(stream, &metrics)).await {
+                    if let Err(e) =
+                        tokio::time::timeout(REQUEST_TIMEOUT, answer(stream, &metrics, page.as_deref())).await
+                    {
                         tracing::debug!(%peer, error = %e, "metrics request timed out");
                     }
                 });
@@ -457,43 +461,173 @@ pub async fn serve_metrics(
     }
 }
 
-async fn answer(mut stream: tokio::net::TcpStream, metrics: &Metrics) {
+/// The longest one request may take, reading to answering.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
+/// The largest request head (request line and headers) read.
+const MAX_HEAD: usize = 8192;
+
+/// One request's head, as far as this responder needs it.
+#[derive(Debug, PartialEq, Eq)]
+struct Head {
+    method: String,
+    path: String,
+    query: String,
+    authorization: Option<String>,
+}
+
+/// Why a request head was refused.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+enum HeadError {
+    /// Not `METHOD TARGET HTTP/1.x`.
+    #[error("malformed request line")]
+    Malformed,
+    /// The head is over [`MAX_HEAD`] bytes.
+    #[error("request head over {MAX_HEAD} bytes")]
+    TooLarge,
+}
+
+/// Parses a request head (up to the blank line).
+fn parse_head(head: &[u8]) -> Result<Head, HeadError> {
+    let text = std::str::from_utf8(head).map_err(|_| HeadError::Malformed)?;
+    let mut lines = text.split("\r\n");
+    let line = lines.next().unwrap_or_default();
+    let mut parts = line.split(' ');
+    let (Some(method), Some(target), Some(version), None) = (parts.next(), parts.next(), parts.next(), parts.next())
+    else {
+        return Err(HeadError::Malformed);
+    };
+    if method.is_empty() || !target.starts_with('/') || !version.starts_with("HTTP/1.") {
+        return Err(HeadError::Malformed);
+    }
+    let (path, query) = target.split_once('?').unwrap_or((target, ""));
+    let authorization = lines.find_map(|l| {
+        let (name, value) = l.split_once(':')?;
+        name.trim().eq_ignore_ascii_case("authorization").then(|| value.trim().to_string())
+    });
+    Ok(Head { method: method.to_string(), path: path.to_string(), query: query.to_string(), authorization })
+}
+
+/// Reads a request head from `stream`: the bytes up to the blank line (`None`: the peer
+/// closed first).
+async fn read_head(stream: &mut tokio::net::TcpStream) -> Result<Option<Vec<u8>>, HeadError> {
     let mut buf = Vec::with_capacity(1024);
     let mut chunk = [0u8; 1024];
-    while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
+    loop {
+        if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            buf.truncate(end);
+            return Ok(Some(buf));
+        }
+        if buf.len() > MAX_HEAD {
+            return Err(HeadError::TooLarge);
+        }
         match stream.read(&mut chunk).await {
-            Ok(0) | Err(_) => return,
+            Ok(0) | Err(_) => return Ok(None),
             Ok(n) => buf.extend_from_slice(&chunk[..n]),
         }
-        if buf.len() > 8192 {
-            let _ = stream
-                .write_all(
-                    b"HTTP/1.1 431 Request Header Fields Too Large\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
-                )
-                .await;
-            return;
+    }
+}
+
+/// Writes one response and closes.
+async fn respond(stream: &mut tokio::net::TcpStream, status: u16, content_type: &str, extra: &str, body: &[u8]) {
+    let reason = match status {
+        200 => "OK",
+        400 => "Bad Request",
+        401 => "Unauthorized",
+        404 => "Not Found",
+        405 => "Method Not Allowed",
+        431 => "Request Header Fields Too Large",
+        500 => "Internal Server Error",
+        503 => "Service Unavailable",
+        _ => "Error",
+    };
+    let head = format!(
+        "HTTP/1.1 {status} {reason}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\n{extra}Connection: close\r\n\r\n",
+        body.len()
+    );
+    if stream.write_all(head.as_bytes()).await.is_ok() {
+        let _ = stream.write_all(body).await;
+    }
+    let _ = stream.shutdown().await;
+    // Read what the client still sends (the rest of an oversized head, a body) until it
+    // closes, bounded: a socket closed with unread input is reset, and the reset can discard
+    // the answer before the client reads it.
+    let drain = async {
+        let mut sink = [0u8; 4096];
+        let mut left = 64 * 1024usize;
+        while let Ok(n @ 1..) = stream.read(&mut sink).await {
+            left = left.saturating_sub(n);
+            if left == 0 {
+                break;
+            }
+        }
+    };
+    let _ = tokio::time::timeout(Duration::from_secs(1), drain).await;
+}
+
+/// What the status page's answers carry besides their body: no caching (live data), no
+/// referrer (a `?token=` in the address), and a policy that lets the page load only its own
+/// script and style and fetch only its own data.
+const PAGE_HEADERS: &str = "Cache-Control: no-store\r\nReferrer-Policy: no-referrer\r\nX-Content-Type-Options: nosniff\r\n\
+X-Frame-Options: DENY\r\nContent-Security-Policy: default-src 'none'; script-src 'self'; style-src 'self'; \
+connect-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'\r\n";
+
+async fn answer(mut stream: tokio::net::TcpStream, metrics: &Metrics, page: Option<&crate::status_page::StatusPage>) {
+    const TEXT: &str = "text/plain; charset=utf-8";
+    let head = match read_head(&mut stream).await {
+        Ok(Some(head)) => head,
+        Ok(None) => return,
+        Err(e) => {
+            let status = if e == HeadError::TooLarge { 431 } else { 400 };
+            return respond(&mut stream, status, TEXT, "", format!("{e}\n").as_bytes()).await;
+        }
+    };
+    let head = match parse_head(&head) {
+        Ok(head) => head,
+        Err(e) => return respond(&mut stream, 400, TEXT, "", format!("{e}\n").as_bytes()).await,
+    };
+    let known = head.path == "/metrics" || (page.is_some() && crate::status_page::StatusPage::serves(&head.path));
+    if !known {
+        let body = format!("no such page: {} (this listener serves /metrics and the status page at /)\n", head.path);
+        return respond(&mut stream, 404, TEXT, "", body.as_bytes()).await;
+    }
+    if head.method != "GET" {
+        let body = format!("{} is read-only: only GET\n", head.path);
+        return respond(&mut stream, 405, TEXT, "Allow: GET\r\n", body.as_bytes()).await;
+    }
+    match page {
+        Some(page) if head.path != "/metrics" => {
+            let r = page.answer(&head.path, &head.query, head.authorization.as_deref()).await;
+            respond(&mut stream, r.status, r.content_type, PAGE_HEADERS, &r.body).await;
+        }
+        _ => {
+            let body = metrics.render();
+            respond(&mut stream, 200, "text/plain; version=0.0.4", "", body.as_bytes()).await;
         }
     }
-    let line = buf.split(|&b| b == b'\r').next().unwrap_or_default();
-    let line = String::from_utf8_lossy(line);
-    let mut parts = line.split(' ');
-    let (method, path) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
-    let response = if method == "GET" && (path == "/metrics" || path.starts_with("/metrics?")) {
-        let body = metrics.render();
-        format!(
-            "HTTP/1.1 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-            body.len()
-        )
-    } else {
-        "HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n".to_string()
-    };
-    let _ = stream.write_all(response.as_bytes()).await;
-    let _ = stream.shutdown().await;
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn request_heads_are_parsed_or_refused() {
+        let head = parse_head(b"GET /status.json?token=a%20b HTTP/1.1\r\nHost: x\r\nAUTHORIZATION:  Bearer t \r\n")
+            .expect("a good head");
+        assert_eq!(
+            head,
+            Head {
+                method: "GET".into(),
+                path: "/status.json".into(),
+                query: "token=a%20b".into(),
+                authorization: Some("Bearer t".into())
+            }
+        );
+        let bad: [&[u8]; 5] = [b"GET /metrics", b"GET metrics HTTP/1.1", b"GET / HTTP/2 extra", b"\xff / HTTP/1.1", b""];
+        for bad in bad {
+            assert_eq!(parse_head(bad), Err(HeadError::Malformed), "{bad:?}");
+        }
+    }
 
     #[test]
     fn renders_counters_and_histogram() {

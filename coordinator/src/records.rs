@@ -326,6 +326,25 @@ impl Departures<'_> {
 /// How many revocations of older generations the record remembers (for late reports).
 pub const HISTORY: usize = 8;
 
+/// One revoked generation's recovery: when it was formed, revoked, and replaced by the next
+/// generation (the status page's failure timeline).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Recovery {
+    /// The revoked generation.
+    pub generation: u64,
+    /// Its size.
+    pub size: u32,
+    /// When it was formed, ms since the epoch.
+    pub formed_at_ms: u64,
+    /// When it was revoked (the coordinator revokes in the step that detects the failure),
+    /// ms since the epoch.
+    pub revoked_at_ms: u64,
+    /// When the next generation was formed, ms since the epoch.
+    pub reformed_at_ms: u64,
+    /// The next generation's size.
+    pub reformed_size: u32,
+}
+
 /// A generation whose members encode to more than this many bytes keeps them in shards
 /// (see [`ShardSet`]); a smaller one keeps them inline, in the generation record itself.
 pub const INLINE_MEMBERS_MAX_BYTES: usize = 256 * 1024;
@@ -406,6 +425,7 @@ pub fn encode_generation(g: &GenerationRecord) -> Vec<u8> {
         departed: unplaced,
         below_min_since_ms: g.below_min_since_ms,
         history: g.history.clone(),
+        recoveries: g.recoveries.clone(),
         shards: g.shards.clone(),
     };
     encode(&GenerationHead { record, departed_ranks })
@@ -533,6 +553,11 @@ pub struct GenerationRecord {
     pub below_min_since_ms: Option<u64>,
     /// Root causes of the most recent older revoked generations, newest last.
     pub history: Vec<(u64, Cause)>,
+    /// When the most recent older revoked generations were formed, revoked and replaced
+    /// (at most [`HISTORY`], newest last): what each failure cost. Absent in records written
+    /// before it existed.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub recoveries: Vec<Recovery>,
     /// Where the members are stored when not inline (a large generation); `members` is then
     /// filled in from the shards when the record is read.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -887,6 +912,7 @@ mod tests {
             departed,
             below_min_since_ms: None,
             history: vec![],
+            recoveries: vec![],
             shards: Some(ShardSet { set: "3-x".into(), count: 1, members: 0 }),
         }
     }
@@ -970,6 +996,7 @@ mod tests {
             departed: vec![],
             below_min_since_ms: None,
             history: vec![],
+            recoveries: vec![],
             shards: None,
         };
         s.apply(&WatchEvent::Put(kv(keys::generation("j"), encode(&g), 4)));

@@ -309,14 +309,27 @@ pub(crate) fn next_generation(
     now_ms: u64,
 ) -> GenerationRecord {
     let mut history = previous.map(|g| g.history.clone()).unwrap_or_default();
+    let mut recoveries = previous.map(|g| g.recoveries.clone()).unwrap_or_default();
     if let Some(g) = previous {
         if let Some(cause) = &g.revoked {
             history.push((g.number, cause.clone()));
+            recoveries.push(crate::records::Recovery {
+                generation: g.number,
+                size: g.members.len() as u32,
+                formed_at_ms: g.formed_at_ms,
+                revoked_at_ms: g.revoked_at_ms.unwrap_or(now_ms),
+                reformed_at_ms: now_ms,
+                reformed_size: members.len() as u32,
+            });
         }
     }
     if history.len() > crate::records::HISTORY {
         let drop = history.len() - crate::records::HISTORY;
         history.drain(..drop);
+    }
+    if recoveries.len() > crate::records::HISTORY {
+        let drop = recoveries.len() - crate::records::HISTORY;
+        recoveries.drain(..drop);
     }
     GenerationRecord {
         number: previous.map_or(1, |g| g.number + 1),
@@ -327,6 +340,7 @@ pub(crate) fn next_generation(
         departed: Vec::new(),
         below_min_since_ms: None,
         history,
+        recoveries,
         shards: None,
     }
 }
@@ -722,9 +736,28 @@ mod tests {
             domain: String::new(),
             lost_ranks: Vec::new(),
         });
+        g.revoked_at_ms = Some(5);
         let g2 = next_generation(Some(&g), vec![placed("a", 1)], 6);
         assert_eq!(g2.number, 2);
         assert_eq!(g2.cause_of(1).map(|c| c.reason.as_str()), Some("x"));
         assert!(g2.revoked.is_none());
+        let recovery = crate::records::Recovery {
+            generation: 1,
+            size: 1,
+            formed_at_ms: 5,
+            revoked_at_ms: 5,
+            reformed_at_ms: 6,
+            reformed_size: 1,
+        };
+        assert_eq!(g2.recoveries, vec![recovery], "what the failure cost is remembered");
+        // Both lists stay bounded.
+        let mut last = g2;
+        for n in 0..20 {
+            last.revoked = g.revoked.clone();
+            last.revoked_at_ms = Some(10 + n);
+            last = next_generation(Some(&last), vec![placed("a", 1)], 11 + n);
+        }
+        assert_eq!((last.history.len(), last.recoveries.len()), (crate::records::HISTORY, crate::records::HISTORY));
+        assert_eq!(last.recoveries.last().map(|r| (r.generation, r.reformed_at_ms)), Some((21, 30)));
     }
 }

@@ -11,6 +11,7 @@ use crate::ops::Context;
 /// Where a replica gathers timeout cascades (a field of [`ServeConfig`]).
 pub use crate::service::CascadeScope;
 use crate::service::CoordinatorService;
+use crate::status_page::StatusPage;
 use crate::store::Store;
 use cohort_proto::v1::coordinator_server::CoordinatorServer;
 use std::net::SocketAddr;
@@ -66,7 +67,7 @@ pub struct ServeConfig {
     pub previous_tokens: Vec<String>,
     /// TLS for the gRPC listener, if any.
     pub tls: Option<TlsFiles>,
-    /// A listener for `GET /metrics`, if any.
+    /// A listener for `GET /metrics` and the status page (`GET /`), if any.
     pub metrics: Option<TcpListener>,
     /// This replica's name in the leader key (default: `<hostname>/<pid>/<address>`).
     pub replica_name: Option<String>,
@@ -234,10 +235,12 @@ where
     let (health, health_service) = tonic_health::server::health_reporter();
     health.set_service_status("", tonic_health::ServingStatus::Serving).await;
     health.set_service_status(SERVICE_NAME, tonic_health::ServingStatus::Serving).await;
-    let service = CoordinatorServer::with_interceptor(
-        CoordinatorService::new(ctx.clone()).with_cascade_scope(config.cascade_scope),
-        TokenCheck::new(&config.token.iter().chain(&config.previous_tokens).cloned().collect::<Vec<_>>()),
-    );
+    let tokens = TokenCheck::new(&config.token.iter().chain(&config.previous_tokens).cloned().collect::<Vec<_>>());
+    let coordinator = CoordinatorService::new(ctx.clone()).with_cascade_scope(config.cascade_scope);
+    // The status page reads through a clone of the service: the same caches (this replica's
+    // newer progress), the same store.
+    let page = Arc::new(StatusPage::new(coordinator.clone(), tokens.clone(), ctx.replica.clone()));
+    let service = CoordinatorServer::with_interceptor(coordinator, tokens);
     let mut builder = tonic::transport::Server::builder()
         .http2_keepalive_interval(Some(Duration::from_secs(10)))
         .http2_keepalive_timeout(Some(Duration::from_secs(10)));
@@ -263,10 +266,16 @@ where
         Some(l) => {
             metrics_addr = Some(l.local_addr()?);
             let (mut stop, census_stop) = (shutdown_rx.clone(), shutdown_rx.clone());
-            let serving = metrics::serve_metrics(l, metrics.clone(), async move {
+            let page_protected = page.protected();
+            let serving = metrics::serve_metrics(l, metrics.clone(), Some(page), async move {
                 let _ = stop.wait_for(|s| *s).await;
             });
             let census = metrics::store_census(config.store.clone(), metrics.clone(), census_stop);
+            if let Some(addr) = metrics_addr.filter(|a| !a.ip().is_loopback()) {
+                let credential = if page_protected { "needs a credential, which travels" } else { "shows every job" };
+                tracing::info!(%addr, "the status page on the metrics listener is plain HTTP and {credential} in the clear: \
+                                       keep the listener on a private network (deploy/README.md, \"The status page\")");
+            }
             Some(tokio::spawn(async move {
                 tokio::join!(serving, census);
             }))

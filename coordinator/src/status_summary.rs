@@ -9,9 +9,25 @@ use cohort_proto::v1 as pb;
 use std::collections::BTreeMap;
 use std::fmt;
 
+/// Why a member was picked out, in one word.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OutlierKind {
+    /// Its control stream closed and did not reopen (its process is most likely gone).
+    ControlClosed,
+    /// It is not in the current generation (and not waiting to join).
+    NotInGeneration,
+    /// Its heartbeat is much older than the others'.
+    StaleHeartbeat,
+    /// It reported fewer steps than the furthest member.
+    Behind,
+}
+
 /// One member picked out by name, and why.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Outlier {
+    /// What sets it apart, in one word.
+    pub kind: OutlierKind,
     /// Its rank in the current generation, if it has one.
     pub rank: Option<u32>,
     /// Its worker id.
@@ -23,7 +39,7 @@ pub struct Outlier {
 }
 
 /// Spread of one figure over the members.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
 pub struct Spread {
     /// Smallest.
     pub min: u64,
@@ -94,20 +110,26 @@ pub fn summarize(members: &[pb::MemberStatus], now_ms: u64, limit: usize) -> Sta
     }
     s.hosts = hosts.len();
 
-    let mut picked: Vec<(usize, String)> = Vec::new();
-    let pick = |i: usize, why: String, picked: &mut Vec<(usize, String)>| {
-        if picked.len() < limit && !picked.iter().any(|(j, _)| *j == i) {
-            picked.push((i, why));
+    let mut picked: Vec<(usize, OutlierKind, String)> = Vec::new();
+    let pick = |i: usize, kind: OutlierKind, why: String, picked: &mut Vec<(usize, OutlierKind, String)>| {
+        if picked.len() < limit && !picked.iter().any(|(j, _, _)| *j == i) {
+            picked.push((i, kind, why));
         }
     };
     for (i, m) in members.iter().enumerate() {
         if m.control_connected == Some(false) {
-            pick(i, "control stream CLOSED (its process is most likely gone)".into(), &mut picked);
+            pick(
+                i,
+                OutlierKind::ControlClosed,
+                "control stream CLOSED (its process is most likely gone)".into(),
+                &mut picked,
+            );
         }
     }
     for (i, m) in members.iter().enumerate() {
         if m.rank.is_none() && !m.waiting {
-            pick(i, format!("not in the current generation (last in {})", m.generation), &mut picked);
+            let why = format!("not in the current generation (last in {})", m.generation);
+            pick(i, OutlierKind::NotInGeneration, why, &mut picked);
         }
     }
     let median_age = s.heartbeat_age_ms.median;
@@ -116,7 +138,7 @@ pub fn summarize(members: &[pb::MemberStatus], now_ms: u64, limit: usize) -> Sta
     stale.sort_by_key(|&i| std::cmp::Reverse(age(&members[i])));
     for i in stale {
         let why = format!("heartbeat {} ago (median {})", secs(age(&members[i])), secs(median_age));
-        pick(i, why, &mut picked);
+        pick(i, OutlierKind::StaleHeartbeat, why, &mut picked);
     }
     let top = s.step.max;
     let mut behind: Vec<usize> =
@@ -124,13 +146,14 @@ pub fn summarize(members: &[pb::MemberStatus], now_ms: u64, limit: usize) -> Sta
     behind.sort_by_key(|&i| (members[i].step, members[i].rank));
     for i in behind {
         let m = &members[i];
-        pick(i, format!("at step {}, {} behind the furthest ({top})", m.step, top - m.step), &mut picked);
+        let why = format!("at step {}, {} behind the furthest ({top})", m.step, top - m.step);
+        pick(i, OutlierKind::Behind, why, &mut picked);
     }
     s.outliers = picked
         .into_iter()
-        .map(|(i, why)| {
+        .map(|(i, kind, why)| {
             let m = &members[i];
-            Outlier { rank: m.rank, worker_id: m.worker_id.clone(), host: m.host.clone(), why }
+            Outlier { kind, rank: m.rank, worker_id: m.worker_id.clone(), host: m.host.clone(), why }
         })
         .collect();
     s

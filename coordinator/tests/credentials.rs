@@ -186,3 +186,71 @@ async fn rotation_accepts_the_previous_secret_until_it_is_removed() {
     })
     .await;
 }
+
+/// `GET path` on the metrics listener `addr` with `token` as a bearer credential: the status
+/// code and the body.
+async fn http_get(addr: std::net::SocketAddr, path: &str, token: Option<&str>) -> (u16, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let auth = token.map(|t| format!("Authorization: Bearer {t}\r\n")).unwrap_or_default();
+    let request = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\n{auth}Connection: close\r\n\r\n");
+    let mut stream = tokio::net::TcpStream::connect(addr).await.expect("connect to the metrics listener");
+    stream.write_all(request.as_bytes()).await.expect("send");
+    let mut bytes = Vec::new();
+    let _ = stream.read_to_end(&mut bytes).await;
+    let text = String::from_utf8_lossy(&bytes).into_owned();
+    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    (head.split_whitespace().nth(1).and_then(|s| s.parse().ok()).unwrap_or(0), body.to_string())
+}
+
+/// The jobs `/status.json` lists.
+fn listed(body: &str) -> Vec<String> {
+    let v: serde_json::Value = serde_json::from_str(body).expect("status.json is JSON");
+    let jobs = v["jobs"].as_array().expect("jobs");
+    jobs.iter().map(|j| j["job"].as_str().expect("job id").to_string()).collect()
+}
+
+/// The status page (on the metrics listener) takes the credentials the RPCs take: the
+/// operator secret sees every job, a job's credential its job only, anything else nothing.
+/// A coordinator without a secret shows every job to anyone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_status_page_takes_the_rpc_credentials() {
+    bounded(async {
+        let backing = Backing::new(Backend::Memory).await;
+        let mut options = Options::new(test_settings(Backend::Memory));
+        options.token = Some(OPERATOR.into());
+        let server = replica(backing.store.clone(), &options).await;
+        let metrics = server.metrics_addr().expect("metrics listener");
+        let mut c = client(server.local_addr()).await;
+        let (cred_a, cred_b) = (job_token(OPERATOR.as_bytes(), "a"), job_token(OPERATOR.as_bytes(), "b"));
+        c.join(authed(join_request("a", "wa"), &cred_a)).await.expect("a's member joins a");
+        c.join(authed(join_request("b", "wb"), &cred_b)).await.expect("b's member joins b");
+
+        let (status, body) = http_get(metrics, "/status.json", Some(OPERATOR)).await;
+        assert_eq!((status, listed(&body)), (200, vec!["a".to_string(), "b".to_string()]), "{body}");
+        let (status, body) = http_get(metrics, "/status.json", Some(&cred_a)).await;
+        assert_eq!((status, listed(&body)), (200, vec!["a".to_string()]), "{body}");
+        let (status, body) = http_get(metrics, &format!("/status.json?token={cred_b}"), None).await;
+        assert_eq!((status, listed(&body)), (200, vec!["b".to_string()]), "{body}");
+        let foreign = job_token(b"another coordinator", "a");
+        for token in [None, Some("wrong"), Some(foreign.as_str())] {
+            let (status, body) = http_get(metrics, "/status.json", token).await;
+            assert_eq!(status, 401, "{token:?}: {body}");
+            assert!(!body.contains("\"wa\"") && !body.contains("\"jobs\""), "{body}");
+        }
+        let (status, body) = http_get(metrics, "/", None).await;
+        assert_eq!(status, 401, "the page too: {body}");
+        let (status, body) = http_get(metrics, &format!("/?token={cred_a}"), None).await;
+        assert!(status == 200 && body.contains("status.js"), "{status} {body}");
+        let (status, body) = http_get(metrics, "/status.js", None).await;
+        assert!(status == 200 && body.contains("status.json"), "the script holds no data: {status}");
+        let (status, body) = http_get(metrics, "/metrics", None).await;
+        assert!(status == 200 && body.contains("cohort_is_leader"), "/metrics as before: {body}");
+
+        let open = replica(backing.store.clone(), &Options::new(test_settings(Backend::Memory))).await;
+        let (status, body) = http_get(open.metrics_addr().expect("metrics listener"), "/status.json", None).await;
+        assert_eq!((status, listed(&body)), (200, vec!["a".to_string(), "b".to_string()]), "{body}");
+        open.kill();
+        server.kill();
+    })
+    .await;
+}

@@ -71,6 +71,7 @@ async fn large_generation(backend: Backend) {
             departed: vec![],
             below_min_since_ms: None,
             history: vec![],
+            recoveries: vec![],
             shards: None,
         });
         assert!(inline.len() > ETCD_REQUEST_LIMIT, "the test generation is over etcd's limit ({} bytes)", inline.len());

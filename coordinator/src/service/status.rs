@@ -6,23 +6,60 @@ use crate::keys;
 use crate::records::{self, JobState, ProgressRecord};
 use crate::validate;
 use cohort_proto::v1 as pb;
-use std::collections::HashMap;
+use crate::store::{KeyValue, StoreError};
+use std::collections::{BTreeMap, HashMap};
 use tonic::Status;
 
 impl CoordinatorService {
     pub(super) async fn do_status(&self, r: pb::StatusRequest) -> Result<pb::StatusResponse, Status> {
         validate::id("job", &r.job)?;
         let (kvs, revision) = self.ctx.store.get_prefix(&keys::job_prefix(&r.job)).await.map_err(store_status)?;
-        let leader = self.ctx.store.get(keys::LEADER).await.map_err(store_status)?;
-        let leader = leader.map(|kv| String::from_utf8_lossy(&kv.value).into_owned()).unwrap_or_default();
+        let leader = self.leader_name().await.map_err(store_status)?;
         if kvs.is_empty() {
             return Err(unknown_job(&r.job, &leader));
         }
         let state = JobState::from_kvs(&r.job, &kvs, revision);
-        let settings = self.ctx.settings.for_job(&r.job);
+        Ok(self.status_of(&r.job, &state, leader))
+    }
+
+    /// The name of the replica that leads now (empty: none).
+    ///
+    /// # Cancel safety
+    /// Cancel safe: one read.
+    pub async fn leader_name(&self) -> Result<String, StoreError> {
+        let leader = self.ctx.store.get(keys::LEADER).await?;
+        Ok(leader.map(|kv| String::from_utf8_lossy(&kv.value).into_owned()).unwrap_or_default())
+    }
+
+    /// Every job with keys in the store, by id, as one read of the jobs prefix finds it
+    /// (ended jobs too, until their record expires).
+    ///
+    /// # Cancel safety
+    /// Cancel safe: one read.
+    pub async fn all_jobs(&self) -> Result<Vec<(String, JobState)>, StoreError> {
+        let (kvs, revision) = self.ctx.store.get_prefix(keys::JOBS).await?;
+        let mut by_job: BTreeMap<String, Vec<KeyValue>> = BTreeMap::new();
+        for kv in kvs {
+            let Some(job) = kv.key.strip_prefix(keys::JOBS).and_then(|rest| rest.split('/').next()) else {
+                continue;
+            };
+            if !job.is_empty() {
+                by_job.entry(job.to_string()).or_default().push(kv);
+            }
+        }
+        Ok(by_job.into_iter().map(|(job, kvs)| {
+            let state = JobState::from_kvs(&job, &kvs, revision);
+            (job, state)
+        }).collect())
+    }
+
+    /// The status of `job`, whose keys are `state`, with this replica's newer progress;
+    /// `leader` names the leading replica.
+    pub fn status_of(&self, job: &str, state: &JobState, leader: String) -> pb::StatusResponse {
+        let settings = self.ctx.settings.for_job(job);
         let g = state.current();
         let now = records::now_ms();
-        let excluded = crate::rendezvous::excluded(&state, now);
+        let excluded = crate::rendezvous::excluded(state, now);
         // Progress is written to the store at most once per PROGRESS_PERIOD; this replica's
         // cache is newer for the members it serves.
         let cached: HashMap<String, ProgressRecord> = {
@@ -31,7 +68,7 @@ impl CoordinatorService {
                 .members
                 .values()
                 .filter_map(|m| {
-                    let c = cache.get(&(r.job.clone(), m.worker_id.clone()))?;
+                    let c = cache.get(&(job.to_string(), m.worker_id.clone()))?;
                     let stored = state.progress.get(&m.worker_id).filter(|p| p.incarnation == m.incarnation);
                     let newer = c.record.incarnation == m.incarnation
                         && stored.is_none_or(|p| c.record.last_heartbeat_ms >= p.last_heartbeat_ms);
@@ -97,7 +134,7 @@ impl CoordinatorService {
                 (p.last_commit_generation, p.last_commit_step, commit)
             })
         });
-        let seen = self.commits.lock().unwrap_or_else(|e| e.into_inner()).mismatches(&r.job);
+        let seen = self.commits.lock().unwrap_or_else(|e| e.into_inner()).mismatches(job);
         let digest_mismatches =
             digests::merge(seen, digests::among_last_commits(last_commits)).iter().map(|m| m.to_proto()).collect();
         let exclusions = state
@@ -108,10 +145,10 @@ impl CoordinatorService {
                 Some(pb::Exclusion { worker_id: worker.clone(), until_ms, reason: h.reason.clone() })
             })
             .collect();
-        Ok(pb::StatusResponse {
+        pb::StatusResponse {
             exclusions,
             digest_mismatches,
-            job: r.job.clone(),
+            job: job.to_string(),
             settings: Some(settings.to_proto()),
             current: g.map(|g| g.to_proto()),
             current_revoked: g.is_some_and(|g| g.revoked.is_some()),
@@ -119,7 +156,7 @@ impl CoordinatorService {
             members,
             ended: state.ended.as_ref().map(|e| e.to_proto()),
             leader,
-        })
+        }
     }
 }
 
