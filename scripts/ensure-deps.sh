@@ -16,6 +16,7 @@
 #         python3-numpy, python3-torch, python3-sklearn, python3-pytest
 #                               the Python package's tests and the PyTorch example (Debian's
 #                               torch 1.13; a venv with --system-site-packages sees it)
+#         chromium              the status page's test opens the page in headless Chromium
 # Runs apt-get as root, or through sudo; without either it prints the command to run and fails.
 set -euo pipefail
 what=${1:-test}
@@ -38,6 +39,7 @@ if [ "$what" = test ]; then
   /usr/bin/python3 -c 'import torch' >/dev/null 2>&1 || need+=(python3-torch)
   /usr/bin/python3 -c 'import sklearn' >/dev/null 2>&1 || need+=(python3-sklearn)
   /usr/bin/python3 -c 'import pytest' >/dev/null 2>&1 || need+=(python3-pytest)
+  command -v chromium >/dev/null 2>&1 || need+=(chromium)
 elif [ "$what" != build ]; then
   echo "ensure-deps: unknown argument '$what' (build or test)" >&2
   exit 2

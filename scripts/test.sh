@@ -46,11 +46,12 @@ cargo build --release --locked -p cohort-chaos -p cohort -p cohort-coordinator
 py=$(bash scripts/python-env.sh | tail -n 1)
 export COHORT_PYTHON="$py"
 
-# COHORT_REQUIRE_PYTHON: a test that needs the Python package fails instead of skipping.
+# COHORT_REQUIRE_PYTHON: a test that needs the Python package fails instead of skipping;
+# COHORT_REQUIRE_BROWSER: the status page's test fails instead of skipping without Chromium.
 # Among the unit tests: the loom model check of the shared-memory ring's memory orderings
 # (transports/src/shm/model.rs, the tests named loom_*; docs/testing.md), exhaustive, seconds.
 echo "== tests"
-COHORT_REQUIRE_PYTHON=1 cargo test --workspace --locked -- --test-threads="${COHORT_TEST_THREADS:-2}"
+COHORT_REQUIRE_PYTHON=1 COHORT_REQUIRE_BROWSER=1 cargo test --workspace --locked -- --test-threads="${COHORT_TEST_THREADS:-2}"
 # The scale harness's smoke run: 96 members on real coordinator processes, through every
 # phase (formation, failure, re-formation, timed heartbeats naming a straggler).
 cargo test -p cohort-coordinator --bench scale --locked
@@ -67,9 +68,10 @@ bash scripts/demo.sh
 
 # The Python package's tests (the extension, the elastic layers, the PyTorch backend and
 # example), against the release binaries: real coordinator and worker processes on loopback.
-# test_stub.py checks python/cohort/_native.pyi against the built extension (names and
-# signatures, as mypy's stubtest would).
 echo "== python"
+# mypy's stubtest checks python/cohort/_native.pyi against the built extension (names,
+# signatures, defaults, @final classes); python/stubtest/allowlist.txt lists what it skips, and why.
+bash scripts/python-stubtest.sh "$py"
 # COHORT_REQUIRE_PYTHON: a missing torch fails the PyTorch tests instead of skipping them.
 COHORT_REQUIRE_PYTHON=1 COHORT_BIN_DIR="$PWD/target/release" "$py" -m pytest -q -p no:cacheprovider python/tests
 

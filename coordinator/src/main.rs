@@ -345,9 +345,9 @@ async fn serve(args: ServeArgs) -> Result<(), CliError> {
     if let Some(m) = handle.metrics_addr() {
         tracing::info!(address = %m, "metrics at /metrics");
         // Machine-readable, like the line below (launchers learn a port-0 address from it).
-        println!("cohort-coordinator metrics on {m}");
+        println!("{}", cohort_coordinator::announce::metrics_line(m));
     }
-    println!("cohort-coordinator listening on {}", handle.local_addr());
+    println!("{}", cohort_coordinator::announce::listening_line(handle.local_addr()));
     let _ = std::io::stdout().flush();
     shutdown_signal().await;
     handle.shutdown().await?;
