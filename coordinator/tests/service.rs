@@ -551,6 +551,19 @@ async fn a_whole_job_finishing_at_once_ends_it(backend: Backend) {
     assert_eq!(keys, vec!["/cohort/v1/jobs/job-end/ended".to_string()], "only the end record is left");
     let late = client(a.local_addr()).await.join(join_request("job-end", "late")).await.expect_err("the job ended");
     assert!(late.message().contains("has ended"), "{}", late.message());
+    // A member still beating in the generation it had: the job's generations are gone (the
+    // newest reads as 0), but it must hear that the job ended (NOT_FOUND: its heartbeat stops),
+    // not that its generation is in the future, which a worker retries for ever.
+    let mut c = workers[1].client.clone();
+    let beat = pb::HeartbeatRequest {
+        job: "job-end".into(),
+        worker_id: workers[1].id.clone(),
+        incarnation: workers[1].incarnation,
+        generation: g1.number,
+        ..Default::default()
+    };
+    let refused = c.heartbeat(beat).await.expect_err("the job ended");
+    assert_eq!(refused.code(), tonic::Code::NotFound, "{}", refused.message());
     drop(workers);
     a.shutdown().await.expect("shutdown");
     b.shutdown().await.expect("shutdown");

@@ -40,9 +40,13 @@ impl CoordinatorService {
         validate::text("activity", &r.activity, validate::MAX_ACTIVITY_LEN)?;
         validate::text("deadlines", &r.deadlines, validate::MAX_ACTIVITY_LEN)?;
         let hub = self.hub(&r.job).await?;
+        // Membership first: a member of a job that has ended (whose generations are gone, so
+        // the newest reads as 0) must hear that the job ended (NOT_FOUND, its heartbeat stops
+        // and it finds the end at its next call), not that its generation is in the future,
+        // which it would retry for ever.
+        let lease = self.require_member(&hub, &r.job, &r.worker_id, r.incarnation).await?;
         let current = self.current_number(&hub, &r.job, r.generation).await?;
         validate::generation("generation", r.generation, current)?;
-        let lease = self.require_member(&hub, &r.job, &r.worker_id, r.incarnation).await?;
         // A lease of the member's own (its id is the incarnation) is renewed by each of its
         // beats; a host's shared lease once per half heartbeat interval on this replica,
         // whichever of its members beats.
