@@ -333,11 +333,16 @@ async fn a_peer_inside_the_collective_still_fails_at_the_ceiling() {
         });
         let mut buf = [0u8; 8];
         let t0 = Instant::now();
-        let e = ts[0].recv(1, Tag::new(2, 0, 0), &mut buf).await.expect_err("a deadlock inside the collective");
+        let e0 = ts[0].recv(1, Tag::new(2, 0, 0), &mut buf).await.expect_err("a deadlock inside the collective");
+        let e1 = other.await.expect("task").expect_err("a deadlock inside the collective");
         let waited = t0.elapsed();
-        assert!(matches!(e, TransportError::Timeout { peer: 1, silence: Silence::Unprobed, .. }), "{e:?}");
+        // Whichever rank meets the ceiling first fails its link; the other may see it close.
+        let at_ceiling = |e: &TransportError| matches!(e, TransportError::Timeout { silence: Silence::Unprobed, .. });
+        for (r, e) in [(0, &e0), (1, &e1)] {
+            assert!(at_ceiling(e) || matches!(e, TransportError::PeerClosed { .. }), "rank {r}: {e:?}");
+        }
+        assert!(at_ceiling(&e0) || at_ceiling(&e1), "nobody met the ceiling: {e0:?} / {e1:?}");
         assert!(waited >= CEILING && waited < Duration::from_secs(30), "waited {waited:?}");
-        let _ = other.await;
     })
     .await
     .expect("test bounded in time");
