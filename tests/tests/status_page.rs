@@ -159,7 +159,7 @@ async fn run(browser: PathBuf) {
             }
         }
         assert!(tokio::time::Instant::now() < deadline, "no re-formed failure naming w1 in status.json: {v}");
-        tokio::time::sleep(Duration::from_millis(250)).await;
+        tokio::time::sleep(Duration::from_millis(250)).await; // polling the endpoint, bounded above
     };
     let (snapshot, failure) = snapshot;
     assert_eq!(snapshot["state"], "running", "{snapshot}");
