@@ -352,16 +352,7 @@ impl Coordinator {
             }
         });
         // Its `listening on` line (after a `metrics on` one, when it serves metrics).
-        let deadline = std::time::Instant::now() + START_BOUND;
-        let addr = loop {
-            let left = deadline.saturating_duration_since(std::time::Instant::now());
-            let line = rx.recv_timeout(left).map_err(|_| "cohort-coordinator printed no address".to_string())?;
-            match cohort_coordinator::announce::parse(&line) {
-                Some(cohort_coordinator::announce::Announced::Listening(addr)) => break addr,
-                Some(cohort_coordinator::announce::Announced::Metrics(_)) => continue,
-                None => return Err(format!("unexpected line {line:?}")),
-            }
-        };
+        let addr = cohort_coordinator::announce::await_listening(&rx, START_BOUND)?;
         Ok(Self { child, addr })
     }
 

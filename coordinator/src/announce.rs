@@ -36,6 +36,24 @@ pub fn metrics_line(addr: SocketAddr) -> String {
     format!("{METRICS}{addr}")
 }
 
+/// Waits, up to `bound`, for the gRPC address among the coordinator's stdout lines arriving on
+/// `lines` (a metrics line may come first); any other line is an error.
+pub fn await_listening(
+    lines: &std::sync::mpsc::Receiver<String>,
+    bound: std::time::Duration,
+) -> Result<SocketAddr, String> {
+    let deadline = std::time::Instant::now() + bound;
+    loop {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        let line = lines.recv_timeout(left).map_err(|_| "cohort-coordinator printed no address".to_string())?;
+        match parse(&line) {
+            Some(Announced::Listening(addr)) => return Ok(addr),
+            Some(Announced::Metrics(_)) => continue,
+            None => return Err(format!("unexpected line {line:?}")),
+        }
+    }
+}
+
 /// Reads one line of the coordinator's stdout: `None` for a line that is not an
 /// announcement, or one whose address does not parse.
 pub fn parse(line: &str) -> Option<Announced> {

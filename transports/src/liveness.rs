@@ -365,6 +365,19 @@ fn process_runs(pid: u32) -> bool {
     matches!(process_state(pid), Answer::Alive(_))
 }
 
+/// [`verify`]s `target` in the background (a task on the current runtime): the flag is set
+/// once its responder answered, so that a link asks about a stall only a peer it has heard.
+pub(crate) fn verify_in_background(target: SocketAddr) -> Arc<AtomicBool> {
+    let verified = Arc::new(AtomicBool::new(false));
+    let flag = Arc::clone(&verified);
+    tokio::spawn(async move {
+        if verify(target).await {
+            flag.store(true, Ordering::Relaxed);
+        }
+    });
+    verified
+}
+
 /// Probes `target` once, with a generous bound, right after its link came up: true if the
 /// peer's responder answered a status probe (then a later silence means something, and its
 /// answers say where it is).

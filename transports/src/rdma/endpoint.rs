@@ -18,7 +18,7 @@ use crate::liveness::{self, Responder};
 use crate::{Deadlines, Rank, TransportError};
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
@@ -387,14 +387,7 @@ impl RdmaEndpoint {
 /// its responder is asked once now, in the background, so that a later silence can be
 /// trusted ([`liveness::verify`]).
 fn late_probe(target: SocketAddr) -> PeerProbe {
-    let verified = Arc::new(AtomicBool::new(false));
-    let flag = Arc::clone(&verified);
-    tokio::spawn(async move {
-        if liveness::verify(target).await {
-            flag.store(true, Ordering::Relaxed);
-        }
-    });
-    PeerProbe { target, verified }
+    PeerProbe { target, verified: liveness::verify_in_background(target) }
 }
 
 #[cfg(test)]

@@ -427,16 +427,9 @@ impl TcpLink {
         let sock = dup()?;
         let busy_poll = if busy_poll.is_zero() { None } else { Some(BusyPoll { sock: dup()?, window: busy_poll }) };
         let (r, w) = stream.into_split();
-        let probe = peer_addr.filter(|_| deadlines.learning.is_some()).map(|target| {
-            let verified = Arc::new(AtomicBool::new(false));
-            let flag = Arc::clone(&verified);
-            tokio::spawn(async move {
-                if liveness::verify(target).await {
-                    flag.store(true, Ordering::Relaxed);
-                }
-            });
-            PeerProbe { target, verified }
-        });
+        let probe = peer_addr
+            .filter(|_| deadlines.learning.is_some())
+            .map(|target| PeerProbe { target, verified: liveness::verify_in_background(target) });
         Ok(Self {
             core: LinkCore::new(peer, "tcp", "frame", deadlines, pace, sock, span),
             generation,
