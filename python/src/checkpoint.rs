@@ -70,7 +70,8 @@ impl Checkpoint {
     /// The committed snapshot (what a restore loads).
     fn snapshot<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
         let mut state = Vec::new();
-        self.inner().restore(&mut state).map_err(|e| to_pyerr(py, Failure::Elastic(e)))?;
+        let restored = self.inner().restore(&mut state); // the lock is released before Python runs
+        restored.map_err(|e| to_pyerr(py, Failure::Elastic(e)))?;
         Ok(PyBytes::new(py, &state))
     }
 

@@ -18,6 +18,7 @@ use crate::runtime::{graceful_leave, is_graceful_leave, on_main_thread, runtime,
 use cohort::elastic::{FailureReporter, MemberInfo, MeshTransport};
 use cohort::{CommError, Communicator as RustCommunicator};
 use pyo3::prelude::*;
+use pyo3::sync::MutexExt;
 use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex, PoisonError, Weak};
 use std::time::{Duration, Instant};
@@ -336,8 +337,13 @@ impl Work {
             Ok(false) => return Ok(false),
             Err(interrupted) => return Err(self.core.interrupted(py, interrupted)),
         }
-        let mut error = self.error.lock().unwrap_or_else(PoisonError::into_inner);
-        let bufs = std::mem::take(&mut *self.bufs.lock().unwrap_or_else(PoisonError::into_inner));
+        // Two threads may wait on one Work (cohort.torch's completer and the caller), and what
+        // follows runs Python (the error's construction, the tensors' check), during which the
+        // interpreter may hand the GIL to the other waiter: these locks are taken detached from
+        // the interpreter, or that waiter would block on them holding the GIL (a deadlock,
+        // seen in torch 2.x's async all_gather_into_tensor).
+        let mut error = self.error.lock_py_attached(py).unwrap_or_else(PoisonError::into_inner);
+        let bufs = std::mem::take(&mut *self.bufs.lock_py_attached(py).unwrap_or_else(PoisonError::into_inner));
         if let Some(e) = error.as_ref() {
             return Err(e.clone_ref(py));
         }

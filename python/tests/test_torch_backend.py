@@ -32,6 +32,7 @@ def test_every_torch_distributed_call_matches_the_local_answer(world, coordinato
         if "torch=2." in out:
             for name in (
                 "all_gather_into_tensor",
+                "3000 async waits",
                 "reduce_scatter_tensor",
                 "all_gather_into_tensor coalesced",
                 "reduce_scatter_tensor coalesced",

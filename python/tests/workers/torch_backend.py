@@ -118,6 +118,11 @@ if TORCH2:
     out = torch.empty(size * n)
     dist.all_gather_into_tensor(out, data(rank, n), async_op=True).wait()
     check("all_gather_into_tensor async", out, every.reshape(-1))
+    # The caller's wait() and the completer thread wait on the same cohort Work; thousands of
+    # them in a row once deadlocked (a lock taken holding the GIL): a hang fails the test.
+    for _ in range(3000):
+        dist.all_gather_into_tensor(out, data(rank, n), async_op=True).wait()
+    check("3000 async waits", out, every.reshape(-1))
     out = torch.empty(n // size)
     dist.reduce_scatter_tensor(out, data(rank, n))
     check("reduce_scatter_tensor", out, every.sum(0).chunk(size)[rank])
