@@ -387,6 +387,10 @@ pub struct Scenario {
     /// `cohort-worker train --algo` (an allreduce algorithm name the worker accepts).
     #[serde(default)]
     pub algorithm: Option<String>,
+    /// `cohort-worker train --alltoall-every`: every this many steps an alltoall, checked by
+    /// every rank (it links every pair); a finished job's workers must each have run one.
+    #[serde(default)]
+    pub alltoall_every: Option<u64>,
     /// Kill faults: every survivor's error must come within this bound of the SIGKILL.
     #[serde(default)]
     pub kill_errors_within: Option<Dur>,

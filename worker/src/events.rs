@@ -406,6 +406,8 @@ events! {
         cooperative_reforms: u64,
         /// Whether this worker left early (SIGTERM).
         left: bool,
+        /// Alltoalls run and verified (`train --alltoall-every`; absent: none).
+        alltoalls: Option<u64>,
         /// SHA-256 (hex) of the final parameters (`-`: never a member).
         params_digest: String,
         /// SHA-256 (hex) of the parameters expected after `final_step` steps (`-`: never a

@@ -200,6 +200,8 @@ impl Run<'_> {
                     summary.map(|s| s.final_step),
                     fatal.map(|e| format!(": {e}")).unwrap_or_default()
                 ));
+            } else if sc.alltoall_every.is_some() && summary.and_then(|s| s.alltoalls).unwrap_or(0) == 0 {
+                bad.push(format!("{w} finished without a verified alltoall (alltoall_every is set)"));
             }
         }
         Check {

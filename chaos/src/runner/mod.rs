@@ -220,10 +220,15 @@ async fn run_inner(sc: &Scenario, seed: u64, log_dir: &std::path::Path, verbose:
         step_interval: sc.step_interval.0,
         no_progress: sc.no_progress.0,
         fixed_deadlines: sc.fixed_deadlines,
-        extra_args: if sc.compute.0.is_zero() {
-            Vec::new()
-        } else {
-            vec!["--compute".into(), format!("{}us", sc.compute.0.as_micros())]
+        extra_args: {
+            let mut args = Vec::new();
+            if !sc.compute.0.is_zero() {
+                args.extend(["--compute".into(), format!("{}us", sc.compute.0.as_micros())]);
+            }
+            if let Some(every) = sc.alltoall_every {
+                args.extend(["--alltoall-every".into(), every.to_string()]);
+            }
+            args
         },
         command: sc.worker_command.clone(),
     };

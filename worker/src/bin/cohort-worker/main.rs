@@ -201,6 +201,10 @@ struct TrainArgs {
     /// CPU time each step burns before its allreduce (the model's compute; 0 = none).
     #[arg(long, value_parser = duration, default_value = "0ms")]
     compute: Duration,
+    /// Every this many steps, also an alltoall (2 elements a pair, every block checked)
+    /// after the step's allreduce: it links every pair of ranks (0 = never).
+    #[arg(long, default_value_t = 0)]
+    alltoall_every: u64,
     /// Serve Prometheus metrics on this address (`GET /metrics`).
     #[arg(long)]
     metrics: Option<SocketAddr>,
@@ -354,6 +358,7 @@ fn run_train(args: TrainArgs) -> ExitCode {
                 lost_ms: if lost.is_empty() { "-".into() } else { lost.join(",") },
                 cooperative_reforms: summary.cooperative_reforms,
                 left: summary.left,
+                alltoalls: Some(summary.verified_alltoalls).filter(|&n| n > 0),
                 params_digest: summary.params_digest.unwrap_or_else(|| "-".into()),
                 expected_digest: summary.expected_digest.unwrap_or_else(|| "-".into()),
                 t_ms: train::now_ms(),
@@ -410,6 +415,7 @@ fn train_main(args: TrainArgs) -> Result<TrainSummary, String> {
         size_bytes: args.size,
         step_interval: args.step_interval,
         compute: args.compute,
+        alltoall_every: args.alltoall_every,
     };
 
     let rt = runtime()?;

@@ -41,6 +41,10 @@ pub(crate) struct TrainConfig {
     /// CPU time each step burns before its allreduce (0 = none): a fixed amount of work,
     /// which takes longer in wall time on a slowed CPU.
     pub(crate) compute: Duration,
+    /// Every this many steps (0 = never), an alltoall after the step's allreduce, whose blocks
+    /// every rank checks: it links every pair of ranks, so in a sparse generation it makes
+    /// the links (and resolves the addresses) the partners' schedules never need.
+    pub(crate) alltoall_every: u64,
 }
 
 /// What the loop did, printed at the end.
@@ -56,6 +60,8 @@ pub(crate) struct TrainSummary {
     pub(crate) cooperative_reforms: u64,
     /// Whether this worker left early (SIGTERM).
     pub(crate) left: bool,
+    /// Alltoalls this worker ran and verified (`--alltoall-every`).
+    pub(crate) verified_alltoalls: u64,
     /// SHA-256 (hex) of the parameters at the end (`None`: never a member).
     pub(crate) params_digest: Option<String>,
     /// SHA-256 (hex) of the parameters expected after `final_step` steps.
@@ -345,6 +351,31 @@ pub(crate) async fn run<E: ExactElement>(
                     return Err(wrong_params(g, rank, step + 1, "commit", index, params.values.get(index), expected));
                 }
             }
+            if train.alltoall_every > 0 && step % train.alltoall_every == 0 {
+                group.set_progress(g, step, "alltoall");
+                let exchanged = exchange(&mut generation.comm, g, step).instrument(span.clone()).await?;
+                if let Err(e) = exchanged {
+                    let cause = group.on_failure(g, &e).await;
+                    events::Error {
+                        gen: g,
+                        rank,
+                        step: Some(step),
+                        phase: Some("alltoall".into()),
+                        kind: kind_of(&e).into(),
+                        detail: Some(e.to_string().into()),
+                        cause: cause.to_string().into(),
+                        t_ms: now_ms(),
+                        cause_t_ms: None,
+                    }
+                    .print();
+                    // The step's sum is in the parameters but not committed: back to the commit.
+                    checkpoint.restore(&mut params)?;
+                    check_params(&trajectory, &params, g, rank, checkpoint.step().unwrap_or(0), "restore")?;
+                    failed_at.get_or_insert_with(Instant::now);
+                    continue 'generations;
+                }
+                summary.verified_alltoalls += 1;
+            }
             step += 1;
             params.step = step;
             checkpoint.commit(&params, step);
@@ -632,6 +663,53 @@ fn wrong_params<E: ExactElement>(
 }
 
 /// The digests of the parameters held and of those expected after `step` steps.
+/// Elements each rank sends each other rank in [`exchange`].
+const ALLTOALL_BLOCK: usize = 2;
+
+/// The `i`-th element `from` sends `to` in step `step`'s alltoall: distinct per (from, to,
+/// step mod 2^18, i) for ranks below 2^20, so a block delivered to the wrong rank, from the
+/// wrong rank or of another step is caught.
+fn alltoall_value(from: u32, to: u32, step: u64, i: usize) -> i64 {
+    (i64::from(from) << 40) | (i64::from(to) << 20) | ((step as i64 & 0x3ffff) << 2) | i as i64
+}
+
+/// One checked alltoall of step `step`: `Ok(Err(_))` when the collective failed (a
+/// re-formation, as for the allreduce), `Err` on a wrong block.
+///
+/// # Cancel safety
+/// Not cancel safe (a collective).
+async fn exchange(
+    comm: &mut cohort::Communicator<cohort::elastic::MeshTransport>,
+    generation: u64,
+    step: u64,
+) -> Result<Result<(), CommError>, TrainError> {
+    let (rank, world) = (comm.rank(), comm.size());
+    let send: Vec<i64> =
+        (0..world).flat_map(|to| (0..ALLTOALL_BLOCK).map(move |i| alltoall_value(rank, to, step, i))).collect();
+    let mut received = vec![0i64; send.len()];
+    if let Err(e) = comm.alltoall(&send, &mut received).await {
+        return Ok(Err(e));
+    }
+    for (index, got) in received.iter().enumerate() {
+        let (from, i) = ((index / ALLTOALL_BLOCK) as u32, index % ALLTOALL_BLOCK);
+        let expected = alltoall_value(from, rank, step, i);
+        if *got != expected {
+            events::WrongResult {
+                gen: generation,
+                rank,
+                step,
+                index: index as u64,
+                got: got.to_string(),
+                expected: expected.to_string(),
+                t_ms: now_ms(),
+            }
+            .print();
+            return Err(TrainError::WrongResult { generation, step, index });
+        }
+    }
+    Ok(Ok(()))
+}
+
 fn digests<E: ExactElement>(trajectory: &Trajectory, params: &[E], step: u64) -> (String, String) {
     (params_digest(params), params_digest(&trajectory.expected_params::<E>(step)))
 }
