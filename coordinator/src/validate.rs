@@ -4,8 +4,8 @@
 use cohort_proto::v1::TransportAddress;
 use tonic::Status;
 
-/// Longest job or worker id.
-pub const MAX_ID_LEN: usize = 128;
+/// Longest job or worker id ([`cohort_proto::ids`] holds the rule).
+pub use cohort_proto::ids::MAX_ID_LEN;
 /// Longest host name accepted in a join.
 pub const MAX_HOST_LEN: usize = 255;
 /// Most data-plane addresses per member.
@@ -23,26 +23,10 @@ pub const MAX_ACTIVITY_LEN: usize = 256;
 /// Largest state digest in a commit.
 pub const MAX_DIGEST_LEN: usize = 64;
 
-/// Checks a job or worker id: 1..=128 characters of `[A-Za-z0-9._-]`.
-pub fn id(field: &str, value: &str) -> Result<(), Status> {
-    if value.is_empty() {
-        return Err(Status::invalid_argument(format!("{field} is empty")));
-    }
-    if value.len() > MAX_ID_LEN {
-        return Err(Status::invalid_argument(format!(
-            "{field} is {} characters long (at most {MAX_ID_LEN})",
-            value.len()
-        )));
-    }
-    if let Some(c) = value.chars().find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'))) {
-        return Err(Status::invalid_argument(format!(
-            "{field} contains {c:?}; ids are 1..={MAX_ID_LEN} characters of [A-Za-z0-9._-]"
-        )));
-    }
-    if value == "." || value == ".." {
-        return Err(Status::invalid_argument(format!("{field} may not be {value:?}")));
-    }
-    Ok(())
+/// Checks a job or worker id: 1..=128 characters of `[A-Za-z0-9._-]`, the rule every part
+/// of cohort applies ([`cohort_proto::ids::check_id`]).
+pub fn id(field: &'static str, value: &str) -> Result<(), Status> {
+    cohort_proto::ids::check_id(field, value).map_err(|e| Status::invalid_argument(e.to_string()))
 }
 
 /// Checks a free-text field's length (and that it has no control characters other than

@@ -11,6 +11,7 @@ pub mod v1 {
 }
 
 pub mod credentials;
+pub mod ids;
 pub mod process_metrics;
 #[cfg(feature = "progress")]
 pub mod progress;

@@ -169,9 +169,9 @@ fn elastic_error(py: Python<'_>, e: ElasticError) -> PyErr {
             build(py, "ControlError", message, |kw| kw.set_item("code", "permission_denied"))
         }
         ElasticError::Comm(error) => comm_error(py, error, 0, None),
-        ElasticError::DataPlane(TransportError::InvalidArgument(_)) | ElasticError::TransportUnavailable(_) => {
-            build(py, "InvalidArgumentError", message, |_| Ok(()))
-        }
+        ElasticError::DataPlane(TransportError::InvalidArgument(_))
+        | ElasticError::TransportUnavailable(_)
+        | ElasticError::InvalidId(_) => build(py, "InvalidArgumentError", message, |_| Ok(())),
         ElasticError::DataPlane(_) | ElasticError::RdmaEndpoint { .. } => build(py, "CohortError", message, |_| Ok(())),
     }
 }

@@ -201,7 +201,10 @@ impl Hello {
     }
 }
 
-/// Checks that a job id can be carried in a hello.
+/// Checks that a job id fits a hello's frame (1..=[`MAX_JOB_LEN`] bytes). This is the wire's
+/// bound, not the rule for ids: cohort's elastic worker applies that one
+/// (`cohort_proto::ids::check_id`, 1..=128 characters of `[A-Za-z0-9._-]`) when it joins,
+/// and the coordinator to every request, so a formed generation's id always fits.
 pub fn validate_job(job: &str) -> Result<(), String> {
     if job.is_empty() || job.len() > MAX_JOB_LEN {
         return Err(format!("job id must be 1..={MAX_JOB_LEN} bytes, got {}", job.len()));

@@ -61,6 +61,10 @@ pub enum ElasticError {
     /// The coordinator sent something that violates the protocol.
     #[error("coordinator protocol violation: {0}")]
     Protocol(String),
+    /// The job or worker id breaks cohort's rule for ids (checked before anything is
+    /// contacted).
+    #[error(transparent)]
+    InvalidId(#[from] cohort_proto::ids::IdError),
 }
 
 /// Why a [`super::TransportChoice`] cannot be used on this machine or in this build.

@@ -210,6 +210,8 @@ impl ElasticGroup {
     /// # Cancel safety
     /// Cancel safe: a join left half done expires with its lease.
     pub async fn join(mut config: ElasticConfig) -> Result<Self, ElasticError> {
+        cohort_proto::ids::check_id("job", &config.job)?;
+        cohort_proto::ids::check_id("worker_id", &config.worker_id)?;
         #[cfg(not(feature = "rdma"))]
         if config.transport == TransportChoice::Rdma {
             return Err(super::TransportUnavailable::RdmaNotBuilt.into());
