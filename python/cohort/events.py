@@ -45,7 +45,7 @@ KEYS = {
     "reform": "gen rank step reason t_ms",
     "deadlines": "gen rank step peers t_ms",
     "wrong_params": "gen rank step phase held_step? index? got? expected? t_ms",
-    "summary": "verified_steps final_step failures lost_ms cooperative_reforms left alltoalls? params_digest expected_digest t_ms",
+    "summary": "verified_steps final_step failures lost_ms cooperative_reforms left alltoalls? params_digest expected_digest t_ms",  # noqa: E501 - generated
     "fatal": "error:text t_ms",
     "metrics": "address t_ms",
     "sigterm": "t_ms",

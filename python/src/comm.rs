@@ -85,6 +85,12 @@ pub(crate) struct Core {
 }
 
 impl Core {
+    /// The generation's links, if this is the communicator of `generation` (for the deadlines
+    /// reported at a commit point).
+    pub(crate) fn links_of(&self, generation: u64) -> Option<Arc<MeshTransport>> {
+        (self.generation == generation).then(|| Arc::clone(&self.transport))
+    }
+
     /// Lends the communicator to one call.
     fn take(&self) -> Result<Comm, Failure> {
         let mut slot = self.slot.lock().unwrap_or_else(PoisonError::into_inner);

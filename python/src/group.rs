@@ -416,7 +416,18 @@ impl Group {
     fn commit(&self, generation: u64, step: u64, digest: &[u8]) -> PyResult<bool> {
         // A program that reports commits leaves at them on SIGTERM (it reads `leaving` there).
         self.sigterm.defer_to_commit_points();
-        self.with_idle(|g| g.commit(generation, step, digest))
+        // The deadlines in force on the generation's links go with the next heartbeat (and to
+        // the metrics), as `cohort-worker train` reports its own.
+        let links = {
+            let comms = self.comms.lock().unwrap_or_else(PoisonError::into_inner);
+            comms.iter().rev().filter_map(Weak::upgrade).find_map(|core| core.links_of(generation))
+        };
+        self.with_idle(|g| {
+            if let Some(links) = &links {
+                g.report_deadlines(links.as_ref());
+            }
+            g.commit(generation, step, digest)
+        })
     }
 
     /// Records what this worker is doing (shown by `cohort-coordinator status`).

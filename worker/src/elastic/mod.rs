@@ -37,6 +37,7 @@
 mod choice;
 mod config;
 mod connect;
+mod deadlines;
 mod error;
 mod group;
 mod members;
@@ -57,6 +58,7 @@ mod timing;
 pub use choice::{MemberInfo, TransportChoice, UnknownTransport, FULL_MESH_UP_TO};
 pub use config::{local_hostname, ElasticConfig};
 pub use connect::{connect_members, LocalEndpoints, MeshScope};
+pub use deadlines::{deadline_brief, deadline_summary};
 pub use error::{ElasticError, TransportUnavailable};
 pub use group::{ElasticGroup, FailureReporter, Generation, ReformReason};
 pub use members::Members;

@@ -385,13 +385,7 @@ pub(crate) async fn run<E: ExactElement>(
             let elapsed = started.elapsed();
             let mut collective = elapsed;
             if step % DEADLINES_EVERY == 0 {
-                report_deadlines(
-                    g,
-                    rank,
-                    step,
-                    &cohort_transports::Transport::deadlines_in_force(generation.comm.transport().as_ref()),
-                    &group,
-                );
+                report_deadlines(g, rank, step, generation.comm.transport().as_ref(), &group);
             }
 
             // Commit point: report, then agree with every rank on whether to re-form here.
@@ -563,44 +557,16 @@ fn thread_cpu_time() -> Duration {
     Duration::new(ts.tv_sec.max(0) as u64, ts.tv_nsec.clamp(0, 999_999_999) as u32)
 }
 
-/// Checks the parameters against those every worker expects after `step` steps; a mismatch
-/// prints `event=wrong_params` (with the phase: sync, restore, commit, end) and is an error.
 /// Every this many steps the deadline in force per link is printed, set in the metrics and
 /// sent with the heartbeats (for the coordinator's `status`).
 const DEADLINES_EVERY: u64 = 16;
 
-/// Prints `event=deadlines` (`peers=PEER:MS:BASIS,...`), updates the metrics and the
-/// progress the coordinator shows.
-fn report_deadlines(
-    g: u64,
-    rank: u32,
-    step: u64,
-    deadlines: &[(u32, cohort_transports::DeadlineInForce)],
-    group: &ElasticGroup,
-) {
-    cohort::metrics::set_deadlines(deadlines);
-    let peers = deadline_summary(deadlines);
-    group.set_deadlines(&deadline_brief(deadlines));
+/// Prints `event=deadlines` (`peers=PEER:MS:BASIS,...`) after the library reported them
+/// ([`ElasticGroup::report_deadlines`]: the metrics and the progress the coordinator shows).
+fn report_deadlines<T: Transport + ?Sized>(g: u64, rank: u32, step: u64, transport: &T, group: &ElasticGroup) {
+    let deadlines = group.report_deadlines(transport);
+    let peers = cohort::elastic::deadline_summary(&deadlines);
     events::Deadlines { gen: g, rank, step, peers, t_ms: now_ms() }.print();
-}
-
-/// `PEER:MS:BASIS` per link, comma separated (`1:250:floor,2:250:floor`).
-pub(crate) fn deadline_summary(deadlines: &[(u32, cohort_transports::DeadlineInForce)]) -> String {
-    let parts: Vec<String> =
-        deadlines.iter().map(|(p, d)| format!("{p}:{}:{}", d.value.as_millis(), d.basis.name())).collect();
-    parts.join(",")
-}
-
-/// The deadlines in force in brief, for `status`: `250 ms floor` when every link agrees,
-/// else the range and the reasons (`250-480 ms floor/learned`); empty with no links.
-pub(crate) fn deadline_brief(deadlines: &[(u32, cohort_transports::DeadlineInForce)]) -> String {
-    let Some(lo) = deadlines.iter().map(|(_, d)| d.value).min() else { return String::new() };
-    let hi = deadlines.iter().map(|(_, d)| d.value).max().unwrap_or(lo);
-    let mut bases: Vec<&str> = deadlines.iter().map(|(_, d)| d.basis.name()).collect();
-    bases.sort_unstable();
-    bases.dedup();
-    let range = if lo == hi { format!("{}", lo.as_millis()) } else { format!("{}-{}", lo.as_millis(), hi.as_millis()) };
-    format!("{range} ms {}", bases.join("/"))
 }
 
 /// Checks the parameters against those every worker expects after `step` steps: first their
@@ -783,25 +749,6 @@ pub(crate) enum TrainError {
 mod tests {
     use super::*;
     use cohort::elastic::ElasticState;
-
-    #[test]
-    fn deadlines_are_summed_up_per_link_and_in_brief() {
-        use cohort_transports::{DeadlineBasis, DeadlineInForce};
-        let d = |ms: u64, basis| DeadlineInForce {
-            value: Duration::from_millis(ms),
-            basis,
-            smoothed: Duration::ZERO,
-            variation: Duration::ZERO,
-            peak: Duration::ZERO,
-            samples: 0,
-        };
-        let same = [(1, d(250, DeadlineBasis::Floor)), (2, d(250, DeadlineBasis::Floor))];
-        assert_eq!(deadline_summary(&same), "1:250:floor,2:250:floor");
-        assert_eq!(deadline_brief(&same), "250 ms floor");
-        let mixed = [(0, d(480, DeadlineBasis::Learned)), (2, d(250, DeadlineBasis::Floor))];
-        assert_eq!(deadline_brief(&mixed), "250-480 ms floor/learned");
-        assert_eq!(deadline_brief(&[]), "");
-    }
 
     #[test]
     fn burning_cpu_takes_at_least_the_work_in_cpu_time() {
