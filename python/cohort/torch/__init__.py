@@ -553,12 +553,15 @@ class CohortBackend(_Base):  # type: ignore[misc, valid-type]
         # max(d) == 255 - max(255 - d) == min(d): every rank passed handles of the same digest.
         same = all(agreed[2 + i] == 255 - agreed[18 + i] for i in range(16))
         if agreed[0] or not same:
+            wrong = (
+                f"generation {comm.generation} holds other members"
+                if agreed[0]
+                else f"the ranks of generation {comm.generation} passed different handles"
+            )
             raise InvalidArgumentError(
-                f"cohort backend: reconfigure to {wanted}, but generation {comm.generation} holds other members "
-                f"(this worker, {me!r}, is its rank {comm.rank} of {comm.size}; the handles are its members' worker "
-                "ids in rank order, or a set of them"
-                + ("" if same else "; and the ranks passed different handles")
-                + "): re-form through cohort first (state.reform()), whose coordinator picks the members"
+                f"cohort backend: reconfigure to {wanted}, but {wrong} (this worker, {me!r}, is its rank {comm.rank} "
+                f"of {comm.size}; the handles are its members' worker ids in rank order, or a set of them, the same "
+                "on every rank): re-form through cohort first (state.reform()), whose coordinator picks the members"
             )
         if agreed[1]:
             raise InvalidArgumentError(
