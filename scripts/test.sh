@@ -73,7 +73,12 @@ echo "== python"
 # signatures, defaults, @final classes); python/stubtest/allowlist.txt lists what it skips, and why.
 bash scripts/python-stubtest.sh "$py"
 # COHORT_REQUIRE_PYTHON: a missing torch fails the PyTorch tests instead of skipping them.
-COHORT_REQUIRE_PYTHON=1 COHORT_BIN_DIR="$PWD/target/release" "$py" -m pytest -q -p no:cacheprovider python/tests
+# COHORT_TEST_WHOLE_ANSWER_UP_TO=1: every coordinator the tests start answers each generation
+# of two or more members as a sparse view (python/tests/conftest.py), so every test that forms a
+# group runs on the sparse path here; the torch 2.x pass below runs the default (whole answers)
+# but for its sparse part (docs/testing.md, "Sparse views in the Python suite").
+COHORT_TEST_WHOLE_ANSWER_UP_TO=1 COHORT_REQUIRE_PYTHON=1 COHORT_BIN_DIR="$PWD/target/release" \
+  "$py" -m pytest -q -p no:cacheprovider python/tests
 
 # The PyTorch tests again under PyPI's torch 2.x (the supported torch; Debian's 1.13 above keeps
 # working): target/pyenv-torch2 holds the same cohort package. Made once per checkout
@@ -82,10 +87,18 @@ echo "== python, torch 2.x (disk: $(df -h --output=avail . | tail -n 1 | tr -d '
 py2=$(bash scripts/python-env-torch2.sh | tail -n 1)
 # COHORT_REQUIRE_PYTHON here too: every skip fails the pass unless the test declared itself not
 # applicable (python/tests/conftest.py, not_applicable); under torch 2.x none is expected.
+# Whole answers (the default) for these; sparse views for the torch-2.x-only tests (which the
+# torch 1.13 pass above cannot run sparse): FSDP2 and HSDP there only, the reconfigure and Ctrl-C
+# tests again, and the 17-rank partial-view test on torch 2.x's backend class.
 COHORT_REQUIRE_PYTHON=1 COHORT_BIN_DIR="$PWD/target/release" "$py2" -m pytest -q -p no:cacheprovider \
-  python/tests/test_torch_backend.py python/tests/test_fsdp2.py python/tests/test_hsdp.py python/tests/test_training.py \
+  python/tests/test_torch_backend.py python/tests/test_training.py \
   python/tests/test_torch_p2p.py python/tests/test_signals.py \
   python/tests/test_late_ranks.py::test_ddp_with_rank_0_checkpointing_for_a_minute_between_steps
+COHORT_TEST_WHOLE_ANSWER_UP_TO=1 COHORT_REQUIRE_PYTHON=1 COHORT_BIN_DIR="$PWD/target/release" \
+  "$py2" -m pytest -q -p no:cacheprovider \
+  python/tests/test_fsdp2.py python/tests/test_hsdp.py python/tests/test_sparse_views.py \
+  python/tests/test_torch_backend.py::test_reconfigure_binds_the_world_to_a_replacement_generation \
+  python/tests/test_signals.py::test_ctrl_c_interrupts_torch_distributed_all_reduce
 
 # The RDMA transport (feature `rdma`): its device-free tests run everywhere; the device
 # tests run when a device is present and otherwise say, visibly, that they were skipped.

@@ -46,6 +46,13 @@ def start_coordinator(workers: int, log: Path) -> tuple[subprocess.Popen, str]:
             str(workers),
             "--elastic-timeout",
             "60s",
+            # The test command's sparse pass (python/tests/conftest.py): generations above this
+            # size are answered as sparse views.
+            *(
+                ["--whole-answer-up-to", os.environ["COHORT_TEST_WHOLE_ANSWER_UP_TO"]]
+                if os.environ.get("COHORT_TEST_WHOLE_ANSWER_UP_TO")
+                else []
+            ),
         ],
         stdout=open(log, "w"),
         stderr=subprocess.STDOUT,

@@ -30,8 +30,12 @@ Two kinds of job at the coordinator (no new RPC; configure them in its ``--confi
   backend), over which ``build`` shards the model. A failure revokes only this job.
 - ``JOB.cross``, every rank of every replica group that trains (``min_workers = S``,
   ``max_workers = R*S``): one generation for all, so that every group sees the same set of
-  live groups. Its worker ids are ``WORKER.rI.sJ``; the shard subgroups (shard J of every
-  complete group) are cut from its communicator (:meth:`cohort.Communicator.subgroup`).
+  live groups. Its worker ids are ``WORKER.rI.sJ``. At each formation every rank gathers
+  each cross rank's replica and shard index (an allgather of 8 bytes a rank), so that all
+  derive the same live groups whatever their view of the members (a generation above the
+  coordinator's ``whole_answer_up_to`` gives each rank only its known entries); the shard
+  subgroups (shard J of every complete group) are cut from its communicator
+  (:meth:`cohort.Communicator.subgroup`).
 
 Each step, on every rank: this rank's share of the step's global batch (the batch is split
 over the live groups' ranks, so the global batch stays the same when a group is out),
@@ -60,7 +64,6 @@ generation (one of its members was not yet waiting when it formed) takes part on
 from __future__ import annotations
 
 import io
-import re
 import statistics
 import sys
 import time
@@ -83,15 +86,13 @@ from cohort.errors import (
 )
 from cohort.events import emit
 
-__all__ = ["Trainer", "cross_worker_id", "replica_job", "CROSS_SUFFIX"]
+__all__ = ["Trainer", "cross_worker_id", "live_groups", "replica_job", "CROSS_SUFFIX"]
 
 CROSS_SUFFIX = ".cross"
 """The cross-replica job's id is the job's id with this suffix."""
 
 SHARD_CHANNEL = 1
 """The channel of the shard subgroups (they are disjoint, so one channel serves all)."""
-
-_CROSS_ID = re.compile(r"\.r(\d+)\.s(\d+)$")
 
 Build = Callable[[Any], "tuple[torch.nn.Module, torch.optim.Optimizer]"]
 """``build(mesh)``: the model, sharded with FSDP2 over ``mesh`` (the replica group's 1-D
@@ -386,13 +387,10 @@ class Trainer:
             self._cross = self._shard = None
             self._cross = self._cross_group.next_generation()
             self.stats["cross_formations"] += 1
-            groups: dict[int, dict[int, int]] = {}
-            for m in self._cross.members:
-                found = _CROSS_ID.search(m.worker_id)
-                if found:
-                    groups.setdefault(int(found.group(1)), {})[int(found.group(2))] = m.rank
-            size = self.comm.size
-            self.live_replicas = sorted(i for i, shards in groups.items() if sorted(shards) == list(range(size)))
+            try:
+                self.live_replicas, groups = live_groups(self._cross, self.replica, self._shard_index, self.comm.size)
+            except CollectiveError:
+                continue
             self._training = self.replica in self.live_replicas
             emit(
                 "generation",
@@ -559,6 +557,26 @@ class Trainer:
             group.update(saved)
         self.step = state["step"]
         self._state_valid = True
+
+
+def live_groups(
+    cross: Communicator, replica: int, shard: int, group_size: int
+) -> tuple[list[int], dict[int, dict[int, int]]]:
+    """The replica groups complete in the cross generation ``cross`` (every shard ``0..group_size``
+    present), ascending, and where every rank of it is (``{replica: {shard: cross rank}}``); this
+    rank is shard ``shard`` of group ``replica``. The same on every rank: each rank's (replica,
+    shard) is gathered over ``cross`` (an allgather of 8 bytes a rank), not read from
+    ``cross.members``, which in a generation above the coordinator's ``whole_answer_up_to``
+    lists only this rank's known entries (a different few on each rank). Collective: raises a
+    collective error when a rank fails meanwhile (re-form and call again)."""
+    mine = np.array([replica, shard], dtype=np.int32)
+    every = np.zeros(2 * cross.size, dtype=np.int32)
+    cross.allgather(mine, every)
+    groups: dict[int, dict[int, int]] = {}
+    for rank, (r, s) in enumerate(every.reshape(-1, 2).tolist()):
+        groups.setdefault(r, {})[s] = rank
+    live = sorted(i for i, shards in groups.items() if sorted(shards) == list(range(group_size)))
+    return live, groups
 
 
 def _cross_finished(error: BaseException) -> bool:

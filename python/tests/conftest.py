@@ -131,12 +131,29 @@ def coordinator_address(output: str) -> Optional[str]:
     return m.group(1) if m else None
 
 
+WHOLE_ANSWER_UP_TO = "COHORT_TEST_WHOLE_ANSWER_UP_TO"
+"""An environment variable: when set (to a number), every coordinator the tests start answers
+generations larger than it as sparse views (``--whole-answer-up-to``), unless the test sets
+that flag itself. scripts/test.sh sets it to 1 for the torch 1.13 pass, so that every test that
+forms a group there runs on the sparse path (docs/testing.md)."""
+
+
+def sparse_args(args: Sequence[str]) -> list[str]:
+    """``--whole-answer-up-to $COHORT_TEST_WHOLE_ANSWER_UP_TO`` when that is set and ``args``
+    do not choose the threshold themselves; else nothing."""
+    value = os.environ.get(WHOLE_ANSWER_UP_TO, "").strip()
+    if not value or any(a == "--whole-answer-up-to" or a.startswith("--whole-answer-up-to=") for a in args):
+        return []
+    return ["--whole-answer-up-to", value]
+
+
 def start_coordinator(tmp: Path, *args: str, timeout: float = 20.0) -> Coordinator:
-    """Starts a coordinator on 127.0.0.1:0 and waits (bounded) for its bound address."""
+    """Starts a coordinator on 127.0.0.1:0 and waits (bounded) for its bound address (with
+    :func:`sparse_args`)."""
     log = tmp / f"coordinator-{time.monotonic_ns()}.log"
     out = open(log, "w")
     proc = subprocess.Popen(
-        [str(binary("cohort-coordinator")), "serve", "--listen", "127.0.0.1:0", *args],
+        [str(binary("cohort-coordinator")), "serve", "--listen", "127.0.0.1:0", *args, *sparse_args(args)],
         stdout=out,
         stderr=subprocess.STDOUT,
         start_new_session=True,

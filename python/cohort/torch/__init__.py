@@ -38,6 +38,7 @@ torch group to the new generation (:meth:`CohortBackend.reconfigure`).
 from __future__ import annotations
 
 import atexit
+import hashlib
 import queue
 import threading
 from typing import Any, Callable, Optional, Union
@@ -68,6 +69,14 @@ def _current(source: Source) -> Communicator:
     if comm is None:
         raise RuntimeError("no current communicator: re-form first (cohort.elastic.run does)")
     return comm
+
+
+def _own_member(comm: Communicator) -> Any:
+    """This rank's own entry of ``comm.members`` (every view holds it, sparse or whole)."""
+    for m in comm.members:
+        if m.rank == comm.rank:
+            return m
+    raise RuntimeError(f"generation {comm.generation}: rank {comm.rank} is not among its own members")
 
 
 class GradientAverager:
@@ -508,8 +517,7 @@ class CohortBackend(_Base):  # type: ignore[misc, valid-type]
 
     def get_reconfigure_handle(self) -> str:
         """This worker's handle for ``dist._reconfigure``: its cohort worker id."""
-        comm = _current(self._source)
-        return comm.members[comm.rank].worker_id
+        return _own_member(_current(self._source)).worker_id
 
     def reconfigure(self, opts: Any) -> Any:
         """``dist._reconfigure(uuid, handles)``: binds the group to the source's current
@@ -517,23 +525,49 @@ class CohortBackend(_Base):  # type: ignore[misc, valid-type]
         them in rank order, a set in any). cohort's coordinator is the quorum: re-form through
         cohort first (``state.reform()``, ``cohort.elastic.run``), then reconfigure. torch keeps
         a group's size and this process's rank, so the generation must keep both; otherwise
-        call :func:`init_process_group` again. The uuid is kept as ``reconfigured_uuid``."""
+        call :func:`init_process_group` again. The uuid is kept as ``reconfigured_uuid``.
+
+        Collective (every rank of the world calls it, as torch's hook is called): each rank
+        checks its own place in ``handles`` (its worker id at its rank, or in the set, and as
+        many handles as ranks), then one 34-byte max-allreduce agrees on every rank's verdict
+        and on a digest of ``handles`` (that every rank passed the same ones). So the check
+        needs no member list, which in a generation above the coordinator's
+        ``whole_answer_up_to`` holds only this rank's known entries; a mismatch anywhere raises
+        ``InvalidArgumentError`` on every rank. A collective failure meanwhile raises it."""
         if self._members is not None:
             raise InvalidArgumentError("cohort backend: reconfigure the world group; its subgroups follow it")
         comm = _current(self._source)
-        formed = [m.worker_id for m in comm.members]
+        me = _own_member(comm).worker_id
         handles = opts.handles
-        wanted = list(handles) if isinstance(handles, (list, tuple)) else sorted(handles)
-        if sorted(wanted) != sorted(formed) or (isinstance(handles, (list, tuple)) and wanted != formed):
-            raise InvalidArgumentError(
-                f"cohort backend: reconfigure to {wanted}, but generation {comm.generation} holds {formed} "
-                "(in rank order): re-form through cohort first (state.reform()), whose coordinator picks the members"
+        ordered = isinstance(handles, (list, tuple))
+        wanted = list(handles) if ordered else sorted(handles)
+        if ordered:
+            placed = len(wanted) == comm.size and wanted[comm.rank] == me
+        else:
+            placed = len(set(wanted)) == len(wanted) == comm.size and me in wanted
+        kept = comm.size == self.size() and comm.rank == self.rank()
+        digest = list(hashlib.sha256(repr((ordered, wanted)).encode()).digest()[:16])
+        verdict = torch.tensor([not placed, not kept, *digest, *(255 - b for b in digest)], dtype=torch.uint8)
+        comm.allreduce(verdict, "max")
+        agreed = verdict.tolist()
+        # max(d) == 255 - max(255 - d) == min(d): every rank passed handles of the same digest.
+        same = all(agreed[2 + i] == 255 - agreed[18 + i] for i in range(16))
+        if agreed[0] or not same:
+            wrong = (
+                f"generation {comm.generation} holds other members"
+                if agreed[0]
+                else f"the ranks of generation {comm.generation} passed different handles"
             )
-        if comm.size != self.size() or comm.rank != self.rank():
             raise InvalidArgumentError(
-                f"cohort backend: reconfigure: generation {comm.generation} has this worker as rank {comm.rank} "
-                f"of {comm.size}, but torch keeps this group as rank {self.rank()} of {self.size()}: call "
-                "cohort.torch.init_process_group again"
+                f"cohort backend: reconfigure to {wanted}, but {wrong} (this worker, {me!r}, is its rank {comm.rank} "
+                f"of {comm.size}; the handles are its members' worker ids in rank order, or a set of them, the same "
+                "on every rank): re-form through cohort first (state.reform()), whose coordinator picks the members"
+            )
+        if agreed[1]:
+            raise InvalidArgumentError(
+                f"cohort backend: reconfigure: generation {comm.generation} does not keep torch's ranks (this worker "
+                f"is its rank {comm.rank} of {comm.size}, torch keeps this group as rank {self.rank()} of "
+                f"{self.size()}; every rank must keep its own): call cohort.torch.init_process_group again"
             )
         self.reconfigured_uuid = opts.uuid
         return _done(None)
