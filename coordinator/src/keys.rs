@@ -15,6 +15,8 @@
 //! | `ended` | a lease of `--ended-ttl` (10 min) | outcome and reason (kept so late callers are told) |
 //!
 //! and `/cohort/v1/leader` holds the name of the leading replica, on that replica's lease.
+//! A job's key-value store (the `StoreOp` RPC, torch's c10d store) lives apart, under
+//! `/cohort/v1/kv/<job>/<scope>/<key>` ([`kv_key`]), no lease: it is deleted when the job ends.
 //! Ids are validated (`[A-Za-z0-9._-]`), so they can never contain `/` and a job's prefix
 //! never matches another job's keys.
 
@@ -121,6 +123,28 @@ pub fn exclusions(job: &str) -> String {
 /// The job's end record.
 pub fn ended(job: &str) -> String {
     format!("{JOBS}{job}/ended")
+}
+
+/// Prefix of every job's key-value store (`StoreOp`, the c10d store): outside [`JOBS`], so
+/// that the replicas following a job's keys never read the store's values.
+pub const KV: &str = "/cohort/v1/kv/";
+
+/// `/cohort/v1/kv/<job>/`: every key of a job's key-value store, in every scope. Deleted with
+/// the job ([`crate::ops::end_job`]).
+pub fn kv_prefix(job: &str) -> String {
+    format!("{KV}{job}/")
+}
+
+/// `/cohort/v1/kv/<job>/<scope>/`: the keys of one scope (a scope never contains `/`, so two
+/// scopes never share a prefix; the empty scope is `<job>//`).
+pub fn kv_scope_prefix(job: &str, scope: &str) -> String {
+    format!("{KV}{job}/{scope}/")
+}
+
+/// `/cohort/v1/kv/<job>/<scope>/<key>`: one key of a job's key-value store (the key is the
+/// caller's, any UTF-8).
+pub fn kv_key(job: &str, scope: &str, key: &str) -> String {
+    format!("{KV}{job}/{scope}/{key}")
 }
 
 /// What a key under [`JOBS`] is.

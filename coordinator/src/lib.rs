@@ -18,7 +18,7 @@
 //! The other modules are the coordinator's implementation: `validate` (request checks),
 //! `keys` and `records` (store layout and values), `rendezvous`, `revocation`, `report`,
 //! `exclusion`, `stragglers` and `digests` (pure decision logic), `ops` (CAS mutations),
-//! `hub` (per-job live views), `service` (the RPCs), `leader` (election and timers),
+//! `hub` (per-job live views), `kv` (a job's key-value store, torch's c10d store), `service` (the RPCs), `leader` (election and timers),
 //! `sweep` (silent members on hosts' shared leases),
 //! `metrics` and `status_page` (the metrics listener's `/metrics` and live status page). They are private unless the `test-support` feature is on, which makes the
 //! ones the coordinator's own tests, benchmarks and the simulation (`cohort-sim`) reach into
@@ -54,7 +54,7 @@ macro_rules! internal_modules {
     )*};
 }
 
-internal_modules!(exclusion, hub, keys, metrics, ops, records, service, status_page, stragglers, validate);
+internal_modules!(exclusion, hub, keys, kv, metrics, ops, records, service, status_page, stragglers, validate);
 
 pub use config::{ExclusionPolicy, JobSettings, LeaseScope, Settings, StragglerPolicy};
 pub use server::{serve, start, ServeConfig, ServeError, ServerHandle};

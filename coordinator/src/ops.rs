@@ -461,7 +461,8 @@ pub async fn remove_member(ctx: &Context, job: &str, worker: &str, member_revisi
 }
 
 /// Ends a job if its generation key still has revision `expected` (`None`: absent): writes
-/// the `ended` record (on a lease of [`Context::ended_ttl`]) and deletes every other key of the job,
+/// the `ended` record (on a lease of [`Context::ended_ttl`]) and deletes every other key of the job
+/// (its key-value store too),
 /// then revokes `leases` (the members', their own or their hosts'). Returns whether this call
 /// ended it.
 ///
@@ -484,6 +485,7 @@ pub async fn end_job(
         success.push(TxnOp::DeletePrefix(keys::kind_prefix(job, kind)));
     }
     success.push(TxnOp::DeletePrefix(keys::shards_prefix(job)));
+    success.push(TxnOp::DeletePrefix(keys::kv_prefix(job)));
     success.push(TxnOp::Delete(keys::exclusions(job)));
     success.push(TxnOp::Delete(gen_key.clone()));
     let compare = match expected {

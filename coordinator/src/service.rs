@@ -34,7 +34,8 @@
 //!   `report` and `revocation`);
 //! - `leave`: `Leave` (the departure, and the job's end when every member finished);
 //! - `commit`: `Commit` (the commit point, the state-digest ledger);
-//! - `status`: `Status` (the job's state, with this replica's newer progress).
+//! - `status`: `Status` (the job's state, with this replica's newer progress);
+//! - `store_op`: `StoreOp` (the job's key-value store, torch's c10d store: [`crate::kv`]).
 
 mod commit;
 mod failures;
@@ -45,6 +46,7 @@ mod leave;
 mod members;
 mod rendezvous;
 mod status;
+mod store_op;
 mod watch;
 
 use crate::digests::CommitLedger;
@@ -384,6 +386,11 @@ impl pb::coordinator_server::Coordinator for CoordinatorService {
     async fn members(&self, request: Request<pb::MembersRequest>) -> Result<Response<pb::MembersResponse>, Status> {
         rpc!(self, "Members", request, do_members, |r: &pb::MembersRequest| tracing::debug_span!(
             "rpc", method = "Members", job = %r.job, worker = %r.worker_id, incarnation = r.incarnation, generation = r.generation))
+    }
+
+    async fn store_op(&self, request: Request<pb::StoreRequest>) -> Result<Response<pb::StoreResponse>, Status> {
+        rpc!(self, "StoreOp", request, do_store_op, |r: &pb::StoreRequest| tracing::debug_span!(
+            "rpc", method = "StoreOp", job = %r.job, scope = %r.scope))
     }
 
     async fn status(&self, request: Request<pb::StatusRequest>) -> Result<Response<pb::StatusResponse>, Status> {

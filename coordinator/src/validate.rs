@@ -41,6 +41,45 @@ pub fn text(field: &str, value: &str, max: usize) -> Result<(), Status> {
     Ok(())
 }
 
+/// Checks a key of the job's key-value store (`StoreOp`): 1..=[`crate::kv::MAX_KEY_LEN`]
+/// bytes, no NUL.
+pub fn store_key(field: &str, key: &str) -> Result<(), Status> {
+    if key.is_empty() {
+        return Err(Status::invalid_argument(format!("{field} is empty (a store key needs at least one byte)")));
+    }
+    if key.len() > crate::kv::MAX_KEY_LEN {
+        return Err(Status::invalid_argument(format!(
+            "{field} is {} bytes long (a store key has at most {})",
+            key.len(),
+            crate::kv::MAX_KEY_LEN
+        )));
+    }
+    if key.contains('\0') {
+        return Err(Status::invalid_argument(format!("{field} contains a NUL byte")));
+    }
+    Ok(())
+}
+
+/// Checks a value for the job's key-value store: at most [`crate::kv::MAX_VALUE_LEN`] bytes.
+pub fn store_value(field: &str, value: &[u8]) -> Result<(), Status> {
+    if value.len() > crate::kv::MAX_VALUE_LEN {
+        return Err(Status::invalid_argument(format!(
+            "{field} is {} bytes (a store value has at most {} bytes, 1 MiB)",
+            value.len(),
+            crate::kv::MAX_VALUE_LEN
+        )));
+    }
+    Ok(())
+}
+
+/// Checks a store scope: empty, or an id (`[A-Za-z0-9._-]`, at most 128 characters).
+pub fn store_scope(scope: &str) -> Result<(), Status> {
+    if scope.is_empty() {
+        return Ok(());
+    }
+    cohort_proto::ids::check_id("scope", scope).map_err(|e| Status::invalid_argument(e.to_string()))
+}
+
 /// Checks an incarnation number (they are never 0).
 pub fn incarnation(value: u64) -> Result<(), Status> {
     if value == 0 || value > i64::MAX as u64 {

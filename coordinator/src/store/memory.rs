@@ -470,6 +470,16 @@ impl Store for MemoryStore {
         Ok((kvs, st.revision))
     }
 
+    async fn count_prefix(&self, prefix: &str) -> Result<u64, StoreError> {
+        let st = self.shared.lock();
+        let n = st
+            .kvs
+            .range::<str, _>((Bound::Included(prefix), Bound::Unbounded))
+            .take_while(|(k, _)| k.starts_with(prefix))
+            .count();
+        Ok(n as u64)
+    }
+
     async fn put(&self, key: &str, value: Vec<u8>, lease: Option<LeaseId>) -> Result<i64, StoreError> {
         check_key(key)?;
         let mut st = self.shared.lock();

@@ -153,6 +153,12 @@ pub trait Store: Send + Sync + 'static {
     /// Reads every key with `prefix`, in key order, and the store revision of the read.
     async fn get_prefix(&self, prefix: &str) -> Result<(Vec<KeyValue>, i64), StoreError>;
 
+    /// How many keys have `prefix`, without reading their values (etcd: a count-only range).
+    /// The default reads the prefix; a backend that can count more cheaply overrides it.
+    async fn count_prefix(&self, prefix: &str) -> Result<u64, StoreError> {
+        Ok(self.get_prefix(prefix).await?.0.len() as u64)
+    }
+
     /// Writes a key (optionally on a lease); returns the new store revision.
     async fn put(&self, key: &str, value: Vec<u8>, lease: Option<LeaseId>) -> Result<i64, StoreError>;
 

@@ -476,6 +476,23 @@ impl ControlClient {
         self.call("Status", request, Duration::ZERO, |mut c, r| async move { c.status(r).await }).await
     }
 
+    /// One operation on the job's key-value store (`StoreOp`, the c10d store): bounded like
+    /// every unary call, plus the operation's own `wait_ms` for a `get` or `wait`, and retried
+    /// across endpoints while none answers. [`super::JobStore`] wraps it per operation.
+    ///
+    /// # Cancel safety
+    /// Cancel safe in that dropping it drops the call in flight; whether a write that was
+    /// in flight got applied is then unknown (a retried `add` may add twice).
+    pub async fn store_op(&self, request: StoreRequest) -> Result<StoreResponse, ControlError> {
+        use store_request::Op;
+        let extra = match &request.op {
+            Some(Op::Get(g)) => Duration::from_millis(g.wait_ms),
+            Some(Op::Wait(w)) => Duration::from_millis(w.wait_ms),
+            _ => Duration::ZERO,
+        };
+        self.call("StoreOp", request, extra, |mut c, r| async move { c.store_op(r).await }).await
+    }
+
     /// Opens the job's event stream on the first endpoint that answers.
     ///
     /// The stream has no overall deadline (it lives as long as the membership); the caller

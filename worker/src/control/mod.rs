@@ -13,12 +13,14 @@
 //!
 //! [`HostRelay`] carries the heartbeats of a host's workers to the coordinator in shared
 //! calls, two per interval (`relay.rs`); [`EventRelay`] hands them the job's events from one
-//! watch stream per host (`event_relay.rs`).
+//! watch stream per host (`event_relay.rs`). [`JobStore`] is the job's key-value store on
+//! the coordinator (torch's c10d store, `store.rs`).
 
 mod client;
 mod error;
 mod event_relay;
 mod relay;
+mod store;
 mod unreached;
 
 pub use client::{ControlClient, ControlConfig};
@@ -28,3 +30,4 @@ pub use event_relay::{
     SILENCE_LIMIT,
 };
 pub use relay::{HostRelay, DIRECT_AFTER_FAILURE, FLUSHES_PER_INTERVAL, MIN_LEASE_INTERVALS};
+pub use store::{JobStore, STORE_POLL_WAIT};

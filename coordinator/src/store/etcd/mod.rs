@@ -442,6 +442,12 @@ impl Store for EtcdStore {
         Ok((resp.kvs().iter().map(convert_kv).collect(), revision))
     }
 
+    async fn count_prefix(&self, prefix: &str) -> Result<u64, StoreError> {
+        let mut kv = self.client.kv_client();
+        let resp = self.call(None, kv.get(prefix, Some(GetOptions::new().with_prefix().with_count_only()))).await?;
+        Ok(u64::try_from(resp.count()).unwrap_or(0))
+    }
+
     async fn put(&self, key: &str, value: Vec<u8>, lease: Option<LeaseId>) -> Result<i64, StoreError> {
         check_key(key)?;
         match self.batcher.submit(Request::Put { key: key.to_string(), value, lease }).await? {
