@@ -26,7 +26,7 @@ from cohort.config import GroupConfig
 Buffer = Any  # numpy.ndarray | torch.Tensor | bytearray | memoryview
 ReduceOpName = str  # "sum" | "prod" | "min" | "max" | "avg"
 
-__all__ = ["__version__", "Group", "Communicator", "Member", "Work", "Checkpoint", "SyncOutcome", "init_logging"]
+__all__ = ["__version__", "Group", "Communicator", "Member", "Work", "Checkpoint", "SyncOutcome", "KeyValueStore", "init_logging"]
 
 __version__: str
 
@@ -173,3 +173,34 @@ class Group:
 
 def init_logging(level: str = "warn") -> None:
     """Routes the crate's tracing to stderr (``COHORT_LOG`` overrides). Called at import."""
+
+@final
+class KeyValueStore:
+    """One scope of a job's key-value store on the coordinator (the ``StoreOp`` RPC): the
+    native half of ``cohort.torch.Store``. Every call releases the GIL; a refused call raises
+    ``InvalidArgumentError`` (nothing changed) or ``ControlError``."""
+
+    job: str
+    scope: str
+
+    def __new__(
+        cls,
+        coordinator: Union[str, Sequence[str]],
+        job: str,
+        *,
+        token: Optional[str] = None,
+        scope: str = "",
+        tls_ca: Optional[str] = None,
+        request_timeout: float = 5.0,
+        retry_budget: float = 30.0,
+    ) -> "KeyValueStore": ...
+    def set(self, key: str, value: Union[bytes, str]) -> None: ...
+    def get(self, key: str, timeout: float) -> Optional[bytes]:
+        """The value, waiting up to ``timeout`` seconds for the key; None if it never came."""
+    def add(self, key: str, delta: int) -> int: ...
+    def compare_set(self, key: str, expected: Union[bytes, str], desired: Union[bytes, str]) -> bytes: ...
+    def check(self, keys: list[str]) -> bool: ...
+    def delete_key(self, key: str) -> bool: ...
+    def num_keys(self) -> int: ...
+    def wait(self, keys: list[str], timeout: float) -> bool:
+        """Whether every key exists, waiting up to ``timeout`` seconds."""

@@ -12,6 +12,7 @@ mod errors;
 mod group;
 mod ops;
 mod runtime;
+mod store;
 
 use pyo3::prelude::*;
 
@@ -36,6 +37,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<comm::Work>()?;
     m.add_class::<checkpoint::Checkpoint>()?;
     m.add_class::<checkpoint::SyncOutcome>()?;
+    m.add_class::<store::KeyValueStore>()?;
     m.add_function(wrap_pyfunction!(init_logging, m)?)?;
     init_logging("warn");
     Ok(())

@@ -30,6 +30,11 @@ On torch 2.x, ``new_group`` and a ``DeviceMesh`` of several dimensions (HSDP) gi
 the generation (:meth:`cohort.Communicator.subgroup`) over its links, each on a channel derived
 from torch's group name (:func:`subgroup_channel`). CPU tensors only, dtypes
 float32/float64/float16/bfloat16/int32/int64/uint8. docs/python.md has the table of torch calls and cohort collectives.
+3. :class:`Store` (``cohort.torch.store``): a ``torch.distributed.Store`` kept by the coordinator
+   (in etcd when it runs on etcd), through which torch's own backends rendezvous:
+   ``dist.init_process_group("nccl", store=cohort.torch.Store(job, coordinator, token=...),
+   rank=r, world_size=n)``.
+
 On torch 2.x the world group also takes torch's fault-tolerance hooks (``dist._reconfigure``):
 after a re-formation through cohort that keeps the world's size and this rank, it binds the same
 torch group to the new generation (:meth:`CohortBackend.reconfigure`).
@@ -50,8 +55,17 @@ from torch.futures import Future
 
 from cohort._native import Communicator, Group, Work
 from cohort.errors import InvalidArgumentError, _handed_on
+from cohort.torch.store import Store
 
-__all__ = ["GradientAverager", "CohortBackend", "CohortProcessGroup", "init_process_group", "BACKEND", "TORCH2"]
+__all__ = [
+    "GradientAverager",
+    "CohortBackend",
+    "CohortProcessGroup",
+    "init_process_group",
+    "Store",
+    "BACKEND",
+    "TORCH2",
+]
 
 BACKEND = "cohort"
 """The name of the ``torch.distributed`` backend."""

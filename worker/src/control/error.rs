@@ -99,4 +99,8 @@ impl ControlError {
             _ => None,
         }
     }
+
+    /// The code of a request the coordinator refused as malformed: it changed nothing, and
+    /// sending it again would be refused again (for crates that do not name tonic).
+    pub const INVALID_ARGUMENT: tonic::Code = tonic::Code::InvalidArgument;
 }

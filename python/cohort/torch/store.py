@@ -1,0 +1,155 @@
+"""``cohort.torch.Store``: a ``torch.distributed.Store`` kept by the cohort coordinator.
+
+torch's own backends (gloo, nccl) rendezvous through a c10d ``Store``: usually a ``TCPStore``
+served by rank 0, so the job's rendezvous dies with that process. This store lives in the
+coordinator instead, in etcd when the coordinator runs on etcd, so it outlives any worker and
+any coordinator replica::
+
+    store = cohort.torch.Store("job-7", "http://coord-a:7470,http://coord-b:7470", token=token, scope="g3")
+    dist.init_process_group("nccl", store=store, rank=rank, world_size=world)
+
+Keys are the job's, under ``scope`` (a namespace such as the generation, ``[A-Za-z0-9._-]``);
+they are authenticated with the job's credential and deleted when the job ends. Bounds (the
+coordinator's): keys of 1 to 1,024 bytes, values up to 1 MiB, 65,536 keys per job; a call past
+them raises :class:`cohort.errors.InvalidArgumentError` (a ``ValueError``) and changes nothing.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any, Optional, Sequence, Union
+
+import torch
+
+from cohort._native import KeyValueStore
+
+__all__ = ["Store", "DEFAULT_TIMEOUT"]
+
+DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)
+"""How long ``get`` and ``wait`` wait for their keys unless told otherwise (torch's default)."""
+
+_C10D = torch._C._distributed_c10d
+
+
+def _timeout_error(message: str) -> Exception:
+    """torch's store timeout error where torch has one (``DistStoreError``, torch 2.x), else
+    a ``RuntimeError`` as torch 1.13's stores raise; either way also a ``TimeoutError`` where
+    torch's class allows it."""
+    error: Any = getattr(torch.distributed, "DistStoreError", RuntimeError)
+    return error(message)
+
+
+def _seconds(timeout: Any) -> float:
+    if isinstance(timeout, datetime.timedelta):
+        return max(timeout.total_seconds(), 0.0)
+    return max(float(timeout), 0.0)
+
+
+class Store(_C10D.Store):  # type: ignore[misc]
+    """A ``torch.distributed.Store`` on the cohort coordinator (see the module's docs).
+
+    ``job`` and ``coordinator`` (one endpoint, a comma-separated list, or a sequence: any
+    replica serves) name the job's store; ``token`` is the job's credential (or the operator
+    secret); ``scope`` keeps this store's keys apart from other scopes of the job (use the
+    generation, e.g. ``f"g{generation}"``, so that a re-formed group never reads the keys of
+    the one before). ``timeout`` bounds ``get`` and ``wait`` (``set_timeout`` changes it);
+    ``request_timeout`` and ``retry_budget`` bound each call to the coordinator and its retries
+    across the endpoints, as in :class:`cohort.GroupConfig`.
+
+    Every call releases the GIL while it waits; Ctrl-C interrupts a waiting ``get`` or
+    ``wait`` on the main thread. A coordinator that cannot be reached within the retry budget
+    raises :class:`cohort.errors.ControlError`.
+    """
+
+    def __init__(
+        self,
+        job: str,
+        coordinator: Union[str, Sequence[str]],
+        *,
+        token: Optional[str] = None,
+        scope: str = "",
+        timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+        tls_ca: Optional[str] = None,
+        request_timeout: float = 5.0,
+        retry_budget: float = 30.0,
+    ) -> None:
+        super().__init__()
+        self._kv = KeyValueStore(
+            coordinator,
+            job,
+            token=token,
+            scope=scope,
+            tls_ca=tls_ca,
+            request_timeout=request_timeout,
+            retry_budget=retry_budget,
+        )
+        self.set_timeout(timeout)
+
+    @classmethod
+    def from_config(cls, config: Any, scope: str = "", timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> Store:
+        """The store of the job a :class:`cohort.GroupConfig` names, with its coordinator,
+        credential, CA and timeouts."""
+        return cls(
+            config.job,
+            config.coordinator,
+            token=config.token,
+            scope=scope,
+            timeout=timeout,
+            tls_ca=config.tls_ca,
+            request_timeout=config.request_timeout,
+            retry_budget=config.retry_budget,
+        )
+
+    @property
+    def job(self) -> str:
+        """The job."""
+        return self._kv.job
+
+    @property
+    def scope(self) -> str:
+        """The scope."""
+        return self._kv.scope
+
+    def set(self, key: str, value: Union[bytes, str]) -> None:
+        """Writes ``value`` (bytes, or a str as its UTF-8) under ``key``."""
+        self._kv.set(key, value)
+
+    def get(self, key: str) -> bytes:
+        """The value of ``key``, waiting for it up to the store's timeout (then torch's store
+        timeout error)."""
+        value = self._kv.get(key, _seconds(self.timeout))
+        if value is None:
+            raise _timeout_error(f"cohort store: key {key!r} not set within {self.timeout} (job {self.job})")
+        return value
+
+    def add(self, key: str, value: int) -> int:
+        """Adds ``value`` to the integer under ``key`` (absent: 0); returns the sum."""
+        return self._kv.add(key, int(value))
+
+    def compare_set(self, key: str, expected: Union[bytes, str], desired: Union[bytes, str]) -> bytes:
+        """Writes ``desired`` if ``key`` holds ``expected`` (or is absent and ``expected`` is
+        empty); returns the value stored now (``expected`` for an absent key and a non-empty
+        ``expected``), as torch's ``TCPStore``."""
+        return self._kv.compare_set(key, expected, desired)
+
+    def check(self, keys: list[str]) -> bool:
+        """Whether every key exists now."""
+        return self._kv.check(list(keys))
+
+    def delete_key(self, key: str) -> bool:
+        """Deletes ``key``; returns whether it existed."""
+        return self._kv.delete_key(key)
+
+    def num_keys(self) -> int:
+        """How many keys the scope holds."""
+        return self._kv.num_keys()
+
+    def wait(self, keys: list[str], timeout: Optional[datetime.timedelta] = None) -> None:
+        """Waits until every key exists, up to ``timeout`` (default: the store's), then raises
+        torch's store timeout error."""
+        limit = self.timeout if timeout is None else timeout
+        if not self._kv.wait(list(keys), _seconds(limit)):
+            raise _timeout_error(f"cohort store: keys {list(keys)!r} not all set within {limit} (job {self.job})")
+
+    def __repr__(self) -> str:
+        return f"cohort.torch.Store(job={self.job!r}, scope={self.scope!r})"

@@ -1,0 +1,146 @@
+"""``cohort.torch.Store``: torch's c10d ``Store`` on a real coordinator process (its
+``StoreOp`` RPC), on torch 1.13 and torch 2.x: every operation, compare_set as ``TCPStore``
+answers it, timeouts, bad input and a wrong credential refused with nothing changed, and two
+gloo ranks that rendezvous through it (``init_process_group("gloo", store=...)``) and
+allreduce."""
+
+from __future__ import annotations
+
+import datetime
+import subprocess
+import time
+
+import pytest
+from conftest import binary, import_torch, start_coordinator
+
+torch = import_torch()
+dist = torch.distributed
+
+import cohort  # noqa: E402
+import cohort.torch  # noqa: E402
+from cohort.errors import ControlError, InvalidArgumentError  # noqa: E402
+
+SECRET = "store test secret"
+
+
+@pytest.fixture
+def secured(tmp_path, monkeypatch):
+    """A coordinator that requires credentials, and the credential of job ``kv``."""
+    secret = tmp_path / "secret"
+    secret.write_text(SECRET)
+    coord = start_coordinator(tmp_path, "--token-file", str(secret))
+    credential = subprocess.run(
+        [str(binary("cohort-coordinator")), "credential", "--job", "kv", "--token-file", str(secret)],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    ).stdout.strip()
+    yield coord, credential
+    coord.stop()
+
+
+def store(coord, credential, scope="g1", job="kv", **kw):
+    return cohort.torch.Store(job, coord.endpoint, token=credential, scope=scope, **kw)
+
+
+def timeout_error():
+    return getattr(dist, "DistStoreError", RuntimeError)
+
+
+def test_the_store_is_a_torch_store(secured):
+    coord, credential = secured
+    s = store(coord, credential)
+    assert isinstance(s, dist.Store)
+    assert cohort.__file__.startswith(str(__import__("pathlib").Path(__file__).resolve().parents[1])), cohort.__file__
+
+
+def test_every_operation(secured):
+    coord, credential = secured
+    s = store(coord, credential, timeout=datetime.timedelta(seconds=30))
+    assert s.timeout == datetime.timedelta(seconds=30)
+    s.set("a", b"alpha")
+    assert s.get("a") == b"alpha"
+    s.set("text", "utf-8 é")
+    assert s.get("text") == "utf-8 é".encode()
+    assert s.check(["a", "text"]) and not s.check(["a", "missing"])
+    assert s.num_keys() == 2
+    assert s.add("n", 2) == 2 and s.add("n", 5) == 7 and s.add("n", -10) == -3
+    assert s.get("n") == b"-3"
+    with pytest.raises(ControlError) as info:
+        s.add("a", 1)
+    assert info.value.code == "failedprecondition" and "not an integer" in str(info.value)
+    # compare_set, as TCPStore answers it.
+    assert s.compare_set("cs", b"x", b"y") == b"x" and not s.check(["cs"])
+    assert s.compare_set("cs", b"", b"first") == b"first"
+    assert s.compare_set("cs", b"wrong", b"z") == b"first"
+    assert s.compare_set("cs", b"first", b"second") == b"second" and s.get("cs") == b"second"
+    assert s.delete_key("cs") and not s.delete_key("cs")
+    assert s.num_keys() == 3
+    # Scopes and jobs keep apart.
+    other = store(coord, credential, scope="g2")
+    assert other.num_keys() == 0 and not other.check(["a"])
+    s.wait(["a", "n"])
+    s.wait(["a"], datetime.timedelta(seconds=1))
+
+
+def test_waits_run_out_with_torchs_store_error(secured):
+    coord, credential = secured
+    s = store(coord, credential, timeout=datetime.timedelta(milliseconds=300))
+    started = time.monotonic()
+    with pytest.raises(timeout_error()):
+        s.get("never")
+    assert 0.3 <= time.monotonic() - started < 5
+    with pytest.raises(timeout_error()):
+        s.wait(["never"])
+    started = time.monotonic()
+    with pytest.raises(timeout_error()):
+        s.wait(["never"], datetime.timedelta(milliseconds=200))
+    assert 0.2 <= time.monotonic() - started < 5
+    s.set_timeout(datetime.timedelta(seconds=20))
+    assert s.timeout == datetime.timedelta(seconds=20)
+
+
+def test_bad_input_is_refused_and_changes_nothing(secured):
+    coord, credential = secured
+    s = store(coord, credential)
+    s.set("kept", b"v")
+    for call in (
+        lambda: s.set("", b"v"),
+        lambda: s.set("k" * 1025, b"v"),
+        lambda: s.set("big", b"x" * (1024 * 1024 + 1)),
+        lambda: s.compare_set("kept", b"v", b"x" * (1024 * 1024 + 1)),
+        lambda: s.add("", 1),
+        lambda: s.check([]),
+        lambda: store(coord, credential, scope="bad/scope").set("k", b"v"),
+    ):
+        with pytest.raises(InvalidArgumentError) as info:
+            call()
+        assert isinstance(info.value, ValueError) and "StoreOp" in str(info.value)
+    assert s.num_keys() == 1 and s.get("kept") == b"v" and not s.check(["big"])
+
+
+def test_a_wrong_credential_is_refused_and_changes_nothing(secured):
+    coord, credential = secured
+    s = store(coord, credential)
+    s.set("k", b"mine")
+    for token, job, code in (
+        ("wrong", "kv", "unauthenticated"),
+        (credential, "another-job", "permissiondenied"),
+    ):
+        intruder = store(coord, token, job=job, retry_budget=2.0)
+        with pytest.raises(ControlError) as info:
+            intruder.set("k", b"theirs")
+        assert info.value.code == code, info.value
+    assert s.get("k") == b"mine"
+
+
+def test_gloo_rendezvous_through_the_store(secured, spawn):
+    coord, credential = secured
+    ranks = [
+        spawn(f"gloo-{r}", "store_gloo.py", coord.endpoint, "kv", credential, str(r), "2", "gloo1") for r in range(2)
+    ]
+    for w in ranks:
+        assert w.wait(timeout=120) == 0, w.output()
+    for r, w in enumerate(ranks):
+        assert f"ok rank={r} sum=3" in w.output(), w.output()
