@@ -26,7 +26,17 @@ from cohort.config import GroupConfig
 Buffer = Any  # numpy.ndarray | torch.Tensor | bytearray | memoryview
 ReduceOpName = str  # "sum" | "prod" | "min" | "max" | "avg"
 
-__all__ = ["__version__", "Group", "Communicator", "Member", "Work", "Checkpoint", "SyncOutcome", "KeyValueStore", "init_logging"]
+__all__ = [
+    "__version__",
+    "Group",
+    "Communicator",
+    "Member",
+    "Work",
+    "Checkpoint",
+    "SyncOutcome",
+    "KeyValueStore",
+    "init_logging",
+]
 
 __version__: str
 
