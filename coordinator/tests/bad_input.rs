@@ -277,3 +277,65 @@ async fn metrics_are_served() {
     })
     .await;
 }
+
+/// `StoreOp` (the job's key-value store): every malformed request is INVALID_ARGUMENT, with a
+/// message, and changes neither the job's store nor the job's records.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_store_requests_are_refused_without_state_change() {
+    bounded(async {
+        use pb::store_request::Op;
+        let backing = Backing::new(Backend::Memory).await;
+        let server = replica(backing.store.clone(), &Options::new(test_settings(Backend::Memory))).await;
+        let mut c = client(server.local_addr()).await;
+        let op = |job: &str, scope: &str, op: Option<Op>| pb::StoreRequest { job: job.into(), scope: scope.into(), op };
+        let set = |key: &str, value: Vec<u8>| Some(Op::Set(pb::StoreSet { key: key.into(), value }));
+        c.store_op(op("js", "g1", set("kept", b"v".to_vec()))).await.expect("a good set");
+        let kv_snapshot = || async {
+            let (kvs, _) = backing.store.get_prefix("/cohort/v1/kv/").await.expect("read store");
+            kvs.into_iter().map(|kv| (kv.key, kv.value, kv.mod_revision)).collect::<Vec<_>>()
+        };
+        let before = (kv_snapshot().await, snapshot(backing.store.as_ref()).await);
+        let long = "k".repeat(cohort_coordinator::kv::MAX_KEY_LEN + 1);
+        let too_many: Vec<String> = (0..=cohort_coordinator::kv::MAX_WAIT_KEYS).map(|i| format!("k{i}")).collect();
+        let cases: Vec<(&str, pb::StoreRequest)> = vec![
+            ("no op", op("js", "g1", None)),
+            ("empty job", op("", "g1", set("k", b"v".to_vec()))),
+            ("bad job", op("j/s", "g1", set("k", b"v".to_vec()))),
+            ("scope with a slash", op("js", "g/1", set("k", b"v".to_vec()))),
+            ("empty key", op("js", "g1", set("", b"v".to_vec()))),
+            ("long key", op("js", "g1", set(&long, b"v".to_vec()))),
+            ("NUL in a key", op("js", "g1", set("a\0b", b"v".to_vec()))),
+            ("oversized value", op("js", "g1", set("k", vec![0; cohort_coordinator::kv::MAX_VALUE_LEN + 1]))),
+            (
+                "oversized expected",
+                op(
+                    "js",
+                    "g1",
+                    Some(Op::CompareSet(pb::StoreCompareSet {
+                        key: "kept".into(),
+                        expected: vec![0; cohort_coordinator::kv::MAX_VALUE_LEN + 1],
+                        desired: b"x".to_vec(),
+                    })),
+                ),
+            ),
+            ("empty key on get", op("js", "g1", Some(Op::Get(pb::StoreGet { key: String::new(), wait_ms: 10 })))),
+            ("empty key on add", op("js", "g1", Some(Op::Add(pb::StoreAdd { key: String::new(), delta: 1 })))),
+            ("empty key on delete", op("js", "g1", Some(Op::Delete(pb::StoreDelete { key: String::new() })))),
+            ("no keys to check", op("js", "g1", Some(Op::Check(pb::StoreCheck { keys: vec![] })))),
+            ("no keys to wait for", op("js", "g1", Some(Op::Wait(pb::StoreWait { keys: vec![], wait_ms: 10 })))),
+            (
+                "too many keys to wait for",
+                op("js", "g1", Some(Op::Wait(pb::StoreWait { keys: too_many.clone(), wait_ms: 10 }))),
+            ),
+            ("too many keys to check", op("js", "g1", Some(Op::Check(pb::StoreCheck { keys: too_many })))),
+        ];
+        for (name, request) in cases {
+            check(name, c.store_op(request).await.map(drop), Code::InvalidArgument);
+        }
+        let after = (kv_snapshot().await, snapshot(backing.store.as_ref()).await);
+        assert_eq!(before, after, "a refused StoreOp changed the store");
+        assert_eq!(server.metrics().rpc_count("StoreOp", Code::InvalidArgument), 16);
+        server.shutdown().await.expect("shutdown");
+    })
+    .await;
+}

@@ -119,6 +119,18 @@ async fn get_prefix_in_key_order<S: Store>(s: S, p: String) {
     assert!(kvs.is_empty());
 }
 
+async fn count_prefix_counts_without_values<S: Store>(s: S, p: String) {
+    for k in ["a", "sub/1", "sub/2", "suba"] {
+        s.put(&format!("{p}{k}"), vec![7; 1000], None).await.expect("put");
+    }
+    assert_eq!(s.count_prefix(&p).await.expect("count"), 4);
+    assert_eq!(s.count_prefix(&format!("{p}sub/")).await.expect("count"), 2);
+    assert_eq!(s.count_prefix(&format!("{p}sub")).await.expect("count"), 3);
+    assert_eq!(s.count_prefix(&format!("{p}none/")).await.expect("count"), 0);
+    s.delete(&format!("{p}sub/1")).await.expect("delete");
+    assert_eq!(s.count_prefix(&format!("{p}sub/")).await.expect("count"), 1);
+}
+
 async fn delete_and_delete_prefix<S: Store>(s: S, p: String) {
     for k in ["x", "d/1", "d/2", "d/3", "e"] {
         s.put(&format!("{p}{k}"), vec![], None).await.expect("put");
@@ -492,6 +504,7 @@ macro_rules! suite {
 suite!(
     put_get_revisions,
     get_prefix_in_key_order,
+    count_prefix_counts_without_values,
     delete_and_delete_prefix,
     txn_compare_and_swap,
     txn_conditions,
