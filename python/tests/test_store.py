@@ -7,6 +7,7 @@ allreduce."""
 from __future__ import annotations
 
 import datetime
+import signal
 import subprocess
 import time
 
@@ -144,3 +145,14 @@ def test_gloo_rendezvous_through_the_store(secured, spawn):
         assert w.wait(timeout=120) == 0, w.output()
     for r, w in enumerate(ranks):
         assert f"ok rank={r} sum=3" in w.output(), w.output()
+
+
+def test_ctrl_c_interrupts_a_waiting_get(secured, spawn):
+    coord, credential = secured
+    w = spawn("interrupt", "store_interrupt.py", coord.endpoint, "kv", credential)
+    w.wait_for_line("^waiting", timeout=60)
+    sent = time.monotonic()
+    w.signal(signal.SIGINT)
+    assert w.wait(timeout=30) == 0, w.output()
+    assert "interrupted after" in w.output(), w.output()
+    assert time.monotonic() - sent < 10, w.output()
