@@ -112,6 +112,20 @@ pub fn host_runs<T: PartialEq>(hosts: impl IntoIterator<Item = T>) -> Vec<v1::Ho
     out
 }
 
+/// The host runs of a generation whose members are `members` (in rank order): the one key
+/// every answer about a generation derives its host layout from, whole or sparse, whichever
+/// coordinator replica answered. A member that published a shared-memory (`shm`) address is
+/// on the host its `host` names; one without is a host of its own (it shares memory with
+/// nobody). Runs are of consecutive ranks ([`host_runs`]); the coordinator places the members
+/// of a host (failure domain) contiguously. What a sparse answer carries in `host_runs`, and
+/// what a worker computes from a whole member list.
+pub fn layout_runs(members: &[v1::Member]) -> Vec<v1::HostRuns> {
+    host_runs(members.iter().map(|m| {
+        let shares = m.addresses.iter().any(|a| a.transport == "shm");
+        (shares.then_some(m.host.as_str()), if shares { 0 } else { m.rank })
+    }))
+}
+
 /// The length of every host run that `runs` describes, in rank order: the inverse of
 /// [`host_runs`]. Errors when an entry is empty or the runs do not cover exactly `size`
 /// ranks, or when they would describe more runs than ranks (a nonsense answer).
