@@ -234,11 +234,14 @@ pub(crate) fn host_layout(members: &[MemberInfo]) -> HostLayout {
 }
 
 /// The length of every host run of the members `members` (ordered by rank), with the key of
-/// [`cohort_proto::layout_runs`], which the coordinator's sparse answers carry: a member with
-/// a shared-memory address is on the host its `host` names, one without is a host of its own.
+/// [`cohort_proto::layout_runs`], which the coordinator's sparse answers carry: members share
+/// a host when they name one `host` and published one shared-memory host identity; one
+/// without a (usable) shared-memory address is a host of its own.
 pub(crate) fn host_runs_of(members: &[MemberInfo]) -> Vec<u32> {
-    let keys =
-        members.iter().map(|m| (m.shm.as_ref().map(|_| m.host.as_str()), if m.shm.is_some() { 0 } else { m.rank }));
+    let keys = members.iter().map(|m| match &m.shm {
+        Some(a) => (Some((m.host.as_str(), a.host.as_str())), 0),
+        None => (None, m.rank),
+    });
     cohort_proto::host_runs(keys).iter().flat_map(|r| std::iter::repeat_n(r.ranks, r.hosts as usize)).collect()
 }
 
@@ -418,9 +421,16 @@ mod tests {
         // A host whose ranks are not consecutive is two runs, as the coordinator's are.
         assert_eq!(layout.hosts(), vec![vec![0, 1], vec![2], vec![3, 4], vec![5]]);
         assert!(layout.is_hierarchical());
-        // One host name without shared memory: each member a host of its own.
+        // One host name without shared memory, or with different identities (containers
+        // that cannot share memory), or one identity under different names: apart.
         let apart: Vec<MemberInfo> = (0..3).map(|r| MemberInfo { host: "a".into(), ..member(r, None) }).collect();
         assert_eq!(host_layout(&apart), HostLayout::flat(3));
+        let walled: Vec<MemberInfo> =
+            (0..3).map(|r| MemberInfo { host: "a".into(), ..on_host(member(r, None), &format!("id{r}")) }).collect();
+        assert_eq!(host_layout(&walled), HostLayout::flat(3));
+        let renamed: Vec<MemberInfo> =
+            (0..3).map(|r| MemberInfo { host: format!("n{r}"), ..on_host(member(r, None), "id") }).collect();
+        assert_eq!(host_layout(&renamed), HostLayout::flat(3));
     }
 
     #[test]

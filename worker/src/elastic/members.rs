@@ -278,10 +278,11 @@ mod tests {
 
     #[test]
     fn one_generation_answered_whole_or_sparse_has_one_layout() {
-        // Hosts h0 and h1 share one shared-memory identity (as workers in one process, or
-        // containers in one IPC namespace); h2 has two members without shared memory and two
-        // with. Whole answers (a replica whose whole_answer_up_to is at least 12) and sparse
-        // ones (one whose is lower) must give every rank the same layout.
+        // Hosts h0 and h1 share one shared-memory identity (as workers of one process do);
+        // h2 has two members without shared memory, then two with identities of their own
+        // (containers in separate IPC namespaces), then two sharing one. Whole answers (a
+        // replica whose whole_answer_up_to is at least 14) and sparse ones (one whose is
+        // lower) must give every rank the same layout.
         let with_shm = |mut m: pb::Member, identity: &str| {
             m.addresses.push(pb::TransportAddress {
                 transport: "shm".into(),
@@ -289,22 +290,24 @@ mod tests {
             });
             m
         };
-        let all: Vec<pb::Member> = (0..12)
+        let all: Vec<pb::Member> = (0..14)
             .map(|r| match r {
                 0..=3 => with_shm(member(r, "h0"), "boot-a"),
                 4..=7 => with_shm(member(r, "h1"), "boot-a"),
                 8 | 9 => member(r, "h2"),
-                _ => with_shm(member(r, "h2"), "boot-b"),
+                10 => with_shm(member(r, "h2"), "boot-b"),
+                11 => with_shm(member(r, "h2"), "boot-c"),
+                _ => with_shm(member(r, "h2"), "boot-d"),
             })
             .collect();
-        let whole = pb::Generation { number: 7, size: 12, members: all.clone(), ..Default::default() };
+        let whole = pb::Generation { number: 7, size: 14, members: all.clone(), ..Default::default() };
         let layout = Members::from_answer(&whole).unwrap().expect("whole").layout();
         assert_eq!(
             layout.hosts(),
-            vec![vec![0, 1, 2, 3], vec![4, 5, 6, 7], vec![8], vec![9], vec![10, 11]],
-            "host runs of members sharing memory, by host name"
+            vec![vec![0, 1, 2, 3], vec![4, 5, 6, 7], vec![8], vec![9], vec![10], vec![11], vec![12, 13]],
+            "host runs of members with one host name and one shared-memory identity"
         );
-        for rank in 0..12 {
+        for rank in 0..14 {
             let view = Members::from_answer(&sparse(&all, rank)).unwrap().expect("sparse");
             assert!(!view.is_whole());
             assert_eq!(view.layout(), layout, "rank {rank}'s sparse view");
@@ -312,6 +315,27 @@ mod tests {
         // A world built without a coordinator from the same records agrees too.
         let parsed: Vec<MemberInfo> = all.iter().map(|m| parse_member(m).unwrap()).collect();
         assert_eq!(Members::whole(parsed).layout(), layout);
+    }
+
+    #[test]
+    fn the_coordinators_shm_identity_reads_addresses_as_the_transport_decodes_them() {
+        use cohort_transports::shm::ShmAddress;
+        let good = ShmAddress { host: "boot=x:net=1:ipc=2".into(), nonce: "00ff00ff".into() }.encode();
+        for text in [
+            good.as_str(),
+            "shm1;host=a;nonce=0123456789abcdef",
+            "shm1;host=;nonce=00ff00ff",
+            "shm1;host=a b;nonce=00ff00ff",
+            "shm1;host=a|b;nonce=00ff00ff",
+            "shm1;host=a;nonce=00ff",
+            "shm1;host=a;nonce=00ff00fg",
+            "shm2;host=a;nonce=00ff00ff",
+            "shm1;a;nonce=00ff00ff",
+            "shm-3",
+        ] {
+            let decoded = ShmAddress::decode(text).ok().map(|a| a.host);
+            assert_eq!(cohort_proto::shm_identity(text).map(str::to_string), decoded, "{text:?}");
+        }
     }
 
     #[test]
