@@ -483,7 +483,7 @@ impl Member {
                     transport: "tcp".into(),
                     address: format!("127.{}.{}.{}:{}", (i >> 16) & 255, (i >> 8) & 255, i & 255, 40000 + i % 1000),
                 },
-                pb::TransportAddress { transport: "shm".into(), address: format!("{host}-0123456789abcdef/{i:016x}") },
+                pb::TransportAddress { transport: "shm".into(), address: format!("shm1;host={host};nonce={i:016x}") },
             ],
             capabilities: vec!["transport:tcp".into()],
             protocol_version: cohort_proto::PROTOCOL_VERSION,

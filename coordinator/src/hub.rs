@@ -320,13 +320,8 @@ impl Formed {
     /// are built once per generation, O(N).
     pub fn sparse_for(&self, rank: u32) -> pb::Generation {
         let runs = self.runs.get_or_init(|| {
-            // A member shares memory with its host-mates only if it published a shared-memory
-            // address; without one it is a host of its own, as the workers' layout has it.
-            let keys = self.proto.members.iter().map(|m| {
-                let shares = m.addresses.iter().any(|a| a.transport == "shm");
-                (shares.then_some(m.host.as_str()), if shares { 0 } else { m.rank })
-            });
-            let entries = cohort_proto::host_runs(keys);
+            // The runs every member derives alike, from a whole answer as from this one.
+            let entries = cohort_proto::layout_runs(&self.proto.members);
             let mut starts = Vec::new();
             let mut next = 0u32;
             for length in cohort_proto::run_lengths(&entries, self.size()).unwrap_or_default() {

@@ -94,7 +94,10 @@ async fn compact_answers_and_members_by_rank_and_host(backend: Backend) {
         let mut request = join_request(job, &format!("w{i}"));
         request.host = host_of(i).into();
         // A shared-memory address: the members of one host share memory (host runs).
-        request.addresses.push(pb::TransportAddress { transport: "shm".into(), address: format!("shm-{i}") });
+        request.addresses.push(pb::TransportAddress {
+            transport: "shm".into(),
+            address: format!("shm1;host=id-{};nonce={i:08x}", host_of(i)),
+        });
         workers.push(Worker::join_with(addr, request, Duration::from_millis(100)).await);
     }
     // w0..w2 ask compactly, w3 for the sparse view, w4 with its partners; w5 is an older

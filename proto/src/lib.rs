@@ -113,6 +113,38 @@ pub fn host_runs<T: PartialEq>(hosts: impl IntoIterator<Item = T>) -> Vec<v1::Ho
     out
 }
 
+/// The host runs of a generation whose members are `members` (in rank order): the one key
+/// every answer about a generation derives its host layout from, whole or sparse, whichever
+/// coordinator replica answered. Members share a host when they name one `host` and published
+/// shared-memory (`shm`) addresses with one host identity ([`shm_identity`]): the host name
+/// alone would group containers that cannot share memory, the identity alone would group
+/// members that say they are on different hosts (workers of one process in a test). A member
+/// without a well-formed shared-memory address is a host of its own. Runs are of consecutive
+/// ranks ([`host_runs`]); the coordinator places a host's members contiguously. What a sparse
+/// answer carries in `host_runs`, and what a worker computes from a whole member list.
+pub fn layout_runs(members: &[v1::Member]) -> Vec<v1::HostRuns> {
+    host_runs(members.iter().map(|m| {
+        let identity = m.addresses.iter().find(|a| a.transport == "shm").and_then(|a| shm_identity(&a.address));
+        match identity {
+            Some(identity) => (Some((m.host.as_str(), identity)), 0),
+            None => (None, m.rank),
+        }
+    }))
+}
+
+/// The host identity of a shared-memory address, `shm1;host=IDENTITY;nonce=HEX` (as
+/// `cohort_transports::shm::ShmAddress` encodes it and with its checks: the identity printable
+/// ASCII without `;`, `,` or `|`, the nonce 8 to 64 hex digits); `None` if malformed (such a
+/// member shares memory with nobody).
+pub fn shm_identity(address: &str) -> Option<&str> {
+    let rest = address.strip_prefix("shm1;")?;
+    let (host, nonce) = rest.split_once(";nonce=")?;
+    let host = host.strip_prefix("host=")?;
+    let host_ok = !host.is_empty() && host.bytes().all(|b| b.is_ascii_graphic() && !b";,|".contains(&b));
+    let nonce_ok = (8..=64).contains(&nonce.len()) && nonce.bytes().all(|b| b.is_ascii_hexdigit());
+    (host_ok && nonce_ok).then_some(host)
+}
+
 /// The length of every host run that `runs` describes, in rank order: the inverse of
 /// [`host_runs`]. Errors when an entry is empty or the runs do not cover exactly `size`
 /// ranks, or when they would describe more runs than ranks (a nonsense answer).

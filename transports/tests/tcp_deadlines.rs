@@ -1,7 +1,8 @@
 //! Learned no-progress deadlines over real loopback sockets: a peer that is late but alive
 //! is waited for (its process answers the liveness probe), a peer whose process does not
 //! answer is failed soon after the learned deadline, long before the ceiling, and so is one
-//! on a link that has learned nothing itself (it takes its transport's pace).
+//! on a link that has learned nothing itself (it takes its transport's pace), and so is one
+//! on a link made on first use, from the end that accepted it without the peer's address.
 
 mod tcp_support;
 
@@ -10,7 +11,7 @@ use cohort_transports::tcp::TcpTransport;
 use cohort_transports::{DeadlineBasis, Deadlines, Learning, Tag, Transport, TransportError};
 use std::sync::Arc;
 use std::time::Duration;
-use tcp_support::{mesh, TEST_LIMIT};
+use tcp_support::{endpoints, join_all, mesh, spec, TEST_LIMIT, TOKEN};
 use tokio::time::{timeout, Instant};
 
 const FLOOR: Duration = Duration::from_millis(150);
@@ -149,6 +150,85 @@ async fn a_silent_peer_on_a_link_that_learned_nothing_is_failed_at_the_transport
         assert!(matches!(e, TransportError::Timeout { peer: 2, .. }), "{e:?}");
         assert!(e.to_string().contains("liveness"), "the error says the peer was asked: {e}");
         assert!(took >= FLOOR, "took {took:?}");
+        assert!(took < FLOOR + PROBE_WITHIN + Duration::from_millis(700), "took {took:?}, the ceiling is {CEILING:?}");
+    })
+    .await
+    .unwrap();
+}
+
+/// Finds one rank's address, counting the questions (as the elastic runtime asks the
+/// coordinator).
+#[derive(Debug)]
+struct OneAddress {
+    rank: u32,
+    addr: std::net::SocketAddr,
+    asked: std::sync::atomic::AtomicUsize,
+}
+
+impl cohort_transports::tcp::ResolvePeer for OneAddress {
+    fn resolve(
+        &self,
+        peer: u32,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<std::net::SocketAddr, TransportError>> + Send + '_>>
+    {
+        self.asked.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let found = if peer == self.rank {
+            Ok(self.addr)
+        } else {
+            Err(TransportError::InvalidArgument(format!("no address for rank {peer}")))
+        };
+        Box::pin(async move { found })
+    }
+}
+
+/// Rank 0 is not given rank 2's address and does not link it at set-up (a sparse view's
+/// peer outside the plan); rank 2 links rank 0 on first use (the higher rank dials). Rank 0
+/// accepts the link, finds rank 2's address through its resolver and probes it: when rank 2
+/// stops, rank 0 fails it after the learned deadline, not at the ceiling.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_that_linked_on_first_use_is_probed_from_the_accepting_end() {
+    use cohort_transports::tcp::{Upfront, UNKNOWN_PEER};
+    timeout(TEST_LIMIT, async {
+        let mut eps = endpoints(3).await;
+        let addrs: Vec<std::net::SocketAddr> = eps.iter().map(|e| e.local_addr()).collect();
+        let resolver = Arc::new(OneAddress { rank: 2, addr: addrs[2], asked: Default::default() });
+        let futs = (0..3u32).map(|r| {
+            let mut given = addrs.clone();
+            if r == 0 {
+                given[2] = UNKNOWN_PEER;
+            }
+            let mut s = spec("job", 1, r, &given, TOKEN, learned());
+            s.upfront = Upfront::Only(if r == 1 { vec![0, 2] } else { vec![1] });
+            if r == 0 {
+                s.resolver = Some(Arc::clone(&resolver) as Arc<dyn cohort_transports::tcp::ResolvePeer>);
+            }
+            eps[r as usize].connect_mesh(s)
+        });
+        let ts: Vec<Arc<TcpTransport>> =
+            join_all(futs).await.into_iter().map(|r| Arc::new(r.expect("set-up"))).collect();
+        assert_eq!(ts[0].linked_peers(), 1, "rank 0 linked only rank 1 at set-up");
+        // Rank 2 sends to rank 0 (it dials); rank 0's link learns its pace.
+        let data = vec![7u8; 64 << 10];
+        let sender = Arc::clone(&ts[2]);
+        let send = tokio::spawn(async move {
+            for seq in 1..=40u32 {
+                sender.send(0, Tag::new(seq, 0, 0), &data).await.unwrap();
+            }
+        });
+        let mut buf = vec![0u8; 64 << 10];
+        for seq in 1..=40u32 {
+            ts[0].recv(2, Tag::new(seq, 0, 0), &mut buf).await.unwrap();
+        }
+        send.await.unwrap();
+        assert_eq!(ts[0].linked_peers(), 2, "rank 2 linked on first use");
+        until_peer_probed(&ts[0], 2).await;
+        assert_eq!(resolver.asked.load(std::sync::atomic::Ordering::Relaxed), 1, "rank 2's address asked once");
+        let _mute = freeze(&mut eps, 2).await;
+        let start = Instant::now();
+        let e = ts[0].recv(2, Tag::new(41, 0, 0), &mut [0u8; 16]).await.unwrap_err();
+        let took = start.elapsed();
+        assert!(matches!(e, TransportError::Timeout { peer: 2, .. }), "{e:?}");
+        assert!(e.to_string().contains("liveness"), "the error says the peer was asked: {e}");
         assert!(took < FLOOR + PROBE_WITHIN + Duration::from_millis(700), "took {took:?}, the ceiling is {CEILING:?}");
     })
     .await

@@ -205,3 +205,106 @@ async fn sparse_generations(transport: TransportChoice) {
     .await
     .expect("the test exceeded its bound");
 }
+
+/// Workers in the look-up count: enough that `N·log2 N` (160) is far below `N²` (1,024) and
+/// below what one look-up per peer made on first use cost (about `N²/2`).
+const COUNTED: usize = 32;
+
+/// A worker of the look-up count: forms, reports, runs one alltoall when told, reports again,
+/// and leaves when told.
+async fn counted_worker(
+    id: String,
+    coordinator: String,
+    formed: mpsc::Sender<()>,
+    go: oneshot::Receiver<()>,
+    done: mpsc::Sender<()>,
+    leave: oneshot::Receiver<()>,
+) {
+    let mut config = ElasticConfig::new("sparse-lookups", id.clone(), ControlConfig::new(vec![coordinator]));
+    config.host = id.clone();
+    config.transport = TransportChoice::Tcp;
+    config.heartbeat_relay = false;
+    config.listen = "127.0.0.1:0".parse().unwrap();
+    let mut group = ElasticGroup::join(config).await.expect("join");
+    let mut g = group.next_generation().await.expect("the generation");
+    assert!(!g.members.is_whole(), "{id}: a sparse view");
+    formed.send(()).await.expect("report");
+    go.await.expect("go");
+    let (rank, size) = (g.comm.rank(), g.comm.size());
+    let input: Vec<i32> = (0..size).map(|to| (rank * 1000 + to) as i32).collect();
+    let mut output = vec![0i32; size as usize];
+    g.comm.alltoall(&input, &mut output).await.expect("the alltoall");
+    let expected: Vec<i32> = (0..size).map(|from| (from * 1000 + rank) as i32).collect();
+    assert_eq!(output, expected, "rank {rank}: alltoall");
+    assert_eq!(g.comm.transport().linked_peers(), size as usize - 1, "{id}: the alltoall linked every peer");
+    done.send(()).await.expect("report");
+    leave.await.expect("leave");
+    drop(g);
+    group.leave(true).await.expect("leave");
+}
+
+/// One alltoall in a sparse generation (each worker a host of its own, `whole_answer_up_to`
+/// 1) asks the coordinator for at most `N·log2 N` addresses in all (`Members` calls counted
+/// by the coordinator): look-ups come in batches that double, not one per peer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_alltoall_in_a_sparse_generation_makes_at_most_n_log_n_lookups() {
+    tokio::time::timeout(BOUND, async {
+        let server = common::coordinator::start(JobSettings {
+            min_workers: COUNTED as u32,
+            max_workers: COUNTED as u32,
+            join_window: Duration::from_secs(10),
+            heartbeat_interval: Duration::from_millis(200),
+            lease_ttl: Duration::from_secs(10),
+            elastic_timeout: Duration::from_secs(30),
+            whole_answer_up_to: 1,
+            ..Default::default()
+        })
+        .await;
+        let url = format!("http://{}", server.local_addr());
+        let (formed_tx, mut formed) = mpsc::channel(COUNTED);
+        let (done_tx, mut done) = mpsc::channel(COUNTED);
+        let (mut gos, mut leaves) = (Vec::new(), Vec::new());
+        let mut tasks = tokio::task::JoinSet::new();
+        for i in 0..COUNTED {
+            let (go, go_rx) = oneshot::channel();
+            let (leave, leave_rx) = oneshot::channel();
+            gos.push(go);
+            leaves.push(leave);
+            tasks.spawn(counted_worker(
+                format!("w{i}"),
+                url.clone(),
+                formed_tx.clone(),
+                go_rx,
+                done_tx.clone(),
+                leave_rx,
+            ));
+        }
+        for _ in 0..COUNTED {
+            formed.recv().await.expect("a worker formed");
+        }
+        let lookups = || server.metrics().rpc_count("Members", tonic::Code::Ok);
+        let before = lookups();
+        for go in gos {
+            let _ = go.send(());
+        }
+        for _ in 0..COUNTED {
+            done.recv().await.expect("a worker's alltoall");
+        }
+        for leave in leaves {
+            let _ = leave.send(());
+        }
+        while let Some(worker) = tasks.join_next().await {
+            worker.expect("a worker task");
+        }
+        // Counted once every worker dropped its generation: the accepting ends' look-ups (for
+        // their probe targets, in the background) are in, done or dropped with their mesh.
+        let made = lookups() - before;
+        let n = COUNTED as f64;
+        eprintln!("one alltoall at {COUNTED} sparse ranks: {made} Members calls (N log2 N = {})", n * n.log2());
+        assert!(made > 0, "addresses outside the views were asked for");
+        assert!(made as f64 <= n * n.log2(), "{made} look-ups for one alltoall at {COUNTED} ranks");
+        assert!(made as f64 <= n * n / 4.0, "{made} look-ups: far fewer than one per pair");
+    })
+    .await
+    .expect("the test exceeded its bound");
+}

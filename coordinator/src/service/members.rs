@@ -247,7 +247,7 @@ mod tests {
     fn a_sparse_answer_carries_the_partners_the_host_run_and_the_runs() {
         // 40 members, 4 to a host, each with a shared-memory address: rank 21 sits on h5 =
         // ranks 20..24.
-        let shm = |w: u32| Address { transport: "shm".into(), address: format!("shm-{w}") };
+        let shm = |w: u32| Address { transport: "shm".into(), address: format!("shm1;host=boot-{};nonce={w:08x}", w / 4) };
         let members = (0..40)
             .map(|i| Placed {
                 worker_id: format!("w{i}"),

@@ -49,7 +49,7 @@ use std::io::{self, IoSlice};
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
@@ -159,7 +159,7 @@ impl<'a> Watchdog<'a> {
         if now < due {
             return Wake::Until(due.min(ceiling));
         }
-        match &self.link.probe {
+        match self.link.probe.get() {
             Some(p) if self.link.core.progress.learning() && p.verified.load(Ordering::Relaxed) => {
                 Wake::Probe(p.target)
             }
@@ -395,8 +395,12 @@ pub(crate) struct TcpLink {
     core: LinkCore,
     generation: u64,
     max_frame: u64,
-    /// How to ask whether the peer's process runs (learning on, address known).
-    probe: Option<PeerProbe>,
+    /// How to ask whether the peer's process runs (learning on, address known): set when the
+    /// link is made, or later for a link accepted before the peer's address was known
+    /// ([`Self::learn_probe_target`]).
+    probe: OnceLock<PeerProbe>,
+    /// Whether deadlines are learned (else the peer is never probed).
+    learning: bool,
     reader: tokio::sync::Mutex<ReadState>,
     /// `None` once the socket was carried into a later generation.
     writer: tokio::sync::Mutex<Option<OwnedWriteHalf>>,
@@ -427,14 +431,16 @@ impl TcpLink {
         let sock = dup()?;
         let busy_poll = if busy_poll.is_zero() { None } else { Some(BusyPoll { sock: dup()?, window: busy_poll }) };
         let (r, w) = stream.into_split();
-        let probe = peer_addr
-            .filter(|_| deadlines.learning.is_some())
-            .map(|target| PeerProbe { target, verified: liveness::verify_in_background(target) });
+        let probe = OnceLock::new();
+        if let Some(target) = peer_addr.filter(|_| deadlines.learning.is_some()) {
+            let _ = probe.set(PeerProbe { target, verified: liveness::verify_in_background(target) });
+        }
         Ok(Self {
             core: LinkCore::new(peer, "tcp", "frame", deadlines, pace, sock, span),
             generation,
             max_frame,
             probe,
+            learning: deadlines.learning.is_some(),
             reader: tokio::sync::Mutex::new(ReadState {
                 half: Some(r),
                 buf: vec![0u8; READ_AHEAD].into_boxed_slice(),
@@ -474,10 +480,21 @@ impl TcpLink {
         Some(TakenSocket { stream, read_ahead })
     }
 
+    /// Gives a link made without the peer's address (one accepted on first use from a peer
+    /// outside a sparse view) its probe target once the address is found: the peer's
+    /// endpoint, asked once now in the background, as [`Self::new`] does. Nothing when
+    /// learning is off or the link has a target already.
+    pub(crate) fn learn_probe_target(&self, target: SocketAddr) {
+        if !self.learning || self.probe.get().is_some() {
+            return;
+        }
+        let _ = self.probe.set(PeerProbe { target, verified: liveness::verify_in_background(target) });
+    }
+
     /// Whether the peer's liveness responder has answered (stalls past the learned deadline
     /// are then settled by asking it).
     pub(crate) fn peer_probed(&self) -> bool {
-        self.probe.as_ref().is_some_and(|p| p.verified.load(Ordering::Relaxed))
+        self.probe.get().is_some_and(|p| p.verified.load(Ordering::Relaxed))
     }
 
     fn io_error(&self, e: IoFail) -> TransportError {

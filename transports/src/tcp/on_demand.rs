@@ -182,26 +182,69 @@ impl OnDemand {
     }
 }
 
+impl OnDemand {
+    /// Whether a link accepted from `peer` needs its address looked up to be probed: learning
+    /// is on, the set-up was not given the address, nothing resolved it yet, and a resolver
+    /// can.
+    fn needs_probe_target(&self, peer: Rank) -> bool {
+        self.deadlines.learning.is_some() && self.resolver.is_some() && self.known_address(peer).is_none()
+    }
+
+    /// `peer`'s address for probing the link it made to this rank, asked of the resolver
+    /// under the connect deadline; `None` (logged) if it cannot be found, and the link is
+    /// then failed at the ceiling as before.
+    ///
+    /// # Cancel safety
+    /// Cancel safe, as [`ResolvePeer::resolve`].
+    async fn probe_target(&self, peer: Rank) -> Option<SocketAddr> {
+        match self.address(peer).await {
+            Ok(addr) => Some(addr),
+            Err(e) => {
+                tracing::debug!(parent: &self.span, peer, error = %e, "no probe target for a link accepted on first use");
+                None
+            }
+        }
+    }
+}
+
 /// Accepts the connections peers make on first use for as long as the transport lives: each
 /// goes through the set-up's handshake (those already under way when the set-up ended are
-/// finished here) and is installed. Failed handshakes are noted as at set-up.
+/// finished here) and is installed. Failed handshakes are noted as at set-up. A link accepted
+/// from a peer whose address this rank was not given gets its probe target once the resolver
+/// found it (in the background: the link is used meanwhile), so that a stopped peer is found
+/// at the learned deadline from both ends of the link, not at the ceiling from this one.
 ///
 /// # Cancel safety
 /// Cancel safe: the transport aborts this task when it is dropped; connections in their
-/// handshake are closed.
+/// handshake are closed, and look-ups under way dropped.
 pub(crate) async fn serve_late(
     on_demand: Arc<OnDemand>,
     links: Arc<Links<TcpLink>>,
     mut incoming: mpsc::Receiver<Incoming>,
     mut handshakes: JoinSet<Done>,
 ) {
+    let mut targets: JoinSet<(Rank, Option<SocketAddr>)> = JoinSet::new();
+    // Peers outside the plan that dialled while the set-up ran.
+    for peer in 0..links.world {
+        find_target(&on_demand, &links, &mut targets, peer);
+    }
     loop {
         tokio::select! {
             Some(inc) = incoming.recv() => {
                 handshakes.spawn(mesh::accept(on_demand.ctx(), inc));
             }
+            Some(found) = targets.join_next() => {
+                if let Ok((peer, Some(addr))) = found {
+                    if let Some(link) = links.get(peer) {
+                        link.learn_probe_target(addr);
+                    }
+                }
+            }
             Some(done) = handshakes.join_next() => match done {
-                Ok(Done::Linked(peer, stream)) => on_demand.install(&links, peer, stream),
+                Ok(Done::Linked(peer, stream)) => {
+                    on_demand.install(&links, peer, stream);
+                    find_target(&on_demand, &links, &mut targets, peer);
+                }
                 Ok(Done::AcceptFailed { claimed, detail, .. }) => mesh::note(&on_demand.ctx(), claimed, detail),
                 Ok(Done::DialFailed(_)) => {}
                 // The set-up ended with this planned peer linked by a fresh connection: the
@@ -212,5 +255,18 @@ pub(crate) async fn serve_late(
             },
             else => break,
         }
+    }
+}
+
+/// Looks up, in `targets`, the probe target of the link to `peer` if it has none and needs one.
+fn find_target(
+    on_demand: &Arc<OnDemand>,
+    links: &Links<TcpLink>,
+    targets: &mut JoinSet<(Rank, Option<SocketAddr>)>,
+    peer: Rank,
+) {
+    if links.get(peer).is_some() && on_demand.needs_probe_target(peer) {
+        let on_demand = Arc::clone(on_demand);
+        targets.spawn(async move { (peer, on_demand.probe_target(peer).await) });
     }
 }

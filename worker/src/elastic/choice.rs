@@ -226,18 +226,23 @@ fn local_plan(members: &[MemberInfo], rank: usize, without_rdma: Vec<String>) ->
     }
 }
 
-/// The host layout of a generation for the hierarchical allreduce: members that published
-/// one host identity (in their `shm` addresses) share a host; a member without one is a host
-/// of its own. Every member computes it from the same records, so all agree.
+/// The host layout of a generation (the hierarchical allreduce's, and the link plan's): its
+/// host runs, as [`host_runs_of`] finds them. Every member computes it from the same records,
+/// so all agree.
 pub(crate) fn host_layout(members: &[MemberInfo]) -> HostLayout {
-    let keys: Vec<String> = members
-        .iter()
-        .map(|m| match &m.shm {
-            Some(a) => format!("host {}", a.host),
-            None => format!("worker {}", m.worker_id),
-        })
-        .collect();
-    HostLayout::from_keys(&keys)
+    HostLayout::from_runs(&host_runs_of(members))
+}
+
+/// The length of every host run of the members `members` (ordered by rank), with the key of
+/// [`cohort_proto::layout_runs`], which the coordinator's sparse answers carry: members share
+/// a host when they name one `host` and published one shared-memory host identity; one
+/// without a (usable) shared-memory address is a host of its own.
+pub(crate) fn host_runs_of(members: &[MemberInfo]) -> Vec<u32> {
+    let keys = members.iter().map(|m| match &m.shm {
+        Some(a) => (Some((m.host.as_str(), a.host.as_str())), 0),
+        None => (None, m.rank),
+    });
+    cohort_proto::host_runs(keys).iter().flat_map(|r| std::iter::repeat_n(r.ranks, r.hosts as usize)).collect()
 }
 
 /// Chooses the transport of generation `number` for `rank` from its `members` (ordered by
@@ -408,17 +413,24 @@ mod tests {
     }
 
     #[test]
-    fn the_host_layout_groups_members_by_host_identity() {
-        let members = vec![
-            on_host(member(0, None), "a"),
-            on_host(member(1, None), "b"),
-            on_host(member(2, None), "a"),
-            member(3, None),
-            on_host(member(4, None), "b"),
-        ];
+    fn the_host_layout_is_the_host_runs_of_members_sharing_memory() {
+        // Named as their shared-memory identity says.
+        let on = |r: u32, host: &str| MemberInfo { host: host.into(), ..on_host(member(r, None), host) };
+        let members = vec![on(0, "a"), on(1, "a"), member(2, None), on(3, "b"), on(4, "b"), on(5, "a")];
         let layout = host_layout(&members);
-        assert_eq!(layout.hosts(), vec![vec![0, 2], vec![1, 4], vec![3]]);
+        // A host whose ranks are not consecutive is two runs, as the coordinator's are.
+        assert_eq!(layout.hosts(), vec![vec![0, 1], vec![2], vec![3, 4], vec![5]]);
         assert!(layout.is_hierarchical());
+        // One host name without shared memory, or with different identities (containers
+        // that cannot share memory), or one identity under different names: apart.
+        let apart: Vec<MemberInfo> = (0..3).map(|r| MemberInfo { host: "a".into(), ..member(r, None) }).collect();
+        assert_eq!(host_layout(&apart), HostLayout::flat(3));
+        let walled: Vec<MemberInfo> =
+            (0..3).map(|r| MemberInfo { host: "a".into(), ..on_host(member(r, None), &format!("id{r}")) }).collect();
+        assert_eq!(host_layout(&walled), HostLayout::flat(3));
+        let renamed: Vec<MemberInfo> =
+            (0..3).map(|r| MemberInfo { host: format!("n{r}"), ..on_host(member(r, None), "id") }).collect();
+        assert_eq!(host_layout(&renamed), HostLayout::flat(3));
     }
 
     #[test]

@@ -463,9 +463,9 @@ impl ElasticGroup {
         // A sparse view leaves the addresses of the peers outside the plan to be asked of the
         // coordinator when a link to one is first made.
         let resolver: Option<Arc<dyn cohort_transports::tcp::ResolvePeer>> = (!members.is_whole()).then(|| {
-            Arc::new(CoordinatorResolver {
-                client: self.client.clone(),
-                question: pb::MembersRequest {
+            Arc::new(CoordinatorResolver::new(
+                self.client.clone(),
+                pb::MembersRequest {
                     job: self.config.job.clone(),
                     worker_id: self.config.worker_id.clone(),
                     incarnation,
@@ -473,8 +473,9 @@ impl ElasticGroup {
                     ranks: Vec::new(),
                     host: String::new(),
                 },
-                digest: generation.members_digest,
-            }) as Arc<dyn cohort_transports::tcp::ResolvePeer>
+                generation.members_digest,
+                &members,
+            )) as Arc<dyn cohort_transports::tcp::ResolvePeer>
         });
         let kind = plan.kind();
         if kind == MeshKind::Tcp && self.config.transport == TransportChoice::Rdma {

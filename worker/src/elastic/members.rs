@@ -8,8 +8,15 @@
 //! The host layout, the link plan and the call signatures come from what every member of the
 //! generation holds alike; any other peer's address is asked of the coordinator when a link
 //! to it is first made ([`super::resolve`]).
+//!
+//! The host layout is the generation's, not the answer's: whole or sparse, it comes from the
+//! generation's host runs ([`cohort_proto::layout_runs`], one key: the `host` of a member
+//! that published a shared-memory address, a host of its own for one that did not), carried
+//! by a sparse answer and computed from a whole one alike. So the ranks of one generation
+//! share one layout even when coordinator replicas with different `whole_answer_up_to`
+//! answered them (some whole, some sparse).
 
-use super::choice::{host_layout, MemberInfo};
+use super::choice::{host_runs_of, MemberInfo};
 use super::ElasticError;
 use crate::HostLayout;
 use cohort_proto::v1 as pb;
@@ -23,8 +30,10 @@ pub struct Members {
     entries: Vec<MemberInfo>,
     /// Each known entry's incarnation, as `entries`.
     incarnations: Vec<u64>,
-    /// `Some` for a sparse view: the length of every host run, in rank order.
-    runs: Option<Vec<u32>>,
+    /// The length of every host run of the generation, in rank order.
+    runs: Vec<u32>,
+    /// Whether `entries` holds every member.
+    whole: bool,
 }
 
 impl Members {
@@ -32,7 +41,8 @@ impl Members {
     /// (0), as for a world built without a coordinator.
     pub fn whole(members: Vec<MemberInfo>) -> Self {
         let incarnations = vec![0; members.len()];
-        Self { size: members.len() as u32, entries: members, incarnations, runs: None }
+        let runs = host_runs_of(&members);
+        Self { size: members.len() as u32, entries: members, incarnations, runs, whole: true }
     }
 
     /// Number of members of the generation (ranks `0..size`), known or not.
@@ -42,7 +52,7 @@ impl Members {
 
     /// Whether every member's entry is known (a generation answered whole).
     pub fn is_whole(&self) -> bool {
-        self.runs.is_none()
+        self.whole
     }
 
     /// The entry of `rank`, if known. O(log known).
@@ -66,14 +76,10 @@ impl Members {
         self.index_of(rank).map(|i| self.incarnations[i])
     }
 
-    /// The host layout every member of the generation derives alike: from the members'
-    /// shared-memory host identities when whole (a member without one a host of its own), from the host runs of a
-    /// sparse view (a run is a host).
+    /// The host layout every member of the generation derives alike, whole or sparse: a host
+    /// run is a host ([`cohort_proto::layout_runs`]).
     pub fn layout(&self) -> HostLayout {
-        match &self.runs {
-            None => host_layout(&self.entries),
-            Some(runs) => HostLayout::from_runs(runs),
-        }
+        HostLayout::from_runs(&self.runs)
     }
 
     /// The ranks in `wanted` whose entries are not known.
@@ -99,20 +105,24 @@ impl Members {
     }
 
     fn index_of(&self, rank: u32) -> Option<usize> {
-        if self.runs.is_none() {
+        if self.whole {
             return self.entries.get(rank as usize).map(|_| rank as usize);
         }
         self.entries.binary_search_by_key(&rank, |e| e.rank).ok()
     }
 
     /// The members of a formed generation as the coordinator answered it: the whole list
-    /// (`rank` unset), or a sparse view (`rank` set, with `host_runs`). `None` for a compact
+    /// (`rank` unset; its host runs computed from it, as the coordinator computes a sparse
+    /// answer's), or a sparse view (`rank` set, with `host_runs`). `None` for a compact
     /// answer without host runs (a coordinator older than `layout`): fetch the whole list.
     pub(crate) fn from_answer(g: &pb::Generation) -> Result<Option<Self>, ElasticError> {
         let Some(rank) = g.rank else {
             let entries = parse_whole(g)?;
             let incarnations = g.members.iter().map(|m| m.incarnation).collect();
-            return Ok(Some(Self { size: entries.len() as u32, entries, incarnations, runs: None }));
+            let size = entries.len() as u32;
+            let runs = cohort_proto::run_lengths(&cohort_proto::layout_runs(&g.members), size)
+                .map_err(|e| ElasticError::Protocol(format!("generation {}: {e}", g.number)))?;
+            return Ok(Some(Self { size, entries, incarnations, runs, whole: true }));
         };
         if g.host_runs.is_empty() {
             return Ok(None);
@@ -125,7 +135,7 @@ impl Members {
                 g.number
             ))
         })?;
-        let mut view = Self { size: g.size, entries: Vec::new(), incarnations: Vec::new(), runs: Some(runs) };
+        let mut view = Self { size: g.size, entries: Vec::new(), incarnations: Vec::new(), runs, whole: false };
         view.add(std::slice::from_ref(own))?;
         view.add(&g.members)?;
         Ok(Some(view))
@@ -234,6 +244,98 @@ mod tests {
         let short = pb::Generation { host_runs: vec![pb::HostRuns { ranks: 4, hosts: 2 }], ..g.clone() };
         assert!(Members::from_answer(&short).is_err());
         assert!(Members::from_answer(&pb::Generation { member: None, ..g }).is_err());
+    }
+
+    /// The sparse answer to rank `rank` of the generation of `all`, as the coordinator builds
+    /// it: own entry, partners, host run, and the host runs.
+    fn sparse(all: &[pb::Member], rank: u32) -> pb::Generation {
+        let n = all.len() as u32;
+        let runs = cohort_proto::layout_runs(all);
+        let lengths = cohort_proto::run_lengths(&runs, n).unwrap();
+        let mut start = 0;
+        let run = lengths
+            .iter()
+            .map(|&l| {
+                start += l;
+                (start - l)..start
+            })
+            .find(|r| r.contains(&rank))
+            .unwrap();
+        let mut known = cohort_proto::partner_ranks(rank, n);
+        known.extend(run.filter(|&r| r != rank));
+        known.sort_unstable();
+        known.dedup();
+        pb::Generation {
+            number: 7,
+            size: n,
+            rank: Some(rank),
+            member: Some(all[rank as usize].clone()),
+            members: known.iter().map(|&r| all[r as usize].clone()).collect(),
+            host_runs: runs,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn one_generation_answered_whole_or_sparse_has_one_layout() {
+        // Hosts h0 and h1 share one shared-memory identity (as workers of one process do);
+        // h2 has two members without shared memory, then two with identities of their own
+        // (containers in separate IPC namespaces), then two sharing one. Whole answers (a
+        // replica whose whole_answer_up_to is at least 14) and sparse ones (one whose is
+        // lower) must give every rank the same layout.
+        let with_shm = |mut m: pb::Member, identity: &str| {
+            m.addresses.push(pb::TransportAddress {
+                transport: "shm".into(),
+                address: format!("shm1;host={identity};nonce={:08x}", m.rank),
+            });
+            m
+        };
+        let all: Vec<pb::Member> = (0..14)
+            .map(|r| match r {
+                0..=3 => with_shm(member(r, "h0"), "boot-a"),
+                4..=7 => with_shm(member(r, "h1"), "boot-a"),
+                8 | 9 => member(r, "h2"),
+                10 => with_shm(member(r, "h2"), "boot-b"),
+                11 => with_shm(member(r, "h2"), "boot-c"),
+                _ => with_shm(member(r, "h2"), "boot-d"),
+            })
+            .collect();
+        let whole = pb::Generation { number: 7, size: 14, members: all.clone(), ..Default::default() };
+        let layout = Members::from_answer(&whole).unwrap().expect("whole").layout();
+        assert_eq!(
+            layout.hosts(),
+            vec![vec![0, 1, 2, 3], vec![4, 5, 6, 7], vec![8], vec![9], vec![10], vec![11], vec![12, 13]],
+            "host runs of members with one host name and one shared-memory identity"
+        );
+        for rank in 0..14 {
+            let view = Members::from_answer(&sparse(&all, rank)).unwrap().expect("sparse");
+            assert!(!view.is_whole());
+            assert_eq!(view.layout(), layout, "rank {rank}'s sparse view");
+        }
+        // A world built without a coordinator from the same records agrees too.
+        let parsed: Vec<MemberInfo> = all.iter().map(|m| parse_member(m).unwrap()).collect();
+        assert_eq!(Members::whole(parsed).layout(), layout);
+    }
+
+    #[test]
+    fn the_coordinators_shm_identity_reads_addresses_as_the_transport_decodes_them() {
+        use cohort_transports::shm::ShmAddress;
+        let good = ShmAddress { host: "boot=x:net=1:ipc=2".into(), nonce: "00ff00ff".into() }.encode();
+        for text in [
+            good.as_str(),
+            "shm1;host=a;nonce=0123456789abcdef",
+            "shm1;host=;nonce=00ff00ff",
+            "shm1;host=a b;nonce=00ff00ff",
+            "shm1;host=a|b;nonce=00ff00ff",
+            "shm1;host=a;nonce=00ff",
+            "shm1;host=a;nonce=00ff00fg",
+            "shm2;host=a;nonce=00ff00ff",
+            "shm1;a;nonce=00ff00ff",
+            "shm-3",
+        ] {
+            let decoded = ShmAddress::decode(text).ok().map(|a| a.host);
+            assert_eq!(cohort_proto::shm_identity(text).map(str::to_string), decoded, "{text:?}");
+        }
     }
 
     #[test]
