@@ -147,7 +147,7 @@ impl<'a> Kv<'a> {
     /// Writes `value` under `key`.
     ///
     /// # Cancel safety
-    /// Cancel safe (see [`Self::update`]).
+    /// Cancel safe (each write is one transaction, applied whole or not at all).
     pub async fn set(&self, key: &str, value: Vec<u8>) -> Result<(), KvError> {
         self.update(key, |_| Ok((Some(value.clone()), ()))).await
     }
@@ -155,8 +155,8 @@ impl<'a> Kv<'a> {
     /// Adds `delta` to the decimal integer under `key` (absent: 0) and answers the sum.
     ///
     /// # Cancel safety
-    /// Cancel safe (see [`Self::update`]); but a caller that retries an add whose answer it
-    /// lost may add twice, as with torch's own stores.
+    /// Cancel safe (each write is one transaction, applied whole or not at all); but a caller
+    /// that retries an add whose answer it lost may add twice, as with torch's own stores.
     pub async fn add(&self, key: &str, delta: i64) -> Result<i64, KvError> {
         self.update(key, |current| {
             let now = match current {
@@ -177,7 +177,7 @@ impl<'a> Kv<'a> {
     /// non-empty `expected` (TCPStore's answer).
     ///
     /// # Cancel safety
-    /// Cancel safe (see [`Self::update`]).
+    /// Cancel safe (each write is one transaction, applied whole or not at all).
     pub async fn compare_set(&self, key: &str, expected: &[u8], desired: &[u8]) -> Result<Vec<u8>, KvError> {
         self.update(key, |current| {
             Ok(match current {
