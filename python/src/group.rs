@@ -84,7 +84,9 @@ fn seconds(name: &str, value: f64) -> PyResult<Duration> {
     Ok(Duration::from_secs_f64(value))
 }
 
-fn endpoints(coordinator: &Bound<'_, PyAny>) -> PyResult<Vec<String>> {
+/// The coordinator endpoints of a `coordinator` argument: a comma-separated string or a
+/// sequence of strings (shared by `Group` and `KeyValueStore`).
+pub(crate) fn endpoints(coordinator: &Bound<'_, PyAny>) -> PyResult<Vec<String>> {
     let list: Vec<String> = if let Ok(s) = coordinator.cast::<PyString>() {
         s.to_str()?.split(',').map(|e| e.trim().to_string()).filter(|e| !e.is_empty()).collect()
     } else {

@@ -4,6 +4,7 @@
 //! ([`crate::runtime::wait`]): Ctrl-C interrupts a `get` or `wait` that is still waiting.
 
 use crate::errors::{invalid, Failure};
+use crate::group::endpoints;
 use crate::runtime;
 use cohort::control::{ControlClient, ControlConfig, ControlError, JobStore};
 use cohort::elastic::ElasticError;
@@ -48,20 +49,6 @@ fn bytes_of(name: &str, value: &Bound<'_, PyAny>) -> PyResult<Vec<u8>> {
         return Ok(v);
     }
     Err(invalid(format!("{name} must be bytes or str")))
-}
-
-fn endpoints(coordinator: &Bound<'_, PyAny>) -> PyResult<Vec<String>> {
-    let list: Vec<String> = if let Ok(s) = coordinator.cast::<PyString>() {
-        s.to_str()?.split(',').map(|e| e.trim().to_string()).filter(|e| !e.is_empty()).collect()
-    } else {
-        coordinator
-            .extract()
-            .map_err(|_| invalid("coordinator must be a string (comma separated) or a sequence of strings"))?
-    };
-    if list.is_empty() {
-        return Err(invalid("coordinator: at least one endpoint is needed (e.g. http://127.0.0.1:7470)"));
-    }
-    Ok(list)
 }
 
 #[pymethods]
