@@ -4,7 +4,7 @@
 //! on [`ElasticGroup`] reports them (the Python package's at every commit), not only
 //! `cohort-worker train`.
 
-use super::ElasticGroup;
+use super::{DataPlane, ElasticGroup};
 use cohort_transports::{DeadlineInForce, Rank, Transport};
 
 /// `PEER:MS:BASIS` per link, comma separated (`1:250:floor,2:250:floor`).
@@ -26,7 +26,7 @@ pub fn deadline_brief(deadlines: &[(Rank, DeadlineInForce)]) -> String {
     format!("{range} ms {}", bases.join("/"))
 }
 
-impl ElasticGroup {
+impl<P: DataPlane> ElasticGroup<P> {
     /// Reports the deadlines in force on `transport`'s links (a generation's communicator's):
     /// sets the worker's deadline metrics and sends their brief with the next heartbeat.
     /// Returns them, for a caller that prints them too.

@@ -72,7 +72,7 @@ impl Members {
 
     /// The incarnation of the member at `rank`, if known (0 for a list built without a
     /// coordinator).
-    pub(crate) fn incarnation_of(&self, rank: u32) -> Option<u64> {
+    pub fn incarnation_of(&self, rank: u32) -> Option<u64> {
         self.index_of(rank).map(|i| self.incarnations[i])
     }
 
