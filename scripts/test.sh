@@ -93,6 +93,7 @@ py2=$(bash scripts/python-env-torch2.sh | tail -n 1)
 COHORT_REQUIRE_PYTHON=1 COHORT_BIN_DIR="$PWD/target/release" "$py2" -m pytest -q -p no:cacheprovider \
   python/tests/test_torch_backend.py python/tests/test_training.py \
   python/tests/test_torch_p2p.py python/tests/test_signals.py python/tests/test_store.py \
+  python/tests/test_managed.py \
   python/tests/test_late_ranks.py::test_ddp_with_rank_0_checkpointing_for_a_minute_between_steps
 COHORT_TEST_WHOLE_ANSWER_UP_TO=1 COHORT_REQUIRE_PYTHON=1 COHORT_BIN_DIR="$PWD/target/release" \
   "$py2" -m pytest -q -p no:cacheprovider \

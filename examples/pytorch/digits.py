@@ -14,6 +14,8 @@ from the same step: the final parameters do not depend on the failures.
     python examples/pytorch/digits.py --coordinator http://127.0.0.1:7470 --job digits --worker-id w0
     python examples/pytorch/digits.py ... --ddp      # the same through DistributedDataParallel
                                                      # on the "cohort" torch.distributed backend
+    python examples/pytorch/digits.py ... --managed  # DDP on torch's gloo, cohort's membership
+                                                     # (cohort.torch.managed)
     python examples/pytorch/digits.py --world 1      # one process, no cohort (the baseline)
 
 Prints ``event=...`` progress lines and at the end (rank 0 of the last generation):
@@ -118,6 +120,7 @@ def elastic(args: argparse.Namespace) -> None:
     import cohort
     import cohort.elastic
     import cohort.torch
+    import cohort.torch.managed
 
     token = open(args.token_file).read().strip() if args.token_file else None
     config = cohort.GroupConfig(
@@ -145,7 +148,11 @@ def elastic(args: argparse.Namespace) -> None:
         # Mean loss and average when the batch splits evenly (what DDP computes); else a
         # loss scaled by the global batch and a sum, so any world computes the same mean.
         even = GLOBAL_BATCH % state.size == 0
-        if args.ddp:
+        if args.managed:
+            # torch's own gloo for this generation's ranks, cohort's membership (cohort.torch.managed).
+            cohort.torch.managed.init_process_group(state)
+            trainer["ddp"] = torch.nn.parallel.DistributedDataParallel(net)
+        elif args.ddp:
             cohort.torch.init_process_group(state)
             trainer["ddp"] = torch.nn.parallel.DistributedDataParallel(net)
         else:
@@ -155,7 +162,14 @@ def elastic(args: argparse.Namespace) -> None:
                 net, state, bucket_bytes=args.bucket_bytes, op="avg" if even else "sum"
             )
         trainer["even"] = even
-        emit("generation", gen=state.generation, world=state.size, rank=state.rank, extra=dict(step=state.steps))
+        backend = torch.distributed.get_backend() if args.ddp else "api"
+        emit(
+            "generation",
+            gen=state.generation,
+            world=state.size,
+            rank=state.rank,
+            extra=dict(step=state.steps, backend=backend),
+        )
 
     state.register_reset_callbacks([on_reform])
     state.register_failure_callbacks(
@@ -255,6 +269,11 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--no-progress-timeout", type=float, default=10.0)
     ap.add_argument("--world", type=int, default=None, help="1: train in this process without cohort")
     ap.add_argument("--ddp", action="store_true", help="DistributedDataParallel on the cohort backend")
+    ap.add_argument(
+        "--managed",
+        action="store_true",
+        help="DistributedDataParallel on torch's gloo managed by cohort (cohort.torch.managed); implies --ddp",
+    )
     ap.add_argument("--epochs", type=int, default=10)
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--seed", type=int, default=1)
@@ -263,6 +282,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (the reference uses 1)")
     ap.add_argument("--all-ranks-summary", action="store_true", help="every rank prints the summary line")
     args = ap.parse_args(argv)
+    args.ddp = args.ddp or args.managed
     torch.set_num_threads(args.threads)
     if args.world == 1:
         single_process(args)

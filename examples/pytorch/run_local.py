@@ -10,7 +10,7 @@ here, is part of the recovery). Prints both final accuracies and
 parameter digests side by side, and the time from the kill to the next training step of the
 re-formed job (the model's state synced to the replacement).
 
-    python examples/pytorch/run_local.py [--workers 4] [--epochs 10] [--kill-at 60]
+    python examples/pytorch/run_local.py [--workers 4] [--epochs 10] [--kill-at 60] [--mode api|ddp|managed]
 
 Binaries: $COHORT_BIN_DIR, else target/release of the checkout. Use the interpreter that has
 the cohort package (bash scripts/python-env.sh prints it).
@@ -69,6 +69,13 @@ def start_coordinator(workers: int, log: Path) -> tuple[subprocess.Popen, str]:
     raise SystemExit(f"the coordinator did not start: {log.read_text()}")
 
 
+MODES = {"api": [], "ddp": ["--ddp"], "managed": ["--managed"]}
+"""How the workers average gradients: cohort's GradientAverager, DDP on the cohort backend, or
+DDP on torch's gloo managed by cohort (digits.py's flags)."""
+
+MODE: list[str] = []
+
+
 def worker(name: str, coordinator: str, job: str, epochs: int, logdir: Path) -> tuple[subprocess.Popen, Path]:
     log = logdir / f"{job}-{name}.log"
     proc = subprocess.Popen(
@@ -84,6 +91,7 @@ def worker(name: str, coordinator: str, job: str, epochs: int, logdir: Path) -> 
             name,
             "--epochs",
             str(epochs),
+            *MODE,
         ],
         stdout=open(log, "w"),
         stderr=subprocess.STDOUT,
@@ -150,7 +158,15 @@ def main() -> None:
         action="store_true",
         help="start the replacement after the kill (default: a hot spare waiting at the rendezvous)",
     )
+    ap.add_argument(
+        "--mode",
+        choices=sorted(MODES),
+        default="api",
+        help="api: cohort's GradientAverager; ddp: DDP on the cohort backend; managed: DDP on torch's gloo "
+        "managed by cohort (cohort.torch.managed)",
+    )
     args = ap.parse_args()
+    MODE[:] = MODES[args.mode]
     logdir = Path(tempfile.mkdtemp(prefix="cohort-digits-"))
     print(f"logs in {logdir}")
     clean = job("fault-free", args.workers, args.epochs, None, logdir)

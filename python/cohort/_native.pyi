@@ -92,6 +92,20 @@ class Communicator:
     def barrier(self) -> None: ...
     def send(self, buf: Buffer, dst: int) -> None: ...
     def recv(self, buf: Buffer, src: int) -> None: ...
+    def report_failure(
+        self, reason: str, peer: Optional[int] = None, after: Optional[float] = None, probe: float = 0.2
+    ) -> Any:
+        """Reports that this generation failed outside cohort's own collectives (torch's gloo
+        beneath ``cohort.torch.managed``) and returns the ``CollectiveError`` to raise, whose
+        ``cause`` is the generation's root cause as the coordinator recorded it (the first
+        report wins: every rank shares it). ``peer`` names the failed rank where the caller
+        knows it; else each other member's process is asked whether it runs (cohort's liveness
+        probe, up to ``probe`` seconds) and the lowest that does not is named. ``after``
+        (seconds) makes it a timeout. The generation is revoked and this communicator aborted.
+        Bad arguments raise ``InvalidArgumentError``."""
+    def wait_revoked(self, timeout: Optional[float] = None) -> Any:
+        """Waits (GIL released) until this generation is revoked or the job ended: returns the
+        ``RevokedError`` with the root cause, or None when ``timeout`` seconds passed first."""
     def subgroup(self, ranks: list[int], channel: int) -> Communicator:
         """A communicator over ``ranks`` of this one (its rank i is ``ranks[i]``), sharing
         this one's links, failures and revocation on ``channel`` (1 to 4095); its calls may

@@ -627,6 +627,118 @@ impl Communicator {
         self.core.call(py, &[&b], prepared(Prepared::point_to_point(&b, src, false, self.shape())))
     }
 
+    /// Reports that this generation failed outside cohort's own collectives (torch's gloo or
+    /// nccl beneath `cohort.torch.managed`) and returns the exception to raise, whose `cause`
+    /// is the generation's root cause as the coordinator recorded it (the first report of a
+    /// generation wins, so every rank shares it). `peer` names the rank that failed where the
+    /// caller knows it; else every other member this rank knows is asked whether its process
+    /// runs (cohort's liveness probe, up to `probe` seconds) and the lowest that does not is
+    /// named. `after` (seconds) makes it a timeout. The generation is revoked (every member
+    /// learns it within milliseconds) and this communicator aborted. Of a communicator of no
+    /// group, the local error.
+    #[pyo3(signature = (reason, peer=None, after=None, probe=0.2))]
+    fn report_failure(
+        &self,
+        py: Python<'_>,
+        reason: &str,
+        peer: Option<u32>,
+        after: Option<f64>,
+        probe: f64,
+    ) -> PyResult<Py<PyAny>> {
+        let shape = self.shape();
+        if reason.trim().is_empty() {
+            return Err(invalid("report_failure: the reason is empty"));
+        }
+        if let Some(p) = peer {
+            if p >= shape.size || p == shape.rank {
+                return Err(invalid(format!(
+                    "report_failure: peer {p} is not another rank of the generation ({} ranks, this is rank {})",
+                    shape.size, shape.rank
+                )));
+            }
+        }
+        if !(probe.is_finite() && (0.0..=60.0).contains(&probe)) {
+            return Err(invalid(format!("report_failure: probe must be 0 to 60 seconds, not {probe}")));
+        }
+        let after = match after {
+            Some(a) if !(a.is_finite() && a >= 0.0) => {
+                return Err(invalid(format!("report_failure: after must be a duration in seconds, not {a}")))
+            }
+            a => a.map(Duration::from_secs_f64),
+        };
+        // The coordinator bounds a reason's length; keep the start of a long one.
+        let reason: String = reason.chars().take(900).collect();
+        let others: Vec<(u32, std::net::SocketAddr)> = self
+            .members
+            .iter()
+            .filter(|m| m.rank != shape.rank)
+            .filter_map(|m| m.address.parse().ok().map(|a| (m.rank, a)))
+            .collect();
+        let within = Duration::from_secs_f64(probe);
+        let core = Arc::clone(&self.core);
+        let failure = crate::runtime::wait(py, async move {
+            let peer = match peer {
+                Some(p) => Some(p),
+                None if within.is_zero() => None,
+                None => {
+                    let mut asked = tokio::task::JoinSet::new();
+                    for (rank, addr) in others {
+                        asked.spawn(
+                            async move { (rank, cohort_transports::liveness::endpoint_runs(addr, within).await) },
+                        );
+                    }
+                    let mut silent = Vec::new();
+                    while let Some(answer) = asked.join_next().await {
+                        if let Ok((rank, Some(false))) = answer {
+                            silent.push(rank);
+                        }
+                    }
+                    silent.into_iter().min()
+                }
+            };
+            let error = match (after, peer) {
+                (Some(after), rank) => {
+                    CommError::Timeout { rank, after, progress: None, silence: cohort_transports::Silence::Unprobed }
+                }
+                (None, Some(rank)) => CommError::PeerFailed { rank, detail: reason },
+                (None, None) => CommError::Transport(cohort_transports::TransportError::Io(reason)),
+            };
+            core.failure(error).await
+        })?;
+        Ok(to_pyerr(py, failure).into_value(py).into_any())
+    }
+
+    /// Waits (GIL released) until this generation is revoked or the job has ended, and
+    /// returns the `RevokedError` carrying the root cause; None when `timeout` seconds passed
+    /// first (None: no bound). Of a communicator of no group, None once `timeout` passed.
+    #[pyo3(signature = (timeout=None))]
+    fn wait_revoked(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Option<Py<PyAny>>> {
+        let limit = match timeout {
+            Some(t) if !(t.is_finite() && t >= 0.0) => {
+                return Err(invalid(format!("wait_revoked: timeout must be a duration in seconds, not {t}")))
+            }
+            t => t.map(Duration::from_secs_f64),
+        };
+        let reporter = self.core.reporter.clone();
+        let generation = self.core.generation;
+        let cause = crate::runtime::wait(py, async move {
+            let revoked = async {
+                match &reporter {
+                    Some(r) => Some(r.revoked(generation).await),
+                    None => std::future::pending().await,
+                }
+            };
+            match limit {
+                Some(limit) => tokio::time::timeout(limit, revoked).await.ok().flatten(),
+                None => revoked.await,
+            }
+        })?;
+        Ok(cause.map(|cause| {
+            let failure = Failure::comm(CommError::Revoked { generation, cause }, generation, None);
+            to_pyerr(py, failure).into_value(py).into_any()
+        }))
+    }
+
     /// A communicator over this one's ranks `ranks` (its rank `i` being this communicator's
     /// rank `ranks[i]`), for a 2-D device mesh (HSDP's shard and replica groups): it shares
     /// this communicator's links, generation, failures and revocation, on `channel` (1 to

@@ -278,6 +278,24 @@ pub(crate) async fn probe(target: SocketAddr, within: Duration, query: Query) ->
     }
 }
 
+/// Whether the process behind the endpoint `target` (a member's data-plane address) runs,
+/// asked from outside any link: code that watches a data plane cohort does not drive (a torch
+/// backend beneath a process group whose membership is cohort's) names a dead member this way.
+/// `Some(true)` if it answered within `within`; `Some(false)` if nothing came back, or if its
+/// host refused the probe (nothing listens on that port any more: the endpoint is gone; a link
+/// takes a refusal as no verdict, but the caller here asks about members that formed a
+/// generation with it moments ago); `None` if the probe could not be sent from here.
+///
+/// # Cancel safety
+/// Cancel safe, as [`probe`].
+pub async fn endpoint_runs(target: SocketAddr, within: Duration) -> Option<bool> {
+    match probe(target, within, NO_MESH).await {
+        Answer::Alive(_) => Some(true),
+        Answer::Silent | Answer::NoResponder | Answer::Gone | Answer::Stopped => Some(false),
+        Answer::LocalFailure => None,
+    }
+}
+
 fn local_failure(target: SocketAddr, what: &str, error: &dyn std::fmt::Display) -> Answer {
     tracing::warn!(%target, error = %error, "could not {what} for a liveness probe; no verdict about the peer");
     Answer::LocalFailure

@@ -640,6 +640,16 @@ impl FailureReporter {
         self.shared.read(Membership::reformation_pending)
     }
 
+    /// Resolves once `generation` is revoked, with its root cause (or once the job has ended,
+    /// with why): for code that watches a data plane cohort does not drive (a torch backend
+    /// beneath a process group whose membership is cohort's), to abort its work.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: it only waits.
+    pub async fn revoked(&self, generation: u64) -> RootCause {
+        revoked_or_ended(&self.shared, generation).await
+    }
+
     /// Turns a failed collective of `generation` into the generation's root cause.
     ///
     /// A revoked communicator already carries the cause. For a local detection (peer closed,
