@@ -337,7 +337,7 @@ impl Formed {
         wanted.extend((first..end).filter(|&r| r != rank));
         wanted.sort_unstable();
         wanted.dedup();
-        let members = wanted.into_iter().filter_map(|p| self.member(p).cloned()).collect();
+        let members = wanted.into_iter().filter_map(|p| self.partner_entry(p)).collect();
         pb::Generation {
             rank: Some(rank),
             member: self.member(rank).cloned(),
@@ -345,6 +345,42 @@ impl Formed {
             host_runs: runs.entries.clone(),
             ..without_members(&self.proto)
         }
+    }
+}
+
+impl Formed {
+    /// The entry of rank `p` in a sparse answer: its member's record (or, with the planted
+    /// bug on, its successor's relabelled as `p`'s).
+    fn partner_entry(&self, p: u32) -> Option<pb::Member> {
+        #[cfg(feature = "test-support")]
+        if planted::wrong_partner() {
+            let mut wrong = self.member((p + 1) % self.size())?.clone();
+            wrong.rank = p;
+            return Some(wrong);
+        }
+        self.member(p).cloned()
+    }
+}
+
+/// Bugs a test plants on purpose, to show that the deterministic simulation catches them
+/// (`test-support` only). Per thread: the simulation runs every replica on one.
+#[cfg(feature = "test-support")]
+pub mod planted {
+    use std::cell::Cell;
+
+    thread_local! {
+        static WRONG_PARTNER: Cell<bool> = const { Cell::new(false) };
+    }
+
+    /// Plants (or removes) a bug in sparse answers made on this thread: every partner or
+    /// host-mate entry is the next rank's member, labelled with the partner's rank.
+    pub fn set_wrong_partner(on: bool) {
+        WRONG_PARTNER.with(|w| w.set(on));
+    }
+
+    /// Whether the wrong-partner bug is planted on this thread.
+    pub(crate) fn wrong_partner() -> bool {
+        WRONG_PARTNER.with(Cell::get)
     }
 }
 

@@ -11,8 +11,6 @@ pub(crate) fn now_ms() -> u64 {
 }
 
 /// One generation as a worker was told it.
-pub(crate) type Group = Vec<(String, u64)>;
-
 /// What a worker incarnation did, as far as the invariants care.
 #[derive(Clone, Debug, Default)]
 pub(crate) struct WorkerView {
@@ -33,6 +31,22 @@ pub(crate) struct WorkerView {
     pub(crate) excluded_until: u64,
 }
 
+/// What the workers were told of one generation (whole or sparse views), and where its ranks
+/// run: the model's network, which knows every rank's process as sockets would.
+#[derive(Default)]
+pub(crate) struct GenerationRecord {
+    /// Its size and host layout, as the first member to connect derived them (every member
+    /// must derive the same).
+    pub(crate) shape: Option<(u32, cohort::HostLayout)>,
+    /// The member at each rank (worker id, incarnation), as first told in any view.
+    pub(crate) told: BTreeMap<u32, (String, u64)>,
+    /// Where each rank runs: the worker index and incarnation that connected as it.
+    pub(crate) placed: BTreeMap<u32, (usize, u64)>,
+    /// The step the generation resumes after, agreed at its first collective (the
+    /// checkpoint's sync: the newest commit of any member).
+    pub(crate) resume: Option<u64>,
+}
+
 /// A fault as it touched a party, for judging whether what happened to that party was
 /// excused by a fault.
 #[derive(Clone, Debug)]
@@ -48,8 +62,8 @@ pub(crate) struct Ledger {
     lines: Vec<String>,
     /// Invariant violations found while running.
     pub(crate) violations: Vec<String>,
-    /// Generation number -> its members, as first told to a worker.
-    pub(crate) groups: BTreeMap<u64, Group>,
+    /// What the workers were told of each generation, and where its ranks run.
+    pub(crate) generations: BTreeMap<u64, GenerationRecord>,
     /// Revoked generations, with when a worker first heard it.
     pub(crate) revoked: BTreeMap<u64, u64>,
     /// Per worker index.

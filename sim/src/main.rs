@@ -42,6 +42,12 @@ enum Command {
         /// Whose store lease a member's records are on: member (default) or host.
         #[arg(long, value_parser = LeaseScope::parse, default_value = "member")]
         lease_scope: LeaseScope,
+        /// The job's whole_answer_up_to (default 256): larger generations are sparse views.
+        #[arg(long)]
+        whole_answer_up_to: Option<u32>,
+        /// Plant the wrong-partner bug in the replicas' sparse answers, to see it caught.
+        #[arg(long)]
+        wrong_partner: bool,
     },
     /// Runs seeds from --first on until the duration is spent; reports the failing seeds.
     Explore {
@@ -63,6 +69,9 @@ enum Command {
         /// Whose store lease a member's records are on: member (default) or host.
         #[arg(long, value_parser = LeaseScope::parse, default_value = "member")]
         lease_scope: LeaseScope,
+        /// The job's whole_answer_up_to (default 256): larger generations are sparse views.
+        #[arg(long)]
+        whole_answer_up_to: Option<u32>,
     },
 }
 
@@ -88,6 +97,8 @@ fn main() -> ExitCode {
             tick_ms,
             workers_per_host,
             lease_scope,
+            whole_answer_up_to,
+            wrong_partner,
         } => {
             let options = Options {
                 cascade_scope: if per_replica_cascades { CascadeScope::Replica } else { CascadeScope::Store },
@@ -100,6 +111,8 @@ fn main() -> ExitCode {
                 tick_ms,
                 workers_per_host,
                 lease_scope,
+                whole_answer_up_to,
+                wrong_partner,
             };
             let report = run_seed(seed, &options);
             for line in &report.lines {
@@ -116,8 +129,9 @@ fn main() -> ExitCode {
                 ExitCode::FAILURE
             }
         }
-        Command::Explore { duration, first, workers, tick_ms, workers_per_host, lease_scope } => {
-            let options = Options { workers, tick_ms, workers_per_host, lease_scope, ..Options::default() };
+        Command::Explore { duration, first, workers, tick_ms, workers_per_host, lease_scope, whole_answer_up_to } => {
+            let options =
+                Options { workers, tick_ms, workers_per_host, lease_scope, whole_answer_up_to, ..Options::default() };
             let started = Instant::now();
             let (mut seeds, mut faults, mut failing) = (0u64, 0usize, Vec::new());
             let mut seed = first;

@@ -11,19 +11,26 @@
 //! which is what makes timeout cascades. A revoked communicator (the membership machine's
 //! `Abort`) fails the step at once.
 
-use crate::ledger::{now_ms, Group, Ledger, Shared};
+use crate::ledger::{now_ms, Ledger, Shared};
+use crate::worker::worker_id;
 use cohort::RootCause;
 use cohort_proto::v1::failure_report::FailureKind;
 use std::time::Duration;
 
-/// One rank's communicator in one generation.
+/// One rank's communicator in one generation. The rank knows the generation's size and its
+/// predecessor's entry (from its view, whole or sparse); the model's network knows where every
+/// rank runs (the ledger's placements), as sockets would.
 pub(crate) struct Ring<'a> {
     pub(crate) shared: &'a Shared,
     /// This worker's index.
     pub(crate) index: usize,
     pub(crate) generation: u64,
-    pub(crate) members: &'a Group,
+    /// The generation's size.
+    pub(crate) size: u32,
     pub(crate) rank: u32,
+    /// The predecessor's entry (worker id, incarnation), as this rank's view gives it: the
+    /// peer its incoming link is dialled from.
+    pub(crate) pred: &'a (String, u64),
     /// The no-progress deadline.
     pub(crate) no_progress: Duration,
 }
@@ -47,31 +54,26 @@ pub(crate) struct Failure {
     pub(crate) received: u64,
 }
 
-fn index_of(worker_id: &str) -> Option<usize> {
-    worker_id.strip_prefix('w').and_then(|i| i.parse().ok())
-}
-
 fn alive(ledger: &Ledger, index: usize, incarnation: u64) -> bool {
     ledger.workers.get(&index).is_some_and(|v| v.up && v.incarnation == incarnation)
 }
 
 impl Ring<'_> {
-    /// The newest commit of the members: the step the generation resumes after (the state
-    /// is restored from the member that holds it, as a checkpoint would be).
-    pub(crate) fn resume_step(&self) -> u64 {
+    /// The step the generation resumes after, once its sync (step 0) completed.
+    pub(crate) fn resumed(&self) -> u64 {
         let ledger = self.shared.lock();
-        let committed = self.members.iter().filter_map(|(w, _)| index_of(w)).filter_map(|i| ledger.committed.get(&i));
-        committed.max().copied().unwrap_or(0)
+        ledger.generations.get(&self.generation).and_then(|g| g.resume).unwrap_or(0)
     }
 
-    /// Step `step`'s collective; `pending` is this rank's re-formation flag for the commit
-    /// point after it, `revoked` the communicator's revocation, if any.
+    /// Step `step`'s collective (step 0: the sync after connecting, which agrees the step to
+    /// resume after: the newest commit of any member, whose state is restored from it as a
+    /// checkpoint would be); `pending` is this rank's re-formation flag for the commit point
+    /// after it, `revoked` the communicator's revocation, if any.
     ///
     /// # Cancel safety
     /// Cancel safe: an abandoned step leaves only this rank's arrival behind, as a crash does.
     pub(crate) async fn step(&self, step: u64, pending: bool, revoked: impl Fn() -> Option<RootCause>) -> Outcome {
-        let (g, members, rank) = (self.generation, self.members, self.rank);
-        let n = members.len();
+        let (g, n, rank) = (self.generation, self.size as usize, self.rank);
         {
             let mut ledger = self.shared.lock();
             ledger.arrivals.entry((g, step)).or_default().insert(rank);
@@ -99,12 +101,15 @@ impl Ring<'_> {
                 return done(&ledger);
             }
             let arrived = ledger.arrivals.get(&(g, step)).map_or(0, |a| a.len());
+            let placed = |ledger: &Ledger, r: usize| {
+                ledger.generations.get(&g).and_then(|record| record.placed.get(&(r as u32)).copied())
+            };
+            // A rank not placed yet has not connected: nothing is known of it.
             let faulty = |r: usize| -> (bool, bool) {
-                let (w, inc) = &members[r];
-                let idx = index_of(w).unwrap_or(usize::MAX);
-                let dead = !alive(&ledger, idx, *inc);
-                let prev = index_of(&members[(r + n - 1) % n].0).unwrap_or(usize::MAX);
-                let silent = ledger.paused.contains(&prev) || ledger.silent.contains(&(prev, idx));
+                let Some((idx, inc)) = placed(&ledger, r) else { return (false, false) };
+                let dead = !alive(&ledger, idx, inc);
+                let silent = placed(&ledger, (r + n - 1) % n)
+                    .is_some_and(|(prev, _)| ledger.paused.contains(&prev) || ledger.silent.contains(&(prev, idx)));
                 (dead, silent)
             };
             // Checked only once everyone has arrived: every rank polls every 2 ms, and a scan
@@ -117,7 +122,28 @@ impl Ring<'_> {
             };
             if arrived == n && !ring_fault() {
                 ledger.completed.insert((g, step));
+                if step == 0 {
+                    let ranks: Vec<usize> = (0..n).filter_map(|r| placed(&ledger, r).map(|(idx, _)| idx)).collect();
+                    let newest = ranks.iter().filter_map(|i| ledger.committed.get(i)).max().copied().unwrap_or(0);
+                    ledger.generations.entry(g).or_default().resume = Some(newest);
+                }
                 return done(&ledger);
+            }
+            // The incoming link is dialled from the predecessor this rank's view names: a view
+            // that names another process than the one running that rank is a wrong member list
+            // (the handshake would refuse the link).
+            if let Some((idx, inc)) = placed(&ledger, pred) {
+                if (worker_id(idx), inc) != *self.pred {
+                    drop(ledger);
+                    self.shared.violation(
+                        now,
+                        format!(
+                            "worker-{}'s view of generation {g} names {:?} at rank {pred}, which worker-{idx} (incarnation {inc}) runs",
+                            self.index, self.pred
+                        ),
+                    );
+                    return Outcome::Failed(Failure { kind: FailureKind::PeerClosed, peer: pred as u32, received: 0 });
+                }
             }
             let (pred_dead, _) = faulty(pred);
             let (_, my_link_silent) = faulty(rank as usize);

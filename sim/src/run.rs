@@ -41,6 +41,12 @@ pub struct Options {
     /// Whose store lease a member's records are on (the coordinators' `--lease-scope`):
     /// `Member`, the default, or `Host` (each simulated host's workers on one lease).
     pub lease_scope: LeaseScope,
+    /// The job's `whole_answer_up_to` (default 256): generations larger than it are answered
+    /// as sparse views, which the workers complete as the shipped worker does.
+    pub whole_answer_up_to: Option<u32>,
+    /// Plants the wrong-partner bug in the replicas' sparse answers
+    /// (`cohort_coordinator::hub::planted`), to show that a seed catches it.
+    pub wrong_partner: bool,
 }
 
 /// Where the workers run: `per_host` workers to a host.
@@ -103,9 +109,10 @@ pub struct Report {
 }
 
 /// The job's settings in every simulation.
-fn job_settings(scenario: &Scenario, lease_scope: LeaseScope) -> JobSettings {
+fn job_settings(scenario: &Scenario, options: &Options) -> JobSettings {
     JobSettings {
-        lease_scope,
+        lease_scope: options.lease_scope,
+        whole_answer_up_to: options.whole_answer_up_to.unwrap_or(JobSettings::default().whole_answer_up_to),
         min_workers: scenario.min_workers,
         max_workers: scenario.workers as u32,
         join_window: Duration::from_secs(1),
@@ -157,6 +164,7 @@ enum Action {
 pub fn run_seed(seed: u64, options: &Options) -> Report {
     clock::install();
     clock::set_jump_ms(0);
+    cohort_coordinator::hub::planted::set_wrong_partner(options.wrong_partner);
     let scenario = Scenario::draw(seed, options.mix, options.workers);
     let shared = Shared::default();
     let mut rng = StdRng::seed_from_u64(seed ^ 0xd1ce);
@@ -186,7 +194,7 @@ pub fn run_seed(seed: u64, options: &Options) -> Report {
             options.cascade_scope
         ),
     );
-    let settings = match Settings::uniform(job_settings(&scenario, options.lease_scope)) {
+    let settings = match Settings::uniform(job_settings(&scenario, options)) {
         Ok(s) => s,
         Err(e) => {
             return Report { seed, lines: vec![], hash: 0, faults: 0, violations: vec![format!("settings: {e}")] };
@@ -255,6 +263,7 @@ pub fn run_seed(seed: u64, options: &Options) -> Report {
         }
     }
     final_checks(&mut sim, &shared, &scenario);
+    cohort_coordinator::hub::planted::set_wrong_partner(false);
     let lines = shared.lines();
     let ledger = shared.lock();
     Report { seed, hash: hash(&lines), lines, faults: ledger.faults, violations: ledger.violations.clone() }
@@ -411,7 +420,7 @@ fn convergence(shared: &Shared, now: u64) {
     let mut problems = Vec::new();
     {
         let ledger = shared.lock();
-        let newest = ledger.groups.keys().next_back().copied();
+        let newest = ledger.generations.keys().next_back().copied();
         for (w, view) in &ledger.workers {
             if !view.up || view.finished || view.ended.is_some() || view.excluded_until > now {
                 continue;

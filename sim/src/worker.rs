@@ -11,7 +11,7 @@
 //! worker between generations at once, as `cohort-worker train` does at its last step or on
 //! SIGTERM). Crashes drop the whole process, group included; a restart is a new process.
 
-use crate::ledger::{now_ms, Group, Shared};
+use crate::ledger::{now_ms, Shared};
 use crate::net::{Connector, GRPC_PORT};
 use crate::ring::{Failure, Outcome, Ring};
 use cohort::control::{ControlClient, ControlConfig, ControlError};
@@ -194,16 +194,20 @@ impl World for SimWorld {
 
 /// The simulation's data plane: publishes its host's address on the simulated network (an IP
 /// literal, as a pod's), which nobody dials, and connects a generation as a rank of the
-/// modelled ring ([`crate::ring`]).
+/// modelled ring ([`crate::ring`]). A rank of a ring links its neighbours: its predecessor's
+/// entry comes from its view, or is asked of the coordinator on first use when a sparse view
+/// lacks it, as the socket plane resolves a peer.
 struct SimPlane {
     /// The published TCP address.
     address: String,
+    worker_id: String,
 }
 
-/// One rank's modelled communicator: the generation's members, and the cause it was revoked
-/// with (the membership's `Abort`).
+/// One rank's modelled communicator: its predecessor, and the cause it was revoked with (the
+/// membership's `Abort`).
 struct SimComm {
-    members: Group,
+    /// The predecessor's worker id and incarnation.
+    pred: (String, u64),
     revoked: Arc<Mutex<Option<RootCause>>>,
 }
 
@@ -217,23 +221,39 @@ impl DataPlane for SimPlane {
 
     async fn connect(&mut self, formed: Formed<'_>) -> Result<Option<Connected<SimComm>>, ElasticError> {
         let members = formed.members;
-        if !members.is_whole() {
-            // The modelled ring steps over every member; the simulation's coordinators answer
-            // whole (their generations stay below `whole_answer_up_to`).
-            return Err(ElasticError::Protocol(format!(
-                "generation {}: the modelled ring needs the whole member list",
-                formed.generation.number
-            )));
-        }
-        let group: Group =
-            members.iter().map(|m| (m.worker_id.clone(), members.incarnation_of(m.rank).unwrap_or(0))).collect();
+        let n = members.size();
+        let pred = (formed.rank + n - 1) % n;
+        let pred = match members.get(pred) {
+            Some(m) => (m.worker_id.clone(), members.incarnation_of(pred).unwrap_or(0)),
+            None => {
+                let question = pb::MembersRequest {
+                    job: JOB.into(),
+                    worker_id: self.worker_id.clone(),
+                    incarnation: formed.incarnation,
+                    generation: formed.generation.number,
+                    ranks: vec![pred],
+                    host: String::new(),
+                };
+                match formed.client.fetch_members(question, formed.generation.members_digest).await {
+                    Ok(fetched) => match fetched.into_iter().find(|m| m.rank == pred) {
+                        Some(m) => (m.worker_id, m.incarnation),
+                        None => return Err(ElasticError::Protocol(format!("rank {pred} missing from a Members answer"))),
+                    },
+                    // The generation changed meanwhile: rendezvous again.
+                    Err(ControlError::Rejected {
+                        code: tonic::Code::FailedPrecondition | tonic::Code::NotFound, ..
+                    }) => return Ok(None),
+                    Err(e) => return Err(e.into()),
+                }
+            }
+        };
         let revoked = Arc::new(Mutex::new(None));
         let slot = Arc::clone(&revoked);
         let revoke = Arc::new(move |cause: RootCause| {
             let mut slot = slot.lock().unwrap_or_else(PoisonError::into_inner);
             slot.get_or_insert(cause);
         });
-        Ok(Some(Connected { comm: SimComm { members: group, revoked }, revoke, members, transport: MeshKind::Tcp }))
+        Ok(Some(Connected { comm: SimComm { pred, revoked }, revoke, members, transport: MeshKind::Tcp }))
     }
 }
 
@@ -346,7 +366,10 @@ impl Driver {
     /// Joins, then re-forms (and joins again after an eviction) until the job ends for this
     /// worker (an error) or it finishes.
     async fn process(&self, config: ElasticConfig, client: ControlClient) -> Result<(), ElasticError> {
-        let plane = SimPlane { address: format!("{}:7200", turmoil::lookup(self.world.setup.host.as_str())) };
+        let plane = SimPlane {
+            address: format!("{}:7200", turmoil::lookup(self.world.setup.host.as_str())),
+            worker_id: worker_id(self.index()),
+        };
         let world: Arc<dyn World> = self.world.clone();
         let mut group = tokio::select! {
             joined = ElasticGroup::join_with(config, client, plane, world) => joined?,
@@ -405,44 +428,53 @@ impl Driver {
     }
 
     /// Works in connected generation `g` until it is left or the worker is asked to finish, as
-    /// `cohort-worker train` does.
+    /// `cohort-worker train` does: a sync first (the step to resume after), then steps.
     async fn generation(&self, group: &ElasticGroup<SimPlane>, g: Generation<SimComm>) -> Exit {
         let (number, rank, comm) = (g.number, g.rank, &g.comm);
         let index = self.index();
-        self.record_group(number, &comm.members);
+        self.record_view(number, rank, group.incarnation(), &g.members);
         let ring = Ring {
             shared: self.shared(),
             index,
             generation: number,
-            members: &comm.members,
+            size: g.members.size(),
             rank,
+            pred: &comm.pred,
             no_progress: self.world.setup.no_progress,
         };
-        let mut step = ring.resume_step();
         {
             let mut ledger = self.shared().lock();
             let view = ledger.workers.entry(index).or_default();
             view.in_generation = Some(number);
             view.last_formed = number;
         }
-        let names: Vec<&str> = comm.members.iter().map(|(w, _)| w.as_str()).collect();
-        self.world.log(format!("generation {number}: rank {rank} of {names:?}, resumes after step {step}"));
+        let (size, known) = (g.members.size(), g.members.known().len());
+        self.world.log(format!("generation {number}: rank {rank} of {size} (knows {known}), after {:?}", comm.pred));
+        // The step done last; `None` until the sync.
+        let mut step: Option<u64> = None;
         let exit = loop {
             self.paused().await;
             if self.world.finishing() {
                 break Exit::Finish;
             }
-            group.set_progress(number, step, "allreduce");
-            let pending = group.reformation_pending();
+            let at = step.unwrap_or(0);
+            group.set_progress(number, at, if step.is_some() { "allreduce" } else { "sync" });
+            let pending = step.is_some() && group.reformation_pending();
             let revoked = || comm.revoked.lock().unwrap_or_else(PoisonError::into_inner).clone();
-            match ring.step(step + 1, pending, revoked).await {
+            let next = step.map_or(0, |s| s + 1);
+            match ring.step(next, pending, revoked).await {
+                Outcome::Done { .. } if step.is_none() => {
+                    let resumed = ring.resumed();
+                    self.world.log(format!("generation {number}: resumes after step {resumed}"));
+                    step = Some(resumed);
+                }
                 Outcome::Done { reform } => {
-                    step += 1;
-                    self.shared().lock().committed.insert(index, step);
-                    group.commit(number, step, &step.to_le_bytes());
-                    group.set_progress(number, step, "commit");
+                    step = Some(next);
+                    self.shared().lock().committed.insert(index, next);
+                    group.commit(number, next, &next.to_le_bytes());
+                    group.set_progress(number, next, "commit");
                     if reform {
-                        self.world.log(format!("leaves generation {number} at step {step}: re-formation agreed"));
+                        self.world.log(format!("leaves generation {number} at step {next}: re-formation agreed"));
                         break Exit::Left;
                     }
                     tokio::time::sleep(Duration::from_millis(STEP_MS)).await;
@@ -453,8 +485,8 @@ impl Driver {
                     break Exit::Left;
                 }
                 Outcome::Failed(failure) => {
-                    let error = self.failed_step(step + 1, failure);
-                    self.world.log(format!("step {} of generation {number} failed: {error}", step + 1));
+                    let error = self.failed_step(next, failure);
+                    self.world.log(format!("step {next} of generation {number} failed: {error}"));
                     let cause = group.on_failure(number, &error).await;
                     self.world.log(format!("leaves generation {number}: {cause}"));
                     break Exit::Left;
@@ -479,11 +511,45 @@ impl Driver {
         }
     }
 
-    /// Records generation `number` as this worker was told it: one group per generation.
-    fn record_group(&self, number: u64, members: &Group) {
-        let known = self.shared().lock().groups.entry(number).or_insert_with(|| members.clone()).clone();
-        if known != *members {
-            self.shared().violation(now_ms(), format!("two groups for generation {number}: {known:?} and {members:?}"));
+    /// Records generation `number` as this worker was told it, and places this worker at
+    /// `rank`. Every view must agree: one size and host layout per generation, one member per
+    /// rank, whoever was told it (whole or sparse), and one process per rank.
+    fn record_view(&self, number: u64, rank: u32, incarnation: u64, view: &cohort::elastic::Members) {
+        let mut problems = Vec::new();
+        {
+            let mut ledger = self.shared().lock();
+            let record = ledger.generations.entry(number).or_default();
+            let shape = (view.size(), view.layout());
+            match &record.shape {
+                None => record.shape = Some(shape),
+                Some(known) if *known != shape => problems.push(format!(
+                    "two shapes of generation {number}: size {} with {:?}, and size {} with {:?} (worker-{})",
+                    known.0,
+                    known.1,
+                    shape.0,
+                    shape.1,
+                    self.index()
+                )),
+                Some(_) => {}
+            }
+            for m in view.iter() {
+                let entry = (m.worker_id.clone(), view.incarnation_of(m.rank).unwrap_or(0));
+                let known = record.told.entry(m.rank).or_insert_with(|| entry.clone());
+                if *known != entry {
+                    problems.push(format!(
+                        "two members at rank {} of generation {number}: {known:?}, and {entry:?} in worker-{}'s view",
+                        m.rank,
+                        self.index()
+                    ));
+                }
+            }
+            let me = (self.index(), incarnation);
+            if let Some(other) = record.placed.insert(rank, me).filter(|other| *other != me) {
+                problems.push(format!("two processes at rank {rank} of generation {number}: {other:?} and {me:?}"));
+            }
+        }
+        for p in problems {
+            self.shared().violation(now_ms(), p);
         }
     }
 }

@@ -36,6 +36,7 @@ fn judging_a_timeout_cascade_per_replica_is_caught() {
         tick_ms: None,
         workers_per_host: None,
         lease_scope: Default::default(),
+        ..Options::default()
     };
     let fixed = Options {
         cascade_scope: CascadeScope::Store,
@@ -44,6 +45,7 @@ fn judging_a_timeout_cascade_per_replica_is_caught() {
         tick_ms: None,
         workers_per_host: None,
         lease_scope: Default::default(),
+        ..Options::default()
     };
     let caught: Vec<u64> = seeds
         .clone()
