@@ -220,6 +220,7 @@ pub fn run_seed(seed: u64, options: &Options) -> Report {
                     shared: shared.clone(),
                     no_progress,
                     seed,
+                    step: worker::step_time(scenario.workers),
                 })
             })
             .collect();

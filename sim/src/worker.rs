@@ -31,8 +31,16 @@ use std::time::Duration;
 
 /// The job every worker joins.
 pub(crate) const JOB: &str = "simjob";
-/// How long a worker computes between two steps.
+/// How long a worker computes between two steps, at least.
 const STEP_MS: u64 = 20;
+
+/// How long a worker computes between two steps in a job of `workers`: 20 ms, and 1 ms more
+/// per 5 workers beyond 100 (205 ms at 1,024), as steps take longer in larger jobs. Each
+/// step's commit report is a coordinator call per worker, so this also keeps the control
+/// plane's load per worker what a real job's is.
+pub(crate) fn step_time(workers: usize) -> Duration {
+    Duration::from_millis(STEP_MS.max(workers as u64 / 5))
+}
 /// How far back a fault excuses an eviction.
 const EXCUSE_MS: u64 = 15_000;
 
@@ -48,6 +56,8 @@ pub(crate) struct WorkerSetup {
     pub(crate) no_progress: Duration,
     /// The seed (the watch's reopen jitter is drawn from it).
     pub(crate) seed: u64,
+    /// How long it computes between two steps ([`step_time`]).
+    pub(crate) step: Duration,
 }
 
 /// The worker id of worker `index`.
@@ -237,11 +247,14 @@ impl DataPlane for SimPlane {
                 match formed.client.fetch_members(question, formed.generation.members_digest).await {
                     Ok(fetched) => match fetched.into_iter().find(|m| m.rank == pred) {
                         Some(m) => (m.worker_id, m.incarnation),
-                        None => return Err(ElasticError::Protocol(format!("rank {pred} missing from a Members answer"))),
+                        None => {
+                            return Err(ElasticError::Protocol(format!("rank {pred} missing from a Members answer")))
+                        }
                     },
                     // The generation changed meanwhile: rendezvous again.
                     Err(ControlError::Rejected {
-                        code: tonic::Code::FailedPrecondition | tonic::Code::NotFound, ..
+                        code: tonic::Code::FailedPrecondition | tonic::Code::NotFound,
+                        ..
                     }) => return Ok(None),
                     Err(e) => return Err(e.into()),
                 }
@@ -477,7 +490,7 @@ impl Driver {
                         self.world.log(format!("leaves generation {number} at step {next}: re-formation agreed"));
                         break Exit::Left;
                     }
-                    tokio::time::sleep(Duration::from_millis(STEP_MS)).await;
+                    tokio::time::sleep(self.world.setup.step).await;
                 }
                 Outcome::Finishing => {}
                 Outcome::Revoked(cause) => {
