@@ -5,8 +5,8 @@
 //! static launcher) calls [`connect_members`] with the records it built itself and gets the
 //! same data plane.
 
-use super::choice::{plan_mesh, MeshPlan};
 use super::mesh::MixedTransport;
+use super::mesh_plan::{plan_mesh, MeshPlan};
 use super::{ElasticError, MemberInfo, MeshTransport, TransportChoice};
 use cohort_transports::shm::{ShmAddress, ShmEndpoint, ShmMeshSpec};
 use cohort_transports::tcp::{CarriedLink, MeshSpec, ResolvePeer, TcpEndpoint};

@@ -16,7 +16,7 @@
 //! share one layout even when coordinator replicas with different `whole_answer_up_to`
 //! answered them (some whole, some sparse).
 
-use super::choice::{host_runs_of, MemberInfo};
+use super::mesh_plan::{host_runs_of, MemberInfo};
 use super::ElasticError;
 use crate::HostLayout;
 use cohort_proto::v1 as pb;

@@ -34,7 +34,6 @@
 //!   coordinator names stragglers; under the job's `exclude` policy it asks one to leave,
 //!   which [`ElasticGroup::straggler_leave`] tells the training loop.
 
-mod choice;
 mod config;
 mod connect;
 mod data_plane;
@@ -42,6 +41,7 @@ mod deadlines;
 mod error;
 mod group;
 mod members;
+mod mesh_plan;
 // The membership state machine: public under the `test-support` feature for the
 // deterministic simulation (`cohort-sim`), which drives it as `ElasticGroup` does; not part of
 // the stable API (its own documentation is the module's).
@@ -51,14 +51,13 @@ pub mod membership;
 #[allow(dead_code, unreachable_pub)]
 mod membership;
 mod mesh;
-mod plan;
 mod resolve;
 mod shell;
 mod sockets;
 mod state;
 mod timing;
+mod view_plan;
 
-pub use choice::{MemberInfo, TransportChoice, UnknownTransport, FULL_MESH_UP_TO};
 pub use config::{local_hostname, ElasticConfig};
 pub use connect::{connect_members, LocalEndpoints, MeshScope};
 pub use data_plane::{Connected, DataPlane, Formed};
@@ -67,6 +66,7 @@ pub use error::{ElasticError, TransportUnavailable};
 pub use group::{ElasticGroup, Generation, ReformReason};
 pub use members::Members;
 pub use mesh::{MeshKind, MeshTransport, MixedTransport};
+pub use mesh_plan::{MemberInfo, TransportChoice, UnknownTransport, FULL_MESH_UP_TO};
 pub use shell::{call_bound, FailureReporter, Observed, RealWorld, World};
 pub use sockets::SocketPlane;
 pub use state::{Checkpoint, CommitError, ElasticState, SyncError, SyncOutcome};

@@ -2,13 +2,13 @@
 //! every member published it. Its endpoints are kept across generations, and each
 //! generation's TCP links may be carried into the next.
 
-use super::choice::{upfront_ranks, MeshPlan};
 use super::connect::{connect_planned, Carry, LocalEndpoints, MeshScope};
 use super::data_plane::{Connected, DataPlane, Formed};
 use super::group::fetch_members;
 use super::members::Members;
-use super::plan::plan_view;
+use super::mesh_plan::{upfront_ranks, MeshPlan};
 use super::resolve::CoordinatorResolver;
+use super::view_plan::plan_view;
 use super::{ElasticConfig, ElasticError, MeshKind, MeshTransport, TransportChoice};
 use crate::{CommConfig, Communicator};
 use cohort_proto::v1 as pb;

@@ -261,19 +261,13 @@ pub(crate) async fn run<E: ExactElement>(
             }
             .print(),
             Err(SyncError::Comm(e)) => {
-                let cause = group.on_failure(g, &e).await;
-                events::Error {
-                    gen: g,
-                    rank,
-                    step: None,
-                    phase: Some("sync".into()),
-                    kind: kind_of(&e).into(),
-                    detail: None,
-                    cause: cause.to_string().into(),
-                    t_ms: now_ms(),
-                    cause_t_ms: None,
-                }
-                .print();
+                failed(
+                    &group,
+                    Failed { generation: g, rank, step: None, phase: Some("sync"), detail: false },
+                    &e,
+                    None,
+                )
+                .await;
                 failed_at.get_or_insert_with(Instant::now);
                 continue 'generations;
             }
@@ -312,21 +306,9 @@ pub(crate) async fn run<E: ExactElement>(
             let result = generation.comm.allreduce(&mut grad, ReduceOp::Sum).instrument(span.clone()).await;
             if let Err(e) = result {
                 let errored_ms = now_ms();
-                let cause = group.on_failure(g, &e).await;
-                events::Error {
-                    gen: g,
-                    rank,
-                    step: Some(step),
-                    phase: None,
-                    kind: kind_of(&e).into(),
-                    detail: Some(e.to_string().into()),
-                    cause: cause.to_string().into(),
-                    t_ms: errored_ms,
-                    cause_t_ms: Some(now_ms()),
-                }
-                .print();
-                checkpoint.restore(&mut params)?;
-                check_params(&trajectory, &params, g, rank, checkpoint.step().unwrap_or(0), "restore")?;
+                let what = Failed { generation: g, rank, step: Some(step), phase: None, detail: true };
+                failed(&group, what, &e, Some(errored_ms)).await;
+                roll_back(&checkpoint, &mut params, &trajectory, g, rank)?;
                 failed_at.get_or_insert_with(Instant::now);
                 continue 'generations;
             }
@@ -355,22 +337,10 @@ pub(crate) async fn run<E: ExactElement>(
                 group.set_progress(g, step, "alltoall");
                 let exchanged = exchange(&mut generation.comm, g, step).instrument(span.clone()).await?;
                 if let Err(e) = exchanged {
-                    let cause = group.on_failure(g, &e).await;
-                    events::Error {
-                        gen: g,
-                        rank,
-                        step: Some(step),
-                        phase: Some("alltoall".into()),
-                        kind: kind_of(&e).into(),
-                        detail: Some(e.to_string().into()),
-                        cause: cause.to_string().into(),
-                        t_ms: now_ms(),
-                        cause_t_ms: None,
-                    }
-                    .print();
+                    let what = Failed { generation: g, rank, step: Some(step), phase: Some("alltoall"), detail: true };
+                    failed(&group, what, &e, None).await;
                     // The step's sum is in the parameters but not committed: back to the commit.
-                    checkpoint.restore(&mut params)?;
-                    check_params(&trajectory, &params, g, rank, checkpoint.step().unwrap_or(0), "restore")?;
+                    roll_back(&checkpoint, &mut params, &trajectory, g, rank)?;
                     failed_at.get_or_insert_with(Instant::now);
                     continue 'generations;
                 }
@@ -408,23 +378,11 @@ pub(crate) async fn run<E: ExactElement>(
                 group.record_step(step_started.elapsed().saturating_sub(collective), collective, peer_waits);
             }
             if let Err(e) = agreed {
-                let cause = group.on_failure(g, &e).await;
-                events::Error {
-                    gen: g,
-                    rank,
-                    step: Some(step),
-                    phase: Some("commit".into()),
-                    kind: kind_of(&e).into(),
-                    detail: None,
-                    cause: cause.to_string().into(),
-                    t_ms: now_ms(),
-                    cause_t_ms: None,
-                }
-                .print();
+                let what = Failed { generation: g, rank, step: Some(step), phase: Some("commit"), detail: false };
+                failed(&group, what, &e, None).await;
                 // Not agreed, so not committed: the checkpoint rolled back to the last agreed
                 // commit, and the parameters go back with it (as after a failed allreduce).
-                checkpoint.restore(&mut params)?;
-                check_params(&trajectory, &params, g, rank, checkpoint.step().unwrap_or(0), "restore")?;
+                roll_back(&checkpoint, &mut params, &trajectory, g, rank)?;
                 failed_at.get_or_insert_with(Instant::now);
                 continue 'generations;
             }
@@ -567,6 +525,54 @@ fn report_deadlines<T: Transport + ?Sized>(g: u64, rank: u32, step: u64, transpo
     let deadlines = group.report_deadlines(transport);
     let peers = cohort::elastic::deadline_summary(&deadlines);
     events::Deadlines { gen: g, rank, step, peers, t_ms: now_ms() }.print();
+}
+
+/// Where a collective failed, for its `event=error` line.
+struct Failed {
+    generation: u64,
+    rank: u32,
+    step: Option<u64>,
+    /// The phase (`sync`, `alltoall`, `commit`); `None`: the step's allreduce.
+    phase: Option<&'static str>,
+    /// Whether the line carries the error itself beside its root cause.
+    detail: bool,
+}
+
+/// A failed collective: reports it through the group, which answers the generation's root
+/// cause (every rank's the same), and prints its `event=error` line. `errored_ms`: when the
+/// collective failed, for a phase whose time to the root cause is measured (the line then
+/// carries both); else the line carries the time the cause was known.
+///
+/// # Cancel safety
+/// Cancel safe (reports are idempotent); the line is printed only when it completes.
+async fn failed(group: &ElasticGroup, at: Failed, error: &CommError, errored_ms: Option<u64>) {
+    let cause = group.on_failure(at.generation, error).await;
+    let now = now_ms();
+    events::Error {
+        gen: at.generation,
+        rank: at.rank,
+        step: at.step,
+        phase: at.phase.map(Into::into),
+        kind: kind_of(error).into(),
+        detail: at.detail.then(|| error.to_string().into()),
+        cause: cause.to_string().into(),
+        t_ms: errored_ms.unwrap_or(now),
+        cause_t_ms: errored_ms.map(|_| now),
+    }
+    .print();
+}
+
+/// After a failure: the parameters back to the last agreed commit, checked against the
+/// trajectory there.
+fn roll_back<E: ExactElement>(
+    checkpoint: &Checkpoint,
+    params: &mut Params<E>,
+    trajectory: &Trajectory,
+    generation: u64,
+    rank: u32,
+) -> Result<(), TrainError> {
+    checkpoint.restore(params)?;
+    check_params(trajectory, params, generation, rank, checkpoint.step().unwrap_or(0), "restore")
 }
 
 /// Checks the parameters against those every worker expects after `step` steps: first their

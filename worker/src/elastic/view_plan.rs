@@ -1,8 +1,8 @@
 //! The link plan of a generation this worker holds a sparse view of (see [`super::members`]);
-//! a whole member list is planned by [`super::choice::plan_mesh`].
+//! a whole member list is planned by [`super::mesh_plan::plan_mesh`].
 
-use super::choice::{plan_mesh, upfront_in, MeshPlan, TransportChoice};
 use super::members::Members;
+use super::mesh_plan::{plan_mesh, upfront_in, MeshPlan, TransportChoice};
 use super::{ElasticError, MeshKind};
 use cohort_transports::shm::ShmAddress;
 use cohort_transports::tcp::{Upfront, UNKNOWN_PEER};
@@ -109,7 +109,7 @@ mod tests {
             ..Default::default()
         };
         let mut view = Members::from_answer(&g).unwrap().expect("a sparse view");
-        let wanted = super::super::choice::upfront_ranks(&view.layout(), rank).expect("planned above 16");
+        let wanted = super::super::mesh_plan::upfront_ranks(&view.layout(), rank).expect("planned above 16");
         let missing = view.missing(wanted);
         let fetched: Vec<pb::Member> = missing.iter().map(|&r| all[r as usize].clone()).collect();
         view.add(&fetched).unwrap();
