@@ -287,7 +287,7 @@ pub(crate) async fn probe(target: SocketAddr, within: Duration, query: Query) ->
 /// generation with it moments ago); `None` if the probe could not be sent from here.
 ///
 /// # Cancel safety
-/// Cancel safe, as [`probe`].
+/// Cancel safe: it sends one datagram and waits for the answer.
 pub async fn endpoint_runs(target: SocketAddr, within: Duration) -> Option<bool> {
     match probe(target, within, NO_MESH).await {
         Answer::Alive(_) => Some(true),
