@@ -2,12 +2,12 @@
 //! control-plane shell ([`super::shell`]) and a data plane ([`DataPlane`]) together.
 
 use super::data_plane::{Connected, DataPlane, Formed};
-use super::members::Members;
+use super::members::{fetch_members, Members};
 use super::membership::{Membership, Step};
 use super::shell::{self, revoked_or_ended, FailureReporter, RealWorld, Shared, World};
 use super::sockets::SocketPlane;
 use super::{ElasticConfig, ElasticError, MeshKind, MeshTransport};
-use crate::control::{ControlClient, ControlError, EventRelay, HostRelay};
+use crate::control::{ControlClient, EventRelay, HostRelay};
 use crate::{CommError, Communicator, RootCause};
 use cohort_proto::v1 as pb;
 use std::net::SocketAddr;
@@ -458,27 +458,5 @@ impl<P: DataPlane> ElasticGroup<P> {
             task.abort();
         }
         result.map(|_| ()).map_err(Into::into)
-    }
-}
-
-/// The entries of `question`'s ranks of a formed generation, checked against its digest.
-/// `None` when the generation changed meanwhile (the coordinator refuses the question).
-///
-/// # Cancel safety
-/// Cancel safe (read only).
-pub(super) async fn fetch_members(
-    client: &ControlClient,
-    question: pb::MembersRequest,
-    digest: u64,
-) -> Result<Option<Vec<pb::Member>>, ElasticError> {
-    match client.fetch_members(question, digest).await {
-        Ok(fetched) => Ok(Some(fetched)),
-        Err(ControlError::Rejected {
-            code: tonic::Code::FailedPrecondition | tonic::Code::NotFound, message, ..
-        }) => {
-            info!(error = %message, "the generation changed while its members were fetched; rendezvous again");
-            Ok(None)
-        }
-        Err(e) => Err(ElasticError::from(e)),
     }
 }

@@ -18,6 +18,7 @@
 
 use super::mesh_plan::{host_runs_of, MemberInfo};
 use super::ElasticError;
+use crate::control::{ControlClient, ControlError};
 use crate::HostLayout;
 use cohort_proto::v1 as pb;
 use std::net::SocketAddr;
@@ -139,6 +140,28 @@ impl Members {
         view.add(std::slice::from_ref(own))?;
         view.add(&g.members)?;
         Ok(Some(view))
+    }
+}
+
+/// The entries of `question`'s ranks of a formed generation, checked against its digest.
+/// `None` when the generation changed meanwhile (the coordinator refuses the question).
+///
+/// # Cancel safety
+/// Cancel safe (read only).
+pub(crate) async fn fetch_members(
+    client: &ControlClient,
+    question: pb::MembersRequest,
+    digest: u64,
+) -> Result<Option<Vec<pb::Member>>, ElasticError> {
+    match client.fetch_members(question, digest).await {
+        Ok(fetched) => Ok(Some(fetched)),
+        Err(ControlError::Rejected {
+            code: tonic::Code::FailedPrecondition | tonic::Code::NotFound, message, ..
+        }) => {
+            tracing::info!(error = %message, "the generation changed while its members were fetched; rendezvous again");
+            Ok(None)
+        }
+        Err(e) => Err(ElasticError::from(e)),
     }
 }
 

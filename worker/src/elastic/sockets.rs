@@ -4,8 +4,7 @@
 
 use super::connect::{connect_planned, Carry, LocalEndpoints, MeshScope};
 use super::data_plane::{Connected, DataPlane, Formed};
-use super::group::fetch_members;
-use super::members::Members;
+use super::members::{fetch_members, Members};
 use super::mesh_plan::{upfront_ranks, MeshPlan};
 use super::resolve::CoordinatorResolver;
 use super::view_plan::plan_view;
