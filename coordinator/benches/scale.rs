@@ -1,58 +1,61 @@
-//! Scale harness of the control plane: N members against real `cohort-coordinator` replica
-//! processes, on the memory store or on a real etcd (a private `etcd` on free loopback
-//! ports, with two replicas sharing it).
+//! Scale harness of the control plane: N members of the shipped worker
+//! (`cohort::elastic::ElasticGroup`) against real `cohort-coordinator` replica processes, on the
+//! memory store or on a real etcd (a private `etcd` on free loopback ports, with two replicas
+//! sharing it).
 //!
-//! Members are simulated cheaply: each is a few futures in this process, and
-//! [`MEMBERS_PER_CONNECTION`] of them share one HTTP/2 connection (a host's ranks sharing a
-//! channel), the connections spread over the replicas. A member joins, long-polls the
-//! rendezvous, watches the job, reports failures and re-forms exactly as a worker does,
-//! through the public gRPC API; it just has no data plane.
+//! Every member is the worker users run, in this process: `ElasticGroup::join_with` with a
+//! data plane that publishes a TCP and a shared-memory address (as `--transport auto` does)
+//! and connects nothing ([`NullPlane`]), and an observer ([`Seen`], the group's `World`) that
+//! timestamps what the member's shell hears. Everything else is production's code: the join
+//! and its retries, the sparse rendezvous, the heartbeat task at the coordinators' interval,
+//! the watch, the hosts' heartbeat and event relays (abstract Unix sockets named after the job
+//! and the host, served by the first member of each host, as on a real node), failure
+//! reports and re-formation. Each member has a coordinator client (an HTTP/2 connection) of its
+//! own, as each worker process has, the clients spread over the replicas
+//! (`--members-per-connection N` shares one among N members: cheaper for this process, but a
+//! loaded coordinator then closes a connection that many members' calls gave up on at once,
+//! with HTTP/2's flood protection, which no worker process meets alone).
 //!
 //! One run, per store:
 //!
 //! 1. **formation**: every member joins (at most [`JOIN_CONCURRENCY`] joins in flight) and
-//!    rendezvous; `join_to_formed_ms` runs from the first join to the last member holding
-//!    generation 1 (`max_workers` = N, so it forms as soon as every member waits). A join
-//!    answered UNAVAILABLE is retried as a worker's client retries it (50 ms, doubling to
-//!    1 s); `joins_retried` counts them;
-//! 2. **watch**: as the workers' host relays do (`--ranks-per-host` R, default 8, consecutive
-//!    ranks per host): every member opens a quiet watch stream of its own (its control
-//!    stream) and each host one compact event stream with incarnation 0 (its event relay's),
-//!    and each hears generation 1; with `--ranks-per-host 1` every member opens a full stream
-//!    of its own instead. The hosts' event streams run on a runtime of their own (one thread,
-//!    connections of their own): each relay is a process on its own host, not busy with the
-//!    calls of its host's members, so hearing an event is not queued behind thousands of
-//!    simulated members' requests in this process. Then every member beats once, as live
-//!    workers have within the last interval when a failure comes (untimed set-up);
-//! 3. **failure**: rank 0 reports the last rank failed; `report_ms` is the report's round
-//!    trip, `revoked_min/p50/p99/max_ms` the times from the report until each member hears
-//!    the revocation: from its host's event stream (the relay's hop over its Unix socket,
-//!    tens of microseconds, not simulated), or from its own stream. One more member (rank 1)
-//!    dies *during the re-formation*: on hearing the revocation it closes its own stream and
-//!    never rendezvous again (the coordinator sees its control stream close);
-//! 4. **re-formation**: the other survivors rendezvous after generation 1;
+//!    calls `next_generation`; `join_to_formed_ms` runs from the first join until every
+//!    member holds generation 1 (`max_workers` = N, so it forms as soon as every member
+//!    waits). Members are on hosts of `--ranks-per-host` R (default 8) consecutive indices;
+//!    with R > 1 they use the host relays, as workers on one node do (`heartbeat_relay`).
+//!    Heartbeats flow from each member's join on, at the coordinators' interval
+//!    (`--heartbeat-ms`, default theirs, 500 ms);
+//! 2. **watching** (untimed for the phases after it, reported as `watching_ms`): until every
+//!    member has heard generation 1 on its events (its own stream, or its host's relay);
+//! 3. **failure**: rank 0 reports the last rank failed (`FailureReporter::on_failure`, as a
+//!    worker does when a link breaks), after that member's group is dropped (its process is
+//!    gone); `report_ms` is the report's round trip, `revoked_min/p50/p99/max_ms` the times
+//!    from the report until each member's shell hears the revocation. One more member, rank 1,
+//!    dies *during the re-formation*: on hearing the revocation its group is dropped (the
+//!    coordinator sees its control stream close);
+//! 4. **re-formation**: the other survivors call `next_generation` on hearing the revocation;
 //!    `reformed_ms` runs from the report until every one of them holds generation 2, which
 //!    must leave out both the failed rank and the one that died meanwhile;
-//! 5. **steady** (optional, `--steady-secs`): every survivor heartbeats at the default
-//!    interval (500 ms) for that long, each with its step timings as a worker sends them
-//!    (compute and collective time, and the waits on its two ring neighbours' links); one
-//!    member in the middle of the ring computes three times as long as the others. The
-//!    survivors beat in hosts of `--ranks-per-host` (default 8) consecutive ranks, each host's
-//!    beats in two `HostHeartbeat` calls per interval (half its members each), as the
-//!    workers' host relay sends them
-//!    (`--ranks-per-host 1`: every member its own `Heartbeat`, as without the relay).
-//!    `heartbeats_per_s` is the rate of members' beats answered, `heartbeat_calls_per_s` the
-//!    calls that carried them, `steady_cpu_pct` the coordinators' CPU (on etcd
-//!    also `etcd_steady_cpu_pct`, etcd's, and `etcd_steady_per_s`, its requests per second by
-//!    method), and `straggler_named_ms` the time from the first timed heartbeat until the
-//!    first event stream (host 0's, or rank 0's own) names that member a straggler (the run
-//!    fails if it is never named, or another is).
+//! 5. **steady** (optional, `--steady-secs`): every survivor records its step timings
+//!    (`ElasticGroup::record_step`: compute and collective time, the waits on its two ring
+//!    neighbours' links), which its heartbeats carry; one member in the middle of the ring
+//!    computes three times as long as the others. `heartbeats_per_s` is the rate of members'
+//!    beats answered (`beats_failed` counts the others over the whole run), `steady_cpu_pct`
+//!    the coordinators' CPU (on etcd also `etcd_steady_cpu_pct`, etcd's, and
+//!    `etcd_steady_per_s`, its requests per second by method), and `straggler_named_ms` the
+//!    time from the first timed step until a member hears the slow one named a straggler (the
+//!    run fails if it is never named, or another is);
+//! 6. **finish**: the job's end, as a training run's: every survivor calls
+//!    `ElasticGroup::leave(finished)` at once; `finish_ms` runs from the first call until the
+//!    last answer, `leaves_refused` counts the calls that failed (the run then fails, after
+//!    printing its line), and the job must have ended: a Join afterwards is refused with the
+//!    job's end.
 //!
-//! 6. **finish**: the job's end, as a training run's: the watch streams close and every
-//!    survivor calls `Leave(FINISHED)` at once (as many in flight as there are members);
-//!    `finish_ms` runs from the first call until the last answer, `leaves_refused` counts
-//!    the calls that failed (the run then fails, after printing its line), and the job must
-//!    have ended: a Join afterwards is refused with the job's end.
+//! Each generation is checked: one size and number everywhere, every rank once, and every
+//! entry any member holds (its partners and host-mates in a sparse view, everyone in a whole
+//! one) the same member in every view. `fetched_per_member` is the mean number of entries a
+//! member holds. `overran` counts coordinator calls that outlasted every bound of their
+//! client (the shell gave them up; never expected).
 //!
 //! For each phase it prints the coordinators' CPU time (`/proc/PID/stat`, all replicas
 //! together), and at the end their peak resident memory (`VmHWM`) and, on etcd, what etcd
@@ -63,75 +66,54 @@
 //! scale store=etcd members=1024 replicas=2 join_to_formed_ms=.. revoked_p50_ms=.. revoked_p99_ms=.. reformed_ms=.. ...
 //! ```
 //!
-//! **Answers.** By default members rendezvous as a worker does, asking for the sparse view
-//! (`RendezvousRequest.compact`, `partners`, `layout`): above the coordinators'
-//! `whole_answer_up_to` (256) the answer carries the generation's size, the member's rank and
-//! own entry, the member list's digest, the host runs and what a member of a mesh that links
-//! on demand needs, the entries of the ranks `rank ± 2^k mod N` for `2^k < N` (O(log N),
-//! `cohort_proto::partner_ranks`) and of its host-mates (each member publishes a TCP and a
-//! shared-memory address, as a worker with `--transport auto` does); a smaller generation
-//! comes whole. Against a coordinator older than `partners`
-//! (`COHORT_SCALE_COORDINATOR`) each member fetches them in one `Members` call, checking the
-//! answer's digest. Formation and re-formation are timed until every member holds those
-//! entries; watches are compact as well.
-//! `COHORT_SCALE_MODE=full` runs the old mode instead (the whole member list in every answer
-//! and `GenerationFormed` event, no `Members` call), for comparison; the output line says
-//! `mode=compact` or `mode=full`.
+//! **The harness shares the machine.** The members run in this process on the cores the
+//! coordinators and etcd use: every member's heartbeats, watch and relay hops are real work
+//! here (a host's relay is a task of this process, not a process of its own host), so the
+//! figures are an upper bound on what the coordinators cost a job of that size.
 //!
 //! Run it with `cargo bench -p cohort-coordinator --bench scale -- --members 1024`
 //! (`--stores memory,etcd`, `--replicas 2`, `--steady-secs 5`, `--ranks-per-host 8`,
 //! `--whole-answer-up-to N` (the coordinators' flag; the smoke run uses 16),
-//! `--etcd-max-txn-ops 1024`: etcd and the coordinators run with that limit on a transaction's
-//! operations; `--lease-scope host`: the coordinators put each host's 8 members on one store
-//! lease; `--join-concurrency N`: joins in flight at once, 256 by default; release build).
-//! Without
-//! `--bench` on its command line (`cargo test --benches`, which the test command runs) it is
-//! a 96-member smoke version on the memory store, with a 2 s steady phase. Targets are
-//! reported in docs/benchmarks.md ("Scale"), never asserted here; every wait has a deadline
-//! (`--bound-secs`, default 300), so a stuck coordinator fails the run instead of hanging it.
-//! `COHORT_SCALE_LOG=PREFIX` keeps each replica's log (at `info`) in `PREFIX.0`, `PREFIX.1`,
-//! ...; `COHORT_SCALE_COORDINATOR=PATH` runs another build of `cohort-coordinator` (an older
-//! commit's, for a before-and-after in one sitting).
+//! `--heartbeat-ms N` (the coordinators' heartbeat interval; the lease is six intervals, as
+//! by default), `--etcd-max-txn-ops 1024`: etcd and the coordinators run with that limit on a
+//! transaction's operations; `--lease-scope host`: the coordinators put each host's members on
+//! one store lease; `--members-per-connection N`; `--join-concurrency N`: joins in flight at once, 256 by default; release
+//! build). Without `--bench` on its command line (`cargo test --benches`, which the test
+//! command runs) it is a 96-member smoke version on the memory store, with a 2 s steady phase.
+//! Targets are reported in docs/benchmarks.md ("Scale"), never asserted here; every wait has a
+//! deadline (`--bound-secs`, default 300), so a stuck coordinator fails the run instead of
+//! hanging it. `COHORT_SCALE_LOG=PREFIX` keeps each replica's log (at `info`) in `PREFIX.0`,
+//! `PREFIX.1`, ...; `COHORT_SCALE_COORDINATOR=PATH` runs another build of
+//! `cohort-coordinator` (an older commit's, for a before-and-after in one sitting).
 
+use cohort::control::{ControlClient, ControlConfig};
+use cohort::elastic::{
+    Connected, DataPlane, ElasticConfig, ElasticError, ElasticGroup, Formed, Generation, MeshKind, Observed, World,
+};
+use cohort::CommError;
 use cohort_proto::progress::{Progress, Total};
 use cohort_proto::v1 as pb;
-use cohort_proto::v1::coordinator_client::CoordinatorClient;
 use cohort_testkit::etcd::EtcdProcess;
-use futures::StreamExt;
 use pb::job_event::Event;
+use std::collections::HashMap;
 use std::io::{BufRead, Read, Write};
 use std::net::SocketAddr;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock, PoisonError};
 use std::time::{Duration, Instant};
-use tonic::transport::Channel;
+use tokio::sync::Notify;
 
-/// The simulated members share this machine's cores with the coordinators they measure:
+/// The members share this machine's cores with the coordinators they measure:
 /// the same allocator as the coordinator's binary keeps their share small.
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
-/// Members that share one HTTP/2 connection (each holds at most two streams at once, a
-/// watch and a rendezvous long poll, well under a server's usual 200-stream limit).
-const MEMBERS_PER_CONNECTION: usize = 64;
 /// Joins in flight at once, by default (`--join-concurrency`).
 const JOIN_CONCURRENCY: usize = 256;
 /// Bound on starting a coordinator or etcd.
 const START_BOUND: Duration = Duration::from_secs(60);
-/// How many `HostHeartbeat` calls a host's relay makes per interval
-/// (`cohort::control::FLUSHES_PER_INTERVAL`; this harness does not link the worker crate).
-const RELAY_FLUSHES_PER_INTERVAL: u32 = 2;
-
-/// Attempts of a join answered UNAVAILABLE before the run fails.
-const JOIN_ATTEMPTS: usize = 20;
-/// Joins answered UNAVAILABLE and retried (`joins_retried` in the output).
-static JOINS_RETRIED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-
-/// Hosts' event streams that share one HTTP/2 connection (the relays', apart from the members').
-const HOSTS_PER_CONNECTION: usize = 8;
-
-/// Ranks per host at join (hosts of 8, as GPU nodes have), and by default in the steady phase.
+/// Ranks per host, by default (hosts of 8, as GPU nodes have).
 const RANKS_PER_HOST: usize = 8;
-
 /// The coordinators' default heartbeat interval (`JobSettings::default`).
 const DEFAULT_HEARTBEAT: Duration = Duration::from_millis(500);
 /// The job.
@@ -140,8 +122,6 @@ const JOB: &str = "scale";
 /// What to run.
 #[derive(Clone, Debug)]
 struct Plan {
-    /// Compact answers and `Members` fetches (the default), or the whole list (`full`).
-    compact: bool,
     members: usize,
     stores: Vec<String>,
     replicas: usize,
@@ -150,31 +130,28 @@ struct Plan {
     /// etcd's `--max-txn-ops` and the coordinators' `--etcd-max-txn-ops` (`None`: etcd's
     /// default, 128, and no flag).
     max_txn_ops: Option<u32>,
-    /// Members per host, as the workers' host relays see them: each host one event stream
-    /// (its members' own streams quiet) and its beats in `HostHeartbeat` calls (1: each
-    /// member a full stream and its own `Heartbeat`).
+    /// Members per host: with more than one, they share the host's heartbeat and event relays.
     ranks_per_host: usize,
     /// The coordinators' `--lease-scope` (`member`, the default, or `host`: one store lease
-    /// per host of 8 members).
+    /// per host).
     lease_scope: String,
-    /// Joins in flight at once (the harness's members join in waves of this many).
+    /// Joins in flight at once.
     join_concurrency: usize,
+    /// Members that share one coordinator client.
+    members_per_connection: usize,
     /// The coordinators' `--whole-answer-up-to` (`None`: no flag, their default of 256).
     whole_answer_up_to: Option<u32>,
+    /// The coordinators' `--heartbeat-interval` (`None`: no flag, their default of 500 ms),
+    /// with a lease of six intervals.
+    heartbeat: Option<Duration>,
 }
 
 impl Plan {
     fn from_args() -> Result<Self, String> {
         let args: Vec<String> = std::env::args().skip(1).collect();
         let full = args.iter().any(|a| a == "--bench");
-        let compact = match std::env::var("COHORT_SCALE_MODE").as_deref() {
-            Ok("full") => false,
-            Ok("compact") | Err(_) => true,
-            Ok(other) => return Err(format!("COHORT_SCALE_MODE={other:?}: compact or full")),
-        };
         let mut plan = if full {
             Plan {
-                compact,
                 members: 1024,
                 stores: vec!["memory".into(), "etcd".into()],
                 replicas: 2,
@@ -184,11 +161,12 @@ impl Plan {
                 ranks_per_host: RANKS_PER_HOST,
                 lease_scope: "member".into(),
                 join_concurrency: JOIN_CONCURRENCY,
+                members_per_connection: 1,
                 whole_answer_up_to: None,
+                heartbeat: None,
             }
         } else {
             Plan {
-                compact,
                 members: 96,
                 stores: vec!["memory".into()],
                 replicas: 1,
@@ -198,8 +176,10 @@ impl Plan {
                 ranks_per_host: RANKS_PER_HOST,
                 lease_scope: "member".into(),
                 join_concurrency: JOIN_CONCURRENCY,
+                members_per_connection: 1,
                 // The smoke run's 96 members get sparse views, as a large job's do.
                 whole_answer_up_to: Some(16),
+                heartbeat: None,
             }
         };
         let mut it = args.iter();
@@ -230,8 +210,22 @@ impl Plan {
                         return Err("--join-concurrency: at least 1".into());
                     }
                 }
+                "--members-per-connection" => {
+                    plan.members_per_connection =
+                        value(a)?.parse().map_err(|e| format!("--members-per-connection: {e}"))?;
+                    if plan.members_per_connection == 0 {
+                        return Err("--members-per-connection: at least 1".into());
+                    }
+                }
                 "--whole-answer-up-to" => {
                     plan.whole_answer_up_to = Some(value(a)?.parse().map_err(|e| format!("--whole-answer-up-to: {e}"))?)
+                }
+                "--heartbeat-ms" => {
+                    let ms: u64 = value(a)?.parse().map_err(|e| format!("--heartbeat-ms: {e}"))?;
+                    if !(50..=60_000).contains(&ms) {
+                        return Err("--heartbeat-ms: 50 to 60000".into());
+                    }
+                    plan.heartbeat = Some(Duration::from_millis(ms));
                 }
                 "--lease-scope" => {
                     plan.lease_scope = value(a)?;
@@ -255,6 +249,11 @@ impl Plan {
         }
         Ok(plan)
     }
+
+    /// The members' heartbeat interval.
+    fn interval(&self) -> Duration {
+        self.heartbeat.unwrap_or(DEFAULT_HEARTBEAT)
+    }
 }
 
 /// The progress of the store's run in progress (its phases, on stderr), while one runs.
@@ -262,7 +261,7 @@ static PROGRESS: std::sync::Mutex<Option<Progress>> = std::sync::Mutex::new(None
 
 /// Runs `f` with the run's progress, if one is set.
 fn with_progress(f: impl FnOnce(&Progress)) {
-    if let Some(p) = PROGRESS.lock().unwrap_or_else(std::sync::PoisonError::into_inner).as_ref() {
+    if let Some(p) = PROGRESS.lock().unwrap_or_else(PoisonError::into_inner).as_ref() {
         f(p);
     }
 }
@@ -307,6 +306,7 @@ impl Coordinator {
         max_txn_ops: Option<u32>,
         lease_scope: &str,
         whole_answer_up_to: Option<u32>,
+        heartbeat: Option<Duration>,
     ) -> Result<Self, String> {
         let max = members.to_string();
         // COHORT_SCALE_LOG=PREFIX keeps each replica's log (RUST_LOG=info) in PREFIX.<index>.
@@ -332,13 +332,14 @@ impl Coordinator {
         if let Some(n) = whole_answer_up_to {
             command.args(["--whole-answer-up-to", &n.to_string()]);
         }
+        if let Some(interval) = heartbeat {
+            // A lease of six intervals, as the defaults (500 ms, 3 s) have.
+            let (interval, lease) = (interval.as_millis(), (interval * 6).as_millis());
+            command.args(["--heartbeat-interval", &format!("{interval}ms"), "--lease-ttl", &format!("{lease}ms")]);
+        }
         let mut child = command
             .args(["--min-workers", "1", "--max-workers", &max, "--join-window", "60s"])
-            // Members send no heartbeats outside the steady phase: a 60 s interval keeps the
-            // coordinator from judging their silence (after 2 intervals, a failed rank's
-            // host-mates would look lost with it, see `crate::domains`), also when a loaded
-            // machine makes a run long. The steady phase beats at the default rate.
-            .args(["--heartbeat-interval", "60s", "--lease-ttl", "300s", "--elastic-timeout", "300s"])
+            .args(["--elastic-timeout", "300s"])
             .env("RUST_LOG", log)
             .stdout(std::process::Stdio::piped())
             .stderr(stderr)
@@ -460,327 +461,231 @@ fn etcd_phase(phase: &str, before: &[f64], after: &[f64], members: usize) -> Str
     format!(" etcd_{phase}_per_member={}", parts.join(","))
 }
 
-/// One simulated member.
-struct Member {
-    client: CoordinatorClient<Channel>,
-    id: String,
-    incarnation: u64,
+/// What the harness hears from every member's shell (through [`Seen`]), by member index.
+struct Book {
+    /// Whether member `i` has heard generation 1 formed on its events.
+    heard_formed: Vec<AtomicBool>,
+    /// Members that have.
+    heard_formed_count: AtomicUsize,
+    /// When member `i` heard generation 1 revoked (from its events).
+    revoked_at: Vec<OnceLock<Instant>>,
+    /// The first member named a straggler, and when it was first heard.
+    straggler: OnceLock<(String, Instant)>,
+    beats_answered: AtomicU64,
+    beats_failed: AtomicU64,
+    /// Coordinator calls that outlasted every bound of their client.
+    overran: AtomicU64,
+    /// Members whose revoked generation's wait (`FailureReporter::revoked`) ended, and
+    /// members that hold generation 2.
+    woke: AtomicUsize,
+    reformed: AtomicUsize,
+    /// Whether member `i` holds generation 2 (or died meanwhile).
+    done: Vec<AtomicBool>,
+    /// Calls that failed (and that the shell does not act on), by call and error.
+    failures: std::sync::Mutex<HashMap<String, usize>>,
+    /// Woken on every change the harness waits for.
+    changed: Notify,
 }
 
-impl Member {
-    async fn join(client: CoordinatorClient<Channel>, i: usize) -> Result<Self, String> {
-        let id = format!("m{i:05}");
-        // Hosts of 8 ranks, as a GPU node has.
-        let host = format!("host{:04}", i / RANKS_PER_HOST);
-        let request = pb::JoinRequest {
-            job: JOB.into(),
-            worker_id: id.clone(),
-            host: host.clone(),
-            // A TCP address and, as a worker with `--transport auto` publishes, a shared-memory
-            // one: the members of a host share memory (the sparse answer's host runs).
-            addresses: vec![
-                pb::TransportAddress {
-                    transport: "tcp".into(),
-                    address: format!("127.{}.{}.{}:{}", (i >> 16) & 255, (i >> 8) & 255, i & 255, 40000 + i % 1000),
-                },
-                pb::TransportAddress { transport: "shm".into(), address: format!("shm1;host={host};nonce={i:016x}") },
-            ],
-            capabilities: vec!["transport:tcp".into()],
-            protocol_version: cohort_proto::PROTOCOL_VERSION,
-            domain: String::new(),
-            replaces: 0,
-        };
-        // As a worker's client does: UNAVAILABLE (etcd refusing "too many requests" while a
-        // lease per member is granted for every join at once) is retried after 50 ms,
-        // doubling to 1 s; every other error fails the run.
-        let mut wait = Duration::from_millis(50);
-        for _ in 0..JOIN_ATTEMPTS {
-            let mut c = client.clone();
-            match c.join(request.clone()).await {
-                Ok(r) => {
-                    return Ok(Self { client, id, incarnation: r.into_inner().incarnation });
-                }
-                Err(s) if s.code() == tonic::Code::Unavailable => {
-                    JOINS_RETRIED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    tokio::time::sleep(wait).await;
-                    wait = (wait * 2).min(Duration::from_secs(1));
-                }
-                Err(s) => return Err(format!("join {id}: {s}")),
-            }
+impl Book {
+    fn new(n: usize) -> Self {
+        Self {
+            heard_formed: (0..n).map(|_| AtomicBool::new(false)).collect(),
+            heard_formed_count: AtomicUsize::new(0),
+            revoked_at: (0..n).map(|_| OnceLock::new()).collect(),
+            straggler: OnceLock::new(),
+            beats_answered: AtomicU64::new(0),
+            beats_failed: AtomicU64::new(0),
+            overran: AtomicU64::new(0),
+            woke: AtomicUsize::new(0),
+            reformed: AtomicUsize::new(0),
+            done: (0..n).map(|_| AtomicBool::new(false)).collect(),
+            failures: std::sync::Mutex::new(HashMap::new()),
+            changed: Notify::new(),
         }
-        Err(format!("join {id}: still unavailable after {JOIN_ATTEMPTS} attempts"))
     }
 
-    /// Long polls until a generation newer than `after` that includes this member forms and,
-    /// in compact mode, fetches the entries of the ranks a member linking on demand needs.
-    async fn placed(&self, after: u64, compact: bool) -> Result<Placement, String> {
-        let g = self.formed(after, compact).await?;
-        // A generation up to the coordinators' `--whole-answer-up-to` is answered whole.
-        if !compact || g.rank.is_none() {
-            let rank = g
-                .members
-                .iter()
-                .position(|m| m.worker_id == self.id)
-                .ok_or_else(|| format!("{} is not in generation {}", self.id, g.number))?;
-            return Ok(Placement {
-                number: g.number,
-                rank: rank as u32,
-                size: g.members.len() as u32,
-                digest: g.members_digest,
-                fetched: Vec::new(),
-                full: Some(g),
-            });
-        }
-        let rank = g.rank.ok_or_else(|| format!("{}: a compact answer without a rank", self.id))?;
-        if g.size == 0 {
-            return Err(format!("{}: not a compact answer ({} members, size 0)", self.id, g.members.len()));
-        }
-        let mut want = cohort_proto::partner_ranks(rank, g.size);
-        if !g.host_runs.is_empty() {
-            // The sparse view: the partners and the host run's members.
-            let mut start = 0;
-            for length in cohort_proto::run_lengths(&g.host_runs, g.size)? {
-                if (start..start + length).contains(&rank) {
-                    want.extend((start..start + length).filter(|&r| r != rank));
-                    break;
-                }
-                start += length;
-            }
-            want.sort_unstable();
-            want.dedup();
-        }
-        if !g.members.is_empty() {
-            // The partners (and host-mates) came with the answer.
-            let got: Vec<u32> = g.members.iter().map(|m| m.rank).collect();
-            if got != want {
-                return Err(format!("{}: the answer carried partners {got:?}; expected {want:?}", self.id));
-            }
-            return Ok(Placement {
-                number: g.number,
-                rank,
-                size: g.size,
-                digest: g.members_digest,
-                fetched: g.members,
-                full: None,
-            });
-        }
-        // A coordinator older than `partners` (`COHORT_SCALE_COORDINATOR`): one `Members` call.
-        let mut c = self.client.clone();
-        let answer = c
-            .members(pb::MembersRequest {
-                job: JOB.into(),
-                worker_id: self.id.clone(),
-                incarnation: self.incarnation,
-                generation: g.number,
-                ranks: want.clone(),
-                host: String::new(),
-            })
-            .await
-            .map_err(|s| format!("members {}: {s}", self.id))?
-            .into_inner();
-        let got: Vec<u32> = answer.members.iter().map(|m| m.rank).collect();
-        if answer.members_digest != g.members_digest || answer.generation != g.number || got != want {
-            return Err(format!(
-                "{}: Members answered generation {} digest {:x} ranks {got:?}; expected {} {:x} {want:?}",
-                self.id, answer.generation, answer.members_digest, g.number, g.members_digest
-            ));
-        }
-        Ok(Placement {
-            number: g.number,
-            rank,
-            size: g.size,
-            digest: g.members_digest,
-            fetched: answer.members,
-            full: None,
-        })
+    /// Counts a failed call by call and error (its first 60 characters).
+    fn failed(&self, rpc: &str, error: &(dyn std::error::Error + Send + Sync)) {
+        // The start of the text: what went wrong, without the member it went wrong for.
+        let text: String = error.to_string().chars().take(60).collect();
+        let key = format!("{rpc}:_{text}").replace([' ', '"', '\n', ','], "_");
+        *self.failures.lock().unwrap_or_else(PoisonError::into_inner).entry(key).or_default() += 1;
     }
 
-    /// Long polls until a generation newer than `after` that includes this member forms.
-    async fn formed(&self, after: u64, compact: bool) -> Result<pb::Generation, String> {
+    /// Waits until `done` holds (checked at every change).
+    async fn until(&self, done: impl Fn(&Self) -> bool) {
         loop {
-            let mut c = self.client.clone();
-            let r = c
-                .rendezvous(pb::RendezvousRequest {
-                    job: JOB.into(),
-                    worker_id: self.id.clone(),
-                    incarnation: self.incarnation,
-                    after_generation: after,
-                    wait_ms: 20_000,
-                    compact,
-                    partners: compact,
-                    layout: compact,
-                })
-                .await
-                .map_err(|s| format!("rendezvous {}: {s}", self.id))?
-                .into_inner();
-            match r.outcome {
-                Some(pb::rendezvous_response::Outcome::Formed(g)) => return Ok(g),
-                Some(pb::rendezvous_response::Outcome::Waiting(_)) => continue,
-                other => return Err(format!("{}: unexpected rendezvous outcome {other:?}", self.id)),
+            let notified = self.changed.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if done(self) {
+                return;
             }
-        }
-    }
-
-    /// The member's own watch stream: `quiet` when its host's relay carries the events.
-    async fn watch(&self, compact: bool, quiet: bool) -> Result<tonic::Streaming<pb::JobEvent>, String> {
-        self.open_watch(self.incarnation, compact, quiet).await
-    }
-
-    async fn open_watch(
-        &self,
-        incarnation: u64,
-        compact: bool,
-        quiet: bool,
-    ) -> Result<tonic::Streaming<pb::JobEvent>, String> {
-        open_watch(self.client.clone(), &self.id, incarnation, compact, quiet).await
-    }
-
-    fn beat(&self, generation: u64, timing: Option<pb::StepTiming>) -> pb::HeartbeatRequest {
-        pb::HeartbeatRequest {
-            job: JOB.into(),
-            worker_id: self.id.clone(),
-            incarnation: self.incarnation,
-            generation,
-            step: 1,
-            activity: "train".into(),
-            deadlines: String::new(),
-            timing,
+            notified.await;
         }
     }
 }
 
-/// Opens a watch stream for `worker` (incarnation 0: a host relay's, for which the coordinator
-/// records no control stream).
-async fn open_watch(
-    mut client: CoordinatorClient<Channel>,
-    worker: &str,
-    incarnation: u64,
-    compact: bool,
-    quiet: bool,
-) -> Result<tonic::Streaming<pb::JobEvent>, String> {
-    let s = client
-        .watch(pb::WatchRequest { job: JOB.into(), worker_id: worker.into(), incarnation, compact, quiet })
-        .await
-        .map_err(|s| format!("watch {worker}: {s}"))?;
-    Ok(s.into_inner())
+/// One member's world: production's (it runs at once, thread randomness), with an observer
+/// that writes what its shell hears into the [`Book`].
+struct Seen {
+    index: usize,
+    book: Arc<Book>,
 }
 
-/// Connects `count` channels, spread over the coordinators, on the runtime `on`.
-async fn connect_channels(
-    on: &tokio::runtime::Handle,
-    coordinators: &[Coordinator],
-    count: usize,
-) -> Result<Vec<CoordinatorClient<Channel>>, String> {
-    let mut channels = Vec::with_capacity(count);
-    for c in 0..count {
-        let addr = coordinators[c % coordinators.len()].addr;
-        let channel = on
-            .spawn(async move {
-                tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
-                    .map_err(|e| e.to_string())?
-                    .connect_timeout(Duration::from_secs(10))
-                    .connect()
-                    .await
-                    .map_err(|e| format!("connecting to {addr}: {e}"))
-            })
+impl World for Seen {
+    fn observe(&self, seen: Observed<'_>) {
+        let book = &self.book;
+        match seen {
+            Observed::Event(pb::JobEvent { event: Some(Event::GenerationFormed(g)) })
+                if g.number == 1 && !book.heard_formed[self.index].swap(true, Ordering::Relaxed) =>
+            {
+                book.heard_formed_count.fetch_add(1, Ordering::Relaxed);
+                book.changed.notify_waiters();
+            }
+            Observed::Event(pb::JobEvent { event: Some(Event::StragglerNamed(s)) })
+                if book.straggler.set((s.worker_id.clone(), Instant::now())).is_ok() =>
+            {
+                book.changed.notify_waiters();
+            }
+            Observed::RevocationHeard { generation: 1, .. } => {
+                let _ = book.revoked_at[self.index].set(Instant::now());
+            }
+            Observed::Heartbeat { error: None } => {
+                book.beats_answered.fetch_add(1, Ordering::Relaxed);
+                book.changed.notify_waiters();
+            }
+            Observed::Heartbeat { error: Some(error) } => {
+                book.beats_failed.fetch_add(1, Ordering::Relaxed);
+                book.failed("Heartbeat", error);
+            }
+            Observed::CallFailed { rpc, error } => book.failed(rpc, error),
+            Observed::Overran { .. } => {
+                book.overran.fetch_add(1, Ordering::Relaxed);
+            }
+
+            _ => {}
+        }
+    }
+}
+
+/// A data plane that publishes what a worker with `--transport auto` publishes (a TCP and a
+/// shared-memory address; the members of a host share memory in the sparse answer's host
+/// runs) and connects nothing: the harness measures the control plane.
+struct NullPlane {
+    index: usize,
+    host: String,
+}
+
+impl DataPlane for NullPlane {
+    type Comm = ();
+
+    fn published(&self) -> (Vec<pb::TransportAddress>, Vec<String>) {
+        let i = self.index;
+        let addresses = vec![
+            pb::TransportAddress {
+                transport: "tcp".into(),
+                address: format!("127.{}.{}.{}:{}", (i >> 16) & 255, (i >> 8) & 255, i & 255, 40000 + i % 1000),
+            },
+            pb::TransportAddress {
+                transport: "shm".into(),
+                address: format!("shm1;host={};nonce={i:016x}", self.host),
+            },
+        ];
+        (addresses, vec!["transport:tcp".into()])
+    }
+
+    async fn connect(&mut self, formed: Formed<'_>) -> Result<Option<Connected<()>>, ElasticError> {
+        Ok(Some(Connected { comm: (), revoke: Arc::new(|_| {}), members: formed.members, transport: MeshKind::Tcp }))
+    }
+}
+
+/// One member: the shipped worker's group, and its index.
+struct Member {
+    index: usize,
+    id: String,
+    group: ElasticGroup<NullPlane>,
+    /// How long its join took (`ElasticGroup::join_with`: the Join call and its retries).
+    joined: Duration,
+}
+
+/// Joins member `index` through `client` (at most `admit`'s permits in flight) and waits for
+/// its first generation.
+async fn member(
+    index: usize,
+    plan: &Plan,
+    control: ControlConfig,
+    client: ControlClient,
+    book: Arc<Book>,
+    admit: &tokio::sync::Semaphore,
+) -> Result<(Member, Generation<()>), String> {
+    let id = format!("m{index:05}");
+    let host = format!("host{:05}", index / plan.ranks_per_host);
+    let mut config = ElasticConfig::new(JOB, id.clone(), control);
+    config.host = host.clone();
+    config.domain = String::new();
+    config.heartbeat_relay = plan.ranks_per_host > 1;
+    let plane = NullPlane { index, host };
+    let (group, joined) = {
+        let _permit = admit.acquire().await.map_err(|e| e.to_string())?;
+        let asked = Instant::now();
+        let group = ElasticGroup::join_with(config, client, plane, Arc::new(Seen { index, book }))
             .await
-            .map_err(|e| format!("connect task: {e}"))??;
-        channels.push(CoordinatorClient::new(channel).max_decoding_message_size(64 << 20));
-    }
-    Ok(channels)
-}
-
-/// One host's heartbeats of one interval, as its relay sends them: the number answered.
-async fn host_heartbeat(host: &[(Arc<Member>, Option<pb::StepTiming>)], generation: u64) -> u64 {
-    let Some((first, _)) = host.first() else { return 0 };
-    let mut c = first.client.clone();
-    if let [(m, timing)] = host {
-        // One rank per host: its own Heartbeat, as a worker without a relay sends it.
-        return u64::from(c.heartbeat(m.beat(generation, timing.clone())).await.is_ok());
-    }
-    let beats = host.iter().map(|(m, timing)| m.beat(generation, timing.clone())).collect();
-    match c.host_heartbeat(pb::HostHeartbeatRequest { job: JOB.into(), beats }).await {
-        Ok(r) => r
-            .into_inner()
-            .answers
-            .iter()
-            .filter(|a| matches!(a.outcome, Some(pb::heartbeat_answer::Outcome::Ok(_))))
-            .count() as u64,
-        Err(_) => 0,
-    }
-}
-
-/// Step timings as a worker of a ring job reports them, averaged over the steps since its
-/// last heartbeat: a slow member computes three times as long and waits little in the
-/// collectives; the others wait for it there. Each waits briefly on its ring neighbours.
-fn step_timing(rank: u32, size: u32, slow: bool) -> pb::StepTiming {
-    let (compute_us, collective_us) = if slow { (300_000, 10_000) } else { (100_000, 210_000) };
-    let neighbours = [(rank + 1) % size, (rank + size - 1) % size];
-    pb::StepTiming {
-        steps: 5,
-        compute_us,
-        collective_us,
-        peer_waits: neighbours.iter().map(|&rank| pb::PeerWait { rank, wait_us: 1_000 }).collect(),
-    }
-}
-
-/// Where a member was placed in a generation, and what it fetched.
-struct Placement {
-    number: u64,
-    rank: u32,
-    size: u32,
-    digest: u64,
-    /// Compact mode: the entries of its partners ([`cohort_proto::partner_ranks`]), in rank order.
-    fetched: Vec<pb::Member>,
-    /// Full mode: the whole answer.
-    full: Option<pb::Generation>,
+            .map_err(|e| format!("join {id}: {e}"))?;
+        (group, asked.elapsed())
+    };
+    let mut member = Member { index, id, group, joined };
+    let generation = member.group.next_generation().await.map_err(|e| format!("{}: {e}", member.id))?;
+    Ok((member, generation))
 }
 
 /// Checks that every member holds the same generation `number` of `size` members, with its
-/// own rank (every rank once), and returns the members' ranks.
-fn check_generation(placements: &[&Placement], number: u64, size: usize) -> Result<(), String> {
-    let first = placements.first().ok_or("nobody was placed")?;
+/// own rank (every rank once), and every entry anyone holds the same member in every view;
+/// returns the entries held, per member on average.
+fn check_generation(placed: &[&Generation<()>], number: u64, size: usize) -> Result<f64, String> {
     let mut seen = vec![false; size];
-    for p in placements {
-        if p.number != number || p.size as usize != size || p.digest != first.digest {
+    let mut entries: HashMap<u32, (&str, u64)> = HashMap::new();
+    let mut held = 0usize;
+    for g in placed {
+        if g.number != number || g.members.size() as usize != size {
             return Err(format!(
-                "generation {} of {} members (digest {:x}) where {number} of {size} (digest {:x}) was expected",
-                p.number, p.size, p.digest, first.digest
+                "generation {} of {} members where {number} of {size} was expected",
+                g.number,
+                g.members.size()
             ));
         }
-        if p.full.as_ref().is_some_and(|g| Some(g) != first.full.as_ref() || g.members.len() != size) {
-            return Err(format!("generation {number}: the whole lists differ"));
-        }
-        match seen.get_mut(p.rank as usize) {
+        match seen.get_mut(g.rank as usize) {
             Some(s) if !*s => *s = true,
-            _ => return Err(format!("generation {number}: rank {} twice or out of range", p.rank)),
+            _ => return Err(format!("generation {number}: rank {} twice or out of range", g.rank)),
         }
-    }
-    Ok(())
-}
-
-/// Reads a watch stream until `pick` matches.
-async fn wait_for<T>(
-    stream: &mut tonic::Streaming<pb::JobEvent>,
-    mut pick: impl FnMut(&Event) -> Option<T>,
-) -> Result<T, String> {
-    loop {
-        match stream.message().await {
-            Ok(Some(pb::JobEvent { event: Some(e) })) => {
-                if let Some(t) = pick(&e) {
-                    return Ok(t);
+        for m in g.members.iter() {
+            held += 1;
+            let entry = (m.worker_id.as_str(), g.members.incarnation_of(m.rank).unwrap_or(0));
+            if let Some(other) = entries.insert(m.rank, entry) {
+                if other != entry {
+                    return Err(format!("generation {number}: rank {} is {other:?} and {entry:?}", m.rank));
                 }
             }
-            Ok(Some(_)) => {}
-            Ok(None) => return Err("watch stream ended".into()),
-            Err(s) => return Err(format!("watch stream: {s}")),
         }
     }
+    if seen.iter().any(|s| !s) {
+        return Err(format!("generation {number}: not every rank is held by a member"));
+    }
+    Ok(held as f64 / placed.len().max(1) as f64)
 }
 
-/// Reads a watch stream until it delivers generation 1's revocation.
-async fn heard_revocation(stream: &mut tonic::Streaming<pb::JobEvent>) -> Result<(), String> {
-    wait_for(stream, |e| matches!(e, Event::GenerationRevoked(x) if x.generation == 1).then_some(())).await
+/// Step timings as a worker of a ring job records them: a slow member computes three times as
+/// long and waits little in the collectives; the others wait for it there. Each waits briefly
+/// on its ring neighbours.
+fn record_step(group: &ElasticGroup<NullPlane>, rank: u32, size: u32, slow: bool) {
+    let (compute_ms, collective_ms) = if slow { (300, 10) } else { (100, 210) };
+    let neighbours = [(rank + 1) % size, (rank + size - 1) % size];
+    group.record_step(
+        Duration::from_millis(compute_ms),
+        Duration::from_millis(collective_ms),
+        neighbours.iter().map(|&r| (r, Duration::from_millis(1))).collect(),
+    );
 }
 
 /// CPU time of every coordinator, together.
@@ -788,7 +693,40 @@ fn cpu_all(cs: &[Coordinator]) -> Duration {
     cs.iter().map(Coordinator::cpu).sum()
 }
 
-async fn run(plan: &Plan, store: &str, relays: &tokio::runtime::Handle) -> Result<(), String> {
+/// Raises this process's open-file limit as far as it goes: every member holds Unix sockets to
+/// its host's relays (both ends in this process).
+fn raise_file_limit() {
+    // SAFETY: getrlimit and setrlimit with a valid resource and a pointer to a local struct.
+    unsafe {
+        let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) != 0 {
+            return;
+        }
+        // Root may raise the hard limit too (to the kernel's `nr_open`).
+        let wanted = std::fs::read_to_string("/proc/sys/fs/nr_open")
+            .ok()
+            .and_then(|s| s.trim().parse::<libc::rlim_t>().ok())
+            .unwrap_or(limit.rlim_max)
+            .max(limit.rlim_max);
+        let raised = libc::rlimit { rlim_cur: wanted, rlim_max: wanted };
+        if libc::setrlimit(libc::RLIMIT_NOFILE, &raised) != 0 {
+            limit.rlim_cur = limit.rlim_max;
+            libc::setrlimit(libc::RLIMIT_NOFILE, &limit);
+        }
+    }
+}
+
+/// Collects the results of every task of `set`, in the order they finish; the first error or
+/// panic ends it (dropping the set aborts the rest).
+async fn all<T: 'static>(mut set: tokio::task::JoinSet<Result<T, String>>) -> Result<Vec<T>, String> {
+    let mut out = Vec::with_capacity(set.len());
+    while let Some(joined) = set.join_next().await {
+        out.push(joined.map_err(|e| format!("member task: {e}"))??);
+    }
+    Ok(out)
+}
+
+async fn run(plan: &Plan, store: &str) -> Result<(), String> {
     let n = plan.members;
     let etcd = if store == "etcd" {
         Some(
@@ -818,6 +756,7 @@ async fn run(plan: &Plan, store: &str, relays: &tokio::runtime::Handle) -> Resul
                 plan.max_txn_ops.filter(|_| etcd.is_some()),
                 &plan.lease_scope,
                 plan.whole_answer_up_to,
+                plan.heartbeat,
             )
         })
         .collect::<Result<Vec<Coordinator>, String>>()?;
@@ -839,359 +778,237 @@ async fn run(plan: &Plan, store: &str, relays: &tokio::runtime::Handle) -> Resul
         }
         Ok(())
     };
-    let connections = n.div_ceil(MEMBERS_PER_CONNECTION);
-    let channels = connect_channels(&tokio::runtime::Handle::current(), &coordinators, connections).await?;
+    // One client per `members_per_connection` members, each on one replica first (a client
+    // fails over to the others as a worker's does).
+    let endpoints: Vec<String> = coordinators.iter().map(|c| format!("http://{}", c.addr)).collect();
+    let connections = n.div_ceil(plan.members_per_connection);
+    let clients = (0..connections)
+        .map(|c| {
+            let mut control = ControlConfig::new(endpoints.clone());
+            control.first_endpoint = Some(c % endpoints.len());
+            let client = ControlClient::new(control.clone()).map_err(|e| format!("client: {e}"))?;
+            Ok((control, client))
+        })
+        .collect::<Result<Vec<_>, String>>()?;
     let bound = plan.bound;
+    let book = Arc::new(Book::new(n));
 
-    // 1. Formation: join and rendezvous.
+    // 1. Formation: every member joins and waits for its first generation.
     let cpu0 = cpu_all(&coordinators);
-    JOINS_RETRIED.store(0, std::sync::atomic::Ordering::Relaxed);
     let started = Instant::now();
     let admit = Arc::new(tokio::sync::Semaphore::new(plan.join_concurrency));
-    let compact = plan.compact;
-    let joined: Vec<(Member, Placement)> = within(bound, "joining and forming generation 1", async {
-        futures::stream::iter(0..n)
-            .map(|i| {
-                let client = channels[i / MEMBERS_PER_CONNECTION].clone();
-                let admit = admit.clone();
-                // A task of its own: members' calls (and decoding their answers) spread over
-                // the runtime's threads, as members spread over hosts.
-                let member = tokio::spawn(async move {
-                    let m = {
-                        let _permit = admit.acquire().await.map_err(|e| e.to_string())?;
-                        Member::join(client, i).await?
-                    };
-                    let g = m.placed(0, compact).await?;
-                    Ok::<_, String>((m, g))
-                });
-                async move { member.await.map_err(|e| format!("member task: {e}"))? }
-            })
-            .buffer_unordered(n)
-            .collect::<Vec<_>>()
-            .await
-            .into_iter()
-            .collect::<Result<Vec<_>, String>>()
-    })
-    .await??;
+    let mut joining = tokio::task::JoinSet::new();
+    for i in 0..n {
+        let (control, client) = clients[i / plan.members_per_connection].clone();
+        let (plan, book, admit) = (plan.clone(), book.clone(), admit.clone());
+        joining.spawn(async move { member(i, &plan, control, client, book, &admit).await });
+    }
+    let mut formed = within(bound, "joining and forming generation 1", all(joining)).await??;
     let join_to_formed = started.elapsed();
-    let joins_retried = JOINS_RETRIED.swap(0, std::sync::atomic::Ordering::Relaxed);
     let cpu_formation = cpu_all(&coordinators) - cpu0;
     phase_end("formation", &mut mark)?;
-    check_generation(&joined.iter().map(|(_, p)| p).collect::<Vec<_>>(), 1, n)
+    let mut joins: Vec<Duration> = formed.iter().map(|(m, _)| m.joined).collect();
+    joins.sort();
+    formed.sort_by_key(|(_, g)| g.rank);
+    let fetched_per_member = check_generation(&formed.iter().map(|(_, g)| g).collect::<Vec<_>>(), 1, n)
         .map_err(|e| format!("generation 1 is not the same {n} members everywhere: {e}"))?;
-    let fetched_entries: usize = joined.iter().map(|(_, p)| p.fetched.len()).sum();
-    // Members in rank order.
-    let mut joined = joined;
-    joined.sort_by_key(|(_, p)| p.rank);
-    let members: Vec<Arc<Member>> = joined.into_iter().map(|(m, _)| Arc::new(m)).collect();
 
-    // 2. Watches (untimed): every member's own stream and, with relays, one event stream per
-    // host (its first member's process serving the relay), as the workers open them.
-    let relayed = plan.ranks_per_host > 1;
-    let hosts: Vec<std::ops::Range<usize>> =
-        (0..n).step_by(plan.ranks_per_host).map(|s| s..(s + plan.ranks_per_host).min(n)).collect();
+    // 2. Every member hears generation 1 on its events (its own stream, or its host's relay),
+    // and has had a heartbeat answered.
     let cpu0 = cpu_all(&coordinators);
-    let watch_started = Instant::now();
-    let heard_formation = |mut s: tonic::Streaming<pb::JobEvent>| async move {
-        wait_for(&mut s, |e| matches!(e, Event::GenerationFormed(g) if g.number == 1).then_some(())).await?;
-        Ok::<_, String>(s)
-    };
-    let mut streams = within(bound, "opening the watches", async {
-        futures::stream::iter(members.iter())
-            .map(|m| async move {
-                // A quiet stream too sends the state once (after recording the stream).
-                heard_formation(m.watch(compact, relayed).await?).await
-            })
-            .buffered(JOIN_CONCURRENCY)
-            .collect::<Vec<_>>()
-            .await
-            .into_iter()
-            .collect::<Result<Vec<_>, String>>()
-    })
-    .await??;
-    let mut host_streams = if relayed {
-        let relay_channels =
-            connect_channels(relays, &coordinators, hosts.len().div_ceil(HOSTS_PER_CONNECTION)).await?;
-        within(bound, "opening the hosts' event streams", async {
-            futures::stream::iter(hosts.iter().enumerate())
-                .map(|(i, h)| {
-                    let (client, worker) =
-                        (relay_channels[i / HOSTS_PER_CONNECTION].clone(), members[h.start].id.clone());
-                    let opened = relays.spawn(async move {
-                        heard_formation(open_watch(client, &worker, 0, compact, false).await?).await
-                    });
-                    async move { opened.await.map_err(|e| format!("relay task: {e}"))? }
-                })
-                .buffered(JOIN_CONCURRENCY)
-                .collect::<Vec<_>>()
-                .await
-                .into_iter()
-                .collect::<Result<Vec<_>, String>>()
+    within(bound, "every member hearing generation 1 on its events", async {
+        book.until(|b| {
+            b.heard_formed_count.load(Ordering::Relaxed) == n && b.beats_answered.load(Ordering::Relaxed) >= n as u64
         })
-        .await??
-    } else {
-        Vec::new()
-    };
-    let watches = watch_started.elapsed();
-    let cpu_watches = cpu_all(&coordinators) - cpu0;
-    // Every member beats once (untimed), as live workers have within the last interval when a
-    // failure comes: the failure report finds the failed member's host-mates alive.
-    let answered = within(bound, "one round of heartbeats", async {
-        let untimed: Vec<_> = members.iter().map(|m| (m.clone(), None)).collect();
-        futures::stream::iter(untimed.chunks(plan.ranks_per_host))
-            .map(|host| host_heartbeat(host, 1))
-            .buffer_unordered(JOIN_CONCURRENCY)
-            .collect::<Vec<u64>>()
-            .await
+        .await
     })
-    .await?;
-    if answered.iter().sum::<u64>() != n as u64 {
-        return Err(format!("{} of {n} members' heartbeats answered", answered.iter().sum::<u64>()));
-    }
+    .await
+    .map_err(|e| {
+        format!(
+            "{e} ({} members heard it, {} beats answered)",
+            book.heard_formed_count.load(Ordering::Relaxed),
+            book.beats_answered.load(Ordering::Relaxed)
+        )
+    })?;
+    let watching = started.elapsed() - join_to_formed;
+    let cpu_watching = cpu_all(&coordinators) - cpu0;
     phase_end("watches", &mut mark)?;
 
     // 3 and 4. One failure (the last rank), a second during the re-formation (rank 1).
     let (failed, dies_meanwhile) = (n - 1, 1);
-    drop(streams.pop()); // the failed member's process is gone: its watch closes (not its host's relay)
+    let mut members: Vec<Option<Member>> = formed.into_iter().map(|(m, _)| Some(m)).collect();
+    let failed_member = members[failed].take().ok_or("no last rank")?;
+    let failed_index = failed_member.index;
+    let left_out = [failed_member.id.clone(), members[dies_meanwhile].as_ref().ok_or("no rank 1")?.id.clone()];
+    // Its process is gone: its heartbeats, watch and relays stop.
+    drop(failed_member);
+    let reporter = members[0].as_ref().ok_or("no rank 0")?.group.reporter();
     let cpu0 = cpu_all(&coordinators);
     let sent = Instant::now();
-    // What one member does on hearing the revocation at `revoked`: rendezvous again, or (the
-    // one that dies meanwhile) close its stream and vanish.
-    let reform = move |m: Arc<Member>, r: usize, s: tonic::Streaming<pb::JobEvent>, revoked: Instant| async move {
-        if r == dies_meanwhile {
-            drop(s);
-            return Ok::<_, String>((revoked, None));
-        }
-        let g = m.placed(1, compact).await?;
-        Ok((revoked, Some((Instant::now(), g, s))))
-    };
-    let mut own: Vec<Option<tonic::Streaming<pb::JobEvent>>> = streams.into_iter().map(Some).collect();
-    // One task per event stream: a host's relay (on the relays' runtime) hears the revocation
-    // and hands it to all its members at once (the relay's hop over its Unix socket, tens of
-    // microseconds, is not simulated).
-    let tasks: Vec<_> = if relayed {
-        hosts
-            .iter()
-            .zip(std::mem::take(&mut host_streams))
-            .map(|(h, mut events)| {
-                let ranks: Vec<_> =
-                    h.clone().filter(|r| *r != failed).map(|r| (r, members[r].clone(), own[r].take())).collect();
-                let heard = relays.spawn(async move {
-                    heard_revocation(&mut events).await?;
-                    Ok::<_, String>((Instant::now(), events))
-                });
-                tokio::spawn(async move {
-                    let (revoked, events) = heard.await.map_err(|e| format!("relay task: {e}"))??;
-                    let each = ranks.into_iter().map(|(r, m, s)| reform(m, r, s.expect("own stream"), revoked));
-                    let out = futures::future::join_all(each).await.into_iter().collect::<Result<Vec<_>, String>>()?;
-                    Ok::<_, String>((out, Some(events)))
-                })
-            })
-            .collect()
-    } else {
-        own.iter_mut()
-            .enumerate()
-            .filter(|(r, _)| *r != failed)
-            .map(|(r, s)| {
-                let (m, mut s) = (members[r].clone(), s.take().expect("own stream"));
-                tokio::spawn(async move {
-                    heard_revocation(&mut s).await?;
-                    let out = reform(m, r, s, Instant::now()).await?;
-                    Ok::<_, String>((vec![out], None))
-                })
-            })
-            .collect()
-    };
-    let report = {
-        let mut c = members[0].client.clone();
-        c.report_failure(pb::FailureReport {
-            job: JOB.into(),
-            worker_id: members[0].id.clone(),
-            incarnation: members[0].incarnation,
-            generation: 1,
-            failed_rank: Some(failed as u32),
-            reason: "scale harness: peer failed".into(),
-            kind: pb::failure_report::FailureKind::Unspecified as i32,
-            progress: None,
-        })
-        .await
-        .map_err(|s| format!("report: {s}"))?
-        .into_inner()
-    };
-    let report_answered = sent.elapsed();
-    if !report.accepted {
-        return Err("the failure report did not revoke generation 1".into());
+    let mut reforming = tokio::task::JoinSet::new();
+    for (rank, slot) in members.iter_mut().enumerate() {
+        let Some(mut m) = slot.take() else { continue };
+        let book = book.clone();
+        reforming.spawn(async move {
+            m.group.reporter().revoked(1).await;
+            let heard = Instant::now();
+            book.woke.fetch_add(1, Ordering::Relaxed);
+            if rank == dies_meanwhile {
+                // This process dies too: its control stream closes.
+                let index = m.index;
+                book.done[index].store(true, Ordering::Relaxed);
+                drop(m);
+                return Ok((index, heard, None));
+            }
+            let g = m.group.next_generation().await.map_err(|e| format!("{}: {e}", m.id))?;
+            book.reformed.fetch_add(1, Ordering::Relaxed);
+            book.done[m.index].store(true, Ordering::Relaxed);
+            Ok((m.index, heard, Some((Instant::now(), m, g))))
+        });
     }
-    let results = within(bound, "revocation and re-formation", futures::future::join_all(tasks)).await?;
+    let cause = reporter
+        .on_failure(1, &CommError::PeerFailed { rank: failed as u32, detail: "scale harness: peer failed".into() })
+        .await;
+    let report_answered = sent.elapsed();
+    if cause.rank != Some(failed as u32) {
+        return Err(format!("the failure report's root cause is {cause}, not rank {failed}"));
+    }
+    let results = within(bound, "revocation and re-formation", all(reforming)).await.map_err(|e| {
+        let heard = book.revoked_at.iter().filter(|t| t.get().is_some()).count();
+        let (woke, reformed) = (book.woke.load(Ordering::Relaxed), book.reformed.load(Ordering::Relaxed));
+        let left: Vec<String> = (0..n)
+            .filter(|&i| i != failed_index && !book.done[i].load(Ordering::Relaxed))
+            .take(8)
+            .map(|i| format!("m{i:05}"))
+            .collect();
+        format!(
+            "{e} ({heard} heard the revocation on their events, {woke} saw it, {reformed} re-formed; not: {})",
+            left.join(" ")
+        )
+    })??;
     let mut revoked = Vec::with_capacity(n);
     let mut reformed = Duration::ZERO;
-    let mut g2: Vec<Placement> = Vec::new();
-    // Survivors' own streams, then the streams that carry events (the hosts', or the same).
-    let mut survivors_streams = Vec::new();
-    let mut event_streams = Vec::new();
-    for r in results {
-        let (out, host) = r.map_err(|e| format!("member task: {e}"))??;
-        event_streams.extend(host);
-        for (at, formed) in out {
-            revoked.push(at.duration_since(sent));
-            if let Some((at, g, s)) = formed {
-                reformed = reformed.max(at.duration_since(sent));
-                g2.push(g);
-                survivors_streams.push(s);
-            }
+    let mut survivors = Vec::with_capacity(n);
+    for (index, woke, formed) in results {
+        // When its shell heard the revocation (rank 0, which reported it, knew it at once).
+        let heard = book.revoked_at[index].get().copied().unwrap_or(woke);
+        revoked.push(heard.saturating_duration_since(sent));
+        if let Some((at, m, g)) = formed {
+            reformed = reformed.max(at.duration_since(sent));
+            survivors.push((m, g));
         }
-    }
-    if !relayed {
-        event_streams = std::mem::take(&mut survivors_streams);
     }
     let cpu_failure = cpu_all(&coordinators) - cpu0;
     phase_end("failure", &mut mark)?;
-    check_generation(&g2.iter().collect::<Vec<_>>(), 2, n - 2)
+    survivors.sort_by_key(|(_, g)| g.rank);
+    check_generation(&survivors.iter().map(|(_, g)| g).collect::<Vec<_>>(), 2, n - 2)
         .map_err(|e| format!("generation 2 is not the same {} survivors everywhere: {e}", n - 2))?;
-    // Every entry anyone holds of generation 2 (whole lists, or the fetched links) leaves
-    // out the failed member and the one that died meanwhile.
-    let left_out = [&members[failed].id, &members[dies_meanwhile].id];
-    let mut held = g2.iter().flat_map(|p| p.fetched.iter().chain(p.full.iter().flat_map(|g| g.members.iter())));
-    if let Some(m) = held.find(|m| left_out.contains(&&m.worker_id)) {
+    // Every entry anyone holds of generation 2 leaves out the failed member and the one that
+    // died meanwhile.
+    if let Some(m) = survivors.iter().flat_map(|(_, g)| g.members.iter()).find(|m| left_out.contains(&m.worker_id)) {
         return Err(format!("generation 2 holds {} (rank {}), which should be left out", m.worker_id, m.rank));
     }
     revoked.sort();
 
-    // 5. Steady state: heartbeats at the default interval.
+    // 5. Steady state: timed heartbeats at the members' interval.
     let mut steady = String::new();
     if !plan.steady.is_zero() {
-        // In generation-1 rank order, as `g2` and `survivors_streams` are.
-        let live: Vec<Arc<Member>> = members
-            .iter()
-            .enumerate()
-            .filter(|(r, _)| *r != failed && *r != dies_meanwhile)
-            .map(|(_, m)| m.clone())
-            .collect();
-        let size = g2.first().map_or(0, |p| p.size);
-        let slow = live.len() / 2;
-        let slow_id = live[slow].id.clone();
-        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let sent_count = Arc::new(std::sync::atomic::AtomicU64::new(0));
-        let calls_count = Arc::new(std::sync::atomic::AtomicU64::new(0));
-        let with_timing: Vec<_> =
-            live.iter().enumerate().map(|(i, m)| (m.clone(), Some(step_timing(g2[i].rank, size, i == slow)))).collect();
-        let hosts: Vec<Vec<_>> = with_timing.chunks(plan.ranks_per_host).map(<[_]>::to_vec).collect();
-        // A host's relay flushes twice per interval, each flush carrying the beats that came
-        // since the last: half the host's members each (one member alone beats every interval).
-        let flushes = if plan.ranks_per_host > 1 { RELAY_FLUSHES_PER_INTERVAL } else { 1 };
-        let beats: Vec<_> = hosts
-            .into_iter()
-            .enumerate()
-            .map(|(i, host)| {
-                let (stop, count, calls) = (stop.clone(), sent_count.clone(), calls_count.clone());
-                let halves: Vec<Vec<_>> = (0..flushes as usize)
-                    .map(|f| host.iter().skip(f).step_by(flushes as usize).cloned().collect())
+        let size = (n - 2) as u32;
+        let slow = survivors.len() / 2;
+        let slow_id = survivors[slow].0.id.clone();
+        // Every survivor records a step per half interval (each heartbeat carries one or two).
+        let recorder = async {
+            let mut tick = tokio::time::interval(plan.interval() / 2);
+            loop {
+                tick.tick().await;
+                for (i, (m, g)) in survivors.iter().enumerate() {
+                    record_step(&m.group, g.rank, size, i == slow);
+                }
+            }
+        };
+        let measured = async {
+            let first_step = Instant::now();
+            within(bound, "naming the slow member a straggler", book.until(|b| b.straggler.get().is_some())).await?;
+            let (named, at) = book.straggler.get().cloned().ok_or("no straggler named")?;
+            if named != slow_id {
+                return Err(format!("the straggler named is {named}, not the slow member {slow_id}"));
+            }
+            let straggler_named = at.saturating_duration_since(first_step);
+            // A stretch of wall time is what is measured here (not a synchronisation).
+            tokio::time::sleep(plan.interval() * 2).await;
+            let etcd_cpu = || etcd.as_ref().and_then(EtcdProcess::pid).map_or(Duration::ZERO, cpu_of);
+            let (cpu0, beats0, t0) =
+                (cpu_all(&coordinators), book.beats_answered.load(Ordering::Relaxed), Instant::now());
+            let (etcd_cpu0, etcd_req0) = (etcd_cpu(), requests()?);
+            tokio::time::sleep(plan.steady).await;
+            let (cpu1, beats1, dt) =
+                (cpu_all(&coordinators), book.beats_answered.load(Ordering::Relaxed), t0.elapsed());
+            let (etcd_cpu1, etcd_req1) = (etcd_cpu(), requests()?);
+            let mut line = format!(
+                " steady_secs={:.1} heartbeats_per_s={:.0} steady_cpu_pct={:.1} straggler_named_ms={:.0}",
+                dt.as_secs_f64(),
+                (beats1 - beats0) as f64 / dt.as_secs_f64(),
+                100.0 * (cpu1 - cpu0).as_secs_f64() / dt.as_secs_f64(),
+                ms(straggler_named)
+            );
+            if etcd.is_some() {
+                // What etcd did for the steady phase: its CPU, and its requests per second.
+                let rates: Vec<String> = ETCD_METHODS
+                    .iter()
+                    .zip(etcd_req1.iter().zip(&etcd_req0))
+                    .map(|((name, _), (a, b))| format!("{name}:{:.0}", (a - b) / dt.as_secs_f64()))
                     .collect();
-                tokio::spawn(async move {
-                    // Spread the hosts over the interval, as independent processes are.
-                    let period = DEFAULT_HEARTBEAT / flushes;
-                    let offset = period * (i as u32 % 64) / 64;
-                    let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + offset, period);
-                    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-                    for flush in (0..halves.len()).cycle() {
-                        if stop.load(std::sync::atomic::Ordering::Relaxed) {
-                            break;
-                        }
-                        tick.tick().await;
-                        count.fetch_add(host_heartbeat(&halves[flush], 2).await, std::sync::atomic::Ordering::Relaxed);
-                        calls.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    }
-                })
-            })
-            .collect();
-        // Rank 0's watch names the slow member (the coordinator judges every timed
-        // heartbeat against the round of the others' latest reports).
-        let beats_started = Instant::now();
-        let watch0 = event_streams.first_mut().ok_or("no event stream")?;
-        let named = within(
-            bound,
-            "naming the slow member a straggler",
-            wait_for(watch0, |e| match e {
-                Event::StragglerNamed(n) => Some(n.worker_id.clone()),
-                _ => None,
-            }),
-        )
-        .await??;
-        if named != slow_id {
-            return Err(format!("the straggler named is {named}, not the slow member {slow_id}"));
-        }
-        let straggler_named = beats_started.elapsed();
-        // A stretch of wall time is what is measured here (not a synchronisation).
-        tokio::time::sleep(DEFAULT_HEARTBEAT * 2).await;
-        let etcd_cpu = || etcd.as_ref().and_then(EtcdProcess::pid).map_or(Duration::ZERO, cpu_of);
-        let calls0 = calls_count.load(std::sync::atomic::Ordering::Relaxed);
-        let (cpu0, c0, t0) =
-            (cpu_all(&coordinators), sent_count.load(std::sync::atomic::Ordering::Relaxed), Instant::now());
-        let (etcd_cpu0, etcd_req0) = (etcd_cpu(), requests()?);
-        tokio::time::sleep(plan.steady).await;
-        let (cpu1, c1, dt) =
-            (cpu_all(&coordinators), sent_count.load(std::sync::atomic::Ordering::Relaxed), t0.elapsed());
-        let calls1 = calls_count.load(std::sync::atomic::Ordering::Relaxed);
-        let (etcd_cpu1, etcd_req1) = (etcd_cpu(), requests()?);
-        stop.store(true, std::sync::atomic::Ordering::Relaxed);
-        for b in beats {
-            b.abort();
-        }
-        steady = format!(
-            " steady_secs={:.1} ranks_per_host={} heartbeats_per_s={:.0} heartbeat_calls_per_s={:.0} steady_cpu_pct={:.1} \
-             straggler_named_ms={:.0}",
-            dt.as_secs_f64(),
-            plan.ranks_per_host,
-            (c1 - c0) as f64 / dt.as_secs_f64(),
-            (calls1 - calls0) as f64 / dt.as_secs_f64(),
-            100.0 * (cpu1 - cpu0).as_secs_f64() / dt.as_secs_f64(),
-            straggler_named.as_secs_f64() * 1000.0
-        );
-        if etcd.is_some() {
-            // What etcd did for the steady phase: its CPU, and its requests per second.
-            let rates: Vec<String> = ETCD_METHODS
-                .iter()
-                .zip(etcd_req1.iter().zip(&etcd_req0))
-                .map(|((name, _), (a, b))| format!("{name}:{:.0}", (a - b) / dt.as_secs_f64()))
-                .collect();
-            steady.push_str(&format!(
-                " etcd_steady_cpu_pct={:.1} etcd_steady_per_s={}",
-                100.0 * (etcd_cpu1 - etcd_cpu0).as_secs_f64() / dt.as_secs_f64(),
-                rates.join(",")
-            ));
-        }
+                line.push_str(&format!(
+                    " etcd_steady_cpu_pct={:.1} etcd_steady_per_s={}",
+                    100.0 * (etcd_cpu1 - etcd_cpu0).as_secs_f64() / dt.as_secs_f64(),
+                    rates.join(",")
+                ));
+            }
+            Ok::<_, String>(line)
+        };
+        steady = tokio::select! {
+            () = recorder => unreachable!("the recorder runs until the measurement ends"),
+            line = measured => line?,
+        };
     }
-    drop((survivors_streams, event_streams));
 
+    // Beats refused or not answered before the job's end (a member's beat handed to its
+    // relay just before it left is refused after it: not counted).
+    let beats_failed = book.beats_failed.load(Ordering::Relaxed);
+    let mut failures: Vec<(String, usize)> =
+        book.failures.lock().unwrap_or_else(PoisonError::into_inner).drain().collect();
     // 6. Finish: every survivor leaves, finished, at once.
     let cpu0 = cpu_all(&coordinators);
     let started = Instant::now();
-    let finishers: Vec<&Member> =
-        members.iter().enumerate().filter(|(r, _)| *r != failed && *r != dies_meanwhile).map(|(_, m)| &**m).collect();
-    let refusals: Vec<String> = within(bound, "every survivor leaving, finished", async {
-        futures::stream::iter(finishers.iter())
-            .map(|m| async move {
-                let mut c = m.client.clone();
-                c.leave(pb::LeaveRequest {
-                    job: JOB.into(),
-                    worker_id: m.id.clone(),
-                    incarnation: m.incarnation,
-                    mode: pb::leave_request::Mode::Finished as i32,
-                })
-                .await
-                .err()
-                .map(|s| format!("{}: {s}", m.id))
-            })
-            .buffer_unordered(finishers.len().max(1))
-            .filter_map(|refused| async move { refused })
-            .collect::<Vec<_>>()
-            .await
-    })
-    .await?;
+    let finishers = survivors.len();
+    let mut leaving = tokio::task::JoinSet::new();
+    for (m, _) in survivors {
+        leaving.spawn(async move {
+            let id = m.id.clone();
+            Ok(m.group.leave(true).await.err().map(|e| format!("{id}: {e}")))
+        });
+    }
+    let refusals: Vec<String> =
+        within(bound, "every survivor leaving, finished", all(leaving)).await??.into_iter().flatten().collect();
     let finished = started.elapsed();
     let cpu_finish = cpu_all(&coordinators) - cpu0;
     phase_end("finish", &mut mark)?;
-    let late = Member::join(channels[0].clone(), n).await.err().unwrap_or_default();
+    let late = clients[0]
+        .1
+        .join(pb::JoinRequest {
+            job: JOB.into(),
+            worker_id: format!("m{n:05}"),
+            host: "late".into(),
+            addresses: vec![pb::TransportAddress { transport: "tcp".into(), address: "127.0.0.1:1".into() }],
+            capabilities: vec!["transport:tcp".into()],
+            protocol_version: cohort_proto::PROTOCOL_VERSION,
+            domain: String::new(),
+            replaces: 0,
+        })
+        .await
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
     let ended = late.contains("has ended");
 
     let mut etcd_out = String::new();
@@ -1204,27 +1021,45 @@ async fn run(plan: &Plan, store: &str, relays: &tokio::runtime::Handle) -> Resul
     }
     let rss: Vec<String> =
         coordinators.iter().map(|c| format!("{:.0}", c.peak_rss() as f64 / (1 << 20) as f64)).collect();
-    let mode = if compact { "compact" } else { "full" };
-    let mut txn_ops =
-        plan.max_txn_ops.filter(|_| etcd.is_some()).map(|n| format!(" max_txn_ops={n}")).unwrap_or_default();
+    let mut settings = format!(" ranks_per_host={}", plan.ranks_per_host);
+    if let Some(max) = plan.max_txn_ops.filter(|_| etcd.is_some()) {
+        settings.push_str(&format!(" max_txn_ops={max}"));
+    }
     if plan.lease_scope != "member" {
-        txn_ops.push_str(&format!(" lease_scope={}", plan.lease_scope));
+        settings.push_str(&format!(" lease_scope={}", plan.lease_scope));
+    }
+    if plan.members_per_connection != 1 {
+        settings.push_str(&format!(" members_per_connection={}", plan.members_per_connection));
     }
     if plan.join_concurrency != JOIN_CONCURRENCY {
-        txn_ops.push_str(&format!(" join_concurrency={}", plan.join_concurrency));
+        settings.push_str(&format!(" join_concurrency={}", plan.join_concurrency));
+    }
+    if let Some(w) = plan.whole_answer_up_to {
+        settings.push_str(&format!(" whole_answer_up_to={w}"));
+    }
+    if let Some(h) = plan.heartbeat {
+        settings.push_str(&format!(" heartbeat_ms={}", h.as_millis()));
+    }
+    // The calls that failed most before the finish, for the record (a heartbeat cut short under load, a watch
+    // reopened): `calls_failed=COUNT:CALL:_ERROR,...`.
+    failures.sort_by_key(|(_, count)| std::cmp::Reverse(*count));
+    let calls_failed: Vec<String> = failures.iter().take(3).map(|(k, n)| format!("{n}:{k}")).collect();
+    if !calls_failed.is_empty() {
+        settings.push_str(&format!(" calls_failed={}", calls_failed.join(",")));
     }
     // The results line goes to stdout with the bar gone.
     with_progress(Progress::finish);
     println!(
-        "scale store={store} mode={mode} members={n} replicas={replicas}{txn_ops} connections={connections} fetched_per_member={:.1} \
-         join_to_formed_ms={:.0} joins_retried={joins_retried} formation_cpu_s={:.2} watches_ms={:.0} watches_cpu_s={:.2} \
+        "scale store={store} members={n} replicas={replicas}{settings} connections={connections} fetched_per_member={fetched_per_member:.1} \
+         join_to_formed_ms={:.0} join_p50_ms={:.1} join_p99_ms={:.1} formation_cpu_s={:.2} watching_ms={:.0} watching_cpu_s={:.2} \
          report_ms={:.1} revoked_min_ms={:.1} revoked_p50_ms={:.1} revoked_p99_ms={:.1} revoked_max_ms={:.1} reformed_ms={:.0} failure_cpu_s={:.2}{steady} \
-         finish_ms={:.0} finish_cpu_s={:.2} leaves_refused={} ended={ended} peak_rss_mib={}{etcd_out}{phases}",
-        fetched_entries as f64 / n as f64,
+         finish_ms={:.0} finish_cpu_s={:.2} leaves_refused={} ended={ended} beats_failed={} overran={} peak_rss_mib={}{etcd_out}{phases}",
         ms(join_to_formed),
+        ms(percentile(&joins, 50.0)),
+        ms(percentile(&joins, 99.0)),
         cpu_formation.as_secs_f64(),
-        ms(watches),
-        cpu_watches.as_secs_f64(),
+        ms(watching),
+        cpu_watching.as_secs_f64(),
         ms(report_answered),
         ms(revoked.first().copied().unwrap_or_default()),
         ms(percentile(&revoked, 50.0)),
@@ -1235,13 +1070,18 @@ async fn run(plan: &Plan, store: &str, relays: &tokio::runtime::Handle) -> Resul
         ms(finished),
         cpu_finish.as_secs_f64(),
         refusals.len(),
+        beats_failed,
+        book.overran.load(Ordering::Relaxed),
         rss.join("+"),
     );
     if let Some(first) = refusals.first() {
-        return Err(format!("{} of {} leaves were refused, the first: {first}", refusals.len(), finishers.len()));
+        return Err(format!("{} of {finishers} leaves were refused, the first: {first}", refusals.len()));
     }
     if !ended {
         return Err(format!("the job did not end when every member had finished (a later join: {late:?})"));
+    }
+    if book.overran.load(Ordering::Relaxed) > 0 {
+        return Err("a coordinator call outlasted every bound of its client".into());
     }
     Ok(())
 }
@@ -1254,36 +1094,28 @@ fn main() {
             std::process::exit(2);
         }
     };
+    raise_file_limit();
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("tokio runtime");
-    // The hosts' event relays: each is a process on its own host, not busy with its host's
-    // members' calls, so their streams are read on a thread of their own.
-    let relays = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .thread_name("scale-relays")
-        .enable_all()
-        .build()
-        .expect("tokio runtime of the relays");
     let mut failed = false;
     runtime.block_on(async {
         eprintln!(
-            "scale harness: {} members, stores {:?}, {} CPUs",
+            "scale harness: {} members of the shipped worker, stores {:?}, {} CPUs",
             plan.members,
             plan.stores,
             std::thread::available_parallelism().map_or(0, |n| n.get())
         );
         for store in &plan.stores {
             let t = Instant::now();
-            *PROGRESS.lock().unwrap_or_else(std::sync::PoisonError::into_inner) =
+            *PROGRESS.lock().unwrap_or_else(PoisonError::into_inner) =
                 Some(Progress::new(format!("scale store={store}"), Total::Unknown));
-            let result = run(&plan, store, relays.handle()).await;
+            let result = run(&plan, store).await;
             // Dropped: the bar is gone before the results are printed.
-            PROGRESS.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take();
+            PROGRESS.lock().unwrap_or_else(PoisonError::into_inner).take();
             match result {
                 Ok(()) => eprintln!("scale store={store}: done in {:.1} s", t.elapsed().as_secs_f64()),
                 Err(e) => {
-                    let mode = if plan.compact { "compact" } else { "full" };
                     let e = e.replace(['"', '\n'], " ");
-                    println!("scale store={store} mode={mode} members={} failed=\"{e}\"", plan.members);
+                    println!("scale store={store} members={} failed=\"{e}\"", plan.members);
                     failed = true;
                 }
             }

@@ -260,8 +260,25 @@ fn etcd_security(args: &ServeArgs) -> Result<EtcdSecurity, CliError> {
     Ok(EtcdSecurity { ca_pem: args.etcd_ca.as_ref().map(read).transpose()?, client_identity, user })
 }
 
+/// Connections the listener queues before it accepts them. A job's workers connect at once
+/// when it starts (or restarts), thousands of them; tokio's default of 1,024 drops the SYNs
+/// past it, and those workers then wait out TCP's retransmission (1 s, then 3 s) and their
+/// connect timeout. The kernel caps it at `net.core.somaxconn` (4,096 by default).
+const LISTEN_BACKLOG: u32 = 16_384;
+
 async fn bind(addr: &str) -> Result<tokio::net::TcpListener, CliError> {
-    tokio::net::TcpListener::bind(addr).await.map_err(|source| CliError::Bind { addr: addr.into(), source })
+    let error = |source| CliError::Bind { addr: addr.into(), source };
+    let mut last = None;
+    for resolved in tokio::net::lookup_host(addr).await.map_err(error)? {
+        let socket = if resolved.is_ipv4() { tokio::net::TcpSocket::new_v4() } else { tokio::net::TcpSocket::new_v6() }
+            .map_err(error)?;
+        socket.set_reuseaddr(true).map_err(error)?;
+        match socket.bind(resolved).and_then(|()| socket.listen(LISTEN_BACKLOG)) {
+            Ok(listener) => return Ok(listener),
+            Err(e) => last = Some(e),
+        }
+    }
+    Err(error(last.unwrap_or_else(|| std::io::Error::new(std::io::ErrorKind::InvalidInput, "no address to bind"))))
 }
 
 async fn shutdown_signal() {

@@ -230,6 +230,32 @@ async fn a_reopened_control_stream_counts_as_connected(backend: Backend) {
     again.shutdown().await.expect("shutdown");
 }
 
+/// A stream's first message comes once the stream is recorded as the member's control stream,
+/// full or quiet, also when the job has no state yet (an empty event then): so a worker that
+/// replaces its stream closes the old one only after the new one counts, and the rendezvous
+/// never sees it gone in between.
+async fn a_streams_first_message_comes_once_it_is_recorded(backend: Backend) {
+    let backing = Backing::new(backend).await;
+    let server = replica(backing.store.clone(), &Options::new(test_settings(backend))).await;
+    let addr = server.local_addr();
+    let w = Worker::join(addr, "job-first", "w0", HB).await;
+    for quiet in [false, true, false] {
+        let mut stream = w.watch_with(quiet).await;
+        let first = tokio::time::timeout(Duration::from_secs(20), stream.message())
+            .await
+            .expect("a first message within 20 s")
+            .expect("watch stream error")
+            .expect("watch stream ended");
+        assert_eq!(first.event, None, "no generation yet: the first message is empty (quiet: {quiet})");
+        let s = status(addr, "job-first").await;
+        let m = s.members.iter().find(|m| m.worker_id == "w0").expect("w0");
+        assert_eq!(m.control_connected, Some(true), "recorded before its first message (quiet: {quiet})");
+        drop(stream);
+        wait_control(addr, "job-first", "w0", Some(false)).await;
+    }
+    server.shutdown().await.expect("shutdown");
+}
+
 /// A quiet watch (a member whose host relay carries its events): the state once the stream
 /// is recorded, then nothing, not even the revocation a full watch hears; it holds the
 /// member's control stream as a full one does, and its close is the member's.
@@ -1405,6 +1431,7 @@ suite!(
     a_cycle_of_timeouts_on_one_host_is_not_a_host_loss,
     two_dead_at_once_reform_without_the_join_window,
     a_reopened_control_stream_counts_as_connected,
+    a_streams_first_message_comes_once_it_is_recorded,
     a_quiet_watch_holds_the_control_stream_and_sends_only_the_state,
     different_commit_digests_are_flagged,
     a_lost_domain_is_one_failure_of_the_domain,

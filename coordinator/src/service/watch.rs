@@ -26,17 +26,16 @@ impl CoordinatorService {
         let open = self.ctx.metrics.watch_opened(r.quiet);
         tokio::spawn(
             async move {
-                let (control, end) = if r.quiet {
-                    // The state goes out once the stream is recorded: a member that has it
-                    // knows the coordinator counts it as connected.
-                    let control = service.control_opened(&hub, &r.job, &r.worker_id, r.incarnation).await;
-                    (control, hold_quiet(&hub, &tx, shutdown, r.compact).await)
+                // The first message goes out once the stream is recorded (the state, or an
+                // empty event when there is no state yet): a member that has it knows the
+                // coordinator counts this stream as its control stream, and only then closes
+                // the one it replaces. Closing the old one first would, for a moment, record
+                // the member as gone, and a rendezvous deciding then would leave it out.
+                let control = service.control_opened(&hub, &r.job, &r.worker_id, r.incarnation).await;
+                let end = if r.quiet {
+                    hold_quiet(&hub, &tx, shutdown, r.compact).await
                 } else {
-                    // Recording the stream (a store write) does not hold back its first events.
-                    tokio::join!(
-                        service.control_opened(&hub, &r.job, &r.worker_id, r.incarnation),
-                        stream_events(&hub, &tx, shutdown, r.compact)
-                    )
+                    stream_events(&hub, &tx, shutdown, r.compact).await
                 };
                 drop(open);
                 if let (WatchEnd::ClientGone, Some((revision, lease))) = (end, control) {
@@ -124,7 +123,7 @@ async fn hold_quiet(
     compact: bool,
 ) -> WatchEnd {
     let state = hub.read(|state| initial_events(&hub.signal(), state.current(), hub.pending(), compact));
-    for e in state {
+    for e in with_first_message(state) {
         if tx.send(Ok(e)).await.is_err() {
             return WatchEnd::ClientGone;
         }
@@ -151,7 +150,8 @@ async fn stream_events(
 ) -> WatchEnd {
     let mut events = hub.subscribe_events();
     let mut sent = Sent::default();
-    let mut batch = hub.read(|state| initial_events(&hub.signal(), state.current(), hub.pending(), compact));
+    let mut batch =
+        with_first_message(hub.read(|state| initial_events(&hub.signal(), state.current(), hub.pending(), compact)));
     loop {
         for e in batch {
             if !sent.admit(&e) {
@@ -184,6 +184,17 @@ async fn stream_events(
                 return WatchEnd::Replica;
             }
         };
+    }
+}
+
+/// A new stream's first batch: the state, or an empty event when there is none (a job with no
+/// generation yet), so that every stream's first message comes once it is recorded. Watchers
+/// ignore empty events (the host's event relay writes them as keepalives too).
+fn with_first_message(state: Vec<pb::JobEvent>) -> Vec<pb::JobEvent> {
+    if state.is_empty() {
+        vec![pb::JobEvent { event: None }]
+    } else {
+        state
     }
 }
 
@@ -248,6 +259,8 @@ impl Sent {
                 let since = n.verdict.as_ref().map_or(0, |v| v.since_ms);
                 self.stragglers.insert((n.worker_id.clone(), since))
             }
+            // A new stream's first message when the job has no state yet.
+            None => true,
             _ => false,
         }
     }

@@ -390,12 +390,17 @@ pub(crate) async fn form_all(workers: &[Worker], after: u64) -> Vec<pb::Generati
 
 /// The next event of a watch stream, bounded.
 pub(crate) async fn next_event(stream: &mut tonic::Streaming<pb::JobEvent>) -> pb::job_event::Event {
-    let message = tokio::time::timeout(Duration::from_secs(20), stream.message())
-        .await
-        .expect("no watch event within 20 s")
-        .expect("watch stream error")
-        .expect("watch stream ended");
-    message.event.expect("event without payload")
+    loop {
+        let message = tokio::time::timeout(Duration::from_secs(20), stream.message())
+            .await
+            .expect("no watch event within 20 s")
+            .expect("watch stream error")
+            .expect("watch stream ended");
+        // An empty event is a new stream's first message when the job has no state yet.
+        if let Some(event) = message.event {
+            return event;
+        }
+    }
 }
 
 /// Reads events until one matches `pick`, bounded.

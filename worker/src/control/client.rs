@@ -133,6 +133,12 @@ fn is_transient(status: &Status) -> bool {
             let m = status.message();
             m.contains("transport error") || m.contains("connection") || m.contains("h2 protocol")
         }
+        // The server closed the whole HTTP/2 connection with ENHANCE_YOUR_CALM (its flood
+        // protection: too many streams reset by this side before it accepted them, as a busy
+        // coordinator sees when the calls of many workers sharing a connection give up at
+        // once). Every call on it fails so, whatever it asked; the next connection serves it.
+        // The coordinator itself never answers RESOURCE_EXHAUSTED.
+        Code::ResourceExhausted => status.message().contains("h2 protocol"),
         _ => false,
     }
 }
@@ -744,5 +750,14 @@ mod tests {
             let e = refusal("Join", &status);
             assert!(matches!(e, ControlError::Rejected { rpc: "Join", .. }), "{e:?}");
         }
+    }
+
+    #[test]
+    fn a_connection_closed_by_the_servers_flood_protection_is_retried_elsewhere() {
+        // What tonic makes of a GOAWAY with ENHANCE_YOUR_CALM.
+        assert!(is_transient(&Status::resource_exhausted("h2 protocol error: http2 error")));
+        // A refusal with that code and any other message stays one.
+        assert!(!is_transient(&Status::resource_exhausted("too many keys")));
+        assert!(!is_transient(&Status::invalid_argument("h2 protocol error")));
     }
 }

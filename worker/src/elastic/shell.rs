@@ -112,6 +112,16 @@ pub enum Observed<'a> {
     },
     /// A failure report was answered (`None`: it failed or was not answered in time).
     Reported(Option<&'a pb::FailureReportResponse>),
+    /// An event of the job, from this worker's own watch stream or its host's event relay, as
+    /// it is handed to the machine (an event can come twice: a stream's first messages are the
+    /// state, which the relay may have handed on already).
+    Event(&'a pb::JobEvent),
+    /// One heartbeat was answered (`error` is `None`), or failed: not answered in time, or
+    /// refused.
+    Heartbeat {
+        /// Why it failed.
+        error: Option<&'a (dyn std::error::Error + Send + Sync)>,
+    },
 }
 
 /// The longest one client call may take: its client's own bounds (request timeout, retry
@@ -221,6 +231,7 @@ impl Shared {
                 self.world.observe(Observed::RevocationHeard { generation: r.generation, cause: r.cause.as_ref() });
             }
         }
+        self.world.observe(Observed::Event(&event));
         self.drive("Watch", |m| m.handle_event(event));
     }
 
@@ -337,6 +348,7 @@ pub(super) async fn heartbeat_task(
             Some(relay) => shared.call("Heartbeat", Duration::ZERO, relay.heartbeat(request)).await,
             None => shared.call("Heartbeat", Duration::ZERO, client.heartbeat(request)).await,
         };
+        shared.world.observe(Observed::Heartbeat { error: answer.as_ref().err().map(|e| e as _) });
         if !shared.drive("Heartbeat", |m| m.handle_heartbeat(incarnation, answer)) {
             return;
         }
@@ -432,7 +444,11 @@ pub(super) async fn watch_task(
                                     // what the relay did not hand on). Closing first would tell
                                     // a rendezvous that this live process died.
                                     match shared.call("Watch", Duration::ZERO, client.watch(watch_request(false))).await {
-                                        Ok(full) => {
+                                        Ok(mut full) => {
+                                            if !recorded(&shared, &mut full).await {
+                                                debug!("the full watch ended at once; reopening");
+                                                break;
+                                            }
                                             stream = full;
                                             shared.drive("Watch", Membership::handle_watch_opened);
                                         }
@@ -450,7 +466,11 @@ pub(super) async fn watch_task(
                                 // Back to the relay: a quiet stream, opened before the full one
                                 // closes (as above, the other way).
                                 match shared.call("Watch", Duration::ZERO, client.watch(watch_request(true))).await {
-                                    Ok(quiet) => {
+                                    Ok(mut quiet) => {
+                                        if !recorded(&shared, &mut quiet).await {
+                                            debug!("the quiet watch ended at once; reopening");
+                                            break;
+                                        }
                                         stream = quiet;
                                         shared.drive("Watch", Membership::handle_watch_opened);
                                         debug!("watching through the host's event relay again");
@@ -482,6 +502,34 @@ pub(super) async fn watch_task(
         }
     }
 }
+
+/// Waits for the first message of a stream that replaces this worker's open one, and hands it
+/// to the machine: the coordinator sends it once it has recorded the stream as this process's
+/// control stream, and only then may the old one close (closing it first would record the
+/// process as gone for a moment, and a rendezvous deciding then would leave it out). `false`:
+/// the new stream ended or broke first. Past [`RECORD_WAIT`] (a store that slow), the old
+/// stream closes all the same.
+///
+/// # Cancel safety
+/// Cancel safe: a message read is handed on before it returns.
+async fn recorded(shared: &Shared, stream: &mut tonic::Streaming<pb::JobEvent>) -> bool {
+    match tokio::time::timeout(RECORD_WAIT, stream.message()).await {
+        Ok(Ok(Some(event))) => {
+            shared.runnable().await;
+            shared.event(event);
+            true
+        }
+        Ok(Ok(None) | Err(_)) => false,
+        Err(_) => {
+            debug!(wait = ?RECORD_WAIT, "the new watch's first message is late; switching to it all the same");
+            true
+        }
+    }
+}
+
+/// How long a worker waits for a replacement watch stream's first message before it closes
+/// the stream it replaces ([`recorded`]).
+const RECORD_WAIT: Duration = Duration::from_secs(2);
 
 /// The next event from the relay; pending for ever without a subscription.
 ///
