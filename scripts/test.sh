@@ -52,8 +52,9 @@ export COHORT_PYTHON="$py"
 # (transports/src/shm/model.rs, the tests named loom_*; docs/testing.md), exhaustive, seconds.
 echo "== tests"
 COHORT_REQUIRE_PYTHON=1 COHORT_REQUIRE_BROWSER=1 cargo test --workspace --locked -- --test-threads="${COHORT_TEST_THREADS:-2}"
-# The scale harness's smoke run: 96 members on real coordinator processes, through every
-# phase (formation, failure, re-formation, timed heartbeats naming a straggler).
+# The scale harness's smoke run: 96 members of the shipped worker (ElasticGroup, with the host
+# relays) on a real coordinator process, through every phase (formation, failure, re-formation,
+# timed heartbeats naming a straggler, the finish).
 cargo test -p cohort-coordinator --bench scale --locked
 
 # The chaos suite, quick: real coordinator and worker processes (release build), every fault
