@@ -388,6 +388,9 @@ class ManagedBackend(_Base):  # type: ignore[misc, valid-type]
         call = gen.start(name, result)
         if call is None:
             assert gen.error is not None
+            # Raised inside torch's C++ (DDP's autograd hook), it comes out as a RuntimeError
+            # quoting it: recorded, so that cohort.collective_failure finds it there.
+            _handed_on(gen.error)
             raise gen.error
         try:
             work = start()
