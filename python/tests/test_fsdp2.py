@@ -1,7 +1,8 @@
 """FSDP2 (``fully_shard`` on a one-dimensional DeviceMesh) and HSDP (on a two-dimensional one:
 replica groups of shard groups, subgroups of the generation on cohort) train to the same
-parameters on the "cohort" backend as on gloo: examples/pytorch/fsdp2.py, the same script, on
-real processes.
+parameters on the "cohort" backend, and on torch's gloo managed by cohort
+(cohort.torch.managed: its DeviceMesh dimensions are managed gloo groups), as on gloo:
+examples/pytorch/fsdp2.py, the same script, on real processes.
 Needs torch 2.x (the test command runs it under PyPI's torch; Debian's 1.13 has no FSDP2)."""
 
 import re
@@ -27,9 +28,10 @@ def summaries(workers, timeout=240):
 
 
 def gloo_then_cohort(coordinator_factory, spawn, tmp_path, world, job, *args):
-    """The example on gloo (file rendezvous), then on cohort (a coordinator of `world`), with the
-    same `args`: (gloo's summaries, cohort's). One after the other, so that the two runs do not
-    share the cores."""
+    """The example on gloo (file rendezvous), then on cohort (a coordinator of `world`), then on
+    torch's gloo managed by cohort (``--managed``: cohort.torch.managed), with the same `args`:
+    (gloo's summaries, cohort's and the managed group's). One after the other, so that the runs
+    do not share the cores."""
     gloo = [
         spawn(
             f"gloo-{r}",
@@ -46,29 +48,37 @@ def gloo_then_cohort(coordinator_factory, spawn, tmp_path, world, job, *args):
         for r in range(world)
     ]
     reference = summaries(gloo)
-    coord = coordinator_factory(world)
-    ours = [
-        spawn(
-            f"cohort-{r}",
-            [sys.executable, "-u", EXAMPLE],
-            "--coordinator",
-            coord.endpoint,
-            "--job",
-            job,
-            "--worker-id",
-            f"w{r}",
-            *args,
-            *STEPS,
+
+    def on_coordinator(name, *flags):
+        coord = coordinator_factory(world)
+        return summaries(
+            [
+                spawn(
+                    f"{name}-{r}",
+                    [sys.executable, "-u", EXAMPLE],
+                    "--coordinator",
+                    coord.endpoint,
+                    "--job",
+                    f"{job}-{name}",
+                    "--worker-id",
+                    f"w{r}",
+                    *flags,
+                    *args,
+                    *STEPS,
+                )
+                for r in range(world)
+            ]
         )
-        for r in range(world)
-    ]
-    got = summaries(ours)
+
+    got = on_coordinator("cohort")
+    managed = on_coordinator("managed", "--managed")
     assert {s["backend"] for s in got} == {"cohort"} and {s["backend"] for s in reference} == {"gloo"}
-    assert all(s["steps"] == "12" and s["world"] == str(world) for s in got + reference)
-    return reference, got
+    assert {s["backend"] for s in managed} == {"cohort_gloo"}
+    assert all(s["steps"] == "12" and s["world"] == str(world) for s in got + managed + reference)
+    return reference, got + managed
 
 
-def test_fully_shard_on_cohort_matches_gloo_at_two_ranks(coordinator_factory, spawn, tmp_path):
+def test_fully_shard_on_cohort_and_on_managed_gloo_matches_gloo_at_two_ranks(coordinator_factory, spawn, tmp_path):
     reference, got = gloo_then_cohort(coordinator_factory, spawn, tmp_path, 2, "fsdp")
     # The full parameters, gathered from the shards, are bit-identical to gloo's on every rank:
     # at two ranks a sum (and its halving, for the average) does not depend on the order.
@@ -76,10 +86,11 @@ def test_fully_shard_on_cohort_matches_gloo_at_two_ranks(coordinator_factory, sp
     assert re.fullmatch(r"[0-9a-f]{16}", got[0]["param_sha256"])
 
 
-def test_hsdp_on_a_2d_mesh_on_cohort_matches_gloo_at_four_ranks(coordinator_factory, spawn, tmp_path):
+def test_hsdp_on_a_2d_mesh_on_cohort_and_on_managed_gloo_matches_gloo_at_four_ranks(coordinator_factory, spawn, tmp_path):
     """Two replica groups of two shards: the shard groups and the replica groups are cohort
     subgroups of one generation (each on its own channel over the generation's links), their
-    collectives in flight at once."""
+    collectives in flight at once; on the managed group they are gloo groups made per mesh
+    dimension (torch's ``new_group``) through the coordinator's store."""
     hsdp = ("--replicas", "2", "--hidden", "256")
     reference, got = gloo_then_cohort(coordinator_factory, spawn, tmp_path, 4, "hsdp", *hsdp)
     assert {s["replicas"] for s in got + reference} == {"2"}
