@@ -86,7 +86,7 @@ def test_fully_shard_on_cohort_and_on_managed_gloo_matches_gloo_at_two_ranks(coo
     assert re.fullmatch(r"[0-9a-f]{16}", got[0]["param_sha256"])
 
 
-def test_hsdp_on_a_2d_mesh_on_cohort_and_on_managed_gloo_matches_gloo_at_four_ranks(coordinator_factory, spawn, tmp_path):
+def test_hsdp_on_a_2d_mesh_on_cohort_and_managed_gloo_matches_gloo_at_four_ranks(coordinator_factory, spawn, tmp_path):
     """Two replica groups of two shards: the shard groups and the replica groups are cohort
     subgroups of one generation (each on its own channel over the generation's links), their
     collectives in flight at once; on the managed group they are gloo groups made per mesh

@@ -11,7 +11,6 @@ import sys
 import time
 
 import pytest
-
 from conftest import import_torch
 from test_training import EXAMPLE, run_job, summary
 
