@@ -569,8 +569,10 @@ def _register() -> None:
 
 def init_process_group(source: Any, backend: str = "gloo", *, timeout: Optional[float] = None) -> Any:
     """Makes torch's ``backend`` (``"gloo"``) for the current generation of ``source`` (an
-    elastic state: :class:`cohort.elastic.State`, whose ``group`` and ``comm`` it uses) the
-    default ``torch.distributed`` group, replacing any earlier one, and returns it.
+    elastic state: :class:`cohort.elastic.State`, whose ``group`` and ``comm`` it uses; or any
+    object with those two, a :class:`cohort.Group` and its current communicator, as
+    :mod:`cohort.hsdp` and examples/pytorch/fsdp2.py pass) the default ``torch.distributed``
+    group, replacing any earlier one, and returns it.
 
     Every rank of the generation calls it (it rendezvouses through the coordinator's store, in
     a scope of the generation's own). ``timeout`` (seconds) bounds each call in flight (the
