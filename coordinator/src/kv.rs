@@ -1,4 +1,4 @@
-//! A job's key-value store: the operations of torch's c10d `Store` (set, get, add,
+//! A job's key-value store: the operations of torch's c10d `Store` (set, get, add, append,
 //! compare_set, check, delete, num_keys, wait) over the coordinator's [`Store`], so that it
 //! lives in etcd when the coordinator does and outlives any replica.
 //!
@@ -66,6 +66,16 @@ pub enum KvError {
     Ended {
         /// The job.
         job: String,
+    },
+    /// `append` would make the value longer than [`MAX_VALUE_LEN`]; nothing was written.
+    #[error("appending {adding} bytes to store key {key:?} ({held} bytes) would pass the value bound (at most 1 MiB, {MAX_VALUE_LEN} bytes); nothing written")]
+    TooLong {
+        /// The caller's key.
+        key: String,
+        /// The bytes it holds.
+        held: usize,
+        /// The bytes appended.
+        adding: usize,
     },
     /// Other writers kept changing the key; nothing was written (retry).
     #[error("store key {key:?} changed under {CAS_ATTEMPTS} attempts in a row; nothing written, retry")]
@@ -168,6 +178,24 @@ impl<'a> Kv<'a> {
             };
             let sum = now.checked_add(delta).ok_or_else(|| KvError::Overflow { key: key.to_string(), delta })?;
             Ok((Some(sum.to_string().into_bytes()), sum))
+        })
+        .await
+    }
+
+    /// Appends `value` to the bytes under `key` (absent: empty), in one compare-and-swap, so
+    /// concurrent appends are each applied once; refused ([`KvError::TooLong`]) when the
+    /// result would pass [`MAX_VALUE_LEN`].
+    ///
+    /// # Cancel safety
+    /// Cancel safe (each write is one transaction, applied whole or not at all); but a caller
+    /// that retries an append whose answer it lost may append twice, as an add.
+    pub async fn append(&self, key: &str, value: &[u8]) -> Result<(), KvError> {
+        self.update(key, |current| {
+            let held = current.map_or(&[][..], |kv| &kv.value[..]);
+            if held.len() + value.len() > MAX_VALUE_LEN {
+                return Err(KvError::TooLong { key: key.to_string(), held: held.len(), adding: value.len() });
+            }
+            Ok((Some([held, value].concat()), ()))
         })
         .await
     }

@@ -320,6 +320,21 @@ async fn malformed_store_requests_are_refused_without_state_change() {
             ),
             ("empty key on get", op("js", "g1", Some(Op::Get(pb::StoreGet { key: String::new(), wait_ms: 10 })))),
             ("empty key on add", op("js", "g1", Some(Op::Add(pb::StoreAdd { key: String::new(), delta: 1 })))),
+            (
+                "empty key on append",
+                op("js", "g1", Some(Op::Append(pb::StoreAppend { key: String::new(), value: b"v".to_vec() }))),
+            ),
+            (
+                "oversized append",
+                op(
+                    "js",
+                    "g1",
+                    Some(Op::Append(pb::StoreAppend {
+                        key: "kept".into(),
+                        value: vec![0; cohort_coordinator::kv::MAX_VALUE_LEN + 1],
+                    })),
+                ),
+            ),
             ("empty key on delete", op("js", "g1", Some(Op::Delete(pb::StoreDelete { key: String::new() })))),
             ("no keys to check", op("js", "g1", Some(Op::Check(pb::StoreCheck { keys: vec![] })))),
             ("no keys to wait for", op("js", "g1", Some(Op::Wait(pb::StoreWait { keys: vec![], wait_ms: 10 })))),
@@ -334,7 +349,7 @@ async fn malformed_store_requests_are_refused_without_state_change() {
         }
         let after = (kv_snapshot().await, snapshot(backing.store.as_ref()).await);
         assert_eq!(before, after, "a refused StoreOp changed the store");
-        assert_eq!(server.metrics().rpc_count("StoreOp", Code::InvalidArgument), 16);
+        assert_eq!(server.metrics().rpc_count("StoreOp", Code::InvalidArgument), 18);
         server.shutdown().await.expect("shutdown");
     })
     .await;

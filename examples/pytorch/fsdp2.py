@@ -16,11 +16,15 @@ differs:
     python examples/pytorch/fsdp2.py --coordinator http://127.0.0.1:7470 --job fsdp --worker-id w0 &
     python examples/pytorch/fsdp2.py --coordinator http://127.0.0.1:7470 --job fsdp --worker-id w1
 
+    # torch's gloo, managed by cohort (cohort.torch.managed): the same, with --managed
+    python examples/pytorch/fsdp2.py --coordinator http://127.0.0.1:7470 --job fsdp --worker-id w0 --managed &
+
     # gloo, as torchrun would start it (a shared file as the rendezvous)
     python examples/pytorch/fsdp2.py --gloo /tmp/fsdp-init --rank 0 --world 2 &
     python examples/pytorch/fsdp2.py --gloo /tmp/fsdp-init --rank 1 --world 2
 
-Prints, on every rank, at the end (through ``cohort.events``):
+Prints, on every rank, at the end (through ``cohort.events``; B is ``cohort``, ``cohort_gloo``
+with ``--managed``, or ``gloo``):
     event=summary backend=B world=N replicas=R steps=S step_ms_median=T test_accuracy=A param_sha256=H t_ms=T
 where ``param_sha256`` hashes the full (unsharded) parameters, gathered with
 ``DTensor.full_tensor()``. Not elastic: a failure ends the run (sharded state is not a
@@ -53,8 +57,16 @@ def start(args: argparse.Namespace) -> tuple[int, int, str]:
 
     group = cohort.Group(cohort.GroupConfig(args.job, args.coordinator, args.worker_id))
     comm = group.next_generation()
-    cohort.torch.init_process_group(comm)
     args._cohort = (group, comm)
+    if args.managed:
+        from types import SimpleNamespace
+
+        import cohort.torch.managed
+
+        # torch's gloo for this generation's ranks, with cohort's membership and root cause.
+        cohort.torch.managed.init_process_group(SimpleNamespace(group=group, comm=comm))
+        return comm.rank, comm.size, cohort.torch.managed.BACKEND
+    cohort.torch.init_process_group(comm)
     return comm.rank, comm.size, "cohort"
 
 
@@ -72,6 +84,11 @@ def main() -> None:
     ap.add_argument("--job", default="fsdp")
     ap.add_argument("--worker-id")
     ap.add_argument("--gloo", metavar="INIT_FILE", help="run on gloo with this file as the rendezvous")
+    ap.add_argument(
+        "--managed",
+        action="store_true",
+        help="with --coordinator: on torch's gloo managed by cohort (cohort.torch.managed), not the cohort backend",
+    )
     ap.add_argument("--rank", type=int, default=0)
     ap.add_argument("--world", type=int, default=1)
     ap.add_argument("--epochs", type=int, default=1)

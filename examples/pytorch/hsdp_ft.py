@@ -36,10 +36,12 @@ The coordinator needs one job per replica group (S workers each) and the cross-r
 
 Prints ``event=step`` per step, ``event=generation`` per formation (``job=replica`` or
 ``job=cross``, with the live groups), and at the end:
-    event=finished gen=G rank=R step=S params_digest=H backend=cohort-hsdp replica=I
+    event=finished gen=G rank=R step=S params_digest=H backend=cohort-hsdp replica=I torch_backend=B
     test_accuracy=A step_ms_median=T longest_gap_ms=G replica_formations=.. cross_formations=..
     skipped_steps=.. replica_failures=.. t_ms=..
-where ``params_digest`` hashes the full (unsharded) parameters, gathered in the replica group.
+where ``params_digest`` hashes the full (unsharded) parameters, gathered in the replica group,
+and ``torch_backend`` names the replica group's world, FSDP2's backend: ``cohort``, or
+``cohort_gloo`` with ``--managed`` (torch's gloo, managed by cohort: cohort.torch.managed).
 """
 
 from __future__ import annotations
@@ -65,6 +67,11 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--save", metavar="PATH", help="save the full parameters here (torch.save, a list)")
+    ap.add_argument(
+        "--managed",
+        action="store_true",
+        help="FSDP2 on torch's gloo managed by cohort (cohort.torch.managed), not on the cohort backend",
+    )
     args = ap.parse_args()
     torch.set_num_threads(1)
 
@@ -92,7 +99,8 @@ def main() -> None:
     def train_step(net: torch.nn.Module, rows: torch.Tensor) -> None:
         torch.nn.functional.cross_entropy(net(xtr[rows]), ytr[rows]).backward()
 
-    trainer = cohort.hsdp.Trainer(args.job, args.coordinator, args.replica, args.worker_id, build)
+    backend = "gloo" if args.managed else "cohort"
+    trainer = cohort.hsdp.Trainer(args.job, args.coordinator, args.replica, args.worker_id, build, backend=backend)
     if not trainer.run(train_step, batch, args.steps):
         if trainer.outcome == "not-needed":
             emit("leave", gen=0, step=0, extra={"replica": args.replica, "reason": "spare-not-needed"})
@@ -116,6 +124,7 @@ def main() -> None:
         extra=dict(
             backend="cohort-hsdp",
             replica=args.replica,
+            torch_backend=torch.distributed.get_backend(),
             test_accuracy=f"{acc:.4f}",
             **{k: v for k, v in trainer.summary().items() if k != "steps"},
         ),

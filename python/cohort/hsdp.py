@@ -67,6 +67,7 @@ import io
 import statistics
 import sys
 import time
+from types import SimpleNamespace
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -121,7 +122,12 @@ class Trainer:
     """One rank of HSDP over cohort, with its replica group as the unit of failure (module docs).
 
     Joins the replica group's job in the constructor (blocks until the coordinator answers).
-    ``options`` are :class:`cohort.GroupConfig`'s keywords, used for both jobs.
+    ``options`` are :class:`cohort.GroupConfig`'s keywords, used for both jobs. ``backend``
+    is the replica group's ``torch.distributed`` world, over which FSDP2 runs: ``"cohort"``
+    (the cohort backend, :func:`cohort.torch.init_process_group`) or ``"gloo"`` (torch's own
+    gloo with cohort's membership, :func:`cohort.torch.managed.init_process_group`); the
+    cross-replica reduction, the vote and the state's sync run on cohort's communicators
+    either way.
 
     Attributes: ``step`` (steps taken), ``model`` and ``optimizer`` (from ``build``, rebuilt
     after a replica failure), ``comm`` (the replica group's communicator, the torch world),
@@ -138,10 +144,14 @@ class Trainer:
         build: Build,
         *,
         idle_limit: float = 120.0,
+        backend: str = "cohort",
         **options: Any,
     ) -> None:
         if replica < 0:
             raise ValueError("replica must be 0 or more")
+        if backend not in ("cohort", "gloo"):
+            raise ValueError(f'backend must be "cohort" or "gloo" (torch\'s gloo managed by cohort), not {backend!r}')
+        self.backend = backend
         self.job = job
         self.replica = replica
         self.worker_id = worker_id
@@ -307,7 +317,13 @@ class Trainer:
         if self.comm.rank != self._shard_index:
             self._checkpoint = Checkpoint()  # the commit held is another shard's: take this one from a live group
         self._shard_index = self.comm.rank
-        cohort_torch.init_process_group(self)
+        if self.backend == "gloo":
+            from cohort.torch import managed
+
+            # The managed group needs the job's group (its store) beside the generation.
+            managed.init_process_group(SimpleNamespace(group=self._replica_group, comm=self.comm))
+        else:
+            cohort_torch.init_process_group(self)
         mesh = init_device_mesh("cpu", (self.comm.size,))
         self.model, self.optimizer = self._build(mesh)
         # FSDP2 swaps unsharded tensors into the modules during forward and backward; these are

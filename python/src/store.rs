@@ -110,6 +110,13 @@ impl KeyValueStore {
         runtime::wait(py, self.store.add(key, delta))?.map_err(failed)
     }
 
+    /// Appends `value` to the bytes under `key` (absent: empty); concurrent appends are each
+    /// applied once.
+    fn append(&self, py: Python<'_>, key: &str, value: &Bound<'_, PyAny>) -> PyResult<()> {
+        let value = bytes_of("value", value)?;
+        runtime::wait(py, self.store.append(key, value))?.map_err(failed)
+    }
+
     /// torch's compare_set: writes `desired` if `key` holds `expected` (or is absent and
     /// `expected` is empty); returns the value stored now (`expected` for an absent key and a
     /// non-empty `expected`).

@@ -1,7 +1,8 @@
 """FSDP2 (``fully_shard`` on a one-dimensional DeviceMesh) and HSDP (on a two-dimensional one:
 replica groups of shard groups, subgroups of the generation on cohort) train to the same
-parameters on the "cohort" backend as on gloo: examples/pytorch/fsdp2.py, the same script, on
-real processes.
+parameters on the "cohort" backend, and HSDP on torch's gloo managed by cohort
+(cohort.torch.managed: its DeviceMesh dimensions are managed gloo groups), as on gloo:
+examples/pytorch/fsdp2.py, the same script, on real processes.
 Needs torch 2.x (the test command runs it under PyPI's torch; Debian's 1.13 has no FSDP2)."""
 
 import re
@@ -26,10 +27,11 @@ def summaries(workers, timeout=240):
     return out
 
 
-def gloo_then_cohort(coordinator_factory, spawn, tmp_path, world, job, *args):
-    """The example on gloo (file rendezvous), then on cohort (a coordinator of `world`), with the
-    same `args`: (gloo's summaries, cohort's). One after the other, so that the two runs do not
-    share the cores."""
+def gloo_then_cohort(coordinator_factory, spawn, tmp_path, world, job, *args, managed=False):
+    """The example on gloo (file rendezvous), then on cohort (a coordinator of `world`), and with
+    ``managed`` on torch's gloo managed by cohort (``--managed``: cohort.torch.managed), with the
+    same `args`: (gloo's summaries, cohort's and the managed group's). One after the other, so
+    that the runs do not share the cores."""
     gloo = [
         spawn(
             f"gloo-{r}",
@@ -46,24 +48,34 @@ def gloo_then_cohort(coordinator_factory, spawn, tmp_path, world, job, *args):
         for r in range(world)
     ]
     reference = summaries(gloo)
-    coord = coordinator_factory(world)
-    ours = [
-        spawn(
-            f"cohort-{r}",
-            [sys.executable, "-u", EXAMPLE],
-            "--coordinator",
-            coord.endpoint,
-            "--job",
-            job,
-            "--worker-id",
-            f"w{r}",
-            *args,
-            *STEPS,
+
+    def on_coordinator(name, *flags):
+        coord = coordinator_factory(world)
+        return summaries(
+            [
+                spawn(
+                    f"{name}-{r}",
+                    [sys.executable, "-u", EXAMPLE],
+                    "--coordinator",
+                    coord.endpoint,
+                    "--job",
+                    f"{job}-{name}",
+                    "--worker-id",
+                    f"w{r}",
+                    *flags,
+                    *args,
+                    *STEPS,
+                )
+                for r in range(world)
+            ]
         )
-        for r in range(world)
-    ]
-    got = summaries(ours)
+
+    got = on_coordinator("cohort")
     assert {s["backend"] for s in got} == {"cohort"} and {s["backend"] for s in reference} == {"gloo"}
+    if managed:
+        on_managed = on_coordinator("managed", "--managed")
+        assert {s["backend"] for s in on_managed} == {"cohort_gloo"}
+        got += on_managed
     assert all(s["steps"] == "12" and s["world"] == str(world) for s in got + reference)
     return reference, got
 
@@ -76,12 +88,14 @@ def test_fully_shard_on_cohort_matches_gloo_at_two_ranks(coordinator_factory, sp
     assert re.fullmatch(r"[0-9a-f]{16}", got[0]["param_sha256"])
 
 
-def test_hsdp_on_a_2d_mesh_on_cohort_matches_gloo_at_four_ranks(coordinator_factory, spawn, tmp_path):
+def test_hsdp_on_a_2d_mesh_on_cohort_and_managed_gloo_matches_gloo_at_four_ranks(coordinator_factory, spawn, tmp_path):
     """Two replica groups of two shards: the shard groups and the replica groups are cohort
     subgroups of one generation (each on its own channel over the generation's links), their
-    collectives in flight at once."""
+    collectives in flight at once. On the managed group (run here only: it covers FSDP2's
+    calls at 2 ranks too) they are gloo groups made per mesh dimension (torch's
+    ``new_group``) through the coordinator's store."""
     hsdp = ("--replicas", "2", "--hidden", "256")
-    reference, got = gloo_then_cohort(coordinator_factory, spawn, tmp_path, 4, "hsdp", *hsdp)
+    reference, got = gloo_then_cohort(coordinator_factory, spawn, tmp_path, 4, "hsdp", *hsdp, managed=True)
     assert {s["replicas"] for s in got + reference} == {"2"}
     # Every reduction combines two operands (two shards, then two replicas), so the order cannot
     # matter: bit-identical to gloo's on every rank.

@@ -60,7 +60,7 @@ def coordinator(tmp_path):
         c.stop()
 
 
-def start(spawn, coord, name: str, replica: int, *args: str):
+def start(spawn, coord, name: str, replica: int, *args: str, managed: bool = False):
     return spawn(
         name,
         [sys.executable, "-u", EXAMPLE],
@@ -73,6 +73,7 @@ def start(spawn, coord, name: str, replica: int, *args: str):
         "--steps",
         str(STEPS),
         *args,
+        *(["--managed"] if managed else []),
     )
 
 
@@ -83,13 +84,15 @@ def finished(worker) -> dict[str, str]:
     return done[0]
 
 
-def two_groups_and_a_spare(spawn, coordinator, tmp_path):
+def two_groups_and_a_spare(spawn, coordinator, tmp_path, managed=False):
     """Replica 0 (two ranks), replica 1 (two ranks) and a third process for replica 1 that waits
     as its spare (the job holds two): (group 0, replica 1's members, the spare), once replica 1
-    formed and every process joined."""
+    formed and every process joined. ``managed``: FSDP2 on torch's gloo managed by cohort."""
     coord = coordinator()
-    group0 = [start(spawn, coord, f"r0{w}", 0, "--save", str(tmp_path / f"r0{w}.pt")) for w in "ab"]
-    candidates = [start(spawn, coord, f"r1{w}", 1, "--save", str(tmp_path / f"r1{w}.pt")) for w in "abc"]
+    group0 = [start(spawn, coord, f"r0{w}", 0, "--save", str(tmp_path / f"r0{w}.pt"), managed=managed) for w in "ab"]
+    candidates = [
+        start(spawn, coord, f"r1{w}", 1, "--save", str(tmp_path / f"r1{w}.pt"), managed=managed) for w in "abc"
+    ]
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         members = [w for w in candidates if events(w, "generation")]
@@ -102,18 +105,40 @@ def two_groups_and_a_spare(spawn, coordinator, tmp_path):
     return group0, members, spare
 
 
-def test_a_killed_rank_stops_only_its_replica_group(spawn, coordinator, tmp_path):
-    # The fault-free reference: the same script, the same steps.
-    coord = coordinator()
-    names = [(r, f"ref{r}{w}") for r in (0, 1) for w in "ab"]
-    ref = [start(spawn, coord, name, r, "--save", str(tmp_path / f"{name}.pt")) for r, name in names]
-    reference = [finished(w) for w in ref]
-    assert {d["step"] for d in reference} == {str(STEPS)}
-    assert len({d["params_digest"] for d in reference}) == 1, reference
-    assert {d["replica_failures"] for d in reference} == {"0"} and {d["skipped_steps"] for d in reference} == {"0"}
-    coord.stop()
+_REFERENCE: dict = {}
 
-    group0, (victim, survivor), spare = two_groups_and_a_spare(spawn, coordinator, tmp_path)
+
+def fault_free_parameters(spawn, coordinator, tmp_path):
+    """The final parameters of a fault-free run (the same script, the same steps, on the cohort
+    backend), made once per session by the first test that asks."""
+    if "params" not in _REFERENCE:
+        coord = coordinator()
+        names = [(r, f"ref{r}{w}") for r in (0, 1) for w in "ab"]
+        ref = [start(spawn, coord, name, r, "--save", str(tmp_path / f"{name}.pt")) for r, name in names]
+        reference = [finished(w) for w in ref]
+        assert {d["step"] for d in reference} == {str(STEPS)}
+        assert len({d["params_digest"] for d in reference}) == 1, reference
+        assert {d["replica_failures"] for d in reference} == {"0"}
+        assert {d["skipped_steps"] for d in reference} == {"0"}
+        coord.stop()
+        _REFERENCE["params"] = torch.load(tmp_path / "ref0a.pt")
+    return _REFERENCE["params"]
+
+
+def test_a_killed_rank_stops_only_its_replica_group(spawn, coordinator, tmp_path):
+    a_killed_rank_stops_only_its_replica_group(spawn, coordinator, tmp_path, managed=False)
+
+
+def test_on_managed_gloo_a_killed_rank_stops_only_its_replica_group(spawn, coordinator, tmp_path):
+    """The same, with FSDP2 on torch's own gloo managed by cohort (cohort.torch.managed): the
+    rank is killed while its replica group's FSDP2 collectives run on gloo; the survivor's error
+    names it (cohort's root cause, not gloo's "Connection closed")."""
+    a_killed_rank_stops_only_its_replica_group(spawn, coordinator, tmp_path, managed=True)
+
+
+def a_killed_rank_stops_only_its_replica_group(spawn, coordinator, tmp_path, managed):
+    want = fault_free_parameters(spawn, coordinator, tmp_path)
+    group0, (victim, survivor), spare = two_groups_and_a_spare(spawn, coordinator, tmp_path, managed=managed)
     victim.wait_for_line(rf"^event=step .* step={KILL_AT} ", timeout=120)
     victim.kill()
     killed_ms = time.time() * 1000
@@ -122,8 +147,9 @@ def test_a_killed_rank_stops_only_its_replica_group(spawn, coordinator, tmp_path
     done1 = [finished(w) for w in (survivor, spare)]
     assert victim.wait(timeout=10) != 0
 
-    # Every rank ends at the same step with the same parameters.
+    # Every rank ends at the same step with the same parameters, FSDP2 on the backend asked for.
     assert {d["step"] for d in done0 + done1} == {str(STEPS)}
+    assert {d["torch_backend"] for d in done0 + done1} == {"cohort_gloo" if managed else "cohort"}, done0 + done1
     assert len({d["params_digest"] for d in done0 + done1}) == 1, done0 + done1
     # Replica 0 never stopped: no failure, its one replica generation, at most the step in
     # flight skipped, and it trained alone while replica 1 was out, then beside it again.
@@ -139,7 +165,12 @@ def test_a_killed_rank_stops_only_its_replica_group(spawn, coordinator, tmp_path
     # The survivor saw its group fail, naming the victim; it and the spare re-formed replica 1.
     errors = events(survivor, "error")
     assert len(errors) == 1 and errors[0]["phase"] == "replica", survivor.output()
-    assert victim.name in survivor.output().split("event=error", 1)[1].splitlines()[0]
+    line = survivor.output().split("event=error", 1)[1].splitlines()[0]
+    assert victim.name in line, line
+    if managed:
+        # FSDP2's gloo call failed ("Connection reset"): reported through cohort, whose probe
+        # named the dead process; the root cause is the coordinator's, not gloo's.
+        assert re.search(rf"root cause: rank \d+ \(worker {victim.name} ", line), line
     assert done1[0]["replica_failures"] == "1" and done1[0]["replica_formations"] == "2"
     # The spare joined at a step boundary with the live group's state (it never started at 0).
     first = int(events(spare, "step")[0]["step"])
@@ -156,7 +187,6 @@ def test_a_killed_rank_stops_only_its_replica_group(spawn, coordinator, tmp_path
 
     # The same 64 samples every step, averaged over 4 ranks or over 2: the parameters equal the
     # fault-free run's up to float rounding (the sums are associated differently).
-    want = torch.load(tmp_path / "ref0a.pt")
     got = torch.load(tmp_path / "r0a.pt")
     worst = max((a - b).abs().max().item() for a, b in zip(want, got))
     scale = max(a.abs().max().item() for a in want)
@@ -243,3 +273,10 @@ def test_a_group_failed_near_the_end_stops_cleanly_when_the_others_finish_first(
         assert "has ended" not in "\n".join(line for line in w.output().splitlines() if "Error" in line), w.output()
     leaves = [e for e in events(survivor, "leave") if e.get("reason") == "finished-without-this-group"]
     assert leaves, survivor.output()
+
+
+def test_a_backend_other_than_cohort_or_gloo_is_refused_before_joining():
+    import cohort.hsdp
+
+    with pytest.raises(ValueError, match='backend must be "cohort" or "gloo"'):
+        cohort.hsdp.Trainer("hsdp", "http://127.0.0.1:9", 0, "w", build=None, backend="nccl")

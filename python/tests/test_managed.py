@@ -4,9 +4,13 @@ replacement ends with the fault-free run's parameters, bit for bit, and the surv
 names the dead rank (the coordinator's root cause, not gloo's "Connection closed"); misuse is
 refused; a revoked generation's calls raise its root cause. Runs under torch 1.13 and 2.x."""
 
+import json
 import re
+import signal
 import sys
+import time
 
+import pytest
 from conftest import import_torch
 from test_training import EXAMPLE, run_job, summary
 
@@ -60,3 +64,127 @@ def test_misuse_is_refused_and_a_revoked_generation_raises_its_root_cause(coordi
     assert "ok gloo all_reduce backend=cohort_gloo" in out, out
     assert "ok after revocation" in out and "declared failed" in out, out
     assert out.rstrip().endswith("done"), out
+
+
+# -- worlds of three ranks (python/tests/workers/managed_world.py: DDP on a small model) -------
+
+WORLD = 3
+STEPS = "30"
+HOLD_AT = "10"
+
+
+def world_events(worker, kind):
+    lines = worker.output().splitlines()
+    return [e for e in (json.loads(line) for line in lines if line.startswith("{")) if e["event"] == kind]
+
+
+def world_job(coordinator_factory, spawn, job, *, hold=False, spare=False):
+    """A job of WORLD ranks (the coordinator holds exactly WORLD) on the managed gloo group;
+    with ``hold``, w1 blocks at step HOLD_AT in its first generation (after its forward pass,
+    so that the others wait for it inside DDP's allreduce) until its stdin is closed; with
+    ``spare``, a fourth process waits to replace a lost rank. (the coordinator, the workers)."""
+    coord = coordinator_factory(WORLD, WORLD)
+    names = [f"w{i}" for i in range(WORLD + (1 if spare else 0))]
+    workers = []
+    for name in names:
+        held = hold and name == "w1"
+        extra = ("--hold-at", HOLD_AT) if held else ()
+        workers.append(
+            spawn(
+                f"{job}-{name}",
+                "managed_world.py",
+                coord.endpoint,
+                job,
+                name,
+                "--steps",
+                STEPS,
+                *extra,
+                stdin=held,
+            )
+        )
+        if name == f"w{WORLD - 1}" and spare:
+            # The spare joins once the first generation formed without it.
+            workers[0].wait_for_line(r'"event": "generation"', timeout=120)
+    return coord, workers
+
+
+def done(worker, timeout=180):
+    assert worker.wait(timeout=timeout) == 0, worker.output()
+    (d,) = world_events(worker, "done")
+    return d
+
+
+@pytest.fixture(scope="module")
+def fault_free():
+    """The fault-free run's final parameters (computed once, by the first test that needs it)."""
+    return {}
+
+
+def reference(coordinator_factory, spawn, fault_free):
+    if "sha256" not in fault_free:
+        _, workers = world_job(coordinator_factory, spawn, "world-clean")
+        finals = [done(w) for w in workers]
+        assert {d["steps"] for d in finals} == {int(STEPS)} and {d["formations"] for d in finals} == {1}, finals
+        assert len({d["sha256"] for d in finals}) == 1, finals
+        fault_free["sha256"] = finals[0]["sha256"]
+    return fault_free["sha256"]
+
+
+def survivors_name_w1_and_finish_with(survivors, victim_rank, sha256, classes):
+    for w in survivors:
+        w.wait_for_line(r'"event": "error"', timeout=60)
+        err = world_events(w, "error")[0]
+        assert err["cls"] in classes, err
+        assert err["cause_worker"] == "w1" and err["cause_rank"] == victim_rank, err
+        assert f"rank {victim_rank} (worker w1" in err["cause"], err
+    finals = [done(w) for w in survivors]
+    # Restored to the last commit, re-formed at 3 ranks with the spare, trained on: the
+    # fault-free run's parameters, bit for bit, on every rank.
+    assert {d["sha256"] for d in finals} == {sha256}, finals
+    assert {d["steps"] for d in finals} == {int(STEPS)} and {d["size"] for d in finals} == {WORLD}, finals
+
+
+def test_three_ranks_on_managed_gloo_survive_a_kill_mid_allreduce(coordinator_factory, spawn, fault_free):
+    sha256 = reference(coordinator_factory, spawn, fault_free)
+    _, workers = world_job(coordinator_factory, spawn, "world-kill", hold=True, spare=True)
+    victim = workers[1]
+    held = json.loads(victim.wait_for_line(r'^\{"event": "holding".*$', timeout=120).group(0))
+    victim.kill()
+    survivors = [w for w in workers if w is not victim]
+    # The two live ranks were in the allreduce: gloo's "Connection closed" reported through
+    # cohort, whose probe names the dead process; the spare was not in the generation.
+    survivors_name_w1_and_finish_with(survivors[:2], held["rank"], sha256, ("PeerFailedError", "RevokedError"))
+    assert done(survivors[2])["formations"] == 1  # the spare: one formation, the re-formed one
+
+
+def test_a_stopped_rank_on_managed_gloo_is_caught_at_its_lease_and_named(coordinator_factory, spawn, fault_free):
+    """SIGSTOP: the stopped rank's process holds its gloo sockets open, so gloo never fails;
+    its heartbeats stop, its lease (3 s) lapses, the coordinator revokes the generation naming
+    it, and the managed watchdog aborts the others' allreduce. SIGCONT afterwards: the stopped
+    process finds its generation gone and ends cleanly."""
+    sha256 = reference(coordinator_factory, spawn, fault_free)
+    _, workers = world_job(coordinator_factory, spawn, "world-stop", hold=True, spare=True)
+    victim = workers[1]
+    held = json.loads(victim.wait_for_line(r'^\{"event": "holding".*$', timeout=120).group(0))
+    victim.signal(signal.SIGSTOP)
+    stopped = time.monotonic()
+    survivors = [w for w in workers if w is not victim]
+    try:
+        for w in survivors[:2]:
+            w.wait_for_line(r'"event": "error"', timeout=30)
+        caught = time.monotonic() - stopped
+        # Caught at the lease (3 s), not at gloo's or the watchdog's bound (30 minutes): the
+        # coordinator's verdict, the same on both survivors.
+        assert caught < 15, caught
+        for w in survivors[:2]:
+            assert "lease expired" in world_events(w, "error")[0]["cause"], w.output()
+        print(f"the stopped rank was caught {caught:.1f} s after SIGSTOP (lease 3 s)")
+        survivors_name_w1_and_finish_with(survivors[:2], held["rank"], sha256, ("RevokedError", "PeerFailedError"))
+        assert done(survivors[2])["formations"] == 1
+    finally:
+        victim.signal(signal.SIGCONT)
+        victim.process.stdin.close()
+    # Let go, the stopped process learns that its generation is over and ends (re-forming into a
+    # job that finished without it), bounded.
+    assert victim.wait(timeout=60) == 0, victim.output()
+    assert not world_events(victim, "done"), victim.output()

@@ -85,6 +85,49 @@ def test_every_operation(secured):
     s.wait(["a"], datetime.timedelta(seconds=1))
 
 
+def test_append_multi_get_and_multi_set(secured):
+    """torch 2.x's extended Store API: append (one compare-and-swap at the coordinator),
+    multi_get (waits for every key), multi_set; through torch's own PrefixStore where torch
+    forwards them (torch 2.x), and its bad input refused with nothing written."""
+    coord, credential = secured
+    s = store(coord, credential, timeout=datetime.timedelta(seconds=20))
+    assert s.has_extended_api()
+    s.append("log", b"ab")  # an absent key counts as empty
+    s.append("log", "cd")
+    assert s.get("log") == b"abcd"
+    s.multi_set(["m1", "m2", "m3"], [b"one", "two", [116, 104, 114, 101, 101]])
+    assert s.multi_get(["m3", "m1", "m2"]) == [b"three", b"one", b"two"]
+    assert s.multi_get([]) == [] and s.num_keys() == 4
+    if hasattr(dist.PrefixStore, "multi_get"):  # torch 2.x forwards these to a Python store
+        prefixed = dist.PrefixStore("p", s)
+        assert prefixed.has_extended_api()
+        prefixed.append("x", b"1")
+        prefixed.append("x", b"2")
+        prefixed.multi_set(["y", "z"], ["Y", "Z"])
+        assert prefixed.multi_get(["x", "y", "z"]) == [b"12", b"Y", b"Z"]
+        assert s.get("p/x") == b"12"
+    held = s.num_keys()
+
+    # Bad input: refused, and nothing written (multi_set checks every entry first).
+    for call, error in (
+        (lambda: s.append("", b"v"), InvalidArgumentError),
+        (lambda: s.append("log", b"x" * (1024 * 1024 - 3)), InvalidArgumentError),  # past 1 MiB with "abcd"
+        (lambda: s.multi_set(["n1", "n2"], [b"v"]), InvalidArgumentError),
+        (lambda: s.multi_set(["n1", ""], [b"v", b"w"]), InvalidArgumentError),
+        (lambda: s.multi_set(["n1", "n2"], [b"v", b"x" * (1024 * 1024 + 1)]), InvalidArgumentError),
+        (lambda: s.multi_set(["n1", "n2"], [b"v", 7]), InvalidArgumentError),
+        (lambda: s.multi_set(["n1", "n2"], [b"v", [256]]), InvalidArgumentError),
+    ):
+        with pytest.raises(error) as info:
+            call()
+        assert isinstance(info.value, ValueError), info.value
+    assert s.get("log") == b"abcd" and s.num_keys() == held and not s.check(["n1"])
+    # A multi_get of a key that never comes runs out with torch's store error.
+    s.set_timeout(datetime.timedelta(milliseconds=300))
+    with pytest.raises(timeout_error()):
+        s.multi_get(["m1", "never"])
+
+
 def test_waits_run_out_with_torchs_store_error(secured):
     coord, credential = secured
     s = store(coord, credential, timeout=datetime.timedelta(milliseconds=300))

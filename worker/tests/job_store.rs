@@ -141,6 +141,28 @@ async fn every_operation(backend: Backend) {
     }
     assert_eq!(kv.add("count", 0).await.expect("read by add 0"), 60);
 
+    // append: to an absent key (empty), then to what it holds; concurrent appends each once.
+    kv.append("log", b"ab".to_vec()).await.expect("append to an absent key");
+    kv.append("log", b"cd".to_vec()).await.expect("append");
+    kv.append("log", Vec::new()).await.expect("append nothing");
+    assert_eq!(kv.try_get("log").await.expect("get").as_deref(), Some(&b"abcd"[..]));
+    let appenders = (0..4u8).map(|i| {
+        let kv = kv.clone();
+        tokio::spawn(async move {
+            for _ in 0..5 {
+                kv.append("same", vec![b'x']).await.expect("concurrent append");
+                kv.append("mixed", vec![b'0' + i]).await.expect("concurrent append");
+            }
+        })
+    });
+    for a in futures::future::join_all(appenders).await {
+        a.expect("appender");
+    }
+    assert_eq!(kv.try_get("same").await.expect("get"), Some(vec![b'x'; 20]), "equal appends are not merged");
+    let mut mixed = kv.try_get("mixed").await.expect("get").expect("mixed");
+    mixed.sort_unstable();
+    assert_eq!(mixed, b"00000111112222233333", "each append once");
+
     // compare_set, as torch's TCPStore answers it.
     assert_eq!(kv.compare_set("cs", b"x".to_vec(), b"y".to_vec()).await.expect("cas"), b"x", "absent, expected x");
     assert_eq!(kv.try_get("cs").await.expect("get"), None, "nothing written");
@@ -216,6 +238,16 @@ async fn bad_input(backend: Backend) {
     let m = invalid(kv.set("big", vec![0; MAX_VALUE_LEN + 1]).await, "oversized value");
     assert!(m.contains("1 MiB"), "{m}");
     invalid(kv.compare_set("kept", Vec::new(), vec![0; MAX_VALUE_LEN + 1]).await.map(drop), "oversized desired");
+    invalid(kv.append("", b"v".to_vec()).await, "empty key on append");
+    invalid(kv.append("big", vec![0; MAX_VALUE_LEN + 1]).await, "oversized append");
+    // An append that would pass the value bound is refused whole: the key keeps its value.
+    kv.append("kept", vec![1; MAX_VALUE_LEN - 2]).await.expect("an append up to 1 byte short of the bound");
+    let m = invalid(kv.append("kept", b"xy".to_vec()).await, "an append past the value bound");
+    assert!(m.contains("value bound") && m.contains("nothing written"), "{m}");
+    kv.append("kept", b"z".to_vec()).await.expect("an append to exactly the bound");
+    let kept = kv.try_get("kept").await.expect("get").expect("kept");
+    assert_eq!((kept.len(), &kept[..1], kept[kept.len() - 1]), (MAX_VALUE_LEN, &b"v"[..], b'z'));
+    kv.set("kept", b"v".to_vec()).await.expect("set back");
     invalid(kv.get(&long, Duration::ZERO).await.map(drop), "long key on get");
     invalid(kv.add("", 1).await.map(drop), "empty key on add");
     invalid(kv.delete("").await.map(drop), "empty key on delete");

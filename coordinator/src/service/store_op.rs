@@ -16,7 +16,7 @@ impl From<KvError> for Status {
             KvError::NotAnInteger { .. } | KvError::Overflow { .. } | KvError::Ended { .. } => {
                 Status::failed_precondition(e.to_string())
             }
-            KvError::TooManyKeys { .. } => Status::invalid_argument(e.to_string()),
+            KvError::TooManyKeys { .. } | KvError::TooLong { .. } => Status::invalid_argument(e.to_string()),
             KvError::Contended { .. } => Status::aborted(e.to_string()),
         }
     }
@@ -48,6 +48,10 @@ impl CoordinatorService {
             }
             Op::Get(g) => validate::store_key("key", &g.key)?,
             Op::Add(a) => validate::store_key("key", &a.key)?,
+            Op::Append(a) => {
+                validate::store_key("key", &a.key)?;
+                validate::store_value("value", &a.value)?;
+            }
             Op::CompareSet(c) => {
                 validate::store_key("key", &c.key)?;
                 validate::store_value("expected", &c.expected)?;
@@ -73,6 +77,10 @@ impl CoordinatorService {
                 pb::StoreResponse { found: value.is_some(), value: value.unwrap_or_default(), number: 0 }
             }
             Op::Add(a) => pb::StoreResponse { number: kv.add(&a.key, a.delta).await?, ..Default::default() },
+            Op::Append(a) => {
+                kv.append(&a.key, &a.value).await?;
+                pb::StoreResponse::default()
+            }
             Op::CompareSet(c) => pb::StoreResponse {
                 value: kv.compare_set(&c.key, &c.expected, &c.desired).await?,
                 ..Default::default()

@@ -299,6 +299,7 @@ class _Generation:
 _generation: Optional[_Generation] = None
 _source: Any = None
 _timeout: float = 1800.0
+_store: Optional[Store] = None
 _inits: dict[int, int] = {}
 
 
@@ -388,21 +389,42 @@ class ManagedBackend(_Base):  # type: ignore[misc, valid-type]
         call = gen.start(name, result)
         if call is None:
             assert gen.error is not None
+            # Raised inside torch's C++ (DDP's autograd hook), it comes out as a RuntimeError
+            # quoting it: recorded, so that cohort.collective_failure finds it there.
+            _handed_on(gen.error)
             raise gen.error
         try:
             work = start()
         except BaseException:
             call.finish(None)  # nothing in flight; the argument error is gloo's own
             raise
-        gloo_future = work.get_future()
+
+        def failed(e: BaseException) -> None:
+            if not call.done:
+                reason = f"torch gloo: {name}: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+                threading.Thread(target=gen.report, args=(reason,), daemon=True).start()
+
+        try:
+            gloo_future = work.get_future()
+        except RuntimeError:
+            # Some of gloo's Works have no future ("Work::getFuture not implemented": torch
+            # 2.15's reduce_scatter_tensor, which FSDP2 calls each step): a thread waits for it.
+            def wait() -> None:
+                try:
+                    work.wait()
+                except Exception as e:  # noqa: BLE001 - reported through cohort
+                    failed(e)
+                    return
+                call.finish(None, result)
+
+            threading.Thread(target=wait, name=f"cohort-managed-{name}", daemon=True).start()
+            return _work(call.fut, call.outcome)
 
         def done(f: Future) -> None:
             try:
                 value = f.value()
             except Exception as e:  # noqa: BLE001 - reported through cohort, off gloo's thread
-                if not call.done:
-                    reason = f"torch gloo: {name}: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
-                    threading.Thread(target=gen.report, args=(reason,), daemon=True).start()
+                failed(e)
                 return
             call.finish(None, result if result is not None else value)
 
@@ -439,7 +461,7 @@ class ManagedBackend(_Base):  # type: ignore[misc, valid-type]
         opts = opts if opts is not None else dist.AllgatherOptions()
         return self._run(
             "allgather_into_tensor_coalesced",
-            lambda: self._inner.allgather_into_tensor_coalesced(outputs, inputs, opts),
+            lambda: self._inner.all_gather_single_coalesced(outputs, inputs, opts),  # gloo's Python name
             outputs,
         )
 
@@ -463,7 +485,7 @@ class ManagedBackend(_Base):  # type: ignore[misc, valid-type]
         opts = opts if opts is not None else dist.ReduceScatterOptions()
         return self._run(
             "reduce_scatter_tensor_coalesced",
-            lambda: self._inner.reduce_scatter_tensor_coalesced(outputs, inputs, opts),
+            lambda: self._inner.reduce_scatter_single_coalesced(outputs, inputs, opts),  # gloo's Python name
             outputs,
         )
 
@@ -547,8 +569,10 @@ def _register() -> None:
 
 def init_process_group(source: Any, backend: str = "gloo", *, timeout: Optional[float] = None) -> Any:
     """Makes torch's ``backend`` (``"gloo"``) for the current generation of ``source`` (an
-    elastic state: :class:`cohort.elastic.State`, whose ``group`` and ``comm`` it uses) the
-    default ``torch.distributed`` group, replacing any earlier one, and returns it.
+    elastic state: :class:`cohort.elastic.State`, whose ``group`` and ``comm`` it uses; or any
+    object with those two, a :class:`cohort.Group` and its current communicator, as
+    :mod:`cohort.hsdp` and examples/pytorch/fsdp2.py pass) the default ``torch.distributed``
+    group, replacing any earlier one, and returns it.
 
     Every rank of the generation calls it (it rendezvouses through the coordinator's store, in
     a scope of the generation's own). ``timeout`` (seconds) bounds each call in flight (the
@@ -557,7 +581,7 @@ def init_process_group(source: Any, backend: str = "gloo", *, timeout: Optional[
     stopped one is caught by cohort (its report, or its lease) at once. Call it again after
     every re-formation (a reset callback), and wrap the model in a new DDP.
     """
-    global _generation, _source, _timeout
+    global _generation, _source, _timeout, _store
     if backend == "nccl":
         from cohort.torch import nccl
 
@@ -595,6 +619,10 @@ def init_process_group(source: Any, backend: str = "gloo", *, timeout: Optional[
     _inits.clear()
     _inits[comm.generation] = k + 1
     store = Store.from_config(config, scope=f"managed.g{comm.generation}.{k}", timeout=STORE_TIMEOUT)
+    # Kept alive here: torch holds only the C++ half of a Store subclass, and a group made
+    # later from it (new_group, a DeviceMesh dimension) would find its Python methods gone
+    # ("Not implemented") once this object was collected.
+    _store = store
     dist.init_process_group(
         BACKEND,
         store=store,

@@ -8,7 +8,9 @@ any coordinator replica::
     store = cohort.torch.Store("job-7", "http://coord-a:7470,http://coord-b:7470", token=token, scope="g3")
     dist.init_process_group("nccl", store=store, rank=rank, world_size=world)
 
-Keys are the job's, under ``scope`` (a namespace such as the generation, ``[A-Za-z0-9._-]``);
+It implements torch's ``Store`` (set, get, add, compare_set, check, delete_key, num_keys,
+wait) and torch 2.x's extended API (append, multi_get, multi_set; ``has_extended_api`` is
+True). Keys are the job's, under ``scope`` (a namespace such as the generation, ``[A-Za-z0-9._-]``);
 they are authenticated with the job's credential and deleted when the job ends. Bounds (the
 coordinator's): keys of 1 to 1,024 bytes, values up to 1 MiB, 65,536 keys per job; a call past
 them raises :class:`cohort.errors.InvalidArgumentError` (a ``ValueError``) and changes nothing.
@@ -22,6 +24,7 @@ from typing import Any, Optional, Sequence, Union
 import torch
 
 from cohort._native import KeyValueStore
+from cohort.errors import InvalidArgumentError
 
 __all__ = ["Store", "DEFAULT_TIMEOUT"]
 
@@ -37,6 +40,37 @@ def _timeout_error(message: str) -> Exception:
     torch's class allows it."""
     error: Any = getattr(torch.distributed, "DistStoreError", RuntimeError)
     return error(message)
+
+
+MAX_KEY_LEN = 1024
+"""The longest key, in bytes (the coordinator's bound)."""
+
+MAX_VALUE_LEN = 1 << 20
+"""The largest value, in bytes (the coordinator's bound: 1 MiB)."""
+
+
+def _check_entry(key: Any, value: Any) -> None:
+    """A key and value within the coordinator's bounds, checked before a multi-key write
+    starts, so that a bad entry refuses the whole call rather than what follows it."""
+    if not isinstance(key, str):
+        raise InvalidArgumentError(f"multi_set: a key must be a str, not {type(key).__name__}")
+    if not 1 <= len(key.encode()) <= MAX_KEY_LEN or "\0" in key:
+        raise InvalidArgumentError(
+            f"multi_set: key {key[:40]!r}{'...' if len(key) > 40 else ''} must be 1 to {MAX_KEY_LEN} bytes, no NUL"
+        )
+    if isinstance(value, str):
+        value = value.encode()
+    elif isinstance(value, (list, tuple, memoryview)):
+        try:
+            value = bytes(value)  # a list of byte values, as torch's own stores take
+        except (TypeError, ValueError):
+            raise InvalidArgumentError(f"multi_set: value of key {key!r} is not a sequence of bytes") from None
+    elif not isinstance(value, (bytes, bytearray)):
+        raise InvalidArgumentError(f"multi_set: value of key {key!r} must be bytes or str, not {type(value).__name__}")
+    if len(value) > MAX_VALUE_LEN:
+        raise InvalidArgumentError(
+            f"multi_set: value of key {key!r} is {len(value)} bytes (at most 1 MiB, {MAX_VALUE_LEN} bytes)"
+        )
 
 
 def _seconds(timeout: Any) -> float:
@@ -125,6 +159,47 @@ class Store(_C10D.Store):  # type: ignore[misc]
     def add(self, key: str, value: int) -> int:
         """Adds ``value`` to the integer under ``key`` (absent: 0); returns the sum."""
         return self._kv.add(key, int(value))
+
+    def append(self, key: str, value: Union[bytes, str]) -> None:
+        """Appends ``value`` to the bytes under ``key`` (an absent key counts as empty), in one
+        compare-and-swap at the coordinator: concurrent appends are each applied once. A result
+        past the value bound (1 MiB) is refused and nothing is written."""
+        self._kv.append(key, value)
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        """The values of ``keys``, in order, waiting for all of them up to the store's timeout
+        (then torch's store timeout error), as ``TCPStore.multi_get``. One wait, then one read
+        per key (not a snapshot: a key rewritten meanwhile is read as it is then)."""
+        keys = list(keys)
+        if not keys:
+            return []
+        self.wait(keys)
+        values = []
+        for key in keys:
+            value = self._kv.get(key, 0.0)
+            if value is None:
+                raise _timeout_error(f"cohort store: key {key!r} was deleted while multi_get read it (job {self.job})")
+            values.append(value)
+        return values
+
+    def multi_set(self, keys: list[str], values: list[Union[bytes, str]]) -> None:
+        """Writes ``values[i]`` under ``keys[i]``, in order: one call per key, so not atomic as a
+        whole (a reader may see the first keys before the last). ``keys`` and ``values`` of
+        different lengths raise :class:`cohort.errors.InvalidArgumentError` before anything is
+        written, as does a key or value out of bounds (checked here first: nothing written)."""
+        keys, values = list(keys), list(values)
+        if len(keys) != len(values):
+            raise InvalidArgumentError(f"multi_set: {len(keys)} keys but {len(values)} values")
+        for key, value in zip(keys, values):
+            _check_entry(key, value)
+        for key, value in zip(keys, values):
+            self._kv.set(key, value)
+
+    def has_extended_api(self) -> bool:
+        """True: ``append``, ``multi_get`` and ``multi_set`` are implemented (torch's
+        ``PrefixStore`` forwards them to this store). ``queue_push``, ``queue_pop`` and
+        ``queue_len`` are not: torch 2.x does not forward them to a Python store."""
+        return True
 
     def compare_set(self, key: str, expected: Union[bytes, str], desired: Union[bytes, str]) -> bytes:
         """Writes ``desired`` if ``key`` holds ``expected`` (or is absent and ``expected`` is

@@ -85,6 +85,15 @@ impl JobStore {
         Ok(self.op(Op::Add(StoreAdd { key: key.into(), delta })).await?.number)
     }
 
+    /// Appends `value` to the bytes under `key` (absent: empty); concurrent appends are each
+    /// applied once. A result past the coordinator's value bound (1 MiB) is refused.
+    ///
+    /// # Cancel safety
+    /// As [`ControlClient::store_op`]: an append whose answer was lost may have been applied.
+    pub async fn append(&self, key: &str, value: Vec<u8>) -> Result<(), ControlError> {
+        self.op(Op::Append(StoreAppend { key: key.into(), value })).await.map(|_| ())
+    }
+
     /// torch's compare_set: writes `desired` if `key` holds `expected` (or is absent and
     /// `expected` is empty); answers the value stored now (or `expected` for an absent key
     /// and a non-empty `expected`).
