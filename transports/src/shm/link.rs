@@ -69,7 +69,18 @@ pub(crate) struct ShmLink {
     writer: tokio::sync::Mutex<u64>,
     /// The consumer's tail of `rx`.
     reader: tokio::sync::Mutex<u64>,
+    /// What [`ShmLink::note_cpu`] last published (encoded; 0: nothing yet).
+    cpu_noted: AtomicU32,
 }
+
+/// Longest tight spin of a small receive ([`ShmLink::spin_tight`]), within the busy-poll
+/// window: long enough to cover the peer's side of a small collective step, short enough
+/// that the rest of the task (a concurrent send) and of the thread wait no longer than a
+/// scheduler tick would make them.
+const TIGHT_SPIN: Duration = Duration::from_micros(20);
+
+/// Looks at the ring between two readings of the clock in a tight spin.
+const TIGHT_LOOKS: u32 = 32;
 
 /// What the link needs besides its rings.
 pub(crate) struct LinkParams {
@@ -120,6 +131,7 @@ impl ShmLink {
             sock,
             writer: tokio::sync::Mutex::new(0),
             reader: tokio::sync::Mutex::new(0),
+            cpu_noted: AtomicU32::new(0),
         })
     }
 
@@ -151,10 +163,11 @@ impl ShmLink {
     /// on this side (as the producer of `tx`, as the consumer of `rx`), if it changed.
     fn note_cpu(&self) {
         let mine = spin::encode_cpu(spin::this_cpu());
-        for word in [self.tx.producer_cpu(), self.rx.consumer_cpu()] {
-            if word.load(Ordering::Relaxed) != mine {
-                word.store(mine, Ordering::Relaxed);
-            }
+        // The link's own copy of what it last published: the shared words are read only by
+        // the peer, so a wait on an unchanged CPU touches no shared line here.
+        if self.cpu_noted.swap(mine, Ordering::Relaxed) != mine {
+            self.tx.producer_cpu().store(mine, Ordering::Relaxed);
+            self.rx.consumer_cpu().store(mine, Ordering::Relaxed);
         }
     }
 
@@ -183,23 +196,55 @@ impl ShmLink {
         &self,
         seq: u32,
         learn: bool,
+        tight: bool,
         flag: &AtomicU32,
         peer_cpu: &AtomicU32,
         mut ready: impl FnMut() -> Result<bool, String>,
     ) -> Result<(), TransportError> {
-        let started = Instant::now();
         self.note_cpu();
-        let learned = |r: Result<(), TransportError>| {
-            if learn && r.is_ok() {
-                self.core.progress.observe(seq, started.elapsed());
-            }
-            r
-        };
         let mut ready = || ready().map_err(|e| self.core.fail_protocol(e));
         if ready()? {
-            return learned(Ok(()));
+            // Found at the first look: a wait of no length (the clock is not read on this path).
+            if learn {
+                self.core.progress.observe(seq, Duration::ZERO);
+            }
+            return Ok(());
         }
-        learned(self.wait_long(seq, started, flag, peer_cpu, &mut ready).await)
+        let started = Instant::now();
+        let r = self.wait_long(seq, started, tight, flag, peer_cpu, &mut ready).await;
+        if learn && r.is_ok() {
+            self.core.progress.observe(seq, started.elapsed());
+        }
+        r
+    }
+
+    /// The tight spin of a small receive ([`TIGHT_SPIN`]): looks at the ring between single
+    /// `pause`s without leaving the task, until `ready`, the link breaks, or the window ends
+    /// (`Ok(false)`). Only when the peer runs on another CPU and the host is not
+    /// oversubscribed ([`spin::spin_or_yield`]): otherwise the peer may need this CPU.
+    fn spin_tight(
+        &self,
+        started: Instant,
+        peer_cpu: &AtomicU32,
+        ready: &mut impl FnMut() -> Result<bool, TransportError>,
+    ) -> Result<bool, TransportError> {
+        let window = self.busy_poll.min(TIGHT_SPIN);
+        let peer = spin::decode_cpu(peer_cpu.load(Ordering::Relaxed));
+        if window.is_zero() || spin::spin_or_yield(self.oversubscribed, peer, spin::this_cpu()) != spin::Turn::Spin {
+            return Ok(false);
+        }
+        loop {
+            for _ in 0..TIGHT_LOOKS {
+                if ready()? {
+                    return Ok(true);
+                }
+                std::hint::spin_loop();
+            }
+            self.core.check()?;
+            if started.elapsed() >= window {
+                return Ok(false);
+            }
+        }
     }
 
     /// [`ShmLink::wait`] once the first look found nothing.
@@ -207,10 +252,14 @@ impl ShmLink {
         &self,
         seq: u32,
         started: Instant,
+        tight: bool,
         flag: &AtomicU32,
         peer_cpu: &AtomicU32,
         ready: &mut impl FnMut() -> Result<bool, TransportError>,
     ) -> Result<(), TransportError> {
+        if tight && self.spin_tight(started, peer_cpu, ready)? {
+            return Ok(());
+        }
         if !self.busy_poll.is_zero() {
             loop {
                 self.core.check()?;
@@ -339,10 +388,12 @@ impl ShmLink {
 
     /// Waits for slot `t` of the incoming ring (for operation `seq`) and returns its
     /// validated header.
-    async fn next_header(&self, seq: u32, t: u64) -> Result<SlotHeader, TransportError> {
+    async fn next_header(&self, seq: u32, t: u64, tight: bool) -> Result<SlotHeader, TransportError> {
         let (ring, slots) = (self.rx, u64::from(self.rx.slots()));
-        self.wait(seq, true, ring.consumer_sleeping(), ring.producer_cpu(), || protocol::filled(ring.head(), t, slots))
-            .await?;
+        self.wait(seq, true, tight, ring.consumer_sleeping(), ring.producer_cpu(), || {
+            protocol::filled(ring.head(), t, slots)
+        })
+        .await?;
         let h = SlotHeader::decode(&ring.read_header(t), self.generation, self.max_message, ring.capacity())
             .map_err(|e| self.core.fail_protocol(e))?;
         self.core.progress.saw(h.tag.seq);
@@ -368,12 +419,11 @@ impl ShmLink {
             *tail += 1;
             protocol::release(ring.tail(), *tail);
             self.wake_peer(ring.producer_sleeping());
-            self.note_cpu();
             let done = (off + n) as u64;
             if done >= h.total {
                 return Ok(());
             }
-            let next = self.next_header(h.tag.seq, *tail).await?;
+            let next = self.next_header(h.tag.seq, *tail, false).await?;
             if next.kind != KIND_CONT || next.tag != h.tag || next.total != h.total || next.offset != done {
                 return Err(self.core.fail_protocol(format!(
                     "slot {} does not continue message seq {} step {} at offset {done} (got kind {} seq {} step {} offset {})",
@@ -400,7 +450,7 @@ impl links::Link for ShmLink {
         let mut offset = 0usize;
         loop {
             let h = *head;
-            self.wait(tag.seq, false, ring.producer_sleeping(), ring.consumer_cpu(), || {
+            self.wait(tag.seq, false, false, ring.producer_sleeping(), ring.consumer_cpu(), || {
                 protocol::room(ring.tail(), h, slots)
             })
             .await?;
@@ -417,7 +467,6 @@ impl links::Link for ShmLink {
             *head = h + 1;
             protocol::publish(ring.head(), h + 1);
             self.wake_peer(ring.consumer_sleeping());
-            self.note_cpu();
             offset += chunk;
             if offset >= data.len() {
                 break;
@@ -464,8 +513,10 @@ impl ShmLink {
             return Ok(());
         };
         let mut poison = Poison::arm(&self.core);
+        // A receive of one slot or less spins tightly first: its message is one hand-off away.
+        let tight = len <= self.rx.capacity();
         loop {
-            let h = self.next_header(tag.seq, *tail).await?;
+            let h = self.next_header(tag.seq, *tail, tight).await?;
             if h.kind != KIND_FIRST {
                 return Err(self
                     .core
