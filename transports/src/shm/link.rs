@@ -29,6 +29,7 @@
 //! Anything the peer wrote into shared memory is validated before use (see [`super::ring`]);
 //! a violation fails the link with a protocol error.
 
+use super::lane::{self, LaneHeader, LANE_MAX};
 use super::protocol::{self, raise_sleeping, take_sleeper};
 use super::ring::{Ring, SlotHeader, KIND_CONT, KIND_FIRST};
 use super::segment::Mapping;
@@ -67,10 +68,45 @@ pub(crate) struct ShmLink {
     sock: UnixStream,
     /// The producer's head of `tx` (the truth; the shared copy is for the peer).
     writer: tokio::sync::Mutex<u64>,
-    /// The consumer's tail of `rx`.
-    reader: tokio::sync::Mutex<u64>,
+    /// The producer's count of `tx`'s lane.
+    lane_writer: tokio::sync::Mutex<LaneWriter>,
+    /// The consumer's counts of `rx` (ring and lane).
+    reader: tokio::sync::Mutex<Reader>,
     /// What [`ShmLink::note_cpu`] last published (encoded; 0: nothing yet).
     cpu_noted: AtomicU32,
+}
+
+/// The producer's side of the outgoing lane ([`super::lane`]).
+#[derive(Default)]
+struct LaneWriter {
+    /// Lane messages written.
+    next: u64,
+    /// The consumer's count of lane messages consumed, as last seen (validated).
+    consumed: u64,
+}
+
+/// The consumer's side of the incoming ring and lane.
+struct Reader {
+    /// Ring slots consumed.
+    tail: u64,
+    /// Lane messages consumed.
+    lane: u64,
+    /// Where a lane message is unpacked ([`LANE_MAX`] bytes, allocated once).
+    unpacked: Box<[u8]>,
+}
+
+impl Default for Reader {
+    fn default() -> Self {
+        Self { tail: 0, lane: 0, unpacked: vec![0u8; LANE_MAX].into_boxed_slice() }
+    }
+}
+
+/// What arrived first on the incoming ring or lane.
+enum Next {
+    /// The first slot of a ring message, header validated.
+    Ring(SlotHeader),
+    /// A whole lane message, header validated.
+    Lane(LaneHeader),
 }
 
 /// Longest tight spin of a small receive ([`ShmLink::spin_tight`]), within the busy-poll
@@ -130,7 +166,8 @@ impl ShmLink {
             rx,
             sock,
             writer: tokio::sync::Mutex::new(0),
-            reader: tokio::sync::Mutex::new(0),
+            lane_writer: tokio::sync::Mutex::new(LaneWriter::default()),
+            reader: tokio::sync::Mutex::new(Reader::default()),
             cpu_noted: AtomicU32::new(0),
         })
     }
@@ -386,11 +423,11 @@ impl ShmLink {
         }
     }
 
-    /// Waits for slot `t` of the incoming ring (for operation `seq`) and returns its
-    /// validated header.
-    async fn next_header(&self, seq: u32, t: u64, tight: bool) -> Result<SlotHeader, TransportError> {
+    /// Waits for slot `t` of the incoming ring (for operation `seq`: a continuation of the
+    /// message being read) and returns its validated header.
+    async fn next_header(&self, seq: u32, t: u64) -> Result<SlotHeader, TransportError> {
         let (ring, slots) = (self.rx, u64::from(self.rx.slots()));
-        self.wait(seq, true, tight, ring.consumer_sleeping(), ring.producer_cpu(), || {
+        self.wait(seq, true, false, ring.consumer_sleeping(), ring.producer_cpu(), || {
             protocol::filled(ring.head(), t, slots)
         })
         .await?;
@@ -398,6 +435,65 @@ impl ShmLink {
             .map_err(|e| self.core.fail_protocol(e))?;
         self.core.progress.saw(h.tag.seq);
         Ok(h)
+    }
+
+    /// Waits for the next message on either the incoming lane or the ring (whichever shows
+    /// one first; both are looked at on every turn of the wait), for operation `seq`.
+    async fn next_arrival(&self, seq: u32, r: &Reader, tight: bool) -> Result<Next, TransportError> {
+        let (ring, slots) = (self.rx, u64::from(self.rx.slots()));
+        let (generation, max) = (self.generation, self.max_message);
+        let mut on_lane = None;
+        self.wait(seq, true, tight, ring.consumer_sleeping(), ring.producer_cpu(), || {
+            on_lane = lane::look(ring.lane_cell(r.lane), r.lane, generation, max)?;
+            Ok(on_lane.is_some() || protocol::filled(ring.head(), r.tail, slots)?)
+        })
+        .await?;
+        if let Some(h) = on_lane {
+            self.core.progress.saw(h.tag.seq);
+            return Ok(Next::Lane(h));
+        }
+        let h = SlotHeader::decode(&ring.read_header(r.tail), self.generation, self.max_message, ring.capacity())
+            .map_err(|e| self.core.fail_protocol(e))?;
+        self.core.progress.saw(h.tag.seq);
+        Ok(Next::Ring(h))
+    }
+
+    /// Hands lane message `r.lane` (found whole, `h`) to `put` as one piece, then gives its
+    /// cell back.
+    fn take_lane(&self, r: &mut Reader, h: LaneHeader, put: impl FnOnce(&[u8])) -> Result<(), TransportError> {
+        let ring = self.rx;
+        let bytes = &mut r.unpacked[..h.len];
+        lane::read(ring.lane_cell(r.lane), r.lane, bytes).map_err(|e| self.core.fail_protocol(e))?;
+        r.lane += 1;
+        protocol::release(ring.lane_tail(), r.lane);
+        self.wake_peer(ring.producer_sleeping());
+        put(&r.unpacked[..h.len]);
+        Ok(())
+    }
+
+    /// Sends a message of at most [`LANE_MAX`] bytes on the lane.
+    async fn send_lane(&self, tag: Tag, data: &[u8]) -> Result<(), TransportError> {
+        let mut w = match self.lane_writer.try_lock() {
+            Ok(w) => w,
+            Err(_) => self.lane_writer.lock().await,
+        };
+        self.core.check()?;
+        let (ring, cells) = (self.tx, u64::from(lane::LANE_CELLS));
+        let n = w.next;
+        if n.wrapping_sub(w.consumed) >= cells {
+            let mut consumed = w.consumed;
+            self.wait(tag.seq, false, false, ring.producer_sleeping(), ring.consumer_cpu(), || {
+                consumed = protocol::consumed(ring.lane_tail(), n, cells)?;
+                Ok(n.wrapping_sub(consumed) < cells)
+            })
+            .await?;
+            w.consumed = consumed;
+        }
+        // No await from here on: the message is written whole or not at all.
+        lane::write(ring.lane_cell(n), n, self.generation, tag, data);
+        w.next = n + 1;
+        self.wake_peer(ring.consumer_sleeping());
+        Ok(())
     }
 
     /// Hands the message whose first slot (at `*tail`) is `first` to `put`, slot by slot and
@@ -423,7 +519,7 @@ impl ShmLink {
             if done >= h.total {
                 return Ok(());
             }
-            let next = self.next_header(h.tag.seq, *tail, false).await?;
+            let next = self.next_header(h.tag.seq, *tail).await?;
             if next.kind != KIND_CONT || next.tag != h.tag || next.total != h.total || next.offset != done {
                 return Err(self.core.fail_protocol(format!(
                     "slot {} does not continue message seq {} step {} at offset {done} (got kind {} seq {} step {} offset {})",
@@ -443,6 +539,9 @@ impl links::Link for ShmLink {
     /// Sends one message, slot by slot.
     async fn send(&self, tag: Tag, data: &[u8]) -> Result<(), TransportError> {
         self.core.check()?;
+        if data.len() <= LANE_MAX {
+            return self.send_lane(tag, data).await;
+        }
         let mut head = self.writer.lock().await;
         self.core.check()?;
         let mut poison = Poison::arm(&self.core);
@@ -508,31 +607,49 @@ impl ShmLink {
         mut put: impl FnMut(usize, &[u8]) + Send,
     ) -> Result<(), TransportError> {
         let _waiting = self.core.register(tag.seq);
-        let Some(mut tail) = self.core.reader_or_stashed_with(&self.reader, tag, len, |data| put(0, data)).await?
+        let Some(mut reader) = self.core.reader_or_stashed_with(&self.reader, tag, len, |data| put(0, data)).await?
         else {
             return Ok(());
         };
+        let r = &mut *reader;
         let mut poison = Poison::arm(&self.core);
         // A receive of one slot or less spins tightly first: its message is one hand-off away.
         let tight = len <= self.rx.capacity();
         loop {
-            let h = self.next_header(tag.seq, *tail, tight).await?;
-            if h.kind != KIND_FIRST {
-                return Err(self
-                    .core
-                    .fail_protocol(format!("slot {} continues a message where a new one should start", *tail)));
-            }
-            match self.core.arrived(tag, len, h.tag, h.total)? {
-                Arrival::Wanted => {
-                    self.fold_message(&mut tail, h, &mut put).await?;
-                    poison.disarm();
-                    return Ok(());
-                }
-                Arrival::Early(early) => {
-                    let mut data = vec![0u8; early];
-                    let mut copy = |off: usize, bytes: &[u8]| data[off..off + bytes.len()].copy_from_slice(bytes);
-                    self.fold_message(&mut tail, h, &mut copy).await?;
-                    self.core.stash(h.tag, data);
+            match self.next_arrival(tag.seq, r, tight).await? {
+                Next::Lane(h) => match self.core.arrived(tag, len, h.tag, h.len as u64)? {
+                    Arrival::Wanted => {
+                        self.take_lane(r, h, |bytes| put(0, bytes))?;
+                        poison.disarm();
+                        return Ok(());
+                    }
+                    Arrival::Early(early) => {
+                        let mut data = vec![0u8; early];
+                        self.take_lane(r, h, |bytes| data.copy_from_slice(bytes))?;
+                        self.core.stash(h.tag, data);
+                    }
+                },
+                Next::Ring(h) => {
+                    if h.kind != KIND_FIRST {
+                        return Err(self.core.fail_protocol(format!(
+                            "slot {} continues a message where a new one should start",
+                            r.tail
+                        )));
+                    }
+                    match self.core.arrived(tag, len, h.tag, h.total)? {
+                        Arrival::Wanted => {
+                            self.fold_message(&mut r.tail, h, &mut put).await?;
+                            poison.disarm();
+                            return Ok(());
+                        }
+                        Arrival::Early(early) => {
+                            let mut data = vec![0u8; early];
+                            let mut copy =
+                                |off: usize, bytes: &[u8]| data[off..off + bytes.len()].copy_from_slice(bytes);
+                            self.fold_message(&mut r.tail, h, &mut copy).await?;
+                            self.core.stash(h.tag, data);
+                        }
+                    }
                 }
             }
         }
