@@ -4,6 +4,7 @@
 
 use crate::{AbortReason, TransportError};
 use std::future::Future;
+use std::task::Poll;
 use tokio::sync::watch;
 
 /// Holds the reason of the first abort, if any.
@@ -49,12 +50,25 @@ impl AbortLatch {
         if let Some(r) = self.reason() {
             return Err(TransportError::Aborted(r));
         }
-        let mut rx = self.rx.clone();
-        let result = tokio::select! {
-            biased;
-            _ = rx.wait_for(Option::is_some) => Err(TransportError::Aborted(AbortReason::new("aborted"))),
-            r = op => r,
+        let mut op = std::pin::pin!(op);
+        // Most operations of a small message finish at their first poll: that poll needs no
+        // subscription to the latch (it was not tripped above, and an abort cannot interrupt
+        // a poll in progress anyway).
+        let first = std::future::poll_fn(|cx| Poll::Ready(op.as_mut().poll(cx))).await;
+        let result = match first {
+            Poll::Ready(r) => r,
+            Poll::Pending => {
+                let mut rx = self.rx.clone();
+                tokio::select! {
+                    biased;
+                    _ = rx.wait_for(Option::is_some) => Err(TransportError::Aborted(AbortReason::new("aborted"))),
+                    r = &mut op => r,
+                }
+            }
         };
+        if result.is_ok() {
+            return result;
+        }
         match (result, self.reason()) {
             (Err(_), Some(reason)) => Err(TransportError::Aborted(reason)),
             (r, _) => r,

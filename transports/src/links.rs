@@ -256,6 +256,15 @@ impl LinkCore {
         len: usize,
         mut deliver: impl FnMut(&[u8]),
     ) -> Result<Option<tokio::sync::MutexGuard<'a, T>>, TransportError> {
+        self.check()?;
+        // The usual case: no other receive holds the reader. Then the stash is looked at
+        // once, after taking it, as the loop below does after its wait.
+        if let Ok(guard) = reader.try_lock() {
+            if let Some(f) = self.take_stashed(tag) {
+                return self.deliver_stashed(tag, f, len, &mut deliver).map(|()| None);
+            }
+            return Ok(Some(guard));
+        }
         let guard = loop {
             self.check()?;
             let changed = self.changed.notified();

@@ -743,7 +743,13 @@ impl<T: Transport> Communicator<T> {
                 sig: started.sig,
                 seg: started.seg,
             };
-            drive(self.config.op_timeout, body(ctx, &mut self.scratch)).instrument(started.span.clone()).await
+            // The schedule's future is large (it holds every schedule's state and, through
+            // them, the transports' send and receive futures, the TCP link's among them) and
+            // every async call above would move it by value: one box here keeps the
+            // collective's outer futures small. Measured on an 8-byte allreduce over the
+            // elastic mesh: the moves took 12-15% of a rank's time (docs/benchmarks-journal.md,
+            // "The smallest messages").
+            drive(self.config.op_timeout, Box::pin(body(ctx, &mut self.scratch))).instrument(started.span.clone()).await
         };
         self.finish(started, res)
     }

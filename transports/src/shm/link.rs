@@ -29,6 +29,7 @@
 //! Anything the peer wrote into shared memory is validated before use (see [`super::ring`]);
 //! a violation fails the link with a protocol error.
 
+use super::lane::{self, LaneHeader, LANE_MAX};
 use super::protocol::{self, raise_sleeping, take_sleeper};
 use super::ring::{Ring, SlotHeader, KIND_CONT, KIND_FIRST};
 use super::segment::Mapping;
@@ -67,9 +68,55 @@ pub(crate) struct ShmLink {
     sock: UnixStream,
     /// The producer's head of `tx` (the truth; the shared copy is for the peer).
     writer: tokio::sync::Mutex<u64>,
-    /// The consumer's tail of `rx`.
-    reader: tokio::sync::Mutex<u64>,
+    /// The producer's count of `tx`'s lane.
+    lane_writer: tokio::sync::Mutex<LaneWriter>,
+    /// The consumer's counts of `rx` (ring and lane).
+    reader: tokio::sync::Mutex<Reader>,
+    /// What [`ShmLink::note_cpu`] last published (encoded; 0: nothing yet).
+    cpu_noted: AtomicU32,
 }
+
+/// The producer's side of the outgoing lane ([`super::lane`]).
+#[derive(Default)]
+struct LaneWriter {
+    /// Lane messages written.
+    next: u64,
+    /// The consumer's count of lane messages consumed, as last seen (validated).
+    consumed: u64,
+}
+
+/// The consumer's side of the incoming ring and lane.
+struct Reader {
+    /// Ring slots consumed.
+    tail: u64,
+    /// Lane messages consumed.
+    lane: u64,
+    /// Where a lane message is unpacked ([`LANE_MAX`] bytes, allocated once).
+    unpacked: Box<[u8]>,
+}
+
+impl Default for Reader {
+    fn default() -> Self {
+        Self { tail: 0, lane: 0, unpacked: vec![0u8; LANE_MAX].into_boxed_slice() }
+    }
+}
+
+/// What arrived first on the incoming ring or lane.
+enum Next {
+    /// The first slot of a ring message, header validated.
+    Ring(SlotHeader),
+    /// A whole lane message, header validated.
+    Lane(LaneHeader),
+}
+
+/// Longest tight spin of a small receive ([`ShmLink::spin_tight`]), within the busy-poll
+/// window: long enough to cover the peer's side of a small collective step, short enough
+/// that the rest of the task (a concurrent send) and of the thread wait no longer than a
+/// scheduler tick would make them.
+const TIGHT_SPIN: Duration = Duration::from_micros(20);
+
+/// Looks at the ring between two readings of the clock in a tight spin.
+const TIGHT_LOOKS: u32 = 32;
 
 /// What the link needs besides its rings.
 pub(crate) struct LinkParams {
@@ -119,7 +166,9 @@ impl ShmLink {
             rx,
             sock,
             writer: tokio::sync::Mutex::new(0),
-            reader: tokio::sync::Mutex::new(0),
+            lane_writer: tokio::sync::Mutex::new(LaneWriter::default()),
+            reader: tokio::sync::Mutex::new(Reader::default()),
+            cpu_noted: AtomicU32::new(0),
         })
     }
 
@@ -151,10 +200,11 @@ impl ShmLink {
     /// on this side (as the producer of `tx`, as the consumer of `rx`), if it changed.
     fn note_cpu(&self) {
         let mine = spin::encode_cpu(spin::this_cpu());
-        for word in [self.tx.producer_cpu(), self.rx.consumer_cpu()] {
-            if word.load(Ordering::Relaxed) != mine {
-                word.store(mine, Ordering::Relaxed);
-            }
+        // The link's own copy of what it last published: the shared words are read only by
+        // the peer, so a wait on an unchanged CPU touches no shared line here.
+        if self.cpu_noted.swap(mine, Ordering::Relaxed) != mine {
+            self.tx.producer_cpu().store(mine, Ordering::Relaxed);
+            self.rx.consumer_cpu().store(mine, Ordering::Relaxed);
         }
     }
 
@@ -183,23 +233,55 @@ impl ShmLink {
         &self,
         seq: u32,
         learn: bool,
+        tight: bool,
         flag: &AtomicU32,
         peer_cpu: &AtomicU32,
         mut ready: impl FnMut() -> Result<bool, String>,
     ) -> Result<(), TransportError> {
-        let started = Instant::now();
         self.note_cpu();
-        let learned = |r: Result<(), TransportError>| {
-            if learn && r.is_ok() {
-                self.core.progress.observe(seq, started.elapsed());
-            }
-            r
-        };
         let mut ready = || ready().map_err(|e| self.core.fail_protocol(e));
         if ready()? {
-            return learned(Ok(()));
+            // Found at the first look: a wait of no length (the clock is not read on this path).
+            if learn {
+                self.core.progress.observe(seq, Duration::ZERO);
+            }
+            return Ok(());
         }
-        learned(self.wait_long(seq, started, flag, peer_cpu, &mut ready).await)
+        let started = Instant::now();
+        let r = self.wait_long(seq, started, tight, flag, peer_cpu, &mut ready).await;
+        if learn && r.is_ok() {
+            self.core.progress.observe(seq, started.elapsed());
+        }
+        r
+    }
+
+    /// The tight spin of a small receive ([`TIGHT_SPIN`]): looks at the ring between single
+    /// `pause`s without leaving the task, until `ready`, the link breaks, or the window ends
+    /// (`Ok(false)`). Only when the peer runs on another CPU and the host is not
+    /// oversubscribed ([`spin::spin_or_yield`]): otherwise the peer may need this CPU.
+    fn spin_tight(
+        &self,
+        started: Instant,
+        peer_cpu: &AtomicU32,
+        ready: &mut impl FnMut() -> Result<bool, TransportError>,
+    ) -> Result<bool, TransportError> {
+        let window = self.busy_poll.min(TIGHT_SPIN);
+        let peer = spin::decode_cpu(peer_cpu.load(Ordering::Relaxed));
+        if window.is_zero() || spin::spin_or_yield(self.oversubscribed, peer, spin::this_cpu()) != spin::Turn::Spin {
+            return Ok(false);
+        }
+        loop {
+            for _ in 0..TIGHT_LOOKS {
+                if ready()? {
+                    return Ok(true);
+                }
+                std::hint::spin_loop();
+            }
+            self.core.check()?;
+            if started.elapsed() >= window {
+                return Ok(false);
+            }
+        }
     }
 
     /// [`ShmLink::wait`] once the first look found nothing.
@@ -207,10 +289,14 @@ impl ShmLink {
         &self,
         seq: u32,
         started: Instant,
+        tight: bool,
         flag: &AtomicU32,
         peer_cpu: &AtomicU32,
         ready: &mut impl FnMut() -> Result<bool, TransportError>,
     ) -> Result<(), TransportError> {
+        if tight && self.spin_tight(started, peer_cpu, ready)? {
+            return Ok(());
+        }
         if !self.busy_poll.is_zero() {
             loop {
                 self.core.check()?;
@@ -337,16 +423,77 @@ impl ShmLink {
         }
     }
 
-    /// Waits for slot `t` of the incoming ring (for operation `seq`) and returns its
-    /// validated header.
+    /// Waits for slot `t` of the incoming ring (for operation `seq`: a continuation of the
+    /// message being read) and returns its validated header.
     async fn next_header(&self, seq: u32, t: u64) -> Result<SlotHeader, TransportError> {
         let (ring, slots) = (self.rx, u64::from(self.rx.slots()));
-        self.wait(seq, true, ring.consumer_sleeping(), ring.producer_cpu(), || protocol::filled(ring.head(), t, slots))
-            .await?;
+        self.wait(seq, true, false, ring.consumer_sleeping(), ring.producer_cpu(), || {
+            protocol::filled(ring.head(), t, slots)
+        })
+        .await?;
         let h = SlotHeader::decode(&ring.read_header(t), self.generation, self.max_message, ring.capacity())
             .map_err(|e| self.core.fail_protocol(e))?;
         self.core.progress.saw(h.tag.seq);
         Ok(h)
+    }
+
+    /// Waits for the next message on either the incoming lane or the ring (whichever shows
+    /// one first; both are looked at on every turn of the wait), for operation `seq`.
+    async fn next_arrival(&self, seq: u32, r: &Reader, tight: bool) -> Result<Next, TransportError> {
+        let (ring, slots) = (self.rx, u64::from(self.rx.slots()));
+        let (generation, max) = (self.generation, self.max_message);
+        let mut on_lane = None;
+        self.wait(seq, true, tight, ring.consumer_sleeping(), ring.producer_cpu(), || {
+            on_lane = lane::look(ring.lane_cell(r.lane), r.lane, generation, max)?;
+            Ok(on_lane.is_some() || protocol::filled(ring.head(), r.tail, slots)?)
+        })
+        .await?;
+        if let Some(h) = on_lane {
+            self.core.progress.saw(h.tag.seq);
+            return Ok(Next::Lane(h));
+        }
+        let h = SlotHeader::decode(&ring.read_header(r.tail), self.generation, self.max_message, ring.capacity())
+            .map_err(|e| self.core.fail_protocol(e))?;
+        self.core.progress.saw(h.tag.seq);
+        Ok(Next::Ring(h))
+    }
+
+    /// Hands lane message `r.lane` (found whole, `h`) to `put` as one piece, then gives its
+    /// cell back.
+    fn take_lane(&self, r: &mut Reader, h: LaneHeader, put: impl FnOnce(&[u8])) -> Result<(), TransportError> {
+        let ring = self.rx;
+        let bytes = &mut r.unpacked[..h.len];
+        lane::read(ring.lane_cell(r.lane), r.lane, bytes).map_err(|e| self.core.fail_protocol(e))?;
+        r.lane += 1;
+        protocol::release(ring.lane_tail(), r.lane);
+        self.wake_peer(ring.producer_sleeping());
+        put(&r.unpacked[..h.len]);
+        Ok(())
+    }
+
+    /// Sends a message of at most [`LANE_MAX`] bytes on the lane.
+    async fn send_lane(&self, tag: Tag, data: &[u8]) -> Result<(), TransportError> {
+        let mut w = match self.lane_writer.try_lock() {
+            Ok(w) => w,
+            Err(_) => self.lane_writer.lock().await,
+        };
+        self.core.check()?;
+        let (ring, cells) = (self.tx, u64::from(lane::LANE_CELLS));
+        let n = w.next;
+        if n.wrapping_sub(w.consumed) >= cells {
+            let mut consumed = w.consumed;
+            self.wait(tag.seq, false, false, ring.producer_sleeping(), ring.consumer_cpu(), || {
+                consumed = protocol::consumed(ring.lane_tail(), n, cells)?;
+                Ok(n.wrapping_sub(consumed) < cells)
+            })
+            .await?;
+            w.consumed = consumed;
+        }
+        // No await from here on: the message is written whole or not at all.
+        lane::write(ring.lane_cell(n), n, self.generation, tag, data);
+        w.next = n + 1;
+        self.wake_peer(ring.consumer_sleeping());
+        Ok(())
     }
 
     /// Hands the message whose first slot (at `*tail`) is `first` to `put`, slot by slot and
@@ -368,7 +515,6 @@ impl ShmLink {
             *tail += 1;
             protocol::release(ring.tail(), *tail);
             self.wake_peer(ring.producer_sleeping());
-            self.note_cpu();
             let done = (off + n) as u64;
             if done >= h.total {
                 return Ok(());
@@ -393,6 +539,9 @@ impl links::Link for ShmLink {
     /// Sends one message, slot by slot.
     async fn send(&self, tag: Tag, data: &[u8]) -> Result<(), TransportError> {
         self.core.check()?;
+        if data.len() <= LANE_MAX {
+            return self.send_lane(tag, data).await;
+        }
         let mut head = self.writer.lock().await;
         self.core.check()?;
         let mut poison = Poison::arm(&self.core);
@@ -400,7 +549,7 @@ impl links::Link for ShmLink {
         let mut offset = 0usize;
         loop {
             let h = *head;
-            self.wait(tag.seq, false, ring.producer_sleeping(), ring.consumer_cpu(), || {
+            self.wait(tag.seq, false, false, ring.producer_sleeping(), ring.consumer_cpu(), || {
                 protocol::room(ring.tail(), h, slots)
             })
             .await?;
@@ -417,7 +566,6 @@ impl links::Link for ShmLink {
             *head = h + 1;
             protocol::publish(ring.head(), h + 1);
             self.wake_peer(ring.consumer_sleeping());
-            self.note_cpu();
             offset += chunk;
             if offset >= data.len() {
                 break;
@@ -459,29 +607,49 @@ impl ShmLink {
         mut put: impl FnMut(usize, &[u8]) + Send,
     ) -> Result<(), TransportError> {
         let _waiting = self.core.register(tag.seq);
-        let Some(mut tail) = self.core.reader_or_stashed_with(&self.reader, tag, len, |data| put(0, data)).await?
+        let Some(mut reader) = self.core.reader_or_stashed_with(&self.reader, tag, len, |data| put(0, data)).await?
         else {
             return Ok(());
         };
+        let r = &mut *reader;
         let mut poison = Poison::arm(&self.core);
+        // A receive of one slot or less spins tightly first: its message is one hand-off away.
+        let tight = len <= self.rx.capacity();
         loop {
-            let h = self.next_header(tag.seq, *tail).await?;
-            if h.kind != KIND_FIRST {
-                return Err(self
-                    .core
-                    .fail_protocol(format!("slot {} continues a message where a new one should start", *tail)));
-            }
-            match self.core.arrived(tag, len, h.tag, h.total)? {
-                Arrival::Wanted => {
-                    self.fold_message(&mut tail, h, &mut put).await?;
-                    poison.disarm();
-                    return Ok(());
-                }
-                Arrival::Early(early) => {
-                    let mut data = vec![0u8; early];
-                    let mut copy = |off: usize, bytes: &[u8]| data[off..off + bytes.len()].copy_from_slice(bytes);
-                    self.fold_message(&mut tail, h, &mut copy).await?;
-                    self.core.stash(h.tag, data);
+            match self.next_arrival(tag.seq, r, tight).await? {
+                Next::Lane(h) => match self.core.arrived(tag, len, h.tag, h.len as u64)? {
+                    Arrival::Wanted => {
+                        self.take_lane(r, h, |bytes| put(0, bytes))?;
+                        poison.disarm();
+                        return Ok(());
+                    }
+                    Arrival::Early(early) => {
+                        let mut data = vec![0u8; early];
+                        self.take_lane(r, h, |bytes| data.copy_from_slice(bytes))?;
+                        self.core.stash(h.tag, data);
+                    }
+                },
+                Next::Ring(h) => {
+                    if h.kind != KIND_FIRST {
+                        return Err(self.core.fail_protocol(format!(
+                            "slot {} continues a message where a new one should start",
+                            r.tail
+                        )));
+                    }
+                    match self.core.arrived(tag, len, h.tag, h.total)? {
+                        Arrival::Wanted => {
+                            self.fold_message(&mut r.tail, h, &mut put).await?;
+                            poison.disarm();
+                            return Ok(());
+                        }
+                        Arrival::Early(early) => {
+                            let mut data = vec![0u8; early];
+                            let mut copy =
+                                |off: usize, bytes: &[u8]| data[off..off + bytes.len()].copy_from_slice(bytes);
+                            self.fold_message(&mut r.tail, h, &mut copy).await?;
+                            self.core.stash(h.tag, data);
+                        }
+                    }
                 }
             }
         }

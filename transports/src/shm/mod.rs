@@ -6,7 +6,12 @@
 //! slots, one per direction ([`ring`]). A message is copied into the sender's ring slot by
 //! slot and out of it straight into the receiver's buffer; messages larger than a slot are
 //! pipelined, so the receiver copies (or a collective reduces) one chunk while the next is
-//! being written. Small messages fit in one slot beside their header.
+//! being written. Messages of up to [`LANE_MAX`] bytes take the small-message lane instead
+//! (`lane.rs`): cells of 8-byte words, each 4 bytes of the message beside a 4-byte flag
+//! (NCCL's LL protocol), so the receiver polls the message itself and an 8-byte message is
+//! one cache line from the sender's core to its own, with no counter to publish or read. The
+//! receiver looks at both the lane and the ring while it waits; a receive of one slot or less
+//! first spins tightly (no return to the runtime between looks) for a few microseconds.
 //!
 //! Beside the segment each pair keeps a connected Unix stream socket. It carries the set-up
 //! (the TCP transport's authenticated handshake, then the memfd itself with `SCM_RIGHTS`; see
@@ -36,6 +41,7 @@
 //! the link with [`TransportError::Protocol`]. Received segments must carry seals against
 //! shrinking (else a peer could truncate the file under the mapping and make accesses fault).
 
+pub(crate) mod lane;
 mod link;
 mod model;
 mod protocol;
@@ -53,6 +59,7 @@ use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tracing::Instrument;
 
+pub use lane::LANE_MAX;
 pub use setup::{
     decode_descriptor, encode_descriptor, DESC_LEN, MAX_SEGMENT_BYTES, MAX_SLOTS, MAX_SLOT_BYTES, MIN_SLOTS,
     MIN_SLOT_BYTES,
@@ -490,7 +497,37 @@ mod tests {
         // "Rank 0" moves the tail of rank 1's outgoing ring (it consumes that ring).
         let (_, rx) = t0.links.get(1).unwrap().rings();
         rx.tail().store(77, Ordering::SeqCst);
-        let e = t1.send(0, Tag::new(0, 0, 0), &[1u8; 100]).await.unwrap_err();
+        let e = t1.send(0, Tag::new(0, 0, 0), &[1u8; LANE_MAX + 100]).await.unwrap_err();
         assert!(matches!(&e, TransportError::Protocol { peer: 0, detail } if detail.contains("tail")), "{e:?}");
+    }
+
+    #[tokio::test]
+    async fn a_lane_tail_beyond_the_count_fails_the_sender() {
+        let (t0, t1) = pair(6).await;
+        let (_, rx) = t0.links.get(1).unwrap().rings();
+        rx.lane_tail().store(77, Ordering::SeqCst);
+        // The sender looks at the consumer's count only when its cells run out.
+        for step in 0..lane::LANE_CELLS {
+            t1.send(0, Tag::new(0, step, 0), &[1u8; 8]).await.unwrap();
+        }
+        let e = t1.send(0, Tag::new(0, 99, 0), &[1u8; 8]).await.unwrap_err();
+        assert!(matches!(&e, TransportError::Protocol { peer: 0, detail } if detail.contains("tail")), "{e:?}");
+    }
+
+    #[tokio::test]
+    async fn garbage_in_a_lane_cell_is_a_protocol_error() {
+        let word = |flag: u64, data: u64| (flag << 32) | data;
+        attack(|r| r.lane_cell(0)[0].store(word(0x5a5a, 8), Ordering::SeqCst), "flag").await;
+        attack(|r| r.lane_cell(0)[0].store(word(1, LANE_MAX as u64 + 1), Ordering::SeqCst), "at most").await;
+        attack(
+            |r| {
+                for (i, w) in r.lane_cell(0).iter().enumerate().take(5) {
+                    // length 0, generation 4 (the link's is 5)
+                    w.store(word(1, if i == 1 { 4 } else { 0 }), Ordering::SeqCst);
+                }
+            },
+            "generation",
+        )
+        .await;
     }
 }

@@ -119,3 +119,28 @@ pub(crate) fn take_sleeper<W: Word<Value = u32>>(flag: &W) -> bool {
     W::fence(Ordering::SeqCst);
     flag.load(Ordering::Relaxed) != 0 && flag.swap(0, Ordering::SeqCst) != 0
 }
+
+/// The producer's look at the consumer's count (`tail`) from its own count `head`: the tail,
+/// once validated (not beyond the head, at most `slots` behind it). `Acquire`, as [`room`]:
+/// the consumer's reads of every slot before the tail happen before whatever the producer
+/// writes after this look, so the producer may remember the value and write up to
+/// `tail + slots` without looking again (the small-message lane does: `shm::lane`).
+pub(crate) fn consumed<W: Word<Value = u64>>(tail: &W, head: u64, slots: u64) -> Result<u64, String> {
+    let tail = tail.load(Ordering::Acquire);
+    if head.wrapping_sub(tail) > slots {
+        return Err(format!("the consumer's tail {tail} is out of range of the head {head} (ring of {slots})"));
+    }
+    Ok(tail)
+}
+
+/// Stores one word of a small-message lane cell (flag and data together: `shm::lane`).
+/// `Relaxed`: the word carries its own flag, so the reader needs no other store ordered
+/// before it; the cell's reuse is ordered by [`consumed`] and [`release`] instead.
+pub(crate) fn put_word<W: Word<Value = u64>>(word: &W, value: u64) {
+    word.store(value, Ordering::Relaxed);
+}
+
+/// Loads one word of a lane cell (see [`put_word`]).
+pub(crate) fn get_word<W: Word<Value = u64>>(word: &W) -> u64 {
+    word.load(Ordering::Relaxed)
+}

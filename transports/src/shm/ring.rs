@@ -10,15 +10,19 @@
 //! | 64  | 8 | `tail`: slots consumed by the consumer (written only by it) |
 //! | 72  | 4 | `consumer_cpu`: the CPU the consumer last ran on, plus one (0: unknown; advisory) |
 //! | 128 | 4 | `consumer_sleeping`: 1 while the consumer waits for a doorbell |
-//! | 192 | 4 | `producer_sleeping`: 1 while the producer waits for a doorbell |
-//! | 256 | `slots x slot_bytes` | the slots; slot `i` holds message chunk `i mod slots` |
+//! | 192 | 4 | `producer_sleeping`: 1 while the producer waits for a doorbell (for either lane) |
+//! | 256 | 8 | `lane_tail`: messages of the small-message lane consumed (written only by the consumer) |
+//! | 320 | `LANE_BYTES` | the small-message lane's cells (`shm/lane.rs`) |
+//! | 320 + `LANE_BYTES` | `slots x slot_bytes` | the slots; slot `i` holds message chunk `i mod slots` |
+//!
+//! `consumer_sleeping` covers both lanes: the consumer sleeps waiting for either.
 //!
 //! Slot header (64 bytes, little-endian; payload follows):
 //!
 //! | offset | size | field |
 //! |---|---|---|
 //! | 0  | 4 | magic `"CHSM"` |
-//! | 4  | 1 | version (`VERSION`, 1) |
+//! | 4  | 1 | version (`VERSION`, 2: the layout with the small-message lane) |
 //! | 5  | 1 | kind: 1 = first chunk of a message, 2 = continuation |
 //! | 6  | 2 | flags (0) |
 //! | 8  | 8 | generation |
@@ -38,18 +42,21 @@
 //! back and publishing it (`shm/protocol.rs`, model-checked), so no slot access of this side
 //! races with one of the peer's (see `Ring::with_payload` for what that buys and costs).
 
+use super::lane;
 use crate::wire::{put_tag, tag_at, u32_at, u64_at};
 use crate::Tag;
 use std::sync::atomic::{AtomicU32, AtomicU64};
 
-/// Bytes before the first slot.
-pub(crate) const CONTROL_BYTES: usize = 256;
+/// Bytes of the control words (before the lane).
+pub(crate) const CONTROL_BYTES: usize = 320;
+/// Offset of the first slot.
+const SLOTS_AT: usize = CONTROL_BYTES + lane::LANE_BYTES;
 /// Size of a slot header.
 pub const SLOT_HEADER: usize = 64;
 /// Magic opening every slot header.
 pub(crate) const SLOT_MAGIC: u32 = u32::from_le_bytes(*b"CHSM");
 /// Layout version.
-pub(crate) const VERSION: u8 = 1;
+pub(crate) const VERSION: u8 = 2;
 /// Slot kind: first chunk of a message.
 pub const KIND_FIRST: u8 = 1;
 /// Slot kind: a later chunk.
@@ -57,7 +64,7 @@ pub const KIND_CONT: u8 = 2;
 
 /// Size of one ring with `slots` slots of `slot_bytes`.
 pub(crate) fn ring_bytes(slots: u32, slot_bytes: usize) -> usize {
-    CONTROL_BYTES + slots as usize * slot_bytes
+    SLOTS_AT + slots as usize * slot_bytes
 }
 
 /// A view of one ring inside a mapping. Copyable; the mapping must outlive it (the link
@@ -125,6 +132,25 @@ impl Ring {
         self.word32(192)
     }
 
+    /// Messages of the small-message lane consumed by the consumer.
+    pub(crate) fn lane_tail(&self) -> &AtomicU64 {
+        self.word64(256)
+    }
+
+    /// The words of the lane's cell for message `n` (cell `n mod` [`lane::LANE_CELLS`]).
+    pub(crate) fn lane_cell(&self, n: u64) -> &[AtomicU64] {
+        let i = (n % u64::from(lane::LANE_CELLS)) as usize;
+        // SAFETY: the cell lies inside the lane, inside the ring's mapping (see `new`),
+        // 64-byte aligned; every access to it is atomic, so the peer's concurrent writes
+        // are no data race.
+        unsafe {
+            std::slice::from_raw_parts(
+                self.base.add(CONTROL_BYTES + i * lane::CELL_BYTES).cast::<AtomicU64>(),
+                lane::CELL_WORDS,
+            )
+        }
+    }
+
     /// Number of slots.
     pub(crate) fn slots(&self) -> u32 {
         self.slots
@@ -139,7 +165,7 @@ impl Ring {
     pub(crate) fn slot(&self, n: u64) -> *mut u8 {
         let i = (n % u64::from(self.slots)) as usize;
         // SAFETY: i < slots, so the slot lies inside the ring (see `new`).
-        unsafe { self.base.add(CONTROL_BYTES + i * self.slot_bytes) }
+        unsafe { self.base.add(SLOTS_AT + i * self.slot_bytes) }
     }
 
     /// Copies slot `n`'s header out of shared memory. The caller must own slot `n`, as for
