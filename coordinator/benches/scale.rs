@@ -934,12 +934,14 @@ async fn run(plan: &Plan, store: &str) -> Result<(), String> {
                 return Err(format!("the straggler named is {named}, not the slow member {slow_id}"));
             }
             let straggler_named = at.saturating_duration_since(first_step);
-            // A stretch of wall time is what is measured here (not a synchronisation).
+            // Not a synchronisation: two intervals of warm-up, so every member's beats carry
+            // timed steps before the window opens.
             tokio::time::sleep(plan.interval() * 2).await;
             let etcd_cpu = || etcd.as_ref().and_then(EtcdProcess::pid).map_or(Duration::ZERO, cpu_of);
             let (cpu0, beats0, t0) =
                 (cpu_all(&coordinators), book.beats_answered.load(Ordering::Relaxed), Instant::now());
             let (etcd_cpu0, etcd_req0) = (etcd_cpu(), requests()?);
+            // The measured window itself: the coordinators' CPU and the beats answered over it.
             tokio::time::sleep(plan.steady).await;
             let (cpu1, beats1, dt) =
                 (cpu_all(&coordinators), book.beats_answered.load(Ordering::Relaxed), t0.elapsed());

@@ -115,9 +115,9 @@ fn consumer(steps: Steps, p: &Pair) -> Consumed {
     Consumed { first, rang: (steps.take_sleeper)(&p.producer_sleeping) }
 }
 
-/// Runs the model exhaustively (no preemption bound, whatever LOOM_* variables say); panics
-/// on a lost wake-up, a wrong value or a data race. Returns the executions explored.
-fn check(steps: Steps) -> usize {
+/// Explores every execution of `model` (no preemption bound, whatever LOOM_* variables
+/// say); panics on a failed assertion or a data race. Returns the executions explored.
+fn explore(model: impl Fn() + Send + Sync + 'static) -> usize {
     // Outside the model: std's, not loom's.
     let runs = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let mut builder = loom::model::Builder::new();
@@ -127,6 +127,15 @@ fn check(steps: Steps) -> usize {
     let counted = runs.clone();
     builder.check(move || {
         counted.fetch_add(1, Ordering::Relaxed);
+        model();
+    });
+    runs.load(Ordering::Relaxed)
+}
+
+/// Runs the model exhaustively; panics on a lost wake-up, a wrong value or a data race.
+/// Returns the executions explored.
+fn check(steps: Steps) -> usize {
+    explore(move || {
         let p = Arc::new(Pair {
             head: AtomicU64::new(0),
             tail: AtomicU64::new(0),
@@ -146,8 +155,7 @@ fn check(steps: Steps) -> usize {
             produced.second == Waited::Ready || consumed.first == Waited::Slept || consumed.rang,
             "lost wake-up: the producer sleeps on a released slot and the consumer rang no doorbell"
         );
-    });
-    runs.load(Ordering::Relaxed)
+    })
 }
 
 #[test]
@@ -229,14 +237,7 @@ mod lane_model {
 
     pub(super) fn check(steps: LaneSteps) -> usize {
         let ring_steps = Steps { take_sleeper: steps.take_sleeper, ..Steps::REAL };
-        let runs = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
-        let mut builder = loom::model::Builder::new();
-        builder.preemption_bound = None;
-        builder.max_permutations = None;
-        builder.max_duration = None;
-        let counted = runs.clone();
-        builder.check(move || {
-            counted.fetch_add(1, Ordering::Relaxed);
+        explore(move || {
             let l = Arc::new(Lane {
                 cell: (0..WORDS).map(|_| AtomicU64::new(0)).collect(),
                 tail: AtomicU64::new(0),
@@ -286,8 +287,7 @@ mod lane_model {
                 second == Waited::Ready || first == Waited::Slept || consumer_rang,
                 "lost wake-up: the producer sleeps on a released cell and the consumer rang no doorbell"
             );
-        });
-        runs.load(Ordering::Relaxed)
+        })
     }
 }
 
