@@ -273,28 +273,53 @@ pub(crate) fn evaluate(settings: &JobSettings, state: &JobState, now_ms: u64) ->
     eval
 }
 
-/// `members` with each failure domain's members next to each other: domains in the order
-/// of their first member, members of a domain in their order. A ring then crosses between
-/// domains once per domain, and the hierarchical allreduce finds each host contiguous.
-/// Survivors that already sat together keep their relative order.
+/// `members` with each failure domain's members next to each other, and within a domain each
+/// host's: domains in the order of their first member, hosts of a domain likewise, members of
+/// a host in their order. A ring then crosses between domains once per domain, and every host
+/// is one run of consecutive ranks (its shared-memory links and the hierarchical allreduce
+/// follow the runs: `cohort_proto::layout_runs`; a domain such as a rack holds several hosts
+/// whose members may arrive interleaved). A host is a `host` name and a shared-memory
+/// identity, the key of the runs. Survivors that already sat together keep their relative order.
 pub(crate) fn group_by_domain(members: Vec<Placed>) -> Vec<Placed> {
-    // One bucket per domain, found by a hash lookup: O(members), where a scan of the
+    // One bucket per (domain, host), found by a hash lookup: O(members), where a scan of the
     // domains seen so far per member was O(members x domains), quadratic when every
     // member is a host of its own.
-    let mut index: HashMap<String, usize> = HashMap::new();
+    let mut domains: HashMap<String, usize> = HashMap::new();
+    let mut hosts: HashMap<(usize, String, Option<String>), usize> = HashMap::new();
+    let mut order: Vec<Vec<usize>> = Vec::new();
     let mut buckets: Vec<Vec<Placed>> = Vec::new();
     for m in members {
-        let slot = match index.get(m.domain()) {
+        let domain = match domains.get(m.domain()) {
+            Some(&d) => d,
+            None => {
+                domains.insert(m.domain().to_string(), order.len());
+                order.push(Vec::new());
+                order.len() - 1
+            }
+        };
+        let identity = m
+            .addresses
+            .iter()
+            .find(|a| a.transport == "shm")
+            .and_then(|a| cohort_proto::shm_identity(&a.address))
+            .map(str::to_string);
+        let key = (domain, m.host.clone(), identity);
+        let slot = match hosts.get(&key) {
             Some(&slot) => slot,
             None => {
-                index.insert(m.domain().to_string(), buckets.len());
+                hosts.insert(key, buckets.len());
+                order[domain].push(buckets.len());
                 buckets.push(Vec::new());
                 buckets.len() - 1
             }
         };
         buckets[slot].push(m);
     }
-    buckets.into_iter().flatten().collect()
+    let mut placed = Vec::with_capacity(buckets.iter().map(Vec::len).sum());
+    for slot in order.into_iter().flatten() {
+        placed.append(&mut buckets[slot]);
+    }
+    placed
 }
 
 fn min_opt(a: Option<u64>, b: u64) -> Option<u64> {
@@ -349,7 +374,7 @@ pub(crate) fn next_generation(
 mod tests {
     use super::*;
     use crate::exclusion::FailureHistory;
-    use crate::records::{Cause, ControlRecord, Departure, MemberRecord, WaitingRecord};
+    use crate::records::{Address, Cause, ControlRecord, Departure, MemberRecord, WaitingRecord};
     use std::time::Duration;
 
     fn settings(min: u32, max: u32) -> JobSettings {
@@ -674,6 +699,22 @@ mod tests {
             Placed { host: "h1".into(), ..placed("c", 1) },
         ];
         assert_eq!(ranks(hosts), ["a", "c", "b"]);
+        // A domain of several hosts (a rack): each host's members together inside it.
+        let in_rack = |w: &str, h: &str| Placed { domain: "rack1".into(), host: h.into(), ..placed(w, 1) };
+        let rack =
+            vec![in_rack("a", "h1"), in_rack("b", "h2"), in_rack("c", "h1"), on("d", "rack2"), in_rack("e", "h2")];
+        assert_eq!(ranks(rack), ["a", "c", "b", "e", "d"]);
+        // One host name, two shared-memory identities (containers that cannot share memory):
+        // two hosts, each one run.
+        let shm = |w: &str, identity: &str| Placed {
+            host: "node".into(),
+            addresses: vec![Address {
+                transport: "shm".into(),
+                address: format!("shm1;host={identity};nonce=0123456789abcdef"),
+            }],
+            ..placed(w, 1)
+        };
+        assert_eq!(ranks(vec![shm("a", "c1"), shm("b", "c2"), shm("c", "c1")]), ["a", "c", "b"]);
     }
 
     #[test]

@@ -2,8 +2,9 @@
 //! `--transport`, Python's `GroupConfig.transport` or [`super::ElasticConfig::transport`]) and
 //! what a generation then uses, chosen from its member records alone so that every member
 //! makes the same choice: RDMA if and only if every member published an RDMA address;
-//! otherwise shared memory between every two members that published the same host identity
-//! (in their `shm` addresses) and TCP between the others.
+//! otherwise shared memory between every two members of one host run (consecutive ranks with
+//! one `host` name and one shared-memory host identity: [`host_runs_of`]) and TCP between the
+//! others.
 
 use super::{ElasticError, MeshKind, TransportUnavailable};
 use crate::HostLayout;
@@ -37,8 +38,8 @@ pub struct MemberInfo {
 /// `tcp`, `shm` and `rdma`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum TransportChoice {
-    /// Publish a shared-memory address beside the TCP one: members with one host identity link
-    /// over shared memory, the others over TCP.
+    /// Publish a shared-memory address beside the TCP one: members of one host (one host name
+    /// and host identity) link over shared memory, the others over TCP.
     #[default]
     Auto,
     /// TCP only (no shared-memory address is published).
@@ -205,16 +206,17 @@ pub(crate) fn upfront_ranks(layout: &HostLayout, rank: u32) -> Option<Vec<u32>> 
     Some(crate::upfront_links(rank, layout))
 }
 
-/// Splits a TCP-or-shared-memory generation by host: rank `rank` uses shared memory to every
-/// member whose `shm` address carries its own host identity, TCP to the rest.
+/// Splits a TCP-or-shared-memory generation by host: rank `rank` uses shared memory to the
+/// other members of its host run ([`host_layout`]), TCP to the rest.
 fn local_plan(members: &[MemberInfo], rank: usize, without_rdma: Vec<String>) -> MeshPlan {
     let tcp: Vec<SocketAddr> = members.iter().map(|m| m.tcp).collect();
     let own = members.get(rank).and_then(|m| m.shm.as_ref());
     let tcp_only =
         |tcp, without_rdma| MeshPlan::Tcp { peers: tcp, upfront: tcp_upfront(members, rank, |_| false), without_rdma };
     let Some(own) = own else { return tcp_only(tcp, without_rdma) };
+    let layout = host_layout(members);
     let shm: Vec<Option<ShmAddress>> =
-        members.iter().map(|m| m.shm.as_ref().filter(|a| a.host == own.host).cloned()).collect();
+        members.iter().enumerate().map(|(j, m)| shm_peer(&layout, rank, j, &own.host, m.shm.as_ref())).collect();
     let linked = shm.iter().enumerate().filter(|(j, a)| *j != rank && a.is_some()).count();
     if linked == 0 {
         tcp_only(tcp, without_rdma)
@@ -224,6 +226,24 @@ fn local_plan(members: &[MemberInfo], rank: usize, without_rdma: Vec<String>) ->
         let upfront = tcp_upfront(members, rank, |p| shm[p].is_some());
         MeshPlan::Mixed { tcp, upfront, shm }
     }
+}
+
+/// The shared-memory address rank `rank` links rank `peer` with: `Some` only when both are in
+/// one host run of `layout` and `peer` published this rank's host identity (`own`). The run,
+/// not the identity alone, decides: every member derives the runs of a generation alike,
+/// whether it was answered the whole list or a sparse view, so both ends of a pair plan the
+/// same transport (by identity alone, a whole list and a sparse view disagreed for members of
+/// one identity under several host names).
+pub(crate) fn shm_peer(
+    layout: &HostLayout,
+    rank: usize,
+    peer: usize,
+    own: &str,
+    address: Option<&ShmAddress>,
+) -> Option<ShmAddress> {
+    let n = layout.world_size() as usize;
+    let same_run = rank < n && peer < n && layout.host_of(rank) == layout.host_of(peer);
+    address.filter(|a| same_run && a.host == own).cloned()
 }
 
 /// The host layout of a generation (the hierarchical allreduce's, and the link plan's): its
@@ -248,8 +268,8 @@ pub(crate) fn host_runs_of(members: &[MemberInfo]) -> Vec<u32> {
 /// Chooses the transport of generation `number` for `rank` from its `members` (ordered by
 /// rank), for a worker that asked for `choice`.
 ///
-/// RDMA when every member published an RDMA address; otherwise shared memory between members
-/// that published one host identity, TCP between the others (see [`MeshPlan`]). A worker's own
+/// RDMA when every member published an RDMA address; otherwise shared memory between the
+/// members of each host run ([`shm_peer`]), TCP between the others (see [`MeshPlan`]). A worker's own
 /// record carries an RDMA address exactly when it chose [`TransportChoice::Rdma`] (and so
 /// opened an endpoint), so RDMA everywhere for a worker that chose anything else is a protocol
 /// violation, as is an RDMA address that does not decode (every member sees the same records,
@@ -280,12 +300,17 @@ pub(crate) fn plan_mesh(
 }
 
 /// The refusal of a generation by a worker that chose shared memory only: the members it
-/// cannot reach over shared memory (another host identity, or none published).
+/// cannot reach over shared memory (outside its host run: another host name or identity, or
+/// none published; [`shm_peer`]).
 fn shm_unreachable(number: u64, members: &[MemberInfo], rank: u32) -> ElasticError {
-    let own = members.get(rank as usize).and_then(|m| m.shm.as_ref()).map(|a| &a.host);
+    let own = members.get(rank as usize).and_then(|m| m.shm.as_ref()).map(|a| a.host.as_str());
+    let layout = host_layout(members);
+    let reached = |m: &MemberInfo| {
+        own.is_some_and(|own| shm_peer(&layout, rank as usize, m.rank as usize, own, m.shm.as_ref()).is_some())
+    };
     let elsewhere: Vec<String> = members
         .iter()
-        .filter(|m| m.rank != rank && (own.is_none() || m.shm.as_ref().map(|a| &a.host) != own))
+        .filter(|m| m.rank != rank && !reached(m))
         .map(|m| format!("{} (rank {}, host {})", m.worker_id, m.rank, m.host))
         .collect();
     ElasticError::Protocol(format!(
@@ -334,8 +359,10 @@ mod tests {
         }
     }
 
+    /// `m` on host `host`: its name, and the shared-memory identity it publishes.
     fn on_host(mut m: MemberInfo, host: &str) -> MemberInfo {
         m.shm = Some(ShmAddress { host: host.into(), nonce: format!("{:08x}", m.rank) });
+        m.host = host.into();
         m
     }
 
@@ -354,18 +381,28 @@ mod tests {
     fn two_hosts_mix_shared_memory_within_and_tcp_across() {
         let members = vec![
             on_host(member(0, None), "a"),
-            on_host(member(1, None), "b"),
-            on_host(member(2, None), "a"),
+            on_host(member(1, None), "a"),
+            on_host(member(2, None), "b"),
             member(3, None),
         ];
         let plan = plan_mesh(2, &members, 0, TransportChoice::Auto).expect("a plan");
         let MeshPlan::Mixed { tcp, shm, .. } = &plan else { panic!("{plan:?}") };
         assert_eq!(tcp.len(), 4);
-        assert_eq!(shm.iter().map(Option::is_some).collect::<Vec<_>>(), [true, false, true, false]);
-        // Rank 1 is alone on host b, rank 3 published no shm address: TCP only.
-        assert_eq!(plan_mesh(2, &members, 1, TransportChoice::Auto).unwrap().kind(), MeshKind::Tcp);
+        assert_eq!(shm.iter().map(Option::is_some).collect::<Vec<_>>(), [true, true, false, false]);
+        // Rank 2 is alone on host b, rank 3 published no shm address: TCP only.
+        assert_eq!(plan_mesh(2, &members, 2, TransportChoice::Auto).unwrap().kind(), MeshKind::Tcp);
         assert_eq!(plan_mesh(2, &members, 3, TransportChoice::Auto).unwrap().kind(), MeshKind::Tcp);
-        assert_eq!(plan_mesh(2, &members, 2, TransportChoice::Auto).unwrap().kind(), MeshKind::ShmTcp);
+        assert_eq!(plan_mesh(2, &members, 1, TransportChoice::Auto).unwrap().kind(), MeshKind::ShmTcp);
+        // One host's members apart in rank order (the coordinator places them together; an
+        // older one may not) are two runs, so two hosts: TCP between them, at both ends.
+        let apart = vec![on_host(member(0, None), "a"), on_host(member(1, None), "b"), on_host(member(2, None), "a")];
+        for rank in 0..3 {
+            assert_eq!(plan_mesh(2, &apart, rank, TransportChoice::Auto).unwrap().kind(), MeshKind::Tcp, "rank {rank}");
+        }
+        // One identity under two host names (workers of one process in a test): two hosts too.
+        let mut named = members.clone();
+        named[1].host = "a-too".into();
+        assert_eq!(plan_mesh(2, &named, 0, TransportChoice::Auto).unwrap().kind(), MeshKind::Tcp);
     }
 
     #[test]
@@ -374,10 +411,7 @@ mod tests {
         let e = plan_mesh(7, &members, 0, TransportChoice::Shm).expect_err("ranks 1 and 2 are elsewhere");
         let ElasticError::Protocol(message) = &e else { panic!("not a protocol error: {e}") };
         assert!(message.contains("generation 7") && message.contains("shared memory only"), "{message}");
-        assert!(
-            message.contains("w1 (rank 1, host host-1)") && message.contains("w2 (rank 2, host host-2)"),
-            "{message}"
-        );
+        assert!(message.contains("w1 (rank 1, host b)") && message.contains("w2 (rank 2, host host-2)"), "{message}");
         assert!(!message.contains("w0"), "{message}");
         // One host: accepted; alone in its generation: accepted (nothing to reach).
         let one_host: Vec<MemberInfo> = (0..2).map(|r| on_host(member(r, None), "a")).collect();

@@ -18,9 +18,9 @@
 //!   coordinator's rendezvous for the next generation, connects the data-plane mesh for it
 //!   (handshake with the job token) and returns its [`Generation`]. The mesh is RDMA when
 //!   every member published an RDMA address at join ([`TransportChoice::Rdma`], cargo
-//!   feature `rdma`); otherwise members that published the same host identity (in their
-//!   shared-memory address, [`TransportChoice::Auto`] and [`TransportChoice::Shm`]) link over
-//!   shared memory and the others over TCP; [`MeshTransport`] carries any of these,
+//!   feature `rdma`); otherwise members of one host run (one host name and the same host
+//!   identity in their shared-memory address, [`TransportChoice::Auto`] and
+//!   [`TransportChoice::Shm`]) link over shared memory and the others over TCP; [`MeshTransport`] carries any of these,
 //!   [`MixedTransport`] the mix.
 //! - When a collective fails, [`ElasticGroup::on_failure`] reports it (first report wins) and
 //!   answers the generation's root cause, so every rank's error names the rank that failed

@@ -2,14 +2,14 @@
 //! a whole member list is planned by [`super::mesh_plan::plan_mesh`].
 
 use super::members::Members;
-use super::mesh_plan::{plan_mesh, upfront_in, MeshPlan, TransportChoice};
+use super::mesh_plan::{plan_mesh, shm_peer, upfront_in, MeshPlan, TransportChoice};
 use super::{ElasticError, MeshKind};
 use cohort_transports::shm::ShmAddress;
 use cohort_transports::tcp::{Upfront, UNKNOWN_PEER};
 
 /// [`plan_mesh`] over the members this worker knows: the whole list as it is; a sparse view
 /// (a generation larger than the job's `whole_answer_up_to`) over TCP, and shared memory to
-/// its host-mates that published its host identity, with the set-up's links planned from the
+/// the other members of its host run ([`shm_peer`], as a whole list plans it), with the set-up's links planned from the
 /// view's host runs and every other peer's address left to be found on first use
 /// ([`UNKNOWN_PEER`]). Its upfront peers' entries must be known. An RDMA mesh links every
 /// pair and needs the whole list: a sparse generation runs over TCP.
@@ -30,9 +30,9 @@ pub(crate) fn plan_view(
     }
     let own = view.get(rank).and_then(|m| m.shm.as_ref()).map(|a| a.host.clone());
     let mut shm: Vec<Option<ShmAddress>> = vec![None; n];
-    for m in view.iter() {
-        if let Some(a) = m.shm.as_ref().filter(|a| Some(&a.host) == own.as_ref()) {
-            shm[m.rank as usize] = Some(a.clone());
+    if let Some(own) = own {
+        for m in view.iter() {
+            shm[m.rank as usize] = shm_peer(&layout, rank as usize, m.rank as usize, &own, m.shm.as_ref());
         }
     }
     let upfront = upfront_in(&layout, rank as usize, |p| shm[p].is_some());
@@ -145,5 +145,53 @@ mod tests {
         assert!(planned.iter().all(|p| !(4..8).contains(p)), "host-mates are not planned over TCP: {planned:?}");
         let refused = plan_view(2, &v, 5, TransportChoice::Shm).expect_err("other hosts");
         assert!(refused.to_string().contains("16 of its 20 members"), "{refused}");
+    }
+
+    /// Which peers rank `rank`'s plan links over shared memory.
+    fn over_shm(plan: &MeshPlan, rank: u32) -> Vec<u32> {
+        match plan {
+            MeshPlan::Shm { peers } => (0..peers.len() as u32).filter(|&p| p != rank).collect(),
+            MeshPlan::Mixed { shm, .. } => {
+                (0..shm.len() as u32).filter(|&p| p != rank && shm[p as usize].is_some()).collect()
+            }
+            _ => Vec::new(),
+        }
+    }
+
+    #[test]
+    fn a_whole_list_and_a_sparse_view_plan_the_same_shared_memory_links() {
+        // 20 workers of one process (one shared-memory identity) under five host names, as
+        // replicas with different whole_answer_up_to answer them: some ranks whole, some
+        // sparse. Both must plan shared memory within the host run only, or a pair plans
+        // shared memory at one end and TCP at the other and its set-up fails.
+        let all: Vec<pb::Member> = (0..20)
+            .map(|r| {
+                let mut m = entry(r, false);
+                let address = ShmAddress { host: "one-vm".into(), nonce: format!("{r:08x}") };
+                m.addresses.push(pb::TransportAddress { transport: "shm".into(), address: address.encode() });
+                m
+            })
+            .collect();
+        let whole = Members::whole(all.iter().map(|m| super::super::members::parse_member(m).unwrap()).collect());
+        for rank in 0..20u32 {
+            let g = pb::Generation {
+                number: 2,
+                size: 20,
+                rank: Some(rank),
+                member: Some(all[rank as usize].clone()),
+                host_runs: cohort_proto::layout_runs(&all),
+                members: all.iter().filter(|m| m.host == all[rank as usize].host && m.rank != rank).cloned().collect(),
+                ..Default::default()
+            };
+            let mut sparse = Members::from_answer(&g).unwrap().expect("a sparse view");
+            let wanted = super::super::mesh_plan::upfront_ranks(&sparse.layout(), rank).expect("planned above 16");
+            let fetched: Vec<pb::Member> = sparse.missing(wanted).iter().map(|&r| all[r as usize].clone()).collect();
+            sparse.add(&fetched).unwrap();
+            let from_whole = over_shm(&plan_view(2, &whole, rank, TransportChoice::Auto).unwrap(), rank);
+            let from_sparse = over_shm(&plan_view(2, &sparse, rank, TransportChoice::Auto).unwrap(), rank);
+            let run: Vec<u32> = (rank / 4 * 4..rank / 4 * 4 + 4).filter(|&p| p != rank).collect();
+            assert_eq!(from_whole, run, "rank {rank}, whole list");
+            assert_eq!(from_sparse, run, "rank {rank}, sparse view");
+        }
     }
 }
