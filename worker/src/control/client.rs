@@ -139,6 +139,10 @@ fn is_transient(status: &Status) -> bool {
         // once). Every call on it fails so, whatever it asked; the next connection serves it.
         // The coordinator itself never answers RESOURCE_EXHAUSTED.
         Code::ResourceExhausted => status.message().contains("h2 protocol"),
+        // The HTTP/2 connection broke under the call (tonic names h2's own errors so: a replica
+        // killed mid-call resets its connections). The next endpoint serves it; the
+        // coordinator's own INTERNAL answers never carry this prefix.
+        Code::Internal => status.message().starts_with("h2 protocol error"),
         _ => false,
     }
 }
@@ -758,6 +762,10 @@ mod tests {
         assert!(is_transient(&Status::resource_exhausted("h2 protocol error: http2 error")));
         // A refusal with that code and any other message stays one.
         assert!(!is_transient(&Status::resource_exhausted("too many keys")));
+        // A connection broken under the call by a replica killed mid-call, as tonic reports it
+        // (seen in job_store.rs's `the_store_outlives_a_replica_on_etcd`).
+        assert!(is_transient(&Status::internal("h2 protocol error: http2 error")));
+        assert!(!is_transient(&Status::internal("store: etcd said no")));
         assert!(!is_transient(&Status::invalid_argument("h2 protocol error")));
     }
 }
