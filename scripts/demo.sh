@@ -5,5 +5,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/ensure-deps.sh build >&2
-cargo build --release --locked -p cohort-coordinator -p cohort -p cohort-chaos --bins
+cargo build --release --locked -p cohort-coordinator -p cohort-worker -p cohort-chaos --bins
 exec target/release/cohort-chaos demo "$@"

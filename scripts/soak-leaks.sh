@@ -10,7 +10,7 @@
 #
 #   bash scripts/soak-leaks.sh [DURATION_SECONDS] [OUT_DIR]
 #
-# Needs the release binaries (cargo build --release -p cohort -p cohort-coordinator --bins).
+# Needs the release binaries (cargo build --release -p cohort-worker -p cohort-coordinator --bins).
 # Everything runs on 127.0.0.1 with ports the processes pick; nothing outlives the script.
 set -euo pipefail
 
@@ -26,7 +26,7 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 BIN=${COHORT_BIN:-$ROOT/target/release}
 mkdir -p "$OUT"
 for b in cohort-coordinator cohort-worker; do
-  [[ -x $BIN/$b ]] || { echo "missing $BIN/$b: cargo build --release -p cohort -p cohort-coordinator --bins" >&2; exit 2; }
+  [[ -x $BIN/$b ]] || { echo "missing $BIN/$b: cargo build --release -p cohort-worker -p cohort-coordinator --bins" >&2; exit 2; }
 done
 
 PIDS=()

@@ -23,9 +23,9 @@ echo "== fmt, clippy and docs"
 cargo fmt --all -- --check
 bash scripts/python-lint.sh
 cargo clippy --workspace --all-targets --locked -- -D warnings
-cargo clippy -p cohort -p cohort-transports --features cohort/rdma --all-targets --locked -- -D warnings
+cargo clippy -p cohort -p cohort-transports -p cohort-worker --features cohort/rdma,cohort-worker/rdma --all-targets --locked -- -D warnings
 RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --locked
-RUSTDOCFLAGS="-D warnings" cargo doc -p cohort -p cohort-transports --features cohort/rdma --no-deps --locked
+RUSTDOCFLAGS="-D warnings" cargo doc -p cohort -p cohort-transports -p cohort-worker --features cohort/rdma,cohort-worker/rdma --no-deps --locked
 
 echo "== build"
 cargo build --workspace --all-targets --locked
@@ -42,7 +42,7 @@ bash scripts/validate-deploy.sh --require-cli
 # Kubernetes rehearsal with Python pods, the quick suite's python-kills scenario and the pytest
 # suite below run Python workers with it.
 echo "== release build and the Python package"
-cargo build --release --locked -p cohort-chaos -p cohort -p cohort-coordinator
+cargo build --release --locked -p cohort-chaos -p cohort-worker -p cohort-coordinator
 py=$(bash scripts/python-env.sh | tail -n 1)
 export COHORT_PYTHON="$py"
 
@@ -111,7 +111,7 @@ COHORT_TEST_WHOLE_ANSWER_UP_TO=1 COHORT_REQUIRE_PYTHON=1 COHORT_BIN_DIR="$PWD/ta
 # The RDMA transport (feature `rdma`): its device-free tests run everywhere; the device
 # tests run when a device is present and otherwise say, visibly, that they were skipped.
 echo "== rdma feature"
-cargo build -p cohort --features rdma --bins --locked
+cargo build -p cohort-worker --features rdma --bins --locked
 rdma_log=$(mktemp)
 # The transports' tests, then the worker library's unit tests that only exist with the
 # feature (mesh choice, group endpoint set-up).

@@ -168,7 +168,7 @@ done
 if [ -n "$cli_bin" ]; then
   echo "   CLI flags compared with ${cli_bin#"$ROOT"/}/cohort-{coordinator,worker} --help"
 elif [ "$require_cli" -eq 1 ]; then
-  problem "--require-cli: no built cohort-coordinator and cohort-worker under target/ (cargo build -p cohort -p cohort-coordinator --bins)"
+  problem "--require-cli: no built cohort-coordinator and cohort-worker under target/ (cargo build -p cohort-worker -p cohort-coordinator --bins)"
 else
   echo "   CLI flags not checked: no built cohort-coordinator and cohort-worker under target/"
 fi

@@ -15,7 +15,7 @@ impl Binaries {
     /// Looks in `$COHORT_BIN_DIR`, else next to this executable (`target/<profile>/`). When
     /// they are missing there and this executable lives in a cargo target directory of the
     /// workspace, builds them with the same profile (`cargo build -p cohort-coordinator -p
-    /// cohort --bins`), so `cargo run -p cohort-chaos -- demo` works from a fresh clone.
+    /// cohort-worker --bins`), so `cargo run -p cohort-chaos -- demo` works from a fresh clone.
     pub fn locate() -> Result<Self, String> {
         let dir = match std::env::var_os("COHORT_BIN_DIR") {
             Some(d) => PathBuf::from(d),
@@ -40,7 +40,7 @@ impl Binaries {
         );
         let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
         let mut cmd = std::process::Command::new(cargo);
-        cmd.current_dir(workspace).args(["build", "-p", "cohort-coordinator", "-p", "cohort", "--bins"]);
+        cmd.current_dir(workspace).args(["build", "-p", "cohort-coordinator", "-p", "cohort-worker", "--bins"]);
         if release {
             cmd.arg("--release");
         }

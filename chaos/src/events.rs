@@ -1,5 +1,5 @@
 //! The harness's view of the event lines that `cohort-worker train` prints: each line is parsed
-//! into the shared protocol type [`cohort::events::Event`], one struct per kind, so the
+//! into the shared protocol type [`cohort_harness::events::Event`], one struct per kind, so the
 //! worker's printer and this parser share every kind and every key, and a read such as
 //! `e.get::<Step>().is_some_and(|s| s.step >= 10)` is checked by the compiler.
 //!
@@ -7,7 +7,7 @@
 //! protocol), or that lacks a key its kind requires, is rejected with an
 //! [`EventParseError`]; the cluster logs it as a warning instead of recording it.
 
-pub use cohort::events::*;
+pub use cohort_harness::events::*;
 
 /// One event line of a worker.
 #[derive(Clone, Debug, PartialEq)]

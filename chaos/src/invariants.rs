@@ -312,7 +312,7 @@ pub fn errors_typed(events: &[WorkerEvent]) -> Check {
 /// after `steps` steps of a `size_bytes` gradient, computed here from the trajectory's closed
 /// form, not from anything a worker printed.
 pub fn expected_params_digest(size_bytes: u64, steps: u64) -> String {
-    use cohort::trajectory::{params_digest, Trajectory};
+    use cohort_harness::trajectory::{params_digest, Trajectory};
     let count = usize::try_from(size_bytes).unwrap_or(0) / std::mem::size_of::<f32>();
     params_digest(&Trajectory::new::<f32>(count).expected_params::<f32>(steps))
 }

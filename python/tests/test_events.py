@@ -1,5 +1,5 @@
 """cohort.events, the event-line formatter of the Python workers: it prints what the Rust
-parser reads (worker/src/events.rs, whose test checks this module's key table), and every
+parser reads (worker/harness/src/events.rs, whose test checks this module's key table), and every
 ``emit`` of the workers and examples uses only keys of its kind.
 
 Pure Python: the module is loaded from its file, so these tests need no built extension."""
@@ -19,7 +19,7 @@ _spec.loader.exec_module(events)
 
 
 def test_lines_are_the_rust_golden_lines():
-    # The same lines as worker/src/events.rs's GOLDEN (printed by the Rust structs).
+    # The same lines as worker/harness/src/events.rs's GOLDEN (printed by the Rust structs).
     assert events.line(
         "error",
         gen=4,

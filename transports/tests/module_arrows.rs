@@ -1,5 +1,6 @@
-//! No arrow runs back up: inside `transports/src` and `worker/src`, no module imports a module
-//! that depends on it (no two files importing each other, no longer cycle).
+//! No arrow runs back up: inside `transports/src`, `worker/src`, `worker/harness/src` and
+//! `worker/cli/src`, no module imports a module that depends on it (no two files importing each
+//! other, no longer cycle).
 //!
 //! The test reads the sources, builds each crate's module tree from its `mod` declarations,
 //! and draws an arrow from a file to every file whose items it names: its `use` declarations
@@ -517,7 +518,8 @@ fn all_rs(dir: &Path, out: &mut Vec<PathBuf>) {
 fn no_module_imports_a_module_that_depends_on_it() {
     let repo = Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("the repository").to_path_buf();
     let mut report = String::new();
-    for dir in ["transports/src", "worker/src"] {
+    // Each directory with the fewest arrows its reader must find (fewer: the reader is broken).
+    for (dir, least) in [("transports/src", 20), ("worker/src", 20), ("worker/harness/src", 1), ("worker/cli/src", 2)] {
         let dir = repo.join(dir);
         let mut seen = BTreeSet::new();
         let mut edges = 0;
@@ -544,7 +546,7 @@ fn no_module_imports_a_module_that_depends_on_it() {
         all_rs(&dir, &mut files);
         let unread: Vec<String> = files.iter().map(|f| rel(&repo, f)).filter(|f| !seen.contains(f)).collect();
         assert!(unread.is_empty(), "files outside the module tree as read: {unread:?}");
-        assert!(edges > 20, "only {edges} arrows found in {}: the reader is broken", dir.display());
+        assert!(edges >= least, "only {edges} arrows found in {}: the reader is broken", dir.display());
     }
     assert!(report.is_empty(), "modules that import a module depending on them:{report}");
 }

@@ -22,13 +22,10 @@ pub mod control;
 pub mod dtype;
 pub mod elastic;
 pub mod error;
-pub mod events;
-pub mod exact;
 mod kernels;
 pub mod metrics;
 pub mod reduce;
 pub mod topology;
-pub mod trajectory;
 
 pub use algo::Algorithm;
 pub use blocks::counts_for;

@@ -76,7 +76,7 @@ pub enum TransportUnavailable {
     /// `rdma` in a build without the `rdma` cargo feature.
     #[error(
         "transport rdma: this build of cohort lacks the `rdma` feature \
-         (cargo build --release -p cohort --features rdma; the Python package: maturin with --features rdma)"
+         (cargo build --release -p cohort-worker --features rdma; the Python package: maturin with --features rdma)"
     )]
     RdmaNotBuilt,
     /// `rdma`: the device list could not be read.

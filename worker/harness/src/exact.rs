@@ -1,7 +1,7 @@
 //! Element types whose sums of small integers are exact: what `train` and `bench` use to
 //! verify every result bit for bit.
 
-use crate::{Element, ReduceOp};
+use cohort::{Element, ReduceOp};
 use half::{bf16, f16};
 
 /// An element type in which the sums the verifiers compute are exact.
@@ -416,9 +416,9 @@ mod tests {
         let mut buf = vec![E::from_int(0); n];
         for &r in &ranks[1..] {
             p.fill(r, &mut buf);
-            crate::reduce::reduce(p.op(), &mut acc, &buf);
+            cohort::reduce::reduce(p.op(), &mut acc, &buf);
         }
-        crate::reduce::finish_avg(p.op(), &mut acc, world);
+        cohort::reduce::finish_avg(p.op(), &mut acc, world);
         acc
     }
 

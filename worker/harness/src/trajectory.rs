@@ -229,7 +229,7 @@ impl Trajectory {
 
 /// SHA-256 of the parameters' bytes, in hex (what `train` prints as `params_digest`).
 pub fn params_digest<E: ExactElement>(params: &[E]) -> String {
-    Sha256::digest(crate::dtype::as_bytes(params)).iter().map(|b| format!("{b:02x}")).collect()
+    Sha256::digest(cohort::as_bytes(params)).iter().map(|b| format!("{b:02x}")).collect()
 }
 
 #[cfg(test)]

@@ -12,8 +12,8 @@
 //! does. busbw = algbw x 2(n-1)/n.
 
 use cohort::elastic::{connect_members, LocalEndpoints, MemberInfo, MeshScope, MeshTransport, TransportChoice};
-use cohort::exact::{ExactElement, OpPattern};
 use cohort::{Algorithm, CommConfig, Communicator, HostLayout, ReduceOp};
+use cohort_harness::exact::{ExactElement, OpPattern};
 use cohort_proto::progress::{Progress, Total};
 use cohort_transports::shm::{ShmAddress, ShmEndpoint, ShmMeshSpec, ShmOptions};
 use cohort_transports::tcp::{MeshSpec, TcpEndpoint, TcpOptions, Upfront};

@@ -1,7 +1,7 @@
 //! `cohort-worker train`: a synthetic data-parallel training loop on the elastic runtime.
 //!
 //! Each step allreduces a deterministic, integer-valued gradient (so sums are exact) whose sum
-//! depends on the parameters and the step ([`cohort::trajectory`]), checks every element
+//! depends on the parameters and the step ([`cohort_harness::trajectory`]), checks every element
 //! against that target, adds it to the parameters, checks the parameters against the ones
 //! every worker expects after that many steps, commits, and agrees with the other ranks (one
 //! tiny allreduce) whether to re-form at this commit point (joiners waiting, or a member
@@ -13,16 +13,16 @@
 //! member (while it joins, or waits out an exclusion) ends it at once.
 //!
 //! Output: one `key=value` line per event on stdout, printed through the structs of
-//! [`cohort::events`] (the chaos harness and the integration tests parse them into the same
+//! [`cohort_harness::events`] (the chaos harness and the integration tests parse them into the same
 //! structs), each with `t_ms` (wall clock, ms since the Unix epoch). `finished` and `summary` carry
 //! `params_digest` (SHA-256 of the final parameters' bytes) and `expected_digest` (of the
 //! parameters expected after that many steps).
 
 use cohort::elastic::{Checkpoint, CommitError, ElasticConfig, ElasticError, ElasticGroup, Generation, SyncError};
-use cohort::events;
-use cohort::exact::ExactElement;
-use cohort::trajectory::{params_digest, StepMismatch, Trajectory};
 use cohort::{CommError, ReduceOp};
+use cohort_harness::events;
+use cohort_harness::exact::ExactElement;
+use cohort_harness::trajectory::{params_digest, StepMismatch, Trajectory};
 use cohort_transports::Transport;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
