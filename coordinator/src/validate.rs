@@ -4,8 +4,6 @@
 use cohort_proto::v1::TransportAddress;
 use tonic::Status;
 
-/// Longest job or worker id ([`cohort_proto::ids`] holds the rule).
-pub use cohort_proto::ids::MAX_ID_LEN;
 /// Longest host name accepted in a join.
 pub const MAX_HOST_LEN: usize = 255;
 /// Most data-plane addresses per member.
