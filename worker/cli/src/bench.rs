@@ -286,11 +286,12 @@ pub(crate) fn run_parent(config: &BenchConfig) -> Result<Vec<BenchRow>, String> 
                 }
             }
             if let (Some(b), Some(m)) = (bytes, median) {
-                let i = config
-                    .sizes
-                    .iter()
-                    .position(|&s| s == b)
-                    .ok_or_else(|| format!("rank {rank} reported unknown size {b}"))?;
+                // Ranks report the sizes in the order given (a size may repeat: each
+                // repetition is its own row).
+                let i = seen;
+                if config.sizes.get(i) != Some(&b) {
+                    return Err(format!("rank {rank} reported size {b} where size {:?} was next", config.sizes.get(i)));
+                }
                 medians[i][rank] = m;
                 seen += 1;
                 if rank == 0 {
