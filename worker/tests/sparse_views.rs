@@ -161,7 +161,7 @@ async fn sparse_generations(transport: TransportChoice) {
         let n = WORKERS as u32;
         // Over TCP alone each worker is a host of its own; with shared memory the workers
         // of a named host are one (in one process every worker has the same shared-memory
-        // identity, so a worker links over it every peer it knows of, TCP to the others).
+        // identity; a worker links over it the other members of its host run, TCP to the others).
         let (kind, host) = match transport {
             TransportChoice::Tcp => (MeshKind::Tcp, 1),
             _ => (MeshKind::ShmTcp, 4),

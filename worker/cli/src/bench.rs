@@ -540,7 +540,7 @@ fn shm_options(config: &BenchConfig) -> ShmOptions {
 }
 
 /// `--transport auto`: each rank publishes `TCP|SHM` addresses and connects what the elastic
-/// runtime would plan from them (shared memory between ranks with one host identity). With
+/// runtime would plan from them (shared memory between the ranks of one host). With
 /// emulated hosts, a rank drops the shared-memory addresses of the ranks on other hosts of
 /// `layout`, so it reaches them over TCP.
 async fn connect_auto(rank: u32, config: &BenchConfig, layout: &HostLayout) -> Result<MeshTransport, String> {
