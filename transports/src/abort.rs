@@ -4,25 +4,40 @@
 
 use crate::{AbortReason, TransportError};
 use std::future::Future;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::task::Poll;
 use tokio::sync::watch;
 
 /// Holds the reason of the first abort, if any.
+///
+/// Every link operation looks at the latch first, so the look that finds it untripped (all
+/// of them but the few after an abort) reads one atomic flag, not the `watch` (a read lock).
+/// The flag is raised inside the `watch`'s update, under its write lock and before the
+/// `watch` wakes anyone: whoever sees the flag raised (`Acquire`, pairing with the `Release`
+/// store) then reads the reason from the `watch` (its read lock waits for the write to end),
+/// and whoever the `watch` woke sees the flag raised too. So [`AbortLatch::reason`] returns
+/// what it returned when it read the `watch` every time, but for the span of one `trip` call,
+/// during which either answer is a linearisation of the same race.
 #[derive(Debug)]
 pub(crate) struct AbortLatch {
     tx: watch::Sender<Option<AbortReason>>,
     rx: watch::Receiver<Option<AbortReason>>,
+    /// Raised (once, for good) when the `watch` receives its reason.
+    tripped: AtomicBool,
 }
 
 impl AbortLatch {
     /// A latch that has not tripped.
     pub(crate) fn new() -> Self {
         let (tx, rx) = watch::channel(None);
-        Self { tx, rx }
+        Self { tx, rx, tripped: AtomicBool::new(false) }
     }
 
     /// The first abort's reason, once tripped.
     pub(crate) fn reason(&self) -> Option<AbortReason> {
+        if !self.tripped.load(Ordering::Acquire) {
+            return None;
+        }
         self.rx.borrow().clone()
     }
 
@@ -31,6 +46,8 @@ impl AbortLatch {
         self.tx.send_if_modified(|cur| {
             if cur.is_none() {
                 *cur = Some(reason.clone());
+                // Under the write lock, before the watch notifies (see the type's comment).
+                self.tripped.store(true, Ordering::Release);
                 true
             } else {
                 false
@@ -73,5 +90,39 @@ impl AbortLatch {
             (Err(_), Some(reason)) => Err(TransportError::Aborted(reason)),
             (r, _) => r,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_first_trip_wins_and_is_read_back() {
+        let latch = AbortLatch::new();
+        assert!(latch.reason().is_none());
+        assert!(latch.trip(&AbortReason::new("first")));
+        assert!(!latch.trip(&AbortReason::new("second")));
+        assert_eq!(latch.reason().map(|r| r.to_string()), Some("first".to_string()));
+    }
+
+    #[tokio::test]
+    async fn an_operation_waiting_when_the_latch_trips_fails_with_its_reason() {
+        let latch = std::sync::Arc::new(AbortLatch::new());
+        let tripper = {
+            let latch = latch.clone();
+            tokio::spawn(async move {
+                tokio::task::yield_now().await;
+                latch.trip(&AbortReason::new("stop"))
+            })
+        };
+        let r = latch.run(std::future::pending()).await;
+        assert!(tripper.await.unwrap());
+        match r {
+            Err(TransportError::Aborted(reason)) => assert_eq!(reason.to_string(), "stop"),
+            other => panic!("expected the abort, got {other:?}"),
+        }
+        // And one started after it fails at once.
+        assert!(matches!(latch.run(async { Ok(()) }).await, Err(TransportError::Aborted(_))));
     }
 }

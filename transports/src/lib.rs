@@ -27,6 +27,7 @@ pub mod error;
 pub mod handshake;
 mod links;
 pub mod liveness;
+mod op_lock;
 #[cfg(feature = "rdma")]
 pub mod rdma;
 pub mod shm;

@@ -10,6 +10,7 @@
 use crate::abort::AbortLatch;
 use crate::deadline::{DeadlineInForce, LinkProgress, Pace};
 use crate::error::{AbortReason, Signatures, TransportError};
+use crate::op_lock::{OpGuard, OpLock};
 use crate::wire::{channel_of, other_call, seq_older, Rank, Tag, STASH_BUDGET, STASH_MAX_FRAMES};
 use crate::Deadlines;
 use std::future::Future;
@@ -235,10 +236,10 @@ impl LinkCore {
     /// Cancel safe: nothing is taken from the stash or the reader unless it completes.
     pub(crate) async fn reader_or_stashed<'a, T>(
         &self,
-        reader: &'a tokio::sync::Mutex<T>,
+        reader: &'a OpLock<T>,
         tag: Tag,
         buf: &mut [u8],
-    ) -> Result<Option<tokio::sync::MutexGuard<'a, T>>, TransportError> {
+    ) -> Result<Option<OpGuard<'a, T>>, TransportError> {
         let len = buf.len();
         self.reader_or_stashed_with(reader, tag, len, |data| buf.copy_from_slice(data)).await
     }
@@ -251,15 +252,15 @@ impl LinkCore {
     /// Cancel safe, as [`LinkCore::reader_or_stashed`].
     pub(crate) async fn reader_or_stashed_with<'a, T>(
         &self,
-        reader: &'a tokio::sync::Mutex<T>,
+        reader: &'a OpLock<T>,
         tag: Tag,
         len: usize,
         mut deliver: impl FnMut(&[u8]),
-    ) -> Result<Option<tokio::sync::MutexGuard<'a, T>>, TransportError> {
+    ) -> Result<Option<OpGuard<'a, T>>, TransportError> {
         self.check()?;
         // The usual case: no other receive holds the reader. Then the stash is looked at
         // once, after taking it, as the loop below does after its wait.
-        if let Ok(guard) = reader.try_lock() {
+        if let Some(guard) = reader.try_lock() {
             if let Some(f) = self.take_stashed(tag) {
                 return self.deliver_stashed(tag, f, len, &mut deliver).map(|()| None);
             }

@@ -36,6 +36,7 @@ use super::segment::Mapping;
 use crate::activity::{self, LateTrack, PeerBoard, Whereabouts};
 use crate::links::{self, Arrival, LinkCore, Poison};
 use crate::liveness::{self, PROBE_WITHIN};
+use crate::op_lock::OpLock;
 use crate::spin;
 use crate::{Rank, Silence, Tag, TransportError};
 use std::io;
@@ -67,11 +68,11 @@ pub(crate) struct ShmLink {
     /// Doorbells both ways; end-of-stream is the peer's death notice.
     sock: UnixStream,
     /// The producer's head of `tx` (the truth; the shared copy is for the peer).
-    writer: tokio::sync::Mutex<u64>,
+    writer: OpLock<u64>,
     /// The producer's count of `tx`'s lane.
-    lane_writer: tokio::sync::Mutex<LaneWriter>,
+    lane_writer: OpLock<LaneWriter>,
     /// The consumer's counts of `rx` (ring and lane).
-    reader: tokio::sync::Mutex<Reader>,
+    reader: OpLock<Reader>,
     /// What [`ShmLink::note_cpu`] last published (encoded; 0: nothing yet).
     cpu_noted: AtomicU32,
 }
@@ -165,9 +166,9 @@ impl ShmLink {
             tx,
             rx,
             sock,
-            writer: tokio::sync::Mutex::new(0),
-            lane_writer: tokio::sync::Mutex::new(LaneWriter::default()),
-            reader: tokio::sync::Mutex::new(Reader::default()),
+            writer: OpLock::new(0),
+            lane_writer: OpLock::new(LaneWriter::default()),
+            reader: OpLock::new(Reader::default()),
             cpu_noted: AtomicU32::new(0),
         })
     }
@@ -473,10 +474,7 @@ impl ShmLink {
 
     /// Sends a message of at most [`LANE_MAX`] bytes on the lane.
     async fn send_lane(&self, tag: Tag, data: &[u8]) -> Result<(), TransportError> {
-        let mut w = match self.lane_writer.try_lock() {
-            Ok(w) => w,
-            Err(_) => self.lane_writer.lock().await,
-        };
+        let mut w = self.lane_writer.lock().await;
         self.core.check()?;
         let (ring, cells) = (self.tx, u64::from(lane::LANE_CELLS));
         let n = w.next;

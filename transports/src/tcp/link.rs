@@ -42,6 +42,7 @@ use crate::activity::{self, LateTrack, LateWait, Whereabouts};
 use crate::deadline::Pace;
 use crate::links::{self, Arrival, LinkCore, Poison};
 use crate::liveness::{self, PROBE_WITHIN};
+use crate::op_lock::OpLock;
 use crate::spin;
 use crate::{Deadlines, Rank, Silence, Tag, TransportError};
 use std::future::Future;
@@ -401,7 +402,7 @@ pub(crate) struct TcpLink {
     probe: OnceLock<PeerProbe>,
     /// Whether deadlines are learned (else the peer is never probed).
     learning: bool,
-    reader: tokio::sync::Mutex<ReadState>,
+    reader: OpLock<ReadState>,
     /// `None` once the socket was carried into a later generation.
     writer: tokio::sync::Mutex<Option<OwnedWriteHalf>>,
 }
@@ -441,7 +442,7 @@ impl TcpLink {
             max_frame,
             probe,
             learning: deadlines.learning.is_some(),
-            reader: tokio::sync::Mutex::new(ReadState {
+            reader: OpLock::new(ReadState {
                 half: Some(r),
                 buf: vec![0u8; READ_AHEAD].into_boxed_slice(),
                 start: 0,
@@ -460,7 +461,7 @@ impl TcpLink {
         if !self.core.carriable() {
             return None;
         }
-        let mut reader = self.reader.try_lock().ok()?;
+        let mut reader = self.reader.try_lock()?;
         let mut writer = self.writer.try_lock().ok()?;
         if !self.core.carriable() {
             return None;

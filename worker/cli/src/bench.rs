@@ -386,9 +386,10 @@ pub(crate) fn print_rows(config: &BenchConfig, rows: &[BenchRow], loaded: Option
             }
         }
     }
+    // Two decimals, as the ranks report them: at 8 B the time is under 1 us.
     for r in rows {
         println!(
-            "peer=cohort ranks={} bytes={} median_us={:.1} algbw_GBps={:.3} busbw_GBps={:.3}",
+            "peer=cohort ranks={} bytes={} median_us={:.2} algbw_GBps={:.3} busbw_GBps={:.3}",
             config.ranks,
             r.bytes,
             r.median_us,
