@@ -74,6 +74,7 @@ PY
   echo "torch $torch_version installed; disk after: $(df -h --output=avail . | tail -n 1 | tr -d ' ') free" >&2
 fi
 site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+rm -f "$site/cohort-checkout.pth" # a new file, never one shared through a hard link with another checkout
 echo "$PWD/python" >"$site/cohort-checkout.pth"
 if ! ls python/cohort/_native*.so >/dev/null 2>&1; then
   echo "python/cohort has no built extension: run scripts/python-env.sh first" >&2
