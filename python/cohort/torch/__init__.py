@@ -16,7 +16,8 @@ re-formations):
    nothing to do; when the size changes, call :func:`init_process_group` again (a reset
    callback) and wrap the model in a new DDP (DDP caches the world size it divides by).
 
-The backend (:class:`CohortBackend`) is registered for the CPU device. On torch 2.x it is a
+The backend (:class:`CohortBackend`) is registered for the CPU device, and for CUDA where
+there is one. On torch 2.x with :data:`PYTHON_BACKEND` it is a
 ``c10d.Backend`` inside torch's own ``ProcessGroup`` (group names, ``DeviceMesh``, DTensor and
 FSDP2's ``fully_shard`` work); on torch 1.13 it is the ``ProcessGroup``. Supported:
 ``all_reduce`` (SUM, PRODUCT, MIN, MAX, AVG), ``all_reduce_coalesced``, ``broadcast``,
@@ -28,7 +29,9 @@ error naming the call: tags, uneven all-to-all, ``recv`` from any source,
 ``monitored_barrier``, sparse tensors, and on torch 1.13 ``new_group`` over a subset of ranks.
 On torch 2.x, ``new_group`` and a ``DeviceMesh`` of several dimensions (HSDP) give subgroups of
 the generation (:meth:`cohort.Communicator.subgroup`) over its links, each on a channel derived
-from torch's group name (:func:`subgroup_channel`). CPU tensors only, dtypes
+from torch's group name (:func:`subgroup_channel`). CPU tensors, and CUDA tensors in
+``all_reduce``, ``all_reduce_coalesced``, ``broadcast`` and ``all_gather`` (staged through
+pinned host memory: :mod:`cohort.torch.cuda`), dtypes
 float32/float64/float16/bfloat16/int32/int64/uint8. docs/python.md has the table of torch calls and cohort collectives.
 3. :class:`Store` (``cohort.torch.store``): a ``torch.distributed.Store`` kept by the coordinator
    (in etcd when it runs on etcd), through which torch's own backends rendezvous:
@@ -55,6 +58,7 @@ from torch.futures import Future
 
 from cohort._native import Communicator, Group, Work
 from cohort.errors import InvalidArgumentError, _handed_on
+from cohort.torch import cuda
 from cohort.torch.store import Store
 
 __all__ = [
@@ -65,6 +69,7 @@ __all__ = [
     "Store",
     "BACKEND",
     "TORCH2",
+    "PYTHON_BACKEND",
 ]
 
 BACKEND = "cohort"
@@ -270,13 +275,16 @@ class _Outcome:
 _EXIT_WAIT = 10.0
 
 
+_Queued = tuple[list[Work], Future, _Outcome, Any, Optional[Callable[[], None]], "tuple[cuda.Staged, ...]"]
+"""A call the completer holds: its Works, the future, the outcome, the result, what to do
+after the Works, and its staged CUDA tensors."""
+
+
 class _Completer:
     """Completes torch futures from cohort Works on one thread, in issue order."""
 
     def __init__(self) -> None:
-        self._queue: "queue.Queue[Optional[tuple[list[Work], Future, _Outcome, Any, Optional[Callable[[], None]]]]]" = (
-            queue.Queue()
-        )
+        self._queue: "queue.Queue[Optional[_Queued]]" = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="cohort-torch-completer", daemon=True)
         self._thread.start()
         atexit.register(self._finish)
@@ -296,13 +304,15 @@ class _Completer:
             item = self._queue.get()
             if item is None:
                 return
-            works, fut, outcome, result, then = item
+            works, fut, outcome, result, then, staged = item
             error: Optional[BaseException] = None
             for work in works:  # every Work is waited for (its buffers stay alive until then)
                 try:
                     work.wait()
                 except BaseException as e:  # noqa: BLE001 - handed to the future's waiter
                     error = error or e
+            for s in staged:  # CUDA tensors: each chunk copied back as its collective ends
+                error = _finish_staged(s, error)
             if error is None and then is not None:
                 try:
                     then()
@@ -318,14 +328,42 @@ class _Completer:
             outcome.error = error
             fut.set_result(result)
 
-    def submit(self, works: list[Work], result: Any, then: Optional[Callable[[], None]] = None) -> Any:
-        """A torch ``Work`` that completes once every one of ``works`` has, after ``then``; it
-        fails with their first error."""
+    def submit(
+        self,
+        works: list[Work],
+        result: Any,
+        then: Optional[Callable[[], None]] = None,
+        staged: "tuple[cuda.Staged, ...]" = (),
+    ) -> Any:
+        """A torch ``Work`` that completes once every one of ``works`` (and every chunk of the
+        ``staged`` CUDA tensors, copied back) has, after ``then``; it fails with their first
+        error."""
         fut: Future = Future()
         outcome = _Outcome()
-        outcome.works = tuple(works)
-        self._queue.put((works, fut, outcome, result, then))
+        outcome.works = tuple(works) + tuple(w for s in staged for w in s.works)
+        self._queue.put((works, fut, outcome, result, then, staged))
         return _work(fut, outcome)
+
+
+def _finish_staged(staged: "cuda.Staged", error: Optional[BaseException]) -> Optional[BaseException]:
+    """Waits for a staged CUDA tensor's chunks, copying each back as it ends (while no error has
+    been seen), and releases its pinned buffer; returns the first error."""
+    try:
+        for i, work in enumerate(staged.works):
+            try:
+                work.wait()
+            except BaseException as e:  # noqa: BLE001 - handed to the future's waiter
+                error = error or e
+                continue
+            if error is None:
+                staged.chunk_done(i)
+        if error is None:
+            staged.finish()
+    except BaseException as e:  # noqa: BLE001 - a CUDA error copying back: the call's error
+        error = error or e
+    finally:
+        staged.release()
+    return error
 
 
 def _work(fut: Future, outcome: _Outcome, python_work: Optional[bool] = None) -> Any:
@@ -398,18 +436,117 @@ TORCH2 = hasattr(_C10D, "Backend")
 as its CPU backend (torch routes every collective to it); on torch 1.13 the backend *is* the
 process group (1.13's ``ProcessGroup`` is subclassed)."""
 
-_Base: Any = _C10D.Backend if TORCH2 else ProcessGroup
+
+def _python_backends() -> bool:
+    """Whether this torch lets Python subclass c10d's ``Backend`` (it binds the constructor):
+    torch 2.15 does, torch 2.11 does not ("No constructor defined!")."""
+    if not TORCH2:
+        return False
+
+    class _Probe(_C10D.Backend):  # type: ignore[misc, name-defined]
+        pass
+
+    try:
+        _Probe(0, 1)
+    except TypeError:
+        return False
+    return True
+
+
+PYTHON_BACKEND = _python_backends()
+"""True where :class:`CohortBackend` is a ``c10d.Backend`` inside torch's own ``ProcessGroup``
+(torch 2.x releases that let Python subclass ``Backend``); else it is the ``ProcessGroup``
+itself, as on torch 1.13: torch 2.x takes a process group from a backend's creator as it is
+(torch 2.11: collectives, DDP and ``new_group`` work; what needs a backend per device inside
+torch's group, DeviceMesh and FSDP2, does not)."""
+
+_Base: Any = _C10D.Backend if PYTHON_BACKEND else ProcessGroup
+
+
+class _NamedProcessGroup:
+    """The name and description of a Python process group on torch 2.x without
+    :data:`PYTHON_BACKEND`: torch keeps them in a group's device backends, of which such a
+    group has none ("ProcessGroup name not set" from ``group.group_name``), so they are kept
+    here; functional collectives (DTensor) resolve the group by this name."""
+
+    _cohort_name = ""
+    _cohort_desc = ""
+
+    def _set_group_name(self, name: str) -> None:
+        self._cohort_name = name
+
+    def _set_group_desc(self, desc: str) -> None:
+        self._cohort_desc = desc
+
+    @property
+    def group_name(self) -> str:
+        """The group's name, as torch set it."""
+        return self._cohort_name
+
+    @property
+    def group_desc(self) -> str:
+        """The group's description, as torch set it."""
+        return self._cohort_desc
+
+
+_BASES: tuple[Any, ...] = (_NamedProcessGroup, _Base) if TORCH2 and not PYTHON_BACKEND else (_Base,)
+"""The bases of the backends written in Python here (:class:`CohortBackend`, the managed one)."""
 
 
 def _input(call: str, t: torch.Tensor) -> torch.Tensor:
-    if t.device.type != "cpu":
-        raise InvalidArgumentError(f"cohort backend: {call}: a tensor is on {t.device}; cohort runs CPU tensors")
+    _on_cpu(call, t)
     return t.contiguous()
 
 
-def _output(call: str, t: torch.Tensor) -> torch.Tensor:
+def _start_each(
+    call: str,
+    tensors: list[torch.Tensor],
+    start: Callable[[torch.Tensor], Work],
+    root: Optional[int] = None,
+    me: int = 0,
+) -> tuple[list[Work], tuple[cuda.Staged, ...]]:
+    """Starts ``start(t)`` for each tensor in place: a CPU tensor directly, a CUDA one staged
+    through pinned host memory (:mod:`cohort.torch.cuda`). ``root``: a broadcast's root (its
+    tensor is copied down and not back; the others' the other way round); ``me``: this rank."""
+    for t in tensors:  # every tensor is checked before any collective starts
+        if t.device.type != "cuda":
+            _output(call, t)
+        elif not t.is_contiguous():
+            raise InvalidArgumentError(f"cohort backend: {call}: the output tensor must be contiguous")
+    works: list[Work] = []
+    staged: list[cuda.Staged] = []
+    try:
+        for t in tensors:
+            if t.device.type == "cuda":
+                down = root is None or root == me
+                up = root is None or root != me
+                staged.append(cuda.stage(t, start, down=down, up=up))
+            else:
+                works.append(start(t))
+    except BaseException:
+        # Tensors already started finish (their buffers stay alive until then) before the error.
+        for work in works:
+            try:
+                work.wait()
+            except Exception:  # noqa: BLE001, S110 - the call's own error is raised
+                pass
+        for s in staged:
+            _finish_staged(s, None)
+        raise
+    return works, tuple(staged)
+
+
+def _on_cpu(call: str, t: torch.Tensor) -> None:
     if t.device.type != "cpu":
-        raise InvalidArgumentError(f"cohort backend: {call}: a tensor is on {t.device}; cohort runs CPU tensors")
+        raise InvalidArgumentError(
+            f"cohort backend: {call}: a tensor is on {t.device}; cohort runs CPU tensors, and CUDA tensors in "
+            f"{', '.join(cuda.STAGED_CALLS)} (staged through host memory; for the rest use cohort.torch.managed "
+            "with nccl)"
+        )
+
+
+def _output(call: str, t: torch.Tensor) -> torch.Tensor:
+    _on_cpu(call, t)
     if not t.is_contiguous():
         raise InvalidArgumentError(f"cohort backend: {call}: the output tensor must be contiguous")
     return t
@@ -425,7 +562,7 @@ def _equal_splits(call: str, splits: Any, numel: int, size: int) -> None:
         raise InvalidArgumentError(f"cohort backend: {call}: {numel} elements do not split over {size} ranks")
 
 
-class CohortBackend(_Base):  # type: ignore[misc, valid-type]
+class CohortBackend(*_BASES):  # type: ignore[misc]
     """The ``"cohort"`` backend of ``torch.distributed`` over the current cohort communicator of
     ``source`` (see the module docs for the calls it supports).
 
@@ -591,15 +728,15 @@ class CohortBackend(_Base):  # type: ignore[misc, valid-type]
         """Element-wise reduction of each tensor over the ranks, in place (queued)."""
         op = _op_name("allreduce", opts)
         comm = self._comm()
-        works = [comm.allreduce_async(_output("allreduce", t), op) for t in tensors]
-        return self._completer.submit(works, tensors)
+        works, staged = _start_each("allreduce", tensors, lambda t: comm.allreduce_async(t, op))
+        return self._completer.submit(works, tensors, staged=staged)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         """:meth:`allreduce` of several tensors, one work for all."""
         op = _op_name("allreduce_coalesced", opts)
         comm = self._comm()
-        works = [comm.allreduce_async(_output("allreduce_coalesced", t), op) for t in tensors]
-        return self._completer.submit(works, tensors)
+        works, staged = _start_each("allreduce_coalesced", tensors, lambda t: comm.allreduce_async(t, op))
+        return self._completer.submit(works, tensors, staged=staged)
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         """The root's tensor receives the reduction over the ranks."""
@@ -673,10 +810,17 @@ class CohortBackend(_Base):  # type: ignore[misc, valid-type]
     def allgather(
         self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: Any = None
     ) -> Any:
-        """``output_tensors[.][r]`` receives rank r's input."""
+        """``output_tensors[.][r]`` receives rank r's input. A CUDA input (DDP checks its
+        parameters' shapes this way) goes through host memory, not pipelined: copied down on
+        the current stream, gathered, copied up into CUDA outputs."""
         comm = self._comm()
         for outputs, inp in zip(output_tensors, input_tensors):
-            src = _input("allgather", inp)
+            if inp.device.type == "cuda":
+                if any(out.device != inp.device for out in outputs):
+                    raise InvalidArgumentError("cohort backend: allgather: the outputs must be on the input's device")
+                src = inp.detach().contiguous().to("cpu")
+            else:
+                src = _input("allgather", inp)
             flat = torch.empty(src.numel() * comm.size, dtype=src.dtype)
             comm.allgather(src, flat)
             for r, out in enumerate(outputs):
@@ -693,8 +837,10 @@ class CohortBackend(_Base):  # type: ignore[misc, valid-type]
         """Copies the root's tensors to every rank (queued)."""
         root = opts.rootRank if opts is not None else 0
         comm = self._comm()
-        works = [comm.broadcast_async(_output("broadcast", t), root) for t in tensors]
-        return self._completer.submit(works, tensors)
+        works, staged = _start_each(
+            "broadcast", tensors, lambda t: comm.broadcast_async(t, root), root=root, me=comm.rank
+        )
+        return self._completer.submit(works, tensors, staged=staged)
 
     def gather(
         self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: Any = None
@@ -1077,8 +1223,10 @@ def _register() -> None:
     if _registered:
         return
     if TORCH2:
-        # The CPU device, so that torch neither warns nor guesses (and routes CPU tensors here).
-        dist.Backend.register_backend(BACKEND, _create_extended, extended_api=True, devices=["cpu"])
+        # The CPU device, so that torch neither warns nor guesses (and routes CPU tensors here);
+        # and CUDA where there is one (all_reduce and broadcast stage through host memory).
+        devices = ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
+        dist.Backend.register_backend(BACKEND, _create_extended, extended_api=True, devices=devices)
     else:
         dist.Backend.register_backend(BACKEND, _create)
     _registered = True

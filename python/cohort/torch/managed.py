@@ -1,7 +1,8 @@
 """``cohort.torch.managed``: torch's own backends, with cohort's membership.
 
-A process group whose data plane is torch's gloo (CPU; nccl on GPU: :mod:`cohort.torch.nccl`)
-and whose membership, failure detection and root cause are cohort's::
+A process group whose data plane is torch's gloo (CPU), and nccl for CUDA tensors with
+``backend="nccl"`` (:mod:`cohort.torch.nccl`), and whose membership, failure detection and
+root cause are cohort's::
 
     group = cohort.Group("job", coordinator)
     state = cohort.elastic.TorchState(group, model=net, optimizer=opt, step=0)
@@ -64,19 +65,22 @@ from torch.futures import Future
 
 from cohort._native import Communicator
 from cohort.errors import CollectiveError, InvalidArgumentError, _handed_on
-from cohort.torch import TORCH2, _current, _Outcome, _work
+from cohort.torch import _BASES, PYTHON_BACKEND, TORCH2, _current, _Outcome, _work
 from cohort.torch.store import Store
 
-__all__ = ["BACKEND", "ManagedBackend", "init_process_group", "current"]
+__all__ = ["BACKEND", "NCCL_BACKEND", "ManagedBackend", "init_process_group", "nccl_available", "current"]
 
 BACKEND = "cohort_gloo"
 """The name of the ``torch.distributed`` backend (gloo's data plane, cohort's membership)."""
+
+NCCL_BACKEND = "cohort_nccl"
+"""The name of the backend for CUDA tensors under ``backend="nccl"`` (torch 2.x): nccl's data
+plane, cohort's membership; the group's CPU backend stays :data:`BACKEND`."""
 
 STORE_TIMEOUT = datetime.timedelta(seconds=60)
 """How long a rank waits for the others' gloo addresses in the store when a group is made."""
 
 _C10D = torch._C._distributed_c10d
-_Base: Any = _C10D.Backend if TORCH2 else _C10D.ProcessGroup
 
 
 def _seconds(value: Any) -> float:
@@ -167,7 +171,7 @@ class _Call:
     """One call in flight on the wrapped backend: its torch future (completed once), and when
     it started (for the watchdog's bound)."""
 
-    __slots__ = ("name", "fut", "outcome", "result", "started", "_lock", "done")
+    __slots__ = ("name", "fut", "outcome", "result", "started", "_lock", "done", "poll")
 
     def __init__(self, name: str, result: Any) -> None:
         self.name = name
@@ -177,6 +181,9 @@ class _Call:
         self.started = time.monotonic()
         self._lock = threading.Lock()
         self.done = False
+        # A device call (nccl) completes on the GPU, not on a host thread: the watchdog asks
+        # its Work (``is_completed``) instead of waiting for a future.
+        self.poll: Optional[Any] = None
 
     def finish(self, error: Optional[BaseException], value: Any = None) -> bool:
         """Completes the torch future (with ``error`` if given); False if it was already."""
@@ -198,6 +205,7 @@ class _Generation:
     def __init__(self, comm: Communicator, timeout: float) -> None:
         self.comm = comm
         self.timeout = timeout
+        self.kind = "gloo"  # the data plane named in reports ("nccl" once a CUDA group is made)
         self.error: Optional[CollectiveError] = None
         self._lock = threading.Lock()
         self._calls: list[_Call] = []
@@ -221,10 +229,21 @@ class _Generation:
                 self.fail(revoked)
                 return
             with self._lock:
+                polled = [c for c in self._calls if not c.done and c.poll is not None]
+            for call in polled:
+                try:
+                    finished = call.poll()
+                except Exception as e:  # noqa: BLE001 - the device work failed: reported through cohort
+                    self.report(f"torch {self.kind}: {call.name}: {str(e).splitlines()[0] if str(e) else e!r}")
+                    return
+                if finished:
+                    call.finish(None)
+            with self._lock:
                 overdue = [c for c in self._calls if not c.done and time.monotonic() - c.started > self.timeout]
             if overdue:
                 self.report(
-                    f"torch gloo: {overdue[0].name} still in flight after {self.timeout:g} s (the watchdog's bound)",
+                    f"torch {self.kind}: {overdue[0].name} still in flight after {self.timeout:g} s "
+                    "(the watchdog's bound)",
                     after=self.timeout,
                 )
                 return
@@ -313,13 +332,13 @@ def _coordinator_ports(coordinator: Any) -> set[int]:
     return ports
 
 
-class ManagedBackend(_Base):  # type: ignore[misc, valid-type]
+class ManagedBackend(*_BASES):  # type: ignore[misc]
     """torch's ``ProcessGroupGloo`` for one generation (or a group of its ranks), behind a
     backend that reports its failures through cohort and fails its calls with the generation's
     root cause (see the module's docs). Made by :func:`init_process_group` (and by torch's
     ``new_group``); each method keeps torch's name and forwards to gloo's."""
 
-    def __init__(self, store: Any, rank: int, size: int, timeout: Any) -> None:
+    def __init__(self, store: Any, rank: int, size: int, timeout: Any, kind: str = "gloo") -> None:
         super().__init__(rank, size)
         generation = _generation
         if generation is None or _source is None:
@@ -331,32 +350,64 @@ class ManagedBackend(_Base):  # type: ignore[misc, valid-type]
                 "cohort.torch.managed.init_process_group(state) again after a re-formation"
             )
         self._gen = generation
+        self.kind = kind
+        self.aborted = False  # whether the wrapped backend's abort() ran (and returned)
+        self.abort_error: Optional[BaseException] = None  # what an abort() raised, if one did
         seconds = generation.timeout
-        config = _source.group.config
-        before = _socket_fds()
-        self._inner = dist.ProcessGroupGloo(store, rank, size, datetime.timedelta(seconds=seconds))
-        sockets = _Sockets(before, _socket_fds(), _coordinator_ports(config.coordinator))
-        generation.add_sockets(sockets)
+        # The wrapped backends by device type: gloo for CPU tensors, nccl for CUDA ones. Where
+        # torch makes a backend per device (PYTHON_BACKEND) this one holds one of them; where
+        # it takes one process group for all devices (torch 2.11), the nccl group holds both.
+        self._inners: dict[str, Any] = {}
+        self._nccl: Any = None
+        both = kind == "nccl" and not PYTHON_BACKEND
+        if kind == "nccl":
+            from cohort.torch import nccl
+
+            self._nccl = nccl.create(dist.PrefixStore("nccl/", store) if both else store, rank, size, seconds)
+            self._inners["cuda"] = self._nccl
+            generation.kind = "nccl"
+        if kind == "gloo" or both:
+            config = _source.group.config
+            before = _socket_fds()
+            gloo_store = dist.PrefixStore("gloo/", store) if both else store
+            self._inners["cpu"] = dist.ProcessGroupGloo(gloo_store, rank, size, datetime.timedelta(seconds=seconds))
+            sockets = _Sockets(before, _socket_fds(), _coordinator_ports(config.coordinator))
+            generation.add_sockets(sockets)
+        self._inner = self._nccl if self._nccl is not None else self._inners["cpu"]
         generation.add_backend(self)
 
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
-        return BACKEND
+        return NCCL_BACKEND if self.kind == "nccl" else BACKEND
 
     def _get_backend_name(self) -> str:
-        return BACKEND
+        return self.getBackendName()
 
     @property
     def inner(self) -> Any:
-        """The wrapped ``ProcessGroupGloo``."""
+        """The wrapped ``ProcessGroupGloo`` (or ``ProcessGroupNCCL``)."""
         return self._inner
 
     def _abort_inner(self) -> None:
-        abort = getattr(self._inner, "abort", None)
-        if abort is not None:
-            try:
-                abort()
-            except Exception:  # noqa: BLE001, S110 - best effort: the sockets are shut down next
-                pass
+        for inner in self._inners.values():
+            abort = getattr(inner, "abort", None)
+            if abort is not None:
+                try:
+                    abort()
+                    self.aborted = self.aborted or inner is self._inner
+                except Exception as e:  # noqa: BLE001 - best effort: the sockets are shut down next
+                    self.abort_error = e
+
+    def _inner_for(self, tensors: Any) -> Any:
+        """The wrapped backend for a call on ``tensors`` (nested lists): by the first tensor's
+        device type; the main one when there is no tensor (a barrier) or no backend for it."""
+        stack = [tensors]
+        while stack:
+            item = stack.pop(0)
+            if isinstance(item, torch.Tensor):
+                return self._inners.get(item.device.type, self._inner)
+            if isinstance(item, (list, tuple)):
+                stack.extend(item)
+        return self._inner
 
     @property
     def supports_splitting(self) -> bool:
@@ -382,9 +433,10 @@ class ManagedBackend(_Base):  # type: ignore[misc, valid-type]
     def supports_reconfigure(self) -> bool:
         return False
 
-    def _run(self, name: str, start: Any, result: Any) -> Any:
-        """Starts ``start()`` (a call on the gloo group) and returns a torch Work that
-        completes with it, or fails with the generation's root cause."""
+    def _run(self, name: str, start: Any, result: Any, route: Any = None) -> Any:
+        """Starts ``start(inner)`` (a call on the wrapped backend for the tensors of ``route``,
+        default ``result``: :meth:`_inner_for`) and returns a torch Work that completes with
+        it, or fails with the generation's root cause."""
         gen = self._gen
         call = gen.start(name, result)
         if call is None:
@@ -393,11 +445,26 @@ class ManagedBackend(_Base):  # type: ignore[misc, valid-type]
             # quoting it: recorded, so that cohort.collective_failure finds it there.
             _handed_on(gen.error)
             raise gen.error
+        inner = self._inner_for(result if route is None else route)
+        on_device = inner is self._nccl
         try:
-            work = start()
-        except BaseException:
+            work = start(inner)
+        except BaseException as e:
             call.finish(None)  # nothing in flight; the argument error is gloo's own
+            if on_device and gen.error is not None:
+                raise gen.error from e  # an aborted communicator: the root cause instead
             raise
+        if on_device:
+            from cohort.torch import nccl
+
+            if work is None:
+                # A synchronous call (async_op=False): torch 2.11's nccl runs it on the caller's
+                # stream and gives no Work (torch then waits for none). The watchdog bounds it
+                # by an event recorded behind it on that stream.
+                call.poll = nccl.stream_marker().query
+                return None
+            call.poll = work.is_completed
+            return nccl.DeviceWork(work, call, gen)
 
         def failed(e: BaseException) -> None:
             if not call.done:
@@ -434,23 +501,23 @@ class ManagedBackend(_Base):  # type: ignore[misc, valid-type]
     # -- the collectives (torch's names; gloo does the work) --------------------------------
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         opts = opts if opts is not None else dist.AllreduceOptions()
-        return self._run("allreduce", lambda: self._inner.allreduce(tensors, opts), tensors)
+        return self._run("allreduce", lambda inner: inner.allreduce(tensors, opts), tensors)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         opts = opts if opts is not None else dist.AllreduceCoalescedOptions()
-        return self._run("allreduce_coalesced", lambda: self._inner.allreduce_coalesced(tensors, opts), tensors)
+        return self._run("allreduce_coalesced", lambda inner: inner.allreduce_coalesced(tensors, opts), tensors)
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         opts = opts if opts is not None else dist.BroadcastOptions()
-        return self._run("broadcast", lambda: self._inner.broadcast(tensors, opts), tensors)
+        return self._run("broadcast", lambda inner: inner.broadcast(tensors, opts), tensors)
 
     def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> Any:
         opts = opts if opts is not None else dist.AllgatherOptions()
-        return self._run("allgather", lambda: self._inner.allgather(outputs, inputs, opts), outputs)
+        return self._run("allgather", lambda inner: inner.allgather(outputs, inputs, opts), outputs)
 
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
         opts = opts if opts is not None else dist.AllgatherOptions()
-        return self._run("allgather_into_tensor", lambda: self._inner._allgather_base(output, input, opts), [output])
+        return self._run("allgather_into_tensor", lambda inner: inner._allgather_base(output, input, opts), [output])
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
         return self._allgather_base(output, input, opts)
@@ -461,7 +528,7 @@ class ManagedBackend(_Base):  # type: ignore[misc, valid-type]
         opts = opts if opts is not None else dist.AllgatherOptions()
         return self._run(
             "allgather_into_tensor_coalesced",
-            lambda: self._inner.all_gather_single_coalesced(outputs, inputs, opts),  # gloo's Python name
+            lambda inner: inner.all_gather_single_coalesced(outputs, inputs, opts),  # gloo's Python name
             outputs,
         )
 
@@ -473,7 +540,7 @@ class ManagedBackend(_Base):  # type: ignore[misc, valid-type]
     def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
         opts = opts if opts is not None else dist.ReduceScatterOptions()
         return self._run(
-            "reduce_scatter_tensor", lambda: self._inner._reduce_scatter_base(output, input, opts), [output]
+            "reduce_scatter_tensor", lambda inner: inner._reduce_scatter_base(output, input, opts), [output]
         )
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
@@ -485,7 +552,7 @@ class ManagedBackend(_Base):  # type: ignore[misc, valid-type]
         opts = opts if opts is not None else dist.ReduceScatterOptions()
         return self._run(
             "reduce_scatter_tensor_coalesced",
-            lambda: self._inner.reduce_scatter_single_coalesced(outputs, inputs, opts),  # gloo's Python name
+            lambda inner: inner.reduce_scatter_single_coalesced(outputs, inputs, opts),  # gloo's Python name
             outputs,
         )
 
@@ -496,19 +563,19 @@ class ManagedBackend(_Base):  # type: ignore[misc, valid-type]
 
     def reduce_scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None) -> Any:
         opts = opts if opts is not None else dist.ReduceScatterOptions()
-        return self._run("reduce_scatter", lambda: self._inner.reduce_scatter(outputs, inputs, opts), outputs)
+        return self._run("reduce_scatter", lambda inner: inner.reduce_scatter(outputs, inputs, opts), outputs)
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         opts = opts if opts is not None else dist.ReduceOptions()
-        return self._run("reduce", lambda: self._inner.reduce(tensors, opts), tensors)
+        return self._run("reduce", lambda inner: inner.reduce(tensors, opts), tensors)
 
     def gather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> Any:
         opts = opts if opts is not None else dist.GatherOptions()
-        return self._run("gather", lambda: self._inner.gather(outputs, inputs, opts), outputs)
+        return self._run("gather", lambda inner: inner.gather(outputs, inputs, opts), outputs, (inputs, outputs))
 
     def scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None) -> Any:
         opts = opts if opts is not None else dist.ScatterOptions()
-        return self._run("scatter", lambda: self._inner.scatter(outputs, inputs, opts), outputs)
+        return self._run("scatter", lambda inner: inner.scatter(outputs, inputs, opts), outputs, (outputs, inputs))
 
     def alltoall_base(
         self,
@@ -521,7 +588,7 @@ class ManagedBackend(_Base):  # type: ignore[misc, valid-type]
         opts = opts if opts is not None else dist.AllToAllOptions()
         return self._run(
             "alltoall",
-            lambda: self._inner.alltoall_base(output, input, output_splits, input_splits, opts),
+            lambda inner: inner.alltoall_base(output, input, output_splits, input_splits, opts),
             [output],
         )
 
@@ -530,17 +597,17 @@ class ManagedBackend(_Base):  # type: ignore[misc, valid-type]
 
     def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> Any:
         opts = opts if opts is not None else dist.AllToAllOptions()
-        return self._run("alltoall", lambda: self._inner.alltoall(outputs, inputs, opts), outputs)
+        return self._run("alltoall", lambda inner: inner.alltoall(outputs, inputs, opts), outputs)
 
     def barrier(self, opts: Any = None) -> Any:
         opts = opts if opts is not None else dist.BarrierOptions()
-        return self._run("barrier", lambda: self._inner.barrier(opts), [])
+        return self._run("barrier", lambda inner: inner.barrier(opts), [])
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> Any:
-        return self._run("send", lambda: self._inner.send(tensors, dst, tag), tensors)
+        return self._run("send", lambda inner: inner.send(tensors, dst, tag), tensors)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> Any:
-        return self._run("recv", lambda: self._inner.recv(tensors, src, tag), tensors)
+        return self._run("recv", lambda inner: inner.recv(tensors, src, tag), tensors)
 
     def monitored_barrier(self, opts: Any = None, wait_all_ranks: bool = False) -> Any:
         raise RuntimeError(
@@ -553,6 +620,10 @@ def _create(store: Any, rank: int, size: int, timeout: Any) -> ManagedBackend:
     return ManagedBackend(store, rank, size, timeout)
 
 
+def _create_nccl(store: Any, rank: int, size: int, timeout: Any) -> ManagedBackend:
+    return ManagedBackend(store, rank, size, timeout, kind="nccl")
+
+
 _registered = False
 
 
@@ -562,13 +633,18 @@ def _register() -> None:
         return
     if TORCH2:
         dist.Backend.register_backend(BACKEND, _create, devices=["cpu"])
+        # One backend per device inside torch's group where torch makes them (PYTHON_BACKEND);
+        # else the nccl group is the process group for both devices (gloo inside for CPU).
+        nccl_devices = ["cuda"] if PYTHON_BACKEND else ["cpu", "cuda"]
+        dist.Backend.register_backend(NCCL_BACKEND, _create_nccl, devices=nccl_devices)
     else:
         dist.Backend.register_backend(BACKEND, _create)
     _registered = True
 
 
 def init_process_group(source: Any, backend: str = "gloo", *, timeout: Optional[float] = None) -> Any:
-    """Makes torch's ``backend`` (``"gloo"``) for the current generation of ``source`` (an
+    """Makes torch's ``backend`` (``"gloo"``, or ``"nccl"`` on a CUDA machine under torch 2.x:
+    nccl for CUDA tensors and gloo for CPU ones, :mod:`cohort.torch.nccl`) for the current generation of ``source`` (an
     elastic state: :class:`cohort.elastic.State`, whose ``group`` and ``comm`` it uses; or any
     object with those two, a :class:`cohort.Group` and its current communicator, as
     :mod:`cohort.hsdp` and examples/pytorch/fsdp2.py pass) the default ``torch.distributed``
@@ -585,9 +661,9 @@ def init_process_group(source: Any, backend: str = "gloo", *, timeout: Optional[
     if backend == "nccl":
         from cohort.torch import nccl
 
-        nccl.refuse()
-    if backend != "gloo":
-        raise InvalidArgumentError(f'cohort.torch.managed: backend {backend!r} is not supported ("gloo")')
+        nccl.check_available(TORCH2)
+    elif backend != "gloo":
+        raise InvalidArgumentError(f'cohort.torch.managed: backend {backend!r} is not supported ("gloo", "nccl")')
     group = getattr(source, "group", None)
     if group is None or isinstance(source, Communicator):
         raise InvalidArgumentError(
@@ -623,8 +699,12 @@ def init_process_group(source: Any, backend: str = "gloo", *, timeout: Optional[
     # later from it (new_group, a DeviceMesh dimension) would find its Python methods gone
     # ("Not implemented") once this object was collected.
     _store = store
+    if backend == "nccl":
+        from cohort.torch import nccl
+
+        nccl.prepare_environment()
     dist.init_process_group(
-        BACKEND,
+        BACKEND if backend == "gloo" else f"cpu:{BACKEND},cuda:{NCCL_BACKEND}" if PYTHON_BACKEND else NCCL_BACKEND,
         store=store,
         rank=comm.rank,
         world_size=comm.size,
@@ -633,6 +713,13 @@ def init_process_group(source: Any, backend: str = "gloo", *, timeout: Optional[
     from torch.distributed import distributed_c10d as c10d
 
     return c10d._get_default_group()
+
+
+def nccl_available() -> bool:
+    """Whether ``backend="nccl"`` can run here: torch 2.x with nccl, and a CUDA device."""
+    from cohort.torch import nccl
+
+    return TORCH2 and nccl.available()
 
 
 def current() -> Optional[CollectiveError]:

@@ -17,7 +17,11 @@ endpoint, job = sys.argv[1:3]
 
 for call, words in (
     (lambda: managed.init_process_group(object()), "elastic state"),
-    (lambda: managed.init_process_group(object(), backend="nccl"), "cohort.torch.nccl"),
+    # nccl: refused where it cannot run (no GPU, or torch 1.13); elsewhere the bad state is.
+    (
+        lambda: managed.init_process_group(object(), backend="nccl"),
+        "elastic state" if managed.nccl_available() else "cohort.torch.nccl",
+    ),
 ):
     try:
         call()

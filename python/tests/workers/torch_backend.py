@@ -187,19 +187,23 @@ if TORCH2:
 
     # torch's fault-tolerance hooks: the world binds to the generation cohort formed, whose
     # members' worker ids are the handles (cohort's coordinator is the quorum).
-    assert dist._supports_reconfigure()
-    handles = [None] * size
-    dist.all_gather_object(handles, dist._get_reconfigure_handle())
-    # comm.members: every member in a generation answered whole, this rank's known ones in a sparse one.
-    assert all(handles[m.rank] == m.worker_id for m in comm.members) and handles[rank] == worker_id, handles
-    assert dist._reconfigure(11, handles).wait() and dist._reconfigure(12, set(handles)).wait()
-    assert dist.group.WORLD._get_backend(torch.device("cpu")).reconfigured_uuid == 12
-    t = data(rank, n)
-    dist.all_reduce(t)
-    check("all_reduce after reconfigure", t, every.sum(0))
-    must_raise("reconfigure to a stranger", lambda: dist._reconfigure(13, [*handles, "stranger"]), "stranger")
-    if size > 1:
-        must_raise("reconfigure in another order", lambda: dist._reconfigure(14, handles[::-1]), "rank order")
+    # (torch 2.11 has no such hooks: nothing to bind.)
+    if hasattr(dist, "_supports_reconfigure"):
+        assert dist._supports_reconfigure()
+        handles = [None] * size
+        dist.all_gather_object(handles, dist._get_reconfigure_handle())
+        # comm.members: every member in a generation answered whole, this rank's known ones in a sparse one.
+        assert all(handles[m.rank] == m.worker_id for m in comm.members) and handles[rank] == worker_id, handles
+        assert dist._reconfigure(11, handles).wait() and dist._reconfigure(12, set(handles)).wait()
+        assert dist.group.WORLD._get_backend(torch.device("cpu")).reconfigured_uuid == 12
+        t = data(rank, n)
+        dist.all_reduce(t)
+        check("all_reduce after reconfigure", t, every.sum(0))
+        must_raise("reconfigure to a stranger", lambda: dist._reconfigure(13, [*handles, "stranger"]), "stranger")
+        if size > 1:
+            must_raise("reconfigure in another order", lambda: dist._reconfigure(14, handles[::-1]), "rank order")
+    else:
+        print("ok reconfigure: not in this torch", flush=True)
 
     # Calls cohort cannot run raise, naming the call.
     if size > 1:
@@ -232,7 +236,8 @@ if TORCH2:
         # Destroying the group closes its cohort communicator at once and frees its channel.
         import cohort.torch as cohort_torch
 
-        backend = mine._get_backend(torch.device("cpu"))
+        # (Where torch takes the backend as the process group itself, the group is the backend.)
+        backend = mine._get_backend(torch.device("cpu")) if cohort_torch.PYTHON_BACKEND else mine
         sub, channel = backend._comm(), backend._channel
         assert backend in [ref() for ref in cohort_torch._channels[channel]]
         dist.destroy_process_group(mine)
