@@ -62,6 +62,7 @@ def test_misuse_is_refused_and_a_revoked_generation_raises_its_root_cause(coordi
     assert out.count("ok refused") >= 7, out
     assert out.count("ok report_failure refused") == 4, out
     assert "ok gloo all_reduce backend=cohort_gloo" in out, out
+    assert "ok the earlier group's keys deleted" in out, out
     assert "ok after revocation" in out and "declared failed" in out, out
     assert out.rstrip().endswith("done"), out
 

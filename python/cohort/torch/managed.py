@@ -698,7 +698,7 @@ def init_process_group(source: Any, backend: str = "gloo", *, timeout: Optional[
     # Kept alive here: torch holds only the C++ half of a Store subclass, and a group made
     # later from it (new_group, a DeviceMesh dimension) would find its Python methods gone
     # ("Not implemented") once this object was collected.
-    _store = store
+    previous, _store = _store, store
     if backend == "nccl":
         from cohort.torch import nccl
 
@@ -710,9 +710,20 @@ def init_process_group(source: Any, backend: str = "gloo", *, timeout: Optional[
         world_size=comm.size,
         timeout=datetime.timedelta(seconds=float(timeout)),
     )
+    if previous is not None:
+        # The earlier group's rendezvous keys, this rank's share: deleted off the caller's path
+        # (a job that re-forms for months would otherwise keep every generation's keys).
+        threading.Thread(target=_sweep, args=(previous,), name="cohort-managed-sweep", daemon=True).start()
     from torch.distributed import distributed_c10d as c10d
 
     return c10d._get_default_group()
+
+
+def _sweep(store: Store) -> None:
+    try:
+        store.delete_written()
+    except Exception:  # noqa: BLE001, S110 - a coordinator out of reach: the job's end sweeps them
+        pass
 
 
 def nccl_available() -> bool:

@@ -19,6 +19,7 @@ them raises :class:`cohort.errors.InvalidArgumentError` (a ``ValueError``) and c
 from __future__ import annotations
 
 import datetime
+import threading
 from typing import Any, Optional, Sequence, Union
 
 import torch
@@ -26,10 +27,13 @@ import torch
 from cohort._native import KeyValueStore
 from cohort.errors import InvalidArgumentError
 
-__all__ = ["Store", "DEFAULT_TIMEOUT"]
+__all__ = ["Store", "DEFAULT_TIMEOUT", "WRITTEN_KEPT"]
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)
 """How long ``get`` and ``wait`` wait for their keys unless told otherwise (torch's default)."""
+
+WRITTEN_KEPT = 10_000
+"""How many written keys a :class:`Store` remembers for :meth:`Store.delete_written`."""
 
 _C10D = torch._C._distributed_c10d
 
@@ -118,6 +122,24 @@ class Store(_C10D.Store):  # type: ignore[misc]
             retry_budget=retry_budget,
         )
         self.set_timeout(timeout)
+        # The keys this object wrote, for delete_written (at most WRITTEN_KEPT of them).
+        self._written: set[str] = set()
+        self._written_lock = threading.Lock()
+
+    def _wrote(self, key: str) -> None:
+        with self._written_lock:
+            if len(self._written) < WRITTEN_KEPT:
+                self._written.add(key)
+
+    def delete_written(self) -> int:
+        """Deletes every key this object wrote (``set``, ``add``, ``append``, ``compare_set``,
+        ``multi_set``; the first :data:`WRITTEN_KEPT`) and forgets them; returns how many still
+        existed. :mod:`cohort.torch.managed` calls it on a generation's store once the next
+        group is made, so that a job that re-forms for months does not keep every generation's
+        rendezvous keys until it ends."""
+        with self._written_lock:
+            keys, self._written = sorted(self._written), set()
+        return sum(1 for key in keys if self._kv.delete_key(key))
 
     @classmethod
     def from_config(cls, config: Any, scope: str = "", timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> Store:
@@ -147,6 +169,7 @@ class Store(_C10D.Store):  # type: ignore[misc]
     def set(self, key: str, value: Union[bytes, str]) -> None:
         """Writes ``value`` (bytes, or a str as its UTF-8) under ``key``."""
         self._kv.set(key, value)
+        self._wrote(key)
 
     def get(self, key: str) -> bytes:
         """The value of ``key``, waiting for it up to the store's timeout (then torch's store
@@ -158,13 +181,16 @@ class Store(_C10D.Store):  # type: ignore[misc]
 
     def add(self, key: str, value: int) -> int:
         """Adds ``value`` to the integer under ``key`` (absent: 0); returns the sum."""
-        return self._kv.add(key, int(value))
+        total = self._kv.add(key, int(value))
+        self._wrote(key)
+        return total
 
     def append(self, key: str, value: Union[bytes, str]) -> None:
         """Appends ``value`` to the bytes under ``key`` (an absent key counts as empty), in one
         compare-and-swap at the coordinator: concurrent appends are each applied once. A result
         past the value bound (1 MiB) is refused and nothing is written."""
         self._kv.append(key, value)
+        self._wrote(key)
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
         """The values of ``keys``, in order, waiting for all of them up to the store's timeout
@@ -194,6 +220,7 @@ class Store(_C10D.Store):  # type: ignore[misc]
             _check_entry(key, value)
         for key, value in zip(keys, values):
             self._kv.set(key, value)
+            self._wrote(key)
 
     def has_extended_api(self) -> bool:
         """True: ``append``, ``multi_get`` and ``multi_set`` are implemented (torch's
@@ -205,7 +232,9 @@ class Store(_C10D.Store):  # type: ignore[misc]
         """Writes ``desired`` if ``key`` holds ``expected`` (or is absent and ``expected`` is
         empty); returns the value stored now (``expected`` for an absent key and a non-empty
         ``expected``), as torch's ``TCPStore``."""
-        return self._kv.compare_set(key, expected, desired)
+        stored = self._kv.compare_set(key, expected, desired)
+        self._wrote(key)
+        return stored
 
     def check(self, keys: list[str]) -> bool:
         """Whether every key exists now."""

@@ -4,6 +4,7 @@ generation is revoked (a failure reported through cohort), the next managed call
 revocation's root cause instead of running on gloo. Prints ``ok ...`` lines, then ``done``."""
 
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -60,6 +61,20 @@ t = torch.arange(4, dtype=torch.float32)
 dist.all_reduce(t)
 assert t.tolist() == [0.0, 1.0, 2.0, 3.0], t
 print(f"ok gloo all_reduce backend={dist.get_backend()}", flush=True)
+
+# A new group (here a second init in the same generation) deletes the earlier one's
+# rendezvous keys, off the caller's path: the earlier scope empties.
+first = managed._store
+assert first is not None and first.num_keys() > 0, first
+managed.init_process_group(state, timeout=60)
+assert managed._store is not first
+deadline = time.monotonic() + 10
+while time.monotonic() < deadline and first.num_keys() > 0:
+    time.sleep(0.02)  # the sweep runs on its own thread; bounded by the deadline
+assert first.num_keys() == 0, f"{first.num_keys()} keys left in {first.scope}"
+dist.all_reduce(t)
+assert t.tolist() == [0.0, 1.0, 2.0, 3.0], t
+print(f"ok the earlier group's keys deleted ({first.scope})", flush=True)
 
 # The generation fails (as a peer's report would make it): the watchdog learns the revocation,
 # and the next managed call raises its root cause.
