@@ -1,4 +1,5 @@
-"""Point-to-point and groups on the "cohort" torch.distributed backend, on real coordinator and
+"""Point-to-point and groups on the "cohort" torch.distributed backend (and point-to-point on
+the managed gloo group), on real coordinator and
 worker processes, under whichever torch runs the tests (1.13 or 2.x): receives posted before
 their sends (a ring, a pair, across a collective, batch_isend_irecv), and new_group's ranks
 outside the group."""
@@ -11,18 +12,20 @@ from conftest import import_torch
 torch = import_torch()
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_receives_posted_before_their_sends_complete(world, coordinator_factory, spawn):
+@pytest.mark.parametrize(("world", "backend"), [(2, "cohort"), (3, "cohort"), (3, "managed")])
+def test_receives_posted_before_their_sends_complete(world, backend, coordinator_factory, spawn):
     """``irecv`` then ``isend`` around a ring and in a pair, a receive posted across a
     collective, and ``batch_isend_irecv`` with the receive first: each completes with the sent
     data (they used to deadlock until the 10 s deadline revoked the generation, and
     ``batch_isend_irecv`` raised RecursionError on torch 2.x)."""
     coord = coordinator_factory(world)
-    workers = [spawn(f"w{r}", "torch_p2p.py", coord.endpoint, f"p2p-{world}", f"w{r}") for r in range(world)]
+    extra = ["managed"] if backend == "managed" else []
+    workers = [spawn(f"w{r}", "torch_p2p.py", coord.endpoint, f"p2p-{world}", f"w{r}", *extra) for r in range(world)]
     for w in workers:
         assert w.wait(timeout=120) == 0, w.output()
     for w in workers:
         out = w.output()
+        assert f"backend={'cohort_gloo' if backend == 'managed' else 'cohort'}" in out, out
         for name in (
             "ring irecv then isend 5",
             f"ring irecv then isend {1 << 20}",

@@ -1,8 +1,10 @@
 """A worker that runs torch.distributed point-to-point patterns on the "cohort" backend, on
 torch 1.13 or 2.x, each checked against the locally computed answer.
 
-argv: COORDINATOR JOB WORKER_ID. Prints `ok NAME` per check and `done CHECKS` at the end; a
-wrong result or an error exits with status 1. The patterns post receives before the matching
+argv: COORDINATOR JOB WORKER_ID [managed]. With ``managed`` the patterns run on torch's gloo
+managed by cohort (:mod:`cohort.torch.managed`) instead of the cohort backend. Prints
+`ok NAME` per check and `done CHECKS` at the end; a wrong result or an error exits with
+status 1. The patterns post receives before the matching
 sends (a ring, a pair), which deadlocked when a receive blocked the sends behind it.
 """
 
@@ -15,8 +17,17 @@ import cohort
 import cohort.torch
 
 coordinator, job, worker_id = sys.argv[1:4]
+managed = sys.argv[4:5] == ["managed"]
 group = cohort.Group(job, coordinator, worker_id, no_progress_timeout=20.0)
-comm = group.next_generation()
+if managed:
+    import cohort.elastic
+    import cohort.torch.managed
+
+    state = cohort.elastic.ObjectState(group, step=0)
+    state.reform()
+    comm = state.comm
+else:
+    comm = group.next_generation()
 rank, size = comm.rank, comm.size
 checks = 0
 
@@ -33,8 +44,11 @@ def check(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
     print(f"ok {name}", flush=True)
 
 
-cohort.torch.init_process_group(comm)
-print(f"ok register torch={torch.__version__}", flush=True)
+if managed:
+    cohort.torch.managed.init_process_group(state, timeout=60)
+else:
+    cohort.torch.init_process_group(comm)
+print(f"ok register torch={torch.__version__} backend={dist.get_backend()}", flush=True)
 right, left = (rank + 1) % size, (rank - 1) % size
 
 # A ring, receive first: every rank posts irecv from the left, then isend to the right.
