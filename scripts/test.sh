@@ -107,6 +107,13 @@ COHORT_TEST_WHOLE_ANSWER_UP_TO=1 COHORT_REQUIRE_PYTHON=1 COHORT_BIN_DIR="$PWD/ta
   python/tests/test_fsdp2.py python/tests/test_hsdp.py python/tests/test_sparse_views.py \
   python/tests/test_torch_backend.py::test_reconfigure_binds_the_world_to_a_replacement_generation \
   python/tests/test_signals.py::test_ctrl_c_interrupts_torch_distributed_all_reduce
+# torch 2.11's path, under torch 2.15 (about 40 s): where torch binds no constructor for
+# c10d.Backend the backends are process groups (cohort.torch.PYTHON_BACKEND is False);
+# COHORT_TORCH_AS_PROCESS_GROUP=1 takes that path here (docs/python.md, "torch versions").
+COHORT_TORCH_AS_PROCESS_GROUP=1 COHORT_REQUIRE_PYTHON=1 COHORT_BIN_DIR="$PWD/target/release" \
+  "$py2" -m pytest -q -p no:cacheprovider \
+  python/tests/test_torch_backend.py::test_every_torch_distributed_call_matches_the_local_answer \
+  python/tests/test_torch_p2p.py
 
 # The RDMA transport (feature `rdma`): its device-free tests run everywhere; the device
 # tests run when a device is present and otherwise say, visibly, that they were skipped.

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import atexit
 import hashlib
+import os
 import queue
 import threading
 from typing import Any, Callable, Optional, Union
@@ -439,8 +440,9 @@ process group (1.13's ``ProcessGroup`` is subclassed)."""
 
 def _python_backends() -> bool:
     """Whether this torch lets Python subclass c10d's ``Backend`` (it binds the constructor):
-    torch 2.15 does, torch 2.11 does not ("No constructor defined!")."""
-    if not TORCH2:
+    torch 2.15 does, torch 2.11 does not ("No constructor defined!"). ``COHORT_TORCH_AS_PROCESS_GROUP=1``
+    answers no anyway (the test command runs torch 2.15 so, to keep torch 2.11's path tested)."""
+    if not TORCH2 or os.environ.get("COHORT_TORCH_AS_PROCESS_GROUP", "") not in ("", "0"):
         return False
 
     class _Probe(_C10D.Backend):  # type: ignore[misc, name-defined]
@@ -457,8 +459,8 @@ PYTHON_BACKEND = _python_backends()
 """True where :class:`CohortBackend` is a ``c10d.Backend`` inside torch's own ``ProcessGroup``
 (torch 2.x releases that let Python subclass ``Backend``); else it is the ``ProcessGroup``
 itself, as on torch 1.13: torch 2.x takes a process group from a backend's creator as it is
-(torch 2.11: collectives, DDP and ``new_group`` work; what needs a backend per device inside
-torch's group, DeviceMesh and FSDP2, does not)."""
+(torch 2.11: every call, DDP, ``new_group``, DeviceMesh, functional collectives and FSDP2/HSDP
+run; ``COHORT_TORCH_AS_PROCESS_GROUP=1`` takes this form on any torch 2.x)."""
 
 _Base: Any = _C10D.Backend if PYTHON_BACKEND else ProcessGroup
 
@@ -467,7 +469,8 @@ class _NamedProcessGroup:
     """The name and description of a Python process group on torch 2.x without
     :data:`PYTHON_BACKEND`: torch keeps them in a group's device backends, of which such a
     group has none ("ProcessGroup name not set" from ``group.group_name``), so they are kept
-    here; functional collectives (DTensor) resolve the group by this name."""
+    here; functional collectives (DTensor) resolve the group by this name. It is also its own
+    backend for every device (``_get_backend``)."""
 
     _cohort_name = ""
     _cohort_desc = ""
@@ -487,6 +490,11 @@ class _NamedProcessGroup:
     def group_desc(self) -> str:
         """The group's description, as torch set it."""
         return self._cohort_desc
+
+    def _get_backend(self, device: Any) -> Any:
+        """The group is its own backend, for every device (torch 2.15's ``batch_isend_irecv``
+        asks the group's backend whether it coalesces)."""
+        return self
 
 
 _BASES: tuple[Any, ...] = (_NamedProcessGroup, _Base) if TORCH2 and not PYTHON_BACKEND else (_Base,)

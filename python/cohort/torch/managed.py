@@ -528,7 +528,7 @@ class ManagedBackend(*_BASES):  # type: ignore[misc]
         opts = opts if opts is not None else dist.AllgatherOptions()
         return self._run(
             "allgather_into_tensor_coalesced",
-            lambda inner: inner.all_gather_single_coalesced(outputs, inputs, opts),  # gloo's Python name
+            lambda inner: _coalesced(inner, "all_gather_single_coalesced", "_allgather_base", outputs, inputs, opts),
             outputs,
         )
 
@@ -552,7 +552,9 @@ class ManagedBackend(*_BASES):  # type: ignore[misc]
         opts = opts if opts is not None else dist.ReduceScatterOptions()
         return self._run(
             "reduce_scatter_tensor_coalesced",
-            lambda inner: inner.reduce_scatter_single_coalesced(outputs, inputs, opts),  # gloo's Python name
+            lambda inner: _coalesced(
+                inner, "reduce_scatter_single_coalesced", "_reduce_scatter_base", outputs, inputs, opts
+            ),
             outputs,
         )
 
@@ -614,6 +616,39 @@ class ManagedBackend(*_BASES):  # type: ignore[misc]
             "cohort managed backend: monitored_barrier is not supported; use barrier(), whose failure names "
             "the rank that failed first"
         )
+
+
+class _Several:
+    """The Works of a coalesced call that the wrapped backend runs as one call per tensor: its
+    future completes with the outputs once every one has, or fails with the first error."""
+
+    def __init__(self, works: list[Any], outputs: list[torch.Tensor]) -> None:
+        self._works = works
+        self._outputs = outputs
+
+    def get_future(self) -> Future:
+        def outcome(done: Future) -> Any:
+            for each in done.value():
+                each.value()  # raises a failed call's error
+            return self._outputs
+
+        return torch.futures.collect_all([w.get_future() for w in self._works]).then(outcome)
+
+    def wait(self) -> bool:
+        for w in self._works:
+            w.wait()
+        return True
+
+
+def _coalesced(
+    inner: Any, name: str, one: str, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any
+) -> Any:
+    """``inner.<name>(outputs, inputs, opts)`` (gloo's Python name for the coalesced call), or,
+    where this torch's gloo has none (torch 2.11), ``inner.<one>`` per pair, in order."""
+    call = getattr(inner, name, None)
+    if call is not None:
+        return call(outputs, inputs, opts)
+    return _Several([getattr(inner, one)(o, i, opts) for o, i in zip(outputs, inputs)], outputs)
 
 
 def _create(store: Any, rank: int, size: int, timeout: Any) -> ManagedBackend:

@@ -59,7 +59,7 @@ registration = [str(w.message) for w in caught if "cohort" in str(w.message) or 
 assert not registration, f"registering the backend warned: {registration}"
 assert dist.get_rank() == rank and dist.get_world_size() == size
 assert dist.get_backend() == "cohort", dist.get_backend()
-print(f"ok register torch={torch.__version__}", flush=True)
+print(f"ok register torch={torch.__version__} python_backend={cohort.torch.PYTHON_BACKEND}", flush=True)
 
 n = 12 * size
 every = torch.stack([data(r, n) for r in range(size)])
@@ -236,8 +236,7 @@ if TORCH2:
         # Destroying the group closes its cohort communicator at once and frees its channel.
         import cohort.torch as cohort_torch
 
-        # (Where torch takes the backend as the process group itself, the group is the backend.)
-        backend = mine._get_backend(torch.device("cpu")) if cohort_torch.PYTHON_BACKEND else mine
+        backend = mine._get_backend(torch.device("cpu"))
         sub, channel = backend._comm(), backend._channel
         assert backend in [ref() for ref in cohort_torch._channels[channel]]
         dist.destroy_process_group(mine)
