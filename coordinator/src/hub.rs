@@ -370,6 +370,7 @@ pub mod planted {
 
     thread_local! {
         static WRONG_PARTNER: Cell<bool> = const { Cell::new(false) };
+        static STALE_BEAT_WRITES: Cell<bool> = const { Cell::new(false) };
     }
 
     /// Plants (or removes) a bug in sparse answers made on this thread: every partner or
@@ -381,6 +382,18 @@ pub mod planted {
     /// Whether the wrong-partner bug is planted on this thread.
     pub(crate) fn wrong_partner() -> bool {
         WRONG_PARTNER.with(Cell::get)
+    }
+
+    /// Plants (or removes) the bug fixed in the replicas' progress writes: a replica writes a
+    /// member's progress as it holds it, its own old beat time included, even when another
+    /// replica has written a newer one (the coordinator before 2026-11-29).
+    pub fn set_stale_beat_writes(on: bool) {
+        STALE_BEAT_WRITES.with(|w| w.set(on));
+    }
+
+    /// Whether the stale-beat-writes bug is planted on this thread.
+    pub(crate) fn stale_beat_writes() -> bool {
+        STALE_BEAT_WRITES.with(Cell::get)
     }
 }
 

@@ -228,7 +228,8 @@ impl CoordinatorService {
     }
 
     /// Updates the cached progress of a member; writes it to the store (on `lease`, the
-    /// member's) when the last write is older than [`PROGRESS_PERIOD`].
+    /// member's) when the last write is older than [`PROGRESS_PERIOD`], never with an older
+    /// `last_heartbeat_ms` than this replica's view of the store holds.
     async fn record_progress(
         &self,
         job: &str,
@@ -262,7 +263,33 @@ impl CoordinatorService {
                 None
             }
         };
-        if let Some(record) = to_write {
+        if let Some(mut record) = to_write {
+            // A member's calls may reach two replicas (its beats through its host's relay, its
+            // commits through its own client, each on its own endpoint), and each replica
+            // writes the record it holds. Written as cached, a replica that no longer hears
+            // the member's beats would write its old beat time back once per period, and a
+            // sweep that looked at those moments would see that mark unchanged and take a
+            // beating member for a silent one (`sweep.rs`). So no write takes the last beat
+            // back from what this replica's view of the store has.
+            #[cfg(feature = "test-support")]
+            let merge = !crate::hub::planted::stale_beat_writes();
+            #[cfg(not(feature = "test-support"))]
+            let merge = true;
+            let hub = if merge { self.hub(job).await.ok() } else { None };
+            if let Some(hub) = hub {
+                let stored = hub.read(|state| {
+                    state.progress.get(worker).filter(|p| p.incarnation == incarnation).map(|p| p.last_heartbeat_ms)
+                });
+                if let Some(stored) = stored.filter(|&at| at > record.last_heartbeat_ms) {
+                    record.last_heartbeat_ms = stored;
+                    let mut cache = self.progress.lock().unwrap_or_else(|e| e.into_inner());
+                    if let Some(entry) = cache.get_mut(&(job.to_string(), worker.to_string())) {
+                        if entry.record.incarnation == incarnation {
+                            entry.record.last_heartbeat_ms = entry.record.last_heartbeat_ms.max(stored);
+                        }
+                    }
+                }
+            }
             let key = keys::worker_key(job, Kind::Progress, worker);
             self.ctx.store.put(&key, encode(&record), Some(lease)).await.map_err(|e| match e {
                 StoreError::LeaseNotFound(_) => not_member(job, worker, incarnation),

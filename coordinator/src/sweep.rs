@@ -5,7 +5,10 @@
 //! beating while its host-mates go on (a hung process, a stopped container) is found here
 //! instead. Every replica that serves a member's beats rewrites its progress record at least
 //! once per [`PROGRESS_PERIOD`], each time with a new `last_heartbeat_ms`: the record changes
-//! while the member beats, whichever replica it talks to. The leader watches those records in
+//! while the member beats, whichever replica it talks to. A replica that records the member's
+//! other calls (its commits, on another replica than its host's relay beats on) never writes
+//! an older beat time back: else the record would alternate between a fresh mark and one
+//! stale mark, and a leader that looked whenever the stale one stood would see it unchanged. The leader watches those records in
 //! its view of the job and notes, on its own monotonic clock, when each member's last changed
 //! ([`Silences`]); a member whose record has not changed for the lease TTL and one period is
 //! checked once more against the store (its record still the one noted) and its records are

@@ -18,6 +18,7 @@
 mod clock;
 mod ledger;
 mod net;
+mod relay;
 mod ring;
 mod run;
 mod scenario;

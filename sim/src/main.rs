@@ -48,6 +48,9 @@ enum Command {
         /// Plant the wrong-partner bug in the replicas' sparse answers, to see it caught.
         #[arg(long)]
         wrong_partner: bool,
+        /// Plant the stale-beat-writes bug in the replicas' progress writes, to see it caught.
+        #[arg(long)]
+        stale_beat_writes: bool,
     },
     /// Runs seeds from --first on until the duration is spent; reports the failing seeds.
     Explore {
@@ -99,6 +102,7 @@ fn main() -> ExitCode {
             lease_scope,
             whole_answer_up_to,
             wrong_partner,
+            stale_beat_writes,
         } => {
             let options = Options {
                 cascade_scope: if per_replica_cascades { CascadeScope::Replica } else { CascadeScope::Store },
@@ -113,6 +117,7 @@ fn main() -> ExitCode {
                 lease_scope,
                 whole_answer_up_to,
                 wrong_partner,
+                stale_beat_writes,
             };
             let report = run_seed(seed, &options);
             for line in &report.lines {

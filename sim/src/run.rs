@@ -4,6 +4,7 @@
 use crate::clock;
 use crate::ledger::{hash, Shared, Touch};
 use crate::net::{self, GRPC_PORT};
+use crate::relay::HostSockets;
 use crate::scenario::{Fault, FaultMix, Scenario, Scheduled};
 use crate::store::{self, RemoteStore, StoreLink};
 use crate::worker::{self, WorkerSetup};
@@ -47,6 +48,9 @@ pub struct Options {
     /// Plants the wrong-partner bug in the replicas' sparse answers
     /// (`cohort_coordinator::hub::planted`), to show that a seed catches it.
     pub wrong_partner: bool,
+    /// Plant the bug fixed in the replicas' progress writes (a replica writes a member's old
+    /// beat time back; `cohort_coordinator::hub::planted`), to show that a seed catches it.
+    pub stale_beat_writes: bool,
 }
 
 /// Where the workers run: `per_host` workers to a host.
@@ -165,6 +169,7 @@ pub fn run_seed(seed: u64, options: &Options) -> Report {
     clock::install();
     clock::set_jump_ms(0);
     cohort_coordinator::hub::planted::set_wrong_partner(options.wrong_partner);
+    cohort_coordinator::hub::planted::set_stale_beat_writes(options.stale_beat_writes);
     let scenario = Scenario::draw(seed, options.mix, options.workers);
     let shared = Shared::default();
     let mut rng = StdRng::seed_from_u64(seed ^ 0xd1ce);
@@ -209,6 +214,8 @@ pub fn run_seed(seed: u64, options: &Options) -> Report {
     }
     let hosts = Hosts { per_host: options.workers_per_host.unwrap_or(1).max(1), workers: scenario.workers };
     for w in (0..scenario.workers).filter(|&w| hosts.leads(w)) {
+        // The host's socket namespace, where its workers' relays bind.
+        let sockets = HostSockets::default();
         let setups: Vec<Arc<WorkerSetup>> = hosts
             .mates(w)
             .map(|index| {
@@ -221,6 +228,7 @@ pub fn run_seed(seed: u64, options: &Options) -> Report {
                     no_progress,
                     seed,
                     step: worker::step_time(scenario.workers),
+                    sockets: sockets.clone(),
                 })
             })
             .collect();
@@ -265,6 +273,7 @@ pub fn run_seed(seed: u64, options: &Options) -> Report {
     }
     final_checks(&mut sim, &shared, &scenario);
     cohort_coordinator::hub::planted::set_wrong_partner(false);
+    cohort_coordinator::hub::planted::set_stale_beat_writes(false);
     let lines = shared.lines();
     let ledger = shared.lock();
     Report { seed, hash: hash(&lines), lines, faults: ledger.faults, violations: ledger.violations.clone() }

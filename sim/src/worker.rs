@@ -2,8 +2,9 @@
 //! the seams differ from production's: its coordinator client dials through turmoil
 //! ([`crate::net::Connector`]), its data plane is the simulation's modelled ring
 //! ([`SimPlane`], [`crate::ring`]), and its [`World`] ([`SimWorld`]) holds the process while a
-//! fault stops it (SIGSTOP), draws randomness from the seed and records what the invariants
-//! observe in the [`crate::ledger::Ledger`]. The clock is tokio's, which turmoil drives.
+//! fault stops it (SIGSTOP), draws randomness from the seed, puts the host relays' sockets in
+//! its host's simulated namespace ([`crate::relay`]) and records what the invariants observe
+//! in the [`crate::ledger::Ledger`]. The clock is tokio's, which turmoil drives.
 //!
 //! Around the group, this module is what `cohort-worker train` is around it: the training loop
 //! (a step on the modelled ring, a commit report, a re-formation at a commit point or after a
@@ -13,8 +14,9 @@
 
 use crate::ledger::{now_ms, Shared};
 use crate::net::{Connector, GRPC_PORT};
+use crate::relay::{HostSockets, SimRelayNet};
 use crate::ring::{Failure, Outcome, Ring};
-use cohort::control::{ControlClient, ControlConfig, ControlError};
+use cohort::control::{ControlClient, ControlConfig, ControlError, RelayNet};
 use cohort::elastic::{
     call_bound, Connected, DataPlane, ElasticConfig, ElasticError, ElasticGroup, Formed, Generation, MeshKind,
     Observed, World,
@@ -58,6 +60,8 @@ pub(crate) struct WorkerSetup {
     pub(crate) seed: u64,
     /// How long it computes between two steps ([`step_time`]).
     pub(crate) step: Duration,
+    /// Its host's socket namespace, where the host relays bind ([`crate::relay`]).
+    pub(crate) sockets: HostSockets,
 }
 
 /// The worker id of worker `index`.
@@ -135,6 +139,12 @@ impl World for SimWorld {
 
     fn entropy(&self) -> u64 {
         self.rng.lock().unwrap_or_else(PoisonError::into_inner).random()
+    }
+
+    fn relay_net(&self) -> Arc<dyn RelayNet> {
+        let setup = &self.setup;
+        let seed = setup.seed ^ (0x5e1a_u64 << 20) ^ setup.index as u64;
+        Arc::new(SimRelayNet::new(setup.sockets.clone(), setup.shared.clone(), setup.index, self.name.clone(), seed))
     }
 
     fn observe(&self, seen: Observed<'_>) {
@@ -317,7 +327,9 @@ pub(crate) async fn run(setup: Arc<WorkerSetup>) -> turmoil::Result {
     let mut config = ElasticConfig::new(JOB, worker_id(setup.index), control);
     config.host = setup.host.clone();
     config.domain = String::new();
-    config.heartbeat_relay = false;
+    // Production's default, set here so that no environment changes a seed's run: the host's
+    // workers share its heartbeat and event relays (a host of one worker serves itself).
+    config.heartbeat_relay = true;
     let name = format!("worker-{}", setup.index);
     let world = Arc::new(SimWorld {
         name: name.clone(),

@@ -2,6 +2,7 @@
 //! invariant, and a bug fixed in the past, re-introduced, must be caught.
 
 use cohort_sim::{run_seed, CascadeScope, FaultMix, Options};
+use std::collections::{BTreeMap, BTreeSet};
 
 /// Seeds run by the test command (about 1.5 s each on a debug build).
 const SEEDS: u64 = 24;
@@ -111,7 +112,8 @@ fn seeds_hold_every_invariant_on_hosts_shared_leases() {
 /// run on and keep the host's shared lease alive. The hung rank is still found: its peers'
 /// timeouts are re-attributed to it, and a rank hung longer than its lease's time to live is
 /// swept by the leader (its records deleted under the live lease) and evicted. Every
-/// invariant holds, and some seed shows a hung worker evicted.
+/// invariant holds, some seed shows a hung worker evicted, and some host's relays (the
+/// shipped ones, on the simulation's sockets) pass to a host-mate when their server goes.
 #[test]
 fn a_rank_hung_on_a_live_host_is_found_and_swept() {
     let options = Options {
@@ -121,7 +123,7 @@ fn a_rank_hung_on_a_live_host_is_found_and_swept() {
         lease_scope: cohort_coordinator::config::LeaseScope::Host,
         ..Options::default()
     };
-    let (mut faults, mut evictions) = (0, 0);
+    let (mut faults, mut evictions, mut relays_moved) = (0, 0, 0);
     for seed in 0..8 {
         let report = run_seed(seed, &options);
         assert!(
@@ -132,9 +134,48 @@ fn a_rank_hung_on_a_live_host_is_found_and_swept() {
         faults += report.faults;
         // Nothing else deletes a member's records here: its host's lease never lapses.
         evictions += report.lines.iter().filter(|l| l.contains(" evicted (")).count();
+        // The host relays run too: a host-mate serves a relay whose server was swept.
+        relays_moved += relay_servers(&report.lines, 2).values().filter(|s| s.len() > 1).count();
     }
     assert!(faults >= 8 * 3, "only {faults} faults over 8 seeds");
     assert!(evictions > 0, "no hung worker was swept in 8 seeds");
+    assert!(relays_moved > 0, "no host's relay was ever served by a second worker in 8 seeds");
+}
+
+/// The workers of each host (hosts of `per_host` workers) that served its heartbeat relay in
+/// a trace, host by host (trace lines read `SECONDS PARTY EVENT...`).
+fn relay_servers(lines: &[String], per_host: usize) -> BTreeMap<usize, BTreeSet<usize>> {
+    let mut servers: BTreeMap<usize, BTreeSet<usize>> = BTreeMap::new();
+    for line in lines.iter().filter(|l| l.ends_with(" serves cohort-heartbeat-relay")) {
+        let Some(worker) = line.split_whitespace().nth(1).and_then(|p| p.strip_prefix("worker-")) else { continue };
+        let Ok(worker) = worker.parse::<usize>() else { continue };
+        servers.entry(worker / per_host).or_default().insert(worker);
+    }
+    servers
+}
+
+/// The bug the host relays found, planted again: before 2026-11-29 each replica wrote a
+/// member's progress record as it held it. With a host's relay beating on one replica and the
+/// member's commits reaching another, the second wrote its old beat time back once per
+/// period, and the leader, looking when that stale mark stood, swept beating members as
+/// silent. Seed 3 (hosts of 2, hung ranks, shared leases) evicts a healthy worker with the
+/// bug and passes without it (`a_rank_hung_on_a_live_host_is_found_and_swept`).
+#[test]
+fn a_replica_writing_an_old_beat_time_back_is_caught() {
+    let options = Options {
+        mix: FaultMix::HungRanks,
+        workers: Some(6),
+        workers_per_host: Some(2),
+        lease_scope: cohort_coordinator::config::LeaseScope::Host,
+        stale_beat_writes: true,
+        ..Options::default()
+    };
+    let report = run_seed(3, &options);
+    assert!(
+        report.violations.iter().any(|v| v.contains("a healthy worker is never evicted")),
+        "the planted stale beat writes went unnoticed: {:#?}",
+        report.violations
+    );
 }
 
 /// With several workers to a host (the scale runs' `--workers-per-host`), a host is one

@@ -9,10 +9,11 @@ mod common;
 
 use common::squatter;
 
-use cohort::control::{ControlClient, ControlConfig, EventRelay, RelayEvents, SILENCE_LIMIT};
+use cohort::control::{AbstractUnix, ControlClient, ControlConfig, EventRelay, RelayEvents, SILENCE_LIMIT};
 use cohort_coordinator::{JobSettings, ServerHandle};
 use cohort_proto::v1::{self as pb, job_event::Event};
 use std::os::linux::net::SocketAddrExt;
+use std::sync::Arc;
 use std::time::Duration;
 
 /// Bound on each test.
@@ -46,7 +47,7 @@ struct Member {
 async fn join(server: &ServerHandle, job: &str, host: &str, id: &str) -> Member {
     let client = control(server);
     let joined = common::coordinator::join(&client, job, host, id).await;
-    let relay = EventRelay::new(client.clone(), job, id, host).expect("relay path");
+    let relay = EventRelay::new(client.clone(), job, id, host, Arc::new(AbstractUnix));
     Member { id: id.into(), incarnation: joined.incarnation, client, relay }
 }
 

@@ -28,17 +28,15 @@
 //! (`SO_PEERCRED`), a subscriber refuses a relay of another user (as one it cannot reach), at most [`MAX_SUBSCRIBERS`] at once, and drops a subscriber that falls
 //! [`QUEUED_EVENTS`] events behind (it subscribes again and gets the state afresh).
 
-use super::relay::{connect, read_frame, socket_name, OwnUserListener};
+use super::relay::{read_frame, socket_name};
+use super::relay_net::{RelayListener, RelayNet, RelayStream};
 use super::ControlClient;
 use cohort_proto::v1::{self as pb, job_event::Event, JobEvent};
 use prost::Message;
 use std::io;
-use std::os::linux::net::SocketAddrExt;
-use std::os::unix::net::SocketAddr as UnixAddr;
 use std::sync::{Arc, Mutex as StdMutex};
 use std::time::Duration;
 use tokio::io::AsyncReadExt;
-use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::{broadcast, mpsc};
 use tokio::task::JoinHandle;
 use tracing::{debug, info, Instrument};
@@ -83,8 +81,9 @@ struct Inner {
     client: ControlClient,
     job: String,
     worker_id: String,
-    address: UnixAddr,
-    /// The socket's name, for logs.
+    /// Where the relay's socket is bound and connected to.
+    net: Arc<dyn RelayNet>,
+    /// The socket's name.
     name: String,
     /// The relay this process serves.
     serving: StdMutex<Option<JoinHandle<()>>>,
@@ -107,7 +106,7 @@ pub struct RelayEvents {
 }
 
 impl RelayEvents {
-    fn reading(mut conn: UnixStream) -> Self {
+    fn reading(mut conn: RelayStream) -> Self {
         let (tx, events) = mpsc::channel(QUEUED_EVENTS);
         let reader = tokio::spawn(async move {
             loop {
@@ -150,23 +149,23 @@ impl RelayEvents {
 
 impl EventRelay {
     /// The event relay of `job`'s worker `worker_id` on `host`, reached through `client`'s
-    /// coordinators. Nothing is bound or connected until [`EventRelay::subscribe`].
-    pub fn new(client: ControlClient, job: &str, worker_id: &str, host: &str) -> io::Result<Self> {
+    /// coordinators, its socket bound and connected in `net` ([`super::AbstractUnix`] in
+    /// production). Nothing is bound or connected until [`EventRelay::subscribe`].
+    pub fn new(client: ControlClient, job: &str, worker_id: &str, host: &str, net: Arc<dyn RelayNet>) -> Self {
         let name = socket_name("cohort-event-relay", &client.config().endpoints, job, host);
-        let address = UnixAddr::from_abstract_name(name.as_bytes())?;
-        Ok(Self {
+        Self {
             inner: Arc::new(Inner {
                 client,
                 job: job.to_string(),
                 worker_id: worker_id.to_string(),
-                address,
+                net,
                 name,
                 serving: StdMutex::new(None),
             }),
-        })
+        }
     }
 
-    /// The relay's abstract socket name (without the leading NUL).
+    /// The relay's socket name (in production, an abstract name without the leading NUL).
     pub fn socket_name(&self) -> &str {
         &self.inner.name
     }
@@ -180,20 +179,22 @@ impl EventRelay {
     /// A Unix socket connects at once, so this does not wait. Call it within a tokio runtime.
     pub fn subscribe(&self) -> io::Result<RelayEvents> {
         let inner = &self.inner;
-        match connect(&inner.address) {
+        match inner.net.connect(&inner.name) {
             Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => {}
             Ok(conn) => return Ok(RelayEvents::reading(conn)),
             Err(e) => return Err(e),
         }
-        match std::os::unix::net::UnixListener::bind_addr(&inner.address) {
+        match inner.net.bind(&inner.name) {
             Ok(listener) => {
-                listener.set_nonblocking(true)?;
-                let listener = UnixListener::from_std(listener)?;
                 info!(job = %inner.job, relay = %inner.name, "serving the host's event relay");
                 let span = tracing::info_span!("event_relay", job = %inner.job, worker = %inner.worker_id);
-                let task = tokio::spawn(
-                    serve(listener, inner.client.clone(), inner.job.clone(), inner.worker_id.clone()).instrument(span),
-                );
+                let upstream = Upstream {
+                    client: inner.client.clone(),
+                    job: inner.job.clone(),
+                    worker_id: inner.worker_id.clone(),
+                    net: inner.net.clone(),
+                };
+                let task = tokio::spawn(serve(listener, upstream).instrument(span));
                 if let Some(old) = inner.serving.lock().unwrap_or_else(|e| e.into_inner()).replace(task) {
                     old.abort();
                 }
@@ -202,7 +203,7 @@ impl EventRelay {
             Err(e) if e.kind() == io::ErrorKind::AddrInUse => {}
             Err(e) => return Err(e),
         }
-        connect(&inner.address).map(RelayEvents::reading)
+        inner.net.connect(&inner.name).map(RelayEvents::reading)
     }
 }
 
@@ -276,6 +277,16 @@ fn frame(e: &JobEvent) -> Arc<Vec<u8>> {
     Arc::new(out)
 }
 
+/// What the relay's watch of the coordinator needs.
+struct Upstream {
+    client: ControlClient,
+    job: String,
+    /// The serving worker's id (the watch's, for the coordinator's logs).
+    worker_id: String,
+    /// The random source of the reopen jitter.
+    net: Arc<dyn RelayNet>,
+}
+
 /// Aborts a task when dropped.
 struct AbortOnDrop(JoinHandle<()>);
 
@@ -291,14 +302,11 @@ impl Drop for AbortOnDrop {
 /// # Cancel safety
 /// Aborting it closes the socket and the watch; the subscribers then subscribe again, and
 /// one of them serves the relay next.
-async fn serve(listener: UnixListener, client: ControlClient, job: String, worker_id: String) {
+async fn serve(mut listener: Box<dyn RelayListener>, upstream: Upstream) {
     let latest = Arc::new(StdMutex::new(Latest::default()));
     let (events, _) = broadcast::channel::<Arc<Vec<u8>>>(QUEUED_EVENTS);
-    let _upstream = AbortOnDrop(tokio::spawn(
-        follow(client, job.clone(), worker_id, latest.clone(), events.clone()).in_current_span(),
-    ));
+    let _upstream = AbortOnDrop(tokio::spawn(follow(upstream, latest.clone(), events.clone()).in_current_span()));
     let mut subscribers = tokio::task::JoinSet::new();
-    let mut listener = OwnUserListener::new(listener, "event relay");
     loop {
         tokio::select! {
             stream = listener.accept() => {
@@ -326,12 +334,12 @@ const WRITE_TIMEOUT: Duration = Duration::from_secs(5);
 /// [`KEEPALIVE_EVERY`] passes without one), until it closes, falls behind or stops reading.
 /// What a subscriber writes is ignored.
 async fn serve_subscriber(
-    mut stream: UnixStream,
+    stream: RelayStream,
     state: Vec<Arc<Vec<u8>>>,
     mut events: broadcast::Receiver<Arc<Vec<u8>>>,
 ) {
     use tokio::io::AsyncWriteExt;
-    let (mut rd, mut wr) = stream.split();
+    let (mut rd, mut wr) = tokio::io::split(stream);
     for f in state {
         if !matches!(tokio::time::timeout(WRITE_TIMEOUT, wr.write_all(&f)).await, Ok(Ok(()))) {
             return;
@@ -377,13 +385,8 @@ async fn serve_subscriber(
 ///
 /// # Cancel safety
 /// Cancel safe: an event is taken in and published under one lock.
-async fn follow(
-    client: ControlClient,
-    job: String,
-    worker_id: String,
-    latest: Arc<StdMutex<Latest>>,
-    events: broadcast::Sender<Arc<Vec<u8>>>,
-) {
+async fn follow(upstream: Upstream, latest: Arc<StdMutex<Latest>>, events: broadcast::Sender<Arc<Vec<u8>>>) {
+    let Upstream { client, job, worker_id, net } = upstream;
     let mut wait = REOPEN_FIRST;
     loop {
         let request = pb::WatchRequest {
@@ -418,7 +421,7 @@ async fn follow(
             },
             Err(e) => debug!(error = %e, "event relay: could not open the watch; retrying"),
         }
-        let jitter = Duration::from_millis(rand::random::<u64>() % (wait.as_millis() as u64 + 1));
+        let jitter = Duration::from_millis(net.entropy() % (wait.as_millis() as u64 + 1));
         tokio::time::sleep(wait / 2 + jitter / 2).await;
         wait = (wait * 2).min(REOPEN_MAX);
     }

@@ -13,13 +13,15 @@
 //!
 //! [`HostRelay`] carries the heartbeats of a host's workers to the coordinator in shared
 //! calls, two per interval (`relay.rs`); [`EventRelay`] hands them the job's events from one
-//! watch stream per host (`event_relay.rs`). [`JobStore`] is the job's key-value store on
+//! watch stream per host (`event_relay.rs`); both bind and connect their sockets through a
+//! [`RelayNet`] (`relay_net.rs`: production's abstract Unix sockets, or a simulation's). [`JobStore`] is the job's key-value store on
 //! the coordinator (torch's c10d store, `store.rs`).
 
 mod client;
 mod error;
 mod event_relay;
 mod relay;
+mod relay_net;
 mod store;
 mod unreached;
 
@@ -30,4 +32,5 @@ pub use event_relay::{
     SILENCE_LIMIT,
 };
 pub use relay::{HostRelay, DIRECT_AFTER_FAILURE, FLUSHES_PER_INTERVAL, MIN_LEASE_INTERVALS};
+pub use relay_net::{AbstractUnix, RelayConnection, RelayListener, RelayNet, RelayStream};
 pub use store::{JobStore, STORE_POLL_WAIT};

@@ -25,18 +25,19 @@
 //! worker uses only a relay run by its own user (anyone can bind the name first), and the relay
 //! forwards only its job's beats: the coordinator judges each beat as if the member had sent
 //! it, against the member's incarnation.
+//!
+//! The sockets are behind [`RelayNet`] (`relay_net.rs`): production's abstract sockets, or
+//! the simulation's in-memory ones, under which the same failover and bypass paths run.
 
+use super::relay_net::{RelayListener, RelayNet, RelayStream};
 use super::{ControlClient, ControlError};
 use cohort_proto::v1::{self as pb, HeartbeatRequest, HeartbeatResponse};
 use prost::Message;
 use sha2::{Digest, Sha256};
 use std::io;
-use std::os::linux::net::SocketAddrExt;
-use std::os::unix::net::SocketAddr as UnixAddr;
 use std::sync::{Arc, Mutex as StdMutex};
 use std::time::Duration;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{UnixListener, UnixStream};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
@@ -54,9 +55,6 @@ pub const MIN_LEASE_INTERVALS: u32 = 4;
 
 /// Largest frame either side accepts: a beat with every peer's wait is far smaller.
 const MAX_FRAME: usize = 1 << 20;
-
-/// How long the relay stops accepting after a failed accept.
-const ACCEPT_PAUSE: Duration = Duration::from_millis(100);
 
 /// Most workers one relay serves at once; more connections are closed at once (those workers
 /// send their own beats).
@@ -76,8 +74,9 @@ struct Inner {
     interval: Duration,
     /// How long a beat waits for the relay's answer.
     wait: Duration,
-    address: UnixAddr,
-    /// The socket's name, for logs.
+    /// Where the relay's socket is bound and connected to.
+    net: Arc<dyn RelayNet>,
+    /// The socket's name.
     name: String,
     path: tokio::sync::Mutex<Path>,
     /// The relay this process serves.
@@ -87,7 +86,7 @@ struct Inner {
 /// The state of one worker's path through the relay.
 #[derive(Default)]
 struct Path {
-    conn: Option<UnixStream>,
+    conn: Option<RelayStream>,
     /// Until when beats go directly (after a relay failure).
     direct_until: Option<Instant>,
     /// A beat was written and its answer not read (a call was cancelled): the connection's
@@ -122,7 +121,8 @@ enum RelayFailure {
 
 impl HostRelay {
     /// The relay path of `job`'s worker on `host`, heartbeating every `interval` through
-    /// `client`, or `None` when the lease is too short for a relay's delay: a beat through the
+    /// `client`, its socket bound and connected in `net` ([`super::AbstractUnix`] in
+    /// production), or `None` when the lease is too short for a relay's delay: a beat through the
     /// relay waits for its next flush (up to half an interval) and, when the relay does not
     /// answer, a quarter of an interval more before it goes directly, so the relay is used only
     /// when the lease lasts [`MIN_LEASE_INTERVALS`] intervals or more (the default 3 s lease and
@@ -133,34 +133,34 @@ impl HostRelay {
         host: &str,
         interval: Duration,
         lease_ttl: Duration,
-    ) -> io::Result<Option<Self>> {
+        net: Arc<dyn RelayNet>,
+    ) -> Option<Self> {
         if lease_ttl < interval * MIN_LEASE_INTERVALS {
             debug!(job, ?interval, ?lease_ttl, "lease too short for the heartbeat relay; heartbeats go directly");
-            return Ok(None);
+            return None;
         }
         let name = socket_name("cohort-heartbeat-relay", &client.config().endpoints, job, host);
-        let address = UnixAddr::from_abstract_name(name.as_bytes())?;
         // A beat goes directly when the relay has not answered within the next flush and a
         // quarter of an interval (or the heartbeat timeout, if shorter): at worst a member's
         // beats then reach the coordinator 1.75 intervals and a direct call apart, under the
         // two intervals of silence after which the coordinator takes a member for lost.
         let flush = interval / FLUSHES_PER_INTERVAL;
         let wait = flush + client.config().heartbeat_timeout.min(interval / 4);
-        Ok(Some(Self {
+        Some(Self {
             inner: Arc::new(Inner {
                 client,
                 job: job.to_string(),
                 interval,
                 wait,
-                address,
+                net,
                 name,
                 path: tokio::sync::Mutex::new(Path::default()),
                 serving: StdMutex::new(None),
             }),
-        }))
+        })
     }
 
-    /// The relay's abstract socket name (without the leading NUL).
+    /// The relay's socket name (in production, an abstract name without the leading NUL).
     pub fn socket_name(&self) -> &str {
         &self.inner.name
     }
@@ -260,16 +260,14 @@ impl HostRelay {
     }
 
     /// Connects to the host's relay, or binds its name and serves it when no one does.
-    fn connect_or_serve(&self) -> io::Result<UnixStream> {
+    fn connect_or_serve(&self) -> io::Result<RelayStream> {
         let inner = &self.inner;
-        match connect(&inner.address) {
+        match inner.net.connect(&inner.name) {
             Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => {}
             other => return other,
         }
-        match std::os::unix::net::UnixListener::bind_addr(&inner.address) {
+        match inner.net.bind(&inner.name) {
             Ok(listener) => {
-                listener.set_nonblocking(true)?;
-                let listener = UnixListener::from_std(listener)?;
                 info!(job = %inner.job, relay = %inner.name, "serving the host's heartbeat relay");
                 let task = tokio::spawn(serve(listener, inner.client.clone(), inner.job.clone(), inner.interval));
                 if let Some(old) = inner.serving.lock().unwrap_or_else(|e| e.into_inner()).replace(task) {
@@ -280,68 +278,12 @@ impl HostRelay {
             Err(e) if e.kind() == io::ErrorKind::AddrInUse => {}
             Err(e) => return Err(e),
         }
-        connect(&inner.address)
+        inner.net.connect(&inner.name)
     }
 }
 
-/// Connects to a host relay's abstract socket, refusing a server of another user.
-///
-/// Anyone on the host can compute a relay's name and bind it first (an abstract socket has no
-/// permissions), so the server's credentials (`SO_PEERCRED`, taken by the kernel when it
-/// bound) must be this process's user: a squatter of another user would otherwise hear every
-/// beat, answer them, and forge the job's events. Such a server is
-/// [`io::ErrorKind::PermissionDenied`], naming its uid and pid; the caller then does without
-/// the relay, as when it cannot connect at all.
-pub(super) fn connect(address: &UnixAddr) -> io::Result<UnixStream> {
-    // A Unix socket's connect completes at once (or fails): no need to wait on it.
-    let stream = std::os::unix::net::UnixStream::connect_addr(address)?;
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    check_server(peer_credentials(&stream)?, unsafe { libc::geteuid() })?;
-    stream.set_nonblocking(true)?;
-    UnixStream::from_std(stream)
-}
-
-/// The credentials (`SO_PEERCRED`) of a Unix socket's peer: for a connected client socket,
-/// those of the process that bound and listened on the server's side.
-fn peer_credentials(stream: &std::os::unix::net::UnixStream) -> io::Result<libc::ucred> {
-    use std::os::fd::AsRawFd;
-    let mut cred = libc::ucred { pid: 0, uid: 0, gid: 0 };
-    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
-    // SAFETY: the descriptor is open for the call's duration, and `cred`/`len` are valid for
-    // writes of the size given.
-    let rc = unsafe {
-        libc::getsockopt(
-            stream.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_PEERCRED,
-            (&mut cred as *mut libc::ucred).cast(),
-            &mut len,
-        )
-    };
-    if rc != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(cred)
-}
-
-/// Whether a relay server with credentials `server` may serve a worker of user `own_uid`:
-/// only a process of the same user.
-fn check_server(server: libc::ucred, own_uid: u32) -> io::Result<()> {
-    if server.uid == own_uid {
-        return Ok(());
-    }
-    Err(io::Error::new(
-        io::ErrorKind::PermissionDenied,
-        format!(
-            "the relay's socket is served by process {} of uid {}, not by this user (uid {own_uid}): another \
-             user holds the name; refusing it",
-            server.pid, server.uid
-        ),
-    ))
-}
-
-/// A host relay's abstract socket name, `kind/<digest>`: one per kind, job, host,
-/// coordinator deployment (its endpoints in any order) and user.
+/// A host relay's socket name, `kind/<digest>`: one per kind, job, host, coordinator
+/// deployment (its endpoints in any order) and user.
 pub(super) fn socket_name(kind: &str, endpoints: &[String], job: &str, host: &str) -> String {
     let mut endpoints: Vec<&str> = endpoints.iter().map(String::as_str).collect();
     endpoints.sort_unstable();
@@ -358,7 +300,7 @@ pub(super) fn socket_name(kind: &str, endpoints: &[String], job: &str, host: &st
 }
 
 /// Writes one frame: the body's length (u32, little-endian), then the body.
-async fn write_frame(conn: &mut UnixStream, body: &[u8]) -> io::Result<()> {
+async fn write_frame(conn: &mut (impl AsyncWrite + Unpin), body: &[u8]) -> io::Result<()> {
     let mut frame = Vec::with_capacity(4 + body.len());
     frame.extend_from_slice(&(body.len() as u32).to_le_bytes());
     frame.extend_from_slice(body);
@@ -366,7 +308,7 @@ async fn write_frame(conn: &mut UnixStream, body: &[u8]) -> io::Result<()> {
 }
 
 /// One frame, or `None` at a clean end of stream between frames.
-pub(super) async fn read_frame(conn: &mut UnixStream) -> io::Result<Option<Vec<u8>>> {
+pub(super) async fn read_frame(conn: &mut (impl AsyncRead + Unpin)) -> io::Result<Option<Vec<u8>>> {
     let mut len = [0u8; 4];
     match conn.read_exact(&mut len).await {
         Ok(_) => {}
@@ -382,52 +324,6 @@ pub(super) async fn read_frame(conn: &mut UnixStream) -> io::Result<Option<Vec<u
     Ok(Some(body))
 }
 
-/// A relay's listening socket, handing out only the connections of the relay's own user
-/// (`SO_PEERCRED`). After a failed accept (out of descriptors, say) it pauses accepting
-/// briefly instead of spinning on the error.
-pub(super) struct OwnUserListener {
-    listener: UnixListener,
-    uid: u32,
-    /// The relay's kind, for logs.
-    what: &'static str,
-    /// Until when accepting pauses (after a failed accept).
-    paused_until: Option<Instant>,
-}
-
-impl OwnUserListener {
-    pub(super) fn new(listener: UnixListener, what: &'static str) -> Self {
-        // SAFETY: geteuid has no preconditions and cannot fail.
-        let uid = unsafe { libc::geteuid() };
-        Self { listener, uid, what, paused_until: None }
-    }
-
-    /// The next connection of the relay's own user; other users' connections are closed.
-    ///
-    /// # Cancel safety
-    /// Cancel safe: a connection accepted is returned in the same poll, and a pause cut
-    /// short goes on at the next call.
-    pub(super) async fn accept(&mut self) -> UnixStream {
-        loop {
-            if let Some(until) = self.paused_until {
-                tokio::time::sleep_until(until).await;
-                self.paused_until = None;
-            }
-            let stream = match self.listener.accept().await {
-                Ok((stream, _)) => stream,
-                Err(e) => {
-                    debug!(relay = self.what, error = %e, "accept failed; pausing accepts");
-                    self.paused_until = Some(Instant::now() + ACCEPT_PAUSE);
-                    continue;
-                }
-            };
-            match stream.peer_cred() {
-                Ok(cred) if cred.uid() == self.uid => return stream,
-                other => warn!(relay = self.what, peer = ?other, "refused a connection of another user"),
-            }
-        }
-    }
-}
-
 /// A beat waiting for the next flush, and where its answer goes.
 type Pending = (HeartbeatRequest, oneshot::Sender<pb::HeartbeatAnswer>);
 
@@ -438,14 +334,13 @@ type Pending = (HeartbeatRequest, oneshot::Sender<pb::HeartbeatAnswer>);
 /// # Cancel safety
 /// Aborting it closes the socket; the workers then send their own beats, and one of them
 /// serves the relay next.
-async fn serve(listener: UnixListener, client: ControlClient, job: String, interval: Duration) {
+async fn serve(mut listener: Box<dyn RelayListener>, client: ControlClient, job: String, interval: Duration) {
     let (beats_tx, mut beats_rx) = mpsc::channel::<Pending>(MAX_CONNECTIONS);
     let mut connections = tokio::task::JoinSet::new();
     let mut flushes = tokio::task::JoinSet::new();
     let mut pending: Vec<Pending> = Vec::new();
     let mut ticker = tokio::time::interval(interval / FLUSHES_PER_INTERVAL);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut listener = OwnUserListener::new(listener, "heartbeat relay");
     loop {
         tokio::select! {
             stream = listener.accept() => {
@@ -469,7 +364,7 @@ async fn serve(listener: UnixListener, client: ControlClient, job: String, inter
 
 /// One worker's connection: reads its beats, queues each for the next flush, writes back its
 /// answer. A malformed beat is answered with INVALID_ARGUMENT and the connection goes on.
-async fn serve_connection(mut stream: UnixStream, beats: mpsc::Sender<Pending>, job: String) {
+async fn serve_connection(mut stream: RelayStream, beats: mpsc::Sender<Pending>, job: String) {
     while let Ok(Some(frame)) = read_frame(&mut stream).await {
         let refuse = |message: String| pb::HeartbeatAnswer {
             outcome: Some(pb::heartbeat_answer::Outcome::Refused(pb::HeartbeatRefusal {
@@ -527,22 +422,7 @@ fn refusal(code: tonic::Code, message: String) -> pb::HeartbeatAnswer {
 
 #[cfg(test)]
 mod tests {
-    use super::{check_server, socket_name};
-
-    #[test]
-    fn a_relay_of_another_user_is_refused() {
-        let cred = |uid| libc::ucred { pid: 4242, uid, gid: uid };
-        assert!(check_server(cred(1000), 1000).is_ok());
-        for (server, own) in [(65534, 0), (0, 1000), (1001, 1000)] {
-            let e = check_server(cred(server), own).expect_err("another user");
-            assert_eq!(e.kind(), std::io::ErrorKind::PermissionDenied);
-            let text = e.to_string();
-            assert!(
-                text.contains(&format!("process 4242 of uid {server}")) && text.contains(&format!("(uid {own})")),
-                "{text}"
-            );
-        }
-    }
+    use super::socket_name;
 
     #[test]
     fn the_name_depends_on_the_deployment_not_the_order_of_its_endpoints() {

@@ -150,9 +150,8 @@ impl<P: DataPlane> ElasticGroup<P> {
         )));
         let events = if group.config.heartbeat_relay {
             let (client, config) = (group.client.clone(), &group.config);
-            EventRelay::new(client, &config.job, &config.worker_id, &config.host)
-                .map_err(|e| warn!(error = %e, "no event relay; this worker watches alone"))
-                .ok()
+            let net = group.shared.world.relay_net();
+            Some(EventRelay::new(client, &config.job, &config.worker_id, &config.host, net))
         } else {
             None
         };
@@ -190,13 +189,8 @@ impl<P: DataPlane> ElasticGroup<P> {
         self.relay = self.relay.take().filter(|r| r.interval() == heartbeat_interval);
         if self.config.heartbeat_relay && self.relay.is_none() {
             let (job, host) = (&self.config.job, &self.config.host);
-            self.relay = match HostRelay::new(self.client.clone(), job, host, heartbeat_interval, lease_ttl) {
-                Ok(relay) => relay,
-                Err(e) => {
-                    warn!(error = %e, "no heartbeat relay; heartbeats go directly");
-                    None
-                }
-            };
+            let net = self.shared.world.relay_net();
+            self.relay = HostRelay::new(self.client.clone(), job, host, heartbeat_interval, lease_ttl, net);
         }
         // An older incarnation's heartbeat task stops by itself (it sees the new incarnation).
         let heartbeat = tokio::spawn(shell::heartbeat_task(

@@ -5,15 +5,15 @@
 //! [`super::ElasticGroup`] is this shell plus a data plane ([`super::DataPlane`]). What differs
 //! between the worlds a worker runs in (production, the deterministic simulation, the scale
 //! harness) sits behind two seams: the [`ControlClient`] (its connector: real TCP, or a
-//! simulated network) and the [`World`] (whether the process may run, the random source, and
-//! what an observer such as the simulation's ledger hears). The clock is tokio's: the real
+//! simulated network) and the [`World`] (whether the process may run, the random source, the
+//! host relays' sockets, and what an observer such as the simulation's ledger hears). The clock is tokio's: the real
 //! clock in production, the simulated one under a simulation that drives tokio's time.
 
 use super::membership::{CallError, Effect, JoinNext, Membership, WatchNext};
 use super::ElasticError;
 use crate::control::{
-    ControlClient, ControlConfig, ControlError, EventRelay, HostRelay, RelayEvents, FULL_AFTER_FAILURE,
-    RESUBSCRIBE_WINDOW,
+    AbstractUnix, ControlClient, ControlConfig, ControlError, EventRelay, HostRelay, RelayEvents, RelayNet,
+    FULL_AFTER_FAILURE, RESUBSCRIBE_WINDOW,
 };
 use crate::{CommError, RootCause};
 use cohort_proto::v1 as pb;
@@ -30,8 +30,8 @@ pub(super) fn now() -> Instant {
 }
 
 /// What differs between the worlds a worker runs in, beside the coordinator client's
-/// connector: whether the process may run now, where randomness comes from, and who observes
-/// the shell. [`RealWorld`] is production's.
+/// connector: whether the process may run now, where randomness comes from, where the host
+/// relays' sockets live, and who observes the shell. [`RealWorld`] is production's.
 pub trait World: Send + Sync + 'static {
     /// Waits while the process may not run (the simulation's SIGSTOP); `None`: it runs now.
     /// Every background task and every join attempt passes it before it acts.
@@ -44,13 +44,19 @@ pub trait World: Send + Sync + 'static {
         rand::random()
     }
 
+    /// Where the host's heartbeat and event relays bind and connect their sockets (with
+    /// [`super::ElasticConfig::heartbeat_relay`]): production's abstract Unix sockets.
+    fn relay_net(&self) -> Arc<dyn RelayNet> {
+        Arc::new(AbstractUnix)
+    }
+
     /// Hears what the shell did: the simulation's ledger and trace. Called outside the
     /// machine's lock; it must not block.
     fn observe(&self, _seen: Observed<'_>) {}
 }
 
-/// Production's world: runs at once, the thread's random source, and the shell's own
-/// tracing events as the only observer.
+/// Production's world: runs at once, the thread's random source, abstract Unix sockets for
+/// the host relays, and the shell's own tracing events as the only observer.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct RealWorld;
 
