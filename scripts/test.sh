@@ -7,6 +7,10 @@ cd "$(dirname "$0")/.."
 
 bash scripts/ensure-deps.sh
 
+# Each part's heading says when it started and how long the run has taken so far, so that a
+# CI log shows where the minutes go.
+section() { echo "== $* [$(date -u +%H:%M:%S), ${SECONDS} s in]"; }
+
 export CARGO_TERM_COLOR=never
 export RUST_BACKTRACE=1
 # No incremental compilation (as CI systems do): a test run builds each crate once, and the
@@ -19,7 +23,7 @@ export CARGO_INCREMENTAL=${CARGO_INCREMENTAL:-0}
 # warnings as errors (a broken or private intra-doc link, an unclosed HTML tag), and ruff's
 # lint and format check of python/ and examples/ (pinned in scripts/python-lint.sh, settings in
 # python/pyproject.toml).
-echo "== fmt, clippy and docs"
+section "fmt, clippy and docs"
 cargo fmt --all -- --check
 bash scripts/python-lint.sh
 cargo clippy --workspace --all-targets --locked -- -D warnings
@@ -27,21 +31,21 @@ cargo clippy -p cohort -p cohort-transports -p cohort-worker --features cohort/r
 RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --locked
 RUSTDOCFLAGS="-D warnings" cargo doc -p cohort -p cohort-transports -p cohort-worker --features cohort/rdma,cohort-worker/rdma --no-deps --locked
 
-echo "== build"
+section "build"
 cargo build --workspace --all-targets --locked
 # The coverage-guided fuzz targets (fuzz/, not a workspace member) must build; uninstrumented,
 # into the workspace's target directory, so the dependencies built above are reused. Their
 # seed corpus (fuzz/seeds/) is replayed by the tests below; `bash scripts/fuzz.sh` fuzzes.
 cargo build --manifest-path fuzz/Cargo.toml --bins --locked --target-dir target
 
-echo "== deploy manifests (kustomize render, offline schema validation, yamllint, CLI flags)"
+section "deploy manifests (kustomize render, offline schema validation, yamllint, CLI flags)"
 bash scripts/validate-deploy.sh --require-cli
 
 # The release binaries and the Python package (python/: the PyO3 extension and the
 # pure-Python layers), built by maturin into target/pyenv (which sees Debian's torch): the
 # Kubernetes rehearsal with Python pods, the quick suite's python-kills scenario and the pytest
 # suite below run Python workers with it.
-echo "== release build and the Python package"
+section "release build and the Python package"
 cargo build --release --locked -p cohort-chaos -p cohort-worker -p cohort-coordinator
 py=$(bash scripts/python-env.sh | tail -n 1)
 export COHORT_PYTHON="$py"
@@ -50,7 +54,7 @@ export COHORT_PYTHON="$py"
 # COHORT_REQUIRE_BROWSER: the status page's test fails instead of skipping without Chromium.
 # Among the unit tests: the loom model check of the shared-memory ring's memory orderings
 # (transports/src/shm/model.rs, the tests named loom_*; docs/testing.md), exhaustive, seconds.
-echo "== tests"
+section "tests"
 COHORT_REQUIRE_PYTHON=1 COHORT_REQUIRE_BROWSER=1 cargo test --workspace --locked -- --test-threads="${COHORT_TEST_THREADS:-2}"
 # The scale harness's smoke run: 96 members of the shipped worker (ElasticGroup, with the host
 # relays) on a real coordinator process, through every phase (formation, failure, re-formation,
@@ -60,16 +64,16 @@ cargo test -p cohort-coordinator --bench scale --locked
 # The chaos suite, quick: real coordinator and worker processes (release build), every fault
 # kind once (kills mid-allreduce, hangs, network faults through the proxy, coordinator and
 # etcd loss, joins and leaves, below min_workers), every invariant checked.
-echo "== chaos suite --quick"
+section "chaos suite --quick"
 target/release/cohort-chaos suite --quick --json target/chaos-quick.json
 
 # README's main command, as a newcomer runs it: it fails unless its verdict is PASS.
-echo "== the demo (README's main command)"
+section "the demo (README's main command)"
 bash scripts/demo.sh
 
 # The Python package's tests (the extension, the elastic layers, the PyTorch backend and
 # example), against the release binaries: real coordinator and worker processes on loopback.
-echo "== python"
+section "python"
 # mypy's stubtest checks python/cohort/_native.pyi against the built extension (names,
 # signatures, defaults, @final classes); python/stubtest/allowlist.txt lists what it skips, and why.
 bash scripts/python-stubtest.sh "$py"
@@ -84,7 +88,7 @@ COHORT_TEST_WHOLE_ANSWER_UP_TO=1 COHORT_REQUIRE_PYTHON=1 COHORT_BIN_DIR="$PWD/ta
 # The PyTorch tests again under PyPI's torch 2.x (the supported torch; Debian's 1.13 above keeps
 # working): target/pyenv-torch2 holds the same cohort package. Made once per checkout
 # (scripts/python-env-torch2.sh: about 3 GB downloaded, 4.4 GB installed).
-echo "== python, torch 2.x (disk: $(df -h --output=avail . | tail -n 1 | tr -d ' ') free; target/ holds $(du -sh target | cut -f1))"
+section "python, torch 2.x (disk: $(df -h --output=avail . | tail -n 1 | tr -d ' ') free; target/ holds $(du -sh target | cut -f1))"
 py2=$(bash scripts/python-env-torch2.sh | tail -n 1)
 # COHORT_REQUIRE_PYTHON here too: every skip fails the pass unless the test declared itself not
 # applicable (python/tests/conftest.py, not_applicable); under torch 2.x none is expected.
@@ -117,7 +121,7 @@ COHORT_TORCH_AS_PROCESS_GROUP=1 COHORT_REQUIRE_PYTHON=1 COHORT_BIN_DIR="$PWD/tar
 
 # The RDMA transport (feature `rdma`): its device-free tests run everywhere; the device
 # tests run when a device is present and otherwise say, visibly, that they were skipped.
-echo "== rdma feature"
+section "rdma feature"
 cargo build -p cohort-worker --features rdma --bins --locked
 rdma_log=$(mktemp)
 # The transports' tests, then the worker library's unit tests that only exist with the
@@ -128,3 +132,4 @@ if ! { cargo test -p cohort-transports --features rdma --locked -- --nocapture -
 fi
 grep -E '^test result|SKIPPED|RDMA devices present' "$rdma_log"
 rm -f "$rdma_log"
+section "all passed"
