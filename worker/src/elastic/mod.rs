@@ -58,6 +58,7 @@ mod state;
 mod timing;
 mod view_plan;
 
+pub use cohort_proto::ids::{IdError, JobId, WorkerId};
 pub use config::{local_hostname, ElasticConfig};
 pub use connect::{connect_members, LocalEndpoints, MeshScope};
 pub use data_plane::{Connected, DataPlane, Formed};
