@@ -88,7 +88,8 @@
 
 use cohort::control::{ControlClient, ControlConfig};
 use cohort::elastic::{
-    Connected, DataPlane, ElasticConfig, ElasticError, ElasticGroup, Formed, Generation, MeshKind, Observed, World,
+    Connected, DataPlane, ElasticConfig, ElasticError, ElasticGroup, Formed, Generation, JobId, MeshKind, Observed,
+    WorkerId, World,
 };
 use cohort::CommError;
 use cohort_proto::progress::{Progress, Total};
@@ -622,7 +623,8 @@ async fn member(
 ) -> Result<(Member, Generation<()>), String> {
     let id = format!("m{index:05}");
     let host = format!("host{:05}", index / plan.ranks_per_host);
-    let mut config = ElasticConfig::new(JOB, id.clone(), control);
+    let job = JobId::new(JOB).map_err(|e| e.to_string())?;
+    let mut config = ElasticConfig::new(job, WorkerId::new(id.clone()).map_err(|e| e.to_string())?, control);
     config.host = host.clone();
     config.domain = String::new();
     config.heartbeat_relay = plan.ranks_per_host > 1;

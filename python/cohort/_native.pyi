@@ -201,8 +201,10 @@ def init_logging(level: str = "warn") -> None:
 @final
 class KeyValueStore:
     """One scope of a job's key-value store on the coordinator (the ``StoreOp`` RPC): the
-    native half of ``cohort.torch.Store``. Every call releases the GIL; a refused call raises
-    ``InvalidArgumentError`` (nothing changed) or ``ControlError``."""
+    native half of ``cohort.torch.Store``. A bad job id (1..=128 characters of
+    ``[A-Za-z0-9._-]``) raises ``InvalidArgumentError`` when it is made. Every call releases
+    the GIL; a refused call raises ``InvalidArgumentError`` (nothing changed) or
+    ``ControlError``."""
 
     job: str
     scope: str

@@ -4,7 +4,7 @@ use crate::comm::{Communicator, Core};
 use crate::errors::{invalid, Failure};
 use crate::runtime::{graceful_leave, runtime, sigterm, sigterm_received, wait, SigtermPolicy};
 use cohort::control::ControlConfig;
-use cohort::elastic::{ElasticConfig, ElasticGroup, FailureReporter, TransportChoice};
+use cohort::elastic::{ElasticConfig, ElasticGroup, FailureReporter, JobId, TransportChoice, WorkerId};
 use cohort::Algorithm;
 use pyo3::conversion::FromPyObjectOwned;
 use pyo3::prelude::*;
@@ -27,8 +27,8 @@ pub(crate) struct Group {
     slot: Arc<Mutex<Slot>>,
     sigterm: Arc<SigtermPolicy>,
     reporter: FailureReporter,
-    job: String,
-    worker_id: String,
+    job: JobId,
+    worker_id: WorkerId,
     host: String,
     address: String,
     handle_sigterm: bool,
@@ -45,7 +45,7 @@ pub(crate) struct GroupLink {
     /// The group's SIGTERM policy (ignored for a communicator of no group).
     pub(crate) sigterm: Arc<SigtermPolicy>,
     slot: Weak<Mutex<Slot>>,
-    job: String,
+    job: JobId,
 }
 
 impl GroupLink {
@@ -129,10 +129,8 @@ fn seconds_of(config: &Bound<'_, PyAny>, name: &str) -> PyResult<Duration> {
 /// raises `InvalidArgumentError` before anything is bound or sent), and whether to handle
 /// SIGTERM.
 fn elastic_config(config: &Bound<'_, PyAny>) -> PyResult<(ElasticConfig, bool)> {
-    let job: String = field(config, "job")?;
-    if job.trim().is_empty() {
-        return Err(invalid("job must be a non-empty id"));
-    }
+    // Ids are checked here, by cohort's one rule (`InvalidArgumentError` naming the field).
+    let job = JobId::new(field::<String>(config, "job")?).map_err(|e| invalid(e.to_string()))?;
     let token = token_of(Some(&config.getattr("token")?).filter(|t| !t.is_none()))?;
     let mut control = ControlConfig::new(endpoints(&config.getattr("coordinator")?)?);
     control.token = token.clone();
@@ -142,6 +140,7 @@ fn elastic_config(config: &Bound<'_, PyAny>) -> PyResult<(ElasticConfig, bool)> 
     control.first_contact_wait = seconds_of(config, "coordinator_wait")?;
     let worker_id = field::<Option<String>>(config, "worker_id")?
         .unwrap_or_else(|| format!("{}-{}", cohort::elastic::local_hostname(), std::process::id()));
+    let worker_id = WorkerId::new(worker_id).map_err(|e| invalid(e.to_string()))?;
     let mut elastic = ElasticConfig::new(job, worker_id, control);
     if let Some(host) = field::<Option<String>>(config, "host")? {
         elastic.host = host;
@@ -302,13 +301,13 @@ impl Group {
     /// The job id.
     #[getter]
     fn job(&self) -> &str {
-        &self.job
+        self.job.as_str()
     }
 
     /// This worker's id.
     #[getter]
     fn worker_id(&self) -> &str {
-        &self.worker_id
+        self.worker_id.as_str()
     }
 
     /// The host name shown in status and root causes.
@@ -479,7 +478,12 @@ impl Group {
     }
 
     fn __repr__(&self) -> String {
-        format!("Group(job={:?}, worker_id={:?}, address={:?})", self.job, self.worker_id, self.address)
+        format!(
+            "Group(job={:?}, worker_id={:?}, address={:?})",
+            self.job.as_str(),
+            self.worker_id.as_str(),
+            self.address
+        )
     }
 }
 

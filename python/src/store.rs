@@ -7,7 +7,7 @@ use crate::errors::{invalid, Failure};
 use crate::group::endpoints;
 use crate::runtime;
 use cohort::control::{ControlClient, ControlConfig, ControlError, JobStore};
-use cohort::elastic::ElasticError;
+use cohort::elastic::{ElasticError, JobId};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyString};
 use std::time::Duration;
@@ -67,7 +67,9 @@ impl KeyValueStore {
         request_timeout: f64,
         retry_budget: f64,
     ) -> PyResult<Self> {
-        // The job and the scope are checked by the coordinator (INVALID_ARGUMENT).
+        // The job id is checked here (`InvalidArgumentError`), the scope by the coordinator
+        // (INVALID_ARGUMENT).
+        let job = JobId::new(job).map_err(|e| invalid(e.to_string()))?;
         let mut config = ControlConfig::new(endpoints(coordinator)?);
         config.token = token.map(str::trim).filter(|t| !t.is_empty()).map(str::to_string);
         config.tls_ca = tls_ca;

@@ -18,8 +18,8 @@ use crate::relay::{HostSockets, SimRelayNet};
 use crate::ring::{Failure, Outcome, Ring};
 use cohort::control::{ControlClient, ControlConfig, ControlError, RelayNet};
 use cohort::elastic::{
-    call_bound, Connected, DataPlane, ElasticConfig, ElasticError, ElasticGroup, Formed, Generation, MeshKind,
-    Observed, World,
+    call_bound, Connected, DataPlane, ElasticConfig, ElasticError, ElasticGroup, Formed, Generation, JobId, MeshKind,
+    Observed, WorkerId, World,
 };
 use cohort::{CommError, OpProgress, RootCause};
 use cohort_proto::v1 as pb;
@@ -324,7 +324,7 @@ pub(crate) async fn run(setup: Arc<WorkerSetup>) -> turmoil::Result {
     control.retry_jitter = 0.0;
     control.first_endpoint = Some(setup.index % setup.replicas);
     let client = ControlClient::with_connector(control.clone(), |e| e.connect_with_connector_lazy(Connector))?;
-    let mut config = ElasticConfig::new(JOB, worker_id(setup.index), control);
+    let mut config = ElasticConfig::new(JobId::new(JOB)?, WorkerId::new(worker_id(setup.index))?, control);
     config.host = setup.host.clone();
     config.domain = String::new();
     // Production's default, set here so that no environment changes a seed's run: the host's

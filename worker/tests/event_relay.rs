@@ -10,6 +10,7 @@ mod common;
 use common::squatter;
 
 use cohort::control::{AbstractUnix, ControlClient, ControlConfig, EventRelay, RelayEvents, SILENCE_LIMIT};
+use cohort::elastic::{JobId, WorkerId};
 use cohort_coordinator::{JobSettings, ServerHandle};
 use cohort_proto::v1::{self as pb, job_event::Event};
 use std::os::linux::net::SocketAddrExt;
@@ -47,7 +48,8 @@ struct Member {
 async fn join(server: &ServerHandle, job: &str, host: &str, id: &str) -> Member {
     let client = control(server);
     let joined = common::coordinator::join(&client, job, host, id).await;
-    let relay = EventRelay::new(client.clone(), job, id, host, Arc::new(AbstractUnix));
+    let (job, worker) = (JobId::new(job).expect("job id"), WorkerId::new(id).expect("worker id"));
+    let relay = EventRelay::new(client.clone(), &job, &worker, host, Arc::new(AbstractUnix));
     Member { id: id.into(), incarnation: joined.incarnation, client, relay }
 }
 

@@ -9,6 +9,7 @@ mod common;
 use common::squatter;
 
 use cohort::control::{AbstractUnix, ControlClient, ControlConfig, HostRelay};
+use cohort::elastic::JobId;
 use cohort_coordinator::{JobSettings, ServerHandle};
 use cohort_proto::v1 as pb;
 use prost::Message;
@@ -51,7 +52,8 @@ async fn join(server: &ServerHandle, job: &str, host: &str, id: &str) -> Member 
     let joined = common::coordinator::join(&client, job, host, id).await;
     let interval = Duration::from_millis(joined.heartbeat_interval_ms);
     let lease = Duration::from_millis(joined.lease_ttl_ms);
-    let relay = HostRelay::new(client, job, host, interval, lease, Arc::new(AbstractUnix)).expect("lease long enough");
+    let job = JobId::new(job).expect("job id");
+    let relay = HostRelay::new(client, &job, host, interval, lease, Arc::new(AbstractUnix)).expect("lease long enough");
     Member { id: id.into(), incarnation: joined.incarnation, relay }
 }
 
@@ -234,8 +236,9 @@ async fn bad_frames_are_refused_and_change_nothing() {
 async fn a_short_lease_sends_its_own_beats() {
     let client = ControlClient::new(ControlConfig::new(vec!["http://127.0.0.1:9".into()])).expect("client");
     let interval = Duration::from_millis(500);
-    assert!(HostRelay::new(client.clone(), "j", "h", interval, interval * 3, Arc::new(AbstractUnix)).is_none());
-    assert!(HostRelay::new(client, "j", "h", interval, interval * 4, Arc::new(AbstractUnix)).is_some());
+    let job = JobId::new("j").expect("job id");
+    assert!(HostRelay::new(client.clone(), &job, "h", interval, interval * 3, Arc::new(AbstractUnix)).is_none());
+    assert!(HostRelay::new(client, &job, "h", interval, interval * 4, Arc::new(AbstractUnix)).is_some());
 }
 
 /// A process of another user binds the relay's name first and answers every beat with a

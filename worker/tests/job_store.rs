@@ -7,6 +7,7 @@
 mod common;
 
 use cohort::control::{ControlClient, ControlConfig, ControlError, JobStore};
+use cohort::elastic::JobId;
 use cohort_coordinator::kv::{MAX_KEYS_PER_JOB, MAX_KEY_LEN, MAX_VALUE_LEN, MAX_WAIT_KEYS};
 use cohort_coordinator::store::etcd::EtcdStore;
 use cohort_coordinator::store::memory::MemoryStore;
@@ -63,6 +64,11 @@ async fn replica(store: Arc<dyn Store>, token: Option<&str>) -> ServerHandle {
     cohort_coordinator::start(config, listener).await.expect("coordinator")
 }
 
+/// A job id known to be valid.
+fn job(id: &str) -> JobId {
+    JobId::new(id).expect("a valid job id")
+}
+
 fn client(servers: &[&ServerHandle], token: Option<String>) -> ControlClient {
     let mut config = ControlConfig::new(servers.iter().map(|s| format!("http://{}", s.local_addr())).collect());
     config.token = token;
@@ -89,7 +95,7 @@ fn keys(names: &[&str]) -> Vec<String> {
 async fn every_operation(backend: Backend) {
     let b = backing(backend).await;
     let server = replica(b.store.clone(), None).await;
-    let kv = JobStore::new(client(&[&server], None), "job", "g1");
+    let kv = JobStore::new(client(&[&server], None), job("job"), "g1");
 
     // set, get, try_get, check, num_keys, delete.
     assert_eq!(kv.try_get("a").await.expect("try_get"), None);
@@ -108,13 +114,13 @@ async fn every_operation(backend: Backend) {
     assert_eq!(kv.num_keys().await.expect("num_keys"), 1);
 
     // Scopes never meet.
-    let other = JobStore::new(client(&[&server], None), "job", "g2");
+    let other = JobStore::new(client(&[&server], None), job("job"), "g2");
     assert_eq!(other.try_get("a").await.expect("get"), None);
     assert_eq!(other.num_keys().await.expect("num_keys"), 0);
-    let root = JobStore::new(client(&[&server], None), "job", "");
+    let root = JobStore::new(client(&[&server], None), job("job"), "");
     root.set("g1/a", b"root".to_vec()).await.expect("a key with a slash in the root scope");
     assert_eq!(kv.try_get("a").await.expect("get").as_deref(), Some(&b"again"[..]));
-    let other_job = JobStore::new(client(&[&server], None), "job2", "g1");
+    let other_job = JobStore::new(client(&[&server], None), job("job2"), "g1");
     assert_eq!(other_job.try_get("a").await.expect("get"), None, "jobs never meet");
 
     // add: decimal integers, as torch keeps them.
@@ -223,7 +229,7 @@ async fn bad_input(backend: Backend) {
     let b = backing(backend).await;
     let server = replica(b.store.clone(), None).await;
     let c = client(&[&server], None);
-    let kv = JobStore::new(c.clone(), "job", "g1");
+    let kv = JobStore::new(c.clone(), job("job"), "g1");
     kv.set("kept", b"v".to_vec()).await.expect("set");
     let invalid = |r: Result<(), ControlError>, what: &str| {
         let (c, m) = code(r.expect_err(what));
@@ -255,10 +261,13 @@ async fn bad_input(backend: Backend) {
     let many: Vec<String> = (0..=MAX_WAIT_KEYS).map(|i| format!("k{i}")).collect();
     invalid(kv.wait(&many, Duration::from_millis(10)).await.map(drop), "too many keys to wait for");
     invalid(kv.check(&["ok".into(), String::new()]).await.map(drop), "an empty key among the checked");
-    let bad_scope = JobStore::new(c.clone(), "job", "g/1");
+    let bad_scope = JobStore::new(c.clone(), job("job"), "g/1");
     invalid(bad_scope.set("k", b"v".to_vec()).await, "a scope with a slash");
-    let bad_job = JobStore::new(c.clone(), "no such/job", "");
-    invalid(bad_job.set("k", b"v".to_vec()).await, "a bad job id");
+    // A bad job id is refused where it is made; the coordinator refuses one sent anyway.
+    assert!(JobId::new("no such/job").is_err());
+    let op = pb::store_request::Op::Set(pb::StoreSet { key: "k".into(), value: b"v".to_vec() });
+    let bad_job = pb::StoreRequest { job: "no such/job".into(), scope: String::new(), op: Some(op) };
+    invalid(c.store_op(bad_job).await.map(drop), "a bad job id");
     // The value at the bound is accepted.
     kv.set("max", vec![7; MAX_VALUE_LEN]).await.expect("a value of exactly 1 MiB");
     assert_eq!(kv.try_get("max").await.expect("get").map(|v| v.len()), Some(MAX_VALUE_LEN));
@@ -272,13 +281,16 @@ async fn bad_input(backend: Backend) {
     kv.set("last", b"v".to_vec()).await.expect("the job's last key");
     let m = invalid(kv.set("one-more", b"v".to_vec()).await, "a key past the job's bound");
     assert!(m.contains(&format!("at most {MAX_KEYS_PER_JOB}")), "{m}");
-    invalid(JobStore::new(c.clone(), "job", "g9").add("n", 1).await.map(drop), "a key past the bound, other scope");
+    invalid(
+        JobStore::new(c.clone(), job("job"), "g9").add("n", 1).await.map(drop),
+        "a key past the bound, other scope",
+    );
     kv.set("last", b"overwritten".to_vec()).await.expect("overwriting needs no new key");
     assert_eq!(kv.try_get("one-more").await.expect("get"), None);
     assert!(kv.delete("last").await.expect("delete"));
     kv.set("one-more", b"v".to_vec()).await.expect("room again after a delete");
     // Another job has its own bound.
-    JobStore::new(c, "job2", "").set("k", b"v".to_vec()).await.expect("another job");
+    JobStore::new(c, job("job2"), "").set("k", b"v".to_vec()).await.expect("another job");
     server.shutdown().await.expect("shutdown");
 }
 
@@ -297,22 +309,22 @@ async fn the_jobs_credential_admits_its_job_only() {
     bounded(async {
         let b = backing(Backend::Memory).await;
         let server = replica(b.store.clone(), Some(OPERATOR)).await;
-        let own = JobStore::new(client(&[&server], Some(job_token(OPERATOR.as_bytes(), "a"))), "a", "");
+        let own = JobStore::new(client(&[&server], Some(job_token(OPERATOR.as_bytes(), "a"))), job("a"), "");
         own.set("k", b"a's".to_vec()).await.expect("a's credential on a");
-        let foreign = JobStore::new(client(&[&server], Some(job_token(OPERATOR.as_bytes(), "a"))), "b", "");
+        let foreign = JobStore::new(client(&[&server], Some(job_token(OPERATOR.as_bytes(), "a"))), job("b"), "");
         assert_eq!(
             code(foreign.set("k", b"x".to_vec()).await.expect_err("a's credential on b")).0,
             Code::PermissionDenied
         );
-        let forged = JobStore::new(client(&[&server], Some(job_token(b"another secret", "a"))), "a", "");
+        let forged = JobStore::new(client(&[&server], Some(job_token(b"another secret", "a"))), job("a"), "");
         assert_eq!(code(forged.set("k", b"x".to_vec()).await.expect_err("forged")).0, Code::Unauthenticated);
-        let wrong = JobStore::new(client(&[&server], Some("wrong".into())), "a", "");
+        let wrong = JobStore::new(client(&[&server], Some("wrong".into())), job("a"), "");
         assert_eq!(code(wrong.set("k", b"x".to_vec()).await.expect_err("wrong token")).0, Code::Unauthenticated);
         assert_eq!(code(wrong.try_get("k").await.expect_err("wrong token reads")).0, Code::Unauthenticated);
-        let none = JobStore::new(client(&[&server], None), "a", "");
+        let none = JobStore::new(client(&[&server], None), job("a"), "");
         assert_eq!(code(none.add("k", 1).await.expect_err("no token")).0, Code::Unauthenticated);
         assert_eq!(own.try_get("k").await.expect("get").as_deref(), Some(&b"a's"[..]), "nothing changed");
-        let operator = JobStore::new(client(&[&server], Some(OPERATOR.into())), "b", "");
+        let operator = JobStore::new(client(&[&server], Some(OPERATOR.into())), job("b"), "");
         assert_eq!(operator.try_get("k").await.expect("operator reads b"), None, "nothing written to b");
         server.shutdown().await.expect("shutdown");
     })
@@ -325,10 +337,10 @@ async fn the_keys_go_when_the_job_ends() {
         let b = backing(Backend::Memory).await;
         let server = replica(b.store.clone(), None).await;
         let c = client(&[&server], None);
-        let kv = JobStore::new(c.clone(), "ending", "g1");
+        let kv = JobStore::new(c.clone(), job("ending"), "g1");
         kv.set("k", b"v".to_vec()).await.expect("set");
         kv.add("n", 3).await.expect("add");
-        let kept = JobStore::new(c.clone(), "other", "");
+        let kept = JobStore::new(c.clone(), job("other"), "");
         kept.set("k", b"v".to_vec()).await.expect("another job's key");
         let joined = common::coordinator::join(&c, "ending", "host", "w0").await;
         let formed = c
@@ -373,12 +385,12 @@ async fn the_store_outlives_a_replica_on_etcd() {
         let first = replica(b.store.clone(), Some(OPERATOR)).await;
         let second = replica(b.store.clone(), Some(OPERATOR)).await;
         let token = Some(job_token(OPERATOR.as_bytes(), "ha"));
-        let kv = JobStore::new(client(&[&first, &second], token.clone()), "ha", "g1");
+        let kv = JobStore::new(client(&[&first, &second], token.clone()), job("ha"), "g1");
         kv.set("before", b"v".to_vec()).await.expect("set");
         assert_eq!(kv.add("n", 2).await.expect("add"), 2);
         // A wait in flight on the first replica (the client's preferred endpoint).
         let waiter = {
-            let kv = JobStore::new(client(&[&first, &second], token.clone()), "ha", "g1");
+            let kv = JobStore::new(client(&[&first, &second], token.clone()), job("ha"), "g1");
             tokio::spawn(async move { kv.wait(&keys(&["after"]), Duration::from_secs(60)).await })
         };
         // One more round trip through the first replica: the waiter, spawned before it, has

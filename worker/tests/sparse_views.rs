@@ -11,7 +11,7 @@
 mod common;
 
 use cohort::control::ControlConfig;
-use cohort::elastic::{ElasticConfig, ElasticGroup, Generation, MeshKind, TransportChoice};
+use cohort::elastic::{ElasticConfig, ElasticGroup, Generation, JobId, MeshKind, TransportChoice, WorkerId};
 use cohort::ReduceOp;
 use cohort_coordinator::JobSettings;
 use cohort_transports::Transport;
@@ -81,8 +81,9 @@ async fn worker(
     started: mpsc::Sender<Seen>,
     go: oneshot::Receiver<()>,
 ) {
-    let job = format!("sparse-{transport}");
-    let mut config = ElasticConfig::new(job, id.clone(), ControlConfig::new(vec![coordinator]));
+    let (job, worker) =
+        (JobId::new(format!("sparse-{transport}")).expect("job id"), WorkerId::new(id.clone()).expect("worker id"));
+    let mut config = ElasticConfig::new(job, worker, ControlConfig::new(vec![coordinator]));
     config.host = host;
     config.transport = transport;
     config.heartbeat_relay = false;
@@ -220,7 +221,8 @@ async fn counted_worker(
     done: mpsc::Sender<()>,
     leave: oneshot::Receiver<()>,
 ) {
-    let mut config = ElasticConfig::new("sparse-lookups", id.clone(), ControlConfig::new(vec![coordinator]));
+    let (job, worker) = (JobId::new("sparse-lookups").expect("job id"), WorkerId::new(id.clone()).expect("worker id"));
+    let mut config = ElasticConfig::new(job, worker, ControlConfig::new(vec![coordinator]));
     config.host = id.clone();
     config.transport = TransportChoice::Tcp;
     config.heartbeat_relay = false;

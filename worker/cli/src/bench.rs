@@ -11,7 +11,7 @@
 //! reports its median; the figure for a size is the slowest rank's median, as nccl-tests
 //! does. busbw = algbw x 2(n-1)/n.
 
-use cohort::elastic::{connect_members, LocalEndpoints, MemberInfo, MeshScope, MeshTransport, TransportChoice};
+use cohort::elastic::{connect_members, JobId, LocalEndpoints, MemberInfo, MeshScope, MeshTransport, TransportChoice};
 use cohort::{Algorithm, CommConfig, Communicator, HostLayout, ReduceOp};
 use cohort_harness::exact::{ExactElement, OpPattern};
 use cohort_proto::progress::{Progress, Total};
@@ -562,7 +562,8 @@ async fn connect_auto(rank: u32, config: &BenchConfig, layout: &HostLayout) -> R
                 .filter(|_| layout.host_of(i) == layout.host_of(rank as usize)),
         });
     }
-    let scope = MeshScope { job: "bench".into(), generation: 1, token: bench_token(), deadlines: BENCH_DEADLINES };
+    let job = JobId::new("bench").map_err(|e| e.to_string())?;
+    let scope = MeshScope { job, generation: 1, token: bench_token(), deadlines: BENCH_DEADLINES };
     let local = LocalEndpoints::new(&tcp).with_shm(Some(&shm));
     connect_members(&scope, &members, rank, local).await.map_err(|e| e.to_string())
 }

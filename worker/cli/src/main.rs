@@ -8,7 +8,7 @@ use bench::BenchConfig;
 use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use cohort::control::ControlConfig;
-use cohort::elastic::{ElasticConfig, TransportChoice};
+use cohort::elastic::{ElasticConfig, JobId, TransportChoice, WorkerId};
 use cohort::Algorithm;
 use cohort_harness::events;
 use std::net::SocketAddr;
@@ -385,7 +385,9 @@ fn train_main(args: TrainArgs) -> Result<TrainSummary, String> {
         .worker_id
         .clone()
         .unwrap_or_else(|| format!("{}-{}", cohort::elastic::local_hostname(), std::process::id()));
-    let mut config = ElasticConfig::new(args.job.clone(), worker_id, control);
+    let job = JobId::new(args.job.clone()).map_err(|e| e.to_string())?;
+    let worker_id = WorkerId::new(worker_id).map_err(|e| e.to_string())?;
+    let mut config = ElasticConfig::new(job, worker_id, control);
     config.token = token.unwrap_or_default().into_bytes();
     if !args.domain.is_empty() {
         config.domain = args.domain.clone();

@@ -18,7 +18,9 @@
 //! `params_digest` (SHA-256 of the final parameters' bytes) and `expected_digest` (of the
 //! parameters expected after that many steps).
 
-use cohort::elastic::{Checkpoint, CommitError, ElasticConfig, ElasticError, ElasticGroup, Generation, SyncError};
+use cohort::elastic::{
+    Checkpoint, CommitError, ElasticConfig, ElasticError, ElasticGroup, Generation, SyncError, WorkerId,
+};
 use cohort::{CommError, ReduceOp};
 use cohort_harness::events;
 use cohort_harness::exact::ExactElement;
@@ -74,7 +76,7 @@ pub(crate) fn now_ms() -> u64 {
 }
 
 /// Prints `event=joined` for the member `group` just became.
-fn print_joined(worker: &str, group: &ElasticGroup) {
+fn print_joined(worker: &WorkerId, group: &ElasticGroup) {
     events::Joined {
         worker: worker.to_string(),
         incarnation: group.incarnation(),
@@ -159,7 +161,7 @@ pub(crate) async fn run<E: ExactElement>(
     // SIGTERM while joining (which includes waiting out an exclusion, possibly minutes): not
     // a member yet, so nobody waits on this worker and it stops at once. Later, inside a
     // generation or a re-formation, it leaves at the next commit point.
-    events::Joining { worker: worker.clone(), t_ms: now_ms() }.print();
+    events::Joining { worker: worker.to_string(), t_ms: now_ms() }.print();
     let mut group = tokio::select! {
         joined = ElasticGroup::join(config) => joined?,
         () = sigterm(&mut leaving) => {
@@ -426,7 +428,7 @@ pub(crate) async fn run<E: ExactElement>(
                 cohort::metrics::REFORMATIONS.fetch_add(1, Ordering::Relaxed);
                 drop(generation);
                 group.leave(false).await?;
-                events::Joining { worker: worker.clone(), t_ms: now_ms() }.print();
+                events::Joining { worker: worker.to_string(), t_ms: now_ms() }.print();
                 group = tokio::select! {
                     joined = ElasticGroup::join(rejoin_config.clone()) => joined?,
                     () = sigterm(&mut leaving) => {

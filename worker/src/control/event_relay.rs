@@ -31,6 +31,7 @@
 use super::relay::{read_frame, socket_name};
 use super::relay_net::{RelayListener, RelayNet, RelayStream};
 use super::ControlClient;
+use cohort_proto::ids::{JobId, WorkerId};
 use cohort_proto::v1::{self as pb, job_event::Event, JobEvent};
 use prost::Message;
 use std::io;
@@ -79,8 +80,8 @@ pub struct EventRelay {
 
 struct Inner {
     client: ControlClient,
-    job: String,
-    worker_id: String,
+    job: JobId,
+    worker_id: WorkerId,
     /// Where the relay's socket is bound and connected to.
     net: Arc<dyn RelayNet>,
     /// The socket's name.
@@ -151,13 +152,13 @@ impl EventRelay {
     /// The event relay of `job`'s worker `worker_id` on `host`, reached through `client`'s
     /// coordinators, its socket bound and connected in `net` ([`super::AbstractUnix`] in
     /// production). Nothing is bound or connected until [`EventRelay::subscribe`].
-    pub fn new(client: ControlClient, job: &str, worker_id: &str, host: &str, net: Arc<dyn RelayNet>) -> Self {
+    pub fn new(client: ControlClient, job: &JobId, worker_id: &WorkerId, host: &str, net: Arc<dyn RelayNet>) -> Self {
         let name = socket_name("cohort-event-relay", &client.config().endpoints, job, host);
         Self {
             inner: Arc::new(Inner {
                 client,
-                job: job.to_string(),
-                worker_id: worker_id.to_string(),
+                job: job.clone(),
+                worker_id: worker_id.clone(),
                 net,
                 name,
                 serving: StdMutex::new(None),
@@ -280,9 +281,9 @@ fn frame(e: &JobEvent) -> Arc<Vec<u8>> {
 /// What the relay's watch of the coordinator needs.
 struct Upstream {
     client: ControlClient,
-    job: String,
+    job: JobId,
     /// The serving worker's id (the watch's, for the coordinator's logs).
-    worker_id: String,
+    worker_id: WorkerId,
     /// The random source of the reopen jitter.
     net: Arc<dyn RelayNet>,
 }
@@ -390,8 +391,8 @@ async fn follow(upstream: Upstream, latest: Arc<StdMutex<Latest>>, events: broad
     let mut wait = REOPEN_FIRST;
     loop {
         let request = pb::WatchRequest {
-            job: job.clone(),
-            worker_id: worker_id.clone(),
+            job: job.to_string(),
+            worker_id: worker_id.to_string(),
             incarnation: 0,
             compact: true,
             quiet: false,

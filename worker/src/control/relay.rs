@@ -31,6 +31,7 @@
 
 use super::relay_net::{RelayListener, RelayNet, RelayStream};
 use super::{ControlClient, ControlError};
+use cohort_proto::ids::JobId;
 use cohort_proto::v1::{self as pb, HeartbeatRequest, HeartbeatResponse};
 use prost::Message;
 use sha2::{Digest, Sha256};
@@ -70,7 +71,7 @@ pub struct HostRelay {
 
 struct Inner {
     client: ControlClient,
-    job: String,
+    job: JobId,
     interval: Duration,
     /// How long a beat waits for the relay's answer.
     wait: Duration,
@@ -129,14 +130,14 @@ impl HostRelay {
     /// 500 ms interval give six). Nothing is bound or connected until the first beat.
     pub fn new(
         client: ControlClient,
-        job: &str,
+        job: &JobId,
         host: &str,
         interval: Duration,
         lease_ttl: Duration,
         net: Arc<dyn RelayNet>,
     ) -> Option<Self> {
         if lease_ttl < interval * MIN_LEASE_INTERVALS {
-            debug!(job, ?interval, ?lease_ttl, "lease too short for the heartbeat relay; heartbeats go directly");
+            debug!(%job, ?interval, ?lease_ttl, "lease too short for the heartbeat relay; heartbeats go directly");
             return None;
         }
         let name = socket_name("cohort-heartbeat-relay", &client.config().endpoints, job, host);
@@ -149,7 +150,7 @@ impl HostRelay {
         Some(Self {
             inner: Arc::new(Inner {
                 client,
-                job: job.to_string(),
+                job: job.clone(),
                 interval,
                 wait,
                 net,
@@ -284,12 +285,12 @@ impl HostRelay {
 
 /// A host relay's socket name, `kind/<digest>`: one per kind, job, host, coordinator
 /// deployment (its endpoints in any order) and user.
-pub(super) fn socket_name(kind: &str, endpoints: &[String], job: &str, host: &str) -> String {
+pub(super) fn socket_name(kind: &str, endpoints: &[String], job: &JobId, host: &str) -> String {
     let mut endpoints: Vec<&str> = endpoints.iter().map(String::as_str).collect();
     endpoints.sort_unstable();
     endpoints.dedup();
     let mut digest = Sha256::new();
-    for part in endpoints.into_iter().chain([job, host]) {
+    for part in endpoints.into_iter().chain([job.as_str(), host]) {
         digest.update((part.len() as u64).to_le_bytes());
         digest.update(part.as_bytes());
     }
@@ -334,7 +335,7 @@ type Pending = (HeartbeatRequest, oneshot::Sender<pb::HeartbeatAnswer>);
 /// # Cancel safety
 /// Aborting it closes the socket; the workers then send their own beats, and one of them
 /// serves the relay next.
-async fn serve(mut listener: Box<dyn RelayListener>, client: ControlClient, job: String, interval: Duration) {
+async fn serve(mut listener: Box<dyn RelayListener>, client: ControlClient, job: JobId, interval: Duration) {
     let (beats_tx, mut beats_rx) = mpsc::channel::<Pending>(MAX_CONNECTIONS);
     let mut connections = tokio::task::JoinSet::new();
     let mut flushes = tokio::task::JoinSet::new();
@@ -364,7 +365,7 @@ async fn serve(mut listener: Box<dyn RelayListener>, client: ControlClient, job:
 
 /// One worker's connection: reads its beats, queues each for the next flush, writes back its
 /// answer. A malformed beat is answered with INVALID_ARGUMENT and the connection goes on.
-async fn serve_connection(mut stream: RelayStream, beats: mpsc::Sender<Pending>, job: String) {
+async fn serve_connection(mut stream: RelayStream, beats: mpsc::Sender<Pending>, job: JobId) {
     while let Ok(Some(frame)) = read_frame(&mut stream).await {
         let refuse = |message: String| pb::HeartbeatAnswer {
             outcome: Some(pb::heartbeat_answer::Outcome::Refused(pb::HeartbeatRefusal {
@@ -374,8 +375,8 @@ async fn serve_connection(mut stream: RelayStream, beats: mpsc::Sender<Pending>,
         };
         let answer = match HeartbeatRequest::decode(frame.as_slice()) {
             Err(e) => refuse(format!("malformed heartbeat: {e}")),
-            Ok(beat) if beat.job != job => {
-                refuse(format!("this host's heartbeat relay serves job {job:?}, not {:?}", beat.job))
+            Ok(beat) if beat.job != job.as_str() => {
+                refuse(format!("this host's heartbeat relay serves job {:?}, not {:?}", job.as_str(), beat.job))
             }
             Ok(beat) => {
                 let (tx, rx) = oneshot::channel();
@@ -396,12 +397,12 @@ async fn serve_connection(mut stream: RelayStream, beats: mpsc::Sender<Pending>,
 
 /// Sends the gathered beats (in calls of at most `MAX_BEATS_PER_CALL`) and hands out the
 /// answers; a failed call answers each of its beats with the failure.
-async fn flush(client: ControlClient, job: String, pending: Vec<Pending>) {
+async fn flush(client: ControlClient, job: JobId, pending: Vec<Pending>) {
     let mut pending = pending.into_iter().peekable();
     while pending.peek().is_some() {
         let (beats, waiting): (Vec<_>, Vec<_>) = pending.by_ref().take(cohort_proto::MAX_BEATS_PER_CALL).unzip();
         let count = beats.len();
-        let answers = match client.host_heartbeat(pb::HostHeartbeatRequest { job: job.clone(), beats }).await {
+        let answers = match client.host_heartbeat(pb::HostHeartbeatRequest { job: job.to_string(), beats }).await {
             Ok(r) if r.answers.len() == count => r.answers,
             Ok(r) => {
                 vec![refusal(tonic::Code::Internal, format!("{} answers to {count} beats", r.answers.len())); count]
@@ -423,11 +424,14 @@ fn refusal(code: tonic::Code, message: String) -> pb::HeartbeatAnswer {
 #[cfg(test)]
 mod tests {
     use super::socket_name;
+    use cohort_proto::ids::JobId;
 
     #[test]
     fn the_name_depends_on_the_deployment_not_the_order_of_its_endpoints() {
         let e = |list: &[&str]| list.iter().map(|s| s.to_string()).collect::<Vec<_>>();
-        let name = |endpoints: &[&str], job, host| socket_name("cohort-heartbeat-relay", &e(endpoints), job, host);
+        let name = |endpoints: &[&str], job: &str, host| {
+            socket_name("cohort-heartbeat-relay", &e(endpoints), &JobId::new(job).unwrap(), host)
+        };
         let a = name(&["http://c0:7000", "http://c1:7000"], "job", "host");
         assert_eq!(a, name(&["http://c1:7000", "http://c0:7000"], "job", "host"));
         assert_ne!(a, name(&["http://c0:7000"], "job", "host"));
@@ -436,7 +440,8 @@ mod tests {
         // Length-prefixed parts: moving a boundary changes the name.
         assert_ne!(name(&["ab"], "c", "h"), name(&["a"], "bc", "h"));
         assert!(a.starts_with("cohort-heartbeat-relay/") && a.len() < 108, "{a}");
-        let events = socket_name("cohort-event-relay", &e(&["http://c0:7000", "http://c1:7000"]), "job", "host");
+        let job = JobId::new("job").unwrap();
+        let events = socket_name("cohort-event-relay", &e(&["http://c0:7000", "http://c1:7000"]), &job, "host");
         assert!(events.starts_with("cohort-event-relay/") && events[19..] == a[23..], "{events} {a}");
     }
 }

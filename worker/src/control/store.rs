@@ -3,6 +3,7 @@
 //! endpoints by [`ControlClient`].
 
 use super::{ControlClient, ControlError};
+use cohort_proto::ids::JobId;
 use cohort_proto::v1::store_request::Op;
 use cohort_proto::v1::*;
 use std::time::Duration;
@@ -17,18 +18,18 @@ pub const STORE_POLL_WAIT: Duration = Duration::from_secs(10);
 #[derive(Clone)]
 pub struct JobStore {
     client: ControlClient,
-    job: String,
+    job: JobId,
     scope: String,
 }
 
 impl JobStore {
     /// The store of `scope` (empty, or `[A-Za-z0-9._-]`, checked by the coordinator) in `job`.
-    pub fn new(client: ControlClient, job: impl Into<String>, scope: impl Into<String>) -> Self {
-        Self { client, job: job.into(), scope: scope.into() }
+    pub fn new(client: ControlClient, job: JobId, scope: impl Into<String>) -> Self {
+        Self { client, job, scope: scope.into() }
     }
 
     /// The job.
-    pub fn job(&self) -> &str {
+    pub fn job(&self) -> &JobId {
         &self.job
     }
 
@@ -38,7 +39,7 @@ impl JobStore {
     }
 
     async fn op(&self, op: Op) -> Result<StoreResponse, ControlError> {
-        self.client.store_op(StoreRequest { job: self.job.clone(), scope: self.scope.clone(), op: Some(op) }).await
+        self.client.store_op(StoreRequest { job: self.job.to_string(), scope: self.scope.clone(), op: Some(op) }).await
     }
 
     /// Writes `value` under `key`.

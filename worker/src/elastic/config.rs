@@ -3,6 +3,7 @@
 use super::TransportChoice;
 use crate::control::ControlConfig;
 use crate::CommConfig;
+use cohort_proto::ids::{JobId, WorkerId};
 use cohort_transports::shm::ShmOptions;
 use cohort_transports::tcp::TcpOptions;
 use cohort_transports::Deadlines;
@@ -12,11 +13,11 @@ use std::time::Duration;
 /// Everything an [`super::ElasticGroup`] needs to join a job.
 #[derive(Clone, Debug)]
 pub struct ElasticConfig {
-    /// The job id (namespaces everything at the coordinator).
-    pub job: String,
-    /// This worker's stable id (pod name, host:slot, ...). Rejoining with the same id
-    /// replaces the older incarnation.
-    pub worker_id: String,
+    /// The job id (namespaces everything at the coordinator), checked when it was made.
+    pub job: JobId,
+    /// This worker's stable id (pod name, host:slot, ...), checked when it was made.
+    /// Rejoining with the same id replaces the older incarnation.
+    pub worker_id: WorkerId,
     /// Host name shown in status and root causes.
     pub host: String,
     /// Failure domain: what fails together with this worker (a node name; on Kubernetes
@@ -81,11 +82,13 @@ pub struct ElasticConfig {
 }
 
 impl ElasticConfig {
-    /// A configuration with default deadlines and options.
-    pub fn new(job: impl Into<String>, worker_id: impl Into<String>, control: ControlConfig) -> Self {
+    /// A configuration with default deadlines and options. The ids are checked already: make
+    /// them with [`JobId::new`] and [`WorkerId::new`], whose [`cohort_proto::ids::IdError`]
+    /// names a bad one (it converts into [`super::ElasticError::InvalidId`]).
+    pub fn new(job: JobId, worker_id: WorkerId, control: ControlConfig) -> Self {
         Self {
-            job: job.into(),
-            worker_id: worker_id.into(),
+            job,
+            worker_id,
             host: local_hostname(),
             domain: std::env::var("COHORT_DOMAIN").unwrap_or_default(),
             control,
@@ -124,4 +127,32 @@ pub fn local_hostname() -> String {
     }
     let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
     String::from_utf8_lossy(&buf[..end]).into_owned()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{ElasticConfig, JobId, WorkerId};
+    use crate::control::ControlConfig;
+    use crate::elastic::ElasticError;
+    use cohort_proto::ids::IdError;
+
+    /// A configuration is made of checked ids: a bad one is refused with a typed error where
+    /// it is made, before a configuration (or anything it would contact) exists.
+    #[test]
+    fn a_bad_id_is_refused_when_the_config_is_made() {
+        let make = |job: &str, worker: &str| -> Result<ElasticConfig, ElasticError> {
+            let control = ControlConfig::new(vec!["http://127.0.0.1:9".into()]);
+            Ok(ElasticConfig::new(JobId::new(job)?, WorkerId::new(worker)?, control))
+        };
+        let refused = make("job/1", "w0").map(drop).unwrap_err();
+        assert!(
+            matches!(refused, ElasticError::InvalidId(IdError::Character { field: "job", found: '/' })),
+            "{refused}"
+        );
+        let refused = make("job", "..").map(drop).unwrap_err();
+        assert!(matches!(refused, ElasticError::InvalidId(IdError::Dots { field: "worker_id", value: ".." })));
+        assert_eq!(refused.to_string(), "worker_id may not be \"..\"");
+        let config = make("job-1", "w.0").expect("good ids");
+        assert_eq!((config.job.as_str(), config.worker_id.to_string()), ("job-1", "w.0".to_string()));
+    }
 }

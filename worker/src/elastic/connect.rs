@@ -7,7 +7,7 @@
 
 use super::mesh::MixedTransport;
 use super::mesh_plan::{plan_mesh, MeshPlan};
-use super::{ElasticError, MemberInfo, MeshTransport, TransportChoice};
+use super::{ElasticError, JobId, MemberInfo, MeshTransport, TransportChoice};
 use cohort_transports::shm::{ShmAddress, ShmEndpoint, ShmMeshSpec};
 use cohort_transports::tcp::{CarriedLink, MeshSpec, ResolvePeer, TcpEndpoint};
 use cohort_transports::{Deadlines, TransportError};
@@ -17,8 +17,8 @@ use std::sync::Arc;
 /// the job token, and every wait on it is bounded by the deadlines.
 #[derive(Clone, Debug)]
 pub struct MeshScope {
-    /// The job id.
-    pub job: String,
+    /// The job id (the handshakes carry it).
+    pub job: JobId,
     /// The generation the mesh is for.
     pub generation: u64,
     /// The job token (each side proves it with HMAC; never sent).
@@ -119,7 +119,7 @@ pub(crate) async fn connect_planned(
     let Carry { links: carried, onward } = carry;
     let tcp_spec = |peers, upfront| MeshSpec {
         resolver: resolver.clone(),
-        job: scope.job.clone(),
+        job: scope.job.to_string(),
         generation: scope.generation,
         rank,
         peers,
@@ -129,7 +129,7 @@ pub(crate) async fn connect_planned(
         carry_links: onward,
     };
     let shm_spec = |peers: Vec<Option<ShmAddress>>| ShmMeshSpec {
-        job: scope.job.clone(),
+        job: scope.job.to_string(),
         generation: scope.generation,
         rank,
         peers,
@@ -166,7 +166,7 @@ pub(crate) async fn connect_planned(
                 ));
             };
             let spec = cohort_transports::rdma::RdmaMeshSpec {
-                job: scope.job.clone(),
+                job: scope.job.to_string(),
                 generation: scope.generation,
                 rank,
                 peers,

@@ -61,8 +61,9 @@ pub enum ElasticError {
     /// The coordinator sent something that violates the protocol.
     #[error("coordinator protocol violation: {0}")]
     Protocol(String),
-    /// The job or worker id breaks cohort's rule for ids (checked before anything is
-    /// contacted).
+    /// The job or worker id breaks cohort's rule for ids: [`super::JobId::new`] and
+    /// [`super::WorkerId::new`] refuse it, so no configuration holds it and nothing is
+    /// contacted with it.
     #[error(transparent)]
     InvalidId(#[from] cohort_proto::ids::IdError),
 }

@@ -6,7 +6,7 @@ use super::members::{fetch_members, Members};
 use super::membership::{Membership, Step};
 use super::shell::{self, revoked_or_ended, FailureReporter, RealWorld, Shared, World};
 use super::sockets::SocketPlane;
-use super::{ElasticConfig, ElasticError, MeshKind, MeshTransport};
+use super::{ElasticConfig, ElasticError, JobId, MeshKind, MeshTransport};
 use crate::control::{ControlClient, EventRelay, HostRelay};
 use crate::{CommError, Communicator, RootCause};
 use cohort_proto::v1 as pb;
@@ -83,15 +83,13 @@ impl ElasticGroup {
     /// # Cancel safety
     /// Cancel safe: a join left half done expires with its lease.
     pub async fn join(mut config: ElasticConfig) -> Result<Self, ElasticError> {
-        cohort_proto::ids::check_id("job", &config.job)?;
-        cohort_proto::ids::check_id("worker_id", &config.worker_id)?;
         #[cfg(not(feature = "rdma"))]
         if config.transport == super::TransportChoice::Rdma {
             return Err(super::TransportUnavailable::RdmaNotBuilt.into());
         }
         // The data plane is keyed by the job's credential, whether this worker was given it
         // or the operator secret it derives from; another job's credential stops here.
-        config.token = cohort_proto::credentials::data_plane_secret(&config.token, &config.job)?;
+        config.token = cohort_proto::credentials::data_plane_secret(&config.token, config.job.as_str())?;
         let client = ControlClient::new(config.control.clone())?;
         let plane = SocketPlane::open(&config).await?;
         Self::join_with(config, client, plane, Arc::new(RealWorld)).await
@@ -129,8 +127,6 @@ impl<P: DataPlane> ElasticGroup<P> {
         plane: P,
         world: Arc<dyn World>,
     ) -> Result<Self, ElasticError> {
-        cohort_proto::ids::check_id("job", &config.job)?;
-        cohort_proto::ids::check_id("worker_id", &config.worker_id)?;
         let shared = Arc::new(Shared::new(config.exclusion_wait, client.config(), world));
         let mut group = Self {
             config,
@@ -172,8 +168,8 @@ impl<P: DataPlane> ElasticGroup<P> {
     async fn register(&mut self) -> Result<(), ElasticError> {
         let (addresses, capabilities) = self.plane.published();
         let request = pb::JoinRequest {
-            job: self.config.job.clone(),
-            worker_id: self.config.worker_id.clone(),
+            job: self.config.job.to_string(),
+            worker_id: self.config.worker_id.to_string(),
             host: self.config.host.clone(),
             addresses,
             capabilities,
@@ -208,7 +204,7 @@ impl<P: DataPlane> ElasticGroup<P> {
     }
 
     /// The job id.
-    pub fn job(&self) -> &str {
+    pub fn job(&self) -> &JobId {
         &self.config.job
     }
 
@@ -277,8 +273,8 @@ impl<P: DataPlane> ElasticGroup<P> {
                 Step::Rendezvous { incarnation, after_generation } => (incarnation, after_generation),
             };
             let rendezvous = self.client.rendezvous(pb::RendezvousRequest {
-                job: self.config.job.clone(),
-                worker_id: self.config.worker_id.clone(),
+                job: self.config.job.to_string(),
+                worker_id: self.config.worker_id.to_string(),
                 incarnation,
                 after_generation,
                 wait_ms: self.config.rendezvous_poll.as_millis() as u64,
@@ -344,8 +340,8 @@ impl<P: DataPlane> ElasticGroup<P> {
             Some(members) => members,
             None => {
                 let question = pb::MembersRequest {
-                    job: self.config.job.clone(),
-                    worker_id: self.config.worker_id.clone(),
+                    job: self.config.job.to_string(),
+                    worker_id: self.config.worker_id.to_string(),
                     incarnation,
                     generation: number,
                     ranks: (0..generation.size).collect(),
@@ -361,7 +357,9 @@ impl<P: DataPlane> ElasticGroup<P> {
         };
         let rank = members
             .iter()
-            .find(|m| m.worker_id == self.config.worker_id && members.incarnation_of(m.rank) == Some(incarnation))
+            .find(|m| {
+                m.worker_id == self.config.worker_id.as_str() && members.incarnation_of(m.rank) == Some(incarnation)
+            })
             .map(|m| m.rank)
             .ok_or_else(|| ElasticError::Protocol(format!("generation {number} does not include this worker")))?;
         Ok(Some((members, rank)))
@@ -397,8 +395,8 @@ impl<P: DataPlane> ElasticGroup<P> {
     /// stream and from earlier commit answers; the ranks agree on it at the commit point.
     pub fn commit(&self, generation: u64, step: u64, digest: &[u8]) -> bool {
         self.commits.send_replace(Some(pb::CommitRequest {
-            job: self.config.job.clone(),
-            worker_id: self.config.worker_id.clone(),
+            job: self.config.job.to_string(),
+            worker_id: self.config.worker_id.to_string(),
             incarnation: self.incarnation(),
             generation,
             step,
@@ -442,8 +440,8 @@ impl<P: DataPlane> ElasticGroup<P> {
         let result = self
             .client
             .leave(pb::LeaveRequest {
-                job: self.config.job.clone(),
-                worker_id: self.config.worker_id.clone(),
+                job: self.config.job.to_string(),
+                worker_id: self.config.worker_id.to_string(),
                 incarnation,
                 mode: mode as i32,
             })

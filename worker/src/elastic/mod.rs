@@ -30,6 +30,9 @@
 //! - [`Checkpoint`] is the commit/restore/sync API: commit at step boundaries, restore after a
 //!   failure, and after re-formation broadcast the newest commit from the member holding it,
 //!   then check the state digest on every rank.
+//! - [`JobId`] and [`WorkerId`] are ids checked once, when they are made, by cohort's one rule
+//!   ([`IdError`] names a bad one): [`ElasticConfig`] and everything inside hold them, and the
+//!   coordinator's requests get their strings.
 //! - [`StepTimes`] gathers the step timing sent with the heartbeats, from which the
 //!   coordinator names stragglers; under the job's `exclude` policy it asks one to leave,
 //!   which [`ElasticGroup::straggler_leave`] tells the training loop.
@@ -58,6 +61,7 @@ mod state;
 mod timing;
 mod view_plan;
 
+pub use cohort_proto::ids::{IdError, JobId, WorkerId};
 pub use config::{local_hostname, ElasticConfig};
 pub use connect::{connect_members, LocalEndpoints, MeshScope};
 pub use data_plane::{Connected, DataPlane, Formed};

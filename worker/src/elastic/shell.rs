@@ -10,7 +10,7 @@
 //! clock in production, the simulated one under a simulation that drives tokio's time.
 
 use super::membership::{CallError, Effect, JoinNext, Membership, WatchNext};
-use super::ElasticError;
+use super::{ElasticError, JobId, WorkerId};
 use crate::control::{
     AbstractUnix, ControlClient, ControlConfig, ControlError, EventRelay, HostRelay, RelayEvents, RelayNet,
     FULL_AFTER_FAILURE, RESUBSCRIBE_WINDOW,
@@ -324,8 +324,8 @@ pub(super) async fn heartbeat_task(
     client: ControlClient,
     relay: Option<HostRelay>,
     shared: Arc<Shared>,
-    job: String,
-    worker_id: String,
+    job: JobId,
+    worker_id: WorkerId,
     incarnation: u64,
     interval: Duration,
 ) {
@@ -337,13 +337,13 @@ pub(super) async fn heartbeat_task(
         let Some(progress) = shared.read(|m| m.heartbeat_request(incarnation)) else { return };
         let timing = shared.timing.lock().unwrap_or_else(|e| e.into_inner()).take();
         let request = pb::HeartbeatRequest {
-            job: job.clone(),
-            worker_id: worker_id.clone(),
+            job: job.to_string(),
+            worker_id: worker_id.to_string(),
             incarnation,
             generation: progress.generation,
             step: progress.step,
             // A rank waiting on a late peer says so (the coordinator's status shows it).
-            activity: match cohort_transports::activity::waiting_on_late(&job, progress.generation) {
+            activity: match cohort_transports::activity::waiting_on_late(job.as_str(), progress.generation) {
                 Some(late) => format!("{}; {late}", progress.activity),
                 None => progress.activity,
             },
@@ -393,8 +393,8 @@ pub(super) async fn commit_task(
 pub(super) async fn watch_task(
     client: ControlClient,
     shared: Arc<Shared>,
-    job: String,
-    worker_id: String,
+    job: JobId,
+    worker_id: WorkerId,
     relay: Option<EventRelay>,
 ) {
     let mut relay = RelayPath::new(relay);
@@ -409,8 +409,8 @@ pub(super) async fn watch_task(
         // cover every event (each is applied once; repeats change nothing).
         let mut events = relay.subscribe();
         let watch_request = |quiet| pb::WatchRequest {
-            job: job.clone(),
-            worker_id: worker_id.clone(),
+            job: job.to_string(),
+            worker_id: worker_id.to_string(),
             incarnation,
             compact: true,
             quiet,
@@ -672,14 +672,17 @@ pub(super) async fn revoked_or_ended(shared: &Shared, generation: u64) -> RootCa
 pub struct FailureReporter {
     pub(super) client: ControlClient,
     pub(super) shared: Arc<Shared>,
-    pub(super) job: String,
-    pub(super) worker_id: String,
+    pub(super) job: JobId,
+    pub(super) worker_id: WorkerId,
     pub(super) root_cause_wait: Duration,
 }
 
 impl std::fmt::Debug for FailureReporter {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("FailureReporter").field("job", &self.job).field("worker_id", &self.worker_id).finish()
+        f.debug_struct("FailureReporter")
+            .field("job", &self.job.as_str())
+            .field("worker_id", &self.worker_id.as_str())
+            .finish()
     }
 }
 
@@ -725,8 +728,8 @@ impl FailureReporter {
             _ => None,
         };
         let report = pb::FailureReport {
-            job: self.job.clone(),
-            worker_id: self.worker_id.clone(),
+            job: self.job.to_string(),
+            worker_id: self.worker_id.to_string(),
             incarnation: self.incarnation(),
             generation,
             failed_rank,

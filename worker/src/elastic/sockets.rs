@@ -8,7 +8,7 @@ use super::members::{fetch_members, Members};
 use super::mesh_plan::{upfront_ranks, MeshPlan};
 use super::resolve::CoordinatorResolver;
 use super::view_plan::plan_view;
-use super::{ElasticConfig, ElasticError, MeshKind, MeshTransport, TransportChoice};
+use super::{ElasticConfig, ElasticError, JobId, MeshKind, MeshTransport, TransportChoice, WorkerId};
 use crate::{CommConfig, Communicator};
 use cohort_proto::v1 as pb;
 use cohort_transports::shm::ShmEndpoint;
@@ -22,8 +22,8 @@ use tracing::{debug, info, warn, Instrument};
 
 /// Production's data plane (see the module's documentation).
 pub struct SocketPlane {
-    job: String,
-    worker_id: String,
+    job: JobId,
+    worker_id: WorkerId,
     /// The job's data-plane secret (handshakes).
     token: Vec<u8>,
     deadlines: cohort_transports::Deadlines,
@@ -117,8 +117,8 @@ impl SocketPlane {
         }
         debug!(rank = formed.rank, missing = missing.len(), "fetching the entries of the peers linked at set-up");
         let question = pb::MembersRequest {
-            job: self.job.clone(),
-            worker_id: self.worker_id.clone(),
+            job: self.job.to_string(),
+            worker_id: self.worker_id.to_string(),
             incarnation: formed.incarnation,
             generation: formed.generation.number,
             ranks: missing,
@@ -192,8 +192,8 @@ impl DataPlane for SocketPlane {
             Arc::new(CoordinatorResolver::new(
                 formed.client.clone(),
                 pb::MembersRequest {
-                    job: self.job.clone(),
-                    worker_id: self.worker_id.clone(),
+                    job: self.job.to_string(),
+                    worker_id: self.worker_id.to_string(),
                     incarnation,
                     generation: number,
                     ranks: Vec::new(),
@@ -214,8 +214,8 @@ impl DataPlane for SocketPlane {
             Err(e) => {
                 warn!(parent: &span, error = %e, "mesh connection failed; reporting and re-forming");
                 let report = pb::FailureReport {
-                    job: self.job.clone(),
-                    worker_id: self.worker_id.clone(),
+                    job: self.job.to_string(),
+                    worker_id: self.worker_id.to_string(),
                     incarnation,
                     generation: number,
                     failed_rank: e.peer(),
@@ -358,7 +358,8 @@ mod tests {
         use crate::control::ControlConfig;
         use cohort_transports::rdma::{DeviceConfig, RdmaOptions};
         // Nothing listens on port 1: a join that got as far as the coordinator would fail otherwise.
-        let mut config = ElasticConfig::new("job", "w0", ControlConfig::new(vec!["http://127.0.0.1:1".into()]));
+        let (job, worker) = (super::super::JobId::new("job").unwrap(), super::super::WorkerId::new("w0").unwrap());
+        let mut config = ElasticConfig::new(job, worker, ControlConfig::new(vec!["http://127.0.0.1:1".into()]));
         config.listen = std::net::SocketAddr::from(([127, 0, 0, 1], 0));
         let device = DeviceConfig { name: Some("cohort-no-such-device".into()), ..DeviceConfig::default() };
         config.transport = super::TransportChoice::Rdma;
