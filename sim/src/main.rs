@@ -51,6 +51,9 @@ enum Command {
         /// Plant the stale-beat-writes bug in the replicas' progress writes, to see it caught.
         #[arg(long)]
         stale_beat_writes: bool,
+        /// Plant the never-bypassed bug in the heartbeat relay, to see it caught.
+        #[arg(long)]
+        relay_never_bypassed: bool,
     },
     /// Runs seeds from --first on until the duration is spent; reports the failing seeds.
     Explore {
@@ -103,6 +106,7 @@ fn main() -> ExitCode {
             whole_answer_up_to,
             wrong_partner,
             stale_beat_writes,
+            relay_never_bypassed,
         } => {
             let options = Options {
                 cascade_scope: if per_replica_cascades { CascadeScope::Replica } else { CascadeScope::Store },
@@ -118,6 +122,7 @@ fn main() -> ExitCode {
                 whole_answer_up_to,
                 wrong_partner,
                 stale_beat_writes,
+                relay_never_bypassed,
             };
             let report = run_seed(seed, &options);
             for line in &report.lines {

@@ -51,6 +51,9 @@ pub struct Options {
     /// Plant the bug fixed in the replicas' progress writes (a replica writes a member's old
     /// beat time back; `cohort_coordinator::hub::planted`), to show that a seed catches it.
     pub stale_beat_writes: bool,
+    /// Plant a bug in the heartbeat relay (a worker whose relay hangs never beats itself;
+    /// `cohort::control::relay_planted`), to show that a seed catches it.
+    pub relay_never_bypassed: bool,
 }
 
 /// Where the workers run: `per_host` workers to a host.
@@ -170,6 +173,7 @@ pub fn run_seed(seed: u64, options: &Options) -> Report {
     clock::set_jump_ms(0);
     cohort_coordinator::hub::planted::set_wrong_partner(options.wrong_partner);
     cohort_coordinator::hub::planted::set_stale_beat_writes(options.stale_beat_writes);
+    cohort::control::relay_planted::set_never_bypassed(options.relay_never_bypassed);
     let scenario = Scenario::draw(seed, options.mix, options.workers);
     let shared = Shared::default();
     let mut rng = StdRng::seed_from_u64(seed ^ 0xd1ce);
@@ -274,6 +278,7 @@ pub fn run_seed(seed: u64, options: &Options) -> Report {
     final_checks(&mut sim, &shared, &scenario);
     cohort_coordinator::hub::planted::set_wrong_partner(false);
     cohort_coordinator::hub::planted::set_stale_beat_writes(false);
+    cohort::control::relay_planted::set_never_bypassed(false);
     let lines = shared.lines();
     let ledger = shared.lock();
     Report { seed, hash: hash(&lines), lines, faults: ledger.faults, violations: ledger.violations.clone() }

@@ -142,6 +142,31 @@ fn a_rank_hung_on_a_live_host_is_found_and_swept() {
     assert!(relays_moved > 0, "no host's relay was ever served by a second worker in 8 seeds");
 }
 
+/// A bug planted in the shipped heartbeat relay (a worker whose relay hangs waits for it for
+/// an hour instead of beating itself within the next flush and a quarter of an interval) is
+/// caught: in seed 3 of the hung-rank runs worker-2 serves its host's relay and hangs, and
+/// its healthy host-mate loses its lease. The same seed passes without the bug.
+#[test]
+fn a_relay_that_is_never_bypassed_is_caught() {
+    let options = Options {
+        mix: FaultMix::HungRanks,
+        workers: Some(6),
+        workers_per_host: Some(2),
+        lease_scope: cohort_coordinator::config::LeaseScope::Host,
+        relay_never_bypassed: true,
+        ..Options::default()
+    };
+    let report = run_seed(3, &options);
+    assert!(
+        report
+            .violations
+            .iter()
+            .any(|v| v.contains("a healthy worker is never evicted") || v.contains("did not return")),
+        "the planted relay bug went unnoticed: {:#?}",
+        report.violations
+    );
+}
+
 /// The workers of each host (hosts of `per_host` workers) that served its heartbeat relay in
 /// a trace, host by host (trace lines read `SECONDS PARTY EVENT...`).
 fn relay_servers(lines: &[String], per_host: usize) -> BTreeMap<usize, BTreeSet<usize>> {

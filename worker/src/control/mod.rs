@@ -31,6 +31,8 @@ pub use event_relay::{
     EventRelay, RelayEvents, FULL_AFTER_FAILURE, KEEPALIVE_EVERY, MAX_SUBSCRIBERS, QUEUED_EVENTS, RESUBSCRIBE_WINDOW,
     SILENCE_LIMIT,
 };
+#[cfg(feature = "test-support")]
+pub use relay::planted as relay_planted;
 pub use relay::{HostRelay, DIRECT_AFTER_FAILURE, FLUSHES_PER_INTERVAL, MIN_LEASE_INTERVALS};
 pub use relay_net::{AbstractUnix, RelayConnection, RelayListener, RelayNet, RelayStream};
 pub use store::{JobStore, STORE_POLL_WAIT};

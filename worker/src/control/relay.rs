@@ -230,6 +230,9 @@ impl HostRelay {
             path.conn = Some(self.connect_or_serve()?);
         }
         let conn = path.conn.as_mut().expect("connected above");
+        #[cfg(feature = "test-support")]
+        let wait = if planted::never_bypassed() { Duration::from_secs(3600) } else { inner.wait };
+        #[cfg(not(feature = "test-support"))]
         let wait = inner.wait;
         path.in_flight = true;
         let answer = tokio::time::timeout(wait, async {
@@ -418,6 +421,29 @@ async fn flush(client: ControlClient, job: JobId, pending: Vec<Pending>) {
 fn refusal(code: tonic::Code, message: String) -> pb::HeartbeatAnswer {
     pb::HeartbeatAnswer {
         outcome: Some(pb::heartbeat_answer::Outcome::Refused(pb::HeartbeatRefusal { code: code as i32, message })),
+    }
+}
+
+/// Bugs a test plants on purpose, to show that the deterministic simulation catches them
+/// (`test-support` only). Per thread: the simulation runs every worker on one.
+#[cfg(feature = "test-support")]
+pub mod planted {
+    use std::cell::Cell;
+
+    thread_local! {
+        static NEVER_BYPASSED: Cell<bool> = const { Cell::new(false) };
+    }
+
+    /// Plants (or removes) a bug in the heartbeat relay's path on this thread: a beat waits
+    /// for the relay's answer for an hour, not the next flush and a quarter of an interval,
+    /// so a worker whose relay hangs never sends its beats itself.
+    pub fn set_never_bypassed(on: bool) {
+        NEVER_BYPASSED.with(|w| w.set(on));
+    }
+
+    /// Whether the never-bypassed bug is planted on this thread.
+    pub(super) fn never_bypassed() -> bool {
+        NEVER_BYPASSED.with(Cell::get)
     }
 }
 
