@@ -33,7 +33,8 @@ use tokio::sync::mpsc;
 /// a relay's frames are far smaller).
 const PIPE_BYTES: usize = 64 * 1024;
 
-/// How often a stopped process's sockets look whether it runs again.
+/// How often a stopped process's connections look whether it runs again (simulated time, as
+/// [`crate::worker`]'s own look).
 const STOPPED_POLL: Duration = Duration::from_millis(10);
 
 /// One host's socket namespace: the names bound, each to the way into its listener.
@@ -99,9 +100,7 @@ impl Owner {
     }
 
     async fn runs(&self) {
-        while self.stopped() {
-            tokio::time::sleep(STOPPED_POLL).await;
-        }
+        crate::worker::stopped_while_paused(&self.shared, self.index).await;
     }
 }
 

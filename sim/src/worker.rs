@@ -280,8 +280,8 @@ impl DataPlane for SimPlane {
     }
 }
 
-/// Waits while the worker is paused (SIGSTOP).
-async fn stopped_while_paused(shared: &Shared, index: usize) {
+/// Waits while the worker is paused (SIGSTOP), looking every 10 ms of simulated time.
+pub(crate) async fn stopped_while_paused(shared: &Shared, index: usize) {
     while shared.lock().paused.contains(&index) {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }

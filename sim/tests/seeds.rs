@@ -116,13 +116,7 @@ fn seeds_hold_every_invariant_on_hosts_shared_leases() {
 /// shipped ones, on the simulation's sockets) pass to a host-mate when their server goes.
 #[test]
 fn a_rank_hung_on_a_live_host_is_found_and_swept() {
-    let options = Options {
-        mix: FaultMix::HungRanks,
-        workers: Some(6),
-        workers_per_host: Some(2),
-        lease_scope: cohort_coordinator::config::LeaseScope::Host,
-        ..Options::default()
-    };
+    let options = hung_ranks_on_shared_leases();
     let (mut faults, mut evictions, mut relays_moved) = (0, 0, 0);
     for seed in 0..8 {
         let report = run_seed(seed, &options);
@@ -148,14 +142,7 @@ fn a_rank_hung_on_a_live_host_is_found_and_swept() {
 /// its healthy host-mate loses its lease. The same seed passes without the bug.
 #[test]
 fn a_relay_that_is_never_bypassed_is_caught() {
-    let options = Options {
-        mix: FaultMix::HungRanks,
-        workers: Some(6),
-        workers_per_host: Some(2),
-        lease_scope: cohort_coordinator::config::LeaseScope::Host,
-        relay_never_bypassed: true,
-        ..Options::default()
-    };
+    let options = Options { relay_never_bypassed: true, ..hung_ranks_on_shared_leases() };
     let report = run_seed(3, &options);
     assert!(
         report
@@ -165,6 +152,18 @@ fn a_relay_that_is_never_bypassed_is_caught() {
         "the planted relay bug went unnoticed: {:#?}",
         report.violations
     );
+}
+
+/// Hung ranks only, 6 workers 2 to a host, on hosts' shared leases (`replay --workers 6
+/// --workers-per-host 2 --lease-scope host --hung-ranks-only`).
+fn hung_ranks_on_shared_leases() -> Options {
+    Options {
+        mix: FaultMix::HungRanks,
+        workers: Some(6),
+        workers_per_host: Some(2),
+        lease_scope: cohort_coordinator::config::LeaseScope::Host,
+        ..Options::default()
+    }
 }
 
 /// The workers of each host (hosts of `per_host` workers) that served its heartbeat relay in
@@ -187,14 +186,7 @@ fn relay_servers(lines: &[String], per_host: usize) -> BTreeMap<usize, BTreeSet<
 /// bug and passes without it (`a_rank_hung_on_a_live_host_is_found_and_swept`).
 #[test]
 fn a_replica_writing_an_old_beat_time_back_is_caught() {
-    let options = Options {
-        mix: FaultMix::HungRanks,
-        workers: Some(6),
-        workers_per_host: Some(2),
-        lease_scope: cohort_coordinator::config::LeaseScope::Host,
-        stale_beat_writes: true,
-        ..Options::default()
-    };
+    let options = Options { stale_beat_writes: true, ..hung_ranks_on_shared_leases() };
     let report = run_seed(3, &options);
     assert!(
         report.violations.iter().any(|v| v.contains("a healthy worker is never evicted")),
