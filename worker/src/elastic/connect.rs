@@ -7,7 +7,8 @@
 
 use super::mesh::MixedTransport;
 use super::mesh_plan::{plan_mesh, MeshPlan};
-use super::{ElasticError, JobId, MemberInfo, MeshTransport, TransportChoice};
+use super::{ElasticError, MemberInfo, MeshTransport, TransportChoice};
+use cohort_proto::ids::JobId;
 use cohort_transports::shm::{ShmAddress, ShmEndpoint, ShmMeshSpec};
 use cohort_transports::tcp::{CarriedLink, MeshSpec, ResolvePeer, TcpEndpoint};
 use cohort_transports::{Deadlines, TransportError};

@@ -10,12 +10,13 @@
 //! clock in production, the simulated one under a simulation that drives tokio's time.
 
 use super::membership::{CallError, Effect, JoinNext, Membership, WatchNext};
-use super::{ElasticError, JobId, WorkerId};
+use super::ElasticError;
 use crate::control::{
     AbstractUnix, ControlClient, ControlConfig, ControlError, EventRelay, HostRelay, RelayEvents, RelayNet,
     FULL_AFTER_FAILURE, RESUBSCRIBE_WINDOW,
 };
 use crate::{CommError, RootCause};
+use cohort_proto::ids::{JobId, WorkerId};
 use cohort_proto::v1 as pb;
 use std::future::Future;
 use std::pin::Pin;
