@@ -628,6 +628,7 @@ async fn member(
     config.host = host.clone();
     config.domain = String::new();
     config.heartbeat_relay = plan.ranks_per_host > 1;
+    config.relay_dir = None;
     let plane = NullPlane { index, host };
     let (group, joined) = {
         let _permit = admit.acquire().await.map_err(|e| e.to_string())?;

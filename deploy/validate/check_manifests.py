@@ -25,6 +25,11 @@ together and follow the project's rules:
     required options), OMP_NUM_THREADS is the container's CPU limit, and a script with a
     --threads option gets --threads $(OMP_NUM_THREADS);
   * a memory-backed emptyDir (/dev/shm) has a sizeLimit within the memory limit;
+  * a hostPath volume (the node's relay directory) is of type Directory (the kubelet would
+    make a missing one root's, where the workers cannot bind), in a namespace whose Pod
+    Security enforce level is privileged (no other level admits it) while warn and audit
+    stay restricted; COHORT_RELAY_DIR and --relay-dir name a directory mounted in the
+    container;
   * several ranks per worker pod (several `cohort-worker train` containers, which link over
     shared memory): distinct data-plane and metrics ports and worker ids (each unique per
     pod through $(POD_NAME)), every data port a port of its container and admitted between
@@ -73,6 +78,8 @@ CONFIG_DEFAULT_KEYS = (
     "lease_ttl_ms",
     "elastic_timeout_ms",
 )
+# Optional [defaults] / [jobs.<id>] keys whose values are words, with the values allowed.
+CONFIG_WORD_KEYS = {"lease_scope": ("member", "host")}
 VAR_REF = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
 PYTHON_EXE = re.compile(r"python(3(\.[0-9]+)?)?")
 # One shared-memory segment per pair of ranks in a pod with the transport's defaults
@@ -249,6 +256,18 @@ class Checker:
             self.check_container(r, tpl, c, psc, volumes)
 
     def check_volume_source(self, r: Resource, v: dict[str, Any]) -> None:
+        if "hostPath" in v:
+            kind = (v["hostPath"] or {}).get("type")
+            if kind != "Directory":
+                self.fail(r, f"hostPath volume {v.get('name')} is of type {kind!r}, not Directory (a directory the "
+                          "kubelet makes is root's: the workers could not bind in it)")
+            ns = self.get("Namespace", r.get("metadata", {}).get("namespace"))
+            labels = (ns or {}).get("metadata", {}).get("labels", {}) or {}
+            want = {"enforce": "privileged", "warn": "restricted", "audit": "restricted"}
+            for mode, level in want.items():
+                if labels.get(f"pod-security.kubernetes.io/{mode}") != level:
+                    self.fail(r, f"hostPath volume {v.get('name')}: the namespace's pod-security {mode} level is "
+                              f"{labels.get(f'pod-security.kubernetes.io/{mode}')!r}, not {level!r}")
         if "configMap" in v:
             name = v["configMap"].get("name")
             keys = [i["key"] for i in v["configMap"].get("items", []) or []]
@@ -346,8 +365,17 @@ class Checker:
                 self.fail(r, f"{where}: {flag} {value} is not under any volumeMount")
 
         self.check_memory_volumes(r, c, volumes)
+        self.check_relay_dir(r, c, mounts)
         self.check_cli_flags(r, c)
         self.check_python_script(r, c)
+
+    def check_relay_dir(self, r: Resource, c: dict[str, Any], mounts: list[str]) -> None:
+        """The relays' directory (COHORT_RELAY_DIR, --relay-dir) is mounted in the container."""
+        dirs = [e.get("value", "") for e in c.get("env", []) or [] if e.get("name") == "COHORT_RELAY_DIR"]
+        dirs += [value for flag, value in flag_values(c.get("args", []) or []) if flag == "--relay-dir"]
+        for d in dirs:
+            if not any((d.rstrip("/") + "/").startswith(m) for m in mounts):
+                self.fail(r, f"container {c.get('name')}: relay directory {d!r} is not under any volumeMount")
 
     def check_memory_volumes(self, r: Resource, c: dict[str, Any], volumes: dict[str, Any]) -> None:
         """A memory-backed emptyDir (/dev/shm) has a sizeLimit within the container's memory limit."""
@@ -582,11 +610,14 @@ class Checker:
         defaults = cfg.get("defaults", {})
         tables = {"defaults": defaults} | {f"jobs.{k}": v for k, v in (cfg.get("jobs") or {}).items()}
         for tname, table in tables.items():
-            extra = set(table) - set(CONFIG_DEFAULT_KEYS)
+            extra = set(table) - set(CONFIG_DEFAULT_KEYS) - set(CONFIG_WORD_KEYS)
             if extra:
                 self.fail(cfg_map, f"[{tname}] has unknown keys {sorted(extra)}")
             for key, value in table.items():
-                if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                if key in CONFIG_WORD_KEYS:
+                    if value not in CONFIG_WORD_KEYS[key]:
+                        self.fail(cfg_map, f"[{tname}] {key} = {value!r} is not one of {list(CONFIG_WORD_KEYS[key])}")
+                elif not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                     self.fail(cfg_map, f"[{tname}] {key} = {value!r} is not a positive integer")
         missing = [k for k in CONFIG_DEFAULT_KEYS if k not in defaults]
         if missing:

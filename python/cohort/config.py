@@ -13,6 +13,7 @@ sent: a bad value raises :class:`cohort.InvalidArgumentError` and joins nothing.
 ``cohort.Group(cohort.GroupConfig(job, coordinator, worker_id, **options))``.
 """
 
+import os
 from dataclasses import KW_ONLY, dataclass, field
 from typing import Literal, Optional, Sequence, Union
 
@@ -90,5 +91,10 @@ class GroupConfig:
     """Heartbeats and events through the host's relays (one coordinator call for the job's
     workers on this host twice per interval, and one watch stream) or each worker's own; None:
     the relays unless ``COHORT_HEARTBEAT_RELAY`` is ``0`` or ``off`` (as ``--heartbeat-relay``)."""
+    relay_dir: Optional[Union[str, os.PathLike[str]]] = None
+    """A node-local directory (absolute) for the relays' sockets, shared by the node's processes
+    whatever their network namespace: on Kubernetes, a ``hostPath`` mounted into every worker
+    pod, so that pods of one rank each share their node's relays (as ``--relay-dir``). None:
+    ``COHORT_RELAY_DIR``, else abstract sockets shared within one network namespace."""
     handle_sigterm: bool = True
     """Install a SIGTERM handler: leave at the next commit point (``Group.leaving``)."""

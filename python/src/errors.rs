@@ -171,7 +171,8 @@ fn elastic_error(py: Python<'_>, e: ElasticError) -> PyErr {
         ElasticError::Comm(error) => comm_error(py, error, 0, None),
         ElasticError::DataPlane(TransportError::InvalidArgument(_))
         | ElasticError::TransportUnavailable(_)
-        | ElasticError::InvalidId(_) => build(py, "InvalidArgumentError", message, |_| Ok(())),
+        | ElasticError::InvalidId(_)
+        | ElasticError::InvalidConfig(_) => build(py, "InvalidArgumentError", message, |_| Ok(())),
         ElasticError::DataPlane(_) | ElasticError::RdmaEndpoint { .. } => build(py, "CohortError", message, |_| Ok(())),
     }
 }

@@ -178,6 +178,10 @@ fn elastic_config(config: &Bound<'_, PyAny>) -> PyResult<(ElasticConfig, bool)> 
     if let Some(relay) = field::<Option<bool>>(config, "heartbeat_relay")? {
         elastic.heartbeat_relay = relay;
     }
+    // A str or an os.PathLike.
+    if let Some(dir) = field::<Option<std::path::PathBuf>>(config, "relay_dir")? {
+        elastic.relay_dir = Some(dir);
+    }
     Ok((elastic, field(config, "handle_sigterm")?))
 }
 

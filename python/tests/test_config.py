@@ -4,6 +4,7 @@ arguments. Bad input raises before anything is contacted (nothing listens on por
 from __future__ import annotations
 
 import dataclasses
+import pathlib
 
 import pytest
 
@@ -20,6 +21,8 @@ def test_a_bad_value_in_the_config_is_refused_before_joining():
         (dict(segment_bytes=0), "segment_bytes"),
         (dict(segment_bytes="many"), "GroupConfig.segment_bytes"),
         (dict(heartbeat_relay="sometimes"), "GroupConfig.heartbeat_relay"),
+        (dict(relay_dir="relative/dir"), "relay_dir: relay directory relative/dir is not an absolute path"),
+        (dict(relay_dir=pathlib.Path("/" + "d" * 60)), "relay_dir: relay directory /d+ is 61 bytes long"),
         (dict(transport="carrier-pigeon"), '"auto", "tcp", "shm" or "rdma"'),
         (dict(coordinator=[]), "coordinator"),
         (dict(job=" "), "job"),

@@ -330,6 +330,8 @@ pub(crate) async fn run(setup: Arc<WorkerSetup>) -> turmoil::Result {
     // Production's default, set here so that no environment changes a seed's run: the host's
     // workers share its heartbeat and event relays (a host of one worker serves itself).
     config.heartbeat_relay = true;
+    // The simulated host's sockets, not a directory of this machine's.
+    config.relay_dir = None;
     let name = format!("worker-{}", setup.index);
     let world = Arc::new(SimWorld {
         name: name.clone(),

@@ -102,10 +102,19 @@ async fn relay_calls(cluster: &Cluster) -> f64 {
 }
 
 /// Which of `workers` serves the host's relay of `kind` (`cohort-heartbeat-relay`,
-/// `cohort-event-relay`): the one holding a listening abstract socket named `@kind/...`
-/// (`/proc/net/unix`, then the sockets among each process's descriptors).
-fn relay_server(cluster: &Cluster, workers: &[&str], kind: &str) -> Option<String> {
-    let prefix = format!("@{kind}/");
+/// `cohort-event-relay`): the one holding a listening abstract socket named `@kind/...`, or
+/// with `relay_dir` the socket file `DIR/kind-...` (`/proc/net/unix`, then the sockets among
+/// each process's descriptors).
+fn relay_server(
+    cluster: &Cluster,
+    workers: &[&str],
+    kind: &str,
+    relay_dir: Option<&std::path::Path>,
+) -> Option<String> {
+    let prefix = match relay_dir {
+        Some(dir) => format!("{}/{kind}-", dir.display()),
+        None => format!("@{kind}/"),
+    };
     let table = std::fs::read_to_string("/proc/net/unix").ok()?;
     // Num RefCount Protocol Flags Type St Inode Path; flags 00010000: listening.
     let listening: Vec<String> = table
@@ -132,7 +141,21 @@ fn relay_server(cluster: &Cluster, workers: &[&str], kind: &str) -> Option<Strin
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killing_the_heartbeat_relay_hands_it_on() {
     let _cpu = shared().await;
-    tokio::time::timeout(BOUND, kill_a_relay("relay-kill", HEARTBEAT_RELAY)).await.expect("test bound");
+    tokio::time::timeout(BOUND, kill_a_relay("relay-kill", HEARTBEAT_RELAY, None)).await.expect("test bound");
+}
+
+/// As [`killing_the_heartbeat_relay_hands_it_on`], with the relays' sockets as files in a
+/// directory (`--relay-dir`, as the pods of a node share them through a hostPath) and the
+/// workers' failure domain named (`--domain`, the node): the relay's socket file is served
+/// again by a survivor after the kill, though the dead server's file was left behind.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killing_the_relay_of_a_relay_directory_hands_it_on() {
+    let _cpu = shared().await;
+    let dir = std::env::temp_dir().join(format!("cohort-relays-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("scratch directory");
+    tokio::time::timeout(BOUND, kill_a_relay("relay-dir-kill", HEARTBEAT_RELAY, Some(&dir))).await.expect("test bound");
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// The workers of a job on one host hear the job's events through one relay. SIGKILL of the
@@ -142,19 +165,25 @@ async fn killing_the_heartbeat_relay_hands_it_on() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killing_the_event_relay_hands_it_on() {
     let _cpu = shared().await;
-    tokio::time::timeout(BOUND, kill_a_relay("events-kill", EVENT_RELAY)).await.expect("test bound");
+    tokio::time::timeout(BOUND, kill_a_relay("events-kill", EVENT_RELAY, None)).await.expect("test bound");
 }
 
 /// Three workers on one host; SIGKILL of the one serving the relay of `kind` mid-job. The job
 /// re-forms without it, a survivor serves the relay within 5 s, and the survivors finish every
 /// step, verified; for the heartbeat relay, the coordinator answers `HostHeartbeat` calls
-/// before the kill and after the re-formation.
-async fn kill_a_relay(job: &'static str, kind: &str) {
+/// before the kill and after the re-formation. With `relay_dir`, the relays' sockets are
+/// files there, and the workers name one failure domain.
+async fn kill_a_relay(job: &'static str, kind: &str, relay_dir: Option<&std::path::Path>) {
     let mut config = test_cluster(job, StoreKind::Memory, 2);
     config.metrics = true;
     let mut cluster = Cluster::start(config).await.expect("cluster");
     let mut spec = test_worker(150, "64K");
     spec.step_interval = Duration::from_millis(30);
+    if let Some(dir) = relay_dir {
+        spec.extra_args = vec!["--relay-dir".into(), dir.display().to_string(), "--domain".into(), "node-a".into()];
+    }
+    let relay_server =
+        |cluster: &Cluster, workers: &[&str], kind: &str| relay_server(cluster, workers, kind, relay_dir);
     let names = ["w0", "w1", "w2"];
     for w in names {
         cluster.spawn_worker(w, &spec).expect("spawn");
@@ -360,7 +389,7 @@ async fn stop_mid_allreduce(run: &StopRun) -> Vec<(String, u64)> {
     let victim = if run.stop_event_relay {
         let names: Vec<String> = (0..run.world).map(|i| format!("w{i}")).collect();
         let names: Vec<&str> = names.iter().map(String::as_str).collect();
-        match relay_server(&cluster, &names, EVENT_RELAY) {
+        match relay_server(&cluster, &names, EVENT_RELAY, None) {
             Some(w) => w,
             None => fail("no worker holds the event relay's socket", &cluster.events),
         }

@@ -8,7 +8,7 @@ mod common;
 
 use common::squatter;
 
-use cohort::control::{AbstractUnix, ControlClient, ControlConfig, HostRelay};
+use cohort::control::{AbstractUnix, ControlClient, ControlConfig, HostRelay, RelayNet, SocketDir};
 use cohort::elastic::JobId;
 use cohort_coordinator::{JobSettings, ServerHandle};
 use cohort_proto::v1 as pb;
@@ -48,12 +48,17 @@ struct Member {
 }
 
 async fn join(server: &ServerHandle, job: &str, host: &str, id: &str) -> Member {
+    join_in(server, job, host, id, Arc::new(AbstractUnix)).await
+}
+
+/// As [`join`], with the relay's sockets in `net`.
+async fn join_in(server: &ServerHandle, job: &str, host: &str, id: &str, net: Arc<dyn RelayNet>) -> Member {
     let client = control(server);
     let joined = common::coordinator::join(&client, job, host, id).await;
     let interval = Duration::from_millis(joined.heartbeat_interval_ms);
     let lease = Duration::from_millis(joined.lease_ttl_ms);
     let job = JobId::new(job).expect("job id");
-    let relay = HostRelay::new(client, &job, host, interval, lease, Arc::new(AbstractUnix)).expect("lease long enough");
+    let relay = HostRelay::new(client, &job, host, interval, lease, net).expect("lease long enough");
     Member { id: id.into(), incarnation: joined.incarnation, relay }
 }
 
@@ -143,6 +148,55 @@ async fn another_worker_takes_over_a_relay_that_ends() {
         round(job, &members, "through the new relay").await;
         assert!(count(&server, "HostHeartbeat") > calls, "the beats went through the new relay");
         server.shutdown().await.expect("shutdown");
+    })
+    .await
+    .expect("bounded");
+}
+
+/// With the relays' sockets in a directory (`--relay-dir`, shared by a node's pods): the
+/// members share one relay through its socket file, and when its worker goes away another
+/// serves it from the same file (the name's lock freed with the old listener).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_directory_shares_the_relay_and_hands_it_on() {
+    tokio::time::timeout(BOUND, async {
+        let dir = std::env::temp_dir().join(format!("cohort-hb-dir-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("scratch directory");
+        let sockets = || -> Vec<String> {
+            let names = std::fs::read_dir(&dir).expect("read the directory").map(|e| e.expect("entry").file_name());
+            names.map(|n| n.to_string_lossy().into_owned()).filter(|n| n.ends_with(".sock")).collect()
+        };
+        let net: Arc<dyn RelayNet> = Arc::new(SocketDir::new(&dir).expect("usable"));
+        let server = coordinator().await;
+        let job = "relay-dir";
+        let mut members = Vec::new();
+        for i in 0..3 {
+            members.push(join_in(&server, job, "node-a", &format!("w{i}"), net.clone()).await);
+        }
+        round(job, &members, "before").await;
+        assert_eq!(serving(&members).len(), 1, "one relay: {:?}", serving(&members));
+        let calls = count(&server, "HostHeartbeat");
+        assert!(calls > 0, "the beats went through the relay");
+        let file = sockets();
+        assert_eq!(file.len(), 1, "one socket file: {file:?}");
+        assert!(file[0].starts_with("cohort-heartbeat-relay-"), "{file:?}");
+
+        let first = serving(&members)[0].to_string();
+        members.retain(|m| m.id != first);
+        let mut rounds = 0;
+        while serving(&members).is_empty() {
+            rounds += 1;
+            assert!(rounds <= 30, "no worker took the relay over in {rounds} rounds");
+            round(job, &members, "after").await;
+        }
+        assert_ne!(serving(&members), [first.as_str()]);
+        let calls = count(&server, "HostHeartbeat");
+        round(job, &members, "through the new relay").await;
+        assert!(count(&server, "HostHeartbeat") > calls, "the beats went through the new relay");
+        assert_eq!(sockets(), file, "the same socket file, served anew");
+        drop(members);
+        server.shutdown().await.expect("shutdown");
+        let _ = std::fs::remove_dir_all(&dir);
     })
     .await
     .expect("bounded");

@@ -192,6 +192,13 @@ struct TrainArgs {
     /// is 0 or off.
     #[arg(long, value_parser = on_off)]
     heartbeat_relay: Option<bool>,
+    /// A node-local directory (absolute) for the host relays' sockets, shared by the node's
+    /// processes whatever their network namespace: on Kubernetes a hostPath mounted into every
+    /// worker pod, so that pods of one rank each share their node's relays (their failure
+    /// domain, --domain, names the node). Default: env COHORT_RELAY_DIR, else abstract Unix
+    /// sockets, shared within one network namespace (one pod).
+    #[arg(long)]
+    relay_dir: Option<PathBuf>,
     /// Allreduce algorithm.
     #[arg(long, value_parser = algorithm, default_value = "auto")]
     algo: Algorithm,
@@ -401,6 +408,9 @@ fn train_main(args: TrainArgs) -> Result<TrainSummary, String> {
     config.exclusion_wait = args.exclusion_wait;
     if let Some(relay) = args.heartbeat_relay {
         config.heartbeat_relay = relay;
+    }
+    if let Some(dir) = &args.relay_dir {
+        config.relay_dir = Some(dir.clone());
     }
     config.comm.algorithm = args.algo;
     config.tcp.busy_poll = args.busy_poll;

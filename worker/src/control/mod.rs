@@ -34,5 +34,5 @@ pub use event_relay::{
 #[cfg(feature = "test-support")]
 pub use relay::planted as relay_planted;
 pub use relay::{HostRelay, DIRECT_AFTER_FAILURE, FLUSHES_PER_INTERVAL, MIN_LEASE_INTERVALS};
-pub use relay_net::{AbstractUnix, RelayConnection, RelayListener, RelayNet, RelayStream};
+pub use relay_net::{AbstractUnix, RelayConnection, RelayListener, RelayNet, RelayStream, SocketDir};
 pub use store::{JobStore, STORE_POLL_WAIT};

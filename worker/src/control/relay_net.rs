@@ -2,7 +2,10 @@
 //! `event_relay.rs`) and the sockets they bind and connect to.
 //!
 //! Production's [`AbstractUnix`] binds abstract Unix sockets in the process's network
-//! namespace and checks the peer's user on both ends (`SO_PEERCRED`). The deterministic
+//! namespace and checks the peer's user on both ends (`SO_PEERCRED`). [`SocketDir`] binds
+//! them as files in a directory instead, so that processes in different network namespaces
+//! share them: on Kubernetes, the pods of one node, through a directory of the node mounted
+//! into each (`--relay-dir`). The deterministic
 //! simulation puts its own [`RelayNet`] here (in-memory pipes between the simulated processes
 //! of one host, which stop moving while the process that serves them is stopped), so the
 //! relays' failover, bypass and re-serve paths run under its seeds with the code production
@@ -17,10 +20,12 @@
 //!   the connections it accepted then read end-of-stream at the other end once their own
 //!   ends are dropped.
 
+use std::fs::File;
 use std::future::Future;
 use std::io;
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::SocketAddr as UnixAddr;
+use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncWrite};
@@ -81,6 +86,153 @@ impl RelayNet for AbstractUnix {
         let listener = std::os::unix::net::UnixListener::bind_addr(&UnixAddr::from_abstract_name(name.as_bytes())?)?;
         listener.set_nonblocking(true)?;
         Ok(Box::new(OwnUserListener::new(UnixListener::from_std(listener)?)))
+    }
+}
+
+/// The relays' sockets as files in one directory (a [`RelayNet`]): processes that share the
+/// directory share the relays, whatever network namespace each runs in. On Kubernetes that is
+/// a node-local directory mounted into every pod of the node (`hostPath`), so that pods of one
+/// rank each still send their node's beats in shared calls and hear its events through one
+/// watch stream (deploy/overlays/node-relays).
+///
+/// A socket file outlives a process that dies, so the name is held by a lock instead: `bind`
+/// takes an exclusive `flock` on `NAME.lock` beside the socket for the listener's life, and
+/// the kernel drops it with the process. A bind that finds the lock free removes any socket
+/// file a dead server left and binds afresh; one that finds it held fails with
+/// [`io::ErrorKind::AddrInUse`]. A connect to a file nobody listens on, or to no file, is
+/// [`io::ErrorKind::ConnectionRefused`]. Peers are checked as with [`AbstractUnix`]: a socket
+/// served by another user is refused, and a relay answers only its own user. The directory
+/// must be node-local (a lock on a network file system is not the node's) and writable by
+/// the workers' user; files are made `0600`.
+#[derive(Clone, Debug)]
+pub struct SocketDir {
+    dir: PathBuf,
+}
+
+/// The longest socket path Linux binds (`sun_path` holds 108 bytes with the terminating NUL).
+const SUN_PATH_MAX: usize = 107;
+
+/// The longest file name [`SocketDir`] makes: `cohort-heartbeat-relay-` and a 24-digit
+/// digest (relay.rs's `socket_name`), then `.lock`, with room to spare.
+const LONGEST_FILE_NAME: usize = 64;
+
+impl SocketDir {
+    /// Relays' sockets in `dir`, which must be an absolute path short enough for every
+    /// socket name under it ([`io::ErrorKind::InvalidInput`] otherwise, naming the limit).
+    /// The directory is not touched here: one that is missing or not writable fails each
+    /// bind, and the workers then send their own beats, as without a relay.
+    pub fn new(dir: impl Into<PathBuf>) -> io::Result<Self> {
+        let dir = dir.into();
+        if !dir.is_absolute() {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("relay directory {} is not an absolute path", dir.display()),
+            ));
+        }
+        let room = SUN_PATH_MAX - LONGEST_FILE_NAME - 1;
+        if dir.as_os_str().len() > room {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!(
+                    "relay directory {} is {} bytes long; at most {room} leave room for a socket's name \
+                     within Linux's {SUN_PATH_MAX}-byte socket path",
+                    dir.display(),
+                    dir.as_os_str().len()
+                ),
+            ));
+        }
+        Ok(Self { dir })
+    }
+
+    /// The directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The socket's file for relay name `name` (`kind/digest`: the slash becomes a dash).
+    fn file(&self, name: &str, suffix: &str) -> io::Result<PathBuf> {
+        let file = format!("{}{suffix}", name.replace('/', "-"));
+        if file.len() > LONGEST_FILE_NAME || file.starts_with('.') {
+            return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("relay name {name:?} makes no file name")));
+        }
+        Ok(self.dir.join(file))
+    }
+}
+
+impl RelayNet for SocketDir {
+    fn connect(&self, name: &str) -> io::Result<RelayStream> {
+        match connect(&UnixAddr::from_pathname(self.file(name, ".sock")?)?) {
+            Ok(stream) => Ok(Box::new(stream)),
+            // No socket yet: as a name nobody serves.
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Err(io::Error::new(
+                io::ErrorKind::ConnectionRefused,
+                format!("no relay socket {name} in {}", self.dir.display()),
+            )),
+            Err(e) => Err(e),
+        }
+    }
+
+    fn bind(&self, name: &str) -> io::Result<Box<dyn RelayListener>> {
+        use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+        let socket = self.file(name, ".sock")?;
+        let lock = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .mode(0o600)
+            .open(self.file(name, ".lock")?)?;
+        lock_exclusive(&lock)?;
+        // The lock is ours: a socket file here is a dead server's.
+        match std::fs::remove_file(&socket) {
+            Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(e),
+            _ => {}
+        }
+        let listener = std::os::unix::net::UnixListener::bind(&socket)?;
+        let bound = SocketFile { path: socket, _lock: lock };
+        std::fs::set_permissions(&bound.path, std::fs::Permissions::from_mode(0o600))?;
+        listener.set_nonblocking(true)?;
+        Ok(Box::new(FileListener { listener: OwnUserListener::new(UnixListener::from_std(listener)?), _file: bound }))
+    }
+}
+
+/// Takes an exclusive `flock` on `file` without waiting: [`io::ErrorKind::AddrInUse`] when
+/// another open file holds it (a live relay).
+fn lock_exclusive(file: &File) -> io::Result<()> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: the descriptor is open for the call's duration; flock takes no pointers.
+    if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
+        return Ok(());
+    }
+    let e = io::Error::last_os_error();
+    if e.raw_os_error() == Some(libc::EWOULDBLOCK) {
+        return Err(io::Error::new(io::ErrorKind::AddrInUse, "another process serves this relay"));
+    }
+    Err(e)
+}
+
+/// A bound socket's file and the lock that holds its name: the file is removed when the
+/// listener is dropped, before the lock is let go (so no new server's file is removed).
+struct SocketFile {
+    path: PathBuf,
+    _lock: File,
+}
+
+impl Drop for SocketFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+/// [`SocketDir`]'s listener: the socket, then its file and lock (dropped after the socket).
+struct FileListener {
+    listener: OwnUserListener,
+    _file: SocketFile,
+}
+
+impl RelayListener for FileListener {
+    fn accept(&mut self) -> Pin<Box<dyn Future<Output = RelayStream> + Send + '_>> {
+        Box::pin(self.listener.next())
     }
 }
 

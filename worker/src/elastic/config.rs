@@ -75,6 +75,15 @@ pub struct ElasticConfig {
     /// [`ElasticConfig::new`] turns it on unless the environment variable
     /// `COHORT_HEARTBEAT_RELAY` is `0` or `off`.
     pub heartbeat_relay: bool,
+    /// A node-local directory for the host relays' sockets, shared by the processes of one
+    /// node whatever their network namespace (on Kubernetes, a `hostPath` mounted into every
+    /// worker pod of the node: pods of one rank each then share their node's relays). `None`:
+    /// abstract Unix sockets, shared only within one network namespace (one pod). Either way
+    /// a relay serves the workers of one [`ElasticConfig::relay_scope`].
+    /// [`ElasticConfig::new`] takes it from the environment variable `COHORT_RELAY_DIR`
+    /// (unset or empty: `None`); [`super::ElasticGroup::join`] refuses a relative path or
+    /// one too long for a socket's name ([`super::ElasticError::InvalidConfig`]).
+    pub relay_dir: Option<std::path::PathBuf>,
     /// Longest an excluded worker waits out its exclusion (the coordinator says how long it
     /// has left) before joining fails; zero fails at once. Default one hour (the longest
     /// default exclusion is 30 min).
@@ -113,6 +122,18 @@ impl ElasticConfig {
             root_cause_wait: Duration::from_millis(500),
             exclusion_wait: Duration::from_secs(3600),
             heartbeat_relay: !matches!(std::env::var("COHORT_HEARTBEAT_RELAY").as_deref(), Ok("0" | "off")),
+            relay_dir: std::env::var_os("COHORT_RELAY_DIR").filter(|d| !d.is_empty()).map(Into::into),
+        }
+    }
+
+    /// Whom the host relays serve together: the workers of the job with the same failure
+    /// domain ([`ElasticConfig::domain`], on Kubernetes the node), or, without one, the same
+    /// host name. It is the coordinator's unit for shared leases too (`lease_scope = "host"`).
+    pub fn relay_scope(&self) -> &str {
+        if self.domain.is_empty() {
+            &self.host
+        } else {
+            &self.domain
         }
     }
 }
@@ -154,5 +175,19 @@ mod tests {
         assert_eq!(refused.to_string(), "worker_id may not be \"..\"");
         let config = make("job-1", "w.0").expect("good ids");
         assert_eq!((config.job.as_str(), config.worker_id.to_string()), ("job-1", "w.0".to_string()));
+    }
+
+    /// The relays serve a failure domain (the node on Kubernetes, where each pod has a host
+    /// name of its own), and the host where no domain is named: the coordinator's unit for a
+    /// shared lease.
+    #[test]
+    fn the_relays_serve_the_failure_domain_else_the_host() {
+        let control = ControlConfig::new(vec!["http://127.0.0.1:9".into()]);
+        let mut config = ElasticConfig::new(JobId::new("j").unwrap(), WorkerId::new("w").unwrap(), control);
+        config.host = "pod-3".into();
+        config.domain = String::new();
+        assert_eq!(config.relay_scope(), "pod-3");
+        config.domain = "node-a".into();
+        assert_eq!(config.relay_scope(), "node-a");
     }
 }

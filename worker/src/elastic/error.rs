@@ -66,6 +66,10 @@ pub enum ElasticError {
     /// contacted with it.
     #[error(transparent)]
     InvalidId(#[from] cohort_proto::ids::IdError),
+    /// A configuration value cannot be used (the message names the field and why); nothing
+    /// was contacted.
+    #[error("invalid configuration: {0}")]
+    InvalidConfig(String),
 }
 
 /// Why a [`super::TransportChoice`] cannot be used on this machine or in this build.

@@ -7,7 +7,7 @@ use super::membership::{Membership, Step};
 use super::shell::{self, revoked_or_ended, FailureReporter, RealWorld, Shared, World};
 use super::sockets::SocketPlane;
 use super::{ElasticConfig, ElasticError, MeshKind, MeshTransport};
-use crate::control::{ControlClient, EventRelay, HostRelay};
+use crate::control::{ControlClient, EventRelay, HostRelay, RelayNet, SocketDir};
 use crate::{CommError, Communicator, RootCause};
 use cohort_proto::ids::JobId;
 use cohort_proto::v1 as pb;
@@ -63,6 +63,8 @@ pub struct ElasticGroup<P: DataPlane = SocketPlane> {
     /// The host's heartbeat relay path (with [`ElasticConfig::heartbeat_relay`]), made at the
     /// first join (the interval comes with it).
     relay: Option<HostRelay>,
+    /// Where the host's relays live: [`ElasticConfig::relay_dir`], else the world's.
+    relay_net: Arc<dyn RelayNet>,
 }
 
 impl<P: DataPlane> Drop for ElasticGroup<P> {
@@ -128,6 +130,12 @@ impl<P: DataPlane> ElasticGroup<P> {
         plane: P,
         world: Arc<dyn World>,
     ) -> Result<Self, ElasticError> {
+        let relay_net: Arc<dyn RelayNet> = match &config.relay_dir {
+            Some(dir) => {
+                Arc::new(SocketDir::new(dir).map_err(|e| ElasticError::InvalidConfig(format!("relay_dir: {e}")))?)
+            }
+            None => world.relay_net(),
+        };
         let shared = Arc::new(Shared::new(config.exclusion_wait, client.config(), world));
         let mut group = Self {
             config,
@@ -138,6 +146,7 @@ impl<P: DataPlane> ElasticGroup<P> {
             heartbeat_interval: Duration::from_millis(500),
             commits: tokio::sync::watch::channel(None).0,
             relay: None,
+            relay_net,
         };
         group.register().await?;
         group.tasks.push(tokio::spawn(shell::commit_task(
@@ -146,9 +155,8 @@ impl<P: DataPlane> ElasticGroup<P> {
             group.commits.subscribe(),
         )));
         let events = if group.config.heartbeat_relay {
-            let (client, config) = (group.client.clone(), &group.config);
-            let net = group.shared.world.relay_net();
-            Some(EventRelay::new(client, &config.job, &config.worker_id, &config.host, net))
+            let (client, config, net) = (group.client.clone(), &group.config, group.relay_net.clone());
+            Some(EventRelay::new(client, &config.job, &config.worker_id, config.relay_scope(), net))
         } else {
             None
         };
@@ -185,9 +193,8 @@ impl<P: DataPlane> ElasticGroup<P> {
         info!(job = %self.config.job, worker = %self.config.worker_id, incarnation, "joined");
         self.relay = self.relay.take().filter(|r| r.interval() == heartbeat_interval);
         if self.config.heartbeat_relay && self.relay.is_none() {
-            let (job, host) = (&self.config.job, &self.config.host);
-            let net = self.shared.world.relay_net();
-            self.relay = HostRelay::new(self.client.clone(), job, host, heartbeat_interval, lease_ttl, net);
+            let (job, scope, net) = (&self.config.job, self.config.relay_scope(), self.relay_net.clone());
+            self.relay = HostRelay::new(self.client.clone(), job, scope, heartbeat_interval, lease_ttl, net);
         }
         // An older incarnation's heartbeat task stops by itself (it sees the new incarnation).
         let heartbeat = tokio::spawn(shell::heartbeat_task(
