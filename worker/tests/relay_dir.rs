@@ -120,6 +120,8 @@ fn an_unusable_directory_is_refused_with_its_reason() {
     let missing = SocketDir::new("/nonexistent/cohort-relays").expect("not looked at yet");
     let bound = missing.bind(NAME).err().expect("no directory");
     assert_eq!(bound.kind(), ErrorKind::NotFound, "{bound}");
+    let text = bound.to_string();
+    assert!(text.starts_with("opening the relay's lock /nonexistent/cohort-relays/cohort-heartbeat-relay-"), "{text}");
     let connected = missing.connect(NAME).err().expect("no directory");
     assert_eq!(connected.kind(), ErrorKind::ConnectionRefused, "{connected}");
 }

@@ -174,21 +174,30 @@ impl RelayNet for SocketDir {
 
     fn bind(&self, name: &str) -> io::Result<Box<dyn RelayListener>> {
         use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+        // Errors name the file, so that an operator sees which directory to fix (the kind,
+        // AddrInUse above all, is kept).
+        let at =
+            |what: &str, path: &Path, e: io::Error| io::Error::new(e.kind(), format!("{what} {}: {e}", path.display()));
         let socket = self.file(name, ".sock")?;
+        let lock_path = self.file(name, ".lock")?;
         let lock = std::fs::OpenOptions::new()
             .read(true)
             .write(true)
             .create(true)
             .truncate(false)
             .mode(0o600)
-            .open(self.file(name, ".lock")?)?;
+            .open(&lock_path)
+            .map_err(|e| at("opening the relay's lock", &lock_path, e))?;
         lock_exclusive(&lock)?;
         // The lock is ours: a socket file here is a dead server's.
         match std::fs::remove_file(&socket) {
-            Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(e),
+            Err(e) if e.kind() != io::ErrorKind::NotFound => {
+                return Err(at("removing a dead relay's socket", &socket, e))
+            }
             _ => {}
         }
-        let listener = std::os::unix::net::UnixListener::bind(&socket)?;
+        let listener = std::os::unix::net::UnixListener::bind(&socket)
+            .map_err(|e| at("binding the relay's socket", &socket, e))?;
         let bound = SocketFile { path: socket, _lock: lock };
         std::fs::set_permissions(&bound.path, std::fs::Permissions::from_mode(0o600))?;
         listener.set_nonblocking(true)?;

@@ -132,7 +132,9 @@ impl<P: DataPlane> ElasticGroup<P> {
     ) -> Result<Self, ElasticError> {
         let relay_net: Arc<dyn RelayNet> = match &config.relay_dir {
             Some(dir) => {
-                Arc::new(SocketDir::new(dir).map_err(|e| ElasticError::InvalidConfig(format!("relay_dir: {e}")))?)
+                let net = SocketDir::new(dir).map_err(|e| ElasticError::InvalidConfig(format!("relay_dir: {e}")))?;
+                info!(job = %config.job, dir = %dir.display(), scope = config.relay_scope(), "host relays' sockets in a directory");
+                Arc::new(net)
             }
             None => world.relay_net(),
         };
