@@ -149,7 +149,8 @@ impl RelayEvents {
 }
 
 impl EventRelay {
-    /// The event relay of `job`'s worker `worker_id` on `host`, reached through `client`'s
+    /// The event relay of `job`'s worker `worker_id` on `host` (the relay's scope,
+    /// [`crate::elastic::ElasticConfig::relay_scope`]), reached through `client`'s
     /// coordinators, its socket bound and connected in `net` ([`super::AbstractUnix`] in
     /// production). Nothing is bound or connected until [`EventRelay::subscribe`].
     pub fn new(client: ControlClient, job: &JobId, worker_id: &WorkerId, host: &str, net: Arc<dyn RelayNet>) -> Self {

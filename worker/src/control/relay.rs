@@ -121,7 +121,8 @@ enum RelayFailure {
 }
 
 impl HostRelay {
-    /// The relay path of `job`'s worker on `host`, heartbeating every `interval` through
+    /// The relay path of `job`'s worker on `host` (the relay's scope: the workers that share
+    /// it, [`crate::elastic::ElasticConfig::relay_scope`]), heartbeating every `interval` through
     /// `client`, its socket bound and connected in `net` ([`super::AbstractUnix`] in
     /// production), or `None` when the lease is too short for a relay's delay: a beat through the
     /// relay waits for its next flush (up to half an interval) and, when the relay does not
@@ -286,8 +287,8 @@ impl HostRelay {
     }
 }
 
-/// A host relay's socket name, `kind/<digest>`: one per kind, job, host, coordinator
-/// deployment (its endpoints in any order) and user.
+/// A host relay's socket name, `kind/<digest>`: one per kind, job, scope (the failure domain,
+/// else the host), coordinator deployment (its endpoints in any order) and user.
 pub(super) fn socket_name(kind: &str, endpoints: &[String], job: &JobId, host: &str) -> String {
     let mut endpoints: Vec<&str> = endpoints.iter().map(String::as_str).collect();
     endpoints.sort_unstable();

@@ -245,7 +245,7 @@ impl RelayListener for FileListener {
     }
 }
 
-/// Connects to a relay's abstract socket, refusing a server of another user
+/// Connects to a relay's socket (abstract or a file), refusing a server of another user
 /// ([`io::ErrorKind::PermissionDenied`], naming its uid and pid): a squatter of another user
 /// would otherwise hear every beat, answer them, and forge the job's events. The caller then
 /// does without the relay, as when it cannot connect at all.
