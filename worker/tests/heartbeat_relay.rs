@@ -2,13 +2,18 @@
 //! real abstract Unix sockets: one worker serves it and the host's beats reach the
 //! coordinator in shared `HostHeartbeat` calls; when the relay ends another worker takes
 //! over at once; a relay that accepts but never answers (a stopped process) is bypassed
-//! within the lease; bad frames get a clear answer and change nothing.
+//! within the lease, one that acknowledges a beat and never answers it within the answer
+//! budget; a slow coordinator is waited for through the relay, not bypassed; bad frames get a
+//! clear answer and change nothing.
 
 mod common;
 
+use common::slow_link::SlowLink;
 use common::squatter;
 
-use cohort::control::{AbstractUnix, ControlClient, ControlConfig, HostRelay, RelayNet, SocketDir};
+use cohort::control::{
+    relay_answer_budget, AbstractUnix, ControlClient, ControlConfig, HostRelay, RelayNet, SocketDir,
+};
 use cohort::elastic::JobId;
 use cohort_coordinator::{JobSettings, ServerHandle};
 use cohort_proto::v1 as pb;
@@ -35,9 +40,17 @@ async fn coordinator() -> ServerHandle {
 }
 
 fn control(server: &ServerHandle) -> ControlClient {
-    let mut config = ControlConfig::new(vec![format!("http://{}", server.local_addr())]);
+    control_at(format!("http://{}", server.local_addr()))
+}
+
+fn control_at(endpoint: String) -> ControlClient {
+    ControlClient::new(control_config(endpoint)).expect("client")
+}
+
+fn control_config(endpoint: String) -> ControlConfig {
+    let mut config = ControlConfig::new(vec![endpoint]);
     config.heartbeat_timeout = Duration::from_millis(500);
-    ControlClient::new(config).expect("client")
+    config
 }
 
 /// A member of `job`: its incarnation and its relay path on host `host`.
@@ -53,7 +66,11 @@ async fn join(server: &ServerHandle, job: &str, host: &str, id: &str) -> Member 
 
 /// As [`join`], with the relay's sockets in `net`.
 async fn join_in(server: &ServerHandle, job: &str, host: &str, id: &str, net: Arc<dyn RelayNet>) -> Member {
-    let client = control(server);
+    join_at(control(server), job, host, id, net).await
+}
+
+/// As [`join`], through `client`.
+async fn join_at(client: ControlClient, job: &str, host: &str, id: &str, net: Arc<dyn RelayNet>) -> Member {
     let joined = common::coordinator::join(&client, job, host, id).await;
     let interval = Duration::from_millis(joined.heartbeat_interval_ms);
     let lease = Duration::from_millis(joined.lease_ttl_ms);
@@ -224,6 +241,98 @@ async fn a_relay_that_never_answers_is_bypassed() {
         assert_eq!(count(&server, "HostHeartbeat"), 0);
         assert!(!m.relay.is_serving());
         drop(hung);
+        server.shutdown().await.expect("shutdown");
+    })
+    .await
+    .expect("bounded");
+}
+
+/// A relay that acknowledges a beat and then never answers it (it stopped after reading it):
+/// the beat is answered directly once the answer budget (the next flush, the relay's bound on
+/// its own call, a quarter of an interval) has run out, and the next beats go directly
+/// without waiting.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_that_acknowledges_and_never_answers_is_bypassed() {
+    tokio::time::timeout(BOUND, async {
+        let server = coordinator().await;
+        let job = "relay-mute";
+        let m = join(&server, job, "host-f", "w0").await;
+        let address = std::os::unix::net::SocketAddr::from_abstract_name(m.relay.socket_name()).expect("name");
+        let mute = std::os::unix::net::UnixListener::bind_addr(&address).expect("bind the name first");
+        let (release, released) = std::sync::mpsc::channel::<()>();
+        let relay = std::thread::spawn(move || {
+            let (mut conn, _) = mute.accept().expect("the worker connects");
+            let mut len = [0u8; 4];
+            conn.read_exact(&mut len).expect("a beat's length");
+            conn.read_exact(&mut vec![0u8; u32::from_le_bytes(len) as usize]).expect("a beat");
+            conn.write_all(&0u32.to_le_bytes()).expect("the acknowledgement");
+            // Hold the connection open, silent, until the test ends.
+            let _ = released.recv_timeout(BOUND);
+        });
+        let started = tokio::time::Instant::now();
+        m.relay.heartbeat(beat(job, &m, "first")).await.expect("answered directly");
+        let first = started.elapsed();
+        let budget = relay_answer_budget(INTERVAL, &control_config("http://unused".into()));
+        assert!(first >= budget, "answered after {first:?}, before the answer budget {budget:?} ran out");
+        assert!(first < LEASE, "answered after {first:?}");
+        assert_eq!(m.relay.bypasses(), 1);
+        let again = tokio::time::Instant::now();
+        m.relay.heartbeat(beat(job, &m, "second")).await.expect("answered directly");
+        assert!(again.elapsed() < INTERVAL, "the second beat waited {:?} for the mute relay", again.elapsed());
+        assert_eq!(count(&server, "Heartbeat"), 2, "both beats reached the coordinator directly");
+        assert_eq!(count(&server, "HostHeartbeat"), 0);
+        release.send(()).expect("the relay thread waits");
+        relay.join().expect("the relay thread");
+        server.shutdown().await.expect("shutdown");
+    })
+    .await
+    .expect("bounded");
+}
+
+/// A coordinator whose answers come back late, beyond the wait before acknowledgements
+/// (3/4 of an interval from the beat) and within the relay's bound on its call (an interval
+/// here): the relay acknowledges each beat at once and its workers wait for the answer
+/// through it, so no worker leaves the relay and the host's beats still share `HostHeartbeat`
+/// calls. (With the answer wait cut to the old bound, every worker leaves it at every beat.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_coordinator_keeps_its_relay() {
+    const SLOW_INTERVAL: Duration = Duration::from_secs(1);
+    tokio::time::timeout(BOUND, async {
+        let server = common::coordinator::start(JobSettings {
+            min_workers: 1,
+            max_workers: 64,
+            heartbeat_interval: SLOW_INTERVAL,
+            lease_ttl: SLOW_INTERVAL * 5,
+            ..Default::default()
+        })
+        .await;
+        let link = SlowLink::start(server.local_addr(), Duration::ZERO).await;
+        let job = "relay-slow";
+        let mut members = Vec::new();
+        for i in 0..4 {
+            let mut config = control_config(link.endpoint());
+            config.heartbeat_timeout = SLOW_INTERVAL * 2;
+            let client = ControlClient::new(config).expect("client");
+            members.push(join_at(client, job, "host-g", &format!("w{i}"), Arc::new(AbstractUnix)).await);
+        }
+        // Past the old wait (500 ms to the flush, 250 ms more), 200 ms inside the relay's bound.
+        let delay = SLOW_INTERVAL * 4 / 5;
+        link.set_delay(delay);
+        const ROUNDS: u64 = 4;
+        for r in 0..ROUNDS {
+            let started = tokio::time::Instant::now();
+            round(job, &members, &format!("round {r}")).await;
+            assert!(started.elapsed() >= delay, "round {r} was answered before the link's delay");
+        }
+        for m in &members {
+            assert_eq!(m.relay.bypasses(), 0, "{} left the relay", m.id);
+        }
+        assert_eq!(serving(&members).len(), 1, "one relay: {:?}", serving(&members));
+        let (calls, beats) = (count(&server, "HostHeartbeat"), count(&server, "Heartbeat"));
+        assert_eq!(beats, 4 * ROUNDS, "every beat judged once");
+        assert!((1..=2 * ROUNDS).contains(&calls), "{calls} HostHeartbeat calls for {beats} beats");
+        drop(members);
+        drop(link);
         server.shutdown().await.expect("shutdown");
     })
     .await

@@ -154,7 +154,7 @@ impl EventRelay {
     /// coordinators, its socket bound and connected in `net` ([`super::AbstractUnix`] in
     /// production). Nothing is bound or connected until [`EventRelay::subscribe`].
     pub fn new(client: ControlClient, job: &JobId, worker_id: &WorkerId, host: &str, net: Arc<dyn RelayNet>) -> Self {
-        let name = socket_name("cohort-event-relay", &client.config().endpoints, job, host);
+        let name = socket_name("cohort-event-relay", 1, &client.config().endpoints, job, host);
         Self {
             inner: Arc::new(Inner {
                 client,

@@ -33,6 +33,8 @@ pub use event_relay::{
 };
 #[cfg(feature = "test-support")]
 pub use relay::planted as relay_planted;
-pub use relay::{HostRelay, DIRECT_AFTER_FAILURE, FLUSHES_PER_INTERVAL, MIN_LEASE_INTERVALS};
+pub use relay::{
+    relay_answer_budget, HostRelay, DIRECT_AFTER_FAILURE, FLUSHES_PER_INTERVAL, MIN_LEASE_INTERVALS, RELAY_PROTOCOL,
+};
 pub use relay_net::{AbstractUnix, RelayConnection, RelayListener, RelayNet, RelayStream, SocketDir};
 pub use store::{JobStore, STORE_POLL_WAIT};

@@ -13,10 +13,17 @@
 //! a member's silence as the coordinator sees it must stay under two intervals: that is how
 //! it tells a live member from a lost one.)
 //!
-//! Nothing depends on the relay being there. A worker whose beat is not answered within three
-//! quarters of an interval (the relay died, hung or cannot reach the coordinator)
-//! sends that beat itself and keeps sending its own for [`DIRECT_AFTER_FAILURE`] intervals,
-//! then tries the socket again, and becomes the relay when no one serves it. A relay that dies
+//! Nothing depends on the relay being there, and a worker judges the relay by whether it is
+//! alive, not by how fast the coordinator answers. The relay acknowledges each beat as it reads
+//! it (an empty frame), then writes the coordinator's answer after the flush. A worker whose
+//! beat is not acknowledged within three quarters of an interval (the relay died or hung), or
+//! not answered within [`relay_answer_budget`] of that (the relay's call could not reach the
+//! coordinator in time), or answered with the relay's own failure to reach it, sends that beat
+//! itself and keeps sending its own for [`DIRECT_AFTER_FAILURE`] intervals, then tries the
+//! socket again, and becomes the relay when no one serves it. A coordinator that answers
+//! slowly, but within an interval and the heartbeat timeout, is waited for:
+//! a worker that left its relay for a slow answer would multiply the slow coordinator's calls
+//! by the ranks of a host just when it is slowest. A relay that dies
 //! frees the name with its process (an abstract socket has no file to clean up). A coordinator
 //! without `HostHeartbeat` makes every worker send its own beats for good.
 //!
@@ -28,6 +35,10 @@
 //!
 //! The sockets are behind [`RelayNet`] (`relay_net.rs`): production's abstract sockets, or
 //! the simulation's in-memory ones, under which the same failover and bypass paths run.
+//!
+//! The frames on the socket are [`RELAY_PROTOCOL`]'s, and the socket's name carries that version:
+//! workers of a build that speaks another version (during a rolling upgrade) serve and use a
+//! relay of their own rather than misreading each other's frames.
 
 use super::relay_net::{RelayListener, RelayNet, RelayStream};
 use super::{ControlClient, ControlError};
@@ -36,6 +47,7 @@ use cohort_proto::v1::{self as pb, HeartbeatRequest, HeartbeatResponse};
 use prost::Message;
 use sha2::{Digest, Sha256};
 use std::io;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex as StdMutex};
 use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
@@ -53,6 +65,10 @@ pub const FLUSHES_PER_INTERVAL: u32 = 2;
 
 /// The shortest lease, in heartbeat intervals, that a relay is used with.
 pub const MIN_LEASE_INTERVALS: u32 = 4;
+
+/// The version of the frames on the relay's socket, digested into its name:
+/// 1 answered each beat once; 2 acknowledges each beat with an empty frame first.
+pub const RELAY_PROTOCOL: u32 = 2;
 
 /// Largest frame either side accepts: a beat with every peer's wait is far smaller.
 const MAX_FRAME: usize = 1 << 20;
@@ -73,8 +89,10 @@ struct Inner {
     client: ControlClient,
     job: JobId,
     interval: Duration,
-    /// How long a beat waits for the relay's answer.
-    wait: Duration,
+    /// How long a beat waits for the relay to acknowledge it.
+    ack_wait: Duration,
+    /// How long an acknowledged beat waits for its answer ([`relay_answer_budget`]).
+    answer_wait: Duration,
     /// Where the relay's socket is bound and connected to.
     net: Arc<dyn RelayNet>,
     /// The socket's name.
@@ -82,6 +100,8 @@ struct Inner {
     path: tokio::sync::Mutex<Path>,
     /// The relay this process serves.
     serving: StdMutex<Option<JoinHandle<()>>>,
+    /// Times this worker gave the relay up and sent its beats directly.
+    bypasses: AtomicU64,
 }
 
 /// The state of one worker's path through the relay.
@@ -110,8 +130,10 @@ enum RelayFailure {
     Closed,
     #[error("relay socket: {0}")]
     Io(#[from] io::Error),
-    #[error("no answer from the relay within {0:?}")]
-    Timeout(Duration),
+    #[error("the relay did not acknowledge the beat within {0:?}")]
+    Unacknowledged(Duration),
+    #[error("the relay acknowledged the beat but did not answer it within {0:?}")]
+    Unanswered(Duration),
     #[error("the relay's answer is malformed: {0}")]
     Malformed(String),
     #[error("the relay could not reach the coordinator: {0}")]
@@ -125,8 +147,8 @@ impl HostRelay {
     /// it, [`crate::elastic::ElasticConfig::relay_scope`]), heartbeating every `interval` through
     /// `client`, its socket bound and connected in `net` ([`super::AbstractUnix`] in
     /// production), or `None` when the lease is too short for a relay's delay: a beat through the
-    /// relay waits for its next flush (up to half an interval) and, when the relay does not
-    /// answer, a quarter of an interval more before it goes directly, so the relay is used only
+    /// relay waits for its next flush (up to half an interval), and one the relay does not
+    /// acknowledge waits three quarters of an interval before it goes directly, so the relay is used only
     /// when the lease lasts [`MIN_LEASE_INTERVALS`] intervals or more (the default 3 s lease and
     /// 500 ms interval give six). Nothing is bound or connected until the first beat.
     pub fn new(
@@ -141,23 +163,27 @@ impl HostRelay {
             debug!(%job, ?interval, ?lease_ttl, "lease too short for the heartbeat relay; heartbeats go directly");
             return None;
         }
-        let name = socket_name("cohort-heartbeat-relay", &client.config().endpoints, job, host);
-        // A beat goes directly when the relay has not answered within the next flush and a
-        // quarter of an interval (or the heartbeat timeout, if shorter): at worst a member's
-        // beats then reach the coordinator 1.75 intervals and a direct call apart, under the
-        // two intervals of silence after which the coordinator takes a member for lost.
+        let name = socket_name("cohort-heartbeat-relay", RELAY_PROTOCOL, &client.config().endpoints, job, host);
+        // A beat goes directly when the relay has not acknowledged it within half an interval
+        // and a quarter more (or the heartbeat timeout, if shorter): a live relay acknowledges
+        // at once, and a dead or stopped one then costs what it cost before acknowledgements,
+        // beats 1.75 intervals and a direct call apart at worst, under the two intervals of
+        // silence after which the coordinator takes a member for lost.
         let flush = interval / FLUSHES_PER_INTERVAL;
-        let wait = flush + client.config().heartbeat_timeout.min(interval / 4);
+        let ack_wait = flush + client.config().heartbeat_timeout.min(interval / 4);
+        let answer_wait = relay_answer_budget(interval, client.config());
         Some(Self {
             inner: Arc::new(Inner {
                 client,
                 job: job.clone(),
                 interval,
-                wait,
+                ack_wait,
+                answer_wait,
                 net,
                 name,
                 path: tokio::sync::Mutex::new(Path::default()),
                 serving: StdMutex::new(None),
+                bypasses: AtomicU64::new(0),
             }),
         })
     }
@@ -175,6 +201,12 @@ impl HostRelay {
     /// Whether this process serves the host's relay.
     pub fn is_serving(&self) -> bool {
         self.inner.serving.lock().unwrap_or_else(|e| e.into_inner()).as_ref().is_some_and(|t| !t.is_finished())
+    }
+
+    /// How many times this worker gave the relay up (it did not acknowledge or answer a beat,
+    /// or could not reach the coordinator) and sent its beats directly for a while.
+    pub fn bypasses(&self) -> u64 {
+        self.inner.bypasses.load(Ordering::Relaxed)
     }
 
     /// Sends one heartbeat, through the relay when it answers in time, else directly, and
@@ -215,6 +247,7 @@ impl HostRelay {
                 warn!(job = %inner.job, relay = %inner.name, error = %failure, ?retry_in,
                       "heartbeat relay failed; sending heartbeats directly");
                 path.direct_until = Some(Instant::now() + retry_in);
+                inner.bypasses.fetch_add(1, Ordering::Relaxed);
             }
         }
         drop(path);
@@ -232,21 +265,38 @@ impl HostRelay {
         }
         let conn = path.conn.as_mut().expect("connected above");
         #[cfg(feature = "test-support")]
-        let wait = if planted::never_bypassed() { Duration::from_secs(3600) } else { inner.wait };
+        let (ack_wait, answer_wait) = if planted::never_bypassed() {
+            (Duration::from_secs(3600), Duration::from_secs(3600))
+        } else {
+            (inner.ack_wait, inner.answer_wait)
+        };
         #[cfg(not(feature = "test-support"))]
-        let wait = inner.wait;
+        let (ack_wait, answer_wait) = (inner.ack_wait, inner.answer_wait);
+        let closed = |e: io::Error| match e.kind() {
+            io::ErrorKind::BrokenPipe | io::ErrorKind::ConnectionReset => RelayFailure::Closed,
+            _ => RelayFailure::Io(e),
+        };
         path.in_flight = true;
-        let answer = tokio::time::timeout(wait, async {
+        let first = tokio::time::timeout(ack_wait, async {
             write_frame(conn, &request.encode_to_vec()).await?;
             read_frame(conn).await
         })
         .await
-        .map_err(|_| RelayFailure::Timeout(wait))?
-        .map_err(|e| match e.kind() {
-            io::ErrorKind::BrokenPipe | io::ErrorKind::ConnectionReset => RelayFailure::Closed,
-            _ => RelayFailure::Io(e),
-        })?
+        .map_err(|_| RelayFailure::Unacknowledged(ack_wait))?
+        .map_err(closed)?
         .ok_or(RelayFailure::Closed)?;
+        // The acknowledgement (an empty frame; an answer never is): the relay is alive and
+        // holds the beat, so its answer is waited for as long as its own call may take. A
+        // refusal of a frame the relay would not forward comes without one.
+        let answer = if first.is_empty() {
+            tokio::time::timeout(answer_wait, read_frame(conn))
+                .await
+                .map_err(|_| RelayFailure::Unanswered(answer_wait))?
+                .map_err(closed)?
+                .ok_or(RelayFailure::Closed)?
+        } else {
+            first
+        };
         path.in_flight = false;
         let answer =
             pb::HeartbeatAnswer::decode(answer.as_slice()).map_err(|e| RelayFailure::Malformed(e.to_string()))?;
@@ -289,11 +339,18 @@ impl HostRelay {
 
 /// A host relay's socket name, `kind/<digest>`: one per kind, job, scope (the failure domain,
 /// else the host), coordinator deployment (its endpoints in any order) and user.
-pub(super) fn socket_name(kind: &str, endpoints: &[String], job: &JobId, host: &str) -> String {
+/// The name digests the relay's frame `version` too, so that builds speaking different frames
+/// never share a relay.
+pub(super) fn socket_name(kind: &str, version: u32, endpoints: &[String], job: &JobId, host: &str) -> String {
     let mut endpoints: Vec<&str> = endpoints.iter().map(String::as_str).collect();
     endpoints.sort_unstable();
     endpoints.dedup();
     let mut digest = Sha256::new();
+    // Version 1's names digested no version: they stay as they were.
+    if version > 1 {
+        digest.update(b"version");
+        digest.update(version.to_le_bytes());
+    }
     for part in endpoints.into_iter().chain([job.as_str(), host]) {
         digest.update((part.len() as u64).to_le_bytes());
         digest.update(part.as_bytes());
@@ -329,6 +386,25 @@ pub(super) async fn read_frame(conn: &mut (impl AsyncRead + Unpin)) -> io::Resul
     Ok(Some(body))
 }
 
+/// How long a worker waits for the answer to a beat its relay acknowledged: the wait for the
+/// relay's next flush, the relay's bound on its `HostHeartbeat` call (the heartbeat timeout, at
+/// most the request timeout and one interval), and a
+/// quarter of an interval for the answer to come back. The relay answers its own failure to
+/// reach the coordinator within this, so the worker hears why; the bound itself covers a relay
+/// that stops after acknowledging.
+pub fn relay_answer_budget(interval: Duration, config: &super::ControlConfig) -> Duration {
+    interval / FLUSHES_PER_INTERVAL + upstream_bound(interval, config) + interval / 4
+}
+
+/// The relay's bound on one flush's `HostHeartbeat` call, retries included: the bound on one
+/// direct heartbeat call (the heartbeat timeout, at most the request timeout), and at most one
+/// interval, so that a relay that stops after acknowledging a beat costs its worker less than
+/// its lease. A coordinator slower than that is answered as DEADLINE_EXCEEDED, and the relay's
+/// workers go directly.
+fn upstream_bound(interval: Duration, config: &super::ControlConfig) -> Duration {
+    config.heartbeat_timeout.min(config.request_timeout).min(interval)
+}
+
 /// A beat waiting for the next flush, and where its answer goes.
 type Pending = (HeartbeatRequest, oneshot::Sender<pb::HeartbeatAnswer>);
 
@@ -358,7 +434,7 @@ async fn serve(mut listener: Box<dyn RelayListener>, client: ControlClient, job:
             Some(beat) = beats_rx.recv() => pending.push(beat),
             _ = ticker.tick() => {
                 if !pending.is_empty() {
-                    flushes.spawn(flush(client.clone(), job.clone(), std::mem::take(&mut pending)));
+                    flushes.spawn(flush(client.clone(), job.clone(), interval, std::mem::take(&mut pending)));
                 }
             }
             Some(_) = connections.join_next() => {}
@@ -367,8 +443,9 @@ async fn serve(mut listener: Box<dyn RelayListener>, client: ControlClient, job:
     }
 }
 
-/// One worker's connection: reads its beats, queues each for the next flush, writes back its
-/// answer. A malformed beat is answered with INVALID_ARGUMENT and the connection goes on.
+/// One worker's connection: reads its beats, acknowledges each (an empty frame) and queues it
+/// for the next flush, writes back its answer. A malformed beat is answered with
+/// INVALID_ARGUMENT, without an acknowledgement, and the connection goes on.
 async fn serve_connection(mut stream: RelayStream, beats: mpsc::Sender<Pending>, job: JobId) {
     while let Ok(Some(frame)) = read_frame(&mut stream).await {
         let refuse = |message: String| pb::HeartbeatAnswer {
@@ -383,6 +460,9 @@ async fn serve_connection(mut stream: RelayStream, beats: mpsc::Sender<Pending>,
                 refuse(format!("this host's heartbeat relay serves job {:?}, not {:?}", job.as_str(), beat.job))
             }
             Ok(beat) => {
+                if write_frame(&mut stream, &[]).await.is_err() {
+                    return;
+                }
                 let (tx, rx) = oneshot::channel();
                 if beats.send((beat, tx)).await.is_err() {
                     return;
@@ -399,19 +479,26 @@ async fn serve_connection(mut stream: RelayStream, beats: mpsc::Sender<Pending>,
     }
 }
 
-/// Sends the gathered beats (in calls of at most `MAX_BEATS_PER_CALL`) and hands out the
-/// answers; a failed call answers each of its beats with the failure.
-async fn flush(client: ControlClient, job: JobId, pending: Vec<Pending>) {
+/// Sends the gathered beats (in calls of at most `MAX_BEATS_PER_CALL`, each within
+/// [`upstream_bound`]) and hands out the answers; a failed call answers each of its beats with
+/// the failure (a call out of time: DEADLINE_EXCEEDED).
+async fn flush(client: ControlClient, job: JobId, interval: Duration, pending: Vec<Pending>) {
+    let bound = upstream_bound(interval, client.config());
     let mut pending = pending.into_iter().peekable();
     while pending.peek().is_some() {
         let (beats, waiting): (Vec<_>, Vec<_>) = pending.by_ref().take(cohort_proto::MAX_BEATS_PER_CALL).unzip();
         let count = beats.len();
-        let answers = match client.host_heartbeat(pb::HostHeartbeatRequest { job: job.to_string(), beats }).await {
-            Ok(r) if r.answers.len() == count => r.answers,
-            Ok(r) => {
+        let call = client.host_heartbeat(pb::HostHeartbeatRequest { job: job.to_string(), beats });
+        let answers = match tokio::time::timeout(bound, call).await {
+            Ok(Ok(r)) if r.answers.len() == count => r.answers,
+            Ok(Ok(r)) => {
                 vec![refusal(tonic::Code::Internal, format!("{} answers to {count} beats", r.answers.len())); count]
             }
-            Err(e) => vec![refusal(e.code().unwrap_or(tonic::Code::Unavailable), e.to_string()); count],
+            Ok(Err(e)) => vec![refusal(e.code().unwrap_or(tonic::Code::Unavailable), e.to_string()); count],
+            Err(_) => {
+                let message = format!("the coordinator did not answer the host's beats within {bound:?}");
+                vec![refusal(tonic::Code::DeadlineExceeded, message); count]
+            }
         };
         for (answer, to) in answers.into_iter().zip(waiting) {
             let _ = to.send(answer);
@@ -457,7 +544,7 @@ mod tests {
     fn the_name_depends_on_the_deployment_not_the_order_of_its_endpoints() {
         let e = |list: &[&str]| list.iter().map(|s| s.to_string()).collect::<Vec<_>>();
         let name = |endpoints: &[&str], job: &str, host| {
-            socket_name("cohort-heartbeat-relay", &e(endpoints), &JobId::new(job).unwrap(), host)
+            socket_name("cohort-heartbeat-relay", 1, &e(endpoints), &JobId::new(job).unwrap(), host)
         };
         let a = name(&["http://c0:7000", "http://c1:7000"], "job", "host");
         assert_eq!(a, name(&["http://c1:7000", "http://c0:7000"], "job", "host"));
@@ -468,7 +555,11 @@ mod tests {
         assert_ne!(name(&["ab"], "c", "h"), name(&["a"], "bc", "h"));
         assert!(a.starts_with("cohort-heartbeat-relay/") && a.len() < 108, "{a}");
         let job = JobId::new("job").unwrap();
-        let events = socket_name("cohort-event-relay", &e(&["http://c0:7000", "http://c1:7000"]), &job, "host");
+        let endpoints = e(&["http://c0:7000", "http://c1:7000"]);
+        let events = socket_name("cohort-event-relay", 1, &endpoints, &job, "host");
         assert!(events.starts_with("cohort-event-relay/") && events[19..] == a[23..], "{events} {a}");
+        // Another version of the frames, another relay.
+        let v2 = socket_name("cohort-heartbeat-relay", 2, &endpoints, &job, "host");
+        assert!(v2.starts_with("cohort-heartbeat-relay/") && v2.len() == a.len() && v2 != a, "{v2} {a}");
     }
 }

@@ -439,6 +439,7 @@ impl<P: DataPlane> ElasticGroup<P> {
             }
             return Ok(());
         }
+        self.shared.drive("", Membership::begin_leave);
         let mode = if finished { pb::leave_request::Mode::Finished } else { pb::leave_request::Mode::Graceful };
         // The last commit report, so that the job's record has the final step (best effort).
         let last_commit = self.commits.borrow().clone();

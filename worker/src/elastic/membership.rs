@@ -185,6 +185,8 @@ pub struct Membership {
     straggler_leave: Option<String>,
     /// How the job ended ("finished" or "failed", and the reason), once it has.
     ended: Option<(&'static str, String)>,
+    /// This worker is leaving the job: a beat answered "not a member" is the leave's doing.
+    leaving: bool,
     /// The bound of the next wait before reopening the event stream.
     watch_retry: Duration,
     progress: Progress,
@@ -198,6 +200,7 @@ impl Membership {
             exclusion_wait,
             incarnation: 0,
             evicted: None,
+            leaving: false,
             join_started: None,
             id_in_use_refusals: 0,
             rejoins: 0,
@@ -270,6 +273,12 @@ impl Membership {
     }
 
     // ---- Join -------------------------------------------------------------------------
+
+    /// This worker is leaving the job: from now on a heartbeat answered "not a member" ends
+    /// the heartbeats quietly (the leave removed the member) instead of marking it evicted.
+    pub fn begin_leave(&mut self) {
+        self.leaving = true;
+    }
 
     /// A join starts at `now`: its exclusion waits count from here.
     pub fn begin_join(&mut self, now: Instant) {
@@ -459,6 +468,11 @@ impl Membership {
                     self.straggler_leave = Some(response.leave_as_straggler);
                 }
                 true
+            }
+            Err(CallError::NotMember(e)) if self.leaving => {
+                // A beat sent (or held by the host's relay) before the leave, answered after it.
+                tracing::debug!(incarnation, error = %e, "a heartbeat answered after leaving");
+                false
             }
             Err(CallError::NotMember(e)) => {
                 warn!(incarnation, error = %e, "membership lost");
@@ -902,6 +916,18 @@ mod tests {
         assert!(machine.watch_is_stale(1) && !machine.watch_is_stale(2));
         assert_eq!(machine.handle_watch_lost(1, now, 0), WatchNext::ReopenAt(now));
         assert_eq!(machine.handle_watch_lost(2, now, 0), WatchNext::ReopenAt(now + ms(50)));
+    }
+
+    #[test]
+    fn a_beat_answered_after_the_leave_ends_the_beats_without_an_eviction() {
+        let now = Instant::now();
+        let mut machine = Membership::new(LIMIT);
+        machine.begin_join(now);
+        machine.handle_join(now, joined(7)).unwrap();
+        machine.begin_leave();
+        // A beat held by a slow relay reaches the coordinator after the Leave.
+        assert!(!machine.handle_heartbeat(7, Err(not_member())), "the heartbeats stop");
+        assert!(!machine.is_evicted(), "a member that left was not evicted");
     }
 
     #[test]

@@ -5,6 +5,7 @@
 
 pub(crate) mod coordinator;
 pub(crate) mod meshes;
+pub(crate) mod slow_link;
 pub(crate) mod squatter;
 
 use cohort::reduce::{finish_avg, reduce};
