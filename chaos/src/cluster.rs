@@ -209,6 +209,9 @@ pub struct Cluster {
     data_plane: DataPlaneFlags,
     /// Which host each worker runs on (network namespaces only).
     placement: Placement,
+    /// With nodes of several pods: the nodes' relay directories, one under this per node
+    /// (short, under /tmp: a relay directory has at most 42 bytes).
+    relay_root: Option<tempfile::TempDir>,
     /// Every worker event seen so far, in arrival order.
     pub events: Vec<WorkerEvent>,
     /// The namespaces, when `netns` is on (last: dropped after every process is killed).
@@ -312,6 +315,7 @@ impl Cluster {
             connect_timeout: None,
             data_plane: DataPlaneFlags::default(),
             placement: Placement::new(1),
+            relay_root: None,
             events: Vec::new(),
             netlab,
         };
@@ -597,6 +601,60 @@ impl Cluster {
         self.placement = Placement::new(per_host);
     }
 
+    /// Groups the hosts (pods of one rank) of workers started from now on into nodes of
+    /// `per_node`, each node with a relay directory its pods share (`COHORT_RELAY_DIR`) and
+    /// named as their failure domain (`COHORT_DOMAIN`). Network namespaces only, after
+    /// [`Cluster::set_ranks_per_host`] and before the first worker starts; 0 or 1: no nodes.
+    pub fn set_pods_per_node(&mut self, per_node: usize) -> Result<(), ClusterError> {
+        self.placement.set_pods_per_node(per_node);
+        if per_node > 1 && self.relay_root.is_none() {
+            let root = tempfile::Builder::new()
+                .prefix("cohort-r")
+                .tempdir_in("/tmp")
+                .map_err(|e| ClusterError::Setup(format!("a directory for the nodes' relays: {e}")))?;
+            self.relay_root = Some(root);
+        }
+        Ok(())
+    }
+
+    /// The node worker `name` runs on (`None` without nodes).
+    pub fn worker_node(&self, name: &str) -> Option<&str> {
+        self.placement.node_of(name)
+    }
+
+    /// The relay directory of `node`, made on first use.
+    fn relay_dir(&self, node: &str) -> Result<PathBuf, ClusterError> {
+        let root = self.relay_root.as_ref().ok_or_else(|| ClusterError::Setup("no nodes".into()))?;
+        let dir = root.path().join(node);
+        std::fs::create_dir_all(&dir)
+            .map_err(|e| ClusterError::Setup(format!("relay directory {}: {e}", dir.display())))?;
+        Ok(dir)
+    }
+
+    /// The running workers that serve their node's heartbeat relay: each holds the relay's
+    /// lock file (`cohort-heartbeat-relay-*.lock`) in its node's relay directory open, which
+    /// only the relay's server does. Read from `/proc/PID/fd`; empty without nodes.
+    pub fn heartbeat_relay_servers(&mut self) -> Vec<String> {
+        let Some(root) = self.relay_root.as_ref().map(|r| r.path().to_path_buf()) else { return Vec::new() };
+        let mut servers = Vec::new();
+        for (name, process) in self.workers.iter_mut() {
+            if process.try_exit().is_some() {
+                continue;
+            }
+            let Ok(fds) = std::fs::read_dir(format!("/proc/{}/fd", process.pid())) else { continue };
+            let holds_lock = fds.flatten().any(|fd| {
+                std::fs::read_link(fd.path()).is_ok_and(|target| {
+                    let file = target.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default();
+                    target.starts_with(&root) && file.starts_with("cohort-heartbeat-relay-") && file.ends_with(".lock")
+                })
+            });
+            if holds_lock {
+                servers.push(name.clone());
+            }
+        }
+        servers
+    }
+
     /// The host worker `name` runs on: its network namespace's name in the lab (`None` on the
     /// loopback, or for a worker never started).
     pub fn worker_host(&self, name: &str) -> Option<&str> {
@@ -734,7 +792,12 @@ impl Cluster {
             }
         };
         cmd.env("RUST_LOG", std::env::var("COHORT_CHAOS_WORKER_LOG").unwrap_or_else(|_| "info".into()));
-        if let Some(host) = host {
+        if let Some(node) = self.placement.node_of(name) {
+            // A pod of a node: the node is its failure domain, and its relays are the node's,
+            // through the node's relay directory.
+            cmd.env("COHORT_DOMAIN", node);
+            cmd.env("COHORT_RELAY_DIR", self.relay_dir(node)?);
+        } else if let Some(host) = host {
             // The emulated host is the worker's failure domain (every namespace shares the
             // machine's host name).
             cmd.env("COHORT_DOMAIN", host);

@@ -380,6 +380,14 @@ pub struct Scenario {
     /// and the peers' hosts.
     #[serde(default = "default_one")]
     pub ranks_per_host: u32,
+    /// With `network = "netns"` and one rank per host: hosts per node, as pods of one rank on
+    /// a Kubernetes node (deploy/overlays/node-relays). The pods of a node each have a network
+    /// namespace of their own, share a relay directory (`--relay-dir`, a fresh one per node)
+    /// and name the node as their failure domain (`COHORT_DOMAIN`), so they share the node's
+    /// heartbeat and event relays through its socket files. A new pod goes to the first node
+    /// with room among the live ones. 1 (the default): no nodes, every host its own domain.
+    #[serde(default = "default_one")]
+    pub pods_per_node: u32,
     /// `cohort-worker train --transport` (auto, tcp, shm, rdma); `None`: the worker's default
     /// (auto), or tcp where the data plane goes through the proxy.
     #[serde(default)]
@@ -463,6 +471,11 @@ pub struct FaultSpec {
     /// Kill: start as many replacement workers once the job has recovered.
     #[serde(default)]
     pub respawn: bool,
+    /// Kill, term or stop: the target is a worker serving its node's heartbeat relay (it
+    /// holds the relay's lock in the node's relay directory), drawn at random among them,
+    /// instead of `ranks`/`random_ranks`. Needs `pods_per_node` > 1.
+    #[serde(default)]
+    pub relay_server: bool,
     /// Route faults on hosts of several ranks (`ranks_per_host`): instead of every host of
     /// the `peers`, this many of them, drawn at random (0: all).
     #[serde(default)]
@@ -549,6 +562,12 @@ impl Scenario {
                 "ranks_per_host needs network = \"netns\" (on the loopback every worker shares one host)".into()
             );
         }
+        if self.pods_per_node == 0 || self.pods_per_node > 16 {
+            return bad(format!("pods_per_node {} must be 1..=16", self.pods_per_node));
+        }
+        if self.pods_per_node > 1 && (self.network != NetworkChoice::Netns || self.ranks_per_host != 1) {
+            return bad("pods_per_node needs network = \"netns\" and one rank per host (a pod of one rank)".into());
+        }
         if let Some(t) = &self.transport {
             if !["auto", "tcp", "shm", "rdma"].contains(&t.as_str()) {
                 return bad(format!("transport {t:?} must be auto, tcp, shm or rdma"));
@@ -603,7 +622,18 @@ impl Scenario {
             if netns && matches!(f.kind, FaultKind::Reset | FaultKind::Latency | FaultKind::Bandwidth) {
                 return bad(format!("{at}: needs the proxy, which network = \"netns\" does not use"));
             }
-            let targets = f.ranks.len() as u32 + f.random_ranks;
+            if f.relay_server {
+                if self.pods_per_node < 2 {
+                    return bad(format!("{at}: relay_server needs pods_per_node > 1 (nodes sharing relays)"));
+                }
+                if !matches!(f.kind, FaultKind::Kill | FaultKind::Term | FaultKind::Stop) {
+                    return bad(format!("{at}: relay_server targets kill, term and stop only"));
+                }
+                if !f.ranks.is_empty() || f.random_ranks > 0 {
+                    return bad(format!("{at}: relay_server chooses the target; leave ranks and random_ranks out"));
+                }
+            }
+            let targets = f.ranks.len() as u32 + f.random_ranks + u32::from(f.relay_server);
             if needs_targets && targets == 0 {
                 return bad(format!("{at}: name its targets (ranks = [..] or random_ranks = N)"));
             }
@@ -737,6 +767,20 @@ mod tests {
         let shm =
             Scenario::parse("x", "network = \"netns\"\nranks_per_host = 2\ntransport = \"auto\"\nalgorithm = \"ring\"");
         assert_eq!(shm.expect("several ranks per host").ranks_per_host, 2);
+        let nodes = Scenario::parse("x", "pods_per_node = 3").unwrap_err().to_string();
+        assert!(nodes.contains("pods_per_node needs network"), "{nodes}");
+        let nodes = Scenario::parse("x", "network = \"netns\"\nranks_per_host = 2\npods_per_node = 3");
+        assert!(nodes.unwrap_err().to_string().contains("one rank per host"));
+        let relay = "network = \"netns\"\n[[fault]]\nkind = \"kill\"\nrelay_server = true";
+        let alone = Scenario::parse("x", relay).unwrap_err().to_string();
+        assert!(alone.contains("relay_server needs pods_per_node"), "{alone}");
+        let node_relays = Scenario::parse("x", &format!("pods_per_node = 3\n{relay}")).expect("a relay's server");
+        assert!(node_relays.faults[0].relay_server && node_relays.pods_per_node == 3);
+        let both = Scenario::parse("x", &format!("pods_per_node = 3\n{relay}\nranks = [1]")).unwrap_err().to_string();
+        assert!(both.contains("leave ranks and random_ranks out"), "{both}");
+        let isolate = "pods_per_node = 3\nnetwork = \"netns\"\n[[fault]]\nkind = \"isolate\"\nrelay_server = true";
+        let isolate = Scenario::parse("x", isolate).unwrap_err().to_string();
+        assert!(isolate.contains("kill, term and stop only"), "{isolate}");
         let peer_hosts = Scenario::parse(
             "x",
             "network = \"netns\"\n[[fault]]\nkind = \"blackhole\"\nranks = [0]\nrandom_peer_hosts = 1",

@@ -20,7 +20,7 @@ impl Run<'_> {
         for r in &records {
             checks.extend(self.fault_checks(r, &events));
         }
-        checks.extend(self.segment_checks.iter().cloned());
+        checks.extend(self.fault_checks.iter().cloned());
         checks.extend(self.transport_check(&events));
         if self.sc.transport.as_deref() == Some("tcp") && self.sc.worker_command.is_none() {
             checks.push(invariants::tcp_links_within_plan(&events));

@@ -5,6 +5,9 @@
 
 use super::*;
 
+/// Bound on finding a node's relay server, and on another pod serving it after it died.
+const RELAY_BOUND: Duration = Duration::from_secs(5);
+
 impl Run<'_> {
     /// The shared-memory objects of generations older than its current one that each
     /// running worker past generation `gen` still holds; how many workers were read; how many
@@ -51,7 +54,7 @@ impl Run<'_> {
             }
             self.pass_time(Instant::now() + Duration::from_millis(100)).await;
         };
-        self.segment_checks.push(Check {
+        self.fault_checks.push(Check {
             what: format!(
                 "fault {index} ({}): no running worker kept a shared-memory segment or socket of a generation it left",
                 kind.name()
@@ -107,7 +110,7 @@ impl Run<'_> {
     /// mid-allreduce strike, waits for the first target to announce an allreduce.
     async fn aim(&mut self, index: usize, f: &FaultSpec) -> Result<Strike, RunError> {
         let g = self.view.current();
-        let mut targets = self.ranks_of(f, g)?;
+        let mut targets = if f.relay_server { self.relay_server_of(index, g).await? } else { self.ranks_of(f, g)? };
         let target_names: Vec<String> = targets.iter().map(|(_, w)| w.clone()).collect();
         let members: Vec<String> = self.view.members.get(&g).map(|m| m.values().cloned().collect()).unwrap_or_default();
         let mut peers: Vec<String> = if !f.kind.link() {
@@ -158,6 +161,69 @@ impl Run<'_> {
             struck: Instant::now(),
             duration: f.duration.map(|d| d.0).unwrap_or(Duration::ZERO),
         })
+    }
+
+    /// A member of generation `g` that serves its node's heartbeat relay, drawn at random
+    /// (`relay_server`). A relay is served from the first beat of a node's first pod on, so
+    /// one is there at once; the harness looks for up to [`RELAY_BOUND`].
+    async fn relay_server_of(&mut self, index: usize, g: i64) -> Result<Vec<(i64, String)>, RunError> {
+        let deadline = Instant::now() + RELAY_BOUND;
+        loop {
+            let members = self.view.members.get(&g).cloned().unwrap_or_default();
+            let servers = self.cluster.heartbeat_relay_servers();
+            let mut serving: Vec<(i64, String)> = members.into_iter().filter(|(_, w)| servers.contains(w)).collect();
+            if let Some(pick) = (!serving.is_empty()).then(|| self.rng.random_range(0..serving.len())) {
+                return Ok(vec![serving.swap_remove(pick)]);
+            }
+            if Instant::now() >= deadline {
+                return Err(RunError::Scenario(format!(
+                    "fault {index}: no member of generation {g} serves a node's heartbeat relay (within {RELAY_BOUND:?}; servers: {servers:?})"
+                )));
+            }
+            self.pass_time(Instant::now() + Duration::from_millis(50)).await;
+        }
+    }
+
+    /// After a kill or term of a node's relay server (`relay_server`): exactly one other
+    /// running pod of the same node serves the node's heartbeat relay (it took the lock the
+    /// dead one's process let go; pods that did not share the node's directory would each
+    /// serve one), within [`RELAY_BOUND`] of the job's recovery; recorded as a check. A
+    /// stopped server keeps the lock: its pod-mates bypass it and nothing is handed on.
+    async fn check_relay_handed_on(&mut self, index: usize, f: &FaultSpec, s: &Strike) {
+        if !f.relay_server || !matches!(f.kind, FaultKind::Kill | FaultKind::Term) {
+            return;
+        }
+        let Some(target) = s.names.first().cloned() else { return };
+        let Some(node) = self.cluster.worker_node(&target).map(str::to_string) else { return };
+        let started = Instant::now();
+        let deadline = started + RELAY_BOUND;
+        let servers = loop {
+            let servers: Vec<String> = self
+                .cluster
+                .heartbeat_relay_servers()
+                .into_iter()
+                .filter(|w| self.cluster.worker_node(w) == Some(node.as_str()))
+                .collect();
+            if !servers.is_empty() || Instant::now() >= deadline {
+                break servers;
+            }
+            self.pass_time(Instant::now() + Duration::from_millis(50)).await;
+        };
+        let ok = servers.len() == 1 && servers[0] != target;
+        self.fault_checks.push(Check {
+            what: format!(
+                "fault {index} ({}): one other pod of {node} serves the node's heartbeat relay after {target}",
+                f.kind.name()
+            ),
+            ok,
+            detail: match servers.as_slice() {
+                [] => format!("no pod of {node} holds the relay's lock {RELAY_BOUND:?} after the job recovered"),
+                [w] if ok => {
+                    format!("{w} holds the relay's lock ({} ms after the job recovered)", started.elapsed().as_millis())
+                }
+                many => format!("the relay's lock is held by {many:?}, not by one other pod"),
+            },
+        });
     }
 
     /// The members of generation `g` on the hosts of `targets` (the first target first: the
@@ -465,6 +531,7 @@ impl Run<'_> {
             .await?;
         }
         self.check_shared_memory_released(index, f.kind, gen).await;
+        self.check_relay_handed_on(index, f, s).await;
         Ok(())
     }
 

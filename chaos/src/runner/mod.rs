@@ -128,8 +128,9 @@ struct Run<'a> {
     leaving: BTreeSet<String>,
     stopped: BTreeSet<String>,
     quiet: Vec<(u64, u64, usize)>,
-    /// Per disruptive fault: no survivor kept a dead generation's shared-memory objects.
-    segment_checks: Vec<Check>,
+    /// Per disruptive fault: no survivor kept a dead generation's shared-memory objects;
+    /// after a fault on a node's relay server, another pod served the relay.
+    fault_checks: Vec<Check>,
     verbose: bool,
     start_ms: u64,
 }
@@ -247,7 +248,7 @@ async fn run_inner(sc: &Scenario, seed: u64, log_dir: &std::path::Path, verbose:
         leaving: BTreeSet::new(),
         stopped: BTreeSet::new(),
         quiet: Vec::new(),
-        segment_checks: Vec::new(),
+        fault_checks: Vec::new(),
         verbose,
         start_ms: now_ms(),
     };
@@ -255,6 +256,9 @@ async fn run_inner(sc: &Scenario, seed: u64, log_dir: &std::path::Path, verbose:
         run.cluster.enable_proxy();
     }
     run.cluster.set_ranks_per_host(sc.ranks_per_host as usize);
+    if let Err(e) = run.cluster.set_pods_per_node(sc.pods_per_node as usize) {
+        return (Vec::new(), Vec::new(), None, Some(format!("setting up the nodes: {e}")));
+    }
     run.cluster.set_data_plane(DataPlaneFlags { transport: sc.transport.clone(), algorithm: sc.algorithm.clone() });
     // A generation that includes a member which died before it formed can only fail its
     // mesh connection; bound that by the job's deadlines rather than the 30 s default.
