@@ -65,11 +65,21 @@ impl HostLeases {
         if renewed.get(&lease).is_some_and(|at| now.saturating_duration_since(*at) < period) {
             return false;
         }
+        Self::mark(&mut renewed, lease, now);
+        true
+    }
+
+    /// Marks `lease` renewed now: it was just granted, with its whole time to live, so the
+    /// host's first beat need not renew it again.
+    fn granted(&self, lease: LeaseId) {
+        Self::mark(&mut self.renewed.lock().unwrap_or_else(|e| e.into_inner()), lease, Instant::now());
+    }
+
+    fn mark(renewed: &mut HashMap<LeaseId, Instant>, lease: LeaseId, now: Instant) {
         if !renewed.contains_key(&lease) {
-            crate::bounded::make_room(&mut renewed, HOSTS_CAP, Duration::from_secs(600), now, |at| *at);
+            crate::bounded::make_room(renewed, HOSTS_CAP, Duration::from_secs(600), now, |at| *at);
         }
         renewed.insert(lease, now);
-        true
     }
 
     /// Forgets `lease` (it was not found, or a renewal failed): the next join of its host
@@ -118,6 +128,7 @@ impl CoordinatorService {
             match store.txn(created).await {
                 Ok(r) if r.succeeded => {
                     *known = Some(lease);
+                    self.host_leases.granted(lease);
                     return Ok(lease);
                 }
                 Ok(_) => {}
@@ -183,5 +194,10 @@ mod tests {
         assert!(leases.renewal_due(7, period));
         leases.failed(7);
         assert!(leases.renewal_due(7, period));
+        // A lease just granted has its whole time to live: not due until a period later.
+        leases.granted(9);
+        assert!(!leases.renewal_due(9, period));
+        tokio::time::advance(period).await;
+        assert!(leases.renewal_due(9, period));
     }
 }
