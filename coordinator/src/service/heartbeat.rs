@@ -47,11 +47,12 @@ impl CoordinatorService {
         let lease = self.require_member(&hub, &r.job, &r.worker_id, r.incarnation).await?;
         let current = self.current_number(&hub, &r.job, r.generation).await?;
         validate::generation("generation", r.generation, current)?;
-        // A lease of the member's own (its id is the incarnation) is renewed by each of its
-        // beats; a host's shared lease once per half heartbeat interval on this replica,
-        // whichever of its members beats.
+        // A lease is renewed at most once per half heartbeat interval on this replica: a
+        // lease of the member's own (its id is the incarnation) by each of its beats, a host's
+        // shared lease by whichever of its members beats; neither by a beat that follows its
+        // grant by less than that (the join's first beat, sent at once).
         let interval = self.ctx.settings.for_job(&r.job).heartbeat_interval;
-        if lease as u64 == r.incarnation || self.host_leases.renewal_due(lease, interval / 2) {
+        if self.host_leases.renewal_due(lease, interval / 2) {
             self.ctx.store.keep_alive(lease).await.map_err(|e| {
                 self.host_leases.failed(lease);
                 match e {

@@ -24,6 +24,10 @@ use tonic::Status;
 /// forgotten one is read from the store again).
 const HOSTS_CAP: usize = 16_384;
 
+/// Leases whose last renewal a replica remembers at most (members' own leases included; a
+/// forgotten one is renewed by the next beat on it).
+const RENEWALS_CAP: usize = 65_536;
+
 /// `hosts/<host>`: the lease a host's members share.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub(crate) struct HostLeaseRecord {
@@ -38,7 +42,8 @@ struct Slot {
     used: Instant,
 }
 
-/// This replica's hosts' leases, and when each was last renewed here.
+/// This replica's hosts' leases, and when each lease (a host's or a member's own) was last
+/// renewed or granted here.
 #[derive(Default)]
 pub(super) struct HostLeases {
     slots: Mutex<HashMap<String, Slot>>,
@@ -70,14 +75,14 @@ impl HostLeases {
     }
 
     /// Marks `lease` renewed now: it was just granted, with its whole time to live, so the
-    /// host's first beat need not renew it again.
-    fn granted(&self, lease: LeaseId) {
+    /// first beat on it need not renew it again.
+    pub(super) fn granted(&self, lease: LeaseId) {
         Self::mark(&mut self.renewed.lock().unwrap_or_else(|e| e.into_inner()), lease, Instant::now());
     }
 
     fn mark(renewed: &mut HashMap<LeaseId, Instant>, lease: LeaseId, now: Instant) {
         if !renewed.contains_key(&lease) {
-            crate::bounded::make_room(renewed, HOSTS_CAP, Duration::from_secs(600), now, |at| *at);
+            crate::bounded::make_room(renewed, RENEWALS_CAP, Duration::from_secs(600), now, |at| *at);
         }
         renewed.insert(lease, now);
     }

@@ -206,6 +206,11 @@ impl CoordinatorService {
                 }
             }
         }
+        if !shared {
+            // Just granted: the member's first beat need not renew it (a shared lease is
+            // marked where it is granted).
+            self.host_leases.granted(lease);
+        }
         if let Some(old) = old.filter(|o| o.owns_lease()) {
             if let Err(e) = self.ctx.store.revoke_lease(old.incarnation as i64).await {
                 tracing::debug!(error = %e, "could not revoke the replaced incarnation's lease");
