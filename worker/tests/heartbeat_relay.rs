@@ -97,6 +97,13 @@ async fn round(job: &str, members: &[Member], activity: &str) {
     }
 }
 
+/// Binds `m`'s relay name before any worker does, as a process that then stops (or never
+/// serves) would: the listener accepts connections and nothing more.
+fn bind_first(m: &Member) -> std::os::unix::net::UnixListener {
+    let address = std::os::unix::net::SocketAddr::from_abstract_name(m.relay.socket_name()).expect("name");
+    std::os::unix::net::UnixListener::bind_addr(&address).expect("bind the name first")
+}
+
 fn serving(members: &[Member]) -> Vec<&str> {
     members.iter().filter(|m| m.relay.is_serving()).map(|m| m.id.as_str()).collect()
 }
@@ -228,8 +235,7 @@ async fn a_relay_that_never_answers_is_bypassed() {
         let server = coordinator().await;
         let job = "relay-hung";
         let m = join(&server, job, "host-c", "w0").await;
-        let address = std::os::unix::net::SocketAddr::from_abstract_name(m.relay.socket_name()).expect("name");
-        let hung = std::os::unix::net::UnixListener::bind_addr(&address).expect("bind the name first");
+        let hung = bind_first(&m);
         let started = tokio::time::Instant::now();
         m.relay.heartbeat(beat(job, &m, "first")).await.expect("answered directly");
         let first = started.elapsed();
@@ -238,6 +244,7 @@ async fn a_relay_that_never_answers_is_bypassed() {
         let again = tokio::time::Instant::now();
         m.relay.heartbeat(beat(job, &m, "second")).await.expect("answered directly");
         assert!(again.elapsed() < INTERVAL, "the second beat waited {:?} for the hung relay", again.elapsed());
+        assert_eq!(m.relay.bypasses(), 1, "given up once, then bypassed without waiting");
         assert_eq!(count(&server, "HostHeartbeat"), 0);
         assert!(!m.relay.is_serving());
         drop(hung);
@@ -257,8 +264,7 @@ async fn a_relay_that_acknowledges_and_never_answers_is_bypassed() {
         let server = coordinator().await;
         let job = "relay-mute";
         let m = join(&server, job, "host-f", "w0").await;
-        let address = std::os::unix::net::SocketAddr::from_abstract_name(m.relay.socket_name()).expect("name");
-        let mute = std::os::unix::net::UnixListener::bind_addr(&address).expect("bind the name first");
+        let mute = bind_first(&m);
         let (release, released) = std::sync::mpsc::channel::<()>();
         let relay = std::thread::spawn(move || {
             let (mut conn, _) = mute.accept().expect("the worker connects");

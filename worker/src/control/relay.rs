@@ -15,17 +15,17 @@
 //!
 //! Nothing depends on the relay being there, and a worker judges the relay by whether it is
 //! alive, not by how fast the coordinator answers. The relay acknowledges each beat as it reads
-//! it (an empty frame), then writes the coordinator's answer after the flush. A worker whose
-//! beat is not acknowledged within three quarters of an interval (the relay died or hung), or
-//! not answered within [`relay_answer_budget`] of that (the relay's call could not reach the
-//! coordinator in time), or answered with the relay's own failure to reach it, sends that beat
-//! itself and keeps sending its own for [`DIRECT_AFTER_FAILURE`] intervals, then tries the
+//! it (an empty frame), then writes the coordinator's answer after the flush. A worker sends a
+//! beat itself when the relay does not acknowledge it within three quarters of an interval
+//! (the relay died or hung), does not answer it within [`relay_answer_budget`] of the
+//! acknowledgement (it stopped since), or answers with its own failure to reach the
+//! coordinator; it then sends its own beats for [`DIRECT_AFTER_FAILURE`] intervals, tries the
 //! socket again, and becomes the relay when no one serves it. A coordinator that answers
-//! slowly, but within an interval and the heartbeat timeout, is waited for:
-//! a worker that left its relay for a slow answer would multiply the slow coordinator's calls
-//! by the ranks of a host just when it is slowest. A relay that dies
-//! frees the name with its process (an abstract socket has no file to clean up). A coordinator
-//! without `HostHeartbeat` makes every worker send its own beats for good.
+//! slowly, but within an interval and the heartbeat timeout, is waited for: a worker that left
+//! its relay for a slow answer would multiply the slow coordinator's calls by the ranks of a
+//! host just when it is slowest. A relay that dies frees the name with its process (an
+//! abstract socket has no file to clean up). A coordinator without `HostHeartbeat` makes every
+//! worker send its own beats for good.
 //!
 //! Abstract sockets live in the network namespace: on Kubernetes the ranks of one pod share a
 //! relay, pods do not. The relay answers only processes of its own user (`SO_PEERCRED`), a

@@ -67,6 +67,7 @@ async fn relay(client: TcpStream, server: TcpStream, delay_ms: Arc<AtomicU64>) {
     };
     let answers_out = async {
         while let Some((at, bytes)) = due.recv().await {
+            // The link's latency itself (what the proxy is for), not a wait for another task.
             tokio::time::sleep_until(at).await;
             if to_client.write_all(&bytes).await.is_err() {
                 return;
