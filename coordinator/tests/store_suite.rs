@@ -794,3 +794,75 @@ async fn etcd_shared_transactions_grow_to_the_clusters_max_txn_ops() {
     })
     .await;
 }
+
+/// Thousands of etcd requests given up at once, their answers already on the way, do not take
+/// the connection down: the late answers are ignored, and a request nobody gave up on is
+/// answered. With h2's defaults the connection counted each late answer to a reset it no
+/// longer remembered (it remembers 50) as a protocol error of its own and closed itself at the
+/// 1,024th, failing every request in flight (`ResourceExhausted`): a large job's end on busy
+/// cores once did that to the coordinators' etcd connection (store/etcd/channel.rs).
+///
+/// The coordinator's starvation is played by this test's only thread: it stops running tasks
+/// for a moment while etcd answers (a fault injected, not a wait for something), then drops
+/// the requests, whose answers the connection reads only afterwards.
+#[test]
+fn etcd_requests_given_up_in_thousands_leave_the_connection_up() {
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
+    runtime.block_on(bounded(async {
+        let store = shared_etcd_store().await;
+        let prefix = "/given-up/";
+        // Turns of the scheduler for the requests to go out (not all answered yet).
+        const YIELDS: usize = 2000;
+        store.put(&format!("{prefix}key"), vec![b'x'; 16], None).await.expect("put");
+        let mut given_up = tokio::task::JoinSet::new();
+        for _ in 0..4000 {
+            let store = store.clone();
+            given_up.spawn(async move { store.get_prefix(prefix).await.map(|(kvs, _)| kvs.len()) });
+        }
+        for _ in 0..YIELDS {
+            tokio::task::yield_now().await;
+        }
+        // The starved process: etcd's answers to the rest pile up unread meanwhile.
+        std::thread::sleep(Duration::from_millis(500));
+        given_up.abort_all();
+        let mut cancelled = 0;
+        while let Some(r) = given_up.join_next().await {
+            cancelled += usize::from(r.is_err());
+        }
+        // More than h2 would count before closing the connection (1,024, after the 50 resets
+        // it remembers), or the test proves nothing.
+        assert!(cancelled > 1100, "only {cancelled} requests were given up");
+        // The connection reads the late answers now; it must still serve.
+        let (kvs, _) = store.get_prefix(prefix).await.expect("the connection still serves (late answers ignored)");
+        assert_eq!(kvs.len(), 1);
+    }));
+}
+
+/// A prefix holding more than gRPC's default answer limit (4 MiB) is read whole, and watched
+/// from its start: the leader's read of every job's keys passed it at 8,192 members, and no
+/// replica could lead after that ("decoded message length too large").
+#[tokio::test]
+async fn etcd_reads_and_watches_a_prefix_above_four_mebibytes() {
+    bounded(async {
+        let store = shared_etcd_store().await;
+        let prefix = "/large-prefix/";
+        let mut first = 0;
+        // Six values of 1 MiB (etcd takes up to 1.5 MiB a request).
+        for i in 0..6u8 {
+            let revision = store.put(&format!("{prefix}{i}"), vec![i; 1 << 20], None).await.expect("put");
+            if first == 0 {
+                first = revision;
+            }
+        }
+        let (kvs, _) = store.get_prefix(prefix).await.expect("the whole prefix is read");
+        assert_eq!(kvs.len(), 6);
+        assert!(kvs.iter().enumerate().all(|(i, kv)| kv.value.len() == 1 << 20 && kv.value[0] == i as u8));
+        let mut watch = store.watch_prefix(prefix, first).await.expect("a watch from the first put");
+        for i in 0..6u8 {
+            let event = next_event(&mut watch).await;
+            let kv = put_of(&event);
+            assert_eq!((kv.key.as_str(), kv.value.len()), (format!("{prefix}{i}").as_str(), 1 << 20));
+        }
+    })
+    .await;
+}

@@ -61,8 +61,10 @@ const IN_FLIGHT: usize = 4;
 /// Requests that may wait in one queue before senders wait for room.
 const QUEUE_CAPACITY: usize = 8192;
 
-/// Largest answer of a read batch accepted (128 generation shards of up to 1.5 MiB fit).
-const MAX_READ_ANSWER: usize = 256 << 20;
+/// Largest answer of a read accepted, batched or not: 128 generation shards of up to 1.5 MiB
+/// fit, and a prefix of the keys of tens of thousands of members (gRPC's default is 4 MiB,
+/// which the leader's read of every job's keys passed at 8,192 members).
+pub(super) const MAX_READ_ANSWER: usize = 256 << 20;
 
 /// One request that can share a transaction with others.
 #[derive(Clone, Debug)]

@@ -16,6 +16,7 @@
 //! costs etcd a few hundred transactions rather than a few per member.
 
 mod batch;
+mod channel;
 mod keepalive;
 
 pub use batch::{BatchStats, MAX_BATCH_BYTES, MAX_BATCH_OPS};
@@ -369,10 +370,13 @@ impl EtcdStore {
                 .with_keep_alive_while_idle(true)
                 .with_require_leader(true),
         );
-        let client = tokio::time::timeout(DEFAULT_CONNECT_TIMEOUT, Client::connect(endpoints, Some(options)))
-            .await
-            .map_err(|_| StoreError::Unavailable(format!("connecting to etcd at {endpoints:?} timed out")))?
-            .map_err(|e| security.explain(map_error(e, None)))?;
+        let client = tokio::time::timeout(
+            DEFAULT_CONNECT_TIMEOUT,
+            Client::connect_with_balanced_channel(endpoints, Some(options), channel::TunedChannel),
+        )
+        .await
+        .map_err(|_| StoreError::Unavailable(format!("connecting to etcd at {endpoints:?} timed out")))?
+        .map_err(|e| security.explain(map_error(e, None)))?;
         let batcher = Batcher::start(client.kv_client(), request_timeout, tuning.max_txn_ops);
         let store = EtcdStore {
             client,
@@ -436,7 +440,7 @@ impl Store for EtcdStore {
     }
 
     async fn get_prefix(&self, prefix: &str) -> Result<(Vec<KeyValue>, i64), StoreError> {
-        let mut kv = self.client.kv_client();
+        let mut kv = self.client.kv_client().max_decoding_message_size(batch::MAX_READ_ANSWER);
         let resp = self.call(None, kv.get(prefix, Some(GetOptions::new().with_prefix()))).await?;
         let revision = header_revision(resp.header())?;
         Ok((resp.kvs().iter().map(convert_kv).collect(), revision))
@@ -526,7 +530,8 @@ impl Store for EtcdStore {
         if from_revision > 0 {
             options = options.with_start_revision(from_revision);
         }
-        let mut watches = self.client.watch_client();
+        // A catching-up watch gets many revisions' events in one message.
+        let mut watches = self.client.watch_client().max_decoding_message_size(batch::MAX_READ_ANSWER);
         let mut inner = self.call(None, watches.watch(prefix, Some(options))).await?;
         // Wait for etcd to confirm the watch, so that it covers every change made after this
         // call returns.
