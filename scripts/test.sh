@@ -57,8 +57,8 @@ export COHORT_PYTHON="$py"
 section "tests"
 COHORT_REQUIRE_PYTHON=1 COHORT_REQUIRE_BROWSER=1 cargo test --workspace --locked -- --test-threads="${COHORT_TEST_THREADS:-2}"
 # The scale harness's smoke run: 96 members of the shipped worker (ElasticGroup, with the host
-# relays) on a real coordinator process, through every phase (formation, failure, re-formation,
-# timed heartbeats naming a straggler, the finish).
+# relays) in two farm processes, on a real coordinator process, through every phase (formation,
+# failure, re-formation, timed heartbeats naming a straggler, the finish).
 cargo test -p cohort-coordinator --bench scale --locked
 
 # The chaos suite, quick: real coordinator and worker processes (release build), every fault
