@@ -406,7 +406,6 @@ impl Drop for CoordinatorProcess {
 impl CoordinatorProcess {
     /// Starts it (memory store) with `args`; waits (bounded) for its `listening on` line.
     fn start(args: &[&str]) -> Result<Self, String> {
-        use std::io::BufRead;
         let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_cohort-coordinator"))
             .args(["serve", "--listen", "127.0.0.1:0", "--store", "memory"])
             .args(args)
@@ -416,14 +415,8 @@ impl CoordinatorProcess {
             .spawn()
             .map_err(|e| format!("starting cohort-coordinator: {e}"))?;
         let stdout = child.stdout.take().ok_or("no stdout")?;
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            for line in std::io::BufReader::new(stdout).lines().map_while(Result::ok) {
-                let _ = tx.send(line);
-            }
-        });
         // Its `listening on` line (after a `metrics on` one, when it serves metrics).
-        let addr = cohort_coordinator::announce::await_listening(&rx, START_BOUND)?;
+        let addr = cohort_coordinator::announce::await_listening(stdout, START_BOUND)?;
         Ok(Self { child, addr })
     }
 

@@ -36,12 +36,20 @@ pub fn metrics_line(addr: SocketAddr) -> String {
     format!("{METRICS}{addr}")
 }
 
-/// Waits, up to `bound`, for the gRPC address among the coordinator's stdout lines arriving on
-/// `lines` (a metrics line may come first); any other line is an error.
+/// Waits, up to `bound`, for the gRPC address among the lines the coordinator prints on
+/// `stdout` (its child process's stdout; a metrics line may come first); any other line is an
+/// error. A thread reads `stdout` until it closes, so the child never blocks on a full pipe.
 pub fn await_listening(
-    lines: &std::sync::mpsc::Receiver<String>,
+    stdout: impl std::io::Read + Send + 'static,
     bound: std::time::Duration,
 ) -> Result<SocketAddr, String> {
+    use std::io::BufRead;
+    let (tx, lines) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stdout).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
     let deadline = std::time::Instant::now() + bound;
     loop {
         let left = deadline.saturating_duration_since(std::time::Instant::now());

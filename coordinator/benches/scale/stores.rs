@@ -1,7 +1,7 @@
 //! The coordinators and the store under measurement: `cohort-coordinator` processes, a private
 //! etcd's metrics, and the CPU time of a process.
 
-use std::io::{BufRead, Read, Write};
+use std::io::{Read, Write};
 use std::net::SocketAddr;
 use std::time::Duration;
 
@@ -69,14 +69,8 @@ impl Coordinator {
             .spawn()
             .map_err(|e| format!("starting cohort-coordinator: {e}"))?;
         let stdout = child.stdout.take().ok_or("no stdout")?;
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            for line in std::io::BufReader::new(stdout).lines().map_while(Result::ok) {
-                let _ = tx.send(line);
-            }
-        });
         // Its `listening on` line (after a `metrics on` one, when it serves metrics).
-        let addr = cohort_coordinator::announce::await_listening(&rx, START_BOUND)?;
+        let addr = cohort_coordinator::announce::await_listening(stdout, START_BOUND)?;
         Ok(Self { child, addr })
     }
 
