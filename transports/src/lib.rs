@@ -27,6 +27,7 @@ pub mod error;
 pub mod handshake;
 mod links;
 pub mod liveness;
+mod mesh_setup;
 mod op_lock;
 #[cfg(feature = "rdma")]
 pub mod rdma;

@@ -10,19 +10,19 @@ use super::memory::{BufferPool, PooledBuffer};
 use super::peer::{Peer, PeerState, WR_RECV};
 use super::progress::{progress, Inner};
 use super::qp::{QpTiming, QueuePair};
-use super::setup::{self, MeshCtx, Outcome, PairSetup};
+use super::setup::{self, MeshCtx, PairSetup};
 use super::transport::RdmaTransport;
 use crate::activity::Activity;
 use crate::handshake::validate_job;
 use crate::liveness::{self, Responder};
+use crate::mesh_setup::{self, Arrivals, Gathering, PairTasks, Rules, SharedNotes};
 use crate::{Deadlines, Rank, TransportError};
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
-use tokio::net::TcpListener;
+use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
-use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tracing::Instrument;
 
@@ -329,57 +329,51 @@ impl RdmaEndpoint {
         world: u32,
         deadline: Instant,
     ) -> Result<Vec<Option<RdmaAddress>>, TransportError> {
-        let mut set: JoinSet<Result<Outcome, TransportError>> = JoinSet::new();
+        let mut tasks = PairTasks::new();
         for j in 0..spec.rank {
-            set.spawn(setup::dial(ctx.clone(), j, spec.peers[j as usize].bootstrap));
+            tasks.dials.spawn(setup::dial(ctx.clone(), j, spec.peers[j as usize].bootstrap));
         }
-        let mut remotes: Vec<Option<RdmaAddress>> = vec![None; world as usize];
-        let mut missing = world - 1;
-        let mut to_accept = world - 1 - spec.rank;
-        let mut notes: Vec<String> = Vec::new();
+        let mut gathering = Gathering::new(spec.rank, vec![true; world as usize], SharedNotes::default());
         let listener = match tokio::time::timeout_at(deadline, self.listener.lock()).await {
             Ok(l) => l,
             Err(_) => {
                 return Err(TransportError::Io("another connect_mesh held the endpoint past the deadline".into()))
             }
         };
-        while missing > 0 {
-            tokio::select! {
-                acc = listener.accept(), if to_accept > 0 => match acc {
-                    Ok((s, from)) => { set.spawn(setup::accept_one(ctx.clone(), s, from)); }
-                    Err(e) => notes.push(format!("accept failed: {e}")),
-                },
-                Some(res) = set.join_next(), if !set.is_empty() => match res {
-                    Ok(Ok(Outcome::Connected(r, remote))) => {
-                        if remotes[r as usize].replace(remote).is_none() {
-                            missing -= 1;
-                            if r > spec.rank {
-                                to_accept -= 1;
-                            }
-                        }
-                    }
-                    Ok(Ok(Outcome::Refused(note))) => {
-                        tracing::debug!(%note, "refused a bootstrap connection");
-                        if notes.len() < 8 {
-                            notes.push(note);
-                        }
-                    }
-                    Ok(Err(e)) => return Err(e),
-                    Err(e) => return Err(TransportError::Io(format!("set-up task failed: {e}"))),
-                },
-                _ = tokio::time::sleep_until(deadline) => {
-                    let first = (0..world).find(|&r| r != spec.rank && remotes[r as usize].is_none()).unwrap_or(0);
-                    let extra = if notes.is_empty() { String::new() } else { format!(" (refused: {})", notes.join("; ")) };
-                    return Err(TransportError::Handshake {
-                        peer: first,
-                        detail: format!("connect deadline of {:?} passed before rank {first} connected{extra}", spec.deadlines.connect),
-                    });
-                }
+        let mut arrivals = Bootstrap(&listener);
+        let rules = Rules { what: "RDMA", connect: spec.deadlines.connect, deadline, max_accepting: MAX_HANDSHAKING };
+        let handshake = |(s, from)| setup::accept_one(ctx.clone(), s, from);
+        let admit = |g: &mut Gathering<RdmaAddress>, peer: Rank, remote: RdmaAddress| {
+            g.keep(peer, remote);
+        };
+        let gathered = mesh_setup::gather(&mut gathering, &mut tasks, &mut arrivals, handshake, admit, &rules).await;
+        // Stop connections still being refused (strangers); they hold the set-up context.
+        tasks.accepts.shutdown().await;
+        tasks.dials.shutdown().await;
+        gathered?;
+        Ok(gathering.into_links())
+    }
+}
+
+/// Most accepted bootstrap connections in their handshake at once during a set-up.
+const MAX_HANDSHAKING: usize = 64;
+
+/// The bootstrap listener, held by one set-up.
+struct Bootstrap<'a>(&'a TcpListener);
+
+impl Arrivals for Bootstrap<'_> {
+    type Conn = (TcpStream, SocketAddr);
+
+    async fn next(&mut self) -> Result<(TcpStream, SocketAddr), TransportError> {
+        loop {
+            match self.0.accept().await {
+                Ok(conn) => return Ok(conn),
+                // The connection went before it was accepted: not the listener's problem.
+                Err(e)
+                    if matches!(e.kind(), std::io::ErrorKind::ConnectionAborted | std::io::ErrorKind::Interrupted) => {}
+                Err(e) => return Err(TransportError::Io(format!("accepting on the RDMA bootstrap listener: {e}"))),
             }
         }
-        // Stop connections still being refused (strangers); they hold the set-up context.
-        set.shutdown().await;
-        Ok(remotes)
     }
 }
 

@@ -22,6 +22,7 @@
 use super::address::{RdmaAddress, MAX_ADDRESS_LEN};
 use super::qp::{QpTiming, QueuePair};
 use crate::handshake::{self as hs, DialError, Hello, Message, Refusal, Refused, Session, Verdict};
+use crate::mesh_setup::{Backoff, Paired};
 use crate::{Rank, TransportError};
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
@@ -76,14 +77,6 @@ impl MeshCtx {
             deadline: self.deadline,
         }
     }
-}
-
-/// What one connection attempt produced.
-pub(crate) enum Outcome {
-    /// The pair is connected: the peer's rank and QP address.
-    Connected(Rank, RdmaAddress),
-    /// An unauthenticated connection was refused; the note explains why.
-    Refused(String),
 }
 
 fn qp_mac(token: &[u8], dialer: bool, hello_d: &[u8], hello_a: &[u8], text: &[u8]) -> Option<Hmac<Sha256>> {
@@ -196,41 +189,50 @@ fn io_note(e: hs::HsIoError) -> String {
 }
 
 /// Dials `peer` (a lower rank) at `addr` until connected, refused for good, or the deadline.
-pub(crate) async fn dial(ctx: Arc<MeshCtx>, peer: Rank, addr: SocketAddr) -> Result<Outcome, TransportError> {
+pub(crate) async fn dial(ctx: Arc<MeshCtx>, peer: Rank, addr: SocketAddr) -> Paired<RdmaAddress> {
     let hs_err = |detail: String| TransportError::Handshake { peer, detail };
-    let mut last = String::from("no attempt made");
+    let mut backoff = Backoff::new(RETRY_PAUSE, RETRY_PAUSE);
     loop {
-        if Instant::now() >= ctx.deadline {
-            return Err(hs_err(format!("connect deadline passed (last attempt: {last})")));
-        }
         let attempt = async {
             let mut s = timed(ctx.deadline, TcpStream::connect(addr)).await.map_err(DialError::Retry)?;
             let _ = s.set_nodelay(true);
             let transcript = hs::dial(&mut s, &ctx.session(), peer).await?;
             Ok::<_, DialError>((s, transcript))
         };
-        match attempt.await {
+        let last = match attempt.await {
             Ok((mut s, t)) => {
-                let remote = finish_pair(&ctx, &mut s, peer, true, &t.dialer, &t.acceptor).await?;
-                return Ok(Outcome::Connected(peer, remote));
+                return match finish_pair(&ctx, &mut s, peer, true, &t.dialer, &t.acceptor).await {
+                    Ok(remote) => Paired::Linked(peer, remote),
+                    Err(e) => Paired::Failed(e),
+                };
             }
-            Err(DialError::Retry(why)) => {
-                last = why;
-                tokio::time::sleep_until((Instant::now() + RETRY_PAUSE).min(ctx.deadline)).await;
-            }
-            Err(DialError::Fatal(why)) => return Err(hs_err(why)),
+            Err(DialError::Retry(why)) => why,
+            Err(DialError::Fatal(why)) => return Paired::Failed(hs_err(why)),
+        };
+        if !backoff.pause_before(ctx.deadline).await {
+            return Paired::Failed(hs_err(format!("connect deadline passed (last attempt: {last})")));
         }
     }
 }
 
-/// Serves one accepted connection from a higher rank.
-pub(crate) async fn accept_one(
+/// Serves one accepted connection from a higher rank: linked, noted (a connection that did
+/// not authenticate), or failed (a peer that authenticated and then disagreed).
+pub(crate) async fn accept_one(ctx: Arc<MeshCtx>, s: TcpStream, from: SocketAddr) -> Paired<RdmaAddress> {
+    match serve_accepted(ctx, s, from).await {
+        Ok(Ok((sender, remote))) => Paired::Linked(sender, remote),
+        Ok(Err(detail)) => Paired::Noted { claimed: None, detail },
+        Err(e) => Paired::Failed(e),
+    }
+}
+
+/// [`accept_one`]: `Ok(Err(note))` for a refused stranger.
+async fn serve_accepted(
     ctx: Arc<MeshCtx>,
     mut s: TcpStream,
     from: SocketAddr,
-) -> Result<Outcome, TransportError> {
+) -> Result<Result<(Rank, RdmaAddress), String>, TransportError> {
     let _ = s.set_nodelay(true);
-    let refuse_note = |why: String| Outcome::Refused(format!("connection from {from}: {why}"));
+    let refuse_note = |why: String| Err(format!("connection from {from}: {why}"));
     let hello_deadline = (Instant::now() + HELLO_WAIT).min(ctx.deadline);
     let theirs = match hs::read_message(&mut s, hello_deadline).await {
         Ok(Message::Hello(h)) => h,
@@ -264,10 +266,10 @@ pub(crate) async fn accept_one(
         Err(Refused { claimed, detail, fatal: true }) => {
             return Err(TransportError::Handshake { peer: claimed, detail });
         }
-        Err(Refused { detail, .. }) => return Ok(Outcome::Refused(detail)),
+        Err(Refused { detail, .. }) => return Ok(Err(detail)),
     };
     let remote = finish_pair(&ctx, &mut s, sender, false, &t.dialer, &t.acceptor).await?;
-    Ok(Outcome::Connected(sender, remote))
+    Ok(Ok((sender, remote)))
 }
 
 #[cfg(test)]
@@ -320,11 +322,16 @@ mod tests {
         })
     }
 
+    fn describe(p: &Paired<RdmaAddress>) -> String {
+        match p {
+            Paired::Linked(r, _) => format!("linked to rank {r}"),
+            Paired::Noted { detail, .. } => format!("noted: {detail}"),
+            Paired::Failed(e) => format!("failed: {e}"),
+        }
+    }
+
     /// Runs one dial against one accepted connection on loopback.
-    async fn pair_up(
-        dialer: Arc<MeshCtx>,
-        acceptor: Arc<MeshCtx>,
-    ) -> (Result<Outcome, TransportError>, Result<Outcome, TransportError>) {
+    async fn pair_up(dialer: Arc<MeshCtx>, acceptor: Arc<MeshCtx>) -> (Paired<RdmaAddress>, Paired<RdmaAddress>) {
         let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = l.local_addr().unwrap();
         let acc = tokio::spawn(async move {
@@ -340,14 +347,14 @@ mod tests {
         let run = pair_up(ctx(1, 4, b"good"), ctx(0, 4, b"evil"));
         let (d, a) = tokio::time::timeout(Duration::from_secs(10), run).await.unwrap();
         match d {
-            Err(TransportError::Handshake { peer: 0, detail }) => {
+            Paired::Failed(TransportError::Handshake { peer: 0, detail }) => {
                 assert!(detail.contains("authentication failed"), "{detail}")
             }
-            other => panic!("dialer: {:?}", other.map(|_| ())),
+            other => panic!("dialer: {}", describe(&other)),
         }
         match a {
-            Ok(Outcome::Refused(note)) => assert!(note.contains("authentication failed"), "{note}"),
-            other => panic!("acceptor: {:?}", other.map(|_| ())),
+            Paired::Noted { detail, .. } => assert!(detail.contains("authentication failed"), "{detail}"),
+            other => panic!("acceptor: {}", describe(&other)),
         }
     }
 
@@ -356,12 +363,12 @@ mod tests {
         let run = pair_up(ctx(1, 3, b"tok"), ctx(0, 4, b"tok"));
         let (d, a) = tokio::time::timeout(Duration::from_secs(10), run).await.unwrap();
         match d {
-            Err(TransportError::Handshake { detail, .. }) => {
+            Paired::Failed(TransportError::Handshake { detail, .. }) => {
                 assert!(detail.contains("generation mismatch (ours 3, theirs 4)"), "{detail}")
             }
-            other => panic!("dialer: {:?}", other.map(|_| ())),
+            other => panic!("dialer: {}", describe(&other)),
         }
-        assert!(matches!(a, Ok(Outcome::Refused(_))));
+        assert!(matches!(a, Paired::Noted { .. }), "{}", describe(&a));
     }
 
     #[tokio::test]
@@ -371,10 +378,10 @@ mod tests {
         let run = pair_up(ctx(1, 4, b"tok"), ctx(0, 4, b"tok"));
         let (d, a) = tokio::time::timeout(Duration::from_secs(10), run).await.unwrap();
         assert!(
-            matches!(d, Err(TransportError::Handshake { peer: 0, ref detail }) if detail.contains("no queue pair")),
-            "{:?}",
-            d.map(|_| ())
+            matches!(d, Paired::Failed(TransportError::Handshake { peer: 0, ref detail }) if detail.contains("no queue pair")),
+            "{}",
+            describe(&d)
         );
-        assert!(matches!(a, Err(TransportError::Handshake { peer: 1, .. })), "{:?}", a.map(|_| ()));
+        assert!(matches!(a, Paired::Failed(TransportError::Handshake { peer: 1, .. })), "{}", describe(&a));
     }
 }

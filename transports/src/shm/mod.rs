@@ -50,12 +50,12 @@ pub(crate) mod segment;
 mod setup;
 
 use crate::links::Links;
+use crate::mesh_setup::{self, Gathering, PairTasks, Rules, SharedNotes};
 use crate::{AbortReason, DeadlineInForce, Deadlines, Rank, Tag, Transport, TransportError};
 use link::ShmLink;
-use setup::{Accepted, PairCtx};
+use setup::PairCtx;
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tracing::Instrument;
 
@@ -236,82 +236,35 @@ impl ShmEndpoint {
             span: span.clone(),
         });
         let expect_accepts = (rank + 1..world).filter(|&r| listed(r)).count();
-        let listener =
-            if expect_accepts > 0 { Some(setup::listen(&self.address.nonce, spec.generation)?) } else { None };
-        let mut links: Vec<Option<ShmLink>> = (0..world).map(|_| None).collect();
-        let mut missing = (0..world).filter(|&r| listed(r)).count();
-        let mut dials = JoinSet::new();
+        let mut listener = setup::Listener(if expect_accepts > 0 {
+            Some(setup::listen(&self.address.nonce, spec.generation)?)
+        } else {
+            None
+        });
+        let mut gathering = Gathering::new(rank, (0..world).map(listed).collect(), SharedNotes::default());
+        let mut tasks = PairTasks::new();
         for (peer, addr) in spec.peers.iter().enumerate().take(rank as usize) {
             if let Some(addr) = addr {
-                dials.spawn(setup::dial(Arc::clone(&ctx), peer as Rank, addr.nonce.clone()).instrument(span.clone()));
+                let dial = setup::dial(Arc::clone(&ctx), peer as Rank, addr.nonce.clone());
+                tasks.dials.spawn(dial.instrument(span.clone()));
             }
         }
-        let mut accepts = JoinSet::new();
-        let mut notes: Vec<String> = Vec::new();
-        while missing > 0 {
-            tokio::select! {
-                inc = async { listener.as_ref().expect("guarded by the select condition").accept().await }, if listener.is_some() => {
-                    match inc {
-                        // Any local process can connect to the abstract socket: bound the
-                        // handshakes in progress, as the TCP endpoint does.
-                        Ok((stream, _)) if accepts.len() >= MAX_HANDSHAKING => {
-                            drop(stream);
-                            note(&mut notes, format!("refused a connection: {MAX_HANDSHAKING} handshakes already in progress"));
-                        }
-                        Ok((stream, _)) => { accepts.spawn(setup::accept(Arc::clone(&ctx), stream).instrument(span.clone())); }
-                        Err(e) => return Err(TransportError::Io(format!("accepting on the shared-memory socket: {e}"))),
-                    }
-                }
-                Some(done) = dials.join_next() => match done {
-                    Ok(Ok((peer, link))) => {
-                        tracing::debug!(peer, "shm link up");
-                        if links[peer as usize].replace(link).is_none() { missing -= 1; }
-                    }
-                    Ok(Err(e)) => return Err(e),
-                    Err(e) => return Err(TransportError::Io(format!("shm set-up task failed: {e}"))),
-                },
-                Some(done) = accepts.join_next() => match done {
-                    Ok(Accepted::Linked(peer, link)) => {
-                        tracing::debug!(peer, "shm link up");
-                        if !listed(peer) || peer <= rank {
-                            note(&mut notes, format!("rank {peer} connected but is not expected over shared memory"));
-                        } else if links[peer as usize].replace(*link).is_none() {
-                            missing -= 1;
-                        }
-                    }
-                    Ok(Accepted::Failed { claimed, detail, fatal: true }) => {
-                        return Err(TransportError::Handshake { peer: claimed.unwrap_or(rank), detail });
-                    }
-                    Ok(Accepted::Failed { detail, .. }) => {
-                        tracing::debug!("accepted shm connection failed its handshake: {detail}");
-                        note(&mut notes, detail);
-                    }
-                    Err(e) => return Err(TransportError::Io(format!("shm set-up task failed: {e}"))),
-                },
-                () = tokio::time::sleep_until(deadline) => {
-                    let absent: Vec<Rank> = (0..world).filter(|&r| listed(r) && links[r as usize].is_none()).collect();
-                    let mut detail = format!(
-                        "shared-memory mesh not complete within the connect deadline of {:?}; no link to ranks {absent:?}",
-                        spec.deadlines.connect
-                    );
-                    for n in notes.iter().rev().take(3) {
-                        detail.push_str(&format!("; {n}"));
-                    }
-                    return Err(TransportError::Handshake { peer: absent.first().copied().unwrap_or(rank), detail });
-                }
+        let rules =
+            Rules { what: "shared-memory", connect: spec.deadlines.connect, deadline, max_accepting: MAX_HANDSHAKING };
+        let handshake = |stream| setup::accept(Arc::clone(&ctx), stream);
+        // The handshake takes only higher ranks; one not listed here is not expected.
+        let admit = |g: &mut Gathering<Box<ShmLink>>, peer: Rank, link: Box<ShmLink>| {
+            if g.is_planned(peer) {
+                g.keep(peer, link);
+            } else {
+                g.note(Some(peer), format!("rank {peer} connected but is not expected over shared memory"));
             }
-        }
+        };
+        mesh_setup::gather(&mut gathering, &mut tasks, &mut listener, handshake, admit, &rules).await?;
+        let links = gathering.into_links().into_iter().map(|l| l.map(|l| *l)).collect();
         tracing::debug!(world, "shm mesh up");
         Ok(ShmTransport { links: Links::new("shared memory", spec.generation, rank, links, span) })
     }
-}
-
-/// Keeps the newest few problems of a set-up for its deadline error.
-fn note(notes: &mut Vec<String>, detail: String) {
-    if notes.len() >= 16 {
-        notes.remove(0);
-    }
-    notes.push(detail);
 }
 
 /// A connected generation over shared memory (possibly only some of its peers). `Send +

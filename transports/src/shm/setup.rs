@@ -27,6 +27,7 @@ use super::ring::{ring_bytes, Ring, SLOT_HEADER};
 use super::segment::Mapping;
 use crate::activity::PeerBoard;
 use crate::handshake::{self, HsIoError, Message, Refused, Session, Verdict};
+use crate::mesh_setup::{Arrivals, Backoff, Paired};
 use crate::wire::u32_at;
 use crate::{Rank, TransportError};
 use std::io;
@@ -134,31 +135,36 @@ fn hs(peer: Rank, detail: impl Into<String>) -> TransportError {
 }
 
 /// Dials `peer` (the nonce of its address) until connected and linked, or the deadline
-/// passes.
-pub(crate) async fn dial(ctx: Arc<PairCtx>, peer: Rank, nonce: String) -> Result<(Rank, ShmLink), TransportError> {
+/// passes. Every failure after the connection is final: the peer's listener exists only
+/// while its set-up waits.
+pub(crate) async fn dial(ctx: Arc<PairCtx>, peer: Rank, nonce: String) -> Paired<Box<ShmLink>> {
     let name = socket_name(&nonce, ctx.generation);
-    let mut backoff = DIAL_BACKOFF_MIN;
+    let mut backoff = Backoff::new(DIAL_BACKOFF_MIN, DIAL_BACKOFF_MAX);
     let stream = loop {
         let attempt = abstract_addr(&name).and_then(|a| std::os::unix::net::UnixStream::connect_addr(&a));
         match attempt {
             Ok(s) => break s,
             Err(e) => {
-                if Instant::now() + backoff >= ctx.deadline {
-                    return Err(hs(
+                if !backoff.pause_before(ctx.deadline).await {
+                    return Paired::Failed(hs(
                         peer,
                         format!("could not reach rank {peer}'s shared-memory socket @{name} before the connect deadline: {e}"),
                     ));
                 }
-                tokio::time::sleep(backoff).await;
-                backoff = (backoff * 2).min(DIAL_BACKOFF_MAX);
             }
         }
     };
-    let io = |e: io::Error| hs(peer, format!("shared-memory socket to rank {peer}: {e}"));
-    stream.set_nonblocking(true).map_err(io)?;
-    let mut stream = UnixStream::from_std(stream).map_err(io)?;
-    let link = dial_pair(&ctx, peer, &mut stream).await.map_err(|d| hs(peer, d))?;
-    Ok((peer, link(stream)?))
+    let linked = async {
+        let io = |e: io::Error| hs(peer, format!("shared-memory socket to rank {peer}: {e}"));
+        stream.set_nonblocking(true).map_err(io)?;
+        let mut stream = UnixStream::from_std(stream).map_err(io)?;
+        let link = dial_pair(&ctx, peer, &mut stream).await.map_err(|d| hs(peer, d))?;
+        link(stream)
+    };
+    match linked.await {
+        Ok(link) => Paired::Linked(peer, Box::new(link)),
+        Err(e) => Paired::Failed(e),
+    }
 }
 
 type MakeLink = Box<dyn FnOnce(UnixStream) -> Result<ShmLink, TransportError> + Send>;
@@ -229,23 +235,36 @@ fn make_link(
     Box::new(move |sock| ShmLink::new(params, mapping, tx, rx, sock))
 }
 
-/// Outcome of an accepted connection.
-pub(crate) enum Accepted {
-    /// A link to this rank.
-    Linked(Rank, Box<ShmLink>),
-    /// The connection failed its handshake: `fatal` when both sides authenticated (a real
-    /// disagreement), else only noted (a stranger cannot fail the set-up).
-    Failed { claimed: Option<Rank>, detail: String, fatal: bool },
+/// This set-up's listener, if it accepts anyone (a rank with no higher peer on this host
+/// binds none).
+pub(crate) struct Listener(pub(crate) Option<UnixListener>);
+
+impl Arrivals for Listener {
+    type Conn = UnixStream;
+
+    async fn next(&mut self) -> Result<UnixStream, TransportError> {
+        let Some(listener) = &self.0 else { return std::future::pending().await };
+        loop {
+            match listener.accept().await {
+                Ok((stream, _)) => return Ok(stream),
+                // The connection went before it was accepted: not this listener's problem.
+                Err(e) if matches!(e.kind(), io::ErrorKind::ConnectionAborted | io::ErrorKind::Interrupted) => {}
+                Err(e) => return Err(TransportError::Io(format!("accepting on the shared-memory socket: {e}"))),
+            }
+        }
+    }
 }
 
-/// Completes the set-up of an accepted connection.
-pub(crate) async fn accept(ctx: Arc<PairCtx>, mut s: UnixStream) -> Accepted {
+/// Completes the set-up of an accepted connection. A failure is fatal only when both sides
+/// authenticated (a real disagreement); a stranger's is only noted.
+pub(crate) async fn accept(ctx: Arc<PairCtx>, mut s: UnixStream) -> Paired<Box<ShmLink>> {
     match accept_pair(&ctx, &mut s).await {
         Ok((peer, make)) => match make(s) {
-            Ok(link) => Accepted::Linked(peer, Box::new(link)),
-            Err(e) => Accepted::Failed { claimed: Some(peer), detail: e.to_string(), fatal: true },
+            Ok(link) => Paired::Linked(peer, Box::new(link)),
+            Err(e) => Paired::Failed(hs(peer, e.to_string())),
         },
-        Err((claimed, detail, fatal)) => Accepted::Failed { claimed, detail, fatal },
+        Err((claimed, detail, true)) => Paired::Failed(hs(claimed.unwrap_or(ctx.rank), detail)),
+        Err((claimed, detail, false)) => Paired::Noted { claimed, detail },
     }
 }
 

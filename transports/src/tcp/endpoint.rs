@@ -3,6 +3,7 @@
 use super::options::TcpOptions;
 use crate::handshake::{self, Hello, HsIoError, Message, Refusal, Verdict};
 use crate::links::lock;
+use crate::mesh_setup::SharedNotes;
 use crate::{Rank, TransportError};
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -30,37 +31,6 @@ pub(crate) struct Incoming {
     pub hello: Hello,
     pub addr: SocketAddr,
 }
-
-/// What went wrong with connections claiming to be a given rank, for error reports when a
-/// mesh cannot be completed in time.
-#[derive(Default)]
-pub(crate) struct Notes {
-    by_rank: HashMap<Rank, String>,
-    other: Option<String>,
-}
-
-impl Notes {
-    /// Records a problem seen with a connection claiming to come from `rank`.
-    pub(super) fn record(&mut self, world: u32, rank: Rank, note: String) {
-        if rank < world {
-            self.by_rank.insert(rank, note);
-        } else {
-            self.other = Some(note);
-        }
-    }
-
-    /// The last problem seen with `rank`, if any.
-    pub(super) fn for_rank(&self, rank: Rank) -> Option<&str> {
-        self.by_rank.get(&rank).map(String::as_str)
-    }
-
-    /// The last problem with a connection that claimed no valid rank.
-    pub(super) fn other(&self) -> Option<&str> {
-        self.other.as_deref()
-    }
-}
-
-pub(crate) type SharedNotes = Arc<Mutex<Notes>>;
 
 struct Waiter {
     tx: mpsc::Sender<Incoming>,
@@ -135,7 +105,7 @@ impl Router {
         let same_job = st.waiters.keys().any(|(j, _)| j == job);
         for ((j, _), w) in &st.waiters {
             if !same_job || j == job {
-                lock(&w.notes).record(w.world, rank, note.to_owned());
+                lock(&w.notes).record(w.world, Some(rank), note.to_owned());
             }
         }
     }

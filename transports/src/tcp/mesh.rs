@@ -1,15 +1,18 @@
-//! Mesh set-up: dialing lower ranks until the handshake ([`crate::handshake::dial`]) agrees,
-//! and the handshake of accepted connections ([`crate::handshake::accept`]).
+//! A TCP pair's part of the mesh set-up ([`crate::mesh_setup`]): dialing a lower rank until the
+//! handshake ([`crate::handshake::dial`]) agrees, and the handshake of accepted connections
+//! ([`crate::handshake::accept`]).
 
-use super::endpoint::{Incoming, SharedNotes};
+use super::endpoint::Incoming;
 use super::options::TcpOptions;
 use crate::handshake::{self, DialError, Refused, Session};
 use crate::links::lock;
+use crate::mesh_setup::{Arrivals, Backoff, Paired, SharedNotes};
 use crate::{Rank, TransportError};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::net::{TcpSocket, TcpStream};
+use tokio::sync::mpsc;
 use tokio::time::Instant;
 
 /// First pause between dial attempts; doubles up to [`DIAL_BACKOFF_MAX`].
@@ -46,26 +49,18 @@ impl MeshCtx {
     }
 }
 
-/// Outcome of one handshake task.
-pub(crate) enum Done {
-    /// A link to `rank` is authenticated and agreed.
-    Linked(Rank, TcpStream),
-    /// A link of the previous generation was re-bound to `rank` ([`super::carry`]), after
-    /// skipping the given number of stale frames.
-    Carried(Rank, TcpStream, u64),
-    /// The link carried to `rank` could not be re-bound (the acceptor's side: it waits for a
-    /// fresh dial instead).
-    CarryFailed(Rank, String),
-    /// Dialing `rank` failed for good; the mesh fails with this error.
-    DialFailed(TransportError),
-    /// An accepted connection claiming `claimed` failed its handshake.
-    AcceptFailed {
-        claimed: Rank,
-        detail: String,
-        /// Both sides authenticated each other, so this is a genuine disagreement that fails
-        /// the mesh; otherwise it is only noted (an unauthenticated stranger cannot fail it).
-        fatal: bool,
-    },
+/// A TCP pair's connection, as its set-up task hands it over ([`Paired::Linked`]).
+pub(crate) struct Arrived {
+    pub(crate) stream: TcpStream,
+    /// A link of the previous generation re-bound ([`super::carry`]), not a fresh connection.
+    pub(crate) carried: bool,
+}
+
+impl Arrived {
+    /// A fresh connection.
+    pub(crate) fn fresh(stream: TcpStream) -> Self {
+        Self { stream, carried: false }
+    }
 }
 
 fn hs(peer: Rank, detail: impl Into<String>) -> TransportError {
@@ -73,25 +68,25 @@ fn hs(peer: Rank, detail: impl Into<String>) -> TransportError {
 }
 
 /// Dials `peer` at `addr` until its handshake succeeds, fails for good, or the deadline passes.
-pub(crate) async fn dial(ctx: Arc<MeshCtx>, peer: Rank, addr: SocketAddr) -> Done {
-    let mut backoff = DIAL_BACKOFF_MIN;
+pub(crate) async fn dial(ctx: Arc<MeshCtx>, peer: Rank, addr: SocketAddr) -> Paired<Arrived> {
+    let mut backoff = Backoff::new(DIAL_BACKOFF_MIN, DIAL_BACKOFF_MAX);
     let mut last: Option<String> = None;
     loop {
         match dial_once(&ctx, peer, addr).await {
-            Ok(stream) => return Done::Linked(peer, stream),
-            Err(DialError::Fatal(detail)) => return Done::DialFailed(hs(peer, detail)),
+            Ok(stream) => return Paired::Linked(peer, Arrived::fresh(stream)),
+            Err(DialError::Fatal(detail)) => return Paired::Failed(hs(peer, detail)),
             Err(DialError::Retry(detail)) => {
                 tracing::debug!(peer, %addr, "dial attempt failed: {detail}");
                 // An attempt cut short by the deadline explains less than the one before it.
                 if last.is_none() || Instant::now() < ctx.deadline {
                     let note = format!("dialing rank {peer} at {addr}: {detail}");
-                    lock(&ctx.notes).record(ctx.world, peer, note);
+                    lock(&ctx.notes).record(ctx.world, Some(peer), note);
                     last = Some(detail);
                 }
             }
         }
-        if Instant::now() + backoff >= ctx.deadline {
-            return Done::DialFailed(hs(
+        if !backoff.pause_before(ctx.deadline).await {
+            return Paired::Failed(hs(
                 peer,
                 format!(
                     "could not connect to rank {peer} at {addr} before the connect deadline; last attempt: {}",
@@ -99,8 +94,6 @@ pub(crate) async fn dial(ctx: Arc<MeshCtx>, peer: Rank, addr: SocketAddr) -> Don
                 ),
             ));
         }
-        tokio::time::sleep(backoff).await;
-        backoff = (backoff * 2).min(DIAL_BACKOFF_MAX);
     }
 }
 
@@ -123,18 +116,32 @@ async fn dial_once(ctx: &MeshCtx, peer: Rank, addr: SocketAddr) -> Result<TcpStr
     Ok(stream)
 }
 
-/// Completes the handshake of an accepted connection routed to this mesh.
-pub(crate) async fn accept(ctx: Arc<MeshCtx>, inc: Incoming) -> Done {
-    let Incoming { mut stream, hello, addr } = inc;
-    let claimed = hello.sender;
-    match handshake::accept(&mut stream, &ctx.session(), hello, Some(addr), |_| true).await {
-        Ok(_) => Done::Linked(claimed, stream),
-        Err(Refused { claimed, detail, fatal }) => Done::AcceptFailed { claimed, detail, fatal },
+/// The connections the endpoint routes to a set-up (their hellos read and screened there).
+impl Arrivals for mpsc::Receiver<Incoming> {
+    type Conn = Incoming;
+
+    async fn next(&mut self) -> Result<Incoming, TransportError> {
+        match self.recv().await {
+            Some(inc) => Ok(inc),
+            // The endpoint holds the sender while the set-up is registered.
+            None => std::future::pending().await,
+        }
     }
 }
 
-/// Records a non-fatal failure of an accepted connection for the final error report.
-pub(crate) fn note(ctx: &MeshCtx, claimed: Rank, detail: String) {
-    tracing::debug!(claimed, "accepted connection failed its handshake: {detail}");
+/// Completes the handshake of an accepted connection routed to this mesh.
+pub(crate) async fn accept(ctx: Arc<MeshCtx>, inc: Incoming) -> Paired<Arrived> {
+    let Incoming { mut stream, hello, addr } = inc;
+    let claimed = hello.sender;
+    match handshake::accept(&mut stream, &ctx.session(), hello, Some(addr), |_| true).await {
+        Ok(_) => Paired::Linked(claimed, Arrived::fresh(stream)),
+        Err(Refused { claimed, detail, fatal: true }) => Paired::Failed(hs(claimed, detail)),
+        Err(Refused { claimed, detail, fatal: false }) => Paired::Noted { claimed: Some(claimed), detail },
+    }
+}
+
+/// Records a problem that does not fail the mesh, for the final error report.
+pub(crate) fn note(ctx: &MeshCtx, claimed: Option<Rank>, detail: String) {
+    tracing::debug!(?claimed, "a connection failed its handshake: {detail}");
     lock(&ctx.notes).record(ctx.world, claimed, detail);
 }

@@ -66,15 +66,15 @@ pub use resolve::{ResolvePeer, UNKNOWN_PEER};
 
 use crate::links::Links;
 use crate::liveness;
+use crate::mesh_setup::{self, Gathering, PairTasks, Paired, Rules, SharedNotes};
 use crate::{AbortReason, DeadlineInForce, Deadlines, Rank, Tag, Transport, TransportError};
-use endpoint::{Notes, Router};
+use endpoint::{Incoming, Router};
 use link::TcpLink;
-use mesh::{Done, MeshCtx};
+use mesh::{Arrived, MeshCtx};
 use on_demand::OnDemand;
 use std::net::SocketAddr;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use tokio::sync::mpsc;
-use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tracing::Instrument;
 
@@ -238,8 +238,7 @@ impl TcpEndpoint {
             )));
         }
         let deadline = Instant::now() + spec.deadlines.connect;
-        let mut streams: Vec<Option<tokio::net::TcpStream>> = (0..world).map(|_| None).collect();
-        let notes = Arc::new(Mutex::new(Notes::default()));
+        let notes = SharedNotes::default();
         let (tx, mut rx) = mpsc::channel(world as usize + 8);
         let registration = self.router.register(&spec.job, spec.generation, world, tx, Arc::clone(&notes))?;
         let ctx = Arc::new(MeshCtx {
@@ -253,104 +252,81 @@ impl TcpEndpoint {
             notes: Arc::clone(&notes),
             pace: crate::deadline::Pace::shared(crate::activity::Activity::for_mesh(&spec.job, spec.generation, rank)),
         });
-        let mut tasks = JoinSet::new();
+        let mut gathering = Gathering::new(rank, planned, notes);
+        let mut tasks = PairTasks::new();
         // Carried links first: a peer with one is re-bound, not dialled (its dialler falls
         // back to a fresh dial if the re-bind fails).
         let mut rebinding = vec![false; world as usize];
         for (peer, link) in carried {
-            let Some(addr) = spec.peers.get(peer as usize).copied().filter(|_| planned[peer as usize]) else {
+            let Some(addr) = spec.peers.get(peer as usize).copied().filter(|_| gathering.is_planned(peer)) else {
                 continue; // dropping the link shuts it down
             };
             if std::mem::replace(&mut rebinding[peer as usize], true) {
                 continue;
             }
             let ctx = Arc::clone(&ctx);
-            tasks.spawn(
+            tasks.dials.spawn(
                 async move {
                     match carry::rebind(&ctx, peer, link).await {
-                        Ok((stream, skipped)) => Done::Carried(peer, stream, skipped),
+                        Ok((stream, skipped)) => {
+                            tracing::debug!(peer, skipped, "tcp link carried over");
+                            Paired::Linked(peer, Arrived { stream, carried: true })
+                        }
                         Err(detail) if peer < ctx.rank => {
                             tracing::debug!(peer, "{detail}; dialling a fresh connection");
                             mesh::dial(ctx, peer, addr).await
                         }
-                        Err(detail) => Done::CarryFailed(peer, detail),
+                        Err(detail) => Paired::Noted { claimed: Some(peer), detail },
                     }
                 }
                 .instrument(span.clone()),
             );
         }
         for (peer, addr) in spec.peers.iter().enumerate().take(rank as usize) {
-            if planned[peer] && !rebinding[peer] {
-                tasks.spawn(mesh::dial(Arc::clone(&ctx), peer as Rank, *addr).instrument(span.clone()));
+            if gathering.is_planned(peer as Rank) && !rebinding[peer] {
+                tasks.dials.spawn(mesh::dial(Arc::clone(&ctx), peer as Rank, *addr).instrument(span.clone()));
             }
         }
-        let mut carried_in = vec![false; world as usize];
-        let mut missing = planned.iter().filter(|&&p| p).count();
-        while missing > 0 {
-            tokio::select! {
-                Some(inc) = rx.recv() => {
-                    tasks.spawn(mesh::accept(Arc::clone(&ctx), inc).instrument(span.clone()));
-                }
-                Some(done) = tasks.join_next() => match done {
-                    Ok(Done::Linked(peer, stream)) => {
-                        tracing::debug!(peer, "tcp link up");
-                        // A peer outside the plan may dial early (it needs the link already);
-                        // its link is kept, but the set-up does not wait for such links. A
-                        // fresh connection replaces an earlier one: the dialler uses the last.
-                        match streams[peer as usize].replace(stream) {
-                            None if planned[peer as usize] => missing -= 1,
-                            Some(earlier) if std::mem::take(&mut carried_in[peer as usize]) => carry::close(earlier),
-                            _ => {}
-                        }
-                    }
-                    Ok(Done::Carried(peer, stream, skipped)) => {
-                        if streams[peer as usize].is_some() {
-                            // A fresh connection came first; the peer uses that one.
-                            carry::close(stream);
-                        } else {
-                            tracing::debug!(peer, skipped, "tcp link carried over");
-                            streams[peer as usize] = Some(stream);
-                            carried_in[peer as usize] = true;
-                            missing -= 1;
-                        }
-                    }
-                    Ok(Done::CarryFailed(peer, detail)) => {
-                        tracing::debug!(peer, "{detail}; waiting for a fresh connection");
-                        mesh::note(&ctx, peer, detail);
-                    }
-                    Ok(Done::DialFailed(e)) => return Err(e),
-                    Ok(Done::AcceptFailed { claimed, detail, fatal: true }) => {
-                        return Err(TransportError::Handshake { peer: claimed, detail });
-                    }
-                    Ok(Done::AcceptFailed { claimed, detail, fatal: false }) => mesh::note(&ctx, claimed, detail),
-                    Err(e) => return Err(TransportError::Io(format!("handshake task failed: {e}"))),
-                },
-                () = tokio::time::sleep_until(deadline) => {
-                    return Err(deadline_error(&ctx, &streams, &planned, spec.deadlines));
+        let rules = Rules { what: "TCP", connect: spec.deadlines.connect, deadline, max_accepting: MAX_HANDSHAKING };
+        let handshake = |inc: Incoming| mesh::accept(Arc::clone(&ctx), inc);
+        // A peer outside the plan may dial early (it needs the link already): its link is
+        // kept, but the set-up does not wait for such links. A fresh connection replaces a
+        // carried one (the dialler uses its last), and a carried one that comes second is
+        // not used.
+        let admit = |g: &mut Gathering<Arrived>, peer: Rank, arrived: Arrived| {
+            if arrived.carried && g.has(peer) {
+                carry::close(arrived.stream);
+            } else if let Some(earlier) = g.keep(peer, arrived) {
+                if earlier.carried {
+                    carry::close(earlier.stream);
                 }
             }
-        }
+        };
+        mesh_setup::gather(&mut gathering, &mut tasks, &mut rx, handshake, admit, &rules).await?;
+        let mut carried = 0;
         let mut links = Vec::with_capacity(world as usize);
-        for (peer, s) in streams.into_iter().enumerate() {
-            links.push(match s {
-                Some(s) => Some(TcpLink::new(
-                    peer as Rank,
-                    spec.generation,
-                    self.options.max_frame,
-                    spec.deadlines,
-                    Arc::clone(&ctx.pace),
-                    spec.peers.get(peer).copied().filter(|&a| a != UNKNOWN_PEER),
-                    self.options.busy_poll,
-                    s,
-                    span.clone(),
-                )?),
+        for (peer, arrived) in gathering.into_links().into_iter().enumerate() {
+            links.push(match arrived {
+                Some(Arrived { stream, carried: was_carried }) => {
+                    carried += usize::from(was_carried);
+                    Some(TcpLink::new(
+                        peer as Rank,
+                        spec.generation,
+                        self.options.max_frame,
+                        spec.deadlines,
+                        Arc::clone(&ctx.pace),
+                        spec.peers.get(peer).copied().filter(|&a| a != UNKNOWN_PEER),
+                        self.options.busy_poll,
+                        stream,
+                        span.clone(),
+                    )?)
+                }
                 None => None,
             });
         }
         let links = Links::new("TCP", spec.generation, rank, links, span.clone());
         let links = Arc::new(if spec.carry_links { links.keep_open_on_abort() } else { links });
         let linked = links.linked();
-        let carried = carried_in.iter().filter(|&&c| c).count();
         let on_demand =
             Arc::new(OnDemand::new((*ctx).clone(), spec.deadlines, spec.peers, spec.resolver, span.clone()));
         // The endpoint keeps routing this generation's connections here: peers outside the
@@ -361,29 +337,6 @@ impl TcpEndpoint {
         tracing::debug!(world, linked, carried, "tcp mesh up");
         Ok(TcpTransport { job: spec.job.into(), links, carried, on_demand, late, _registration: registration })
     }
-}
-
-fn deadline_error(
-    ctx: &MeshCtx,
-    streams: &[Option<tokio::net::TcpStream>],
-    planned: &[bool],
-    deadlines: Deadlines,
-) -> TransportError {
-    let missing: Vec<Rank> = (0..ctx.world).filter(|&r| planned[r as usize] && streams[r as usize].is_none()).collect();
-    let notes = crate::links::lock(&ctx.notes);
-    let mut detail = format!(
-        "mesh not complete within the connect deadline of {:?}; no link to ranks {missing:?}",
-        deadlines.connect
-    );
-    for &r in &missing {
-        if let Some(n) = notes.for_rank(r) {
-            detail.push_str(&format!("; {n}"));
-        }
-    }
-    if let Some(n) = notes.other() {
-        detail.push_str(&format!("; {n}"));
-    }
-    TransportError::Handshake { peer: missing.first().copied().unwrap_or(ctx.rank), detail }
 }
 
 /// A connected generation over TCP: one link per linked peer, more made on first use (see

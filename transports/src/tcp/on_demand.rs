@@ -10,9 +10,10 @@
 
 use super::endpoint::Incoming;
 use super::link::TcpLink;
-use super::mesh::{self, Done, MeshCtx};
+use super::mesh::{self, Arrived, MeshCtx};
 use super::resolve::{ResolvePeer, UNKNOWN_PEER};
 use crate::links::{lock, Links};
+use crate::mesh_setup::{PairTasks, Paired};
 use crate::{Deadlines, Rank, Silence, TransportError};
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -142,21 +143,17 @@ impl OnDemand {
         }
         let addr = self.address(peer).await?;
         match mesh::dial(self.ctx(), peer, addr).await {
-            Done::Linked(peer, stream) => {
+            Paired::Linked(peer, Arrived { stream, .. }) => {
                 self.install(links, peer, stream);
                 match links.get(peer) {
                     Some(_) => Ok(()),
                     None => Err(TransportError::Handshake { peer, detail: "the link made on first use failed".into() }),
                 }
             }
-            Done::DialFailed(e) => Err(e),
-            Done::AcceptFailed { claimed, detail, .. } => Err(TransportError::Handshake { peer: claimed, detail }),
-            // A dial never re-binds a carried link.
-            Done::Carried(peer, stream, _) => {
-                super::carry::close(stream);
-                Err(TransportError::Handshake { peer, detail: "a dial ended as a carried link".into() })
+            Paired::Failed(e) => Err(e),
+            Paired::Noted { claimed, detail } => {
+                Err(TransportError::Handshake { peer: claimed.unwrap_or(peer), detail })
             }
-            Done::CarryFailed(peer, detail) => Err(TransportError::Handshake { peer, detail }),
         }
     }
 
@@ -221,7 +218,7 @@ pub(crate) async fn serve_late(
     on_demand: Arc<OnDemand>,
     links: Arc<Links<TcpLink>>,
     mut incoming: mpsc::Receiver<Incoming>,
-    mut handshakes: JoinSet<Done>,
+    mut handshakes: PairTasks<Arrived>,
 ) {
     let mut targets: JoinSet<(Rank, Option<SocketAddr>)> = JoinSet::new();
     // Peers outside the plan that dialled while the set-up ran.
@@ -231,7 +228,7 @@ pub(crate) async fn serve_late(
     loop {
         tokio::select! {
             Some(inc) = incoming.recv() => {
-                handshakes.spawn(mesh::accept(on_demand.ctx(), inc));
+                handshakes.accepts.spawn(mesh::accept(on_demand.ctx(), inc));
             }
             Some(found) = targets.join_next() => {
                 if let Ok((peer, Some(addr))) = found {
@@ -241,16 +238,15 @@ pub(crate) async fn serve_late(
                 }
             }
             Some(done) = handshakes.join_next() => match done {
-                Ok(Done::Linked(peer, stream)) => {
+                // The set-up ended with this planned peer linked by a fresh connection: the
+                // carried one is not used.
+                Ok(Paired::Linked(_, Arrived { stream, carried: true })) => super::carry::close(stream),
+                Ok(Paired::Linked(peer, Arrived { stream, carried: false })) => {
                     on_demand.install(&links, peer, stream);
                     find_target(&on_demand, &links, &mut targets, peer);
                 }
-                Ok(Done::AcceptFailed { claimed, detail, .. }) => mesh::note(&on_demand.ctx(), claimed, detail),
-                Ok(Done::DialFailed(_)) => {}
-                // The set-up ended with this planned peer linked by a fresh connection: the
-                // carried one is not used.
-                Ok(Done::Carried(_, stream, _)) => super::carry::close(stream),
-                Ok(Done::CarryFailed(..)) => {}
+                Ok(Paired::Noted { claimed, detail }) => mesh::note(&on_demand.ctx(), claimed, detail),
+                Ok(Paired::Failed(_)) => {}
                 Err(e) => tracing::debug!(parent: &on_demand.span, error = %e, "a late handshake task failed"),
             },
             else => break,
