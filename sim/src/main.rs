@@ -54,6 +54,10 @@ enum Command {
         /// Plant the never-bypassed bug in the heartbeat relay, to see it caught.
         #[arg(long)]
         relay_never_bypassed: bool,
+        /// Plant the same-ranks bug in the decision which links are carried over, to see it
+        /// caught.
+        #[arg(long)]
+        carry_same_ranks: bool,
     },
     /// Runs seeds from --first on until the duration is spent; reports the failing seeds.
     Explore {
@@ -107,6 +111,7 @@ fn main() -> ExitCode {
             wrong_partner,
             stale_beat_writes,
             relay_never_bypassed,
+            carry_same_ranks,
         } => {
             let options = Options {
                 cascade_scope: if per_replica_cascades { CascadeScope::Replica } else { CascadeScope::Store },
@@ -123,6 +128,7 @@ fn main() -> ExitCode {
                 wrong_partner,
                 stale_beat_writes,
                 relay_never_bypassed,
+                carry_same_ranks,
             };
             let report = run_seed(seed, &options);
             for line in &report.lines {

@@ -28,9 +28,12 @@ pub(crate) struct Ring<'a> {
     /// The generation's size.
     pub(crate) size: u32,
     pub(crate) rank: u32,
-    /// The predecessor's entry (worker id, incarnation), as this rank's view gives it: the
-    /// peer its incoming link is dialled from.
+    /// The far end of the incoming link (worker id, incarnation): the predecessor's entry as
+    /// this rank's view gives it (the peer the link is dialled from), or, for a link carried
+    /// over, the member that held the rank it is carried from.
     pub(crate) pred: &'a (String, u64),
+    /// The generation and rank the incoming link was carried from, if it was.
+    pub(crate) carried_from: Option<(u64, u32)>,
     /// The no-progress deadline.
     pub(crate) no_progress: Duration,
 }
@@ -129,19 +132,22 @@ impl Ring<'_> {
                 }
                 return done(&ledger);
             }
-            // The incoming link is dialled from the predecessor this rank's view names: a view
-            // that names another process than the one running that rank is a wrong member list
-            // (the handshake would refuse the link).
+            // The incoming link comes from the predecessor this rank's view names, or is a
+            // link carried over from whoever held its old rank: either way another process
+            // than the one running the predecessor's rank is a wrong member list or a wrong
+            // carry (the handshake or the re-bind would refuse the link).
             if let Some((idx, inc)) = placed(&ledger, pred) {
                 if (worker_id(idx), inc) != *self.pred {
                     drop(ledger);
-                    self.shared.violation(
-                        now,
-                        format!(
-                            "worker-{}'s view of generation {g} names {:?} at rank {pred}, which worker-{idx} (incarnation {inc}) runs",
+                    let how = match self.carried_from {
+                        Some((from_g, from_r)) => format!(
+                            "worker-{}'s link carried into generation {g} from rank {from_r} of generation {from_g} reaches {:?}",
                             self.index, self.pred
                         ),
-                    );
+                        None => format!("worker-{}'s view of generation {g} names {:?}", self.index, self.pred),
+                    };
+                    self.shared
+                        .violation(now, format!("{how} at rank {pred}, which worker-{idx} (incarnation {inc}) runs"));
                     return Outcome::Failed(Failure { kind: FailureKind::PeerClosed, peer: pred as u32, received: 0 });
                 }
             }

@@ -54,6 +54,10 @@ pub struct Options {
     /// Plant a bug in the heartbeat relay (a worker whose relay hangs never beats itself;
     /// `cohort::control::relay_planted`), to show that a seed catches it.
     pub relay_never_bypassed: bool,
+    /// Plant a bug in the decision which links are carried into the next generation (the old
+    /// link at the same rank number, as if ranks never moved; `cohort::elastic::carry_planted`),
+    /// to show that a seed catches it.
+    pub carry_same_ranks: bool,
 }
 
 /// Where the workers run: `per_host` workers to a host.
@@ -174,6 +178,7 @@ pub fn run_seed(seed: u64, options: &Options) -> Report {
     cohort_coordinator::hub::planted::set_wrong_partner(options.wrong_partner);
     cohort_coordinator::hub::planted::set_stale_beat_writes(options.stale_beat_writes);
     cohort::control::relay_planted::set_never_bypassed(options.relay_never_bypassed);
+    cohort::elastic::carry_planted::set_same_ranks(options.carry_same_ranks);
     let scenario = Scenario::draw(seed, options.mix, options.workers);
     let shared = Shared::default();
     let mut rng = StdRng::seed_from_u64(seed ^ 0xd1ce);
@@ -279,6 +284,7 @@ pub fn run_seed(seed: u64, options: &Options) -> Report {
     cohort_coordinator::hub::planted::set_wrong_partner(false);
     cohort_coordinator::hub::planted::set_stale_beat_writes(false);
     cohort::control::relay_planted::set_never_bypassed(false);
+    cohort::elastic::carry_planted::set_same_ranks(false);
     let lines = shared.lines();
     let ledger = shared.lock();
     Report { seed, hash: hash(&lines), lines, faults: ledger.faults, violations: ledger.violations.clone() }

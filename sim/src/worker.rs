@@ -19,7 +19,7 @@ use crate::ring::{Failure, Outcome, Ring};
 use cohort::control::{ControlClient, ControlConfig, ControlError, RelayNet};
 use cohort::elastic::{
     call_bound, Connected, DataPlane, ElasticConfig, ElasticError, ElasticGroup, Formed, Generation, JobId, MeshKind,
-    Observed, WorkerId, World,
+    Observed, PreviousView, WorkerId, World,
 };
 use cohort::{CommError, OpProgress, RootCause};
 use cohort_proto::v1 as pb;
@@ -216,18 +216,26 @@ impl World for SimWorld {
 /// literal, as a pod's), which nobody dials, and connects a generation as a rank of the
 /// modelled ring ([`crate::ring`]). A rank of a ring links its neighbours: its predecessor's
 /// entry comes from its view, or is asked of the coordinator on first use when a sparse view
-/// lacks it, as the socket plane resolves a peer.
+/// lacks it, as the socket plane resolves a peer. The incoming link is carried over from the
+/// last generation this process connected when the shipped decision ([`PreviousView`], as
+/// production's socket plane takes it) says so: then it reaches whoever held the old rank it
+/// is carried from, which the ring checks is the process its view names now.
 struct SimPlane {
     /// The published TCP address.
     address: String,
     worker_id: String,
+    /// The last generation this process connected.
+    previous: Option<PreviousView>,
 }
 
-/// One rank's modelled communicator: its predecessor, and the cause it was revoked with (the
-/// membership's `Abort`).
+/// One rank's modelled communicator: where its incoming link comes from, and the cause it was
+/// revoked with (the membership's `Abort`).
 struct SimComm {
-    /// The predecessor's worker id and incarnation.
+    /// The far end of the incoming link: the predecessor's worker id and incarnation as this
+    /// rank's view names it, or, for a carried link, the member that held the old rank.
     pred: (String, u64),
+    /// The carried link's generation and rank there, if the incoming link was carried over.
+    carried_from: Option<(u64, u32)>,
     revoked: Arc<Mutex<Option<RootCause>>>,
 }
 
@@ -242,23 +250,25 @@ impl DataPlane for SimPlane {
     async fn connect(&mut self, formed: Formed<'_>) -> Result<Option<Connected<SimComm>>, ElasticError> {
         let members = formed.members;
         let n = members.size();
-        let pred = (formed.rank + n - 1) % n;
-        let pred = match members.get(pred) {
-            Some(m) => (m.worker_id.clone(), members.incarnation_of(pred).unwrap_or(0)),
+        let pred_rank = (formed.rank + n - 1) % n;
+        let pred = match members.get(pred_rank) {
+            Some(m) => (m.worker_id.clone(), members.incarnation_of(pred_rank).unwrap_or(0)),
             None => {
                 let question = pb::MembersRequest {
                     job: JOB.into(),
                     worker_id: self.worker_id.clone(),
                     incarnation: formed.incarnation,
                     generation: formed.generation.number,
-                    ranks: vec![pred],
+                    ranks: vec![pred_rank],
                     host: String::new(),
                 };
                 match formed.client.fetch_members(question, formed.generation.members_digest).await {
-                    Ok(fetched) => match fetched.into_iter().find(|m| m.rank == pred) {
+                    Ok(fetched) => match fetched.into_iter().find(|m| m.rank == pred_rank) {
                         Some(m) => (m.worker_id, m.incarnation),
                         None => {
-                            return Err(ElasticError::Protocol(format!("rank {pred} missing from a Members answer")))
+                            return Err(ElasticError::Protocol(format!(
+                                "rank {pred_rank} missing from a Members answer"
+                            )))
                         }
                     },
                     // The generation changed meanwhile: rendezvous again.
@@ -270,13 +280,26 @@ impl DataPlane for SimPlane {
                 }
             }
         };
+        // Production carries the links to every planned peer; the model's ring has one
+        // incoming link, so it asks the same question for that one.
+        let carried = self.previous.as_ref().and_then(|previous| {
+            let (_, old_rank) =
+                previous.carry_into(formed.generation.number, &members, formed.incarnation, [pred_rank]).pop()?;
+            let (worker_id, incarnation) = previous.member_at(old_rank)?;
+            Some(((worker_id.to_owned(), incarnation), (previous.number(), old_rank)))
+        });
+        let (pred, carried_from) = match carried {
+            Some((far_end, from)) => (far_end, Some(from)),
+            None => (pred, None),
+        };
+        self.previous = Some(PreviousView::of(formed.generation.number, formed.incarnation, &members));
         let revoked = Arc::new(Mutex::new(None));
         let slot = Arc::clone(&revoked);
         let revoke = Arc::new(move |cause: RootCause| {
             let mut slot = slot.lock().unwrap_or_else(PoisonError::into_inner);
             slot.get_or_insert(cause);
         });
-        Ok(Some(Connected { comm: SimComm { pred, revoked }, revoke, members, transport: MeshKind::Tcp }))
+        Ok(Some(Connected { comm: SimComm { pred, carried_from, revoked }, revoke, members, transport: MeshKind::Tcp }))
     }
 }
 
@@ -396,6 +419,7 @@ impl Driver {
         let plane = SimPlane {
             address: format!("{}:7200", turmoil::lookup(self.world.setup.host.as_str())),
             worker_id: worker_id(self.index()),
+            previous: None,
         };
         let world: Arc<dyn World> = self.world.clone();
         let mut group = tokio::select! {
@@ -467,6 +491,7 @@ impl Driver {
             size: g.members.size(),
             rank,
             pred: &comm.pred,
+            carried_from: comm.carried_from,
             no_progress: self.world.setup.no_progress,
         };
         {
@@ -476,7 +501,12 @@ impl Driver {
             view.last_formed = number;
         }
         let (size, known) = (g.members.size(), g.members.known().len());
-        self.world.log(format!("generation {number}: rank {rank} of {size} (knows {known}), after {:?}", comm.pred));
+        let carried = match comm.carried_from {
+            Some((g, r)) => format!(", its link carried from rank {r} of generation {g}"),
+            None => String::new(),
+        };
+        self.world
+            .log(format!("generation {number}: rank {rank} of {size} (knows {known}), after {:?}{carried}", comm.pred));
         // The step done last; `None` until the sync.
         let mut step: Option<u64> = None;
         let exit = loop {

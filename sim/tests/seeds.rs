@@ -234,11 +234,13 @@ fn a_crash_takes_the_whole_host_of_several_workers() {
 /// Generations above the job's `whole_answer_up_to` (4 here, with 16 workers on hosts of
 /// their own) are answered as sparse views, which the shipped worker completes (its ring
 /// predecessor resolved on first use when its view lacks it). Every view agrees with every
-/// other and with where the ranks run, and every invariant holds through the seed's faults.
+/// other and with where the ranks run, links carried into the next generation (the shipped
+/// decision, `PreviousView`) reach the process the new view names, and every invariant holds
+/// through the seed's faults.
 #[test]
 fn sparse_views_hold_every_invariant() {
     let options = Options { workers: Some(16), whole_answer_up_to: Some(4), ..Options::default() };
-    let (mut faults, mut sparse) = (0, 0);
+    let (mut faults, mut sparse, mut carried) = (0, 0, 0);
     for seed in 0..6 {
         let report = run_seed(seed, &options);
         assert!(
@@ -248,9 +250,28 @@ fn sparse_views_hold_every_invariant() {
         );
         faults += report.faults;
         sparse += report.lines.iter().filter(|l| knows_fewer_than_all(l)).count();
+        carried +=
+            report.lines.iter().filter(|l| knows_fewer_than_all(l) && l.contains("its link carried from")).count();
     }
     assert!(faults >= 6 * 3, "only {faults} faults over 6 seeds");
     assert!(sparse > 0, "no worker was given a sparse view");
+    assert!(carried > 0, "no link was carried into a sparse generation");
+}
+
+/// A bug planted in the shipped decision which links are carried into the next generation
+/// (the old link at the same rank number, as if ranks never moved after a failure) is caught:
+/// a carried link reaches another process than the one the new view names at that rank. The
+/// same seed passes without it (`sparse_views_hold_every_invariant`).
+#[test]
+fn a_link_carried_to_the_wrong_rank_is_caught() {
+    let options =
+        Options { workers: Some(16), whole_answer_up_to: Some(4), carry_same_ranks: true, ..Options::default() };
+    let report = run_seed(1, &options);
+    assert!(
+        report.violations.iter().any(|v| v.contains("link carried into generation")),
+        "the planted carry bug went unnoticed: {:#?}",
+        report.violations
+    );
 }
 
 /// Whether a trace line says a worker connected a generation knowing only part of it:
@@ -271,7 +292,9 @@ fn a_wrong_partner_in_sparse_answers_is_caught() {
     let options = Options { workers: Some(16), whole_answer_up_to: Some(4), wrong_partner: true, ..Options::default() };
     let report = run_seed(0, &options);
     assert!(
-        report.violations.iter().any(|v| v.contains("two members at rank") || v.contains("'s view of generation")),
+        report.violations.iter().any(|v| v.contains("two members at rank")
+            || v.contains("'s view of generation")
+            || v.contains("link carried into generation")),
         "the planted wrong partner went unnoticed: {:#?}",
         report.violations
     );
@@ -280,7 +303,8 @@ fn a_wrong_partner_in_sparse_answers_is_caught() {
 /// The shipped worker at scale: 1,024 workers (hosts of 8, the simulated clock in 5 ms
 /// steps) at the default `whole_answer_up_to` (256), so every generation of the job is
 /// answered as sparse views; the seed's faults (pauses, isolations, partitions, crashes,
-/// replica crashes, store outages) are drawn among them, and every invariant holds. A longer
+/// replica crashes, store outages) are drawn among them, links are carried into each next
+/// generation (5,084 of the seed's 6,137 connections), and every invariant holds. A longer
 /// run: `cohort-sim explore --workers 1024 --workers-per-host 8 --tick-ms 5 --duration 1h`
 /// (docs/testing.md).
 #[test]
@@ -295,4 +319,7 @@ fn a_thousand_workers_on_sparse_views_hold_every_invariant() {
     assert!(report.faults >= 10, "only {} faults", report.faults);
     let sparse = report.lines.iter().filter(|l| knows_fewer_than_all(l)).count();
     assert!(sparse >= 1024, "only {sparse} connections on sparse views");
+    let carried =
+        report.lines.iter().filter(|l| knows_fewer_than_all(l) && l.contains("its link carried from")).count();
+    assert!(carried >= 1024, "only {carried} connections carried their link over");
 }

@@ -11,8 +11,9 @@
 //!
 //! It makes `elastic::membership`, the worker's membership state machine (no I/O, time passed
 //! in), public, so that the deterministic simulation (`cohort-sim`) drives the same machine
-//! as [`elastic::ElasticGroup`], and adds `control::relay_planted`, a bug the simulation's
-//! tests plant in the heartbeat relay to show that its seeds catch it. It is not part of the
+//! as [`elastic::ElasticGroup`], and adds `control::relay_planted` and `elastic::carry_planted`,
+//! bugs the simulation's tests plant in the heartbeat relay and in the decision which links
+//! are carried into the next generation, to show that its seeds catch them. It is not part of the
 //! stable API: anything under it may
 //! change in any release, and nothing outside this workspace should enable it.
 

@@ -37,6 +37,7 @@
 //!   coordinator names stragglers; under the job's `exclude` policy it asks one to leave,
 //!   which [`ElasticGroup::straggler_leave`] tells the training loop.
 
+mod carry_plan;
 mod config;
 mod connect;
 mod data_plane;
@@ -61,6 +62,9 @@ mod state;
 mod timing;
 mod view_plan;
 
+#[cfg(feature = "test-support")]
+pub use carry_plan::planted as carry_planted;
+pub use carry_plan::PreviousView;
 pub use cohort_proto::ids::{IdError, JobId, WorkerId};
 pub use config::{local_hostname, ElasticConfig};
 pub use connect::{connect_members, LocalEndpoints, MeshScope};

@@ -2,6 +2,7 @@
 //! every member published it. Its endpoints are kept across generations, and each
 //! generation's TCP links may be carried into the next.
 
+use super::carry_plan::PreviousView;
 use super::connect::{connect_planned, Carry, LocalEndpoints, MeshScope};
 use super::data_plane::{Connected, DataPlane, Formed};
 use super::members::{fetch_members, Members};
@@ -15,7 +16,6 @@ use cohort_proto::v1 as pb;
 use cohort_transports::shm::ShmEndpoint;
 use cohort_transports::tcp::{CarriedLink, ResolvePeer, TcpEndpoint, Upfront};
 use cohort_transports::{Transport, TransportError};
-use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Instant;
@@ -235,15 +235,8 @@ impl DataPlane for SocketPlane {
         let comm_config = CommConfig { abort_transport_on_error: false, ..self.comm.clone() };
         let carried = transport.carried_links();
         let transport = Arc::new(transport);
-        self.previous = Some(Previous {
-            number,
-            incarnation,
-            ranks: members
-                .iter()
-                .filter_map(|m| Some((m.worker_id.clone(), (members.incarnation_of(m.rank)?, m.rank))))
-                .collect(),
-            mesh: Arc::clone(&transport),
-        });
+        self.previous =
+            Some(Previous { view: PreviousView::of(number, incarnation, &members), mesh: Arc::clone(&transport) });
         let mut comm = Communicator::new(transport, comm_config);
         comm.set_layout(members.layout()).map_err(|e| ElasticError::Protocol(e.to_string()))?;
         let links = comm.transport().linked_peers();
@@ -257,11 +250,8 @@ impl DataPlane for SocketPlane {
 /// A generation this worker connected, kept until the next one takes what it can of its links
 /// (incremental re-formation).
 struct Previous {
-    number: u64,
-    /// This worker's incarnation in it: a worker that joined again carries nothing over.
-    incarnation: u64,
-    /// Each member's incarnation and rank, by worker id.
-    ranks: HashMap<String, (u64, u32)>,
+    /// Who held which rank in it ([`PreviousView`] decides what is carried).
+    view: PreviousView,
     mesh: Arc<MeshTransport>,
 }
 
@@ -278,9 +268,6 @@ impl Previous {
         plan: &MeshPlan,
     ) -> Vec<(u32, CarriedLink)> {
         let Some(old) = self.mesh.carry_over() else { return Vec::new() };
-        if self.incarnation != incarnation || self.number >= number {
-            return Vec::new();
-        }
         let world = members.size();
         let planned: Vec<u32> = match plan {
             MeshPlan::Tcp { upfront, .. } | MeshPlan::Mixed { upfront, .. } => match upfront {
@@ -289,14 +276,10 @@ impl Previous {
             },
             _ => Vec::new(),
         };
-        planned
+        self.view
+            .carry_into(number, members, incarnation, planned)
             .into_iter()
-            .filter_map(|p| {
-                let m = members.get(p)?;
-                let peer_incarnation = members.incarnation_of(p)?;
-                let &(_, old_rank) = self.ranks.get(&m.worker_id).filter(|(inc, _)| *inc == peer_incarnation)?;
-                Some((p, old.take(old_rank, number)?))
-            })
+            .filter_map(|(new_rank, old_rank)| Some((new_rank, old.take(old_rank, number)?)))
             .collect()
     }
 }
