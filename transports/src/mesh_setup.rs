@@ -158,6 +158,11 @@ impl<L> Gathering<L> {
         earlier
     }
 
+    /// The plain rule for [`gather`]'s `admit`: keeps every link, the latest for a peer.
+    pub(crate) fn keep_latest(&mut self, peer: Rank, link: L) {
+        self.keep(peer, link);
+    }
+
     /// Notes a problem that does not fail the set-up (see [`Notes::record`]).
     pub(crate) fn note(&self, claimed: Option<Rank>, detail: String) {
         tracing::debug!(?claimed, "a connection of the set-up failed: {detail}");
@@ -398,17 +403,7 @@ mod tests {
             }
         };
         let deadline = Instant::now() + Duration::from_millis(200);
-        let r = gather(
-            &mut g,
-            &mut tasks,
-            &mut arrivals,
-            handshake,
-            |g, p, l| {
-                g.keep(p, l);
-            },
-            &rules(deadline, 2),
-        )
-        .await;
+        let r = gather(&mut g, &mut tasks, &mut arrivals, handshake, Gathering::keep_latest, &rules(deadline, 2)).await;
         // Rank 3 was refused, so the set-up misses its deadline naming it, with the refusal.
         let Err(TransportError::Handshake { peer, detail }) = r else { panic!("expected the deadline's error") };
         assert_eq!(peer, 3);
@@ -420,18 +415,9 @@ mod tests {
         while tasks.join_next().await.is_some() {}
         tx.send(3).await.expect("send");
         let deadline = Instant::now() + Duration::from_millis(200);
-        gather(
-            &mut g,
-            &mut tasks,
-            &mut arrivals,
-            handshake,
-            |g, p, l| {
-                g.keep(p, l);
-            },
-            &rules(deadline, 2),
-        )
-        .await
-        .expect("complete");
+        gather(&mut g, &mut tasks, &mut arrivals, handshake, Gathering::keep_latest, &rules(deadline, 2))
+            .await
+            .expect("complete");
         assert!(g.is_complete());
     }
 
@@ -452,9 +438,7 @@ mod tests {
             &mut tasks,
             &mut arrivals,
             |_: u32| async { Paired::Linked(0, "x") },
-            |g, p, l| {
-                g.keep(p, l);
-            },
+            Gathering::keep_latest,
             &rules(deadline, 4),
         )
         .await;

@@ -343,10 +343,9 @@ impl RdmaEndpoint {
         let mut arrivals = Bootstrap(&listener);
         let rules = Rules { what: "RDMA", connect: spec.deadlines.connect, deadline, max_accepting: MAX_HANDSHAKING };
         let handshake = |(s, from)| setup::accept_one(ctx.clone(), s, from);
-        let admit = |g: &mut Gathering<RdmaAddress>, peer: Rank, remote: RdmaAddress| {
-            g.keep(peer, remote);
-        };
-        let gathered = mesh_setup::gather(&mut gathering, &mut tasks, &mut arrivals, handshake, admit, &rules).await;
+        let gathered =
+            mesh_setup::gather(&mut gathering, &mut tasks, &mut arrivals, handshake, Gathering::keep_latest, &rules)
+                .await;
         // Stop connections still being refused (strangers); they hold the set-up context.
         tasks.accepts.shutdown().await;
         tasks.dials.shutdown().await;
