@@ -255,7 +255,7 @@ impl ShmEndpoint {
         // The handshake takes only higher ranks; one not listed here is not expected.
         let admit = |g: &mut Gathering<Box<ShmLink>>, peer: Rank, link: Box<ShmLink>| {
             if g.is_planned(peer) {
-                g.keep(peer, link);
+                g.keep_latest(peer, link);
             } else {
                 g.note(Some(peer), format!("rank {peer} connected but is not expected over shared memory"));
             }
