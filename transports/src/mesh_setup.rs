@@ -386,7 +386,9 @@ mod tests {
         let mut tasks = PairTasks::new();
         tasks.dials.spawn(async { Paired::Linked(0, "dialled") });
         // Two accepted connections: rank 2's handshake takes a while, the stranger's never ends
-        // within the test; a third finds the bound (2) reached and is refused.
+        // within the test; a third finds the bound (2) reached and is refused. The clock is
+        // paused: the sleeps below are the handshakes' simulated lengths, which order the
+        // events exactly (the runtime advances time only when every task waits).
         for c in [2u32, 99, 3] {
             tx.send(c).await.expect("send");
         }
@@ -428,6 +430,8 @@ mod tests {
         let mut g = gathering(2, &[0, 1], 3);
         let mut tasks: PairTasks<&'static str> = PairTasks::new();
         tasks.dials.spawn(async { Paired::Noted { claimed: Some(0), detail: "a stale carried link".into() } });
+        // The fatal outcome comes 1 ms (of the paused clock) after the noted one, so the set-up
+        // has taken the note before it fails.
         tasks.dials.spawn(async {
             tokio::time::sleep(Duration::from_millis(1)).await;
             Paired::Failed(TransportError::Handshake { peer: 1, detail: "disagrees".into() })
