@@ -13,6 +13,7 @@ use common::squatter;
 
 use cohort::control::{
     relay_answer_budget, AbstractUnix, ControlClient, ControlConfig, HostRelay, RelayNet, SocketDir,
+    DIRECT_AFTER_FAILURE,
 };
 use cohort::elastic::JobId;
 use cohort_coordinator::{JobSettings, ServerHandle};
@@ -89,6 +90,22 @@ fn beat(job: &str, m: &Member, activity: &str) -> pb::HeartbeatRequest {
     }
 }
 
+/// Rounds of beats, one an interval as workers beat, until one of `members` serves the relay.
+/// A worker whose beat met the old relay dying sends its beats directly for
+/// [`DIRECT_AFTER_FAILURE`] intervals before it tries the relay's socket again, so the bound is
+/// three times that many rounds (paced, not counted alone: unpaced rounds could all fall
+/// within the direct period).
+async fn rounds_until_a_relay_serves(job: &str, members: &[Member]) {
+    let mut beat_every = tokio::time::interval(INTERVAL);
+    let mut rounds = 0;
+    while serving(members).is_empty() {
+        rounds += 1;
+        assert!(rounds <= 3 * DIRECT_AFTER_FAILURE, "no worker took the relay over in {rounds} rounds");
+        beat_every.tick().await;
+        round(job, members, "after").await;
+    }
+}
+
 /// One round: every member's beat at once, each answered.
 async fn round(job: &str, members: &[Member], activity: &str) {
     let beats = members.iter().map(|m| m.relay.heartbeat(beat(job, m, activity)));
@@ -145,8 +162,9 @@ async fn a_host_shares_one_relay() {
 }
 
 /// The relay's worker goes away: the others' beats go on being answered, and one of them
-/// serves the relay next (within a few rounds: the old relay's task ends asynchronously), after
-/// which their beats go through it again.
+/// serves the relay next (within a few rounds: the old relay's task ends asynchronously, and a
+/// worker that met it dying beats directly for a while), after which their beats go through
+/// it again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn another_worker_takes_over_a_relay_that_ends() {
     tokio::time::timeout(BOUND, async {
@@ -159,12 +177,7 @@ async fn another_worker_takes_over_a_relay_that_ends() {
         round(job, &members, "before").await;
         let first = serving(&members)[0].to_string();
         members.retain(|m| m.id != first); // its relay stops with it
-        let mut rounds = 0;
-        while serving(&members).is_empty() {
-            rounds += 1;
-            assert!(rounds <= 30, "no worker took the relay over in {rounds} rounds");
-            round(job, &members, "after").await;
-        }
+        rounds_until_a_relay_serves(job, &members).await;
         let now = serving(&members);
         assert_eq!(now.len(), 1, "{now:?}");
         assert_ne!(now[0], first);
@@ -207,12 +220,7 @@ async fn a_relay_directory_shares_the_relay_and_hands_it_on() {
 
         let first = serving(&members)[0].to_string();
         members.retain(|m| m.id != first);
-        let mut rounds = 0;
-        while serving(&members).is_empty() {
-            rounds += 1;
-            assert!(rounds <= 30, "no worker took the relay over in {rounds} rounds");
-            round(job, &members, "after").await;
-        }
+        rounds_until_a_relay_serves(job, &members).await;
         assert_eq!(serving(&members).len(), 1, "one relay again: {:?}", serving(&members));
         let calls = count(&server, "HostHeartbeat");
         round(job, &members, "through the new relay").await;
