@@ -75,7 +75,8 @@ class GroupConfig:
     algorithm: str = "auto"
     """Allreduce algorithm (as ``--algo``)."""
     segment_bytes: int = 1 << 20
-    """Pipelining segment of the ring collectives, in bytes (positive)."""
+    """Largest pipelining segment of the ring collectives, in bytes (positive). Over TCP a
+    call whose blocks would be fewer than 16 segments is cut finer, down to 256 KiB."""
     busy_poll: float = 50e-6
     """Receive busy-poll window before a receive parks (0: off)."""
     tls_ca: Optional[str] = None

@@ -108,6 +108,16 @@ pub trait Transport: Send + Sync + 'static {
     /// Whether [`Transport::abort`] has been called (or a link broke for good).
     fn is_aborted(&self) -> bool;
 
+    /// The smallest segment this transport wants a large message cut into so that its
+    /// sends and receives overlap, or `None` when a schedule's configured segment always
+    /// serves (the default: shared memory pipelines through its ring's slots itself).
+    /// Schedules cut a message's blocks finer, down to this, when the configured segment
+    /// would leave a block only a few of them (`cohort::CommConfig::segment_bytes`). Every
+    /// rank of a generation must give the same answer.
+    fn pipeline_segment(&self) -> Option<usize> {
+        None
+    }
+
     /// The no-progress deadline in force on the link to each peer, and why (see
     /// [`deadline`]); empty for transports that apply [`Deadlines::no_progress`] as it is.
     fn deadlines_in_force(&self) -> Vec<(Rank, DeadlineInForce)> {

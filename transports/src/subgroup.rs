@@ -172,6 +172,10 @@ impl<T: Transport> Transport for Subgroup<T> {
         self.parent.is_aborted()
     }
 
+    fn pipeline_segment(&self) -> Option<usize> {
+        self.parent.pipeline_segment()
+    }
+
     /// The deadlines on the generation's links to this subgroup's members (peers named by
     /// their generation's rank, as errors name them).
     fn deadlines_in_force(&self) -> Vec<(Rank, DeadlineInForce)> {

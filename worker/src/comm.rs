@@ -28,7 +28,10 @@ pub struct CommConfig {
     /// Allreduce algorithm used by [`Communicator::allreduce`].
     pub algorithm: Algorithm,
     /// Largest message any collective sends; the ring pipelines in segments of this size.
-    /// Values below one element are treated as one element.
+    /// Values below one element are treated as one element. Over a transport that asks for
+    /// finer pipelining (TCP: [`cohort_transports::Transport::pipeline_segment`], 256 KiB),
+    /// a call whose block (its elements over the world size) would be fewer than
+    /// [`SEGMENTS_PER_BLOCK`] segments is cut finer, down to that size.
     pub segment_bytes: usize,
     /// Optional bound on a whole call; when it passes the call fails with
     /// [`CommError::Timeout`] (with `rank: None`) and the communicator is poisoned. The
@@ -57,6 +60,20 @@ impl Default for CommConfig {
             abort_transport_on_error: true,
         }
     }
+}
+
+/// How many segments a block (a call's bytes over the world size) should be cut into, at
+/// least, so that a rank's sends overlap its receives (over transports that ask for it).
+pub const SEGMENTS_PER_BLOCK: u64 = 16;
+
+/// The segment of a call of `call_bytes` (the bytes all ranks agree on) over `world` ranks:
+/// `configured`, or finer, down to the transport's `pipeline` segment, when a block would
+/// otherwise be fewer than [`SEGMENTS_PER_BLOCK`] segments. Every rank computes the same.
+fn segment_for(call_bytes: u64, world: u32, configured: usize, pipeline: Option<usize>) -> usize {
+    let Some(floor) = pipeline else { return configured };
+    let block = call_bytes / u64::from(world.max(1));
+    let fine = usize::try_from(block / SEGMENTS_PER_BLOCK).unwrap_or(usize::MAX);
+    fine.clamp(floor.min(configured), configured)
 }
 
 /// The shared revocation slot: the first recorded root cause.
@@ -586,10 +603,24 @@ impl<T: Transport> Communicator<T> {
             call: *call,
             seq,
             sig: call.signature(),
-            seg: (self.config.segment_bytes / elem_size.max(1)).max(1),
+            seg: self.segment_elems(call, elem_size),
             span,
             guard: CancelGuard { transport: self.transport.clone(), armed: true },
         })
+    }
+
+    /// Elements per segment of `call` (elements of `elem_size` bytes): the configured
+    /// segment, cut finer over a transport that asks for it ([`segment_for`]; a point-to-point
+    /// message is one block). The same on every rank that makes the call.
+    pub(crate) fn segment_elems(&self, call: &Call, elem_size: usize) -> usize {
+        let blocks = if call.kind == CallKind::P2P { 1 } else { self.size };
+        let bytes = segment_for(
+            call.count.saturating_mul(elem_size as u64),
+            blocks,
+            self.config.segment_bytes,
+            self.transport.pipeline_segment(),
+        );
+        (bytes / elem_size.max(1)).max(1)
     }
 
     /// Completes a started operation: disarms the cancel guard, classifies and records errors.
@@ -767,6 +798,36 @@ pub(crate) fn check(cond: bool, msg: impl FnOnce() -> String) -> Result<(), Stri
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The configured segment, unless the transport asks for finer pipelining and a block
+    /// would be fewer than sixteen segments; never below the transport's floor nor above the
+    /// configured size.
+    #[test]
+    fn segments_are_cut_finer_only_where_a_block_would_be_few_of_them() {
+        const K: usize = 1 << 10;
+        const M: u64 = 1 << 20;
+        let tcp = Some(256 * K);
+        // Shared memory (no floor): always as configured.
+        assert_eq!(segment_for(4 * M, 2, 1024 * K, None), 1024 * K);
+        // 2 ranks: blocks of 1 to 8 MiB in 1 MiB segments would be few; 16 MiB blocks are
+        // sixteen.
+        assert_eq!(segment_for(2 * M, 2, 1024 * K, tcp), 256 * K);
+        assert_eq!(segment_for(4 * M, 2, 1024 * K, tcp), 256 * K);
+        assert_eq!(segment_for(8 * M, 2, 1024 * K, tcp), 256 * K);
+        assert_eq!(segment_for(16 * M, 2, 1024 * K, tcp), 512 * K);
+        assert_eq!(segment_for(32 * M, 2, 1024 * K, tcp), 1024 * K);
+        assert_eq!(segment_for(64 * M, 2, 1024 * K, tcp), 1024 * K);
+        // 4 ranks: a 16 MiB call has 4 MiB blocks.
+        assert_eq!(segment_for(16 * M, 4, 1024 * K, tcp), 256 * K);
+        assert_eq!(segment_for(64 * M, 4, 1024 * K, tcp), 1024 * K);
+        // Small calls, and nothing below the floor.
+        assert_eq!(segment_for(64 * K as u64, 2, 1024 * K, tcp), 256 * K);
+        assert_eq!(segment_for(0, 8, 1024 * K, tcp), 256 * K);
+        // A configured segment below the floor is kept (tests cut 1 KiB segments on purpose).
+        assert_eq!(segment_for(16 * M, 2, 1024, tcp), 1024);
+        // A world of 0 or a huge call does not panic.
+        assert_eq!(segment_for(u64::MAX, 0, 1024 * K, tcp), 1024 * K);
+    }
 
     /// Tags carry an operation's number within the sequence bits and wrap there; the count a
     /// failure report carries (the coordinator orders reports by it) goes on past the wrap.

@@ -72,8 +72,22 @@ async fn every_collective_other_dtypes(net: Net) {
     .expect("suite timed out");
 }
 
+/// A 4 MiB allreduce with the default segments. Over TCP and the mixed mesh (every rank of
+/// it, the ranks of one host included) the blocks are then cut into the transport's 256 KiB
+/// pipeline segments; over shared memory into 1 MiB ones.
 async fn large_allreduce_with_default_segments(net: Net) {
     timeout(LIMIT, async {
+        {
+            use cohort_transports::Transport;
+            let (_endpoints, transports) = mesh(net, 4, 1).await;
+            let expected = match net {
+                Net::Shm => None,
+                Net::Tcp | Net::TcpPlanned | Net::Mixed => Some(cohort_transports::tcp::PIPELINE_SEGMENT),
+            };
+            for t in &transports {
+                assert_eq!(t.pipeline_segment(), expected, "{net:?}, rank {}", t.rank());
+            }
+        }
         for n in [2u32, 4, 7] {
             let cases = matrix(n, &[1 << 20], &[ReduceOp::Sum], &[Algorithm::Ring, Algorithm::Bcube, Algorithm::Auto]);
             let cases: Vec<Case> = cases

@@ -64,6 +64,14 @@ pub use endpoint::{HELLO_TIMEOUT, MAX_HANDSHAKING, MAX_PENDING, PENDING_HOLD};
 pub use options::{TcpOptions, DEFAULT_BUSY_POLL, KEEPALIVE_INTERVAL, KEEPALIVE_RETRIES};
 pub use resolve::{ResolvePeer, UNKNOWN_PEER};
 
+/// The smallest segment TCP wants a large message cut into ([`Transport::pipeline_segment`]).
+/// With 1 MiB segments a 2-rank ring allreduce of 2-8 MiB sends each block in one to four
+/// pieces, and each rank's send and its receive-and-add barely overlap: cut into 256 KiB
+/// pieces it ran 1.8-2.0x faster on loopback, and 16 MiB in 512 KiB pieces 8% faster, while
+/// shared memory, which pipelines through its slots, was no faster (docs/benchmarks.md,
+/// "Segments over TCP").
+pub const PIPELINE_SEGMENT: usize = 256 << 10;
+
 use crate::links::Links;
 use crate::liveness;
 use crate::mesh_setup::{self, Gathering, PairTasks, Paired, Rules, SharedNotes};
@@ -442,6 +450,11 @@ impl Transport for TcpTransport {
 
     fn is_aborted(&self) -> bool {
         self.links.is_aborted()
+    }
+
+    /// [`PIPELINE_SEGMENT`].
+    fn pipeline_segment(&self) -> Option<usize> {
+        Some(PIPELINE_SEGMENT)
     }
 
     fn deadlines_in_force(&self) -> Vec<(Rank, DeadlineInForce)> {

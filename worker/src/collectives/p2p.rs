@@ -20,13 +20,13 @@ impl<T: Transport> Communicator<T> {
         let valid = self.check_peer(peer);
         let call = Call { dtype: Some(E::DTYPE), count: data.len() as u64, ..Call::new(CallKind::P2P) };
         let step0 = self.p2p_send.get(peer as usize).copied().unwrap_or(P2P_STEP_BASE);
+        let segs = data.len().div_ceil(self.segment_elems(&call, std::mem::size_of::<E>())) as u64;
         let res = self
             .run(call, std::mem::size_of::<E>(), std::mem::size_of_val(data), valid, false, async |ctx, _scratch| {
                 ctx.send_segs(peer as usize, step0, data).await
             })
             .await;
         if res.is_ok() {
-            let segs = data.len().div_ceil((self.config().segment_bytes / std::mem::size_of::<E>()).max(1)) as u64;
             self.p2p_send[peer as usize] = step0 + segs;
         }
         res
@@ -41,14 +41,13 @@ impl<T: Transport> Communicator<T> {
         let valid = self.check_peer(peer);
         let call = Call { dtype: Some(E::DTYPE), count: data.len() as u64, ..Call::new(CallKind::P2P) };
         let step0 = self.p2p_recv.get(peer as usize).copied().unwrap_or(P2P_STEP_BASE);
-        let len = data.len();
+        let segs = data.len().div_ceil(self.segment_elems(&call, std::mem::size_of::<E>())) as u64;
         let res = self
             .run(call, std::mem::size_of::<E>(), std::mem::size_of_val(data), valid, false, async |ctx, _scratch| {
                 ctx.recv_segs(peer as usize, step0, data).await
             })
             .await;
         if res.is_ok() {
-            let segs = len.div_ceil((self.config().segment_bytes / std::mem::size_of::<E>()).max(1)) as u64;
             self.p2p_recv[peer as usize] = step0 + segs;
         }
         res

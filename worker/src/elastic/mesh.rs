@@ -317,6 +317,15 @@ impl Transport for MeshTransport {
         }
     }
 
+    /// A mixed mesh pipelines as TCP does, on every rank: each rank of a generation that
+    /// spans hosts holds a mixed mesh, so all of them cut alike.
+    fn pipeline_segment(&self) -> Option<usize> {
+        match self {
+            MeshTransport::Mixed(m) => m.tcp.pipeline_segment(),
+            other => dispatch!(other, Rank::MAX, t => t.pipeline_segment()),
+        }
+    }
+
     fn deadlines_in_force(&self) -> Vec<(Rank, cohort_transports::DeadlineInForce)> {
         match self {
             MeshTransport::Mixed(m) => {
