@@ -101,6 +101,41 @@ async fn large_allreduce_with_default_segments(net: Net) {
     .expect("suite timed out");
 }
 
+/// Point-to-point messages of 4 MiB, several back to back, with the default segments: over
+/// TCP each is cut into the transport's 256 KiB pipeline segments, every message arrives
+/// whole and in order, and an allreduce after them still lines up.
+async fn large_point_to_point_messages_back_to_back(net: Net) {
+    timeout(LIMIT, async {
+        const LEN: usize = 1 << 20;
+        const MESSAGES: usize = 3;
+        let (_endpoints, transports) = mesh(net, 2, 1).await;
+        let mut comms: Vec<_> =
+            transports.into_iter().map(|t| Communicator::new(Arc::new(t), CommConfig::default())).collect();
+        let (mut receiver, mut sender) = (comms.pop().expect("rank 1"), comms.pop().expect("rank 0"));
+        let send = tokio::spawn(async move {
+            for m in 0..MESSAGES {
+                let data: Vec<f32> = (0..LEN).map(|i| (m * LEN + i) as f32).collect();
+                sender.send(&data, 1).await.expect("send");
+            }
+            let mut sum = vec![1.0f32; 4];
+            sender.allreduce(&mut sum, ReduceOp::Sum).await.expect("allreduce on rank 0");
+            sum
+        });
+        for m in 0..MESSAGES {
+            let mut got = vec![0.0f32; LEN];
+            receiver.recv(&mut got, 0).await.expect("recv");
+            let wrong = (0..LEN).find(|&i| got[i] != (m * LEN + i) as f32);
+            assert_eq!(wrong, None, "{net:?}: message {m} differs at element {wrong:?}");
+        }
+        let mut sum = vec![1.0f32; 4];
+        receiver.allreduce(&mut sum, ReduceOp::Sum).await.expect("allreduce on rank 1");
+        assert_eq!(sum, vec![2.0; 4]);
+        assert_eq!(send.await.expect("sender"), vec![2.0; 4]);
+    })
+    .await
+    .expect("suite timed out");
+}
+
 /// Rank 0 calls allreduce while rank 1 calls broadcast (the case, with either root):
 /// a rank that receives a message of the other call fails with `CommError::Mismatch` naming
 /// both calls and what differs, at once. The no-progress deadline is 20 s and this test's
@@ -197,6 +232,11 @@ macro_rules! suites_over {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn large_allreduce_with_default_segments() {
                 super::large_allreduce_with_default_segments($net).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn large_point_to_point_messages_back_to_back() {
+                super::large_point_to_point_messages_back_to_back($net).await;
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
