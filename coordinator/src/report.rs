@@ -10,11 +10,12 @@
 //!    once, as reported.
 //! 2. The shell records the link and holds [`revocation::TIMEOUT_HOLD`], so that the
 //!    cascade's other reports arrive, at any replica; then it reads the chain and the
-//!    generation once. [`hold_longer`]: while the chain's end is a live member (heard from
-//!    within twice the heartbeat interval) that has not reported yet, at most
+//!    generation once. [`hold_longer`]: while every end of the chain is a live member (heard
+//!    from within twice the heartbeat interval) that has not reported yet, at most
 //!    [`CHAIN_END_WAITS`] more holds.
-//! 3. [`reattribute`]: the cascade's root, when it is not the rank named, takes the blame,
-//!    with a reason that says why.
+//! 3. [`cascade_root`]: the cascade's root; among several chain ends, the one silent longest
+//!    by its heartbeats. [`reattribute`]: that root, when it is not the rank named, takes the
+//!    blame, with a reason that says why.
 //! 4. [`revocation::decide`] and [`revocation::arbitrate`] judge the report against the
 //!    generation as last read; a revocation's suspect is [`suspect`].
 
@@ -86,10 +87,11 @@ pub(crate) fn cascade_link(current: Option<&GenerationRecord>, report: &Incoming
 }
 
 /// After `holds` extra holds of the cascade of `generation`, with `chain` and `current` just
-/// read: the member at the chain's end to ask about (and its generation), when holding longer could change the
-/// verdict (the root is a chain end that has not reported, the generation is still current
-/// and unrevoked, fewer than [`CHAIN_END_WAITS`] extra holds were spent). The shell holds
-/// again only if that member is fresh ([`is_fresh`]).
+/// read: the members at the chain's ends to ask about (and their generation), when holding
+/// longer could change the verdict (the root is a chain end that has not reported, the
+/// generation is still current and unrevoked, fewer than [`CHAIN_END_WAITS`] extra holds were
+/// spent). The shell holds again only if every one of them is fresh ([`is_fresh`]): an end
+/// that went silent is the cascade's root ([`cascade_root`]) whatever the others report.
 ///
 /// In a lock-step ring a silent link makes every rank time out within a millisecond or two,
 /// but on a loaded machine one rank's report can arrive after the first hold; read without
@@ -101,13 +103,44 @@ pub(crate) fn hold_longer<'g>(
     chain: &[TimeoutReport],
     current: Option<&'g GenerationRecord>,
     generation: u64,
-) -> Option<(&'g GenerationRecord, &'g Placed)> {
+) -> Option<(&'g GenerationRecord, Vec<&'g Placed>)> {
     if holds >= CHAIN_END_WAITS {
         return None;
     }
-    let Some(CascadeRoot::ChainEnd(end)) = revocation::cascade_root(chain) else { return None };
+    let Some(CascadeRoot::ChainEnd(_)) = revocation::cascade_root(chain) else { return None };
     let g = current.filter(|g| g.number == generation && g.revoked.is_none())?;
-    Some((g, g.members.get(end as usize)?))
+    let ends: Vec<&Placed> =
+        revocation::chain_ends(chain).into_iter().filter_map(|end| g.members.get(end as usize)).collect();
+    (!ends.is_empty()).then_some((g, ends))
+}
+
+/// The root of the cascade `chain` ([`revocation::cascade_root`]), with the heartbeat
+/// `silences` read for its chain ends in `g`: when several ranks were waited on and did not
+/// report, the one silent longest (by the lower bound; the earliest named on a tie) is the
+/// root. A rank that is only late with its own report keeps beating, while a stopped one has
+/// been silent since it stopped, a no-progress deadline before the reports; blaming the
+/// first end named would evict the healthy one.
+pub(crate) fn cascade_root(
+    chain: &[TimeoutReport],
+    g: Option<&GenerationRecord>,
+    silences: &Silences,
+) -> Option<CascadeRoot> {
+    let root = revocation::cascade_root(chain)?;
+    let (CascadeRoot::ChainEnd(first), Some(g)) = (root, g) else { return Some(root) };
+    let silent_for = |rank: u32| {
+        g.members
+            .get(rank as usize)
+            .and_then(|m| silences.get(&(m.worker_id.clone(), m.incarnation)))
+            .map_or(Duration::ZERO, |s| s.at_least)
+    };
+    let mut root = (first, silent_for(first));
+    for end in revocation::chain_ends(chain) {
+        let silent = silent_for(end);
+        if silent > root.1 {
+            root = (end, silent);
+        }
+    }
+    Some(CascadeRoot::ChainEnd(root.0))
 }
 
 /// Whether `member` was heard from within `limit` (twice the heartbeat interval), by the
@@ -116,13 +149,20 @@ pub(crate) fn is_fresh(silences: &Silences, member: &Placed, limit: Duration) ->
     silences.get(&(member.worker_id.clone(), member.incarnation)).is_some_and(|s| s.at_most < limit)
 }
 
-/// The blame after a cascade: the cascade's root when it is not the rank `report` named, with
-/// a reason that keeps the reporter's and says why; `None` keeps the report as it is.
-pub(crate) fn reattribute(report: &Incoming<'_>, chain: &[TimeoutReport]) -> Option<Blame> {
+/// The blame after a cascade: its `root` ([`cascade_root`]) when it is not the rank `report`
+/// named, with a reason that keeps the reporter's and says why; `None` keeps the report as it
+/// is.
+pub(crate) fn reattribute(report: &Incoming<'_>, chain: &[TimeoutReport], root: Option<CascadeRoot>) -> Option<Blame> {
     let suspect = report.failed_rank?;
-    let root = revocation::cascade_root(chain).filter(|root| root.rank() != suspect)?;
+    let root = root.filter(|root| root.rank() != suspect)?;
     let reporters: Vec<u32> = chain.iter().map(|t| t.reporter).collect();
+    let ends = revocation::chain_ends(chain);
     let reason = match root {
+        CascadeRoot::ChainEnd(rank) if ends.len() > 1 => format!(
+            "{} (re-attributed to rank {rank}: ranks {reporters:?} timed out waiting on one another; of ranks \
+             {ends:?}, which did not, rank {rank} was silent longest)",
+            report.reason
+        ),
         CascadeRoot::ChainEnd(rank) => format!(
             "{} (re-attributed to rank {rank}: ranks {reporters:?} timed out waiting on one another, rank {rank} did not)",
             report.reason
@@ -212,9 +252,18 @@ mod tests {
         let g = gen(4);
         // 0 waits on 1, 1 waits on 2: rank 2 is the chain's end and has not reported.
         let chain = [link(0, 1), link(1, 2)];
-        assert_eq!(hold_longer(0, &chain, Some(&g), 4).map(|(_, m)| m.worker_id.as_str()), Some("c"));
-        assert_eq!(hold_longer(CHAIN_END_WAITS - 1, &chain, Some(&g), 4).map(|(_, m)| m.worker_id.as_str()), Some("c"));
-        assert_eq!(hold_longer(CHAIN_END_WAITS, &chain, Some(&g), 4), None);
+        let ends = |holds| {
+            hold_longer(holds, &chain, Some(&g), 4)
+                .map(|(_, m)| m.iter().map(|m| m.worker_id.as_str()).collect::<Vec<_>>())
+        };
+        assert_eq!(ends(0), Some(vec!["c"]));
+        assert_eq!(ends(CHAIN_END_WAITS - 1), Some(vec!["c"]));
+        assert_eq!(ends(CHAIN_END_WAITS), None);
+        // Two ends, both waited on, neither reported: both are asked about, in the order named.
+        let two = [link(0, 3), link(1, 2)];
+        let ends: Vec<&str> =
+            hold_longer(0, &two, Some(&g), 4).expect("held").1.iter().map(|m| m.worker_id.as_str()).collect();
+        assert_eq!(ends, ["d", "c"]);
         // A cycle (everybody reported) is judged at once; so is a chain of a generation that
         // is no longer current or was revoked meanwhile.
         assert_eq!(hold_longer(0, &[link(0, 1), link(1, 0)], Some(&g), 4), None);
@@ -246,7 +295,8 @@ mod tests {
     fn the_cascades_root_takes_the_blame_with_a_reason_that_says_why() {
         // b (rank 1) named a (rank 0), but a waited on c (rank 2), which did not report.
         let report = timeout("b", 0);
-        let blame = reattribute(&report, &[link(1, 0), link(0, 2)]).expect("re-attributed");
+        let chain = [link(1, 0), link(0, 2)];
+        let blame = reattribute(&report, &chain, revocation::cascade_root(&chain)).expect("re-attributed");
         assert_eq!(blame.failed_rank, Some(2));
         assert!(blame.reason.starts_with("no progress (re-attributed to rank 2: ranks [1, 0]"), "{}", blame.reason);
         assert!(blame.reason.contains("rank 2 did not"), "{}", blame.reason);
@@ -255,12 +305,53 @@ mod tests {
             TimeoutReport { reporter: 0, suspect: 1, progress: Some((5, 10)) },
             TimeoutReport { reporter: 1, suspect: 0, progress: Some((4, 10)) },
         ];
-        let blame = reattribute(&timeout("a", 1), &cycle).expect("re-attributed");
+        let blame = reattribute(&timeout("a", 1), &cycle, revocation::cascade_root(&cycle)).expect("re-attributed");
         assert!(blame.reason.contains("in a cycle"), "{}", blame.reason);
         // The root is the rank named, or there is no chain: as reported.
-        assert_eq!(reattribute(&timeout("a", 1), &[link(0, 1)]), None);
-        assert_eq!(reattribute(&timeout("a", 1), &[]), None);
-        assert_eq!(reattribute(&Incoming { failed_rank: None, ..timeout("a", 1) }, &[link(1, 0), link(0, 2)]), None);
+        let one = [link(0, 1)];
+        assert_eq!(reattribute(&timeout("a", 1), &one, revocation::cascade_root(&one)), None);
+        assert_eq!(reattribute(&timeout("a", 1), &[], None), None);
+        let unnamed = Incoming { failed_rank: None, ..timeout("a", 1) };
+        assert_eq!(reattribute(&unnamed, &chain, revocation::cascade_root(&chain)), None);
+    }
+
+    /// Seed 5160 of the simulation, in small: a host of ranks stopped, and one healthy rank
+    /// that timed out like the rest was slow to report. Both it and the stopped ranks are
+    /// chain ends; the one silent longest is the root, whatever the order of the reports,
+    /// and the reason names the ends.
+    #[test]
+    fn among_several_chain_ends_the_one_silent_longest_is_the_root() {
+        let g = gen(4);
+        // a (0) waited on c (2), which is only late with its report; b (1) waited on d (3),
+        // stopped 1.6 s ago.
+        let chain = [link(0, 2), link(1, 3)];
+        let mut silences = Silences::new();
+        silences.insert(
+            ("c".into(), 1),
+            Silence { at_least: Duration::from_millis(100), at_most: Duration::from_millis(300) },
+        );
+        silences.insert(
+            ("d".into(), 1),
+            Silence { at_least: Duration::from_millis(1600), at_most: Duration::from_millis(1900) },
+        );
+        assert_eq!(revocation::cascade_root(&chain), Some(CascadeRoot::ChainEnd(2)), "the first end named");
+        assert_eq!(cascade_root(&chain, Some(&g), &silences), Some(CascadeRoot::ChainEnd(3)));
+        let reversed = [link(1, 3), link(0, 2)];
+        assert_eq!(cascade_root(&reversed, Some(&g), &silences), Some(CascadeRoot::ChainEnd(3)));
+        let blame = reattribute(&timeout("a", 2), &chain, cascade_root(&chain, Some(&g), &silences)).expect("moved");
+        assert_eq!(blame.failed_rank, Some(3));
+        assert!(blame.reason.contains("of ranks [2, 3], which did not, rank 3 was silent longest"), "{}", blame.reason);
+        // Without silences (none read), or with one end: the first end named, as before.
+        assert_eq!(cascade_root(&chain, Some(&g), &Silences::new()), Some(CascadeRoot::ChainEnd(2)));
+        assert_eq!(cascade_root(&chain, None, &silences), Some(CascadeRoot::ChainEnd(2)));
+        let single = [link(0, 1), link(1, 2)];
+        assert_eq!(cascade_root(&single, Some(&g), &silences), Some(CascadeRoot::ChainEnd(2)));
+        // A cycle is judged by progress, not silences.
+        let cycle = [
+            TimeoutReport { reporter: 0, suspect: 1, progress: Some((5, 10)) },
+            TimeoutReport { reporter: 1, suspect: 0, progress: Some((4, 10)) },
+        ];
+        assert_eq!(cascade_root(&cycle, Some(&g), &silences), revocation::cascade_root(&cycle));
     }
 
     #[test]

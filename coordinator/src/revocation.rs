@@ -347,10 +347,28 @@ impl CascadeRoot {
 ///
 /// `None` when neither applies: the earliest report stands.
 pub(crate) fn cascade_root(reports: &[TimeoutReport]) -> Option<CascadeRoot> {
-    let chain_end = reports.iter().map(|r| r.suspect).find(|s| !reports.iter().any(|r| r.reporter == *s));
-    if let Some(rank) = chain_end {
+    if let Some(&rank) = chain_ends(reports).first() {
         return Some(CascadeRoot::ChainEnd(rank));
     }
+    cycle_root(reports)
+}
+
+/// Every chain end of a cascade: each suspect that did not report a timeout itself, once, in
+/// the order of the earliest report naming it. Two or more when ranks on several sides of
+/// the cascade stopped (a host of several ranks stopped), or when one end is only late
+/// with its own report.
+pub(crate) fn chain_ends(reports: &[TimeoutReport]) -> Vec<u32> {
+    let mut ends: Vec<u32> = Vec::new();
+    for s in reports.iter().map(|r| r.suspect) {
+        if !reports.iter().any(|r| r.reporter == s) && !ends.contains(&s) {
+            ends.push(s);
+        }
+    }
+    ends
+}
+
+/// The root of a cascade that is a cycle (every suspect reported): see [`cascade_root`].
+fn cycle_root(reports: &[TimeoutReport]) -> Option<CascadeRoot> {
     let progress: Option<Vec<(u32, u64)>> = reports.iter().map(|r| r.progress).collect();
     let progress = progress?;
     let least = *progress.iter().min()?;

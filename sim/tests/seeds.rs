@@ -108,6 +108,33 @@ fn seeds_hold_every_invariant_on_hosts_shared_leases() {
     assert!(faults >= 8 * 3, "only {faults} faults over 8 seeds");
 }
 
+/// Seed 5160 with 24 workers, 4 to a host, on sparse views and shared leases (found by
+/// `cohort-sim explore`, 2026-11-30): a whole host stops (SIGSTOP) while the ring runs, every
+/// other rank times out within a millisecond, and one healthy rank's report reaches the
+/// coordinator after the cascade's holds. It and the stopped ranks were then all chain ends
+/// (waited on, no report), and the first one named was blamed: the healthy rank was evicted.
+/// Among several ends the one silent longest is now the root, and every invariant holds.
+#[test]
+fn a_healthy_rank_late_with_its_report_is_not_blamed_for_a_stopped_host() {
+    let options = Options {
+        workers: Some(24),
+        workers_per_host: Some(4),
+        whole_answer_up_to: Some(8),
+        lease_scope: cohort_coordinator::config::LeaseScope::Host,
+        ..Options::default()
+    };
+    let report = run_seed(5160, &options);
+    assert!(
+        report.violations.is_empty(),
+        "seed 5160 broke invariants: {:#?}\nreplay it: cargo run -p cohort-sim --release -- replay --seed 5160 --workers 24 --workers-per-host 4 --whole-answer-up-to 8 --lease-scope host",
+        report.violations
+    );
+    assert!(
+        report.lines.iter().any(|l| l.contains("domain host-3 lost")),
+        "the stopped host is blamed as a whole at least once"
+    );
+}
+
 /// Under `lease_scope = "host"`, single workers hang (as under SIGSTOP) while their host-mates
 /// run on and keep the host's shared lease alive. The hung rank is still found: its peers'
 /// timeouts are re-attributed to it, and a rank hung longer than its lease's time to live is

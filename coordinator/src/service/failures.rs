@@ -56,9 +56,10 @@ impl CoordinatorService {
         // A timeout may be one link of a cascade: hold it briefly, then blame the chain's end.
         if let Some(own) = report::cascade_link(current.as_ref(), &incoming) {
             self.record_timeout(job, &r.worker_id, r.incarnation, r.generation, own).await;
-            let (chain, after) = self.hold_cascade(job, r.generation, own).await?;
+            let (chain, after, silences) = self.hold_cascade(job, r.generation, own).await?;
             current = after;
-            if let Some(root) = report::reattribute(&incoming, &chain) {
+            let root = report::cascade_root(&chain, current.as_ref(), &silences);
+            if let Some(root) = report::reattribute(&incoming, &chain, root) {
                 tracing::info!(named = ?r.failed_rank, blamed = ?root.failed_rank, ?chain,
                                "timeout report re-attributed within a cascade");
                 blame = root;
@@ -115,9 +116,10 @@ impl CoordinatorService {
     }
 
     /// Holds a cascade: [`revocation::TIMEOUT_HOLD`], then reads its chain and the generation;
-    /// again while [`report::hold_longer`] names a chain end that is fresh by its heartbeat
-    /// silence ([`report::is_fresh`], twice `heartbeat_interval`). Returns the chain and the
-    /// generation as last read.
+    /// again while [`report::hold_longer`] names chain ends that are all fresh by their
+    /// heartbeat silences ([`report::is_fresh`], twice `heartbeat_interval`). Returns the chain,
+    /// the generation as last read, and the silences of the chain's ends as last read (empty
+    /// when none was read), by which [`report::cascade_root`] picks among several ends.
     ///
     /// # Cancel safety
     /// Cancel safe: reads only.
@@ -126,7 +128,7 @@ impl CoordinatorService {
         job: &str,
         generation: u64,
         own: TimeoutReport,
-    ) -> Result<(Vec<TimeoutReport>, Option<GenerationRecord>), Status> {
+    ) -> Result<(Vec<TimeoutReport>, Option<GenerationRecord>, revocation::Silences), Status> {
         let limit = self.ctx.settings.for_job(job).heartbeat_interval * 2;
         let mut holds = 0;
         loop {
@@ -134,17 +136,19 @@ impl CoordinatorService {
             tokio::time::sleep(revocation::TIMEOUT_HOLD).await;
             let chain = self.timeouts_of(job, generation, own).await;
             let current = self.read_generation(job).await?;
-            let Some((g, end)) = report::hold_longer(holds, &chain, current.as_ref(), generation) else {
-                return Ok((chain, current));
+            // The chain's ends as members of the current generation, even past the last hold:
+            // their silences choose among several ends.
+            let ends = report::hold_longer(0, &chain, current.as_ref(), generation);
+            let Some((g, ends)) = ends else {
+                return Ok((chain, current, revocation::Silences::new()));
             };
-            let fresh = match self.silences(job, g, |m| m.worker_id == end.worker_id).await {
-                Ok(silences) => report::is_fresh(&silences, end, limit),
-                Err(_) => false,
-            };
-            if !fresh {
-                return Ok((chain, current));
+            let ids: Vec<&str> = ends.iter().map(|m| m.worker_id.as_str()).collect();
+            let silences = self.silences(job, g, |m| ids.contains(&m.worker_id.as_str())).await.unwrap_or_default();
+            let all_fresh = ends.iter().all(|m| report::is_fresh(&silences, m, limit));
+            if !all_fresh || holds >= report::CHAIN_END_WAITS {
+                return Ok((chain, current, silences));
             }
-            tracing::debug!(end = %end.worker_id, "the cascade's end is alive and has not reported yet: holding longer");
+            tracing::debug!(ends = ?ids, "the cascade's ends are alive and have not reported yet: holding longer");
             holds += 1;
         }
     }
