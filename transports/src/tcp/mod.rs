@@ -67,7 +67,8 @@ pub use resolve::{ResolvePeer, UNKNOWN_PEER};
 /// The smallest segment TCP wants a large message cut into ([`Transport::pipeline_segment`]).
 /// With 1 MiB segments a 2-rank ring allreduce of 2-8 MiB sends each block in one to four
 /// pieces, and each rank's send and its receive-and-add barely overlap: cut into 256 KiB
-/// pieces it ran 1.8-2.0x faster on loopback, and 16 MiB in 512 KiB pieces 8% faster, while
+/// pieces it ran 1.7-2.0x faster at 2-4 MiB on loopback (1.2-1.6x at 8 MiB), and 16 MiB in
+/// 512 KiB pieces 6-8% faster, while
 /// shared memory, which pipelines through its slots, was no faster (docs/benchmarks.md,
 /// "Segments over TCP").
 pub const PIPELINE_SEGMENT: usize = 256 << 10;
