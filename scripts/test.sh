@@ -95,8 +95,8 @@ py2=$(bash scripts/python-env-torch2.sh | tail -n 1)
 # Whole answers (the default) for these; sparse views for the torch-2.x-only tests (which the
 # torch 1.13 pass above cannot run sparse): FSDP2 and HSDP there only (with their runs on the
 # managed gloo group), the reconfigure and Ctrl-C tests again, and the 17-rank partial-view test
-# on torch 2.x's backend class. test_managed.py's two-rank DDP kill and its misuse test run here
-# too; its three-rank kill and SIGSTOP tests (about 60 s under torch 2.x's slower imports) only in
+# on torch 2.x's backend class. test_managed.py's two-rank DDP kill, its misuse test and its exit test run
+# here too; its three-rank kill and SIGSTOP tests (about 60 s under torch 2.x's slower imports) only in
 # the torch 1.13 pass above: what they add is cohort's side (lease, revocation, re-formation),
 # the same under both torches, while the torch-2.x paths (the Backend class, Work.wait raising)
 # are run here by the two-rank kill, FSDP2 and HSDP.
@@ -105,6 +105,7 @@ COHORT_REQUIRE_PYTHON=1 COHORT_BIN_DIR="$PWD/target/release" "$py2" -m pytest -q
   python/tests/test_torch_p2p.py python/tests/test_signals.py python/tests/test_store.py \
   python/tests/test_managed.py::test_ddp_on_managed_gloo_survives_a_kill_mid_allreduce \
   python/tests/test_managed.py::test_misuse_is_refused_and_a_revoked_generation_raises_its_root_cause \
+  python/tests/test_managed.py::test_a_rank_exiting_with_a_managed_call_in_flight_waits_for_it \
   python/tests/test_late_ranks.py::test_ddp_with_rank_0_checkpointing_for_a_minute_between_steps
 COHORT_TEST_WHOLE_ANSWER_UP_TO=1 COHORT_REQUIRE_PYTHON=1 COHORT_BIN_DIR="$PWD/target/release" \
   "$py2" -m pytest -q -p no:cacheprovider \

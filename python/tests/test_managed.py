@@ -7,6 +7,7 @@ refused; a revoked generation's calls raise its root cause. Runs under torch 1.1
 import json
 import re
 import signal
+import subprocess
 import sys
 import time
 
@@ -65,6 +66,32 @@ def test_misuse_is_refused_and_a_revoked_generation_raises_its_root_cause(coordi
     assert "ok the earlier group's keys deleted" in out, out
     assert "ok after revocation" in out and "declared failed" in out, out
     assert out.rstrip().endswith("done"), out
+
+
+def test_a_rank_exiting_with_a_managed_call_in_flight_waits_for_it(coordinator_factory, spawn):
+    """gloo completes a call on its own thread, running cohort's callback under the GIL: if that
+    came during the interpreter's finalization, the process would abort ("terminate called
+    without an active exception") after a clean end. So an exit waits (bounded) for the calls in
+    flight: rank 0 ends its script with an all_reduce in flight and must still be running, held
+    by that call, until rank 1 joins it; both then end cleanly with the right sum."""
+    coord = coordinator_factory(2, 2)
+    workers = [
+        spawn(f"exit-w{i}", "managed_exit.py", coord.endpoint, "managed-exit", f"w{i}", stdin=True) for i in range(2)
+    ]
+    ranks = {}
+    for w in workers:
+        ready = json.loads(w.wait_for_line(r'^\{"event": "ready".*$', timeout=120).group(0))
+        ranks[ready["rank"]] = w
+    first, second = ranks[0], ranks[1]
+    first.wait_for_line(r'"event": "exiting"', timeout=60)
+    # Without the wait at exit, rank 0 ends within a second of its last line.
+    with pytest.raises(subprocess.TimeoutExpired):
+        first.process.wait(timeout=3)
+    second.process.stdin.close()
+    assert second.wait(timeout=60) == 0, second.output()
+    assert first.wait(timeout=60) == 0, first.output()
+    summed = json.loads(second.wait_for_line(r'^\{"event": "summed".*$', timeout=5).group(0))
+    assert summed["values"] == [3.0] * 4, summed
 
 
 # -- worlds of three ranks (python/tests/workers/managed_world.py: DDP on a small model) -------

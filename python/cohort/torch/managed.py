@@ -49,6 +49,7 @@ error behind torch's ``RuntimeError`` and :func:`cohort.elastic.run` recovers fr
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import socket
@@ -87,6 +88,67 @@ def _seconds(value: Any) -> float:
     if isinstance(value, datetime.timedelta):
         return value.total_seconds()
     return float(value)
+
+
+# -- gloo's work in flight when the process exits ---------------------------------------------
+# A gloo Work completes on gloo's own thread, and its future runs this module's callback there
+# under the GIL (C++ wrappers that take the GIL again in their destructors). If that comes while
+# the interpreter finalizes, CPython ends the thread (pthread_exit) inside one of those
+# destructors, which cannot unwind: the process aborts ("terminate called without an active
+# exception") after a clean end. That happens to a rank whose generation was revoked under a
+# call it had just started: the watchdog fails the call at once and aborts gloo's sockets, the
+# rank learns that the job ended and exits, and gloo's failed work lands during the exit. So
+# the exit waits, bounded, for the works still in flight (atexit runs before finalization).
+
+_EXIT_WAIT = 10.0
+"""How long (seconds) the process's exit waits for gloo works still in flight (their own
+thread's callbacks included) before the interpreter finalizes."""
+
+_in_flight_lock = threading.Lock()
+_in_flight: list[tuple[Any, Optional[threading.Thread]]] = []
+
+
+def _settled(work: Any, waiter: Optional[threading.Thread]) -> bool:
+    """Whether a tracked work is over: its waiting thread ended, or torch marked it completed
+    (after its future's callbacks ran and were released: gloo completes the future first)."""
+    if waiter is not None:
+        return not waiter.is_alive()
+    try:
+        return bool(work.is_completed())
+    except Exception:  # noqa: BLE001 - a work torch cannot answer for is not waited on
+        return True
+
+
+def _track(work: Any, waiter: Optional[threading.Thread] = None) -> None:
+    """Tracks a gloo work (or the thread waiting for it) until it is over."""
+    with _in_flight_lock:
+        _in_flight[:] = [(w, t) for (w, t) in _in_flight if not _settled(w, t)]
+        _in_flight.append((work, waiter))
+
+
+def _drain_at_exit() -> None:
+    """At exit: waits up to ``_EXIT_WAIT`` seconds in all for the tracked works to be over."""
+    with _in_flight_lock:
+        pending = [(w, t) for (w, t) in _in_flight if not _settled(w, t)]
+        _in_flight.clear()
+    deadline = time.monotonic() + _EXIT_WAIT
+    for work, waiter in pending:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return
+        if waiter is not None:
+            waiter.join(left)
+            continue
+        try:
+            # Returns once gloo finished the work (its future, and the callbacks, first); a
+            # failed work raises its error, which was reported when it failed.
+            # (At least a millisecond: a zero timeout is torch's "no timeout".)
+            work.wait(datetime.timedelta(seconds=max(left, 0.001)))
+        except Exception:  # noqa: BLE001, S110 - failed or still running: nothing more to do
+            pass
+
+
+atexit.register(_drain_at_exit)
 
 
 # -- the sockets a gloo group opened, to abort it ---------------------------------------------
@@ -484,7 +546,9 @@ class ManagedBackend(*_BASES):  # type: ignore[misc]
                     return
                 call.finish(None, result)
 
-            threading.Thread(target=wait, name=f"cohort-managed-{name}", daemon=True).start()
+            waiter = threading.Thread(target=wait, name=f"cohort-managed-{name}", daemon=True)
+            waiter.start()
+            _track(work, waiter)
             return _work(call.fut, call.outcome)
 
         def done(f: Future) -> None:
@@ -496,6 +560,7 @@ class ManagedBackend(*_BASES):  # type: ignore[misc]
             call.finish(None, result if result is not None else value)
 
         gloo_future.add_done_callback(done)
+        _track(work)
         return _work(call.fut, call.outcome)
 
     # -- the collectives (torch's names; gloo does the work) --------------------------------
