@@ -113,6 +113,13 @@ impl NetLab {
 
     /// Creates the hub namespace and its bridge on a random 10.X.Y.0/24 (private to the lab:
     /// no route to it exists outside its namespaces).
+    ///
+    /// The bridge gets a fixed MAC address ([`NetLab::bridge_mac`]). Left to itself, a Linux
+    /// bridge takes the lowest MAC of its ports, so adding a host can change it: the hosts
+    /// that resolved the hub's address before then keep sending to the old MAC, which the
+    /// bridge passes up as another host's traffic and IP drops. Their connections to the
+    /// coordinator go silent until the ARP entry goes stale (tens of seconds), and a worker
+    /// that joined just before the next host was wired missed the first generation.
     pub fn create() -> Result<Self, NetLabError> {
         static LABS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
         let n = LABS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -121,9 +128,10 @@ impl NetLab {
         let lab = Self { hub: format!("{name}-hub"), name, subnet, hosts: BTreeMap::new() };
         ip(&["netns", "add", &lab.hub])?;
         let bridge = format!("{}/24", lab.hub_address());
+        let mac = lab.bridge_mac();
         for args in [
             vec!["-n", &lab.hub, "link", "set", "lo", "up"],
-            vec!["-n", &lab.hub, "link", "add", "br0", "type", "bridge"],
+            vec!["-n", &lab.hub, "link", "add", "br0", "address", &mac, "type", "bridge"],
             vec!["-n", &lab.hub, "addr", "add", &bridge, "dev", "br0"],
             vec!["-n", &lab.hub, "link", "set", "br0", "up"],
         ] {
@@ -135,6 +143,13 @@ impl NetLab {
     /// The bridge's address, in the hub namespace (where the coordinators listen).
     pub fn hub_address(&self) -> Ipv4Addr {
         Ipv4Addr::new(self.subnet[0], self.subnet[1], self.subnet[2], 1)
+    }
+
+    /// The bridge's MAC address: locally administered, unicast, made of the lab's subnet.
+    /// Set explicitly, it never follows the ports' (see [`NetLab::create`]).
+    pub fn bridge_mac(&self) -> String {
+        let [_, x, y] = self.subnet;
+        format!("02:00:0a:{x:02x}:{y:02x}:01")
     }
 
     /// The hub namespace's name.
@@ -301,5 +316,49 @@ mod tests {
         for n in names {
             assert!(!std::path::Path::new(&format!("/run/netns/{n}")).exists(), "{n} removed");
         }
+    }
+
+    /// The MAC address `ip` reports for `dev` in namespace `ns`.
+    fn mac_of(ns: &str, dev: &str) -> String {
+        let out = Command::new("ip").args(["-n", ns, "-o", "link", "show", dev]).output().expect("ip link show");
+        let text = String::from_utf8_lossy(&out.stdout).to_string();
+        let mac = text.split_whitespace().skip_while(|w| *w != "link/ether").nth(1);
+        mac.unwrap_or_else(|| panic!("no MAC in {text:?}")).to_string()
+    }
+
+    /// Hosts wired after a connection was made leave it working: the bridge's MAC address
+    /// stays the one set at creation (a bridge left to itself takes its lowest port's, and
+    /// the hosts that resolved the old one would be cut off from the hub).
+    #[test]
+    fn adding_hosts_keeps_the_bridges_address_and_the_connections_to_the_hub() {
+        if let Err(why) = NetLab::probe() {
+            println!("SKIPPED adding_hosts_keeps_the_bridges_address_and_the_connections_to_the_hub: network namespaces unavailable here: {why}");
+            return;
+        }
+        let mut lab = NetLab::create().expect("lab");
+        let mac = mac_of(&lab.hub, "br0");
+        assert_eq!(mac, lab.bridge_mac());
+        lab.add_host("first").expect("host");
+        let hub = lab.hub.clone();
+        let listener = in_ns(&hub, {
+            let addr = lab.hub_address();
+            move || TcpListener::bind((addr, 0)).expect("listen on the hub")
+        });
+        let mut to_hub = connect(&lab, Some("first"), listener.local_addr().unwrap()).expect("first reaches the hub");
+        let (mut at_hub, _) = listener.accept().unwrap();
+        for i in 0..8 {
+            lab.add_host(&format!("later{i}")).expect("host");
+            assert_eq!(mac_of(&hub, "br0"), mac, "the bridge's address changed when host {i} was added");
+        }
+        // The first host's connection, resolved before the others came, still carries bytes
+        // both ways.
+        to_hub.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        at_hub.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let mut buf = [0u8; 4];
+        to_hub.write_all(b"ping").unwrap();
+        at_hub.read_exact(&mut buf).expect("the hub hears the first host");
+        at_hub.write_all(b"pong").unwrap();
+        to_hub.read_exact(&mut buf).expect("the first host hears the hub");
+        assert_eq!(&buf, b"pong");
     }
 }
