@@ -10,9 +10,9 @@
 //!    once, as reported.
 //! 2. The shell records the link and holds [`revocation::TIMEOUT_HOLD`], so that the
 //!    cascade's other reports arrive, at any replica; then it reads the chain and the
-//!    generation once. [`hold_longer`]: while every end of the chain is a live member (heard
-//!    from within twice the heartbeat interval) that has not reported yet, at most
-//!    [`CHAIN_END_WAITS`] more holds.
+//!    generation once. [`unreported_chain_ends`] and [`hold_again`]: while every end of the
+//!    chain is a live member (heard from within twice the heartbeat interval) that has not
+//!    reported yet, at most [`CHAIN_END_WAITS`] more holds.
 //! 3. [`cascade_root`]: the cascade's root; among several chain ends, the one silent longest
 //!    by its heartbeats. [`reattribute`]: that root, when it is not the rank named, takes the
 //!    blame, with a reason that says why.
@@ -24,7 +24,7 @@ use crate::revocation::{self, CascadeRoot, FailureKind, Silences, TimeoutReport}
 use std::time::Duration;
 
 /// How many more holds a cascade whose end is a live member that has not reported waits for
-/// that report (see [`hold_longer`]).
+/// that report (see [`hold_again`]).
 pub(crate) const CHAIN_END_WAITS: usize = 3;
 
 /// A failure report as the path judges it: the protocol message's fields, checked.
@@ -86,32 +86,35 @@ pub(crate) fn cascade_link(current: Option<&GenerationRecord>, report: &Incoming
     Some(TimeoutReport { reporter, suspect, progress: report.progress })
 }
 
-/// After `holds` extra holds of the cascade of `generation`, with `chain` and `current` just
-/// read: the members at the chain's ends to ask about (and their generation), when holding
-/// longer could change the verdict (the root is a chain end that has not reported, the
-/// generation is still current and unrevoked, fewer than [`CHAIN_END_WAITS`] extra holds were
-/// spent). The shell holds again only if every one of them is fresh ([`is_fresh`]): an end
-/// that went silent is the cascade's root ([`cascade_root`]) whatever the others report.
+/// The members at the ends of the cascade `chain` of `generation` (and that generation, as
+/// `current` was just read), when waiting for their reports could change the verdict: the
+/// root is a chain end that has not reported, and the generation is still current and
+/// unrevoked. `None`: judge the cascade now. The shell holds again only while [`hold_again`]
+/// says so: an end that went silent is the cascade's root ([`cascade_root`]) whatever the
+/// others report.
 ///
 /// In a lock-step ring a silent link makes every rank time out within a millisecond or two,
 /// but on a loaded machine one rank's report can arrive after the first hold; read without
 /// it, the cycle looks like a chain whose end is that healthy, fresh rank, and the
 /// end-of-chain rule would evict it. A hung or dead end (the case the rule is for) stops
 /// heartbeating, so it is soon not fresh and costs at most the extra holds.
-pub(crate) fn hold_longer<'g>(
-    holds: usize,
+pub(crate) fn unreported_chain_ends<'g>(
     chain: &[TimeoutReport],
     current: Option<&'g GenerationRecord>,
     generation: u64,
 ) -> Option<(&'g GenerationRecord, Vec<&'g Placed>)> {
-    if holds >= CHAIN_END_WAITS {
-        return None;
-    }
     let Some(CascadeRoot::ChainEnd(_)) = revocation::cascade_root(chain) else { return None };
     let g = current.filter(|g| g.number == generation && g.revoked.is_none())?;
     let ends: Vec<&Placed> =
         revocation::chain_ends(chain).into_iter().filter_map(|end| g.members.get(end as usize)).collect();
     (!ends.is_empty()).then_some((g, ends))
+}
+
+/// Whether a cascade whose [`unreported_chain_ends`] were read is held once more, after
+/// `holds` extra holds: only while every one of those ends is fresh ([`is_fresh`], `all_fresh`)
+/// and fewer than [`CHAIN_END_WAITS`] extra holds were spent.
+pub(crate) fn hold_again(all_fresh: bool, holds: usize) -> bool {
+    all_fresh && holds < CHAIN_END_WAITS
 }
 
 /// The root of the cascade `chain` ([`revocation::cascade_root`]), with the heartbeat
@@ -252,26 +255,27 @@ mod tests {
         let g = gen(4);
         // 0 waits on 1, 1 waits on 2: rank 2 is the chain's end and has not reported.
         let chain = [link(0, 1), link(1, 2)];
-        let ends = |holds| {
-            hold_longer(holds, &chain, Some(&g), 4)
+        let ends = |chain: &[TimeoutReport]| {
+            unreported_chain_ends(chain, Some(&g), 4)
                 .map(|(_, m)| m.iter().map(|m| m.worker_id.as_str()).collect::<Vec<_>>())
         };
-        assert_eq!(ends(0), Some(vec!["c"]));
-        assert_eq!(ends(CHAIN_END_WAITS - 1), Some(vec!["c"]));
-        assert_eq!(ends(CHAIN_END_WAITS), None);
+        assert_eq!(ends(&chain), Some(vec!["c"]));
+        // Held again while the ends are fresh, at most CHAIN_END_WAITS times; a silent end
+        // ends the holding at once.
+        assert!(hold_again(true, 0));
+        assert!(hold_again(true, CHAIN_END_WAITS - 1));
+        assert!(!hold_again(true, CHAIN_END_WAITS));
+        assert!(!hold_again(false, 0));
         // Two ends, both waited on, neither reported: both are asked about, in the order named.
-        let two = [link(0, 3), link(1, 2)];
-        let ends: Vec<&str> =
-            hold_longer(0, &two, Some(&g), 4).expect("held").1.iter().map(|m| m.worker_id.as_str()).collect();
-        assert_eq!(ends, ["d", "c"]);
+        assert_eq!(ends(&[link(0, 3), link(1, 2)]), Some(vec!["d", "c"]));
         // A cycle (everybody reported) is judged at once; so is a chain of a generation that
         // is no longer current or was revoked meanwhile.
-        assert_eq!(hold_longer(0, &[link(0, 1), link(1, 0)], Some(&g), 4), None);
-        assert_eq!(hold_longer(0, &chain, Some(&gen(5)), 4), None);
+        assert_eq!(ends(&[link(0, 1), link(1, 0)]), None);
+        assert_eq!(unreported_chain_ends(&chain, Some(&gen(5)), 4), None);
         let mut revoked = gen(4);
         revoked.revoked = Some(cause(Some(2)));
-        assert_eq!(hold_longer(0, &chain, Some(&revoked), 4), None);
-        assert_eq!(hold_longer(0, &chain, None, 4), None);
+        assert_eq!(unreported_chain_ends(&chain, Some(&revoked), 4), None);
+        assert_eq!(unreported_chain_ends(&chain, None, 4), None);
     }
 
     #[test]

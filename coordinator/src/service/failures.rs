@@ -116,7 +116,7 @@ impl CoordinatorService {
     }
 
     /// Holds a cascade: [`revocation::TIMEOUT_HOLD`], then reads its chain and the generation;
-    /// again while [`report::hold_longer`] names chain ends that are all fresh by their
+    /// again while [`report::unreported_chain_ends`] names chain ends that are all fresh by their
     /// heartbeat silences ([`report::is_fresh`], twice `heartbeat_interval`). Returns the chain,
     /// the generation as last read, and the silences of the chain's ends as last read (empty
     /// when none was read), by which [`report::cascade_root`] picks among several ends.
@@ -138,14 +138,14 @@ impl CoordinatorService {
             let current = self.read_generation(job).await?;
             // The chain's ends as members of the current generation, even past the last hold:
             // their silences choose among several ends.
-            let ends = report::hold_longer(0, &chain, current.as_ref(), generation);
+            let ends = report::unreported_chain_ends(&chain, current.as_ref(), generation);
             let Some((g, ends)) = ends else {
                 return Ok((chain, current, revocation::Silences::new()));
             };
             let ids: Vec<&str> = ends.iter().map(|m| m.worker_id.as_str()).collect();
             let silences = self.silences(job, g, |m| ids.contains(&m.worker_id.as_str())).await.unwrap_or_default();
             let all_fresh = ends.iter().all(|m| report::is_fresh(&silences, m, limit));
-            if !all_fresh || holds >= report::CHAIN_END_WAITS {
+            if !report::hold_again(all_fresh, holds) {
                 return Ok((chain, current, silences));
             }
             tracing::debug!(ends = ?ids, "the cascade's ends are alive and have not reported yet: holding longer");
