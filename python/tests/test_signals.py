@@ -80,6 +80,51 @@ def test_sigterm_ends_a_torch_distributed_loop(coordinator_factory, spawn):
     sigterm_ends_a_plain_loop(coordinator_factory, spawn, "dist-loop")
 
 
+def key_values(out: str, kind: str) -> list[dict]:
+    """The `event=KIND key=value ...` lines of `kind` in `out` (the protocol of
+    `cohort-worker train` that elastic_train.py speaks)."""
+    found = []
+    for m in re.finditer(r"^event=%s (.*)$" % kind, out, re.M):
+        found.append(dict(kv.split("=", 1) for kv in m.group(1).split()))
+    return found
+
+
+def test_sigterm_between_generations_leaves_an_elastic_loop_with_its_last_commit(coordinator_factory, spawn):
+    """A rank of an elastic loop with commit points (elastic_train.py, which the chaos suite and
+    the Kubernetes rehearsal run) that gets SIGTERM while it waits for the next generation (its
+    peer died) leaves the job with the last commit's parameters, says so (`leave`, then its
+    `summary`) and exits 0, as `cohort-worker train` does. A pod scaled down just after a
+    re-formation began is in that wait."""
+    coord = coordinator_factory(2, 2)
+    args = ["--coordinator", coord.endpoint, "--job", "sigterm-between", "--steps", "1000000", "--size", "4K"]
+    args += ["--step-interval-ms", "10", "--no-progress-ms", "2000"]
+    a = spawn("a", "elastic_train.py", *args, "--worker-id", "a")
+    b = spawn("b", "elastic_train.py", *args, "--worker-id", "b")
+    for w in (a, b):
+        w.wait_for_line(r"^event=step .* step=3\b", timeout=60)
+    b.kill()
+    a.wait_for_line(r"^event=error ", timeout=30)
+    # Waiting at the rendezvous for a second member (min_workers = 2): asleep in the call.
+    wait_until_asleep(a.process.pid, steady=0.2, timeout=20)
+    a.signal(signal.SIGTERM)
+    try:
+        rc = a.process.wait(timeout=EXIT_BOUND)
+    except Exception:
+        dump = thread_dump(a.process.pid)
+        raise AssertionError(f"still alive {EXIT_BOUND} s after SIGTERM:\n{a.output()}\n{dump}") from None
+    out = a.output()
+    assert rc == 0, out
+    assert "SIGTERM while waiting for a generation" in out, out
+    (leave,) = key_values(out, "leave")
+    (summary,) = key_values(out, "summary")
+    committed = max(int(e["step"]) for e in key_values(out, "step"))
+    assert leave["joined"] == "false", leave
+    assert int(leave["step"]) == committed >= 3, (leave, committed)
+    assert leave["params_digest"] == leave["expected_digest"], leave
+    assert summary["left"] == "true" and int(summary["final_step"]) == committed, summary
+    assert summary["params_digest"] == leave["params_digest"], (summary, leave)
+
+
 def test_ctrl_c_interrupts_torch_distributed_all_reduce(coordinator_factory, spawn):
     """dist.all_reduce waits on torch's Work: that wait must look for signals as the raw
     collectives do (every 50 ms), not wait for the collective's 30 s deadline. torch 1.13's

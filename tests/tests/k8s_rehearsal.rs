@@ -91,6 +91,19 @@ struct Termination {
     pod: String,
     /// It exited within the grace period (printed its summary or a fatal error).
     in_grace: bool,
+    /// For a pod that did not: its exit code if its process had ended all the same, silently
+    /// (`Some(None)`: by a signal), or `None` if it was still running and got SIGKILL.
+    silent_exit: Option<Option<i32>>,
+}
+
+impl Termination {
+    /// What went wrong with a pod not `in_grace`, for a check's message.
+    fn failure(&self) -> String {
+        match self.silent_exit {
+            Some(code) => format!("{} exited ({code:?}) without printing its summary or a fatal error", self.pod),
+            None => format!("{} was still running after the grace period and got SIGKILL", self.pod),
+        }
+    }
 }
 
 impl StatefulSet {
@@ -133,11 +146,16 @@ impl StatefulSet {
                 Err(_) => break,
             }
         }
+        let silent: BTreeMap<String, Option<i32>> =
+            pending.iter().filter_map(|p| cluster.worker_exit(p).map(|code| (p.clone(), code))).collect();
         for p in &pending {
             cluster.signal_worker(p, libc::SIGKILL);
         }
         self.replicas = n;
-        leaving.into_iter().map(|p| Termination { in_grace: !pending.contains(&p), pod: p }).collect()
+        leaving
+            .into_iter()
+            .map(|p| Termination { in_grace: !pending.contains(&p), silent_exit: silent.get(&p).copied(), pod: p })
+            .collect()
     }
 }
 
@@ -469,11 +487,7 @@ async fn rehearsal(kind: Pods) {
     let terminations = sts.scale_down(&mut cluster, 3, GRACE).await;
     phase(&format!("scaled down: {terminations:?}"), &cluster.events);
     for t in &terminations {
-        check(
-            t.in_grace,
-            &format!("{} was still running after the grace period and got SIGKILL", t.pod),
-            &cluster.events,
-        );
+        check(t.in_grace, &t.failure(), &cluster.events);
     }
     wait_steps(&mut cluster, &all[..3], 3, 0, 5, "the remaining 3 pods to step").await;
     let s = status(&bins, &cluster).await.expect("status");

@@ -55,6 +55,22 @@ def first_difference(params: np.ndarray, expected: np.ndarray) -> int:
     return int(np.flatnonzero(params != expected)[0])
 
 
+def emit_summary(
+    verified: int, step: int, failures: list[int], reforms: int, left: bool, params: np.ndarray, idx: np.ndarray
+) -> None:
+    emit(
+        "summary",
+        verified_steps=verified,
+        final_step=step,
+        failures=len(failures),
+        lost_ms=",".join(str(x) for x in failures) or "-",
+        cooperative_reforms=reforms,
+        left=left,
+        params_digest=digest(params),
+        expected_digest=digest(expected_params(idx, step)),
+    )
+
+
 def parse_size(text: str) -> int:
     mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1].upper(), 1)
     return int(text[:-1] if mult > 1 else text) * mult
@@ -105,12 +121,16 @@ def main() -> int:
         emit("leave", gen=0, step=0, joined=False)
         return 0
     emit("joined", worker=args.worker_id, incarnation=group.incarnation, addr=group.address)
+    # This loop has commit points (it reads `group.leaving` at each): SIGTERM leaves there, or
+    # between generations (`next_generation` raises `GracefulLeave`), never inside a collective.
+    group.leave_at_commit_points()
 
     params = np.zeros(count, dtype=np.float64)
     grad = np.empty(count, dtype=np.float64)
     checkpoint = cohort.Checkpoint()
     verified, failures, reforms = 0, [], 0
     failed_at = None
+    last_generation = 0
     while True:
         try:
             comm = group.next_generation()
@@ -119,7 +139,25 @@ def main() -> int:
                 emit("job_ended", outcome="finished", reason=e.reason)
                 break
             raise
+        except cohort.GracefulLeave:
+            # SIGTERM between generations (after a re-formation's break, waiting at the
+            # rendezvous): the group has left the job; leave with the last commit's parameters,
+            # as `cohort-worker train` does.
+            step = checkpoint.step or 0
+            if checkpoint.step is not None:
+                params = np.frombuffer(checkpoint.snapshot(), dtype=np.float64).copy()
+            emit(
+                "leave",
+                gen=last_generation,
+                step=step,
+                params_digest=digest(params),
+                expected_digest=digest(expected_params(idx, step)),
+                joined=False,
+            )
+            emit_summary(verified, step, failures, reforms, True, params, idx)
+            return 0
         g, world, rank = comm.generation, comm.size, comm.rank
+        last_generation = g
         emit("generation", gen=g, world=world, rank=rank, transport=comm.transport)
         try:
             state, outcome = checkpoint.sync(comm, params.tobytes())
@@ -156,17 +194,7 @@ def main() -> int:
                     expected_digest=digest(expected_params(idx, step)),
                 )
                 group.leave(finished=True)
-                emit(
-                    "summary",
-                    verified_steps=verified,
-                    final_step=step,
-                    failures=len(failures),
-                    lost_ms=",".join(str(x) for x in failures) or "-",
-                    cooperative_reforms=reforms,
-                    left=False,
-                    params_digest=digest(params),
-                    expected_digest=digest(expected_params(idx, step)),
-                )
+                emit_summary(verified, step, failures, reforms, False, params, idx)
                 return 0
             grad[:] = f(idx, step) + (rank - (world - 1) / 2) * h(idx, step)
             started = time.monotonic()
@@ -222,17 +250,7 @@ def main() -> int:
                 emit("leave", gen=g, rank=rank, step=step)
                 comm.close()
                 group.leave(finished=False)
-                emit(
-                    "summary",
-                    verified_steps=verified,
-                    final_step=step,
-                    failures=len(failures),
-                    lost_ms=",".join(str(x) for x in failures) or "-",
-                    cooperative_reforms=reforms,
-                    left=True,
-                    params_digest=digest(params),
-                    expected_digest=digest(expected_params(idx, step)),
-                )
+                emit_summary(verified, step, failures, reforms, True, params, idx)
                 return 0
             if flags[0] or flags[1]:
                 emit("reform", gen=g, rank=rank, step=step, reason="leave" if flags[1] else "scale_up")
@@ -241,18 +259,7 @@ def main() -> int:
             if args.step_interval_ms:
                 time.sleep(args.step_interval_ms / 1000)  # pacing of the demo job, not synchronisation
         comm.close()
-    final = checkpoint.step or 0
-    emit(
-        "summary",
-        verified_steps=verified,
-        final_step=final,
-        failures=len(failures),
-        lost_ms=",".join(str(x) for x in failures) or "-",
-        cooperative_reforms=reforms,
-        left=False,
-        params_digest=digest(params),
-        expected_digest=digest(expected_params(idx, final)),
-    )
+    emit_summary(verified, checkpoint.step or 0, failures, reforms, False, params, idx)
     return 0
 
 
